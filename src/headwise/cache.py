@@ -1,0 +1,183 @@
+"""A static key/value cache for incremental decoding, written in place.
+
+``KVCache(B, Hkv, max_len, D)`` preallocates (B, Hkv, max_len, D) key and value buffers
+(2·B·Hkv·max_len·D elements, nothing grows). ``KVCache.sliding(B, Hkv, window, D)`` is a
+ring buffer of ``window`` slots for sliding-window attention: memory stays bounded however
+long decoding runs.
+
+``len(cache)`` is the number of tokens written so far: the absolute position of the next
+token (for a sliding cache this keeps counting past ``window``).
+
+The cache also remembers which stored positions are padding (from the ``key_padding_mask``
+given with the tokens that filled them), so that decode steps after a left-padded prefill
+need no mask of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .functional import attention
+
+
+class KVCache:
+    """Preallocated (B, Hkv, L, D) key/value buffers, L = max_len (or window when sliding).
+
+    Args:
+        batch_size: B.
+        num_kv_heads: Hkv, the key/value heads (fewer than the query heads under GQA).
+        max_len: the most tokens this cache can hold.
+        head_dim: D.
+        dtype, device: of the buffers; keys and values written must match them.
+
+    Example:
+        >>> cache = KVCache(1, 12, 1024, 64)
+        >>> y = mha(prompt, cache=cache)          # prefill
+        >>> y = mha(next_token, cache=cache)      # one step; len(cache) grows by 1
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
+        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
+        self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
+        self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
+        self._padded = False  # has any stored position been padding?
+        self._len = 0
+
+    @classmethod
+    def sliding(
+        cls,
+        batch_size: int,
+        num_kv_heads: int,
+        window: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A ring buffer of ``window`` positions for sliding-window attention (``window=W``)."""
+        cache = cls(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device)
+        cache.window = window
+        return cache
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset(self) -> None:
+        """Forget every stored token (the buffers are reused, not reallocated)."""
+        self._len = 0
+        self._padded = False
+        self.real.fill_(True)
+
+    def _check(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        B, Hkv, L, D = self.k.shape
+        for name, t in [("k", k), ("v", v)]:
+            if t.ndim != 4 or t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D:
+                raise ValueError(f"cache holds (B={B}, Hkv={Hkv}, *, D={D}); {name} has shape {tuple(t.shape)}")
+            if t.dtype != self.k.dtype:
+                raise TypeError(f"cache holds {self.k.dtype}; {name} is {t.dtype}")
+        if key_padding_mask is not None and (not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool):
+            raise TypeError("key_padding_mask must be a bool tensor (True = real token)")
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, k.shape[2]):
+            raise ValueError(f"key_padding_mask must have shape (B, T) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}")
+        if self.window is None and self._len + k.shape[2] > L:
+            raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
+
+    def update(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store the new tokens' keys and values; return everything a query must attend over.
+
+        Args:
+            k, v: (B, Hkv, T, D) keys and values of the T new tokens.
+            key_padding_mask: (B, T) bool, True = real token, for the new tokens only.
+
+        Returns:
+            ``(keys, values, key_padding_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or
+            None, in time order (oldest first), where S counts the cached tokens plus the new
+            ones. Causal attention aligned bottom-right (``headwise.attention(causal=True)``)
+            over them equals attention over the whole sequence.
+        """
+        self._check(k, v, key_padding_mask)
+        T = k.shape[2]
+        start = self._len
+        if key_padding_mask is not None and not bool(key_padding_mask.all()):
+            self._padded = True
+        if self.window is None:
+            self.k[:, :, start : start + T] = k
+            self.v[:, :, start : start + T] = v
+            if key_padding_mask is not None:
+                self.real[:, start : start + T] = key_padding_mask
+            self._len = start + T
+            S = self._len
+            return self.k[:, :, :S], self.v[:, :, :S], self.real[:, :S] if self._padded else None
+        return self._update_ring(k, v, key_padding_mask)
+
+    def _update_ring(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        W, T, start = self.window, k.shape[2], self._len
+        new_real = key_padding_mask if key_padding_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
+        if T == 1:  # write first: the slot it overwrites holds position start - W, outside the window
+            slot = start % W
+            self.k[:, :, slot] = k[:, :, 0]
+            self.v[:, :, slot] = v[:, :, 0]
+            self.real[:, slot] = new_real[:, 0]
+            self._len = start + 1
+            n = min(self._len, W)  # the stored slots; order does not matter for a single query
+            return self.k[:, :, :n], self.v[:, :, :n], self.real[:, :n] if self._padded else None
+        # several queries: the oldest of them may need keys that the write would overwrite
+        n = min(start, W)
+        order = torch.arange(start - n, start, device=self.k.device) % W  # (n,) slots, oldest first
+        keys = torch.cat([self.k[:, :, order], k], dim=2)  # (B, Hkv, n + T, D)
+        values = torch.cat([self.v[:, :, order], v], dim=2)  # (B, Hkv, n + T, D)
+        real = torch.cat([self.real[:, order], new_real], dim=1)  # (B, n + T)
+        keep = min(T, W)
+        slots = torch.arange(start + T - keep, start + T, device=self.k.device) % W  # (keep,)
+        self.k[:, :, slots] = k[:, :, T - keep :]
+        self.v[:, :, slots] = v[:, :, T - keep :]
+        self.real[:, slots] = new_real[:, T - keep :]
+        self._len = start + T
+        return keys, values, real if self._padded else None
+
+
+def cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: KVCache | None,
+    *,
+    causal: bool,
+    window: int | None,
+    key_padding_mask: Tensor | None,
+    dropout_p: float,
+    backend: str,
+) -> Tensor:
+    """Attention of the new tokens over the cache (if any) and themselves.
+
+    Args:
+        q: (B, H, T, D); k, v: (B, Hkv, T, D), the new tokens only.
+        cache: a ``KVCache`` to append to and read from, or None.
+        key_padding_mask: (B, T) bool for the new tokens, True = real token.
+
+    Returns:
+        (B, H, T, D) context.
+    """
+    if cache is not None:
+        if cache.window is not None and cache.window != window:
+            raise ValueError(f"a sliding cache of window={cache.window} needs a module with window={cache.window}, got window={window}")
+        k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hkv, S, D) x2, (B, S)
+    return attention(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend=backend)

@@ -1,0 +1,63 @@
+"""GPT-2 configuration: a frozen dataclass, HuggingFace's field names, exact-name presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from . import _checks
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 hyper-parameters, named as in HuggingFace's ``config.json``.
+
+    ``n_kv_head`` (None = ``n_head``) turns on grouped-query attention; GPT-2 itself has none.
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None
+    attn_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer"):
+            _checks.positive_int(name, getattr(self, name))
+        _checks.heads("n_embd", self.n_embd, self.n_head, self.n_kv_head)
+        for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
+            _checks.dropout(name, getattr(self, name))
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPT2Config:
+        """``GPT2Config.from_preset("gpt2-medium")``; overrides replace fields."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPT2Config:
+        """From a HuggingFace ``config.json`` dict; keys that are not fields are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(),
+    "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": GPT2Config(n_embd=1600, n_layer=48, n_head=25),
+}

@@ -1,0 +1,155 @@
+"""Conversions that keep the function exactly, and loading that is all-or-nothing.
+
+State-dict conversions are pure ``dict -> dict`` functions; they raise one ValueError naming
+every missing, unexpected and mis-shaped key before anything is loaded.
+
+Module conversions show the seeds' claim in code:
+- ``wrapper_to_mha``: the stacked heads' weights, concatenated, are MultiHeadAttention's
+  projections (its out_proj set to the identity);
+- ``mha_to_gpt2`` / ``gpt2_to_mha``: W_query, W_key, W_value stacked are GPT-2's c_attn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .config import GPT2Config
+from .fused import GPT2MultiHeadAttention
+from .teaching import MultiHeadAttention, MultiHeadAttentionWrapper
+
+#: HuggingFace GPT-2 stores these as Conv1D weights, (in, out): transposed on the way in.
+HF_GPT2_TRANSPOSED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+
+
+def is_legacy_gpt2_buffer(key: str) -> bool:
+    """Old GPT-2 checkpoints carry ``attn.bias`` (a causal tril) and ``attn.masked_bias``."""
+    parts = key.split(".")
+    return parts[-1] in ("bias", "masked_bias") and (len(parts) == 1 or parts[-2] == "attn")
+
+
+def remap(
+    state: Mapping[str, Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+    source: str = "state dict",
+) -> dict[str, Tensor]:
+    """Rename keys, transpose the named weights, check every key and shape; return a new dict.
+
+    Args:
+        state: the incoming tensors.
+        expected: target key -> shape; every one must be produced, nothing else.
+        rename: maps an incoming key to a target key.
+        transposed: incoming 2-D weights whose key ends with one of these are transposed.
+        ignore: incoming keys for which this is True are dropped.
+        source: names the origin (a file, say) in the error message.
+
+    Raises:
+        ValueError: listing every missing, unexpected and mis-shaped key at once.
+    """
+    out: dict[str, Tensor] = {}
+    unexpected, misshaped, seen = [], [], set()
+    for key, tensor in state.items():
+        if ignore(key):
+            continue
+        name = rename(key)
+        if name not in expected:
+            unexpected.append(key)
+            continue
+        seen.add(name)
+        if transposed and key.endswith(transposed) and tensor.ndim == 2:
+            tensor = tensor.t()
+        if tuple(tensor.shape) != tuple(expected[name]):
+            misshaped.append(f"{key}: expected {tuple(expected[name])}, got {tuple(tensor.shape)}")
+            continue
+        out[name] = tensor
+    missing = [k for k in expected if k not in seen]
+    if missing or unexpected or misshaped:
+        lines = [f"cannot load {source}; nothing was loaded:"]
+        lines += [f"  missing: {k}" for k in missing]
+        lines += [f"  unexpected: {k}" for k in unexpected]
+        lines += [f"  wrong shape: {m}" for m in misshaped]
+        raise ValueError("\n".join(lines))
+    return out
+
+
+def load_atomic(module: nn.Module, state: Mapping[str, Tensor], **remap_kwargs: object) -> nn.Module:
+    """Check ``state`` against ``module`` completely (via ``remap``), then load it strictly."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    converted = remap(state, expected, **remap_kwargs)  # raises before anything changes
+    module.load_state_dict(converted, strict=True)
+    return module
+
+
+def gpt2_attention_from_hf(module: GPT2MultiHeadAttention, state: Mapping[str, Tensor]) -> GPT2MultiHeadAttention:
+    """Load a HuggingFace ``GPT2Attention`` state dict (Conv1D, (in, out) weights) into ``module``.
+
+    Keys may carry a prefix ending in ``attn.`` (``h.0.attn.c_attn.weight``) or none
+    (``c_attn.weight``); the legacy ``bias`` / ``masked_bias`` buffers are ignored.
+    """
+    return load_atomic(
+        module, state, rename=lambda key: key.rsplit("attn.", 1)[-1], transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer
+    )
+
+
+@torch.no_grad()
+def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
+    """The MultiHeadAttention that computes exactly what ``wrapper`` computes.
+
+    Head i's W_query rows become rows [i*d, (i+1)*d) of W_query (the same for keys and
+    values); out_proj is the identity with zero bias, since the wrapper just concatenates.
+    """
+    first = wrapper.heads[0]
+    h, d = len(wrapper.heads), first.d_out
+    mha = MultiHeadAttention(
+        first.d_in, h * d, first.context_length, first.dropout.p, h, first.W_query.bias is not None,
+        causal=first.causal, backend=first.backend,
+    )
+    for name in ("W_query", "W_key", "W_value"):
+        target = getattr(mha, name)
+        target.weight.copy_(torch.cat([getattr(head, name).weight for head in wrapper.heads]))  # (C, d_in)
+        if target.bias is not None:
+            target.bias.copy_(torch.cat([getattr(head, name).bias for head in wrapper.heads]))  # (C,)
+    mha.out_proj.weight.copy_(torch.eye(h * d))
+    mha.out_proj.bias.zero_()
+    return mha.to(first.W_query.weight)
+
+
+@torch.no_grad()
+def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
+    """GPT-2's layout of ``mha``: c_attn = [W_query; W_key; W_value] (zero bias if it had none)."""
+    if mha.d_in != mha.d_out or not mha.causal:
+        raise ValueError(f"GPT-2 attention is causal with d_in == d_out; got d_in={mha.d_in}, d_out={mha.d_out}, causal={mha.causal}")
+    config = GPT2Config(
+        n_positions=mha.context_length, n_embd=mha.d_out, n_head=mha.num_heads,
+        n_kv_head=mha.num_kv_heads, attn_pdrop=mha.dropout.p, resid_pdrop=0.0,
+    )
+    attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend)
+    layers = (mha.W_query, mha.W_key, mha.W_value)
+    attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
+    attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]))
+    attn.c_proj.load_state_dict(mha.out_proj.state_dict())
+    return attn.to(mha.W_query.weight)
+
+
+@torch.no_grad()
+def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
+    """The MultiHeadAttention (qkv_bias=True) computing exactly what ``attn`` computes."""
+    c = attn.config
+    mha = MultiHeadAttention(
+        c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
+        window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend,
+    )
+    sizes = [attn.split_size, attn.kv_size, attn.kv_size]
+    for layer, w, b in zip(
+        (mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), attn.c_attn.bias.split(sizes), strict=True
+    ):
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    mha.out_proj.load_state_dict(attn.c_proj.state_dict())
+    return mha.to(attn.c_attn.weight)

@@ -1,0 +1,140 @@
+"""``headwise demo``: the book's walkthrough end to end, printed as the book prints it.
+
+Each section is a function that prints; ``SECTIONS`` lists them in order. Part of the CLI
+layer (the library itself never prints).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .config import GPT2Config
+from .convert import gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
+from .explain import book_batch
+from .fused import GPT2MultiHeadAttention
+from .teaching import MultiHeadAttention, MultiHeadAttentionWrapper
+
+#: What the book prints (first rows; both batch rows are equal).
+BOOK_WRAPPER = [
+    [-0.4519, 0.2216, 0.4772, 0.1063],
+    [-0.5874, 0.0058, 0.5891, 0.3257],
+    [-0.6300, -0.0632, 0.6202, 0.3860],
+    [-0.5675, -0.0843, 0.5478, 0.3589],
+    [-0.5526, -0.0981, 0.5321, 0.3428],
+    [-0.5299, -0.1081, 0.5077, 0.3493],
+]
+BOOK_MHA = [[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593], [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]]
+
+
+def _heading(text: str) -> None:
+    print(f"\n{'=' * 78}\n{text}\n{'=' * 78}")
+
+
+def _agrees(got: torch.Tensor, book: list[list[float]]) -> str:
+    want = torch.tensor(book)
+    ok = all(torch.allclose(got[i], want, atol=5e-5) for i in range(got.shape[0]))
+    return "matches the book to 4 decimals" if ok else "DIFFERS from the book"
+
+
+def book_outputs() -> None:
+    _heading("3.6.1 Stacking heads: MultiHeadAttentionWrapper(d_in=3, d_out=2, num_heads=2), seed 123")
+    batch = book_batch()  # (2, 6, 3)
+    torch.manual_seed(123)
+    mha = MultiHeadAttentionWrapper(3, 2, batch.shape[1], 0.0, num_heads=2)
+    context_vecs = mha(batch)
+    print(context_vecs)
+    print("context_vecs.shape:", context_vecs.shape, "->", _agrees(context_vecs.detach(), BOOK_WRAPPER))
+
+    _heading("3.6.2 Weight splitting: MultiHeadAttention(d_in=3, d_out=2, num_heads=2), seed 123")
+    torch.manual_seed(123)
+    mha = MultiHeadAttention(3, 2, batch.shape[1], 0.0, num_heads=2)
+    context_vecs = mha(batch)
+    print(context_vecs)
+    print("context_vecs.shape:", context_vecs.shape, "->", _agrees(context_vecs.detach(), BOOK_MHA))
+
+    torch.manual_seed(123)
+    ex32 = MultiHeadAttentionWrapper(3, 1, batch.shape[1], 0.0, num_heads=2)
+    print("\nExercise 3.2: MultiHeadAttentionWrapper(3, d_out=1, ..., num_heads=2) ->", tuple(ex32(batch).shape))
+
+
+def batched_matmul() -> None:
+    _heading("Batched matrix multiplication: a @ a.transpose(2, 3), a of shape (1, 2, 3, 4)")
+    a = torch.tensor(
+        [[[[0.2745, 0.6584, 0.2775, 0.8573], [0.8993, 0.0390, 0.9268, 0.7388], [0.7179, 0.7058, 0.9156, 0.4340]],
+          [[0.0772, 0.3565, 0.1479, 0.5331], [0.4066, 0.2318, 0.4545, 0.9737], [0.4606, 0.5159, 0.4220, 0.5786]]]]
+    )
+    print(a @ a.transpose(2, 3))
+    same = all(torch.equal(a[0, h] @ a[0, h].T, (a @ a.transpose(2, 3))[0, h]) for h in range(2))
+    print("each head on its own gives the same:", same)
+
+
+def equivalences() -> None:
+    _heading("One function, three formulations")
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64)  # (B, T, C)
+    wrapper = MultiHeadAttentionWrapper(64, 16, 16, 0.0, num_heads=4)
+    mha = wrapper_to_mha(wrapper)
+    print(f"wrapper (4 heads of 16)   vs MultiHeadAttention      max |diff| = {(wrapper(x) - mha(x)).abs().max():.2e}")
+    gpt2 = mha_to_gpt2(mha)
+    print(f"MultiHeadAttention        vs GPT2MultiHeadAttention  max |diff| = {(mha(x) - gpt2(x)).abs().max():.2e}")
+    back = gpt2_to_mha(gpt2)
+    print(f"GPT2MultiHeadAttention    vs MultiHeadAttention      max |diff| = {(gpt2(x) - back(x)).abs().max():.2e}")
+    for backend in ("math", "sdpa"):
+        mha.backend = backend
+        y = mha(x)
+        print(f"backend={backend!r:7} max |diff| to the wrapper = {(wrapper(x) - y).abs().max():.2e}")
+    mha.backend = "auto"
+
+
+def gpt2_size() -> None:
+    _heading("Exercise 3.3: GPT-2 size, MultiHeadAttention(768, 768, context_length=1024, 0.0, num_heads=12)")
+    mha = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12)
+    n = sum(p.numel() for p in mha.parameters())
+    print(f"parameters: {n:,}  (3 x 768*768 for W_query/W_key/W_value + 768*768 + 768 for out_proj)")
+    attn = GPT2MultiHeadAttention(GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0))
+    x = torch.randn(2, 8, 768)
+    heads = attn._split_heads(attn.c_attn(x).split(768, dim=-1)[0], 12, 64)
+    print(f"GPT2MultiHeadAttention: input {tuple(x.shape)} -> heads {tuple(heads.shape)} -> output {tuple(attn(x).shape)}")
+
+
+def _median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def timing() -> None:
+    _heading("A short timing of the backends (GPT-2 small attention, batch 2, 256 tokens, fp32, forward)")
+    torch.manual_seed(0)
+    x = torch.randn(2, 256, 768)
+    mha = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12).eval()
+    wrapper = MultiHeadAttentionWrapper(768, 64, 1024, 0.0, num_heads=12).eval()
+    rows: list[tuple[str, nn.Module]] = [("MultiHeadAttentionWrapper (12 heads in turn)", wrapper)]
+    for backend in ("math", "sdpa"):
+        m = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12, backend=backend).eval()
+        m.load_state_dict(mha.state_dict())
+        rows.append((f"MultiHeadAttention backend={backend!r}", m))
+    with torch.inference_mode():
+        results = [(name, _median_ms(lambda m=m: m(x))) for name, m in rows]
+    fastest = min(ms for _, ms in results)
+    for name, ms in results:
+        print(f"{name:48} {ms:8.2f} ms   {ms / fastest:5.2f}x")
+    print("(`headwise bench` measures properly: interleaved, against the peers, with spreads.)")
+
+
+SECTIONS: list[Callable[[], None]] = [book_outputs, batched_matmul, equivalences, gpt2_size, timing]
+
+
+def run() -> None:
+    """Print every section of the demo."""
+    for section in SECTIONS:
+        section()

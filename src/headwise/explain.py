@@ -1,0 +1,83 @@
+"""The walk of multi-head attention, step by step, read off a real forward pass.
+
+``explain()`` runs ``MultiHeadAttention`` once under ``headwise.observe`` and files every
+tensor the module and the math backend report under the lecture's Steps 1-10. Nothing here
+recomputes attention: what you see is what the module computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .observe import observe
+from .teaching import MultiHeadAttention
+
+#: "Your journey starts with one step": the book's 3-d embeddings of its six tokens.
+BOOK_INPUTS = torch.tensor(
+    [
+        [0.43, 0.15, 0.89],  # Your
+        [0.55, 0.87, 0.66],  # journey
+        [0.57, 0.85, 0.64],  # starts
+        [0.22, 0.58, 0.33],  # with
+        [0.77, 0.25, 0.10],  # one
+        [0.05, 0.80, 0.55],  # step
+    ]
+)
+BOOK_TOKENS = ("Your", "journey", "starts", "with", "one", "step")
+
+
+def book_batch() -> Tensor:
+    """The book's batch: its six token embeddings twice, (2, 6, 3)."""
+    return torch.stack((BOOK_INPUTS, BOOK_INPUTS), dim=0)
+
+
+@dataclass
+class Step:
+    """One step of the walk: its number and title, what it does, the tensors it produced."""
+
+    number: int
+    title: str
+    code: str
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+_STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
+    (1, "Start with the input (b, num_tokens, d_in)", "b, num_tokens, d_in = x.shape", ("x",)),
+    (2, "Decide d_out and the number of heads", "head_dim = d_out // num_heads", ()),
+    (3, "Trainable weights W_query, W_key, W_value (d_out, d_in)", "self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)", ()),
+    (4, "Project: queries, keys, values (b, num_tokens, d_out)", "queries = self.W_query(x)", ("queries", "keys", "values")),
+    (5, "Unroll d_out into (num_heads, head_dim)", "queries.view(b, num_tokens, num_heads, head_dim)", ("queries.view", "keys.view", "values.view")),
+    (6, "Group by head: transpose(1, 2) -> (b, num_heads, num_tokens, head_dim)", "queries.transpose(1, 2)", ("queries.transpose", "keys.transpose", "values.transpose")),
+    (7, "Attention scores for every head at once", "queries @ keys.transpose(2, 3)", ("scores",)),
+    (8, "Mask the future, scale by sqrt(head_dim), softmax", "softmax(scores.masked_fill(mask, -inf) / head_dim**0.5)", ("masked_scores", "weights")),
+    (9, "Context vectors: weights @ values", "attn_weights @ values", ("context",)),
+    (10, "Merge the heads, then out_proj", "context.transpose(1, 2).contiguous().view(b, num_tokens, d_out)", ("context.transpose", "merged", "output")),
+]
+
+
+def explain(
+    *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True
+) -> tuple[MultiHeadAttention, list[Step]]:
+    """Build ``MultiHeadAttention(d_in, d_out, ...)`` under ``seed`` and walk one forward pass.
+
+    The input is the book's token embeddings when d_in == 3 and num_tokens <= 6, else
+    ``torch.rand`` under the same seed.
+
+    Returns:
+        The module and its Steps 1-10, each holding the tensors that step produced.
+    """
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal)
+    if d_in == 3 and num_tokens <= len(BOOK_INPUTS):
+        x = BOOK_INPUTS[:num_tokens].expand(batch_size, num_tokens, 3)  # (B, T, 3)
+    else:
+        x = torch.rand(batch_size, num_tokens, d_in)  # (B, T, d_in)
+    seen: dict[str, Tensor] = {}
+    with observe(lambda name, t: seen.setdefault(name, t)), torch.no_grad():
+        mha(x)
+    steps = [Step(n, title, code, {name: seen[name] for name in names if name in seen}) for n, title, code, names in _STEPS]
+    steps[2].tensors = {name: getattr(mha, name).weight.detach() for name in ("W_query", "W_key", "W_value")}
+    return mha, steps

@@ -1,0 +1,296 @@
+"""The functional core: every headwise module computes attention here, and only here.
+
+Shape glossary (the same letters in every docstring and shape comment of the package):
+    B    batch size                 T    query tokens
+    H    query heads                S    key/value tokens
+    Hkv  key/value heads (H % Hkv == 0; Hkv < H is grouped-query attention)
+    D    head size                  C    model width, H * D
+
+Masks are boolean with True = "may attend" (torch SDPA's convention), or additive floats
+(0 = attend, -inf = not). ``key_padding_mask`` is (B, S) bool with True = real token.
+Causal attention is aligned bottom-right: with T queries over S keys, query i sees keys
+``j <= i + S - T`` (see ``headwise.masks``). A query that can see no key gets zero weights
+and a zero context, never NaN, in forward and backward, in every backend.
+
+Backends are plain functions in ``BACKENDS``, chosen in ``_choose``:
+    "math"  explicit QK^T, scale, mask, softmax (float32 for half inputs), dropout, AV;
+            the one that reports its steps to an observer (``headwise.observe``).
+    "sdpa"  ``torch.nn.functional.scaled_dot_product_attention``: flash / fused kernels,
+            ``is_causal`` instead of a mask whenever it means the same, native GQA.
+    "auto"  "sdpa", or "math" while someone observes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import causal_mask, padding_mask
+from .observe import observing, report
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_tensor(name: str, t: object, ndim: int, dims: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have shape {dims} ({ndim} dims), got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return t
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    _check_tensor("q", q, 4, "(B, H, T, D)")
+    _check_tensor("k", k, 4, "(B, Hkv, S, D)")
+    _check_tensor("v", v, 4, "(B, Hkv, S, Dv)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"k must have shape (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have shape (B, Hkv, S, Dv) = {tuple(k.shape[:3])} + (Dv,) like k, got {tuple(v.shape)}")
+    if H % k.shape[1]:
+        raise ValueError(f"q's heads H={H} must be a multiple of k/v's heads Hkv={k.shape[1]}")
+
+
+def _check_scale(scale: float | None, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or math.isinf(scale):
+        raise ValueError(f"scale must be a positive finite number or None (1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+def _check_dropout(dropout_p: float) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+
+
+def _combined_mask(
+    q: Tensor,
+    k: Tensor,
+    causal: bool,
+    window: int | None,
+    mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor | None, bool]:
+    """Validate the masking arguments and fold them into one mask.
+
+    Returns ``(mask, is_causal)``: mask is None, bool (True = may attend) or additive float,
+    broadcastable to (B, H, T, S); ``is_causal`` is True when plain top-left causal masking
+    (T == S, nothing else) says it all, so that SDPA needs no mask at all.
+    """
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if not causal:
+            raise ValueError("window (sliding-window attention) needs causal=True, got causal=False")
+    parts: list[Tensor] = []
+    if causal:
+        if T == S and window is None and mask is None and key_padding_mask is None:
+            return None, True
+        if T > 1 or window is not None:  # one query, no window: it sees every key
+            parts.append(causal_mask(T, S, window=window, device=q.device))  # (T, S)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {got}")
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"key_padding_mask must have shape (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
+        parts.append(padding_mask(key_padding_mask))  # (B, 1, 1, S)
+    allowed = None
+    for part in parts:
+        allowed = part if allowed is None else allowed & part  # broadcasts to (B?, 1, T, S)
+    if mask is None:
+        return allowed, False
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor (bool or float), got {type(mask).__name__}")
+    try:
+        ok = torch.broadcast_shapes(mask.shape, (B, H, T, S)) == (B, H, T, S)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"mask must broadcast to (B, H, T, S) = {(B, H, T, S)}, got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return (mask if allowed is None else mask & allowed), False
+    if not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {mask.dtype}")
+    mask = mask.to(q.dtype)
+    return (mask if allowed is None else mask.masked_fill(~allowed, -math.inf)), False
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _scores(q: Tensor, k: Tensor) -> Tensor:
+    """Raw scores q·k for every head; query head h uses key head h // (H // Hkv)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    q = q.view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, H/Hkv, T, D): the query heads of each group
+    scores = q @ k.unsqueeze(2).transpose(-2, -1)  # (B, Hkv, H/Hkv, T, S)
+    return scores.view(B, H, T, S)  # (B, H, T, S)
+
+
+def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+    """Masked, scaled softmax of the scores, (B, H, T, S); float32 for half inputs."""
+    scores = _scores(q, k)  # (B, H, T, S)
+    report("scores", scores)
+    if is_causal:
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)  # (T, S)
+    live = None  # (.., T, 1): rows that can see at least one key
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, -math.inf)
+            live = mask.any(-1, keepdim=True)
+        else:
+            scores = scores + mask
+            live = (mask > -math.inf).any(-1, keepdim=True)
+        if bool(live.all()):
+            live = None
+        else:  # a row of -inf would give 0/0: give it finite scores, then zero its weights
+            scores = scores.masked_fill(~live, 0.0)
+        report("masked_scores", scores)
+    weights = torch.softmax(scores * scale, dim=-1, dtype=torch.float32 if q.dtype in _HALF else None)
+    if live is not None:
+        weights = weights.masked_fill(~live, 0.0)
+    report("weights", weights)
+    return weights  # (B, H, T, S)
+
+
+def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float) -> Tensor:
+    B, H, T, _ = q.shape
+    Hkv, S, Dv = v.shape[1:]
+    weights = _softmax_weights(q, k, mask, is_causal, scale).to(v.dtype)  # (B, H, T, S)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, dropout_p)
+    weights = weights.view(B, Hkv, H // Hkv, T, S)  # (B, Hkv, H/Hkv, T, S)
+    context = weights @ v.unsqueeze(2)  # (B, Hkv, H/Hkv, T, Dv)
+    return context.view(B, H, T, Dv)  # (B, H, T, Dv)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float) -> Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )  # (B, H, T, Dv)
+
+
+Backend = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool, float, float], Tensor]
+BACKENDS: dict[str, Backend] = {"math": _math, "sdpa": _sdpa}
+
+
+def _choose(backend: str) -> Backend:
+    if backend == "auto":
+        return _math if observing() else _sdpa
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
+    return BACKENDS[backend]
+
+
+def check_backend(backend: str) -> str:
+    """Return ``backend`` if it names a backend, else raise ValueError listing the valid ones."""
+    if backend != "auto":
+        _choose(backend)
+    return backend
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Scaled dot-product attention over heads: ``softmax(q k^T * scale + mask) v``.
+
+    Args:
+        q: (B, H, T, D) queries.
+        k: (B, Hkv, S, D) keys; Hkv divides H, query head h uses key head h // (H // Hkv).
+        v: (B, Hkv, S, Dv) values.
+        causal: query i sees keys j <= i + S - T (bottom-right aligned).
+        window: with ``causal``, query i also sees only the last ``window`` keys up to itself.
+        mask: bool (True = may attend) or additive float mask, broadcastable to (B, H, T, S).
+        key_padding_mask: (B, S) bool, True = real token, False = padding.
+        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
+        scale: multiplies the scores; default 1 / sqrt(D).
+        backend: "auto", "math" or "sdpa" (see the module docstring).
+
+    Returns:
+        (B, H, T, Dv) context vectors; zeros for a query that may see no key.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 12, 8, 64)
+        >>> attention(q, k, v, causal=True).shape
+        torch.Size([2, 12, 8, 64])
+    """
+    _check_qkv(q, k, v)
+    _check_dropout(dropout_p)
+    scale = _check_scale(scale, q.shape[-1])
+    mask, is_causal = _combined_mask(q, k, causal, window, mask, key_padding_mask)
+    context = _choose(backend)(q, k, v, mask, is_causal, dropout_p, scale)  # (B, H, T, Dv)
+    report("context", context)
+    return context
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """The softmax attention weights, for explaining and plotting (no dropout).
+
+    Same arguments and conventions as ``attention``; k may have fewer heads (GQA).
+
+    Returns:
+        (B, H, T, S) weights in q's dtype; each row sums to 1, or is all zeros for a query
+        that may see no key.
+    """
+    _check_qkv(q, k, k)
+    scale = _check_scale(scale, q.shape[-1])
+    mask, is_causal = _combined_mask(q, k, causal, window, mask, key_padding_mask)
+    return _softmax_weights(q, k, mask, is_causal, scale).to(q.dtype)  # (B, H, T, S)
+
+
+def split_heads(x: Tensor, num_heads: int, name: str = "") -> Tensor:
+    """(B, T, H*D) -> (B, H, T, D): ``view`` then ``transpose(1, 2)``, as in the book."""
+    B, T, C = x.shape
+    x = x.view(B, T, num_heads, C // num_heads)  # (B, T, H, D)
+    report(f"{name}.view", x)
+    x = x.transpose(1, 2)  # (B, H, T, D)
+    report(f"{name}.transpose", x)
+    return x
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, T, D) -> (B, T, H*D): ``transpose(1, 2)`` then flatten the heads."""
+    B, H, T, D = x.shape
+    x = x.transpose(1, 2)  # (B, T, H, D)
+    report("context.transpose", x)
+    x = x.reshape(B, T, H * D)  # (B, T, C): a copy only when x is not already laid out so
+    report("merged", x)
+    return x

@@ -1,0 +1,48 @@
+"""Watch the steps of a forward pass: modules and the math backend report named tensors.
+
+``with observe(fn): module(x)`` calls ``fn(name, tensor)`` for each intermediate the
+forward pass produces (projections, head split, scores, weights, context, merge, ...).
+Nothing is recorded when no one observes; the check costs one context-variable read.
+While observed, ``backend="auto"`` picks the ``"math"`` backend, the one whose scores and
+weights exist as tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from torch import Tensor
+
+Observer = Callable[[str, Tensor], None]
+
+_OBSERVER: ContextVar[Observer | None] = ContextVar("headwise_observer", default=None)
+
+
+def observing() -> bool:
+    """True inside an ``observe`` block."""
+    return _OBSERVER.get() is not None
+
+
+def report(name: str, tensor: Tensor) -> None:
+    """Hand ``tensor`` (detached) to the active observer, if any."""
+    observer = _OBSERVER.get()
+    if observer is not None:
+        observer(name, tensor.detach())
+
+
+@contextmanager
+def observe(fn: Observer) -> Iterator[None]:
+    """Call ``fn(name, tensor)`` for every step reported inside the block.
+
+    Example:
+        >>> steps = []
+        >>> with observe(lambda name, t: steps.append((name, t))):
+        ...     mha(x)
+    """
+    token = _OBSERVER.set(fn)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)

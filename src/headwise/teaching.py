@@ -1,0 +1,238 @@
+"""The book's classes (chapter 3.6 of *Build a Large Language Model (from Scratch)*), faithful.
+
+Same positional signatures, parameter names, creation order and state-dict keys as
+``llms_from_scratch.ch03``, so the same seed gives the same numbers and the book's state
+dicts load with ``strict=True``. Differences, all additive:
+- attention runs in ``headwise.attention`` (any backend, no materialised mask);
+- keyword-only extras: ``causal`` (False = bidirectional, encoder style), ``window``,
+  ``num_kv_heads`` (GQA, MultiHeadAttention only), ``backend``; ``forward`` takes
+  ``key_padding_mask`` (B, T) bool, True = real token, and a ``KVCache``;
+- bad input raises ValueError (the book asserts, or silently breaks past context_length).
+
+The book keeps ``mask = triu(ones(ctx, ctx), 1)`` as a persistent buffer, where 1 means
+*masked* (the opposite of headwise's True = may attend). headwise never needs it, so it is
+not stored (ctx² floats per layer): ``state_dict()`` still emits the book's ``mask`` entry
+and ``load_state_dict`` accepts one, and ``module.mask`` builds it on demand.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import _checks
+from .cache import KVCache, cached_attention
+from .functional import check_backend, merge_heads, split_heads
+from .observe import report
+
+
+class _BookMask:
+    """Emit / accept the book's ``mask`` buffer in state dicts without storing it."""
+
+    context_length: int
+
+    def _keep_book_mask_in_state_dict(self: nn.Module) -> None:
+        self.register_state_dict_post_hook(_emit_book_mask)
+        self.register_load_state_dict_pre_hook(_accept_book_mask)
+
+    @property
+    def mask(self) -> Tensor:
+        """The book's (ctx, ctx) float buffer: 1.0 above the diagonal = masked (future)."""
+        return torch.triu(torch.ones(self.context_length, self.context_length), diagonal=1)
+
+
+def _emit_book_mask(module: _BookMask, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    state_dict[prefix + "mask"] = module.mask
+
+
+def _accept_book_mask(module: _BookMask, state_dict: dict, prefix: str, *args: object) -> None:
+    mask = state_dict.pop(prefix + "mask", None)
+    error_msgs = args[-1]
+    ctx = module.context_length
+    if mask is not None and tuple(mask.shape) != (ctx, ctx):
+        error_msgs.append(f"size mismatch for {prefix}mask: expected ({ctx}, {ctx}) for context_length={ctx}, got {tuple(mask.shape)}")
+
+
+class CausalAttention(_BookMask, nn.Module):
+    """One attention head (the book's listing 3.3): (B, T, d_in) -> (B, T, d_out).
+
+    Args:
+        d_in: input width.
+        d_out: output width, which is also the head size.
+        context_length: the most tokens a forward pass may take.
+        dropout: dropout on the attention weights, in [0, 1).
+        qkv_bias: bias in W_query / W_key / W_value.
+        causal: True (the book) = token i sees tokens <= i; False = every token.
+        backend: "auto", "math" or "sdpa" (see ``headwise.functional``).
+
+    Example:
+        >>> torch.manual_seed(123)
+        >>> ca = CausalAttention(3, 2, context_length=6, dropout=0.0)
+        >>> ca(batch).shape
+        torch.Size([2, 6, 2])
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_out = _checks.positive_int("d_out", d_out)
+        self.context_length = _checks.positive_int("context_length", context_length)
+        self.causal = causal
+        self.backend = check_backend(backend)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
+        self._keep_book_mask_in_state_dict()
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """x: (B, T, d_in); key_padding_mask: (B, T) bool, True = real token -> (B, T, d_out)."""
+        b, num_tokens = _checks.tokens(x, self.d_in)
+        _checks.key_padding_mask(key_padding_mask, b, num_tokens)
+        _checks.context(num_tokens, 0, self.context_length, sliding=False)
+        queries = self.W_query(x).unsqueeze(1)  # (B, 1, T, d_out): one head
+        keys = self.W_key(x).unsqueeze(1)  # (B, 1, T, d_out)
+        values = self.W_value(x).unsqueeze(1)  # (B, 1, T, d_out)
+        p = self.dropout.p if self.training else 0.0
+        context = cached_attention(
+            queries, keys, values, None, causal=self.causal, window=None, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend
+        )  # (B, 1, T, d_out)
+        return context.squeeze(1)  # (B, T, d_out)
+
+
+class MultiHeadAttentionWrapper(nn.Module):
+    """``num_heads`` CausalAttention heads run one by one, outputs concatenated (listing 3.4).
+
+    Note ``d_out`` is the size of *each* head here, so the output is (B, T, num_heads * d_out);
+    in MultiHeadAttention ``d_out`` is the total. No output projection.
+
+    Example:
+        >>> torch.manual_seed(123)
+        >>> MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)(batch).shape
+        torch.Size([2, 6, 4])
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        _checks.positive_int("num_heads", num_heads)
+        self.heads = nn.ModuleList(
+            [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend) for _ in range(num_heads)]
+        )
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """x: (B, T, d_in) -> (B, T, num_heads * d_out)."""
+        return torch.cat([head(x, key_padding_mask=key_padding_mask) for head in self.heads], dim=-1)
+
+
+class MultiHeadAttention(_BookMask, nn.Module):
+    """Multi-head attention by weight splitting (listing 3.5): (B, T, d_in) -> (B, T, d_out).
+
+    One projection per Q/K/V, split into heads with ``view`` + ``transpose``, attention for
+    all heads at once, heads merged, then ``out_proj``.
+
+    Args:
+        d_in: input width.
+        d_out: output width C = num_heads * head_dim (the total, unlike the wrapper).
+        context_length: the most tokens a forward pass (plus a non-sliding cache) may hold.
+        dropout: dropout on the attention weights, in [0, 1).
+        num_heads: H; must divide d_out.
+        qkv_bias: bias in W_query / W_key / W_value (out_proj always has one, as in the book).
+        causal: True (the book) = token i sees tokens <= i; False = bidirectional.
+        window: sliding-window attention: token i sees tokens i-window+1 .. i (causal only).
+        num_kv_heads: Hkv for grouped-query attention (default H): W_key and W_value are
+            Hkv * head_dim wide; query head h reads key/value head h // (H // Hkv).
+        backend: "auto", "math" or "sdpa".
+
+    Example:
+        >>> torch.manual_seed(123)
+        >>> mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
+        >>> mha(batch)[0, 0]
+        tensor([0.3190, 0.4858], grad_fn=<SelectBackward0>)
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        num_kv_heads: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_out = _checks.positive_int("d_out", d_out)
+        self.context_length = _checks.positive_int("context_length", context_length)
+        self.num_kv_heads = _checks.heads("d_out", d_out, num_heads, num_kv_heads)
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.causal = causal
+        self.window = _checks.window(window, causal)
+        self.backend = check_backend(backend)
+        kv_width = self.num_kv_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, kv_width, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, kv_width, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
+        self._keep_book_mask_in_state_dict()
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Attend over the tokens of x (and, with a cache, over every token cached before).
+
+        Args:
+            x: (B, T, d_in).
+            key_padding_mask: (B, T) bool, True = real token (left or right padding).
+            cache: a ``KVCache`` of (B, num_kv_heads, *, head_dim); x then holds the next tokens.
+
+        Returns:
+            (B, T, d_out).
+        """
+        b, num_tokens = _checks.tokens(x, self.d_in)
+        _checks.key_padding_mask(key_padding_mask, b, num_tokens)
+        past = len(cache) if cache is not None else 0
+        _checks.context(num_tokens, past, self.context_length, sliding=cache is not None and cache.window is not None)
+        report("x", x)
+        queries = self.W_query(x)  # (B, T, C)
+        keys = self.W_key(x)  # (B, T, Hkv*D)
+        values = self.W_value(x)  # (B, T, Hkv*D)
+        report("queries", queries)
+        report("keys", keys)
+        report("values", values)
+        queries = split_heads(queries, self.num_heads, "queries")  # (B, H, T, D)
+        keys = split_heads(keys, self.num_kv_heads, "keys")  # (B, Hkv, T, D)
+        values = split_heads(values, self.num_kv_heads, "values")  # (B, Hkv, T, D)
+        p = self.dropout.p if self.training else 0.0
+        context = cached_attention(
+            queries, keys, values, cache,
+            causal=self.causal, window=self.window, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend,
+        )  # (B, H, T, D)
+        out = self.out_proj(merge_heads(context))  # (B, T, C)
+        report("output", out)
+        return out
