@@ -123,6 +123,8 @@ def _combined_mask(
         ok = False
     if not ok:
         raise ValueError(f"mask must broadcast to (B, H, T, S) = {(B, H, T, S)}, got shape {tuple(mask.shape)}")
+    if mask.ndim < 2:  # SDPA rejects a (S,) mask although it broadcasts
+        mask = mask.view((1,) * (2 - mask.ndim) + tuple(mask.shape))  # (1, S)
     if mask.dtype == torch.bool:
         return (mask if allowed is None else mask & allowed), False
     if not mask.is_floating_point():
@@ -150,19 +152,22 @@ def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
     if is_causal:
         mask = causal_mask(q.shape[2], k.shape[2], device=q.device)  # (T, S)
     live = None  # (.., T, 1): rows that can see at least one key
+    additive = mask is not None and mask.dtype != torch.bool
     if mask is not None:
-        if mask.dtype == torch.bool:
+        if additive:
+            live = (mask > -math.inf).any(-1, keepdim=True)
+        else:
             scores = scores.masked_fill(~mask, -math.inf)
             live = mask.any(-1, keepdim=True)
-        else:
-            scores = scores + mask
-            live = (mask > -math.inf).any(-1, keepdim=True)
+            report("masked_scores", scores)
         if bool(live.all()):
             live = None
-        else:  # a row of -inf would give 0/0: give it finite scores, then zero its weights
-            scores = scores.masked_fill(~live, 0.0)
-        report("masked_scores", scores)
-    weights = torch.softmax(scores * scale, dim=-1, dtype=torch.float32 if q.dtype in _HALF else None)
+    logits = scores * scale  # (B, H, T, S)
+    if additive:
+        logits = logits + mask  # softmax(q k^T * scale + mask): an additive mask is not scaled
+    if live is not None:  # a row of -inf would give 0/0: give it finite logits, then zero its weights
+        logits = logits.masked_fill(~live, 0.0)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32 if q.dtype in _HALF else None)
     if live is not None:
         weights = weights.masked_fill(~live, 0.0)
     report("weights", weights)
