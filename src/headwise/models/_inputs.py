@@ -1,0 +1,35 @@
+"""Checks for what users pass to the models: token ids and HuggingFace-style attention masks."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tuple[int, int]:
+    """Check ``input_ids`` is a (B, T) integer tensor of ids in [0, vocab_size); return (B, T)."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, shape (batch, tokens), got {type(input_ids).__name__}")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} must hold ids in [0, vocab_size={vocab_size}), got ids from {low} to {high}")
+    return input_ids.shape[0], input_ids.shape[1]
+
+
+def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_mask") -> Tensor:
+    """HuggingFace's (B, T) mask, 1/True = real token, as ints or bools -> (B, T) bool."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, tokens) = {shape}, 1/True = real token; got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of input_ids, (batch, tokens) = {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name} must hold integers or bools (1/True = real token), got dtype {mask.dtype}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
+    return mask.bool()

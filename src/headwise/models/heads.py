@@ -1,0 +1,116 @@
+"""What each attention head of an encoder looks at: the previous token, the next, itself, or [CLS]/[SEP].
+
+``attention_maps`` observes a forward pass (``headwise.observe``) and computes each layer's
+weights with ``headwise.attention_weights``; ``attention_mass`` averages, over the real
+non-special query tokens, the weight each head puts on each kind of key; ``head_roles``
+does both for sentences. All return data; the demo prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..functional import attention_weights, split_heads
+from ..observe import observe
+from .bert import BertModel, SentenceEncoder
+
+#: The kinds of key a head may favour, in the order of ``HeadRoles.mass``'s last axis.
+KINDS = ("previous", "next", "self", "[CLS]/[SEP]")
+
+
+@dataclass(frozen=True)
+class HeadRoles:
+    """Where each head's attention goes, on average over real, non-special query tokens.
+
+    Attributes:
+        mass: (L, H, 4) mean weight on the previous token, the next token, the token itself
+            and the special tokens ([CLS]/[SEP]); the rest of each row goes elsewhere.
+        kinds: names of the 4 kinds, in ``mass`` order.
+    """
+
+    mass: Tensor
+    kinds: tuple[str, ...] = KINDS
+
+    def role(self, layer: int, head: int, *, threshold: float = 0.5) -> str | None:
+        """The kind that gets at least ``threshold`` of the head's weight, or None (mixed)."""
+        share, kind = self.mass[layer, head].max(dim=-1)
+        return self.kinds[int(kind)] if float(share) >= threshold else None
+
+    def heads(self, kind: str, *, threshold: float = 0.5) -> list[tuple[int, int, float]]:
+        """``(layer, head, share)`` of every head whose role is ``kind``, the strongest first."""
+        if kind not in self.kinds:
+            raise ValueError(f"kind must be one of {list(self.kinds)}, got {kind!r}")
+        k = self.kinds.index(kind)
+        found = [
+            (layer, head, float(self.mass[layer, head, k]))
+            for layer in range(self.mass.shape[0])
+            for head in range(self.mass.shape[1])
+            if self.role(layer, head, threshold=threshold) == kind
+        ]
+        return sorted(found, key=lambda row: -row[2])
+
+
+@torch.no_grad()
+def attention_maps(model: BertModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> list[Tensor]:
+    """Every layer's attention weights on one batch: a list of L tensors (B, H, T, T).
+
+    The forward pass is observed; each layer's queries and keys go through
+    ``headwise.attention_weights`` with the same padding mask (True = real key).
+    """
+    seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
+
+    def keep(name: str, tensor: Tensor) -> None:
+        if name in seen:
+            seen[name].append(tensor)
+
+    with observe(keep):
+        model(input_ids, attention_mask)
+    heads = model.config.num_attention_heads
+    real = None if attention_mask is None else attention_mask.bool()  # (B, T)
+    return [
+        attention_weights(split_heads(q, heads), split_heads(k, heads), key_padding_mask=real)  # (B, H, T, T)
+        for q, k in zip(seen["queries"], seen["keys"], strict=True)
+    ]
+
+
+def attention_mass(weights: list[Tensor], special: Tensor, real: Tensor) -> Tensor:
+    """Mean weight each head puts on the previous / next / same / special key.
+
+    Args:
+        weights: L tensors (B, H, T, T), rows summing to 1.
+        special: (B, T) bool, True at [CLS]/[SEP] (and other special) tokens.
+        real: (B, T) bool, True at real (not padding) tokens.
+
+    Returns:
+        (L, H, 4) in ``KINDS`` order, averaged over queries that are real and not special.
+        A previous or next key that is special or padding counts as special or not at all,
+        never as "previous" / "next".
+    """
+    _, _, T, _ = weights[0].shape
+    i = torch.arange(T)
+    plain = real & ~special  # (B, T) keys that are ordinary tokens
+    queries = plain.float()  # (B, T) the queries averaged over
+    n = queries.sum().clamp(min=1)
+    out = []
+    for w in weights:
+        w = w.float()  # (B, H, T, T)
+        diag = [torch.zeros_like(w[..., 0]) for _ in range(3)]  # 3 x (B, H, T)
+        diag[0][..., 1:] = w[..., i[1:], i[:-1]] * plain[:, None, :-1]  # previous key, if ordinary
+        diag[1][..., :-1] = w[..., i[:-1], i[1:]] * plain[:, None, 1:]  # next key, if ordinary
+        diag[2] = w[..., i, i]  # itself
+        on_special = (w * special[:, None, None, :]).sum(-1)  # (B, H, T)
+        per_query = torch.stack([*diag, on_special], dim=-1)  # (B, H, T, 4)
+        out.append((per_query * queries[:, None, :, None]).sum(dim=(0, 2)) / n)  # (H, 4)
+    return torch.stack(out)  # (L, H, 4)
+
+
+def head_roles(encoder: SentenceEncoder, sentences: list[str]) -> HeadRoles:
+    """Run ``sentences`` through ``encoder`` and profile every head (see ``attention_mass``)."""
+    input_ids, attention_mask = encoder.tokenize(sentences)  # (N, T) x2
+    ids = [encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
+    special = torch.isin(input_ids, torch.tensor([i for i in ids if i is not None], device=input_ids.device))  # (N, T)
+    weights = attention_maps(encoder.model, input_ids, attention_mask)
+    return HeadRoles(attention_mass(weights, special, attention_mask))

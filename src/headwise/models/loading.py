@@ -1,0 +1,126 @@
+"""Reading a HuggingFace model directory: ``config.json`` plus the weights, safely and all-or-nothing.
+
+- Weights come from ``model.safetensors`` (read without unpickling anything), or else from
+  ``pytorch_model.bin`` through ``torch.load(..., weights_only=True)``, which refuses any
+  pickled object that is not a tensor or a plain container.
+- Every problem raises one error that names the file and says what is wrong: a missing
+  directory or file, JSON that does not parse, a truncated or corrupt weights file, and (via
+  ``headwise.convert.remap``) every missing, unexpected and mis-shaped tensor at once.
+- ``load_checked`` checks the whole state dict before it copies a single tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..convert import remap
+
+SAFETENSORS = "model.safetensors"
+PYTORCH_BIN = "pytorch_model.bin"
+CONFIG = "config.json"
+
+
+def model_directory(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path, checked to be an existing directory."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike naming a HuggingFace model directory, got {type(path).__name__}")
+    directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such directory (expected a HuggingFace model directory with {CONFIG})")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"{directory}: not a directory (pass the HuggingFace model directory that holds {CONFIG})")
+    return directory
+
+
+def read_json(file: Path) -> dict[str, Any]:
+    """A JSON object from ``file``; errors name the file."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: file not found")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config(directory: Path, model_type: str) -> dict[str, Any]:
+    """``config.json`` of ``directory``, checked to describe a ``model_type`` model if it says."""
+    file = directory / CONFIG
+    config = read_json(file)
+    found = config.get("model_type", model_type)
+    if found != model_type:
+        raise ValueError(f"{file}: describes model_type {found!r}, expected {model_type!r}")
+    return config
+
+
+def weights_file(directory: Path) -> Path:
+    """The weights file of ``directory``: model.safetensors first, else pytorch_model.bin."""
+    for name in (SAFETENSORS, PYTORCH_BIN):
+        if (directory / name).is_file():
+            return directory / name
+    sharded = [name for name in (SAFETENSORS + ".index.json", PYTORCH_BIN + ".index.json") if (directory / name).is_file()]
+    if sharded:
+        raise ValueError(f"{directory / sharded[0]}: sharded checkpoints are not supported; save the model as one {SAFETENSORS}")
+    raise FileNotFoundError(f"{directory}: no weights found (expected {SAFETENSORS} or {PYTORCH_BIN})")
+
+
+def read_weights(file: Path) -> dict[str, Tensor]:
+    """Every tensor in ``file`` (.safetensors, or a .bin read with ``weights_only=True``)."""
+    if file.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(file)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: cannot read it as safetensors, the file is truncated or corrupt ({e})") from None
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{file}: refused to load: it holds more than tensors (read with weights_only=True): {first}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt ({e})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+    return state
+
+
+def expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter and persistent buffer of ``module`` -> its shape (tied weights once)."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                shapes[f"{prefix}.{name}" if prefix else name] = tuple(buf.shape)
+    return shapes
+
+
+def load_checked(
+    module: nn.Module,
+    state: dict[str, Tensor],
+    *,
+    source: Path,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+) -> nn.Module:
+    """Check ``state`` completely against ``module`` (``headwise.convert.remap``), then load it.
+
+    Raises:
+        ValueError: naming ``source`` and listing every missing, unexpected and mis-shaped
+            tensor; ``module`` is then unchanged.
+    """
+    converted = remap(state, expected_shapes(module), rename=rename, transposed=transposed, ignore=ignore, source=str(source))
+    module.load_state_dict(converted, strict=True)
+    return module
