@@ -1,0 +1,361 @@
+"""headwise.attention / attention_weights against the float64 reference, every backend."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import allowed_matrix, plain_attention, reference_attention, reference_weights
+
+import headwise as hw
+from headwise.functional import BACKENDS
+
+BACKEND_NAMES = ["math", "sdpa", "auto"]
+
+
+# ----------------------------------------------------------------------------- random cases
+
+
+@st.composite
+def cases(draw, *, dtype=torch.float64):
+    """A random attention problem: shapes, GQA, causal/window, masks of every kind, scale."""
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 3))
+    H = Hkv * draw(st.integers(1, 3))
+    T = draw(st.integers(1, 6))
+    S = draw(st.integers(1, 6))
+    D = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, S, draw(st.integers(1, 8)), generator=g, dtype=dtype)
+    kw: dict = {"causal": draw(st.booleans())}
+    if kw["causal"] and draw(st.booleans()):
+        kw["window"] = draw(st.integers(1, 6))
+    mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
+    if mask_kind != "none":
+        shape = draw(st.sampled_from([(T, S), (B, 1, T, S), (B, H, T, S), (1, H, 1, S), (S,)]))
+        if mask_kind == "bool":
+            kw["mask"] = torch.rand(shape, generator=g) < 0.7
+        else:  # additive: finite biases, some -inf
+            bias = torch.randn(shape, generator=g, dtype=dtype)
+            kw["mask"] = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, -math.inf)
+    if draw(st.booleans()):
+        kw["key_padding_mask"] = torch.rand(B, S, generator=g) < 0.75
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.floats(0.05, 3.0))
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@given(case=cases())
+def test_attention_matches_reference(backend, case):
+    q, k, v, kw = case
+    got = hw.attention(q, k, v, backend=backend, **kw)
+    want = reference_attention(q, k, v, **kw)
+    assert got.shape == want.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@given(case=cases())
+def test_attention_weights_match_reference(case):
+    q, k, _, kw = case
+    got = hw.attention_weights(q, k, **kw)
+    want = reference_weights(q, k, **kw)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    rows = got.sum(-1)  # every row sums to 1 or is all zeros
+    assert torch.all((rows - 1).abs().lt(1e-12) | rows.eq(0))
+
+
+def test_backends_table_holds_plain_functions():
+    assert set(BACKENDS) == {"math", "sdpa"}
+    assert all(callable(fn) for fn in BACKENDS.values())
+
+
+# ----------------------------------------------------------------------------- causal alignment
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize(("T", "S"), [(1, 5), (2, 5), (5, 5), (5, 2), (3, 7)])
+def test_causal_is_bottom_right(backend, T, S):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, T, 4).double(), torch.randn(1, 2, S, 4).double(), torch.randn(1, 2, S, 3).double()
+    got = hw.attention_weights(q, k, causal=True)
+    for i in range(T):
+        for j in range(S):
+            assert (got[0, :, i, j] > 0).all() == (j <= i + S - T), (i, j)
+    torch.testing.assert_close(hw.attention(q, k, v, causal=True, backend=backend), reference_attention(q, k, v, causal=True))
+
+
+def test_decoding_one_query_equals_the_last_row_of_the_full_pass():
+    """The reason for bottom-right alignment: the last token's query over all keys."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(3))
+    full = hw.attention(q, k, v, causal=True)
+    for backend in BACKEND_NAMES:
+        step = hw.attention(q[:, :, -1:], k, v, causal=True, backend=backend)
+        torch.testing.assert_close(step, full[:, :, -1:])
+
+
+# ----------------------------------------------------------------------------- fully masked rows
+
+
+def _fully_masked_problem(dtype=torch.float64):
+    """Three ways to leave a query nothing to see, in one batch."""
+    torch.manual_seed(2)
+    B, H, T, S, D = 2, 2, 4, 5, 3
+    q = torch.randn(B, H, T, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, H, S, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, H, S, D, dtype=dtype, requires_grad=True)
+    mask = torch.ones(B, H, T, S, dtype=torch.bool)
+    mask[0, 0, 1] = False  # one row by a bool mask
+    mask[1, :, 0] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", ["bool", "float", "padding+causal"])
+def test_fully_masked_rows_are_zero_forward_and_backward(backend, kind):
+    q, k, v, mask = _fully_masked_problem()
+    if kind == "bool":
+        kw = {"mask": mask}
+    elif kind == "float":
+        kw = {"mask": torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)}
+    else:
+        # left padding, T < S: queries 0-2 of row 1 see only padding keys
+        kw = {"causal": True, "key_padding_mask": torch.tensor([[True] * 5, [False] * 4 + [True]])}
+    want = reference_attention(q.detach(), k.detach(), v.detach(), **kw)
+    dead = reference_weights(q.detach(), k.detach(), **kw).sum(-1) == 0  # (B, H, T)
+    assert dead.any(), "the problem must contain a fully masked row"
+    out = hw.attention(q, k, v, backend=backend, **kw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want)
+    assert (out[dead] == 0).all()
+    weights = hw.attention_weights(q, k, **kw)
+    assert not weights.isnan().any() and (weights[dead] == 0).all()
+    (out.square().sum() + weights.sum()).backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    assert (q.grad[dead] == 0).all()  # a dead query has no influence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_fully_masked_rows_are_zero_in_low_precision(backend, dtype):
+    q, k, v, mask = _fully_masked_problem(dtype)
+    out = hw.attention(q, k, v, mask=mask, backend=backend)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert (out[0, 0, 1] == 0).all() and (out[1, :, 0] == 0).all()
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"causal": True},
+        {"causal": True, "window": 2, "scale": 0.7},
+        {"key_padding_mask": torch.tensor([[True, True, False, True], [False, False, True, True]])},
+        {"mask": torch.tensor([[True, False, True, True], [False, False, False, False], [True, True, True, False]])},  # row 1 dead
+    ],
+    ids=["plain", "causal", "window+scale", "padding", "bool-with-dead-row"],
+)
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_gradcheck(backend, kw, gqa):
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2 if gqa else 4, 4, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2 if gqa else 4, 4, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: hw.attention(q, k, v, backend=backend, **kw), (q, k, v))
+
+
+def test_gradcheck_attention_weights():
+    torch.manual_seed(4)
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    kpm = torch.tensor([[False, True, True, True, True]])
+    assert torch.autograd.gradcheck(lambda q, k: hw.attention_weights(q, k, causal=True, key_padding_mask=kpm), (q, k))
+
+
+def test_additive_mask_gets_gradients():
+    """A learned bias (ALiBi-style) added through ``mask`` receives its gradient."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    for backend in ("math", "sdpa"):
+        assert torch.autograd.gradcheck(lambda b, backend=backend: hw.attention(q, k, v, mask=b, backend=backend), (bias,))
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_dropout_zero_is_exact(backend):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 5, 4) for _ in range(3))
+    torch.manual_seed(7)
+    a = hw.attention(q, k, v, causal=True, dropout_p=0.0, backend=backend)
+    b = hw.attention(q, k, v, causal=True, dropout_p=0.0, backend=backend)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.double(), reference_attention(q, k, v, causal=True), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_dropout_drops_weights_and_rescales(backend, p):
+    """With v = identity the context IS the dropped weights: each is 0 or w / (1 - p), and
+    the zeroed fraction is p within 5 binomial standard deviations."""
+    torch.manual_seed(8)
+    B, H, T, S = 4, 4, 32, 32
+    q, k = torch.randn(B, H, T, 8, dtype=torch.float64), torch.randn(B, H, S, 8, dtype=torch.float64)
+    v = torch.eye(S, dtype=torch.float64).expand(B, H, S, S)
+    w = reference_weights(q, k, causal=True)
+    out = hw.attention(q, k, v, causal=True, dropout_p=p, backend=backend)
+    live = w > 0
+    kept = out[live] != 0
+    torch.testing.assert_close(out[live][kept], w[live][kept] / (1 - p))
+    assert (out[~live] == 0).all()
+    n = live.sum().item()
+    dropped = 1 - kept.double().mean().item()
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n), (dropped, p, n)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_dropout_is_unbiased_on_average(backend):
+    """The mean over many draws tends to the undropped output (expectation preserved)."""
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    want = reference_attention(q, k, v, causal=True)
+    draws = torch.stack([hw.attention(q, k, v, causal=True, dropout_p=0.3, backend=backend) for _ in range(2000)])
+    assert not torch.equal(draws[0], draws[1])  # train mode changes the output
+    # standard error of a mean of 2000 draws: well under 0.05 for these magnitudes
+    err = (draws.mean(0) - want).abs().max().item()
+    spread = draws.std(0).max().item() / math.sqrt(len(draws))
+    assert err < 6 * spread, (err, spread)
+
+
+# ----------------------------------------------------------------------------- low precision
+
+
+def _low_precision_problem(causal: bool, gqa: bool):
+    torch.manual_seed(10)
+    B, H, T, D = 2, 4, 96, 32
+    Hkv = 2 if gqa else H
+    q = torch.randn(B, H, T, D) * 2  # scaled up so softmax is peaky: rounding matters
+    k = torch.randn(B, Hkv, T, D) * 2
+    v = torch.randn(B, Hkv, T, D)
+    return q, k, v
+
+
+K_LOW_PRECISION = 3  # our error vs float64 must be within 3x the plain same-dtype error (flash-attention's rule uses 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_low_precision_within_k_times_plain_error(dtype, backend, causal, gqa):
+    q, k, v = _low_precision_problem(causal, gqa)
+    want = reference_attention(q, k, v, causal=causal)  # float64 on the same (float32) inputs
+    ql, kl, vl = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    plain = plain_attention(ql, kl.repeat_interleave(group, 1), vl.repeat_interleave(group, 1), causal=causal)
+    ours = hw.attention(ql, kl, vl, causal=causal, backend=backend)
+    assert ours.dtype == dtype
+    plain_err = (plain.double() - want).abs().max().item()
+    our_err = (ours.double() - want).abs().max().item()
+    # the error of merely rounding the exact answer to dtype: no implementation beats it
+    rounding = (want.to(dtype).double() - want).abs().max().item()
+    assert our_err <= K_LOW_PRECISION * plain_err + rounding, (our_err, plain_err, rounding)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_weights_within_k_times_plain_error(dtype):
+    q, k, _ = _low_precision_problem(True, False)
+    want = reference_weights(q, k, causal=True)
+    ql, kl = q.to(dtype), k.to(dtype)
+    scores = (ql @ kl.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    plain = torch.softmax(scores.masked_fill(~allowed_matrix(96, 96, causal=True, window=None), -math.inf), -1)
+    ours = hw.attention_weights(ql, kl, causal=True)
+    assert ours.dtype == dtype
+    rounding = (want.to(dtype).double() - want).abs().max().item()
+    our_err, plain_err = (ours.double() - want).abs().max().item(), (plain.double() - want).abs().max().item()
+    assert our_err <= K_LOW_PRECISION * plain_err + rounding, (our_err, plain_err, rounding)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _qkv(B=1, H=2, T=3, S=3, D=4, Hkv=None):
+    return torch.randn(B, H, T, D), torch.randn(B, Hkv or H, S, D), torch.randn(B, Hkv or H, S, D)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, r"q must have shape \(B, H, T, D\) \(4 dims\), got shape \(2, 3, 4\)"),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, r"q must be a torch.Tensor.*got list"),
+        (lambda q, k, v: (q.long(), k.long(), v.long()), TypeError, r"q must be a floating-point tensor, got dtype torch.int64"),
+        (lambda q, k, v: (q, k.double(), v), TypeError, r"q, k and v must share one dtype"),
+        (lambda q, k, v: (q, k[..., :3], v), ValueError, r"k must have shape \(B=1, Hkv, S, D=4\)"),
+        (lambda q, k, v: (q, k, v[:, :, :2]), ValueError, r"v must have shape \(B, Hkv, S, Dv\)"),
+        (lambda q, k, v: (torch.randn(1, 3, 3, 4), k, v), ValueError, r"q's heads H=3 must be a multiple of k/v's heads Hkv=2"),
+    ],
+)
+def test_bad_tensors(change, error, match):
+    with pytest.raises(error, match=match):
+        hw.attention(*change(*_qkv()))
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"backend": "flash"}, ValueError, r"backend must be one of \['auto', 'math', 'sdpa'\], got 'flash'"),
+        ({"dropout_p": 1.0}, ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
+        ({"dropout_p": -0.1}, ValueError, r"dropout_p must be a number in \[0, 1\), got -0.1"),
+        ({"scale": 0.0}, ValueError, r"scale must be a positive finite number or None"),
+        ({"scale": math.inf}, ValueError, r"scale must be a positive finite number"),
+        ({"window": 2}, ValueError, r"window \(sliding-window attention\) needs causal=True"),
+        ({"causal": True, "window": 0}, ValueError, r"window must be a positive int or None, got 0"),
+        ({"mask": torch.ones(3, 4, dtype=torch.bool)}, ValueError, r"mask must broadcast to \(B, H, T, S\) = \(1, 2, 3, 3\), got shape \(3, 4\)"),
+        ({"mask": torch.ones(3, 3, dtype=torch.long)}, TypeError, r"mask must be bool \(True = may attend\) or an additive float mask"),
+        ({"mask": [[True]]}, TypeError, r"mask must be a torch.Tensor"),
+        ({"key_padding_mask": torch.ones(1, 3)}, TypeError, r"key_padding_mask must be a bool tensor \(True = real token\), got torch.float32"),
+        ({"key_padding_mask": torch.ones(1, 4, dtype=torch.bool)}, ValueError, r"key_padding_mask must have shape \(B, S\) = \(1, 3\), got \(1, 4\)"),
+    ],
+)
+def test_bad_arguments(kw, error, match):
+    with pytest.raises(error, match=match):
+        hw.attention(*_qkv(), **kw)
+
+
+def test_attention_weights_checks_its_arguments_too():
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number or None"):
+        hw.attention_weights(q, k, scale=-1.0)
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, S\)"):
+        hw.attention_weights(q, k, key_padding_mask=torch.ones(2, 3, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- heads helpers
+
+
+def test_split_and_merge_heads_round_trip():
+    from headwise.functional import merge_heads, split_heads
+
+    x = torch.randn(2, 5, 12)
+    heads = split_heads(x, 3)
+    assert heads.shape == (2, 3, 5, 4)
+    for h in range(3):
+        assert torch.equal(heads[:, h], x[..., 4 * h : 4 * (h + 1)])
+    assert torch.equal(merge_heads(heads), x)
