@@ -1,0 +1,42 @@
+"""headwise.masks against masks built entry by entry in the reference."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import allowed_matrix
+
+from headwise.masks import causal_mask, padding_mask, position_mask
+
+
+@given(t=st.integers(1, 9), s=st.integers(1, 9), window=st.none() | st.integers(1, 10))
+def test_causal_mask_matches_entry_by_entry_rule(t, s, window):
+    got = causal_mask(t, s, window=window)
+    assert got.dtype == torch.bool and got.shape == (t, s)
+    assert torch.equal(got, allowed_matrix(t, s, causal=True, window=window))
+
+
+def test_causal_mask_docstring_example():
+    assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_causal_mask_square_is_lower_triangular():
+    assert torch.equal(causal_mask(5, 5), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+@given(
+    q_pos=st.lists(st.integers(0, 20), min_size=1, max_size=6),
+    k_pos=st.lists(st.integers(0, 20), min_size=1, max_size=6),
+    window=st.none() | st.integers(1, 8),
+)
+def test_position_mask_from_arbitrary_positions(q_pos, k_pos, window):
+    got = position_mask(torch.tensor(q_pos), torch.tensor(k_pos), window=window)
+    for i, p in enumerate(q_pos):
+        for j, kp in enumerate(k_pos):
+            assert bool(got[i, j]) == (kp <= p and (window is None or kp > p - window))
+
+
+def test_padding_mask_broadcasts_over_heads_and_queries():
+    kpm = torch.tensor([[True, True, False], [False, True, True]])
+    got = padding_mask(kpm)
+    assert got.shape == (2, 1, 1, 3)
+    assert torch.equal(got.expand(2, 4, 5, 3)[1, 3, 4], kpm[1])
