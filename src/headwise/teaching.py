@@ -43,6 +43,8 @@ class _BookMask:
 
 def _emit_book_mask(module: _BookMask, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     state_dict[prefix + "mask"] = module.mask
+    for key in [k for k in state_dict if k.startswith(prefix) and k != prefix + "mask"]:
+        state_dict[key] = state_dict.pop(key)  # the book's key order: its own buffer before its layers' weights
 
 
 def _accept_book_mask(module: _BookMask, state_dict: dict, prefix: str, *args: object) -> None:
