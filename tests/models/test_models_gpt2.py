@@ -1,0 +1,181 @@
+"""GPT2LMHeadModel: HuggingFace checkpoints in, transformers' logits and greedy tokens out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GPT2_SIZES
+from models_reference import gpt2_logits
+
+from headwise.models import GPT2LMHeadModel
+
+V = GPT2_SIZES["vocab_size"]
+
+
+def hf_positions(real: torch.Tensor) -> torch.Tensor:
+    """HuggingFace generate's position ids: count of real tokens before, 0 at padding."""
+    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)
+
+
+@pytest.fixture(scope="module")
+def model(gpt2_dir) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel.from_pretrained(gpt2_dir)
+
+
+@pytest.fixture(scope="module")
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows: no padding, left padding (3 pads), right padding (2 pads); mask as ints."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, V, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_logits_match_transformers_on_a_padded_batch(model, hf_gpt2, padded_batch):
+    ids, mask = padded_batch
+    real = mask.bool()
+    with torch.no_grad():
+        want = hf_gpt2(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+    got = model(ids, attention_mask=mask)
+    assert got.shape == (3, 9, V)
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers_without_a_mask(model, hf_gpt2, padded_batch):
+    ids = padded_batch[0]
+    with torch.no_grad():
+        want = hf_gpt2(ids).logits
+    torch.testing.assert_close(model(ids), want, atol=1e-4, rtol=0)
+
+
+def test_logits_against_a_float64_reference(model, gpt2_dir, padded_batch):
+    """Flash-attention rule: our float32 error vs float64 within a few times that of a plain float32 implementation."""
+    from safetensors.torch import load_file
+
+    ids, mask = padded_batch
+    real = mask.bool()
+    state = load_file(gpt2_dir / "model.safetensors")
+    kw = {"n_head": GPT2_SIZES["n_head"], "eps": 1e-5}
+    ref64 = gpt2_logits(state, ids, real, hf_positions(real), **kw)[real]
+    ref32 = gpt2_logits(state, ids, real, hf_positions(real), dtype=torch.float32, **kw)[real].double()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=real)[real].double()
+    plain = (ref32 - ref64).abs().max().item()
+    assert plain > 0
+    assert (ours - ref64).abs().max().item() <= 4 * plain
+
+
+def test_left_padding_gives_the_unpadded_logits(model):
+    ids = torch.randint(2, V, (1, 6), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], dim=1)  # (1, 10)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, attention_mask=mask)[:, 4:], model(ids), atol=1e-5, rtol=0)
+
+
+def test_greedy_generate_equals_transformers(model, hf_gpt2, padded_batch):
+    ids, mask = padded_batch[0][:2], padded_batch[1][:2]  # generation pads on the left
+    out = hf_gpt2.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores).topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3  # clear-cut choices: a token-for-token comparison means something
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, out.sequences)
+
+
+def test_greedy_generate_with_eos_equals_transformers(model, hf_gpt2, padded_batch):
+    ids, mask = padded_batch[0][:2], padded_batch[1][:2]
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    eos = int(free[0, ids.shape[1] + 2])  # row 0 emits it at its third new token
+    want = hf_gpt2.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=eos, pad_token_id=eos)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos)
+    assert torch.equal(got, want)
+
+
+def test_cached_generation_equals_recomputing_everything(model):
+    ids = torch.randint(2, V, (2, 5), generator=torch.Generator().manual_seed(3))
+    seq = ids
+    with torch.no_grad():
+        for _ in range(7):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(model.generate(ids, max_new_tokens=7), seq)
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k(model):
+    ids = torch.randint(2, V, (2, 4), generator=torch.Generator().manual_seed(4))
+    a = model.generate(ids, max_new_tokens=6, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(5))
+    b = model.generate(ids, max_new_tokens=6, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        logits = model(a[:, :-1])[:, ids.shape[1] - 1 :]  # (2, 6, V): the logits each new token was drawn from
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == a[:, ids.shape[1] :, None]).any(-1).all()
+    assert torch.equal(model.generate(ids, max_new_tokens=6, temperature=0.7, top_k=1), model.generate(ids, max_new_tokens=6))
+
+
+def test_loads_pytorch_bin_without_prefix_with_legacy_buffers_and_tied_head(hf_gpt2, tmp_path, padded_batch):
+    """An old-style checkpoint: pytorch_model.bin, no ``transformer.`` prefix, attn.bias / masked_bias, lm_head.weight."""
+    state = {k.removeprefix("transformer."): v.clone() for k, v in hf_gpt2.state_dict().items()}
+    assert "lm_head.weight" in state
+    for i in range(GPT2_SIZES["n_layer"]):
+        n = GPT2_SIZES["n_positions"]
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    hf_gpt2.config.to_json_file(tmp_path / "config.json")
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    ids, mask = padded_batch
+    with torch.no_grad():
+        want = hf_gpt2(ids, attention_mask=mask, position_ids=hf_positions(mask.bool())).logits
+    torch.testing.assert_close(model(ids, mask)[mask.bool()], want[mask.bool()], atol=1e-4, rtol=0)
+    assert not model.training
+
+
+def test_loads_pytorch_bin_with_prefix(hf_gpt2, tmp_path, padded_batch):
+    torch.save(hf_gpt2.state_dict(), tmp_path / "pytorch_model.bin")  # transformer.* keys and lm_head.weight
+    hf_gpt2.config.to_json_file(tmp_path / "config.json")
+    ids = padded_batch[0]
+    with torch.no_grad():
+        torch.testing.assert_close(GPT2LMHeadModel.from_pretrained(tmp_path)(ids), hf_gpt2(ids).logits, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_token_ids(model):
+    with pytest.raises(TypeError, match=r"input_ids must hold integer token ids, got dtype torch.float32"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=rf"input_ids must hold ids in \[0, vocab_size={V}\), got ids from 0 to {V}"):
+        model(torch.tensor([[0, V]]))
+    with pytest.raises(ValueError, match=r"input_ids must have shape \(batch, tokens\)"):
+        model(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"more than n_positions=48"):
+        model(torch.ones(1, 49, dtype=torch.long))
+
+
+def test_bad_attention_mask(model):
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids, \(batch, tokens\) = \(2, 3\), got \(2, 4\)"):
+        model(ids, torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask must hold only 0 \(padding\) and 1 \(real token\), got values \[1, 2\]"):
+        model(ids, torch.tensor([[1, 1, 2], [1, 1, 1]]))
+    with pytest.raises(TypeError, match=r"attention_mask must hold integers or bools"):
+        model(ids, torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"attention_mask must be a torch.Tensor"):
+        model(ids, [[1, 1, 1], [1, 1, 1]])
+
+
+def test_bad_generate_arguments(model):
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int, got 0"):
+        model.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 = greedy\), got -1"):
+        model.generate(ids, max_new_tokens=2, temperature=-1)
+    with pytest.raises(ValueError, match=r"top_k must be a positive int or None, got 0"):
+        model.generate(ids, max_new_tokens=2, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match=rf"eos_token_id must be an int in \[0, vocab_size={V}\) or None, got {V}"):
+        model.generate(ids, max_new_tokens=2, eos_token_id=V)
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(46\) exceeds n_positions=48"):
+        model.generate(ids, max_new_tokens=46)

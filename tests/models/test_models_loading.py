@@ -1,0 +1,141 @@
+"""Loading HuggingFace directories: each bad input gives one error naming the file and the problem; nothing is half-loaded."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from headwise.models import GPT2LMHeadModel
+from headwise.models.loading import load_checked
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(directory: Path, **changes: object) -> None:
+    file = directory / "config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    file.write_text(json.dumps(config))
+
+
+def test_wrong_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(missing))}: no such directory"):
+        GPT2LMHeadModel.from_pretrained(missing)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"file.txt: not a directory"):
+        GPT2LMHeadModel.from_pretrained(tmp_path / "file.txt")
+    with pytest.raises(TypeError, match=r"path must be a str or os.PathLike naming a HuggingFace model directory, got int"):
+        GPT2LMHeadModel.from_pretrained(3)
+
+
+def test_directory_without_weights_or_config(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"m: no weights found \(expected model.safetensors or pytorch_model.bin\)"):
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config.json: file not found"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_sharded_checkpoint_is_named(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: sharded checkpoints are not supported"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_config_that_is_not_json_or_not_gpt2(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    (d / "config.json").write_text('{"n_embd": 64,')
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"config.json: describes model_type 'bert', expected 'gpt2'"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_config_this_gpt2_cannot_run(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    edit_config(d, activation_function="relu", scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(ValueError, match=r"config.json: unsupported GPT-2 settings: activation_function='relu' .*; scale_attn_by_inverse_layer_idx=True"):
+        GPT2LMHeadModel.from_pretrained(d)
+    edit_config(d, activation_function="gelu_new", scale_attn_by_inverse_layer_idx=False, n_head=5)
+    with pytest.raises(ValueError, match=r"config.json: invalid GPT-2 config: n_embd \(64\) must be divisible by num_heads \(5\)"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_config_that_disagrees_with_the_tensors(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    edit_config(d, n_layer=3, n_positions=64)
+    with pytest.raises(ValueError, match=r"model.safetensors; nothing was loaded") as err:
+        GPT2LMHeadModel.from_pretrained(d)
+    message = str(err.value)
+    assert "missing: transformer.h.2.attn.c_attn.weight" in message  # every problem listed at once
+    assert "wrong shape: transformer.wpe.weight: expected (64, 64), got (48, 64)" in message
+
+
+def test_unknown_and_missing_keys_are_listed_together(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    state = load_file(d / "model.safetensors")
+    del state["transformer.ln_f.bias"]
+    state["transformer.h.0.attn.rotary.weight"] = torch.zeros(3)
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"(?s)cannot load .*model.safetensors; nothing was loaded:\n  missing: transformer.ln_f.bias\n  unexpected: transformer.h.0.attn.rotary.weight"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_untied_lm_head_is_refused(hf_gpt2, tmp_path):
+    state = {k: v.clone() for k, v in hf_gpt2.state_dict().items()}
+    state["lm_head.weight"] += 1.0
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    hf_gpt2.config.to_json_file(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: lm_head.weight differs from wte.weight"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
+def test_truncated_safetensors(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    for cut in (len(data) // 2, 5):  # cut in the tensors, cut in the header
+        (d / "model.safetensors").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"model.safetensors: cannot read it as safetensors, the file is truncated or corrupt"):
+            GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_truncated_or_unsafe_pytorch_bin(hf_gpt2, tmp_path):
+    hf_gpt2.config.to_json_file(tmp_path / "config.json")
+    torch.save(hf_gpt2.state_dict(), tmp_path / "pytorch_model.bin")
+    data = (tmp_path / "pytorch_model.bin").read_bytes()
+    (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    torch.save({"weights": hf_gpt2.state_dict(), "hook": Path("x")}, tmp_path / "pytorch_model.bin")  # an arbitrary object
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: refused to load: it holds more than tensors \(read with weights_only=True\)"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    torch.save([torch.zeros(2)], tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: expected a dict of tensors \(a state dict\), got list"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
+def test_a_failed_load_leaves_the_model_unchanged(gpt2_dir):
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = load_file(gpt2_dir / "model.safetensors")
+    state = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in state.items()}
+    state.pop("transformer.h.1.mlp.c_fc.bias")  # the last problem found comes after most tensors would have loaded
+    with pytest.raises(ValueError, match=r"missing: transformer.h.1.mlp.c_fc.bias"):
+        load_checked(model, state, source=gpt2_dir / "model.safetensors", transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
