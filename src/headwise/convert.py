@@ -86,6 +86,11 @@ def load_atomic(module: nn.Module, state: Mapping[str, Tensor], **remap_kwargs: 
     return module
 
 
+def _after_attn(key: str) -> str:
+    """``h.0.attn.c_attn.weight`` -> ``c_attn.weight``: drop a prefix ending in an ``attn`` component."""
+    return ("." + key).rsplit(".attn.", 1)[-1].lstrip(".")
+
+
 def gpt2_attention_from_hf(module: GPT2MultiHeadAttention, state: Mapping[str, Tensor]) -> GPT2MultiHeadAttention:
     """Load a HuggingFace ``GPT2Attention`` state dict (Conv1D, (in, out) weights) into ``module``.
 
@@ -93,7 +98,7 @@ def gpt2_attention_from_hf(module: GPT2MultiHeadAttention, state: Mapping[str, T
     (``c_attn.weight``); the legacy ``bias`` / ``masked_bias`` buffers are ignored.
     """
     return load_atomic(
-        module, state, rename=lambda key: key.rsplit("attn.", 1)[-1], transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer
+        module, state, rename=_after_attn, transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer
     )
 
 
