@@ -1,0 +1,66 @@
+"""Head roles: hand-made attention maps with known answers, and the real MiniLM's heads against transformers' weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headwise.models import HeadRoles, SentenceEncoder, attention_mass, head_roles
+from headwise.models.heads import KINDS
+
+# Tokens: [CLS] a b c d [SEP] [PAD]   (positions 0..6)
+SPECIAL = torch.tensor([[True, False, False, False, False, True, False]])
+REAL = torch.tensor([[True, True, True, True, True, True, False]])
+
+
+def one_hot_map(target) -> torch.Tensor:
+    """(T, T) weights: query i puts all its weight on key target(i)."""
+    w = torch.zeros(7, 7)
+    for i in range(7):
+        w[i, target(i)] = 1.0
+    return w
+
+
+def test_known_maps_get_their_roles():
+    heads = [
+        one_hot_map(lambda i: max(i - 1, 0)),  # previous token
+        one_hot_map(lambda i: min(i + 1, 6)),  # next token
+        one_hot_map(lambda i: i),  # itself
+        one_hot_map(lambda i: 0 if i % 2 else 5),  # [CLS] or [SEP]
+        torch.full((7, 7), 1 / 7),  # uniform: no role
+    ]
+    weights = [torch.stack(heads)[None]]  # one layer, (1, 5, 7, 7)
+    mass = attention_mass(weights, SPECIAL, REAL)  # (1, 5, 4)
+    # Queries averaged over: a b c d (positions 1..4). "previous" of a is [CLS] (special, not previous);
+    # "next" of d is [SEP]. So heads 0 and 1 get 3/4 on their kind and 1/4 on the special tokens.
+    torch.testing.assert_close(mass[0, 0], torch.tensor([0.75, 0.0, 0.0, 0.25]))
+    torch.testing.assert_close(mass[0, 1], torch.tensor([0.0, 0.75, 0.0, 0.25]))
+    torch.testing.assert_close(mass[0, 2], torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    torch.testing.assert_close(mass[0, 3], torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    torch.testing.assert_close(mass[0, 4], torch.tensor([3 / 28, 3 / 28, 1 / 7, 2 / 7]))  # 1/7 each, but a's previous and d's next are special
+    roles = HeadRoles(mass)
+    assert [roles.role(0, h) for h in range(5)] == [*KINDS, None]
+    assert roles.heads("self") == [(0, 2, 1.0)]
+    assert roles.role(0, 4, threshold=0.25) == "[CLS]/[SEP]"  # 2/7: the largest share, above this lower threshold
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match=r"kind must be one of \['previous', 'next', 'self', '\[CLS\]/\[SEP\]'\], got 'cls'"):
+        HeadRoles(torch.zeros(1, 1, 4)).heads("cls")
+
+
+def test_real_minilm_roles_equal_those_from_transformers_weights(minilm_dir):
+    """head_roles (weights observed from headwise) = attention_mass over transformers' own weights."""
+    import transformers
+
+    encoder = SentenceEncoder.from_pretrained(minilm_dir)
+    sentences = ["The quick brown fox jumps over the lazy dog.", "Heads read from other tokens."]
+    roles = head_roles(encoder, sentences)
+    assert roles.mass.shape == (6, 12, 4)
+    input_ids, mask = encoder.tokenize(sentences)
+    hf = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids, attention_mask=mask.long(), output_attentions=True).attentions
+    special = (input_ids == 101) | (input_ids == 102)
+    torch.testing.assert_close(roles.mass, attention_mass(list(theirs), special, mask), atol=1e-5, rtol=0)
+    assert roles.heads("previous") and roles.heads("[CLS]/[SEP]")  # MiniLM has both kinds of head
