@@ -114,7 +114,7 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
     mha = MultiHeadAttention(
         first.d_in, h * d, first.context_length, first.dropout.p, h, first.W_query.bias is not None,
         causal=first.causal, backend=first.backend,
-    )
+    ).to(first.W_query.weight)  # built in the source dtype/device: copying into float32 would round float64 weights
     for name in ("W_query", "W_key", "W_value"):
         target = getattr(mha, name)
         target.weight.copy_(torch.cat([getattr(head, name).weight for head in wrapper.heads]))  # (C, d_in)
@@ -122,7 +122,7 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
             target.bias.copy_(torch.cat([getattr(head, name).bias for head in wrapper.heads]))  # (C,)
     mha.out_proj.weight.copy_(torch.eye(h * d))
     mha.out_proj.bias.zero_()
-    return mha.to(first.W_query.weight)
+    return mha
 
 
 @torch.no_grad()
@@ -134,12 +134,12 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
         n_positions=mha.context_length, n_embd=mha.d_out, n_head=mha.num_heads,
         n_kv_head=mha.num_kv_heads, attn_pdrop=mha.dropout.p, resid_pdrop=0.0,
     )
-    attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend)
+    attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend).to(mha.W_query.weight)
     layers = (mha.W_query, mha.W_key, mha.W_value)
     attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
     attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]))
     attn.c_proj.load_state_dict(mha.out_proj.state_dict())
-    return attn.to(mha.W_query.weight)
+    return attn
 
 
 @torch.no_grad()
@@ -149,7 +149,7 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
     mha = MultiHeadAttention(
         c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
         window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend,
-    )
+    ).to(attn.c_attn.weight)
     sizes = [attn.split_size, attn.kv_size, attn.kv_size]
     for layer, w, b in zip(
         (mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), attn.c_attn.bias.split(sizes), strict=True
@@ -157,4 +157,4 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
         layer.weight.copy_(w)
         layer.bias.copy_(b)
     mha.out_proj.load_state_dict(attn.c_proj.state_dict())
-    return mha.to(attn.c_attn.weight)
+    return mha
