@@ -1,0 +1,151 @@
+"""Conversions keep the function exactly; state-dict remapping is all-or-nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import headwise as hw
+from headwise.convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_atomic, remap
+
+
+def _randomise(module: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)  # a zero bias would hide a mis-placed one
+    return module.eval()
+
+
+# ----------------------------------------------------------------------------- module conversions
+
+
+@given(
+    d_in=st.integers(1, 8), head_dim=st.integers(1, 6), heads=st.integers(1, 4), tokens=st.integers(1, 6),
+    qkv_bias=st.booleans(), causal=st.booleans(), seed=st.integers(0, 2**31 - 1),
+)
+def test_wrapper_to_mha_keeps_the_function(d_in, head_dim, heads, tokens, qkv_bias, causal, seed):
+    torch.manual_seed(seed)
+    wrapper = _randomise(hw.MultiHeadAttentionWrapper(d_in, head_dim, 6, 0.0, heads, qkv_bias, causal=causal).double())
+    mha = hw.wrapper_to_mha(wrapper).eval()
+    assert isinstance(mha, hw.MultiHeadAttention) and mha.d_out == heads * head_dim and mha.causal == causal
+    x = torch.randn(2, tokens, d_in, dtype=torch.float64)
+    kpm = torch.rand(2, tokens) < 0.8
+    with torch.no_grad():  # float64: equal up to rounding, far below the 1e-6 promised in float32
+        torch.testing.assert_close(mha(x), wrapper(x), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(mha(x, key_padding_mask=kpm), wrapper(x, key_padding_mask=kpm), atol=1e-12, rtol=1e-12)
+
+
+@given(
+    kv_heads=st.integers(1, 3), group=st.integers(1, 3), head_dim=st.integers(1, 5), tokens=st.integers(1, 6),
+    qkv_bias=st.booleans(), window=st.none() | st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+)
+def test_mha_to_gpt2_and_back_keep_the_function(kv_heads, group, head_dim, tokens, qkv_bias, window, seed):
+    heads = kv_heads * group
+    C = heads * head_dim
+    torch.manual_seed(seed)
+    mha = _randomise(hw.MultiHeadAttention(C, C, 6, 0.0, heads, qkv_bias, window=window, num_kv_heads=kv_heads).double())
+    gpt2 = hw.mha_to_gpt2(mha).eval()
+    assert gpt2.num_kv_heads == kv_heads and gpt2.window == window
+    back = hw.gpt2_to_mha(gpt2).eval()
+    x = torch.randn(2, tokens, C, dtype=torch.float64)
+    kpm = torch.rand(2, tokens) < 0.8
+    with torch.no_grad():
+        want = mha(x, key_padding_mask=kpm)
+        torch.testing.assert_close(gpt2(x, key_padding_mask=kpm), want, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(back(x, key_padding_mask=kpm), want, atol=1e-12, rtol=1e-12)
+    for name in ("W_query", "W_key", "W_value"):
+        assert torch.equal(getattr(back, name).weight, getattr(mha, name).weight)
+        if qkv_bias:
+            assert torch.equal(getattr(back, name).bias, getattr(mha, name).bias)
+        else:
+            assert not getattr(back, name).bias.any()  # no bias became a zero bias
+
+
+@pytest.mark.parametrize(
+    ("d", "heads", "kv_heads", "tokens"), [(4, 2, 2, 3), (24, 4, 2, 9), (64, 8, 1, 16), (768, 12, 12, 32), (768, 12, 4, 8)]
+)
+def test_outputs_agree_to_1e_6_in_float32(d, heads, kv_heads, tokens):
+    torch.manual_seed(19)
+    x = torch.randn(2, tokens, d)
+    if kv_heads == heads:  # the wrapper has no GQA form
+        wrapper = _randomise(hw.MultiHeadAttentionWrapper(d, d // heads, 32, 0.0, heads, True))
+        mha = hw.wrapper_to_mha(wrapper)
+        with torch.no_grad():
+            torch.testing.assert_close(mha(x), wrapper(x), atol=1e-6, rtol=0)
+    mha = _randomise(hw.MultiHeadAttention(d, d, 32, 0.0, heads, True, num_kv_heads=kv_heads))
+    gpt2 = hw.mha_to_gpt2(mha)
+    with torch.no_grad():
+        y = mha(x)
+        torch.testing.assert_close(gpt2(x), y, atol=1e-6, rtol=0)
+        torch.testing.assert_close(hw.gpt2_to_mha(gpt2)(x), y, atol=1e-6, rtol=0)
+
+
+def test_conversions_keep_dtype():
+    mha = hw.MultiHeadAttention(8, 8, 4, 0.0, 2).double()
+    assert hw.mha_to_gpt2(mha).c_attn.weight.dtype == torch.float64
+    assert hw.gpt2_to_mha(hw.mha_to_gpt2(mha)).W_query.weight.dtype == torch.float64
+    assert hw.wrapper_to_mha(hw.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2).double()).out_proj.weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("mha", "match"),
+    [
+        (hw.MultiHeadAttention(3, 4, 6, 0.0, 2), r"GPT-2 attention is causal with d_in == d_out; got d_in=3, d_out=4, causal=True"),
+        (hw.MultiHeadAttention(4, 4, 6, 0.0, 2, causal=False), r"got d_in=4, d_out=4, causal=False"),
+    ],
+)
+def test_mha_to_gpt2_refuses_what_gpt2_cannot_express(mha, match):
+    with pytest.raises(ValueError, match=match):
+        hw.mha_to_gpt2(mha)
+
+
+# ----------------------------------------------------------------------------- remap / load_atomic
+
+
+def test_remap_renames_transposes_and_ignores():
+    state = {"p.attn.c_attn.weight": torch.arange(6.0).view(2, 3), "p.attn.bias": torch.ones(1), "p.attn.c_attn.bias": torch.zeros(3)}
+    out = remap(
+        state, {"c_attn.weight": (3, 2), "c_attn.bias": (3,)},
+        rename=lambda k: k.removeprefix("p.attn."), transposed=("c_attn.weight",), ignore=is_legacy_gpt2_buffer,
+    )
+    assert list(out) == ["c_attn.weight", "c_attn.bias"]
+    assert torch.equal(out["c_attn.weight"], state["p.attn.c_attn.weight"].T)
+    assert list(state) == ["p.attn.c_attn.weight", "p.attn.bias", "p.attn.c_attn.bias"]  # the input is untouched
+
+
+def test_remap_lists_every_problem_at_once():
+    state = {"a": torch.zeros(2), "b": torch.zeros(3), "extra1": torch.zeros(1), "extra2": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"cannot load ckpt.safetensors; nothing was loaded") as err:
+        remap(state, {"a": (2,), "b": (4,), "c": (1,), "d": (1,)}, source="ckpt.safetensors")
+    lines = str(err.value).splitlines()[1:]
+    assert lines == [
+        "  missing: c", "  missing: d", "  unexpected: extra1", "  unexpected: extra2", "  wrong shape: b: expected (4,), got (3,)",
+    ]
+
+
+def test_load_atomic_changes_nothing_on_error_and_loads_on_success():
+    mha = hw.MultiHeadAttention(4, 4, 3, 0.0, 2)
+    before = {k: v.clone() for k, v in mha.state_dict().items()}
+    good = {k: torch.randn_like(v) for k, v in mha.state_dict().items()}
+    bad = dict(good, **{"W_key.weight": torch.zeros(4, 5)})
+    with pytest.raises(ValueError, match=r"wrong shape: W_key.weight: expected \(4, 4\), got \(4, 5\)"):
+        load_atomic(mha, bad)
+    assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())
+    load_atomic(mha, good)
+    assert torch.equal(mha.W_key.weight, good["W_key.weight"])
+
+
+@pytest.mark.parametrize(
+    ("key", "legacy"),
+    [("h.0.attn.bias", True), ("h.0.attn.masked_bias", True), ("bias", True), ("masked_bias", True),
+     ("h.0.attn.c_attn.bias", False), ("c_proj.bias", False), ("h.0.ln_1.bias", False)],
+)
+def test_is_legacy_gpt2_buffer(key, legacy):
+    assert is_legacy_gpt2_buffer(key) == legacy
+
+
+def test_hf_transposed_names():
+    assert HF_GPT2_TRANSPOSED == ("c_attn.weight", "c_proj.weight", "c_fc.weight")
