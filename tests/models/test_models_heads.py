@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headwise.models import HeadRoles, SentenceEncoder, attention_mass, head_roles
+from headwise.models import HeadRoles, attention_mass, head_roles
 from headwise.models.heads import KINDS
 
 # Tokens: [CLS] a b c d [SEP] [PAD]   (positions 0..6)
@@ -49,18 +49,14 @@ def test_unknown_kind():
         HeadRoles(torch.zeros(1, 1, 4)).heads("cls")
 
 
-def test_real_minilm_roles_equal_those_from_transformers_weights(minilm_dir):
+def test_real_minilm_roles_equal_those_from_transformers_weights(encoder, hf_bert):
     """head_roles (weights observed from headwise) = attention_mass over transformers' own weights."""
-    import transformers
-
-    encoder = SentenceEncoder.from_pretrained(minilm_dir)
     sentences = ["The quick brown fox jumps over the lazy dog.", "Heads read from other tokens."]
     roles = head_roles(encoder, sentences)
     assert roles.mass.shape == (6, 12, 4)
     input_ids, mask = encoder.tokenize(sentences)
-    hf = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
     with torch.no_grad():
-        theirs = hf(input_ids, attention_mask=mask.long(), output_attentions=True).attentions
+        theirs = hf_bert(input_ids, attention_mask=mask.long(), output_attentions=True).attentions
     special = (input_ids == 101) | (input_ids == 102)
     torch.testing.assert_close(roles.mass, attention_mass(list(theirs), special, mask), atol=1e-5, rtol=0)
     assert roles.heads("previous") and roles.heads("[CLS]/[SEP]")  # MiniLM has both kinds of head

@@ -290,7 +290,6 @@ class SentenceEncoder(nn.Module):
         attention_mask = torch.tensor([e.attention_mask for e in batch], device=device).bool()  # (N, T)
         return input_ids, attention_mask
 
-    @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """(N, T) ids and (N, T) mask -> (N, C): mean of the real tokens' states, unit length."""
         hidden = self.model(input_ids, attention_mask)  # (N, T, C)
@@ -298,8 +297,9 @@ class SentenceEncoder(nn.Module):
         mean = (hidden * real).sum(1) / real.sum(1).clamp(min=1)  # (N, C)
         return F.normalize(mean, p=2, dim=-1)  # (N, C)
 
+    @torch.no_grad()
     def encode(self, sentences: list[str], *, batch_size: int = 32) -> Tensor:
-        """Embed sentences: (N, C) L2-normalised rows, so ``e @ e.T`` holds cosine similarities.
+        """Embed sentences (no gradients): (N, C) L2-normalised rows, so ``e @ e.T`` holds cosine similarities.
 
         Args:
             sentences: N strings.
