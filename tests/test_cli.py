@@ -1,0 +1,70 @@
+"""The ``headwise`` command: explain and demo run, print the real numbers, fail cleanly."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from headwise.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_print_options():
+    yield
+    torch.set_printoptions(profile="default")  # the CLI sets 4 decimals for its own printing
+
+
+def test_explain_prints_steps_1_to_10_with_shapes(capsys):
+    main(["explain"])
+    out = capsys.readouterr().out
+    assert [int(n) for n in re.findall(r"^## Step (\d+):", out, flags=re.M)] == list(range(1, 11))
+    assert "head_dim = 1" in out
+    assert "-- queries.view: shape (1, 3, 2, 1)" in out
+    assert "-- scores: shape (1, 2, 3, 3)" in out
+    assert "-- output: shape (1, 3, 2)" in out
+    assert "0.4300, 0.1500, 0.8900" in out  # the book's "Your"
+    assert "-- masked_scores: shape (1, 2, 3, 3)" in out and "-inf," in out  # step 8 masks the future
+
+
+def test_explain_options(capsys):
+    main(["explain", "--d-in", "4", "--d-out", "6", "--heads", "3", "--tokens", "5", "--batch", "2", "--seed", "1", "--bidirectional"])
+    out = capsys.readouterr().out
+    assert "MultiHeadAttention(d_in=4, d_out=6, context_length=5, dropout=0.0, num_heads=3), seed 1: head_dim = 2" in out
+    assert "-- queries.transpose: shape (2, 3, 5, 2)" in out
+    assert "-- masked_scores:" not in out and "-inf," not in out  # bidirectional: nothing masked
+
+
+def test_explain_bad_arguments_exit_2_with_the_librarys_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--d-out", "5", "--heads", "2"])
+    assert exit_info.value.code == 2
+    assert "headwise explain: error: d_out (5) must be divisible by num_heads (2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--nonsense"])
+    assert exit_info.value.code == 2
+
+
+def test_demo_runs_in_under_30_seconds_and_shows_the_books_numbers(capsys):
+    start = time.perf_counter()
+    main(["demo"])
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert elapsed < 30, f"headwise demo took {elapsed:.1f} s; the issue allows 30 s on 2 cores"
+    assert "-0.4519,  0.2216,  0.4772,  0.1063" in out  # the wrapper's first row, as the book prints it
+    assert "0.3190, 0.4858" in out
+    assert out.count("matches the book to 4 decimals") == 2 and "DIFFERS" not in out
+    assert "(2, 6, 2)" in out  # exercise 3.2
+    assert "parameters: 2,360,064" in out  # exercise 3.3
+    assert "input (2, 8, 768) -> heads (2, 12, 8, 64) -> output (2, 8, 768)" in out
+    diffs = [float(d) for d in re.findall(r"max \|diff\|(?: to the wrapper)? = (\S+)", out)]
+    assert len(diffs) == 5 and max(diffs) < 1e-5  # the three formulations and both backends agree
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "usage: headwise" in capsys.readouterr().err
