@@ -97,13 +97,13 @@ def read_weights(file: Path) -> dict[str, Tensor]:
 
 
 def expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter and persistent buffer of ``module`` -> its shape (tied weights once)."""
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    for prefix, sub in module.named_modules():
-        for name, buf in sub._buffers.items():
-            if buf is not None and name not in sub._non_persistent_buffers_set:
-                shapes[f"{prefix}.{name}" if prefix else name] = tuple(buf.shape)
-    return shapes
+    """Every parameter and persistent buffer of ``module`` -> its shape.
+
+    Entries that ``state_dict`` adds without storing them (the book's ``mask``, which
+    ``MultiHeadAttention`` emits for compatibility) are not expected from a checkpoint.
+    """
+    stored = {name for name, _ in module.named_parameters()} | {name for name, _ in module.named_buffers()}
+    return {name: tuple(t.shape) for name, t in module.state_dict().items() if name in stored}
 
 
 def load_checked(
