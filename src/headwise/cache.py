@@ -86,6 +86,22 @@ class KVCache:
         self._padded = False
         self.real.fill_(True)
 
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (e.g. to rewind after a rejected draft).
+
+        Raises:
+            ValueError: for a sliding cache (the older slots are overwritten), or a length
+                outside 0 .. len(cache).
+        """
+        if self.window is not None:
+            raise ValueError(f"a sliding cache (window={self.window}) cannot be cropped: its older slots are overwritten")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
+        self.real[:, length : self._len] = True
+        self._len = length
+        if length == 0:
+            self._padded = False
+
     def _check(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
         B, Hkv, L, D = self.k.shape
         for name, t in [("k", k), ("v", v)]:

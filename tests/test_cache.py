@@ -1,0 +1,198 @@
+"""KVCache: a static buffer written in place; cached decoding equals the full forward.
+
+Oracles: the float64 reference (tests/reference.py, which does not import headwise) for
+float64 modules, and the same module's full, non-cached forward for float32 ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import reference_mha
+
+import headwise as hw
+
+BACKENDS = ["math", "sdpa", "auto"]
+
+
+def make(kind: str, *, H=4, Hkv=None, D=4, ctx=32, window=None, backend="auto", dtype=torch.float32, seed=0):
+    """A MultiHeadAttention or GPT2MultiHeadAttention in eval mode, random biases."""
+    torch.manual_seed(seed)
+    if kind == "mha":
+        m = hw.MultiHeadAttention(H * D, H * D, ctx, 0.0, H, qkv_bias=True, num_kv_heads=Hkv, window=window, backend=backend)
+    else:
+        config = hw.GPT2Config(n_embd=H * D, n_head=H, n_kv_head=Hkv, n_positions=ctx, attn_pdrop=0.0, resid_pdrop=0.0)
+        m = hw.GPT2MultiHeadAttention(config, window=window, backend=backend)
+    m = m.to(dtype).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim == 1:
+                p.normal_()  # zero-initialised biases would hide a mis-split
+    return m
+
+
+def weights(m) -> dict:
+    """The reference's raw projections for either module."""
+    if isinstance(m, hw.MultiHeadAttention):
+        return {
+            "wq": m.W_query.weight, "wk": m.W_key.weight, "wv": m.W_value.weight, "bq": m.W_query.bias, "bk": m.W_key.bias,
+            "bv": m.W_value.bias, "wo": m.out_proj.weight, "bo": m.out_proj.bias,
+        }
+    C, kv = m.embed_dim, m.kv_size
+    w, b = m.c_attn.weight, m.c_attn.bias
+    return {
+        "wq": w[:C], "wk": w[C : C + kv], "wv": w[C + kv :], "bq": b[:C], "bk": b[C : C + kv], "bv": b[C + kv :],
+        "wo": m.c_proj.weight, "bo": m.c_proj.bias,
+    }
+
+
+def decode(m, x, schedule, cache, key_padding_mask=None):
+    """Feed x (B, T, C) through m in chunks of the given sizes; the mask goes with the first chunk only."""
+    outs, start = [], 0
+    for i, n in enumerate(schedule):
+        kpm = key_padding_mask[:, start : start + n] if (key_padding_mask is not None and i == 0) else None
+        outs.append(m(x[:, start : start + n], key_padding_mask=kpm, cache=cache))
+        start += n
+    return torch.cat(outs, dim=1)  # (B, T, C)
+
+
+def new_cache(m, B, max_len, dtype=torch.float32):
+    return hw.KVCache(B, m.num_kv_heads, max_len, m.head_dim, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- the buffer
+
+
+def test_preallocated_and_written_in_place():
+    cache = hw.KVCache(2, 3, 10, 4)
+    assert cache.k.shape == cache.v.shape == (2, 3, 10, 4)
+    assert cache.k.numel() + cache.v.numel() == 2 * 2 * 3 * 10 * 4  # exactly 2·B·Hkv·max_len·D
+    assert len(cache) == 0 and cache.max_len == 10
+    k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
+    k1, v1 = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    k2, v2 = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    cache.update(k1, v1)
+    keys, values, kpm = cache.update(k2, v2)
+    assert len(cache) == 5 and kpm is None
+    assert keys.data_ptr() == k_ptr and values.data_ptr() == v_ptr  # views of the buffers, no torch.cat
+    assert cache.k.data_ptr() == k_ptr and cache.v.data_ptr() == v_ptr
+    torch.testing.assert_close(keys, torch.cat([k1, k2], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([v1, v2], dim=2), rtol=0, atol=0)
+    cache.reset()
+    assert len(cache) == 0 and cache.k.data_ptr() == k_ptr
+    keys, _, _ = cache.update(k2, v2)
+    torch.testing.assert_close(keys, k2, rtol=0, atol=0)
+
+
+def test_full_cache_and_bad_writes_are_clear_errors():
+    cache = hw.KVCache(1, 2, 4, 3)
+    cache.update(torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"cache is full: it holds 3 of max_len=4 tokens and cannot take 2 more"):
+        cache.update(torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3))
+    assert len(cache) == 3  # nothing written
+    with pytest.raises(ValueError, match=r"cache holds \(B=1, Hkv=2, \*, D=3\); k has shape \(1, 4, 1, 3\)"):
+        cache.update(torch.randn(1, 4, 1, 3), torch.randn(1, 4, 1, 3))
+    with pytest.raises(TypeError, match=r"cache holds torch.float32; v is torch.float64"):
+        cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, T\) = \(1, 1\), got \(1, 2\)"):
+        cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3), torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"max_len must be a positive int, got 0"):
+        hw.KVCache(1, 2, 0, 3)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 1.5"):
+        hw.KVCache(1.5, 2, 4, 3)
+
+
+def test_crop_rewinds():
+    cache = hw.KVCache(1, 1, 6, 2)
+    k = torch.randn(1, 1, 5, 2)
+    cache.update(k, k)
+    cache.crop(3)
+    assert len(cache) == 3
+    new = torch.randn(1, 1, 1, 2)
+    keys, _, _ = cache.update(new, new)
+    torch.testing.assert_close(keys, torch.cat([k[:, :, :3], new], dim=2), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"length must be an int in \[0, len\(cache\)=4\], got 5"):
+        cache.crop(5)
+    with pytest.raises(ValueError, match=r"a sliding cache \(window=3\) cannot be cropped"):
+        hw.KVCache.sliding(1, 1, 3, 2).crop(0)
+
+
+def test_module_errors_name_the_cache_problem():
+    m = make("mha", ctx=8)
+    with pytest.raises(ValueError, match=r"got 9 tokens \(6 cached \+ 3 new\), more than context_length=8"):
+        cache = new_cache(m, 1, 8)
+        m(torch.randn(1, 6, 16), cache=cache)
+        m(torch.randn(1, 3, 16), cache=cache)
+    with pytest.raises(ValueError, match=r"cache holds \(B=1, Hkv=2, \*, D=4\); k has shape \(1, 4, 2, 4\)"):
+        m(torch.randn(1, 2, 16), cache=hw.KVCache(1, 2, 8, 4))  # a cache for another module
+    with pytest.raises(ValueError, match=r"a sliding cache of window=3 needs a module with window=3, got window=None"):
+        m(torch.randn(1, 2, 16), cache=hw.KVCache.sliding(1, 4, 3, 4))
+
+
+# ----------------------------------------------------------------------------- decoding = full forward
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_steps_and_chunk_equal_the_full_forward(kind, backend):
+    m = make(kind, backend=backend, ctx=16)
+    x = torch.randn(2, 13, 16)
+    schedule = [5, 1, 1, 1, 4, 1]  # prefill, one at a time, a chunk, one more
+    with torch.no_grad():
+        want = m(x)  # (B, T, C): one causal forward over everything
+        cache = new_cache(m, 2, 16)
+        got = decode(m, x, schedule, cache)
+    assert len(cache) == 13
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+@given(
+    schedule=st.lists(st.integers(1, 5), min_size=1, max_size=6), B=st.integers(1, 3), Hkv=st.sampled_from([1, 2, 4]),
+    left_pad=st.lists(st.integers(0, 4), min_size=3, max_size=3), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16),
+)
+def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, left_pad, backend, seed):
+    m = make(kind, Hkv=Hkv, ctx=32, backend=backend, dtype=torch.float64, seed=seed)
+    T = sum(schedule)
+    x = torch.randn(B, T, 16, dtype=torch.float64)
+    pads = torch.tensor(left_pad[:B]).clamp(max=min(schedule[0], T) - 1)  # padding lies inside the prefill
+    kpm = torch.arange(T) >= pads[:, None]  # (B, T) True = real token, left padded
+    with torch.no_grad():
+        got = decode(m, x, schedule, new_cache(m, B, 32, torch.float64), kpm)
+        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, key_padding_mask=kpm)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
+    m = make(kind, backend=backend, ctx=16)
+    lengths = [6, 3, 1]  # real prompt tokens per row; the prompt is left padded to 6
+    P, steps = 6, 4
+    prompt = torch.randn(3, P, 16)
+    tokens = torch.randn(3, steps, 16)
+    kpm = torch.arange(P) >= P - torch.tensor(lengths)[:, None]  # (B, P) True = real
+    with torch.no_grad():
+        cache = new_cache(m, 3, 16)
+        out = [m(prompt, key_padding_mask=kpm, cache=cache)]  # prefill: the cache remembers the padding
+        out += [m(tokens[:, i : i + 1], cache=cache) for i in range(2)]  # steps: no mask of their own
+        out.append(m(tokens[:, 2:], cache=cache))  # and a chunk
+        got = torch.cat(out, dim=1)  # (B, P + steps, C)
+        assert not got.isnan().any()
+        for b, n in enumerate(lengths):
+            alone = torch.cat([prompt[b : b + 1, P - n :], tokens[b : b + 1]], dim=1)  # (1, n + steps, C), unpadded
+            torch.testing.assert_close(got[b : b + 1, P - n :], m(alone), atol=1e-5, rtol=0)
+        # a pad query sees only padding: a zero context, so its output is the projection's bias
+        bias = (m.out_proj if kind == "mha" else m.c_proj).bias
+        torch.testing.assert_close(got[2, : P - 1], bias.expand(P - 1, 16), atol=1e-6, rtol=0)
+
+
+def test_gqa_cache_holds_only_the_kv_heads():
+    m = make("gpt2", H=4, Hkv=2)
+    cache = new_cache(m, 1, 8)
+    assert cache.k.shape == (1, 2, 8, 4)
+    with torch.no_grad():
+        m(torch.randn(1, 3, 16), cache=cache)
+    assert len(cache) == 3

@@ -1,0 +1,104 @@
+"""Sliding-window attention: query i sees keys i-W+1 .. i; the ring-buffer cache stays W long.
+
+Oracle: the float64 reference (tests/reference.py) given an explicit (T, T) windowed mask
+built here entry by entry, and the module's own full forward for float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import reference_attention, reference_mha
+from test_cache import BACKENDS, decode, make, weights
+
+import headwise as hw
+
+
+def windowed(T: int, W: int) -> torch.Tensor:
+    """(T, T) bool, True where query i may see key j: i - W < j <= i."""
+    return torch.tensor([[i - W < j <= i for j in range(T)] for i in range(T)])
+
+
+def test_window_needs_causal_and_a_positive_int():
+    with pytest.raises(ValueError, match=r"window \(sliding-window attention\) needs causal=True, got causal=False"):
+        hw.MultiHeadAttention(8, 8, 8, 0.0, 2, causal=False, window=3)
+    q = torch.randn(1, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"window \(sliding-window attention\) needs causal=True, got causal=False"):
+        hw.attention(q, q, q, window=3)
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 0"):
+        hw.MultiHeadAttention(8, 8, 8, 0.0, 2, window=0)
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 2.5"):
+        hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2), window=2.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("W", [1, 3, 20])
+def test_functional_window_is_the_explicit_band(backend, W):
+    torch.manual_seed(W)
+    q, k, v = (torch.randn(2, 4, 9, 5, dtype=torch.float64) for _ in range(3))
+    got = hw.attention(q, k, v, causal=True, window=W, backend=backend)
+    want = reference_attention(q, k, v, mask=windowed(9, W))
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_sliding_cache_memory_stays_bounded():
+    m = make("gpt2", H=4, Hkv=2, window=3, ctx=8)  # n_positions 8, yet decoding runs to 40 tokens
+    cache = hw.KVCache.sliding(1, 2, 3, 4)
+    assert cache.k.shape == cache.v.shape == (1, 2, 3, 4) and cache.max_len == 3
+    ptr = cache.k.data_ptr()
+    with torch.no_grad():
+        m(torch.randn(1, 5, 16), cache=cache)
+        for _ in range(35):
+            m(torch.randn(1, 1, 16), cache=cache)
+    assert len(cache) == 40  # the absolute position keeps counting
+    assert cache.k.shape == (1, 2, 3, 4) and cache.k.data_ptr() == ptr  # still W slots, same storage
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_past_the_window_equals_the_full_forward(kind, backend):
+    W = 4
+    m = make(kind, window=W, backend=backend, ctx=32)
+    x = torch.randn(2, 26, 16)
+    schedule = [6, 1, 1, 1, 3, 1, 7, 5, 1]  # prefill > W, steps, chunks shorter and longer than W, back to back
+    with torch.no_grad():
+        want = m(x)
+        got = decode(m, x, schedule, hw.KVCache.sliding(2, m.num_kv_heads, W, m.head_dim))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        linear = decode(m, x, schedule, hw.KVCache(2, m.num_kv_heads, 32, m.head_dim))  # a full cache works too
+        torch.testing.assert_close(linear, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+@given(
+    W=st.integers(1, 6), schedule=st.lists(st.integers(1, 9), min_size=1, max_size=7), Hkv=st.sampled_from([1, 4]),
+    pads=st.lists(st.integers(0, 3), min_size=2, max_size=2), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16),
+)
+def test_ring_buffer_matches_the_float64_reference_with_an_explicit_band(kind, W, schedule, Hkv, pads, backend, seed):
+    m = make(kind, Hkv=Hkv, window=W, backend=backend, ctx=64, dtype=torch.float64, seed=seed)
+    T = sum(schedule)
+    x = torch.randn(2, T, 16, dtype=torch.float64)
+    kpm = torch.arange(T) >= torch.tensor(pads).clamp(max=schedule[0])[:, None]  # (B, T) left padding in the prefill
+    with torch.no_grad():
+        got = decode(m, x, schedule, hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64), kpm)
+    want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), key_padding_mask=kpm)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_left_padded_sliding_decoding_equals_each_sequence_alone(backend):
+    W, P = 3, 5
+    m = make("mha", window=W, backend=backend, ctx=32)
+    lengths = [5, 2]
+    prompt, tokens = torch.randn(2, P, 16), torch.randn(2, 6, 16)
+    kpm = torch.arange(P) >= P - torch.tensor(lengths)[:, None]  # (B, P) True = real
+    with torch.no_grad():
+        cache = hw.KVCache.sliding(2, 4, W, 4)
+        out = [m(prompt, key_padding_mask=kpm, cache=cache)] + [m(tokens[:, i : i + 1], cache=cache) for i in range(6)]
+        got = torch.cat(out, dim=1)  # (B, P + 6, C)
+        assert not got.isnan().any()
+        for b, n in enumerate(lengths):
+            alone = torch.cat([prompt[b : b + 1, P - n :], tokens[b : b + 1]], dim=1)  # (1, n + 6, C)
+            torch.testing.assert_close(got[b : b + 1, P - n :], m(alone), atol=1e-5, rtol=0)
