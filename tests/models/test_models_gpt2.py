@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GPT2_SIZES
+from hf_checkpoints import GPT2_SIZES
 from models_reference import gpt2_logits
 
 from headwise.models import GPT2LMHeadModel
