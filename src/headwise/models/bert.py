@@ -17,7 +17,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from torch import Tensor, nn
 from .. import _checks
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: HuggingFace ``hidden_act`` -> ``nn.GELU(approximate=...)``.
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -228,7 +231,8 @@ class SentenceEncoder(nn.Module):
 
     Args:
         model: the encoder.
-        tokenizer: a ``tokenizers.Tokenizer`` (padding and truncation are set here).
+        tokenizer: a ``tokenizers.Tokenizer``; its padding (to the longest sentence, on the
+            right) and truncation (to ``max_seq_length``) are set here, in place.
         max_seq_length: longer sentences are truncated to this many tokens.
 
     Example:
@@ -237,7 +241,7 @@ class SentenceEncoder(nn.Module):
         >>> e @ e.T                                               # cosine similarities
     """
 
-    def __init__(self, model: BertModel, tokenizer: Any, *, max_seq_length: int = 256) -> None:
+    def __init__(self, model: BertModel, tokenizer: Tokenizer, *, max_seq_length: int = 256) -> None:
         super().__init__()
         self.model = model
         self.max_seq_length = min(_checks.positive_int("max_seq_length", max_seq_length), model.config.max_position_embeddings)
