@@ -173,9 +173,9 @@ def test_fully_masked_rows_are_zero_in_low_precision(backend, dtype):
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 def test_gradcheck(backend, kw, gqa):
     torch.manual_seed(3)
-    q = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, 2 if gqa else 4, 4, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 2 if gqa else 4, 4, 2, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(2, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1 if gqa else 2, 4, 2, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 1 if gqa else 2, 4, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: hw.attention(q, k, v, backend=backend, **kw), (q, k, v))
 
 
