@@ -155,6 +155,17 @@ def test_fully_masked_rows_are_zero_in_low_precision(backend, dtype):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows_stay_zero_under_dropout(backend, kind):
+    q, k, v, mask = _fully_masked_problem()
+    m = mask if kind == "bool" else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
+    out = hw.attention(q, k, v, mask=m, dropout_p=0.5, backend=backend)
+    assert not out.isnan().any() and (out[0, 0, 1] == 0).all() and (out[1, :, 0] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 # ----------------------------------------------------------------------------- gradients
 
 
