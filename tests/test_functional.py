@@ -370,3 +370,14 @@ def test_split_and_merge_heads_round_trip():
     for h in range(3):
         assert torch.equal(heads[:, h], x[..., 4 * h : 4 * (h + 1)])
     assert torch.equal(merge_heads(heads), x)
+
+
+def test_auto_uses_math_while_observed_and_reports_its_steps():
+    q, k, v = _qkv()
+    seen = []
+    with hw.observe(lambda name, t: seen.append(name)):
+        hw.attention(q, k, v, causal=True)
+    assert seen == ["scores", "masked_scores", "weights", "context"]
+    seen.clear()
+    hw.attention(q, k, v, causal=True)  # nobody observes: nothing reported
+    assert seen == []

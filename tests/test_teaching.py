@@ -102,13 +102,14 @@ def book_configs(draw):
         "tokens": draw(st.integers(1, context_length)),
         "batch": draw(st.integers(1, 3)),
         "seed": draw(st.integers(0, 2**31 - 1)),
+        "backend": draw(st.sampled_from(["math", "sdpa", "auto"])),
     }
 
 
 def _pair(cls_ours, cls_book, c: dict, d_out: int, with_heads: bool):
     args = (c["d_in"], d_out, c["context_length"], 0.0) + ((c["num_heads"],) if with_heads else ())
     torch.manual_seed(c["seed"])
-    ours = cls_ours(*args, c["qkv_bias"])
+    ours = cls_ours(*args, c["qkv_bias"], backend=c["backend"])
     torch.manual_seed(c["seed"])
     theirs = cls_book(*args, c["qkv_bias"])
     x = torch.rand(c["batch"], c["tokens"], c["d_in"], generator=torch.Generator().manual_seed(c["seed"]))
