@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from llms_from_scratch import ch03 as book
 from reference import reference_mha
@@ -124,18 +124,21 @@ def _same_parameters_same_numbers(ours: nn.Module, theirs: nn.Module, x: torch.T
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-5)
 
 
+@settings(max_examples=100)  # the book's claim: many configurations
 @given(c=book_configs())
 def test_mha_same_seed_same_numbers_as_the_book(c):
     ours, theirs, x = _pair(hw.MultiHeadAttention, book.MultiHeadAttention, c, c["num_heads"] * c["head_dim"], True)
     _same_parameters_same_numbers(ours, theirs, x)
 
 
+@settings(max_examples=100)  # the book's claim: many configurations
 @given(c=book_configs())
 def test_wrapper_same_seed_same_numbers_as_the_book(c):
     ours, theirs, x = _pair(hw.MultiHeadAttentionWrapper, book.MultiHeadAttentionWrapper, c, c["head_dim"], True)
     _same_parameters_same_numbers(ours, theirs, x)
 
 
+@settings(max_examples=100)  # the book's claim: many configurations
 @given(c=book_configs())
 def test_causal_attention_same_seed_same_numbers_as_the_book(c):
     ours, theirs, x = _pair(hw.CausalAttention, book.CausalAttention, c, c["head_dim"], False)
