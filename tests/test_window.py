@@ -74,15 +74,17 @@ def test_decoding_past_the_window_equals_the_full_forward(kind, backend):
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
 @given(
     W=st.integers(1, 6), schedule=st.lists(st.integers(1, 9), min_size=1, max_size=7), Hkv=st.sampled_from([1, 4]),
-    pads=st.lists(st.integers(0, 3), min_size=2, max_size=2), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16),
+    pads=st.lists(st.integers(0, 3), min_size=2, max_size=2), sliding=st.booleans(), backend=st.sampled_from(BACKENDS),
+    seed=st.integers(0, 2**16),
 )
-def test_ring_buffer_matches_the_float64_reference_with_an_explicit_band(kind, W, schedule, Hkv, pads, backend, seed):
+def test_windowed_decoding_matches_the_float64_reference_with_an_explicit_band(kind, W, schedule, Hkv, pads, sliding, backend, seed):
     m = make(kind, Hkv=Hkv, window=W, backend=backend, ctx=64, dtype=torch.float64, seed=seed)
     T = sum(schedule)
     x = torch.randn(2, T, 16, dtype=torch.float64)
     kpm = torch.arange(T) >= torch.tensor(pads).clamp(max=schedule[0])[:, None]  # (B, T) left padding in the prefill
     with torch.no_grad():
-        got = decode(m, x, schedule, hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64), kpm)
+        cache = hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64) if sliding else hw.KVCache(2, Hkv, T, 4, dtype=torch.float64)
+        got = decode(m, x, schedule, cache, kpm)
     want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), key_padding_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 

@@ -125,9 +125,13 @@ class KVCache:
 
         Returns:
             ``(keys, values, key_padding_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or
-            None, in time order (oldest first), where S counts the cached tokens plus the new
-            ones. Causal attention aligned bottom-right (``headwise.attention(causal=True)``)
-            over them equals attention over the whole sequence.
+            None (no stored position is padding), where S counts the cached tokens plus the new
+            ones (for a sliding cache, at most the last ``window`` of the cached ones). Causal
+            attention aligned bottom-right (``headwise.attention(causal=True, window=...)``)
+            over them equals attention over the whole sequence. They are in time order (oldest
+            first), except from a sliding cache given one new token: then the W slots come in
+            ring order, which a single query that sees all of them does not mind. The linear
+            cache returns views of its buffers (nothing is copied).
         """
         self._check(k, v, key_padding_mask)
         T = k.shape[2]
@@ -196,4 +200,12 @@ def cached_attention(
         if cache.window is not None and cache.window != window:
             raise ValueError(f"a sliding cache of window={cache.window} needs a module with window={cache.window}, got window={window}")
         k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hkv, S, D) x2, (B, S)
+        if window is not None and causal:
+            T = q.shape[2]
+            keep = window + T - 1  # the oldest query sees the last `window` keys up to itself; older ones, none
+            if k.shape[2] > keep:
+                k, v = k[:, :, -keep:], v[:, :, -keep:]  # (B, Hkv, keep, D) x2: views, nothing copied
+                key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, -keep:]  # (B, keep)
+            if T == 1:
+                window = None  # one query that sees every key left: no mask to build
     return attention(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend=backend)
