@@ -1,0 +1,188 @@
+"""The projections (Q/K/V, ``c_attn``, ``out_proj``) through oneDNN where the machine rewards it.
+
+``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels).
+On some CPUs, AMD's EPYC with AVX-512 among them, MKL runs fp32 GEMMs at about half the rate
+oneDNN's own kernels reach on the same cores, with the same float32 accuracy. ``linear`` sends a
+projection to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) when all of these hold:
+
+- the tensors are dense CPU float32 or bfloat16 tensors, all of one dtype;
+- torch has oneDNN and ``torch.backends.mkldnn.enabled`` is True (the user's switch is respected);
+- there are enough rows (``MIN_ROWS``) for a GEMM to dominate, i.e. not a decode step;
+- a one-time probe on this machine (``onednn_pays``) found oneDNN faster than ``F.linear``.
+
+Otherwise it is exactly ``F.linear``. Training works: a custom autograd Function computes
+grad_input = grad @ W and grad_weight = grad^T @ x with the same kernels. Outside autograd
+(``torch.no_grad``, inference mode, or nothing requires grad) the weight is reordered once into
+oneDNN's blocked layout and reused until the weight changes: the cache is keyed on the weight's
+storage pointer, ``_version`` (bumped by every in-place update: optimizer steps,
+``load_state_dict``), shape and dtype, so a packed weight is never stale.
+Nothing global is changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+MIN_ROWS = 32  # fewer rows (B*T) than this: a decode step, where F.linear's lower overhead wins
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _onednn_available() -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and mkldnn is not None
+        and hasattr(mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+    )
+
+
+def _lp(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN inner product: (..., K) x (N, K) [dense or packed] -> (..., N)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_pays(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's inner product beats ``F.linear`` on this machine for ``dtype``.
+
+    Measured once per process and dtype: a GPT-2-sized projection (512 x 768 -> 768), both
+    ways, interleaved, best of five each; oneDNN must win by 10% to be chosen. About 30 ms.
+    """
+    if dtype not in _DTYPES or not _onednn_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 768, generator=gen).to(dtype)  # (M, K)
+    w = torch.randn(768, 768, generator=gen).to(dtype)  # (N, K)
+    try:
+        with torch.no_grad():
+            _lp(x, w, None)
+            F.linear(x, w)
+            best = {"onednn": float("inf"), "torch": float("inf")}
+            for _ in range(5):
+                for name, fn in (("onednn", _lp), ("torch", F.linear)):
+                    start = time.perf_counter()
+                    fn(x, w, None)
+                    best[name] = min(best[name], time.perf_counter() - start)
+    except RuntimeError:  # a build whose oneDNN cannot run this dtype here
+        return False
+    return best["onednn"] < 0.9 * best["torch"]
+
+
+def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
+    if not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES):
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
+        return False
+    if x.layout != torch.strided or weight.layout != torch.strided or x.ndim < 1 or x.numel() < MIN_ROWS * x.shape[-1]:
+        return False
+    if not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
+        return False
+    return onednn_pays(x.dtype)
+
+
+class _Packed:
+    """One weight's oneDNN-blocked copy and the state of the weight it was made from."""
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self, key: tuple, packed: Tensor) -> None:
+        self.key = key
+        self.packed = packed
+
+
+_PACKED: dict[int, _Packed] = {}  # id(weight) -> its packed copy; an entry dies with its weight
+
+
+def _packed(weight: Tensor) -> Tensor:
+    """The weight reordered for oneDNN, remade whenever the weight changed since."""
+    if weight.is_inference():  # no version counter to watch: use it as it is, unpacked
+        return weight
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.dtype)
+    entry = _PACKED.get(id(weight))
+    if entry is None:
+        weakref.finalize(weight, _PACKED.pop, id(weight), None)
+    if entry is None or entry.key != key:
+        entry = _Packed(key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _PACKED[id(weight)] = entry
+    return entry.packed
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b with oneDNN forward and backward GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _lp(x, weight, bias)  # (..., N)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        N, K = weight.shape
+        grad2d = grad.reshape(-1, N)  # (M, N)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _lp(grad2d, weight.t(), None).view(x.shape)  # (M, N) x (N, K) -> (..., K)
+        if ctx.needs_input_grad[1]:
+            grad_w = _lp(grad2d.t(), x.reshape(-1, K).t(), None)  # (N, M) x (M, K) -> (N, K)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2d.sum(0)  # (N,)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` with the same numbers (to float32 rounding), faster where oneDNN pays.
+
+    Args:
+        x: (..., K) input, e.g. (B, T, C).
+        weight: (N, K), PyTorch's ``nn.Linear`` layout.
+        bias: (N,) or None.
+
+    Returns:
+        (..., N).
+
+    Example:
+        >>> lin = torch.nn.Linear(768, 2304)
+        >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
+        torch.Size([4, 128, 2304])
+    """
+    if not uses_onednn(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _OneDNNLinear.apply(x, weight, bias)  # (..., N)
+    return _lp(x, _packed(weight), None if bias is None else bias.detach())  # (..., N)
+
+
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """``layer(x)`` for a projection layer, through ``linear`` when the layer is a plain ``nn.Linear``.
+
+    A subclass, a replaced module (LoRA, quantised) or one with hooks is called as it is, so
+    whatever it adds still happens.
+
+    Args:
+        layer: usually an ``nn.Linear`` with weight (N, K).
+        x: (..., K).
+
+    Returns:
+        (..., N).
+    """
+    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or _global_module_hooks():
+        return layer(x)
+    return linear(x, layer.weight, layer.bias)  # (..., N)
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
