@@ -13,6 +13,7 @@ from . import _checks
 from .cache import KVCache, cached_attention
 from .config import GPT2Config
 from .functional import check_backend, merge_heads, split_heads
+from .linear import project
 from .observe import report
 
 
@@ -67,7 +68,7 @@ class GPT2MultiHeadAttention(nn.Module):
         past = len(cache) if cache is not None else 0
         _checks.context(t, past, self.config.n_positions, sliding=cache is not None and cache.window is not None)
         report("x", hidden_states)
-        qkv = self.c_attn(hidden_states)  # (B, T, C + 2*Hkv*D)
+        qkv = project(self.c_attn, hidden_states)  # (B, T, C + 2*Hkv*D)
         query, key, value = qkv.split([self.split_size, self.kv_size, self.kv_size], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
         report("queries", query)
         report("keys", key)
@@ -79,6 +80,6 @@ class GPT2MultiHeadAttention(nn.Module):
         context = cached_attention(
             query, key, value, cache, causal=True, window=self.window, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend
         )  # (B, H, T, D)
-        out = self.resid_dropout(self.c_proj(self._merge_heads(context, self.num_heads, self.head_dim)))  # (B, T, C)
+        out = self.resid_dropout(project(self.c_proj, self._merge_heads(context, self.num_heads, self.head_dim)))  # (B, T, C)
         report("output", out)
         return out

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from . import _checks
 from .cache import KVCache, cached_attention
 from .functional import check_backend, merge_heads, split_heads
+from .linear import project
 from .observe import report
 
 
@@ -102,9 +103,9 @@ class CausalAttention(_BookMask, nn.Module):
         b, num_tokens = _checks.tokens(x, self.d_in)
         _checks.key_padding_mask(key_padding_mask, b, num_tokens)
         _checks.context(num_tokens, 0, self.context_length, sliding=False)
-        queries = self.W_query(x).unsqueeze(1)  # (B, 1, T, d_out): one head
-        keys = self.W_key(x).unsqueeze(1)  # (B, 1, T, d_out)
-        values = self.W_value(x).unsqueeze(1)  # (B, 1, T, d_out)
+        queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
+        keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)
+        values = project(self.W_value, x).unsqueeze(1)  # (B, 1, T, d_out)
         p = self.dropout.p if self.training else 0.0
         context = cached_attention(
             queries, keys, values, None, causal=self.causal, window=None, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend
@@ -221,9 +222,9 @@ class MultiHeadAttention(_BookMask, nn.Module):
         past = len(cache) if cache is not None else 0
         _checks.context(num_tokens, past, self.context_length, sliding=cache is not None and cache.window is not None)
         report("x", x)
-        queries = self.W_query(x)  # (B, T, C)
-        keys = self.W_key(x)  # (B, T, Hkv*D)
-        values = self.W_value(x)  # (B, T, Hkv*D)
+        queries = project(self.W_query, x)  # (B, T, C)
+        keys = project(self.W_key, x)  # (B, T, Hkv*D)
+        values = project(self.W_value, x)  # (B, T, Hkv*D)
         report("queries", queries)
         report("keys", keys)
         report("values", values)
@@ -235,6 +236,6 @@ class MultiHeadAttention(_BookMask, nn.Module):
             queries, keys, values, cache,
             causal=self.causal, window=self.window, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend,
         )  # (B, H, T, D)
-        out = self.out_proj(merge_heads(context))  # (B, T, C)
+        out = project(self.out_proj, merge_heads(context))  # (B, T, C)
         report("output", out)
         return out
