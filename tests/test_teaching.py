@@ -392,3 +392,19 @@ def test_padded_batch_torch_gives_nan_we_give_zeros():
     torch.testing.assert_close(got[~dead], want[~dead], atol=1e-6, rtol=1e-5)
     # a query that sees nothing has a zero context, so only out_proj's bias remains
     torch.testing.assert_close(got[dead], ours.out_proj.bias.detach().expand(2, 8))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_an_all_padding_sequence_gives_zeros_not_nan(backend, causal):
+    torch.manual_seed(20)
+    mha = hw.MultiHeadAttention(3, 4, 6, 0.0, 2, causal=causal, backend=backend).eval()
+    head = hw.CausalAttention(3, 4, 6, 0.0, causal=causal, backend=backend).eval()
+    x = torch.rand(2, 4, 3, requires_grad=True)
+    kpm = torch.tensor([[True, True, True, False], [False] * 4])  # the second sequence is all padding
+    y = mha(x, key_padding_mask=kpm)
+    assert not y.isnan().any()
+    torch.testing.assert_close(y[1], mha.out_proj.bias.detach().expand(4, 4))  # zero context, then out_proj
+    assert (head(x, key_padding_mask=kpm)[1] == 0).all()
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all()
