@@ -137,13 +137,15 @@ def test_matches_hf_with_a_padding_mask(side):
     torch.testing.assert_close(got[~sees], ours.c_proj.bias.detach().expand(int((~sees).sum()), 64))
 
 
-def test_loads_a_layer_of_a_random_gpt2_model_with_legacy_buffers():
+@pytest.mark.parametrize("saved_prefix", ["", "transformer."])  # checkpoints are saved with or without it
+def test_loads_a_layer_of_a_random_gpt2_model_with_legacy_buffers(saved_prefix):
     config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=16, vocab_size=50, attn_pdrop=0.0, resid_pdrop=0.0)
     config._attn_implementation = "eager"
     torch.manual_seed(18)
     model = transformers.GPT2Model(config).eval()
     prefix = "h.1.attn."
-    state = {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    state = {saved_prefix + k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    prefix = saved_prefix + prefix
     state[prefix + "bias"] = torch.tril(torch.ones(1, 1, 16, 16, dtype=torch.bool))  # old checkpoints carry these
     state[prefix + "masked_bias"] = torch.tensor(-1e4)
     ours = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=32, n_head=4, n_positions=16)).eval()
