@@ -115,6 +115,11 @@ def test_crop_rewinds():
     torch.testing.assert_close(keys, torch.cat([k[:, :, :3], new], dim=2), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"length must be an int in \[0, len\(cache\)=4\], got 5"):
         cache.crop(5)
+    cache.reset()
+    cache.update(k[:, :, :3], k[:, :, :3], torch.tensor([[True, False, False]]))  # right padding
+    cache.crop(1)
+    _, _, kpm = cache.update(new, new)  # the dropped positions' padding is forgotten
+    assert kpm.tolist() == [[True, True]]
     with pytest.raises(ValueError, match=r"a sliding cache \(window=3\) cannot be cropped"):
         hw.KVCache.sliding(1, 1, 3, 2).crop(0)
 

@@ -97,7 +97,8 @@ class KVCache:
             raise ValueError(f"a sliding cache (window={self.window}) cannot be cropped: its older slots are overwritten")
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
-        self.real[:, length : self._len] = True
+        if self._padded:  # forget the dropped positions' padding (never padded: all True already)
+            self.real[:, length : self._len] = True
         self._len = length
         if length == 0:
             self._padded = False
@@ -136,7 +137,7 @@ class KVCache:
         self._check(k, v, key_padding_mask)
         T = k.shape[2]
         start = self._len
-        if key_padding_mask is not None and not bool(key_padding_mask.all()):
+        if key_padding_mask is not None and not self._padded and not bool(key_padding_mask.all()):  # one sync, then none
             self._padded = True
         if self.window is None:
             self.k[:, :, start : start + T] = k
