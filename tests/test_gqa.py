@@ -109,3 +109,28 @@ def test_sdpa_gets_the_kv_heads_unrepeated(monkeypatch, T):
         m(torch.randn(1, T, 16), cache=cache)
         m(torch.randn(1, 1, 16), cache=cache)
     assert seen == [(4, 2, 2, True), (4, 2, 2, True)]  # torch broadcasts the groups; no (B, H, S, D) copy
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_math_backend_never_builds_repeated_kv(T):
+    """No op in the math backend may produce a tensor as big as K repeated over the groups."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    B, Hkv, G, S, D = 1, 2, 4, 256, 8
+    q = torch.randn(B, Hkv * G, T, D)
+    k, v = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    with Largest() as seen:
+        got = hw.attention(q, k, v, causal=True, backend="math")
+    assert seen.numel < Hkv * G * S * D  # the scores (B, H, T, S) are the biggest thing made
+    want = hw.attention(q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), causal=True, backend="math")
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

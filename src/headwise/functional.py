@@ -140,8 +140,10 @@ def _scores(q: Tensor, k: Tensor) -> Tensor:
     """Raw scores q·k for every head; query head h uses key head h // (H // Hkv)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    q = q.view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, H/Hkv, T, D): the query heads of each group
-    scores = q @ k.unsqueeze(2).transpose(-2, -1)  # (B, Hkv, H/Hkv, T, S)
+    # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
+    # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
+    q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
+    scores = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
     return scores.view(B, H, T, S)  # (B, H, T, S)
 
 
@@ -180,8 +182,8 @@ def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
     weights = _softmax_weights(q, k, mask, is_causal, scale).to(v.dtype)  # (B, H, T, S)
     if dropout_p > 0.0:
         weights = F.dropout(weights, dropout_p)
-    weights = weights.view(B, Hkv, H // Hkv, T, S)  # (B, Hkv, H/Hkv, T, S)
-    context = weights @ v.unsqueeze(2)  # (B, Hkv, H/Hkv, T, Dv)
+    weights = weights.reshape(B, Hkv, (H // Hkv) * T, S)  # (B, Hkv, G*T, S): each group's rows, as in _scores
+    context = weights @ v  # (B, Hkv, G*T, Dv): v read in place, never repeated
     return context.view(B, H, T, Dv)  # (B, H, T, Dv)
 
 
