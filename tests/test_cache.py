@@ -194,6 +194,17 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
         torch.testing.assert_close(got[2, : P - 1], bias.expand(P - 1, 16), atol=1e-6, rtol=0)
 
 
+def test_gpt2_small_width_decoding_equals_the_full_forward():
+    """At GPT-2 small's width the projections may take other kernels for one row than for many
+    (headwise.linear); decoding must still equal the full forward."""
+    torch.manual_seed(1)
+    m = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0)).eval()
+    x = torch.randn(1, 40, 768)
+    with torch.no_grad():
+        got = decode(m, x, [33, 1, 1, 5], new_cache(m, 1, 40))
+        torch.testing.assert_close(got, m(x), atol=1e-5, rtol=0)
+
+
 def test_gqa_cache_holds_only_the_kv_heads():
     m = make("gpt2", H=4, Hkv=2)
     cache = new_cache(m, 1, 8)
