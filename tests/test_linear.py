@@ -117,6 +117,7 @@ def test_falls_back_to_f_linear_where_onednn_does_not_apply(onednn):
     assert not hl.uses_onednn(x.double(), w.double(), b.double())  # float64: oneDNN has none
     assert not hl.uses_onednn(x[:, :2], w, b)  # 4 rows: a decode step
     assert not hl.uses_onednn(x, w.bfloat16(), b)  # mixed dtypes: F.linear raises its own error
+    assert not hl.uses_onednn(x, torch.randn(72, 160)[:, :80], b)  # a sliced weight: oneDNN's slow path
     with torch.backends.mkldnn.flags(enabled=False):  # the user's switch
         assert not hl.uses_onednn(x, w, b)
     torch.testing.assert_close(hl.linear(x.double(), w.double(), b.double()), F.linear(x.double(), w.double(), b.double()), rtol=0, atol=0)
