@@ -1,0 +1,85 @@
+"""A seconds-long smoke of the benchmark harness (benchmarks are not tests: no timing asserted)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from headwise import bench
+
+
+def tiny(**kw):
+    args = {"presets": ("tiny",), "tokens": (16,), "batch": 2, "repeats": 2, "warmup": 1, "ceiling": False}
+    return bench.run(**(args | kw))
+
+
+def test_forward_and_backward_rows_for_every_implementation():
+    report = tiny(modes=("forward", "backward"), impls=("headwise GPT2MultiHeadAttention", "nn.Multi"))
+    names = {r.impl for r in report.rows}
+    assert names == {"headwise GPT2MultiHeadAttention", "headwise GPT2MultiHeadAttention (math)",
+                     "nn.MultiheadAttention (bias, mask)", "nn.MultiheadAttention (no bias, is_causal)"}
+    assert len(report.rows) == 8
+    for row in report.rows:
+        assert row.note == "" and row.repeats == 2
+        assert 0 < row.q1_s <= row.median_s <= row.q3_s
+        assert row.gflops == pytest.approx(row.case.flops(row.mode) / row.median_s / 1e9)
+    assert bench.fastest_peer(report, "forward", report.rows[0].case).peer
+    text = bench.markdown(report)
+    assert "| forward: case |" in text and "| backward: case |" in text and "**headwise GPT2MultiHeadAttention**" in text
+
+
+def test_useful_flops_count_causal_attention_at_half():
+    case = bench.Case("small", 4, 1024)
+    B, T, C = 4, 1024, 768
+    assert case.flops("forward") == 2 * B * T * C * 4 * C + 2 * B * T * T * C
+    assert case.flops("forward", out_proj=False) == 2 * B * T * C * 3 * C + 2 * B * T * T * C
+    assert case.flops("backward") == 3 * case.flops("forward")
+
+
+def test_classes_that_would_materialise_huge_scores_are_skipped_with_a_reason():
+    rows = bench.time_case(bench.select(["book MultiHeadAttention"]), bench.Case("tiny", 1, 64), "forward", repeats=1, max_scores_gib=1e-9)
+    assert rows[0].median_s is None and "scores need" in rows[0].note
+
+
+def test_default_selection_leaves_out_torch_compile():
+    names = [i.name for i in bench.select()]
+    assert "headwise MultiHeadAttention" in names and not any("torch.compile" in n for n in names)
+
+
+def test_ceiling_and_machine():
+    ceilings = bench.measure_ceiling("fp32", size=64, repeats=1)
+    assert ceilings and all(c.gflops > 0 for c in ceilings)
+    assert "cores" in bench.machine() and "torch" in bench.machine()
+
+
+def test_memory_child_reports_a_peak():
+    result = bench._memory_child("headwise GPT2MultiHeadAttention", bench.Case("tiny", 1, 16))
+    assert result["peak_mib"] >= 0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"modes must be among .*got \['sideways'\]"):
+        tiny(modes=("sideways",))
+    with pytest.raises(ValueError, match=r"presets must be among"):
+        tiny(presets=("huge",))
+    with pytest.raises(ValueError, match=r"impls \['nothing-like-this'\] match no implementation"):
+        bench.select(["nothing-like-this"])
+    with pytest.raises(ValueError, match=r"tokens, batch and repeats must be positive"):
+        tiny(tokens=(0,))
+
+
+def test_cli_module_prints_a_table_and_writes_plot_and_json(tmp_path):
+    png, js = tmp_path / "b.png", tmp_path / "b.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "headwise.bench", "--preset", "tiny", "--tokens", "16", "--batch", "1", "--repeats", "1",
+         "--warmup", "0", "--no-ceiling", "--modes", "forward,memory", "--impls", "headwise GPT2,nn.MultiheadAttention (no bias",
+         "--plot", str(png), "--json", str(js)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| forward: case |" in proc.stdout and "| memory: case |" in proc.stdout
+    assert png.stat().st_size > 0
+    data = json.loads(js.read_text())
+    assert {r["mode"] for r in data["rows"]} == {"forward", "memory"}
+    assert "[" in proc.stderr  # the progress bar
