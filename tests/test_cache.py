@@ -48,11 +48,12 @@ def weights(m) -> dict:
     }
 
 
-def decode(m, x, schedule, cache, key_padding_mask=None):
-    """Feed x (B, T, C) through m in chunks of the given sizes; the mask goes with the first chunk only."""
+def decode(m, x, schedule, cache, key_padding_mask=None, every_chunk=False):
+    """Feed x (B, T, C) through m in chunks of the given sizes; each chunk's part of the mask goes
+    with it if every_chunk, else the mask goes with the first chunk only (the rest must be real)."""
     outs, start = [], 0
     for i, n in enumerate(schedule):
-        kpm = key_padding_mask[:, start : start + n] if (key_padding_mask is not None and i == 0) else None
+        kpm = key_padding_mask[:, start : start + n] if (key_padding_mask is not None and (i == 0 or every_chunk)) else None
         outs.append(m(x[:, start : start + n], key_padding_mask=kpm, cache=cache))
         start += n
     return torch.cat(outs, dim=1)  # (B, T, C)
@@ -167,6 +168,19 @@ def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, l
     with torch.no_grad():
         got = decode(m, x, schedule, new_cache(m, B, 32, torch.float64), kpm)
         want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, key_padding_mask=kpm)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@given(schedule=st.lists(st.integers(1, 4), min_size=2, max_size=5), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16))
+def test_padding_given_with_any_chunk_is_remembered(schedule, backend, seed):
+    m = make("gpt2", Hkv=2, ctx=32, backend=backend, dtype=torch.float64, seed=seed)
+    T = sum(schedule)
+    x = torch.randn(3, T, 16, dtype=torch.float64)
+    kpm = torch.rand(3, T, generator=torch.Generator().manual_seed(seed)) > 0.3  # (B, T) padding anywhere, any chunk
+    with torch.no_grad():
+        got = decode(m, x, schedule, new_cache(m, 3, 32, torch.float64), kpm, every_chunk=True)
+        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=2, causal=True, key_padding_mask=kpm)
+    assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
