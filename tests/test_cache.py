@@ -99,6 +99,11 @@ def test_full_cache_and_bad_writes_are_clear_errors():
         cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, T\) = \(1, 1\), got \(1, 2\)"):
         cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3), torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"k and v must hold the same tokens, got T=1 keys and T=2 values"):
+        cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 2, 3))
+    with pytest.raises(ValueError, match=r"cache lives on cpu; k is on meta"):
+        cache.update(torch.randn(1, 2, 1, 3, device="meta"), torch.randn(1, 2, 1, 3))
+    assert len(cache) == 3  # still nothing written
     with pytest.raises(ValueError, match=r"max_len must be a positive int, got 0"):
         hw.KVCache(1, 2, 0, 3)
     with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 1.5"):

@@ -110,6 +110,10 @@ class KVCache:
                 raise ValueError(f"cache holds (B={B}, Hkv={Hkv}, *, D={D}); {name} has shape {tuple(t.shape)}")
             if t.dtype != self.k.dtype:
                 raise TypeError(f"cache holds {self.k.dtype}; {name} is {t.dtype}")
+            if t.device != self.k.device:
+                raise ValueError(f"cache lives on {self.k.device}; {name} is on {t.device}")
+        if v.shape[2] != k.shape[2]:
+            raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
         if key_padding_mask is not None and (not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool):
             raise TypeError("key_padding_mask must be a bool tensor (True = real token)")
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, k.shape[2]):
