@@ -207,3 +207,28 @@ def test_bf16_end_to_end_within_2x_of_a_plain_bf16_implementation(onednn, kind):
         ctx = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(2, 32, 64)  # (B, T, C)
         plain = F.linear(ctx, w[6], w[7])
     assert rel_err(out, ref) <= 2 * rel_err(plain, ref)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_project_many_fuses_without_grad_and_follows_changes(onednn, bias):
+    x = make()[0]
+    layers = [torch.nn.Linear(80, n, bias=bias) for n in (72, 40, 40)]
+
+    def check(grad):
+        with torch.set_grad_enabled(grad):
+            outs = hl.project_many(layers, x)
+        assert [o.shape[-1] for o in outs] == [72, 40, 40]
+        for out, layer in zip(outs, layers, strict=True):
+            assert rel_err(out, ref_linear(x, layer.weight, layer.bias)) < 1e-6
+        return outs
+
+    fused = check(False)
+    assert fused[0].data_ptr() + 72 * 4 == fused[1].data_ptr()  # views of one GEMM's output
+    with torch.no_grad():
+        layers[1].weight.mul_(-2.0)
+    check(False)
+    layers[2].load_state_dict(torch.nn.Linear(80, 40, bias=bias).state_dict())
+    check(False)
+    separate = check(True)  # with autograd: one differentiable call per layer
+    assert all(o.requires_grad for o in separate)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,7 @@ class _Packed:
 
     __slots__ = ("key", "packed")
 
-    def __init__(self, key: tuple, packed: Tensor) -> None:
+    def __init__(self, key: tuple, packed: Tensor | tuple[Tensor, Tensor | None]) -> None:
         self.key = key
         self.packed = packed
 
@@ -119,6 +120,26 @@ def _packed(weight: Tensor) -> Tensor:
     if entry is None or entry.key != key:
         entry = _Packed(key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
         _PACKED[id(weight)] = entry
+    return entry.packed
+
+
+_PACKED_CAT: dict[tuple[int, ...], _Packed] = {}  # ids of the weights -> their concatenation, packed
+
+
+def _packed_cat(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """The weights stacked into one (sum N, K) weight, packed, with their biases stacked; remade on any change."""
+    tensors = [t for t in (*weights, *biases) if t is not None]
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+    ids = tuple(id(w) for w in weights)
+    entry = _PACKED_CAT.get(ids)
+    if entry is None:
+        for w in weights:
+            weakref.finalize(w, _PACKED_CAT.pop, ids, None)
+    if entry is None or entry.key != key:
+        stacked = torch.cat([w.detach() for w in weights])  # (sum N, K)
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # (sum N,)
+        entry = _Packed(key, (torch.ops.mkldnn._reorder_linear_weight(stacked, None), bias))
+        _PACKED_CAT[ids] = entry
     return entry.packed
 
 
@@ -183,9 +204,42 @@ def project(layer: nn.Module, x: Tensor) -> Tensor:
     Returns:
         (..., N).
     """
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or _global_module_hooks():
+    if not _plain(layer):
         return layer(x)
     return linear(x, layer.weight, layer.bias)  # (..., N)
+
+
+def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
+    """``[project(layer, x) for layer in layers]``, as one GEMM where that is safe and pays.
+
+    When every layer is a plain, hook-free ``nn.Linear`` on the oneDNN path, all with a bias
+    or all without, and no gradient is wanted, the weights are stacked and packed once (remade
+    when any of them changes) and x is read once: one call instead of, say, three for Q, K, V.
+    The results are then views of one (..., sum N) tensor. Otherwise each layer runs alone.
+
+    Args:
+        layers: layers with weights (N_i, K).
+        x: (..., K).
+
+    Returns:
+        one (..., N_i) tensor per layer.
+    """
+    linears = [layer for layer in layers if _plain(layer)]
+    fused = len(linears) == len(layers) > 1 and not (torch.is_grad_enabled() and (x.requires_grad or any(
+        p.requires_grad for layer in linears for p in layer.parameters())))
+    if fused:
+        biases = [layer.bias for layer in linears]
+        fused = all(b is None for b in biases) or all(b is not None for b in biases)
+        fused = fused and all(not layer.weight.is_inference() and uses_onednn(x, layer.weight, layer.bias) for layer in linears)
+    if not fused:
+        return [project(layer, x) for layer in layers]
+    weight, bias = _packed_cat([layer.weight for layer in linears], biases)
+    y = _lp(x, weight, bias)  # (..., sum N)
+    return list(y.split([layer.out_features for layer in linears], dim=-1))  # (..., N_i) each
+
+
+def _plain(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and not layer._forward_hooks and not layer._forward_pre_hooks and not _global_module_hooks()
 
 
 def _global_module_hooks() -> bool:
