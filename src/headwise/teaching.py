@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import _checks
 from .cache import KVCache, cached_attention
 from .functional import check_backend, merge_heads, split_heads
-from .linear import project
+from .linear import project, project_many
 from .observe import report
 
 
@@ -222,9 +222,7 @@ class MultiHeadAttention(_BookMask, nn.Module):
         past = len(cache) if cache is not None else 0
         _checks.context(num_tokens, past, self.context_length, sliding=cache is not None and cache.window is not None)
         report("x", x)
-        queries = project(self.W_query, x)  # (B, T, C)
-        keys = project(self.W_key, x)  # (B, T, Hkv*D)
-        values = project(self.W_value, x)  # (B, T, Hkv*D)
+        queries, keys, values = project_many((self.W_query, self.W_key, self.W_value), x)  # (B, T, C), (B, T, Hkv*D) x2
         report("queries", queries)
         report("keys", keys)
         report("values", values)
