@@ -213,11 +213,15 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
         torch.testing.assert_close(got[2, : P - 1], bias.expand(P - 1, 16), atol=1e-6, rtol=0)
 
 
-def test_gpt2_small_width_decoding_equals_the_full_forward():
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+def test_gpt2_small_width_decoding_equals_the_full_forward(kind):
     """At GPT-2 small's width the projections may take other kernels for one row than for many
     (headwise.linear); decoding must still equal the full forward."""
     torch.manual_seed(1)
-    m = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0)).eval()
+    if kind == "mha":
+        m = hw.MultiHeadAttention(768, 768, 64, 0.0, num_heads=12, qkv_bias=True).eval()
+    else:
+        m = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0)).eval()
     x = torch.randn(1, 40, 768)
     with torch.no_grad():
         got = decode(m, x, [33, 1, 1, 5], new_cache(m, 1, 40))
