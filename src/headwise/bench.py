@@ -13,8 +13,8 @@ projection (the book's wrapper has none). Fairness rules:
   True = may NOT attend, its convention), ``need_weights=False`` and no projection on top;
 - transformers' ``GPT2Attention`` eager gets the additive causal mask its model would build
   (once, outside the timer); its sdpa variant needs none (``is_causal``);
-- "memory" runs each case in a fresh subprocess and reports max RSS after one forward minus
-  max RSS just before it (module and input already built);
+- "memory" runs each case in a fresh subprocess and reports the max RSS during one forward
+  minus the RSS just before it (module and input already built);
 - the machine's ceiling is measured in the same run: the best GEMM rate torch reaches here
   per dtype (``F.linear``'s BLAS and oneDNN's inner product), so achieved GFLOP/s can be
   read as a share of what the cores can do.
@@ -264,7 +264,7 @@ def _missing(impl: Impl) -> str:
 def _too_big(impl: Impl, case: Case, max_scores_gib: float) -> str:
     if not impl.scores:
         return ""
-    gib = 2 * case.batch * case.heads * case.tokens**2 * torch.finfo(DTYPES[case.dtype]).bits / 8 / 2**30  # scores + softmax
+    gib = 3 * case.batch * case.heads * case.tokens**2 * torch.finfo(DTYPES[case.dtype]).bits / 8 / 2**30  # scores, masked, softmax
     return f"skipped: its (B, H, T, T) scores need ~{gib:.1f} GiB (> --max-scores-gib {max_scores_gib:g})" if gib > max_scores_gib else ""
 
 
@@ -389,19 +389,44 @@ def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3) -> list[C
 # ----------------------------------------------------------------------------- memory
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def _status_mib(field_name: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Linux: make VmHWM (max RSS) start again from the current RSS; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_mib("VmHWM") is not None
 
 
 def _memory_child(name: str, case: Case) -> dict:
-    """Runs in the subprocess: build, then one forward; max RSS after minus before."""
+    """Runs in the subprocess: build, then one forward; max RSS during it minus RSS before.
+
+    Linux resets the max-RSS mark just before the forward (imports and construction may have
+    peaked higher than the forward itself); elsewhere ``ru_maxrss`` after minus before.
+    """
     impl = next(i for i in IMPLS if i.name == name)
     _module, call, x = _prepare(impl, case)
     gc.collect()
-    before = _maxrss_mib()
+    if _reset_peak():
+        before, peak = _status_mib("VmRSS") or 0.0, lambda: _status_mib("VmHWM") or 0.0
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux (bytes on macOS)
+        peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731
     with torch.no_grad():
         call(x)
-    return {"peak_mib": _maxrss_mib() - before}
+    return {"peak_mib": peak() - before}
 
 
 def memory_case(impls: Sequence[Impl], case: Case, *, max_scores_gib: float = 8.0, progress: Progress | None = None) -> list[Row]:
@@ -563,7 +588,7 @@ def markdown(report: Report) -> str:
         fields = list(asdict(report.decode[0]))
         out += ["| decode: " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
         for d in report.decode:
-            vals = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in asdict(d).values()]
+            vals = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in asdict(d).values()]
             out.append("| " + " | ".join(vals) + " |")
         out.append("")
     return "\n".join(out)
