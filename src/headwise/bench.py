@@ -230,7 +230,7 @@ IMPLS: list[Impl] = [
     Impl("headwise GPT2MultiHeadAttention", False, _headwise_gpt2("auto")),
     Impl("headwise GPT2MultiHeadAttention (math)", False, _headwise_gpt2("math"), scores=True),
     Impl("book MultiHeadAttention", True, _book(False), scores=True, needs="llms_from_scratch"),
-    Impl("book MultiHeadAttentionWrapper", True, _book(True), scores=True, out_proj=False, needs="llms_from_scratch"),
+    Impl("book MultiHeadAttentionWrapper", True, _book(True), out_proj=False, needs="llms_from_scratch"),  # one head's scores at a time
     Impl("nn.MultiheadAttention (bias, mask)", True, _torch_mha(True, False)),
     Impl("nn.MultiheadAttention (no bias, is_causal)", True, _torch_mha(False, True)),
     Impl("transformers GPT2Attention eager", True, _transformers("eager"), scores=True, needs="transformers"),
