@@ -25,6 +25,8 @@ def test_forward_and_backward_rows_for_every_implementation():
         assert 0 < row.q1_s <= row.median_s <= row.q3_s
         assert row.gflops == pytest.approx(row.case.flops(row.mode) / row.median_s / 1e9)
     assert bench.fastest_peer(report, "forward", report.rows[0].case).peer
+    lines = bench.summary(report).splitlines()
+    assert "headwise GPT2MultiHeadAttention" in lines[0] and len(lines) == 4  # header, rule, forward, backward
     text = bench.markdown(report)
     assert "| forward: case |" in text and "| backward: case |" in text and "**headwise GPT2MultiHeadAttention**" in text
 

@@ -594,6 +594,32 @@ def markdown(report: Report) -> str:
     return "\n".join(out)
 
 
+def summary(report: Report) -> str:
+    """One line per (mode, case): each headwise module against the fastest peer, as a ratio."""
+    ours = [name for name in dict.fromkeys(r.impl for r in report.rows if not r.peer) if "(" not in name]  # default backends
+    out = ["| mode | case | fastest peer | its value | " + " | ".join(f"{n}" for n in ours) + " |",
+           "|---|---|---|---:|" + "---:|" * len(ours)]
+    for mode in MODES[:3]:
+        key = "peak_mib" if mode == "memory" else "median_s"
+        cases = list(dict.fromkeys(r.case for r in report.rows if r.mode == mode))
+        for case in cases:
+            best = fastest_peer(report, mode, case)
+            if best is None:
+                continue
+            if mode == "memory":  # the memory target compares with the fused reference, not the leanest peer
+                best = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl.startswith("fused Linear")
+                             and r.peak_mib is not None), best)
+            cells = []
+            for name in ours:
+                row = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl == name), None)
+                value = getattr(row, key) if row else None
+                cells.append(f"{value / getattr(best, key):.2f}x" if value is not None else "")
+            unit = f"{best.peak_mib:.0f} MiB" if mode == "memory" else f"{best.median_s:.4f} s"
+            label = f"{case.preset} B={case.batch} T={case.tokens} {case.dtype}"
+            out.append(f"| {mode} | {label} | {best.impl} | {unit} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def plot(report: Report, path: str) -> None:
     """One panel per timed mode: median seconds per implementation (lines over T, or bars)."""
     import matplotlib
@@ -679,6 +705,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.stderr.write("\n")
     report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(report)
+    if report.rows:
+        text += "\nSummary (time or memory of each headwise module / the fastest peer's; memory: / the fused reference's):\n\n"
+        text += summary(report) + "\n"
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
