@@ -269,8 +269,9 @@ def _too_big(impl: Impl, case: Case, max_scores_gib: float) -> str:
 
 
 def _prepare(impl: Impl, case: Case, seed: int = 0) -> tuple[nn.Module, Callable[[Tensor], Tensor], Tensor]:
-    torch.manual_seed(seed)
-    module, call = impl.build(case)
+    with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
+        torch.manual_seed(seed)
+        module, call = impl.build(case)
     module.to(DTYPES[case.dtype]).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(case.batch, case.tokens, case.width, generator=gen).to(DTYPES[case.dtype])  # (B, T, C)

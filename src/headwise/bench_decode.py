@@ -177,8 +177,9 @@ def decode_latency(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    layers = nn.ModuleList(GPT2MultiHeadAttention(config, backend=backend) for _ in range(n_layer)).eval()
+    with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(GPT2MultiHeadAttention(config, backend=backend) for _ in range(n_layer)).eval()
     hf_layers = _hf_stack(layers, config) if hf else None
     rows = []
     with torch.inference_mode():
