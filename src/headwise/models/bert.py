@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
+from ..linear import project
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
 
@@ -99,7 +100,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, key_padding_mask=key_padding_mask)))  # (B, T, C)
-        return self.output_norm(x + self.dropout(self.output(self.act(self.intermediate(x)))))  # (B, T, I) inside, (B, T, C) out
+        return self.output_norm(x + self.dropout(project(self.output, self.act(project(self.intermediate, x)))))  # (B, T, I) inside, (B, T, C) out
 
 
 class BertEmbeddings(nn.Module):

@@ -18,6 +18,7 @@ from ..cache import KVCache
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer
 from ..fused import GPT2MultiHeadAttention
+from ..linear import project
 from . import _inputs, loading
 
 #: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
@@ -35,7 +36,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, 4C) inside, (B, T, C) out
+        return self.dropout(project(self.c_proj, self.act(project(self.c_fc, x))))  # (B, T, 4C) inside, (B, T, C) out
 
 
 class Block(nn.Module):
