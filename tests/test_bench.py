@@ -56,7 +56,9 @@ def test_ceiling_and_machine():
 
 
 def test_memory_child_reports_a_peak():
-    result = bench._memory_child("headwise GPT2MultiHeadAttention", bench.Case("tiny", 1, 16))
+    from headwise.bench.memory import memory_child
+
+    result = memory_child("headwise GPT2MultiHeadAttention", bench.Case("tiny", 1, 16))
     assert result["peak_mib"] >= 0
 
 

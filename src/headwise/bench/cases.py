@@ -1,0 +1,82 @@
+"""What a benchmark run is made of: presets, cases, result rows, ceilings and the report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+PRESETS: dict[str, tuple[int, int]] = {"small": (768, 12), "medium": (1024, 16), "tiny": (64, 4)}  # name -> (C, H)
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ("forward", "backward", "memory", "decode")
+
+Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape: ``preset`` names (C, H); B sequences of T tokens in ``dtype`` ("fp32" / "bf16")."""
+
+    preset: str
+    batch: int
+    tokens: int
+    dtype: str = "fp32"
+
+    @property
+    def width(self) -> int:
+        return PRESETS[self.preset][0]
+
+    @property
+    def heads(self) -> int:
+        return PRESETS[self.preset][1]
+
+    @property
+    def label(self) -> str:
+        return f"{self.preset} B={self.batch} T={self.tokens} {self.dtype}"
+
+    def flops(self, mode: str, out_proj: bool = True) -> float:
+        """Useful FLOPs of one call in ``mode`` (causal attention at half)."""
+        B, T, C = self.batch, self.tokens, self.width
+        forward = 2 * B * T * C * (3 * C + (C if out_proj else 0)) + 2 * B * T * T * C
+        return 3 * forward if mode == "backward" else forward
+
+
+@dataclass(frozen=True)
+class Row:
+    """One implementation in one case and mode. ``note`` says why a row has no numbers."""
+
+    impl: str
+    peer: bool
+    mode: str
+    case: Case
+    median_s: float | None = None
+    q1_s: float | None = None
+    q3_s: float | None = None
+    repeats: int = 0
+    gflops: float | None = None
+    pct_of_ceiling: float | None = None
+    peak_mib: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The rate of a large GEMM (2048^3) in ``dtype`` through one of torch's paths."""
+
+    dtype: str
+    path: str
+    gflops: float
+
+
+@dataclass
+class Report:
+    machine: str
+    ceilings: list[Ceiling] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    decode: list = field(default_factory=list)  # rows from headwise.bench_decode, when it exists
+    command: str = ""
+
+    def ceiling(self, dtype: str) -> float | None:
+        rates = [c.gflops for c in self.ceilings if c.dtype == dtype]
+        return max(rates) if rates else None

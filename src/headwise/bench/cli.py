@@ -1,0 +1,78 @@
+"""``headwise bench`` / ``python -m headwise.bench``: parse, run, print the Markdown table, plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from .cases import MODES, PRESETS, Case
+from .harness import run
+from .memory import memory_child
+from .peers import IMPLS
+from .report import markdown, plot, summary
+
+
+def _bar(done: int, total: int, what: str) -> None:
+    width = 24
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:90]:<90}")
+    sys.stderr.flush()
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t]
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``headwise bench``: parse, run, print the Markdown table, write the plot (and JSON)."""
+    p = argparse.ArgumentParser(prog="headwise bench", description="Benchmarks: headwise against the peers, side by side, on this machine.")
+    p.add_argument("--preset", type=_names, default=["small"], help=f"comma list of {list(PRESETS)} (default small)")
+    p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024)")
+    p.add_argument("--batch", type=int, default=4, help="B (default 4)")
+    p.add_argument("--dtype", type=_names, default=["fp32"], help="comma list of fp32,bf16 (default fp32)")
+    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {list(MODES)} (default forward,backward)")
+    p.add_argument("--impls", type=_names, default=None, help="comma list of name substrings (default: all but torch.compile)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-scores-gib", type=float, default=8.0, help="skip classes whose (B, H, T, T) scores need more")
+    p.add_argument("--no-ceiling", action="store_true", help="skip measuring the GEMM ceiling")
+    p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
+    p.add_argument("--json", help="write the raw report here")
+    p.add_argument("--list", action="store_true", help="list the implementations and exit")
+    p.add_argument("--_memory-child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._memory_child:
+        spec = json.loads(args._memory_child)
+        print(json.dumps(memory_child(spec["impl"], Case(**spec["case"]))))
+        return
+    if args.list:
+        print("\n".join(f"{'peer    ' if i.peer else 'headwise'} {i.name}" for i in IMPLS))
+        return
+    report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
+                 repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
+                 progress=_bar)
+    sys.stderr.write("\n")
+    report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = markdown(report)
+    if report.rows:
+        text += "\nSummary (time or memory of each headwise module / the fastest peer's; memory: / the fused reference's):\n\n"
+        text += summary(report) + "\n"
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": report.machine, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
+                       "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"\nplot: {args.plot}")

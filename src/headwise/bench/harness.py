@@ -1,0 +1,102 @@
+"""The run: every requested (mode, preset, tokens, dtype) case, and a description of the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+
+import torch
+
+from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
+from .memory import memory_case
+from .peers import select
+from .timing import measure_ceiling, time_case
+
+
+def machine() -> str:
+    """CPU model, cores, torch threads, vector ISA and the bf16 instructions, torch version."""
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    isa = torch.backends.cpu.get_cpu_capability()
+    return (f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, {isa}"
+            f"{', ' + ', '.join(extras) if extras else ''}), Python {platform.python_version()}")
+
+
+def run(
+    *,
+    presets: Sequence[str] = ("small",),
+    tokens: Sequence[int] = (1024,),
+    batch: int = 4,
+    dtypes: Sequence[str] = ("fp32",),
+    modes: Sequence[str] = ("forward", "backward"),
+    impls: Sequence[str] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    max_scores_gib: float = 8.0,
+    ceiling: bool = True,
+    progress: Progress | None = None,
+) -> Report:
+    """Run every requested (mode, preset, tokens, dtype) case; see the module docstring.
+
+    Args:
+        presets: names in ``PRESETS`` ("small" = GPT-2 small's C=768, H=12; "medium" = 1024, 16).
+        tokens: T values; each case has ``batch`` sequences of T tokens.
+        dtypes: "fp32", "bf16".
+        modes: any of "forward", "backward" (forward + backward), "memory", "decode".
+        impls: substrings of implementation names (default: all but torch.compile).
+        repeats, warmup: timed and untimed calls per implementation and case.
+        max_scores_gib: skip implementations whose (B, H, T, T) scores need more.
+        ceiling: measure the machine's GEMM ceiling per dtype first.
+
+    Returns:
+        A ``Report``.
+    """
+    for name, values, valid in (("presets", presets, PRESETS), ("dtypes", dtypes, DTYPES), ("modes", modes, MODES)):
+        bad = [v for v in values if v not in valid]
+        if bad:
+            raise ValueError(f"{name} must be among {list(valid)}, got {bad}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens) or batch < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"tokens, batch and repeats must be positive ints and warmup >= 0, got {list(tokens)}, {batch}, {repeats}, {warmup}")
+    chosen = select(impls)
+    report = Report(machine())
+    if ceiling:
+        for dtype in dtypes:
+            report.ceilings += measure_ceiling(dtype)
+    for mode in modes:
+        if mode == "decode":
+            report.decode += _decode(presets, repeats)
+            continue
+        for preset in presets:
+            for dtype in dtypes:
+                for t in tokens:
+                    case = Case(preset, batch, t, dtype)
+                    if mode == "memory":
+                        report.rows += memory_case(chosen, case, max_scores_gib=max_scores_gib, progress=progress)
+                    else:
+                        report.rows += time_case(chosen, case, mode, repeats=repeats, warmup=warmup, max_scores_gib=max_scores_gib,
+                                                 ceiling=report.ceiling(dtype), progress=progress)
+    return report
+
+
+def _decode(presets: Sequence[str], repeats: int) -> list:
+    try:
+        from ..bench_decode import decode_latency
+    except ImportError:
+        return []
+    rows = []
+    for preset in presets:
+        width, heads = PRESETS[preset]
+        rows += decode_latency(n_embd=width, n_head=heads, repeats=repeats)
+    return rows

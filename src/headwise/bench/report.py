@@ -1,0 +1,118 @@
+"""The report as text and pictures: Markdown tables, a one-line-per-case summary, a plot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from .cases import MODES, Case, Report, Row
+
+
+def fastest_peer(report: Report, mode: str, case: Case) -> Row | None:
+    """The peer with the lowest median time (or peak memory) in one case."""
+    key = "peak_mib" if mode == "memory" else "median_s"
+    peers = [r for r in report.rows if r.peer and r.mode == mode and r.case == case and getattr(r, key) is not None]
+    return min(peers, key=lambda r: getattr(r, key), default=None)
+
+def markdown(report: Report) -> str:
+    """The report as Markdown: ceilings, one table per mode, decode rows."""
+    out = [f"Machine: {report.machine}", ""]
+    if report.command:
+        out += [f"Command: `{report.command}`", ""]
+    if report.ceilings:
+        out += ["| GEMM ceiling (2048³) | path | GFLOP/s |", "|---|---|---:|"]
+        out += [f"| {c.dtype} | {c.path} | {c.gflops:.0f} |" for c in report.ceilings] + [""]
+    for mode in MODES[:3]:
+        rows = [r for r in report.rows if r.mode == mode]
+        if not rows:
+            continue
+        if mode == "memory":
+            out += ["| memory: case | implementation | peak MiB | vs fused reference |", "|---|---|---:|---:|"]
+        else:
+            out += [f"| {mode}: case | implementation | median s | IQR s | GFLOP/s | % ceiling | vs fastest peer |",
+                    "|---|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            c, label = r.case, r.case.label
+            name = r.impl if r.peer else f"**{r.impl}**"
+            if r.note:
+                out.append(f"| {label} | {name} | {r.note} |" + " |" * (2 if mode == "memory" else 4))
+            elif mode == "memory":
+                ref = next((x for x in rows if x.case == c and x.impl.startswith("fused Linear") and x.peak_mib), None)
+                ratio = f"{r.peak_mib / ref.peak_mib:.2f}x" if ref else ""
+                out.append(f"| {label} | {name} | {r.peak_mib:.0f} | {ratio} |")
+            else:
+                best = fastest_peer(report, mode, c)
+                ratio = f"{r.median_s / best.median_s:.2f}x" if best else ""
+                pct = f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling is not None else ""
+                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops:.0f} | {pct} | {ratio} |")
+        out.append("")
+    if report.decode:
+        fields = list(asdict(report.decode[0]))
+        out += ["| decode: " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+        for d in report.decode:
+            vals = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in asdict(d).values()]
+            out.append("| " + " | ".join(vals) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def summary(report: Report) -> str:
+    """One line per (mode, case): each headwise module against the fastest peer, as a ratio."""
+    ours = [name for name in dict.fromkeys(r.impl for r in report.rows if not r.peer) if "(" not in name]  # default backends
+    out = ["| mode | case | fastest peer | its value | " + " | ".join(f"{n}" for n in ours) + " |",
+           "|---|---|---|---:|" + "---:|" * len(ours)]
+    for mode in MODES[:3]:
+        key = "peak_mib" if mode == "memory" else "median_s"
+        cases = list(dict.fromkeys(r.case for r in report.rows if r.mode == mode))
+        for case in cases:
+            best = fastest_peer(report, mode, case)
+            if best is None:
+                continue
+            if mode == "memory":  # the memory target compares with the fused reference, not the leanest peer
+                best = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl.startswith("fused Linear")
+                             and r.peak_mib is not None), best)
+            cells = []
+            for name in ours:
+                row = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl == name), None)
+                value = getattr(row, key) if row else None
+                cells.append(f"{value / getattr(best, key):.2f}x" if value is not None else "")
+            unit = f"{best.peak_mib:.0f} MiB" if mode == "memory" else f"{best.median_s:.4f} s"
+            out.append(f"| {mode} | {case.label} | {best.impl} | {unit} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(report: Report, path: str) -> None:
+    """One panel per timed mode: median seconds per implementation (lines over T, or bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in MODES[:3] if any(r.mode == m and (r.median_s or r.peak_mib) for r in report.rows)]
+    if not modes:
+        return
+    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 5), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        rows = [r for r in report.rows if r.mode == mode and (r.median_s or r.peak_mib)]
+        value = (lambda r: r.peak_mib) if mode == "memory" else (lambda r: r.median_s)
+        unit = "peak MiB" if mode == "memory" else "median seconds"
+        series: dict[str, list[Row]] = {}
+        for r in rows:
+            series.setdefault(f"{r.impl} [{r.case.preset} {r.case.dtype}]", []).append(r)
+        if len({r.case.tokens for r in rows}) > 1:
+            for label, rs in series.items():
+                ax.plot([r.case.tokens for r in rs], [value(r) for r in rs], marker="o", lw=2.5 if not rs[0].peer else 1.2, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens T")
+        else:
+            labels = list(series)
+            ax.barh(labels, [value(series[k][0]) for k in labels], color=["C3" if not series[k][0].peer else "C0" for k in labels])
+            ax.invert_yaxis()
+        ax.set_title(f"{mode} (B={rows[0].case.batch})")
+        ax.set_ylabel(unit) if len({r.case.tokens for r in rows}) > 1 else ax.set_xlabel(unit)
+        if len({r.case.tokens for r in rows}) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(report.machine, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

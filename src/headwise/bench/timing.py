@@ -1,0 +1,121 @@
+"""Interleaved timing of one case, and the machine's GEMM ceiling."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cases import DTYPES, Case, Ceiling, Progress, Row
+from .peers import Impl, prepare, skip_reason
+
+
+def _step(mode: str, module: nn.Module, call: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor | None) -> Callable[[], None]:
+    if mode == "forward":
+
+        def forward() -> None:
+            with torch.no_grad():
+                call(x)
+
+        return forward
+    params = [p for p in module.parameters() if p.requires_grad]
+    xg = x.detach().requires_grad_(True)
+
+    def forward_backward() -> None:
+        for p in params:
+            p.grad = None
+        xg.grad = None
+        call(xg).backward(grad)
+
+    return forward_backward
+
+
+def _quartiles(ts: list[float]) -> tuple[float, float, float]:
+    if len(ts) < 2:
+        return ts[0], ts[0], ts[0]
+    q1, q2, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+    return q2, q1, q3
+
+
+def time_case(
+    impls: Sequence[Impl],
+    case: Case,
+    mode: str,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    max_scores_gib: float = 8.0,
+    ceiling: float | None = None,
+    progress: Progress | None = None,
+) -> list[Row]:
+    """Time every implementation on one case, interleaved; one Row each (in ``impls`` order)."""
+    if mode not in ("forward", "backward"):
+        raise ValueError(f"mode must be 'forward' or 'backward' here, got {mode!r}")
+    steps: dict[str, Callable[[], None]] = {}
+    notes: dict[str, str] = {}
+    for impl in impls:
+        note = skip_reason(impl, case, max_scores_gib)
+        if note:
+            notes[impl.name] = note
+            continue
+        try:
+            module, call, x = prepare(impl, case)
+            grad = torch.randn(case.batch, case.tokens, case.width).to(x.dtype) if mode == "backward" else None  # (B, T, C)
+            step = _step(mode, module, call, x, grad)
+            for _ in range(warmup):
+                step()
+            steps[impl.name] = step
+        except Exception as e:  # a peer that cannot run this case is reported, not fatal
+            notes[impl.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    done, total = 0, repeats * len(steps)
+    for _ in range(repeats):
+        for name, step in steps.items():
+            if progress:
+                progress(done, total, f"{mode} {case.label}: {name}")
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+            done += 1
+    rows = []
+    for impl in impls:
+        if impl.name not in times:
+            rows.append(Row(impl.name, impl.peer, mode, case, note=notes.get(impl.name, "")))
+            continue
+        med, q1, q3 = _quartiles(times[impl.name])
+        rate = case.flops(mode, impl.out_proj) / med / 1e9
+        pct = 100 * rate / ceiling if ceiling else None
+        rows.append(Row(impl.name, impl.peer, mode, case, med, q1, q3, repeats, rate, pct))
+    return rows
+
+
+def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3) -> list[Ceiling]:
+    """The best rate of a size^3 GEMM through ``F.linear`` (torch's BLAS) and oneDNN, interleaved."""
+    from ..linear import _lp, _onednn_available
+
+    t = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(t)
+    b = torch.randn(size, size, generator=gen).to(t)
+    paths: dict[str, Callable[[], Tensor]] = {"F.linear": lambda: F.linear(a, b)}
+    if _onednn_available():
+        paths["oneDNN inner product"] = lambda: _lp(a, b, None)
+    best = {}
+    with torch.no_grad():
+        for name, fn in list(paths.items()):
+            try:
+                fn()
+            except RuntimeError:
+                del paths[name]
+        best = dict.fromkeys(paths, math.inf)
+        for _ in range(repeats):
+            for name, fn in paths.items():
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return [Ceiling(dtype, name, 2 * size**3 / s / 1e9) for name, s in best.items()]
