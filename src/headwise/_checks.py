@@ -51,14 +51,15 @@ def tokens(x: object, d_in: int, name: str = "x") -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def key_padding_mask(mask: object, b: int, t: int) -> None:
+def key_padding_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)") -> None:
+    """Check a key padding mask is a bool tensor of shape (b, t); ``dims`` names that shape in the message."""
     if mask is None:
         return
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise TypeError(f"key_padding_mask must be a bool tensor of shape (batch, tokens), True = real token; got {got}")
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {got}")
     if tuple(mask.shape) != (b, t):
-        raise ValueError(f"key_padding_mask must have shape (batch, tokens) = {(b, t)}, got {tuple(mask.shape)}")
+        raise ValueError(f"key_padding_mask must have shape {dims} = {(b, t)}, got {tuple(mask.shape)}")
 
 
 def context(t: int, past: int, context_length: int, sliding: bool) -> None:

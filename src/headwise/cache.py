@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _checks
 from .functional import attention
 
 
@@ -114,10 +115,7 @@ class KVCache:
                 raise ValueError(f"cache lives on {self.k.device}; {name} is on {t.device}")
         if v.shape[2] != k.shape[2]:
             raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
-        if key_padding_mask is not None and (not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool):
-            raise TypeError("key_padding_mask must be a bool tensor (True = real token)")
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, k.shape[2]):
-            raise ValueError(f"key_padding_mask must have shape (B, T) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}")
+        _checks.key_padding_mask(key_padding_mask, B, k.shape[2], "(B, T)")
         if self.window is None and self._len + k.shape[2] > L:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _checks
 from .masks import causal_mask, padding_mask
 from .observe import observing, report
 
@@ -104,11 +105,7 @@ def _combined_mask(
         if T > 1 or window is not None:  # one query, no window: it sees every key
             parts.append(causal_mask(T, S, window=window, device=q.device))  # (T, S)
     if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            got = key_padding_mask.dtype if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__
-            raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {got}")
-        if tuple(key_padding_mask.shape) != (B, S):
-            raise ValueError(f"key_padding_mask must have shape (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
+        _checks.key_padding_mask(key_padding_mask, B, S, "(B, S)")
         parts.append(padding_mask(key_padding_mask))  # (B, 1, 1, S)
     allowed = None
     for part in parts:
