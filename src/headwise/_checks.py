@@ -34,7 +34,8 @@ def heads(width_name: str, width: int, num_heads: int, num_kv_heads: int | None)
 def window(value: int | None, causal: bool) -> int | None:
     if value is None:
         return None
-    positive_int("window", value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"window must be a positive int or None, got {value!r}")
     if not causal:
         raise ValueError("window (sliding-window attention) needs causal=True, got causal=False")
     return value

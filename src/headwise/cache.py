@@ -49,8 +49,7 @@ class KVCache:
         device: torch.device | str | None = None,
     ) -> None:
         for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _checks.positive_int(name, value)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)

@@ -72,11 +72,6 @@ def _check_scale(scale: float | None, d: int) -> float:
     return float(scale)
 
 
-def _check_dropout(dropout_p: float) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-
-
 def _combined_mask(
     q: Tensor,
     k: Tensor,
@@ -93,11 +88,7 @@ def _combined_mask(
     """
     B, H, T, _ = q.shape
     S = k.shape[2]
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
-        if not causal:
-            raise ValueError("window (sliding-window attention) needs causal=True, got causal=False")
+    _checks.window(window, causal)
     parts: list[Tensor] = []
     if causal:
         if T == S and window is None and mask is None and key_padding_mask is None:
@@ -248,7 +239,7 @@ def attention(
         torch.Size([2, 12, 8, 64])
     """
     _check_qkv(q, k, v)
-    _check_dropout(dropout_p)
+    _checks.dropout("dropout_p", dropout_p)
     scale = _check_scale(scale, q.shape[-1])
     mask, is_causal = _combined_mask(q, k, causal, window, mask, key_padding_mask)
     context = _choose(backend)(q, k, v, mask, is_causal, dropout_p, scale)  # (B, H, T, Dv)
