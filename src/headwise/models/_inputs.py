@@ -33,3 +33,8 @@ def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
     return mask.bool()
+
+
+def padding_only(real: Tensor | None) -> Tensor | None:
+    """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal)."""
+    return None if real is None or bool(real.all()) else real

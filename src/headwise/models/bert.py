@@ -179,7 +179,7 @@ class BertModel(nn.Module):
             raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
         else:
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
-        key_padding_mask = None if real is None or bool(real.all()) else real
+        key_padding_mask = _inputs.padding_only(real)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for layer in self.encoder["layer"]:
             x = layer(x, key_padding_mask=key_padding_mask)  # (B, T, C)

@@ -139,7 +139,7 @@ class GPT2LMHeadModel(nn.Module):
         if t > self.config.n_positions:
             raise ValueError(f"input_ids has {t} tokens, more than n_positions={self.config.n_positions}")
         real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
-        return self._logits(input_ids, positions(real, b, t, input_ids.device), padding_only(real), None)  # (B, T, vocab)
+        return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None)  # (B, T, vocab)
 
     @torch.no_grad()
     def generate(
@@ -177,7 +177,7 @@ class GPT2LMHeadModel(nn.Module):
         c, weight = self.config, self.transformer.wte.weight
         caches = [KVCache(b, c.kv_heads, t + max_new_tokens, c.head_dim, dtype=weight.dtype, device=weight.device) for _ in range(c.n_layer)]
         position = positions(real, b, t, input_ids.device)  # (B, T)
-        logits = self._logits(input_ids, position, padding_only(real), caches)[:, -1]  # (B, vocab): the cache remembers the padding
+        logits = self._logits(input_ids, position, _inputs.padding_only(real), caches)[:, -1]  # (B, vocab): the cache remembers the padding
         position = position[:, -1:]  # (B, 1)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
@@ -198,11 +198,6 @@ def positions(real: Tensor | None, b: int, t: int, device: torch.device) -> Tens
     if real is None:
         return torch.arange(t, device=device).expand(b, t)  # (B, T)
     return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)  # (B, T), as HuggingFace's generate
-
-
-def padding_only(real: Tensor | None) -> Tensor | None:
-    """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal)."""
-    return None if real is None or bool(real.all()) else real
 
 
 def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
