@@ -208,6 +208,4 @@ def cached_attention(
             if k.shape[2] > keep:
                 k, v = k[:, :, -keep:], v[:, :, -keep:]  # (B, Hkv, keep, D) x2: views, nothing copied
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, -keep:]  # (B, keep)
-            if T == 1:
-                window = None  # one query that sees every key left: no mask to build
     return attention(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend=backend)

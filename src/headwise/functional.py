@@ -88,7 +88,8 @@ def _combined_mask(
     """
     B, H, T, _ = q.shape
     S = k.shape[2]
-    _checks.window(window, causal)
+    if _checks.window(window, causal) is not None and window >= S:
+        window = None  # the last query sits at S-1 and sees keys > S-1-window: every key, so no window at all
     parts: list[Tensor] = []
     if causal:
         if T == S and window is None and mask is None and key_padding_mask is None:
