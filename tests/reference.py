@@ -9,7 +9,7 @@ Rules it encodes (the spec of issue 2):
 - causal is aligned bottom-right: query i sits at position i + S - T and sees keys j <= that;
   with a window W it sees only keys j > i + S - T - W;
 - a bool mask is True = may attend; a float mask is added to the scaled scores;
-- key_padding_mask (B, S) is True = real token;
+- attention_mask (B, S) is True = real token;
 - a query that can see no key (every logit -inf) gets zero weights and a zero context.
 """
 
@@ -41,7 +41,7 @@ def reference_weights(
     causal: bool = False,
     window: int | None = None,
     mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
     """(B, H, T, S) float64 softmax weights; all-zero rows where nothing is visible."""
@@ -57,8 +57,8 @@ def reference_weights(
         for h in range(H):
             logits = (q[b, h] @ k[b, h // group].T) * scale  # (T, S)
             ok = allowed.clone()
-            if key_padding_mask is not None:
-                ok &= key_padding_mask[b].unsqueeze(0)
+            if attention_mask is not None:
+                ok &= attention_mask[b].unsqueeze(0)
             if full_mask is not None:
                 m = full_mask[b, h]
                 if m.dtype == torch.bool:

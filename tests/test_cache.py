@@ -40,7 +40,7 @@ def weights(m) -> dict:
             "wq": m.W_query.weight, "wk": m.W_key.weight, "wv": m.W_value.weight, "bq": m.W_query.bias, "bk": m.W_key.bias,
             "bv": m.W_value.bias, "wo": m.out_proj.weight, "bo": m.out_proj.bias,
         }
-    C, kv = m.embed_dim, m.kv_size
+    C, kv = m.d_in, m.num_kv_heads * m.head_dim
     w, b = m.c_attn.weight, m.c_attn.bias
     return {
         "wq": w[:C], "wk": w[C : C + kv], "wv": w[C + kv :], "bq": b[:C], "bk": b[C : C + kv], "bv": b[C + kv :],
@@ -48,13 +48,13 @@ def weights(m) -> dict:
     }
 
 
-def decode(m, x, schedule, cache, key_padding_mask=None, every_chunk=False):
+def decode(m, x, schedule, cache, attention_mask=None, every_chunk=False):
     """Feed x (B, T, C) through m in chunks of the given sizes; each chunk's part of the mask goes
     with it if every_chunk, else the mask goes with the first chunk only (the rest must be real)."""
     outs, start = [], 0
     for i, n in enumerate(schedule):
-        kpm = key_padding_mask[:, start : start + n] if (key_padding_mask is not None and (i == 0 or every_chunk)) else None
-        outs.append(m(x[:, start : start + n], key_padding_mask=kpm, cache=cache))
+        kpm = attention_mask[:, start : start + n] if (attention_mask is not None and (i == 0 or every_chunk)) else None
+        outs.append(m(x[:, start : start + n], attention_mask=kpm, cache=cache))
         start += n
     return torch.cat(outs, dim=1)  # (B, T, C)
 
@@ -97,7 +97,7 @@ def test_full_cache_and_bad_writes_are_clear_errors():
         cache.update(torch.randn(1, 4, 1, 3), torch.randn(1, 4, 1, 3))
     with pytest.raises(TypeError, match=r"cache holds torch.float32; v is torch.float64"):
         cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, T\) = \(1, 1\), got \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(B, T\) = \(1, 1\), got \(1, 2\)"):
         cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"k and v must hold the same tokens, got T=1 keys and T=2 values"):
         cache.update(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 2, 3))
@@ -138,7 +138,7 @@ def test_module_errors_name_the_cache_problem():
         m(torch.randn(1, 3, 16), cache=cache)
     with pytest.raises(ValueError, match=r"cache holds \(B=1, Hkv=2, \*, D=4\); k has shape \(1, 4, 2, 4\)"):
         m(torch.randn(1, 2, 16), cache=hw.KVCache(1, 2, 8, 4))  # a cache for another module
-    with pytest.raises(ValueError, match=r"a sliding cache of window=3 needs a module with window=3, got window=None"):
+    with pytest.raises(ValueError, match=r"a sliding cache of window=3 needs attention with window=3, got window=None"):
         m(torch.randn(1, 2, 16), cache=hw.KVCache.sliding(1, 4, 3, 4))
 
 
@@ -172,7 +172,7 @@ def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, l
     kpm = torch.arange(T) >= pads[:, None]  # (B, T) True = real token, left padded
     with torch.no_grad():
         got = decode(m, x, schedule, new_cache(m, B, 32, torch.float64), kpm)
-        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, key_padding_mask=kpm)
+        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -184,7 +184,7 @@ def test_padding_given_with_any_chunk_is_remembered(schedule, backend, seed):
     kpm = torch.rand(3, T, generator=torch.Generator().manual_seed(seed)) > 0.3  # (B, T) padding anywhere, any chunk
     with torch.no_grad():
         got = decode(m, x, schedule, new_cache(m, 3, 32, torch.float64), kpm, every_chunk=True)
-        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=2, causal=True, key_padding_mask=kpm)
+        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=2, causal=True, attention_mask=kpm)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
@@ -200,7 +200,7 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
     kpm = torch.arange(P) >= P - torch.tensor(lengths)[:, None]  # (B, P) True = real
     with torch.no_grad():
         cache = new_cache(m, 3, 16)
-        out = [m(prompt, key_padding_mask=kpm, cache=cache)]  # prefill: the cache remembers the padding
+        out = [m(prompt, attention_mask=kpm, cache=cache)]  # prefill: the cache remembers the padding
         out += [m(tokens[:, i : i + 1], cache=cache) for i in range(2)]  # steps: no mask of their own
         out.append(m(tokens[:, 2:], cache=cache))  # and a chunk
         got = torch.cat(out, dim=1)  # (B, P + steps, C)

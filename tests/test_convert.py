@@ -35,7 +35,7 @@ def test_wrapper_to_mha_keeps_the_function(d_in, head_dim, heads, tokens, qkv_bi
     kpm = torch.rand(2, tokens) < 0.8
     with torch.no_grad():  # float64: equal up to rounding, far below the 1e-6 promised in float32
         torch.testing.assert_close(mha(x), wrapper(x), atol=1e-12, rtol=1e-12)
-        torch.testing.assert_close(mha(x, key_padding_mask=kpm), wrapper(x, key_padding_mask=kpm), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(mha(x, attention_mask=kpm), wrapper(x, attention_mask=kpm), atol=1e-12, rtol=1e-12)
 
 
 @given(
@@ -53,9 +53,9 @@ def test_mha_to_gpt2_and_back_keep_the_function(kv_heads, group, head_dim, token
     x = torch.randn(2, tokens, C, dtype=torch.float64)
     kpm = torch.rand(2, tokens) < 0.8
     with torch.no_grad():
-        want = mha(x, key_padding_mask=kpm)
-        torch.testing.assert_close(gpt2(x, key_padding_mask=kpm), want, atol=1e-12, rtol=1e-12)
-        torch.testing.assert_close(back(x, key_padding_mask=kpm), want, atol=1e-12, rtol=1e-12)
+        want = mha(x, attention_mask=kpm)
+        torch.testing.assert_close(gpt2(x, attention_mask=kpm), want, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(back(x, attention_mask=kpm), want, atol=1e-12, rtol=1e-12)
     for name in ("W_query", "W_key", "W_value"):
         assert torch.equal(getattr(back, name).weight, getattr(mha, name).weight)
         if qkv_bias:

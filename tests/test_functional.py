@@ -45,7 +45,7 @@ def cases(draw, *, dtype=torch.float64):
             bias = torch.randn(shape, generator=g, dtype=dtype)
             kw["mask"] = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, -math.inf)
     if draw(st.booleans()):
-        kw["key_padding_mask"] = torch.rand(B, S, generator=g) < 0.75
+        kw["attention_mask"] = torch.rand(B, S, generator=g) < 0.75
     if draw(st.booleans()):
         kw["scale"] = draw(st.floats(0.05, 3.0))
     return q, k, v, kw
@@ -128,7 +128,7 @@ def test_fully_masked_rows_are_zero_forward_and_backward(backend, kind):
         kw = {"mask": torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)}
     else:
         # left padding, T < S: queries 0-2 of row 1 see only padding keys
-        kw = {"causal": True, "key_padding_mask": torch.tensor([[True] * 5, [False] * 4 + [True]])}
+        kw = {"causal": True, "attention_mask": torch.tensor([[True] * 5, [False] * 4 + [True]])}
     want = reference_attention(q.detach(), k.detach(), v.detach(), **kw)
     dead = reference_weights(q.detach(), k.detach(), **kw).sum(-1) == 0  # (B, H, T)
     assert dead.any(), "the problem must contain a fully masked row"
@@ -176,7 +176,7 @@ def test_fully_masked_rows_stay_zero_under_dropout(backend, kind):
         {},
         {"causal": True},
         {"causal": True, "window": 2, "scale": 0.7},
-        {"key_padding_mask": torch.tensor([[True, True, False, True], [False, False, True, True]])},
+        {"attention_mask": torch.tensor([[True, True, False, True], [False, False, True, True]])},
         {"mask": torch.tensor([[True, False, True, True], [False, False, False, False], [True, True, True, False]])},  # row 1 dead
     ],
     ids=["plain", "causal", "window+scale", "padding", "bool-with-dead-row"],
@@ -195,7 +195,7 @@ def test_gradcheck_attention_weights():
     q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
     kpm = torch.tensor([[False, True, True, True, True]])
-    assert torch.autograd.gradcheck(lambda q, k: hw.attention_weights(q, k, causal=True, key_padding_mask=kpm), (q, k))
+    assert torch.autograd.gradcheck(lambda q, k: hw.attention_weights(q, k, causal=True, attention_mask=kpm), (q, k))
 
 
 def test_additive_mask_gets_gradients():
@@ -341,8 +341,9 @@ def test_bad_tensors(change, error, match):
         ({"mask": torch.ones(3, 4, dtype=torch.bool)}, ValueError, r"mask must broadcast to \(B, H, T, S\) = \(1, 2, 3, 3\), got shape \(3, 4\)"),
         ({"mask": torch.ones(3, 3, dtype=torch.long)}, TypeError, r"mask must be bool \(True = may attend\) or an additive float mask"),
         ({"mask": [[True]]}, TypeError, r"mask must be a torch.Tensor"),
-        ({"key_padding_mask": torch.ones(1, 3)}, TypeError, r"key_padding_mask must be a bool tensor \(True = real token\), got torch.float32"),
-        ({"key_padding_mask": torch.ones(1, 4, dtype=torch.bool)}, ValueError, r"key_padding_mask must have shape \(B, S\) = \(1, 3\), got \(1, 4\)"),
+        ({"attention_mask": torch.ones(1, 3)}, TypeError, r"attention_mask must be a bool or 0/1 int tensor \(1/True = real token\), got dtype torch.float32"),
+        ({"attention_mask": torch.full((1, 3), 2)}, ValueError, r"attention_mask must hold only 0 \(padding\) and 1 \(real token\), got values \[2\]"),
+        ({"attention_mask": torch.ones(1, 4, dtype=torch.bool)}, ValueError, r"attention_mask must have shape \(B, S\) = \(1, 3\), got \(1, 4\)"),
     ],
 )
 def test_bad_arguments(kw, error, match):
@@ -354,8 +355,8 @@ def test_attention_weights_checks_its_arguments_too():
     q, k, _ = _qkv()
     with pytest.raises(ValueError, match=r"scale must be a positive finite number or None"):
         hw.attention_weights(q, k, scale=-1.0)
-    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, S\)"):
-        hw.attention_weights(q, k, key_padding_mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(B, S\)"):
+        hw.attention_weights(q, k, attention_mask=torch.ones(2, 3, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------- heads helpers
@@ -365,7 +366,7 @@ def test_split_and_merge_heads_round_trip():
     from headwise.functional import merge_heads, split_heads
 
     x = torch.randn(2, 5, 12)
-    heads = split_heads(x, 3)
+    heads = split_heads(x, 4)  # head size 4: three heads
     assert heads.shape == (2, 3, 5, 4)
     for h in range(3):
         assert torch.equal(heads[:, h], x[..., 4 * h : 4 * (h + 1)])
@@ -381,3 +382,15 @@ def test_auto_uses_math_while_observed_and_reports_its_steps():
     seen.clear()
     hw.attention(q, k, v, causal=True)  # nobody observes: nothing reported
     assert seen == []
+
+
+def test_int_padding_mask_equals_bool_mask():
+    """HuggingFace's meaning: 1/True = real token, 0/False = padding; ints and bools alike."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    ints = hw.attention(q, k, v, causal=True, attention_mask=real)
+    bools = hw.attention(q, k, v, causal=True, attention_mask=real.bool())
+    torch.testing.assert_close(ints, bools, rtol=0, atol=0)
+    want = reference_attention(q.double(), k.double(), v.double(), causal=True, attention_mask=real.bool())
+    torch.testing.assert_close(ints.double(), want, rtol=1e-5, atol=1e-6)

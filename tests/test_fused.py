@@ -12,11 +12,12 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
 import headwise as hw
+from headwise.functional import merge_heads, split_heads
 
 
 def _weights(attn: hw.GPT2MultiHeadAttention) -> dict:
     """c_attn's rows are [queries | keys | values]: the reference's three projections."""
-    C, kv = attn.embed_dim, attn.kv_size
+    C, kv = attn.d_in, attn.num_kv_heads * attn.head_dim
     w, b = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
     return {
         "wq": w[:C], "wk": w[C : C + kv], "wv": w[C + kv :], "bq": b[:C], "bk": b[C : C + kv], "bv": b[C + kv :],
@@ -24,17 +25,17 @@ def _weights(attn: hw.GPT2MultiHeadAttention) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- seed 003
+# ----------------------------------------------------------------------------- GPT-2 shapes
 
 
-def test_seed_003_shapes():
+def test_gpt2_head_split_shapes():
     attn = hw.GPT2MultiHeadAttention(hw.GPT2Config()).eval()
     x = torch.randn(2, 8, 768)
     query = attn.c_attn(x).split(768, dim=-1)[0]  # (2, 8, 768)
-    heads = attn._split_heads(query, 12, 64)
+    heads = split_heads(query, attn.head_dim)
     assert heads.shape == (2, 12, 8, 64)
-    assert attn._merge_heads(heads, 12, 64).shape == (2, 8, 768)
-    torch.testing.assert_close(attn._merge_heads(heads, 12, 64), query)
+    assert merge_heads(heads).shape == (2, 8, 768)
+    torch.testing.assert_close(merge_heads(heads), query)
     assert attn(x).shape == (2, 8, 768)
     seen = {}
     with hw.observe(lambda name, t: seen.setdefault(name, t.shape)):
@@ -70,8 +71,8 @@ def test_matches_the_reference(Hkv, group, D, T, B, window, padding, backend, se
         lengths = torch.randint(1, T + 1, (B,))
         pos = torch.arange(T)
         kpm = pos >= T - lengths[:, None] if padding == "left" else pos < lengths[:, None]  # (B, T) True = real
-    got = attn(x, key_padding_mask=kpm)
-    want = reference_mha(x, **_weights(attn), num_heads=H, num_kv_heads=Hkv, causal=True, window=window, key_padding_mask=kpm)
+    got = attn(x, attention_mask=kpm)
+    want = reference_mha(x, **_weights(attn), num_heads=H, num_kv_heads=Hkv, causal=True, window=window, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -128,7 +129,7 @@ def test_matches_hf_with_a_padding_mask(side):
     real = pos >= 7 - lengths[:, None] if side == "left" else pos < lengths[:, None]  # (B, T) True = real token
     with torch.no_grad():
         want, _ = theirs(x, attention_mask=_hf_mask(config, x, real.long()))
-        got = ours(x, key_padding_mask=real)
+        got = ours(x, attention_mask=real)
     # queries that see no real key: HF's finfo.min mask gives them a uniform average; we give
     # a zero context (c_proj's bias). Every other query must agree.
     sees = (torch.ones(7, 7, dtype=torch.bool).tril()[None] & real[:, None, :]).any(-1)  # (B, T)
@@ -198,5 +199,5 @@ def test_bad_input():
         attn(torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match=r"got 5 tokens, more than context_length=4"):
         attn(torch.randn(1, 5, 16))
-    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, tokens\) = \(1, 3\)"):
-        attn(torch.randn(1, 3, 16), key_padding_mask=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, tokens\) = \(1, 3\)"):
+        attn(torch.randn(1, 3, 16), attention_mask=torch.ones(1, 4, dtype=torch.bool))

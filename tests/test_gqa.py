@@ -32,9 +32,9 @@ def repeated(m):
                 getattr(full, name).weight.copy_(getattr(m, name).weight[rows])
                 getattr(full, name).bias.copy_(getattr(m, name).bias[rows])
         return full.to(m.W_query.weight.dtype).eval()
-    config = hw.GPT2Config(n_embd=m.embed_dim, n_head=H, n_positions=m.config.n_positions, attn_pdrop=0.0, resid_pdrop=0.0)
+    config = hw.GPT2Config(n_embd=m.d_in, n_head=H, n_positions=m.config.n_positions, attn_pdrop=0.0, resid_pdrop=0.0)
     full = hw.GPT2MultiHeadAttention(config, window=m.window, backend=m.backend)
-    C, kv = m.embed_dim, m.kv_size
+    C, kv = m.d_in, m.num_kv_heads * m.head_dim
     keep = torch.cat([torch.arange(C), C + rows, C + kv + rows])  # [queries | repeated keys | repeated values]
     with torch.no_grad():
         full.c_attn.weight.copy_(m.c_attn.weight[keep])
@@ -73,7 +73,7 @@ def test_equals_the_module_with_repeated_kv_heads(kind, backend, Hkv):
     kpm = torch.arange(9) >= torch.tensor([0, 3])[:, None]  # (B, T) left padding on row 1
     with torch.no_grad():
         torch.testing.assert_close(m(x), full(x), atol=1e-5, rtol=0)
-        torch.testing.assert_close(m(x, key_padding_mask=kpm), full(x, key_padding_mask=kpm), atol=1e-5, rtol=0)
+        torch.testing.assert_close(m(x, attention_mask=kpm), full(x, attention_mask=kpm), atol=1e-5, rtol=0)
         got = decode(m, x, [4, 1, 3, 1], new_cache(m, 2, 16), kpm)
         want = decode(full, x, [4, 1, 3, 1], new_cache(full, 2, 16), kpm)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

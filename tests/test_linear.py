@@ -153,7 +153,7 @@ def mha_weights(mha):
 
 
 def gpt2_weights(attn):
-    C = attn.embed_dim
+    C = attn.d_in
     w, b = attn.c_attn.weight, attn.c_attn.bias
     return (w[:C], w[C : 2 * C], w[2 * C :], b[:C], b[C : 2 * C], b[2 * C :], attn.c_proj.weight, attn.c_proj.bias)
 

@@ -235,9 +235,9 @@ def test_mha_with_every_extra_matches_the_reference(c):
         causal=c["causal"], window=c["window"], num_kv_heads=c["Hkv"], backend=c["backend"],
     ).double().eval()
     x = torch.randn(c["B"], c["T"], c["d_in"], generator=c["g"], dtype=torch.float64)
-    got = mha(x, key_padding_mask=c["kpm"])
+    got = mha(x, attention_mask=c["kpm"])
     want = reference_mha(
-        x, **_weights(mha), num_heads=c["H"], num_kv_heads=c["Hkv"], causal=c["causal"], window=c["window"], key_padding_mask=c["kpm"]
+        x, **_weights(mha), num_heads=c["H"], num_kv_heads=c["Hkv"], causal=c["causal"], window=c["window"], attention_mask=c["kpm"]
     )
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
@@ -251,12 +251,12 @@ def test_wrapper_and_causal_attention_match_the_reference(cls, causal):
     x = torch.randn(2, 5, 4, dtype=torch.float64)
     if cls == "wrapper":
         m = hw.MultiHeadAttentionWrapper(4, 3, 5, 0.0, 3, True, causal=causal).double().eval()
-        got = m(x, key_padding_mask=kpm)
-        want = torch.cat([reference_mha(x, **_weights(h), num_heads=1, causal=causal, key_padding_mask=kpm) for h in m.heads], -1)
+        got = m(x, attention_mask=kpm)
+        want = torch.cat([reference_mha(x, **_weights(h), num_heads=1, causal=causal, attention_mask=kpm) for h in m.heads], -1)
     else:
         m = hw.CausalAttention(4, 3, 5, 0.0, causal=causal).double().eval()
-        got = m(x, key_padding_mask=kpm)
-        want = reference_mha(x, **_weights(m), num_heads=1, causal=causal, key_padding_mask=kpm)
+        got = m(x, attention_mask=kpm)
+        want = reference_mha(x, **_weights(m), num_heads=1, causal=causal, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -279,10 +279,10 @@ def test_padding_leaves_real_tokens_as_if_unpadded():
     x = torch.rand(1, 4, 3)
     padded = torch.cat([x, torch.rand(1, 2, 3)], dim=1)
     kpm = torch.tensor([[True] * 4 + [False] * 2])
-    torch.testing.assert_close(mha(padded, key_padding_mask=kpm)[:, :4], mha(x))
+    torch.testing.assert_close(mha(padded, attention_mask=kpm)[:, :4], mha(x))
     bi = hw.MultiHeadAttention(3, 4, 6, 0.0, 2, causal=False).eval()
     bi.load_state_dict(mha.state_dict())
-    torch.testing.assert_close(bi(padded, key_padding_mask=kpm)[:, :4], bi(x))
+    torch.testing.assert_close(bi(padded, attention_mask=kpm)[:, :4], bi(x))
 
 
 # ----------------------------------------------------------------------------- dropout
@@ -342,13 +342,13 @@ MODULES_3_TO_4 = [
         (torch.rand(2, 6, 4), None, ValueError, r"x must have shape \(batch, tokens, d_in=3\), got \(2, 6, 4\)"),
         (torch.rand(1, 7, 3), None, ValueError, r"got 7 tokens, more than context_length=6"),
         (torch.ones(1, 2, 3, dtype=torch.long), None, TypeError, r"x must be a floating-point tensor"),
-        (torch.rand(2, 4, 3), torch.ones(2, 5, dtype=torch.bool), ValueError, r"key_padding_mask must have shape \(batch, tokens\) = \(2, 4\)"),
-        (torch.rand(2, 4, 3), torch.ones(2, 4), TypeError, r"key_padding_mask must be a bool tensor"),
+        (torch.rand(2, 4, 3), torch.ones(2, 5, dtype=torch.bool), ValueError, r"attention_mask must have shape \(batch, tokens\) = \(2, 4\)"),
+        (torch.rand(2, 4, 3), torch.ones(2, 4), TypeError, r"attention_mask must be a bool or 0/1 int tensor"),
     ],
 )
 def test_bad_input(make, x, kpm, error, match):
     with pytest.raises(error, match=match):
-        make()(x, key_padding_mask=kpm)
+        make()(x, attention_mask=kpm)
 
 
 # ----------------------------------------------------------------------------- torch.nn.MultiheadAttention
@@ -384,7 +384,7 @@ def test_padded_batch_torch_gives_nan_we_give_zeros():
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
     with torch.no_grad():
         want, _ = theirs(x, x, x, key_padding_mask=~kpm, attn_mask=causal, need_weights=False)  # torch: True = padding
-        got = ours(x, key_padding_mask=kpm)
+        got = ours(x, attention_mask=kpm)
     dead = torch.zeros(2, 5, dtype=torch.bool)
     dead[1, :2] = True  # left padding + causal: the first two queries of row 1 see only padding
     assert want[dead].isnan().all() and not want[~dead].isnan().any()  # torch's long-standing NaN (pytorch #41508)
@@ -402,9 +402,21 @@ def test_an_all_padding_sequence_gives_zeros_not_nan(backend, causal):
     head = hw.CausalAttention(3, 4, 6, 0.0, causal=causal, backend=backend).eval()
     x = torch.rand(2, 4, 3, requires_grad=True)
     kpm = torch.tensor([[True, True, True, False], [False] * 4])  # the second sequence is all padding
-    y = mha(x, key_padding_mask=kpm)
+    y = mha(x, attention_mask=kpm)
     assert not y.isnan().any()
     torch.testing.assert_close(y[1], mha.out_proj.bias.detach().expand(4, 4))  # zero context, then out_proj
-    assert (head(x, key_padding_mask=kpm)[1] == 0).all()
+    assert (head(x, attention_mask=kpm)[1] == 0).all()
     y.sum().backward()
     assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all()
+
+
+@pytest.mark.parametrize("cls", [hw.CausalAttention, hw.MultiHeadAttention])
+def test_padding_mask_takes_huggingface_meaning_and_refuses_torch_name(cls):
+    """``attention_mask``: 1/True = real token (ints or bools). torch's ``key_padding_mask``
+    (True = padding) means the opposite, so the name is not taken at all."""
+    m = cls(3, 4, 6, 0.0, *([2] if cls is hw.MultiHeadAttention else [])).eval()
+    x = torch.rand(2, 5, 3)
+    real = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    torch.testing.assert_close(m(x, attention_mask=real), m(x, attention_mask=real.bool()), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        m(x, key_padding_mask=real.bool())

@@ -85,7 +85,7 @@ def test_windowed_decoding_matches_the_float64_reference_with_an_explicit_band(k
     with torch.no_grad():
         cache = hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64) if sliding else hw.KVCache(2, Hkv, T, 4, dtype=torch.float64)
         got = decode(m, x, schedule, cache, kpm)
-    want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), key_padding_mask=kpm)
+    want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -98,7 +98,7 @@ def test_left_padded_sliding_decoding_equals_each_sequence_alone(backend):
     kpm = torch.arange(P) >= P - torch.tensor(lengths)[:, None]  # (B, P) True = real
     with torch.no_grad():
         cache = hw.KVCache.sliding(2, 4, W, 4)
-        out = [m(prompt, key_padding_mask=kpm, cache=cache)] + [m(tokens[:, i : i + 1], cache=cache) for i in range(6)]
+        out = [m(prompt, attention_mask=kpm, cache=cache)] + [m(tokens[:, i : i + 1], cache=cache) for i in range(6)]
         got = torch.cat(out, dim=1)  # (B, P + 6, C)
         assert not got.isnan().any()
         for b, n in enumerate(lengths):

@@ -1,21 +1,39 @@
-"""Argument checks shared by the modules: each raises ValueError/TypeError naming the argument."""
+"""Argument checks shared by the package: each raises ValueError/TypeError naming the argument,
+what was expected and what was given. One checker per kind of argument."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def integer(name: str, value: object, *, low: int = 1, high: int | None = None) -> int:
+    """``value`` as an int in [low, high] (bools refused: ``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
     return value
 
 
-def dropout(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+def positive_int(name: str, value: object) -> int:
+    return integer(name, value, low=1)
+
+
+def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
     return float(value)
+
+
+def dropout(name: str, value: object) -> float:
+    return number(name, value, low=0.0, high=1.0, high_open=True)
 
 
 def heads(width_name: str, width: int, num_heads: int, num_kv_heads: int | None) -> int:
@@ -34,8 +52,10 @@ def heads(width_name: str, width: int, num_heads: int, num_kv_heads: int | None)
 def window(value: int | None, causal: bool) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"window must be a positive int or None, got {value!r}")
+    try:
+        positive_int("window", value)
+    except ValueError:
+        raise ValueError(f"window must be a positive int or None, got {value!r}") from None
     if not causal:
         raise ValueError("window (sliding-window attention) needs causal=True, got causal=False")
     return value
@@ -52,15 +72,25 @@ def tokens(x: object, d_in: int, name: str = "x") -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def key_padding_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)") -> None:
-    """Check a key padding mask is a bool tensor of shape (b, t); ``dims`` names that shape in the message."""
+def attention_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)", name: str = "attention_mask") -> Tensor | None:
+    """A padding mask with HuggingFace's meaning, 1/True = real token, 0/False = padding.
+
+    Bools or 0/1 integers, shape (b, t); ``dims`` names that shape in the message.
+    Returns it as a (b, t) bool tensor (None stays None).
+    """
     if mask is None:
-        return
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {got}")
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a bool or 0/1 int tensor of shape {dims} (1/True = real token), got {type(mask).__name__}")
     if tuple(mask.shape) != (b, t):
-        raise ValueError(f"key_padding_mask must have shape {dims} = {(b, t)}, got {tuple(mask.shape)}")
+        raise ValueError(f"{name} must have shape {dims} = {(b, t)}, got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name} must be a bool or 0/1 int tensor (1/True = real token), got dtype {mask.dtype}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
+    return mask != 0
 
 
 def context(t: int, past: int, context_length: int, sliding: bool) -> None:

@@ -8,8 +8,8 @@ long decoding runs.
 ``len(cache)`` is the number of tokens written so far: the absolute position of the next
 token (for a sliding cache this keeps counting past ``window``).
 
-The cache also remembers which stored positions are padding (from the ``key_padding_mask``
-given with the tokens that filled them), so that decode steps after a left-padded prefill
+The cache also remembers which stored positions are padding (from the padding mask
+given with the tokens that filled them, ``attention_mask``), so that decode steps after a left-padded prefill
 need no mask of their own.
 """
 
@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from .functional import attention
 
 
 class KVCache:
@@ -33,9 +32,13 @@ class KVCache:
         dtype, device: of the buffers; keys and values written must match them.
 
     Example:
+        >>> import headwise as hw
+        >>> mha = hw.MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12).eval()
         >>> cache = KVCache(1, 12, 1024, 64)
-        >>> y = mha(prompt, cache=cache)          # prefill
-        >>> y = mha(next_token, cache=cache)      # one step; len(cache) grows by 1
+        >>> y = mha(torch.randn(1, 5, 768), cache=cache)  # prefill: (1, 5, 768)
+        >>> y = mha(torch.randn(1, 1, 768), cache=cache)  # one step: (1, 1, 768)
+        >>> len(cache)
+        6
     """
 
     def __init__(
@@ -103,7 +106,7 @@ class KVCache:
         if length == 0:
             self._padded = False
 
-    def _check(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+    def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor | None:
         B, Hkv, L, D = self.k.shape
         for name, t in [("k", k), ("v", v)]:
             if t.ndim != 4 or t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D:
@@ -114,19 +117,20 @@ class KVCache:
                 raise ValueError(f"cache lives on {self.k.device}; {name} is on {t.device}")
         if v.shape[2] != k.shape[2]:
             raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
-        _checks.key_padding_mask(key_padding_mask, B, k.shape[2], "(B, T)")
+        attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)")
         if self.window is None and self._len + k.shape[2] > L:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
+        return attention_mask
 
-    def update(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store the new tokens' keys and values; return everything a query must attend over.
 
         Args:
             k, v: (B, Hkv, T, D) keys and values of the T new tokens.
-            key_padding_mask: (B, T) bool, True = real token, for the new tokens only.
+            attention_mask: (B, T) padding of the new tokens only, 1/True = real token.
 
         Returns:
-            ``(keys, values, key_padding_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or
+            ``(keys, values, attention_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or
             None (no stored position is padding), where S counts the cached tokens plus the new
             ones (for a sliding cache, at most the last ``window`` of the cached ones). Causal
             attention aligned bottom-right (``headwise.attention(causal=True, window=...)``)
@@ -135,24 +139,24 @@ class KVCache:
             ring order, which a single query that sees all of them does not mind. The linear
             cache returns views of its buffers (nothing is copied).
         """
-        self._check(k, v, key_padding_mask)
+        attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         T = k.shape[2]
         start = self._len
-        if key_padding_mask is not None and not self._padded and not bool(key_padding_mask.all()):  # one sync, then none
+        if attention_mask is not None and not self._padded and not bool(attention_mask.all()):  # one sync, then none
             self._padded = True
         if self.window is None:
             self.k[:, :, start : start + T] = k
             self.v[:, :, start : start + T] = v
-            if key_padding_mask is not None:
-                self.real[:, start : start + T] = key_padding_mask
+            if attention_mask is not None:
+                self.real[:, start : start + T] = attention_mask
             self._len = start + T
             S = self._len
             return self.k[:, :, :S], self.v[:, :, :S], self.real[:, :S] if self._padded else None
-        return self._update_ring(k, v, key_padding_mask)
+        return self._update_ring(k, v, attention_mask)
 
-    def _update_ring(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _update_ring(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         W, T, start = self.window, k.shape[2], self._len
-        new_real = key_padding_mask if key_padding_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
+        new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
         if T == 1:  # write first: the slot it overwrites holds position start - W, outside the window
             slot = start % W
             self.k[:, :, slot] = k[:, :, 0]
@@ -175,37 +179,3 @@ class KVCache:
         self._len = start + T
         return keys, values, real if self._padded else None
 
-
-def cached_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cache: KVCache | None,
-    *,
-    causal: bool,
-    window: int | None,
-    key_padding_mask: Tensor | None,
-    dropout_p: float,
-    backend: str,
-) -> Tensor:
-    """Attention of the new tokens over the cache (if any) and themselves.
-
-    Args:
-        q: (B, H, T, D); k, v: (B, Hkv, T, D), the new tokens only.
-        cache: a ``KVCache`` to append to and read from, or None.
-        key_padding_mask: (B, T) bool for the new tokens, True = real token.
-
-    Returns:
-        (B, H, T, D) context.
-    """
-    if cache is not None:
-        if cache.window is not None and cache.window != window:
-            raise ValueError(f"a sliding cache of window={cache.window} needs a module with window={cache.window}, got window={window}")
-        k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hkv, S, D) x2, (B, S)
-        if window is not None and causal:
-            T = q.shape[2]
-            keep = window + T - 1  # the oldest query sees the last `window` keys up to itself; older ones, none
-            if k.shape[2] > keep:
-                k, v = k[:, :, -keep:], v[:, :, -keep:]  # (B, Hkv, keep, D) x2: views, nothing copied
-                key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, -keep:]  # (B, keep)
-    return attention(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend=backend)

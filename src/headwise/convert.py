@@ -150,7 +150,8 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
         c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
         window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend,
     ).to(attn.c_attn.weight)
-    sizes = [attn.split_size, attn.kv_size, attn.kv_size]
+    kv = attn.num_kv_heads * attn.head_dim
+    sizes = [attn.d_in, kv, kv]
     for layer, w, b in zip(
         (mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), attn.c_attn.bias.split(sizes), strict=True
     ):

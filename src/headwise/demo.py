@@ -16,6 +16,7 @@ from torch import nn
 from .config import GPT2Config
 from .convert import gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .explain import book_batch
+from .functional import split_heads
 from .fused import GPT2MultiHeadAttention
 from .models import SentenceEncoder, head_roles
 from .teaching import MultiHeadAttention, MultiHeadAttentionWrapper
@@ -99,7 +100,7 @@ def gpt2_size() -> None:
     print(f"parameters: {n:,}  (3 x 768*768 for W_query/W_key/W_value + 768*768 + 768 for out_proj)")
     attn = GPT2MultiHeadAttention(GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0))
     x = torch.randn(2, 8, 768)
-    heads = attn._split_heads(attn.c_attn(x).split(768, dim=-1)[0], 12, 64)
+    heads = split_heads(attn.project_qkv(x)[0], attn.head_dim)  # (B, H, T, D)
     print(f"GPT2MultiHeadAttention: input {tuple(x.shape)} -> heads {tuple(heads.shape)} -> output {tuple(attn(x).shape)}")
 
 

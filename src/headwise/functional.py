@@ -7,7 +7,8 @@ Shape glossary (the same letters in every docstring and shape comment of the pac
     D    head size                  C    model width, H * D
 
 Masks are boolean with True = "may attend" (torch SDPA's convention), or additive floats
-(0 = attend, -inf = not). ``key_padding_mask`` is (B, S) bool with True = real token.
+(0 = attend, -inf = not). ``attention_mask`` is a (B, S) padding mask with HuggingFace's
+meaning: 1/True = real token, 0/False = padding (bools or 0/1 ints).
 Causal attention is aligned bottom-right: with T queries over S keys, query i sees keys
 ``j <= i + S - T`` (see ``headwise.masks``). A query that can see no key gets zero weights
 and a zero context, never NaN, in forward and backward, in every backend.
@@ -18,6 +19,10 @@ Backends are plain functions in ``BACKENDS``, chosen in ``_choose``:
     "sdpa"  ``torch.nn.functional.scaled_dot_product_attention``: flash / fused kernels,
             ``is_causal`` instead of a mask whenever it means the same, native GQA.
     "auto"  "sdpa", or "math" while someone observes.
+
+``attention`` is the one entry: with a ``KVCache`` it first appends the new keys and values
+to the cache, then attends over everything the cache holds (trimmed to what a sliding window
+can still see).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
+from .cache import KVCache
 from .masks import causal_mask, padding_mask
 from .observe import observing, report
 
@@ -78,7 +84,7 @@ def _combined_mask(
     causal: bool,
     window: int | None,
     mask: Tensor | None,
-    key_padding_mask: Tensor | None,
+    attention_mask: Tensor | None,
 ) -> tuple[Tensor | None, bool]:
     """Validate the masking arguments and fold them into one mask.
 
@@ -92,13 +98,12 @@ def _combined_mask(
         window = None  # the last query sits at S-1 and sees keys > S-1-window: every key, so no window at all
     parts: list[Tensor] = []
     if causal:
-        if T == S and window is None and mask is None and key_padding_mask is None:
+        if T == S and window is None and mask is None and attention_mask is None:
             return None, True
         if T > 1 or window is not None:  # one query, no window: it sees every key
             parts.append(causal_mask(T, S, window=window, device=q.device))  # (T, S)
-    if key_padding_mask is not None:
-        _checks.key_padding_mask(key_padding_mask, B, S, "(B, S)")
-        parts.append(padding_mask(key_padding_mask))  # (B, 1, 1, S)
+    if attention_mask is not None:
+        parts.append(padding_mask(attention_mask))  # (B, 1, 1, S)
     allowed = None
     for part in parts:
         allowed = part if allowed is None else allowed & part  # broadcasts to (B?, 1, T, S)
@@ -212,7 +217,8 @@ def attention(
     causal: bool = False,
     window: int | None = None,
     mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    cache: KVCache | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str = "auto",
@@ -221,12 +227,15 @@ def attention(
 
     Args:
         q: (B, H, T, D) queries.
-        k: (B, Hkv, S, D) keys; Hkv divides H, query head h uses key head h // (H // Hkv).
-        v: (B, Hkv, S, Dv) values.
+        k: (B, Hkv, T_kv, D) keys; Hkv divides H, query head h uses key head h // (H // Hkv).
+        v: (B, Hkv, T_kv, Dv) values.
         causal: query i sees keys j <= i + S - T (bottom-right aligned).
         window: with ``causal``, query i also sees only the last ``window`` keys up to itself.
         mask: bool (True = may attend) or additive float mask, broadcastable to (B, H, T, S).
-        key_padding_mask: (B, S) bool, True = real token, False = padding.
+        attention_mask: (B, T_kv) padding mask of the given keys, 1/True = real token,
+            0/False = padding (bools or 0/1 ints).
+        cache: a ``KVCache``: k and v (and their padding) are appended to it first, and the
+            queries attend over everything it holds (S = cached + T_kv keys); else S = T_kv.
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: multiplies the scores; default 1 / sqrt(D).
         backend: "auto", "math" or "sdpa" (see the module docstring).
@@ -238,14 +247,37 @@ def attention(
         >>> q = k = v = torch.randn(2, 12, 8, 64)
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 12, 8, 64])
+        >>> cache = KVCache(2, 12, max_len=16, head_dim=64)
+        >>> attention(q, k, v, causal=True, cache=cache).shape, len(cache)
+        (torch.Size([2, 12, 8, 64]), 8)
     """
     _check_qkv(q, k, v)
     _checks.dropout("dropout_p", dropout_p)
     scale = _check_scale(scale, q.shape[-1])
-    mask, is_causal = _combined_mask(q, k, causal, window, mask, key_padding_mask)
+    attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)")
+    if cache is not None:
+        k, v, attention_mask = _read_cache(q, k, v, cache, causal, window, attention_mask)  # (B, Hkv, S, D) x2, (B, S)
+    mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
     context = _choose(backend)(q, k, v, mask, is_causal, dropout_p, scale)  # (B, H, T, Dv)
     report("context", context)
     return context
+
+
+def _read_cache(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, causal: bool, window: int | None, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Append the new keys/values to ``cache``; return what the queries attend over."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a headwise.KVCache or None, got {type(cache).__name__}")
+    if cache.window is not None and cache.window != window:
+        raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
+    k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, S, D) x2, (B, S) or None
+    if window is not None and causal:
+        keep = window + q.shape[2] - 1  # the oldest query sees the last `window` keys up to itself; older ones, none
+        if k.shape[2] > keep:
+            k, v = k[:, :, -keep:], v[:, :, -keep:]  # (B, Hkv, keep, D) x2: views, nothing copied
+            attention_mask = None if attention_mask is None else attention_mask[:, -keep:]  # (B, keep)
+    return k, v, attention_mask
 
 
 def attention_weights(
@@ -255,7 +287,7 @@ def attention_weights(
     causal: bool = False,
     window: int | None = None,
     mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
     """The softmax attention weights, for explaining and plotting (no dropout).
@@ -268,14 +300,19 @@ def attention_weights(
     """
     _check_qkv(q, k, k)
     scale = _check_scale(scale, q.shape[-1])
-    mask, is_causal = _combined_mask(q, k, causal, window, mask, key_padding_mask)
+    attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, S)")
+    mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
     return _softmax_weights(q, k, mask, is_causal, scale).to(q.dtype)  # (B, H, T, S)
 
 
-def split_heads(x: Tensor, num_heads: int, name: str = "") -> Tensor:
-    """(B, T, H*D) -> (B, H, T, D): ``view`` then ``transpose(1, 2)``, as in the book."""
-    B, T, C = x.shape
-    x = x.view(B, T, num_heads, C // num_heads)  # (B, T, H, D)
+def split_heads(x: Tensor, head_dim: int, name: str = "") -> Tensor:
+    """(B, T, H*D) -> (B, H, T, D): ``view`` then ``transpose(1, 2)``, as in the book.
+
+    The head count is whatever the width holds (H = C // D), so a module whose projections
+    are sharded across devices computes with its local heads.
+    """
+    B, T, _ = x.shape
+    x = x.view(B, T, -1, head_dim)  # (B, T, H, D)
     report(f"{name}.view", x)
     x = x.transpose(1, 2)  # (B, H, T, D)
     report(f"{name}.transpose", x)

@@ -47,6 +47,6 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
     return position_mask(q_pos, k_pos, window=window)
 
 
-def padding_mask(key_padding_mask: Tensor) -> Tensor:
+def padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, S) bool, True = real token  ->  (B, 1, 1, S), broadcastable over heads and queries."""
-    return key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+    return attention_mask[:, None, None, :]  # (B, 1, 1, S)

@@ -6,7 +6,7 @@ dicts load with ``strict=True``. Differences, all additive:
 - attention runs in ``headwise.attention`` (any backend, no materialised mask);
 - keyword-only extras: ``causal`` (False = bidirectional, encoder style), ``window``,
   ``num_kv_heads`` (GQA, MultiHeadAttention only), ``backend``; ``forward`` takes
-  ``key_padding_mask`` (B, T) bool, True = real token, and a ``KVCache``;
+  ``attention_mask`` (B, T), 1/True = real token, and a ``KVCache``;
 - bad input raises ValueError (the book asserts, or silently breaks past context_length).
 
 The book keeps ``mask = triu(ones(ctx, ctx), 1)`` as a persistent buffer, where 1 means
@@ -21,10 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks
-from .cache import KVCache, cached_attention
-from .functional import check_backend, merge_heads, split_heads
+from .functional import attention, check_backend
+from .layer import AttentionLayer
 from .linear import project, project_many
-from .observe import report
 
 
 class _BookMask:
@@ -69,9 +68,9 @@ class CausalAttention(_BookMask, nn.Module):
         backend: "auto", "math" or "sdpa" (see ``headwise.functional``).
 
     Example:
-        >>> torch.manual_seed(123)
+        >>> _ = torch.manual_seed(123)
         >>> ca = CausalAttention(3, 2, context_length=6, dropout=0.0)
-        >>> ca(batch).shape
+        >>> ca(torch.rand(2, 6, 3)).shape
         torch.Size([2, 6, 2])
     """
 
@@ -98,17 +97,17 @@ class CausalAttention(_BookMask, nn.Module):
         self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
         self._keep_book_mask_in_state_dict()
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
-        """x: (B, T, d_in); key_padding_mask: (B, T) bool, True = real token -> (B, T, d_out)."""
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, d_out)."""
         b, num_tokens = _checks.tokens(x, self.d_in)
-        _checks.key_padding_mask(key_padding_mask, b, num_tokens)
+        attention_mask = _checks.attention_mask(attention_mask, b, num_tokens)
         _checks.context(num_tokens, 0, self.context_length, sliding=False)
         queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
         keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)
         values = project(self.W_value, x).unsqueeze(1)  # (B, 1, T, d_out)
         p = self.dropout.p if self.training else 0.0
-        context = cached_attention(
-            queries, keys, values, None, causal=self.causal, window=None, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend
+        context = attention(
+            queries, keys, values, causal=self.causal, attention_mask=attention_mask, dropout_p=p, backend=self.backend
         )  # (B, 1, T, d_out)
         return context.squeeze(1)  # (B, T, d_out)
 
@@ -120,8 +119,8 @@ class MultiHeadAttentionWrapper(nn.Module):
     in MultiHeadAttention ``d_out`` is the total. No output projection.
 
     Example:
-        >>> torch.manual_seed(123)
-        >>> MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)(batch).shape
+        >>> _ = torch.manual_seed(123)
+        >>> MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)(torch.rand(2, 6, 3)).shape
         torch.Size([2, 6, 4])
     """
 
@@ -143,12 +142,12 @@ class MultiHeadAttentionWrapper(nn.Module):
             [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend) for _ in range(num_heads)]
         )
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
-        """x: (B, T, d_in) -> (B, T, num_heads * d_out)."""
-        return torch.cat([head(x, key_padding_mask=key_padding_mask) for head in self.heads], dim=-1)
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, num_heads * d_out)."""
+        return torch.cat([head(x, attention_mask=attention_mask) for head in self.heads], dim=-1)
 
 
-class MultiHeadAttention(_BookMask, nn.Module):
+class MultiHeadAttention(_BookMask, AttentionLayer):
     """Multi-head attention by weight splitting (listing 3.5): (B, T, d_in) -> (B, T, d_out).
 
     One projection per Q/K/V, split into heads with ``view`` + ``transpose``, attention for
@@ -168,10 +167,10 @@ class MultiHeadAttention(_BookMask, nn.Module):
         backend: "auto", "math" or "sdpa".
 
     Example:
-        >>> torch.manual_seed(123)
+        >>> _ = torch.manual_seed(123)
         >>> mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
-        >>> mha(batch)[0, 0]
-        tensor([0.3190, 0.4858], grad_fn=<SelectBackward0>)
+        >>> mha(torch.rand(2, 6, 3)).shape
+        torch.Size([2, 6, 2])
     """
 
     def __init__(
@@ -206,34 +205,15 @@ class MultiHeadAttention(_BookMask, nn.Module):
         self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
         self._keep_book_mask_in_state_dict()
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """Attend over the tokens of x (and, with a cache, over every token cached before).
+    @property
+    def attn_dropout_p(self) -> float:
+        return self.dropout.p if self.training else 0.0
 
-        Args:
-            x: (B, T, d_in).
-            key_padding_mask: (B, T) bool, True = real token (left or right padding).
-            cache: a ``KVCache`` of (B, num_kv_heads, *, head_dim); x then holds the next tokens.
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, d_in) -> W_query(x) (B, T, C), W_key(x) and W_value(x) (B, T, Hkv*D), as one GEMM where it pays."""
+        queries, keys, values = project_many((self.W_query, self.W_key, self.W_value), x)
+        return queries, keys, values
 
-        Returns:
-            (B, T, d_out).
-        """
-        b, num_tokens = _checks.tokens(x, self.d_in)
-        _checks.key_padding_mask(key_padding_mask, b, num_tokens)
-        past = len(cache) if cache is not None else 0
-        _checks.context(num_tokens, past, self.context_length, sliding=cache is not None and cache.window is not None)
-        report("x", x)
-        queries, keys, values = project_many((self.W_query, self.W_key, self.W_value), x)  # (B, T, C), (B, T, Hkv*D) x2
-        report("queries", queries)
-        report("keys", keys)
-        report("values", values)
-        queries = split_heads(queries, self.num_heads, "queries")  # (B, H, T, D)
-        keys = split_heads(keys, self.num_kv_heads, "keys")  # (B, Hkv, T, D)
-        values = split_heads(values, self.num_kv_heads, "values")  # (B, Hkv, T, D)
-        p = self.dropout.p if self.training else 0.0
-        context = cached_attention(
-            queries, keys, values, cache,
-            causal=self.causal, window=self.window, key_padding_mask=key_padding_mask, dropout_p=p, backend=self.backend,
-        )  # (B, H, T, D)
-        out = project(self.out_proj, merge_heads(context))  # (B, T, C)
-        report("output", out)
-        return out
+    def project_out(self, context: Tensor) -> Tensor:
+        """(B, T, C) -> out_proj(context) (B, T, C)."""
+        return project(self.out_proj, context)

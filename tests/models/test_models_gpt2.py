@@ -157,13 +157,13 @@ def test_bad_token_ids(model):
 
 def test_bad_attention_mask(model):
     ids = torch.ones(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids, \(batch, tokens\) = \(2, 3\), got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, tokens\) of input_ids = \(2, 3\), got \(2, 4\)"):
         model(ids, torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"attention_mask must hold only 0 \(padding\) and 1 \(real token\), got values \[1, 2\]"):
         model(ids, torch.tensor([[1, 1, 2], [1, 1, 1]]))
-    with pytest.raises(TypeError, match=r"attention_mask must hold integers or bools"):
+    with pytest.raises(TypeError, match=r"attention_mask must be a bool or 0/1 int tensor"):
         model(ids, torch.ones(2, 3))
-    with pytest.raises(TypeError, match=r"attention_mask must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"attention_mask must be a bool or 0/1 int tensor"):
         model(ids, [[1, 1, 1], [1, 1, 1]])
 
 

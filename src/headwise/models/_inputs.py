@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _checks
+
 
 def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tuple[int, int]:
     """Check ``input_ids`` is a (B, T) integer tensor of ids in [0, vocab_size); return (B, T)."""
@@ -22,17 +24,9 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
 
 def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_mask") -> Tensor:
     """HuggingFace's (B, T) mask, 1/True = real token, as ints or bools -> (B, T) bool."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, tokens) = {shape}, 1/True = real token; got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have the shape of input_ids, (batch, tokens) = {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(f"{name} must hold integers or bools (1/True = real token), got dtype {mask.dtype}")
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
-    return mask.bool()
+    if mask is None:
+        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, tokens) = {tuple(shape)}, 1/True = real token; got None")
+    return _checks.attention_mask(mask, *shape, dims="(batch, tokens) of input_ids", name=name)
 
 
 def padding_only(real: Tensor | None) -> Tensor | None:

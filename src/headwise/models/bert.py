@@ -98,8 +98,8 @@ class BertLayer(nn.Module):
         self.output_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = self.attention_norm(x + self.dropout(self.attention(x, key_padding_mask=key_padding_mask)))  # (B, T, C)
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask=attention_mask)))  # (B, T, C)
         return self.output_norm(x + self.dropout(project(self.output, self.act(project(self.intermediate, x)))))  # (B, T, I) inside, (B, T, C) out
 
 
@@ -179,10 +179,10 @@ class BertModel(nn.Module):
             raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
         else:
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
-        key_padding_mask = _inputs.padding_only(real)
+        attention_mask = _inputs.padding_only(real)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for layer in self.encoder["layer"]:
-            x = layer(x, key_padding_mask=key_padding_mask)  # (B, T, C)
+            x = layer(x, attention_mask=attention_mask)  # (B, T, C)
         return x
 
 

@@ -49,8 +49,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache)
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask=attention_mask, cache=cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -114,12 +114,12 @@ class GPT2LMHeadModel(nn.Module):
         )
         return model.eval()
 
-    def _logits(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list[KVCache] | None) -> Tensor:
+    def _logits(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, caches: list[KVCache] | None) -> Tensor:
         """(B, T) ids at (B, T) positions -> (B, T, vocab) logits, through the caches if given."""
         t = self.transformer
         x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (B, T, C)
         for i, block in enumerate(t.h):
-            x = block(x, key_padding_mask=key_padding_mask, cache=caches[i] if caches is not None else None)  # (B, T, C)
+            x = block(x, attention_mask=attention_mask, cache=caches[i] if caches is not None else None)  # (B, T, C)
         return F.linear(t.ln_f(x), t.wte.weight)  # (B, T, vocab): the LM head tied to wte
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

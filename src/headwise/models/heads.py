@@ -68,10 +68,9 @@ def attention_maps(model: BertModel, input_ids: Tensor, attention_mask: Tensor |
 
     with observe(keep):
         model(input_ids, attention_mask)
-    heads = model.config.num_attention_heads
-    real = None if attention_mask is None else attention_mask.bool()  # (B, T)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     return [
-        attention_weights(split_heads(q, heads), split_heads(k, heads), key_padding_mask=real)  # (B, H, T, T)
+        attention_weights(split_heads(q, head_dim), split_heads(k, head_dim), attention_mask=attention_mask)  # (B, H, T, T)
         for q, k in zip(seen["queries"], seen["keys"], strict=True)
     ]
 

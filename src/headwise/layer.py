@@ -1,0 +1,86 @@
+"""The one attention path every multi-head module runs: project -> split -> attend -> merge -> project.
+
+``AttentionLayer.forward`` is written once. A module says only what differs, in four small
+methods, and keeps its own parameter names and state-dict layout:
+
+- ``project_qkv(x)``: queries (B, T, H·D), keys and values (B, T, Hkv·D), e.g. three
+  Linear layers (the book) or one fused ``c_attn`` split in three (GPT-2);
+- ``position(q, k, start, attention_mask)``: whatever a position encoding does to the
+  split heads before the cache write (identity here; rotary embeddings plug in here);
+- ``project_out(context)``: (B, T, H·D) -> (B, T, C), e.g. ``out_proj``;
+- the attributes read below: ``d_in``, ``head_dim``, ``context_length``, ``causal``,
+  ``window``, ``backend`` and ``attn_dropout_p``.
+
+The steps are reported to ``headwise.observe`` under the names ``headwise explain`` shows.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from . import _checks
+from .cache import KVCache
+from .functional import attention, merge_heads, split_heads
+from .observe import report
+
+
+class AttentionLayer(nn.Module):
+    """Base of the multi-head modules: ``forward(x, *, attention_mask=None, cache=None)``."""
+
+    d_in: int
+    head_dim: int
+    context_length: int
+    causal: bool
+    window: int | None
+    backend: str
+    input_name: str = "x"
+
+    @property
+    def attn_dropout_p(self) -> float:
+        """Dropout probability on the attention weights now (0.0 in eval mode)."""
+        raise NotImplementedError
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, d_in) -> queries (B, T, H·D), keys (B, T, Hkv·D), values (B, T, Hkv·D)."""
+        raise NotImplementedError
+
+    def position(self, q: Tensor, k: Tensor, start: int, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Position-encode q (B, H, T, D) and k (B, Hkv, T, D) of tokens ``start`` .. ``start + T - 1``."""
+        return q, k
+
+    def project_out(self, context: Tensor) -> Tensor:
+        """(B, T, H·D) merged context -> (B, T, C)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Attend over the tokens of x (and, with a cache, over every token cached before).
+
+        Args:
+            x: (B, T, d_in).
+            attention_mask: (B, T) padding mask, 1/True = real token, 0/False = padding (left
+                or right); with a cache, for the new tokens only (the cache remembers the rest).
+            cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens.
+
+        Returns:
+            (B, T, C).
+        """
+        b, t = _checks.tokens(x, self.d_in, self.input_name)
+        attention_mask = _checks.attention_mask(attention_mask, b, t)  # (B, T) bool or None
+        past = len(cache) if isinstance(cache, KVCache) else 0
+        _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
+        report("x", x)
+        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+        report("queries", queries)
+        report("keys", keys)
+        report("values", values)
+        queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
+        keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
+        values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
+        queries, keys = self.position(queries, keys, past, attention_mask)  # (B, H, T, D), (B, Hkv, T, D)
+        context = attention(
+            queries, keys, values, cache=cache, causal=self.causal, window=self.window,
+            attention_mask=attention_mask, dropout_p=self.attn_dropout_p, backend=self.backend,
+        )  # (B, H, T, D)
+        out = self.project_out(merge_heads(context))  # (B, T, C)
+        report("output", out)
+        return out
