@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from .._optional import require
 from .cases import MODES, PRESETS, Case
 from .harness import run
 from .memory import memory_child
@@ -56,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.list:
         print("\n".join(f"{'peer    ' if i.peer else 'headwise'} {i.name}" for i in IMPLS))
         return
+    if args.plot:
+        try:
+            require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")
+        except ModuleNotFoundError as e:
+            p.error(str(e))
     report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
                  repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
                  progress=_bar)

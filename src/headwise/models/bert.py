@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
+from .._optional import require
 from ..linear import project
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
@@ -265,7 +266,7 @@ class SentenceEncoder(nn.Module):
             FileNotFoundError / ValueError: as ``BertModel.from_pretrained``, or a missing or
                 unreadable ``tokenizer.json``, or a pooling config that is not mean pooling.
         """
-        from tokenizers import Tokenizer
+        Tokenizer = require("tokenizers", "models", "SentenceEncoder's tokenizer").Tokenizer
 
         directory = default_model_dir() if path is None else loading.model_directory(path)
         model = BertModel.from_pretrained(directory)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._optional import require
 from ..convert import remap
 
 SAFETENSORS = "model.safetensors"
@@ -77,12 +78,12 @@ def weights_file(directory: Path) -> Path:
 def read_weights(file: Path) -> dict[str, Tensor]:
     """Every tensor in ``file`` (.safetensors, or a .bin read with ``weights_only=True``)."""
     if file.suffix == ".safetensors":
-        from safetensors import SafetensorError
+        safetensors = require("safetensors", "models", "reading .safetensors weights")
         from safetensors.torch import load_file
 
         try:
             return load_file(file)
-        except (SafetensorError, OSError) as e:
+        except (safetensors.SafetensorError, OSError) as e:
             raise ValueError(f"{file}: cannot read it as safetensors, the file is truncated or corrupt ({e})") from None
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
