@@ -235,23 +235,3 @@ def test_gqa_cache_holds_only_the_kv_heads():
     with torch.no_grad():
         m(torch.randn(1, 3, 16), cache=cache)
     assert len(cache) == 3
-
-
-# ----------------------------------------------------------------------------- the decode benchmark
-
-
-def test_decode_benchmark_returns_rows_and_agrees_with_transformers():
-    from headwise.bench_decode import decode_latency
-
-    rows = decode_latency((5, 9), n_layer=2, n_embd=32, n_head=4, repeats=1, warmup=0)
-    assert [r.context for r in rows] == [5, 9]
-    for r in rows:
-        assert r.cached_ms > 0 and r.uncached_ms > 0 and r.hf_cached_ms > 0 and r.repeats == 1
-        assert r.max_abs_diff < 1e-5  # the headwise and transformers stacks decode the same numbers
-        assert r.hf_speedup == r.hf_cached_ms / r.cached_ms
-    (only,) = decode_latency((4,), n_layer=1, n_embd=8, n_head=2, repeats=1, uncached=False, hf=False)
-    assert only.uncached_ms is None and only.hf_speedup is None and only.cache_speedup is None
-    with pytest.raises(ValueError, match=r"contexts must be ints in \[2, 1024\], got 2000 in \(2000,\)"):
-        decode_latency((2000,))
-    with pytest.raises(ValueError, match=r"repeats must be an int >= 1, got 0"):
-        decode_latency(repeats=0)

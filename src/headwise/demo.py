@@ -7,12 +7,12 @@ layer (the library itself never prints).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .bench.timing import interleaved
 from .config import GPT2Config
 from .convert import gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .explain import book_batch
@@ -104,16 +104,6 @@ def gpt2_size() -> None:
     print(f"GPT2MultiHeadAttention: input {tuple(x.shape)} -> heads {tuple(heads.shape)} -> output {tuple(attn(x).shape)}")
 
 
-def _median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def timing() -> None:
     _heading("A short timing of the backends (GPT-2 small attention, batch 2, 256 tokens, fp32, forward)")
     torch.manual_seed(0)
@@ -126,11 +116,12 @@ def timing() -> None:
         m.load_state_dict(mha.state_dict())
         rows.append((f"MultiHeadAttention backend={backend!r}", m))
     with torch.inference_mode():
-        results = [(name, _median_ms(lambda m=m: m(x))) for name, m in rows]
-    fastest = min(ms for _, ms in results)
-    for name, ms in results:
-        print(f"{name:48} {ms:8.2f} ms   {ms / fastest:5.2f}x")
-    print("(`headwise bench` measures properly: interleaved, against the peers, with spreads.)")
+        times = interleaved({name: (lambda m=m: m(x)) for name, m in rows}, repeats=7, warmup=1)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    fastest = min(ms.values())
+    for name, t in ms.items():
+        print(f"{name:48} {t:8.2f} ms   {t / fastest:5.2f}x")
+    print("(interleaved medians of 7; `headwise bench` compares against the peers, with spreads.)")
 
 
 SENTENCES = [

@@ -25,18 +25,21 @@ projection) plus ``2·B·T²·C`` for attention; forward + backward counts 3x th
 
 The functions return dataclasses; ``main`` (``headwise bench``, ``python -m headwise.bench``)
 parses, prints a Markdown table, and plots. The pieces: ``cases`` (what is measured), ``peers``
-(the implementations), ``timing``, ``memory``, ``harness`` (``run``), ``report`` and ``cli``.
+(the implementations), ``timing`` (the one interleaved loop), ``memory``, ``decode`` (a cached
+decode step against transformers'), ``harness`` (``run``), ``report`` and ``cli``.
 """
 
 from .cases import DTYPES, MODES, PRESETS, Case, Ceiling, Progress, Report, Row
 from .cli import main
+from .decode import DecodeRow, decode_latency
 from .harness import machine, run
 from .memory import memory_case
 from .peers import DEFAULT_SKIP, IMPLS, FusedReference, Impl, select
 from .report import fastest_peer, markdown, plot, summary
-from .timing import measure_ceiling, time_case
+from .timing import interleaved, measure_ceiling, time_case
 
 __all__ = [
-    "DEFAULT_SKIP", "DTYPES", "IMPLS", "MODES", "PRESETS", "Case", "Ceiling", "FusedReference", "Impl", "Progress", "Report", "Row",
-    "fastest_peer", "machine", "main", "markdown", "measure_ceiling", "memory_case", "plot", "run", "select", "summary", "time_case",
+    "DEFAULT_SKIP", "DTYPES", "IMPLS", "MODES", "PRESETS", "Case", "Ceiling", "DecodeRow", "FusedReference", "Impl", "Progress",
+    "Report", "Row", "decode_latency", "fastest_peer", "interleaved", "machine", "main", "markdown", "measure_ceiling", "memory_case",
+    "plot", "run", "select", "summary", "time_case",
 ]

@@ -74,7 +74,7 @@ class Report:
     machine: str
     ceilings: list[Ceiling] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
-    decode: list = field(default_factory=list)  # rows from headwise.bench_decode, when it exists
+    decode: list = field(default_factory=list)  # headwise.bench.decode.DecodeRow, one per context
     command: str = ""
 
     def ceiling(self, dtype: str) -> float | None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
+from .decode import decode_latency
 from .memory import memory_case
 from .peers import select
 from .timing import measure_ceiling, time_case
@@ -91,10 +92,6 @@ def run(
 
 
 def _decode(presets: Sequence[str], repeats: int) -> list:
-    try:
-        from ..bench_decode import decode_latency
-    except ImportError:
-        return []
     rows = []
     for preset in presets:
         width, heads = PRESETS[preset]

@@ -1,4 +1,4 @@
-"""Interleaved timing of one case, and the machine's GEMM ceiling."""
+"""Interleaved timing (the one loop every benchmark and the demo use), and the machine's GEMM ceiling."""
 
 from __future__ import annotations
 
@@ -13,6 +13,50 @@ from torch import Tensor, nn
 
 from .cases import DTYPES, Case, Ceiling, Progress, Row
 from .peers import Impl, prepare, skip_reason
+
+
+def interleaved(
+    steps: dict[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 0,
+    progress: Progress | None = None,
+    what: str = "",
+) -> dict[str, list[float]]:
+    """Seconds per call of each step, timed interleaved: A B C, B C A, C A B, ...
+
+    One call of each per round, the order rotated every round, so that noise from other jobs
+    on the machine hits every step alike; ``warmup`` untimed rounds first.
+
+    Args:
+        steps: name -> a call to time.
+        repeats: timed rounds.
+        warmup: untimed rounds before them.
+        progress: called as ``progress(done, total, what)`` before each timed call.
+        what: a label for ``progress``.
+
+    Returns:
+        name -> ``repeats`` durations in seconds, in round order.
+
+    Example:
+        >>> times = interleaved({"a": lambda: sum(range(100)), "b": lambda: sum(range(10))}, repeats=3)
+        >>> sorted(times), len(times["a"])
+        (['a', 'b'], 3)
+    """
+    items = list(steps.items())
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    done, total = 0, repeats * len(items)
+    for i in range(warmup + repeats):
+        shift = i % max(len(items), 1)
+        for name, step in items[shift:] + items[:shift]:
+            if i >= warmup and progress:
+                progress(done, total, f"{what}: {name}" if what else name)
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+                done += 1
+    return times
 
 
 def _step(mode: str, module: nn.Module, call: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor | None) -> Callable[[], None]:
@@ -72,16 +116,7 @@ def time_case(
             steps[impl.name] = step
         except Exception as e:  # a peer that cannot run this case is reported, not fatal
             notes[impl.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    done, total = 0, repeats * len(steps)
-    for _ in range(repeats):
-        for name, step in steps.items():
-            if progress:
-                progress(done, total, f"{mode} {case.label}: {name}")
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-            done += 1
+    times = interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}")
     rows = []
     for impl in impls:
         if impl.name not in times:

@@ -20,16 +20,17 @@ the step: the two stacks compute the same function, so it is ~1e-6.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .cache import KVCache
-from .config import GPT2Config
-from .fused import GPT2MultiHeadAttention
+from .. import _checks
+from ..cache import KVCache
+from ..config import GPT2Config
+from ..fused import GPT2MultiHeadAttention
+from .timing import interleaved
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,15 @@ def _steps(layers: nn.ModuleList, hf_layers: nn.ModuleList | None, prompt: Tenso
     return steps
 
 
+def _keeping(step: Callable[[], Tensor], outs: dict[str, Tensor], name: str) -> Callable[[], None]:
+    """``step``, keeping its latest output in ``outs[name]``."""
+
+    def call() -> None:
+        outs[name] = step()
+
+    return call
+
+
 def decode_latency(
     contexts: tuple[int, ...] = (128, 512, 1024),
     *,
@@ -165,17 +175,16 @@ def decode_latency(
         One ``DecodeRow`` per context, in the order given.
 
     Example:
-        >>> row, = decode_latency((128,), repeats=5)
-        >>> row.cache_speedup > 1
-        True
+        >>> row, = decode_latency((64,), n_layer=2, repeats=3, hf=False)
+        >>> row.context, row.cache_speedup is not None
+        (64, True)
     """
     config = GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer, attn_pdrop=0.0, resid_pdrop=0.0)
     for n in contexts:
-        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= config.n_positions:
-            raise ValueError(f"contexts must be ints in [2, {config.n_positions}], got {n!r} in {contexts!r}")
-    for name, value, low in [("repeats", repeats, 1), ("warmup", warmup, 0), ("batch_size", batch_size, 1)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        _checks.integer(f"contexts (in {contexts!r})", n, low=2, high=config.n_positions)
+    _checks.integer("repeats", repeats, low=1)
+    _checks.integer("warmup", warmup, low=0)
+    _checks.integer("batch_size", batch_size, low=1)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
         torch.manual_seed(seed)
@@ -186,16 +195,10 @@ def decode_latency(
         for n in contexts:
             prompt = torch.randn(batch_size, n - 1, n_embd, generator=gen)  # (B, n-1, C)
             token = torch.randn(batch_size, 1, n_embd, generator=gen)  # (B, 1, C)
-            steps = list(_steps(layers, hf_layers, prompt, token, uncached).items())
-            times: dict[str, list[float]] = {name: [] for name, _ in steps}
+            steps = _steps(layers, hf_layers, prompt, token, uncached)
             outs: dict[str, Tensor] = {}
-            for i in range(warmup + repeats):
-                for name, step in steps[i % len(steps) :] + steps[: i % len(steps)]:  # rotate who goes first
-                    start = time.perf_counter()
-                    outs[name] = step()
-                    if i >= warmup:
-                        times[name].append((time.perf_counter() - start) * 1e3)
-            med = {name: statistics.median(t) for name, t in times.items()}
+            times = interleaved({name: _keeping(step, outs, name) for name, step in steps.items()}, repeats=repeats, warmup=warmup)
+            med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             diff = float((outs["cached"] - outs["hf_cached"]).abs().max()) if hf else None
             rows.append(DecodeRow(n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads()))
     return rows
