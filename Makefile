@@ -18,7 +18,7 @@ demo: $(STAMP)
 	.venv/bin/headwise demo
 
 test: $(STAMP)
-	.venv/bin/ruff check src tests
+	.venv/bin/ruff check .
 	.venv/bin/pytest -q
 
 bench: $(STAMP)

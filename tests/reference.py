@@ -4,7 +4,7 @@ Written from the definition, not from headwise: nothing here imports headwise, t
 torch.nn.MultiheadAttention or the book's package. Shapes follow the package's glossary
 (B batch, H query heads, Hkv key/value heads, T queries, S keys, D head size).
 
-Rules it encodes (the spec of issue 2):
+Rules it encodes:
 - query head h reads key/value head h // (H // Hkv);
 - causal is aligned bottom-right: query i sits at position i + S - T and sees keys j <= that;
   with a window W it sees only keys j > i + S - T - W;

@@ -8,60 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BACKENDS, decode, make, new_cache, reference_weights
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
 
 import headwise as hw
-
-BACKENDS = ["math", "sdpa", "auto"]
-
-
-def make(kind: str, *, H=4, Hkv=None, D=4, ctx=32, window=None, backend="auto", dtype=torch.float32, seed=0):
-    """A MultiHeadAttention or GPT2MultiHeadAttention in eval mode, random biases."""
-    torch.manual_seed(seed)
-    if kind == "mha":
-        m = hw.MultiHeadAttention(H * D, H * D, ctx, 0.0, H, qkv_bias=True, num_kv_heads=Hkv, window=window, backend=backend)
-    else:
-        config = hw.GPT2Config(n_embd=H * D, n_head=H, n_kv_head=Hkv, n_positions=ctx, attn_pdrop=0.0, resid_pdrop=0.0)
-        m = hw.GPT2MultiHeadAttention(config, window=window, backend=backend)
-    m = m.to(dtype).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.ndim == 1:
-                p.normal_()  # zero-initialised biases would hide a mis-split
-    return m
-
-
-def weights(m) -> dict:
-    """The reference's raw projections for either module."""
-    if isinstance(m, hw.MultiHeadAttention):
-        return {
-            "wq": m.W_query.weight, "wk": m.W_key.weight, "wv": m.W_value.weight, "bq": m.W_query.bias, "bk": m.W_key.bias,
-            "bv": m.W_value.bias, "wo": m.out_proj.weight, "bo": m.out_proj.bias,
-        }
-    C, kv = m.d_in, m.num_kv_heads * m.head_dim
-    w, b = m.c_attn.weight, m.c_attn.bias
-    return {
-        "wq": w[:C], "wk": w[C : C + kv], "wv": w[C + kv :], "bq": b[:C], "bk": b[C : C + kv], "bv": b[C + kv :],
-        "wo": m.c_proj.weight, "bo": m.c_proj.bias,
-    }
-
-
-def decode(m, x, schedule, cache, attention_mask=None, every_chunk=False):
-    """Feed x (B, T, C) through m in chunks of the given sizes; each chunk's part of the mask goes
-    with it if every_chunk, else the mask goes with the first chunk only (the rest must be real)."""
-    outs, start = [], 0
-    for i, n in enumerate(schedule):
-        kpm = attention_mask[:, start : start + n] if (attention_mask is not None and (i == 0 or every_chunk)) else None
-        outs.append(m(x[:, start : start + n], attention_mask=kpm, cache=cache))
-        start += n
-    return torch.cat(outs, dim=1)  # (B, T, C)
-
-
-def new_cache(m, B, max_len, dtype=torch.float32):
-    return hw.KVCache(B, m.num_kv_heads, max_len, m.head_dim, dtype=dtype)
-
 
 # ----------------------------------------------------------------------------- the buffer
 
@@ -172,7 +124,7 @@ def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, l
     kpm = torch.arange(T) >= pads[:, None]  # (B, T) True = real token, left padded
     with torch.no_grad():
         got = decode(m, x, schedule, new_cache(m, B, 32, torch.float64), kpm)
-        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, attention_mask=kpm)
+        want = reference_mha(x, **reference_weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -184,7 +136,7 @@ def test_padding_given_with_any_chunk_is_remembered(schedule, backend, seed):
     kpm = torch.rand(3, T, generator=torch.Generator().manual_seed(seed)) > 0.3  # (B, T) padding anywhere, any chunk
     with torch.no_grad():
         got = decode(m, x, schedule, new_cache(m, 3, 32, torch.float64), kpm, every_chunk=True)
-        want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=2, causal=True, attention_mask=kpm)
+        want = reference_mha(x, **reference_weights(m), num_heads=4, num_kv_heads=2, causal=True, attention_mask=kpm)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 

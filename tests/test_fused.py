@@ -1,10 +1,11 @@
-"""GPT2MultiHeadAttention: seed 003's shapes, the float64 reference, and HuggingFace parity."""
+"""GPT2MultiHeadAttention: GPT-2's head-split shapes, the float64 reference, and HuggingFace parity."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
+from helpers import reference_weights
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
@@ -13,17 +14,6 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
 import headwise as hw
 from headwise.functional import merge_heads, split_heads
-
-
-def _weights(attn: hw.GPT2MultiHeadAttention) -> dict:
-    """c_attn's rows are [queries | keys | values]: the reference's three projections."""
-    C, kv = attn.d_in, attn.num_kv_heads * attn.head_dim
-    w, b = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
-    return {
-        "wq": w[:C], "wk": w[C : C + kv], "wv": w[C + kv :], "bq": b[:C], "bk": b[C : C + kv], "bv": b[C + kv :],
-        "wo": attn.c_proj.weight.detach(), "bo": attn.c_proj.bias.detach(),
-    }
-
 
 # ----------------------------------------------------------------------------- GPT-2 shapes
 
@@ -72,7 +62,7 @@ def test_matches_the_reference(Hkv, group, D, T, B, window, padding, backend, se
         pos = torch.arange(T)
         kpm = pos >= T - lengths[:, None] if padding == "left" else pos < lengths[:, None]  # (B, T) True = real
     got = attn(x, attention_mask=kpm)
-    want = reference_mha(x, **_weights(attn), num_heads=H, num_kv_heads=Hkv, causal=True, window=window, attention_mask=kpm)
+    want = reference_mha(x, **reference_weights(attn), num_heads=H, num_kv_heads=Hkv, causal=True, window=window, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 

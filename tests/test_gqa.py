@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import BACKENDS, decode, make, new_cache, reference_weights
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
-from test_cache import BACKENDS, decode, make, new_cache, weights
 
 import headwise as hw
 
@@ -89,7 +89,7 @@ def test_mha_gqa_matches_the_float64_reference(Hkv, group, T, causal, backend, s
     m = hw.MultiHeadAttention(5, H * D, 8, 0.0, H, qkv_bias=True, causal=causal, num_kv_heads=Hkv, backend=backend).double().eval()
     x = torch.randn(2, T, 5, dtype=torch.float64)
     with torch.no_grad():
-        want = reference_mha(x, **weights(m), num_heads=H, num_kv_heads=Hkv, causal=causal)
+        want = reference_mha(x, **reference_weights(m), num_heads=H, num_kv_heads=Hkv, causal=causal)
         torch.testing.assert_close(m(x), want, atol=1e-10, rtol=1e-10)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llms_from_scratch import ch03 as book
@@ -23,7 +24,7 @@ INPUTS = torch.tensor(
 )
 BATCH = torch.stack((INPUTS, INPUTS))  # (2, 6, 3)
 
-#: What the book prints (seed 000, sections 3.6.1 and 3.6.2), every row.
+#: What the book prints (sections 3.6.1 and 3.6.2, torch.manual_seed(123)), every row.
 PRINTED_WRAPPER = torch.tensor(
     [
         [-0.4519, 0.2216, 0.4772, 0.1063],
@@ -35,17 +36,6 @@ PRINTED_WRAPPER = torch.tensor(
     ]
 )
 PRINTED_MHA = torch.tensor([[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593], [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]])
-
-
-def _weights(m: nn.Module) -> dict:
-    """The module's projections as reference_mha's keyword arguments."""
-    get = lambda layer, attr: None if layer is None or getattr(layer, attr) is None else getattr(layer, attr).detach()  # noqa: E731
-    out_proj = getattr(m, "out_proj", None)
-    return {
-        "wq": m.W_query.weight.detach(), "wk": m.W_key.weight.detach(), "wv": m.W_value.weight.detach(),
-        "bq": get(m.W_query, "bias"), "bk": get(m.W_key, "bias"), "bv": get(m.W_value, "bias"),
-        "wo": get(out_proj, "weight"), "bo": get(out_proj, "bias"),
-    }
 
 
 # ----------------------------------------------------------------------------- the printed numbers
@@ -237,7 +227,7 @@ def test_mha_with_every_extra_matches_the_reference(c):
     x = torch.randn(c["B"], c["T"], c["d_in"], generator=c["g"], dtype=torch.float64)
     got = mha(x, attention_mask=c["kpm"])
     want = reference_mha(
-        x, **_weights(mha), num_heads=c["H"], num_kv_heads=c["Hkv"], causal=c["causal"], window=c["window"], attention_mask=c["kpm"]
+        x, **reference_weights(mha), num_heads=c["H"], num_kv_heads=c["Hkv"], causal=c["causal"], window=c["window"], attention_mask=c["kpm"]
     )
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
@@ -252,11 +242,11 @@ def test_wrapper_and_causal_attention_match_the_reference(cls, causal):
     if cls == "wrapper":
         m = hw.MultiHeadAttentionWrapper(4, 3, 5, 0.0, 3, True, causal=causal).double().eval()
         got = m(x, attention_mask=kpm)
-        want = torch.cat([reference_mha(x, **_weights(h), num_heads=1, causal=causal, attention_mask=kpm) for h in m.heads], -1)
+        want = torch.cat([reference_mha(x, **reference_weights(h), num_heads=1, causal=causal, attention_mask=kpm) for h in m.heads], -1)
     else:
         m = hw.CausalAttention(4, 3, 5, 0.0, causal=causal).double().eval()
         got = m(x, attention_mask=kpm)
-        want = reference_mha(x, **_weights(m), num_heads=1, causal=causal, attention_mask=kpm)
+        want = reference_mha(x, **reference_weights(m), num_heads=1, causal=causal, attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 

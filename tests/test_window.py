@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BACKENDS, decode, make, reference_weights
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_attention, reference_mha
-from test_cache import BACKENDS, decode, make, weights
 
 import headwise as hw
 
@@ -85,7 +85,7 @@ def test_windowed_decoding_matches_the_float64_reference_with_an_explicit_band(k
     with torch.no_grad():
         cache = hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64) if sliding else hw.KVCache(2, Hkv, T, 4, dtype=torch.float64)
         got = decode(m, x, schedule, cache, kpm)
-    want = reference_mha(x, **weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), attention_mask=kpm)
+    want = reference_mha(x, **reference_weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), attention_mask=kpm)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 

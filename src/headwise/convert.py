@@ -3,7 +3,7 @@
 State-dict conversions are pure ``dict -> dict`` functions; they raise one ValueError naming
 every missing, unexpected and mis-shaped key before anything is loaded.
 
-Module conversions show the seeds' claim in code:
+Module conversions show the book's claim in code (the formulations compute one function):
 - ``wrapper_to_mha``: the stacked heads' weights, concatenated, are MultiHeadAttention's
   projections (its out_proj set to the identity);
 - ``mha_to_gpt2`` / ``gpt2_to_mha``: W_query, W_key, W_value stacked are GPT-2's c_attn.

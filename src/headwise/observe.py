@@ -37,9 +37,13 @@ def observe(fn: Observer) -> Iterator[None]:
     """Call ``fn(name, tensor)`` for every step reported inside the block.
 
     Example:
+        >>> import headwise as hw
+        >>> mha = hw.MultiHeadAttention(8, 8, context_length=4, dropout=0.0, num_heads=2)
         >>> steps = []
-        >>> with observe(lambda name, t: steps.append((name, t))):
-        ...     mha(x)
+        >>> with observe(lambda name, t: steps.append(name)):
+        ...     _ = mha(torch.randn(1, 4, 8))
+        >>> steps[:4], steps[-1]
+        (['x', 'queries', 'keys', 'values'], 'output')
     """
     token = _OBSERVER.set(fn)
     try:

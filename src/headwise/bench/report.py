@@ -67,7 +67,7 @@ def summary(report: Report) -> str:
             best = fastest_peer(report, mode, case)
             if best is None:
                 continue
-            if mode == "memory":  # the memory target compares with the fused reference, not the leanest peer
+            if mode == "memory":  # memory is compared with the fused reference, not the leanest peer
                 best = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl.startswith("fused Linear")
                              and r.peak_mib is not None), best)
             cells = []

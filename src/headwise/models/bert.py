@@ -128,8 +128,10 @@ class BertModel(nn.Module):
         config: a ``BertConfig``.
 
     Example:
-        >>> model = BertModel.from_pretrained("path/to/bert")       # a HuggingFace directory
-        >>> model(input_ids, attention_mask=mask).shape              # (B, T, hidden_size)
+        >>> model = BertModel.from_pretrained(default_model_dir())  # or any HuggingFace BERT directory
+        >>> ids = torch.tensor([[101, 7592, 2088, 102]])            # [CLS] hello world [SEP]
+        >>> model(ids, attention_mask=torch.ones_like(ids)).shape   # (B, T, hidden_size)
+        torch.Size([1, 4, 384])
     """
 
     def __init__(self, config: BertConfig) -> None:
@@ -239,8 +241,9 @@ class SentenceEncoder(nn.Module):
 
     Example:
         >>> encoder = SentenceEncoder.from_pretrained()           # all-MiniLM-L6-v2
-        >>> e = encoder.encode(["A cat sat.", "A dog ran."])      # (2, 384), unit rows
-        >>> e @ e.T                                               # cosine similarities
+        >>> e = encoder.encode(["A cat sat.", "A dog ran."])      # unit rows
+        >>> e.shape, bool((e @ e.T).diagonal().sub(1).abs().max() < 1e-5)  # cosine similarities
+        (torch.Size([2, 384]), True)
     """
 
     def __init__(self, model: BertModel, tokenizer: Tokenizer, *, max_seq_length: int = 256) -> None:

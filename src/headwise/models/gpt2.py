@@ -60,10 +60,16 @@ class GPT2LMHeadModel(nn.Module):
     Args:
         config: a ``GPT2Config`` (``n_kv_head`` gives grouped-query attention; GPT-2 has none).
 
+    ``GPT2LMHeadModel.from_pretrained(directory)`` loads a HuggingFace GPT-2 directory.
+
     Example:
-        >>> model = GPT2LMHeadModel.from_pretrained("path/to/gpt2")   # a HuggingFace directory
-        >>> logits = model(input_ids, attention_mask=mask)            # (B, T, vocab_size)
-        >>> model.generate(input_ids, max_new_tokens=20)              # (B, T + 20), greedy
+        >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
+        >>> ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+        >>> mask = torch.tensor([[1, 1, 1], [0, 1, 1]])           # left padding, 1 = real token
+        >>> model(ids, attention_mask=mask).shape                  # (B, T, vocab_size)
+        torch.Size([2, 3, 100])
+        >>> model.generate(ids, attention_mask=mask, max_new_tokens=4).shape  # greedy
+        torch.Size([2, 7])
     """
 
     def __init__(self, config: GPT2Config) -> None:
