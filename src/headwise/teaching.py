@@ -31,7 +31,22 @@ class _BookMask:
 
     context_length: int
 
-    def _keep_book_mask_in_state_dict(self: nn.Module) -> None:
+    def _book_layers(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool,
+        *, causal: bool, backend: str, kv_width: int, out_proj: bool,
+    ) -> None:
+        """The book's attributes and layers, created in the book's order (same seed, same weights)."""
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_out = _checks.positive_int("d_out", d_out)
+        self.context_length = _checks.positive_int("context_length", context_length)
+        self.causal = causal
+        self.backend = check_backend(backend)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, kv_width, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, kv_width, bias=qkv_bias)
+        if out_proj:
+            self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
         self.register_state_dict_post_hook(_emit_book_mask)
         self.register_load_state_dict_pre_hook(_accept_book_mask)
 
@@ -86,16 +101,7 @@ class CausalAttention(_BookMask, nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.d_in = _checks.positive_int("d_in", d_in)
-        self.d_out = _checks.positive_int("d_out", d_out)
-        self.context_length = _checks.positive_int("context_length", context_length)
-        self.causal = causal
-        self.backend = check_backend(backend)
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
-        self._keep_book_mask_in_state_dict()
+        self._book_layers(d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend, kv_width=d_out, out_proj=False)
 
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, d_out)."""
@@ -188,22 +194,12 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.d_in = _checks.positive_int("d_in", d_in)
-        self.d_out = _checks.positive_int("d_out", d_out)
-        self.context_length = _checks.positive_int("context_length", context_length)
-        self.num_kv_heads = _checks.heads("d_out", d_out, num_heads, num_kv_heads)
+        self.num_kv_heads = _checks.heads("d_out", _checks.positive_int("d_out", d_out), num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
-        self.causal = causal
         self.window = _checks.window(window, causal)
-        self.backend = check_backend(backend)
         kv_width = self.num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, kv_width, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, kv_width, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
-        self._keep_book_mask_in_state_dict()
+        self._book_layers(d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend, kv_width=kv_width, out_proj=True)
 
     @property
     def attn_dropout_p(self) -> float:
