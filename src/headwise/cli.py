@@ -1,4 +1,4 @@
-"""The ``headwise`` command: ``demo``, ``explain``, ``bench``. It only parses, prints and plots."""
+"""The ``headwise`` command: ``demo``, ``explain``, ``heads``, ``bench``. It only parses, prints and plots."""
 
 from __future__ import annotations
 
@@ -26,6 +26,32 @@ def _explain(args: argparse.Namespace) -> None:
             print(f"-- {name}: shape {tuple(t.shape)}\n{t}")
 
 
+def _heads(args: argparse.Namespace) -> None:
+    import time
+    from pathlib import Path
+
+    from .viz import head_maps, heads_figure, heads_page
+
+    start = time.perf_counter()
+    try:
+        maps = head_maps(args.model, **({} if args.text is None else {"text": args.text}))
+        page = heads_page(maps)
+        Path(args.out).write_text(page, encoding="utf-8")
+    except (OSError, ImportError) as e:  # a missing directory, file or package: say so, no traceback
+        raise ValueError(str(e)) from None
+    seconds = time.perf_counter() - start
+    size = len(page.encode("utf-8"))
+    print(f"{args.out}: {maps.model}, {maps.layers} layers x {maps.heads} heads, {len(maps.tokens)} tokens; "
+          f"{size / 1024:.0f} KiB, built in {seconds:.1f} s")
+    if args.png:
+        fig = heads_figure(maps)
+        try:
+            fig.savefig(args.png, dpi=110)
+        except OSError as e:
+            raise ValueError(str(e)) from None
+        print(f"{args.png}: the grid as a picture")
+
+
 def _demo(args: argparse.Namespace) -> None:
     from . import demo
 
@@ -51,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--batch", type=int, default=1)
     ex.add_argument("--seed", type=int, default=123)
     ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style)")
+    hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
+    hd.add_argument("--model", metavar="DIR", help="a HuggingFace BERT or GPT-2 directory with tokenizer.json (default: the packaged all-MiniLM-L6-v2)")
+    hd.add_argument("--text", default=None, help="the sentence (default: the book's 'Your journey starts with one step.')")
+    hd.add_argument("--out", default="heads.html", help="the page to write (default: heads.html)")
+    hd.add_argument("--png", metavar="FILE", help="also draw the grid as a PNG picture (matplotlib)")
     sub.add_parser("bench", help="benchmarks against the peers (see `headwise bench --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
@@ -60,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         elif args.command == "demo":
             _demo(args)
+        elif args.command == "heads":
+            _heads(args)
         else:
             _explain(args)
     except ValueError as e:  # the library's clear errors, shown without a traceback

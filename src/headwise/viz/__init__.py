@@ -6,6 +6,8 @@
 - ``heads_figure``: the same grid as a matplotlib figure.
 """
 
-from .maps import DEFAULT_TEXT, HeadMaps, head_maps
+from .maps import DEFAULT_TEXT, ROLE_COLOURS, HeadMaps, head_maps
+from .page import heads_page, page_data
+from .png import clearest_head, heads_figure
 
-__all__ = ["DEFAULT_TEXT", "HeadMaps", "head_maps"]
+__all__ = ["DEFAULT_TEXT", "ROLE_COLOURS", "HeadMaps", "clearest_head", "head_maps", "heads_figure", "heads_page", "page_data"]
