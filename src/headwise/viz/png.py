@@ -18,10 +18,13 @@ def clearest_head(maps: HeadMaps) -> tuple[int, int]:
     """``(layer, head)`` of the head with the largest share in the first role of
     previous / next / self / [CLS]/[SEP] / mixed that some head has."""
     ranked = sorted(
-        (_PREFERRED.index(role), -share, l, h) for l in range(maps.layers) for h in range(maps.heads) for role, share in [maps.role(l, h)]
+        (_PREFERRED.index(role), -share, layer, head)
+        for layer in range(maps.layers)
+        for head in range(maps.heads)
+        for role, share in [maps.role(layer, head)]
     )
-    _, _, l, h = ranked[0]
-    return l, h
+    _, _, layer, head = ranked[0]
+    return layer, head
 
 
 def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figure:
@@ -52,26 +55,26 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
     left, right = fig.subfigures(1, 2, width_ratios=[H * cell, 6.0])
     axes = left.subplots(L, H, squeeze=False, gridspec_kw={"wspace": 0.05, "hspace": 0.05})
     w = maps.weights.numpy()  # (L, H, T, T)
-    for l in range(L):
+    for i in range(L):
         for h in range(H):
-            ax = axes[l][h]
-            role, share = maps.role(l, h)
-            ax.imshow(w[l, h], cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax = axes[i][h]
+            role, share = maps.role(i, h)
+            ax.imshow(w[i, h], cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
             for spine in ax.spines.values():
                 spine.set_edgecolor(ROLE_COLOURS[role])
-                spine.set_linewidth(2.5 if (l, h) != head else 4.0)
+                spine.set_linewidth(2.5 if (i, h) != head else 4.0)
             ax.set_title(f"{share:.2f}", fontsize=6, pad=1.5)
             if h == 0:
-                ax.set_ylabel(f"layer {l}", fontsize=8)
-            if l == L - 1:
+                ax.set_ylabel(f"layer {i}", fontsize=8)
+            if i == L - 1:
                 ax.set_xlabel(f"head {h}", fontsize=8)
     left.suptitle("every head: rows = queries, columns = keys", fontsize=9)
     ax = right.subplots()
-    l, h = head
-    role, share = maps.role(l, h)
-    image = ax.imshow(w[l, h], cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+    i, h = head
+    role, share = maps.role(i, h)
+    image = ax.imshow(w[i, h], cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
     T = len(maps.tokens)
     ax.set_xticks(range(T), maps.tokens, rotation=90, fontsize=8)
     ax.set_yticks(range(T), maps.tokens, fontsize=8)
@@ -80,7 +83,7 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
     for spine in ax.spines.values():
         spine.set_edgecolor(ROLE_COLOURS[role])
         spine.set_linewidth(3)
-    ax.set_title(f"layer {l}, head {h}: {role}" + ("" if role == "mixed" else f" ({share:.2f})"), fontsize=10)
+    ax.set_title(f"layer {i}, head {h}: {role}" + ("" if role == "mixed" else f" ({share:.2f})"), fontsize=10)
     right.colorbar(image, ax=ax, shrink=0.6, label="attention weight")
     counts = {name: sum(maps.role(i, j)[0] == name for i in range(L) for j in range(H)) for name in ROLE_COLOURS}
     fig.legend(
