@@ -137,8 +137,6 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     model = GPT2LMHeadModel.from_pretrained(directory)
     tokenizer = _tokenizer(directory)
     encoding = tokenizer.encode(text)
-    if not encoding.ids:
-        raise ValueError(f"text must give at least one token, got none from {text!r}")
     input_ids = torch.tensor([encoding.ids])  # (1, T)
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
     with observe(lambda name, t: seen[name].append(t) if name in seen else None):
@@ -151,7 +149,8 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
         k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (1, Hkv, T, D)
         weights.append(attention_weights(q, k, causal=True))  # (1, H, T, T)
     tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in encoding.ids)
-    special = torch.tensor([encoding.special_tokens_mask], dtype=torch.bool)  # (1, T)
+    special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
     real = torch.ones_like(special)  # (1, T)
     return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True)
 
