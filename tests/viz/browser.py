@@ -93,7 +93,7 @@ class Browser:
 
     def open(self, url: str, *, width: int = 1600, height: int = 900) -> Tab:
         """A new tab showing ``url``, loaded, with console, errors and network recorded."""
-        target = self.send("Target.createTarget", {"url": "about:blank", "width": width, "height": height})["targetId"]
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable", session=session)

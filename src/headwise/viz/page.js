@@ -111,7 +111,7 @@
     current = [l, h];
     cells.forEach((c, i) => c.setAttribute("aria-pressed", String(i === l * H + h)));
     const r = role(l, h);
-    document.getElementById("detail").dataset.head = l + "." + h;
+    document.getElementById("detail").dataset.shown = l + "." + h;
     document.getElementById("detail-title").textContent = "Layer " + l + ", head " + h + ": " + r.role +
       (r.role === "mixed" ? " (no kind of key gets half of the weight)" : " (" + r.share.toFixed(2) + " of the weight)");
     document.getElementById("detail-mass").textContent = data.kinds.map((k, i) => k + " " + r.mass[i].toFixed(2)).join(" \u00b7 ");
