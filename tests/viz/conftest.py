@@ -1,5 +1,5 @@
 """Fixtures for the heads page: model directories made here (GPT-2, a small BERT), the packaged
-MiniLM, transformers' eager attentions as the oracle, and one headless chromium.
+MiniLM and its maps.
 
 No network: HuggingFace's hub is switched off before transformers is imported.
 """
@@ -77,19 +77,3 @@ def minilm_maps(minilm_dir):
     from headwise.viz import head_maps
 
     return head_maps()
-
-
-@pytest.fixture(scope="session")
-def browser():
-    """One headless chromium for the session; skips (fails under CI=true) when there is none."""
-    from browser import Browser, chromium_path
-
-    executable = chromium_path()
-    if executable is None:
-        message = "no chromium on PATH: `apt-get install chromium` to run the heads page in a real browser (.ci/run installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    b = Browser(executable)
-    yield b
-    b.close()

@@ -6,13 +6,29 @@ Each test opens the page from file:// in a fresh tab of one browser (see ``brows
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
+from browser import Browser, chromium_path
 
 from headwise.viz import heads_page
 
+if chromium_path() is None:
+    _MISSING = "no chromium on PATH: `apt-get install chromium` to run the heads page in a real browser (.ci/run installs it)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(_MISSING, pytrace=False)  # CI must run these tests
+    pytest.skip(_MISSING, allow_module_level=True)
+
 ARROWS = {"ArrowLeft": 37, "ArrowUp": 38, "ArrowRight": 39, "ArrowDown": 40}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless chromium for these tests."""
+    b = Browser(chromium_path())
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="module")
