@@ -6,37 +6,31 @@ import pytest
 
 from headwise.viz import ROLE_COLOURS, clearest_head, heads_figure
 
-plt = pytest.importorskip("matplotlib.pyplot")
+plt = pytest.importorskip("matplotlib.pyplot")  # only to read the PNG back
 
 
 def test_grid_title_legend_and_detail(minilm_maps, tmp_path):
     fig = heads_figure(minilm_maps)
-    try:
-        images = [ax for ax in fig.get_axes() if ax.get_images()]
-        assert len(images) == 6 * 12 + 1  # every head, and the detail
-        assert "all-MiniLM-L6-v2" in fig._suptitle.get_text() and minilm_maps.text in fig._suptitle.get_text()
-        assert clearest_head(minilm_maps) == (0, 2)  # the previous-token head: previous is preferred, and it is the only one
-        detail = images[-1]
-        assert detail.get_title() == "layer 0, head 2: previous (0.86)"
-        assert [t.get_text() for t in detail.get_xticklabels()] == list(minilm_maps.tokens)
-        assert [t.get_text() for t in detail.get_yticklabels()] == list(minilm_maps.tokens)
-        assert (images[2].get_images()[0].get_array() == minilm_maps.weights[0, 2].numpy()).all()
-        legend = [t.get_text() for t in fig.legends[0].get_texts()]
-        assert [label.split(" (")[0] for label in legend] == list(ROLE_COLOURS)
-        assert legend[0] == "previous (1)"
-        fig.savefig(tmp_path / "heads.png", dpi=60)
-        image = plt.imread(tmp_path / "heads.png")[..., :3]
-        assert (image.mean(-1) < 0.9).mean() > 0.05  # not blank
-    finally:
-        plt.close(fig)
+    images = [ax for ax in fig.get_axes() if ax.get_images()]
+    assert len(images) == 6 * 12 + 1  # every head, and the detail
+    assert "all-MiniLM-L6-v2" in fig._suptitle.get_text() and minilm_maps.text in fig._suptitle.get_text()
+    assert clearest_head(minilm_maps) == (0, 2)  # the previous-token head: previous is preferred, and it is the only one
+    detail = images[-1]
+    assert detail.get_title() == "layer 0, head 2: previous (0.86)"
+    assert [t.get_text() for t in detail.get_xticklabels()] == list(minilm_maps.tokens)
+    assert [t.get_text() for t in detail.get_yticklabels()] == list(minilm_maps.tokens)
+    assert (images[2].get_images()[0].get_array() == minilm_maps.weights[0, 2].numpy()).all()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert [label.split(" (")[0] for label in legend] == list(ROLE_COLOURS)
+    assert legend[0] == "previous (1)"
+    fig.savefig(tmp_path / "heads.png", dpi=60)
+    image = plt.imread(tmp_path / "heads.png")[..., :3]
+    assert (image.mean(-1) < 0.9).mean() > 0.05  # not blank
 
 
 def test_chosen_head_and_bad_heads(minilm_maps):
     fig = heads_figure(minilm_maps, head=(1, 8))
-    try:
-        assert fig.get_axes()[-2].get_title() == "layer 1, head 8: next (0.57)"  # the last is the colour bar
-    finally:
-        plt.close(fig)
+    assert fig.get_axes()[-2].get_title() == "layer 1, head 8: next (0.57)"  # the last is the colour bar
     for bad in [(6, 0), (0, -1), [0, 0], (0,)]:
         with pytest.raises(ValueError, match=r"head must be a \(layer, head\) tuple with 0 <= layer < 6 and 0 <= head < 12, got"):
             heads_figure(minilm_maps, head=bad)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._optional import require
 from ..functional import attention_weights
 from ..models import loading
 from ..models.heads import HeadRoles, attention_maps, attention_mass
@@ -156,8 +157,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
 
 
 def _tokenizer(directory: Path):
-    from tokenizers import Tokenizer
-
+    Tokenizer = require("tokenizers", "models", "the heads page's tokenizer").Tokenizer
     file = directory / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: file not found (the heads page reads the tokenizer from tokenizer.json)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._optional import require
 from .maps import ROLE_COLOURS, HeadMaps
 
 if TYPE_CHECKING:
@@ -35,23 +36,22 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
         head: ``(layer, head)`` to draw large, with the tokens on both axes; None = ``clearest_head``.
 
     Returns:
-        A matplotlib ``Figure`` (titled with the model and the sentence, with a legend of roles).
+        A matplotlib ``Figure`` (titled with the model and the sentence, with a legend of roles),
+        made without pyplot: no global state, ``fig.savefig(path)`` writes it.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     if not isinstance(maps, HeadMaps):
         raise TypeError(f"maps must be a HeadMaps (from headwise.viz.head_maps), got {type(maps).__name__}")
+    require("matplotlib", "bench", "drawing the heads as a picture")
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     L, H = maps.layers, maps.heads
     if head is None:
         head = clearest_head(maps)
     elif not (isinstance(head, tuple) and len(head) == 2 and all(isinstance(i, int) for i in head) and 0 <= head[0] < L and 0 <= head[1] < H):
         raise ValueError(f"head must be a (layer, head) tuple with 0 <= layer < {L} and 0 <= head < {H}, got {head!r}")
     cell = 0.62
-    fig = plt.figure(figsize=(H * cell + 6.2, max(L * cell + 1.6, 6.0)), layout="constrained")
+    fig = Figure(figsize=(H * cell + 6.2, max(L * cell + 1.6, 6.0)), layout="constrained")
     left, right = fig.subfigures(1, 2, width_ratios=[H * cell, 6.0])
     axes = left.subplots(L, H, squeeze=False, gridspec_kw={"wspace": 0.05, "hspace": 0.05})
     w = maps.weights.numpy()  # (L, H, T, T)
