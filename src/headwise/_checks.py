@@ -1,5 +1,11 @@
 """Argument checks shared by the package: each raises ValueError/TypeError naming the argument,
-what was expected and what was given. One checker per kind of argument."""
+what was expected and what was given. One checker per kind of argument.
+
+Checks of shapes, dtypes and Python values cost nothing. A check of a tensor's *values* reads
+them on the host: on a GPU that is a device sync, so such checks sit only where a call enters
+with user data (an int padding mask, token ids), never on a path a bool mask or a decode step
+takes. Meta tensors have no values: ``has_values`` says so and value checks are skipped there.
+"""
 
 from __future__ import annotations
 
@@ -76,7 +82,9 @@ def attention_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)", 
     """A padding mask with HuggingFace's meaning, 1/True = real token, 0/False = padding.
 
     Bools or 0/1 integers, shape (b, t); ``dims`` names that shape in the message.
-    Returns it as a (b, t) bool tensor (None stays None).
+    Returns it as a (b, t) bool tensor (None stays None). A bool mask is taken as it is; an
+    int mask's values are checked, which reads them on the host (one device sync on a GPU):
+    pass bools where that matters.
     """
     if mask is None:
         return None
@@ -88,9 +96,14 @@ def attention_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)", 
         return mask
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 int tensor (1/True = real token), got dtype {mask.dtype}")
-    if bool(((mask != 0) & (mask != 1)).any()):
+    if has_values(mask) and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
     return mask != 0
+
+
+def has_values(t: Tensor) -> bool:
+    """False for a meta tensor (shapes and dtypes only, nothing to read); True otherwise."""
+    return t.device.type != "meta"
 
 
 def context(t: int, past: int, context_length: int, sliding: bool) -> None:

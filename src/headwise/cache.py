@@ -10,7 +10,10 @@ token (for a sliding cache this keeps counting past ``window``).
 
 The cache also remembers which stored positions are padding (from the padding mask
 given with the tokens that filled them, ``attention_mask``), so that decode steps after a left-padded prefill
-need no mask of their own.
+need no mask of their own. It never reads a mask's values on the host (no device sync): once
+any write came with a mask, it hands its (B, S) record of real tokens on with every read; a
+cache never given a mask hands on None, so that attention needs no mask at all. (The models
+pass None for a batch without padding.)
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class KVCache:
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
         self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
-        self._padded = False  # has any stored position been padding?
+        self._padded = False  # did any stored position come with a padding mask?
         self._len = 0
 
     @classmethod
@@ -142,7 +145,7 @@ class KVCache:
         attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         T = k.shape[2]
         start = self._len
-        if attention_mask is not None and not self._padded and not bool(attention_mask.all()):  # one sync, then none
+        if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
             self._padded = True
         if self.window is None:
             self.k[:, :, start : start + T] = k

@@ -120,7 +120,7 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
         target.weight.copy_(torch.cat([getattr(head, name).weight for head in wrapper.heads]))  # (C, d_in)
         if target.bias is not None:
             target.bias.copy_(torch.cat([getattr(head, name).bias for head in wrapper.heads]))  # (C,)
-    mha.out_proj.weight.copy_(torch.eye(h * d))
+    mha.out_proj.weight.copy_(torch.eye(h * d, dtype=mha.out_proj.weight.dtype, device=mha.out_proj.weight.device))
     mha.out_proj.bias.zero_()
     return mha
 
@@ -137,7 +137,7 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
     attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend).to(mha.W_query.weight)
     layers = (mha.W_query, mha.W_key, mha.W_value)
     attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
-    attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]))
+    attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]))
     attn.c_proj.load_state_dict(mha.out_proj.state_dict())
     return attn
 

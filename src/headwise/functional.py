@@ -142,24 +142,25 @@ def _scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
-    """Masked, scaled softmax of the scores, (B, H, T, S); float32 for half inputs."""
+    """Masked, scaled softmax of the scores, (B, H, T, S); float32 for half inputs.
+
+    A row that may see no key is given finite logits and then zero weights, by ``where``:
+    never asking the device whether there is such a row (that would be a host sync).
+    """
     scores = _scores(q, k)  # (B, H, T, S)
     report("scores", scores)
-    if is_causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)  # (T, S)
-    live = None  # (.., T, 1): rows that can see at least one key
-    additive = mask is not None and mask.dtype != torch.bool
-    if mask is not None:
-        if additive:
-            live = (mask > -math.inf).any(-1, keepdim=True)
-        else:
-            scores = scores.masked_fill(~mask, -math.inf)
-            live = mask.any(-1, keepdim=True)
-            report("masked_scores", scores)
-        if bool(live.all()):
-            live = None
+    live = None  # (.., T, 1): rows that can see at least one key; None = all of them, known without looking
+    if is_causal:  # top-left causal over T == S keys: every query sees at least itself
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], device=q.device), -math.inf)
+        report("masked_scores", scores)
+    elif mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+        live = mask.any(-1, keepdim=True)
+        report("masked_scores", scores)
+    elif mask is not None:
+        live = (mask > -math.inf).any(-1, keepdim=True)
     logits = scores * scale  # (B, H, T, S)
-    if additive:
+    if mask is not None and mask.dtype != torch.bool:
         logits = logits + mask  # softmax(q k^T * scale + mask): an additive mask is not scaled
     if live is not None:  # a row of -inf would give 0/0: give it finite logits, then zero its weights
         logits = logits.masked_fill(~live, 0.0)

@@ -30,6 +30,7 @@ class _BookMask:
     """Emit / accept the book's ``mask`` buffer in state dicts without storing it."""
 
     context_length: int
+    W_query: nn.Linear
 
     def _book_layers(
         self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool,
@@ -52,8 +53,9 @@ class _BookMask:
 
     @property
     def mask(self) -> Tensor:
-        """The book's (ctx, ctx) float buffer: 1.0 above the diagonal = masked (future)."""
-        return torch.triu(torch.ones(self.context_length, self.context_length), diagonal=1)
+        """The book's (ctx, ctx) float buffer: 1.0 above the diagonal = masked (future), on the module's device."""
+        ctx = self.context_length
+        return torch.triu(torch.ones(ctx, ctx, device=self.W_query.weight.device), diagonal=1)
 
 
 def _emit_book_mask(module: _BookMask, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -9,14 +9,21 @@ from .. import _checks
 
 
 def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tuple[int, int]:
-    """Check ``input_ids`` is a (B, T) integer tensor of ids in [0, vocab_size); return (B, T)."""
+    """Check ``input_ids`` is a (B, T) integer tensor of ids in [0, vocab_size); return (B, T).
+
+    The range is read on the host once per call (on a GPU an id out of range would otherwise
+    end in a device-side assert inside the embedding); the models call this once per forward
+    or ``generate``, never per decode step.
+    """
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, shape (batch, tokens), got {type(input_ids).__name__}")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"{name} must have shape (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
-    low, high = int(input_ids.min()), int(input_ids.max())
+    if not _checks.has_values(input_ids):
+        return input_ids.shape[0], input_ids.shape[1]
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host read (a device sync on a GPU)
     if low < 0 or high >= vocab_size:
         raise ValueError(f"{name} must hold ids in [0, vocab_size={vocab_size}), got ids from {low} to {high}")
     return input_ids.shape[0], input_ids.shape[1]
@@ -30,5 +37,11 @@ def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_
 
 
 def padding_only(real: Tensor | None) -> Tensor | None:
-    """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal)."""
-    return None if real is None or bool(real.all()) else real
+    """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal).
+
+    Asking costs one host read (a device sync on a GPU), once per forward or ``generate``:
+    it buys mask-free fused attention in every layer (and every decode step) after it.
+    """
+    if real is None or (_checks.has_values(real) and bool(real.all())):
+        return None
+    return real

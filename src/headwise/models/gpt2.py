@@ -192,7 +192,7 @@ class GPT2LMHeadModel(nn.Module):
                 token = token.masked_fill(finished, eos_token_id)
                 finished |= token == eos_token_id
             tokens.append(token[:, None])  # (B, 1)
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             position = position + 1  # (B, 1): HuggingFace's rule, last position + 1
             logits = self._logits(token[:, None], position, None, caches)[:, -1]  # (B, vocab)

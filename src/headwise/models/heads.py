@@ -89,7 +89,7 @@ def attention_mass(weights: list[Tensor], special: Tensor, real: Tensor) -> Tens
         never as "previous" / "next".
     """
     _, _, T, _ = weights[0].shape
-    i = torch.arange(T)
+    i = torch.arange(T, device=weights[0].device)
     plain = real & ~special  # (B, T) keys that are ordinary tokens
     queries = plain.float()  # (B, T) the queries averaged over
     n = queries.sum().clamp(min=1)
