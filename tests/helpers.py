@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import headwise as hw
 
@@ -14,15 +19,15 @@ ERROR_RATIO = 3
 BACKENDS = ["math", "sdpa", "auto"]
 
 
-def make(kind: str, *, H=4, Hkv=None, D=4, ctx=32, window=None, backend="auto", dtype=torch.float32, seed=0):
-    """A MultiHeadAttention or GPT2MultiHeadAttention in eval mode, random biases."""
+def make(kind: str, *, H=4, Hkv=None, D=4, ctx=32, window=None, backend="auto", dtype=torch.float32, seed=0, device="cpu"):
+    """A MultiHeadAttention or GPT2MultiHeadAttention in eval mode on ``device``, random biases."""
     torch.manual_seed(seed)
     if kind == "mha":
         m = hw.MultiHeadAttention(H * D, H * D, ctx, 0.0, H, qkv_bias=True, num_kv_heads=Hkv, window=window, backend=backend)
     else:
         config = hw.GPT2Config(n_embd=H * D, n_head=H, n_kv_head=Hkv, n_positions=ctx, attn_pdrop=0.0, resid_pdrop=0.0)
         m = hw.GPT2MultiHeadAttention(config, window=window, backend=backend)
-    m = m.to(dtype).eval()
+    m = m.to(device=device, dtype=dtype).eval()
     with torch.no_grad():
         for p in m.parameters():
             if p.ndim == 1:
@@ -42,7 +47,8 @@ def decode(m, x, schedule, cache, attention_mask=None, every_chunk=False):
 
 
 def new_cache(m, B, max_len, dtype=torch.float32):
-    return hw.KVCache(B, m.num_kv_heads, max_len, m.head_dim, dtype=dtype)
+    """A KVCache for module m on m's device."""
+    return hw.KVCache(B, m.num_kv_heads, max_len, m.head_dim, dtype=dtype, device=next(m.parameters()).device)
 
 
 def reference_weights(m: nn.Module) -> dict:
@@ -65,3 +71,89 @@ def reference_weights(m: nn.Module) -> dict:
         "bq": get(m.W_query, "bias"), "bk": get(m.W_key, "bias"), "bv": get(m.W_value, "bias"),
         "wo": get(out_proj, "weight"), "bo": get(out_proj, "bias"),
     }
+
+
+# ----------------------------------------------------------------------------- devices
+
+#: Every device a test about numbers runs on here: the CPU always, CUDA when torch sees one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+_TOLERANCES = {  # (device type, dtype) -> (atol, rtol), for outputs of size ~1-10
+    ("cpu", torch.float64): (1e-10, 1e-10),
+    ("cpu", torch.float32): (1e-5, 0.0),
+    # GPU kernels sum in other orders (fused SDPA kernels tile the keys): float32 a few ulps
+    # of the largest partial sum away, float64 still far below any real error.
+    ("cuda", torch.float64): (1e-9, 1e-9),
+    ("cuda", torch.float32): (1e-4, 1e-5),
+}
+
+
+def tol(device: str | torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """``assert_close`` tolerances for results computed in ``dtype`` on ``device``.
+
+    Low precision (bf16/fp16) is not here: it is judged by the error ratio against a plain
+    implementation in the same dtype, on any device.
+    """
+    atol, rtol = _TOLERANCES[(torch.device(device).type, dtype)]
+    return {"atol": atol, "rtol": rtol}
+
+
+# ----------------------------------------------------------------------------- host reads
+
+#: The Tensor methods that read a tensor's values on the host: on a GPU each one waits for the device.
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def host_reads(device: str | torch.device = "cpu", *, strict: bool = False) -> Iterator[list[str]]:
+    """Count the host reads of tensor values made inside the block: yields the list of method names.
+
+    Patches ``torch.Tensor``'s methods in ``HOST_READS`` to record each call (on any device:
+    on the CPU a read is no sync, but the same line would be one on a GPU). With ``strict`` on
+    CUDA it also sets ``torch.cuda.set_sync_debug_mode("error")``, which catches the syncs no
+    Python method shows (a boolean-mask index, ``nonzero``, a device-to-host copy).
+    """
+    calls: list[str] = []
+    saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+    for name in HOST_READS:
+        base = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _base=base, **kwargs):
+            calls.append(_name)
+            return _base(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+    cuda = strict and torch.device(device).type == "cuda"
+    mode = torch.cuda.get_sync_debug_mode() if cuda else None
+    try:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        yield calls
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+        for name, old in saved.items():
+            if old is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, old)
+
+
+# ----------------------------------------------------------------------------- stray tensors
+
+
+class OffDevice(TorchDispatchMode):
+    """Records every op whose output is not on ``device``: run meta inputs through the code
+    inside it, and any tensor made without ``device=`` (a CPU one) shows up in ``stray``."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.device = device
+        self.stray: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != self.device:
+                self.stray.append(f"{func}: {tuple(t.shape)} on {t.device}")
+        return out
