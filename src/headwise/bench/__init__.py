@@ -19,6 +19,12 @@ projection (the book's wrapper has none). Fairness rules:
   per dtype (``F.linear``'s BLAS and oneDNN's inner product), so achieved GFLOP/s can be
   read as a share of what the cores can do.
 
+``device="cuda"`` (``headwise bench --device cuda``) runs the same cases on the GPU: each call
+timed by CUDA events around it (warm-up waited for, interleaved, medians), rates in TFLOP/s
+as a share of the GPU's datasheet peak for the dtype (bf16, or tf32/fp32 as torch's float32
+matmul precision says; ``gpu``: none for a GPU the table does not know), and memory as
+``torch.cuda.max_memory_allocated`` during one forward beyond what was allocated before it.
+
 Useful FLOPs of one forward (causal, so QK^T and AV count half):
 ``2·B·T·C·(3C) + 2·B·T·C·C`` for the projections (no ``C·C`` term without an output
 projection) plus ``2·B·T²·C`` for attention; forward + backward counts 3x the forward.
@@ -26,7 +32,7 @@ projection) plus ``2·B·T²·C`` for attention; forward + backward counts 3x th
 The functions return dataclasses; ``main`` (``headwise bench``, ``python -m headwise.bench``)
 parses, prints a Markdown table, and plots. The pieces: ``cases`` (what is measured), ``peers``
 (the implementations), ``timing`` (the one interleaved loop), ``memory``, ``decode`` (a cached
-decode step against transformers'), ``harness`` (``run``), ``report`` and ``cli``.
+decode step against transformers'), ``gpu`` (a GPU's name and peaks), ``harness`` (``run``), ``report`` and ``cli``.
 """
 
 from .cases import DTYPES, MODES, PRESETS, Case, Ceiling, Progress, Report, Row

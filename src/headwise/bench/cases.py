@@ -16,12 +16,13 @@ Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
 
 @dataclass(frozen=True)
 class Case:
-    """One shape: ``preset`` names (C, H); B sequences of T tokens in ``dtype`` ("fp32" / "bf16")."""
+    """One shape: ``preset`` names (C, H); B sequences of T tokens in ``dtype`` ("fp32" / "bf16") on ``device``."""
 
     preset: str
     batch: int
     tokens: int
     dtype: str = "fp32"
+    device: str = "cpu"  # or "cuda"
 
     @property
     def width(self) -> int:
@@ -33,7 +34,7 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.preset} B={self.batch} T={self.tokens} {self.dtype}"
+        return f"{self.preset} B={self.batch} T={self.tokens} {self.dtype}" + ("" if self.device == "cpu" else f" {self.device}")
 
     def flops(self, mode: str, out_proj: bool = True) -> float:
         """Useful FLOPs of one call in ``mode`` (causal attention at half)."""

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+import torch
+
 from .._optional import require
 from .cases import MODES, PRESETS, Case
 from .harness import run
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-scores-gib", type=float, default=8.0, help="skip classes whose (B, H, T, T) scores need more")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the GEMM ceiling")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GPU's datasheet peak, CUDA memory)")
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
     p.add_argument("--json", help="write the raw report here")
@@ -57,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.list:
         print("\n".join(f"{'peer    ' if i.peer else 'headwise'} {i.name}" for i in IMPLS))
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
     if args.plot:
         try:
             require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")
@@ -64,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             p.error(str(e))
     report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
                  repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
-                 progress=_bar)
+                 progress=_bar, device=args.device)
     sys.stderr.write("\n")
     report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(report)

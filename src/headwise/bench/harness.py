@@ -48,6 +48,7 @@ def run(
     max_scores_gib: float = 8.0,
     ceiling: bool = True,
     progress: Progress | None = None,
+    device: str = "cpu",
 ) -> Report:
     """Run every requested (mode, preset, tokens, dtype) case; see the module docstring.
 
@@ -59,7 +60,8 @@ def run(
         impls: substrings of implementation names (default: all but torch.compile).
         repeats, warmup: timed and untimed calls per implementation and case.
         max_scores_gib: skip implementations whose (B, H, T, T) scores need more.
-        ceiling: measure the machine's GEMM ceiling per dtype first.
+        ceiling: measure the machine's GEMM ceiling per dtype first (on CUDA: the GPU's datasheet peak).
+        device: "cpu" or "cuda" (timed with CUDA events; memory from ``torch.cuda.max_memory_allocated``).
 
     Returns:
         A ``Report``.
@@ -70,11 +72,17 @@ def run(
             raise ValueError(f"{name} must be among {list(valid)}, got {bad}")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens) or batch < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"tokens, batch and repeats must be positive ints and warmup >= 0, got {list(tokens)}, {batch}, {repeats}, {warmup}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a GPU that torch can see; torch.cuda.is_available() is False here")
+    if device == "cuda" and "decode" in modes:
+        raise ValueError("mode 'decode' runs on the CPU only (the decode benchmark is a CPU latency study), got device='cuda'")
     chosen = select(impls)
-    report = Report(machine())
+    report = Report(machine() if device == "cpu" else f"{machine()}; {_gpu()}")
     if ceiling:
         for dtype in dtypes:
-            report.ceilings += measure_ceiling(dtype)
+            report.ceilings += measure_ceiling(dtype, device=device)
     for mode in modes:
         if mode == "decode":
             report.decode += _decode(presets, repeats)
@@ -82,13 +90,19 @@ def run(
         for preset in presets:
             for dtype in dtypes:
                 for t in tokens:
-                    case = Case(preset, batch, t, dtype)
+                    case = Case(preset, batch, t, dtype, device)
                     if mode == "memory":
                         report.rows += memory_case(chosen, case, max_scores_gib=max_scores_gib, progress=progress)
                     else:
                         report.rows += time_case(chosen, case, mode, repeats=repeats, warmup=warmup, max_scores_gib=max_scores_gib,
                                                  ceiling=report.ceiling(dtype), progress=progress)
     return report
+
+
+def _gpu() -> str:
+    from .gpu import describe
+
+    return describe()
 
 
 def _decode(presets: Sequence[str], repeats: int) -> list:

@@ -1,4 +1,5 @@
-"""Peak forward memory, each implementation in a fresh subprocess (``python -m headwise.bench --_memory-child``)."""
+"""Peak forward memory: on the CPU each implementation in a fresh subprocess (``python -m headwise.bench
+--_memory-child``), max RSS; on CUDA in this process, ``torch.cuda.max_memory_allocated``."""
 
 from __future__ import annotations
 
@@ -56,8 +57,23 @@ def memory_child(name: str, case: Case) -> dict:
     return {"peak_mib": peak() - before}
 
 
+def cuda_peak_mib(impl: Impl, case: Case) -> float:
+    """The most GPU memory one forward allocates beyond what was allocated before it (module, input), MiB."""
+    module, call, x = prepare(impl, case)
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        call(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del module, call, x
+    return peak / 2**20
+
+
 def memory_case(impls: Sequence[Impl], case: Case, *, max_scores_gib: float = 8.0, progress: Progress | None = None) -> list[Row]:
-    """Peak forward memory of each implementation, each in its own fresh Python process."""
+    """Peak forward memory of each implementation: each in its own fresh Python process on the CPU, in this one on CUDA."""
     rows = []
     for n, impl in enumerate(impls):
         if progress:
@@ -65,6 +81,12 @@ def memory_case(impls: Sequence[Impl], case: Case, *, max_scores_gib: float = 8.
         note = skip_reason(impl, case, max_scores_gib)
         if note:
             rows.append(Row(impl.name, impl.peer, "memory", case, note=note))
+            continue
+        if case.device == "cuda":
+            try:
+                rows.append(Row(impl.name, impl.peer, "memory", case, peak_mib=cuda_peak_mib(impl, case)))
+            except Exception as e:  # a peer that cannot run this case is reported, not fatal
+                rows.append(Row(impl.name, impl.peer, "memory", case, note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
             continue
         spec = json.dumps({"impl": impl.name, "case": asdict(case)})
         proc = subprocess.run([sys.executable, "-m", "headwise.bench", "--_memory-child", spec], capture_output=True, text=True)

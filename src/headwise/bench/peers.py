@@ -26,7 +26,7 @@ class Impl:
 
 def _future(case: Case) -> Tensor:
     """(T, T) bool, True above the diagonal: the keys a causal query may NOT see."""
-    return torch.ones(case.tokens, case.tokens, dtype=torch.bool).triu(1)  # (T, T)
+    return torch.ones(case.tokens, case.tokens, dtype=torch.bool, device=case.device).triu(1)  # (T, T)
 
 
 def _headwise_mha(case: Case):
@@ -86,7 +86,7 @@ def _transformers(implementation: str):
         if implementation == "eager":  # what GPT2Model builds once per forward: additive, finfo.min above the diagonal
             dtype = DTYPES[case.dtype]
             future = _future(case)  # (T, T)
-            mask = torch.zeros(1, 1, case.tokens, case.tokens, dtype=dtype).masked_fill(future, torch.finfo(dtype).min)  # (1, 1, T, T)
+            mask = torch.zeros(1, 1, case.tokens, case.tokens, dtype=dtype, device=case.device).masked_fill(future, torch.finfo(dtype).min)  # (1, 1, T, T)
 
         def call(x: Tensor) -> Tensor:
             return m(x, attention_mask=mask)[0]  # (B, T, C)
@@ -170,11 +170,11 @@ def _too_big(impl: Impl, case: Case, max_scores_gib: float) -> str:
 
 
 def prepare(impl: Impl, case: Case, seed: int = 0) -> tuple[nn.Module, Callable[[Tensor], Tensor], Tensor]:
-    """Seeded module, its call and a seeded input x (B, T, C), all in the case's dtype, in eval mode."""
+    """Seeded module, its call and a seeded input x (B, T, C), all in the case's dtype and on its device, in eval mode."""
     with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
         torch.manual_seed(seed)
         module, call = impl.build(case)
-    module.to(DTYPES[case.dtype]).eval()
+    module.to(device=case.device, dtype=DTYPES[case.dtype]).eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(case.batch, case.tokens, case.width, generator=gen).to(DTYPES[case.dtype])  # (B, T, C)
+    x = torch.randn(case.batch, case.tokens, case.width, generator=gen).to(device=case.device, dtype=DTYPES[case.dtype])  # (B, T, C)
     return module, call, x

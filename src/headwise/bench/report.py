@@ -18,9 +18,11 @@ def markdown(report: Report) -> str:
     out = [f"Machine: {report.machine}", ""]
     if report.command:
         out += [f"Command: `{report.command}`", ""]
+    gpu = any(r.case.device == "cuda" for r in report.rows)  # then rates in TFLOP/s, shares of the datasheet peak
+    rate, share, per = ("TFLOP/s", "% peak", 1e3) if gpu else ("GFLOP/s", "% ceiling", 1.0)
     if report.ceilings:
-        out += ["| GEMM ceiling (2048³) | path | GFLOP/s |", "|---|---|---:|"]
-        out += [f"| {c.dtype} | {c.path} | {c.gflops:.0f} |" for c in report.ceilings] + [""]
+        out += [f"| {'GPU peak' if gpu else 'GEMM ceiling (2048³)'} | path | {rate} |", "|---|---|---:|"]
+        out += [f"| {c.dtype} | {c.path} | {c.gflops / per:.0f} |" for c in report.ceilings] + [""]
     for mode in MODES[:3]:
         rows = [r for r in report.rows if r.mode == mode]
         if not rows:
@@ -28,7 +30,7 @@ def markdown(report: Report) -> str:
         if mode == "memory":
             out += ["| memory: case | implementation | peak MiB | vs fused reference |", "|---|---|---:|---:|"]
         else:
-            out += [f"| {mode}: case | implementation | median s | IQR s | GFLOP/s | % ceiling | vs fastest peer |",
+            out += [f"| {mode}: case | implementation | median s | IQR s | {rate} | {share} | vs fastest peer |",
                     "|---|---|---:|---:|---:|---:|---:|"]
         for r in rows:
             c, label = r.case, r.case.label
@@ -43,7 +45,7 @@ def markdown(report: Report) -> str:
                 best = fastest_peer(report, mode, c)
                 ratio = f"{r.median_s / best.median_s:.2f}x" if best else ""
                 pct = f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling is not None else ""
-                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops:.0f} | {pct} | {ratio} |")
+                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} |")
         out.append("")
     if report.decode:
         fields = list(asdict(report.decode[0]))

@@ -1,4 +1,10 @@
-"""Interleaved timing (the one loop every benchmark and the demo use), and the machine's GEMM ceiling."""
+"""Interleaved timing (the one loop every benchmark and the demo use), and the machine's GEMM ceiling.
+
+On the CPU a call is timed by the wall clock around it. On CUDA, where a call only queues
+kernels, it is timed by a pair of CUDA events recorded in the stream around it, and the
+elapsed times are read once, after one synchronisation at the end; the warm-up rounds are
+waited for before the timed ones start.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ def interleaved(
     warmup: int = 0,
     progress: Progress | None = None,
     what: str = "",
+    device: str = "cpu",
 ) -> dict[str, list[float]]:
     """Seconds per call of each step, timed interleaved: A B C, B C A, C A B, ...
 
@@ -34,6 +41,7 @@ def interleaved(
         warmup: untimed rounds before them.
         progress: called as ``progress(done, total, what)`` before each timed call.
         what: a label for ``progress``.
+        device: "cpu" (wall clock) or "cuda" (CUDA events on the current stream).
 
     Returns:
         name -> ``repeats`` durations in seconds, in round order.
@@ -45,17 +53,33 @@ def interleaved(
     """
     items = list(steps.items())
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cuda = torch.device(device).type == "cuda"
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
     done, total = 0, repeats * len(items)
     for i in range(warmup + repeats):
+        if cuda and i == warmup:
+            torch.cuda.synchronize()  # the warm-up's kernels are done before the first timed one is queued
         shift = i % max(len(items), 1)
         for name, step in items[shift:] + items[:shift]:
             if i >= warmup and progress:
                 progress(done, total, f"{what}: {name}" if what else name)
+            if cuda and i >= warmup:
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_event.record()
+                step()
+                end_event.record()
+                events.append((name, start_event, end_event))
+                done += 1
+                continue
             start = time.perf_counter()
             step()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
                 done += 1
+    if cuda:
+        torch.cuda.synchronize()
+        for name, start_event, end_event in events:
+            times[name].append(start_event.elapsed_time(end_event) / 1e3)  # ms -> s
     return times
 
 
@@ -109,14 +133,14 @@ def time_case(
             continue
         try:
             module, call, x = prepare(impl, case)
-            grad = torch.randn(case.batch, case.tokens, case.width).to(x.dtype) if mode == "backward" else None  # (B, T, C)
+            grad = torch.randn(case.batch, case.tokens, case.width).to(x) if mode == "backward" else None  # (B, T, C)
             step = _step(mode, module, call, x, grad)
             for _ in range(warmup):
                 step()
             steps[impl.name] = step
         except Exception as e:  # a peer that cannot run this case is reported, not fatal
             notes[impl.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-    times = interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}")
+    times = interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}", device=case.device)
     rows = []
     for impl in impls:
         if impl.name not in times:
@@ -129,9 +153,19 @@ def time_case(
     return rows
 
 
-def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3) -> list[Ceiling]:
-    """The best rate of a size^3 GEMM through ``F.linear`` (torch's BLAS) and oneDNN, interleaved."""
+def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3, device: str = "cpu") -> list[Ceiling]:
+    """The best rate of a size^3 GEMM through ``F.linear`` (torch's BLAS) and oneDNN, interleaved.
+
+    On CUDA the ceiling is the GPU's datasheet peak for ``dtype`` (``bench.gpu``), none for a
+    GPU the table does not know.
+    """
     from ..linear import _lp, _onednn_available
+
+    if torch.device(device).type == "cuda":
+        from .gpu import peak
+
+        known = peak(torch.cuda.get_device_name(), dtype)
+        return [known] if known else []
 
     t = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,139 @@
+"""The benchmark on CUDA: event timing, datasheet peaks, CUDA memory (benchmarks are not tests: no timing asserted).
+
+The event loop is checked here on the CPU against a fake CUDA clock; the real run is a smoke
+test that needs a GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from headwise import bench
+from headwise.bench import gpu
+from headwise.bench.cases import Ceiling, Report, Row
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the run itself times kernels on a GPU")
+without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given where torch sees no GPU")
+
+
+class FakeCuda:
+    """torch.cuda's Event and synchronize on a fake clock in ms that the timed steps advance."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.synced_at: list[int] = []  # how many events had been recorded at each synchronize
+        self.recorded = 0
+        self.read_before_sync = False
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.t: float | None = None
+
+            def record(self) -> None:
+                self.t = fake.now
+                fake.recorded += 1
+
+            def elapsed_time(self, end: Event) -> float:
+                fake.read_before_sync |= not fake.synced_at or fake.synced_at[-1] < fake.recorded
+                return end.t - self.t
+
+        self.Event = Event
+
+    def synchronize(self) -> None:
+        self.synced_at.append(self.recorded)
+
+
+def test_cuda_timing_uses_events_read_after_one_final_sync(monkeypatch):
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+
+    def step(ms: float):
+        def call() -> None:
+            fake.now += ms
+
+        return call
+
+    times = bench.interleaved({"a": step(5.0), "b": step(2.0)}, repeats=3, warmup=2, device="cuda")
+    assert times == {"a": [0.005] * 3, "b": [0.002] * 3}  # seconds, from the events around each call
+    assert fake.synced_at == [0, 12]  # after the warm-up (no events yet), then once after all 3 x 2 pairs
+    assert not fake.read_before_sync
+
+
+def test_cpu_timing_is_unchanged_by_the_device_argument(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: pytest.fail("a CPU run must not touch CUDA"))
+    times = bench.interleaved({"a": lambda: None}, repeats=2, warmup=1)
+    assert len(times["a"]) == 2 and all(t >= 0 for t in times["a"])
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "precision", "path", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", "highest", "H100 SXM datasheet, dense bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", "highest", "H100 SXM datasheet, dense fp32", 66.9),
+        ("NVIDIA H100 80GB HBM3", "fp32", "high", "H100 SXM datasheet, dense tf32", 494.7),
+        ("NVIDIA H100 PCIe", "bf16", "highest", "H100 PCIe datasheet, dense bf16", 756.0),
+        ("NVIDIA H200", "bf16", "highest", "H200 SXM datasheet, dense bf16", 989.4),
+        ("NVIDIA H200 NVL", "fp32", "medium", "H200 NVL datasheet, dense tf32", 417.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", "highest", "A100 datasheet, dense bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", "high", "A100 datasheet, dense tf32", 156.0),
+    ],
+)
+def test_known_gpus_have_their_datasheet_peak(monkeypatch, name, dtype, precision, path, tflops):
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
+    assert gpu.peak(name, dtype) == Ceiling(dtype, path, pytest.approx(tflops * 1e3))
+
+
+def test_an_unknown_gpu_gets_no_share(monkeypatch):
+    assert gpu.peak("NVIDIA GeForce RTX 4090", "bf16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Future GPU")
+    assert bench.measure_ceiling("bf16", device="cuda") == []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert [c.gflops for c in bench.measure_ceiling("bf16", device="cuda")] == [pytest.approx(989.4e3)]
+
+
+def test_cuda_rows_report_tflops_and_the_share_of_the_peak():
+    case = bench.Case("small", 8, 2048, "bf16", "cuda")
+    assert case.label == "small B=8 T=2048 bf16 cuda" and bench.Case("small", 8, 2048).label == "small B=8 T=2048 fp32"
+    ceiling = Ceiling("bf16", "H100 SXM datasheet, dense bf16", 989.4e3)
+    rate = case.flops("forward") / 0.002 / 1e9  # GFLOP/s at 2 ms
+    row = Row("headwise GPT2MultiHeadAttention", False, "forward", case, 0.002, 0.0019, 0.0021, 5, rate, 100 * rate / ceiling.gflops)
+    text = bench.markdown(Report("test machine", [ceiling], [row]))
+    assert "| GPU peak | path | TFLOP/s |" in text and "| 989 |" in text
+    assert "| forward: case | implementation | median s | IQR s | TFLOP/s | % peak | vs fastest peer |" in text
+    assert f"| {rate / 1e3:.1f} | {row.pct_of_ceiling:.0f}% |" in text
+
+
+@without_cuda
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"device='cuda' needs a GPU that torch can see"):
+        bench.run(presets=("tiny",), tokens=(16,), device="cuda")
+    proc = subprocess.run([sys.executable, "-m", "headwise.bench", "--device", "cuda", "--plot", ""], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--device cuda: torch sees no GPU here" in proc.stderr
+
+
+def test_bad_device_and_decode_on_cuda_are_named():
+    with pytest.raises(ValueError, match=r"device must be 'cpu' or 'cuda', got 'tpu'"):
+        bench.run(presets=("tiny",), tokens=(16,), device="tpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"mode 'decode' runs on the CPU only"):
+            bench.run(presets=("tiny",), tokens=(16,), modes=("decode",), device="cuda")
+
+
+@needs_cuda
+def test_a_tiny_cuda_run_times_and_measures_memory():
+    report = bench.run(presets=("tiny",), tokens=(64,), batch=2, dtypes=("fp32", "bf16"), modes=("forward", "backward", "memory"),
+                       impls=("headwise GPT2MultiHeadAttention", "fused Linear + SDPA + Linear"), repeats=3, warmup=1, device="cuda")
+    assert "GPU " in report.machine
+    timed = [r for r in report.rows if r.mode != "memory"]
+    assert timed and all(r.note == "" and 0 < r.q1_s <= r.median_s <= r.q3_s for r in timed)
+    assert all(r.case.device == "cuda" for r in report.rows)
+    assert all(r.peak_mib is not None and r.peak_mib > 0 for r in report.rows if r.mode == "memory")
+    if gpu.peak(torch.cuda.get_device_name(), "bf16") is not None:
+        assert all(r.pct_of_ceiling is not None for r in timed)
