@@ -88,6 +88,17 @@ _TOLERANCES = {  # (device type, dtype) -> (atol, rtol), for outputs of size ~1-
 }
 
 
+def on(device: str | torch.device, x):
+    """``x`` with every tensor in it (a tensor, or a dict / tuple / list of them) moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {key: on(device, value) for key, value in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(on(device, value) for value in x)
+    return x
+
+
 def tol(device: str | torch.device, dtype: torch.dtype) -> dict[str, float]:
     """``assert_close`` tolerances for results computed in ``dtype`` on ``device``.
 

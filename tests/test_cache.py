@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKENDS, decode, make, new_cache, reference_weights
+from helpers import BACKENDS, decode, make, new_cache, on, reference_weights, tol
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
@@ -99,16 +99,16 @@ def test_module_errors_name_the_cache_problem():
 
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_steps_and_chunk_equal_the_full_forward(kind, backend):
-    m = make(kind, backend=backend, ctx=16)
-    x = torch.randn(2, 13, 16)
+def test_prefill_steps_and_chunk_equal_the_full_forward(kind, backend, device):
+    m = make(kind, backend=backend, ctx=16, device=device)
+    x = torch.randn(2, 13, 16).to(device)
     schedule = [5, 1, 1, 1, 4, 1]  # prefill, one at a time, a chunk, one more
     with torch.no_grad():
         want = m(x)  # (B, T, C): one causal forward over everything
         cache = new_cache(m, 2, 16)
         got = decode(m, x, schedule, cache)
     assert len(cache) == 13
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, **tol(device, torch.float32))
 
 
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
@@ -116,16 +116,16 @@ def test_prefill_steps_and_chunk_equal_the_full_forward(kind, backend):
     schedule=st.lists(st.integers(1, 5), min_size=1, max_size=6), B=st.integers(1, 3), Hkv=st.sampled_from([1, 2, 4]),
     left_pad=st.lists(st.integers(0, 4), min_size=3, max_size=3), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16),
 )
-def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, left_pad, backend, seed):
-    m = make(kind, Hkv=Hkv, ctx=32, backend=backend, dtype=torch.float64, seed=seed)
+def test_cached_decoding_matches_the_float64_reference(kind, schedule, B, Hkv, left_pad, backend, seed, device):
+    m = make(kind, Hkv=Hkv, ctx=32, backend=backend, dtype=torch.float64, seed=seed, device=device)
     T = sum(schedule)
     x = torch.randn(B, T, 16, dtype=torch.float64)
     pads = torch.tensor(left_pad[:B]).clamp(max=min(schedule[0], T) - 1)  # padding lies inside the prefill
     kpm = torch.arange(T) >= pads[:, None]  # (B, T) True = real token, left padded
     with torch.no_grad():
-        got = decode(m, x, schedule, new_cache(m, B, 32, torch.float64), kpm)
-        want = reference_mha(x, **reference_weights(m), num_heads=4, num_kv_heads=Hkv, causal=True, attention_mask=kpm)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        got = decode(m, x.to(device), schedule, new_cache(m, B, 32, torch.float64), kpm.to(device)).cpu()
+        want = reference_mha(x, **on("cpu", reference_weights(m)), num_heads=4, num_kv_heads=Hkv, causal=True, attention_mask=kpm)
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 @given(schedule=st.lists(st.integers(1, 4), min_size=2, max_size=5), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16))
@@ -143,13 +143,13 @@ def test_padding_given_with_any_chunk_is_remembered(schedule, backend, seed):
 
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
-    m = make(kind, backend=backend, ctx=16)
+def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend, device):
+    m = make(kind, backend=backend, ctx=16, device=device)
     lengths = [6, 3, 1]  # real prompt tokens per row; the prompt is left padded to 6
     P, steps = 6, 4
-    prompt = torch.randn(3, P, 16)
-    tokens = torch.randn(3, steps, 16)
-    kpm = torch.arange(P) >= P - torch.tensor(lengths)[:, None]  # (B, P) True = real
+    prompt = torch.randn(3, P, 16).to(device)
+    tokens = torch.randn(3, steps, 16).to(device)
+    kpm = torch.arange(P, device=device) >= P - torch.tensor(lengths, device=device)[:, None]  # (B, P) True = real
     with torch.no_grad():
         cache = new_cache(m, 3, 16)
         out = [m(prompt, attention_mask=kpm, cache=cache)]  # prefill: the cache remembers the padding
@@ -159,7 +159,7 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(kind, backend):
         assert not got.isnan().any()
         for b, n in enumerate(lengths):
             alone = torch.cat([prompt[b : b + 1, P - n :], tokens[b : b + 1]], dim=1)  # (1, n + steps, C), unpadded
-            torch.testing.assert_close(got[b : b + 1, P - n :], m(alone), atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[b : b + 1, P - n :], m(alone), **tol(device, torch.float32))
         # a pad query sees only padding: a zero context, so its output is the projection's bias
         bias = (m.out_proj if kind == "mha" else m.c_proj).bias
         torch.testing.assert_close(got[2, : P - 1], bias.expand(P - 1, 16), atol=1e-6, rtol=0)

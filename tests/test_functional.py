@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import ERROR_RATIO
+from helpers import ERROR_RATIO, on, tol
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import allowed_matrix, plain_attention, reference_attention, reference_weights
@@ -54,13 +54,13 @@ def cases(draw, *, dtype=torch.float64):
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @given(case=cases())
-def test_attention_matches_reference(backend, case):
+def test_attention_matches_reference(backend, case, device):
     q, k, v, kw = case
-    got = hw.attention(q, k, v, backend=backend, **kw)
+    got = hw.attention(*on(device, (q, k, v)), backend=backend, **on(device, kw)).cpu()
     want = reference_attention(q, k, v, **kw)
     assert got.shape == want.shape
     assert not got.isnan().any()
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 @given(case=cases())
@@ -86,14 +86,15 @@ def test_every_backend_in_the_table_matches_the_reference():
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize(("T", "S"), [(1, 5), (2, 5), (5, 5), (5, 2), (3, 7)])
-def test_causal_is_bottom_right(backend, T, S):
+def test_causal_is_bottom_right(backend, T, S, device):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, T, 4).double(), torch.randn(1, 2, S, 4).double(), torch.randn(1, 2, S, 3).double()
-    got = hw.attention_weights(q, k, causal=True)
+    got = hw.attention_weights(*on(device, (q, k)), causal=True).cpu()
     for i in range(T):
         for j in range(S):
             assert (got[0, :, i, j] > 0).all() == (j <= i + S - T), (i, j)
-    torch.testing.assert_close(hw.attention(q, k, v, causal=True, backend=backend), reference_attention(q, k, v, causal=True))
+    got = hw.attention(*on(device, (q, k, v)), causal=True, backend=backend).cpu()
+    torch.testing.assert_close(got, reference_attention(q, k, v, causal=True), **tol(device, torch.float64))
 
 
 def test_decoding_one_query_equals_the_last_row_of_the_full_pass():
@@ -109,14 +110,14 @@ def test_decoding_one_query_equals_the_last_row_of_the_full_pass():
 # ----------------------------------------------------------------------------- fully masked rows
 
 
-def _fully_masked_problem(dtype=torch.float64):
+def _fully_masked_problem(dtype=torch.float64, device="cpu"):
     """Three ways to leave a query nothing to see, in one batch."""
     torch.manual_seed(2)
     B, H, T, S, D = 2, 2, 4, 5, 3
-    q = torch.randn(B, H, T, D, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, H, S, D, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, H, S, D, dtype=dtype, requires_grad=True)
-    mask = torch.ones(B, H, T, S, dtype=torch.bool)
+    q = torch.randn(B, H, T, D, dtype=dtype).to(device).requires_grad_()
+    k = torch.randn(B, H, S, D, dtype=dtype).to(device).requires_grad_()
+    v = torch.randn(B, H, S, D, dtype=dtype).to(device).requires_grad_()
+    mask = torch.ones(B, H, T, S, dtype=torch.bool, device=device)
     mask[0, 0, 1] = False  # one row by a bool mask
     mask[1, :, 0] = False
     return q, k, v, mask
@@ -124,21 +125,21 @@ def _fully_masked_problem(dtype=torch.float64):
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("kind", ["bool", "float", "padding+causal"])
-def test_fully_masked_rows_are_zero_forward_and_backward(backend, kind):
-    q, k, v, mask = _fully_masked_problem()
+def test_fully_masked_rows_are_zero_forward_and_backward(backend, kind, device):
+    q, k, v, mask = _fully_masked_problem(device=device)
     if kind == "bool":
         kw = {"mask": mask}
     elif kind == "float":
-        kw = {"mask": torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)}
+        kw = {"mask": torch.zeros(mask.shape, dtype=q.dtype, device=device).masked_fill(~mask, -math.inf)}
     else:
         # left padding, T < S: queries 0-2 of row 1 see only padding keys
-        kw = {"causal": True, "attention_mask": torch.tensor([[True] * 5, [False] * 4 + [True]])}
-    want = reference_attention(q.detach(), k.detach(), v.detach(), **kw)
-    dead = reference_weights(q.detach(), k.detach(), **kw).sum(-1) == 0  # (B, H, T)
+        kw = {"causal": True, "attention_mask": torch.tensor([[True] * 5, [False] * 4 + [True]], device=device)}
+    want = reference_attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), **on("cpu", kw)).to(device)
+    dead = reference_weights(q.detach().cpu(), k.detach().cpu(), **on("cpu", kw)).sum(-1).to(device) == 0  # (B, H, T)
     assert dead.any(), "the problem must contain a fully masked row"
     out = hw.attention(q, k, v, backend=backend, **kw)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out, want, **tol(device, torch.float64))
     assert (out[dead] == 0).all()
     weights = hw.attention_weights(q, k, **kw)
     assert not weights.isnan().any() and (weights[dead] == 0).all()
@@ -262,7 +263,7 @@ def test_dropout_is_unbiased_on_average(backend):
 # ----------------------------------------------------------------------------- low precision
 
 
-def _low_precision_problem(causal: bool, gqa: bool):
+def _low_precision_problem(causal: bool, gqa: bool):  # on the CPU: the float64 reference runs there
     torch.manual_seed(10)
     B, H, T, D = 2, 4, 96, 32
     Hkv = 2 if gqa else H
@@ -278,13 +279,13 @@ def _low_precision_problem(causal: bool, gqa: bool):
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_low_precision_within_k_times_plain_error(dtype, backend, causal, gqa):
+def test_low_precision_within_k_times_plain_error(dtype, backend, causal, gqa, device):
     q, k, v = _low_precision_problem(causal, gqa)
     want = reference_attention(q, k, v, causal=causal)  # float64 on the same (float32) inputs
     ql, kl, vl = q.to(dtype), k.to(dtype), v.to(dtype)
     group = q.shape[1] // k.shape[1]
     plain = plain_attention(ql, kl.repeat_interleave(group, 1), vl.repeat_interleave(group, 1), causal=causal)
-    ours = hw.attention(ql, kl, vl, causal=causal, backend=backend)
+    ours = hw.attention(*on(device, (ql, kl, vl)), causal=causal, backend=backend).cpu()  # the plain yardstick stays on the CPU
     assert ours.dtype == dtype
     plain_err = (plain.double() - want).abs().max().item()
     our_err = (ours.double() - want).abs().max().item()
@@ -387,13 +388,13 @@ def test_auto_uses_math_while_observed_and_reports_its_steps():
     assert seen == []
 
 
-def test_int_padding_mask_equals_bool_mask():
+def test_int_padding_mask_equals_bool_mask(device):
     """HuggingFace's meaning: 1/True = real token, 0/False = padding; ints and bools alike."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
     real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    ints = hw.attention(q, k, v, causal=True, attention_mask=real)
-    bools = hw.attention(q, k, v, causal=True, attention_mask=real.bool())
+    ints = hw.attention(*on(device, (q, k, v)), causal=True, attention_mask=real.to(device)).cpu()
+    bools = hw.attention(*on(device, (q, k, v)), causal=True, attention_mask=real.bool().to(device)).cpu()
     torch.testing.assert_close(ints, bools, rtol=0, atol=0)
     want = reference_attention(q.double(), k.double(), v.double(), causal=True, attention_mask=real.bool())
     torch.testing.assert_close(ints.double(), want, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import reference_weights
+from helpers import on, reference_weights, tol
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
@@ -48,7 +48,7 @@ def test_layout_c_attn_and_c_proj():
     window=st.none() | st.integers(1, 4), padding=st.sampled_from(["none", "left", "right"]),
     backend=st.sampled_from(["math", "sdpa", "auto"]), seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_the_reference(Hkv, group, D, T, B, window, padding, backend, seed):
+def test_matches_the_reference(Hkv, group, D, T, B, window, padding, backend, seed, device):
     H = Hkv * group
     config = hw.GPT2Config(n_embd=H * D, n_head=H, n_kv_head=Hkv, n_positions=8, attn_pdrop=0.0, resid_pdrop=0.0)
     torch.manual_seed(seed)
@@ -61,9 +61,9 @@ def test_matches_the_reference(Hkv, group, D, T, B, window, padding, backend, se
         lengths = torch.randint(1, T + 1, (B,))
         pos = torch.arange(T)
         kpm = pos >= T - lengths[:, None] if padding == "left" else pos < lengths[:, None]  # (B, T) True = real
-    got = attn(x, attention_mask=kpm)
     want = reference_mha(x, **reference_weights(attn), num_heads=H, num_kv_heads=Hkv, causal=True, window=window, attention_mask=kpm)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    got = attn.to(device)(x.to(device), attention_mask=on(device, kpm)).cpu()
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 def test_resid_dropout_only_in_training():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BACKENDS, decode, make, new_cache, reference_weights
+from helpers import BACKENDS, decode, make, new_cache, reference_weights, tol
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
@@ -31,7 +31,7 @@ def repeated(m):
             for name in ("W_key", "W_value"):
                 getattr(full, name).weight.copy_(getattr(m, name).weight[rows])
                 getattr(full, name).bias.copy_(getattr(m, name).bias[rows])
-        return full.to(m.W_query.weight.dtype).eval()
+        return full.to(m.W_query.weight).eval()  # its dtype and device
     config = hw.GPT2Config(n_embd=m.d_in, n_head=H, n_positions=m.config.n_positions, attn_pdrop=0.0, resid_pdrop=0.0)
     full = hw.GPT2MultiHeadAttention(config, window=m.window, backend=m.backend)
     C, kv = m.d_in, m.num_kv_heads * m.head_dim
@@ -40,7 +40,7 @@ def repeated(m):
         full.c_attn.weight.copy_(m.c_attn.weight[keep])
         full.c_attn.bias.copy_(m.c_attn.bias[keep])
         full.c_proj.load_state_dict(m.c_proj.state_dict())
-    return full.to(m.c_attn.weight.dtype).eval()
+    return full.to(m.c_attn.weight).eval()  # its dtype and device
 
 
 def test_num_heads_must_be_a_multiple_of_num_kv_heads():
@@ -66,17 +66,18 @@ def test_projections_are_num_kv_heads_wide():
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("Hkv", [1, 2])  # multi-query and grouped
-def test_equals_the_module_with_repeated_kv_heads(kind, backend, Hkv):
-    m = make(kind, H=4, Hkv=Hkv, backend=backend, ctx=16)
+def test_equals_the_module_with_repeated_kv_heads(kind, backend, Hkv, device):
+    m = make(kind, H=4, Hkv=Hkv, backend=backend, ctx=16, device=device)
     full = repeated(m)
-    x = torch.randn(2, 9, 16)
-    kpm = torch.arange(9) >= torch.tensor([0, 3])[:, None]  # (B, T) left padding on row 1
+    x = torch.randn(2, 9, 16).to(device)
+    kpm = torch.arange(9, device=device) >= torch.tensor([0, 3], device=device)[:, None]  # (B, T) left padding on row 1
+    close = tol(device, torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(m(x), full(x), atol=1e-5, rtol=0)
-        torch.testing.assert_close(m(x, attention_mask=kpm), full(x, attention_mask=kpm), atol=1e-5, rtol=0)
+        torch.testing.assert_close(m(x), full(x), **close)
+        torch.testing.assert_close(m(x, attention_mask=kpm), full(x, attention_mask=kpm), **close)
         got = decode(m, x, [4, 1, 3, 1], new_cache(m, 2, 16), kpm)
         want = decode(full, x, [4, 1, 3, 1], new_cache(full, 2, 16), kpm)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, **close)
 
 
 @given(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference_weights
+from helpers import on, reference_weights, tol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llms_from_scratch import ch03 as book
@@ -57,10 +57,10 @@ def test_the_books_printed_tensors_all_six_rows():
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
-def test_printed_numbers_hold_in_every_backend(backend):
+def test_printed_numbers_hold_in_every_backend(backend, device):
     torch.manual_seed(123)
-    mha = hw.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, backend=backend)
-    torch.testing.assert_close(mha(BATCH)[0].detach(), PRINTED_MHA, atol=5e-5, rtol=0)
+    mha = hw.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, backend=backend).to(device)
+    torch.testing.assert_close(mha(BATCH.to(device))[0].detach().cpu(), PRINTED_MHA, atol=5e-5, rtol=0)
 
 
 def test_exercise_3_2_two_dimensional_output():
@@ -219,35 +219,34 @@ def extra_configs(draw):
 
 
 @given(c=extra_configs())
-def test_mha_with_every_extra_matches_the_reference(c):
+def test_mha_with_every_extra_matches_the_reference(c, device):
     mha = hw.MultiHeadAttention(
         c["d_in"], c["H"] * c["D"], 8, 0.0, c["H"], c["qkv_bias"],
         causal=c["causal"], window=c["window"], num_kv_heads=c["Hkv"], backend=c["backend"],
     ).double().eval()
     x = torch.randn(c["B"], c["T"], c["d_in"], generator=c["g"], dtype=torch.float64)
-    got = mha(x, attention_mask=c["kpm"])
     want = reference_mha(
         x, **reference_weights(mha), num_heads=c["H"], num_kv_heads=c["Hkv"], causal=c["causal"], window=c["window"], attention_mask=c["kpm"]
     )
+    got = mha.to(device)(x.to(device), attention_mask=on(device, c["kpm"])).cpu()
     assert not got.isnan().any()
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("cls", ["wrapper", "causal_attention"])
-def test_wrapper_and_causal_attention_match_the_reference(cls, causal):
+def test_wrapper_and_causal_attention_match_the_reference(cls, causal, device):
     torch.manual_seed(11)
     kpm = torch.tensor([[False, False, True, True, True], [True, True, True, True, False]])  # left and right padding
     x = torch.randn(2, 5, 4, dtype=torch.float64)
     if cls == "wrapper":
         m = hw.MultiHeadAttentionWrapper(4, 3, 5, 0.0, 3, True, causal=causal).double().eval()
-        got = m(x, attention_mask=kpm)
         want = torch.cat([reference_mha(x, **reference_weights(h), num_heads=1, causal=causal, attention_mask=kpm) for h in m.heads], -1)
     else:
         m = hw.CausalAttention(4, 3, 5, 0.0, causal=causal).double().eval()
-        got = m(x, attention_mask=kpm)
         want = reference_mha(x, **reference_weights(m), num_heads=1, causal=causal, attention_mask=kpm)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    got = m.to(device)(x.to(device), attention_mask=kpm.to(device)).cpu()
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 def test_bidirectional_sees_the_future():

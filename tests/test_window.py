@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKENDS, decode, make, reference_weights
+from helpers import BACKENDS, decode, make, on, reference_weights, tol
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_attention, reference_mha
@@ -35,12 +35,12 @@ def test_window_needs_causal_and_a_positive_int():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("W", [1, 3, 20])
-def test_functional_window_is_the_explicit_band(backend, W):
+def test_functional_window_is_the_explicit_band(backend, W, device):
     torch.manual_seed(W)
     q, k, v = (torch.randn(2, 4, 9, 5, dtype=torch.float64) for _ in range(3))
-    got = hw.attention(q, k, v, causal=True, window=W, backend=backend)
+    got = hw.attention(*on(device, (q, k, v)), causal=True, window=W, backend=backend).cpu()
     want = reference_attention(q, k, v, mask=windowed(9, W))
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 def test_sliding_cache_memory_stays_bounded():
@@ -58,17 +58,18 @@ def test_sliding_cache_memory_stays_bounded():
 
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_decoding_past_the_window_equals_the_full_forward(kind, backend):
+def test_decoding_past_the_window_equals_the_full_forward(kind, backend, device):
     W = 4
-    m = make(kind, window=W, backend=backend, ctx=32)
-    x = torch.randn(2, 26, 16)
+    m = make(kind, window=W, backend=backend, ctx=32, device=device)
+    x = torch.randn(2, 26, 16).to(device)
     schedule = [6, 1, 1, 1, 3, 1, 7, 5, 1]  # prefill > W, steps, chunks shorter and longer than W, back to back
+    close = tol(device, torch.float32)
     with torch.no_grad():
         want = m(x)
-        got = decode(m, x, schedule, hw.KVCache.sliding(2, m.num_kv_heads, W, m.head_dim))
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        linear = decode(m, x, schedule, hw.KVCache(2, m.num_kv_heads, 32, m.head_dim))  # a full cache works too
-        torch.testing.assert_close(linear, want, atol=1e-5, rtol=0)
+        got = decode(m, x, schedule, hw.KVCache.sliding(2, m.num_kv_heads, W, m.head_dim, device=device))
+        torch.testing.assert_close(got, want, **close)
+        linear = decode(m, x, schedule, hw.KVCache(2, m.num_kv_heads, 32, m.head_dim, device=device))  # a full cache works too
+        torch.testing.assert_close(linear, want, **close)
 
 
 @pytest.mark.parametrize("kind", ["mha", "gpt2"])
@@ -77,16 +78,17 @@ def test_decoding_past_the_window_equals_the_full_forward(kind, backend):
     pads=st.lists(st.integers(0, 3), min_size=2, max_size=2), sliding=st.booleans(), backend=st.sampled_from(BACKENDS),
     seed=st.integers(0, 2**16),
 )
-def test_windowed_decoding_matches_the_float64_reference_with_an_explicit_band(kind, W, schedule, Hkv, pads, sliding, backend, seed):
-    m = make(kind, Hkv=Hkv, window=W, backend=backend, ctx=64, dtype=torch.float64, seed=seed)
+def test_windowed_decoding_matches_the_float64_reference_with_an_explicit_band(kind, W, schedule, Hkv, pads, sliding, backend, seed, device):
+    m = make(kind, Hkv=Hkv, window=W, backend=backend, ctx=64, dtype=torch.float64, seed=seed, device=device)
     T = sum(schedule)
     x = torch.randn(2, T, 16, dtype=torch.float64)
     kpm = torch.arange(T) >= torch.tensor(pads).clamp(max=schedule[0])[:, None]  # (B, T) left padding in the prefill
     with torch.no_grad():
-        cache = hw.KVCache.sliding(2, Hkv, W, 4, dtype=torch.float64) if sliding else hw.KVCache(2, Hkv, T, 4, dtype=torch.float64)
-        got = decode(m, x, schedule, cache, kpm)
-    want = reference_mha(x, **reference_weights(m), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), attention_mask=kpm)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        kw = {"dtype": torch.float64, "device": device}
+        cache = hw.KVCache.sliding(2, Hkv, W, 4, **kw) if sliding else hw.KVCache(2, Hkv, T, 4, **kw)
+        got = decode(m, x.to(device), schedule, cache, kpm.to(device)).cpu()
+    want = reference_mha(x, **on("cpu", reference_weights(m)), num_heads=4, num_kv_heads=Hkv, mask=windowed(T, W), attention_mask=kpm)
+    torch.testing.assert_close(got, want, **tol(device, torch.float64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
