@@ -5,7 +5,8 @@ On some CPUs, AMD's EPYC with AVX-512 among them, MKL runs fp32 GEMMs at about h
 oneDNN's own kernels reach on the same cores, with the same float32 accuracy. ``linear`` sends a
 projection to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) when all of these hold:
 
-- the tensors are dense CPU float32 or bfloat16 tensors, all of one dtype, the weight contiguous;
+- the tensors are plain (no subclass such as DTensor) dense CPU float32 or bfloat16 tensors, all of one
+  dtype, the weight contiguous;
 - torch has oneDNN and ``torch.backends.mkldnn.enabled`` is True (the user's switch is respected);
 - there are enough rows (``MIN_ROWS``) for a GEMM to dominate, or the weight is big enough
   (``MIN_DECODE_WEIGHT`` elements) that a decode step streams it from memory, where oneDNN's
@@ -83,6 +84,8 @@ def onednn_pays(dtype: torch.dtype = torch.float32) -> bool:
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
+    if not all(type(t) in (Tensor, nn.Parameter) for t in (x, weight, bias) if t is not None):
+        return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
     if not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES):
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):

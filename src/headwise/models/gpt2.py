@@ -181,7 +181,9 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds n_positions={self.config.n_positions}")
         real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
         c, weight = self.config, self.transformer.wte.weight
-        caches = [KVCache(b, c.kv_heads, t + max_new_tokens, c.head_dim, dtype=weight.dtype, device=weight.device) for _ in range(c.n_layer)]
+        caches = [  # each layer's own key/value heads: fewer than c.kv_heads when sharded by headwise.parallel
+            KVCache(b, block.attn.num_kv_heads, t + max_new_tokens, c.head_dim, dtype=weight.dtype, device=weight.device) for block in self.transformer.h
+        ]
         position = positions(real, b, t, input_ids.device)  # (B, T)
         logits = self._logits(input_ids, position, _inputs.padding_only(real), caches)[:, -1]  # (B, vocab): the cache remembers the padding
         position = position[:, -1:]  # (B, 1)

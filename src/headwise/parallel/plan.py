@@ -1,0 +1,69 @@
+"""Which Linear layers of which headwise module are split how: ``PLANS``, one entry per module class.
+
+Megatron's recipe, per transformer block:
+- the Q/K/V projections column-wise (``ColwiseParallel``): each rank computes the queries,
+  keys and values of its own H/n query heads and Hkv/n key/value heads, from the full input;
+- attention on those heads alone (heads are independent until the output projection);
+- the output projection row-wise (``RowwiseParallel``): each rank multiplies its heads'
+  slice of the context by its columns of the weight, and one all-reduce sums the partial
+  (B, T, C) results;
+- the MLP the same way: the first Linear column-wise, the second row-wise, one all-reduce.
+
+A plan maps a submodule name (relative to a module of the entry's class, ``""`` = that
+module itself) to a function of that module returning a fresh ``ParallelStyle``. Adding a
+model is one entry: e.g. a Llama decoder layer with ``q_proj``/``k_proj``/``v_proj``/
+``o_proj`` attention and a ``gate_proj``/``up_proj``/``down_proj`` MLP would be
+
+    LlamaDecoderLayer: {"self_attn": shared_input, "self_attn.q_proj": colwise,
+                        "self_attn.k_proj": colwise, "self_attn.v_proj": colwise,
+                        "self_attn.o_proj": rowwise, "mlp.gate_proj": colwise,
+                        "mlp.up_proj": colwise, "mlp.down_proj": rowwise}
+
+(rotary embeddings act per head on the local heads: nothing to shard). Embeddings,
+LayerNorms and the LM head stay replicated: every rank holds them whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+
+from ..fused import GPT2MultiHeadAttention
+from ..models.bert import BertLayer
+from ..models.gpt2 import MLP
+from ..teaching import MultiHeadAttention
+from .qkv import FusedQKVParallel
+
+Plan = dict[str, Callable[[nn.Module], ParallelStyle]]
+
+
+def colwise(owner: nn.Module) -> ParallelStyle:
+    """Output rows split in n contiguous blocks (whole heads when the block is a head multiple)."""
+    return ColwiseParallel()
+
+
+def rowwise(owner: nn.Module) -> ParallelStyle:
+    """Input columns split like the column-wise layer before it; one all-reduce of the output."""
+    return RowwiseParallel()
+
+
+def fused_qkv(owner: nn.Module) -> ParallelStyle:
+    """GPT-2's ``c_attn``: each rank's rows are its own heads' q, k and v (see ``qkv.py``)."""
+    return FusedQKVParallel(owner.num_heads, owner.num_kv_heads, owner.head_dim)
+
+
+def shared_input(owner: nn.Module) -> ParallelStyle:
+    """Make the module's input one replicated DTensor, so that the gradients of the separate Q, K
+    and V projections meet there and are all-reduced once in the backward pass (not three times)."""
+    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
+
+
+PLANS: dict[type[nn.Module], Plan] = {
+    MultiHeadAttention: {"": shared_input, "W_query": colwise, "W_key": colwise, "W_value": colwise, "out_proj": rowwise},
+    GPT2MultiHeadAttention: {"c_attn": fused_qkv, "c_proj": rowwise},
+    MLP: {"c_fc": colwise, "c_proj": rowwise},  # GPT-2's
+    BertLayer: {"intermediate": colwise, "output": rowwise},  # its attention is a MultiHeadAttention
+}

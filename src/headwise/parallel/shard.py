@@ -1,0 +1,151 @@
+"""``parallelize``: apply ``PLANS`` to every headwise module inside a model, after checking all of them."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ..layer import AttentionLayer
+from ..teaching import CausalAttention, MultiHeadAttentionWrapper
+from .plan import PLANS, Plan, rowwise
+from .qkv import FusedQKVParallel
+
+M = TypeVar("M", bound=nn.Module)
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def parallelize(module: M, device_mesh: DeviceMesh) -> M:
+    """Shard a headwise module or model across the ranks of a 1-D mesh by heads (tensor parallelism).
+
+    Every module of a class in ``PLANS`` inside ``module`` (the module itself included) is
+    sharded with ``torch.distributed.tensor.parallel.parallelize_module``: Q/K/V projections
+    column-wise by whole heads (GPT-2's fused ``c_attn`` reordered so each rank holds its own
+    heads' q, k and v), output projections row-wise, MLPs column- then row-wise. Each
+    attention module then computes with its local heads: its ``num_heads`` and
+    ``num_kv_heads`` become H/n and Hkv/n, and a ``KVCache`` for it holds Hkv/n heads.
+    Everything else (embeddings, LayerNorms, the LM head) stays replicated and is broadcast
+    from the mesh's first rank, as the sharded weights are scattered from it.
+
+    Every rank must call this with the same module (same weights, or at least the first
+    rank's are used) and must then feed it the same inputs; outputs are (B, T, C) plain
+    tensors, equal on every rank. ``state_dict()`` has the single-process keys and layout
+    (sharded tensors are DTensors: ``.full_tensor()`` gathers one); ``load_state_dict``
+    takes a single-process state dict. Works with ``gloo`` (CPU) and ``nccl`` (GPUs: move
+    the model to the rank's device first; the mesh's device type must match).
+
+    Args:
+        module: a headwise attention module, ``GPT2LMHeadModel``, ``BertModel``, or any
+            ``nn.Module`` containing them; changed in place.
+        device_mesh: a 1-D ``DeviceMesh`` (e.g. ``init_device_mesh("cpu", (2,))``; from a
+            larger mesh pass its tensor-parallel slice, ``mesh["tp"]``).
+
+    Returns:
+        ``module``, sharded.
+
+    Raises:
+        TypeError: device_mesh is not a DeviceMesh; a layer the plan shards is not an
+            ``nn.Linear``.
+        ValueError: a mesh of more than one dimension; heads or KV heads (or an MLP's width)
+            not divisible by the mesh size; a sharded layer with forward/backward hooks (they
+            would see per-rank shards instead of the tensors they were written for); a module
+            already parallelized; parameters on another device type than the mesh; nothing
+            to shard.
+    """
+    _check_mesh(device_mesh)
+    n = device_mesh.size()
+    found = [(path, sub, PLANS[type(sub)]) for path, sub in module.named_modules() if type(sub) in PLANS]
+    if not found:
+        raise ValueError(_nothing_to_shard(module))
+    _check_devices(module, device_mesh)
+    for path, sub, plan in found:  # every check before anything changes
+        _check(path or type(module).__name__, sub, plan, n)
+    for _, sub, plan in found:
+        styles = {name: make(sub) for name, make in plan.items()}
+        parallelize_module(sub, device_mesh, styles)
+        for name, style in styles.items():
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(style, FusedQKVParallel):
+                sub.get_submodule(name).register_load_state_dict_pre_hook(_distribute_loaded)
+        if isinstance(sub, AttentionLayer):
+            sub.num_heads //= n  # the heads this rank computes
+            sub.num_kv_heads //= n
+    _broadcast_replicated(module, device_mesh)
+    return module
+
+
+def _check_mesh(mesh: object) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"device_mesh must be 1-D (the tensor-parallel ranks), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+            "pass its tensor-parallel slice, e.g. mesh['tp']"
+        )
+
+
+def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if isinstance(t, DTensor):
+            raise ValueError(f"{name} is already a DTensor: the module is already parallelized (or sharded by FSDP)")
+        if t.device.type != mesh.device_type:
+            raise ValueError(f"{name} is on {t.device.type} but device_mesh is a {mesh.device_type} mesh: move the model to the rank's device first")
+
+
+def _check(where: str, owner: nn.Module, plan: Plan, n: int) -> None:
+    if isinstance(owner, AttentionLayer) and (owner.num_heads % n or owner.num_kv_heads % n):
+        raise ValueError(
+            f"{where}: num_heads ({owner.num_heads}) and num_kv_heads ({owner.num_kv_heads}) must both be divisible "
+            f"by the mesh size ({n}): each rank holds whole query and key/value heads"
+        )
+    for name, make in plan.items():
+        if not name:
+            continue
+        layer = owner.get_submodule(name)
+        path = f"{where}.{name}"
+        if type(layer) is not nn.Linear:
+            raise TypeError(f"{path}: the plan shards nn.Linear layers, got {type(layer).__name__}")
+        hooks = [kind.strip("_") for kind in _HOOKS if getattr(layer, kind)]
+        if hooks:
+            raise ValueError(
+                f"{path} has {', '.join(hooks)}: sharded, it would see DTensors and per-rank shards instead of the "
+                "tensors its hooks were written for; remove them before parallelize"
+            )
+        width, what = (layer.in_features, "in_features") if make is rowwise else (layer.out_features, "out_features")
+        if width % n:
+            raise ValueError(f"{path}: {what} ({width}) must be divisible by the mesh size ({n})")
+
+
+def _nothing_to_shard(module: nn.Module) -> str:
+    kinds = {type(m) for m in module.modules()}
+    if kinds & {CausalAttention, MultiHeadAttentionWrapper}:
+        return (
+            f"{type(module).__name__}: CausalAttention is one head and MultiHeadAttentionWrapper has no output projection "
+            "to sum the heads in; convert the wrapper with headwise.wrapper_to_mha and parallelize the MultiHeadAttention"
+        )
+    return f"{type(module).__name__} holds no module with a tensor-parallel plan; plans exist for {sorted(c.__name__ for c in PLANS)}"
+
+
+def _distribute_loaded(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+    """load_state_dict pre-hook: a full (single-process) tensor -> a DTensor laid out like the parameter."""
+    for name, param in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+            state_dict[prefix + name] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+
+
+@torch.no_grad()
+def _broadcast_replicated(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every rank the first rank's copy of what stays replicated (sharded weights came from it too)."""
+    if mesh.size() == 1:
+        return
+    src = int(mesh.mesh.flatten()[0])  # global rank of the mesh's first member
+    group = mesh.get_group()
+    for t in [*module.parameters(), *module.buffers()]:
+        if not isinstance(t, DTensor):
+            dist.broadcast(t.detach(), src=src, group=group)

@@ -1,0 +1,308 @@
+"""What each of the 2 gloo ranks runs (see ranks.py): tensor-parallel modules against their single-process copies.
+
+Every check builds a module from a fixed seed (the same on every rank), keeps a deepcopy as
+the single-process reference, shards the original with ``headwise.parallel.parallelize``
+and returns the largest differences, token lists and collective counts; the tests in
+test_shard.py assert on them.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, suppress
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import pieces
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import headwise.linear
+from headwise import GPT2Config, GPT2MultiHeadAttention, KVCache, MultiHeadAttention
+from headwise.models import BertConfig, BertModel, GPT2LMHeadModel
+from headwise.parallel import parallelize
+
+TINY_GPT2 = GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+TINY_BERT = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=32)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def mesh(world: int):
+    return init_device_mesh("cpu", (world,))
+
+
+def fused_rows_of_rank(num_heads: int, num_kv_heads: int, head_dim: int, world: int, rank: int) -> torch.Tensor:
+    """Rows of a [q | k | v] c_attn holding rank's heads, listed head by head (written apart from qkv_rows)."""
+    D, per_q, per_kv = head_dim, num_heads // world, num_kv_heads // world
+    q = [h * D + i for h in range(rank * per_q, (rank + 1) * per_q) for i in range(D)]
+    k = [(num_heads + j) * D + i for j in range(rank * per_kv, (rank + 1) * per_kv) for i in range(D)]
+    v = [(num_heads + num_kv_heads + j) * D + i for j in range(rank * per_kv, (rank + 1) * per_kv) for i in range(D)]
+    return torch.tensor(q + k + v)
+
+
+def grad_diffs(tp: torch.nn.Module, ref: torch.nn.Module, fused: dict[str, tuple[int, int, int]] | None = None, world: int = 2) -> dict[str, float]:
+    """Each parameter's gradient, reassembled from the ranks' shards, against the single-process one."""
+    out = {}
+    ref_params = dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        g, want = full(p.grad), ref_params[name].grad
+        if fused and name.rsplit(".", 1)[0] in fused:  # sharded in head order: rank 0's q|k|v, rank 1's q|k|v
+            want = torch.cat([want[fused_rows_of_rank(*fused[name.rsplit(".", 1)[0]], world, r)] for r in range(world)])
+        out[name] = max_diff(g, want)
+    return out
+
+
+class Collectives(TorchDispatchMode):
+    """Record (collective, bytes of its input) for every c10d collective that runs, DTensor's included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives, which come back here
+        if func.namespace in ("_c10d_functional", "c10d", "_c10d_functional_autograd"):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.calls.append((func.__name__.split(".")[0], sum(t.numel() * t.element_size() for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_onednn_calls():
+    """Count calls into oneDNN's inner product through headwise.linear."""
+    calls = []
+    original = headwise.linear._lp
+
+    def counted(x, weight, bias):
+        calls.append(type(weight).__name__)
+        return original(x, weight, bias)
+
+    headwise.linear._lp = counted
+    try:
+        yield calls
+    finally:
+        headwise.linear._lp = original
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def mha(rank: int, world: int) -> dict:
+    """The book's MultiHeadAttention (bidirectional, padding mask): forward, input and weight gradients."""
+    torch.manual_seed(0)
+    ref = MultiHeadAttention(32, 48, 16, 0.0, num_heads=4, qkv_bias=True, causal=False)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    x = torch.randn(2, 10, 32)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 7:] = False
+    weight = torch.randn(2, 10, 48)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [m(xi, attention_mask=mask) for m, xi in zip((tp, ref), xs, strict=True)]
+    for out in outs:
+        (out * weight).sum().backward()
+    return {
+        "out": max_diff(*outs), "x_grad": max_diff(xs[0].grad, xs[1].grad), "grads": grad_diffs(tp, ref),
+        "local_heads": (tp.num_heads, tp.num_kv_heads), "local_W_key": tuple(tp.W_key.weight.to_local().shape),
+    }
+
+
+def gqa(rank: int, world: int) -> dict:
+    """12 query / 4 key-value heads on 2 ranks: forward, gradients, cached decoding with a local-Hkv cache."""
+    torch.manual_seed(1)
+    ref = MultiHeadAttention(48, 96, 16, 0.0, num_heads=12, num_kv_heads=4)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    x = torch.randn(2, 9, 48)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [m(xi) for m, xi in zip((tp, ref), xs, strict=True)]
+    for out in outs:
+        out.square().sum().backward()
+    with torch.no_grad():
+        cache = KVCache(2, tp.num_kv_heads, 16, tp.head_dim)
+        steps = [tp(x[:, :5], cache=cache)] + [tp(x[:, t : t + 1], cache=cache) for t in range(5, 9)]
+        decoded = max_diff(torch.cat(steps, dim=1), ref(x))
+    return {
+        "out": max_diff(*outs), "x_grad": max_diff(xs[0].grad, xs[1].grad), "grads": grad_diffs(tp, ref), "decoded": decoded,
+        "cache_heads": cache.k.shape[1], "local_heads": (tp.num_heads, tp.num_kv_heads),
+    }
+
+
+def gpt2_attention(rank: int, world: int) -> dict:
+    """GPT-2's fused c_attn with GQA (12/4 heads): head-ordered shards, gradients, state dict round trip."""
+    torch.manual_seed(2)
+    config = GPT2Config(n_embd=96, n_head=12, n_kv_head=4, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0)
+    ref = GPT2MultiHeadAttention(config)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    x = torch.randn(2, 7, 96)
+    outs = [m(x) for m in (tp, ref)]
+    for out in outs:
+        out.square().sum().backward()
+    mine = fused_rows_of_rank(12, 4, 8, world, rank)
+    state = {k: full(v) for k, v in tp.state_dict().items()}
+    fresh = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh = parallelize(fresh, mesh(world))
+    fresh.load_state_dict(ref.state_dict())  # a single-process checkpoint into the sharded module
+    return {
+        "out": max_diff(*outs),
+        "grads": grad_diffs(tp, ref, fused={"c_attn": (12, 4, 8)}, world=world),
+        "local_c_attn": max_diff(tp.c_attn.weight.to_local(), ref.c_attn.weight[mine]),
+        "state_keys": sorted(state) == sorted(ref.state_dict()),
+        "state": max(max_diff(state[k], v) for k, v in ref.state_dict().items()),
+        "loaded": max_diff(fresh(x), ref(x)),
+    }
+
+
+def gpt2_model(rank: int, world: int) -> dict:
+    """GPT2LMHeadModel: logits with left padding, gradients, greedy and seeded sampled generate."""
+    torch.manual_seed(3)
+    ref = GPT2LMHeadModel(TINY_GPT2)
+    with torch.no_grad():  # GPT-2's own embedding scale, so that sampling has more than one likely token
+        ref.transformer.wte.weight.mul_(0.02)
+        ref.transformer.wpe.weight.mul_(0.02)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    logits = [m(ids, attention_mask=mask) for m in (tp, ref)]
+    for out in logits:
+        out.logsumexp(-1).sum().backward()
+    prompt = ids[:, :5]
+    greedy = [m.generate(prompt, max_new_tokens=8).tolist() for m in (tp, ref)]
+    sampled = [m.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5)).tolist()
+               for m in (tp, ref)]
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, (greedy[0], sampled[0]))
+    return {
+        "logits": max_diff(*logits), "grads": grad_diffs(tp, ref, fused={f"transformer.h.{i}.attn.c_attn": (4, 4, 16) for i in range(2)}),
+        "greedy": greedy, "sampled": sampled, "every_rank": every_rank,
+    }
+
+
+def bert(rank: int, world: int) -> dict:
+    """BertModel (bidirectional MultiHeadAttention, post-LN, padding): hidden states and gradients."""
+    torch.manual_seed(6)
+    ref = BertModel(TINY_BERT)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    outs = [m(ids, attention_mask=mask) for m in (tp, ref)]
+    for out in outs:
+        out.square().sum().backward()
+    return {"out": max_diff(*outs), "grads": grad_diffs(tp, ref)}
+
+
+def communication(rank: int, world: int) -> dict:
+    """Every collective of a forward, a backward and a decode step, with its size in bytes."""
+    torch.manual_seed(8)
+    gpt2 = parallelize(GPT2LMHeadModel(TINY_GPT2), mesh(world))
+    encoder = parallelize(BertModel(TINY_BERT), mesh(world))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(9))
+    out = {}
+    with Collectives() as c:
+        logits = gpt2(ids)
+    out["gpt2_forward"] = c.calls
+    with Collectives() as c:
+        logits.logsumexp(-1).sum().backward()
+    out["gpt2_backward"] = c.calls
+    with Collectives() as c:
+        hidden = encoder(ids)
+    out["bert_forward"] = c.calls
+    with Collectives() as c:
+        hidden.square().sum().backward()
+    out["bert_backward"] = c.calls
+    with torch.no_grad():
+        caches = [KVCache(2, b.attn.num_kv_heads, 9, 16) for b in gpt2.transformer.h]
+        gpt2._logits(ids, torch.arange(8).expand(2, 8), None, caches)
+        with Collectives() as c:
+            gpt2._logits(ids[:, :1], torch.full((2, 1), 8), None, caches)
+    out["gpt2_decode_step"] = c.calls
+    return out
+
+
+def fast_path(rank: int, world: int) -> dict:
+    """oneDNN's fast path and its packed-weight cache never see a DTensor weight."""
+    torch.manual_seed(10)
+    ref = GPT2LMHeadModel(TINY_GPT2).eval()
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(11))  # B*T = 40 rows: enough for oneDNN
+    with torch.no_grad(), counting_onednn_calls() as tp_calls:
+        tp_logits = tp(ids)
+    with torch.no_grad(), counting_onednn_calls() as ref_calls:
+        ref_logits = ref(ids)
+    c_fc = tp.transformer.h[0].mlp.c_fc
+    x = torch.randn(40, 64)
+    return {
+        "tp_calls": tp_calls, "ref_calls": len(ref_calls), "logits": max_diff(tp_logits, ref_logits),
+        "uses_onednn_dtensor": headwise.linear.uses_onednn(x, c_fc.weight, c_fc.bias),
+        "uses_onednn_plain": headwise.linear.uses_onednn(x, full(c_fc.weight), full(c_fc.bias)),
+        "onednn_pays": headwise.linear.onednn_pays(torch.float32),
+        "linear_dtensor": max_diff(
+            headwise.linear.linear(DTensor.from_local(x, c_fc.weight.device_mesh, [Replicate()]), c_fc.weight, c_fc.bias).full_tensor(),
+            torch.nn.functional.linear(x, full(c_fc.weight), full(c_fc.bias)),
+        ),
+    }
+
+
+def indivisible(rank: int, world: int) -> dict:
+    """Heads, KV heads and MLP widths that 2 ranks cannot split are ValueErrors naming them."""
+    m = mesh(world)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) and num_kv_heads \(3\) must both be divisible by the mesh size \(2\)"):
+        parallelize(MultiHeadAttention(12, 12, 8, 0.0, num_heads=3), m)
+    with pytest.raises(ValueError, match=r"num_heads \(4\) and num_kv_heads \(1\) must both be divisible by the mesh size \(2\)"):
+        parallelize(GPT2MultiHeadAttention(GPT2Config(n_embd=32, n_head=4, n_kv_head=1)), m)
+    with pytest.raises(ValueError, match=r"encoder\.layer\.0\.intermediate: out_features \(37\) must be divisible by the mesh size \(2\)"):
+        parallelize(BertModel(BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)), m)
+    untouched = MultiHeadAttention(12, 12, 8, 0.0, num_heads=3)
+    with suppress(ValueError):
+        parallelize(untouched, m)
+    return {"raised": True, "untouched": not any(isinstance(p, DTensor) for p in untouched.parameters())}
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    """headwise models under FSDP2's fully_shard (data parallelism, gloo CPU): training steps equal one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(12)
+    ref = GPT2LMHeadModel(TINY_GPT2)
+    model = copy.deepcopy(ref)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh(world))
+    fully_shard(model, mesh=mesh(world))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]  # before any forward (FSDP2 swaps parameters in it)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(13))
+    losses = []
+    for _ in range(3):
+        step = []
+        for m, opt in zip((model, ref), opts, strict=True):
+            loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step.append(loss.item())
+        losses.append(step)
+    params = max(max_diff(full(p), q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):  # see the README: FSDP2 and the packed-weight cache
+        evaluated = max_diff(model(ids), ref(ids))
+    return {"losses": losses, "params": params, "eval": evaluated}
+
+
+CHECKS = {f.__name__: f for f in (mha, gqa, gpt2_attention, gpt2_model, bert, communication, fast_path, indivisible, fsdp2)}
+
+
+def run_all(rank: int, world: int) -> dict:
+    return pieces(rank, world, CHECKS)

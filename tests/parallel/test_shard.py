@@ -1,0 +1,114 @@
+"""headwise.parallel on 2 gloo ranks: every sharded module and model equals its single-process copy.
+
+One spawn runs every check in scenarios.py on both ranks (a few seconds of imports, paid
+once); each test below asserts on both ranks' results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+
+TOL = 1e-5
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    from ranks import spawn
+    from scenarios import run_all
+
+    return spawn(run_all, WORLD)
+
+
+def result(ranks: list[dict], name: str) -> list[dict]:
+    for rank, r in enumerate(ranks):
+        if isinstance(r[name], dict) and "error" in r[name]:
+            pytest.fail(f"rank {rank}, {name}:\n{r[name]['error']}")
+    return [r[name] for r in ranks]
+
+
+def collectives(calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The collectives proper (not the wait / autograd-wrapping bookkeeping ops around them)."""
+    return [c for c in calls if c[0] not in ("wait_tensor", "_wrap_tensor_autograd")]
+
+
+def test_multi_head_attention_forward_and_gradients(ranks):
+    for r in result(ranks, "mha"):
+        assert r["out"] < TOL and r["x_grad"] < TOL
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["local_heads"] == (2, 2)  # 4 heads over 2 ranks
+        assert r["local_W_key"] == (24, 32)  # 2 heads of 12 rows each
+
+
+def test_gqa_12_query_4_kv_heads_forward_gradients_and_cached_decoding(ranks):
+    for r in result(ranks, "gqa"):
+        assert r["out"] < TOL and r["x_grad"] < TOL and r["decoded"] < TOL
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["local_heads"] == (6, 2)
+        assert r["cache_heads"] == 2  # the cache holds this rank's key/value heads only
+
+
+def test_fused_c_attn_holds_each_ranks_own_heads_and_the_checkpoint_layout(ranks):
+    for r in result(ranks, "gpt2_attention"):
+        assert r["local_c_attn"] == 0.0  # rank r's rows: its heads' q, k and v, picked head by head in scenarios.py
+        assert r["out"] < TOL and max(r["grads"].values()) < TOL, r["grads"]
+        assert r["state_keys"] and r["state"] == 0.0  # state_dict: single-process keys, [q | k | v] order
+        assert r["loaded"] < TOL  # a single-process state dict loads into the sharded module
+
+
+def test_gpt2_logits_gradients_and_generate(ranks):
+    results = result(ranks, "gpt2_model")
+    for r in results:
+        assert r["logits"] < TOL
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        tp, single = r["greedy"]
+        assert tp == single
+        tp, single = r["sampled"]
+        assert tp == single  # the same generator seed: the same samples as one process
+        assert r["sampled"][0] != r["greedy"][0]  # sampling did sample
+        assert all(tokens == r["every_rank"][0] for tokens in r["every_rank"])  # every rank produced the same tokens
+
+
+def test_bert_hidden_states_and_gradients(ranks):
+    for r in result(ranks, "bert"):
+        assert r["out"] < TOL
+        assert max(r["grads"].values()) < TOL, r["grads"]
+
+
+def test_two_all_reduces_of_b_t_c_per_layer_in_forward(ranks):
+    # as the README says: per block, one all-reduce after attention's output projection and one
+    # after the MLP, each of B x T x C float32 values; nothing else. Here B=2, T=8, 2 layers.
+    gpt2_bytes, bert_bytes = 2 * 8 * 64 * 4, 2 * 8 * 32 * 4
+    for r in result(ranks, "communication"):
+        assert collectives(r["gpt2_forward"]) == [("all_reduce", gpt2_bytes)] * 4
+        assert collectives(r["bert_forward"]) == [("all_reduce", bert_bytes)] * 4
+        assert collectives(r["gpt2_decode_step"]) == [("all_reduce", 2 * 1 * 64 * 4)] * 4  # B x 1 x C per decode step
+        # backward: one all-reduce of the input gradient per column-parallel input (Q/K/V share one)
+        assert collectives(r["gpt2_backward"]) == [("all_reduce", gpt2_bytes)] * 4
+        assert collectives(r["bert_backward"]) == [("all_reduce", bert_bytes)] * 4
+
+
+def test_fast_linear_path_is_off_for_dtensor_weights(ranks):
+    for r in result(ranks, "fast_path"):
+        assert r["tp_calls"] == []  # no oneDNN call (and no packed weight) during the sharded forward
+        assert r["uses_onednn_dtensor"] is False
+        assert r["linear_dtensor"] < TOL  # headwise.linear.linear hands a DTensor to F.linear
+        assert r["logits"] < TOL
+        if r["onednn_pays"]:  # machine-dependent: where oneDNN pays, the same plain weights do take it
+            assert r["uses_onednn_plain"] is True and r["ref_calls"] > 0
+
+
+def test_indivisible_heads_and_widths_are_errors(ranks):
+    for r in result(ranks, "indivisible"):
+        assert r == {"raised": True, "untouched": True}  # the messages are matched on the ranks
+
+
+def test_fsdp2_fully_shard_trains_like_one_process(ranks):
+    for r in result(ranks, "fsdp2"):
+        for sharded, single in r["losses"]:
+            assert abs(sharded - single) < TOL
+        assert r["losses"][-1][0] < r["losses"][0][0]  # it did train
+        assert r["params"] < TOL and r["eval"] < TOL
