@@ -301,7 +301,34 @@ def fsdp2(rank: int, world: int) -> dict:
     return {"losses": losses, "params": params, "eval": evaluated}
 
 
-CHECKS = {f.__name__: f for f in (mha, gqa, gpt2_attention, gpt2_model, bert, communication, fast_path, indivisible, fsdp2)}
+def demo(rank: int, world: int) -> dict:
+    """headwise.parallel.demo on a HuggingFace-layout GPT-2 directory: its printout and tokens."""
+    import io
+    import json
+    import tempfile
+    from contextlib import redirect_stdout
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from headwise.convert import HF_GPT2_TRANSPOSED
+    from headwise.parallel import demo as tp_demo
+
+    torch.manual_seed(14)
+    single = GPT2LMHeadModel(TINY_GPT2).eval()
+    with tempfile.TemporaryDirectory() as d:
+        config = {"model_type": "gpt2", **{k: getattr(TINY_GPT2, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}}
+        (Path(d) / "config.json").write_text(json.dumps(config))
+        state = {k: v.t().contiguous() if k.endswith(HF_GPT2_TRANSPOSED) else v for k, v in single.state_dict().items()}
+        save_file(state, str(Path(d) / "model.safetensors"))
+        printed = io.StringIO()
+        with redirect_stdout(printed):
+            tokens = tp_demo.run(["--model", d, "--ids", "3,1,4,1,5", "--max-new-tokens", "6"])
+    expected = single.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=6)[0].tolist()
+    return {"printed": printed.getvalue(), "tokens": tokens, "expected": expected}
+
+
+CHECKS = {f.__name__: f for f in (demo, mha, gqa, gpt2_attention, gpt2_model, bert, communication, fast_path, indivisible, fsdp2)}
 
 
 def run_all(rank: int, world: int) -> dict:

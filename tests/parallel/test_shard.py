@@ -112,3 +112,11 @@ def test_fsdp2_fully_shard_trains_like_one_process(ranks):
             assert abs(sharded - single) < TOL
         assert r["losses"][-1][0] < r["losses"][0][0]  # it did train
         assert r["params"] < TOL and r["eval"] < TOL
+
+
+def test_demo_shards_a_model_directory_and_every_rank_generates_the_same_tokens(ranks):
+    results = result(ranks, "demo")
+    for rank, r in enumerate(results):
+        assert r["tokens"] == r["expected"]
+        assert f"rank {rank}/2 on cpu: " in r["printed"] and "2 of 4 heads per layer" in r["printed"]
+    assert "every rank generated the same tokens" in results[0]["printed"]

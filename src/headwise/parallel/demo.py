@@ -1,0 +1,103 @@
+"""Shard a GPT-2 across ranks by heads and generate: ``torchrun --nproc-per-node 2 -m headwise.parallel.demo``.
+
+Each rank loads the model (a HuggingFace GPT-2 directory with ``--model``, else GPT-2
+small's shape with seeded random weights), ``parallelize`` shards it over all ranks, and
+every rank generates from the same prompt. Each rank prints the parameters it holds and
+its tokens; rank 0 says whether every rank produced the same ones. ``gloo`` on CPUs,
+``nccl`` when every rank has a GPU (one per rank, ``LOCAL_RANK``).
+
+Options: ``--model DIR`` (with a ``tokenizer.json`` and the ``tokenizers`` package, the
+prompt is text and the output is decoded), ``--prompt TEXT``, ``--ids 464,2068``,
+``--max-new-tokens N``, ``--temperature T --top-k K --seed S`` to sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ..config import GPT2Config
+from ..models.gpt2 import GPT2LMHeadModel
+from . import parallelize
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m headwise.parallel.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="a HuggingFace GPT-2 directory (default: GPT-2 small's shape, random weights)")
+    p.add_argument("--prompt", default="Heads are independent until the output projection, so", help="prompt text (needs --model with tokenizer.json)")
+    p.add_argument("--ids", default="464, 2068, 7586, 21831", help="prompt token ids, comma-separated (used without a tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="weights (without --model) and the sampling generator")
+    return p.parse_args(argv)
+
+
+def _tokenizer(model_dir: Path | None):
+    if model_dir is None or not (model_dir / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def _device() -> torch.device:
+    """This rank's GPU when every local rank has one (``LOCAL_RANK``), else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def run(argv: list[str] | None = None) -> list[int]:
+    """The demo on an initialised process group: shard, generate, print; returns this rank's tokens."""
+    args = _args(argv)
+    device = _device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.model is not None:
+        model = GPT2LMHeadModel.from_pretrained(args.model)
+    else:
+        torch.manual_seed(args.seed)
+        model = GPT2LMHeadModel(GPT2Config()).eval()
+    total = sum(p.numel() for p in model.parameters())
+    model = parallelize(model.to(device), init_device_mesh(device.type, (world,)))
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    tokenizer = _tokenizer(args.model)
+    ids = tokenizer.encode(args.prompt).ids if tokenizer else [int(i) for i in args.ids.split(",")]
+    generator = torch.Generator(device=device).manual_seed(args.seed) if args.temperature > 0 else None
+    out = model.generate(
+        torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, generator=generator,
+    )[0].tolist()
+    heads = model.transformer.h[0].attn.num_heads
+    text = f"\n  {tokenizer.decode(out)!r}" if tokenizer else ""
+    print(f"rank {rank}/{world} on {device}: {held:,} of {total:,} parameters held here; "
+          f"{heads} of {model.config.n_head} heads per layer; tokens {out}{text}", flush=True)
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        print("every rank generated the same tokens" if all(t == out for t in every) else f"ranks disagree: {every}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun`` entry: join the process group (nccl on GPUs, gloo on CPUs), run, leave."""
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        run(argv)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
