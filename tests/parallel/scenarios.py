@@ -186,9 +186,13 @@ def gpt2_model(rank: int, world: int) -> dict:
                for m in (tp, ref)]
     every_rank = [None] * world
     dist.all_gather_object(every_rank, (greedy[0], sampled[0]))
+    replicated = [p.grad for p in tp.parameters() if not isinstance(p, DTensor)]  # embeddings, LayerNorms
+    grads_every_rank = [None] * world
+    dist.all_gather_object(grads_every_rank, replicated)
     return {
         "logits": max_diff(*logits), "grads": grad_diffs(tp, ref, fused={f"transformer.h.{i}.attn.c_attn": (4, 4, 16) for i in range(2)}),
         "greedy": greedy, "sampled": sampled, "every_rank": every_rank,
+        "replicated_grads_agree": all(torch.equal(a, b) for g in grads_every_rank for a, b in zip(g, replicated, strict=True)),
     }
 
 

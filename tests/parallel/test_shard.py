@@ -70,6 +70,7 @@ def test_gpt2_logits_gradients_and_generate(ranks):
         assert tp == single  # the same generator seed: the same samples as one process
         assert r["sampled"][0] != r["greedy"][0]  # sampling did sample
         assert all(tokens == r["every_rank"][0] for tokens in r["every_rank"])  # every rank produced the same tokens
+        assert r["replicated_grads_agree"]  # replicated weights get bitwise-equal gradients on every rank
 
 
 def test_bert_hidden_states_and_gradients(ranks):
