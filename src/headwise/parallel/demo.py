@@ -66,6 +66,9 @@ def run(argv: list[str] | None = None) -> list[int]:
     else:
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(GPT2Config()).eval()
+        with torch.no_grad():  # GPT-2's embedding scale (nn.Embedding's N(0, 1) makes every logit row one spike)
+            model.transformer.wte.weight.mul_(0.02)
+            model.transformer.wpe.weight.mul_(0.02)
     total = sum(p.numel() for p in model.parameters())
     model = parallelize(model.to(device), init_device_mesh(device.type, (world,)))
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
