@@ -24,16 +24,16 @@ from .report import Report, Result
 __all__ = ["Report", "Result", "grade"]
 
 
-def grade(path_or_class: str | Path | type, classes: list[str] | None = None, timeout: float = 60.0) -> Report:
+def grade(path_or_class: str | Path | type, classes: list[str] | None = None, timeout: float = 30.0) -> Report:
     """Grade a learner's file, module path or class.
 
     Args:
         path_or_class: a ``.py`` file or a module path (graded in a subprocess, stopped after
-            ``timeout`` seconds per attempt), or a class object (graded in this process, no
+            ``timeout`` seconds for the import and for each class), or a class object (graded in this process, no
             time limit: use a file for code that may hang).
         classes: names of the classes to grade (default: those named like the book's); a name
             that is not a book name is graded as the book class its signature fits.
-        timeout: seconds a grading process may run before it is stopped.
+        timeout: seconds the file's import, and each class, may take before they are stopped.
 
     Returns:
         A ``Report``: one ``Result`` per class; ``exit_code`` 0 all passed, 1 one failed,

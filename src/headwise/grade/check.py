@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import hints as H
 from .learner import SetupError, build, kind_of, where
-from .match import closest, first_divergence, is_scores, matching_hints
+from .match import closest, first_divergence, is_scores, matching_probes
 from .record import Recorder
 from .reference import CONFIGS, Config, reference
 from .report import Result
@@ -70,13 +70,21 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):
         return Outcome(config)
     records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
-    step = first_divergence(records, ref.steps) or "output"
-    outcome = Outcome(config, step, matching_hints(records, H.probes(kind, ref, config), step))
-    outcome.expected, outcome.got = _show(records, ref.steps[step], is_scores(step))
+    step = first_divergence(records, ref.steps)
+    if step is None:  # every step is there, the output too: only what forward returns is off
+        return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want))
+    matched = matching_probes(records, out, H.probes(kind, ref, config), step)
+    outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]))
+    shown = next((t for p, t in matched if p.same_kind and t.shape == ref.steps[step].shape), None)
+    outcome.expected, outcome.got = _show(records if shown is None else [shown], ref.steps[step], is_scores(step))
     if step == "output" and not (isinstance(out, Tensor) and out.shape == want.shape):
-        got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
-        outcome.got = f"forward returned {got}; the book's returns shape {tuple(want.shape)}" + (outcome.got and f"; closest: {outcome.got}" or "")
+        outcome.got = _returned(out, want)
     return outcome
+
+
+def _returned(out: object, want: Tensor) -> str:
+    got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
+    return f"forward returned {got}; the book's returns shape {tuple(want.shape)}"
 
 
 def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:

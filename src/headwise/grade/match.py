@@ -69,16 +69,19 @@ def closest(records: list[Tensor], want: Tensor, scale_free: bool = False) -> Te
     return best
 
 
-def matching_hints(records: list[Tensor], probes: list[Probe], step: str) -> list[str]:
-    """The hints of the probes for ``step`` whose tensor some record equals (in the probe's own shape)."""
-    hints = []
+def matching_probes(records: list[Tensor], out: object, probes: list[Probe], step: str) -> list[tuple[Probe, Tensor]]:
+    """The probes for ``step`` that some record (or, for ``returned`` probes, the output) equals in the probe's
+    shape (or with dims 1 and 2 swapped), each with the record as it matched."""
+    found = []
     for p in probes:
-        if p.step != step or p.hint in hints:
+        if p.step != step:
             continue
-        views = [v for r in records for v in (r, r.transpose(1, 2) if r.ndim == 4 else r) if v.shape == p.tensor.shape]
-        if any(same(v, p.tensor, p.scale_free) for v in views):
-            hints.append(p.hint)
-    return hints
+        pool = ([out] if isinstance(out, Tensor) else []) if p.returned else records
+        views = [v for r in pool for v in ((r, r.transpose(1, 2)) if r.ndim == 4 else (r,)) if v.shape == p.tensor.shape]
+        match = next((v for v in views if same(v, p.tensor, p.scale_free)), None)
+        if match is not None:
+            found.append((p, match))
+    return found
 
 
 def is_scores(step: str) -> bool:

@@ -1,8 +1,9 @@
 """Grade a learner's file in a separate process under a time limit.
 
 Their code may loop forever, print, call ``sys.exit`` or crash the interpreter: none of that
-reaches the caller. When a class hangs, the process is killed, that class is reported as
-stopped, and a fresh process grades the classes still left.
+reaches the caller. The time limit applies to importing their file and to each class; when
+a class hangs, the process is killed, that class is reported as stopped, and a fresh
+process grades the classes still left.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import headwise
 
+from .reference import BOOK_CLASSES
 from .report import Report, Result
+
+STARTUP_S = 300.0  # starting Python and importing torch on a busy machine: not the learner's time
 
 
 def grade_file(target: str, classes: list[str] | None, timeout: float) -> Report:
@@ -37,28 +42,49 @@ def grade_file(target: str, classes: list[str] | None, timeout: float) -> Report
         started = [e["started"] for e in events if "started" in e and e["started"] not in done]
         left = [n for n in found if n not in done and n not in started]
         if started:  # the one running when the process stopped
-            report.results.append(Result(started[0], "unknown", False, "error", error=note))
+            kind = started[0] if started[0] in BOOK_CLASSES else "unknown"
+            report.results.append(Result(started[0], kind, False, "error", error=note))
         if not left or not started:
             report.results.sort(key=lambda r: order.index(r.name))
             return report
 
 
 def _run(target: str, classes: list[str], timeout: float) -> tuple[list[dict], str]:
-    """One worker process: its events, and a note saying how it ended if it did not end well."""
+    """One worker process: its events, and a note saying how it ended if it did not end well.
+
+    The clock restarts at each event: the learner's import and each class get ``timeout``
+    seconds; starting Python and torch gets ``STARTUP_S``.
+    """
     env = dict(os.environ)
     src = str(Path(headwise.__file__).resolve().parents[1])  # the worker imports this same headwise
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "events.jsonl")
+        out, err = Path(tmp, "events.jsonl"), Path(tmp, "stderr.txt")
         out.touch()
         cmd = [sys.executable, "-m", "headwise.grade.worker", target, str(out), *classes]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-            note = "" if proc.returncode == 0 else f"the grading process ended with exit code {proc.returncode}: {_tail(proc.stderr)}"
-        except subprocess.TimeoutExpired:
-            note = f"stopped after {timeout:g} s: an endless loop, or far too slow"
-        events = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return events, note
+        with err.open("w") as err_file:  # a file, not a pipe: a chatty learner cannot fill it and stall
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file, env=env)
+        seen, deadline, note = 0, time.monotonic() + STARTUP_S, ""
+        while proc.poll() is None:
+            events = _events(out)
+            if len(events) > seen:
+                seen, deadline = len(events), time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                doing = " while importing the file" if seen <= 1 else ""
+                note = f"stopped after {timeout:g} s{doing}: an endless loop, or far too slow"
+                break
+            time.sleep(0.02)
+        if not note and proc.returncode != 0:
+            note = f"the grading process ended with exit code {proc.returncode}: {_tail(err.read_text(errors='replace'))}"
+        return _events(out), note
+
+
+def _events(path: Path) -> list[dict]:
+    """The complete lines written so far (a line still being written is left for the next read)."""
+    lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def _tail(text: str) -> str:

@@ -1,7 +1,7 @@
 """The grading process: ``python -m headwise.grade.worker TARGET OUT [CLASS ...]``.
 
 Loads the learner's file, then writes one JSON line per event to OUT (flushed at once, so
-the parent keeps what was done before a hang): ``{"found": [names]}``, ``{"started": name}``,
+the parent keeps what was done before a hang): ``{"ready": true}``, ``{"found": [names]}``, ``{"started": name}``,
 ``{"result": {...}}``, or ``{"problem": "..."}``. The learner's own prints go to stdout,
 which the parent ignores.
 """
@@ -19,6 +19,7 @@ from .learner import SetupError, find_classes, load, where
 def main(argv: list[str]) -> None:
     target, out_path, *names = argv
     with open(out_path, "a", encoding="utf-8") as out:
+        _write(out, {"ready": True})  # our own imports are done: the learner's time starts
         try:
             module = load(target)
             classes = find_classes(module, names or None)
