@@ -73,7 +73,8 @@ def kind_of(name: str, cls: type) -> str:
     if name in BOOK_CLASSES:
         return name
     params = inspect.signature(cls.__init__).parameters
-    if "num_heads" not in params and len(params) < 6:
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after self
+    if "num_heads" not in params and len(positional) < 6:  # (d_in, d_out, context_length, dropout[, qkv_bias])
         return "CausalAttention"
     try:
         probe = cls(3, 2, 6, 0.0, 2)
