@@ -25,7 +25,7 @@ class Recorder(TorchFunctionMode):
         >>> with Recorder() as rec:
         ...     y = torch.ones(2, 3).sum(dim=-1)
         >>> [tuple(t.shape) for t in rec.tensors]
-        [(2,)]
+        [(2, 3), (2,)]
     """
 
     def __init__(self) -> None:
