@@ -193,3 +193,29 @@ def test_causal_reference_steps_are_the_plain_computation():
     weights = torch.softmax(masked / config.d_out**0.5, dim=-1)
     for name, want in {"queries": q, "scores": scores, "masked_scores": masked, "weights": weights, "output": weights @ v}.items():
         torch.testing.assert_close(ref.steps[name], want, msg=name)
+
+
+VARIANTS = {  # (file, its line, the line with another mistake) -> (class, step, hint)
+    "softmax-over-heads": (("softmax_dim", "0.5, dim=-2)", "0.5, dim=1)"), ("MultiHeadAttention", "weights", H.SOFTMAX_DIM.format(
+        what="the heads", dim=1, layout="(b, num_heads, num_tokens, num_tokens)"))),
+    "softmax-over-batch": (("softmax_dim", "0.5, dim=-2)", "0.5, dim=0)"), ("MultiHeadAttention", "weights", H.SOFTMAX_DIM.format(
+        what="the batch", dim=0, layout="(b, num_heads, num_tokens, num_tokens)"))),
+    "divided-by-head_dim": (("softmax_dim", "** 0.5, dim=-2)", ", dim=-1)"), ("MultiHeadAttention", "weights", H.NOT_SQRT)),
+    "values-not-transposed": (
+        ("no_scaling", "values = values.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)",
+         "values = values.view(b, self.num_heads, num_tokens, self.head_dim)"),
+        ("MultiHeadAttention", "values.transpose", H.NO_TRANSPOSE.format(name="values"))),
+    "cat-on-the-batch": (("wrapper_cat_dim", "], dim=1)", "], dim=0)"), ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=0, what="the batch"))),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_more_mistakes_from_one_edited_line(variant, tmp_path):
+    (stem, old, new), (name, step, hint) = VARIANTS[variant]
+    source = (LEARNERS / f"{stem}.py").read_text()
+    assert source.count(old) == 1
+    path = tmp_path / f"{variant}.py"
+    path.write_text(source.replace(old, new))
+    module = load(str(path))
+    r = grade_class(getattr(module, name), name, str(path))
+    assert (r.passed, r.step, r.hint) == (False, step, hint)
