@@ -66,6 +66,13 @@ def test_a_hang_is_stopped_and_the_other_classes_are_still_graded():
     assert report.exit_code == 1
 
 
+def test_a_file_that_kills_the_interpreter_is_reported(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import os\n\nos._exit(3)\n")
+    report = grade(path)
+    assert (report.exit_code, report.problem) == (2, "the grading process ended with exit code 3: (no message)")
+
+
 def cli(*args: str, cwd: Path = LEARNERS) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "headwise.cli", "grade", *args], capture_output=True, text=True, cwd=cwd, env={"PYTHONPATH": SRC}, timeout=300)
 

@@ -46,6 +46,8 @@ def grade_file(target: str, classes: list[str] | None, timeout: float) -> Report
             report.results.append(Result(started[0], kind, False, "error", error=note))
         if not left or not started:
             report.results.sort(key=lambda r: order.index(r.name))
+            if not report.results:
+                report.problem = note or "the grading process ended before grading any class"
             return report
 
 
