@@ -1,4 +1,4 @@
-"""The ``headwise`` command: ``demo``, ``explain``, ``heads``, ``bench``. It only parses, prints and plots."""
+"""The ``headwise`` command: ``demo``, ``explain``, ``heads``, ``grade``, ``bench``. It only parses, prints and plots."""
 
 from __future__ import annotations
 
@@ -59,6 +59,14 @@ def _demo(args: argparse.Namespace) -> None:
     demo.run()
 
 
+def _grade(args: argparse.Namespace) -> None:
+    from .grade import grade
+
+    report = grade(args.path, classes=args.classes, timeout=args.timeout)
+    print(report.to_json() if args.json else report.to_text())
+    raise SystemExit(report.exit_code)
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> None:
     from . import bench
 
@@ -82,6 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     hd.add_argument("--text", default=None, help="the sentence (default: the book's 'Your journey starts with one step.')")
     hd.add_argument("--out", default="heads.html", help="the page to write (default: heads.html)")
     hd.add_argument("--png", metavar="FILE", help="also draw the grid as a PNG picture (matplotlib)")
+    gr = sub.add_parser("grade", help="check your own attention classes against the book's, step by step")
+    gr.add_argument("path", help="your .py file, or a module path")
+    gr.add_argument("--class", dest="classes", action="append", metavar="NAME", help="grade this class (repeatable; default: the book's names)")
+    gr.add_argument("--json", action="store_true", help="one JSON object instead of the text report")
+    gr.add_argument("--timeout", type=float, default=30.0, help="seconds the import and each class may take before grading stops them (default 30)")
     sub.add_parser("bench", help="benchmarks against the peers (see `headwise bench --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
@@ -93,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             _demo(args)
         elif args.command == "heads":
             _heads(args)
+        elif args.command == "grade":
+            _grade(args)
         else:
             _explain(args)
     except ValueError as e:  # the library's clear errors, shown without a traceback

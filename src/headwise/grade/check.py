@@ -1,0 +1,122 @@
+"""Grade one learner class in this process: every configuration, then one verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from . import hints as H
+from .learner import SetupError, build, kind_of, where
+from .match import closest, first_divergence, is_scores, matching_probes
+from .record import Recorder
+from .reference import CONFIGS, Config, reference
+from .report import Result
+
+
+@dataclass
+class Outcome:
+    """What happened in one configuration; ``step`` None = same output as the book."""
+
+    config: Config
+    step: str | None = None
+    hints: list[str] = field(default_factory=list)
+    expected: str | None = None
+    got: str | None = None
+    error: str | None = None
+
+
+def grade_class(cls: type, name: str | None = None, file: str | None = None) -> Result:
+    """Grade ``cls`` against the book's class of its kind in every configuration.
+
+    Args:
+        cls: the learner's class.
+        name: its name in the report (default ``cls.__name__``); a book name fixes the kind.
+        file: the learner's file, to point at the line where their code raised.
+
+    Example:
+        >>> from headwise.teaching import MultiHeadAttention
+        >>> grade_class(MultiHeadAttention).passed
+        True
+    """
+    name = name or cls.__name__
+    try:
+        kind = kind_of(name, cls)
+    except Exception as e:
+        return Result(name, "unknown", False, "error", error=where(e, file))
+    outcomes = [_try(cls, kind, config, file) for config in CONFIGS[kind]]
+    return _verdict(name, kind, outcomes)
+
+
+def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
+    ref = reference(kind, config)
+    try:
+        module = build(cls, kind, config, ref.state)
+    except SetupError as e:
+        return Outcome(config, "error", error=str(e))
+    except Exception as e:
+        return Outcome(config, "error", error=f"while building it: {where(e, file)}")
+    x = ref.x.float()  # (B, T, d_in)
+    try:
+        with torch.no_grad(), Recorder() as rec:
+            out = module(x)
+    except Exception as e:
+        return Outcome(config, "error", error=where(e, file))
+    want = ref.output
+    if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):
+        return Outcome(config)
+    records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
+    step = first_divergence(records, ref.steps)
+    if step is None:  # every step is there, the output too: only what forward returns is off
+        return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want))
+    matched = matching_probes(records, out, H.probes(kind, ref, config), step)
+    outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]))
+    shown = next((t for p, t in matched if p.same_kind and t.shape == ref.steps[step].shape), None)
+    outcome.expected, outcome.got = _show(records if shown is None else [shown], ref.steps[step], is_scores(step))
+    if step == "output" and not (isinstance(out, Tensor) and out.shape == want.shape):
+        outcome.got = _returned(out, want)
+    return outcome
+
+
+def _returned(out: object, want: Tensor) -> str:
+    got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
+    return f"forward returned {got}; the book's returns shape {tuple(want.shape)}"
+
+
+def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
+    """Pass when every configuration matched; else the first failure, with the hints every failure at that step shares."""
+    failed = [o for o in outcomes if o.step is not None]
+    if not failed:
+        return Result(name, kind, True, configs=len(outcomes))
+    first = failed[0]
+    if first.step == "error":  # not cutting the mask raises exactly when num_tokens < context_length
+        short = [o for o in outcomes if o.config.num_tokens < o.config.context_length]
+        hint = H.MASK_NOT_CUT if failed == short else None
+    else:
+        shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
+        hint = "; or ".join(shared or first.hints) or None
+    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, first.error, len(outcomes))
+
+
+def _show(records: list[Tensor], want: Tensor, scale_free: bool) -> tuple[str, str]:
+    """Expected and closest, each as its shape and the one row where they differ most."""
+    got = closest(records, want, scale_free)
+    if got is None:
+        return _row(want, None), f"no tensor with {want.numel()} numbers"
+    rows_want, rows_got = want.reshape(-1, want.shape[-1]), got.reshape(-1, want.shape[-1])
+    diff = (rows_want - rows_got).abs().nan_to_num(nan=float("inf"), posinf=1e30).sum(-1)  # inf - inf gives nan
+    diff = diff.masked_fill(torch.isclose(rows_want, rows_got, equal_nan=True).all(-1), 0.0)
+    row = int(diff.argmax())
+    return _row(want, row), _row(got, row)
+
+
+def _row(t: Tensor, row: int | None) -> str:
+    """``shape (2, 6, 2), [0, 3, :] = [0.1234, -inf]``: one row of the last dim."""
+    if row is None:
+        row = 0
+    index = list(torch.unravel_index(torch.tensor(row), t.shape[:-1])) if t.ndim > 1 else []
+    values = t.reshape(-1, t.shape[-1])[row][:8].tolist()
+    shown = ", ".join("-inf" if v == float("-inf") else f"{v:.4f}" for v in values) + (", ..." if t.shape[-1] > 8 else "")
+    at = ", ".join(str(int(i)) for i in index)
+    return f"shape {tuple(t.shape)}, [{at + ', ' if at else ''}:] = [{shown}]"

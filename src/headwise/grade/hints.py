@@ -1,0 +1,103 @@
+"""Known mistakes, as tensors: what each one would compute, built from the correct steps.
+
+A hint is given when one of the learner's tensors equals a mistake's tensor (numbers, never
+source text). Each ``Probe`` names the step where its mistake first shows; the hint texts do
+not depend on the configuration, so the hints of several failing configurations can be
+intersected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .reference import Config, Reference
+
+SHARED_QK = "{got} equal the {other}: W_query and W_key are one layer, or both are computed with the same one; give each its own nn.Linear"
+SWAPPED = "keys and queries are swapped: the scores are keys @ queries.T; compute queries @ keys.transpose(-2, -1)"
+NO_MASK = "the causal mask is missing: fill the scores above the diagonal with -inf (masked_fill) before the softmax"
+MASK_AFTER = "the mask is applied after the softmax: mask the scores with -inf first, then take the softmax, so each row still sums to 1"
+MASK_NOT_CUT = "the mask is not cut to num_tokens: it fails only when num_tokens < context_length; use self.mask.bool()[:num_tokens, :num_tokens]"
+NO_SCALE = "the scores are not scaled: divide them by sqrt(head_dim), keys.shape[-1] ** 0.5, before the softmax"
+WRONG_SCALE = "the scores are scaled by sqrt({size}); the book divides them by sqrt(head_dim), keys.shape[-1] ** 0.5"
+NOT_SQRT = "the scores are divided by head_dim; the book divides them by its square root, keys.shape[-1] ** 0.5"
+SOFTMAX_DIM = "the softmax runs over {what} (dim {dim} of {layout}); each query's weights must sum to 1 over the keys: softmax(..., dim=-1)"
+NO_TRANSPOSE = "{name} are viewed as (b, num_heads, num_tokens, head_dim) directly: view as (b, num_tokens, num_heads, head_dim), then .transpose(1, 2)"
+MERGE_NO_TRANSPOSE = "the heads are merged without transposing back: context_vec.transpose(1, 2).contiguous().view(b, num_tokens, d_out)"
+NO_OUT_PROJ = "the output is the merged heads as they are: apply self.out_proj to them last"
+WRONG_SHAPE = "right numbers, wrong shape: every step matches the book's, but forward returns them in another shape; return (b, num_tokens, d_out)"
+CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A known mistake: the step where it shows, its hint, and the tensor it would compute."""
+
+    step: str
+    hint: str
+    tensor: Tensor
+    scale_free: bool = False  # any positive multiple counts (raw scores, scaled or not)
+    returned: bool = False  # only what forward returns counts (the output's mistakes)
+    same_kind: bool = True  # the tensor stands for the step itself (shown as "got"), not a later one
+
+
+#: A mistake whose tensor is computed on the way to a more specific mistake's: drop it when both match.
+IMPLIED = {MASK_AFTER: NO_MASK}
+
+
+def narrow(hints: list[str]) -> list[str]:
+    """The matched hints without those a more specific matched hint explains."""
+    implied = {IMPLIED[h] for h in hints if h in IMPLIED}
+    return [h for h in hints if h not in implied]
+
+
+def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
+    """Every known mistake's tensor for ``kind`` under ``config``, skipping those equal to the right one."""
+    s = ref.steps
+    if kind == "CausalAttention":
+        found = _attention(s, "", ref.scale, {"d_in": config.d_in})
+    elif kind == "MultiHeadAttentionWrapper":
+        found = [p for i in range(config.num_heads) for p in _attention(s, f"heads.{i}.", ref.scale, {"d_in": config.d_in})]
+        heads = [s[f"heads.{i}.context"] for i in range(config.num_heads)]  # (B, T, d_out) each
+        found += [Probe("output", CAT_DIM.format(dim=d, what=w), torch.cat(heads, dim=d), returned=True) for d, w in ((0, "the batch"), (1, "the tokens"))]
+    else:
+        sizes = {"d_in": config.d_in, "d_out": config.d_out, "num_heads": config.num_heads}
+        found = _attention(s, "", ref.scale, sizes) + _heads(s)
+    return [p for p in found if p.tensor.shape != s[p.step].shape or not torch.equal(p.tensor, s[p.step])]
+
+
+def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str, int]) -> list[Probe]:
+    """Mistakes inside one attention: (B, T, T) steps for a head, (B, H, T, T) for multi-head."""
+    scores, masked = s[prefix + "scores"], s[prefix + "masked_scores"]  # (B, [H,] T, T)
+    T = scores.shape[-1]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # (T, T): True above the diagonal
+    unmasked = torch.softmax(scores * scale, dim=-1)
+    head_size = round(1 / scale**2)
+    found = [
+        Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), s[prefix + "keys"]),
+        Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"]),
+        Probe(prefix + "scores", SWAPPED, scores.transpose(-2, -1), scale_free=True),
+        Probe(prefix + "masked_scores", NO_MASK, unmasked, same_kind=False),
+        Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, 0.0), same_kind=False),
+        Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, -math.inf), same_kind=False),
+        Probe(prefix + "weights", NO_SCALE, torch.softmax(masked, dim=-1)),
+        Probe(prefix + "weights", NOT_SQRT, torch.softmax(masked / head_size, dim=-1)),
+    ]
+    found += [Probe(prefix + "weights", WRONG_SCALE.format(size=n), torch.softmax(masked / math.sqrt(v), dim=-1)) for n, v in sizes.items()]
+    what = ("the batch", "the heads", "the queries") if masked.ndim == 4 else ("the batch", "the queries")
+    layout = "(b, num_heads, num_tokens, num_tokens)" if masked.ndim == 4 else "(b, num_tokens, num_tokens)"
+    for dim, w in enumerate(what):
+        found.append(Probe(prefix + "weights", SOFTMAX_DIM.format(what=w, dim=dim, layout=layout), torch.softmax(masked * scale, dim=dim)))
+    return found
+
+
+def _heads(s: dict[str, Tensor]) -> list[Probe]:
+    """Mistakes in splitting and merging heads, and the last projection (MultiHeadAttention)."""
+    B, H, T, D = s["queries.transpose"].shape
+    found = [Probe(f"{n}.transpose", NO_TRANSPOSE.format(name=n), s[n].reshape(B, H, T, D)) for n in ("queries", "keys", "values")]
+    found.append(Probe("merged", MERGE_NO_TRANSPOSE, s["context"].reshape(B, T, H * D)))
+    found.append(Probe("output", NO_OUT_PROJ, s["merged"], returned=True))
+    return found

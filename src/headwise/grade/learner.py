@@ -1,0 +1,137 @@
+"""The learner's side: load their file, find their classes, build them with the book's weights.
+
+Weights go in by name and shape, never by creation order: the book's ``W_query``,
+``W_key``, ``W_value``, ``out_proj`` (and the wrapper's ``heads.N.*``), under common other
+names too (``q_proj``, ``c_proj``...), a fused ``qkv`` layer as the three stacked, and a bare
+``nn.Parameter`` of shape (d_in, d_out) as the book's first ``x @ W_query`` version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from .reference import BOOK_CLASSES, Config
+
+ALIASES = {
+    "W_query": ("w_query", "query", "q_proj", "w_q", "wq", "q"),
+    "W_key": ("w_key", "key", "k_proj", "w_k", "wk", "k"),
+    "W_value": ("w_value", "value", "v_proj", "w_v", "wv", "v"),
+    "out_proj": ("out_proj", "o_proj", "c_proj", "proj", "out", "wo", "w_o"),
+}
+FUSED = ("qkv", "w_qkv", "wqkv", "c_attn", "qkv_proj", "in_proj")
+
+
+class SetupError(Exception):
+    """The learner's class cannot be graded as it is (a weight we cannot place, a bad signature)."""
+
+
+def load(target: str) -> ModuleType:
+    """Import a ``.py`` file (its folder goes on sys.path, for its own imports) or a module path."""
+    path = Path(target)
+    if path.suffix == ".py" or path.exists():
+        sys.path.insert(0, str(path.resolve().parent))
+        spec = importlib.util.spec_from_file_location("learner", path)
+        if spec is None or spec.loader is None:
+            raise SetupError(f"cannot load {target} as Python")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["learner"] = module
+        spec.loader.exec_module(module)
+        return module
+    sys.path.insert(0, str(Path.cwd()))
+    return importlib.import_module(target)
+
+
+def find_classes(module: ModuleType, names: list[str] | None) -> list[tuple[str, type]]:
+    """The classes named ``names`` in ``module``, or by default those named like the book's and defined there."""
+    defined = {n: c for n, c in vars(module).items() if inspect.isclass(c) and c.__module__ == module.__name__}
+    where = getattr(module, "__file__", module.__name__)
+    if names:
+        missing = [n for n in names if not (inspect.isclass(getattr(module, n, None)) and issubclass(getattr(module, n), nn.Module))]
+        if missing:
+            raise SetupError(f"{where} has no nn.Module class named {', '.join(missing)} (classes defined there: {', '.join(defined) or 'none'})")
+        return [(n, getattr(module, n)) for n in names]
+    found = [(n, c) for n, c in defined.items() if n in BOOK_CLASSES and issubclass(c, nn.Module)]
+    if not found:
+        raise SetupError(
+            f"{where} defines no class named {', '.join(BOOK_CLASSES)} (classes defined there: {', '.join(defined) or 'none'}); "
+            "name yours like the book's or pass --class NAME"
+        )
+    return found
+
+
+def kind_of(name: str, cls: type) -> str:
+    """The book class to grade against: by name, else by signature (``num_heads``) and a ``heads`` list."""
+    if name in BOOK_CLASSES:
+        return name
+    params = inspect.signature(cls.__init__).parameters
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after self
+    if "num_heads" not in params and len(positional) < 6:  # (d_in, d_out, context_length, dropout[, qkv_bias])
+        return "CausalAttention"
+    try:
+        probe = cls(3, 2, 6, 0.0, 2)
+    except Exception:
+        return "MultiHeadAttention"
+    return "MultiHeadAttentionWrapper" if isinstance(getattr(probe, "heads", None), nn.ModuleList) else "MultiHeadAttention"
+
+
+def build(cls: type, kind: str, config: Config, state: dict[str, Tensor]) -> nn.Module:
+    """``cls(*book's positional args)`` in eval mode, holding the reference's weights."""
+    module = cls(*config.args(kind))
+    if not isinstance(module, nn.Module):
+        raise SetupError(f"{cls.__name__}(...) gave a {type(module).__name__}, not an nn.Module")
+    copy_weights(module, state)
+    return module.eval()
+
+
+def copy_weights(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Set each of the learner's parameters from the book's one of the same name and shape."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            p.copy_(_source(name, tuple(p.shape), state).to(p.dtype))
+
+
+def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
+    *path, leaf = name.split(".")
+    if leaf not in ("weight", "bias"):  # a bare Parameter: the book's x @ W, (d_in, d_out)
+        path, leaf = [*path, leaf], "T"
+    owner, layer = ".".join(path[:-1]), path[-1] if path else ""
+    prefix = owner + "." if owner else ""
+    for canon, aliases in ALIASES.items():
+        if layer == canon or layer.lower() in aliases:
+            want = state.get(f"{prefix}{canon}.{'weight' if leaf == 'T' else leaf}")
+            if want is not None:
+                want = want.T if leaf == "T" else want
+                if tuple(want.shape) == shape:
+                    return want
+                raise SetupError(f"parameter {name} has shape {shape}; the book's {prefix}{canon} has {tuple(want.shape)}")
+    if layer.lower() in FUSED and leaf != "T":
+        parts = [state.get(f"{prefix}{c}.{leaf}") for c in ("W_query", "W_key", "W_value")]
+        if all(p is not None for p in parts) and tuple(torch.cat(parts).shape) == shape:
+            return torch.cat(parts)  # (3 * d_out, d_in): queries, keys, values stacked
+    raise SetupError(
+        f"cannot tell which of the book's weights parameter {name} (shape {shape}) is: "
+        "name the layers like the book (W_query, W_key, W_value, out_proj; a fused one qkv)"
+    )
+
+
+def where(exc: BaseException, file: str | None) -> str:
+    """``file.py:LINE: code`` of the deepest frame in the learner's file, then the exception."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{Path(exc.filename).name}:{exc.lineno}: {(exc.text or '').strip()}  {type(exc).__name__}: {exc.msg}"
+    if file is not None:
+        mine = Path(file).resolve()
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == mine]
+        if frames:
+            f = frames[-1]
+            return f"{mine.name}:{f.lineno}: {(f.line or '').strip()}  {what}"
+    return what

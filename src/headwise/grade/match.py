@@ -1,0 +1,115 @@
+"""Match recorded tensors to the reference's steps, by their numbers.
+
+A recorded tensor stands for a step when it has the step's numbers in the step's layout, or
+in an equivalent one: the same numbers read in order under another shape (``(B*H, T, D)``
+for ``(B, H, T, D)``, a ``view`` that was never taken) or with heads and tokens swapped
+(``(B, T, H, D)`` for ``(B, H, T, D)``, as einsum code often keeps them). Scores count at
+any positive scale (before or after dividing by sqrt(head_dim)), and a "minus infinity" of
+-1e9 counts as -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from .hints import Probe
+
+RTOL, ATOL = 1e-4, 1e-5  # float32 learner vs float64 reference; every known mistake is far outside
+
+
+def same(got: Tensor, want: Tensor, scale_free: bool = False) -> bool:
+    """True when ``got`` (already in ``want``'s shape) equals ``want``, or a positive multiple of it if ``scale_free``."""
+    got = _minus_inf(got.double())
+    if scale_free:
+        want = want * _fit(got, want)
+    return bool(torch.allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True))
+
+
+def layouts(got: Tensor, shape: torch.Size) -> Iterator[Tensor]:
+    """``got`` read in ``shape``: in order, and for 4-D steps with dims 1 and 2 swapped."""
+    n = math.prod(shape)
+    if got.numel() == n:
+        yield got.reshape(shape)
+        if got.ndim == 4 and len(shape) == 4:
+            yield got.transpose(1, 2).reshape(shape)
+
+
+def produced(records: list[Tensor], want: Tensor, scale_free: bool = False) -> bool:
+    """True when some record, in some equivalent layout, equals ``want``."""
+    return any(same(v, want, scale_free) for r in records for v in layouts(r, want.shape))
+
+
+def first_divergence(records: list[Tensor], steps: dict[str, Tensor]) -> str | None:
+    """The first step (in the book's order) that no record equals, or None if all are there.
+
+    A step is excused when a later step of its chain was produced: code that never forms
+    ``queries.view`` but forms ``queries.transpose`` (or fuses QKV) has not diverged there.
+    """
+    done = {name: produced(records, t, scale_free=is_scores(name)) for name, t in steps.items()}
+    for name in steps:
+        if not done[name] and not any(done[later] for later in _chain_after(name, list(steps))):
+            return name
+    return None
+
+
+def closest(records: list[Tensor], want: Tensor, scale_free: bool = False) -> Tensor | None:
+    """The record, read in ``want``'s shape, with the fewest numbers that differ; None if none has as many numbers."""
+    best, best_err = None, math.inf
+    for r in records:
+        for v in layouts(r, want.shape):
+            v = _minus_inf(v.double())
+            target = want * _fit(v, want) if scale_free else want
+            err = float((~torch.isclose(v, target, rtol=RTOL, atol=ATOL, equal_nan=True)).double().mean())
+            if err <= best_err:
+                best, best_err = v, err
+    return best
+
+
+def matching_probes(records: list[Tensor], out: object, probes: list[Probe], step: str) -> list[tuple[Probe, Tensor]]:
+    """The probes for ``step`` that some record (or, for ``returned`` probes, the output) equals in the probe's
+    shape (or with dims 1 and 2 swapped), each with the record as it matched."""
+    found = []
+    for p in probes:
+        if p.step != step:
+            continue
+        pool = ([out] if isinstance(out, Tensor) else []) if p.returned else records
+        views = [v for r in pool for v in ((r, r.transpose(1, 2)) if r.ndim == 4 else (r,)) if v.shape == p.tensor.shape]
+        match = next((v for v in views if same(v, p.tensor, p.scale_free)), None)
+        if match is not None:
+            found.append((p, match))
+    return found
+
+
+def is_scores(step: str) -> bool:
+    """Raw scores are matched at any positive scale: the book scales them inside the softmax."""
+    return step.endswith("scores")
+
+
+def _chain_after(name: str, order: list[str]) -> list[str]:
+    """The later steps computed from this one alone: ``queries`` -> ``queries.view`` -> ``queries.transpose``;
+    ``scores`` -> ... -> ``output``; each head of the wrapper has its own chains."""
+    key = _chain(name)
+    return [later for later in order[order.index(name) + 1 :] if _chain(later) == key]
+
+
+def _chain(name: str) -> tuple[str, str]:
+    parts = name.split(".")
+    prefix, rest = (parts[:2], parts[2:]) if parts[0] == "heads" else ([], parts)
+    return ".".join(prefix), rest[0] if rest[0] in ("queries", "keys", "values") else "attention"
+
+
+def _minus_inf(t: Tensor) -> Tensor:
+    return t.masked_fill(t <= -1e8, -math.inf)  # -1e9, finfo.min...: a mask's "minus infinity"
+
+
+def _fit(got: Tensor, want: Tensor) -> float:
+    """The positive factor c that makes c * want closest to got (1.0 when there is none)."""
+    finite = torch.isfinite(want) & torch.isfinite(got)
+    w, g = want[finite], got[finite]
+    denom = float((w * w).sum())
+    c = float((g * w).sum()) / denom if denom > 0 else 1.0
+    return c if c > 0 else 1.0

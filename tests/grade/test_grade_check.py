@@ -1,0 +1,221 @@
+"""Grading in this process: every correct style passes, every known mistake fails at its step with its hint.
+
+The learner files in ``learners/`` are independent implementations written for these tests;
+the book's own package (``llms_from_scratch.ch03``) is a second, outside oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from llms_from_scratch import ch03 as book
+from torch import nn
+
+from headwise.grade import grade
+from headwise.grade import hints as H
+from headwise.grade.check import grade_class
+from headwise.grade.learner import find_classes, load
+from headwise.grade.reference import CONFIGS, reference
+from headwise.grade.report import Result
+
+LEARNERS = Path(__file__).parent / "learners"
+
+
+def grade_here(stem: str) -> dict[str, Result]:
+    """Grade ``learners/<stem>.py`` in this process, as the grading subprocess does."""
+    module = load(str(LEARNERS / f"{stem}.py"))
+    return {name: grade_class(cls, name, module.__file__) for name, cls in find_classes(module, None)}
+
+
+@pytest.mark.parametrize("stem", ["book", "einsum", "reshape", "fused_qkv"])
+def test_every_correct_style_passes(stem):
+    results = grade_here(stem)
+    assert results and all(r.passed and r.step is None and r.hint is None for r in results.values()), results
+    assert all(r.configs == len(CONFIGS[r.kind]) for r in results.values())
+
+
+@pytest.mark.parametrize("cls", [book.CausalAttention, book.MultiHeadAttentionWrapper, book.MultiHeadAttention])
+def test_the_books_own_classes_pass(cls):
+    report = grade(cls)
+    assert report.exit_code == 0 and report.results[0].passed and report.results[0].kind == cls.__name__
+
+
+MISTAKES = {
+    "no_scaling": ("MultiHeadAttention", "weights", H.NO_SCALE),
+    "scale_d_in": ("MultiHeadAttention", "weights", H.WRONG_SCALE.format(size="d_in")),
+    "scale_d_out": ("MultiHeadAttention", "weights", H.WRONG_SCALE.format(size="d_out")),
+    "scale_num_heads": ("MultiHeadAttention", "weights", H.WRONG_SCALE.format(size="num_heads")),
+    "softmax_dim": ("MultiHeadAttention", "weights", H.SOFTMAX_DIM.format(what="the queries", dim=2, layout="(b, num_heads, num_tokens, num_tokens)")),
+    "causal_softmax_dim": ("CausalAttention", "weights", H.SOFTMAX_DIM.format(what="the queries", dim=1, layout="(b, num_tokens, num_tokens)")),
+    "mask_missing": ("MultiHeadAttention", "masked_scores", H.NO_MASK),
+    "mask_after_softmax": ("MultiHeadAttention", "masked_scores", H.MASK_AFTER),
+    "mask_not_cut": ("MultiHeadAttention", "error", H.MASK_NOT_CUT),
+    "view_no_transpose": ("MultiHeadAttention", "queries.transpose", H.NO_TRANSPOSE.format(name="queries")),
+    "swapped_qk": ("MultiHeadAttention", "scores", H.SWAPPED),
+    "merge_no_transpose": ("MultiHeadAttention", "merged", H.MERGE_NO_TRANSPOSE),
+    "no_out_proj": ("MultiHeadAttention", "output", H.NO_OUT_PROJ),
+    "shared_qk": ("MultiHeadAttention", "queries", H.SHARED_QK.format(got="queries", other="keys")),
+    "wrapper_cat_dim": ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=1, what="the tokens")),
+    "wrapper_no_scaling": ("MultiHeadAttentionWrapper", "heads.0.weights", H.NO_SCALE),
+    "wrong_shape": ("MultiHeadAttention", "output", H.WRONG_SHAPE),
+}
+
+
+@pytest.mark.parametrize("stem", list(MISTAKES))
+def test_each_mistake_fails_at_its_step_with_its_hint(stem):
+    name, step, hint = MISTAKES[stem]
+    r = grade_here(stem)[name]
+    assert (r.passed, r.step, r.hint) == (False, step, hint)
+    assert r.config.startswith(name + "(")
+    if step != "error":
+        assert r.expected.startswith("shape (") and r.got.startswith(("shape (", "forward returned shape"))
+
+
+def test_a_mistake_in_one_class_leaves_the_others_passing():
+    results = grade_here("wrapper_cat_dim")
+    assert results["CausalAttention"].passed and not results["MultiHeadAttentionWrapper"].passed
+    assert "forward returned shape (2, 12, 2); the book's returns shape (2, 6, 4)" in results["MultiHeadAttentionWrapper"].got
+
+
+def test_the_hints_tell_every_mistake_apart():
+    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 1  # two files share NO_SCALE: MHA and a wrapper's head
+
+
+def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuration():
+    r = grade_here("no_scaling")["MultiHeadAttention"]  # the book's config has head_dim 1: sqrt(1) == 1
+    assert r.config == "MultiHeadAttention(5, 12, 9, 0.0, 3, True) on x of shape (3, 7, 5)"
+
+
+def test_a_crash_points_at_the_learners_own_line():
+    r = grade_here("crash")["MultiHeadAttention"]
+    assert (r.step, r.hint) == ("error", None)
+    assert r.error.startswith("crash.py:31: attn_scores = queries @ self.keys.transpose(2, 3)  AttributeError:")
+    r = grade_here("mask_not_cut")["MultiHeadAttention"]
+    assert r.error.startswith("mask_not_cut.py:32: ") and "RuntimeError" in r.error
+    assert r.config == "MultiHeadAttention(5, 12, 9, 0.0, 3, True) on x of shape (3, 7, 5)"  # tokens 7 < context_length 9
+
+
+# ----------------------------------------------------------------------------- kinds and weights
+
+
+class RenamedMHA(book.MultiHeadAttention):
+    """A book class under another name: graded by its signature."""
+
+
+class RenamedWrapper(book.MultiHeadAttentionWrapper):
+    pass
+
+
+class RenamedHead(book.CausalAttention):
+    pass
+
+
+@pytest.mark.parametrize(("cls", "kind"), [(RenamedMHA, "MultiHeadAttention"), (RenamedWrapper, "MultiHeadAttentionWrapper"), (RenamedHead, "CausalAttention")])
+def test_a_class_under_another_name_is_graded_as_the_kind_its_signature_fits(cls, kind):
+    r = grade(cls).results[0]
+    assert (r.name, r.kind, r.passed) == (cls.__name__, kind, True)
+
+
+class ReorderedHead(nn.Module):
+    """Layers created value, key, query (the book: query, key, value) under other common names,
+    with an extra attribute: graded all the same."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__()
+        self.v_proj = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.q_proj = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.scale = d_out**-0.5
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.q_proj(x) @ self.k_proj(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.softmax(scores * self.scale, dim=-1) @ self.v_proj(x)
+
+
+def test_weights_go_in_by_name_not_by_creation_order():
+    assert grade_class(ReorderedHead, "CausalAttention").passed
+
+
+class BareQuery(nn.Module):
+    """The book's first self-attention style: bare (d_in, d_out) Parameters used as ``x @ W``; no bias."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__()
+        self.W_query, self.W_key, self.W_value = (nn.Parameter(torch.rand(d_in, d_out)) for _ in range(3))
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (x @ self.W_query) @ (x @ self.W_key).transpose(1, 2)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.softmax(scores / self.W_key.shape[-1] ** 0.5, dim=-1) @ (x @ self.W_value)
+
+
+def test_a_bare_parameter_is_the_books_x_at_w():
+    r = grade_class(BareQuery, "CausalAttention")
+    assert (r.step, r.config) == ("queries", "CausalAttention(5, 4, 9, 0.0, True) on x of shape (3, 7, 5)")  # only with qkv_bias
+
+
+class Unnamed(ReorderedHead):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mix = nn.Linear(args[1], args[1])
+
+
+def test_a_weight_with_an_unknown_name_is_reported_not_guessed():
+    r = grade_class(Unnamed, "CausalAttention")
+    assert r.step == "error" and r.error.startswith("cannot tell which of the book's weights parameter mix.weight (shape (2, 2)) is")
+
+
+class WrongWidth(nn.Module):
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.W_query = nn.Linear(d_in, d_out // num_heads)
+
+    def forward(self, x):
+        return self.W_query(x)
+
+
+def test_a_mis_shaped_weight_is_named_with_both_shapes():
+    r = grade_class(WrongWidth, "MultiHeadAttention")
+    assert r.step == "error" and r.error == "parameter W_query.weight has shape (1, 3); the book's W_query has (2, 3)"
+
+
+def test_causal_reference_steps_are_the_plain_computation():
+    config = CONFIGS["CausalAttention"][1]
+    ref = reference("CausalAttention", config)
+    x, w = ref.x, ref.state
+    q, k, v = (x @ w[f"W_{n}.weight"].T + w[f"W_{n}.bias"] for n in ("query", "key", "value"))
+    scores = q @ k.transpose(1, 2)
+    masked = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    weights = torch.softmax(masked / config.d_out**0.5, dim=-1)
+    for name, want in {"queries": q, "scores": scores, "masked_scores": masked, "weights": weights, "output": weights @ v}.items():
+        torch.testing.assert_close(ref.steps[name], want, msg=name)
+
+
+VARIANTS = {  # (file, its line, the line with another mistake) -> (class, step, hint)
+    "softmax-over-heads": (("softmax_dim", "0.5, dim=-2)", "0.5, dim=1)"), ("MultiHeadAttention", "weights", H.SOFTMAX_DIM.format(
+        what="the heads", dim=1, layout="(b, num_heads, num_tokens, num_tokens)"))),
+    "softmax-over-batch": (("softmax_dim", "0.5, dim=-2)", "0.5, dim=0)"), ("MultiHeadAttention", "weights", H.SOFTMAX_DIM.format(
+        what="the batch", dim=0, layout="(b, num_heads, num_tokens, num_tokens)"))),
+    "divided-by-head_dim": (("softmax_dim", "** 0.5, dim=-2)", ", dim=-1)"), ("MultiHeadAttention", "weights", H.NOT_SQRT)),
+    "values-not-transposed": (
+        ("no_scaling", "values = values.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)",
+         "values = values.view(b, self.num_heads, num_tokens, self.head_dim)"),
+        ("MultiHeadAttention", "values.transpose", H.NO_TRANSPOSE.format(name="values"))),
+    "cat-on-the-batch": (("wrapper_cat_dim", "], dim=1)", "], dim=0)"), ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=0, what="the batch"))),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_more_mistakes_from_one_edited_line(variant, tmp_path):
+    (stem, old, new), (name, step, hint) = VARIANTS[variant]
+    source = (LEARNERS / f"{stem}.py").read_text()
+    assert source.count(old) == 1
+    path = tmp_path / f"{variant}.py"
+    path.write_text(source.replace(old, new))
+    module = load(str(path))
+    r = grade_class(getattr(module, name), name, str(path))
+    assert (r.passed, r.step, r.hint) == (False, step, hint)
