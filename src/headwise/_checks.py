@@ -106,6 +106,19 @@ def has_values(t: Tensor) -> bool:
     return t.device.type != "meta"
 
 
+def position_ids(ids: object, b: int, t: int, name: str = "position_ids") -> None:
+    """None, or a (b, t) tensor of integer positions >= 0."""
+    if ids is None:
+        return
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        what = f"dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer tensor of shape (batch, tokens) = {(b, t)}, got {what}")
+    if tuple(ids.shape) != (b, t):
+        raise ValueError(f"{name} must have shape (batch, tokens) = {(b, t)}, got {tuple(ids.shape)}")
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(ids.min())}")
+
+
 def context(t: int, past: int, context_length: int, sliding: bool) -> None:
     """Tokens beyond context_length break the book's mask: say so instead."""
     if not sliding and past + t > context_length:

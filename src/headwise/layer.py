@@ -5,8 +5,10 @@ methods, and keeps its own parameter names and state-dict layout:
 
 - ``project_qkv(x)``: queries (B, T, H·D), keys and values (B, T, Hkv·D), e.g. three
   Linear layers (the book) or one fused ``c_attn`` split in three (GPT-2);
-- ``position(q, k, start, attention_mask)``: whatever a position encoding does to the
-  split heads before the cache write (identity here; rotary embeddings plug in here);
+- ``position(q, k, start, attention_mask, position_ids)``: whatever a position encoding does
+  to the split heads before the cache write (identity here; ``headwise.models.llama``'s rotary
+  embeddings plug in here): the new tokens sit at ``start`` (the cache length) onwards, or
+  where the caller's ``position_ids`` say;
 - ``project_out(context)``: (B, T, H·D) -> (B, T, C), e.g. ``out_proj``;
 - the attributes read below: ``d_in``, ``head_dim``, ``context_length``, ``causal``,
   ``window``, ``backend`` and ``attn_dropout_p``.
@@ -44,15 +46,20 @@ class AttentionLayer(nn.Module):
         """(B, T, d_in) -> queries (B, T, H·D), keys (B, T, Hkv·D), values (B, T, Hkv·D)."""
         raise NotImplementedError
 
-    def position(self, q: Tensor, k: Tensor, start: int, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Position-encode q (B, H, T, D) and k (B, Hkv, T, D) of tokens ``start`` .. ``start + T - 1``."""
+    def position(
+        self, q: Tensor, k: Tensor, start: int, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Position-encode q (B, H, T, D) and k (B, Hkv, T, D) of tokens ``start`` .. ``start + T - 1``
+        (or at ``position_ids`` (B, T) when the caller gave them)."""
         return q, k
 
     def project_out(self, context: Tensor) -> Tensor:
         """(B, T, H·D) merged context -> (B, T, C)."""
         raise NotImplementedError
 
-    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
         """Attend over the tokens of x (and, with a cache, over every token cached before).
 
         Args:
@@ -60,6 +67,8 @@ class AttentionLayer(nn.Module):
             attention_mask: (B, T) padding mask, 1/True = real token, 0/False = padding (left
                 or right); with a cache, for the new tokens only (the cache remembers the rest).
             cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens.
+            position_ids: (B, T) ints >= 0, where x's tokens sit, for a layer with a position
+                encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
 
         Returns:
             (B, T, C).
@@ -68,6 +77,7 @@ class AttentionLayer(nn.Module):
         attention_mask = _checks.attention_mask(attention_mask, b, t)  # (B, T) bool or None
         past = len(cache) if isinstance(cache, KVCache) else 0
         _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
+        _checks.position_ids(position_ids, b, t)
         report("x", x)
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         report("queries", queries)
@@ -76,7 +86,7 @@ class AttentionLayer(nn.Module):
         queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
         keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
         values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
-        queries, keys = self.position(queries, keys, past, attention_mask)  # (B, H, T, D), (B, Hkv, T, D)
+        queries, keys = self.position(queries, keys, past, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         context = attention(
             queries, keys, values, cache=cache, causal=self.causal, window=self.window,
             attention_mask=attention_mask, dropout_p=self.attn_dropout_p, backend=self.backend,

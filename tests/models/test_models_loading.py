@@ -41,18 +41,28 @@ def test_wrong_path(tmp_path):
 def test_directory_without_weights_or_config(gpt2_dir, tmp_path):
     d = copy_of(gpt2_dir, tmp_path / "m")
     (d / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"m: no weights found \(expected model.safetensors or pytorch_model.bin\)"):
+    with pytest.raises(FileNotFoundError, match=r"m: no weights found \(expected model.safetensors, model.safetensors.index.json or pytorch_model.bin\)"):
         GPT2LMHeadModel.from_pretrained(d)
     (d / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"config.json: file not found"):
         GPT2LMHeadModel.from_pretrained(d)
 
 
-def test_sharded_checkpoint_is_named(gpt2_dir, tmp_path):
+def test_sharded_checkpoint_with_a_broken_index_is_named(gpt2_dir, tmp_path):
     d = copy_of(gpt2_dir, tmp_path / "m")
     (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
     (d / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"model.safetensors.index.json: sharded checkpoints are not supported"):
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: expected a 'weight_map' object"):
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors: file not found"):
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.bias": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: lacks tensors the index puts there: \['lm_head.bias'\]"):
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "pytorch_model.bin.index.json").write_text("{}")
+    (d / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match=r"pytorch_model.bin.index.json: sharded .bin checkpoints are not supported"):
         GPT2LMHeadModel.from_pretrained(d)
 
 

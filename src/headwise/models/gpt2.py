@@ -20,6 +20,7 @@ from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer
 from ..fused import GPT2MultiHeadAttention
 from ..linear import project
 from . import _inputs, loading
+from .generate import generate, positions
 
 #: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -147,7 +148,25 @@ class GPT2LMHeadModel(nn.Module):
         real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
         return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None)  # (B, T, vocab)
 
-    @torch.no_grad()
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def context_limit(self) -> tuple[str, int | None]:
+        return "n_positions", self.config.n_positions
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        c, weight = self.config, self.transformer.wte.weight
+        return [  # each layer's own key/value heads: fewer than c.kv_heads when sharded by headwise.parallel
+            KVCache(batch_size, block.attn.num_kv_heads, max_len, c.head_dim, dtype=weight.dtype, device=weight.device) for block in self.transformer.h
+        ]
+
+    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
+        """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
+        if position_ids is None:
+            position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
+        return self._logits(input_ids, position_ids, attention_mask, caches)[:, -1]  # (B, vocab)
+
     def generate(
         self,
         input_ids: Tensor,
@@ -175,60 +194,10 @@ class GPT2LMHeadModel(nn.Module):
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
             HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
         """
-        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
-        _check_sampling(max_new_tokens, temperature, top_k, eos_token_id, self.config.vocab_size)
-        if t + max_new_tokens > self.config.n_positions:
-            raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds n_positions={self.config.n_positions}")
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
-        c, weight = self.config, self.transformer.wte.weight
-        caches = [  # each layer's own key/value heads: fewer than c.kv_heads when sharded by headwise.parallel
-            KVCache(b, block.attn.num_kv_heads, t + max_new_tokens, c.head_dim, dtype=weight.dtype, device=weight.device) for block in self.transformer.h
-        ]
-        position = positions(real, b, t, input_ids.device)  # (B, T)
-        logits = self._logits(input_ids, position, _inputs.padding_only(real), caches)[:, -1]  # (B, vocab): the cache remembers the padding
-        position = position[:, -1:]  # (B, 1)
-        tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-        for step in range(max_new_tokens):
-            token = next_token(logits, temperature, top_k, generator)  # (B,)
-            if eos_token_id is not None:
-                token = token.masked_fill(finished, eos_token_id)
-                finished |= token == eos_token_id
-            tokens.append(token[:, None])  # (B, 1)
-            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
-                break
-            position = position + 1  # (B, 1): HuggingFace's rule, last position + 1
-            logits = self._logits(token[:, None], position, None, caches)[:, -1]  # (B, vocab)
-        return torch.cat(tokens, dim=1)  # (B, T + n)
-
-
-def positions(real: Tensor | None, b: int, t: int, device: torch.device) -> Tensor:
-    """(B, T) position ids: 0..T-1, or with padding the count of real tokens before (pads: 0)."""
-    if real is None:
-        return torch.arange(t, device=device).expand(b, t)  # (B, T)
-    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)  # (B, T), as HuggingFace's generate
-
-
-def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
-    """(B, vocab) logits -> (B,) ids: argmax at temperature 0, else a top-k / temperature sample."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)  # (B,)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits.float(), dim=-1)  # (B, vocab)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-
-
-def _check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size):
-        raise ValueError(f"eos_token_id must be an int in [0, vocab_size={vocab_size}) or None, got {eos_token_id!r}")
+        return generate(
+            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
+        )
 
 
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:

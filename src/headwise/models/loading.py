@@ -1,8 +1,9 @@
 """Reading a HuggingFace model directory: ``config.json`` plus the weights, safely and all-or-nothing.
 
-- Weights come from ``model.safetensors`` (read without unpickling anything), or else from
-  ``pytorch_model.bin`` through ``torch.load(..., weights_only=True)``, which refuses any
-  pickled object that is not a tensor or a plain container.
+- Weights come from ``model.safetensors`` (read without unpickling anything), or its shards
+  listed in ``model.safetensors.index.json`` (every listed tensor must be in the shard the index
+  names), or else from ``pytorch_model.bin`` through ``torch.load(..., weights_only=True)``, which
+  refuses any pickled object that is not a tensor or a plain container.
 - Every problem raises one error that names the file and says what is wrong: a missing
   directory or file, JSON that does not parse, a truncated or corrupt weights file, and (via
   ``headwise.convert.remap``) every missing, unexpected and mis-shaped tensor at once.
@@ -25,6 +26,7 @@ from .._optional import require
 from ..convert import remap
 
 SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"
 
@@ -65,18 +67,39 @@ def read_config(directory: Path, model_type: str) -> dict[str, Any]:
 
 
 def weights_file(directory: Path) -> Path:
-    """The weights file of ``directory``: model.safetensors first, else pytorch_model.bin."""
-    for name in (SAFETENSORS, PYTORCH_BIN):
+    """The weights of ``directory``: model.safetensors, else its shards' index, else pytorch_model.bin."""
+    for name in (SAFETENSORS, SAFETENSORS_INDEX, PYTORCH_BIN):
         if (directory / name).is_file():
             return directory / name
-    sharded = [name for name in (SAFETENSORS + ".index.json", PYTORCH_BIN + ".index.json") if (directory / name).is_file()]
-    if sharded:
-        raise ValueError(f"{directory / sharded[0]}: sharded checkpoints are not supported; save the model as one {SAFETENSORS}")
-    raise FileNotFoundError(f"{directory}: no weights found (expected {SAFETENSORS} or {PYTORCH_BIN})")
+    if (directory / (PYTORCH_BIN + ".index.json")).is_file():
+        raise ValueError(f"{directory / (PYTORCH_BIN + '.index.json')}: sharded .bin checkpoints are not supported; save with safetensors")
+    raise FileNotFoundError(f"{directory}: no weights found (expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN})")
+
+
+def read_sharded(index: Path) -> dict[str, Tensor]:
+    """Every tensor listed in a ``model.safetensors.index.json``, each read from the shard it names."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
+    state: dict[str, Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard:
+            raise ValueError(f"{index}: shard {shard!r} is not a file name in the same directory")
+        tensors = read_weights(index.parent / shard)
+        listed = {key for key, file in weight_map.items() if file == shard}
+        absent = sorted(listed - tensors.keys())
+        if absent:
+            raise ValueError(f"{index.parent / shard}: lacks tensors the index puts there: {absent}")
+        state.update({key: tensors[key] for key in listed})
+    return state
 
 
 def read_weights(file: Path) -> dict[str, Tensor]:
-    """Every tensor in ``file`` (.safetensors, or a .bin read with ``weights_only=True``)."""
+    """Every tensor in ``file`` (.safetensors, a shards' index, or a .bin read with ``weights_only=True``)."""
+    if file.name.endswith(".safetensors.index.json"):
+        return read_sharded(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: file not found")
     if file.suffix == ".safetensors":
         safetensors = require("safetensors", "models", "reading .safetensors weights")
         from safetensors.torch import load_file

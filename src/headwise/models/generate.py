@@ -1,0 +1,126 @@
+"""Autoregressive generation through a ``KVCache`` per layer, shared by the causal language models.
+
+A model takes part by offering the ``CausalLM`` methods: its vocabulary size, the most tokens
+it may hold, fresh caches, and the logits of the last token of a chunk run through the caches.
+Positions follow HuggingFace's ``generate``: under left padding a token's position counts the
+real tokens before it, so a padded row continues exactly as the unpadded row would.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..cache import KVCache
+from . import _inputs
+
+
+class CausalLM(Protocol):
+    """What ``generate`` needs from a model."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def context_limit(self) -> tuple[str, int | None]:
+        """The config field that bounds prompt + new tokens, and its value (None = no bound)."""
+        ...
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """One empty cache per layer, room for ``max_len`` tokens (or a sliding window)."""
+        ...
+
+    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
+        """(B, T) ids through the caches -> (B, vocab) logits of the last one.
+
+        position_ids: (B, T), or None for consecutive positions from the caches' length;
+        attention_mask: (B, T) bool for the new tokens, or None (no padding among them).
+        """
+        ...
+
+
+@torch.no_grad()
+def generate(
+    model: CausalLM,
+    input_ids: Tensor,
+    *,
+    max_new_tokens: int,
+    attention_mask: Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Continue each prompt, one token at a time, through the model's caches.
+
+    Args:
+        model: a ``CausalLM`` (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...).
+        input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
+        max_new_tokens: the most tokens to add.
+        attention_mask: (B, T), 1/True = real token (ints or bools).
+        temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
+        top_k: sample only among the k likeliest tokens (with temperature > 0).
+        eos_token_id: a row that emits it is finished and is padded with it from then on;
+            generation stops early once every row is finished.
+        generator: the ``torch.Generator`` that sampling draws from.
+
+    Returns:
+        (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals HuggingFace's
+        greedy ``generate`` (``do_sample=False``) token for token.
+    """
+    vocab = model.vocab_size
+    b, t = _inputs.token_ids(input_ids, vocab)
+    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+    name, limit = model.context_limit()
+    if limit is not None and t + max_new_tokens > limit:
+        raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+    real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+    real = _inputs.padding_only(real)  # None when nothing is padding
+    caches = model.new_caches(b, t + max_new_tokens)
+    position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
+    logits = model.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
+    tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        token = next_token(logits, temperature, top_k, generator)  # (B,)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        tokens.append(token[:, None])  # (B, 1)
+        if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
+            break
+        if position is not None:
+            position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
+        logits = model.next_logits(token[:, None], position, None, caches)  # (B, vocab)
+    return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def positions(real: Tensor | None, b: int, t: int, device: torch.device, start: int = 0) -> Tensor:
+    """(B, T) position ids: start .. start+T-1, or with padding start + the count of real tokens before (pads: start)."""
+    if real is None:
+        return torch.arange(start, start + t, device=device).expand(b, t)  # (B, T)
+    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0) + start  # (B, T), as HuggingFace's generate
+
+
+def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    """(B, vocab) logits -> (B,) ids: argmax at temperature 0, else a top-k / temperature sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, vocab)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+
+
+def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
+    """ValueError naming the first of generate's arguments that is out of range."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size):
+        raise ValueError(f"eos_token_id must be an int in [0, vocab_size={vocab_size}) or None, got {eos_token_id!r}")

@@ -1,0 +1,294 @@
+"""Llama, Mistral and Qwen3 on headwise attention, loading HuggingFace checkpoints.
+
+The book's bonus chapters rebuild these from GPT-2 by swapping parts: RMSNorm for LayerNorm,
+rotary position embeddings (``headwise.rope``) instead of a position table, grouped-query
+attention, a SwiGLU feed-forward, and for Qwen3 an RMSNorm over each head's queries and keys.
+Module names copy HuggingFace's checkpoint keys (``model.layers.0.self_attn.q_proj``,
+``model.layers.0.mlp.gate_proj``, ``model.norm``, ``lm_head``), so loading is a key copy.
+
+``LlamaAttention`` is an ``AttentionLayer``: the one headwise forward, with Llama's projections
+and its ``position`` step (QK-norm, then the rotation, before the cache write).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _checks
+from ..cache import KVCache
+from ..functional import check_backend
+from ..layer import AttentionLayer
+from ..linear import linear, project, project_many
+from ..observe import report
+from ..rope import RotaryEmbedding
+from . import _inputs, loading
+from .generate import generate, positions
+from .llama_config import LlamaConfig, llama_config
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight over the last dim, computed in float32: (..., N) -> (..., N)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)  # (..., N), rounded back as HuggingFace does
+        return self.weight * normed
+
+
+class LlamaAttention(AttentionLayer):
+    """Causal grouped-query self-attention with rotary positions: (B, T, C) -> (B, T, C).
+
+    Args:
+        config: a ``LlamaConfig`` (H = num_attention_heads, Hkv = num_key_value_heads, D =
+            head_dim, qk_norm for Qwen3).
+        rotary: the model's ``RotaryEmbedding`` (one for all layers: one set of tables).
+        window: this layer's sliding window (Mistral), or None.
+        backend: "auto", "math" or "sdpa".
+
+    Positions: the new tokens sit at the cache length onwards, counting only real tokens
+    when ``attention_mask`` marks padding (HuggingFace's ``generate`` rule, so a left-padded
+    row gives the unpadded row's numbers), or at ``position_ids`` when given.
+
+    Example:
+        >>> config = LlamaConfig(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2)
+        >>> attn = LlamaAttention(config, RotaryEmbedding(config.head_size))
+        >>> attn(torch.randn(2, 5, 64)).shape
+        torch.Size([2, 5, 64])
+    """
+
+    input_name = "hidden_states"
+    causal = True
+
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, *, window: int | None = None, backend: str = "auto") -> None:
+        super().__init__()
+        self.d_in = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.kv_heads
+        self.head_dim = config.head_size
+        self.context_length = config.max_position_embeddings
+        self.window = _checks.window(window, causal=True)
+        self.backend = check_backend(backend)
+        self.dropout_p = config.attention_dropout
+        self.rotary = rotary
+        width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    @property
+    def attn_dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, C) -> q_proj(x) (B, T, H*D), k_proj(x) and v_proj(x) (B, T, Hkv*D), as one GEMM where it pays."""
+        queries, keys, values = project_many((self.q_proj, self.k_proj, self.v_proj), x)
+        return queries, keys, values
+
+    def position(
+        self, q: Tensor, k: Tensor, start: int, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """QK-norm (Qwen3), then rotate q (B, H, T, D) and k (B, Hkv, T, D) to their positions."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's D
+        if position_ids is None and attention_mask is not None:
+            position_ids = positions(attention_mask, q.shape[0], q.shape[2], q.device, start=start)  # (B, T): real tokens counted
+        where = start if position_ids is None else position_ids
+        q, k = self.rotary(q, where), self.rotary(k, where)  # (B, H, T, D), (B, Hkv, T, D)
+        report("queries.rotated", q)
+        report("keys.rotated", k)
+        return q, k
+
+    def project_out(self, context: Tensor) -> Tensor:
+        """(B, T, H*D) -> o_proj(context) (B, T, C)."""
+        return project(self.o_proj, context)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); (B, T, C) -> (B, T, I) -> (B, T, C)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = project_many((self.gate_proj, self.up_proj), x)  # (B, T, I) each, one GEMM where it pays
+        return project(self.down_proj, F.silu(gate) * up)  # (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)); (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, layer: int, backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary, window=config.window(layer), backend=backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None, cache: KVCache | None, position_ids: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM: embeddings, decoder layers, final RMSNorm, LM head (tied or not).
+
+    Args:
+        config: a ``LlamaConfig``.
+        backend: headwise's attention backend, "auto", "math" or "sdpa".
+
+    Example:
+        >>> model = headwise.models.load("path/to/llama")              # a HuggingFace directory
+        >>> logits = model(input_ids, attention_mask=mask)            # (B, T, vocab_size)
+        >>> model.generate(input_ids, max_new_tokens=20)              # (B, T + 20), greedy
+    """
+
+    model_type = "llama"
+
+    def __init__(self, config: LlamaConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.rotary = RotaryEmbedding(config.head_size, rotary_dim=config.rotary_dim, theta=config.rope_theta, scaling=config.rope_scaling)
+        self.model = nn.ModuleDict(
+            {
+                "embed_tokens": nn.Embedding(config.vocab_size, config.hidden_size),
+                "layers": nn.ModuleList([DecoderLayer(config, self.rotary, i, backend) for i in range(config.num_hidden_layers)]),
+                "norm": RMSNorm(config.hidden_size, config.rms_norm_eps),
+            }
+        )
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, backend: str = "auto") -> LlamaForCausalLM:
+        """Load a HuggingFace directory (config.json + model.safetensors, its shards, or pytorch_model.bin).
+
+        Args:
+            path: the directory.
+            dtype: the parameters' dtype; default the checkpoint's (bf16 weights run in bf16).
+            backend: headwise's attention backend.
+
+        Returns the model in eval mode. With tied embeddings an ``lm_head.weight`` in the
+        checkpoint must equal ``embed_tokens``.
+
+        Raises:
+            FileNotFoundError: no such directory, no config.json, no weights.
+            ValueError: a config of another model_type, settings this model cannot run, or
+                weights that disagree with the config (every missing, unexpected and
+                mis-shaped tensor listed at once); no model is returned.
+        """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None (the checkpoint's), got {dtype!r}")
+        directory = loading.model_directory(path)
+        config = llama_config(loading.read_config(directory, cls.model_type), cls.model_type, directory / loading.CONFIG)
+        file = loading.weights_file(directory)
+        state = loading.read_weights(file)
+        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings
+        if tied and head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+            raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
+        floats = [t.dtype for t in state.values() if t.is_floating_point()]
+        model = cls(config, backend=backend).to(dtype or (floats[0] if floats else torch.float32))
+        loading.load_checked(model, state, source=file, ignore=lambda key: tied and key == "lm_head.weight")
+        return model.eval()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache] | None, last: bool) -> Tensor:
+        """(B, T) ids -> (B, T or 1, vocab) logits, through the caches if given."""
+        x = self.model["embed_tokens"](input_ids)  # (B, T, C)
+        for i, layer in enumerate(self.model["layers"]):
+            x = layer(x, attention_mask=attention_mask, cache=None if caches is None else caches[i], position_ids=position_ids)  # (B, T, C)
+        x = self.model["norm"](x[:, -1:] if last else x)  # (B, T or 1, C)
+        if self.lm_head is None:
+            return linear(x, self.model["embed_tokens"].weight)  # (B, T or 1, vocab): tied to the embeddings
+        return project(self.lm_head, x)  # (B, T or 1, vocab)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits for every position.
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
+                left or right. Positions count real tokens only, as HuggingFace's
+                ``generate`` counts them, so a left-padded row gives the unpadded row's logits.
+
+        Returns:
+            (B, T, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
+        """
+        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        real = _inputs.padding_only(real)  # None when nothing is padding
+        position_ids = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: 0 .. T-1
+        return self._logits(input_ids, position_ids, real, None, last=False)  # (B, T, vocab)
+
+    def context_limit(self) -> tuple[str, int | None]:
+        windows = [self.config.window(i) for i in range(self.config.num_hidden_layers)]
+        bounded = any(w is None for w in windows)  # a sliding cache has no length limit
+        return "max_position_embeddings", self.config.max_position_embeddings if bounded else None
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        c, weight = self.config, self.model["embed_tokens"].weight
+        kw = {"dtype": weight.dtype, "device": weight.device}
+        caches = []
+        for layer in self.model["layers"]:  # each layer's own key/value heads (fewer when sharded by headwise.parallel)
+            attn = layer.self_attn
+            if attn.window is None or attn.window >= max_len:
+                caches.append(KVCache(batch_size, attn.num_kv_heads, max_len, c.head_size, **kw))
+            else:  # a ring of `window` slots: memory bounded however long decoding runs
+                caches.append(KVCache.sliding(batch_size, attn.num_kv_heads, attn.window, c.head_size, **kw))
+        return caches
+
+    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
+        """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
+        return self._logits(input_ids, position_ids, attention_mask, caches, last=True)[:, -1]  # (B, vocab)
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: Tensor | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue each prompt through a ``KVCache`` per layer (a ring ``KVCache.sliding`` for a windowed layer).
+
+        Same arguments and result as ``GPT2LMHeadModel.generate`` (``headwise.models.generate``):
+        (B, T + n) ids; greedy output equals HuggingFace's greedy ``generate`` token for token.
+        """
+        return generate(
+            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window (``sliding_window``), through headwise's window and ring cache."""
+
+    model_type = "mistral"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with QK-norm (an RMSNorm over each head's queries and keys) and an explicit head_dim."""
+
+    model_type = "qwen3"

@@ -1,0 +1,123 @@
+"""The configuration of the Llama family (Llama 2/3, Mistral, Qwen3), read from HuggingFace's config.json.
+
+One frozen dataclass covers the three: they differ in a few fields, not in structure.
+Mistral adds a sliding window, Qwen3 an RMSNorm over each head's queries and keys (QK-norm)
+and an explicit head size. Rotary settings are read from either spelling HuggingFace has used:
+``rope_theta`` + ``rope_scaling`` (transformers 4 and the hub's files) or ``rope_parameters``
+(transformers 5).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .. import _checks
+from ..rope import check_scaling
+
+MODEL_TYPES = ("llama", "mistral", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and switches of a Llama-family decoder; names as in HuggingFace's configs.
+
+    ``num_key_value_heads`` < ``num_attention_heads`` is grouped-query attention;
+    ``head_dim`` defaults to hidden_size // num_attention_heads (Qwen3 sets it apart);
+    ``windows`` gives each layer's sliding window (None = full attention); ``qk_norm``
+    normalises queries and keys per head before the rotation (Qwen3).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    qk_norm: bool = False
+    windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings"):
+            _checks.positive_int(name, getattr(self, name))
+        _checks.heads("num_attention_heads * head_dim", self.num_attention_heads * self.head_size, self.num_attention_heads, self.num_key_value_heads)
+        _checks.number("rms_norm_eps", self.rms_norm_eps, low=0.0, low_open=True)
+        _checks.number("partial_rotary_factor", self.partial_rotary_factor, low=0.0, high=1.0, low_open=True)
+        _checks.dropout("attention_dropout", self.attention_dropout)
+        check_scaling(self.rope_scaling)
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"head_dim * partial_rotary_factor must give an even number of rotary dims, got {self.rotary_dim}")
+        if self.windows is not None:
+            if len(self.windows) != self.num_hidden_layers:
+                raise ValueError(f"windows must give one window per layer ({self.num_hidden_layers}), got {len(self.windows)}")
+            for w in self.windows:
+                _checks.window(w, causal=True)
+
+    @property
+    def kv_heads(self) -> int:
+        """Hkv: num_key_value_heads, or H when not set."""
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    @property
+    def head_size(self) -> int:
+        """D: head_dim, or hidden_size // num_attention_heads when not set."""
+        return self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: the dims of each head that rotate, int(D * partial_rotary_factor) as HuggingFace rounds."""
+        return int(self.head_size * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None = full causal attention)."""
+        return None if self.windows is None else self.windows[layer]
+
+
+def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> LlamaConfig:
+    """A ``LlamaConfig`` from a HuggingFace config dict of ``model_type``; what cannot run here is an error naming ``file``."""
+    unsupported = []
+    if d.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={d['hidden_act']!r} (supported: 'silu')")
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    partial = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+    try:
+        check_scaling(scaling)
+    except (TypeError, ValueError) as e:
+        unsupported.append(str(e))
+    if unsupported:
+        raise ValueError(f"{file}: unsupported {model_type} settings: {'; '.join(unsupported)}")
+    known = {f.name for f in fields(LlamaConfig)} - {"rope_theta", "rope_scaling", "partial_rotary_factor", "qk_norm", "windows"}
+    kwargs = {key: d[key] for key in known if d.get(key) is not None}
+    try:
+        return LlamaConfig(
+            **kwargs, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+            qk_norm=model_type == "qwen3", windows=_windows(d, model_type),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: invalid {model_type} config: {e}") from None
+
+
+def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window as HuggingFace's Mistral / Qwen3 decide it (Llama: none)."""
+    n, window = d.get("num_hidden_layers", 32), d.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return None
+    if model_type == "mistral":
+        return (window,) * n
+    if not d.get("use_sliding_window", False):  # qwen3: sliding only when switched on, in the layers past max_window_layers
+        return None
+    kinds = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)

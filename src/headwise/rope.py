@@ -1,0 +1,186 @@
+"""Rotary position embeddings (RoPE): positions as rotations of query/key pairs.
+
+Each head's first R dims (R = ``rotary_dim`` <= D, even) form R/2 pairs; pair i of the token at
+position p turns by the angle ``p * inv_freq[i]``, ``inv_freq[i] = theta ** (-2i / R)``. A query
+at p and a key at p' then score ``q · k`` rotated by ``(p - p') * inv_freq``: attention sees
+relative positions, and the cache stores keys already rotated. Dims past R pass unchanged
+(partial rotary, GPT-NeoX / Phi style).
+
+Two layouts pair the dims differently (the same rotation, different weights):
+    "rotate_half"  dims i and i + R/2 (HuggingFace's Llama, Qwen, Mistral, GPT-NeoX);
+    "interleaved"  dims 2i and 2i + 1 (GPT-J, Meta's original Llama code).
+
+Frequency scalings for longer contexts, HuggingFace's ``rope_scaling`` / ``rope_parameters``:
+    "default"  none;
+    "linear"   every inv_freq divided by ``factor`` (positions squeezed);
+    "llama3"   Llama 3.1's: low frequencies divided by ``factor``, high ones kept, the band
+               between (set by ``low_freq_factor``, ``high_freq_factor`` and
+               ``original_max_position_embeddings``) blended smoothly.
+
+Angles, cos and sin are computed in float64 and kept as float32 tables, once per length (grown
+by doubling) and device, shared by every layer that holds the same ``RotaryEmbedding``. Half
+precision inputs are rotated in float32 and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _checks
+
+LAYOUTS = ("rotate_half", "interleaved")
+SCALINGS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A ``rope_scaling`` dict checked to name a supported ``rope_type`` with its keys (None = no scaling).
+
+    HuggingFace's older ``"type"`` key is read as ``"rope_type"``; other keys are ignored.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"rope_scaling must be a dict with a 'rope_type' or None, got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SCALINGS:
+        raise ValueError(f"rope_scaling's rope_type must be one of {list(SCALINGS)}, got {kind!r}")
+    missing = [key for key in SCALINGS[kind] if key not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of rope_type {kind!r} needs {list(SCALINGS[kind])}, missing {missing}")
+    for key in SCALINGS[kind]:
+        _checks.number(f"rope_scaling[{key!r}]", scaling[key], low=0.0, low_open=True)
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+    return {"rope_type": kind, **{key: scaling[key] for key in SCALINGS[kind]}}
+
+
+def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> Tensor:
+    """The R/2 angular speeds, ``theta ** (-2i / R)``, scaled as ``scaling`` says; float64.
+
+    Example:
+        >>> inverse_frequencies(4, theta=100.0)
+        tensor([1.0000, 0.1000], dtype=torch.float64)
+    """
+    if _checks.positive_int("rotary_dim", rotary_dim) % 2:
+        raise ValueError(f"rotary_dim must be even (dims rotate in pairs), got {rotary_dim}")
+    theta = _checks.number("theta", theta, low=1.0, low_open=True)
+    scaling = check_scaling(scaling)
+    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)  # (R/2,)
+    kind = "default" if scaling is None else scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high, old = (scaling[key] for key in SCALINGS["llama3"])
+        wavelength = 2 * math.pi / inv_freq  # (R/2,)
+        smooth = (old / wavelength - low) / (high - low)  # 0 at the long-wavelength edge, 1 at the short one
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelength > old / low, inv_freq / factor, inv_freq)  # long waves slowed, short kept
+        middle = (wavelength >= old / high) & (wavelength <= old / low)
+        return torch.where(middle, blended, scaled)  # (R/2,)
+    return inv_freq
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> Tensor:
+    """Rotate the first R dims of x by tables from ``RotaryEmbedding.tables``; the rest pass.
+
+    Args:
+        x: (..., T, D) queries or keys, e.g. (B, H, T, D).
+        cos: (T, R) or (B, 1, T, R) float32, cos of each dim's angle, laid out for ``layout``.
+        sin: like cos, the sin of each dim's angle, signed so that ``x·cos + swap(x)·sin``
+            rotates, where swap exchanges the two dims of each pair.
+        layout: "rotate_half" or "interleaved", as the tables were made.
+
+    Returns:
+        x's shape and dtype.
+    """
+    r = cos.shape[-1]
+    work = x.float() if x.dtype in _HALF else x
+    part = work[..., :r] if r < x.shape[-1] else work  # (..., T, R)
+    out = torch.addcmul(part * cos, _swap_pairs(part, layout), sin)  # (..., T, R)
+    if r < x.shape[-1]:
+        out = torch.cat((out, work[..., r:]), dim=-1)  # (..., T, D)
+    return out.to(x.dtype)
+
+
+def _swap_pairs(x: Tensor, layout: str) -> Tensor:
+    """(..., R) -> (..., R) with the two dims of every rotating pair exchanged."""
+    if layout == "interleaved":
+        return x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)  # pairs (2i, 2i+1)
+    return x.roll(x.shape[-1] // 2, dims=-1)  # pairs (i, i + R/2): the halves change places
+
+
+class RotaryEmbedding:
+    """Rotary position embeddings for heads of size D, shared by the layers of a model.
+
+    Not a module: the tables stay float32 whatever ``model.to(dtype)`` does, and hold no
+    parameters. ``rotary(x, start)`` rotates x (B, H, T, D) as tokens ``start .. start+T-1``;
+    ``rotary(x, positions)`` with a (B, T) tensor puts each token where ``positions`` says.
+
+    Args:
+        head_dim: D.
+        rotary_dim: R, the dims that rotate (even, <= D); default D.
+        theta: the base wavelength (HuggingFace's ``rope_theta``).
+        scaling: HuggingFace's ``rope_scaling`` dict (``rope_type`` "default", "linear" or
+            "llama3" with its keys), or None.
+        layout: "rotate_half" (HuggingFace) or "interleaved" (GPT-J).
+
+    Example:
+        >>> rope = RotaryEmbedding(64)
+        >>> q = torch.randn(1, 12, 5, 64)
+        >>> torch.allclose(rope(q, 3)[:, :, 1:], rope(q[:, :, 1:], 4), atol=1e-6)   # same token, same position
+        True
+    """
+
+    def __init__(
+        self, head_dim: int, *, rotary_dim: int | None = None, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None, layout: str = "rotate_half"
+    ) -> None:
+        self.head_dim = _checks.positive_int("head_dim", head_dim)
+        self.rotary_dim = head_dim if rotary_dim is None else _checks.integer("rotary_dim", rotary_dim, low=2, high=head_dim)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
+        self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """(cos, sin) for positions 0 .. at least length-1, each (L, R) float32 on ``device``.
+
+        The tables grow by doubling and are kept, so every later call up to that length
+        slices them. ``sin`` carries the signs of the rotation (see ``rotate``).
+        """
+        device = torch.device(device)
+        cos, sin = self._tables.get(device, (None, None))
+        if cos is None or cos.shape[0] < length:
+            n = max(64, 1 << max(0, length - 1).bit_length())
+            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq  # (L, R/2)
+            c, s = angles.cos(), angles.sin()  # (L, R/2) each
+            if self.layout == "interleaved":
+                cos = c.repeat_interleave(2, dim=-1)  # (L, R): c0 c0 c1 c1 ...
+                sin = torch.stack((-s, s), dim=-1).flatten(-2)  # (L, R): -s0 s0 -s1 s1 ...
+            else:
+                cos = torch.cat((c, c), dim=-1)  # (L, R): c0 .. c_{R/2-1} c0 ..
+                sin = torch.cat((-s, s), dim=-1)  # (L, R): -s .. then +s
+            cos, sin = cos.to(device, torch.float32), sin.to(device, torch.float32)
+            self._tables[device] = (cos, sin)
+        return cos, sin
+
+    def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
+        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D)."""
+        t = x.shape[-2]
+        if isinstance(positions, Tensor):
+            cos, sin = self.tables(int(positions.max()) + 1, x.device)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, R) each
+        else:
+            cos, sin = self.tables(positions + t, x.device)
+            cos, sin = cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
+        return rotate(x, cos, sin, self.layout)
