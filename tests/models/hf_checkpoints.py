@@ -54,7 +54,7 @@ def make_hf_llama(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[model_type]
-    kw = {**LLAMA_SIZES, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides}
+    kw = {**LLAMA_SIZES, "bos_token_id": 0, "eos_token_id": None, "pad_token_id": 0, **overrides}  # no EOS unless a test asks
     if model_type == "qwen3":
         kw["use_sliding_window"] = False
     torch.manual_seed(seed)

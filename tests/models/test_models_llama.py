@@ -1,0 +1,272 @@
+"""Llama, Mistral and Qwen3: transformers-made directories in, transformers' logits and greedy tokens out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_checkpoints import LLAMA_CONFIGS, LLAMA_SIZES, make_hf_llama, save_hf_llama
+from llama_reference import llama_logits
+
+import headwise.models as hm
+from headwise.cache import KVCache
+from headwise.models.llama import LlamaAttention
+from headwise.rope import RotaryEmbedding
+
+V = LLAMA_SIZES["vocab_size"]
+CLASSES = {"llama": hm.LlamaForCausalLM, "mistral": hm.MistralForCausalLM, "qwen3": hm.Qwen3ForCausalLM}
+
+
+def hf_positions(real: torch.Tensor) -> torch.Tensor:
+    """HuggingFace generate's position ids: count of real tokens before, 0 at padding."""
+    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)
+
+
+@pytest.fixture(scope="module", params=list(LLAMA_CONFIGS))
+def pair(request, tmp_path_factory):
+    """(name, transformers model, its directory, headwise's model loaded with headwise.models.load)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    hf = save_hf_llama(name, path)
+    return name, hf, path, hm.load(path)
+
+
+@pytest.fixture(scope="module")
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 9: no padding, left padding (3 pads), right padding (2 pads); mask as ints."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, V, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_load_picks_the_family_class(pair):
+    name, _, _, model = pair
+    model_type = LLAMA_CONFIGS[name][0]
+    assert type(model) is CLASSES[model_type]
+    assert not model.training
+    assert (model.lm_head is None) == bool(LLAMA_CONFIGS[name][1].get("tie_word_embeddings", False))
+    assert (model.model["layers"][0].self_attn.q_norm is not None) == (model_type == "qwen3")
+
+
+def test_logits_match_transformers_on_a_padded_batch(pair, padded_batch):
+    _, hf, _, model = pair
+    ids, mask = padded_batch
+    real = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+        got = model(ids, attention_mask=mask)
+    assert got.shape == (3, 9, V)
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:1]), hf(ids[:1]).logits, atol=1e-4, rtol=0)  # no mask at all
+
+
+def test_logits_against_the_float64_reference(pair, padded_batch):
+    """Our float32 error vs float64 within 4x that of a plain float32 implementation (llama_reference)."""
+    from safetensors.torch import load_file
+
+    _, _, path, model = pair
+    ids, mask = padded_batch
+    real = mask.bool()
+    state, config = load_file(path / "model.safetensors"), json.loads((path / "config.json").read_text())
+    ref64 = llama_logits(state, config, ids, real, hf_positions(real))[real]
+    plain = (llama_logits(state, config, ids, real, hf_positions(real), dtype=torch.float32)[real].double() - ref64).abs().max().item()
+    with torch.no_grad():
+        ours = (model(ids, attention_mask=real)[real].double() - ref64).abs().max().item()
+    assert plain > 0
+    assert ours <= 4 * plain
+
+
+def test_greedy_generate_equals_transformers(pair, padded_batch):
+    _, hf, _, model = pair
+    ids, mask = padded_batch[0][:2], padded_batch[1][:2]  # generation pads on the left
+    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores).topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3  # clear-cut choices: a token-for-token comparison means something
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), out.sequences)
+
+
+def test_greedy_generate_with_eos_equals_transformers(pair, padded_batch):
+    _, hf, _, model = pair
+    ids, mask = padded_batch[0][:2], padded_batch[1][:2]
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    eos = int(free[0, ids.shape[1] + 2])  # row 0 emits it at its third new token
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=eos, pad_token_id=eos)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos)
+    assert torch.equal(got, want)
+    assert (got[0, ids.shape[1] + 2 :] == eos).all()
+
+
+def test_cached_decoding_equals_the_full_forward(pair):
+    _, _, _, model = pair
+    ids = torch.randint(2, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    seq = ids
+    with torch.no_grad():
+        for _ in range(9):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(model.generate(ids, max_new_tokens=9), seq)
+    caches = model.new_caches(2, 16)
+    with torch.no_grad():
+        step = [model.next_logits(seq[:, :7], None, None, caches)] + [model.next_logits(seq[:, i : i + 1], None, None, caches) for i in range(7, 16)]
+        full = model(seq)[:, 6:]  # (2, 10, V): the logits after 7 .. 16 tokens
+    torch.testing.assert_close(torch.stack(step, dim=1), full, atol=1e-4, rtol=0)  # float32, other GEMM shapes
+
+
+def test_left_padding_gives_the_unpadded_logits(tmp_path):
+    save_hf_llama("llama3-gqa4-scaled", tmp_path)
+    model = hm.load(tmp_path)
+    ids = torch.randint(2, V, (1, 6), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], dim=1)  # (1, 10)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, attention_mask=mask)[:, 4:], model(ids), atol=1e-5, rtol=0)
+    assert torch.equal(model.generate(padded, attention_mask=mask, max_new_tokens=6)[:, 4:], model.generate(ids, max_new_tokens=6))
+
+
+def test_mistral_window_is_shorter_than_the_prompt_and_decodes_through_a_ring_cache(tmp_path, padded_batch):
+    from safetensors.torch import load_file
+
+    hf = save_hf_llama("mistral-window", tmp_path)
+    model = hm.load(tmp_path)
+    assert [layer.self_attn.window for layer in model.model["layers"]] == [5, 5]
+    assert all(c.window == 5 for c in model.new_caches(2, 30))  # ring buffers of 5 slots
+    ids, mask = padded_batch  # 9 tokens > window 5
+    real = mask.bool()
+    state, config = load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask)
+    windowless = llama_logits(state, {**config, "sliding_window": None}, ids, real, hf_positions(real))
+    assert (got.double() - windowless)[real].abs().max() > 1e-2  # the window changes the answer
+    prompt, pmask = ids[:2], mask[:2]
+    want = hf.generate(prompt, attention_mask=pmask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, attention_mask=pmask, max_new_tokens=20), want)  # 29 tokens through 5 slots
+
+
+def test_bf16_checkpoint_runs_in_bf16_within_twice_a_plain_bf16_error(tmp_path, padded_batch):
+    """Flash-attention rule against float64: ours (bf16 weights, float32 rotary/norms) vs a plain bf16 forward."""
+    from safetensors.torch import load_file
+
+    save_hf_llama("qwen3-qknorm-tied", tmp_path, dtype=torch.bfloat16)
+    model = hm.load(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids, mask = padded_batch
+    real = mask.bool()
+    state, config = load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
+    ref64 = llama_logits(state, config, ids, real, hf_positions(real))[real]
+    plain = (llama_logits(state, config, ids, real, hf_positions(real), dtype=torch.bfloat16)[real].double() - ref64).abs().max().item()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask)
+    assert got.dtype == torch.bfloat16
+    ours = (got[real].double() - ref64).abs().max().item()
+    assert plain > 0
+    assert ours <= 2 * plain
+    wide = hm.load(tmp_path, dtype=torch.float32)  # float32 on request: the bf16 weights exactly, computed in float32
+    assert {p.dtype for p in wide.parameters()} == {torch.float32}
+    with torch.no_grad():
+        assert (wide(ids, attention_mask=mask)[real].double() - ref64).abs().max().item() < plain / 10
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path, padded_batch):
+    save_hf_llama("llama-gqa2-tied", tmp_path / "one")
+    save_hf_llama("llama-gqa2-tied", tmp_path / "many", max_shard_size="40KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "many").glob("model-*.safetensors"))) > 1
+    ids = padded_batch[0]
+    with torch.no_grad():
+        assert torch.equal(hm.load(tmp_path / "many")(ids), hm.load(tmp_path / "one")(ids))
+
+
+def test_untied_checkpoint_keeps_its_head(tmp_path):
+    hf = make_hf_llama("llama-mha-untied")
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    hf.save_pretrained(tmp_path)
+    model = hm.load(tmp_path)
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+
+
+# ----------------------------------------------------------------------------- load and bad input
+
+
+def test_load_dispatches_gpt2_and_names_the_supported_types(gpt2_dir, tmp_path):
+    assert type(hm.load(gpt2_dir)) is hm.GPT2LMHeadModel
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'falcon' is not supported; supported: gpt2, bert, llama, mistral, qwen3"):
+        hm.load(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model_type None is not supported; supported: gpt2, bert, llama, mistral, qwen3"):
+        hm.load(tmp_path)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 is not supported for gpt2; it loads in float32"):
+        hm.load(gpt2_dir, dtype=torch.bfloat16)
+
+
+def test_config_this_model_cannot_run(tmp_path):
+    save_hf_llama("llama-mha-untied", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
+    with pytest.raises(ValueError, match=r"config.json: unsupported llama settings: hidden_act='gelu' \(supported: 'silu'\); rope_scaling's rope_type must be one of"):
+        hm.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match=r"config.json: invalid llama config: num_heads \(8\) must be divisible by num_kv_heads \(3\)"):
+        hm.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: describes model_type 'llama', expected 'qwen3'"):
+        hm.Qwen3ForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"dtype must be a floating torch.dtype or None \(the checkpoint's\), got torch.int64"):
+        hm.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.int64)
+
+
+def test_tied_config_with_a_different_head_is_refused(tmp_path):
+    hf = make_hf_llama("llama-mha-untied")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings"):
+        hm.load(tmp_path)
+
+
+def test_missing_and_misshaped_weights_are_all_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_hf_llama("qwen3-qknorm-tied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    state["model.norm.weight"] = torch.ones(3)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"(?s)nothing was loaded.*missing: model.layers.1.self_attn.k_norm.weight.*wrong shape: model.norm.weight"):
+        hm.load(tmp_path)
+
+
+def test_attention_layer_checks_position_ids():
+    config = hm.LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    attn = LlamaAttention(config, RotaryEmbedding(8))
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(TypeError, match=r"position_ids must be an integer tensor of shape \(batch, tokens\) = \(2, 3\), got dtype torch.float32"):
+        attn(x, position_ids=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(batch, tokens\) = \(2, 3\), got \(2, 4\)"):
+        attn(x, position_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"position_ids must be >= 0, got -1"):
+        attn(x, position_ids=torch.tensor([[0, 1, 2], [-1, 0, 1]]))
+    with torch.no_grad():  # explicit positions 0..2 = the default
+        torch.testing.assert_close(attn(x, position_ids=torch.arange(3).expand(2, 3)), attn(x))
+        default, explicit = KVCache(2, 2, 8, 8), KVCache(2, 2, 8, 8)
+        attn(x, cache=default)
+        attn(x, cache=explicit, position_ids=torch.arange(3).expand(2, 3))
+        torch.testing.assert_close(attn(x[:, :1], cache=default), attn(x[:, :1], cache=explicit, position_ids=torch.full((2, 1), 3)))
+
+
+def test_bad_generate_arguments_are_named(pair):
+    _, _, _, model = pair
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int, got 0"):
+        model.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match=rf"eos_token_id must be an int in \[0, vocab_size={V}\) or None, got {V}"):
+        model.generate(ids, max_new_tokens=2, eos_token_id=V)
+    limit = model.context_limit()[1]
+    if limit is not None:
+        with pytest.raises(ValueError, match=rf"prompt \(3 tokens\) \+ max_new_tokens \({limit}\) exceeds max_position_embeddings={limit}"):
+            model.generate(ids, max_new_tokens=limit)
