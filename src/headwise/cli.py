@@ -8,9 +8,26 @@ import sys
 import torch
 
 
+def _explain_rope(args: argparse.Namespace) -> None:
+    from .explain import BOOK_TOKENS
+    from .explain_rope import explain_rope
+
+    torch.set_printoptions(precision=4, sci_mode=False)
+    attn, steps = explain_rope(num_heads=args.heads, head_dim=args.head_dim, seed=args.seed)
+    print(f"LlamaAttention on the book's tokens {' '.join(BOOK_TOKENS)}: d_in=3, num_heads={attn.num_heads}, "
+          f"head_dim={attn.head_dim}, seed {args.seed}; positions 0..{len(BOOK_TOKENS) - 1}")
+    for step in steps:
+        print(f"\n## Step {step.number}: {step.title}\n   {step.code}")
+        for name, t in step.tensors.items():
+            print(f"-- {name}: shape {tuple(t.shape)}\n{t}")
+
+
 def _explain(args: argparse.Namespace) -> None:
     from .explain import explain
 
+    if args.rope:
+        _explain_rope(args)
+        return
     torch.set_printoptions(precision=4, sci_mode=False)
     mha, steps = explain(
         d_in=args.d_in, d_out=args.d_out, num_heads=args.heads, num_tokens=args.tokens,
@@ -85,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--batch", type=int, default=1)
     ex.add_argument("--seed", type=int, default=123)
     ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style)")
+    ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
+    ex.add_argument("--head-dim", type=int, default=2, help="with --rope: each head's size (even)")
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
     hd.add_argument("--model", metavar="DIR", help="a HuggingFace BERT or GPT-2 directory with tokenizer.json (default: the packaged all-MiniLM-L6-v2)")
     hd.add_argument("--text", default=None, help="the sentence (default: the book's 'Your journey starts with one step.')")
