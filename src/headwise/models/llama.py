@@ -151,10 +151,18 @@ class LlamaForCausalLM(nn.Module):
         config: a ``LlamaConfig``.
         backend: headwise's attention backend, "auto", "math" or "sdpa".
 
+    ``headwise.models.load(directory)`` (or ``from_pretrained``) loads a HuggingFace directory.
+
     Example:
-        >>> model = headwise.models.load("path/to/llama")              # a HuggingFace directory
-        >>> logits = model(input_ids, attention_mask=mask)            # (B, T, vocab_size)
-        >>> model.generate(input_ids, max_new_tokens=20)              # (B, T + 20), greedy
+        >>> config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        >>> model = LlamaForCausalLM(config).eval()
+        >>> ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+        >>> mask = torch.tensor([[1, 1, 1], [0, 1, 1]])           # left padding, 1 = real token
+        >>> model(ids, attention_mask=mask).shape                  # (B, T, vocab_size)
+        torch.Size([2, 3, 100])
+        >>> model.generate(ids, attention_mask=mask, max_new_tokens=4).shape  # greedy
+        torch.Size([2, 7])
     """
 
     model_type = "llama"
