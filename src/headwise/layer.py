@@ -67,7 +67,7 @@ class AttentionLayer(nn.Module):
             attention_mask: (B, T) padding mask, 1/True = real token, 0/False = padding (left
                 or right); with a cache, for the new tokens only (the cache remembers the rest).
             cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens.
-            position_ids: (B, T) ints >= 0, where x's tokens sit, for a layer with a position
+            position_ids: (B, T) ints, where x's tokens sit, for a layer with a position
                 encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
 
         Returns:

@@ -18,8 +18,9 @@ Frequency scalings for longer contexts, HuggingFace's ``rope_scaling`` / ``rope_
                ``original_max_position_embeddings``) blended smoothly.
 
 Angles, cos and sin are computed in float64 and kept as float32 tables, once per length (grown
-by doubling) and device, shared by every layer that holds the same ``RotaryEmbedding``. Half
-precision inputs are rotated in float32 and rounded once at the end.
+by doubling) and device, shared by every layer that holds the same ``RotaryEmbedding``; explicit
+(B, T) positions (left padding) get theirs computed from the ids, with no read back to the host.
+Half precision inputs are rotated in float32 and rounded once at the end.
 """
 
 from __future__ import annotations
@@ -151,6 +152,24 @@ class RotaryEmbedding:
         self.layout = layout
         self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._freqs: dict[torch.device, Tensor] = {}
+
+    def _inv_freq(self, device: torch.device) -> Tensor:
+        """inv_freq (R/2,) float64 on ``device`` (copied there once)."""
+        if device not in self._freqs:
+            self._freqs[device] = self.inv_freq.to(device)
+        return self._freqs[device]
+
+    def _cos_sin(self, angles: Tensor) -> tuple[Tensor, Tensor]:
+        """(..., R/2) float64 angles -> (cos, sin), each (..., R) float32 in this layout (sin signed for ``rotate``)."""
+        c, s = angles.cos(), angles.sin()  # (..., R/2) each
+        if self.layout == "interleaved":
+            cos = c.repeat_interleave(2, dim=-1)  # (..., R): c0 c0 c1 c1 ...
+            sin = torch.stack((-s, s), dim=-1).flatten(-2)  # (..., R): -s0 s0 -s1 s1 ...
+        else:
+            cos = torch.cat((c, c), dim=-1)  # (..., R): c0 .. c_{R/2-1} c0 ..
+            sin = torch.cat((-s, s), dim=-1)  # (..., R): -s .. then +s
+        return cos.float(), sin.float()
 
     def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
         """(cos, sin) for positions 0 .. at least length-1, each (L, R) float32 on ``device``.
@@ -162,24 +181,21 @@ class RotaryEmbedding:
         cos, sin = self._tables.get(device, (None, None))
         if cos is None or cos.shape[0] < length:
             n = max(64, 1 << max(0, length - 1).bit_length())
-            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq  # (L, R/2)
-            c, s = angles.cos(), angles.sin()  # (L, R/2) each
-            if self.layout == "interleaved":
-                cos = c.repeat_interleave(2, dim=-1)  # (L, R): c0 c0 c1 c1 ...
-                sin = torch.stack((-s, s), dim=-1).flatten(-2)  # (L, R): -s0 s0 -s1 s1 ...
-            else:
-                cos = torch.cat((c, c), dim=-1)  # (L, R): c0 .. c_{R/2-1} c0 ..
-                sin = torch.cat((-s, s), dim=-1)  # (L, R): -s .. then +s
-            cos, sin = cos.to(device, torch.float32), sin.to(device, torch.float32)
+            angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (L, R/2)
+            cos, sin = self._cos_sin(angles)  # (L, R) each
             self._tables[device] = (cos, sin)
         return cos, sin
 
     def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
-        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D)."""
+        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D).
+
+        An int start slices the kept tables; (B, T) ids (left padding, or the caller's own
+        positions) get their cos/sin computed from the ids, so no value is read back to the host.
+        """
         t = x.shape[-2]
         if isinstance(positions, Tensor):
-            cos, sin = self.tables(int(positions.max()) + 1, x.device)
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, R) each
+            angles = positions.to(torch.float64)[..., None] * self._inv_freq(x.device)  # (B, T, R/2)
+            cos, sin = (table.unsqueeze(1) for table in self._cos_sin(angles))  # (B, 1, T, R) each
         else:
             cos, sin = self.tables(positions + t, x.device)
             cos, sin = cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
