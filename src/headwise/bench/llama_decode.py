@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .. import _checks
 from ..models.llama import LlamaForCausalLM
 from ..models.llama_config import LlamaConfig
+from .decode import _keeping
+from .timing import interleaved
 
 #: GPT-2 small's width and depth, Llama's parts: 4 KV heads (GQA 3), SwiGLU of 8/3 C, Llama 2's vocabulary.
 GPT2_SMALL_LLAMA = LlamaConfig(
@@ -84,17 +86,11 @@ def _models(config: LlamaConfig, seed: int) -> tuple[LlamaForCausalLM, torch.nn.
     return ours, theirs
 
 
-def _interleaved(calls: dict[str, Callable[[], Tensor]], repeats: int, warmup: int) -> tuple[dict[str, float], dict[str, Tensor]]:
-    items = list(calls.items())
-    times: dict[str, list[float]] = {name: [] for name in calls}
+def _timed(calls: dict[str, Callable[[], Tensor]], repeats: int, warmup: int) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Median milliseconds of each call, timed interleaved (``timing.interleaved``), and each one's last output."""
     outs: dict[str, Tensor] = {}
-    for i in range(warmup + repeats):
-        for name, call in items[i % len(items) :] + items[: i % len(items)]:  # rotate who goes first
-            start = time.perf_counter()
-            outs[name] = call()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}, outs
+    times = interleaved({name: _keeping(call, outs, name) for name, call in calls.items()}, repeats=repeats, warmup=warmup)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}, outs
 
 
 def llama_latency(
@@ -114,8 +110,9 @@ def llama_latency(
     Returns:
         ``[decode, prefill]`` timings (a repeats count of 0 skips that one).
     """
-    if isinstance(context, bool) or not isinstance(context, int) or not 2 <= context <= config.max_position_embeddings:
-        raise ValueError(f"context must be an int in [2, {config.max_position_embeddings}], got {context!r}")
+    _checks.integer("context", context, low=2, high=config.max_position_embeddings)
+    for name, value in [("decode_repeats", decode_repeats), ("prefill_repeats", prefill_repeats), ("warmup", warmup)]:
+        _checks.integer(name, value, low=0)
     ours, theirs = _models(config, seed)
     from transformers import DynamicCache
 
@@ -140,12 +137,12 @@ def llama_latency(
                 hf_cache.crop(-1)  # transformers 5: a negative count of tokens to drop
                 return logits
 
-            med, outs = _interleaved({"headwise": headwise_step, "transformers": transformers_step}, decode_repeats, warmup)
+            med, outs = _timed({"headwise": headwise_step, "transformers": transformers_step}, decode_repeats, warmup)
             diff = float((outs["headwise"] - outs["transformers"]).abs().max())
             rows.append(LlamaTiming("decode", context, med["headwise"], med["transformers"], diff, decode_repeats, torch.get_num_threads()))
         if prefill_repeats:
             calls = {"headwise": lambda: ours(ids), "transformers": lambda: theirs(ids, use_cache=False).logits}
-            med, outs = _interleaved(calls, prefill_repeats, warmup)
+            med, outs = _timed(calls, prefill_repeats, warmup)
             diff = float((outs["headwise"] - outs["transformers"]).abs().max())
             rows.append(LlamaTiming("prefill", context, med["headwise"], med["transformers"], diff, prefill_repeats, torch.get_num_threads()))
     return rows
