@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import headwise.linear
 from headwise import GPT2Config, GPT2MultiHeadAttention, KVCache, MultiHeadAttention
-from headwise.models import BertConfig, BertModel, GPT2LMHeadModel
+from headwise.models import BertConfig, BertModel, GPT2LMHeadModel, LlamaConfig, Qwen3ForCausalLM
 from headwise.parallel import parallelize
 
 TINY_GPT2 = GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
@@ -196,6 +196,25 @@ def gpt2_model(rank: int, world: int) -> dict:
     }
 
 
+def llama(rank: int, world: int) -> dict:
+    """A Qwen3-style model (QK-norm, GQA 4/2 heads, rotary positions, one windowed layer): logits with
+    left padding, gradients, greedy generate through per-rank caches of Hkv/n heads."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, qk_norm=True, windows=(3, None))
+    torch.manual_seed(8)
+    ref = Qwen3ForCausalLM(config)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :2] = 0
+    logits = [m(ids, attention_mask=mask) for m in (tp, ref)]
+    for out in logits:
+        out.logsumexp(-1).sum().backward()
+    greedy = [m.generate(ids[:, :5], max_new_tokens=6).tolist() for m in (tp, ref)]
+    local_heads = [(m.self_attn.num_heads, m.self_attn.num_kv_heads) for m in tp.model.layers]
+    return {"logits": max_diff(*logits), "grads": grad_diffs(tp, ref), "greedy": greedy, "local_heads": local_heads}
+
+
 def bert(rank: int, world: int) -> dict:
     """BertModel (bidirectional MultiHeadAttention, post-LN, padding): hidden states and gradients."""
     torch.manual_seed(6)
@@ -332,7 +351,7 @@ def demo(rank: int, world: int) -> dict:
     return {"printed": printed.getvalue(), "tokens": tokens, "expected": expected}
 
 
-CHECKS = {f.__name__: f for f in (demo, mha, gqa, gpt2_attention, gpt2_model, bert, communication, fast_path, indivisible, fsdp2)}
+CHECKS = {f.__name__: f for f in (demo, mha, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2)}
 
 
 def run_all(rank: int, world: int) -> dict:

@@ -73,6 +73,15 @@ def test_gpt2_logits_gradients_and_generate(ranks):
         assert r["replicated_grads_agree"]  # replicated weights get bitwise-equal gradients on every rank
 
 
+def test_llama_family_logits_gradients_and_generate(ranks):
+    for r in result(ranks, "llama"):
+        assert r["local_heads"] == [(2, 1), (2, 1)]  # each rank computes H/2 query heads and Hkv/2 key/value heads
+        assert r["logits"] < TOL
+        assert {k: v for k, v in r["grads"].items() if v >= TOL} == {}
+        tp, single = r["greedy"]
+        assert tp == single
+
+
 def test_bert_hidden_states_and_gradients(ranks):
     for r in result(ranks, "bert"):
         assert r["out"] < TOL

@@ -11,16 +11,8 @@ Megatron's recipe, per transformer block:
 
 A plan maps a submodule name (relative to a module of the entry's class, ``""`` = that
 module itself) to a function of that module returning a fresh ``ParallelStyle``. Adding a
-model is one entry: e.g. a Llama decoder layer with ``q_proj``/``k_proj``/``v_proj``/
-``o_proj`` attention and a ``gate_proj``/``up_proj``/``down_proj`` MLP would be
-
-    LlamaDecoderLayer: {"self_attn": shared_input, "self_attn.q_proj": colwise,
-                        "self_attn.k_proj": colwise, "self_attn.v_proj": colwise,
-                        "self_attn.o_proj": rowwise, "mlp.gate_proj": colwise,
-                        "mlp.up_proj": colwise, "mlp.down_proj": rowwise}
-
-(rotary embeddings act per head on the local heads: nothing to shard). Embeddings,
-LayerNorms and the LM head stay replicated: every rank holds them whole.
+model is one entry per block class, as for the Llama family below (rotary embeddings and
+QK-norm act per head on the local heads: nothing to shard). Embeddings, norms and the LM head stay replicated: every rank holds them whole.
 """
 
 from __future__ import annotations
@@ -34,6 +26,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from ..fused import GPT2MultiHeadAttention
 from ..models.bert import BertLayer
 from ..models.gpt2 import MLP
+from ..models.llama import MLP as LlamaMLP
+from ..models.llama import LlamaAttention
 from ..teaching import MultiHeadAttention
 from .qkv import FusedQKVParallel
 
@@ -66,4 +60,6 @@ PLANS: dict[type[nn.Module], Plan] = {
     GPT2MultiHeadAttention: {"c_attn": fused_qkv, "c_proj": rowwise},
     MLP: {"c_fc": colwise, "c_proj": rowwise},  # GPT-2's
     BertLayer: {"intermediate": colwise, "output": rowwise},  # its attention is a MultiHeadAttention
+    LlamaAttention: {"": shared_input, "q_proj": colwise, "k_proj": colwise, "v_proj": colwise, "o_proj": rowwise},  # Llama, Mistral, Qwen3
+    LlamaMLP: {"gate_proj": colwise, "up_proj": colwise, "down_proj": rowwise},  # SwiGLU: gate and up split alike
 }
