@@ -130,7 +130,7 @@ def _ops_error(dtype: torch.dtype) -> str | None:
 def _auto(dtype: torch.dtype) -> tuple[str, str]:
     facts, version = cpu(), ".".join(torch.__version__.split(".")[:2])
     if dtype != torch.float32:
-        return "torch", f"{dtype}: torch's own GEMMs (bf16 matmuls already run on oneDNN)"
+        return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
     if facts["vendor"] != "AuthenticAMD" or not facts["capability"].startswith("AVX512"):
         return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only AMD CPUs with AVX-512 take oneDNN"
     if version not in TESTED_TORCH:
