@@ -33,7 +33,8 @@ import os
 import platform
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -183,39 +184,31 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     return choose(x.dtype)[0] == "onednn"
 
 
-class _Cached:
-    """A tensor derived from some weights, and the state of the weights it was made from."""
-
-    __slots__ = ("key", "value")
-
-    def __init__(self, key: tuple, value: Tensor | tuple[Tensor, Tensor | None]) -> None:
-        self.key, self.value = key, value
-
-
 def _key(tensors: Sequence[Tensor]) -> tuple:
     return tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
-def _cached(cache: dict, ids: tuple[int, ...], owners: Sequence[Tensor], key: tuple, make) -> Tensor | tuple:
-    """``cache[ids]`` if made from tensors in the state ``key``, else ``make()``; an entry dies with its owners."""
+def _cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) -> Any:
+    """``make()``'s value for these tensors, made again whenever any of them changed; the entry dies with them."""
+    ids, key = tuple(map(id, owners)), _key(owners)
     entry = cache.get(ids)
     if entry is None:
         for t in owners:
             weakref.finalize(t, cache.pop, ids, None)
-    if entry is None or entry.key != key:
-        entry = cache[ids] = _Cached(key, make())
-    return entry.value
+    if entry is None or entry[0] != key:
+        entry = cache[ids] = (key, make())
+    return entry[1]
 
 
-_PACKED: dict[tuple[int], _Cached] = {}  # (id(weight),) -> the weight in oneDNN's blocked layout
-_STACKED: dict[tuple[int, ...], _Cached] = {}  # ids of several weights -> (their rows stacked, their biases stacked)
+_PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight in oneDNN's blocked layout)
+_STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, (weights stacked, biases stacked))
 
 
 def _packed(weight: Tensor) -> Tensor:
     """The weight reordered for oneDNN, remade whenever the weight changed since."""
     if weight.is_inference():  # no version counter to watch: use it as it is, unpacked
         return weight
-    return _cached(_PACKED, (id(weight),), [weight], _key([weight]), lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+    return _cached(_PACKED, [weight], lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -316,7 +309,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]
     else:
-        weight, bias = _cached(_STACKED, tuple(map(id, params)), params, _key(params), lambda: (
+        weight, bias = _cached(_STACKED, params, lambda: (
             torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
     y = linear(x, weight, bias)  # (..., sum N)
     return list(y.split([w.shape[0] for w in weights], dim=-1))  # (..., N_i) each
