@@ -365,3 +365,12 @@ def test_bf16_end_to_end_within_2x_of_a_plain_bf16_implementation(linear_path, k
         plain = F.linear(ctx, w[6], w[7])
     assert rel_err(out, ref) <= 2 * rel_err(plain, ref)
 
+
+
+def test_project_many_compiles_without_touching_its_caches():
+    torch.manual_seed(0)
+    mod = hw.MultiHeadAttention(64, 64, 40, 0.0, num_heads=4).eval()
+    x = torch.randn(2, 24, 64)  # (B, T, C)
+    compiled = torch.compile(mod)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), mod(x), rtol=1e-5, atol=1e-6)

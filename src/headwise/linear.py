@@ -283,8 +283,8 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
 
     When every layer is a plain, hook-free ``nn.Linear`` with weights of one dtype and device,
     all with a bias or all without, the weights are stacked into one (sum N, K) weight and x is
-    read once: one GEMM instead of, say, three for Q, K, V. Under autograd the stacking is a
-    ``torch.cat`` in the graph, so every weight gets its gradient; without it the stack is made
+    read once: one GEMM instead of, say, three for Q, K, V. Under autograd (and when
+    ``torch.compile`` traces) the stacking is a ``torch.cat`` in the graph, so every weight gets its gradient; without it the stack is made
     once and remade when any weight or bias changes (``_version``). The results are views of one
     (..., sum N) tensor. Otherwise (or for inference tensors, which have no version, and tensor
     subclasses such as DTensor, which shard their own way) each layer runs alone.
@@ -304,7 +304,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or len({(t.dtype, t.device) for t in params}) > 1
     if mixed or not _plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
         weight, bias = torch.cat(weights), None if biases[0] is None else torch.cat(biases)  # (sum N, K), (sum N,)
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]
