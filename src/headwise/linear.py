@@ -18,8 +18,10 @@ cores, with the same float32 accuracy. The path of a call is decided by this rul
    elements), ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
 
 ``describe()`` returns the decision and the machine facts behind it. On the oneDNN path every
-GEMM gets row-major operands (an expanded gradient from ``out.sum()``, a transposed or sliced
-input is copied first: oneDNN's strided fallbacks run 100-1000x slower), training goes through
+GEMM gets row-major operands: the expanded (stride-0) gradient of ``out.sum()`` and the transposed
+operands of the weight gradient are copied first (handed over as they are, oneDNN ran that GEMM
+~1000x slower: 24 s instead of 22 ms at 2048x768x768), and so is a transposed or sliced input
+(~1.5x slower as it is); a sliced weight (also ~1000x) goes to ``F.linear``. Training goes through
 a custom autograd Function whose backward GEMMs also run on oneDNN, and without autograd the
 weight is packed once into oneDNN's layout, repacked whenever it changes (storage pointer and
 ``_version``, bumped by optimizer steps and ``load_state_dict``). Nothing global is changed.
