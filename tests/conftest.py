@@ -1,4 +1,4 @@
-"""Shared test settings: a hypothesis profile sized for a 2-core machine, and the ``device`` fixture."""
+"""Shared test settings: a hypothesis profile sized for a 2-core machine, the ``device`` fixture, each linear path forced in turn."""
 
 import os
 
@@ -22,3 +22,16 @@ def device(request) -> str:
     test (one parameter, "cpu").
     """
     return request.param
+
+
+@pytest.fixture(params=["torch", "onednn"])
+def linear_path(request):
+    """Run the test once per projection path of headwise.linear, forced, whatever the rule picks here."""
+    import torch
+
+    from headwise import linear as hl
+
+    if request.param == "onednn" and hl._ops_error(torch.float32) is not None:
+        pytest.skip(f"oneDNN's private ops do not work here: {hl._ops_error(torch.float32)}")
+    with hl.use_path(request.param):
+        yield request.param

@@ -1,178 +1,246 @@
-"""The projections (Q/K/V, ``c_attn``, ``out_proj``) through oneDNN where the machine rewards it.
+"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs): ``F.linear`` or oneDNN, by one fixed rule.
 
-``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels).
-On some CPUs, AMD's EPYC with AVX-512 among them, MKL runs fp32 GEMMs at about half the rate
-oneDNN's own kernels reach on the same cores, with the same float32 accuracy. ``linear`` sends a
-projection to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) when all of these hold:
+``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels). On
+AMD CPUs with AVX-512 (EPYC Zen 4 and Zen 5), MKL runs fp32 GEMMs at half to nine tenths of
+the rate oneDNN's own inner product (``torch.ops.mkldnn._linear_pointwise``) reaches on the same
+cores, with the same float32 accuracy. The path of a call is decided by this rule, nothing timed:
 
-- the tensors are plain (no subclass such as DTensor) dense CPU float32 or bfloat16 tensors, all of one
-  dtype, the weight contiguous;
-- torch has oneDNN and ``torch.backends.mkldnn.enabled`` is True (the user's switch is respected);
-- there are enough rows (``MIN_ROWS``) for a GEMM to dominate, or the weight is big enough
-  (``MIN_DECODE_WEIGHT`` elements) that a decode step streams it from memory, where oneDNN's
-  packed layout reads it faster than MKL's gemv (one row through twelve cold 2304x768 weights on
-  this AMD EPYC: 250 vs 480 us a call);
-- a one-time probe on this machine (``onednn_pays``) found oneDNN faster than ``F.linear``.
+1. ``set_path("onednn" | "torch")`` (or ``use_path``) if called, else ``HEADWISE_LINEAR`` =
+   ``auto`` (default), ``onednn`` or ``torch``, read at each call;
+2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
+   (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
+   everything else (Intel, ARM, bf16: torch already sends bf16 matmuls to oneDNN) is ``torch``;
+3. ``onednn`` (chosen or forced) needs the private ops to work: they are tried once per dtype on
+   tiny tensors against ``F.linear`` (not timed); a failure means ``torch`` and one warning;
+4. per call, a oneDNN decision still falls back to ``F.linear`` for anything else than plain
+   (no subclass such as DTensor) dense CPU float32/bfloat16 tensors of one dtype, a weight that is
+   not contiguous, few rows (fewer than ``MIN_ROWS`` with a weight under ``MIN_DECODE_WEIGHT``
+   elements), ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
 
-Otherwise it is exactly ``F.linear``. Training works: a custom autograd Function computes
-grad_input = grad @ W and grad_weight = grad^T @ x with the same kernels. Outside autograd
-(``torch.no_grad``, inference mode, or nothing requires grad) the weight is reordered once into
-oneDNN's blocked layout and reused until the weight changes: the cache is keyed on the weight's
-storage pointer, ``_version`` (bumped by every in-place update: optimizer steps,
-``load_state_dict``), shape and dtype, so a packed weight is never stale.
-Nothing global is changed.
+``describe()`` returns the decision and the machine facts behind it. On the oneDNN path every
+GEMM gets row-major operands: the expanded (stride-0) gradient of ``out.sum()`` and the transposed
+operands of the weight gradient are copied first (handed over as they are, oneDNN ran that GEMM
+~1000x slower: 24 s instead of 22 ms at 2048x768x768), and so is a transposed or sliced input
+(~1.5x slower as it is); a sliced weight (also ~1000x) goes to ``F.linear``. Training goes through
+a custom autograd Function whose backward GEMMs also run on oneDNN, and without autograd the
+weight is packed once into oneDNN's layout, repacked whenever it changes (storage pointer and
+``_version``, bumped by optimizer steps and ``load_state_dict``). Nothing global is changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import time
+import os
+import platform
+import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
+PATHS = ("auto", "onednn", "torch")
+ENV = "HEADWISE_LINEAR"
 MIN_ROWS = 32  # fewer rows (B*T) than this and a small weight: F.linear's lower overhead (~10 us a call) wins
-MIN_DECODE_WEIGHT = 2**17  # weight elements (512 KiB in fp32) from which a decode step pays for oneDNN
+MIN_DECODE_WEIGHT = 2**17  # weight elements from which a decode step reads oneDNN's packed weight faster than MKL's gemv
 _DTYPES = (torch.float32, torch.bfloat16)
+_forced: str | None = None  # set_path's value; None = the environment decides
 
 
-def _onednn_available() -> bool:
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    return (
-        torch.backends.mkldnn.is_available()
-        and mkldnn is not None
-        and hasattr(mkldnn, "_linear_pointwise")
-        and hasattr(mkldnn, "_reorder_linear_weight")
-    )
+def set_path(path: str | None) -> str | None:
+    """Force the path of every later call ("auto", "onednn", "torch"); None hands back to ``HEADWISE_LINEAR``.
+
+    Returns:
+        the previous ``set_path`` value (None if none was set).
+    """
+    global _forced
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None, got {path!r}")
+    previous, _forced = _forced, path
+    return previous
+
+
+@contextlib.contextmanager
+def use_path(path: str) -> Iterator[None]:
+    """``set_path(path)`` inside a ``with`` block, the previous setting restored after it."""
+    previous = set_path(path)
+    try:
+        yield
+    finally:
+        set_path(previous)
+
+
+def _setting() -> tuple[str, str]:
+    if _forced is not None:
+        return _forced, "set_path"
+    value = os.environ.get(ENV, "auto")
+    if value not in PATHS:
+        raise ValueError(f"the environment variable {ENV} must be one of {PATHS}, got {value!r}")
+    return value, ENV if ENV in os.environ else "default"
+
+
+@functools.cache
+def cpu() -> dict:
+    """The CPU facts the rule reads: vendor, family, model, name, torch's kernel ISA, relevant flags."""
+    facts = {"vendor": "", "family": "", "model": "", "name": platform.processor() or platform.machine(), "flags": []}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = (s.strip() for s in line.partition(":"))
+            for field, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"), ("model name", "name")):
+                if key == field:
+                    facts[name] = value
+            if key in ("flags", "Features"):
+                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} & set(value.split()))
+                break
+    facts["capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
 
 
 def _lp(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """oneDNN inner product: (..., K) x (N, K) [dense or packed] -> (..., N)."""
+    """oneDNN inner product: (..., K) x (N, K) [dense, transposed (K, N)^T or packed] -> (..., N)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @functools.cache
-def onednn_pays(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether oneDNN's inner product beats ``F.linear`` on this machine for ``dtype``.
-
-    Measured once per process and dtype: a GPT-2-sized projection (512 x 768 -> 768), both
-    ways, interleaved, best of five each; oneDNN must win by 10% to be chosen. About 30 ms.
-    """
-    if dtype not in _DTYPES or not _onednn_available():
-        return False
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 768, generator=gen).to(dtype)  # (M, K)
-    w = torch.randn(768, 768, generator=gen).to(dtype)  # (N, K)
+def _ops_error(dtype: torch.dtype) -> str | None:
+    """Why oneDNN's private ops cannot be used in ``dtype`` here (None: they work). Tried once, warns once."""
     try:
+        mkldnn = torch.ops.mkldnn
+        if not torch.backends.mkldnn.is_available():
+            raise RuntimeError("torch was built without oneDNN")
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)  # (M, K) (N, K) (N,)
+        lo = [t.to(dtype) for t in (x, w, b)]
         with torch.no_grad():
-            _lp(x, w, None)
-            F.linear(x, w)
-            best = {"onednn": float("inf"), "torch": float("inf")}
-            for _ in range(5):
-                for name, fn in (("onednn", _lp), ("torch", F.linear)):
-                    start = time.perf_counter()
-                    fn(x, w, None)
-                    best[name] = min(best[name], time.perf_counter() - start)
-    except RuntimeError:  # a build whose oneDNN cannot run this dtype here
-        return False
-    return best["onednn"] < 0.9 * best["torch"]
+            got = [_lp(*lo), _lp(lo[0], mkldnn._reorder_linear_weight(lo[1], None), lo[2]), _lp(lo[0] @ lo[1].t(), lo[1].t(), None)]
+        want = [F.linear(x, w, b), F.linear(x, w, b), x @ w.t() @ w]
+        for g, r in zip(got, want, strict=True):
+            if g.shape != r.shape or not torch.allclose(g.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item()):
+                raise RuntimeError("results differ from F.linear")
+    except Exception as e:  # any failure of a private op: use torch
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+        warnings.warn(f"headwise.linear: oneDNN's private ops fail for {dtype} here ({error}); using F.linear", RuntimeWarning, stacklevel=3)
+        return error
+    return None
+
+
+@functools.cache
+def _auto(dtype: torch.dtype) -> tuple[str, str]:
+    facts, version = cpu(), ".".join(torch.__version__.split(".")[:2])
+    if dtype != torch.float32:
+        return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
+    if facts["vendor"] != "AuthenticAMD" or not facts["capability"].startswith("AVX512"):
+        return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only AMD CPUs with AVX-512 take oneDNN"
+    if version not in TESTED_TORCH:
+        return "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
+    return "onednn", f"AMD family {facts['family']} with AVX-512 kernels: MKL's fp32 GEMM is slower here than oneDNN's"
+
+
+def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring)."""
+    setting, source = _setting()
+    if setting == "torch":
+        return "torch", f"forced by {source}"
+    if dtype not in _DTYPES:
+        return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
+    path, reason = ("onednn", f"forced by {source}") if setting == "onednn" else _auto(dtype)
+    if path == "onednn" and (error := _ops_error(dtype)):
+        return "torch", f"oneDNN's private ops fail here: {error}"
+    return path, reason
+
+
+def describe() -> dict:
+    """The decision as data: CPU facts, torch version, setting and, per dtype, the path and why.
+
+    Example:
+        >>> list(describe())
+        ['cpu', 'float32', 'bfloat16', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
+        >>> describe()["float32"]["path"] in ("onednn", "torch")
+        True
+    """
+    setting, source = _setting()
+    paths = {str(dtype).removeprefix("torch."): dict(zip(("path", "reason"), choose(dtype), strict=True)) for dtype in _DTYPES}
+    return {"cpu": cpu(), **paths, "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
+            "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
-    if not all(type(t) in (Tensor, nn.Parameter) for t in (x, weight, bias) if t is not None):
+    if not _plain_tensors(x, weight, bias):
         return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
     if not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES):
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
         return False
-    if x.layout != torch.strided or not weight.is_contiguous() or x.ndim < 1:
+    if x.layout != torch.strided or weight.layout != torch.strided or not weight.is_contiguous() or x.ndim < 1:
         return False  # a sliced weight (row stride != K) sends oneDNN down a path ~1000x slower
     if x.numel() < MIN_ROWS * x.shape[-1] and weight.numel() < MIN_DECODE_WEIGHT:
         return False
     if not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
         return False
-    return onednn_pays(x.dtype)
+    return choose(x.dtype)[0] == "onednn"
 
 
-class _Packed:
-    """One weight's oneDNN-blocked copy and the state of the weight it was made from."""
-
-    __slots__ = ("key", "packed")
-
-    def __init__(self, key: tuple, packed: Tensor | tuple[Tensor, Tensor | None]) -> None:
-        self.key = key
-        self.packed = packed
+def _key(tensors: Sequence[Tensor]) -> tuple:
+    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
-_PACKED: dict[int, _Packed] = {}  # id(weight) -> its packed copy; an entry dies with its weight
+def _cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) -> Any:
+    """``make()``'s value for these tensors, made again whenever any of them changed; the entry dies with them."""
+    ids, key = tuple(map(id, owners)), _key(owners)
+    entry = cache.get(ids)
+    if entry is None:
+        for t in owners:
+            weakref.finalize(t, cache.pop, ids, None)
+    if entry is None or entry[0] != key:
+        entry = cache[ids] = (key, make())
+    return entry[1]
+
+
+_PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight in oneDNN's blocked layout)
+_STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, (weights stacked, biases stacked))
 
 
 def _packed(weight: Tensor) -> Tensor:
     """The weight reordered for oneDNN, remade whenever the weight changed since."""
     if weight.is_inference():  # no version counter to watch: use it as it is, unpacked
         return weight
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.dtype)
-    entry = _PACKED.get(id(weight))
-    if entry is None:
-        weakref.finalize(weight, _PACKED.pop, id(weight), None)
-    if entry is None or entry.key != key:
-        entry = _Packed(key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-        _PACKED[id(weight)] = entry
-    return entry.packed
-
-
-_PACKED_CAT: dict[tuple[int, ...], _Packed] = {}  # ids of the weights -> their concatenation, packed
-
-
-def _packed_cat(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> tuple[Tensor, Tensor | None]:
-    """The weights stacked into one (sum N, K) weight, packed, with their biases stacked; remade on any change."""
-    tensors = [t for t in (*weights, *biases) if t is not None]
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
-    ids = tuple(id(w) for w in weights)
-    entry = _PACKED_CAT.get(ids)
-    if entry is None:
-        for w in weights:
-            weakref.finalize(w, _PACKED_CAT.pop, ids, None)
-    if entry is None or entry.key != key:
-        stacked = torch.cat([w.detach() for w in weights])  # (sum N, K)
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # (sum N,)
-        entry = _Packed(key, (torch.ops.mkldnn._reorder_linear_weight(stacked, None), bias))
-        _PACKED_CAT[ids] = entry
-    return entry.packed
+    return _cached(_PACKED, [weight], lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b with oneDNN forward and backward GEMMs."""
+    """y = x W^T + b with oneDNN forward and backward GEMMs, every operand row-major."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        x = x.contiguous()  # (..., K): a transposed or sliced view would take oneDNN's slow strided path
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _lp(x, weight, bias)  # (..., N)
+        return _lp(x, weight, None if bias is None else bias.contiguous())  # (..., N)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         N, K = weight.shape
-        grad2d = grad.reshape(-1, N)  # (M, N)
+        grad2d = grad.reshape(-1, N).contiguous()  # (M, N): out.sum() and out.mean() give an expanded (stride-0) gradient
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _lp(grad2d, weight.t(), None).view(x.shape)  # (M, N) x (N, K) -> (..., K)
+            grad_x = _lp(grad2d, weight.t(), None).view(x.shape)  # (M, N) x ((K, N) transposed-contiguous) -> (..., K)
         if ctx.needs_input_grad[1]:
-            grad_w = _lp(x.reshape(-1, K).t(), grad2d.t(), None).t()  # ((K, M) x (M, N) -> (K, N))^T = (N, K): faster than (N, M) x (M, K)
+            grad_w = _lp(grad2d.t().contiguous(), x.reshape(-1, K).t().contiguous(), None)  # (N, M) x (K, M) -> (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2d.sum(0)  # (N,)
         return grad_x, grad_w, grad_b
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` with the same numbers (to float32 rounding), faster where oneDNN pays.
+    """``F.linear`` with the same numbers (to float32 rounding), on the path ``choose`` picks.
 
     Args:
         x: (..., K) input, e.g. (B, T, C).
@@ -191,7 +259,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _OneDNNLinear.apply(x, weight, bias)  # (..., N)
-    return _lp(x, _packed(weight), None if bias is None else bias.detach())  # (..., N)
+    return _lp(x.contiguous(), _packed(weight), None if bias is None else bias.detach().contiguous())  # (..., N)
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -213,12 +281,15 @@ def project(layer: nn.Module, x: Tensor) -> Tensor:
 
 
 def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
-    """``[project(layer, x) for layer in layers]``, as one GEMM where that is safe and pays.
+    """``[project(layer, x) for layer in layers]`` as one GEMM, on either path, where that is safe.
 
-    When every layer is a plain, hook-free ``nn.Linear`` on the oneDNN path, all with a bias
-    or all without, and no gradient is wanted, the weights are stacked and packed once (remade
-    when any of them changes) and x is read once: one call instead of, say, three for Q, K, V.
-    The results are then views of one (..., sum N) tensor. Otherwise each layer runs alone.
+    When every layer is a plain, hook-free ``nn.Linear`` with weights of one dtype and device,
+    all with a bias or all without, the weights are stacked into one (sum N, K) weight and x is
+    read once: one GEMM instead of, say, three for Q, K, V. Under autograd (and when
+    ``torch.compile`` traces) the stacking is a ``torch.cat`` in the graph, so every weight gets its gradient; without it the stack is made
+    once and remade when any weight or bias changes (``_version``). The results are views of one
+    (..., sum N) tensor. Otherwise (or for inference tensors, which have no version, and tensor
+    subclasses such as DTensor, which shard their own way) each layer runs alone.
 
     Args:
         layers: layers with weights (N_i, K).
@@ -227,18 +298,27 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     Returns:
         one (..., N_i) tensor per layer.
     """
-    linears = [layer for layer in layers if _plain(layer)]
-    fused = len(linears) == len(layers) > 1 and not (torch.is_grad_enabled() and (x.requires_grad or any(
-        p.requires_grad for layer in linears for p in layer.parameters())))
-    if fused:
-        biases = [layer.bias for layer in linears]
-        fused = all(b is None for b in biases) or all(b is not None for b in biases)
-        fused = fused and all(not layer.weight.is_inference() and uses_onednn(x, layer.weight, layer.bias) for layer in linears)
-    if not fused:
+    if not (len(layers) > 1 and all(_plain(layer) for layer in layers)):
         return [project(layer, x) for layer in layers]
-    weight, bias = _packed_cat([layer.weight for layer in linears], biases)
-    y = _lp(x, weight, bias)  # (..., sum N)
-    return list(y.split([layer.out_features for layer in linears], dim=-1))  # (..., N_i) each
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    params = [t for t in (*weights, *biases) if t is not None]
+    mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or len({(t.dtype, t.device) for t in params}) > 1
+    if mixed or not _plain_tensors(x, *params):
+        return [project(layer, x) for layer in layers]
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
+        weight, bias = torch.cat(weights), None if biases[0] is None else torch.cat(biases)  # (sum N, K), (sum N,)
+    elif any(t.is_inference() for t in params):
+        return [project(layer, x) for layer in layers]
+    else:
+        weight, bias = _cached(_STACKED, params, lambda: (
+            torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
+    y = linear(x, weight, bias)  # (..., sum N)
+    return list(y.split([w.shape[0] for w in weights], dim=-1))  # (..., N_i) each
+
+
+def _plain_tensors(*tensors: Tensor | None) -> bool:
+    return all(type(t) in (Tensor, nn.Parameter) for t in tensors if t is not None)
 
 
 def _plain(layer: nn.Module) -> bool:

@@ -56,6 +56,18 @@ def test_ceiling_and_machine():
     assert "cores" in bench.machine() and "torch" in bench.machine()
 
 
+def test_header_names_the_cpu_and_the_linear_path_with_its_share_of_the_ceiling():
+    from headwise import linear as hl
+
+    text = bench.markdown(tiny(modes=("forward",), impls=("fused Linear + SDPA + Linear",), ceiling=True))
+    facts = hl.cpu()
+    assert f"family {facts['family']} model {facts['model']}" in text or not facts["vendor"]
+    assert "AVX-512 " in text and "AVX512-bf16 " in text and "AMX " in text
+    path, reason = hl.choose()
+    assert f"Linear path fp32: {path} ({reason}; its 2048³ GEMM: " in text and "% of the ceiling)" in text
+    assert "Linear path bf16" not in text  # only the dtypes the run measured
+
+
 def test_memory_child_sees_the_scores_a_forward_materialises():
     """The book's class holds (B, H, T, T) float32 scores during its forward: the peak must show them."""
     from headwise.bench.memory import memory_child

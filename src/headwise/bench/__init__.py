@@ -17,7 +17,10 @@ projection (the book's wrapper has none). Fairness rules:
   minus the RSS just before it (module and input already built);
 - the machine's ceiling is measured in the same run: the best GEMM rate torch reaches here
   per dtype (``F.linear``'s BLAS and oneDNN's inner product), so achieved GFLOP/s can be
-  read as a share of what the cores can do.
+  read as a share of what the cores can do;
+- the header names the CPU (vendor, family/model, AVX-512, AVX512-bf16, AMX), the path
+  ``headwise.linear`` took per dtype and why (``headwise.linear.describe()``), and that path's
+  GEMM rate as a share of the measured ceiling.
 
 ``device="cuda"`` (``headwise bench --device cuda``) runs the same cases on the GPU: each call
 timed by CUDA events around it (warm-up waited for, interleaved, medians), rates in TFLOP/s

@@ -72,11 +72,14 @@ class Ceiling:
 
 @dataclass
 class Report:
+    """One run: the machine, the linear path headwise took, the ceilings, the rows."""
+
     machine: str
     ceilings: list[Ceiling] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
     decode: list = field(default_factory=list)  # headwise.bench.decode.DecodeRow, one per context
     command: str = ""
+    linear: dict = field(default_factory=dict)  # headwise.linear.describe(): the projection path per dtype and why
 
     def ceiling(self, dtype: str) -> float | None:
         rates = [c.gflops for c in self.ceilings if c.dtype == dtype]

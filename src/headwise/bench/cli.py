@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": report.machine, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
+            json.dump({"machine": report.machine, "linear": report.linear, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
                        "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
     if args.plot:
         plot(report, args.plot)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..linear import describe
 from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
 from .decode import decode_latency
 from .memory import memory_case
@@ -16,23 +17,15 @@ from .timing import measure_ceiling, time_case
 
 
 def machine() -> str:
-    """CPU model, cores, torch threads, vector ISA and the bf16 instructions, torch version."""
-    model = platform.processor() or platform.machine()
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    isa = torch.backends.cpu.get_cpu_capability()
-    return (f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, {isa}"
-            f"{', ' + ', '.join(extras) if extras else ''}), Python {platform.python_version()}")
+    """CPU (name, vendor, family/model, the flags that matter), cores, torch, its threads and kernel ISA, Python."""
+    from ..linear import cpu
+
+    facts = cpu()
+    flags = {"AVX-512": "avx512f", "AVX512-bf16": "avx512_bf16", "AMX": "amx_tile"}
+    have = ", ".join(f"{name} {'yes' if flag in facts['flags'] else 'no'}" for name, flag in flags.items())
+    where = f"{facts['vendor']} family {facts['family']} model {facts['model']}" if facts["vendor"] else platform.machine()
+    return (f"{facts['name']} ({where}; {have}), {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads, {facts['capability']} kernels), Python {platform.python_version()}")
 
 
 def run(
@@ -79,7 +72,7 @@ def run(
     if device == "cuda" and "decode" in modes:
         raise ValueError("mode 'decode' runs on the CPU only (the decode benchmark is a CPU latency study), got device='cuda'")
     chosen = select(impls)
-    report = Report(machine() if device == "cpu" else f"{machine()}; {_gpu()}")
+    report = Report(machine() if device == "cpu" else f"{machine()}; {_gpu()}", linear=describe())
     if ceiling:
         for dtype in dtypes:
             report.ceilings += measure_ceiling(dtype, device=device)

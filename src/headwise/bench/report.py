@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .cases import MODES, Case, Report, Row
+from .cases import DTYPES, MODES, Case, Report, Row
 
 
 def fastest_peer(report: Report, mode: str, case: Case) -> Row | None:
@@ -13,6 +13,24 @@ def fastest_peer(report: Report, mode: str, case: Case) -> Row | None:
     peers = [r for r in report.rows if r.peer and r.mode == mode and r.case == case and getattr(r, key) is not None]
     return min(peers, key=lambda r: getattr(r, key), default=None)
 
+_CEILING_PATH = {"onednn": "oneDNN inner product", "torch": "F.linear"}  # linear path -> its row in the ceilings
+
+
+def linear_paths(report: Report) -> list[str]:
+    """One line per dtype: headwise.linear's path, why, and its GEMM's share of the measured ceiling."""
+    lines, run = [], {c.dtype for c in report.ceilings} | {r.case.dtype for r in report.rows}
+    for dtype, name in DTYPES.items():
+        if run and dtype not in run:
+            continue
+        info = report.linear.get(str(name).removeprefix("torch."))
+        if not info:
+            continue
+        rate = next((c.gflops for c in report.ceilings if c.dtype == dtype and c.path == _CEILING_PATH[info["path"]]), None)
+        share = f"; its 2048³ GEMM: {rate:.0f} GFLOP/s, {100 * rate / report.ceiling(dtype):.0f}% of the ceiling" if rate else ""
+        lines.append(f"Linear path {dtype}: {info['path']} ({info['reason']}{share})  ")
+    return [*lines, ""] if lines else []
+
+
 def markdown(report: Report) -> str:
     """The report as Markdown: ceilings, one table per mode, decode rows."""
     out = [f"Machine: {report.machine}", ""]
@@ -20,9 +38,10 @@ def markdown(report: Report) -> str:
         out += [f"Command: `{report.command}`", ""]
     gpu = any(r.case.device == "cuda" for r in report.rows)  # then rates in TFLOP/s, shares of the datasheet peak
     rate, share, per = ("TFLOP/s", "% peak", 1e3) if gpu else ("GFLOP/s", "% ceiling", 1.0)
+    out += [] if gpu else linear_paths(report)  # the projections' CPU path (a GPU takes F.linear)
     if report.ceilings:
-        out += [f"| {'GPU peak' if gpu else 'GEMM ceiling (2048³)'} | path | {rate} |", "|---|---|---:|"]
-        out += [f"| {c.dtype} | {c.path} | {c.gflops / per:.0f} |" for c in report.ceilings] + [""]
+        out += [f"| {'GPU peak' if gpu else 'GEMM ceiling (2048³)'} | path | {rate} | share of the ceiling |", "|---|---|---:|---:|"]
+        out += [f"| {c.dtype} | {c.path} | {c.gflops / per:.0f} | {100 * c.gflops / report.ceiling(c.dtype):.0f}% |" for c in report.ceilings] + [""]
     for mode in MODES[:3]:
         rows = [r for r in report.rows if r.mode == mode]
         if not rows:

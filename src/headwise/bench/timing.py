@@ -159,7 +159,7 @@ def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3, device: s
     On CUDA the ceiling is the GPU's datasheet peak for ``dtype`` (``bench.gpu``), none for a
     GPU the table does not know.
     """
-    from ..linear import _lp, _onednn_available
+    from ..linear import _lp, _ops_error
 
     if torch.device(device).type == "cuda":
         from .gpu import peak
@@ -172,7 +172,7 @@ def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3, device: s
     a = torch.randn(size, size, generator=gen).to(t)
     b = torch.randn(size, size, generator=gen).to(t)
     paths: dict[str, Callable[[], Tensor]] = {"F.linear": lambda: F.linear(a, b)}
-    if _onednn_available():
+    if _ops_error(t) is None:
         paths["oneDNN inner product"] = lambda: _lp(a, b, None)
     best = {}
     with torch.no_grad():
