@@ -63,3 +63,7 @@ PLANS: dict[type[nn.Module], Plan] = {
     LlamaAttention: {"": shared_input, "q_proj": colwise, "k_proj": colwise, "v_proj": colwise, "o_proj": rowwise},  # Llama, Mistral, Qwen3
     LlamaMLP: {"gate_proj": colwise, "up_proj": colwise, "down_proj": rowwise},  # SwiGLU: gate and up split alike
 }
+
+#: Parameters applied to every head alike (Qwen3's QK-norm over each head's D): replicated, but on a
+#: rank they see only its heads, so their gradient there is a partial sum, all-reduced in backward.
+PER_HEAD_SHARED: dict[type[nn.Module], tuple[str, ...]] = {LlamaAttention: ("q_norm", "k_norm")}

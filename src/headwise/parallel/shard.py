@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TypeVar
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..layer import AttentionLayer
 from ..teaching import CausalAttention, MultiHeadAttentionWrapper
-from .plan import PLANS, Plan, rowwise
+from .plan import PER_HEAD_SHARED, PLANS, Plan, rowwise
 from .qkv import FusedQKVParallel
 
 M = TypeVar("M", bound=nn.Module)
@@ -75,8 +76,19 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
         if isinstance(sub, AttentionLayer):
             sub.num_heads //= n  # the heads this rank computes
             sub.num_kv_heads //= n
+        for name in PER_HEAD_SHARED.get(type(sub), ()):
+            shared = getattr(sub, name, None)
+            for p in shared.parameters() if shared is not None else ():
+                p.register_hook(functools.partial(_summed_over, group=device_mesh.get_group()))
     _broadcast_replicated(module, device_mesh)
     return module
+
+
+def _summed_over(grad: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """A replicated parameter's gradient from this rank's heads, summed over every rank's heads."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _check_mesh(mesh: object) -> None:
