@@ -25,9 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from ..fused import GPT2MultiHeadAttention
 from ..models.bert import BertLayer
-from ..models.gpt2 import MLP
-from ..models.llama import MLP as LlamaMLP
-from ..models.llama import LlamaAttention
+from ..models import gpt2, llama
 from ..teaching import MultiHeadAttention
 from .qkv import FusedQKVParallel
 
@@ -58,12 +56,12 @@ def shared_input(owner: nn.Module) -> ParallelStyle:
 PLANS: dict[type[nn.Module], Plan] = {
     MultiHeadAttention: {"": shared_input, "W_query": colwise, "W_key": colwise, "W_value": colwise, "out_proj": rowwise},
     GPT2MultiHeadAttention: {"c_attn": fused_qkv, "c_proj": rowwise},
-    MLP: {"c_fc": colwise, "c_proj": rowwise},  # GPT-2's
+    gpt2.MLP: {"c_fc": colwise, "c_proj": rowwise},  # GPT-2's
     BertLayer: {"intermediate": colwise, "output": rowwise},  # its attention is a MultiHeadAttention
-    LlamaAttention: {"": shared_input, "q_proj": colwise, "k_proj": colwise, "v_proj": colwise, "o_proj": rowwise},  # Llama, Mistral, Qwen3
-    LlamaMLP: {"gate_proj": colwise, "up_proj": colwise, "down_proj": rowwise},  # SwiGLU: gate and up split alike
+    llama.LlamaAttention: {"": shared_input, "q_proj": colwise, "k_proj": colwise, "v_proj": colwise, "o_proj": rowwise},  # Llama, Mistral, Qwen3
+    llama.MLP: {"gate_proj": colwise, "up_proj": colwise, "down_proj": rowwise},  # SwiGLU: gate and up split alike
 }
 
 #: Parameters applied to every head alike (Qwen3's QK-norm over each head's D): replicated, but on a
 #: rank they see only its heads, so their gradient there is a partial sum, all-reduced in backward.
-PER_HEAD_SHARED: dict[type[nn.Module], tuple[str, ...]] = {LlamaAttention: ("q_norm", "k_norm")}
+PER_HEAD_SHARED: dict[type[nn.Module], tuple[str, ...]] = {llama.LlamaAttention: ("q_norm", "k_norm")}
