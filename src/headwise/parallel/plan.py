@@ -24,8 +24,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from ..fused import GPT2MultiHeadAttention
-from ..models.bert import BertLayer
 from ..models import gpt2, llama
+from ..models.bert import BertLayer
 from ..teaching import MultiHeadAttention
 from .qkv import FusedQKVParallel
 
