@@ -24,7 +24,9 @@ operands of the weight gradient are copied first (handed over as they are, oneDN
 (~1.5x slower as it is); a sliced weight (also ~1000x) goes to ``F.linear``. Training goes through
 a custom autograd Function whose backward GEMMs also run on oneDNN, and without autograd the
 weight is packed once into oneDNN's layout, repacked whenever it changes (storage pointer and
-``_version``, bumped by optimizer steps and ``load_state_dict``). Nothing global is changed.
+``_version``, bumped by optimizer steps and ``load_state_dict``); under ``torch.distributed``,
+where FSDP2 refills weights in place without a version bump, nothing is cached. Nothing global
+is changed.
 """
 
 from __future__ import annotations
@@ -190,8 +192,16 @@ def _key(tensors: Sequence[Tensor]) -> tuple:
     return tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
+def _watchable() -> bool:
+    """Whether a weight's storage pointer and ``_version`` tell every change. Not under torch.distributed:
+    FSDP2 refills its unsharded weights in place, at the same address, without bumping ``_version``."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def _cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) -> Any:
     """``make()``'s value for these tensors, made again whenever any of them changed; the entry dies with them."""
+    if not _watchable():
+        return make()
     ids, key = tuple(map(id, owners)), _key(owners)
     entry = cache.get(ids)
     if entry is None:
@@ -208,7 +218,7 @@ _STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (the
 
 def _packed(weight: Tensor) -> Tensor:
     """The weight reordered for oneDNN, remade whenever the weight changed since."""
-    if weight.is_inference():  # no version counter to watch: use it as it is, unpacked
+    if weight.is_inference() or not _watchable():  # no change we could see: use it as it is, unpacked
         return weight
     return _cached(_PACKED, [weight], lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
 
