@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise as hw
-from headwise.convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_atomic, remap
+from headwise.convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked, remap
 
 
 def _randomise(module: torch.nn.Module) -> torch.nn.Module:
@@ -102,7 +102,7 @@ def test_mha_to_gpt2_refuses_what_gpt2_cannot_express(mha, match):
         hw.mha_to_gpt2(mha)
 
 
-# ----------------------------------------------------------------------------- remap / load_atomic
+# ----------------------------------------------------------------------------- remap / load_checked
 
 
 def test_remap_renames_transposes_and_ignores():
@@ -126,15 +126,15 @@ def test_remap_lists_every_problem_at_once():
     ]
 
 
-def test_load_atomic_changes_nothing_on_error_and_loads_on_success():
+def test_load_checked_changes_nothing_on_error_and_loads_on_success():
     mha = hw.MultiHeadAttention(4, 4, 3, 0.0, 2)
     before = {k: v.clone() for k, v in mha.state_dict().items()}
     good = {k: torch.randn_like(v) for k, v in mha.state_dict().items()}
     bad = dict(good, **{"W_key.weight": torch.zeros(4, 5)})
     with pytest.raises(ValueError, match=r"wrong shape: W_key.weight: expected \(4, 4\), got \(4, 5\)"):
-        load_atomic(mha, bad)
+        load_checked(mha, bad)
     assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())
-    load_atomic(mha, good)
+    load_checked(mha, good)
     assert torch.equal(mha.W_key.weight, good["W_key.weight"])
 
 
@@ -149,3 +149,23 @@ def test_is_legacy_gpt2_buffer(key, legacy):
 
 def test_hf_transposed_names():
     assert HF_GPT2_TRANSPOSED == ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+
+
+def test_load_checked_takes_the_books_state_dict_with_its_mask():
+    torch.manual_seed(0)
+    src, dst = hw.MultiHeadAttention(4, 4, 3, 0.0, 2), hw.MultiHeadAttention(4, 4, 3, 0.0, 2)
+    state = src.state_dict()
+    assert "mask" in state  # emitted for the book's compatibility, never stored
+    load_checked(dst, {k: v for k, v in state.items() if k != "mask"})  # a state dict from elsewhere has none
+    load_checked(dst, state)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match=r"wrong shape: mask: expected \(3, 3\), got \(5, 5\)"):
+        load_checked(dst, dict(state, mask=torch.zeros(5, 5)))
+
+
+def test_load_checked_refuses_integer_weights_instead_of_casting_them():
+    mha = hw.MultiHeadAttention(4, 4, 3, 0.0, 2)
+    state = {k: v.clone() for k, v in mha.state_dict().items()}
+    state["W_query.weight"] = torch.ones(4, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"wrong dtype: W_query.weight: expected a floating-point tensor, got torch.int32"):
+        load_checked(mha, state)

@@ -11,7 +11,8 @@ Module conversions show the book's claim in code (the formulations compute one f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,8 @@ def remap(
     rename: Callable[[str], str] = lambda key: key,
     transposed: tuple[str, ...] = (),
     ignore: Callable[[str], bool] = lambda key: False,
+    optional: Mapping[str, tuple[int, ...]] | None = None,
+    floating: Collection[str] = (),
     source: str = "state dict",
 ) -> dict[str, Tensor]:
     """Rename keys, transpose the named weights, check every key and shape; return a new dict.
@@ -47,41 +50,86 @@ def remap(
         rename: maps an incoming key to a target key.
         transposed: incoming 2-D weights whose key ends with one of these are transposed.
         ignore: incoming keys for which this is True are dropped.
+        optional: target key -> shape of entries that may come but need not (the book's
+            ``mask``, which its state dicts carry and headwise does not store).
+        floating: target keys that hold floating-point values: an integer or bool tensor
+            for one of them is refused rather than cast.
         source: names the origin (a file, say) in the error message.
 
     Raises:
-        ValueError: listing every missing, unexpected and mis-shaped key at once.
+        ValueError: listing every missing, unexpected, duplicated, mis-shaped and
+            mis-typed key at once.
     """
+    optional = optional or {}
     out: dict[str, Tensor] = {}
-    unexpected, misshaped, seen = [], [], set()
+    origin: dict[str, str] = {}  # target key -> the incoming key that gave it
+    unexpected, misshaped, mistyped = [], [], []
     for key, tensor in state.items():
         if ignore(key):
             continue
         name = rename(key)
-        if name not in expected:
+        if name not in expected and name not in optional:
             unexpected.append(key)
             continue
-        seen.add(name)
+        origin[name] = key
+        if not isinstance(tensor, Tensor):
+            mistyped.append(f"{key}: expected a tensor, got {type(tensor).__name__}")
+            continue
         if transposed and key.endswith(transposed) and tensor.ndim == 2:
             tensor = tensor.t()
-        if tuple(tensor.shape) != tuple(expected[name]):
-            misshaped.append(f"{key}: expected {tuple(expected[name])}, got {tuple(tensor.shape)}")
+        shape = expected[name] if name in expected else optional[name]
+        if tuple(tensor.shape) != tuple(shape):
+            misshaped.append(f"{key}: expected {tuple(shape)}, got {tuple(tensor.shape)}")
+            continue
+        if name in floating and not tensor.is_floating_point():
+            mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
             continue
         out[name] = tensor
-    missing = [k for k in expected if k not in seen]
-    if missing or unexpected or misshaped:
+    missing = [k for k in expected if k not in origin]
+    if missing or unexpected or misshaped or mistyped:
         lines = [f"cannot load {source}; nothing was loaded:"]
         lines += [f"  missing: {k}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
         lines += [f"  wrong shape: {m}" for m in misshaped]
+        lines += [f"  wrong dtype: {m}" for m in mistyped]
         raise ValueError("\n".join(lines))
     return out
 
 
-def load_atomic(module: nn.Module, state: Mapping[str, Tensor], **remap_kwargs: object) -> nn.Module:
-    """Check ``state`` against ``module`` completely (via ``remap``), then load it strictly."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    converted = remap(state, expected, **remap_kwargs)  # raises before anything changes
+def load_checked(
+    module: nn.Module,
+    state: Mapping[str, Tensor],
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+    source: str | os.PathLike[str] = "state dict",
+) -> nn.Module:
+    """Check ``state`` completely against ``module`` (via ``remap``), then load it strictly.
+
+    Every parameter and persistent buffer must come, once, with its shape (a floating one as
+    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
+    book's ``mask``) may come. A module built on the meta device (``with torch.device("meta")``)
+    is checked from its shapes alone and only then given memory, so a checkpoint that does
+    not fit its config fails before anything the size of the config is allocated.
+
+    Raises:
+        ValueError: naming ``source`` and listing every problem at once; ``module`` is then
+            unchanged.
+    """
+    stored = dict(module.named_parameters()) | dict(module.named_buffers())
+    emitted = module.state_dict()
+    expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
+    optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
+    floating = [name for name in expected if stored[name].is_floating_point()]
+    converted = remap(
+        state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source)
+    )  # raises before anything changes
+    if any(t.is_meta for t in stored.values()):
+        volatile = [name for name, _ in module.named_buffers() if name not in emitted]
+        if volatile:  # to_empty would leave them uninitialised: nothing in the checkpoint fills them
+            raise ValueError(f"cannot load into a module on the meta device with non-persistent buffers: {volatile}")
+        module.to_empty(device="cpu")  # memory only now; load_state_dict fills every entry of it
     module.load_state_dict(converted, strict=True)
     return module
 
@@ -97,9 +145,7 @@ def gpt2_attention_from_hf(module: GPT2MultiHeadAttention, state: Mapping[str, T
     Keys may carry a prefix ending in ``attn.`` (``h.0.attn.c_attn.weight``) or none
     (``c_attn.weight``); the legacy ``bias`` / ``masked_bias`` buffers are ignored.
     """
-    return load_atomic(
-        module, state, rename=_after_attn, transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer
-    )
+    return load_checked(module, state, rename=_after_attn, transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer)
 
 
 @torch.no_grad()

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from headwise.convert import load_checked
 from headwise.models import GPT2LMHeadModel
-from headwise.models.loading import load_checked
 
 
 def copy_of(src: Path, dst: Path) -> Path:

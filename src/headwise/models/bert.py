@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .._optional import require
+from ..convert import load_checked
 from ..linear import project
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
@@ -158,7 +159,7 @@ class BertModel(nn.Module):
         config = bert_config(loading.read_config(directory, "bert"), directory / loading.CONFIG)
         file = loading.weights_file(directory)
         model = cls(config)
-        loading.load_checked(model, loading.read_weights(file), source=file, rename=hf_bert_key, ignore=_skipped)
+        load_checked(model, loading.read_weights(file), source=file, rename=hf_bert_key, ignore=_skipped)
         return model.eval()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:

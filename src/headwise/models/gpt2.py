@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..config import GPT2Config
-from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer
+from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
 from ..linear import project
 from . import _inputs, loading
@@ -111,7 +111,7 @@ class GPT2LMHeadModel(nn.Module):
         if head is not None and wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
             raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
         model = cls(config)
-        loading.load_checked(
+        load_checked(
             model,
             state,
             source=file,

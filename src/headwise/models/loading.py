@@ -7,7 +7,7 @@
 - Every problem raises one error that names the file and says what is wrong: a missing
   directory or file, JSON that does not parse, a truncated or corrupt weights file, and (via
   ``headwise.convert.remap``) every missing, unexpected and mis-shaped tensor at once.
-- ``load_checked`` checks the whole state dict before it copies a single tensor.
+- ``headwise.convert.load_checked`` checks the whole state dict before it copies a single tensor.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._optional import require
-from ..convert import remap
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -118,33 +116,3 @@ def read_weights(file: Path) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
         raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
     return state
-
-
-def expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter and persistent buffer of ``module`` -> its shape.
-
-    Entries that ``state_dict`` adds without storing them (the book's ``mask``, which
-    ``MultiHeadAttention`` emits for compatibility) are not expected from a checkpoint.
-    """
-    stored = {name for name, _ in module.named_parameters()} | {name for name, _ in module.named_buffers()}
-    return {name: tuple(t.shape) for name, t in module.state_dict().items() if name in stored}
-
-
-def load_checked(
-    module: nn.Module,
-    state: dict[str, Tensor],
-    *,
-    source: Path,
-    rename: Callable[[str], str] = lambda key: key,
-    transposed: tuple[str, ...] = (),
-    ignore: Callable[[str], bool] = lambda key: False,
-) -> nn.Module:
-    """Check ``state`` completely against ``module`` (``headwise.convert.remap``), then load it.
-
-    Raises:
-        ValueError: naming ``source`` and listing every missing, unexpected and mis-shaped
-            tensor; ``module`` is then unchanged.
-    """
-    converted = remap(state, expected_shapes(module), rename=rename, transposed=transposed, ignore=ignore, source=str(source))
-    module.load_state_dict(converted, strict=True)
-    return module
