@@ -78,10 +78,13 @@ def tokens(x: object, d_in: int, name: str = "x") -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def attention_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)", name: str = "attention_mask") -> Tensor | None:
+def attention_mask(
+    mask: object, b: int, t: int, dims: str = "(batch, tokens)", name: str = "attention_mask", *, device: tuple[str, torch.device] | None = None
+) -> Tensor | None:
     """A padding mask with HuggingFace's meaning, 1/True = real token, 0/False = padding.
 
-    Bools or 0/1 integers, shape (b, t); ``dims`` names that shape in the message.
+    Bools or 0/1 integers, shape (b, t); ``dims`` names that shape in the message;
+    ``device``, if given, is ``(what, device)``: the mask must be on that device.
     Returns it as a (b, t) bool tensor (None stays None). A bool mask is taken as it is; an
     int mask's values are checked, which reads them on the host (one device sync on a GPU):
     pass bools where that matters.
@@ -92,6 +95,8 @@ def attention_mask(mask: object, b: int, t: int, dims: str = "(batch, tokens)", 
         raise TypeError(f"{name} must be a bool or 0/1 int tensor of shape {dims} (1/True = real token), got {type(mask).__name__}")
     if tuple(mask.shape) != (b, t):
         raise ValueError(f"{name} must have shape {dims} = {(b, t)}, got {tuple(mask.shape)}")
+    if device is not None:
+        same_device(name, mask, *device)
     if mask.dtype == torch.bool:
         return mask
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
@@ -115,6 +120,23 @@ def position_ids(ids: object, b: int, t: int, name: str = "position_ids") -> Non
         raise TypeError(f"{name} must be an integer tensor of shape (batch, tokens) = {(b, t)}, got {what}")
     if tuple(ids.shape) != (b, t):
         raise ValueError(f"{name} must have shape (batch, tokens) = {(b, t)}, got {tuple(ids.shape)}")
+
+
+def same_device(name: str, t: Tensor, what: str, device: torch.device) -> None:
+    """``t`` must be on ``device``, where ``what`` lives; the message names both devices."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {what} on {device}: move one to the other's device")
+
+
+def module_input(module: torch.nn.Module, x: Tensor, name: str) -> None:
+    """``x`` must be on the device of ``module``'s parameters and (outside autocast) of their dtype."""
+    p = next(module.parameters(), None)
+    if p is None:
+        return
+    owner = f"{type(module).__name__}'s parameters are"
+    same_device(name, x, owner, p.device)
+    if x.dtype != p.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{name} has dtype {x.dtype} but {owner} {p.dtype}: convert one (module.to({x.dtype}) or {name}.to({p.dtype}))")
 
 
 def context(t: int, past: int, context_length: int, sliding: bool) -> None:

@@ -116,11 +116,10 @@ class KVCache:
                 raise ValueError(f"cache holds (B={B}, Hkv={Hkv}, *, D={D}); {name} has shape {tuple(t.shape)}")
             if t.dtype != self.k.dtype:
                 raise TypeError(f"cache holds {self.k.dtype}; {name} is {t.dtype}")
-            if t.device != self.k.device:
-                raise ValueError(f"cache lives on {self.k.device}; {name} is on {t.device}")
+            _checks.same_device(name, t, "the cache is", self.k.device)
         if v.shape[2] != k.shape[2]:
             raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
-        attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)")
+        attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)", device=("the cache is", self.k.device))
         if self.window is None and self._len + k.shape[2] > L:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
         return attention_mask

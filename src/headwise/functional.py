@@ -61,6 +61,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     _check_tensor("v", v, 4, "(B, Hkv, S, Dv)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     B, H, _, D = q.shape
     if k.shape[0] != B or k.shape[-1] != D:
         raise ValueError(f"k must have shape (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
@@ -111,6 +113,7 @@ def _combined_mask(
         return allowed, False
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask must be a torch.Tensor (bool or float), got {type(mask).__name__}")
+    _checks.same_device("mask", mask, "q, k and v are", q.device)
     try:
         ok = torch.broadcast_shapes(mask.shape, (B, H, T, S)) == (B, H, T, S)
     except RuntimeError:
@@ -255,7 +258,9 @@ def attention(
     _check_qkv(q, k, v)
     _checks.dropout("dropout_p", dropout_p)
     scale = _check_scale(scale, q.shape[-1])
-    attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)")
+    attention_mask = _checks.attention_mask(
+        attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)", device=("k and v are", k.device)
+    )
     if cache is not None:
         k, v, attention_mask = _read_cache(q, k, v, cache, causal, window, attention_mask)  # (B, Hkv, S, D) x2, (B, S)
     mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
@@ -301,7 +306,7 @@ def attention_weights(
     """
     _check_qkv(q, k, k)
     scale = _check_scale(scale, q.shape[-1])
-    attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, S)")
+    attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
     mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
     return _softmax_weights(q, k, mask, is_causal, scale).to(q.dtype)  # (B, H, T, S)
 

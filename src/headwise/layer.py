@@ -74,7 +74,8 @@ class AttentionLayer(nn.Module):
             (B, T, C).
         """
         b, t = _checks.tokens(x, self.d_in, self.input_name)
-        attention_mask = _checks.attention_mask(attention_mask, b, t)  # (B, T) bool or None
+        _checks.module_input(self, x, self.input_name)
+        attention_mask = _checks.attention_mask(attention_mask, b, t, device=(self.input_name + " is", x.device))  # (B, T) bool or None
         past = len(cache) if isinstance(cache, KVCache) else 0
         _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
         _checks.position_ids(position_ids, b, t)

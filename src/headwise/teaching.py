@@ -108,7 +108,8 @@ class CausalAttention(_BookMask, nn.Module):
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, d_out)."""
         b, num_tokens = _checks.tokens(x, self.d_in)
-        attention_mask = _checks.attention_mask(attention_mask, b, num_tokens)
+        _checks.module_input(self, x, "x")
+        attention_mask = _checks.attention_mask(attention_mask, b, num_tokens, device=("x is", x.device))
         _checks.context(num_tokens, 0, self.context_length, sliding=False)
         queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
         keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)

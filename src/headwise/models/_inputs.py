@@ -29,11 +29,18 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
     return input_ids.shape[0], input_ids.shape[1]
 
 
-def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_mask") -> Tensor:
-    """HuggingFace's (B, T) mask, 1/True = real token, as ints or bools -> (B, T) bool."""
+def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_mask", *, device: torch.device | None = None) -> Tensor:
+    """HuggingFace's (B, T) mask, 1/True = real token, as ints or bools -> (B, T) bool (on ``device``, the ids' device)."""
     if mask is None:
         raise TypeError(f"{name} must be a torch.Tensor of shape (batch, tokens) = {tuple(shape)}, 1/True = real token; got None")
-    return _checks.attention_mask(mask, *shape, dims="(batch, tokens) of input_ids", name=name)
+    where = None if device is None else ("input_ids is", device)
+    return _checks.attention_mask(mask, *shape, dims="(batch, tokens) of input_ids", name=name, device=where)
+
+
+def on_model(input_ids: Tensor, weight: Tensor, name: str = "input_ids") -> None:
+    """The ids (if a tensor; ``token_ids`` checks the rest) must be on the device of the model's embedding ``weight``."""
+    if isinstance(input_ids, Tensor):
+        _checks.same_device(name, input_ids, "the model's embeddings are", weight.device)
 
 
 def padding_only(real: Tensor | None) -> Tensor | None:

@@ -173,15 +173,17 @@ class BertModel(nn.Module):
         Returns:
             (B, T, C) hidden states; those of padding positions mean nothing.
         """
+        _inputs.on_model(input_ids, self.embeddings.word_embeddings.weight)
         b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
         if t > self.config.max_position_embeddings:
             raise ValueError(f"input_ids has {t} tokens, more than max_position_embeddings={self.config.max_position_embeddings}")
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # (B, T)
         elif tuple(token_type_ids.shape) != (b, t):
             raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
         else:
+            _inputs.on_model(token_type_ids, self.embeddings.word_embeddings.weight, "token_type_ids")
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
         attention_mask = _inputs.padding_only(real)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
