@@ -187,3 +187,21 @@ def test_gqa_cache_holds_only_the_kv_heads():
     with torch.no_grad():
         m(torch.randn(1, 3, 16), cache=cache)
     assert len(cache) == 3
+
+
+def test_a_cache_belongs_to_the_first_module_that_uses_it():
+    torch.manual_seed(0)
+    layer0, layer1 = make("mha"), make("mha")
+    cache = new_cache(layer0, 1, 16)
+    with torch.no_grad():
+        layer0(torch.randn(1, 3, 16), cache=cache)
+        with pytest.raises(ValueError, match=r"this KVCache belongs to MultiHeadAttention at 0x[0-9a-f]+, not to MultiHeadAttention at 0x"):
+            layer1(torch.randn(1, 3, 16), cache=cache)  # would have attended over layer0's keys
+        assert len(cache) == 3  # nothing was written
+        cache.reset()  # forgets the tokens, keeps the owner
+        with pytest.raises(ValueError, match=r"this KVCache belongs to"):
+            layer1(torch.randn(1, 3, 16), cache=cache)
+        layer0(torch.randn(1, 3, 16), cache=cache)
+        gpt2 = make("gpt2")
+        with pytest.raises(ValueError, match=r"belongs to MultiHeadAttention at 0x[0-9a-f]+, not to GPT2MultiHeadAttention"):
+            gpt2(torch.randn(1, 1, 16), cache=cache)

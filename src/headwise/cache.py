@@ -14,9 +14,17 @@ need no mask of their own. It never reads a mask's values on the host (no device
 any write came with a mask, it hands its (B, S) record of real tokens on with every read; a
 cache never given a mask hands on None, so that attention needs no mask at all. (The models
 pass None for a batch without padding.)
+
+A cache belongs to one attention module: the first module that runs with it binds it
+(``bind``), and any other module given it gets a ValueError naming both (two layers sharing a
+cache would attend over each other's keys). ``reset`` and ``crop`` forget tokens, not the
+owner: a cache reused for the next sequence stays with its layer; another layer needs a
+cache of its own.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -62,6 +70,7 @@ class KVCache:
         self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
         self._padded = False  # did any stored position come with a padding mask?
         self._len = 0
+        self._owner: weakref.ref | None = None  # the attention module this cache belongs to
 
     @classmethod
     def sliding(
@@ -86,8 +95,23 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def bind(self, owner: object) -> None:
+        """Tie this cache to ``owner``, the attention module that writes it (its forward calls this).
+
+        Raises:
+            ValueError: the cache already belongs to another module (still alive).
+        """
+        bound = None if self._owner is None else self._owner()
+        if bound is None:
+            self._owner = weakref.ref(owner)
+        elif bound is not owner:
+            raise ValueError(
+                f"this KVCache belongs to {_describe(bound)}, not to {_describe(owner)}: give every attention layer "
+                "a cache of its own (a shared cache mixes their keys and values)"
+            )
+
     def reset(self) -> None:
-        """Forget every stored token (the buffers are reused, not reallocated)."""
+        """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
         self._len = 0
         self._padded = False
         self.real.fill_(True)
@@ -181,3 +205,7 @@ class KVCache:
         self._len = start + T
         return keys, values, real if self._padded else None
 
+
+
+def _describe(module: object) -> str:
+    return f"{type(module).__name__} at {id(module):#x}"

@@ -76,6 +76,8 @@ class AttentionLayer(nn.Module):
         b, t = _checks.tokens(x, self.d_in, self.input_name)
         _checks.module_input(self, x, self.input_name)
         attention_mask = _checks.attention_mask(attention_mask, b, t, device=(self.input_name + " is", x.device))  # (B, T) bool or None
+        if isinstance(cache, KVCache):
+            cache.bind(self)  # one cache, one layer
         past = len(cache) if isinstance(cache, KVCache) else 0
         _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
         _checks.position_ids(position_ids, b, t)
