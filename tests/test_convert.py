@@ -169,3 +169,17 @@ def test_load_checked_refuses_integer_weights_instead_of_casting_them():
     state["W_query.weight"] = torch.ones(4, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"wrong dtype: W_query.weight: expected a floating-point tensor, got torch.int32"):
         load_checked(mha, state)
+
+
+def test_two_keys_for_one_parameter_are_refused_naming_both():
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=4))
+    hf = {k: v.T if k.endswith("weight") else v for k, v in attn.state_dict().items()}  # Conv1D layout
+    layer0 = {f"h.0.attn.{k}": v for k, v in hf.items()}
+    layer1 = {f"h.1.attn.{k}": v + 1 for k, v in hf.items()}
+    with pytest.raises(ValueError, match=r"duplicate: h.0.attn.c_attn.weight and h.1.attn.c_attn.weight both give c_attn.weight"):
+        hw.gpt2_attention_from_hf(attn, layer0 | layer1)
+    with pytest.raises(ValueError, match=r"duplicate: transformer.h.0.attn.c_attn.bias and h.0.attn.c_attn.bias both give h.0.attn.c_attn.bias"):
+        remap(
+            {"transformer.h.0.attn.c_attn.bias": torch.zeros(3), "h.0.attn.c_attn.bias": torch.ones(3)}, {"h.0.attn.c_attn.bias": (3,)},
+            rename=lambda k: k.removeprefix("transformer."),
+        )

@@ -63,13 +63,16 @@ def remap(
     optional = optional or {}
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}  # target key -> the incoming key that gave it
-    unexpected, misshaped, mistyped = [], [], []
+    unexpected, duplicated, misshaped, mistyped = [], [], [], []
     for key, tensor in state.items():
         if ignore(key):
             continue
         name = rename(key)
         if name not in expected and name not in optional:
             unexpected.append(key)
+            continue
+        if name in origin:
+            duplicated.append(f"{origin[name]} and {key} both give {name}")
             continue
         origin[name] = key
         if not isinstance(tensor, Tensor):
@@ -86,10 +89,11 @@ def remap(
             continue
         out[name] = tensor
     missing = [k for k in expected if k not in origin]
-    if missing or unexpected or misshaped or mistyped:
+    if missing or unexpected or duplicated or misshaped or mistyped:
         lines = [f"cannot load {source}; nothing was loaded:"]
         lines += [f"  missing: {k}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
+        lines += [f"  duplicate: {d}" for d in duplicated]
         lines += [f"  wrong shape: {m}" for m in misshaped]
         lines += [f"  wrong dtype: {m}" for m in mistyped]
         raise ValueError("\n".join(lines))

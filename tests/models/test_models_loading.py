@@ -149,3 +149,12 @@ def test_a_failed_load_leaves_the_model_unchanged(gpt2_dir):
         load_checked(model, state, source=gpt2_dir / "model.safetensors", transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"))
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_key_with_and_without_its_prefix_is_refused(gpt2_dir, tmp_path):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    state = load_file(d / "model.safetensors")
+    state["h.0.attn.c_attn.bias"] = state["transformer.h.0.attn.c_attn.bias"] + 1  # both map to one parameter
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"duplicate: (transformer\.)?h.0.attn.c_attn.bias and (transformer\.)?h.0.attn.c_attn.bias both give transformer.h.0.attn.c_attn.bias"):
+        GPT2LMHeadModel.from_pretrained(d)
