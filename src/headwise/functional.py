@@ -261,12 +261,23 @@ def attention(
     attention_mask = _checks.attention_mask(
         attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)", device=("k and v are", k.device)
     )
+    if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
+        k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
     if cache is not None:
         k, v, attention_mask = _read_cache(q, k, v, cache, causal, window, attention_mask)  # (B, Hkv, S, D) x2, (B, S)
     mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
     context = _choose(backend)(q, k, v, mask, is_causal, dropout_p, scale)  # (B, H, T, Dv)
     report("context", context)
     return context
+
+
+def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
+    """(B, Hkv, S, D) keys or values with the rows of padded keys (real (B, S) False) set to zero.
+
+    A padded key gets weight 0, but 0 * NaN is NaN: a NaN or Inf there would reach every row
+    through weights @ v (and q's gradient through k). Zeros are inert, and no output changes.
+    """
+    return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 
 def _read_cache(
@@ -307,6 +318,8 @@ def attention_weights(
     _check_qkv(q, k, k)
     scale = _check_scale(scale, q.shape[-1])
     attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
+    if attention_mask is not None:
+        k = _zero_padding(k, attention_mask)  # (B, Hkv, S, D)
     mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
     return _softmax_weights(q, k, mask, is_causal, scale).to(q.dtype)  # (B, H, T, S)
 

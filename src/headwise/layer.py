@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from . import _checks
 from .cache import KVCache
 from .functional import attention, merge_heads, split_heads
+from .masks import inert_padding
 from .observe import report
 
 
@@ -81,6 +82,7 @@ class AttentionLayer(nn.Module):
         past = len(cache) if isinstance(cache, KVCache) else 0
         _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
         _checks.position_ids(position_ids, b, t)
+        x = inert_padding(x, attention_mask)  # (B, T, d_in)
         report("x", x)
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         report("queries", queries)

@@ -50,3 +50,14 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
 def padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, S) bool, True = real token  ->  (B, 1, 1, S), broadcastable over heads and queries."""
     return attention_mask[:, None, None, :]  # (B, 1, 1, S)
+
+
+def inert_padding(x: Tensor, real: Tensor | None) -> Tensor:
+    """(B, T, C) input with NaN/Inf at padded tokens (``real`` (B, T) False) set to 0; finite values untouched.
+
+    A padded token's query row would otherwise carry NaN weights, and their gradient reaches
+    the real tokens' values (NaN * 0 in weights^T @ grad).
+    """
+    if real is None:
+        return x
+    return torch.where(real[:, :, None] | x.isfinite(), x, 0.0)  # (B, T, C)

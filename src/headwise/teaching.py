@@ -24,6 +24,7 @@ from . import _checks
 from .functional import attention, check_backend
 from .layer import AttentionLayer
 from .linear import project, project_many
+from .masks import inert_padding
 
 
 class _BookMask:
@@ -111,6 +112,7 @@ class CausalAttention(_BookMask, nn.Module):
         _checks.module_input(self, x, "x")
         attention_mask = _checks.attention_mask(attention_mask, b, num_tokens, device=("x is", x.device))
         _checks.context(num_tokens, 0, self.context_length, sliding=False)
+        x = inert_padding(x, attention_mask)  # (B, T, d_in)
         queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
         keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)
         values = project(self.W_value, x).unsqueeze(1)  # (B, 1, T, d_out)
