@@ -173,7 +173,7 @@ def test_config_presets_and_errors():
     assert hw.GPT2Config.from_dict({"n_embd": 64, "n_head": 2, "architectures": ["GPT2LMHeadModel"]}).n_embd == 64
     with pytest.raises(ValueError, match=r"unknown preset 'gpt3'; valid: \['gpt2', 'gpt2-large', 'gpt2-medium', 'gpt2-xl'\]"):
         hw.GPT2Config.from_preset("gpt3")
-    with pytest.raises(ValueError, match=r"n_embd \(100\) must be divisible by num_heads \(12\)"):
+    with pytest.raises(ValueError, match=r"n_embd \(100\) must be divisible by n_head \(12\)"):
         hw.GPT2Config(n_embd=100)
     with pytest.raises(ValueError, match=r"attn_pdrop must be a number in \[0, 1\), got 1.0"):
         hw.GPT2Config(attn_pdrop=1.0)

@@ -46,7 +46,7 @@ def repeated(m):
 def test_num_heads_must_be_a_multiple_of_num_kv_heads():
     with pytest.raises(ValueError, match=r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"):
         hw.MultiHeadAttention(12, 12, 8, 0.0, 6, num_kv_heads=4)
-    with pytest.raises(ValueError, match=r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"n_head \(6\) must be divisible by n_kv_head \(4\)"):
         hw.GPT2Config(n_embd=12, n_head=6, n_kv_head=4)
     with pytest.raises(ValueError, match=r"num_kv_heads must be a positive int, got 0"):
         hw.MultiHeadAttention(12, 12, 8, 0.0, 6, num_kv_heads=0)

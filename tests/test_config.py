@@ -1,0 +1,61 @@
+"""Every config field is checked for type and range when the config is built; from config.json the file is named too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from headwise import GPT2Config
+from headwise.config import FromDict
+from headwise.models.bert import BertConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("layer_norm_epsilon", -1.0, r"layer_norm_epsilon must be a number in \(0, inf\), got -1.0"),
+        ("layer_norm_epsilon", math.nan, r"layer_norm_epsilon must be a number in \(0, inf\), got nan"),
+        ("layer_norm_epsilon", 0.0, r"layer_norm_epsilon must be a number in \(0, inf\), got 0.0"),
+        ("layer_norm_epsilon", math.inf, r"layer_norm_epsilon must be a number in \(0, inf\), got inf"),
+        ("layer_norm_epsilon", "1e-5", r"layer_norm_epsilon must be a number in \(0, inf\), got '1e-5'"),
+        ("n_embd", 768.0, r"n_embd must be a positive int, got 768.0"),
+        ("n_layer", 0, r"n_layer must be a positive int, got 0"),
+        ("vocab_size", None, r"vocab_size must be a positive int, got None"),
+        ("n_head", "12", r"n_head must be a positive int, got '12'"),
+        ("n_head", 5, r"n_embd \(768\) must be divisible by n_head \(5\)"),
+        ("n_kv_head", 0, r"n_kv_head must be a positive int, got 0"),
+        ("n_kv_head", 5, r"n_head \(12\) must be divisible by n_kv_head \(5\)"),
+        ("attn_pdrop", 1.5, r"attn_pdrop must be a number in \[0, 1\), got 1.5"),
+        ("embd_pdrop", True, r"embd_pdrop must be a number in \[0, 1\), got True"),
+    ],
+)
+def test_gpt2_config_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        GPT2Config(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        GPT2Config.from_dict({field: value, "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("layer_norm_eps", -1e-12, r"layer_norm_eps must be a number in \(0, inf\), got -1e-12"),
+        ("layer_norm_eps", math.nan, r"layer_norm_eps must be a number in \(0, inf\), got nan"),
+        ("hidden_act", ["gelu"], r"hidden_act must be one of \['gelu', 'gelu_new', 'gelu_pytorch_tanh'\], got \['gelu'\]"),
+        ("num_attention_heads", 0, r"num_attention_heads must be a positive int, got 0"),
+        ("num_attention_heads", 7, r"hidden_size \(768\) must be divisible by num_attention_heads \(7\)"),
+        ("type_vocab_size", -2, r"type_vocab_size must be a positive int, got -2"),
+        ("hidden_dropout_prob", -0.1, r"hidden_dropout_prob must be a number in \[0, 1\), got -0.1"),
+    ],
+)
+def test_bert_config_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        BertConfig(**{field: value})
+
+
+def test_from_dict_is_shared_and_takes_only_dicts():
+    assert GPT2Config.from_dict is not None and issubclass(GPT2Config, FromDict) and issubclass(BertConfig, FromDict)
+    assert BertConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "pooler_type": "x"}).hidden_size == 64
+    with pytest.raises(TypeError, match=r"d must be a dict \(a parsed config.json\), got list"):
+        GPT2Config.from_dict([("n_embd", 64)])
