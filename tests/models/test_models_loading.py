@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +176,23 @@ def test_config_values_are_checked_with_the_file_named(gpt2_dir, tmp_path, chang
     edit_config(d, **changes)
     with pytest.raises(ValueError, match=match):
         GPT2LMHeadModel.from_pretrained(d)
+
+
+def test_a_huge_config_against_a_small_file_fails_before_allocating(gpt2_dir, tmp_path):
+    """config.json promises ~150 GB of weights; the small file must give the clear error, not an out-of-memory kill."""
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    edit_config(d, n_embd=8192, n_layer=48, n_head=64)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # far below what the config would take\n"
+        "from headwise.models import GPT2LMHeadModel\n"
+        "try:\n"
+        f"    GPT2LMHeadModel.from_pretrained({str(d)!r})\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "model.safetensors; nothing was loaded" in run.stdout
+    assert "wrong shape: transformer.wte.weight: expected (" in run.stdout and ", 8192), got (" in run.stdout

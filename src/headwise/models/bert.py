@@ -154,7 +154,8 @@ class BertModel(nn.Module):
         directory = loading.model_directory(path)
         config = bert_config(loading.read_config(directory, "bert"), directory / loading.CONFIG)
         file = loading.weights_file(directory)
-        model = cls(config)
+        with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
+            model = cls(config)
         load_checked(model, loading.read_weights(file), source=file, rename=hf_bert_key, ignore=_skipped)
         return model.eval()
 

@@ -110,7 +110,8 @@ class GPT2LMHeadModel(nn.Module):
         wte = state.get("transformer.wte.weight", state.get("wte.weight"))
         if head is not None and wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
             raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
-        model = cls(config)
+        with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
+            model = cls(config)
         load_checked(
             model,
             state,
