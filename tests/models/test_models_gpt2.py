@@ -180,3 +180,11 @@ def test_bad_generate_arguments(model):
         model.generate(ids, max_new_tokens=2, eos_token_id=V)
     with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(46\) exceeds n_positions=48"):
         model.generate(ids, max_new_tokens=46)
+
+
+def test_generate_refuses_right_padded_prompts(model, padded_batch):
+    ids, mask = padded_batch  # row 2 is padded on the right
+    with pytest.raises(ValueError, match=r"attention_mask marks it as padding in rows \[2\]: pad prompts on the left"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2)
+    holes = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1, 1]] * 3)  # padding inside a prompt, none at its end: fine
+    assert model.generate(ids, attention_mask=holes, max_new_tokens=2).shape == (3, 11)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .. import _checks
 from ..cache import KVCache
 from . import _inputs
 
@@ -56,7 +57,8 @@ def generate(
 
     Args:
         model: a ``CausalLM`` (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...).
-        input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
+        input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask`` (a prompt
+            whose last column is padding is refused: it would continue from a pad).
         max_new_tokens: the most tokens to add.
         attention_mask: (B, T), 1/True = real token (ints or bools).
         temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
@@ -76,7 +78,7 @@ def generate(
     if limit is not None and t + max_new_tokens > limit:
         raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
     real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
-    real = _inputs.padding_only(real)  # None when nothing is padding
+    real = prompt_padding(real)  # None when nothing is padding; refuses prompts that end in padding
     caches = model.new_caches(b, t + max_new_tokens)
     position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
     logits = model.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
@@ -93,6 +95,22 @@ def generate(
             position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
         logits = model.next_logits(token[:, None], position, None, caches)  # (B, vocab)
     return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def prompt_padding(real: Tensor | None) -> Tensor | None:
+    """The prompts' padding mask to pass on (None when nothing is padding), after checking that
+    no prompt ends in padding: generate continues every row from its last column. One host
+    read answers both questions (as ``_inputs.padding_only`` answers the first)."""
+    if real is None or not _checks.has_values(real):
+        return real
+    all_real, ends_real = torch.stack([real.all(), real[:, -1].all()]).tolist()  # one host read (a device sync on a GPU)
+    if not ends_real:
+        rows = (~real[:, -1]).nonzero().flatten().tolist()
+        raise ValueError(
+            f"generate continues each prompt from its last column, but attention_mask marks it as padding in rows {rows}: "
+            "pad prompts on the left (tokenizer.padding_side = 'left')"
+        )
+    return None if all_real else real
 
 
 def positions(real: Tensor | None, b: int, t: int, device: torch.device, start: int = 0) -> Tensor:
