@@ -205,3 +205,37 @@ def test_a_cache_belongs_to_the_first_module_that_uses_it():
         gpt2 = make("gpt2")
         with pytest.raises(ValueError, match=r"belongs to MultiHeadAttention at 0x[0-9a-f]+, not to GPT2MultiHeadAttention"):
             gpt2(torch.randn(1, 1, 16), cache=cache)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("kind", ["mha", "gpt2"])
+def test_training_through_a_cache_gives_the_full_forwards_gradients(kind, window, backend):
+    """Prefill, single steps and a chunk with gradients on, then backward: the gradients of one full forward, twice over."""
+    m = make(kind, Hkv=2, ctx=32, window=window, backend=backend, dtype=torch.float64, seed=5).train()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    w = torch.randn(2, 8, 16, dtype=torch.float64)
+
+    def grads(out_fn):
+        m.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        out = out_fn(xg)
+        (out * w).sum().backward()
+        return [out.detach(), xg.grad, *[p.grad.clone() for p in m.parameters()]]
+
+    want = grads(lambda xg: m(xg))
+    cache = hw.KVCache(2, 2, 16, 4, dtype=torch.float64) if window is None else hw.KVCache.sliding(2, 2, window, 4, dtype=torch.float64)
+    for _ in range(2):  # a second training step after reset() starts clean
+        cache.reset()
+        got = grads(lambda xg: torch.cat([m(xg[:, :3], cache=cache), m(xg[:, 3:4], cache=cache), m(xg[:, 4:5], cache=cache), m(xg[:, 5:], cache=cache)], 1))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert cache.k.grad_fn is None and not cache.k.requires_grad  # the buffers never join a graph
+
+
+def test_update_refuses_what_is_not_a_tensor():
+    cache = hw.KVCache(1, 2, 8, 3)
+    with pytest.raises(TypeError, match=r"k must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=3\), got list"):
+        cache.update([[0.0]], torch.zeros(1, 2, 1, 3))
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=3\), got NoneType"):
+        cache.update(torch.zeros(1, 2, 1, 3), None)

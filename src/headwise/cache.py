@@ -20,6 +20,12 @@ A cache belongs to one attention module: the first module that runs with it bind
 cache would attend over each other's keys). ``reset`` and ``crop`` forget tokens, not the
 owner: a cache reused for the next sequence stays with its layer; another layer needs a
 cache of its own.
+
+Training through a cache works: when autograd records (grad enabled and keys or values that
+need gradients), the buffers still get plain copies, and attention gets the stored keys
+concatenated with the new ones, so gradients reach every step's keys and values as in one
+forward over the whole sequence; the buffers never join a graph, so a ``reset`` and a second
+training step start clean.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class KVCache:
         self._padded = False  # did any stored position come with a padding mask?
         self._len = 0
         self._owner: weakref.ref | None = None  # the attention module this cache belongs to
+        self._graph: tuple[int, Tensor, Tensor] | None = None  # (first position, keys, values) that autograd recorded
 
     @classmethod
     def sliding(
@@ -114,6 +121,7 @@ class KVCache:
         """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
         self._len = 0
         self._padded = False
+        self._graph = None
         self.real.fill_(True)
 
     def crop(self, length: int) -> None:
@@ -130,12 +138,17 @@ class KVCache:
         if self._padded:  # forget the dropped positions' padding (never padded: all True already)
             self.real[:, length : self._len] = True
         self._len = length
+        if self._graph is not None:
+            first, gk, gv = self._graph
+            self._graph = None if length <= first else (first, gk[:, :, : length - first], gv[:, :, : length - first])
         if length == 0:
             self._padded = False
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor | None:
         B, Hkv, L, D = self.k.shape
         for name, t in [("k", k), ("v", v)]:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor of shape (B={B}, Hkv={Hkv}, T, D={D}), got {type(t).__name__}")
             if t.ndim != 4 or t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D:
                 raise ValueError(f"cache holds (B={B}, Hkv={Hkv}, *, D={D}); {name} has shape {tuple(t.shape)}")
             if t.dtype != self.k.dtype:
@@ -170,6 +183,8 @@ class KVCache:
         start = self._len
         if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
             self._padded = True
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None):
+            return self._update_recorded(k, v, attention_mask)
         if self.window is None:
             self.k[:, :, start : start + T] = k
             self.v[:, :, start : start + T] = v
@@ -205,6 +220,49 @@ class KVCache:
         self._len = start + T
         return keys, values, real if self._padded else None
 
+
+
+    # ------------------------------------------------------------------------- training through the cache
+
+    def _stored(self, buffer: Tensor, first: int, end: int) -> Tensor:
+        """Positions first .. end-1 of a buffer ((B, Hkv, L, D) or (B, L)), oldest first."""
+        if self.window is None or first >= end:
+            return buffer[:, first:end] if buffer.ndim == 2 else buffer[:, :, first:end]
+        slots = torch.arange(first, end, device=buffer.device) % self.window  # (end - first,)
+        return buffer[:, slots] if buffer.ndim == 2 else buffer[:, :, slots]
+
+    def _recorded_past(self, buffer: Tensor, index: int, first: int, end: int) -> Tensor:
+        """Positions first .. end-1 in time order: autograd's copy where it has one, else the buffer's."""
+        if self._graph is None:
+            return self._stored(buffer, first, end)
+        start, recorded = self._graph[0], self._graph[index]
+        a, b = max(first, start), min(end, start + recorded.shape[2])
+        if a >= b:
+            return self._stored(buffer, first, end)
+        parts = [self._stored(buffer, first, a), recorded[:, :, a - start : b - start], self._stored(buffer, b, end)]
+        return torch.cat(parts, dim=2)
+
+    def _update_recorded(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``update`` while autograd records: buffers get detached copies, attention a concatenation with history."""
+        T, start = k.shape[2], self._len
+        first = 0 if self.window is None else max(0, start - self.window)  # the oldest position a new query may need
+        keys = torch.cat([self._recorded_past(self.k, 1, first, start), k], dim=2)  # (B, Hkv, S, D)
+        values = torch.cat([self._recorded_past(self.v, 2, first, start), v], dim=2)  # (B, Hkv, S, D)
+        new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
+        real = torch.cat([self._stored(self.real, first, start), new_real], dim=1)  # (B, S)
+        keep = T if self.window is None else min(T, self.window)
+        if self.window is None:
+            slots = torch.arange(start, start + T, device=self.k.device)  # (T,)
+        else:
+            slots = torch.arange(start + T - keep, start + T, device=self.k.device) % self.window  # (keep,)
+        with torch.no_grad():  # the buffers hold values only; autograd keeps its own copy in _graph
+            self.k[:, :, slots] = k[:, :, T - keep :]
+            self.v[:, :, slots] = v[:, :, T - keep :]
+            self.real[:, slots] = new_real[:, T - keep :]
+        self._len = start + T
+        held = keys.shape[2] if self.window is None else min(keys.shape[2], self.window)
+        self._graph = (start + T - held, keys[:, :, -held:], values[:, :, -held:])
+        return keys, values, real if self._padded else None
 
 
 def _describe(module: object) -> str:
