@@ -1,5 +1,6 @@
 """headwise.masks against masks built entry by entry in the reference."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,3 +41,14 @@ def test_padding_mask_broadcasts_over_heads_and_queries():
     got = padding_mask(kpm)
     assert got.shape == (2, 1, 1, 3)
     assert torch.equal(got.expand(2, 4, 5, 3)[1, 3, 4], kpm[1])
+
+
+def test_causal_mask_refuses_what_is_not_a_window_or_a_count():
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 0"):
+        causal_mask(3, 3, window=0)  # an all-False mask before
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 1.5"):
+        causal_mask(3, 3, window=1.5)
+    with pytest.raises(ValueError, match=r"s must be an int >= 0, got -1"):
+        causal_mask(1, -1)
+    with pytest.raises(ValueError, match=r"t must be an int >= 0, got 2.0"):
+        causal_mask(2.0, 3)

@@ -91,6 +91,7 @@ class KVCache:
         device: torch.device | str | None = None,
     ) -> KVCache:
         """A ring buffer of ``window`` positions for sliding-window attention (``window=W``)."""
+        _checks.positive_int("window", window)
         cache = cls(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device)
         cache.window = window
         return cache

@@ -138,6 +138,13 @@ def load_checked(
     return module
 
 
+def _module(name: str, module: object, cls: type, function: str) -> None:
+    if not isinstance(module, cls):
+        others = {MultiHeadAttentionWrapper: "wrapper_to_mha", MultiHeadAttention: "mha_to_gpt2", GPT2MultiHeadAttention: "gpt2_to_mha"}
+        hint = next((f"; for a {kind.__name__} use {fn}" for kind, fn in others.items() if isinstance(module, kind)), "")
+        raise TypeError(f"{function} converts a {cls.__name__}: {name} must be one, got {type(module).__name__}{hint}")
+
+
 def _after_attn(key: str) -> str:
     """``h.0.attn.c_attn.weight`` -> ``c_attn.weight``: drop a prefix ending in an ``attn`` component."""
     return ("." + key).rsplit(".attn.", 1)[-1].lstrip(".")
@@ -159,6 +166,7 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
     Head i's W_query rows become rows [i*d, (i+1)*d) of W_query (the same for keys and
     values); out_proj is the identity with zero bias, since the wrapper just concatenates.
     """
+    _module("wrapper", wrapper, MultiHeadAttentionWrapper, "wrapper_to_mha")
     first = wrapper.heads[0]
     h, d = len(wrapper.heads), first.d_out
     mha = MultiHeadAttention(
@@ -178,6 +186,7 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
 @torch.no_grad()
 def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
     """GPT-2's layout of ``mha``: c_attn = [W_query; W_key; W_value] (zero bias if it had none)."""
+    _module("mha", mha, MultiHeadAttention, "mha_to_gpt2")
     if mha.d_in != mha.d_out or not mha.causal:
         raise ValueError(f"GPT-2 attention is causal with d_in == d_out; got d_in={mha.d_in}, d_out={mha.d_out}, causal={mha.causal}")
     config = GPT2Config(
@@ -195,6 +204,7 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
 @torch.no_grad()
 def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
     """The MultiHeadAttention (qkv_bias=True) computing exactly what ``attn`` computes."""
+    _module("attn", attn, GPT2MultiHeadAttention, "gpt2_to_mha")
     c = attn.config
     mha = MultiHeadAttention(
         c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,

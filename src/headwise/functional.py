@@ -59,6 +59,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     _check_tensor("q", q, 4, "(B, H, T, D)")
     _check_tensor("k", k, 4, "(B, Hkv, S, D)")
     _check_tensor("v", v, 4, "(B, Hkv, S, Dv)")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a head size D >= 1, got q of shape {tuple(q.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -126,6 +128,8 @@ def _combined_mask(
         return (mask if allowed is None else mask & allowed), False
     if not mask.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {mask.dtype}")
+    if bool((mask.isnan() | (mask == math.inf)).any()):
+        raise ValueError("mask (additive float) must hold finite numbers or -inf (= may not attend), got NaN or +inf")
     mask = mask.to(q.dtype)
     return (mask if allowed is None else mask.masked_fill(~allowed, -math.inf)), False
 
@@ -196,6 +200,8 @@ BACKENDS: dict[str, Backend] = {"math": _math, "sdpa": _sdpa}
 
 
 def _choose(backend: str) -> Backend:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be one of {['auto', *BACKENDS]} (a str), got {type(backend).__name__} {backend!r}")
     if backend == "auto":
         return _math if observing() else _sdpa
     if backend not in BACKENDS:
@@ -204,9 +210,8 @@ def _choose(backend: str) -> Backend:
 
 
 def check_backend(backend: str) -> str:
-    """Return ``backend`` if it names a backend, else raise ValueError listing the valid ones."""
-    if backend != "auto":
-        _choose(backend)
+    """Return ``backend`` if it names a backend, else raise ValueError (TypeError for a non-str) listing the valid ones."""
+    _choose(backend)
     return backend
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _checks
+
 
 def position_mask(q_pos: Tensor, k_pos: Tensor, *, window: int | None = None) -> Tensor:
     """Causal (optionally windowed) mask from positions.
@@ -34,6 +36,11 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, *, window: int | None = None) ->
 def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Tensor:
     """Bottom-right aligned causal mask: query i sees keys ``j <= i + s - t``.
 
+    Args:
+        t: queries T (a query placed before the first key sees nothing).
+        s: keys S.
+        window: a query at p sees keys p-window+1 .. p (a positive int); None = all earlier keys.
+
     Returns:
         (T, S) bool, True = may attend.
 
@@ -42,6 +49,10 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
         tensor([[ True,  True,  True, False],
                 [ True,  True,  True,  True]])
     """
+    _checks.integer("t", t, low=0)
+    _checks.integer("s", s, low=0)
+    if window is not None:
+        _checks.positive_int("window", window)
     q_pos = torch.arange(s - t, s, device=device)  # (T,)
     k_pos = torch.arange(s, device=device)  # (S,)
     return position_mask(q_pos, k_pos, window=window)

@@ -1,0 +1,53 @@
+"""Errors that used to escape as raw Python / torch errors (or not at all) now name the argument, what was expected, what was given."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import headwise as hw
+
+
+def test_head_size_zero():
+    z = torch.randn(1, 2, 3, 0)
+    with pytest.raises(ValueError, match=r"q and k must have a head size D >= 1, got q of shape \(1, 2, 3, 0\)"):
+        hw.attention(z, z, z)  # ZeroDivisionError in 1/sqrt(D) before
+
+
+@pytest.mark.parametrize("backend", [[], None, 3])
+def test_backend_that_is_not_a_str(backend):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"backend must be one of \['auto', 'math', 'sdpa'\] \(a str\), got"):
+        hw.attention(q, q, q, backend=backend)  # "unhashable type: 'list'" before
+    with pytest.raises(TypeError, match=r"backend must be one of \['auto', 'math', 'sdpa'\] \(a str\), got"):
+        hw.MultiHeadAttention(4, 4, 8, 0.0, 2, backend=backend)
+
+
+def test_sliding_cache_window_is_named():
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 0"):
+        hw.KVCache.sliding(1, 1, 0, 2)  # named max_len before
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_plus_inf_in_an_additive_mask(bad):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"mask \(additive float\) must hold finite numbers or -inf \(= may not attend\), got NaN or \+inf"):
+        hw.attention(q, q, q, mask=torch.tensor([0.0, bad, 0.0]))
+    out = hw.attention(q, q, q, mask=torch.tensor([0.0, -math.inf, 0.0]))  # -inf is the way to forbid a key
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    ("convert", "module", "match"),
+    [
+        (hw.wrapper_to_mha, lambda: hw.MultiHeadAttention(4, 4, 8, 0.0, 2), r"wrapper_to_mha converts a MultiHeadAttentionWrapper: wrapper must be one, got MultiHeadAttention; for a MultiHeadAttention use mha_to_gpt2"),
+        (hw.gpt2_to_mha, lambda: hw.MultiHeadAttention(4, 4, 8, 0.0, 2), r"gpt2_to_mha converts a GPT2MultiHeadAttention: attn must be one, got MultiHeadAttention; for a MultiHeadAttention use mha_to_gpt2"),
+        (hw.mha_to_gpt2, lambda: hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=4, n_head=2)), r"mha_to_gpt2 converts a MultiHeadAttention: mha must be one, got GPT2MultiHeadAttention; for a GPT2MultiHeadAttention use gpt2_to_mha"),
+        (hw.mha_to_gpt2, lambda: torch.nn.Linear(2, 2), r"mha_to_gpt2 converts a MultiHeadAttention: mha must be one, got Linear$"),
+    ],
+)
+def test_conversions_name_the_module_type_they_need(convert, module, match):
+    with pytest.raises(TypeError, match=match):
+        convert(module())  # AttributeError ('heads', 'config', 'd_out') before
