@@ -152,7 +152,7 @@ def test_missing_package_names_it(monkeypatch):
 def test_bad_sentences(encoder):
     with pytest.raises(TypeError, match=r"sentences must be a list of str, got str \(wrap one sentence in a list\)"):
         encoder.encode("one sentence")
-    with pytest.raises(TypeError, match=r"sentences must be a list of str, got list"):
+    with pytest.raises(TypeError, match=r"sentences must be a list of str, got sentences\[1\] = 3 of type int"):
         encoder.encode(["fine", 3])
     with pytest.raises(ValueError, match=r"sentences must hold at least one sentence, got an empty list"):
         encoder.encode([])
@@ -211,3 +211,19 @@ def test_truncated_minilm_weights(minilm_copy):
     (minilm_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ValueError, match=r"model.safetensors: cannot read it as safetensors, the file is truncated or corrupt"):
         SentenceEncoder.from_pretrained(minilm_copy)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_rows(minilm_copy):
+    config = json.loads((minilm_copy / "config.json").read_text())
+    tokenizer = json.loads((minilm_copy / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["zzzextra"] = config["vocab_size"]  # one id past the embedding table
+    (minilm_copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match=rf"tokenizer.json: the tokenizer's ids go up to {config['vocab_size']}, but the model's vocab_size is {config['vocab_size']}"):
+        SentenceEncoder.from_pretrained(minilm_copy)
+
+
+def test_head_roles_needs_the_tokenizer(encoder):
+    from headwise.models import head_roles
+
+    with pytest.raises(TypeError, match=r"encoder must be a SentenceEncoder \(a BertModel with its tokenizer\), got BertModel; .*attention_maps"):
+        head_roles(encoder.model, ["A cat."])  # AttributeError: 'tokenize' before

@@ -146,7 +146,7 @@ def test_loads_pytorch_bin_with_prefix(hf_gpt2, tmp_path, padded_batch):
 
 
 def test_bad_token_ids(model):
-    with pytest.raises(TypeError, match=r"input_ids must hold integer token ids, got dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"input_ids must hold integer token ids, got dtype torch.float32; convert with input_ids.long\(\)"):
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=rf"input_ids must hold ids in \[0, vocab_size={V}\), got ids from 0 to {V}"):
         model(torch.tensor([[0, V]]))
@@ -172,11 +172,11 @@ def test_bad_generate_arguments(model):
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int, got 0"):
         model.generate(ids, max_new_tokens=0)
-    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 = greedy\), got -1"):
+    with pytest.raises(ValueError, match=r"temperature \(0 = greedy\) must be a number in \[0, inf\), got -1"):
         model.generate(ids, max_new_tokens=2, temperature=-1)
-    with pytest.raises(ValueError, match=r"top_k must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match=r"top_k \(or None\) must be a positive int, got 0"):
         model.generate(ids, max_new_tokens=2, temperature=1.0, top_k=0)
-    with pytest.raises(ValueError, match=rf"eos_token_id must be an int in \[0, vocab_size={V}\) or None, got {V}"):
+    with pytest.raises(ValueError, match=rf"eos_token_id \(or None\) must be an int in \[0, {V - 1}\], got {V}"):
         model.generate(ids, max_new_tokens=2, eos_token_id=V)
     with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(46\) exceeds n_positions=48"):
         model.generate(ids, max_new_tokens=46)
@@ -188,3 +188,27 @@ def test_generate_refuses_right_padded_prompts(model, padded_batch):
         model.generate(ids, attention_mask=mask, max_new_tokens=2)
     holes = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1, 1]] * 3)  # padding inside a prompt, none at its end: fine
     assert model.generate(ids, attention_mask=holes, max_new_tokens=2).shape == (3, 11)
+
+
+def test_a_tiny_temperature_is_greedy_not_an_overflow(model):
+    ids = torch.randint(2, V, (2, 4), generator=torch.Generator().manual_seed(6))
+    greedy = model.generate(ids, max_new_tokens=4)
+    for temperature in (1e-300, 5e-324):  # logits / temperature overflowed to inf, softmax gave NaN, multinomial raised
+        assert torch.equal(model.generate(ids, max_new_tokens=4, temperature=temperature, generator=torch.Generator().manual_seed(0)), greedy)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "match"),
+    [
+        (torch.zeros(0, 3, dtype=torch.long), ValueError, r"input_ids must have shape \(batch, tokens\) with at least one row and one token, got \(0, 3\)"),
+        (torch.zeros(2, 0, dtype=torch.long), ValueError, r"with at least one row and one token, got \(2, 0\)"),
+        (torch.ones(1, 3, dtype=torch.uint8), TypeError, r"input_ids must hold int64 or int32 token ids \(embeddings take no other\), got dtype torch.uint8; convert with input_ids.long\(\)"),
+        (torch.ones(1, 3, dtype=torch.int16), TypeError, r"got dtype torch.int16"),
+        (torch.ones(1, 3, dtype=torch.bool), TypeError, r"input_ids must hold integer token ids, got dtype torch.bool"),
+    ],
+)
+def test_empty_or_oddly_typed_ids(model, ids, error, match):
+    with pytest.raises(error, match=match):
+        model(ids)
+    with pytest.raises(error, match=match):
+        model.generate(ids, max_new_tokens=1)

@@ -196,3 +196,14 @@ def test_a_huge_config_against_a_small_file_fails_before_allocating(gpt2_dir, tm
     assert run.returncode == 0, run.stderr[-2000:]
     assert "model.safetensors; nothing was loaded" in run.stdout
     assert "wrong shape: transformer.wte.weight: expected (" in run.stdout and ", 8192), got (" in run.stdout
+
+
+def test_training_checkpoints_and_garbage_bin_files(hf_gpt2, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_gpt2.config.to_dict()))
+    torch.save({"state_dict": hf_gpt2.state_dict(), "epoch": torch.tensor(3)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: expected a dict of tensors \(a state dict\), got a dict whose entry 'state_dict' is a dict \(a training checkpoint\?\)"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    for garbage in (b"\x80", b"hello world", b"\x80\x02}q\x00.", b""):  # IndexError, KeyError, ... escaped before
+        (tmp_path / "pytorch_model.bin").write_bytes(garbage)
+        with pytest.raises(ValueError, match=r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt"):
+            GPT2LMHeadModel.from_pretrained(tmp_path)

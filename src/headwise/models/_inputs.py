@@ -17,10 +17,11 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
     """
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, shape (batch, tokens), got {type(input_ids).__name__}")
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"{name} must have shape (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (batch, tokens) with at least one row and one token, got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        kind = "integer token ids" if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool else "int64 or int32 token ids (embeddings take no other)"
+        raise TypeError(f"{name} must hold {kind}, got dtype {input_ids.dtype}; convert with {name}.long()")
     if not _checks.has_values(input_ids):
         return input_ids.shape[0], input_ids.shape[1]
     low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host read (a device sync on a GPU)

@@ -249,6 +249,14 @@ class SentenceEncoder(nn.Module):
     def __init__(self, model: BertModel, tokenizer: Tokenizer, *, max_seq_length: int = 256) -> None:
         super().__init__()
         self.model = model
+        if not isinstance(model, BertModel):
+            raise TypeError(f"model must be a BertModel, got {type(model).__name__}")
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > model.config.vocab_size:  # an id past the embedding table: an IndexError deep inside, or worse
+            raise ValueError(
+                f"the tokenizer's ids go up to {size - 1}, but the model's vocab_size is {model.config.vocab_size}: "
+                "they do not belong together"
+            )
         self.max_seq_length = min(_checks.positive_int("max_seq_length", max_seq_length), model.config.max_position_embeddings)
         pad = tokenizer.padding or {}
         pad_token = pad.get("pad_token", "[PAD]")
@@ -285,12 +293,18 @@ class SentenceEncoder(nn.Module):
             raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None
         st_config = directory / "sentence_bert_config.json"
         max_len = loading.read_json(st_config).get("max_seq_length", 512) if st_config.is_file() else 512
-        return cls(model, tokenizer, max_seq_length=max_len)
+        try:
+            return cls(model, tokenizer, max_seq_length=max_len)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     def tokenize(self, sentences: list[str]) -> tuple[Tensor, Tensor]:
         """sentences -> ``(input_ids, attention_mask)``, both (N, T), padded on the right; the mask is bool."""
-        if isinstance(sentences, str) or not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
+        if isinstance(sentences, str) or not isinstance(sentences, (list, tuple)):
             raise TypeError(f"sentences must be a list of str, got {type(sentences).__name__}" + (" (wrap one sentence in a list)" if isinstance(sentences, str) else ""))
+        for i, sentence in enumerate(sentences):
+            if not isinstance(sentence, str):
+                raise TypeError(f"sentences must be a list of str, got sentences[{i}] = {sentence!r} of type {type(sentence).__name__}")
         if not sentences:
             raise ValueError("sentences must hold at least one sentence, got an empty list")
         batch = self.tokenizer.encode_batch(list(sentences))

@@ -8,6 +8,7 @@ real tokens before it, so a padded row continues exactly as the unpadded row wou
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -124,7 +125,8 @@ def next_token(logits: Tensor, temperature: float, top_k: int | None, generator:
     """(B, vocab) logits -> (B,) ids: argmax at temperature 0, else a top-k / temperature sample."""
     if temperature == 0:
         return logits.argmax(dim=-1)  # (B,)
-    logits = logits.float() / temperature
+    logits = logits.double()  # a temperature below float32's range (1e-300) must not round to 0 and make 0/0
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # (B, vocab) <= 0: a tiny temperature gives -inf, never inf
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -134,11 +136,9 @@ def next_token(logits: Tensor, temperature: float, top_k: int | None, generator:
 
 def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
     """ValueError naming the first of generate's arguments that is out of range."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size):
-        raise ValueError(f"eos_token_id must be an int in [0, vocab_size={vocab_size}) or None, got {eos_token_id!r}")
+    _checks.positive_int("max_new_tokens", max_new_tokens)
+    _checks.number("temperature (0 = greedy)", temperature, low=0.0, high=math.inf, high_open=True)
+    if top_k is not None:
+        _checks.positive_int("top_k (or None)", top_k)
+    if eos_token_id is not None:
+        _checks.integer("eos_token_id (or None)", eos_token_id, low=0, high=vocab_size - 1)

@@ -108,6 +108,11 @@ def attention_mass(weights: list[Tensor], special: Tensor, real: Tensor) -> Tens
 
 def head_roles(encoder: SentenceEncoder, sentences: list[str]) -> HeadRoles:
     """Run ``sentences`` through ``encoder`` and profile every head (see ``attention_mass``)."""
+    if not isinstance(encoder, SentenceEncoder):
+        raise TypeError(
+            f"encoder must be a SentenceEncoder (a BertModel with its tokenizer), got {type(encoder).__name__}; "
+            "for a model without a tokenizer, use attention_maps(model, input_ids, attention_mask) and attention_mass"
+        )
     input_ids, attention_mask = encoder.tokenize(sentences)  # (N, T) x2
     ids = [encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
     special = torch.isin(input_ids, torch.tensor([i for i in ids if i is not None], device=input_ids.device))  # (N, T)

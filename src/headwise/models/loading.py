@@ -111,8 +111,18 @@ def read_weights(file: Path) -> dict[str, Tensor]:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{file}: refused to load: it holds more than tensors (read with weights_only=True): {first}") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt ({e})") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
-        raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
-    return state
+    except Exception as e:  # garbage bytes reach the unpickler's internals: KeyError, IndexError, ... as well as RuntimeError
+        reason = str(e) or type(e).__name__
+        raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt ({reason})") from None
+    if isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        return state
+    if isinstance(state, dict):
+        nested = [k for k, v in state.items() if isinstance(v, dict)]
+        if nested:  # a training checkpoint: {"state_dict": {...}, "epoch": 3, ...}
+            raise ValueError(
+                f"{file}: expected a dict of tensors (a state dict), got a dict whose entry {nested[0]!r} is a dict "
+                f"(a training checkpoint?): save that inner state dict (model.state_dict()) as {PYTORCH_BIN}"
+            )
+        bad = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor)))
+        raise ValueError(f"{file}: expected a dict of tensors (a state dict), got entry {bad!r} of type {type(state[bad]).__name__}")
+    raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
