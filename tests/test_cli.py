@@ -59,11 +59,44 @@ def test_demo_shows_the_books_numbers(capsys):
     assert len(diffs) == 5 and max(diffs) < 1e-5  # the three formulations and both backends agree
 
 
-def test_no_command_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 2
-    assert "usage: headwise" in capsys.readouterr().err
+def test_no_command_prints_the_help(capsys):
+    main([])
+    out = capsys.readouterr().out
+    assert "usage: headwise" in out and "demo" in out and "explain" in out and "bench" in out
+
+
+def test_explain_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--d-in", "--d-out", "--heads", "--tokens", "--batch", "--seed", "--bidirectional"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(option))
+        assert len(line.split(maxsplit=2)) == 3, f"{option} has no help text: {line!r}"
+    assert "(default: 123)" in out and "torch.rand" in out
+
+
+def test_explain_bidirectional_retitles_step_8(capsys):
+    main(["explain", "--bidirectional"])
+    out = capsys.readouterr().out
+    assert "## Step 8: No mask (bidirectional)" in out and "Mask the future" not in out
+    main(["explain"])
+    assert "## Step 8: Mask the future" in capsys.readouterr().out
+
+
+def test_explain_says_which_input_it_uses(capsys):
+    main(["explain", "--tokens", "6"])
+    assert "input: the book's embeddings of 'Your journey starts with one step'" in capsys.readouterr().out
+    main(["explain", "--tokens", "7"])
+    assert "input: torch.rand(1, 7, 3) under seed 123: random, not the book's inputs" in capsys.readouterr().out
+
+
+def test_demo_names_the_conversions(capsys):
+    from headwise import demo
+
+    demo.equivalences()
+    out = capsys.readouterr().out
+    for conversion in ("wrapper_to_mha(wrapper)", "mha_to_gpt2(mha)", "gpt2_to_mha(gpt2)"):
+        assert conversion in out
 
 
 def test_heads_writes_one_page_and_a_png(tmp_path, capsys):

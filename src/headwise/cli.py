@@ -23,7 +23,7 @@ def _explain_rope(args: argparse.Namespace) -> None:
 
 
 def _explain(args: argparse.Namespace) -> None:
-    from .explain import explain
+    from .explain import BOOK_TOKENS, explain, uses_book_inputs
 
     if args.rope:
         _explain_rope(args)
@@ -35,6 +35,12 @@ def _explain(args: argparse.Namespace) -> None:
     )
     print(f"MultiHeadAttention(d_in={args.d_in}, d_out={args.d_out}, context_length={args.tokens}, dropout=0.0, "
           f"num_heads={args.heads}), seed {args.seed}: head_dim = {mha.head_dim}")
+    if uses_book_inputs(args.d_in, args.tokens):
+        words = " ".join(BOOK_TOKENS[: args.tokens])
+        print(f"input: the book's embeddings of {words!r} (3 wide), batch of {args.batch}")
+    else:
+        print(f"input: torch.rand({args.batch}, {args.tokens}, {args.d_in}) under seed {args.seed}: random, not the book's inputs, "
+              f"which are {len(BOOK_TOKENS)} tokens 3 wide (--d-in 3 --tokens <= {len(BOOK_TOKENS)} uses them)")
     for step in steps:
         print(f"\n## Step {step.number}: {step.title}\n   {step.code}")
         if step.number == 2:
@@ -92,16 +98,22 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="headwise", description="Multi-head attention, explained and fast.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="the book's walkthrough end to end (~20 s)")
-    ex = sub.add_parser("explain", help="Steps 1-10 of multi-head attention, read off a real forward pass")
-    ex.add_argument("--d-in", type=int, default=3)
-    ex.add_argument("--d-out", type=int, default=2)
-    ex.add_argument("--heads", type=int, default=2)
-    ex.add_argument("--tokens", type=int, default=3)
-    ex.add_argument("--batch", type=int, default=1)
-    ex.add_argument("--seed", type=int, default=123)
-    ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style)")
+    ex = sub.add_parser(
+        "explain", help="Steps 1-10 of multi-head attention, read off a real forward pass",
+        description="Build MultiHeadAttention(d_in, d_out, context_length=tokens, dropout=0.0, num_heads) under a seed, "
+        "run one forward pass and print every tensor of the lecture's Steps 1-10.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ex.add_argument("--d-in", type=int, default=3, help="input width d_in (3 = the book's embeddings)")
+    ex.add_argument("--d-out", type=int, default=2, help="output width d_out = num_heads * head_dim")
+    ex.add_argument("--heads", type=int, default=2, help="number of heads (must divide d_out)")
+    ex.add_argument("--tokens", type=int, default=3,
+                    help="tokens T; with --d-in 3 and T <= 6 the input is the book's 'Your journey starts with one step', else torch.rand")
+    ex.add_argument("--batch", type=int, default=1, help="batch size B")
+    ex.add_argument("--seed", type=int, default=123, help="torch.manual_seed for the weights (and a random input); 123 is the book's")
+    ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style): step 8 masks nothing")
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
     ex.add_argument("--head-dim", type=int, default=2, help="with --rope: each head's size (even)")
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
@@ -116,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     gr.add_argument("--timeout", type=float, default=30.0, help="seconds the import and each class may take before grading stops them (default 30)")
     sub.add_parser("bench", help="benchmarks against the peers (see `headwise bench --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command is None:  # `headwise` alone: say what there is
+        parser.print_help()
+        return
     try:
         if args.command == "bench":
             _bench(args, rest)

@@ -81,11 +81,11 @@ def equivalences() -> None:
     x = torch.randn(2, 16, 64)  # (B, T, C)
     wrapper = MultiHeadAttentionWrapper(64, 16, 16, 0.0, num_heads=4)
     mha = wrapper_to_mha(wrapper)
-    print(f"wrapper (4 heads of 16)   vs MultiHeadAttention      max |diff| = {(wrapper(x) - mha(x)).abs().max():.2e}")
+    print(f"mha = wrapper_to_mha(wrapper): MultiHeadAttentionWrapper (4 heads of 16) vs MultiHeadAttention  max |diff| = {(wrapper(x) - mha(x)).abs().max():.2e}")
     gpt2 = mha_to_gpt2(mha)
-    print(f"MultiHeadAttention        vs GPT2MultiHeadAttention  max |diff| = {(mha(x) - gpt2(x)).abs().max():.2e}")
+    print(f"gpt2 = mha_to_gpt2(mha):       MultiHeadAttention vs GPT2MultiHeadAttention                max |diff| = {(mha(x) - gpt2(x)).abs().max():.2e}")
     back = gpt2_to_mha(gpt2)
-    print(f"GPT2MultiHeadAttention    vs MultiHeadAttention      max |diff| = {(gpt2(x) - back(x)).abs().max():.2e}")
+    print(f"back = gpt2_to_mha(gpt2):      GPT2MultiHeadAttention vs MultiHeadAttention (back)         max |diff| = {(gpt2(x) - back(x)).abs().max():.2e}")
     for backend in ("math", "sdpa"):
         mha.backend = backend
         y = mha(x)

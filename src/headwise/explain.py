@@ -58,20 +58,30 @@ _STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
 ]
 
 
+#: Step 8 when nothing is masked (``causal=False``, encoder style).
+_BIDIRECTIONAL_STEP_8 = ("No mask (bidirectional): every token sees every token; scale by sqrt(head_dim), softmax", "softmax(scores / head_dim**0.5)")
+
+
+def uses_book_inputs(d_in: int, num_tokens: int) -> bool:
+    """True when the book's embeddings fit: width 3 and at most its 6 tokens; else the input is random."""
+    return d_in == 3 and num_tokens <= len(BOOK_INPUTS)
+
+
 def explain(
     *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True
 ) -> tuple[MultiHeadAttention, list[Step]]:
     """Build ``MultiHeadAttention(d_in, d_out, ...)`` under ``seed`` and walk one forward pass.
 
-    The input is the book's token embeddings when d_in == 3 and num_tokens <= 6, else
-    ``torch.rand`` under the same seed.
+    The input is the book's token embeddings when ``uses_book_inputs(d_in, num_tokens)``
+    (d_in == 3 and num_tokens <= 6), else ``torch.rand`` under the same seed. With
+    ``causal=False`` step 8 masks nothing and says so.
 
     Returns:
         The module and its Steps 1-10, each holding the tensors that step produced.
     """
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal)
-    if d_in == 3 and num_tokens <= len(BOOK_INPUTS):
+    if uses_book_inputs(d_in, num_tokens):
         x = BOOK_INPUTS[:num_tokens].expand(batch_size, num_tokens, 3)  # (B, T, 3)
     else:
         x = torch.rand(batch_size, num_tokens, d_in)  # (B, T, d_in)
@@ -79,5 +89,7 @@ def explain(
     with observe(lambda name, t: seen.setdefault(name, t)), torch.no_grad():
         mha(x)
     steps = [Step(n, title, code, {name: seen[name] for name in names if name in seen}) for n, title, code, names in _STEPS]
+    if not causal:
+        steps[7].title, steps[7].code = _BIDIRECTIONAL_STEP_8
     steps[2].tensors = {name: getattr(mha, name).weight.detach() for name in ("W_query", "W_key", "W_value")}
     return mha, steps
