@@ -67,8 +67,9 @@ def inert_padding(x: Tensor, real: Tensor | None) -> Tensor:
     """(B, T, C) input with NaN/Inf at padded tokens (``real`` (B, T) False) set to 0; finite values untouched.
 
     A padded token's query row would otherwise carry NaN weights, and their gradient reaches
-    the real tokens' values (NaN * 0 in weights^T @ grad).
+    the real tokens' values (NaN * 0 in weights^T @ grad). A tensor subclass (DTensor under
+    tensor parallelism) is returned unchanged; the core still zeroes padded keys and values.
     """
-    if real is None:
+    if real is None or type(x) is not Tensor:  # a DTensor (tensor parallelism) cannot mix with the plain mask: left as it is
         return x
     return torch.where(real[:, :, None] | x.isfinite(), x, 0.0)  # (B, T, C)
