@@ -103,3 +103,38 @@ def test_cli_module_prints_a_table_and_writes_plot_and_json(tmp_path):
     data = json.loads(js.read_text())
     assert {r["mode"] for r in data["rows"]} == {"forward", "memory"}
     assert re.search(r"\[[#.]{24}\] \d+/\d+ ", proc.stderr), proc.stderr  # the progress bar
+
+
+def test_cli_decode_honours_tokens_and_batch_and_writes_the_plot_it_names(tmp_path):
+    png = tmp_path / "d.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "headwise.bench", "--preset", "tiny", "--modes", "decode", "--tokens", "4,6", "--batch", "2",
+         "--repeats", "1", "--warmup", "0", "--no-ceiling", "--plot", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| decode:"))
+    assert header.rstrip(" |").endswith("cache_speedup | hf_speedup")  # the speed-up columns
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| decode:")]
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == ["4", "6"]  # --tokens are the contexts
+    assert all(row.rstrip(" |").endswith("x") for row in rows)
+    assert f"plot: {png}" in proc.stdout and png.read_bytes().startswith(b"\x89PNG")
+    progress = proc.stderr.splitlines()
+    assert "decode tiny B=2 context 4" in proc.stderr and "\r" not in proc.stderr  # plain lines into a pipe
+    assert any(re.match(r"\[[#.]{24}\] 2/2 decode done", line) for line in progress)
+
+
+def test_run_passes_tokens_and_batch_to_decode(monkeypatch):
+    from headwise.bench import harness
+
+    seen = []
+    monkeypatch.setattr(harness, "decode_latency", lambda contexts, **kw: seen.append((contexts, kw["batch_size"])) or [])
+    bench.run(presets=("tiny",), tokens=(3, 5), batch=3, modes=("decode",), repeats=1, warmup=0, ceiling=False)
+    assert seen == [((3,), 3), ((5,), 3)]
+
+
+def test_plot_writes_nothing_and_says_so_for_an_empty_report(tmp_path):
+    from headwise.bench.cases import Report
+    from headwise.bench.report import plot
+
+    assert plot(Report("m"), str(tmp_path / "x.png")) is False and not (tmp_path / "x.png").exists()

@@ -19,9 +19,11 @@ from .report import markdown, plot, summary
 
 
 def _bar(done: int, total: int, what: str) -> None:
+    """One progress line: redrawn in place on a terminal, a plain line each into a log or a pipe."""
     width = 24
     filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:90]:<90}")
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:90]}"
+    sys.stderr.write(f"\r{line:<120}" if sys.stderr.isatty() else line + "\n")
     sys.stderr.flush()
 
 
@@ -37,8 +39,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``headwise bench``: parse, run, print the Markdown table, write the plot (and JSON)."""
     p = argparse.ArgumentParser(prog="headwise bench", description="Benchmarks: headwise against the peers, side by side, on this machine.")
     p.add_argument("--preset", type=_names, default=["small"], help=f"comma list of {list(PRESETS)} (default small)")
-    p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024)")
-    p.add_argument("--batch", type=int, default=4, help="B (default 4)")
+    p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
+    p.add_argument("--batch", type=int, default=4, help="B (default 4; decode too)")
     p.add_argument("--dtype", type=_names, default=["fp32"], help="comma list of fp32,bf16 (default fp32)")
     p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {list(MODES)} (default forward,backward)")
     p.add_argument("--impls", type=_names, default=None, help="comma list of name substrings (default: all but torch.compile)")
@@ -71,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
                  repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
                  progress=_bar, device=args.device)
-    sys.stderr.write("\n")
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")  # end the redrawn line
     report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(report)
     if report.rows:
@@ -85,6 +88,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": report.machine, "linear": report.linear, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
                        "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
-    if args.plot:
-        plot(report, args.plot)
+    if args.plot and plot(report, args.plot):
         print(f"\nplot: {args.plot}")

@@ -67,11 +67,13 @@ def markdown(report: Report) -> str:
                 out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} |")
         out.append("")
     if report.decode:
-        fields = list(asdict(report.decode[0]))
+        fields = [*asdict(report.decode[0]), "cache_speedup", "hf_speedup"]  # the last two: recompute / cached, transformers / headwise
         out += ["| decode: " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
         for d in report.decode:
-            vals = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in asdict(d).values()]
-            out.append("| " + " | ".join(vals) + " |")
+            values = [*asdict(d).values(), d.cache_speedup, d.hf_speedup]
+            cells = [f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)) for v in values]
+            cells[-2:] = [f"{v:.2f}x" if v is not None else "" for v in values[-2:]]
+            out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
@@ -101,18 +103,23 @@ def summary(report: Report) -> str:
     return "\n".join(out)
 
 
-def plot(report: Report, path: str) -> None:
-    """One panel per timed mode: median seconds per implementation (lines over T, or bars)."""
+def plot(report: Report, path: str) -> bool:
+    """One panel per timed mode (median seconds per implementation, lines over T or bars), and
+    one for decode (milliseconds per step over the context). Returns False, writing nothing,
+    when the report has nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = [m for m in MODES[:3] if any(r.mode == m and (r.median_s or r.peak_mib) for r in report.rows)]
-    if not modes:
-        return
-    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 5), squeeze=False)
-    for ax, mode in zip(axes[0], modes, strict=True):
+    panels = len(modes) + bool(report.decode)
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 5), squeeze=False)
+    if report.decode:
+        _decode_panel(axes[0][-1], report.decode)
+    for ax, mode in zip(axes[0], modes, strict=False):
         rows = [r for r in report.rows if r.mode == mode and (r.median_s or r.peak_mib)]
         value = (lambda r: r.peak_mib) if mode == "memory" else (lambda r: r.median_s)
         unit = "peak MiB" if mode == "memory" else "median seconds"
@@ -137,3 +144,18 @@ def plot(report: Report, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
+
+
+def _decode_panel(ax, rows: list) -> None:
+    """Milliseconds per decode step against the context, one line per implementation measured."""
+    contexts = [d.context for d in rows]
+    for attr, label in (("cached_ms", "headwise cached"), ("uncached_ms", "headwise recompute"), ("hf_cached_ms", "transformers cached")):
+        values = [getattr(d, attr) for d in rows]
+        if all(v is not None for v in values):
+            ax.plot(contexts, values, marker="o", lw=2.5 if attr == "cached_ms" else 1.2, label=label)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_yscale("log")
+    ax.set_title(f"decode ({rows[0].threads} threads)")
+    ax.legend(fontsize=7)
