@@ -128,7 +128,7 @@ def _combined_mask(
         return (mask if allowed is None else mask & allowed), False
     if not mask.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {mask.dtype}")
-    if bool((mask.isnan() | (mask == math.inf)).any()):
+    if _checks.has_values(mask) and bool((mask.isnan() | (mask == math.inf)).any()):  # one host read, for a float mask only
         raise ValueError("mask (additive float) must hold finite numbers or -inf (= may not attend), got NaN or +inf")
     mask = mask.to(q.dtype)
     return (mask if allowed is None else mask.masked_fill(~allowed, -math.inf)), False
