@@ -59,3 +59,24 @@ def test_from_dict_is_shared_and_takes_only_dicts():
     assert BertConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "pooler_type": "x"}).hidden_size == 64
     with pytest.raises(TypeError, match=r"d must be a dict \(a parsed config.json\), got list"):
         GPT2Config.from_dict([("n_embd", 64)])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("rms_norm_eps", -1e-6, r"rms_norm_eps must be a number in \(0, inf\), got -1e-06"),
+        ("rms_norm_eps", math.inf, r"rms_norm_eps must be a number in \(0, inf\), got inf"),
+        ("rope_theta", math.nan, r"rope_theta must be a number in \(0, inf\), got nan"),
+        ("rope_theta", 0.0, r"rope_theta must be a number in \(0, inf\), got 0.0"),
+        ("attention_bias", "yes", r"attention_bias must be true or false, got 'yes'"),
+        ("head_dim", 0, r"head_dim must be a positive int, got 0"),
+        ("num_attention_heads", 0, r"num_attention_heads must be a positive int, got 0"),
+        ("num_key_value_heads", 3, r"num_attention_heads \(4\) must be divisible by num_key_value_heads \(3\)"),
+    ],
+)
+def test_llama_config_fields(field, value, match):
+    from headwise.models import LlamaConfig
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**(base | {field: value}))

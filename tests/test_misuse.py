@@ -541,7 +541,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     # ------------------------------------------------------------------ models: files
     ("load from an int path", lambda: GPT2LMHeadModel.from_pretrained(3), Raises(TypeError, r"path must be a str or os.PathLike naming a HuggingFace model directory, got int")),
     ("load a missing directory", lambda: GPT2LMHeadModel.from_pretrained("/nonexistent/headwise"), Raises(FileNotFoundError, r"/nonexistent/headwise: no such directory")),
-    ("load without weights", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {})), Raises(FileNotFoundError, r"no weights found \(expected model.safetensors or pytorch_model.bin\)")),
+    ("load without weights", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {})), Raises(FileNotFoundError, r"no weights found \(expected model.safetensors, model.safetensors.index.json or pytorch_model.bin\)")),
     ("load garbage .bin", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {"pytorch_model.bin": b"hello world"})),
      Raises(ValueError, r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt")),
     ("load one byte .bin", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {"pytorch_model.bin": b"\x80"})), Raises(ValueError, r"truncated or corrupt")),

@@ -100,6 +100,29 @@ def remap(
     return out
 
 
+def check_state(
+    module: nn.Module,
+    state: Mapping[str, Tensor],
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+    source: str | os.PathLike[str] = "state dict",
+) -> dict[str, Tensor]:
+    """``state`` renamed and checked against ``module`` (via ``remap``); nothing is loaded.
+
+    Every parameter and persistent buffer must come, once, with its shape (a floating one as
+    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
+    book's ``mask``) may come. ``module`` may live on the meta device: only shapes are read.
+    """
+    stored = dict(module.named_parameters()) | dict(module.named_buffers())
+    emitted = module.state_dict()
+    expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
+    optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
+    floating = [name for name in expected if stored[name].is_floating_point()]
+    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source))
+
+
 def load_checked(
     module: nn.Module,
     state: Mapping[str, Tensor],
@@ -109,28 +132,21 @@ def load_checked(
     ignore: Callable[[str], bool] = lambda key: False,
     source: str | os.PathLike[str] = "state dict",
 ) -> nn.Module:
-    """Check ``state`` completely against ``module`` (via ``remap``), then load it strictly.
+    """Check ``state`` completely against ``module`` (``check_state``), then load it strictly.
 
-    Every parameter and persistent buffer must come, once, with its shape (a floating one as
-    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
-    book's ``mask``) may come. A module built on the meta device (``with torch.device("meta")``)
-    is checked from its shapes alone and only then given memory, so a checkpoint that does
-    not fit its config fails before anything the size of the config is allocated.
+    A module built on the meta device (``with torch.device("meta")``) is checked from its
+    shapes alone and only then given memory (``to_empty``; the strict load fills every
+    entry), so a checkpoint that does not fit its config fails before anything the size of
+    the config is allocated. (A module that keeps plain tensor attributes, which ``to_empty``
+    does not move, must be checked on a meta copy with ``check_state`` and built for real.)
 
     Raises:
         ValueError: naming ``source`` and listing every problem at once; ``module`` is then
             unchanged.
     """
-    stored = dict(module.named_parameters()) | dict(module.named_buffers())
-    emitted = module.state_dict()
-    expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
-    optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
-    floating = [name for name in expected if stored[name].is_floating_point()]
-    converted = remap(
-        state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source)
-    )  # raises before anything changes
-    if any(t.is_meta for t in stored.values()):
-        volatile = [name for name, _ in module.named_buffers() if name not in emitted]
+    converted = check_state(module, state, rename=rename, transposed=transposed, ignore=ignore, source=source)  # raises before anything changes
+    if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
+        volatile = [name for name, _ in module.named_buffers() if name not in module.state_dict()]
         if volatile:  # to_empty would leave them uninitialised: nothing in the checkpoint fills them
             raise ValueError(f"cannot load into a module on the meta device with non-persistent buffers: {volatile}")
         module.to_empty(device="cpu")  # memory only now; load_state_dict fills every entry of it

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..cache import KVCache
+from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
 from ..linear import linear, project, project_many
@@ -211,8 +212,11 @@ class LlamaForCausalLM(nn.Module):
         if tied and head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
             raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
+        skip = lambda key: tied and key == "lm_head.weight"  # noqa: E731
+        with torch.device("meta"):  # shapes only: the tensors are checked before any memory is taken (the rotary
+            check_state(cls(config, backend=backend), state, source=file, ignore=skip)  # tables are plain tensors: built for real below)
         model = cls(config, backend=backend).to(dtype or (floats[0] if floats else torch.float32))
-        loading.load_checked(model, state, source=file, ignore=lambda key: tied and key == "lm_head.weight")
+        load_checked(model, state, source=file, ignore=skip)
         return model.eval()
 
     @property
@@ -241,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             (B, T, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
         """
+        _inputs.on_model(input_ids, self.model.embed_tokens.weight)
         b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t))  # (B, T) bool
+        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
         real = _inputs.padding_only(real)  # None when nothing is padding
         position_ids = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: 0 .. T-1
         return self._logits(input_ids, position_ids, real, None, last=False)  # (B, T, vocab)

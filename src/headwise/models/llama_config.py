@@ -9,6 +9,7 @@ and an explicit head size. Rotary settings are read from either spelling Hugging
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -51,8 +52,18 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings"):
             _checks.positive_int(name, getattr(self, name))
-        _checks.heads("num_attention_heads * head_dim", self.num_attention_heads * self.head_size, self.num_attention_heads, self.num_key_value_heads)
-        _checks.number("rms_norm_eps", self.rms_norm_eps, low=0.0, low_open=True)
+        if self.head_dim is not None:
+            _checks.positive_int("head_dim", self.head_dim)
+        _checks.positive_int("num_attention_heads", self.num_attention_heads)
+        _checks.heads(
+            "num_attention_heads * head_dim", self.num_attention_heads * self.head_size, self.num_attention_heads, self.num_key_value_heads,
+            names=("num_attention_heads", "num_key_value_heads"),
+        )
+        _checks.epsilon("rms_norm_eps", self.rms_norm_eps)
+        _checks.number("rope_theta", self.rope_theta, low=0.0, high=math.inf, low_open=True, high_open=True)
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _checks.number("partial_rotary_factor", self.partial_rotary_factor, low=0.0, high=1.0, low_open=True)
         _checks.dropout("attention_dropout", self.attention_dropout)
         check_scaling(self.rope_scaling)
