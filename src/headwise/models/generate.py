@@ -101,6 +101,42 @@ def generate(
     return torch.cat(tokens, dim=1)  # (B, T + n)
 
 
+class Generates:
+    """``model.generate(...)`` for a ``CausalLM``: the one method GPT-2 and the Llama family share."""
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: Tensor | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
+
+        Args:
+            input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
+            max_new_tokens: the most tokens to add.
+            attention_mask: (B, T), 1/True = real token (ints or bools).
+            temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
+            top_k: sample only among the k likeliest tokens (with temperature > 0).
+            eos_token_id: a row that emits it is finished and is padded with it from then
+                on; generation stops early once every row is finished.
+            generator: the ``torch.Generator`` that sampling draws from.
+
+        Returns:
+            (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
+            HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
+        """
+        return generate(
+            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,  # type: ignore[arg-type]
+            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
+        )
+
+
 def prompt_padding(real: Tensor | None) -> Tensor | None:
     """The prompts' padding mask to pass on (None when nothing is padding), after checking that
     no prompt ends in padding: generate continues every row from its last column. One host

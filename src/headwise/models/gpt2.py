@@ -20,7 +20,7 @@ from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
 from ..linear import project
 from . import _inputs, loading
-from .generate import generate, positions
+from .generate import Generates, positions
 
 #: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -55,7 +55,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(Generates, nn.Module):
     """GPT-2: token + position embeddings, ``n_layer`` pre-LN blocks, final LayerNorm, tied LM head.
 
     Args:
@@ -168,38 +168,6 @@ class GPT2LMHeadModel(nn.Module):
         if position_ids is None:
             position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
         return self._logits(input_ids, position_ids, attention_mask, caches)[:, -1]  # (B, vocab)
-
-    def generate(
-        self,
-        input_ids: Tensor,
-        *,
-        max_new_tokens: int,
-        attention_mask: Tensor | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
-
-        Args:
-            input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
-            max_new_tokens: the most tokens to add.
-            attention_mask: (B, T), 1/True = real token (ints or bools).
-            temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
-            top_k: sample only among the k likeliest tokens (with temperature > 0).
-            eos_token_id: a row that emits it is finished and is padded with it from then
-                on; generation stops early once every row is finished.
-            generator: the ``torch.Generator`` that sampling draws from.
-
-        Returns:
-            (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
-            HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
-        """
-        return generate(
-            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
-        )
 
 
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:

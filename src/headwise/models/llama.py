@@ -27,7 +27,7 @@ from ..linear import linear, project, project_many
 from ..observe import report
 from ..rope import RotaryEmbedding
 from . import _inputs, loading
-from .generate import generate, positions
+from .generate import Generates, positions
 from .llama_config import LlamaConfig, llama_config
 
 
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Generates, nn.Module):
     """A Llama-family causal LM: embeddings, decoder layers, final RMSNorm, LM head (tied or not).
 
     Args:
@@ -272,27 +272,6 @@ class LlamaForCausalLM(nn.Module):
     def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
         """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
         return self._logits(input_ids, position_ids, attention_mask, caches, last=True)[:, -1]  # (B, vocab)
-
-    def generate(
-        self,
-        input_ids: Tensor,
-        *,
-        max_new_tokens: int,
-        attention_mask: Tensor | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Continue each prompt through a ``KVCache`` per layer (a ring ``KVCache.sliding`` for a windowed layer).
-
-        Same arguments and result as ``GPT2LMHeadModel.generate`` (``headwise.models.generate``):
-        (B, T + n) ids; greedy output equals HuggingFace's greedy ``generate`` token for token.
-        """
-        return generate(
-            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
-        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):
