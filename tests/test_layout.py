@@ -1,0 +1,68 @@
+"""The package's layering (ARCHITECTURE.md): each file imports only from the layers below it.
+
+Read from the source with ``ast`` (nothing is imported), so a new upward import fails here
+before it makes a cycle or couples the core to a feature.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "headwise"
+
+#: Lowest first. A module may import from its own layer's modules and from any layer below.
+LAYERS: list[set[str]] = [
+    {"_checks", "_optional", "observe", "linear"},  # no headwise imports, or the checkers only
+    {"masks", "cache", "rope", "config"},  # data structures and small functions
+    {"functional"},  # the core: attention() (the cache-aware entry included)
+    {"layer"},  # the one attention path
+    {"teaching", "fused"},  # the book's classes, GPT-2's layout
+    {"convert", "explain", "models"},  # conversions and loading, explaining, whole models
+    {"explain_rope", "viz", "grade", "bench", "parallel"},  # features built on models
+    {"demo", "cli", "__init__"},  # entry points
+]
+LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _top(path: Path) -> str:
+    """The first component under src/headwise of a file: ``models/gpt2.py`` -> ``models``."""
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> set[str]:
+    """The headwise top-level modules a file imports (relative imports resolved against its package)."""
+    package = path.relative_to(SRC).parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            targets = [*base, *node.module.split(".")] if node.module else [*base]
+            if targets:
+                found.add(targets[0])
+            else:  # "from . import x" at the top: x is the module
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("headwise."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+FILES = sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {_top(p) for p in FILES}
+    assert tops - LEVEL.keys() == set(), "add the new module to LAYERS (and to ARCHITECTURE.md)"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_point_down(path):
+    me = _top(path)
+    upward = {name for name in _imports(path) - {me} if LEVEL.get(name, -1) > LEVEL[me]}
+    assert upward == set(), f"{path.relative_to(SRC)} (layer {LEVEL[me]}) imports {upward} from above"
+
+
+def test_the_cache_does_not_reach_into_the_core():
+    assert "functional" not in _imports(SRC / "cache.py")
