@@ -18,10 +18,11 @@ cores, with the same float32 accuracy. The path of a call is decided by this rul
    elements), ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
 
 ``describe()`` returns the decision and the machine facts behind it. On the oneDNN path every
-GEMM gets row-major operands: the expanded (stride-0) gradient of ``out.sum()`` and the transposed
-operands of the weight gradient are copied first (handed over as they are, oneDNN ran that GEMM
-~1000x slower: 24 s instead of 22 ms at 2048x768x768), and so is a transposed or sliced input
-(~1.5x slower as it is); a sliced weight (also ~1000x) goes to ``F.linear``. Training goes through
+GEMM gets row-major storage: the expanded (stride-0) gradient of ``out.sum()`` is copied first
+(handed over as it is, oneDNN ran the weight-gradient GEMM ~1000x slower: 24 s instead of 22 ms
+at 2048x768x768), and so is a transposed or sliced input (~1.5x slower as it is); the weight
+gradient then reads transposed views of those row-major tensors (copying them too cost 27% at
+GPT-2's c_attn shape); a sliced weight (also ~1000x) goes to ``F.linear``. Training goes through
 a custom autograd Function whose backward GEMMs also run on oneDNN, and without autograd the
 weight is packed once into oneDNN's layout, repacked whenever it changes (storage pointer and
 ``_version``, bumped by optimizer steps and ``load_state_dict``); under ``torch.distributed``,
@@ -224,7 +225,7 @@ def _packed(weight: Tensor) -> Tensor:
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b with oneDNN forward and backward GEMMs, every operand row-major."""
+    """y = x W^T + b with oneDNN forward and backward GEMMs, operands from row-major storage."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
@@ -243,7 +244,7 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _lp(grad2d, weight.t(), None).view(x.shape)  # (M, N) x ((K, N) transposed-contiguous) -> (..., K)
         if ctx.needs_input_grad[1]:
-            grad_w = _lp(grad2d.t().contiguous(), x.reshape(-1, K).t().contiguous(), None)  # (N, M) x (K, M) -> (N, K)
+            grad_w = _lp(x.reshape(-1, K).t(), grad2d.t(), None).t()  # ((K, M) x (M, N))^T = (N, K): views of row-major x and grad
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2d.sum(0)  # (N,)
         return grad_x, grad_w, grad_b
