@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .._optional import require
 from ..config import FromDict
 from ..convert import load_checked
 from ..linear import project
@@ -277,20 +276,13 @@ class SentenceEncoder(nn.Module):
             FileNotFoundError / ValueError: as ``BertModel.from_pretrained``, or a missing or
                 unreadable ``tokenizer.json``, or a pooling config that is not mean pooling.
         """
-        Tokenizer = require("tokenizers", "models", "SentenceEncoder's tokenizer").Tokenizer
-
         directory = default_model_dir() if path is None else loading.model_directory(path)
         model = BertModel.from_pretrained(directory)
         pooling = directory / "1_Pooling" / "config.json"
         if pooling.is_file() and not loading.read_json(pooling).get("pooling_mode_mean_tokens", False):
             raise ValueError(f"{pooling}: this encoder mean-pools, but the model was trained with another pooling")
-        file = directory / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: file not found (SentenceEncoder reads the tokenizer from tokenizer.json)")
-        try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as e:  # the tokenizers library raises bare Exceptions
-            raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None
+        tokenizer = loading.read_tokenizer(directory, "SentenceEncoder")
+        file = directory / loading.TOKENIZER
         st_config = directory / "sentence_bert_config.json"
         max_len = loading.read_json(st_config).get("max_seq_length", 512) if st_config.is_file() else 512
         try:

@@ -27,6 +27,7 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
 
 
 def model_directory(path: str | os.PathLike[str]) -> Path:
@@ -126,3 +127,20 @@ def read_weights(file: Path) -> dict[str, Tensor]:
         bad = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor)))
         raise ValueError(f"{file}: expected a dict of tensors (a state dict), got entry {bad!r} of type {type(state[bad]).__name__}")
     raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+
+
+def read_tokenizer(directory: Path, user: str):
+    """``directory / tokenizer.json`` as a ``tokenizers.Tokenizer``; ``user`` names who reads it in errors.
+
+    Raises:
+        ModuleNotFoundError: ``tokenizers`` is not installed (the message names the extra).
+        FileNotFoundError / ValueError: the file is missing or cannot be read.
+    """
+    Tokenizer = require("tokenizers", "models", f"{user}'s tokenizer").Tokenizer
+    file = directory / TOKENIZER
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: file not found ({user} reads the tokenizer from {TOKENIZER})")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises bare Exceptions
+        raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None

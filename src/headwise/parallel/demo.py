@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..config import GPT2Config
+from ..models import loading
 from ..models.gpt2 import GPT2LMHeadModel
 from . import parallelize
 
@@ -40,13 +41,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _tokenizer(model_dir: Path | None):
-    if model_dir is None or not (model_dir / "tokenizer.json").is_file():
+    """The model directory's tokenizer, or None (token ids are printed instead) when it has no tokenizer.json."""
+    if model_dir is None or not (model_dir / loading.TOKENIZER).is_file():
         return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return loading.read_tokenizer(model_dir, "the demo")
 
 
 def _device() -> torch.device:

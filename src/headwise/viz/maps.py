@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .._optional import require
 from ..functional import attention_weights
 from ..models import loading
 from ..models.heads import HeadRoles, attention_maps, attention_mass
@@ -136,7 +135,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     from ..models.gpt2 import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(directory)
-    tokenizer = _tokenizer(directory)
+    tokenizer = loading.read_tokenizer(directory, "the heads page")
     encoding = tokenizer.encode(text)
     input_ids = torch.tensor([encoding.ids])  # (1, T)
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
@@ -154,14 +153,3 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
     real = torch.ones_like(special)  # (1, T)
     return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True)
-
-
-def _tokenizer(directory: Path):
-    Tokenizer = require("tokenizers", "models", "the heads page's tokenizer").Tokenizer
-    file = directory / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: file not found (the heads page reads the tokenizer from tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as e:  # the tokenizers library raises bare Exceptions
-        raise ValueError(f"{file}: cannot read the tokenizer ({e})") from None
