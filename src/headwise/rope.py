@@ -186,17 +186,18 @@ class RotaryEmbedding:
             self._tables[device] = (cos, sin)
         return cos, sin
 
-    def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
-        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D).
-
-        An int start slices the kept tables; (B, T) ids (left padding, or the caller's own
-        positions) get their cos/sin computed from the ids, so no value is read back to the host.
-        """
-        t = x.shape[-2]
+    def at(self, positions: int | Tensor, t: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(cos, sin) for T tokens at ``positions``: an int start -> (T, R) slices of the kept tables;
+        (B, T) ids (left padding, or the caller's own positions) -> (B, 1, T, R), computed from the ids
+        on the device, so no value is read back to the host. Compute once, rotate queries and keys."""
         if isinstance(positions, Tensor):
-            angles = positions.to(torch.float64)[..., None] * self._inv_freq(x.device)  # (B, T, R/2)
-            cos, sin = (table.unsqueeze(1) for table in self._cos_sin(angles))  # (B, 1, T, R) each
-        else:
-            cos, sin = self.tables(positions + t, x.device)
-            cos, sin = cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
+            angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)
+            cos, sin = self._cos_sin(angles)  # (B, T, R) each
+            return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R) each
+        cos, sin = self.tables(positions + t, device)
+        return cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
+
+    def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
+        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D)."""
+        cos, sin = self.at(positions, x.shape[-2], x.device)
         return rotate(x, cos, sin, self.layout)

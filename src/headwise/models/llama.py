@@ -25,7 +25,7 @@ from ..functional import check_backend
 from ..layer import AttentionLayer
 from ..linear import linear, project, project_many
 from ..observe import report
-from ..rope import RotaryEmbedding
+from ..rope import RotaryEmbedding, rotate
 from . import _inputs, loading
 from .generate import Generates, positions
 from .llama_config import LlamaConfig, llama_config
@@ -106,7 +106,8 @@ class LlamaAttention(AttentionLayer):
         if position_ids is None and attention_mask is not None:
             position_ids = positions(attention_mask, q.shape[0], q.shape[2], q.device, start=start)  # (B, T): real tokens counted
         where = start if position_ids is None else position_ids
-        q, k = self.rotary(q, where), self.rotary(k, where)  # (B, H, T, D), (B, Hkv, T, D)
+        cos, sin = self.rotary.at(where, q.shape[2], q.device)  # (T, R) or (B, 1, T, R): once for q and k
+        q, k = rotate(q, cos, sin, self.rotary.layout), rotate(k, cos, sin, self.rotary.layout)  # (B, H, T, D), (B, Hkv, T, D)
         report("queries.rotated", q)
         report("keys.rotated", k)
         return q, k
