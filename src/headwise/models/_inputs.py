@@ -44,6 +44,16 @@ def on_model(input_ids: Tensor, weight: Tensor, name: str = "input_ids") -> None
         _checks.same_device(name, input_ids, "the model's embeddings are", weight.device)
 
 
+def ids_and_mask(input_ids: object, mask: object, vocab_size: int, weight: Tensor | None) -> tuple[int, int, Tensor | None]:
+    """What every model checks first: ``input_ids`` (B, T) on ``weight``'s device (the embeddings;
+    None skips that), ids in [0, vocab_size), and the padding mask -> (B, T, (B, T) bool or None)."""
+    if weight is not None:
+        on_model(input_ids, weight)
+    b, t = token_ids(input_ids, vocab_size)
+    real = None if mask is None else attention_mask(mask, (b, t), device=input_ids.device)  # (B, T) bool
+    return b, t, real
+
+
 def padding_only(real: Tensor | None) -> Tensor | None:
     """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal).
 

@@ -169,11 +169,9 @@ class BertModel(nn.Module):
         Returns:
             (B, T, C) hidden states; those of padding positions mean nothing.
         """
-        _inputs.on_model(input_ids, self.embeddings.word_embeddings.weight)
-        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.embeddings.word_embeddings.weight)
         if t > self.config.max_position_embeddings:
             raise ValueError(f"input_ids has {t} tokens, more than max_position_embeddings={self.config.max_position_embeddings}")
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # (B, T)
         elif tuple(token_type_ids.shape) != (b, t):

@@ -74,14 +74,11 @@ def generate(
     """
     vocab = model.vocab_size
     weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
-    if weight is not None:
-        _inputs.on_model(input_ids, weight)
-    b, t = _inputs.token_ids(input_ids, vocab)
+    b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # real: (B, T) bool or None
     check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
     name, limit = model.context_limit()
     if limit is not None and t + max_new_tokens > limit:
         raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
-    real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
     real = prompt_padding(real)  # None when nothing is padding; refuses prompts that end in padding
     caches = model.new_caches(b, t + max_new_tokens)
     position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive

@@ -143,11 +143,9 @@ class GPT2LMHeadModel(Generates, nn.Module):
         Returns:
             (B, T, vocab_size) logits; those at padding positions mean nothing.
         """
-        _inputs.on_model(input_ids, self.transformer.wte.weight)
-        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
+        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.transformer.wte.weight)
         if t > self.config.n_positions:
             raise ValueError(f"input_ids has {t} tokens, more than n_positions={self.config.n_positions}")
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
         return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None)  # (B, T, vocab)
 
     @property

@@ -246,9 +246,7 @@ class LlamaForCausalLM(Generates, nn.Module):
         Returns:
             (B, T, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
         """
-        _inputs.on_model(input_ids, self.model.embed_tokens.weight)
-        b, t = _inputs.token_ids(input_ids, self.config.vocab_size)
-        real = None if attention_mask is None else _inputs.attention_mask(attention_mask, (b, t), device=input_ids.device)  # (B, T) bool
+        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.model.embed_tokens.weight)
         real = _inputs.padding_only(real)  # None when nothing is padding
         position_ids = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: 0 .. T-1
         return self._logits(input_ids, position_ids, real, None, last=False)  # (B, T, vocab)
