@@ -27,6 +27,22 @@ from .masks import inert_padding
 from .observe import report
 
 
+def checked_input(
+    module: nn.Module, x: Tensor, attention_mask: Tensor | None, *, name: str = "x", past: int = 0, sliding: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """What every attention module checks first, for ``module`` (``d_in``, ``context_length``).
+
+    x must be (B, T, d_in) floats on the module's device and dtype; the padding mask (B, T)
+    becomes bool; ``past`` cached tokens plus T must fit ``context_length`` (unless
+    ``sliding``). Returns x with NaN/Inf at padded tokens zeroed (padding is inert) and the mask.
+    """
+    b, t = _checks.tokens(x, module.d_in, name)
+    _checks.module_input(module, x, name)
+    attention_mask = _checks.attention_mask(attention_mask, b, t, device=(name + " is", x.device))  # (B, T) bool or None
+    _checks.context(t, past, module.context_length, sliding=sliding)
+    return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
+
+
 class AttentionLayer(nn.Module):
     """Base of the multi-head modules: ``forward(x, *, attention_mask=None, cache=None)``."""
 
@@ -74,15 +90,12 @@ class AttentionLayer(nn.Module):
         Returns:
             (B, T, C).
         """
-        b, t = _checks.tokens(x, self.d_in, self.input_name)
-        _checks.module_input(self, x, self.input_name)
-        attention_mask = _checks.attention_mask(attention_mask, b, t, device=(self.input_name + " is", x.device))  # (B, T) bool or None
+        past = len(cache) if isinstance(cache, KVCache) else 0
+        sliding = isinstance(cache, KVCache) and cache.window is not None
+        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
         if isinstance(cache, KVCache):
             cache.bind(self)  # one cache, one layer
-        past = len(cache) if isinstance(cache, KVCache) else 0
-        _checks.context(t, past, self.context_length, sliding=isinstance(cache, KVCache) and cache.window is not None)
-        _checks.position_ids(position_ids, b, t)
-        x = inert_padding(x, attention_mask)  # (B, T, d_in)
+        _checks.position_ids(position_ids, *x.shape[:2])
         report("x", x)
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         report("queries", queries)

@@ -22,9 +22,8 @@ from torch import Tensor, nn
 
 from . import _checks
 from .functional import attention, check_backend
-from .layer import AttentionLayer
+from .layer import AttentionLayer, checked_input
 from .linear import project, project_many
-from .masks import inert_padding
 
 
 class _BookMask:
@@ -108,11 +107,7 @@ class CausalAttention(_BookMask, nn.Module):
 
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, d_out)."""
-        b, num_tokens = _checks.tokens(x, self.d_in)
-        _checks.module_input(self, x, "x")
-        attention_mask = _checks.attention_mask(attention_mask, b, num_tokens, device=("x is", x.device))
-        _checks.context(num_tokens, 0, self.context_length, sliding=False)
-        x = inert_padding(x, attention_mask)  # (B, T, d_in)
+        x, attention_mask = checked_input(self, x, attention_mask)  # (B, T, d_in), (B, T) bool or None
         queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
         keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)
         values = project(self.W_value, x).unsqueeze(1)  # (B, 1, T, d_out)
