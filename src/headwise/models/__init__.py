@@ -13,7 +13,7 @@
 """
 
 from .bert import BertConfig, BertModel, SentenceEncoder
-from .generate import generate
+from .generate import CausalLM, Generates
 from .gpt2 import GPT2LMHeadModel
 from .heads import HeadRoles, attention_maps, attention_mass, head_roles
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
@@ -24,7 +24,9 @@ __all__ = [
     "SUPPORTED",
     "BertConfig",
     "BertModel",
+    "CausalLM",
     "GPT2LMHeadModel",
+    "Generates",
     "HeadRoles",
     "LlamaConfig",
     "LlamaForCausalLM",
@@ -33,7 +35,6 @@ __all__ = [
     "SentenceEncoder",
     "attention_maps",
     "attention_mass",
-    "generate",
     "head_roles",
     "load",
 ]

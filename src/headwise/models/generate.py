@@ -20,7 +20,7 @@ from . import _inputs
 
 
 class CausalLM(Protocol):
-    """What ``generate`` needs from a model."""
+    """What ``Generates.generate`` needs from the model it is mixed into."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -42,65 +42,11 @@ class CausalLM(Protocol):
         ...
 
 
-@torch.no_grad()
-def generate(
-    model: CausalLM,
-    input_ids: Tensor,
-    *,
-    max_new_tokens: int,
-    attention_mask: Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    eos_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Continue each prompt, one token at a time, through the model's caches.
-
-    Args:
-        model: a ``CausalLM`` (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...).
-        input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask`` (a prompt
-            whose last column is padding is refused: it would continue from a pad).
-        max_new_tokens: the most tokens to add.
-        attention_mask: (B, T), 1/True = real token (ints or bools).
-        temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
-        top_k: sample only among the k likeliest tokens (with temperature > 0).
-        eos_token_id: a row that emits it is finished and is padded with it from then on;
-            generation stops early once every row is finished.
-        generator: the ``torch.Generator`` that sampling draws from.
-
-    Returns:
-        (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals HuggingFace's
-        greedy ``generate`` (``do_sample=False``) token for token.
-    """
-    vocab = model.vocab_size
-    weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
-    b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # real: (B, T) bool or None
-    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
-    name, limit = model.context_limit()
-    if limit is not None and t + max_new_tokens > limit:
-        raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
-    real = prompt_padding(real)  # None when nothing is padding; refuses prompts that end in padding
-    caches = model.new_caches(b, t + max_new_tokens)
-    position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
-    logits = model.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
-    tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-    for step in range(max_new_tokens):
-        token = next_token(logits, temperature, top_k, generator)  # (B,)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
-        tokens.append(token[:, None])  # (B, 1)
-        if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
-            break
-        if position is not None:
-            position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
-        logits = model.next_logits(token[:, None], position, None, caches)  # (B, vocab)
-    return torch.cat(tokens, dim=1)  # (B, T + n)
-
-
 class Generates:
-    """``model.generate(...)`` for a ``CausalLM``: the one method GPT-2 and the Llama family share."""
+    """``model.generate(...)``, the one method GPT-2 and the Llama family share; the model offers
+    the ``CausalLM`` methods it calls."""
 
+    @torch.no_grad()
     def generate(
         self,
         input_ids: Tensor,
@@ -128,10 +74,30 @@ class Generates:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
             HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
         """
-        return generate(
-            self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,  # type: ignore[arg-type]
-            temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, generator=generator,
-        )
+        vocab = self.vocab_size
+        weight = next(self.parameters(), None) if isinstance(self, torch.nn.Module) else None  # the ids must be on its device
+        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # real: (B, T) bool or None
+        check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+        name, limit = self.context_limit()
+        if limit is not None and t + max_new_tokens > limit:
+            raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+        real = prompt_padding(real)  # None when nothing is padding; refuses prompts that end in padding
+        caches = self.new_caches(b, t + max_new_tokens)
+        position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
+        logits = self.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
+        tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            token = next_token(logits, temperature, top_k, generator)  # (B,)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, eos_token_id)
+                finished |= token == eos_token_id
+            tokens.append(token[:, None])  # (B, 1)
+            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
+                break
+            if position is not None:
+                position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
+            logits = self.next_logits(token[:, None], position, None, caches)  # (B, vocab)
+        return torch.cat(tokens, dim=1)  # (B, T + n)
 
 
 def prompt_padding(real: Tensor | None) -> Tensor | None:
