@@ -30,7 +30,7 @@ from .. import _checks
 from ..cache import KVCache
 from ..config import GPT2Config
 from ..fused import GPT2MultiHeadAttention
-from .timing import interleaved
+from .timing import interleaved, keeping
 
 
 @dataclass(frozen=True)
@@ -130,15 +130,6 @@ def _steps(layers: nn.ModuleList, hf_layers: nn.ModuleList | None, prompt: Tenso
     return steps
 
 
-def _keeping(step: Callable[[], Tensor], outs: dict[str, Tensor], name: str) -> Callable[[], None]:
-    """``step``, keeping its latest output in ``outs[name]``."""
-
-    def call() -> None:
-        outs[name] = step()
-
-    return call
-
-
 def decode_latency(
     contexts: tuple[int, ...] = (128, 512, 1024),
     *,
@@ -197,7 +188,7 @@ def decode_latency(
             token = torch.randn(batch_size, 1, n_embd, generator=gen)  # (B, 1, C)
             steps = _steps(layers, hf_layers, prompt, token, uncached)
             outs: dict[str, Tensor] = {}
-            times = interleaved({name: _keeping(step, outs, name) for name, step in steps.items()}, repeats=repeats, warmup=warmup)
+            times = interleaved({name: keeping(step, outs, name) for name, step in steps.items()}, repeats=repeats, warmup=warmup)
             med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             diff = float((outs["cached"] - outs["hf_cached"]).abs().max()) if hf else None
             rows.append(DecodeRow(n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads()))

@@ -28,8 +28,7 @@ from torch import Tensor
 from .. import _checks
 from ..models.llama import LlamaForCausalLM
 from ..models.llama_config import LlamaConfig
-from .decode import _keeping
-from .timing import interleaved
+from .timing import interleaved, keeping
 
 #: GPT-2 small's width and depth, Llama's parts: 4 KV heads (GQA 3), SwiGLU of 8/3 C, Llama 2's vocabulary.
 GPT2_SMALL_LLAMA = LlamaConfig(
@@ -89,7 +88,7 @@ def _models(config: LlamaConfig, seed: int) -> tuple[LlamaForCausalLM, torch.nn.
 def _timed(calls: dict[str, Callable[[], Tensor]], repeats: int, warmup: int) -> tuple[dict[str, float], dict[str, Tensor]]:
     """Median milliseconds of each call, timed interleaved (``timing.interleaved``), and each one's last output."""
     outs: dict[str, Tensor] = {}
-    times = interleaved({name: _keeping(call, outs, name) for name, call in calls.items()}, repeats=repeats, warmup=warmup)
+    times = interleaved({name: keeping(call, outs, name) for name, call in calls.items()}, repeats=repeats, warmup=warmup)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}, outs
 
 

@@ -21,6 +21,15 @@ from .cases import DTYPES, Case, Ceiling, Progress, Row
 from .peers import Impl, prepare, skip_reason
 
 
+def keeping(step: Callable[[], Tensor], outs: dict[str, Tensor], name: str) -> Callable[[], None]:
+    """``step`` for ``interleaved``, keeping its latest output in ``outs[name]`` (to compare the results after)."""
+
+    def call() -> None:
+        outs[name] = step()
+
+    return call
+
+
 def interleaved(
     steps: dict[str, Callable[[], object]],
     *,
