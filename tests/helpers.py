@@ -168,3 +168,15 @@ class OffDevice(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != self.device:
                 self.stray.append(f"{func}: {tuple(t.shape)} on {t.device}")
         return out
+
+
+def padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 9 ids in [2, vocab_size): no padding, left padding (3 pads), right padding
+    (2 pads, as a model forward may see); pads hold id 0; the mask as 0/1 ints."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, vocab_size, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    ids[mask == 0] = 0
+    return ids, mask

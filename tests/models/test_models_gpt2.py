@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 from helpers import ERROR_RATIO
@@ -25,14 +26,7 @@ def model(gpt2_dir) -> GPT2LMHeadModel:
 
 @pytest.fixture(scope="module")
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Three rows: no padding, left padding (3 pads), right padding (2 pads); mask as ints."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, V, (3, 9), generator=g)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    mask[2, -2:] = 0
-    ids[mask == 0] = 0
-    return ids, mask
+    return helpers.padded_batch(V)
 
 
 def test_logits_match_transformers_on_a_padded_batch(model, hf_gpt2, padded_batch):

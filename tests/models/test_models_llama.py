@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import helpers
 import pytest
 import torch
 from hf_checkpoints import LLAMA_CONFIGS, LLAMA_SIZES, make_hf_llama, save_hf_llama
@@ -34,14 +35,7 @@ def pair(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Three rows of 9: no padding, left padding (3 pads), right padding (2 pads); mask as ints."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, V, (3, 9), generator=g)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    mask[2, -2:] = 0
-    ids[mask == 0] = 0
-    return ids, mask
+    return helpers.padded_batch(V)
 
 
 def test_load_picks_the_family_class(pair):
