@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import _checks
+from .. import _checks
 
 
 class KVCache:
