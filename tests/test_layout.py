@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"functional"},  # the core: attention() (the cache-aware entry included)
     {"layer"},  # the one attention path
     {"teaching", "fused"},  # the book's classes, GPT-2's layout
-    {"convert", "explain", "models"},  # conversions and loading, explaining, whole models
+    {"convert", "explain", "models", "hf"},  # conversions and loading, explaining, whole models, the transformers adapter
     {"explain_rope", "viz", "grade", "bench", "parallel"},  # features built on models
     {"demo", "cli", "__init__"},  # entry points
 ]

@@ -41,3 +41,11 @@ def test_models_without_safetensors_say_which_extra(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1
     assert "pip install 'headwise[models]'" in out.stderr
+
+
+def test_the_transformers_adapter_without_transformers_says_which_extra():
+    code = BLOCK + "import headwise.hf\nheadwise.hf.register()\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "running transformers models on headwise needs the package 'transformers'" in out.stderr
+    assert "pip install 'headwise[hf]'" in out.stderr

@@ -1,0 +1,111 @@
+"""``headwise.hf``: what ``register`` puts into transformers, what ``attend`` refuses, dropout in training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from architectures import SMALL
+from torch import nn
+
+import headwise
+import headwise.hf
+
+
+def test_register_puts_both_the_attention_and_its_mask_into_transformers():
+    assert headwise.hf.register() == "headwise"
+    assert tf.AttentionInterface._global_mapping["headwise"] is headwise.hf.attend
+    # without the mask function under the same name transformers silently passes no mask at all
+    assert tf.AttentionMaskInterface._global_mapping["headwise"] is headwise.hf.mask
+
+
+def test_register_under_another_name_and_a_model_runs_on_it():
+    name = headwise.hf.register("headwise_other")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)).eval()
+    seen = []
+    with headwise.observe(lambda step, t: seen.append(step)):
+        model.set_attn_implementation(name)
+        model(input_ids=torch.randint(2, 100, (1, 5)))
+    assert model.config._attn_implementation == name
+    assert seen.count("context") == SMALL["num_hidden_layers"]  # each layer's attention ran on headwise.attention
+
+
+def test_without_the_mask_function_transformers_passes_no_mask():
+    """Why ``register`` registers both: an attention function alone gets None for a padded batch."""
+    masks = []
+
+    def spy(module, q, k, v, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        return headwise.hf.attend(module, q, k, v, attention_mask, **kwargs)
+
+    tf.AttentionInterface.register("headwise_spy", spy)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)).eval()
+    model.set_attn_implementation("headwise_spy")
+    padding = torch.tensor([[0, 1, 1, 1]])
+    model(input_ids=torch.randint(2, 100, (1, 4)), attention_mask=padding)
+    assert masks and all(m is None for m in masks)
+    headwise.hf.register("headwise_spy")  # now with the mask: the padding arrives
+    masks.clear()
+    tf.AttentionInterface.register("headwise_spy", spy)
+    model(input_ids=torch.randint(2, 100, (1, 4)), attention_mask=padding)
+    assert all(m is not None and m.dtype == torch.bool and not m[0, 0, :, 0].any() for m in masks)
+
+
+class _Layer(nn.Module):
+    is_causal = True
+
+
+def _qkv():
+    return torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("cu_seq_lens_q", torch.tensor([0, 3]), r"does not support packed sequences given as cumulative lengths .*'cu_seq_lens_q'"),
+        ("indices", torch.zeros(1, 3, 2, dtype=torch.long), r"does not support sparse attention over selected key indices: .*'indices'"),
+        ("cache", object(), r"does not support a paged KV cache"),
+        ("some_new_bias", torch.zeros(1), r"got an argument it does not know, 'some_new_bias' \(Tensor\): rather than ignore"),
+    ],
+)
+def test_an_argument_that_would_change_the_result_is_refused_by_name(name, value, match):
+    with pytest.raises(TypeError, match=match):
+        headwise.hf.attend(_Layer(), *_qkv(), None, **{name: value})
+
+
+def test_bookkeeping_arguments_pass_and_the_output_is_b_t_h_dv():
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 5)  # GQA, Dv != D
+    out, weights = headwise.hf.attend(_Layer(), q, k, v, None, position_ids=torch.arange(3)[None], use_cache=True, sliding_window=None)
+    assert out.shape == (2, 3, 4, 5) and weights is None
+    want = headwise.attention(q, k, v, causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_bad_tensors_reach_the_core_checks():
+    with pytest.raises(ValueError, match=r"k must have shape \(B=1, Hkv, S, D=4\)"):
+        headwise.hf.attend(_Layer(), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 4), None)
+
+
+def test_register_refuses_a_name_that_is_not_a_string():
+    with pytest.raises(TypeError, match=r"name must be a non-empty str, got 3"):
+        headwise.hf.register(3)
+
+
+def _dropout_logits(implementation: str, p: float, *, train: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, attention_dropout=p))
+    model.set_attn_implementation(implementation)
+    model.train(train)
+    ids = torch.randint(2, 100, (2, 7))
+    torch.manual_seed(5)
+    with headwise.observe(lambda step, t: None):  # observed: headwise's math backend, which drops weights as eager does
+        return model(input_ids=ids).logits
+
+
+def test_dropout_in_training_drops_the_same_weights_as_eager():
+    name = headwise.hf.register()
+    got, want = _dropout_logits(name, 0.5, train=True), _dropout_logits("eager", 0.5, train=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got, _dropout_logits(name, 0.5, train=False), atol=1e-3)  # and something was dropped
