@@ -35,6 +35,13 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _transformers_table(args: argparse.Namespace) -> str:
+    """Mode "hf": transformers' Llama, Gemma 2 and gpt-oss on headwise, sdpa and eager (``bench.hf``), at the first T."""
+    from .hf import hf_latency, markdown
+
+    return markdown(hf_latency(batch=args.batch, tokens=args.tokens[0], repeats=args.repeats, warmup=args.warmup))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``headwise bench``: parse, run, print the Markdown table, write the plot (and JSON)."""
     p = argparse.ArgumentParser(prog="headwise bench", description="Benchmarks: headwise against the peers, side by side, on this machine.")
@@ -42,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
     p.add_argument("--batch", type=int, default=4, help="B (default 4; decode too)")
     p.add_argument("--dtype", type=_names, default=["fp32"], help="comma list of fp32,bf16 (default fp32)")
-    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {list(MODES)} (default forward,backward)")
+    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {[*MODES, 'hf']} (default forward,backward; hf: transformers models on headwise / sdpa / eager)")
     p.add_argument("--impls", type=_names, default=None, help="comma list of name substrings (default: all but torch.compile)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -70,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")
         except ModuleNotFoundError as e:
             p.error(str(e))
+    transformers_too = "hf" in args.modes
+    args.modes = [m for m in args.modes if m != "hf"]
+    if transformers_too and not args.modes:  # only the transformers table
+        print(_transformers_table(args))
+        return
     report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
                  repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
                  progress=_bar, device=args.device)
@@ -90,3 +102,5 @@ def main(argv: Sequence[str] | None = None) -> None:
                        "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
     if args.plot and plot(report, args.plot):
         print(f"\nplot: {args.plot}")
+    if transformers_too:
+        print("\n" + _transformers_table(args))

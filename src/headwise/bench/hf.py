@@ -1,0 +1,188 @@
+"""transformers models on ``attn_implementation="headwise"`` vs its own "sdpa" and "eager".
+
+Three GPT-2-small-wide configs (C = 768, 12 query heads of 64, 4 key/value heads), each a
+transformers model of random weights, copied once per attention implementation
+(``set_attn_implementation``):
+
+- ``llama``: plain causal attention (the case SDPA serves best);
+- ``gemma2``: softcap 50 and sliding-window layers of 512 every other layer (transformers has
+  no SDPA path for it: softcap);
+- ``gpt_oss``: learned sinks and sliding-window layers of 128 (no SDPA path either: sinks).
+
+B sequences of T tokens, float32, one copy of the base model per implementation (embeddings, layers, final norm: the language
+model head is the same matrix product under every attention and is left out), ``forward``
+under ``torch.inference_mode`` and ``backward`` (forward + backward of the mean square of the
+last hidden state). Timed interleaved (``timing.interleaved``), medians kept.
+``max_abs_diff`` compares headwise's last hidden state with eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from .._optional import require
+from .harness import machine
+from .timing import interleaved, keeping
+
+IMPLEMENTATIONS = ("headwise", "sdpa", "eager")
+MODELS = ("llama", "gemma2", "gpt_oss")
+#: GPT-2 small's width and heads, grouped 3 to 1; the depth is the benchmark's ``layers``.
+WIDTH = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
+             max_position_embeddings=4096)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HFTiming:
+    """Median milliseconds of one call per attention implementation, for one model and mode.
+
+    Attributes:
+        model: "llama", "gemma2" or "gpt_oss".
+        mode: "forward" or "backward" (forward + backward).
+        ms: implementation -> median ms; None where transformers refuses that implementation.
+        max_abs_diff: largest |headwise - eager| over the last hidden state.
+        batch, tokens, layers, repeats, threads: the case and ``torch.get_num_threads()``.
+    """
+
+    model: str
+    mode: str
+    ms: dict[str, float | None]
+    max_abs_diff: float
+    batch: int
+    tokens: int
+    layers: int
+    repeats: int
+    threads: int
+
+    def ratio(self, peer: str) -> float | None:
+        """headwise's time over ``peer``'s (< 1 = headwise faster); None where the peer does not run."""
+        theirs = self.ms.get(peer)
+        return None if theirs is None else self.ms["headwise"] / theirs
+
+
+def config(model: str, layers: int):
+    """The transformers config of ``model`` at GPT-2 small's width, ``layers`` deep."""
+    tf = require("transformers", "hf", "the transformers benchmark")
+    if model == "llama":
+        return tf.LlamaConfig(**WIDTH, num_hidden_layers=layers)
+    if model == "gemma2":
+        return tf.Gemma2Config(**WIDTH, num_hidden_layers=layers, sliding_window=512, query_pre_attn_scalar=64)
+    if model == "gpt_oss":
+        return tf.GptOssConfig(**WIDTH, num_hidden_layers=layers, sliding_window=128, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+
+
+def _copies(model: torch.nn.Module, implementations: Sequence[str]) -> dict[str, torch.nn.Module]:
+    """One copy of ``model`` per implementation transformers accepts for it (same weights)."""
+    copies = {}
+    for implementation in implementations:
+        copy = deepcopy(model)
+        try:
+            copy.set_attn_implementation(implementation)
+        except ValueError:  # transformers has no such path for this model (sdpa: softcap, sinks)
+            continue
+        copies[implementation] = copy
+    return copies
+
+
+def _forward(model: torch.nn.Module, ids: Tensor) -> Callable[[], Tensor]:
+    def call() -> Tensor:
+        with torch.inference_mode():
+            return model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+
+    return call
+
+
+def _backward(model: torch.nn.Module, ids: Tensor) -> Callable[[], Tensor]:
+    def call() -> Tensor:
+        model.zero_grad(set_to_none=True)
+        hidden = model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+        hidden.square().mean().backward()
+        return hidden.detach()
+
+    return call
+
+
+def hf_latency(
+    models: Sequence[str] = MODELS,
+    *,
+    batch: int = 4,
+    tokens: int = 1024,
+    layers: int = 2,
+    modes: Sequence[str] = ("forward", "backward"),
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+) -> list[HFTiming]:
+    """Time each model's forward (and forward + backward) under headwise, sdpa and eager.
+
+    Imports transformers (the ``hf`` extra) and registers headwise's attention there. Nothing
+    is printed. At the defaults (2 layers, B=4, T=1024) it takes a few minutes on 2 cores.
+
+    Returns:
+        One ``HFTiming`` per (model, mode).
+    """
+    from ..hf import register
+
+    for name, value, low in (("batch", batch, 1), ("tokens", tokens, 2), ("layers", layers, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+        _checks.integer(name, value, low=low)
+    bad = [m for m in modes if m not in ("forward", "backward")] + [m for m in models if m not in MODELS]
+    if bad:
+        raise ValueError(f"modes must be among ['forward', 'backward'] and models among {list(MODELS)}, got {bad}")
+    tf = require("transformers", "hf", "the transformers benchmark")
+    name = register()
+    rows = []
+    for which in models:
+        with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
+            torch.manual_seed(seed)
+            model = tf.AutoModel.from_config(config(which, layers), attn_implementation="eager", dtype=torch.float32).eval()
+        ids = torch.randint(0, WIDTH["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(seed))  # (B, T)
+        copies = _copies(model, (name, "sdpa", "eager"))
+        for mode in modes:
+            step = _forward if mode == "forward" else _backward
+            outs: dict[str, Tensor] = {}
+            steps = {impl: keeping(step(copy, ids), outs, impl) for impl, copy in copies.items()}
+            times = interleaved(steps, repeats=repeats, warmup=warmup)
+            ms = {impl: None for impl in IMPLEMENTATIONS}
+            ms.update({("headwise" if impl == name else impl): statistics.median(t) * 1e3 for impl, t in times.items()})
+            diff = float((outs[name] - outs["eager"]).abs().max())
+            rows.append(HFTiming(which, mode, ms, diff, batch, tokens, layers, repeats, torch.get_num_threads()))
+    return rows
+
+
+def markdown(rows: Sequence[HFTiming]) -> str:
+    """The timings as a Markdown table, the machine named above it."""
+    lines = [
+        f"transformers models, attention switched (CPU: {machine()}; {rows[0].threads if rows else '?'} threads)",
+        "",
+        "| model | mode | B | T | layers | headwise ms | sdpa ms | eager ms | headwise / sdpa | headwise / eager | max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = [f"{r.ms[i]:.0f}" if r.ms[i] is not None else "n/a" for i in IMPLEMENTATIONS]
+        ratios = [f"{x:.2f}x" if x is not None else "n/a" for x in (r.ratio("sdpa"), r.ratio("eager"))]
+        lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.tokens} | {r.layers} | {' | '.join(ms)} | {' | '.join(ratios)} | {r.max_abs_diff:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.hf``: print the table."""
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.hf", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    print(markdown(hf_latency(args.models.split(","), batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""``headwise.bench.hf``: the transformers benchmark returns its rows as data and names the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from headwise.bench.hf import hf_latency, markdown
+
+
+def test_rows_for_each_mode_with_every_implementation_transformers_accepts():
+    rows = hf_latency(("llama",), batch=1, tokens=8, layers=1, repeats=1, warmup=0)
+    assert [(r.model, r.mode) for r in rows] == [("llama", "forward"), ("llama", "backward")]
+    for r in rows:
+        assert all(r.ms[i] is not None and r.ms[i] > 0 for i in ("headwise", "sdpa", "eager"))
+        assert r.max_abs_diff < 1e-4
+    table = markdown(rows)
+    assert "family" in table and "| llama | forward | 1 | 8 | 1 |" in table
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"models among \['llama', 'gemma2', 'gpt_oss'\], got \['bloom'\]"):
+        hf_latency(("bloom",))
+    with pytest.raises(ValueError, match=r"tokens must be an int >= 2, got 1"):
+        hf_latency(("llama",), tokens=1)
