@@ -16,17 +16,17 @@ from llms_from_scratch import ch03 as book
 
 from headwise.cli import main as cli_main
 from headwise.grade import grade
-from headwise.grade.worker import main as worker_main
+from headwise.grade.worker import run as worker_run
 
 LEARNERS = Path(__file__).parent / "learners"
 SRC = str(Path(__file__).parents[2] / "src")
 
 
 def events(tmp_path: Path, target: str, *names: str) -> list[dict]:
-    """Run the worker in this process and read what it wrote."""
-    out = tmp_path / "events.jsonl"
-    worker_main([target, str(out), *names])
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    """Run the worker in this process and keep what it sent."""
+    sent: list[dict] = []
+    worker_run(target, str(tmp_path), list(names), sent.append)
+    return sent
 
 
 def test_a_syntax_error_is_shown_at_its_line(tmp_path):
@@ -53,7 +53,7 @@ def test_a_class_asked_for_by_name_that_is_missing_lists_what_is_there(tmp_path)
 
 def test_the_worker_writes_found_started_result_in_order(tmp_path):
     kinds = [next(iter(e)) for e in events(tmp_path, str(LEARNERS / "wrapper_cat_dim.py"))]
-    assert kinds == ["ready", "found", "started", "result", "started", "result"]
+    assert kinds == ["ready", "found", "started", "result", "started", "result", "done"]
 
 
 # ----------------------------------------------------------------------------- real processes
@@ -70,7 +70,9 @@ def test_a_file_that_kills_the_interpreter_is_reported(tmp_path):
     path = tmp_path / "exits.py"
     path.write_text("import os\n\nos._exit(3)\n")
     report = grade(path)
-    assert (report.exit_code, report.problem) == (2, "the grading process ended with exit code 3: (no message)")
+    assert report.exit_code == 2
+    assert report.problem == ("the grading process ended with exit code 3 while importing the file: "
+                              "the code called os._exit() (or something ended the interpreter) and printed no error")
 
 
 def cli(*args: str, cwd: Path = LEARNERS) -> subprocess.CompletedProcess:
@@ -107,7 +109,7 @@ def test_cli_exits_2_when_nothing_could_be_graded(tmp_path, capsys):
 def test_bad_arguments_raise_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, got 0"):
         grade(book.MultiHeadAttention, timeout=0)
-    with pytest.raises(TypeError, match=r"path_or_class must be a file path, a module path or a class, got int"):
+    with pytest.raises(TypeError, match=r"path_or_class must be a file path, a module path, a class or a list of classes, got int"):
         grade(3)
     with pytest.raises(TypeError, match=r"classes must be a list of class names \(str\), got 'MultiHeadAttention'"):
         grade("x.py", classes="MultiHeadAttention")

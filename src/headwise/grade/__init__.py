@@ -8,6 +8,10 @@ learner's forward computes. A class passes when its output matches the book's cl
 the report names the first step of the book's forward it never produced, what was expected
 and what came closest, and a hint when its numbers match a known mistake's.
 
+``grade(MyMultiHeadAttention)`` (or a list of classes) does the same for classes defined in a
+notebook cell or a module: their source is read back and graded in the same separate process.
+In a notebook the ``Report`` shows itself as a table.
+
 Example:
     >>> from headwise.teaching import CausalAttention
     >>> grade(CausalAttention).exit_code
@@ -16,40 +20,62 @@ Example:
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
-from .check import grade_class
 from .report import Report, Result
 
 __all__ = ["Report", "Result", "grade"]
 
 
-def grade(path_or_class: str | Path | type, classes: list[str] | None = None, timeout: float = 30.0) -> Report:
-    """Grade a learner's file, module path or class.
+def grade(path_or_class: str | Path | type | list[type], classes: list[str] | None = None, timeout: float = 30.0) -> Report:
+    """Grade a learner's file, module path, class or list of classes, each in a separate process.
 
     Args:
-        path_or_class: a ``.py`` file or a module path (graded in a subprocess, stopped after
-            ``timeout`` seconds for the import and for each class), or a class object (graded in this process, no
-            time limit: use a file for code that may hang).
-        classes: names of the classes to grade (default: those named like the book's); a name
-            that is not a book name is graded as the book class its signature fits.
+        path_or_class: a ``.py`` file, a module path, a class or a list of classes. Classes
+            written in a notebook cell (or in the running script) are read back from their
+            source, with the modules, functions, classes and constants of the notebook they use.
+        classes: for a file or module: names of the classes to grade (default: those named
+            like the book's); a name that is not a book name is graded as the book class its
+            signature fits. Not used with class objects.
         timeout: seconds the file's import, and each class, may take before they are stopped.
 
     Returns:
         A ``Report``: one ``Result`` per class; ``exit_code`` 0 all passed, 1 one failed,
-        2 nothing graded (``problem`` says why).
+        2 nothing graded (``problem`` says why, e.g. a class whose source cannot be read back).
     """
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if classes is not None and (isinstance(classes, str) or not all(isinstance(c, str) for c in classes)):
         raise TypeError(f"classes must be a list of class names (str), got {classes!r}")
-    if isinstance(path_or_class, type):
-        return Report(f"<class {path_or_class.__qualname__}>", [grade_class(path_or_class)])
+    if isinstance(path_or_class, type) or (isinstance(path_or_class, (list, tuple)) and path_or_class):
+        objects = [path_or_class] if isinstance(path_or_class, type) else list(path_or_class)
+        if not all(isinstance(c, type) for c in objects):
+            raise TypeError(f"a list to grade must hold classes, got {[type(c).__name__ for c in objects]}")
+        if classes is not None:
+            raise TypeError("classes names classes in a file or module; with class objects, pass the classes themselves")
+        return _grade_classes(objects, timeout)
     if not isinstance(path_or_class, (str, Path)):
-        raise TypeError(f"path_or_class must be a file path, a module path or a class, got {type(path_or_class).__name__}")
+        raise TypeError(f"path_or_class must be a file path, a module path, a class or a list of classes, got {type(path_or_class).__name__}")
     target = str(path_or_class)
     if target.endswith(".py") and not Path(target).is_file():
         return Report(target, problem=f"no such file: {target}")
     from .runner import grade_file
 
     return grade_file(target, classes, timeout)
+
+
+def _grade_classes(objects: list[type], timeout: float) -> Report:
+    from .runner import grade_file
+    from .source import SourceError, module_source
+
+    names = [c.__name__ for c in objects]
+    label = f"<class {names[0]}>" if len(names) == 1 else f"<classes {', '.join(names)}>"
+    try:
+        source = module_source(objects)
+    except SourceError as e:
+        return Report(label, problem=str(e))
+    with tempfile.TemporaryDirectory(prefix="headwise-classes-") as folder:
+        path = Path(folder, "notebook.py")
+        path.write_text(source, encoding="utf-8")
+        return grade_file(str(path), names, timeout, label=label)

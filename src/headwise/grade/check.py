@@ -43,7 +43,7 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
     name = name or cls.__name__
     try:
         kind = kind_of(name, cls)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         return Result(name, "unknown", False, "error", error=where(e, file))
     outcomes = [_try(cls, kind, config, file) for config in CONFIGS[kind]]
     return _verdict(name, kind, outcomes)
@@ -55,13 +55,13 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
         module = build(cls, kind, config, ref.state)
     except SetupError as e:
         return Outcome(config, "error", error=str(e))
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         return Outcome(config, "error", error=f"while building it: {where(e, file)}")
     x = ref.x.float()  # (B, T, d_in)
     try:
         with torch.no_grad(), Recorder() as rec:
             out = module(x)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in forward is the learner's mistake, not the grader's end
         return Outcome(config, "error", error=where(e, file))
     want = ref.output
     if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):

@@ -34,8 +34,9 @@ class SetupError(Exception):
     """The learner's class cannot be graded as it is (a weight we cannot place, a bad signature)."""
 
 
-def load(target: str) -> ModuleType:
-    """Import a ``.py`` file (its folder goes on sys.path, for its own imports) or a module path."""
+def load(target: str, root: str | None = None) -> ModuleType:
+    """Import a ``.py`` file (its folder goes on sys.path, for its own imports) or a module path,
+    looked up from ``root`` (default: the current directory)."""
     path = Path(target)
     if path.suffix == ".py" or path.exists():
         sys.path.insert(0, str(path.resolve().parent))
@@ -46,7 +47,7 @@ def load(target: str) -> ModuleType:
         sys.modules["learner"] = module
         spec.loader.exec_module(module)
         return module
-    sys.path.insert(0, str(Path.cwd()))
+    sys.path.insert(0, root or str(Path.cwd()))
     return importlib.import_module(target)
 
 
@@ -126,6 +127,8 @@ def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
 def where(exc: BaseException, file: str | None) -> str:
     """``file.py:LINE: code`` of the deepest frame in the learner's file, then the exception."""
     what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SystemExit):
+        what = f"SystemExit({exc.code!r}): the code called sys.exit(), which would end the program"
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{Path(exc.filename).name}:{exc.lineno}: {(exc.text or '').strip()}  {type(exc).__name__}: {exc.msg}"
     if file is not None:

@@ -1,46 +1,79 @@
-"""The grading process: ``python -m headwise.grade.worker TARGET OUT [CLASS ...]``.
+"""The grading process: ``python -m headwise.grade.worker TARGET ROOT [CLASS ...]``.
 
-Loads the learner's file, then writes one JSON line per event to OUT (flushed at once, so
-the parent keeps what was done before a hang): ``{"ready": true}``, ``{"found": [names]}``, ``{"started": name}``,
-``{"result": {...}}``, or ``{"problem": "..."}``. The learner's own prints go to stdout,
-which the parent ignores.
+Started by ``runner`` in a scratch directory (the learner's code runs there, not in the
+caller's folder). ROOT is the caller's directory, where a module path is looked up. Results
+leave over an anonymous pipe whose descriptor comes in ``HEADWISE_GRADE_FD`` (removed from the
+environment before the learner's code runs, and not inherited by processes it starts); every
+line carries a token read from stdin (closed before the learner's code runs), so the parent
+can tell the grader's lines from anything else written there. Nothing is written to a file.
+
+Events, one JSON object a line: ``{"ready": true}``, ``{"found": [names]}``,
+``{"started": name}``, ``{"result": {...}}``, ``{"problem": "..."}`` and last ``{"done": true}``.
+The learner's own prints go to stdout, which the parent ignores.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import sys
-from typing import IO
+from collections.abc import Callable
 
 from .check import grade_class
 from .learner import SetupError, find_classes, load, where
 
+FD_VARIABLE = "HEADWISE_GRADE_FD"
+
+
+def run(target: str, root: str, names: list[str], emit: Callable[[dict], None]) -> None:
+    """Load ``target``, grade its classes (``names``, or those named like the book's), ``emit`` each event."""
+    emit({"ready": True})  # our own imports are done: the learner's time starts
+    try:
+        module = load(target, root)
+        classes = find_classes(module, names or None)
+    except SetupError as e:
+        return emit({"problem": str(e)})
+    except BaseException as e:  # their import raised, even SystemExit
+        return emit({"problem": f"importing {target} raised: {where(e, _file(target))}"})
+    emit({"found": [n for n, _ in classes]})
+    for name, cls in classes:
+        emit({"started": name})
+        emit({"result": grade_class(cls, name, _source_file(cls, module)).to_dict()})
+    emit({"done": True})
+
 
 def main(argv: list[str]) -> None:
-    target, out_path, *names = argv
-    with open(out_path, "a", encoding="utf-8") as out:
-        _write(out, {"ready": True})  # our own imports are done: the learner's time starts
-        try:
-            module = load(target)
-            classes = find_classes(module, names or None)
-        except SetupError as e:
-            return _write(out, {"problem": str(e)})
-        except BaseException as e:  # their import raised, even SystemExit
-            return _write(out, {"problem": f"importing {target} raised: {where(e, _file(target))}"})
-        _write(out, {"found": [n for n, _ in classes]})
-        file = getattr(module, "__file__", None)
-        for name, cls in classes:
-            _write(out, {"started": name})
-            _write(out, {"result": grade_class(cls, name, file).to_dict()})
+    target, root, *names = argv
+    fd = int(os.environ.pop(FD_VARIABLE))
+    token = sys.stdin.readline().strip()
+    _detach_stdin()
+    os.set_inheritable(fd, False)  # a process the learner starts does not get the pipe
+
+    def emit(event: dict) -> None:
+        os.write(fd, f"{token} {json.dumps(event)}\n".encode())
+
+    run(target, root, names, emit)
+
+
+def _detach_stdin() -> None:
+    """The learner's code reads an empty stdin, not what the parent sent."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (open as long as the process lives)
+
+
+def _source_file(cls: type, module: object) -> str | None:
+    """The file the class was written in (its errors are shown at a line of it)."""
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return getattr(module, "__file__", None)
 
 
 def _file(target: str) -> str | None:
     return target if target.endswith(".py") else None
-
-
-def _write(out: IO[str], event: dict) -> None:
-    out.write(json.dumps(event) + "\n")
-    out.flush()
 
 
 if __name__ == "__main__":

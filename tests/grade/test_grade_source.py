@@ -1,0 +1,112 @@
+"""Classes written in notebook cells, read back and graded in a separate process.
+
+IPython compiles each cell under a file name of its own (``/tmp/ipykernel_<pid>/<hash>.py``)
+and keeps the cell's text in ``linecache`` under it; ``cell()`` does the same here, in a
+namespace named ``__main__`` as a kernel's is. (tests/test_notebook.py runs a real kernel.)
+"""
+
+from __future__ import annotations
+
+import linecache
+
+import pytest
+
+from headwise.grade import grade
+from headwise.grade.source import SourceError, definition, module_source
+
+HEAD = '''
+class CausalAttention(nn.Module):
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__()
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        b, num_tokens, d_in = x.shape
+        scores = self.W_query(x) @ self.W_key(x).transpose(1, 2)
+        scores = scores.masked_fill(self.mask.bool()[:num_tokens, :num_tokens], NEG)
+        return torch.softmax(scale(scores, self.W_key.out_features), dim=-1) @ self.W_value(x)
+'''
+
+WRAPPER = '''
+class MyWrapper(nn.Module):
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.heads = nn.ModuleList([CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)])
+
+    def forward(self, x):
+        return torch.cat([head(x) for head in self.heads], dim=-1)
+'''
+
+
+@pytest.fixture
+def notebook():
+    """Run cells as a kernel would: ``notebook(code)`` runs one more cell in the same namespace."""
+    namespace: dict = {"__name__": "__main__"}
+    names: list[str] = []
+
+    def cell(code: str) -> dict:
+        filename = f"/tmp/ipykernel_0/{len(names) + 1000}.py"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        names.append(filename)
+        exec(compile(code, filename, "exec"), namespace)
+        return namespace
+
+    yield cell
+    for filename in names:
+        linecache.cache.pop(filename, None)
+
+
+def test_a_class_takes_the_modules_functions_classes_and_constants_of_the_notebook_it_uses(notebook):
+    notebook("import math\nimport torch\nfrom torch import nn\n\nNEG = -math.inf\nbatch = torch.ones(2, 6, 3)\n")
+    notebook("def scale(scores, d):\n    return scores / math.sqrt(d)\n" + HEAD)
+    ns = notebook(WRAPPER + "\nwrapper = MyWrapper(3, 2, 6, 0.0, 2)\nprint(wrapper(batch).shape)\n")
+    source = module_source([ns["MyWrapper"]])
+    lines = source.splitlines()
+    assert {"import torch", "import torch.nn as nn", "import math", "NEG = float('-inf')"} <= set(lines)
+    assert "batch" not in source and "print(" not in source  # the cells' other code stays behind
+    assert source.index("def scale(") < source.index("class CausalAttention(") < source.index("class MyWrapper(")
+    compile(source, "notebook.py", "exec")
+
+
+def test_notebook_classes_are_graded_in_a_separate_process(notebook):
+    notebook("import math\nimport torch\nfrom torch import nn\n\nNEG = float('-inf')\n")
+    ns = notebook("def scale(scores, d):\n    return scores / d ** 0.5\n" + HEAD + WRAPPER)
+    report = grade([ns["CausalAttention"], ns["MyWrapper"]])
+    assert report.file == "<classes CausalAttention, MyWrapper>"
+    assert [(r.name, r.kind, r.passed) for r in report.results] == [
+        ("CausalAttention", "CausalAttention", True), ("MyWrapper", "MultiHeadAttentionWrapper", True)
+    ], report.to_text()
+
+
+def test_the_latest_definition_of_a_redefined_class_is_the_one_read_back(notebook):
+    notebook("import torch\nfrom torch import nn\n\nclass CausalAttention(nn.Module):\n    def forward(self, x):\n        return 'first'\n")
+    ns = notebook("class CausalAttention(nn.Module):\n    def forward(self, x):\n        return 'second'\n")
+    assert "second" in definition(ns["CausalAttention"]) and "first" not in definition(ns["CausalAttention"])
+
+
+def test_a_class_with_no_method_of_its_own_is_found_in_the_cells(notebook):
+    ns = notebook("from torch import nn\n\nclass Empty(nn.Module):\n    pass\n")
+    assert definition(ns["Empty"]) == "class Empty(nn.Module):\n    pass\n"
+
+
+def test_a_class_whose_source_is_nowhere_says_so():
+    namespace: dict = {"__name__": "__main__"}
+    exec("from torch import nn\nclass MultiHeadAttention(nn.Module):\n    def forward(self, x):\n        return x\n", namespace)
+    with pytest.raises(SourceError, match=r"cannot find the source of the class MultiHeadAttention: it was not written in a file or a notebook cell"):
+        definition(namespace["MultiHeadAttention"])
+    report = grade(namespace["MultiHeadAttention"])
+    assert report.exit_code == 2 and report.problem.startswith("cannot find the source of the class MultiHeadAttention")
+    assert "put it in a .py file and grade that file" in report.to_text()
+
+
+def test_two_classes_of_one_name_and_bad_lists_are_refused(notebook):
+    first = notebook("from torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return x\n")["A"]
+    second = notebook("class A(nn.Module):\n    def forward(self, x):\n        return -x\n")["A"]
+    assert grade([first, second]).problem == "two classes are named A: grade them one at a time, or rename one"
+    with pytest.raises(TypeError, match=r"a list to grade must hold classes, got \['type', 'str'\]"):
+        grade([first, "A"])
+    with pytest.raises(TypeError, match=r"classes names classes in a file or module; with class objects, pass the classes themselves"):
+        grade(first, classes=["A"])
