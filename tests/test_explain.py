@@ -100,3 +100,37 @@ def test_book_batch_is_the_books():
     batch = book_batch()
     assert batch.shape == (2, 6, 3) and torch.equal(batch[0], batch[1])
     torch.testing.assert_close(batch[0, 1], torch.tensor([0.55, 0.87, 0.66]))  # "journey"
+
+
+# ----------------------------------------------------------------------------- displays
+
+
+def test_the_result_unpacks_and_reads_as_text():
+    result = explain(num_tokens=6)
+    mha, steps = result
+    assert result.module is mha and result.steps is steps
+    text = repr(result)
+    assert text.splitlines()[0] == "MultiHeadAttention: 10 steps"
+    assert "Step 8. Mask the future, scale by sqrt(head_dim), softmax: masked_scores (1, 2, 6, 6), weights (1, 2, 6, 6)" in text
+    assert result.tokens() == ["Your", "journey", "starts", "with", "one", "step"]
+    assert explain(d_in=4, num_tokens=3).tokens() == ["#0", "#1", "#2"]  # random input: positions, not words
+
+
+def test_the_html_shows_every_step_its_tensors_and_one_heatmap_per_head():
+    from html_check import find, network_references, parse
+
+    result = explain(num_tokens=6, d_out=4, num_heads=2)
+    out = result._repr_html_()
+    p = parse(out)
+    assert [a["data-step"] for a in find(p, "div", data_step=None)] == [str(n) for n in range(1, 11)]
+    tables = {a["data-tensor"]: a["data-shape"] for a in find(p, "table", data_tensor=None)}
+    want = {name: str(list(t.shape)) for s in result.steps for name, t in s.tensors.items() if name != "weights"}
+    assert tables == want
+    heat = find(p, "table", **{"class": "hw-t hw-heat"})
+    assert [a["data-shape"] for a in heat] == ["[6, 6]", "[6, 6]"]  # the weights of each head, batch 0
+    weights = result.steps[7].tensors["weights"][0]  # (H, T, T)
+    cells = [a["title"] for a in find(p, "td", title=None)]
+    assert cells[0] == f"Your → Your: {float(weights[0, 0, 0]):.4f}" and cells[6 * 6 + 7] == f"journey → journey: {float(weights[1, 1, 1]):.4f}"
+    assert network_references(out, p) == []
+    masked = next(a for a in find(p, "table", data_tensor="masked_scores"))
+    assert masked["data-shape"] == "[1, 2, 6, 6]" and out.count('class="hw-neginf"') == 15  # head 0's masked future, shown as -∞

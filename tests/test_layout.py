@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headwise"
 
 #: Lowest first. A module may import from its own layer's modules and from any layer below.
 LAYERS: list[set[str]] = [
-    {"_checks", "_optional", "observe", "linear"},  # no headwise imports, or the checkers only
+    {"_checks", "_optional", "_html", "observe", "linear"},  # no headwise imports, or the checkers only
     {"masks", "cache", "rope", "config"},  # data structures and small functions
     {"functional"},  # the core: attention() (the cache-aware entry included)
     {"layer"},  # the one attention path

@@ -2,16 +2,19 @@
 
 ``explain()`` runs ``MultiHeadAttention`` once under ``headwise.observe`` and files every
 tensor the module and the math backend report under the lecture's Steps 1-10. Nothing here
-recomputes attention: what you see is what the module computed.
+recomputes attention: what you see is what the module computed. Its result shows itself in a
+notebook: each step, each tensor as a small table, the attention weights as heatmaps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from . import _html
 from .observe import observe
 from .teaching import MultiHeadAttention
 
@@ -44,6 +47,49 @@ class Step:
     tensors: dict[str, Tensor] = field(default_factory=dict)
 
 
+class Explanation(NamedTuple):
+    """A module and the steps of one forward pass; unpacks as ``module, steps = explain()``.
+
+    ``repr`` lists each step's tensors and shapes; in a notebook (``_repr_html_``) each step
+    shows its code, every tensor as a small table and attention weights as one heatmap per head.
+    """
+
+    module: nn.Module
+    steps: list[Step]
+
+    def tokens(self) -> list[str]:
+        """The input's token labels: the book's words when the input is its embeddings, else ``#0``, ``#1``, ..."""
+        x = next((s.tensors["x"] for s in self.steps if "x" in s.tensors), None)  # (B, T, d_in)
+        T = 0 if x is None else x.shape[1]
+        if x is not None and uses_book_inputs(x.shape[-1], T) and torch.equal(x[0], BOOK_INPUTS[:T].to(x.dtype)):
+            return list(BOOK_TOKENS[:T])
+        return [f"#{i}" for i in range(T)]
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self.module).__name__}: {len(self.steps)} steps"]
+        for s in self.steps:
+            shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in s.tensors.items())
+            lines.append(f"  Step {s.number}. {s.title}" + (f": {shapes}" if shapes else ""))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        tokens = self.tokens()
+        body = [f"<h3>{_html.escape(type(self.module).__name__)}: Steps {self.steps[0].number}-{self.steps[-1].number}</h3>"]
+        body += [_step_html(s, tokens) for s in self.steps]
+        return _html.block("explain", "".join(body))
+
+
+def _step_html(step: Step, tokens: list[str]) -> str:
+    parts = [f"<h4>Step {step.number}. {_html.escape(step.title)}</h4><code>{_html.escape(step.code)}</code><div>"]
+    for name, t in step.tensors.items():
+        if name == "weights" and t.ndim >= 3 and t.shape[-1] == t.shape[-2] == len(tokens):  # (B, [H,] T, T)
+            per_head = t[0] if t.ndim == 4 else t[:1]  # (H, T, T)
+            parts += [_html.heatmap(w, tokens, tokens, caption=f"<code>weights</code> head {h}") for h, w in enumerate(per_head)]
+        else:
+            parts.append(_html.tensor_table(name, t))
+    return f'<div class="hw-step" data-step="{step.number}">' + "".join(parts) + "</div></div>"
+
+
 _STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
     (1, "Start with the input (b, num_tokens, d_in)", "b, num_tokens, d_in = x.shape", ("x",)),
     (2, "Decide d_out and the number of heads", "head_dim = d_out // num_heads", ()),
@@ -69,7 +115,7 @@ def uses_book_inputs(d_in: int, num_tokens: int) -> bool:
 
 def explain(
     *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True
-) -> tuple[MultiHeadAttention, list[Step]]:
+) -> Explanation:
     """Build ``MultiHeadAttention(d_in, d_out, ...)`` under ``seed`` and walk one forward pass.
 
     The input is the book's token embeddings when ``uses_book_inputs(d_in, num_tokens)``
@@ -77,7 +123,13 @@ def explain(
     ``causal=False`` step 8 masks nothing and says so.
 
     Returns:
-        The module and its Steps 1-10, each holding the tensors that step produced.
+        An ``Explanation``: the module and its Steps 1-10, each holding the tensors that step
+        produced (``mha, steps = explain()``).
+
+    Example:
+        >>> mha, steps = explain()
+        >>> [tuple(t.shape) for t in steps[7].tensors.values()]     # masked scores, weights: (B, H, T, T)
+        [(1, 2, 3, 3), (1, 2, 3, 3)]
     """
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal)
@@ -92,4 +144,4 @@ def explain(
     if not causal:
         steps[7].title, steps[7].code = _BIDIRECTIONAL_STEP_8
     steps[2].tensors = {name: getattr(mha, name).weight.detach() for name in ("W_query", "W_key", "W_value")}
-    return mha, steps
+    return Explanation(mha, steps)

@@ -151,6 +151,23 @@ class Tab:
         """The URL of every request the page made (its own file included)."""
         return [e["params"]["request"]["url"] for e in self._events("Network.requestWillBeSent")]
 
+    def frames(self) -> list[Tab]:
+        """The page's out-of-process frames (a sandboxed ``<iframe>`` is one), each as a ``Tab`` recording
+        its own console and errors (those logged before recording started are replayed to it)."""
+        self.send("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": False, "flatten": True})
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            attached = [e["params"] for e in self._events("Target.attachedToTarget") if e["params"]["targetInfo"]["type"] == "iframe"]
+            if attached or time.monotonic() > deadline:
+                break
+            self.js("0")  # a round trip lets the attach events arrive
+            time.sleep(0.05)
+        frames = [Tab(self.browser, p["sessionId"], p["targetInfo"]["targetId"]) for p in attached]
+        for frame in frames:
+            for domain in ("Runtime", "Log"):
+                frame.send(f"{domain}.enable")
+        return frames
+
     def centre(self, selector: str) -> tuple[float, float]:
         """Scroll ``selector``'s element into view; its centre in the viewport."""
         box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: 'center'}}); "

@@ -114,3 +114,23 @@ def test_screenshot_is_not_blank(tab, tmp_path):
     inked = (image.mean(-1) < 0.9).mean()  # share of pixels that are not (near) white
     assert 0.05 < inked < 0.9
     assert image[..., 2].mean() - image[..., 0].mean() > 0.005  # the blue maps are there
+
+
+def test_the_inline_view_renders_inside_a_sandboxed_iframe(browser, minilm_maps, tmp_path):
+    from headwise.viz import HeadsView
+
+    host = tmp_path / "notebook.html"  # a stand-in for a notebook's output area
+    host.write_text(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>notebook</title></head>'
+                    f'<body><p>Out[1]:</p>{HeadsView(minilm_maps)._repr_html_()}</body></html>', encoding="utf-8")
+    tab = browser.open(host.as_uri())
+    try:
+        (frame,) = tab.frames()
+        assert frame.js("document.querySelectorAll('#grid [data-head]').length") == 6 * 12
+        assert frame.js("document.querySelector('#detail').dataset.shown") == "0.0"
+        assert frame.js("document.querySelectorAll('#grid canvas').length") == 72
+        assert frame.js("performance.getEntriesByType('resource').length") == 0  # the frame fetched nothing
+        assert tab.js("document.querySelectorAll('[data-head]').length") == 0  # nothing leaked into the notebook
+        assert tab.requests() == [host.as_uri()]
+        assert frame.console_errors() == [] and tab.console_errors() == []
+    finally:
+        tab.close()

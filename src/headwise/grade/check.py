@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import hints as H
 from .learner import SetupError, build, kind_of, where
-from .match import closest, first_divergence, is_scores, matching_probes
+from .match import closest, is_scores, matching_probes, step_status
 from .record import Recorder
 from .reference import CONFIGS, Config, reference
 from .report import Result
@@ -25,6 +25,7 @@ class Outcome:
     expected: str | None = None
     got: str | None = None
     error: str | None = None
+    steps: dict[str, str] | None = None  # step -> "match" / "skipped" / "missing"
 
 
 def grade_class(cls: type, name: str | None = None, file: str | None = None) -> Result:
@@ -67,11 +68,12 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):
         return Outcome(config)
     records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
-    step = first_divergence(records, ref.steps)
+    status = step_status(records, ref.steps)
+    step = next((name for name, s in status.items() if s == "missing"), None)
     if step is None:  # every step is there, the output too: only what forward returns is off
-        return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want))
+        return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want), steps=status)
     matched = matching_probes(records, out, H.probes(kind, ref, config), step)
-    outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]))
+    outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]), steps=status)
     shown = next((t for p, t in matched if p.same_kind and t.shape == ref.steps[step].shape), None)
     outcome.expected, outcome.got = _show(records if shown is None else [shown], ref.steps[step], is_scores(step))
     if step == "output" and not (isinstance(out, Tensor) and out.shape == want.shape):
@@ -96,7 +98,8 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
     else:
         shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
         hint = "; or ".join(shared or first.hints) or None
-    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, first.error, len(outcomes))
+    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, first.error, len(outcomes),
+                  first.steps)
 
 
 def _show(records: list[Tensor], want: Tensor, scale_free: bool) -> tuple[str, str]:

@@ -43,17 +43,18 @@ def produced(records: list[Tensor], want: Tensor, scale_free: bool = False) -> b
     return any(same(v, want, scale_free) for r in records for v in layouts(r, want.shape))
 
 
-def first_divergence(records: list[Tensor], steps: dict[str, Tensor]) -> str | None:
-    """The first step (in the book's order) that no record equals, or None if all are there.
-
-    A step is excused when a later step of its chain was produced: code that never forms
-    ``queries.view`` but forms ``queries.transpose`` (or fuses QKV) has not diverged there.
-    """
+def step_status(records: list[Tensor], steps: dict[str, Tensor]) -> dict[str, str]:
+    """Each step (in the book's order): ``"match"`` when some record equals it, ``"skipped"`` when
+    not but a later step of its chain was produced (code that never forms ``queries.view`` but
+    forms ``queries.transpose``, or fuses QKV, has not diverged there), else ``"missing"``."""
     done = {name: produced(records, t, scale_free=is_scores(name)) for name, t in steps.items()}
-    for name in steps:
-        if not done[name] and not any(done[later] for later in _chain_after(name, list(steps))):
-            return name
-    return None
+    skipped = {name: any(done[later] for later in _chain_after(name, list(steps))) for name in steps}
+    return {name: "match" if done[name] else "skipped" if skipped[name] else "missing" for name in steps}
+
+
+def first_divergence(records: list[Tensor], steps: dict[str, Tensor]) -> str | None:
+    """The first step (in the book's order) that no record equals and no later step excuses, or None."""
+    return next((name for name, status in step_status(records, steps).items() if status == "missing"), None)
 
 
 def closest(records: list[Tensor], want: Tensor, scale_free: bool = False) -> Tensor | None:

@@ -1,9 +1,12 @@
-"""What grading found, as data: one ``Result`` per class, one ``Report`` per file, and their text and JSON."""
+"""What grading found, as data: one ``Result`` per class, one ``Report`` per file, and their text,
+JSON and HTML (a ``Report`` shows itself as a table in a notebook)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+from .._html import block, escape
 
 
 @dataclass
@@ -24,6 +27,9 @@ class Result:
         got: the learner's closest tensor: shape and the same row.
         error: for ``step == "error"``: where in the learner's file, and the exception.
         configs: how many configurations were tried.
+        steps: when it failed on numbers: each step of the book's forward in order, ``"match"`` (one of
+            its tensors equals it), ``"skipped"`` (never formed, but a later step of its chain was) or
+            ``"missing"``; None otherwise.
     """
 
     name: str
@@ -36,6 +42,7 @@ class Result:
     got: str | None = None
     error: str | None = None
     configs: int = 0
+    steps: dict[str, str] | None = None
 
     def to_dict(self) -> dict:
         """The JSON object of one result; the class name goes under ``"class"``."""
@@ -62,6 +69,9 @@ class Report:
         """``{"file": ..., "results": [{"class": ..., "passed": ..., "step": ..., "hint": ...}], "problem": ...}``."""
         return json.dumps({"file": self.file, "results": [r.to_dict() for r in self.results], "problem": self.problem}, indent=2)
 
+    def __repr__(self) -> str:
+        return self.to_text()
+
     def to_text(self) -> str:
         """A short report a learner can read: PASS, or the step, expected vs got, and the hint."""
         lines = [f"headwise grade {self.file}"]
@@ -79,3 +89,37 @@ class Report:
         failed = sum(not r.passed for r in self.results)
         lines += ["", f"{len(self.results) - failed} of {len(self.results)} classes passed."]
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The report as HTML for a notebook: each class with its verdict, the steps of the book's
+        forward it matched, and where it failed, with the hint."""
+        title = f"<h3>headwise grade <code>{escape(self.file)}</code></h3>"
+        if self.problem is not None:
+            body = f'<p class="hw-problem" data-verdict="nothing">nothing graded: {escape(self.problem)}</p>'
+            return block("grade", title + body, exit_code=self.exit_code)
+        passed = sum(r.passed for r in self.results)
+        summary = f"<p>{passed} of {len(self.results)} classes passed.</p>"
+        return block("grade", title + "".join(_result_html(r) for r in self.results) + summary, exit_code=self.exit_code)
+
+
+def _result_html(r: Result) -> str:
+    verdict = "pass" if r.passed else "fail"
+    if r.passed:
+        badge, note = "PASS", f"same output as the book's <code>{escape(r.kind)}</code> in all {r.configs} configurations"
+    else:
+        badge, note = "FAIL", f"at step <code>{escape(r.step)}</code>"
+    parts = [f'<h4>{escape(r.name)} <span class="hw-badge">{badge}</span> <span class="hw-note">{note}</span></h4>']
+    if r.steps:
+        items = "".join(
+            f'<li data-step="{escape(name)}" data-status="{escape(status)}"{" data-first" if name == r.step else ""}>'
+            f'{escape(name)} {"✓" if status == "match" else "·" if status == "skipped" else "✗"}</li>'
+            for name, status in r.steps.items()
+        )
+        parts.append(f'<ol class="hw-steps" title="the book\'s steps: ✓ matched, · formed later in its chain, ✗ not found">{items}</ol>')
+    rows = [(label, value) for label, value in (("checked with", r.config), ("error", r.error), ("expected", r.expected), ("got", r.got)) if value]
+    if r.hint:
+        rows.append(("hint", r.hint))
+    if rows:
+        dd = {label: '<dd class="hw-hint">' if label == "hint" else "<dd>" for label, _ in rows}
+        parts.append("<dl>" + "".join(f"<dt>{label}</dt>{dd[label]}{escape(value)}</dd>" for label, value in rows) + "</dl>")
+    return f'<section class="hw-class" data-class="{escape(r.name)}" data-verdict="{verdict}">{"".join(parts)}</section>'
