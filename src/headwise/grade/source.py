@@ -77,6 +77,9 @@ class _Builder:
     def _define(self, obj: type | FunctionType) -> None:
         source = definition(obj)
         scope = _globals(obj)
+        for base in getattr(obj, "__bases__", ()):  # class A(A): the earlier A, which the name no longer reaches
+            if base.__name__ == obj.__name__:
+                self.add(base.__name__, base)
         for used in _free_names(source):
             if used in scope and used != obj.__name__ and not hasattr(builtins, used):
                 self.add(used, scope[used])
@@ -111,7 +114,11 @@ def _from_code(obj: type | FunctionType) -> str | None:
         lines = linecache.getlines(code.co_filename)
         if not lines:
             continue
-        node = _node_at(ast.parse("".join(lines)), obj.__name__, code.co_firstlineno, isinstance(obj, type))
+        try:
+            tree = ast.parse("".join(lines))
+        except SyntaxError:  # code compiled from a text that is not Python as a whole (a README's block)
+            continue
+        node = _node_at(tree, obj.__name__, code.co_firstlineno, isinstance(obj, type))
         if node is not None:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             return textwrap.dedent("".join(lines[first - 1 : node.end_lineno]))
