@@ -2,11 +2,13 @@
 
 Any cell that raises fails the test (nbclient stops there); then each cell's output is checked
 against what the tutorial says it shows: the book's numbers, the ten steps, a failing then a
-passing grade, the heads page in its frame, the cache matching the full forward.
+passing grade, the heads page in its frame, the cache matching the full forward. A second,
+small notebook grades classes that call os._exit() or never return: the kernel lives on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,10 +34,14 @@ from nbclient import NotebookClient  # noqa: E402
 def executed(tmp_path_factory):
     """The notebook after a run in a kernel that imports this checkout's headwise, in a scratch folder."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    folder = tmp_path_factory.mktemp("tutorial")
+    run(nb, tmp_path_factory.mktemp("tutorial"))
+    return {cell.id: cell for cell in nb.cells} | {"": nb}
+
+
+def run(nb, folder: Path) -> None:
+    """Execute ``nb`` in a fresh local kernel started in ``folder``, importing this checkout's headwise."""
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), saved) if p)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
     finally:
@@ -43,7 +49,6 @@ def executed(tmp_path_factory):
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = saved
-    return {cell.id: cell for cell in nb.cells} | {"": nb}
 
 
 def text(cell) -> str:
@@ -101,3 +106,26 @@ def test_no_display_references_the_network(executed):
             html = o.get("data", {}).get("text/html")
             if html:
                 assert network_references(html, parse(html)) == [], cell.id
+
+
+CRASHES = [
+    "import os\nimport torch\nfrom torch import nn\n\nfrom headwise.grade import grade",
+    "class MultiHeadAttention(nn.Module):\n    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):\n"
+    "        super().__init__()\n        self.W_query = nn.Linear(d_in, d_out)\n\n    def forward(self, x):\n        os._exit(0)",
+    "class CausalAttention(nn.Module):\n    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):\n"
+    "        super().__init__()\n        self.W_query = nn.Linear(d_in, d_out)\n\n    def forward(self, x):\n        while True:\n            pass",
+    "report = grade([MultiHeadAttention, CausalAttention], timeout=5)\nprint(report.to_json())",
+    "exec('class Made(nn.Module):\\n    pass')\nprint(grade(Made).problem)",
+    "print('the kernel is alive')",
+]
+
+
+def test_a_class_that_exits_or_hangs_in_a_cell_leaves_the_kernel_alive(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CRASHES])
+    run(nb, tmp_path)
+    report = json.loads(nb.cells[3].outputs[0]["text"])
+    assert [(r["class"], r["passed"], r["step"]) for r in report["results"]] == [("MultiHeadAttention", False, "error"), ("CausalAttention", False, "error")]
+    assert report["results"][0]["error"].startswith("the grading process ended with exit code 0 while grading MultiHeadAttention")
+    assert report["results"][1]["error"] == "stopped after 5 s: an endless loop, or far too slow"
+    assert nb.cells[4].outputs[0]["text"].startswith("cannot find the source of the class Made")
+    assert nb.cells[5].outputs[0]["text"] == "the kernel is alive\n"

@@ -86,8 +86,11 @@ def _run(target: str, classes: list[str], timeout: float) -> tuple[list[dict], s
         finally:
             os.close(write_fd)  # the child holds the only write end: end of file when it exits
         with os.fdopen(read_fd, "rb") as pipe:
-            proc.stdin.write(token + "\n")
-            proc.stdin.close()
+            try:
+                proc.stdin.write(token + "\n")
+                proc.stdin.close()
+            except BrokenPipeError:  # it ended before reading: _how_it_ended says how
+                pass
             lines, note = _collect(proc, pipe, timeout)
         if not note:
             err.seek(0)
