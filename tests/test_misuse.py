@@ -382,7 +382,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("core attention_mask wrong shape", attend(attention_mask=torch.ones(1, 4, dtype=torch.bool)), Raises(ValueError, r"attention_mask must have shape \(B, S\) = \(1, 3\), got \(1, 4\)")),
     ("core attention_mask is a list", attend(attention_mask=[[1, 1, 1]]), Raises(TypeError, r"attention_mask must be a bool or 0/1 int tensor of shape \(B, S\) \(1/True = real token\), got list")),
     ("core attention_mask on meta", attend(attention_mask=torch.ones(1, 3, dtype=torch.bool, device=META)), Raises(ValueError, r"attention_mask is on meta but k and v are on cpu")),
-    ("core cache is a dict", attend(cache={}), Raises(TypeError, r"cache must be a headwise.KVCache or None, got dict")),
+    ("core cache is a dict", attend(cache={}), Raises(TypeError, r"cache must be a headwise.KVCache, a PagedKVCache.batch\(...\) or None, got dict")),
     ("core cache with another window", lambda: hw.attention(*qkv(dtype=torch.float32), causal=True, window=2, cache=hw.KVCache.sliding(1, 2, 3, 4)),
      Raises(ValueError, r"a sliding cache of window=3 needs attention with window=3, got window=2")),
     ("weights k is a list", lambda: hw.attention_weights(qkv()[0], [1.0]), Raises(TypeError, r"k must be a torch.Tensor")),

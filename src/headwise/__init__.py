@@ -1,6 +1,6 @@
 """headwise: multi-head attention, from the book's lesson to a fast drop-in layer."""
 
-from .cache import KVCache
+from .cache import KVCache, PagedKVCache
 from .config import GPT2Config
 from .convert import gpt2_attention_from_hf, gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .functional import attention, attention_weights
@@ -16,6 +16,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedKVCache",
     "attention",
     "attention_weights",
     "causal_mask",

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from .cache import KVCache
+from .cache import Cache, KVCache, Part, checked
 from .masks import causal_mask, padding_mask
 from .observe import observing, report
 
@@ -227,7 +227,7 @@ def attention(
     window: int | None = None,
     mask: Tensor | None = None,
     attention_mask: Tensor | None = None,
-    cache: KVCache | None = None,
+    cache: Cache | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str = "auto",
@@ -245,6 +245,9 @@ def attention(
             0/False = padding (bools or 0/1 ints).
         cache: a ``KVCache``: k and v (and their padding) are appended to it first, and the
             queries attend over everything it holds (S = cached + T_kv keys); else S = T_kv.
+            Or ``paged.batch(seq_ids, new_tokens)`` of a ``PagedKVCache``: q, k, v pack the new
+            tokens of several sequences in one row (B = 1), and each sequence's queries attend
+            over its own cached and new tokens only (ragged, no padding).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: multiplies the scores; default 1 / sqrt(D).
         backend: "auto", "math" or "sdpa" (see the module docstring).
@@ -268,10 +271,16 @@ def attention(
     )
     if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
         k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
-    if cache is not None:
-        k, v, attention_mask = _read_cache(q, k, v, cache, causal, window, attention_mask)  # (B, Hkv, S, D) x2, (B, S)
-    mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
-    context = _choose(backend)(q, k, v, mask, is_causal, dropout_p, scale)  # (B, H, T, Dv)
+    if cache is None:
+        parts = [Part(slice(None), k, v, attention_mask)]  # every query over every key
+    else:
+        parts = _read_cache(q, k, v, cache, causal, window, attention_mask, mask)  # each with (B, Hkv, S, D) x2, (B, S)
+    run, contexts = _choose(backend), []
+    for rows, k, v, attention_mask in parts:  # one part, or one per sequence of a paged batch
+        q_part = q[:, :, rows]  # (B, H, T_part, D)
+        part_mask, is_causal = _combined_mask(q_part, k, causal, window, mask, attention_mask)
+        contexts.append(run(q_part, k, v, part_mask, is_causal, dropout_p, scale))  # (B, H, T_part, Dv)
+    context = contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)  # (B, H, T, Dv)
     report("context", context)
     return context
 
@@ -286,20 +295,25 @@ def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
 
 
 def _read_cache(
-    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, causal: bool, window: int | None, attention_mask: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Append the new keys/values to ``cache``; return what the queries attend over."""
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a headwise.KVCache or None, got {type(cache).__name__}")
+    q: Tensor, k: Tensor, v: Tensor, cache: Cache, causal: bool, window: int | None, attention_mask: Tensor | None, mask: Tensor | None
+) -> list[Part]:
+    """Append the new keys/values to ``cache``; return what each run of queries attends over (``cache.protocol``)."""
+    cache = checked(cache)
     if cache.window is not None and cache.window != window:
         raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
-    k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, S, D) x2, (B, S) or None
-    if window is not None and causal:
-        keep = window + q.shape[2] - 1  # the oldest query sees the last `window` keys up to itself; older ones, none
+    if mask is not None and not isinstance(cache, KVCache):
+        raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
+    parts = cache.append(k, v, attention_mask)  # one Part, or one per sequence of a paged batch
+    if window is None or not causal:
+        return parts
+    trimmed = []
+    for rows, k, v, attention_mask in parts:
+        keep = window + len(range(q.shape[2])[rows]) - 1  # the oldest query sees the last `window` keys up to itself; older ones, none
         if k.shape[2] > keep:
             k, v = k[:, :, -keep:], v[:, :, -keep:]  # (B, Hkv, keep, D) x2: views, nothing copied
             attention_mask = None if attention_mask is None else attention_mask[:, -keep:]  # (B, keep)
-    return k, v, attention_mask
+        trimmed.append(Part(rows, k, v, attention_mask))
+    return trimmed
 
 
 def attention_weights(

@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from . import _checks
-from .cache import KVCache
+from .cache import Cache, KVCache, checked
 from .functional import attention, merge_heads, split_heads
 from .masks import inert_padding
 from .observe import report
@@ -75,7 +75,7 @@ class AttentionLayer(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None, position_ids: Tensor | None = None
+        self, x: Tensor, *, attention_mask: Tensor | None = None, cache: Cache | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
         """Attend over the tokens of x (and, with a cache, over every token cached before).
 
@@ -83,19 +83,25 @@ class AttentionLayer(nn.Module):
             x: (B, T, d_in).
             attention_mask: (B, T) padding mask, 1/True = real token, 0/False = padding (left
                 or right); with a cache, for the new tokens only (the cache remembers the rest).
-            cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens.
+            cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens. Or a
+                ``PagedKVCache.batch(...)``: x (1, T, d_in) packs the next tokens of several
+                sequences, each placed after its own cached tokens.
             position_ids: (B, T) ints, where x's tokens sit, for a layer with a position
                 encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
 
         Returns:
             (B, T, C).
         """
+        cache = checked(cache)
         past = len(cache) if isinstance(cache, KVCache) else 0
-        sliding = isinstance(cache, KVCache) and cache.window is not None
+        sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
-        if isinstance(cache, KVCache):
+        if cache is not None:
             cache.bind(self)  # one cache, one layer
         _checks.position_ids(position_ids, *x.shape[:2])
+        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
+        if position_ids is None and not isinstance(start, int):
+            position_ids = start  # (1, T): each sequence's tokens continue from its own length
         report("x", x)
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         report("queries", queries)

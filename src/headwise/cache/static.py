@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from .protocol import Part
 
 
 class KVCache:
@@ -195,6 +196,14 @@ class KVCache:
             S = self._len
             return self.k[:, :, :S], self.v[:, :, :S], self.real[:, :S] if self._padded else None
         return self._update_ring(k, v, attention_mask)
+
+    def start(self, t: int) -> int:
+        """Where the ``t`` new tokens of every row start: the tokens written so far (the cache protocol)."""
+        return self._len
+
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> list[Part]:
+        """``update``, answered as the cache protocol's one ``Part`` covering every query."""
+        return [Part(slice(None), *self.update(k, v, attention_mask))]
 
     def _update_ring(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         W, T, start = self.window, k.shape[2], self._len

@@ -1,0 +1,285 @@
+"""A paged key/value cache: one pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention).
+
+The pool holds ``num_blocks`` blocks of ``block_size`` token slots for keys and for values,
+laid out (Hkv, num_blocks · block_size, D): block b is slots b·Bs .. b·Bs + Bs - 1 of every
+head. Each sequence owns a block table (its blocks in order) and a length; a sequence of L
+tokens holds ceil(L / Bs) blocks, so memory follows the tokens actually held, not B × max_len.
+
+``add(seq_id)`` opens a sequence, ``free(seq_id)`` gives its blocks back, ``fork(seq_id,
+new_id)`` makes a sequence that shares every block of another (parallel samples, a shared
+system prompt): a shared block is copied only when one of them writes into it (copy-on-write;
+full blocks are never written again, so only a partly filled last block is ever copied).
+
+``attention`` reads the cache through ``paged.batch(seq_ids, new_tokens)``: the queries, keys
+and values hold the new tokens of those sequences packed in one row, (1, H, T, D) with T =
+sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each sequence's keys are
+appended to its blocks, then its queries attend over its own tokens only: no padding to the
+longest. What it attends over is a view of the pool when the sequence's blocks happen to be
+consecutive, else a gather of its slots into a fresh (1, Hkv, S, D) tensor, then SDPA (the gather
+copies 2·Hkv·S·D elements per sequence and layer: the price of the first fast path).
+
+Nothing is half-done: a write that needs more free blocks than the pool has raises before
+any block changes hands, and so do unknown ids, a double free and a reused id.
+The pool is for inference: keys that need gradients are refused (nothing flows through it).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from .protocol import Part
+
+
+class PagedKVCache:
+    """One pool of key/value blocks for many sequences; one cache per attention layer.
+
+    Args:
+        num_blocks: the blocks in the pool.
+        block_size: Bs, token slots per block.
+        num_kv_heads: Hkv.
+        head_dim: D.
+        dtype, device: of the pool; keys and values written must match them.
+
+    Example:
+        >>> paged = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16)
+        >>> paged.add(0); paged.add(1)
+        >>> q = torch.randn(1, 4, 5 + 2, 16)                    # 5 tokens of sequence 0, then 2 of 1
+        >>> k = v = torch.randn(1, 2, 7, 16)
+        >>> attention(q, k, v, causal=True, cache=paged.batch([0, 1], [5, 2])).shape
+        torch.Size([1, 4, 7, 16])
+        >>> paged.length(0), paged.length(1), paged.free_blocks
+        (5, 2, 5)
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
+            _checks.positive_int(name, value)
+        self.block_size = block_size
+        self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
+        self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest block first
+        self._refs = [0] * num_blocks  # how many sequences hold each block
+        self._tables: dict[int, list[int]] = {}  # seq_id -> its blocks, in order
+        self._lens: dict[int, int] = {}  # seq_id -> tokens written
+        self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position
+        self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
+        self._owner: weakref.ref | None = None
+
+    # ------------------------------------------------------------------------- the pool
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._refs)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+        return len(self._free)
+
+    @property
+    def sequences(self) -> list[int]:
+        """The ids of the open sequences."""
+        return list(self._tables)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens written for ``seq_id``."""
+        return self._lens[self._known(seq_id)]
+
+    def blocks(self, seq_id: int) -> list[int]:
+        """The block table of ``seq_id``: its blocks in order (a copy)."""
+        return list(self._tables[self._known(seq_id)])
+
+    def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
+        """Free blocks that writing ``new_tokens`` more tokens for ``seq_id`` takes (a shared last block counts: it is copied)."""
+        n, table = self._lens[self._known(seq_id)], self._tables[seq_id]
+        grow = math.ceil((n + new_tokens) / self.block_size) - len(table)
+        shared_tail = n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
+        return grow + int(shared_tail)
+
+    def add(self, seq_id: int) -> None:
+        """Open an empty sequence ``seq_id`` (any int not open already)."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
+        if seq_id in self._tables:
+            raise ValueError(f"seq_id {seq_id} is already in the cache: free it first, or pick another id")
+        self._tables[seq_id], self._lens[seq_id], self._run[seq_id] = [], 0, True
+        self._slots[seq_id] = torch.empty(0, dtype=torch.long, device=self.k.device)
+
+    def free(self, seq_id: int) -> None:
+        """Close ``seq_id``; its blocks no other sequence holds return to the pool."""
+        for block in self._tables[self._known(seq_id)]:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id]
+
+    def fork(self, seq_id: int, new_id: int) -> None:
+        """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
+        self._known(seq_id)
+        self.add(new_id)
+        table = self._tables[seq_id]
+        for block in table:
+            self._refs[block] += 1
+        self._tables[new_id], self._lens[new_id] = list(table), self._lens[seq_id]
+        self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
+
+    def bind(self, owner: object) -> None:
+        """Tie this cache to ``owner``, the attention module that writes it (one pool per layer)."""
+        bound = None if self._owner is None else self._owner()
+        if bound is None:
+            self._owner = weakref.ref(owner)
+        elif bound is not owner:
+            raise ValueError(
+                f"this PagedKVCache belongs to {type(bound).__name__} at {id(bound):#x}, not to {type(owner).__name__} at {id(owner):#x}: "
+                "give every attention layer a cache of its own"
+            )
+
+    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
+        """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
+        return PagedBatch(self, seq_ids, new_tokens)
+
+    def _known(self, seq_id: object) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in self._tables:
+            open_ids = sorted(self._tables)
+            shown = open_ids if len(open_ids) <= 10 else [*open_ids[:10], "..."]
+            raise ValueError(f"seq_id {seq_id!r} is not in the cache (freed already, or never added); open ids: {shown}")
+        return seq_id
+
+    # ------------------------------------------------------------------------- writing
+
+    def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """Give each sequence the blocks its new tokens need (copying a shared last block), all or nothing."""
+        needed = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
+        if needed > len(self._free):
+            raise ValueError(
+                f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
+                f"{len(self._free)} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
+                "or make the pool bigger. Nothing was written"
+            )
+        for seq_id, n in zip(seq_ids, counts, strict=True):
+            table, length = self._tables[seq_id], self._lens[seq_id]
+            if length % self.block_size and n and self._refs[table[-1]] > 1:  # copy-on-write of the shared, partly filled last block
+                old, new = table[-1], self._free.pop()
+                self.k[:, self._block_slots(new)] = self.k[:, self._block_slots(old)]
+                self.v[:, self._block_slots(new)] = self.v[:, self._block_slots(old)]
+                self._refs[old] -= 1
+                self._set_block(seq_id, len(table) - 1, new)
+            while len(table) * self.block_size < length + n:
+                self._set_block(seq_id, len(table), self._free.pop())
+
+    def _block_slots(self, block: int) -> slice:
+        return slice(block * self.block_size, (block + 1) * self.block_size)
+
+    def _set_block(self, seq_id: int, index: int, block: int) -> None:
+        """Make ``block`` the ``index``-th block of ``seq_id`` (appended or replacing), and its slots."""
+        table, bs = self._tables[seq_id], self.block_size
+        if index == len(table):
+            table.append(block)
+            self._run[seq_id] = index == 0 or (self._run[seq_id] and block == table[index - 1] + 1)
+        else:
+            table[index] = block
+            self._run[seq_id] = all(b == table[0] + i for i, b in enumerate(table))
+        self._refs[block] += 1
+        slots = self._slots[seq_id]
+        if slots.numel() < len(table) * bs:  # grow the slot map by doubling: one copy per doubling, not per block
+            grown = torch.empty(max(2 * slots.numel(), len(table) * bs), dtype=torch.long, device=slots.device)
+            grown[: slots.numel()] = slots
+            self._slots[seq_id] = slots = grown
+        slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
+
+    def _read(self, buffer: Tensor, seq_id: int, n: int) -> Tensor:
+        """The first n positions of ``seq_id`` from a (Hkv, N*Bs, D) buffer -> (1, Hkv, n, D), oldest first."""
+        if self._run[seq_id]:  # consecutive blocks: consecutive slots
+            first = self._tables[seq_id][0] * self.block_size
+            return buffer[None, :, first : first + n]  # (1, Hkv, n, D): a view
+        return buffer.index_select(1, self._slots[seq_id][:n])[None]  # (1, Hkv, n, D): a gather
+
+
+class PagedBatch:
+    """The next tokens of some sequences of a ``PagedKVCache``, packed in one row: the cache protocol for ``attention``.
+
+    Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
+    """
+
+    window: int | None = None  # the pool keeps every token; a window is applied by attention
+
+    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
+        seq_ids, new_tokens = list(seq_ids), list(new_tokens)
+        for seq_id in seq_ids:
+            cache._known(seq_id)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
+        if len(new_tokens) != len(seq_ids) or not seq_ids:
+            raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
+        for n in new_tokens:
+            _checks.positive_int("new_tokens (each count)", n)
+        self.cache, self.seq_ids, self.new_tokens = cache, seq_ids, new_tokens
+        self.starts = [cache._lens[s] for s in seq_ids]  # each sequence's length before this step
+        self._done = False
+
+    def start(self, t: int) -> Tensor:
+        """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
+        total = sum(self.new_tokens)
+        if t != total:
+            raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")
+        device = self.cache.k.device
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.new_tokens, strict=True)])[None]  # (1, T)
+
+    def bind(self, owner: object) -> None:
+        self.cache.bind(owner)
+
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> list[Part]:
+        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Part`` per sequence.
+
+        Returns:
+            For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
+            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, with no padding mask.
+        """
+        cache = self.cache
+        self._check(k, v, attention_mask)
+        cache._reserve(self.seq_ids, self.new_tokens)  # all blocks first, or an error and nothing changed
+        self._done = True
+        where = torch.cat([cache._slots[s][a : a + n] for s, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True)])  # (T,)
+        with torch.no_grad():
+            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
+            cache.v.index_copy_(1, where, v[0])
+        parts, row = [], 0
+        for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
+            cache._lens[seq_id] = a + n
+            parts.append(Part(slice(row, row + n), cache._read(cache.k, seq_id, a + n), cache._read(cache.v, seq_id, a + n), None))
+            row += n
+        return parts
+
+    def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
+        cache, T = self.cache, sum(self.new_tokens)
+        Hkv, _, D = cache.k.shape
+        if self._done:
+            raise ValueError("this PagedBatch was used already: make one per forward pass and layer with paged.batch(seq_ids, new_tokens)")
+        if attention_mask is not None:
+            raise ValueError("a PagedKVCache batch packs real tokens only: pass attention_mask=None (give each sequence only its real tokens)")
+        for name, t in [("k", k), ("v", v)]:
+            if t.ndim != 4 or t.shape[0] != 1 or t.shape[1] != Hkv or t.shape[2] != T or t.shape[3] != D:
+                raise ValueError(f"a paged batch of {T} new tokens takes {name} of shape (1, Hkv={Hkv}, T={T}, D={D}), got {tuple(t.shape)}")
+            if t.dtype != cache.k.dtype:
+                raise TypeError(f"the PagedKVCache holds {cache.k.dtype}; {name} is {t.dtype}")
+            _checks.same_device(name, t, "the cache is", cache.k.device)
+            if torch.is_grad_enabled() and t.requires_grad:
+                raise ValueError(f"{name} requires grad, but a PagedKVCache serves inference only: run under torch.no_grad()")
+        for seq_id, start in zip(self.seq_ids, self.starts, strict=True):  # a sequence freed or written since this batch was made
+            if cache._lens.get(cache._known(seq_id)) != start:
+                raise ValueError(f"seq_id {seq_id} holds {cache._lens[seq_id]} tokens, not the {start} it held when this batch was made")

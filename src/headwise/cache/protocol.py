@@ -1,0 +1,43 @@
+"""What the core reads from a cache, whatever its kind.
+
+A cache answers two questions for the layer and one for ``attention``:
+
+- ``start(t)``: where the ``t`` new tokens sit: one int for every row (the static cache: the
+  first new token's position), or (1, T) position ids when the row packs tokens of several
+  sequences (the paged cache's batch: each sequence continues from its own length);
+- ``bind(owner)``: a cache belongs to one attention module;
+- ``append(k, v, attention_mask)``: store the new keys and values (and their padding), and say
+  what to attend over, as ``Part``s: the queries in ``rows`` (a slice of the T axis) attend over
+  ``keys`` / ``values`` with ``attention_mask``. A static cache answers with one part covering
+  every query; a paged batch with one part per sequence (ragged: no padding to the longest).
+
+``window`` is the window the stored keys were kept for (a ring buffer), or None.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from torch import Tensor
+
+
+class Part(NamedTuple):
+    """Queries ``q[:, :, rows]`` attend over keys (B, Hkv, S, D), values (B, Hkv, S, Dv), padding (B, S) or None."""
+
+    rows: slice
+    keys: Tensor
+    values: Tensor
+    attention_mask: Tensor | None
+
+
+class Cache(Protocol):
+    """The one protocol ``attention`` and ``AttentionLayer`` read (``KVCache``, ``PagedBatch``)."""
+
+    window: int | None
+
+    def start(self, t: int) -> int | Tensor: ...
+
+    def bind(self, owner: object) -> None: ...
+
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> list[Part]: ...
+

@@ -1,0 +1,222 @@
+"""PagedKVCache: ragged batches through attention equal a KVCache per sequence and the float64
+reference, wherever the blocks sit; forks share blocks until written; errors leave the pool as it was."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from reference import reference_attention
+
+import headwise as hw
+from headwise.cache import PagedKVCache
+
+D = 8
+
+
+def scramble(paged: PagedKVCache, rng: random.Random) -> None:
+    """Take every free block with one-token sequences, then free them in random order: the
+    blocks handed out next come from all over the pool, in no order."""
+    ids = list(range(-paged.free_blocks, 0))
+    for seq_id in ids:
+        paged.add(seq_id)
+    Hkv = paged.k.shape[0]
+    kv = torch.zeros(1, Hkv, len(ids), D, dtype=paged.k.dtype)
+    hw.attention(torch.zeros(1, Hkv, len(ids), D, dtype=paged.k.dtype), kv, kv, cache=paged.batch(ids, [1] * len(ids)))
+    rng.shuffle(ids)
+    for seq_id in ids:
+        paged.free(seq_id)
+
+
+# (step, [(sequence, new tokens), ...]): prefills, decode steps, a sequence joining, one leaving
+SCHEDULE = [
+    [(0, 20), (1, 7)],
+    [(0, 1), (1, 1)],
+    [(1, 1), (2, 33), (0, 1)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 5), (0, 1)],
+    [(2, 1), (0, 1), (1, 1)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("placement", ["in order", "random"])
+def test_ragged_batches_equal_a_kvcache_per_sequence_and_the_reference(block_size, H, Hkv, window, placement):
+    rng, gen = random.Random(block_size * 7 + H + Hkv), torch.Generator().manual_seed(block_size)
+    paged = PagedKVCache({1: 96, 16: 12, 128: 6}[block_size], block_size, Hkv, D, dtype=torch.float64)
+    if placement == "random":
+        scramble(paged, rng)
+    static = {i: hw.KVCache(1, Hkv, 64, D, dtype=torch.float64) for i in range(3)}
+    seen: dict[int, tuple[list, list]] = {i: ([], []) for i in range(3)}
+    for step in SCHEDULE:
+        ids, counts = [s for s, _ in step], [n for _, n in step]
+        for s in ids:
+            if s not in paged.sequences:
+                paged.add(s)
+        T = sum(counts)
+        q = torch.randn(1, H, T, D, generator=gen, dtype=torch.float64)  # packed: sequences one after another
+        k = torch.randn(1, Hkv, T, D, generator=gen, dtype=torch.float64)
+        v = torch.randn(1, Hkv, T, D, generator=gen, dtype=torch.float64)
+        out = hw.attention(q, k, v, causal=True, window=window, cache=paged.batch(ids, counts))  # (1, H, T, D)
+        row = 0
+        for s, n in step:
+            rows = slice(row, row + n)
+            alone = hw.attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], causal=True, window=window, cache=static[s])
+            torch.testing.assert_close(out[:, :, rows], alone, rtol=0, atol=1e-12)
+            seen[s][0].append(k[:, :, rows])
+            seen[s][1].append(v[:, :, rows])
+            keys, values = torch.cat(seen[s][0], 2), torch.cat(seen[s][1], 2)  # (1, Hkv, S, D)
+            want = reference_attention(q[:, :, rows], keys, values, causal=True, window=window)
+            torch.testing.assert_close(out[:, :, rows], want, rtol=0, atol=1e-12)
+            row += n
+    for s in range(3):
+        assert paged.length(s) == len(static[s])
+        held = paged.blocks(s)
+        assert len(held) == -(-paged.length(s) // block_size)  # ceil: memory follows the tokens held
+
+
+def test_blocks_in_order_are_read_as_a_view_and_scattered_ones_gathered():
+    paged = PagedKVCache(8, 4, 2, D)
+    paged.add(0)
+    kv = torch.randn(1, 2, 10, D)
+    (part,) = paged.batch([0], [10]).append(kv, kv)
+    assert part.keys.data_ptr() == paged.k.data_ptr()  # blocks 0, 1, 2: a view of the pool
+    paged.add(1)
+    paged.batch([1], [1]).append(kv[:, :, :1], kv[:, :, :1])  # block 3
+    (part,) = paged.batch([0], [3]).append(kv[:, :, :3], kv[:, :, :3])  # 13 tokens: blocks 0, 1, 2, 4
+    assert paged.blocks(0) == [0, 1, 2, 4]
+    assert part.keys.data_ptr() != paged.k.data_ptr()
+    torch.testing.assert_close(part.keys[:, :, :10], kv)
+
+
+def test_fork_shares_blocks_until_written():
+    torch.manual_seed(0)
+    paged = PagedKVCache(16, 4, 2, D, dtype=torch.float64)
+    paged.add(0)
+    prompt = torch.randn(1, 2, 10, D, dtype=torch.float64)
+    hw.attention(torch.randn(1, 2, 10, D, dtype=torch.float64), prompt, prompt, causal=True, cache=paged.batch([0], [10]))
+    free = paged.free_blocks
+    paged.fork(0, 1)
+    assert paged.blocks(1) == paged.blocks(0) and paged.length(1) == 10
+    assert paged.free_blocks == free  # nothing copied yet
+    a, b = torch.randn(1, 2, 2, D, dtype=torch.float64), torch.randn(1, 2, 2, D, dtype=torch.float64)
+    q = torch.randn(1, 2, 2, D, dtype=torch.float64)
+    out = hw.attention(q, torch.cat([a[:, :, :1], b[:, :, :1]], 2), torch.cat([a[:, :, 1:], b[:, :, 1:]], 2), cache=paged.batch([0, 1], [1, 1]))
+    parent, child = paged.blocks(0), paged.blocks(1)
+    assert parent[:2] == child[:2]  # the two full blocks stay shared
+    assert parent[2] != child[2]  # the partly filled one was copied for the child's write
+    assert paged.free_blocks == free - 1
+    for i, (new_k, new_v) in enumerate([(a[:, :, :1], a[:, :, 1:]), (b[:, :, :1], b[:, :, 1:])]):
+        keys, values = torch.cat([prompt, new_k], 2), torch.cat([prompt, new_v], 2)  # each sees the prompt and its own token
+        torch.testing.assert_close(out[:, :, i : i + 1], reference_attention(q[:, :, i : i + 1], keys, values), rtol=0, atol=1e-12)
+    paged.free(0)
+    assert paged.free_blocks == free - 1 + 1  # only the parent's own last block came back
+    paged.free(1)
+    assert paged.free_blocks == 16
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    paged = PagedKVCache(8, 4, 1, D)
+    paged.add(0)
+    kv = torch.randn(1, 1, 8, D)
+    paged.batch([0], [8]).append(kv, kv)
+    paged.fork(0, 1)
+    paged.batch([1], [1]).append(kv[:, :, :1], kv[:, :, :1])
+    assert paged.blocks(1)[:2] == paged.blocks(0) and len(paged.blocks(1)) == 3
+    assert paged.free_blocks == 8 - 3
+
+
+def state(paged: PagedKVCache) -> tuple:
+    return paged.free_blocks, {s: (paged.length(s), paged.blocks(s)) for s in paged.sequences}, paged.k.clone()
+
+
+def test_an_exhausted_pool_raises_and_writes_nothing():
+    paged = PagedKVCache(4, 4, 1, D)
+    paged.add(0)
+    paged.add(1)
+    kv = torch.randn(1, 1, 9, D)
+    paged.batch([0], [9]).append(kv, kv)  # 3 blocks
+    before = state(paged)
+    with pytest.raises(ValueError, match=r"pool is exhausted: writing 8 tokens needs 2 free blocks, 1 of 4 are free .*Nothing was written"):
+        paged.batch([0, 1], [4, 4]).append(kv[:, :, :8], kv[:, :, :8])
+    after = state(paged)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2])
+    paged.batch([1], [4]).append(kv[:, :, :4], kv[:, :, :4])  # what fits still goes in
+    assert paged.free_blocks == 0
+
+
+def test_unknown_ids_double_free_and_reused_ids():
+    paged = PagedKVCache(4, 4, 1, D)
+    paged.add(0)
+    with pytest.raises(ValueError, match=r"seq_id 0 is already in the cache"):
+        paged.add(0)
+    paged.free(0)
+    with pytest.raises(ValueError, match=r"seq_id 0 is not in the cache \(freed already, or never added\); open ids: \[\]"):
+        paged.free(0)
+    with pytest.raises(ValueError, match=r"seq_id 7 is not in the cache"):
+        paged.batch([7], [1])
+    with pytest.raises(ValueError, match=r"seq_id 7 is not in the cache"):
+        paged.fork(7, 8)
+    with pytest.raises(ValueError, match=r"seq_id True is not in the cache"):
+        paged.length(True)
+    with pytest.raises(TypeError, match=r"seq_id must be an int"):
+        paged.add("a")
+    assert paged.free_blocks == 4 and paged.sequences == []
+
+
+def test_bad_batches():
+    paged = PagedKVCache(4, 4, 1, D)
+    paged.add(0)
+    paged.add(1)
+    kv = torch.randn(1, 1, 3, D)
+    q = torch.randn(1, 2, 3, D)
+    with pytest.raises(ValueError, match=r"seq_ids must not repeat"):
+        paged.batch([0, 0], [1, 2])
+    with pytest.raises(ValueError, match=r"new_tokens must give one count per seq_id \(2 ids, at least one\), got 1 counts"):
+        paged.batch([0, 1], [3])
+    with pytest.raises(ValueError, match=r"new_tokens \(each count\) must be"):
+        paged.batch([0, 1], [3, 0])
+    with pytest.raises(ValueError, match=r"takes k of shape \(1, Hkv=1, T=4, D=8\), got \(1, 1, 3, 8\)"):
+        hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 2]))
+    with pytest.raises(TypeError, match=r"holds torch.float32; k is torch.float64"):
+        hw.attention(q.double(), kv.double(), kv.double(), cache=paged.batch([0, 1], [2, 1]))
+    with pytest.raises(ValueError, match=r"packs real tokens only: pass attention_mask=None"):
+        hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 1]), attention_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask cannot go with a paged batch"):
+        hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 1]), mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"got PagedKVCache: pass paged.batch\(seq_ids, new_tokens\)"):
+        hw.attention(q, kv, kv, cache=paged)
+    with pytest.raises(ValueError, match=r"k requires grad, but a PagedKVCache serves inference only"):
+        hw.attention(q, kv.requires_grad_(), kv, cache=paged.batch([0, 1], [2, 1]))
+    kv = kv.detach()
+    step = paged.batch([0, 1], [2, 1])
+    hw.attention(q, kv, kv, cache=step)
+    with pytest.raises(ValueError, match=r"this PagedBatch was used already"):
+        hw.attention(q, kv, kv, cache=step)
+    stale = paged.batch([0], [1])
+    paged.batch([0], [1]).append(kv[:, :, :1], kv[:, :, :1])
+    with pytest.raises(ValueError, match=r"seq_id 0 holds 3 tokens, not the 2 it held when this batch was made"):
+        stale.append(kv[:, :, :1], kv[:, :, :1])
+    assert (paged.length(0), paged.length(1)) == (3, 1)
+    for name in ["num_blocks", "block_size", "num_kv_heads", "head_dim"]:
+        args = {"num_blocks": 4, "block_size": 4, "num_kv_heads": 1, "head_dim": D} | {name: 0}
+        with pytest.raises(ValueError, match=name):
+            PagedKVCache(**args)
+
+
+def test_a_layer_runs_packed_sequences_through_its_own_paged_cache():
+    torch.manual_seed(0)
+    m = hw.MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=2).double().eval()
+    paged = PagedKVCache(16, 4, 2, 4, dtype=torch.float64)
+    xs = [torch.randn(1, n, 16, dtype=torch.float64) for n in (5, 9)]
+    for s in (0, 1):
+        paged.add(s)
+    with torch.no_grad():
+        out = m(torch.cat(xs, 1), cache=paged.batch([0, 1], [5, 9]))  # (1, 14, 16)
+        torch.testing.assert_close(out, torch.cat([m(x) for x in xs], 1), rtol=0, atol=1e-12)
+        other = hw.MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=2).double()
+        with pytest.raises(ValueError, match=r"this PagedKVCache belongs to MultiHeadAttention"):
+            other(xs[0][:, :1], cache=paged.batch([0], [1]))
