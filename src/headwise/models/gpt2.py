@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import KVCache, PagedBatch, PagedKVCache
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
@@ -166,6 +166,20 @@ class GPT2LMHeadModel(Generates, nn.Module):
         if position_ids is None:
             position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
         return self._logits(input_ids, position_ids, attention_mask, caches)[:, -1]  # (B, vocab)
+
+    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``)."""
+        c, weight = self.config, self.transformer.wte.weight
+        return [PagedKVCache(num_blocks, block_size, b.attn.num_kv_heads, c.head_dim, dtype=weight.dtype, device=weight.device) for b in self.transformer.h]
+
+    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor:
+        """(1, T) ids of several sequences packed in one row, at (1, T) positions, through one paged
+        batch per layer -> (N, vocab) logits at the N positions ``rows`` (each sequence's last token)."""
+        t = self.transformer
+        x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (1, T, C)
+        for block, cache in zip(t.h, caches, strict=True):
+            x = block(x, cache=cache)  # (1, T, C)
+        return F.linear(t.ln_f(x[0, rows]), t.wte.weight)  # (N, vocab)
 
 
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..cache import KVCache
+from ..cache import KVCache, PagedBatch, PagedKVCache
 from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
@@ -271,6 +271,24 @@ class LlamaForCausalLM(Generates, nn.Module):
     def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
         """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
         return self._logits(input_ids, position_ids, attention_mask, caches, last=True)[:, -1]  # (B, vocab)
+
+    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a
+        sliding layer keeps every token too (its window is applied by attention)."""
+        c, weight = self.config, self.model["embed_tokens"].weight
+        return [
+            PagedKVCache(num_blocks, block_size, layer.self_attn.num_kv_heads, c.head_size, dtype=weight.dtype, device=weight.device)
+            for layer in self.model["layers"]
+        ]
+
+    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor:
+        """(1, T) ids of several sequences packed in one row, at (1, T) positions, through one paged
+        batch per layer -> (N, vocab) logits at the N positions ``rows`` (each sequence's last token)."""
+        x = self.model["embed_tokens"](input_ids)  # (1, T, C)
+        for layer, cache in zip(self.model["layers"], caches, strict=True):
+            x = layer(x, attention_mask=None, cache=cache, position_ids=position_ids)  # (1, T, C)
+        x = self.model["norm"](x[0, rows])  # (N, C)
+        return linear(x, self.model["embed_tokens"].weight) if self.lm_head is None else project(self.lm_head, x)  # (N, vocab)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

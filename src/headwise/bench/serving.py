@@ -1,0 +1,237 @@
+"""Serving many requests: continuous batching through a paged cache vs one at a time vs a static padded batch.
+
+A fixed seeded mix of requests (default 32, prompts 16..1024 tokens, 16..256 new tokens, greedy,
+no EOS so every strategy does the same work) through one model (default GPT-2 small's shapes
+with n_positions = 1024 + 256, random weights, fp32) three ways, timed interleaved in one run:
+
+- ``paged``: ``headwise.models.Batcher``, a ``PagedKVCache`` per layer, requests leaving and
+  joining at every step, the tokens of a step packed in one row;
+- ``one_at_a_time``: each request alone, a ``KVCache`` of its own length;
+- ``static``: all requests in one left-padded batch with a ``KVCache`` of B × (longest prompt
+  + most new tokens), run until the longest request is done.
+
+Both baselines compute the LM head at the last position only (as the batcher does), so the
+comparison is of the batching, not of wasted logits. Memory is the keys/values slots held:
+the batcher's peak blocks × block_size (and its ratio to the tokens held at that step) against
+B × max_len for the static batch. ``decode_*`` time one decode step of one sequence of the
+whole model at one context through a ``KVCache``, through a ``PagedKVCache`` whose blocks are
+consecutive (read as a view) and through one whose blocks are scattered (gathered: the copy of
+the first fast path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cache import KVCache, PagedKVCache
+from ..config import GPT2Config
+from ..models.batching import Batcher
+from ..models.generate import positions
+from ..models.gpt2 import GPT2LMHeadModel
+from .timing import interleaved
+
+
+@dataclass(frozen=True)
+class ServingReport:
+    """One interleaved run of the three strategies over one mix, and the decode-step timings.
+
+    Times are seconds for the whole mix (median over ``repeats``); tokens are the new tokens.
+    """
+
+    requests: int
+    prompt_tokens: int
+    new_tokens: int
+    block_size: int
+    paged_s: float
+    one_at_a_time_s: float
+    static_s: float
+    paged_peak_slots: int  # blocks x block_size held at the fullest step
+    paged_peak_tokens: int  # tokens held at that step
+    paged_worst_ratio: float  # max over steps of slots held / tokens held
+    static_slots: int  # B x max_len
+    same_tokens: int  # requests whose paged tokens equal their one-at-a-time tokens
+    decode_context: int
+    decode_static_ms: float
+    decode_paged_view_ms: float
+    decode_paged_gather_ms: float
+    repeats: int
+    threads: int
+
+    def tokens_per_s(self, seconds: float) -> float:
+        return self.new_tokens / seconds
+
+
+def request_mix(requests: int = 32, *, prompt: tuple[int, int] = (16, 1024), new: tuple[int, int] = (16, 256), vocab: int = 50257, seed: int = 0) -> tuple[list[Tensor], list[int]]:
+    """A seeded mix: ``requests`` prompts of uniform lengths in ``prompt`` and new-token counts uniform in ``new`` (inclusive)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt[0], prompt[1] + 1, (requests,), generator=g).tolist()
+    news = torch.randint(new[0], new[1] + 1, (requests,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths], news
+
+
+def _last_logits(model: GPT2LMHeadModel, ids: Tensor, position_ids: Tensor, mask: Tensor | None, caches: list[KVCache]) -> Tensor:
+    """(B, T) ids through the static caches -> (B, vocab) logits at the last position only (the LM head on B rows)."""
+    t = model.transformer
+    x = t.drop(t.wte(ids) + t.wpe(position_ids))  # (B, T, C)
+    for block, cache in zip(t.h, caches, strict=True):
+        x = block(x, attention_mask=mask, cache=cache)  # (B, T, C)
+    return F.linear(t.ln_f(x[:, -1]), t.wte.weight)  # (B, vocab)
+
+
+@torch.no_grad()
+def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int]) -> list[list[int]]:
+    """Greedy generation of all prompts as one left-padded batch through ``KVCache``s (B = 1: one request alone)."""
+    b, t, steps = len(prompts), max(len(p) for p in prompts), max(max_new)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    real = torch.zeros(b, t, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p) :], real[i, t - len(p) :] = p, True
+    mask = None if bool(real.all()) else real
+    caches = model.new_caches(b, t + steps)
+    position = positions(mask, b, t, ids.device)  # (B, T)
+    logits = _last_logits(model, ids, position, mask, caches)  # (B, vocab)
+    out = []
+    for step in range(steps):
+        token = logits.argmax(-1)  # (B,)
+        out.append(token)
+        if step < steps - 1:
+            position = position[:, -1:] + 1  # (B, 1)
+            logits = _last_logits(model, token[:, None], position, None, caches)
+    tokens = torch.stack(out, 1).tolist()  # (B, steps)
+    return [row[:n] for row, n in zip(tokens, max_new, strict=True)]
+
+
+def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None) -> list[list[int]]:
+    """Greedy generation through the ``Batcher``; ``watch`` collects (slots held, tokens held) after every step."""
+    num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, max_new, strict=True))
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size)
+    for p, n in zip(prompts, max_new, strict=True):
+        batcher.submit(p, n)
+    out: list[list[int]] = [[] for _ in prompts]
+    while batcher.pending:
+        for request, token in batcher.step():
+            out[request].append(token)
+        if watch is not None and batcher.tokens_held:
+            watch.append((batcher.blocks_held * block_size, batcher.tokens_held))
+    return out
+
+
+def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int) -> dict[str, Callable[[], None]]:
+    """One decode step of one sequence at ``context`` tokens, three ways; each call advances one token."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context - 1), generator=g)
+    steps: dict[str, Callable[[], None]] = {}
+    static = model.new_caches(1, context + 64)
+    _last_logits(model, prompt, positions(None, 1, context - 1, prompt.device), None, static)
+    steps["static"] = lambda: _last_logits(model, prompt[:, -1:], torch.tensor([[len(static[0])]]), None, static)
+    for name, scatter in (("paged_view", False), ("paged_gather", True)):
+        blocks = 2 * math.ceil((context + 64) / block_size) + 2
+        caches = model.new_paged_caches(blocks, block_size)
+        for cache in caches:
+            cache.add(0)
+            if scatter:  # a second sequence takes every other block: sequence 0's blocks are not consecutive
+                cache.add(1)
+        ids = [0, 1] if scatter else [0]
+        for start in range(0, context - 1, block_size):  # prefill a block at a time (sequence 1 taking the block after each)
+            n = min(block_size, context - 1 - start)
+            chunk, where = prompt[:, start : start + n], list(range(start, start + n))
+            row, pos = (torch.cat([chunk, chunk], 1), [where + where]) if scatter else (chunk, [where])  # (1, T), (1, T)
+            model.packed_logits(row, torch.tensor(pos), [c.batch(ids, [n] * len(ids)) for c in caches], torch.tensor([n - 1]))
+
+        def step(caches: list[PagedKVCache] = caches) -> None:
+            length = caches[0].length(0)
+            model.packed_logits(prompt[:, -1:], torch.tensor([[length]]), [c.batch([0], [1]) for c in caches], torch.tensor([0]))
+
+        steps[name] = step
+    return steps
+
+
+@torch.no_grad()
+def serving(
+    *,
+    requests: int = 32,
+    prompt: tuple[int, int] = (16, 1024),
+    new: tuple[int, int] = (16, 256),
+    config: GPT2Config | None = None,
+    block_size: int = 16,
+    repeats: int = 1,
+    decode_context: int = 512,
+    decode_repeats: int = 20,
+    seed: int = 0,
+) -> ServingReport:
+    """Run the mix through the three strategies (interleaved) and time the decode steps; see the module docstring."""
+    config = config or GPT2Config(n_positions=prompt[1] + new[1])  # GPT-2 small, with room for the longest request
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).eval()
+    prompts, max_new = request_mix(requests, prompt=prompt, new=new, vocab=config.vocab_size, seed=seed)
+    results: dict[str, list[list[int]]] = {}
+    watch: list[tuple[int, int]] = []
+
+    def run_paged() -> None:
+        watch.clear()
+        results["paged"] = paged_generate(model, prompts, max_new, block_size, watch)
+
+    def run_alone() -> None:
+        results["alone"] = [static_generate(model, [p], [n])[0] for p, n in zip(prompts, max_new, strict=True)]
+
+    def run_static() -> None:
+        results["static"] = static_generate(model, prompts, max_new)
+
+    times = interleaved({"paged": run_paged, "one_at_a_time": run_alone, "static": run_static}, repeats=repeats)
+    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    peak_slots, peak_tokens = max(watch)
+    decode = interleaved(_decode_steps(model, decode_context, block_size), repeats=decode_repeats, warmup=2)
+    ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
+    return ServingReport(
+        requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
+        paged_s=median["paged"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
+        paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
+        static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
+        same_tokens=sum(a == b for a, b in zip(results["paged"], results["alone"], strict=True)),
+        decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
+        decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(),
+    )
+
+
+def markdown(r: ServingReport, machine: str = "") -> str:
+    """The report as Markdown tables (the CLI prints this)."""
+    lines = [f"Serving {r.requests} requests ({r.prompt_tokens} prompt tokens, {r.new_tokens} new tokens, greedy), "
+             f"block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
+             "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
+    for name, s in (("continuous batching, paged cache", r.paged_s), ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s)):
+        lines.append(f"| {name} | {s:.1f} | {r.tokens_per_s(s):.0f} | {s / r.paged_s:.2f} |")
+    lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
+              f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
+              f"| static batch, B x max_len | {r.static_slots} | {r.static_slots / r.paged_peak_tokens:.2f} |",
+              "", f"Requests whose paged tokens equal their one-at-a-time tokens: {r.same_tokens} of {r.requests}.", "",
+              f"| decode step, one sequence, context {r.decode_context} | ms | / KVCache |", "|---|---:|---:|"]
+    for name, t in (("KVCache", r.decode_static_ms), ("PagedKVCache, consecutive blocks (view)", r.decode_paged_view_ms),
+                    ("PagedKVCache, scattered blocks (gather)", r.decode_paged_gather_ms)):
+        lines.append(f"| {name} | {t:.2f} | {t / r.decode_static_ms:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.serving``: run the mix and print the tables."""
+    from .harness import machine
+
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.serving", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    report = serving(requests=args.requests, repeats=args.repeats)
+    print(markdown(report, machine()))
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

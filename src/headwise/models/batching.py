@@ -1,0 +1,267 @@
+"""Continuous batching: many generation requests through one model and one paged cache per layer.
+
+``Batcher(model, num_blocks=...)`` takes requests (``submit``) at any time; each ``step`` runs
+one forward pass over one row that packs the next token of every running request and the whole
+prompt of the waiting requests that join (ragged: no padding to the longest). A request that
+emits its ``eos_token_id`` or reaches its ``max_new_tokens`` leaves at once and gives its blocks
+back; a waiting one joins as soon as the pool can hold everything it may write. ``stream()``
+yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
+
+A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
+seed): the sampling calls are the same, one generator per request, and the logits are those of
+the sequence alone (each sequence attends over its own keys only).
+
+Admission never overcommits: a request joins only when the blocks its prompt and its
+``max_new_tokens`` could take, added to what the running requests may still take, fit the pool,
+so no step runs out of blocks and nothing is ever evicted. Blocks are taken as tokens are
+written, so memory follows the tokens held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ..cache import PagedBatch, PagedKVCache
+from . import _inputs
+from .generate import CausalLM, check_sampling, next_token
+
+
+class PagedLM(CausalLM, Protocol):
+    """What the ``Batcher`` needs from a model, beside ``CausalLM``."""
+
+    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]: ...
+
+    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor: ...
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_id: int | None
+    temperature: float
+    top_k: int | None
+    generator: torch.Generator | None
+    blocks: int  # the most blocks it may hold: prompt + max_new_tokens - 1 tokens (the last one is never fed back)
+    tokens: list[int] = field(default_factory=list)
+
+
+class Batcher:
+    """A continuous-batching scheduler over one ``PagedKVCache`` per layer of ``model``.
+
+    Args:
+        model: a causal LM of ``headwise.models`` (GPT-2, the Llama family).
+        num_blocks: blocks in each layer's pool; a request needs ceil((prompt + max_new_tokens - 1) / block_size).
+        block_size: token slots per block.
+        max_step_tokens: the prompt tokens a step may add beside the running requests' (one
+            prompt joins per step whatever its length, so a long prompt is never starved).
+
+    Example:
+        >>> batcher = Batcher(model, num_blocks=64)
+        >>> a = batcher.submit(torch.tensor([5, 6, 7]), max_new_tokens=4)
+        >>> b = batcher.submit(torch.tensor([8, 9]), max_new_tokens=2, temperature=0.8, seed=1)
+        >>> for request, token in batcher.stream():
+        ...     print(request, token)
+    """
+
+    def __init__(self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048) -> None:
+        for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
+            _checks.positive_int(name, value)
+        if not hasattr(model, "packed_logits"):
+            raise TypeError(f"model must be a causal LM of headwise.models with packed_logits (GPT-2, Llama), got {type(model).__name__}")
+        self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
+        self.caches = model.new_paged_caches(num_blocks, block_size)
+        self._weight = next(model.parameters())  # the device ids go to
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._next_id = 0
+
+    @property
+    def pending(self) -> int:
+        """Requests not finished yet (running or waiting)."""
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks the running requests hold in each layer's pool."""
+        return self.caches[0].num_blocks - self.caches[0].free_blocks
+
+    @property
+    def tokens_held(self) -> int:
+        """Tokens whose keys and values each layer's pool holds."""
+        return sum(self.caches[0].length(r.id) for r in self._running)
+
+    def submit(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> int:
+        """Queue a request; returns its id (0, 1, 2, ... in order of submission).
+
+        Args:
+            prompt: (T,) token ids, T >= 1.
+            max_new_tokens, eos_token_id, temperature, top_k: as ``model.generate``.
+            seed: the seed of this request's own ``torch.Generator`` (sampling only).
+        """
+        vocab = self.model.vocab_size
+        if not isinstance(prompt, Tensor) or prompt.ndim != 1:
+            shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+            raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
+        _inputs.on_model(prompt, self._weight, "prompt")
+        _inputs.token_ids(prompt[None], vocab, "prompt")
+        check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+        if seed is not None:
+            _checks.integer("seed (or None)", seed, low=0)
+        name, limit = self.model.context_limit()
+        if limit is not None and len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+        blocks = math.ceil((len(prompt) + max_new_tokens - 1) / self.block_size)
+        if blocks > self.caches[0].num_blocks:
+            raise ValueError(
+                f"a request of {len(prompt)} + {max_new_tokens} tokens needs {blocks} blocks of {self.block_size}, "
+                f"more than the pool's num_blocks={self.caches[0].num_blocks}"
+            )
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(self._weight.device)
+            if seed is not None:
+                generator.manual_seed(seed)
+            else:
+                generator.seed()
+        request = _Request(self._next_id, prompt.tolist(), max_new_tokens, eos_token_id, float(temperature), top_k, generator, blocks)
+        self._waiting.append(request)
+        self._next_id += 1
+        return request.id
+
+    def stream(self) -> Iterator[tuple[int, int]]:
+        """Run steps until every request is finished, yielding ``(request id, token)`` as each token comes."""
+        while self.pending:
+            yield from self.step()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, int]]:
+        """One forward pass: the running requests' next tokens and the joining prompts, packed in one row.
+
+        Returns:
+            ``(request id, token)`` for every request in the step, in packing order.
+        """
+        joining = self._admit()
+        batch = self._running + joining
+        if not batch:
+            return []
+        ids, positions, counts = [], [], []
+        for r in self._running:  # one token each: the last one emitted, at the position after the cached ones
+            ids.append(r.tokens[-1])
+            positions.append(len(r.prompt) + len(r.tokens) - 1)
+            counts.append(1)
+        for r in joining:
+            for cache in self.caches:
+                cache.add(r.id)
+            ids.extend(r.prompt)
+            positions.extend(range(len(r.prompt)))
+            counts.append(len(r.prompt))
+        device = self._weight.device
+        seq_ids = [r.id for r in batch]
+        rows = torch.tensor(counts, device=device).cumsum(0) - 1  # (N,): each sequence's last token in the row
+        input_ids = torch.tensor([ids], device=device)  # (1, T)
+        position_ids = torch.tensor([positions], device=device)  # (1, T)
+        logits = self.model.packed_logits(input_ids, position_ids, [c.batch(seq_ids, counts) for c in self.caches], rows)  # (N, vocab)
+        tokens = self._sample(batch, logits)
+        self._running = []
+        for r, token in zip(batch, tokens, strict=True):
+            r.tokens.append(token)
+            if len(r.tokens) == r.max_new_tokens or token == r.eos_token_id:
+                for cache in self.caches:
+                    cache.free(r.id)
+            else:
+                self._running.append(r)
+        return [(r.id, token) for r, token in zip(batch, tokens, strict=True)]
+
+    def _admit(self) -> list[_Request]:
+        """Waiting requests that join this step, oldest first, while the pool and the step's token budget allow."""
+        reserved = sum(r.blocks for r in self._running)  # blocks the running requests may reach
+        budget = self.max_step_tokens
+        joining: list[_Request] = []
+        while self._waiting:
+            r = self._waiting[0]
+            if reserved + r.blocks > self.caches[0].num_blocks or (joining and len(r.prompt) > budget):
+                break
+            joining.append(self._waiting.popleft())
+            reserved += r.blocks
+            budget -= len(r.prompt)
+        return joining
+
+    def _sample(self, batch: list[_Request], logits: Tensor) -> list[int]:
+        """(N, vocab) logits -> one token per request: argmax for all the greedy ones at once, each sampled one with its generator."""
+        tokens = logits.argmax(dim=-1)  # (N,)
+        for i, r in enumerate(batch):
+            if r.temperature > 0:
+                tokens[i] = next_token(logits[i : i + 1], r.temperature, r.top_k, r.generator)[0]  # as generate draws it for one row
+        return tokens.tolist()  # the one host read a step
+
+
+def generate_many(
+    model: PagedLM,
+    prompts: Sequence[Tensor],
+    max_new_tokens: int | Sequence[int],
+    *,
+    eos_token_id: int | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    max_step_tokens: int = 2048,
+) -> list[Tensor]:
+    """Generate a continuation of every prompt by continuous batching through a paged cache.
+
+    Args:
+        model: a causal LM of ``headwise.models`` (GPT-2, the Llama family).
+        prompts: 1-D id tensors of any lengths.
+        max_new_tokens: one int for all, or one per prompt.
+        eos_token_id: a request that emits it stops (the token is kept).
+        block_size: token slots per block of the paged caches.
+        num_blocks: blocks per layer's pool; default: room for every request at once.
+        temperature, top_k: as ``model.generate`` (0 = greedy).
+        seed: request i samples with ``torch.Generator().manual_seed(seed + i)``.
+        max_step_tokens: see ``Batcher``.
+
+    Returns:
+        One (n_i,) tensor of new ids per prompt, n_i <= max_new_tokens[i]; each equals the new
+        ids of ``model.generate(prompt[None], ...)`` for that prompt alone.
+
+    Example:
+        >>> outs = generate_many(model, [torch.tensor([5, 6, 7]), torch.tensor([8])], max_new_tokens=[4, 2])
+        >>> [len(o) for o in outs]
+        [4, 2]
+    """
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must hold at least one 1-D tensor of token ids, got none")
+    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else list(max_new_tokens)
+    if len(counts) != len(prompts):
+        raise ValueError(f"max_new_tokens must be an int or one int per prompt ({len(prompts)}), got {len(counts)} values")
+    _checks.positive_int("block_size", block_size)
+    if num_blocks is None:
+        num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) if isinstance(p, Tensor) and isinstance(n, int) else 1 for p, n in zip(prompts, counts, strict=True))
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
+    for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
+        batcher.submit(prompt, n, eos_token_id=eos_token_id, temperature=temperature, top_k=top_k, seed=None if seed is None else seed + i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for request, token in batcher.stream():
+        out[request].append(token)
+    return [torch.tensor(tokens, dtype=torch.long, device=batcher._weight.device) for tokens in out]

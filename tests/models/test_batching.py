@@ -1,0 +1,157 @@
+"""Continuous batching: every request's tokens equal that request generated alone (greedy, and
+sampled with its seed), for GPT-2 and the Llama family, whatever joins or leaves around it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import headwise as hw
+from headwise.models import Batcher, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, generate_many
+
+V = 61
+
+
+def scaled(model: torch.nn.Module) -> torch.nn.Module:
+    """Float64, eval, weights scaled up so that greedy choices are clear-cut (a small init gives near-uniform logits)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.4 if ("wte" in name or "wpe" in name or "embed" in name or "lm_head" in name) else 0.15)
+            else:
+                p.uniform_(0.5, 1.5) if "norm" in name or "ln" in name else p.normal_(0.0, 0.1)
+    return model.double().eval()
+
+
+def gpt2() -> GPT2LMHeadModel:
+    return scaled(GPT2LMHeadModel(hw.GPT2Config(vocab_size=V, n_positions=96, n_embd=32, n_layer=2, n_head=4)))
+
+
+def llama(**kw) -> LlamaForCausalLM:
+    base = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 96}
+    return scaled(LlamaForCausalLM(LlamaConfig(**(base | kw))))
+
+
+MAKERS = {
+    "gpt2": gpt2,
+    "llama-gqa": llama,
+    "mistral-window": lambda: llama(windows=(4, None)),
+    "qwen3-qknorm": lambda: llama(qk_norm=True, head_dim=16, tie_word_embeddings=True),
+}
+
+@functools.cache
+def model_named(name: str) -> torch.nn.Module:
+    return MAKERS[name]()
+
+
+@functools.cache
+def greedy_alone(name: str, seed: int) -> tuple[list[int], ...]:
+    model = model_named(name)
+    return tuple(alone(model, p, n) for p, n in zip(prompts(seed), NEW, strict=True))
+
+
+LENGTHS = [3, 17, 1, 40, 9, 25, 5]
+NEW = [6, 12, 3, 9, 20, 1, 15]
+
+
+def prompts(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g) for n in LENGTHS]
+
+
+def alone(model, prompt, n, **kw) -> list[int]:
+    return model.generate(prompt[None], max_new_tokens=n, **kw)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("block_size,num_blocks,max_step_tokens", [(1, 90, 30), (16, 8, 2048), (128, 3, 64)])
+def test_greedy_requests_equal_each_generated_alone(name, block_size, num_blocks, max_step_tokens):
+    outs = generate_many(model_named(name), prompts(), NEW, block_size=block_size, num_blocks=num_blocks, max_step_tokens=max_step_tokens)
+    assert [out.tolist() for out in outs] == list(greedy_alone(name, 0))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_sampled_requests_equal_each_generated_alone_with_its_seed(name):
+    model = model_named(name)
+    ps = prompts(1)
+    outs = generate_many(model, ps, NEW, temperature=0.8, top_k=20, seed=7, num_blocks=12)
+    for i, (p, n, out) in enumerate(zip(ps, NEW, outs, strict=True)):
+        assert out.tolist() == alone(model, p, n, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(7 + i))
+
+
+def test_eos_ends_a_request_and_its_blocks_go_back():
+    model = model_named("gpt2")
+    ps = prompts(2)
+    eos = greedy_alone("gpt2", 2)[4][3]  # a token request 4 emits fourth: it stops there (or earlier)
+    outs = generate_many(model, ps, NEW, eos_token_id=eos, block_size=4)
+    for p, n, out in zip(ps, NEW, outs, strict=True):
+        assert out.tolist() == alone(model, p, n, eos_token_id=eos)
+    assert len(outs[4]) <= 4 and outs[4][-1] == eos
+
+
+def test_stream_takes_requests_that_arrive_later_and_frees_the_finished():
+    model = model_named("llama-gqa")
+    ps = prompts(3)
+    batcher = Batcher(model, num_blocks=10, block_size=8)
+    first = [batcher.submit(p, n) for p, n in zip(ps[:3], NEW[:3], strict=True)]
+    got: dict[int, list[int]] = {}
+    running_counts, held = [], []
+    for step in range(200):
+        if step == 2:  # two more arrive while the first ones run
+            late = [batcher.submit(p, n) for p, n in zip(ps[3:5], NEW[3:5], strict=True)]
+        if not batcher.pending:
+            break
+        emitted = batcher.step()
+        running_counts.append(len(emitted))
+        held.append((batcher.blocks_held, batcher.tokens_held))
+        for request, token in emitted:
+            got.setdefault(request, []).append(token)
+    assert first == [0, 1, 2] and late == [3, 4]
+    assert [got[i] for i in range(5)] == list(greedy_alone("llama-gqa", 3)[:5])
+    assert max(running_counts) < 5  # the pool (10 blocks of 8) never held all five at once: some waited
+    for blocks, tokens in held:
+        assert tokens <= blocks * 8 < tokens + 8 * 5  # at most one part-filled block per running request
+    assert batcher.blocks_held == 0 and batcher.caches[0].free_blocks == 10
+
+
+def test_generate_many_streams_the_same_tokens():
+    model = model_named("gpt2")
+    ps = prompts(4)
+    batcher = Batcher(model, num_blocks=30, block_size=4)
+    for p, n in zip(ps, NEW, strict=True):
+        batcher.submit(p, n)
+    streamed: dict[int, list[int]] = {}
+    for request, token in batcher.stream():
+        streamed.setdefault(request, []).append(token)
+    outs = generate_many(model, ps, NEW, block_size=4)
+    assert [streamed[i] for i in range(len(ps))] == [o.tolist() for o in outs]
+
+
+def test_bad_requests():
+    model = model_named("gpt2")
+    batcher = Batcher(model, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt must be a 1-D tensor of token ids \(T,\), got \(1, 3\)"):
+        batcher.submit(torch.tensor([[1, 2, 3]]), 2)
+    with pytest.raises(ValueError, match=r"prompt must hold ids in \[0, vocab_size=61\), got ids from 1 to 99"):
+        batcher.submit(torch.tensor([1, 99]), 2)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int"):
+        batcher.submit(torch.tensor([1, 2]), 0)
+    with pytest.raises(ValueError, match=r"needs 5 blocks of 4, more than the pool's num_blocks=4"):
+        batcher.submit(torch.tensor([1] * 10), 11)
+    with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_new_tokens \(10\) exceeds n_positions=96"):
+        batcher.submit(torch.tensor([1] * 90), 10)
+    with pytest.raises(ValueError, match=r"seed \(or None\) must be an int >= 0"):
+        batcher.submit(torch.tensor([1, 2]), 2, temperature=1.0, seed=-1)
+    assert batcher.pending == 0
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int or one int per prompt \(2\), got 3 values"):
+        generate_many(model, [torch.tensor([1]), torch.tensor([2])], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"prompts must hold at least one"):
+        generate_many(model, [], 3)
+    with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with packed_logits"):
+        Batcher(torch.nn.Linear(2, 2), num_blocks=4)
+    with pytest.raises(ValueError, match=r"num_blocks must be a positive int"):
+        Batcher(model, num_blocks=0)
