@@ -47,11 +47,12 @@ class PagedKVCache:
         dtype, device: of the pool; keys and values written must match them.
 
     Example:
+        >>> import headwise as hw
         >>> paged = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16)
         >>> paged.add(0); paged.add(1)
         >>> q = torch.randn(1, 4, 5 + 2, 16)                    # 5 tokens of sequence 0, then 2 of 1
         >>> k = v = torch.randn(1, 2, 7, 16)
-        >>> attention(q, k, v, causal=True, cache=paged.batch([0, 1], [5, 2])).shape
+        >>> hw.attention(q, k, v, causal=True, cache=paged.batch([0, 1], [5, 2])).shape
         torch.Size([1, 4, 7, 16])
         >>> paged.length(0), paged.length(1), paged.free_blocks
         (5, 2, 5)

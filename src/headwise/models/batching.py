@@ -66,11 +66,14 @@ class Batcher:
             prompt joins per step whatever its length, so a long prompt is never starved).
 
     Example:
+        >>> import headwise as hw
+        >>> from headwise.models import GPT2LMHeadModel
+        >>> model = GPT2LMHeadModel(hw.GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
         >>> batcher = Batcher(model, num_blocks=64)
         >>> a = batcher.submit(torch.tensor([5, 6, 7]), max_new_tokens=4)
         >>> b = batcher.submit(torch.tensor([8, 9]), max_new_tokens=2, temperature=0.8, seed=1)
-        >>> for request, token in batcher.stream():
-        ...     print(request, token)
+        >>> [request for request, token in batcher.stream()]  # (request id, token) pairs as they come
+        [0, 1, 0, 1, 0, 0]
     """
 
     def __init__(self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048) -> None:
@@ -245,6 +248,9 @@ def generate_many(
         ids of ``model.generate(prompt[None], ...)`` for that prompt alone.
 
     Example:
+        >>> import headwise as hw
+        >>> from headwise.models import GPT2LMHeadModel
+        >>> model = GPT2LMHeadModel(hw.GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
         >>> outs = generate_many(model, [torch.tensor([5, 6, 7]), torch.tensor([8])], max_new_tokens=[4, 2])
         >>> [len(o) for o in outs]
         [4, 2]
