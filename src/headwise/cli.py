@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
     ex.add_argument("--head-dim", type=int, default=2, help="with --rope: each head's size (even)")
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
-    hd.add_argument("--model", metavar="DIR", help="a HuggingFace BERT or GPT-2 directory with tokenizer.json (default: the packaged all-MiniLM-L6-v2)")
+    hd.add_argument("--model", metavar="DIR", help="a HuggingFace directory with tokenizer.json: BERT and GPT-2 on headwise's models, any other decoder or encoder through transformers on headwise (default: the packaged all-MiniLM-L6-v2)")
     hd.add_argument("--text", default=None, help="the sentence (default: the book's 'Your journey starts with one step.')")
     hd.add_argument("--out", default="heads.html", help="the page to write (default: heads.html)")
     hd.add_argument("--png", metavar="FILE", help="also draw the grid as a PNG picture (matplotlib)")

@@ -102,8 +102,8 @@ def test_bad_text():
 def test_bad_directories(tmp_path, gpt2_dir):
     with pytest.raises(FileNotFoundError, match=r"no such directory"):
         head_maps(tmp_path / "missing")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ValueError, match=r"config.json: model_type must be one of \['bert', 'gpt2'\] to draw its heads, got 't5'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    with pytest.raises(ValueError, match=r"config.json: 't5' is an encoder-decoder; the heads page draws one stack of self-attention"):
         head_maps(tmp_path)
     bare = tmp_path / "bare"
     bare.mkdir()

