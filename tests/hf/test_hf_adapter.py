@@ -109,3 +109,17 @@ def test_dropout_in_training_drops_the_same_weights_as_eager():
     got, want = _dropout_logits(name, 0.5, train=True), _dropout_logits("eager", 0.5, train=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not torch.allclose(got, _dropout_logits(name, 0.5, train=False), atol=1e-3)  # and something was dropped
+
+
+def test_a_model_headwise_cannot_run_fails_at_the_first_forward_naming_what_it_lacks():
+    """DeepSeek-V3.2 hands any attention but eager and sdpa the keys its indexer selected: sparse attention."""
+    name = headwise.hf.register()
+    config = tf.DeepseekV32Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                  vocab_size=100, max_position_embeddings=64, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                  moe_intermediate_size=16, n_group=1, topk_group=1, index_n_heads=2, index_head_dim=16, index_topk=4)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    with pytest.raises(TypeError, match=r"does not support sparse attention over selected key indices: transformers passed 'indices'"):
+        model(input_ids=torch.randint(2, 100, (1, 6)), attention_mask=padding)
