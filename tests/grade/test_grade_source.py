@@ -120,3 +120,15 @@ def test_a_class_that_extends_its_own_earlier_definition_takes_that_one_along(no
     namespace: dict = {}
     exec(compile(source, "notebook.py", "exec"), namespace)
     assert namespace["A"].__bases__[0].__name__ == "A" and namespace["A"]()(1) == -1
+
+
+def test_a_notebook_tensor_the_class_reads_is_named_as_left_behind(notebook):
+    ns = notebook("import torch\nfrom torch import nn\n\nFUTURE = torch.ones(6, 6).triu(1).bool()\n\n"
+                  "class CausalAttention(nn.Module):\n"
+                  "    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):\n"
+                  "        super().__init__()\n        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)\n\n"
+                  "    def forward(self, x):\n        return self.W_query(x).masked_fill(FUTURE[: x.shape[1], :1], 0.0)\n")
+    (r,) = grade(ns["CausalAttention"]).results
+    assert r.step == "error" and r.error.startswith("notebook.py:")
+    assert r.error.endswith("NameError: name 'FUTURE' is not defined (FUTURE is a Tensor in the notebook, which cannot be carried "
+                            "into the grading process: create it inside the class, e.g. in __init__)")

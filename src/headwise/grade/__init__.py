@@ -67,15 +67,19 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
 
 def _grade_classes(objects: list[type], timeout: float) -> Report:
     from .runner import grade_file
-    from .source import SourceError, module_source
+    from .source import SourceError, carried, explain_name_error
 
     names = [c.__name__ for c in objects]
     label = f"<class {names[0]}>" if len(names) == 1 else f"<classes {', '.join(names)}>"
     try:
-        source = module_source(objects)
+        source, left_behind = carried(objects)
     except SourceError as e:
         return Report(label, problem=str(e))
     with tempfile.TemporaryDirectory(prefix="headwise-classes-") as folder:
         path = Path(folder, "notebook.py")
         path.write_text(source, encoding="utf-8")
-        return grade_file(str(path), names, timeout, label=label)
+        report = grade_file(str(path), names, timeout, label=label)
+    report.problem = explain_name_error(report.problem, left_behind)
+    for r in report.results:
+        r.error = explain_name_error(r.error, left_behind)
+    return report

@@ -20,6 +20,7 @@ import builtins
 import inspect
 import linecache
 import math
+import re
 import sys
 import textwrap
 from types import FunctionType, ModuleType
@@ -37,6 +38,12 @@ def module_source(classes: list[type]) -> str:
     Raises:
         SourceError: a class's source cannot be found; two classes share a name.
     """
+    return carried(classes)[0]
+
+
+def carried(classes: list[type]) -> tuple[str, dict[str, str]]:
+    """``module_source``'s text, and the notebook's names the classes read that it could not write down
+    (a tensor, an instance...), each with its type's name."""
     names = [c.__name__ for c in classes]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -44,7 +51,17 @@ def module_source(classes: list[type]) -> str:
     builder = _Builder()
     for cls in classes:
         builder.add(cls.__name__, cls)
-    return builder.text()
+    return builder.text(), builder.left_behind
+
+
+def explain_name_error(error: str | None, left_behind: dict[str, str]) -> str | None:
+    """``error`` with a reason added when it is a NameError for a name left behind in the notebook."""
+    match = re.search(r"NameError: name '(\w+)' is not defined", error or "")
+    if match is None or match.group(1) not in left_behind:
+        return error
+    name = match.group(1)
+    return (f"{error} ({name} is a {left_behind[name]} in the notebook, which cannot be carried into the grading process: "
+            "create it inside the class, e.g. in __init__)")
 
 
 class _Builder:
@@ -53,13 +70,14 @@ class _Builder:
         self.constants: list[str] = []
         self.definitions: list[str] = []
         self.seen: set[int] = set()
+        self.left_behind: dict[str, str] = {}
 
     def text(self) -> str:
         parts = ["\n".join(dict.fromkeys(self.imports)), "\n".join(self.constants), *self.definitions]
         return "\n\n\n".join(p for p in parts if p) + "\n"
 
     def add(self, name: str, obj: object) -> None:
-        """Make ``name`` mean ``obj`` in the module (silently skipped when it cannot be written down)."""
+        """Make ``name`` mean ``obj`` in the module (noted in ``left_behind`` when it cannot be written down)."""
         if isinstance(obj, ModuleType):
             self.imports.append(f"import {obj.__name__}" if name == obj.__name__ else f"import {obj.__name__} as {name}")
         elif isinstance(obj, (type, FunctionType)):
@@ -73,6 +91,8 @@ class _Builder:
                 self.definitions.append(f"{name} = {obj.__name__}")
         elif _literal(obj) is not None:
             self.constants.append(f"{name} = {_literal(obj)}")
+        else:
+            self.left_behind[name] = type(obj).__name__
 
     def _define(self, obj: type | FunctionType) -> None:
         source = definition(obj)
