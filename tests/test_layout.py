@@ -16,7 +16,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headwise"
 #: Lowest first. A module may import from its own layer's modules and from any layer below.
 LAYERS: list[set[str]] = [
     {"_checks", "_optional", "_html", "observe", "linear"},  # no headwise imports, or the checkers only
-    {"masks", "cache", "rope", "config"},  # data structures and small functions
+    {"masks", "cache", "rope", "config", "scores"},  # data structures and small functions
+    {"backends"},  # the runners behind attention(): math, sdpa, packed documents
     {"functional"},  # the core: attention() (the cache-aware entry included)
     {"layer"},  # the one attention path
     {"teaching", "fused"},  # the book's classes, GPT-2's layout

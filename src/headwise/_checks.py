@@ -155,3 +155,38 @@ def context(t: int, past: int, context_length: int, sliding: bool) -> None:
     if not sliding and past + t > context_length:
         cached = f" ({past} cached + {t} new)" if past else ""
         raise ValueError(f"got {past + t} tokens{cached}, more than context_length={context_length}")
+
+
+def softcap(value: object) -> float | None:
+    """None, or a logit softcap: a finite number > 0 (scores become cap * tanh(scores / cap))."""
+    if value is None:
+        return None
+    return number("softcap", value, low=0.0, high=math.inf, low_open=True, high_open=True)
+
+
+def per_head(name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool) -> Tensor | None:
+    """None, or (H,) floats (also (B, H) when ``batched``) on ``device``; returned as (1, H) or (B, H) when batched."""
+    if t is None:
+        return None
+    dims = f"(H={h},) or (B={b}, H={h})" if batched else f"(H={h},)"
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a float tensor of shape {dims}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor of shape {dims}, got dtype {t.dtype}")
+    if tuple(t.shape) != (h,) and not (batched and tuple(t.shape) == (b, h)):
+        raise ValueError(f"{name} must have shape {dims}, one per query head, got {tuple(t.shape)}")
+    same_device(name, t, "q, k and v are", device)
+    return t.view(-1, h) if batched else t
+
+
+def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Tensor | None:
+    """None, or (b, s) integer document ids on ``device`` (their values are not read here)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        what = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"documents must be an integer tensor of document ids, shape {dims} = {(b, s)}, got {what}")
+    if tuple(t.shape) != (b, s):
+        raise ValueError(f"documents must have shape {dims} = {(b, s)}, one id per key, got {tuple(t.shape)}")
+    same_device("documents", t, "q, k and v are", device)
+    return t

@@ -13,11 +13,17 @@ Causal attention is aligned bottom-right: with T queries over S keys, query i se
 ``j <= i + S - T`` (see ``headwise.masks``). A query that can see no key gets zero weights
 and a zero context, never NaN, in forward and backward, in every backend.
 
-Backends are plain functions in ``BACKENDS``, chosen in ``_choose``:
-    "math"  explicit QK^T, scale, mask, softmax (float32 for half inputs), dropout, AV;
-            the one that reports its steps to an observer (``headwise.observe``).
-    "sdpa"  ``torch.nn.functional.scaled_dot_product_attention``: flash / fused kernels,
-            ``is_causal`` instead of a mask whenever it means the same, native GQA.
+The variants compose with all of that: ``softcap`` (Gemma 2), ``sinks`` (gpt-oss),
+``alibi_slopes`` (BLOOM, MPT) and ``documents`` (packed rows). This module checks the
+arguments, reads the cache and hands one ``backends.spec.Spec`` (every term, unfolded) to a
+backend: plain functions ``fn(q, k, v, spec)`` in ``BACKENDS``, chosen in ``_choose``:
+    "math"  explicit QK^T, scale, softcap, bias, mask, softmax (float32 for half inputs),
+            dropout, AV; the reference for every term, and the one that reports its steps
+            to an observer (``headwise.observe``).
+    "sdpa"  torch's fused kernels, ``is_causal`` instead of a mask whenever it means the
+            same, native GQA; sinks through the kernel's log-sum-exp, ALiBi as a per-block
+            bias, softcap by the math over blocks of queries, packed documents one kernel
+            call per document (``headwise.backends``).
     "auto"  "sdpa", or "math" while someone observes.
 
 ``attention`` is the one entry: with a ``KVCache`` it first appends the new keys and values
@@ -31,16 +37,14 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
+from .backends import math as math_backend
+from .backends import sdpa as sdpa_backend
+from .backends.spec import Spec
 from .cache import Cache, KVCache, Part, checked
-from .masks import causal_mask, padding_mask
 from .observe import observing, report
-
-_HALF = (torch.float16, torch.bfloat16)
-
 
 # ----------------------------------------------------------------------------- checks
 
@@ -82,37 +86,11 @@ def _check_scale(scale: float | None, d: int) -> float:
     return float(scale)
 
 
-def _combined_mask(
-    q: Tensor,
-    k: Tensor,
-    causal: bool,
-    window: int | None,
-    mask: Tensor | None,
-    attention_mask: Tensor | None,
-) -> tuple[Tensor | None, bool]:
-    """Validate the masking arguments and fold them into one mask.
-
-    Returns ``(mask, is_causal)``: mask is None, bool (True = may attend) or additive float,
-    broadcastable to (B, H, T, S); ``is_causal`` is True when plain top-left causal masking
-    (T == S, nothing else) says it all, so that SDPA needs no mask at all.
-    """
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    if _checks.window(window, causal) is not None and window >= S:
-        window = None  # the last query sits at S-1 and sees keys > S-1-window: every key, so no window at all
-    parts: list[Tensor] = []
-    if causal:
-        if T == S and window is None and mask is None and attention_mask is None:
-            return None, True
-        if T > 1 or window is not None:  # one query, no window: it sees every key
-            parts.append(causal_mask(T, S, window=window, device=q.device))  # (T, S)
-    if attention_mask is not None:
-        parts.append(padding_mask(attention_mask))  # (B, 1, 1, S)
-    allowed = None
-    for part in parts:
-        allowed = part if allowed is None else allowed & part  # broadcasts to (B?, 1, T, S)
+def _check_mask(mask: object, q: Tensor, S: int) -> Tensor | None:
+    """The user's mask, checked, as a 4-D tensor broadcastable to (B, H, T, S) (floats in q's dtype)."""
     if mask is None:
-        return allowed, False
+        return None
+    B, H, T, _ = q.shape
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask must be a torch.Tensor (bool or float), got {type(mask).__name__}")
     _checks.same_device("mask", mask, "q, k and v are", q.device)
@@ -122,88 +100,49 @@ def _combined_mask(
         ok = False
     if not ok:
         raise ValueError(f"mask must broadcast to (B, H, T, S) = {(B, H, T, S)}, got shape {tuple(mask.shape)}")
-    if mask.ndim < 2:  # SDPA rejects a (S,) mask although it broadcasts
-        mask = mask.view((1,) * (2 - mask.ndim) + tuple(mask.shape))  # (1, S)
+    mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B?, H?, T?, S?)
     if mask.dtype == torch.bool:
-        return (mask if allowed is None else mask & allowed), False
+        return mask
     if not mask.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {mask.dtype}")
     if _checks.has_values(mask) and bool((mask.isnan() | (mask == math.inf)).any()):  # one host read, for a float mask only
         raise ValueError("mask (additive float) must hold finite numbers or -inf (= may not attend), got NaN or +inf")
-    mask = mask.to(q.dtype)
-    return (mask if allowed is None else mask.masked_fill(~allowed, -math.inf)), False
+    return mask.to(q.dtype)
+
+
+def _spec(
+    q: Tensor, k: Tensor, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
+    documents: Tensor | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None,
+    dropout_p: float, scale: float,
+) -> Spec:
+    """Every term of a call, checked (attention_mask already is), unfolded: see ``backends.spec``."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if _checks.window(window, causal) is not None and window >= S:
+        window = None  # the last query sits at S-1 and sees keys > S-1-window: every key, so no window at all
+    if documents is not None and T > S:
+        raise ValueError(f"documents need T <= S (the queries are the last T keys' positions), got T={T} queries over S={S} keys")
+    return Spec(
+        T=T, S=S, causal=causal, window=window, mask=_check_mask(mask, q, S), attention_mask=attention_mask,
+        documents=documents, softcap=_checks.softcap(softcap),
+        sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False),
+        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True),
+        dropout_p=dropout_p, scale=scale,
+    )
 
 
 # ----------------------------------------------------------------------------- backends
 
 
-def _scores(q: Tensor, k: Tensor) -> Tensor:
-    """Raw scores q·k for every head; query head h uses key head h // (H // Hkv)."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
-    # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
-    q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
-    scores = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
-    return scores.view(B, H, T, S)  # (B, H, T, S)
-
-
-def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
-    """Masked, scaled softmax of the scores, (B, H, T, S); float32 for half inputs.
-
-    A row that may see no key is given finite logits and then zero weights, by ``where``:
-    never asking the device whether there is such a row (that would be a host sync).
-    """
-    scores = _scores(q, k)  # (B, H, T, S)
-    report("scores", scores)
-    live = None  # (.., T, 1): rows that can see at least one key; None = all of them, known without looking
-    if is_causal:  # top-left causal over T == S keys: every query sees at least itself
-        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], device=q.device), -math.inf)
-        report("masked_scores", scores)
-    elif mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, -math.inf)
-        live = mask.any(-1, keepdim=True)
-        report("masked_scores", scores)
-    elif mask is not None:
-        live = (mask > -math.inf).any(-1, keepdim=True)
-    logits = scores * scale  # (B, H, T, S)
-    if mask is not None and mask.dtype != torch.bool:
-        logits = logits + mask  # softmax(q k^T * scale + mask): an additive mask is not scaled
-    if live is not None:  # a row of -inf would give 0/0: give it finite logits, then zero its weights
-        logits = logits.masked_fill(~live, 0.0)
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32 if q.dtype in _HALF else None)
-    if live is not None:
-        weights = weights.masked_fill(~live, 0.0)
-    report("weights", weights)
-    return weights  # (B, H, T, S)
-
-
-def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float) -> Tensor:
-    B, H, T, _ = q.shape
-    Hkv, S, Dv = v.shape[1:]
-    weights = _softmax_weights(q, k, mask, is_causal, scale).to(v.dtype)  # (B, H, T, S)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, dropout_p)
-    weights = weights.reshape(B, Hkv, (H // Hkv) * T, S)  # (B, Hkv, G*T, S): each group's rows, as in _scores
-    context = weights @ v  # (B, Hkv, G*T, Dv): v read in place, never repeated
-    return context.view(B, H, T, Dv)  # (B, H, T, Dv)
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float) -> Tensor:
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )  # (B, H, T, Dv)
-
-
-Backend = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool, float, float], Tensor]
-BACKENDS: dict[str, Backend] = {"math": _math, "sdpa": _sdpa}
+Backend = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
+BACKENDS: dict[str, Backend] = {"math": math_backend.run, "sdpa": sdpa_backend.run}
 
 
 def _choose(backend: str) -> Backend:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be one of {['auto', *BACKENDS]} (a str), got {type(backend).__name__} {backend!r}")
     if backend == "auto":
-        return _math if observing() else _sdpa
+        return math_backend.run if observing() else sdpa_backend.run
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
     return BACKENDS[backend]
@@ -227,12 +166,19 @@ def attention(
     window: int | None = None,
     mask: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    documents: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     cache: Cache | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Scaled dot-product attention over heads: ``softmax(q k^T * scale + mask) v``.
+    """Scaled dot-product attention over heads: ``softmax(q k^T * scale + mask) v``, and its variants.
+
+    Each score is ``q·k * scale``, then ``softcap * tanh(. / softcap)``, then ``+ ALiBi``
+    and any additive mask, then masked; the softmax runs over the visible keys plus the sink.
 
     Args:
         q: (B, H, T, D) queries.
@@ -243,6 +189,14 @@ def attention(
         mask: bool (True = may attend) or additive float mask, broadcastable to (B, H, T, S).
         attention_mask: (B, T_kv) padding mask of the given keys, 1/True = real token,
             0/False = padding (bools or 0/1 ints).
+        documents: (B, S) integer document ids of the keys (packed rows); the T queries are
+            the last T keys' positions, and a query sees only keys of its own document.
+            With a cache, S counts the cached keys too. See ``headwise.masks`` for
+            ``documents_from_position_ids`` and ``documents_from_cu_seqlens``.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2), a number > 0.
+        sinks: (H,) one sink logit per query head (gpt-oss): it joins the softmax and carries
+            no value, so each row's weights sum to 1 minus the sink's share.
+        alibi_slopes: (H,) or (B, H): adds ``-slope * |i + S - T - j|`` to the scores (ALiBi).
         cache: a ``KVCache``: k and v (and their padding) are appended to it first, and the
             queries attend over everything it holds (S = cached + T_kv keys); else S = T_kv.
             Or ``paged.batch(seq_ids, new_tokens)`` of a ``PagedKVCache``: q, k, v pack the new
@@ -266,20 +220,35 @@ def attention(
     _check_qkv(q, k, v)
     _checks.dropout("dropout_p", dropout_p)
     scale = _check_scale(scale, q.shape[-1])
+    run = _choose(backend)
     attention_mask = _checks.attention_mask(
         attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)", device=("k and v are", k.device)
     )
+    if cache is not None and (documents is not None or alibi_slopes is not None) and (
+        not isinstance(cache, KVCache) or cache.window is not None
+    ):
+        raise ValueError(
+            "documents and alibi_slopes need the keys in time order in one KVCache of max_len: a sliding KVCache "
+            f"returns its slots in ring order and a paged batch packs several sequences, got {type(cache).__name__}"
+            + (f" (window={cache.window})" if isinstance(cache, KVCache) else "")
+        )
+    held = len(cache) if isinstance(cache, KVCache) else 0
+    documents = _checks.documents(documents, k.shape[0], held + k.shape[2], "(B, cached + T_kv)" if cache is not None else "(B, S)", q.device)
     if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
         k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
     if cache is None:
         parts = [Part(slice(None), k, v, attention_mask)]  # every query over every key
     else:
         parts = _read_cache(q, k, v, cache, causal, window, attention_mask, mask)  # each with (B, Hkv, S, D) x2, (B, S)
-    run, contexts = _choose(backend), []
+    contexts = []
     for rows, k, v, attention_mask in parts:  # one part, or one per sequence of a paged batch
         q_part = q[:, :, rows]  # (B, H, T_part, D)
-        part_mask, is_causal = _combined_mask(q_part, k, causal, window, mask, attention_mask)
-        contexts.append(run(q_part, k, v, part_mask, is_causal, dropout_p, scale))  # (B, H, T_part, Dv)
+        docs = None if documents is None else documents[:, documents.shape[1] - k.shape[2] :]  # (B, S): the keys kept
+        spec = _spec(
+            q_part, k, causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=docs,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale,
+        )
+        contexts.append(run(q_part, k, v, spec))  # (B, H, T_part, Dv)
     context = contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)  # (B, H, T, Dv)
     report("context", context)
     return context
@@ -324,6 +293,10 @@ def attention_weights(
     window: int | None = None,
     mask: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    documents: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
     """The softmax attention weights, for explaining and plotting (no dropout).
@@ -331,16 +304,20 @@ def attention_weights(
     Same arguments and conventions as ``attention``; k may have fewer heads (GQA).
 
     Returns:
-        (B, H, T, S) weights in q's dtype; each row sums to 1, or is all zeros for a query
-        that may see no key.
+        (B, H, T, S) weights in q's dtype; each row sums to 1 (1 minus the sink's share with
+        ``sinks``), or is all zeros for a query that may see no key.
     """
     _check_qkv(q, k, k)
     scale = _check_scale(scale, q.shape[-1])
     attention_mask = _checks.attention_mask(attention_mask, k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
+    documents = _checks.documents(documents, k.shape[0], k.shape[2], "(B, S)", q.device)
     if attention_mask is not None:
         k = _zero_padding(k, attention_mask)  # (B, Hkv, S, D)
-    mask, is_causal = _combined_mask(q, k, causal, window, mask, attention_mask)
-    return _softmax_weights(q, k, mask, is_causal, scale).to(q.dtype)  # (B, H, T, S)
+    spec = _spec(
+        q, k, causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=documents,
+        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=0.0, scale=scale,
+    )
+    return math_backend.weights(q, k, spec, (0, spec.T), (0, spec.S)).to(q.dtype)  # (B, H, T, S)
 
 
 def split_heads(x: Tensor, head_dim: int, name: str = "") -> Tensor:

@@ -73,3 +73,58 @@ def inert_padding(x: Tensor, real: Tensor | None) -> Tensor:
     if real is None or type(x) is not Tensor:  # a DTensor (tensor parallelism) cannot mix with the plain mask: left as it is
         return x
     return torch.where(real[:, :, None] | x.isfinite(), x, 0.0)  # (B, T, C)
+
+
+def document_mask(q_documents: Tensor, k_documents: Tensor) -> Tensor:
+    """(B, T) and (B, S) document ids -> (B, 1, T, S) bool: True where query and key share a document."""
+    return q_documents[:, None, :, None] == k_documents[:, None, None, :]  # (B, 1, T, S)
+
+
+def documents_from_position_ids(position_ids: Tensor) -> Tensor:
+    """Document ids of packed rows from their positions: a new document wherever positions restart at 0.
+
+    transformers' packing convention (e.g. ``DataCollatorWithFlattening``): each document's
+    positions count 0, 1, 2, ... within a row.
+
+    Args:
+        position_ids: (B, T) integer positions.
+
+    Returns:
+        (B, T) int64 ids, 0, 1, 2, ... per row (a row not starting at 0 starts with document 0).
+
+    Example:
+        >>> documents_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]))
+        tensor([[0, 0, 0, 1, 1, 2]])
+    """
+    if not isinstance(position_ids, Tensor) or position_ids.ndim != 2:
+        what = f"shape {tuple(position_ids.shape)}" if isinstance(position_ids, Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be a (B, T) integer tensor, got {what}")
+    _checks.position_ids(position_ids, *position_ids.shape)
+    starts = position_ids == 0  # (B, T)
+    starts[:, :1] = False  # the row's first token opens document 0
+    return starts.long().cumsum(-1)  # (B, T)
+
+
+def documents_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
+    """Document ids from cumulative lengths (flash-attn's ``cu_seqlens``: 0, len_0, len_0 + len_1, ...).
+
+    Args:
+        cu_seqlens: (N + 1,) non-decreasing integers starting at 0, N documents.
+
+    Returns:
+        (1, total) int64 ids: document i covers positions cu_seqlens[i] .. cu_seqlens[i+1] - 1.
+
+    Example:
+        >>> documents_from_cu_seqlens(torch.tensor([0, 3, 5]))
+        tensor([[0, 0, 0, 1, 1]])
+    """
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        what = f"dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor (0, len_0, len_0 + len_1, ...), got {what}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with at least one entry (0), got shape {tuple(cu_seqlens.shape)}")
+    lengths = cu_seqlens.diff()  # (N,)
+    if _checks.has_values(cu_seqlens) and (int(cu_seqlens[0]) != 0 or bool((lengths < 0).any())):  # one host read: lengths are needed there anyway
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)  # (N,)
+    return ids.repeat_interleave(lengths)[None]  # (1, total)

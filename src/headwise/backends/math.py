@@ -1,0 +1,150 @@
+"""The "math" backend: the scores written out, every term applied to them; the reference for all.
+
+``run`` computes the whole (B, H, T, S) score tensor and reports each step to an observer
+(``scores``, ``capped_scores``, ``masked_scores``, ``weights``). ``run_chunked`` is the same
+arithmetic over blocks of queries, each against only the keys it may see (causal and window
+ranges cut off up front), so memory stays bounded by the block, not by T x S: the fast path
+for softcap, which no fused kernel computes.
+
+Order, per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> masks (-inf)
+-> softmax over the keys and the sink -> dropout -> @ v. Half inputs get float32 logits and
+softmax. A row that may see no key gets zero weights (finite logits, then zeroed by ``where``,
+never by asking the device whether such a row exists).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..observe import report
+from ..scores import softcap
+from .spec import Spec, cut
+
+_HALF = (torch.float16, torch.bfloat16)
+
+#: Score elements (B * H * rows * keys) one block of ``run_chunked`` may hold.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def scores(q: Tensor, k: Tensor) -> Tensor:
+    """Raw scores q·k for every head; query head h uses key head h // (H // Hkv)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
+    # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
+    q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
+    out = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
+    return out.view(B, H, T, S)  # (B, H, T, S)
+
+
+def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], steps: bool = True) -> Tensor:
+    """Softmax weights of queries ``rows`` (q holds just them) over keys ``cols`` (k holds just them).
+
+    Returns (B, H, t, s), float32 for half inputs; rows sum to 1 minus the sink's share, or
+    are all zeros for a query that may see no key.
+    """
+    say = report if steps else _silent
+    raw = scores(q, k)  # (B, H, t, s)
+    say("scores", raw)
+    allowed = spec.allowed(rows, cols, q.device)  # (B?, H?, t, s) bool or None
+    wide = q.dtype in _HALF and (spec.scored or spec.sinks is not None)  # float32 logits for the extra terms
+    if spec.softcap is None:
+        if allowed is not None:
+            raw = raw.masked_fill(~allowed, -math.inf)
+            say("masked_scores", raw)
+        logits = (raw.float() if wide else raw) * spec.scale  # (B, H, t, s)
+    else:
+        logits = softcap((raw.float() if wide else raw) * spec.scale, spec.softcap)  # (B, H, t, s)
+        say("capped_scores", logits)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, -math.inf)
+            say("masked_scores", logits)
+    bias = spec.bias(rows, cols, q.device)  # (B?, H?, t, s) float32 or None
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)  # softmax(q k^T * scale + bias): a bias is not scaled
+    half = torch.float32 if q.dtype in _HALF else None
+    if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
+        B, H, t, _ = logits.shape
+        sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
+        w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=half)[..., :-1]  # (B, H, t, s)
+    else:
+        live = _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
+        if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
+            logits = logits.masked_fill(~live, 0.0)
+        w = torch.softmax(logits, dim=-1, dtype=half)  # (B, H, t, s)
+        if live is not None:
+            w = w.masked_fill(~live, 0.0)
+    say("weights", w)
+    return w
+
+
+def _live(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:
+    """(B?, H?, t, 1) bool: rows that see at least one key; None when every row does, known without looking."""
+    user_bias = spec.mask is not None and spec.mask.dtype != torch.bool
+    if not user_bias and allowed is None:
+        return None
+    only_causal = spec.mask is None and spec.attention_mask is None and spec.documents is None
+    if only_causal and spec.T <= spec.S:  # bottom-right causal: every query sees at least itself
+        return None
+    live = allowed
+    if user_bias:
+        finite = cut(spec.mask, rows, cols) > -math.inf  # (B?, H?, t, s)
+        live = finite if live is None else live & finite
+    return live.any(-1, keepdim=True)
+
+
+def context(w: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v read in place, never repeated."""
+    B, H, t, s = w.shape
+    Hkv, Dv = v.shape[1], v.shape[3]
+    w = w.to(v.dtype)
+    if dropout_p > 0.0:
+        w = F.dropout(w, dropout_p)
+    w = w.reshape(B, Hkv, (H // Hkv) * t, s)  # (B, Hkv, G*t, s): each group's rows, as in scores
+    return (w @ v).view(B, H, t, Dv)  # (B, H, t, Dv)
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """Every score at once, each step reported: (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv)."""
+    w = weights(q, k, spec, (0, spec.T), (0, spec.S))  # (B, H, T, S)
+    return context(w, v, spec.dropout_p)  # (B, H, T, Dv)
+
+
+def visible(spec: Spec, r0: int, r1: int) -> tuple[int, int]:
+    """Keys c0..c1 that queries r0..r1 may see at all (causal and window cut both ends)."""
+    if not spec.causal:
+        return 0, spec.S
+    off = spec.S - spec.T
+    c1 = max(0, min(spec.S, off + r1))  # the last query's own position, + 1
+    c0 = 0 if spec.window is None else max(0, min(c1, off + r0 - spec.window + 1))
+    return c0, c1
+
+
+def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """``run`` over blocks of queries, each against only the keys it may see; nothing reported.
+
+    Memory holds one block's scores (about ``BLOCK_ELEMENTS``) at a time in a forward
+    without gradients; with autograd each block keeps its weights for the backward.
+    """
+    B, H, T, _ = q.shape
+    Dv = v.shape[3]
+    per_row = max(1, B * H * spec.S)
+    step = max(1, BLOCK_ELEMENTS // per_row)
+    outs = []
+    for r0 in range(0, T, step):
+        r1 = min(T, r0 + step)
+        c0, c1 = visible(spec, r0, r1)
+        if c1 <= c0:  # these queries sit before the first key: they see nothing
+            outs.append(q.new_zeros(B, H, r1 - r0, Dv))
+            continue
+        w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False)  # (B, H, t, s)
+        outs.append(context(w, v[:, :, c0:c1], spec.dropout_p))  # (B, H, t, Dv)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T, Dv)
+
+
+def _silent(name: str, tensor: Tensor) -> None:
+    pass

@@ -1,0 +1,120 @@
+"""The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
+
+- plain, causal, window, padding, masks, GQA: ``F.scaled_dot_product_attention``, with
+  ``is_causal`` instead of a mask whenever it means the same;
+- sinks: the CPU flash kernel returns each row's log-sum-exp, and a sink only rescales a row:
+  ``context * sigmoid(lse - sink)`` (``SinkAttention``; its backward is the kernel's own, given
+  the rescaled output, plus the sink's gradient). Elsewhere (CUDA, dropout) the chunked math;
+- ALiBi: the bias is an additive mask, folded per block of queries (the kernel stays fused,
+  the bias costs one block at a time, never (H, T, S));
+- softcap: the tanh acts on each score, which no fused kernel exposes: the chunked math
+  (``math.run_chunked``), with causal and window ranges cut off per block;
+- documents: ``packed.run``, one kernel call per document (or per group of equal short ones).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..scores import sink_share
+from . import math as math_backend
+from . import packed
+from .spec import Spec
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class SinkAttention(torch.autograd.Function):
+    """softmax over the keys plus one sink logit per head, on the CPU flash kernel.
+
+    With o and lse the kernel's output and log-sum-exp, the sink keeps a share ``w =
+    sigmoid(lse - sink)`` of the row: y = o * w. Backward: the kernel's backward needs
+    rowsum(dO * O) for each row; with dO = g * w and O replaced by y that sum is exactly the
+    plain sum minus lse's own gradient, so the kernel's backward, given (g * w, y), returns
+    the gradients of the whole expression. The sink's gradient is -sum of w (1 - w) g.o.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+        o, lse = _flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, T, Dv), (B, H, T)
+        w = sink_share(lse, sinks).unsqueeze(-1)  # (B, H, T, 1) float32
+        y = (o * w).to(o.dtype)  # (B, H, T, Dv)
+        ctx.save_for_backward(q, k, v, o, lse, w, y, mask)
+        ctx.is_causal, ctx.scale, ctx.sinks_dtype = is_causal, scale, sinks.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple:
+        q, k, v, o, lse, w, y, mask = ctx.saved_tensors
+        go = (g * w).to(g.dtype).contiguous()  # (B, H, T, Dv)
+        dq, dk, dv = _flash_backward(go, q, k, v, y, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
+        share = (g.to(w.dtype) * o.to(w.dtype)).sum(-1) * (w * (1 - w)).squeeze(-1)  # (B, H, T), float32 or wider
+        dsinks = -share.sum((0, 2)).to(ctx.sinks_dtype)  # (H,)
+        return dq, dk, dv, dsinks, None, None, None
+
+
+def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None, bias: Tensor | None, is_causal: bool) -> Tensor:
+    """One fused call over a block: bool ``allowed`` and float ``bias`` folded into one mask."""
+    mask = allowed
+    if bias is not None:
+        bias = bias.to(q.dtype)  # (B?, H?, t, s)
+        mask = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
+    if spec.sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=spec.dropout_p, is_causal=is_causal, scale=spec.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # (B, H, t, Dv)
+    if mask is not None and mask.dtype == torch.bool:  # the flash kernel takes float masks only
+        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # (B?, H?, t, s)
+    if mask is not None:
+        mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], k.shape[2])  # (B?, H?, t, s)
+    return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale)  # (B, H, t, Dv)
+
+
+def _sinks_fused(q: Tensor, v: Tensor, spec: Spec) -> bool:
+    """Whether the CPU flash kernel with its log-sum-exp can take this call's sinks.
+
+    One head size, no dropout, eager, and no bias that wants a gradient (the kernel's backward
+    gives none to its mask).
+    """
+    trained_bias = any(t is not None and t.requires_grad for t in (spec.alibi, spec.mask)) and torch.is_grad_enabled()
+    return (
+        q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and spec.dropout_p == 0.0
+        and not trained_bias and not torch.compiler.is_compiling()
+    )
+
+
+def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """Every term but documents folded into fused kernel calls (B, H, T, D) -> (B, H, T, Dv)."""
+    if spec.softcap is not None or (spec.sinks is not None and not _sinks_fused(q, v, spec)):
+        return math_backend.run_chunked(q, k, v, spec)
+    T, S = spec.T, spec.S
+    if spec.alibi is None:
+        if spec.plain_causal:
+            return _kernel(q, k, v, spec, None, None, True)
+        return _kernel(q, k, v, spec, spec.allowed((0, T), (0, S), q.device), spec.bias((0, T), (0, S), q.device), False)
+    B, H = q.shape[:2]
+    step = max(1, math_backend.BLOCK_ELEMENTS // max(1, spec.alibi.shape[0] * H * S))
+    outs = []
+    for r0 in range(0, T, step):  # ALiBi's bias one block of queries at a time, each over the keys it may see
+        r1 = min(T, r0 + step)
+        c0, c1 = math_backend.visible(spec, r0, r1)
+        if c1 <= c0:
+            outs.append(q.new_zeros(B, H, r1 - r0, v.shape[3]))
+            continue
+        rows, cols = (r0, r1), (c0, c1)
+        allowed, bias = spec.allowed(rows, cols, q.device), spec.bias(rows, cols, q.device)
+        outs.append(_kernel(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T, Dv)
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """(B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv): packed documents split, the rest fused."""
+    if spec.documents is not None and packed.can_split(spec):
+        return packed.run(q, k, v, spec, dense)
+    return dense(q, k, v, spec)

@@ -1,0 +1,332 @@
+"""softcap, sinks, ALiBi and packed documents in headwise.attention, against the float64 reference.
+
+Every term alone and together, with causal, windows, padding, masks and GQA, on every backend,
+forward and backward; the fast paths (blocks of queries, the sink through the log-sum-exp,
+one kernel call per document) against the same reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+from helpers import ERROR_RATIO, on, tol
+from hypothesis import given
+from hypothesis import strategies as st
+from reference_variants import variant_attention, variant_weights
+
+import headwise as hw
+from headwise.backends import math as math_backend
+from headwise.backends import packed
+from headwise.masks import documents_from_cu_seqlens, documents_from_position_ids
+from headwise.scores import alibi_slopes
+
+BACKENDS = ["math", "sdpa", "auto"]
+
+
+def _documents(draw, g: torch.Generator, B: int, S: int) -> torch.Tensor:
+    """(B, S) ids in contiguous runs, or (rarely) ids that come back after another id."""
+    rows = []
+    for _ in range(B):
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, S - 1)), max_size=3))) if S > 1 else []
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, S], strict=True)]
+        rows.append(torch.cat([torch.full((n,), i + 7) for i, n in enumerate(lengths)]))
+    ids = torch.stack(rows)  # (B, S)
+    if draw(st.integers(0, 5)) == 0:
+        ids = torch.randint(0, 2, (B, S), generator=g)  # not contiguous runs: the dense document mask
+    return ids
+
+
+@st.composite
+def cases(draw, *, dtype=torch.float64, terms: bool = True):
+    """A random problem with any mix of softcap, sinks, ALiBi and documents on top of the usual terms."""
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.integers(1, 2))
+    S = draw(st.integers(1, 7))
+    with_docs = draw(st.booleans())
+    T = draw(st.integers(1, S)) if with_docs else draw(st.integers(1, 7))
+    D = draw(st.integers(1, 6))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, S, draw(st.integers(1, 5)), generator=g, dtype=dtype)
+    kw: dict = {"causal": draw(st.booleans())}
+    if kw["causal"] and draw(st.booleans()):
+        kw["window"] = draw(st.integers(1, 6))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.floats(0.3, 5.0))
+    if draw(st.booleans()):
+        kw["sinks"] = torch.randn(H, generator=g, dtype=dtype)
+    alibi = draw(st.sampled_from(["none", "H", "BH"]))
+    if alibi != "none":
+        kw["alibi_slopes"] = torch.rand((H,) if alibi == "H" else (B, H), generator=g, dtype=dtype)
+    if with_docs:
+        kw["documents"] = _documents(draw, g, B, S)
+    mask_kind = draw(st.sampled_from(["none", "none", "bool", "float"]))
+    if mask_kind != "none":
+        shape = draw(st.sampled_from([(T, S), (B, 1, T, S), (1, H, 1, S)]))
+        if mask_kind == "bool":
+            kw["mask"] = torch.rand(shape, generator=g) < 0.7
+        else:
+            bias = torch.randn(shape, generator=g, dtype=dtype)
+            kw["mask"] = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, -math.inf)
+    if draw(st.booleans()):
+        kw["attention_mask"] = torch.rand(B, S, generator=g) < 0.75
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.floats(0.1, 2.0))
+    return q, k, v, kw
+
+
+@contextlib.contextmanager
+def cut_fine(on: bool) -> Iterator[None]:
+    """With ``on``: blocks of one query row and short documents batched (every chunked path cut as finely as it goes)."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(math_backend, "BLOCK_ELEMENTS", 1), mock.patch.object(packed, "SHORT", 4):
+        yield
+
+
+BLOCKS = pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+
+
+@BLOCKS
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases())
+def test_every_term_matches_the_reference(backend, blocks, case, device):
+    q, k, v, kw = case
+    with cut_fine(blocks):
+        got = hw.attention(*on(device, (q, k, v)), backend=backend, **on(device, kw)).cpu()
+    torch.testing.assert_close(got, variant_attention(q, k, v, **kw), **tol(device, torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases(dtype=torch.float32))
+def test_every_term_matches_the_reference_in_float32(backend, case):
+    q, k, v, kw = case
+    got = hw.attention(q, k, v, backend=backend, **kw)
+    torch.testing.assert_close(got.double(), variant_attention(q, k, v, **kw), atol=2e-5, rtol=1e-5)
+
+
+@given(case=cases())
+def test_attention_weights_match_the_reference(case):
+    q, k, _, kw = case
+    torch.testing.assert_close(hw.attention_weights(q, k, **kw), variant_weights(q, k, **kw), atol=1e-12, rtol=1e-10)
+
+
+def _grads(fn, q, k, v, kw, g):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    extra = {name: kw[name].detach().clone().requires_grad_() for name in ("sinks", "alibi_slopes") if name in kw}
+    if "mask" in kw and kw["mask"].is_floating_point():
+        extra["mask"] = kw["mask"].detach().clone().requires_grad_()
+    out = fn(*leaves, **{**kw, **extra})
+    wrt = [*leaves, *extra.values()]
+    return dict(zip(["q", "k", "v", *extra], torch.autograd.grad(out, wrt, g, allow_unused=True), strict=True))
+
+
+@BLOCKS
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases())
+def test_gradients_match_the_reference(backend, blocks, case):
+    q, k, v, kw = case
+    g = torch.randn((*q.shape[:3], v.shape[-1]), dtype=torch.float64)
+    with cut_fine(blocks):
+        got = _grads(lambda *a, **k_: hw.attention(*a, backend=backend, **k_), q, k, v, kw, g)
+    want = _grads(variant_attention, q, k, v, kw, g)
+    for name, w in want.items():
+        grad = got[name]
+        if w is None:
+            continue
+        assert grad is not None, f"no gradient reached {name}"
+        torch.testing.assert_close(grad, w, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def _packed_problem(lengths, *, H=4, Hkv=2, D=8, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    S = sum(lengths)
+    q = torch.randn(1, H, S, D, generator=g, dtype=dtype)
+    k = torch.randn(1, Hkv, S, D, generator=g, dtype=dtype)
+    v = torch.randn(1, Hkv, S, D, generator=g, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, cu
+
+
+@BLOCKS
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("terms", [{}, {"softcap": 2.0}, {"sinks": "H"}, {"alibi_slopes": "H"}, {"window": 3}])
+def test_a_packed_row_equals_each_document_alone(backend, terms, blocks):
+    lengths = [5, 1, 7, 3, 3]  # two of equal length, a one-token document
+    q, k, v, cu = _packed_problem(lengths)
+    kw = {"sinks": torch.randn(4, dtype=torch.float64)} if "sinks" in terms else {}
+    kw |= {"alibi_slopes": alibi_slopes(4).double()} if "alibi_slopes" in terms else {}
+    kw |= {key: value for key, value in terms.items() if key in ("softcap", "window")}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with cut_fine(blocks):
+        packed_out = hw.attention(*leaves, causal=True, documents=documents_from_cu_seqlens(cu), backend=backend, **kw)
+        g = torch.randn_like(packed_out)
+        packed_grads = torch.autograd.grad(packed_out, leaves, g)
+    alone_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        sl = [t[:, :, a:b] for t in alone_leaves]
+        outs.append(hw.attention(*sl, causal=True, backend="math", **kw))
+    alone = torch.cat(outs, dim=2)
+    alone_grads = torch.autograd.grad(alone, alone_leaves, g)
+    torch.testing.assert_close(packed_out, alone, atol=1e-12, rtol=1e-10)
+    for got, want in zip(packed_grads, alone_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_packed_documents_run_one_kernel_call_per_document(monkeypatch):
+    calls = []
+    real = packed.run
+
+    def counting(q, k, v, spec, inner):
+        def counted(*args):
+            calls.append(args[0].shape)
+            return inner(*args)
+
+        return real(q, k, v, spec, counted)
+
+    monkeypatch.setattr(packed, "run", counting)
+    q, k, v, cu = _packed_problem([200, 300, 150], dtype=torch.float32)
+    out = hw.attention(q, k, v, causal=True, documents=documents_from_cu_seqlens(cu), backend="sdpa")
+    assert [s[2] for s in calls] == [200, 300, 150]  # each document's queries alone: no (T, S) mask, no (H, T, S) scores
+    assert out.shape == q.shape
+
+
+def test_short_documents_of_one_length_share_a_call(monkeypatch):
+    calls = []
+    real = packed.run
+    monkeypatch.setattr(packed, "run", lambda q, k, v, spec, inner: real(q, k, v, spec, lambda *a: calls.append(a[0].shape) or inner(*a)))
+    q, k, v, cu = _packed_problem([4, 4, 4, 9, 4], dtype=torch.float32)
+    hw.attention(q, k, v, causal=True, documents=documents_from_cu_seqlens(cu), backend="sdpa")
+    assert sorted(s[0] for s in calls) == [1, 4]  # four documents of 4 tokens in one batched call, the 9 alone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decode_step_on_a_packed_row_equals_the_full_forward(backend):
+    q, k, v, cu = _packed_problem([4, 3, 5])
+    docs = documents_from_cu_seqlens(cu)  # (1, 12)
+    kw = {"softcap": 3.0, "sinks": torch.randn(4, dtype=torch.float64), "alibi_slopes": torch.rand(4, dtype=torch.float64)}
+    full = hw.attention(q, k, v, causal=True, documents=docs, backend=backend, **kw)
+    cache = hw.KVCache(1, 2, 16, 8, dtype=torch.float64)
+    hw.attention(q[:, :, :11], k[:, :, :11], v[:, :, :11], causal=True, documents=docs[:, :11], cache=cache, backend=backend, **kw)
+    step = hw.attention(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], causal=True, documents=docs, cache=cache, backend=backend, **kw)
+    torch.testing.assert_close(step, full[:, :, 11:], atol=1e-12, rtol=1e-10)
+
+
+def test_document_helpers():
+    ids = documents_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]]))
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]]
+    assert documents_from_cu_seqlens(torch.tensor([0, 2, 2, 5])).tolist() == [[0, 0, 2, 2, 2]]
+
+
+# ----------------------------------------------------------------------------- rows that see nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("term", ["softcap", "sinks", "alibi_slopes", "documents"])
+def test_a_query_that_sees_no_key_gets_zero_without_nan(backend, dtype, term):
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    real = torch.tensor([[False, True, True, True]])  # query 0 sees only key 0, which is padding
+    kw = {"softcap": 2.0, "sinks": torch.zeros(2, dtype=dtype, requires_grad=True), "alibi_slopes": torch.ones(2, dtype=dtype),
+          "documents": torch.tensor([[0, 0, 1, 1]])}
+    out = hw.attention(q, k, v, causal=True, attention_mask=real, backend=backend, **{term: kw[term]})
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.isfinite().all()
+
+
+# ----------------------------------------------------------------------------- low precision
+
+
+def _plain(q, k, v, *, causal, softcap=None, sinks=None, alibi_slopes=None):
+    """The naive way in q's own dtype (no float32 anywhere): the yardstick for low precision."""
+    T, S = q.shape[2], k.shape[2]
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if alibi_slopes is not None:
+        logits = logits - alibi_slopes.to(q.dtype)[:, None, None] * (torch.arange(T)[:, None] + S - T - torch.arange(S)).abs().to(q.dtype)
+    if causal:
+        logits = logits.masked_fill(torch.ones(T, S, dtype=torch.bool).tril(S - T).logical_not(), -math.inf)
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.to(q.dtype)[None, :, None, None].expand(*logits.shape[:3], 1)], -1)
+        return torch.softmax(logits, -1)[..., :-1] @ v
+    return torch.softmax(logits, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("term", ["softcap", "sinks", "alibi_slopes"])
+def test_low_precision_within_k_times_plain_error(dtype, backend, term):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    kw = {"softcap": 1.5, "sinks": torch.randn(4, generator=g, dtype=torch.float64), "alibi_slopes": alibi_slopes(4).double()}
+    kw = {term: kw[term]}
+    want = variant_attention(q, k, v, causal=True, **kw)
+    low = [t.to(dtype) for t in (q, k, v)]
+    low_kw = {key: value.to(dtype) if isinstance(value, torch.Tensor) else value for key, value in kw.items()}
+    ours = (hw.attention(*low, causal=True, backend=backend, **low_kw).double() - want).abs().max()
+    plain = (_plain(*low, causal=True, **low_kw).double() - want).abs().max()
+    assert ours <= ERROR_RATIO * plain, f"{ours:.3g} > {ERROR_RATIO} x {plain:.3g}"
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"softcap": 0.0}, ValueError, r"softcap must be a number in \(0, inf\), got 0.0"),
+        ({"softcap": -1.0}, ValueError, r"softcap must be a number"),
+        ({"softcap": float("nan")}, ValueError, r"softcap must be a number.*nan"),
+        ({"softcap": True}, ValueError, r"softcap must be a number.*True"),
+        ({"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(H=4,\), one per query head, got \(3,\)"),
+        ({"sinks": torch.zeros(4, dtype=torch.long)}, TypeError, r"sinks must be a float tensor .* got dtype torch.int64"),
+        ({"sinks": [0.0] * 4}, TypeError, r"sinks must be a float tensor .* got list"),
+        ({"alibi_slopes": torch.zeros(2, 3)}, ValueError, r"alibi_slopes must have shape \(H=4,\) or \(B=2, H=4\), .* got \(2, 3\)"),
+        ({"documents": torch.zeros(2, 6)}, TypeError, r"documents must be an integer tensor .* got dtype torch.float32"),
+        ({"documents": torch.zeros(2, 5, dtype=torch.long)}, ValueError, r"documents must have shape \(B, S\) = \(2, 6\).* got \(2, 5\)"),
+        ({"documents": torch.zeros(2, 6, dtype=torch.bool)}, TypeError, r"documents must be an integer tensor"),
+    ],
+)
+def test_bad_variant_arguments(kw, error, match):
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    with pytest.raises(error, match=match):
+        hw.attention(q, k, v, causal=True, **kw)
+    with pytest.raises(error, match=match):
+        hw.attention_weights(q, k, causal=True, **kw)
+
+
+def test_documents_need_no_more_queries_than_keys():
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"documents need T <= S .* got T=5 queries over S=3 keys"):
+        hw.attention(q, k, k, documents=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_documents_and_alibi_refuse_a_sliding_cache():
+    q = torch.randn(1, 2, 1, 8)
+    cache = hw.KVCache.sliding(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"a sliding KVCache returns its slots in ring order .* got KVCache \(window=4\)"):
+        hw.attention(q, q, q, causal=True, window=4, cache=cache, alibi_slopes=torch.ones(2))
+
+
+def test_cu_seqlens_errors():
+    with pytest.raises(TypeError, match=r"cu_seqlens must be a 1-D integer tensor .* got dtype torch.float32"):
+        documents_from_cu_seqlens(torch.tensor([0.0, 2.0]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and never decrease, got \[0, 3, 2\]"):
+        documents_from_cu_seqlens(torch.tensor([0, 3, 2]))
+    with pytest.raises(TypeError, match=r"position_ids must be a \(B, T\) integer tensor, got shape \(3,\)"):
+        documents_from_position_ids(torch.tensor([0, 1, 0]))
