@@ -10,8 +10,16 @@ methods, and keeps its own parameter names and state-dict layout:
   embeddings plug in here): the new tokens sit at ``start`` (the cache length) onwards, or
   where the caller's ``position_ids`` say;
 - ``project_out(context)``: (B, T, H·D) -> (B, T, C), e.g. ``out_proj``;
+- for cross-attention, ``project_q(x)`` and ``project_kv(context)``: queries from x, keys and
+  values from another sequence (B, S, kv_dim);
 - the attributes read below: ``d_in``, ``head_dim``, ``context_length``, ``causal``,
-  ``window``, ``backend`` and ``attn_dropout_p``.
+  ``window``, ``backend`` and ``attn_dropout_p``; optionally ``kv_dim``, ``softcap``, a
+  ``sinks`` parameter (H,) and an ``alibi_slopes`` buffer (H,).
+
+Cross-attention (``forward(x, context=...)``) runs the same path: queries from x, keys and
+values from the context, never causal (the context is another sequence: a query sees all of
+it, less its padding ``context_mask``). A ``ContextCache`` keeps the context's projected keys
+and values from the first call, so decode steps do not project the encoder's output again.
 
 The steps are reported to ``headwise.observe`` under the names ``headwise explain`` shows.
 """
@@ -41,6 +49,35 @@ def checked_input(
     attention_mask = _checks.attention_mask(attention_mask, b, t, device=(name + " is", x.device))  # (B, T) bool or None
     _checks.context(t, past, module.context_length, sliding=sliding)
     return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
+
+
+class ContextCache:
+    """Cross-attention's cache: the context's keys and values (B, Hkv, S, D), projected once.
+
+    The first forward given it (with a ``context``) projects and stores them; later forwards
+    attend over the stored ones, with or without the context passed again.
+
+    Example:
+        >>> import torch, headwise as hw
+        >>> cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6)
+        >>> memory, cache = torch.randn(1, 5, 6), ContextCache()
+        >>> y = cross(torch.randn(1, 1, 8), context=memory, cache=cache)  # projects the 5 context tokens
+        >>> y = cross(torch.randn(1, 1, 8), cache=cache)  # reuses them
+        >>> len(cache)
+        5
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None  # (B, Hkv, S, D)
+        self.v: Tensor | None = None  # (B, Hkv, S, D)
+        self.real: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def reset(self) -> None:
+        """Forget the stored context (the next forward projects a new one)."""
+        self.k = self.v = self.real = None
 
 
 class AttentionLayer(nn.Module):
@@ -74,24 +111,56 @@ class AttentionLayer(nn.Module):
         """(B, T, H·D) merged context -> (B, T, C)."""
         raise NotImplementedError
 
+    def project_q(self, x: Tensor) -> Tensor:
+        """(B, T, d_in) -> queries (B, T, H·D), for cross-attention."""
+        raise TypeError(f"{type(self).__name__} has no separate query projection: it cannot take a context (cross-attention)")
+
+    def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, S, kv_dim) context -> keys and values (B, S, Hkv·D), for cross-attention."""
+        raise TypeError(f"{type(self).__name__} has no separate key/value projection: it cannot take a context (cross-attention)")
+
+    def score_terms(self) -> dict:
+        """The module's score terms for ``attention``: softcap, sinks, ALiBi slopes (None where absent)."""
+        return {
+            "softcap": getattr(self, "softcap", None),
+            "sinks": getattr(self, "sinks", None),
+            "alibi_slopes": getattr(self, "alibi_slopes", None),
+        }
+
     def forward(
-        self, x: Tensor, *, attention_mask: Tensor | None = None, cache: Cache | None = None, position_ids: Tensor | None = None
+        self,
+        x: Tensor,
+        *,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: Cache | ContextCache | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
-        """Attend over the tokens of x (and, with a cache, over every token cached before).
+        """Attend over the tokens of x (and, with a cache, over every token cached before), or over a context.
 
         Args:
             x: (B, T, d_in).
+            context: (B, S, kv_dim) another sequence (an encoder's output) for cross-attention:
+                queries from x, keys and values from the context, every context token visible.
+            context_mask: (B, S) the context's padding, 1/True = real token (a filled
+                ``ContextCache`` remembers it, as it remembers the context's keys).
             attention_mask: (B, T) padding mask, 1/True = real token, 0/False = padding (left
                 or right); with a cache, for the new tokens only (the cache remembers the rest).
             cache: a ``KVCache`` of (B, Hkv, *, D); x then holds the next tokens. Or a
                 ``PagedKVCache.batch(...)``: x (1, T, d_in) packs the next tokens of several
                 sequences, each placed after its own cached tokens.
+                With a context: a ``ContextCache``, filled at the first call and reused after.
             position_ids: (B, T) ints, where x's tokens sit, for a layer with a position
                 encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
 
         Returns:
             (B, T, C).
         """
+        if context is not None or context_mask is not None or isinstance(cache, ContextCache):
+            return self._cross(x, context, context_mask, attention_mask, cache, position_ids)
+        if getattr(self, "kv_dim", self.d_in) != self.d_in:
+            raise ValueError(f"this module's keys come from a context of width kv_dim={self.kv_dim} (cross-attention): pass context=")
         cache = checked(cache)
         past = len(cache) if isinstance(cache, KVCache) else 0
         sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
@@ -113,8 +182,57 @@ class AttentionLayer(nn.Module):
         queries, keys = self.position(queries, keys, past, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         context = attention(
             queries, keys, values, cache=cache, causal=self.causal, window=self.window,
-            attention_mask=attention_mask, dropout_p=self.attn_dropout_p, backend=self.backend,
+            attention_mask=attention_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms(),
         )  # (B, H, T, D)
         out = self.project_out(merge_heads(context))  # (B, T, C)
+        report("output", out)
+        return out
+
+    def _cross(
+        self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, attention_mask: Tensor | None,
+        cache: object, position_ids: Tensor | None,
+    ) -> Tensor:
+        """``forward`` with keys and values from ``context`` (or from a filled ``ContextCache``)."""
+        if self.causal or self.window is not None:
+            raise ValueError(
+                "cross-attention (a context given) is not causal: every query sees the whole context; "
+                f"build the module with causal=False, got causal={self.causal}, window={self.window}"
+            )
+        if cache is not None and not isinstance(cache, ContextCache):
+            raise TypeError(f"cross-attention takes a headwise.ContextCache (the context's keys, projected once), got {type(cache).__name__}")
+        if getattr(self, "alibi_slopes", None) is not None:
+            raise ValueError("ALiBi measures distances within one sequence: a module with alibi=True cannot take a context")
+        if position_ids is not None:
+            raise ValueError("position_ids place x's tokens for a position encoding; cross-attention uses none: pass position_ids=None")
+        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T)
+        B = x.shape[0]
+        report("x", x)
+        queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
+        if cache is not None and len(cache):
+            if context is not None:
+                _checks.tokens(context, self.kv_dim, "context")
+            if cache.k.shape[0] != B or (context is not None and context.shape[:2] != (B, len(cache))):
+                raise ValueError(f"this ContextCache holds a context of (B, S) = {(cache.k.shape[0], len(cache))}; got x of batch {B}")
+            keys, values, real = cache.k, cache.v, cache.real  # (B, Hkv, S, D) x2, (B, S) or None
+        else:
+            if context is None:
+                raise ValueError("cross-attention needs context= (B, S, kv_dim) the first time (an empty ContextCache holds nothing yet)")
+            kv_dim = getattr(self, "kv_dim", self.d_in)
+            b, s = _checks.tokens(context, kv_dim, "context")
+            if b != B:
+                raise ValueError(f"context must have the batch size of x ({B}), got shape {tuple(context.shape)}")
+            _checks.module_input(self, context, "context")
+            real = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("context is", context.device))
+            context = inert_padding(context, real)  # (B, S, kv_dim)
+            keys, values = self.project_kv(context)  # (B, S, Hkv*D) x2
+            keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
+            values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
+            if cache is not None:
+                cache.k, cache.v, cache.real = keys, values, real
+        terms = self.score_terms()
+        out = attention(
+            queries, keys, values, attention_mask=real, dropout_p=self.attn_dropout_p, backend=self.backend, **terms
+        )  # (B, H, T, D)
+        out = self.project_out(merge_heads(out))  # (B, T, C)
         report("output", out)
         return out

@@ -7,6 +7,9 @@ dicts load with ``strict=True``. Differences, all additive:
 - keyword-only extras: ``causal`` (False = bidirectional, encoder style), ``window``,
   ``num_kv_heads`` (GQA, MultiHeadAttention only), ``backend``; ``forward`` takes
   ``attention_mask`` (B, T), 1/True = real token, and a ``KVCache``;
+- MultiHeadAttention only: ``softcap``, ``sinks`` (a learned (H,) ``sinks`` parameter),
+  ``alibi`` (the standard slopes, a buffer outside the state dict) and ``kv_dim`` with
+  ``forward(x, context=...)`` for cross-attention;
 - bad input raises ValueError (the book asserts, or silently breaks past context_length).
 
 The book keeps ``mask = triu(ones(ctx, ctx), 1)`` as a persistent buffer, where 1 means
@@ -24,6 +27,7 @@ from . import _checks
 from .functional import attention, check_backend
 from .layer import AttentionLayer, checked_input
 from .linear import project, project_many
+from .scores import alibi_slopes
 
 
 class _BookMask:
@@ -34,7 +38,7 @@ class _BookMask:
 
     def _book_layers(
         self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool,
-        *, causal: bool, backend: str, kv_width: int, out_proj: bool,
+        *, causal: bool, backend: str, kv_width: int, out_proj: bool, kv_in: int | None = None,
     ) -> None:
         """The book's attributes and layers, created in the book's order (same seed, same weights)."""
         self.d_in = _checks.positive_int("d_in", d_in)
@@ -43,8 +47,8 @@ class _BookMask:
         self.causal = causal
         self.backend = check_backend(backend)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, kv_width, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, kv_width, bias=qkv_bias)
+        self.W_key = nn.Linear(kv_in or d_in, kv_width, bias=qkv_bias)
+        self.W_value = nn.Linear(kv_in or d_in, kv_width, bias=qkv_bias)
         if out_proj:
             self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(_checks.dropout("dropout", dropout))
@@ -170,12 +174,22 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         window: sliding-window attention: token i sees tokens i-window+1 .. i (causal only).
         num_kv_heads: Hkv for grouped-query attention (default H): W_key and W_value are
             Hkv * head_dim wide; query head h reads key/value head h // (H // Hkv).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2); None = off.
+        sinks: a learned sink logit per head, the parameter ``sinks`` (H,), zeros at first
+            (gpt-oss): each row's softmax gives it a share of the mass, and it has no value.
+        alibi: ALiBi instead of positions: the standard slopes 2^(-8i/H) (BLOOM's rule when
+            H is not a power of two), kept as the buffer ``alibi_slopes`` outside the state dict.
+        kv_dim: the width of a context's tokens for cross-attention (default d_in): W_key and
+            W_value read kv_dim features; pass ``context=`` to forward (with causal=False).
         backend: "auto", "math" or "sdpa".
 
     Example:
         >>> _ = torch.manual_seed(123)
         >>> mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
         >>> mha(torch.rand(2, 6, 3)).shape
+        torch.Size([2, 6, 2])
+        >>> cross = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, causal=False, kv_dim=5)
+        >>> cross(torch.rand(2, 6, 3), context=torch.rand(2, 9, 5)).shape
         torch.Size([2, 6, 2])
     """
 
@@ -191,6 +205,10 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         causal: bool = True,
         window: int | None = None,
         num_kv_heads: int | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        alibi: bool = False,
+        kv_dim: int | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -198,8 +216,19 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
         self.window = _checks.window(window, causal)
+        self.softcap = _checks.softcap(softcap)
+        self.kv_dim = d_in if kv_dim is None else _checks.positive_int("kv_dim", kv_dim)
+        for name, flag in [("sinks", sinks), ("alibi", alibi)]:
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         kv_width = self.num_kv_heads * self.head_dim
-        self._book_layers(d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend, kv_width=kv_width, out_proj=True)
+        self._book_layers(
+            d_in, d_out, context_length, dropout, qkv_bias, causal=causal, backend=backend, kv_width=kv_width, out_proj=True, kv_in=self.kv_dim
+        )
+        if sinks:  # after the book's layers: same seed, same weights as the book
+            self.sinks = nn.Parameter(torch.zeros(num_heads))  # (H,)
+        if alibi:
+            self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
 
     @property
     def attn_dropout_p(self) -> float:
@@ -213,3 +242,12 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
     def project_out(self, context: Tensor) -> Tensor:
         """(B, T, C) -> out_proj(context) (B, T, C)."""
         return project(self.out_proj, context)
+
+    def project_q(self, x: Tensor) -> Tensor:
+        """(B, T, d_in) -> W_query(x) (B, T, C), for cross-attention."""
+        return project(self.W_query, x)
+
+    def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, S, kv_dim) -> W_key(context), W_value(context) (B, S, Hkv*D), for cross-attention."""
+        keys, values = project_many((self.W_key, self.W_value), context)
+        return keys, values

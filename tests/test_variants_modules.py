@@ -1,0 +1,153 @@
+"""MultiHeadAttention with softcap, sinks, ALiBi and cross-attention, against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import linear
+from reference_variants import variant_attention
+
+import headwise as hw
+from headwise.layer import ContextCache
+from headwise.scores import alibi_slopes
+
+BACKENDS = ["math", "sdpa", "auto"]
+
+
+def _heads(y: torch.Tensor, n: int) -> torch.Tensor:
+    D = y.shape[-1] // n
+    return torch.stack([y[..., h * D : (h + 1) * D] for h in range(n)], dim=1)  # (B, n, T, D)
+
+
+def reference_module(m: hw.MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    """The module's weights in float64, head by head, through the variants' reference."""
+    w = lambda layer: (layer.weight.detach(), None if layer.bias is None else layer.bias.detach())  # noqa: E731
+    source = x if context is None else context
+    q = _heads(linear(x, *w(m.W_query)), m.num_heads)
+    k = _heads(linear(source, *w(m.W_key)), m.num_kv_heads)
+    v = _heads(linear(source, *w(m.W_value)), m.num_kv_heads)
+    if getattr(m, "sinks", None) is not None:
+        kw["sinks"] = m.sinks.detach()
+    if getattr(m, "alibi_slopes", None) is not None:
+        kw["alibi_slopes"] = m.alibi_slopes
+    ctx = variant_attention(q, k, v, causal=context is None and m.causal, window=m.window, softcap=m.softcap, **kw)
+    merged = torch.cat([ctx[:, h] for h in range(m.num_heads)], dim=-1)
+    return linear(merged, *w(m.out_proj))
+
+
+def _module(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, qkv_bias=True, **kw).double().eval()
+    with torch.no_grad():
+        if getattr(m, "sinks", None) is not None:
+            m.sinks.normal_()
+    return m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kw", [{"softcap": 1.5}, {"sinks": True}, {"alibi": True}, {"softcap": 2.0, "sinks": True, "alibi": True, "num_kv_heads": 2, "window": 4}]
+)
+def test_module_terms_match_the_reference(backend, kw):
+    m = _module(backend=backend, **kw)
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[1, :3] = False  # left padding
+    got = m(x, attention_mask=real)
+    want = reference_module(m, x, attention_mask=real)
+    torch.testing.assert_close(got[real], want[real], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_with_every_term_equals_the_full_forward(backend):
+    m = _module(backend=backend, softcap=2.0, sinks=True, alibi=True, num_kv_heads=2)
+    x = torch.randn(2, 8, 12, dtype=torch.float64)
+    full = m(x)
+    cache = hw.KVCache(2, 2, 8, 3, dtype=torch.float64)
+    steps = [m(x[:, :5], cache=cache)] + [m(x[:, i : i + 1], cache=cache) for i in range(5, 8)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
+
+
+def test_sinks_are_a_learned_parameter_in_the_state_dict():
+    torch.manual_seed(0)
+    plain = hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4)
+    torch.manual_seed(0)
+    m = hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, sinks=True, alibi=True, softcap=30.0)
+    state = m.state_dict()
+    assert set(state) == {*plain.state_dict(), "sinks"}  # the book's keys and the sink; no ALiBi buffer
+    for key, value in plain.state_dict().items():
+        assert torch.equal(state[key], value)  # same seed, same weights as the book's class
+    assert state["sinks"].shape == (4,)
+    hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, sinks=True).load_state_dict(state)  # strict
+    m(torch.randn(1, 5, 12)).sum().backward()
+    assert m.sinks.grad is not None and m.sinks.grad.abs().sum() > 0
+
+
+def test_alibi_slopes_follow_the_standard_rule():
+    assert alibi_slopes(8).tolist() == [2.0 ** (-i) for i in range(1, 9)]
+    # BLOOM's rule for 6 heads: the 4 slopes of 4 heads, then every other slope of 8 heads
+    assert torch.allclose(alibi_slopes(6), torch.tensor([2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]))
+    assert torch.equal(_module(alibi=True).alibi_slopes, alibi_slopes(4).double())
+
+
+# ----------------------------------------------------------------------------- cross-attention
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kw", [{}, {"sinks": True, "softcap": 3.0, "num_kv_heads": 2}])
+def test_cross_attention_matches_the_reference(backend, kw):
+    m = _module(backend=backend, causal=False, kv_dim=7, **kw)
+    x, memory = torch.randn(2, 5, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    memory[1, 4:] = float("nan")  # padding is inert
+    got = m(x, context=memory, context_mask=real)
+    want = reference_module(m, x, torch.where(real[..., None], memory, 0.0), attention_mask=real)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_a_context_cache_projects_the_context_once(monkeypatch):
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    full = m(x, context=memory)
+    calls = []
+    real = m.project_kv
+    monkeypatch.setattr(m, "project_kv", lambda c: calls.append(c.shape) or real(c))
+    cache = ContextCache()
+    steps = [m(x[:, :2], context=memory, cache=cache)] + [m(x[:, i : i + 1], context=memory if i == 2 else None, cache=cache) for i in (2, 3)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-12, rtol=1e-12)
+    assert calls == [(2, 6, 7)] and len(cache) == 6
+    cache.reset()
+    assert len(cache) == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "call", "error", "match"),
+    [
+        ({"kv_dim": 7}, {"context": torch.randn(2, 6, 7)}, ValueError, r"cross-attention .* is not causal.*causal=False, got causal=True"),
+        ({"kv_dim": 7, "causal": False}, {}, ValueError, r"keys come from a context of width kv_dim=7 .*: pass context="),
+        ({"kv_dim": 7, "causal": False}, {"context": torch.randn(2, 6, 5)}, ValueError, r"context must have shape \(batch, tokens, d_in=7\), got \(2, 6, 5\)"),
+        ({"kv_dim": 7, "causal": False}, {"context": torch.randn(3, 6, 7)}, ValueError, r"context must have the batch size of x \(2\)"),
+        ({"causal": False, "alibi": True}, {"context": torch.randn(2, 6, 12)}, ValueError, r"ALiBi .* cannot take a context"),
+        ({"causal": False}, {"context": torch.randn(2, 6, 12), "cache": hw.KVCache(2, 4, 8, 3)}, TypeError, r"takes a headwise.ContextCache"),
+        ({"causal": False}, {"cache": ContextCache()}, ValueError, r"needs context= .* the first time"),
+        ({"causal": False}, {"context": torch.randn(2, 6, 12), "context_mask": torch.ones(2, 5)}, ValueError, r"context_mask must have shape \(B, S\) = \(2, 6\)"),
+    ],
+)
+def test_cross_attention_errors(make, call, error, match):
+    m = hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, **make)
+    with pytest.raises(error, match=match):
+        m(torch.randn(2, 5, 12), **call)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"softcap": 0}, ValueError, r"softcap must be a number in \(0, inf\)"),
+        ({"sinks": 1}, TypeError, r"sinks must be True or False, got 1"),
+        ({"alibi": "yes"}, TypeError, r"alibi must be True or False, got 'yes'"),
+        ({"kv_dim": 0}, ValueError, r"kv_dim must be a positive int, got 0"),
+    ],
+)
+def test_module_argument_errors(kw, error, match):
+    with pytest.raises(error, match=match):
+        hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, **kw)
