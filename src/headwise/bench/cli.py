@@ -16,6 +16,7 @@ from .harness import machine, run
 from .memory import memory_child
 from .peers import IMPLS
 from .report import markdown, plot, summary
+from .variants import main as variants_main
 
 
 def _bar(done: int, total: int, what: str) -> None:
@@ -61,11 +62,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
     p.add_argument("--json", help="write the raw report here")
     p.add_argument("--list", action="store_true", help="list the implementations and exit")
+    p.add_argument("--variants", action="store_true", help="packed documents, softcap, sinks, ALiBi against the other ways (headwise.bench.variants)")
     p.add_argument("--_memory-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._memory_child:
         spec = json.loads(args._memory_child)
         print(json.dumps(memory_child(spec["impl"], Case(**spec["case"]))))
+        return
+    if args.variants:
+        variants_main(["--repeats", str(args.repeats), "--warmup", str(args.warmup)])
         return
     if args.list:
         print("\n".join(f"{'peer    ' if i.peer else 'headwise'} {i.name}" for i in IMPLS))

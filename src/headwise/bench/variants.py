@@ -1,0 +1,226 @@
+"""The attention variants against their alternatives, timed interleaved in one run.
+
+- packed: one row of N documents (``documents=``) against the same documents run one after
+  another through SDPA, and against the dense way (a (T, T) bool block-diagonal causal mask
+  into SDPA); time and peak memory (each way in a fresh subprocess on the CPU);
+- softcap, sinks, ALiBi: headwise with the term against plain causal headwise (the ratio is
+  the term's cost), and against the eager functions transformers runs for them (Gemma 2's
+  and gpt-oss's ``eager_attention_forward``), forward and forward+backward.
+
+``python -m headwise.bench.variants`` or ``headwise bench --variants`` prints the tables.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..functional import attention
+from ..masks import documents_from_cu_seqlens
+from ..scores import alibi_slopes
+from .memory import _reset_peak, _status_mib
+from .timing import interleaved
+
+PACKED_WAYS = ("headwise documents=", "one after another", "dense (T, T) mask")
+
+
+@dataclass
+class VariantRow:
+    """One way of computing one case: median ms, peak MiB (packed only), and its ratio to the row's baseline."""
+
+    case: str
+    way: str
+    mode: str
+    ms: float | None = None
+    peak_mib: float | None = None
+    vs_baseline: float | None = None
+    note: str = ""
+
+
+def _packed_inputs(docs: int, doc_len: int, heads: int, head_dim: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T = docs * doc_len
+    q, k, v = (torch.randn(1, heads, T, head_dim, generator=g) for _ in range(3))  # (1, H, T, D) x3
+    cu = torch.arange(docs + 1) * doc_len  # (N + 1,)
+    return q, k, v, cu
+
+
+def packed_call(way: str, q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Callable[[], Tensor]:
+    """A forward of ``way`` over the packed row: (1, H, T, D) -> (1, H, T, D)."""
+    if way == PACKED_WAYS[0]:
+        docs = documents_from_cu_seqlens(cu)  # (1, T)
+        return lambda: attention(q, k, v, causal=True, documents=docs)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    if way == PACKED_WAYS[1]:
+        return lambda: torch.cat(
+            [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True) for a, b in bounds], dim=2
+        )
+    if way == PACKED_WAYS[2]:
+        ids = documents_from_cu_seqlens(cu)[0]  # (T,)
+        mask = (ids[:, None] == ids[None, :]) & torch.ones(len(ids), len(ids), dtype=torch.bool).tril()  # (T, T)
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    raise ValueError(f"way must be one of {PACKED_WAYS}, got {way!r}")
+
+
+def _peak_child(spec: dict) -> dict:
+    """In a fresh process: build the inputs (and the dense mask), then one forward; its peak RSS beyond what came before, MiB."""
+    q, k, v, cu = _packed_inputs(spec["docs"], spec["doc_len"], spec["heads"], spec["head_dim"])
+    call = packed_call(spec["way"], q, k, v, cu)
+    gc.collect()
+    if not _reset_peak():
+        return {"peak_mib": None}
+    before = _status_mib("VmRSS") or 0.0
+    with torch.no_grad():
+        call()
+    return {"peak_mib": (_status_mib("VmHWM") or 0.0) - before}
+
+
+def _peak_mib(spec: dict) -> float | None:
+    proc = subprocess.run([sys.executable, "-m", "headwise.bench.variants", "--_peak", json.dumps(spec)], capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+    except (IndexError, KeyError, json.JSONDecodeError):
+        return None
+
+
+def packed(docs: int = 16, doc_len: int = 512, heads: int = 8, head_dim: int = 64, *, repeats: int = 5, warmup: int = 1) -> list[VariantRow]:
+    """B = 1, ``docs`` causal documents of ``doc_len`` tokens in one row, fp32 forward: every way, its time and peak memory."""
+    q, k, v, cu = _packed_inputs(docs, doc_len, heads, head_dim)
+    steps = {way: packed_call(way, q, k, v, cu) for way in PACKED_WAYS}
+    with torch.no_grad():
+        want = steps[PACKED_WAYS[1]]()
+        for way, step in steps.items():
+            err = (step() - want).abs().max().item()
+            if err > 1e-4:
+                raise RuntimeError(f"{way} differs from the documents run one by one by {err:.3g}")
+        times = interleaved(steps, repeats=repeats, warmup=warmup)
+    case = f"packed {docs}x{doc_len} H={heads} D={head_dim} fp32"
+    rows = []
+    for way in PACKED_WAYS:
+        spec = {"way": way, "docs": docs, "doc_len": doc_len, "heads": heads, "head_dim": head_dim}
+        rows.append(VariantRow(case, way, "forward", ms=1e3 * statistics.median(times[way]), peak_mib=_peak_mib(spec)))
+    base = next(r for r in rows if r.way == PACKED_WAYS[1])
+    for r in rows:
+        r.vs_baseline = r.ms / base.ms
+    return rows
+
+
+# ----------------------------------------------------------------------------- softcap, sinks, ALiBi
+
+
+class _Module(torch.nn.Module):
+    """What transformers' eager functions read from their attention module."""
+
+    def __init__(self, heads: int, head_dim: int, sinks: Tensor) -> None:
+        super().__init__()
+        self.head_dim, self.num_key_value_groups, self.training = head_dim, 1, False
+        self.sinks = sinks
+
+
+def _transformers_eager() -> dict[str, Callable] | str:
+    try:
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2
+        from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss
+    except ImportError as e:
+        return f"transformers not importable: {e}"
+    return {"gemma2": gemma2, "gpt_oss": gpt_oss}
+
+
+def terms(batch: int = 4, tokens: int = 1024, heads: int = 12, head_dim: int = 64, *, softcap: float = 50.0,
+          modes: tuple[str, ...] = ("forward", "backward"), repeats: int = 5, warmup: int = 1) -> list[VariantRow]:
+    """Each term's cost over plain causal headwise, and transformers' eager way beside it (B, T, GPT-2-small heads, fp32)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, tokens, head_dim, generator=g) for _ in range(3))  # (B, H, T, D) x3
+    sinks = torch.randn(heads, generator=g)  # (H,)
+    slopes = alibi_slopes(heads)  # (H,)
+    module = _Module(heads, head_dim, sinks)
+    scale = head_dim**-0.5
+    min_mask = torch.zeros(tokens, tokens).masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    min_mask = min_mask[None, None]  # (1, 1, T, T): transformers' additive causal mask
+    hf = _transformers_eager()
+    ways: dict[str, Callable[..., Tensor]] = {
+        "headwise causal": lambda q, k, v: attention(q, k, v, causal=True),
+        "headwise softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=softcap),
+        "headwise sinks": lambda q, k, v: attention(q, k, v, causal=True, sinks=sinks),
+        "headwise ALiBi": lambda q, k, v: attention(q, k, v, causal=True, alibi_slopes=slopes),
+    }
+    if isinstance(hf, dict):
+        ways["transformers Gemma 2 eager (softcap)"] = lambda q, k, v: hf["gemma2"](module, q, k, v, min_mask, scaling=scale, softcap=softcap)[0]
+        ways["transformers gpt-oss eager (sinks)"] = lambda q, k, v: hf["gpt_oss"](module, q, k, v, min_mask, scaling=scale)[0]
+    case = f"B={batch} T={tokens} H={heads} D={head_dim} fp32"
+    rows: list[VariantRow] = []
+    for mode in modes:
+        steps = {name: _step(fn, q, k, v, mode) for name, fn in ways.items()}
+        times = interleaved(steps, repeats=repeats, warmup=warmup)
+        base = statistics.median(times["headwise causal"])
+        for name in ways:
+            ms = statistics.median(times[name])
+            rows.append(VariantRow(case, name, mode, ms=1e3 * ms, vs_baseline=ms / base))
+    if isinstance(hf, str):
+        rows.append(VariantRow(case, "transformers eager", "-", note=hf))
+    return rows
+
+
+def _step(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, mode: str) -> Callable[[], None]:
+    if mode == "forward":
+        def forward() -> None:
+            with torch.no_grad():
+                fn(q, k, v)
+        return forward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def backward() -> None:
+        out = fn(*leaves)
+        out.backward(torch.ones_like(out))
+        for t in leaves:
+            t.grad = None
+    return backward
+
+
+def markdown(rows: list[VariantRow]) -> str:
+    """The rows as one Markdown table (ratios against the case's baseline: one after another, or plain causal)."""
+    lines = ["| case | way | mode | ms | x baseline | peak MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = "-" if r.ms is None else f"{r.ms:.1f}"
+        ratio = "-" if r.vs_baseline is None else f"{r.vs_baseline:.2f}x"
+        peak = "-" if r.peak_mib is None or math.isnan(r.peak_mib) else f"{r.peak_mib:.0f}"
+        lines.append(f"| {r.case} | {r.way}{' (' + r.note + ')' if r.note else ''} | {r.mode} | {ms} | {ratio} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m headwise.bench.variants [--repeats N] [--only packed|terms]``: print both tables."""
+    import argparse
+
+    from .harness import machine
+
+    p = argparse.ArgumentParser(prog="headwise bench --variants", description="packed documents, softcap, sinks, ALiBi: headwise against the other ways")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--only", choices=("packed", "terms"), default=None)
+    p.add_argument("--_peak", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._peak:
+        print(json.dumps(_peak_child(json.loads(args._peak))))
+        return
+    rows = []
+    if args.only in (None, "packed"):
+        rows += packed(repeats=args.repeats, warmup=args.warmup)
+    if args.only in (None, "terms"):
+        rows += terms(repeats=args.repeats, warmup=args.warmup)
+    print(f"machine: {machine()}\n")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
