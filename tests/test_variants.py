@@ -330,3 +330,12 @@ def test_cu_seqlens_errors():
         documents_from_cu_seqlens(torch.tensor([0, 3, 2]))
     with pytest.raises(TypeError, match=r"position_ids must be a \(B, T\) integer tensor, got shape \(3,\)"):
         documents_from_position_ids(torch.tensor([0, 1, 0]))
+
+
+@pytest.mark.parametrize(("T", "S"), [(2, 1), (3, 5), (5, 5)])
+def test_sinks_on_the_fused_kernel_with_a_two_dim_causal_mask(T, S):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 2, T, 4, generator=g), torch.randn(1, 1, S, 4, generator=g), torch.randn(1, 1, S, 4, generator=g)
+    sinks = torch.randn(2, generator=g)
+    got = hw.attention(q, k, v, causal=True, sinks=sinks, backend="sdpa")
+    torch.testing.assert_close(got.double(), variant_attention(q, k, v, causal=True, sinks=sinks), atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ never by asking the device whether such a row exists).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -48,38 +49,70 @@ def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple
     are all zeros for a query that may see no key.
     """
     say = report if steps else _silent
+    inplace = not steps and not _needs_grad(q, k, spec)  # no graph to keep: rewrite one buffer instead of allocating one per step
     raw = scores(q, k)  # (B, H, t, s)
     say("scores", raw)
-    allowed = spec.allowed(rows, cols, q.device)  # (B?, H?, t, s) bool or None
+    edge = _edge(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there
+    allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), q.device)  # (B?, H?, t, s - edge) bool or None
     wide = q.dtype in _HALF and (spec.scored or spec.sinks is not None)  # float32 logits for the extra terms
     if spec.softcap is None:
         if allowed is not None:
-            raw = raw.masked_fill(~allowed, -math.inf)
+            if inplace:
+                raw[..., edge:].masked_fill_(~allowed, -math.inf)
+            else:
+                raw = raw.masked_fill(~allowed, -math.inf)
             say("masked_scores", raw)
-        logits = (raw.float() if wide else raw) * spec.scale  # (B, H, t, s)
+        logits = raw.float() if wide else raw
+        logits = logits.mul_(spec.scale) if inplace else logits * spec.scale  # (B, H, t, s)
     else:
-        logits = softcap((raw.float() if wide else raw) * spec.scale, spec.softcap)  # (B, H, t, s)
+        logits = raw.float() if wide else raw
+        if inplace:
+            logits = logits.mul_(spec.scale / spec.softcap).tanh_().mul_(spec.softcap)  # (B, H, t, s)
+        else:
+            logits = softcap(logits * spec.scale, spec.softcap)  # (B, H, t, s)
         say("capped_scores", logits)
         if allowed is not None:
-            logits = logits.masked_fill(~allowed, -math.inf)
+            if inplace:
+                logits[..., edge:].masked_fill_(~allowed, -math.inf)
+            else:
+                logits = logits.masked_fill(~allowed, -math.inf)
             say("masked_scores", logits)
-    bias = spec.bias(rows, cols, q.device)  # (B?, H?, t, s) float32 or None
-    if bias is not None:
-        logits = logits + bias.to(logits.dtype)  # softmax(q k^T * scale + bias): a bias is not scaled
+    bias = spec.bias(rows, cols, q.device)  # (B?, H?, t, s) or None
+    if steps and spec.alibi is not None:  # ALiBi's own part, for a learner (the bias may also hold an additive mask)
+        say("alibi_bias", dataclasses.replace(spec, mask=None).bias(rows, cols, q.device))  # (B?, H, t, s)
+    if bias is not None:  # softmax(q k^T * scale + bias): a bias is not scaled
+        logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
     half = torch.float32 if q.dtype in _HALF else None
     if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
         B, H, t, _ = logits.shape
         sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
         w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=half)[..., :-1]  # (B, H, t, s)
+        say("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
     else:
-        live = _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
+        live = None if edge else _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
         if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
-            logits = logits.masked_fill(~live, 0.0)
-        w = torch.softmax(logits, dim=-1, dtype=half)  # (B, H, t, s)
+            logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
+        out = logits if inplace and half is None else None  # in place where nothing keeps the logits
+        w = torch.softmax(logits, dim=-1, dtype=half, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=half)
         if live is not None:
-            w = w.masked_fill(~live, 0.0)
+            w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
     say("weights", w)
     return w
+
+
+def _edge(spec: Spec, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """With causal the only restriction: how many of the keys ``cols`` every query of ``rows`` sees (none masked)."""
+    if not spec.causal or spec.window is not None or spec.mask is not None or spec.attention_mask is not None or spec.documents is not None:
+        return 0
+    first_query = spec.S - spec.T + rows[0]  # its position: keys up to it are visible to every later query too
+    return max(0, min(cols[1], first_query + 1) - cols[0])
+
+
+def _needs_grad(q: Tensor, k: Tensor, spec: Spec) -> bool:
+    """Whether autograd records this block (then every step keeps its own tensor)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in (q, k, spec.sinks, spec.alibi, spec.mask))
 
 
 def _live(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:

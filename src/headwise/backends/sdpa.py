@@ -72,6 +72,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     if mask is not None and mask.dtype == torch.bool:  # the flash kernel takes float masks only
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # (B?, H?, t, s)
     if mask is not None:
+        mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B?, H?, t?, s?)
         mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], k.shape[2])  # (B?, H?, t, s)
     return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale)  # (B, H, t, Dv)
 
