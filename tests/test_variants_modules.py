@@ -151,3 +151,29 @@ def test_cross_attention_errors(make, call, error, match):
 def test_module_argument_errors(kw, error, match):
     with pytest.raises(error, match=match):
         hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_packed_module_row_equals_each_document_alone(backend):
+    m = _module(backend=backend, sinks=True, num_kv_heads=2)
+    x = torch.randn(1, 9, 12, dtype=torch.float64)
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 2]])
+    packed = m(x, documents=docs)
+    alone = torch.cat([m(x[:, a:b]) for a, b in ((0, 4), (4, 6), (6, 9))], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"documents \(packed rows\) apply to self-attention"):
+        _module(causal=False)(x, context=x, documents=docs)
+
+
+def test_explain_shows_each_term():
+    from headwise.explain import explain
+
+    _, steps = explain(num_tokens=5, softcap=2.0, sinks=True, alibi=True, documents=[2, 3])
+    step = steps[7]
+    assert list(step.tensors) == ["capped_scores", "alibi_bias", "masked_scores", "weights", "sink_share"]
+    assert "tanh" in step.code and "sink" in step.code and "other documents" in step.title
+    torch.testing.assert_close(step.tensors["sink_share"], 1 - step.tensors["weights"].sum(-1))
+    assert step.tensors["masked_scores"][0, :, 2:, :2].eq(float("-inf")).all()  # document 2 never sees document 1
+    assert step.tensors["capped_scores"].abs().max() < 2.0
+    with pytest.raises(ValueError, match=r"documents must be positive lengths adding up to num_tokens=5, got \[2, 2\]"):
+        explain(num_tokens=5, documents=[2, 2])

@@ -32,6 +32,7 @@ def _explain(args: argparse.Namespace) -> None:
     mha, steps = explain(
         d_in=args.d_in, d_out=args.d_out, num_heads=args.heads, num_tokens=args.tokens,
         batch_size=args.batch, seed=args.seed, causal=not args.bidirectional,
+        softcap=args.softcap, sinks=args.sinks, alibi=args.alibi, documents=args.documents,
     )
     print(f"MultiHeadAttention(d_in={args.d_in}, d_out={args.d_out}, context_length={args.tokens}, dropout=0.0, "
           f"num_heads={args.heads}), seed {args.seed}: head_dim = {mha.head_dim}")
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--batch", type=int, default=1, help="batch size B")
     ex.add_argument("--seed", type=int, default=123, help="torch.manual_seed for the weights (and a random input); 123 is the book's")
     ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style): step 8 masks nothing")
+    ex.add_argument("--softcap", type=float, default=None, help="cap the scores: softcap * tanh(scores / softcap) (Gemma 2)")
+    ex.add_argument("--sinks", action="store_true", help="a sink logit per head (1.0): step 8 shows each row's sink share")
+    ex.add_argument("--alibi", action="store_true", help="ALiBi's distance bias instead of positions: step 8 shows it")
+    ex.add_argument("--documents", type=lambda t: [int(n) for n in t.split(",")], default=None,
+                    help="pack the tokens into documents of these lengths, e.g. 2,4: the masked scores show the blocks")
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
     ex.add_argument("--head-dim", type=int, default=2, help="with --rope: each head's size (even)")
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")

@@ -98,7 +98,8 @@ _STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
     (5, "Unroll d_out into (num_heads, head_dim)", "queries.view(b, num_tokens, num_heads, head_dim)", ("queries.view", "keys.view", "values.view")),
     (6, "Group by head: transpose(1, 2) -> (b, num_heads, num_tokens, head_dim)", "queries.transpose(1, 2)", ("queries.transpose", "keys.transpose", "values.transpose")),
     (7, "Attention scores for every head at once", "queries @ keys.transpose(2, 3)", ("scores",)),
-    (8, "Mask the future, scale by sqrt(head_dim), softmax", "softmax(scores.masked_fill(mask, -inf) / head_dim**0.5)", ("masked_scores", "weights")),
+    (8, "Mask the future, scale by sqrt(head_dim), softmax", "softmax(scores.masked_fill(mask, -inf) / head_dim**0.5)",
+     ("capped_scores", "alibi_bias", "masked_scores", "weights", "sink_share")),
     (9, "Context vectors: weights @ values", "attn_weights @ values", ("context",)),
     (10, "Merge the heads, then out_proj", "context.transpose(1, 2).contiguous().view(b, num_tokens, d_out)", ("context.transpose", "merged", "output")),
 ]
@@ -108,19 +109,43 @@ _STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
 _BIDIRECTIONAL_STEP_8 = ("No mask (bidirectional): every token sees every token; scale by sqrt(head_dim), softmax", "softmax(scores / head_dim**0.5)")
 
 
+def _variant_step_8(causal: bool, softcap: float | None, sinks: bool, alibi: bool, documents: bool) -> tuple[str, str]:
+    """Step 8's title and code with the extra terms, in the order they act."""
+    title, logits = [], "scores / head_dim**0.5"
+    if softcap is not None:
+        title.append(f"cap the scores at {softcap:g}")
+        logits = f"{softcap:g} * tanh({logits} / {softcap:g})"
+    if alibi:
+        title.append("add ALiBi's distance bias")
+        logits = f"{logits} - slope * |i - j|"
+    hidden = [m for m, on in (("the future", causal), ("other documents", documents)) if on]
+    if hidden:
+        title.append("mask " + " and ".join(hidden))
+        logits = f"({logits}).masked_fill(mask, -inf)"
+    title.append("softmax" + (" with a sink logit per head (it takes a share, has no value)" if sinks else ""))
+    code = f"softmax(cat([{logits}, sink]))[..., :-1]" if sinks else f"softmax({logits})"
+    text = ", ".join(title)
+    return text[0].upper() + text[1:], code
+
+
 def uses_book_inputs(d_in: int, num_tokens: int) -> bool:
     """True when the book's embeddings fit: width 3 and at most its 6 tokens; else the input is random."""
     return d_in == 3 and num_tokens <= len(BOOK_INPUTS)
 
 
 def explain(
-    *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True
+    *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True,
+    softcap: float | None = None, sinks: bool = False, alibi: bool = False, documents: list[int] | None = None,
 ) -> Explanation:
     """Build ``MultiHeadAttention(d_in, d_out, ...)`` under ``seed`` and walk one forward pass.
 
     The input is the book's token embeddings when ``uses_book_inputs(d_in, num_tokens)``
     (d_in == 3 and num_tokens <= 6), else ``torch.rand`` under the same seed. With
-    ``causal=False`` step 8 masks nothing and says so.
+    ``causal=False`` step 8 masks nothing and says so. ``softcap``, ``sinks`` (sink logits
+    set to 1.0) and ``alibi`` build the module with those terms, and ``documents`` (lengths
+    adding up to num_tokens) packs the tokens into documents: step 8 then also shows the
+    capped scores, the ALiBi bias, the document blocks in the masked scores and each row's
+    sink share.
 
     Returns:
         An ``Explanation``: the module and its Steps 1-10, each holding the tensors that step
@@ -132,16 +157,25 @@ def explain(
         [(1, 2, 3, 3), (1, 2, 3, 3)]
     """
     torch.manual_seed(seed)
-    mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal)
+    mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal, softcap=softcap, sinks=sinks, alibi=alibi)
+    if sinks:
+        torch.nn.init.ones_(mha.sinks)  # a visible share (zeros would be a learned start, not a lesson)
+    ids = None
+    if documents is not None:
+        if sum(documents) != num_tokens or any(n < 1 for n in documents):
+            raise ValueError(f"documents must be positive lengths adding up to num_tokens={num_tokens}, got {documents}")
+        ids = torch.repeat_interleave(torch.arange(len(documents)), torch.tensor(documents))[None].expand(batch_size, -1)  # (B, T)
     if uses_book_inputs(d_in, num_tokens):
         x = BOOK_INPUTS[:num_tokens].expand(batch_size, num_tokens, 3)  # (B, T, 3)
     else:
         x = torch.rand(batch_size, num_tokens, d_in)  # (B, T, d_in)
     seen: dict[str, Tensor] = {}
     with observe(lambda name, t: seen.setdefault(name, t)), torch.no_grad():
-        mha(x)
+        mha(x, documents=ids)
     steps = [Step(n, title, code, {name: seen[name] for name in names if name in seen}) for n, title, code, names in _STEPS]
     if not causal:
         steps[7].title, steps[7].code = _BIDIRECTIONAL_STEP_8
+    if softcap is not None or sinks or alibi or documents is not None:
+        steps[7].title, steps[7].code = _variant_step_8(causal, softcap, sinks, alibi, documents is not None)
     steps[2].tensors = {name: getattr(mha, name).weight.detach() for name in ("W_query", "W_key", "W_value")}
     return Explanation(mha, steps)

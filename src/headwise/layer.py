@@ -136,6 +136,7 @@ class AttentionLayer(nn.Module):
         attention_mask: Tensor | None = None,
         cache: Cache | ContextCache | None = None,
         position_ids: Tensor | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor:
         """Attend over the tokens of x (and, with a cache, over every token cached before), or over a context.
 
@@ -153,10 +154,14 @@ class AttentionLayer(nn.Module):
                 With a context: a ``ContextCache``, filled at the first call and reused after.
             position_ids: (B, T) ints, where x's tokens sit, for a layer with a position
                 encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
+            documents: (B, S) document ids of packed rows (``headwise.attention``'s): a token
+                sees only tokens of its own document; with a cache, S counts the cached tokens.
 
         Returns:
             (B, T, C).
         """
+        if documents is not None and (context is not None or isinstance(cache, ContextCache)):
+            raise ValueError("documents (packed rows) apply to self-attention; cross-attention takes context_mask for the context's padding")
         if context is not None or context_mask is not None or isinstance(cache, ContextCache):
             return self._cross(x, context, context_mask, attention_mask, cache, position_ids)
         if getattr(self, "kv_dim", self.d_in) != self.d_in:
@@ -182,7 +187,8 @@ class AttentionLayer(nn.Module):
         queries, keys = self.position(queries, keys, past, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         context = attention(
             queries, keys, values, cache=cache, causal=self.causal, window=self.window,
-            attention_mask=attention_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms(),
+            attention_mask=attention_mask, documents=documents, dropout_p=self.attn_dropout_p, backend=self.backend,
+            **self.score_terms(),
         )  # (B, H, T, D)
         out = self.project_out(merge_heads(context))  # (B, T, C)
         report("output", out)
