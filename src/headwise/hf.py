@@ -27,7 +27,6 @@ a TypeError naming it, never a wrong answer.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -145,11 +144,9 @@ def attend(
         position_bias = None if position_bias is None else position_bias[..., :T]  # (B, H, T, T)
     causal = causal and attention_mask is None  # a mask from transformers already holds causality
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
-    variants = _variants(softcap=softcap, sinks=s_aux)
-    context = attention(query, key, value, causal=causal, mask=bias, dropout_p=float(dropout), scale=scaling, **variants)  # (B, H, T, Dv)
-    weights = None
-    if _weights_wanted(kwargs):
-        weights = attention_weights(query, key, causal=causal, mask=bias, scale=scaling, **variants)  # (B, H, T, S)
+    terms = dict(causal=causal, mask=bias, softcap=softcap, sinks=s_aux, scale=scaling)
+    context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
+    weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S)
     return context.transpose(1, 2), weights  # (B, T, H, Dv)
 
 
@@ -189,14 +186,3 @@ def _weights_wanted(kwargs: dict) -> bool:
     wanted = collector.get() if collector is not None else None
     return bool(wanted) and ("attentions" in wanted or "cross_attentions" in wanted)
 
-
-_CORE = frozenset(inspect.signature(attention).parameters)
-
-
-def _variants(**given: object) -> dict[str, object]:
-    """The score variants a model asks for, checked against what ``headwise.attention`` offers."""
-    asked = {name: value for name, value in given.items() if value is not None}
-    for name in asked:
-        if name not in _CORE:
-            raise TypeError(f"attn_implementation='headwise' cannot run this model yet: it needs {name}, which headwise.attention lacks")
-    return asked

@@ -26,7 +26,6 @@ class Arch:
     kind: str  # "decoder", "encoder" or "seq2seq"
     config: object  # a callable returning the transformers config
     packs: bool = True  # transformers detects packed rows (position_ids restarting at 0) for it
-    needs: tuple[str, ...] = ()  # arguments of headwise.attention it needs
 
 
 ARCHS = [
@@ -37,9 +36,9 @@ ARCHS = [
     Arch("qwen3", "QK-norm, GQA, explicit head size", "decoder",
          lambda: tf.Qwen3Config(**SMALL, head_dim=8)),
     Arch("gemma2", "logit softcap, alternating sliding (4) / full layers, query_pre_attn_scalar", "decoder",
-         lambda: tf.Gemma2Config(**SMALL, head_dim=8, sliding_window=4, query_pre_attn_scalar=16), needs=("softcap",)),
+         lambda: tf.Gemma2Config(**SMALL, head_dim=8, sliding_window=4, query_pre_attn_scalar=16)),
     Arch("gpt_oss", "learned sinks (s_aux), sliding (4) / full layers, mixture of experts", "decoder",
-         lambda: tf.GptOssConfig(**SMALL, head_dim=8, sliding_window=4, num_local_experts=4, **MOE), needs=("sinks",),
+         lambda: tf.GptOssConfig(**SMALL, head_dim=8, sliding_window=4, num_local_experts=4, **MOE),
          packs=False),  # transformers' own eager gives a packed row 0.14 away from its sequences run alone (so does headwise, to 1e-8)
     Arch("phi3", "fused qkv projection, a sliding window passed to every layer", "decoder",
          lambda: tf.Phi3Config(**SMALL, sliding_window=4)),
