@@ -1,23 +1,32 @@
-"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs): ``F.linear`` or oneDNN, by one fixed rule.
+"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs, the LM head): ``F.linear`` or oneDNN, by one fixed rule.
 
 ``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels). On
 AMD CPUs with AVX-512 (EPYC Zen 4 and Zen 5), MKL runs fp32 GEMMs at half to nine tenths of
 the rate oneDNN's own inner product (``torch.ops.mkldnn._linear_pointwise``) reaches on the same
-cores, with the same float32 accuracy. The path of a call is decided by this rule, nothing timed:
+cores, with the same float32 accuracy; with one row of input (a decode step) MKL's gemv reads
+GPT-2's tied LM head at half the bandwidth oneDNN's packed weight does. The path of a call is
+decided by this rule, nothing timed:
 
 1. ``set_path("onednn" | "torch")`` (or ``use_path``) if called, else ``HEADWISE_LINEAR`` =
    ``auto`` (default), ``onednn`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
    everything else (Intel, ARM, bf16: torch already sends bf16 matmuls to oneDNN) is ``torch``;
-3. ``onednn`` (chosen or forced) needs the private ops to work: they are tried once per dtype on
+3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
+   ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
+   ``choose_few_rows``: float32 as in 2; bfloat16 on oneDNN's packed weight on any CPU whose
+   flags name ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products; there torch's bf16
+   matmul re-reads the plain (N, K) weight each call, ~1.3x slower for the blocks' GEMVs and
+   ~3x for a 50257-row LM head on a family-26 EPYC), on the tested torch versions;
+4. ``onednn`` (chosen or forced) needs the private ops to work: they are tried once per dtype on
    tiny tensors against ``F.linear`` (not timed); a failure means ``torch`` and one warning;
-4. per call, a oneDNN decision still falls back to ``F.linear`` for anything else than plain
+5. per call, a oneDNN decision still falls back to ``F.linear`` for anything else than plain
    (no subclass such as DTensor) dense CPU float32/bfloat16 tensors of one dtype, a weight that is
    not contiguous, few rows (fewer than ``MIN_ROWS`` with a weight under ``MIN_DECODE_WEIGHT``
    elements), ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
 
-``describe()`` returns the decision and the machine facts behind it. On the oneDNN path every
+``describe()`` returns the decisions (many rows and few rows, per dtype) and the machine facts
+behind them. On the oneDNN path every
 GEMM gets row-major storage: the expanded (stride-0) gradient of ``out.sum()`` is copied first
 (handed over as it is, oneDNN ran the weight-gradient GEMM ~1000x slower: 24 s instead of 22 ms
 at 2048x768x768), and so is a transposed or sliced input (~1.5x slower as it is); the weight
@@ -51,6 +60,8 @@ PATHS = ("auto", "onednn", "torch")
 ENV = "HEADWISE_LINEAR"
 MIN_ROWS = 32  # fewer rows (B*T) than this and a small weight: F.linear's lower overhead (~10 us a call) wins
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a decode step reads oneDNN's packed weight faster than MKL's gemv
+DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags of native bf16 dot products (oneDNN's packed bf16 GEMV uses them)
 _DTYPES = (torch.float32, torch.bfloat16)
 _forced: str | None = None  # set_path's value; None = the environment decides
 
@@ -133,8 +144,15 @@ def _ops_error(dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _auto(dtype: torch.dtype) -> tuple[str, str]:
+def _auto(dtype: torch.dtype, few_rows: bool = False) -> tuple[str, str]:
     facts, version = cpu(), ".".join(torch.__version__.split(".")[:2])
+    if few_rows and dtype == torch.bfloat16:
+        native = sorted(set(_BF16_FLAGS) & set(facts["flags"]))
+        if not native:
+            return "torch", f"bfloat16 on a CPU without {' or '.join(_BF16_FLAGS)}: torch's own GEMM"
+        if version not in TESTED_TORCH:
+            return "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
+        return "onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call"
     if dtype != torch.float32:
         return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
     if facts["vendor"] != "AuthenticAMD" or not facts["capability"].startswith("AVX512"):
@@ -157,18 +175,33 @@ def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     return path, reason
 
 
+def choose_few_rows(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """The path for ``dtype`` and why when a call has at most ``DECODE_ROWS`` rows and a weight of at
+    least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
+    if _setting()[0] != "auto" or dtype not in _DTYPES:
+        return choose(dtype)
+    path, reason = _auto(dtype, few_rows=True)
+    if path == "onednn" and (error := _ops_error(dtype)):
+        return "torch", f"oneDNN's private ops fail here: {error}"
+    return path, reason
+
+
 def describe() -> dict:
-    """The decision as data: CPU facts, torch version, setting and, per dtype, the path and why.
+    """The decision as data: CPU facts, torch version, setting and, per dtype, the path and why
+    (``few_rows``: the same for decode-shaped calls, at most ``DECODE_ROWS`` rows).
 
     Example:
         >>> list(describe())
-        ['cpu', 'float32', 'bfloat16', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
-        >>> describe()["float32"]["path"] in ("onednn", "torch")
-        True
+        ['cpu', 'float32', 'bfloat16', 'few_rows', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
+        >>> describe()["float32"]["path"] in ("onednn", "torch"), describe()["few_rows"]["rows"]
+        (True, 16)
     """
     setting, source = _setting()
-    paths = {str(dtype).removeprefix("torch."): dict(zip(("path", "reason"), choose(dtype), strict=True)) for dtype in _DTYPES}
-    return {"cpu": cpu(), **paths, "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
+    names = [str(dtype).removeprefix("torch.") for dtype in _DTYPES]
+    paths = {name: dict(zip(("path", "reason"), choose(dtype), strict=True)) for name, dtype in zip(names, _DTYPES, strict=True)}
+    few = {name: dict(zip(("path", "reason"), choose_few_rows(dtype), strict=True)) for name, dtype in zip(names, _DTYPES, strict=True)}
+    return {"cpu": cpu(), **paths, "few_rows": {"rows": DECODE_ROWS, "min_weight": MIN_DECODE_WEIGHT, **few},
+            "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
 
@@ -182,10 +215,13 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         return False
     if x.layout != torch.strided or weight.layout != torch.strided or not weight.is_contiguous() or x.ndim < 1:
         return False  # a sliced weight (row stride != K) sends oneDNN down a path ~1000x slower
-    if x.numel() < MIN_ROWS * x.shape[-1] and weight.numel() < MIN_DECODE_WEIGHT:
+    big = weight.numel() >= MIN_DECODE_WEIGHT
+    if x.numel() < MIN_ROWS * x.shape[-1] and not big:
         return False
     if not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
         return False
+    if big and x.numel() <= DECODE_ROWS * x.shape[-1]:
+        return choose_few_rows(x.dtype)[0] == "onednn"
     return choose(x.dtype)[0] == "onednn"
 
 

@@ -3,7 +3,8 @@
 Module names copy HuggingFace's checkpoint keys (``transformer.wte``, ``transformer.h.0.attn.c_attn``,
 ``transformer.h.0.mlp.c_fc``, ``transformer.ln_f``), so loading is a key copy plus a transpose of
 the Conv1D weights, which HuggingFace stores (in, out). The LM head is tied to ``wte``: the
-logits are ``hidden @ wte.weight.T`` and the state dict has no ``lm_head`` entry.
+logits are ``hidden @ wte.weight.T`` and the state dict has no ``lm_head`` entry (``lm_head`` is
+None; ``headwise.quantize.int8_weights`` puts an int8 copy of ``wte`` there).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _checks
 from ..cache import KVCache, PagedBatch, PagedKVCache
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
-from ..linear import project
+from ..linear import linear, project
 from . import _inputs, loading
 from .generate import Generates, positions
 
@@ -87,6 +88,7 @@ class GPT2LMHeadModel(Generates, nn.Module):
                 "ln_f": nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             }
         )
+        self.lm_head: nn.Module | None = None  # None: tied to wte
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> GPT2LMHeadModel:
@@ -122,16 +124,23 @@ class GPT2LMHeadModel(Generates, nn.Module):
         )
         return model.eval()
 
-    def _logits(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, caches: list[KVCache] | None) -> Tensor:
-        """(B, T) ids at (B, T) positions -> (B, T, vocab) logits, through the caches if given."""
+    def _logits(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, caches: list[KVCache] | None, keep: int = 0) -> Tensor:
+        """(B, T) ids at (B, T) positions -> (B, T or keep, vocab) logits of the last ``keep`` positions
+        (0 = all), through the caches if given."""
         t = self.transformer
         x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (B, T, C)
         for i, block in enumerate(t.h):
             x = block(x, attention_mask=attention_mask, cache=caches[i] if caches is not None else None)  # (B, T, C)
-        return F.linear(t.ln_f(x), t.wte.weight)  # (B, T, vocab): the LM head tied to wte
+        return self._head(t.ln_f(x[:, -keep:] if keep else x))  # (B, T or keep, vocab): the LM head only where logits are wanted
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits for every position.
+    def _head(self, x: Tensor) -> Tensor:
+        """(..., C) -> (..., vocab): ``lm_head`` if set (an int8 copy), else tied to wte."""
+        if self.lm_head is not None:
+            return project(self.lm_head, x)
+        return linear(x, self.transformer.wte.weight)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
+        """Logits for every position (or the last ``logits_to_keep``).
 
         Args:
             input_ids: (B, T) token ids.
@@ -139,14 +148,17 @@ class GPT2LMHeadModel(Generates, nn.Module):
                 left or right padding. Positions count real tokens only, as HuggingFace's
                 ``generate`` counts them, so a left-padded row gives the logits of the
                 unpadded one.
+            logits_to_keep: 0 (default) = logits for all T positions; k >= 1 = for the last k
+                only (HuggingFace's argument): the LM head then runs on k rows, not T.
 
         Returns:
-            (B, T, vocab_size) logits; those at padding positions mean nothing.
+            (B, T or logits_to_keep, vocab_size) logits; those at padding positions mean nothing.
         """
         b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.transformer.wte.weight)
         if t > self.config.n_positions:
             raise ValueError(f"input_ids has {t} tokens, more than n_positions={self.config.n_positions}")
-        return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None)  # (B, T, vocab)
+        keep = _checks.integer("logits_to_keep (0 = all positions)", logits_to_keep, low=0, high=t)
+        return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None, keep)  # (B, T or keep, vocab)
 
     @property
     def vocab_size(self) -> int:
@@ -165,7 +177,7 @@ class GPT2LMHeadModel(Generates, nn.Module):
         """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
         if position_ids is None:
             position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
-        return self._logits(input_ids, position_ids, attention_mask, caches)[:, -1]  # (B, vocab)
+        return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``)."""
@@ -179,7 +191,7 @@ class GPT2LMHeadModel(Generates, nn.Module):
         x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (1, T, C)
         for block, cache in zip(t.h, caches, strict=True):
             x = block(x, cache=cache)  # (1, T, C)
-        return F.linear(t.ln_f(x[0, rows]), t.wte.weight)  # (N, vocab)
+        return self._head(t.ln_f(x[0, rows]))  # (N, vocab)
 
 
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:

@@ -224,32 +224,35 @@ class LlamaForCausalLM(Generates, nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def _logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache] | None, last: bool) -> Tensor:
-        """(B, T) ids -> (B, T or 1, vocab) logits, through the caches if given."""
+    def _logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache] | None, keep: int) -> Tensor:
+        """(B, T) ids -> (B, T or keep, vocab) logits of the last ``keep`` positions (0 = all), through the caches if given."""
         x = self.model["embed_tokens"](input_ids)  # (B, T, C)
         for i, layer in enumerate(self.model["layers"]):
             x = layer(x, attention_mask=attention_mask, cache=None if caches is None else caches[i], position_ids=position_ids)  # (B, T, C)
-        x = self.model["norm"](x[:, -1:] if last else x)  # (B, T or 1, C)
+        x = self.model["norm"](x[:, -keep:] if keep else x)  # (B, T or keep, C): the LM head only where logits are wanted
         if self.lm_head is None:
-            return linear(x, self.model["embed_tokens"].weight)  # (B, T or 1, vocab): tied to the embeddings
-        return project(self.lm_head, x)  # (B, T or 1, vocab)
+            return linear(x, self.model["embed_tokens"].weight)  # (B, T or keep, vocab): tied to the embeddings
+        return project(self.lm_head, x)  # (B, T or keep, vocab)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits for every position.
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
+        """Logits for every position (or the last ``logits_to_keep``).
 
         Args:
             input_ids: (B, T) token ids.
             attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
                 left or right. Positions count real tokens only, as HuggingFace's
                 ``generate`` counts them, so a left-padded row gives the unpadded row's logits.
+            logits_to_keep: 0 (default) = logits for all T positions; k >= 1 = for the last k
+                only (HuggingFace's argument): the LM head then runs on k rows, not T.
 
         Returns:
-            (B, T, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
+            (B, T or logits_to_keep, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
         """
         b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.model.embed_tokens.weight)
+        keep = _checks.integer("logits_to_keep (0 = all positions)", logits_to_keep, low=0, high=t)
         real = _inputs.padding_only(real)  # None when nothing is padding
         position_ids = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: 0 .. T-1
-        return self._logits(input_ids, position_ids, real, None, last=False)  # (B, T, vocab)
+        return self._logits(input_ids, position_ids, real, None, keep)  # (B, T or keep, vocab)
 
     def context_limit(self) -> tuple[str, int | None]:
         windows = [self.config.window(i) for i in range(self.config.num_hidden_layers)]
@@ -270,7 +273,7 @@ class LlamaForCausalLM(Generates, nn.Module):
 
     def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
         """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
-        return self._logits(input_ids, position_ids, attention_mask, caches, last=True)[:, -1]  # (B, vocab)
+        return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a

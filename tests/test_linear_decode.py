@@ -1,0 +1,129 @@
+"""headwise.linear's few-rows rule (decode-shaped calls): which path it names on which CPU, each path
+forced at decode shapes against the float64 reference, and a model's decode step on either path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import linear as ref_linear
+
+from headwise import GPT2Config
+from headwise import linear as hl
+from headwise.models import GPT2LMHeadModel
+
+N, K = 512, 256  # N*K = MIN_DECODE_WEIGHT: the smallest weight the few-rows rule covers
+
+
+def decode_case(rows, dtype, *, n=N, k=K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 1, k, generator=gen)  # (B, T=1, K): a decode step's input
+    w = torch.randn(n, k, generator=gen) / k**0.5  # (N, K)
+    b = torch.randn(n, generator=gen)  # (N,)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend to be another machine: ``machine(vendor, capability, flags, torch_version)``."""
+
+    def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu"):
+        facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}
+        monkeypatch.setattr(hl, "cpu", lambda: facts)
+        monkeypatch.setattr(hl.torch, "__version__", version)
+        monkeypatch.delenv(hl.ENV, raising=False)
+        hl._auto.cache_clear()
+
+    yield pretend
+    hl._auto.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "vendor, capability, flags, version, dtype, few, many",
+    [
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float32, "onednn", "onednn"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.bfloat16, "onednn", "torch"),
+        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16", "amx_tile"], "2.13.0", torch.bfloat16, "onednn", "torch"),
+        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16"], "2.13.0", torch.float32, "torch", "torch"),
+        ("AuthenticAMD", "AVX512", ["avx512f"], "2.13.0", torch.bfloat16, "torch", "torch"),  # Zen 3-style: no native bf16
+        ("AuthenticAMD", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.14.0", torch.bfloat16, "torch", "torch"),  # untested torch
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float16, "torch", "torch"),
+    ],
+)
+def test_the_few_rows_rule_depends_on_cpu_flags_dtype_and_torch_version_only(machine, vendor, capability, flags, version, dtype, few, many):
+    machine(vendor, capability, flags, version)
+    assert hl.choose_few_rows(dtype)[0] == few
+    assert hl.choose(dtype)[0] == many
+    assert hl.choose_few_rows(dtype) == hl.choose_few_rows(dtype)  # nothing timed: the same answer every time
+    if dtype in (torch.float32, torch.bfloat16):
+        x, w, b = decode_case(1, dtype)
+        assert hl.uses_onednn(x, w, b) == (few == "onednn")  # one row, a decode-sized weight: the few-rows rule
+        assert hl.uses_onednn(x[:, :, :128], w[:128, :128].contiguous(), b[:128]) is False  # a small weight: F.linear
+        x_many = torch.randn(64, 1, K).to(dtype)
+        assert hl.uses_onednn(x_many, w, b) == (many == "onednn")  # 64 rows: the many-rows rule
+
+
+def test_rows_up_to_the_bound_take_the_few_rows_rule(machine):
+    machine(flags=["avx512f", "avx512_bf16"])
+    w = torch.randn(N, K, dtype=torch.bfloat16)
+    for rows, path in [(1, True), (hl.DECODE_ROWS, True), (hl.DECODE_ROWS + 1, False), (hl.MIN_ROWS, False)]:
+        assert hl.uses_onednn(torch.randn(rows, K, dtype=torch.bfloat16), w) is path, rows
+
+
+def test_forcing_decides_decode_shapes_too(machine, monkeypatch):
+    machine("GenuineIntel", "AVX512", [])
+    with hl.use_path("onednn"):
+        assert hl.choose_few_rows(torch.bfloat16) == ("onednn", "forced by set_path")
+    monkeypatch.setenv(hl.ENV, "torch")
+    assert hl.choose_few_rows(torch.float32) == ("torch", "forced by HEADWISE_LINEAR")
+
+
+def test_describe_reports_the_few_rows_decision():
+    info = hl.describe()["few_rows"]
+    assert info["rows"] == hl.DECODE_ROWS and info["min_weight"] == hl.MIN_DECODE_WEIGHT
+    for dtype in (torch.float32, torch.bfloat16):
+        assert info[str(dtype)[6:]] == dict(zip(("path", "reason"), hl.choose_few_rows(dtype), strict=True))
+
+
+def plain_error(x, w, b, ref):
+    """The error of F.linear computed in x's dtype against ref: what an honest low-precision GEMM makes."""
+    got = F.linear(x, w, b)
+    return (got.double() - ref).norm() / ref.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(N, K), (2304, 768), (768, 3072)])
+def test_each_path_matches_the_float64_reference_at_decode_shapes(linear_path, dtype, rows, shape):
+    if linear_path == "onednn" and hl._ops_error(dtype) is not None:
+        pytest.skip(f"oneDNN's private ops fail for {dtype} here")
+    x, w, b = decode_case(rows, dtype, n=shape[0], k=shape[1])
+    assert hl.uses_onednn(x, w, b) == (linear_path == "onednn")
+    ref = ref_linear(x, w, b)  # (rows, 1, N) float64 of the rounded operands
+    with torch.inference_mode():
+        got = hl.linear(x, w, b)
+        again = hl.linear(x, w, b)  # the packed weight, made once, read again
+    assert got.shape == (rows, 1, shape[0]) and got.dtype == dtype
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    if dtype == torch.float32:
+        assert err < 1e-6
+    else:
+        assert err <= 2 * plain_error(x, w, b, ref) + 1e-6  # bf16: within 2x a plain bf16 GEMM's error
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_models_decode_step_agrees_on_both_paths(dtype):
+    """GPT-2's projections and tied LM head at one row: the same greedy tokens and close logits on either path."""
+    if hl._ops_error(dtype) is not None:
+        pytest.skip(f"oneDNN's private ops fail for {dtype} here")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=2, n_head=4)).eval().to(dtype)
+    ids = torch.randint(0, 1024, (2, 5), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for path in ("torch", "onednn"):
+        with hl.use_path(path):
+            caches = model.new_caches(2, 8)
+            model.next_logits(ids, None, None, caches)
+            logits[path] = model.next_logits(ids[:, :1], None, None, caches).float()  # (B, vocab): one row per sequence
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=tol, atol=tol)
