@@ -74,6 +74,8 @@ class GPT2LMHeadModel(Generates, nn.Module):
         torch.Size([2, 7])
     """
 
+    tied_embedding = "transformer.wte"  # the module whose weight the LM head uses while lm_head is None
+
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):

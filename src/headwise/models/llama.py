@@ -168,6 +168,7 @@ class LlamaForCausalLM(Generates, nn.Module):
     """
 
     model_type = "llama"
+    tied_embedding = "model.embed_tokens"  # the module whose weight the LM head uses while lm_head is None
 
     def __init__(self, config: LlamaConfig, *, backend: str = "auto") -> None:
         super().__init__()

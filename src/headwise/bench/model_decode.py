@@ -1,0 +1,361 @@
+"""Whole-model decode on the CPU: GPT-2 small and a GPT-2-small-sized Llama, headwise vs transformers.
+
+A decode step reads every weight once and the KV cache it attends over: its speed limit is
+memory bandwidth. Each row here reports, for one model, dtype, batch B and context:
+
+- ``headwise_ms``: one step (``next_logits`` of B new tokens through a ``KVCache`` per layer
+  holding ``context - 1`` tokens, then cropped back), median of interleaved repeats;
+- ``transformers_ms``: transformers' model on the same weights, the same cache contents (a
+  ``DynamicCache``), ``logits_to_keep=1``; for int8 rows, None (transformers has no such CPU path);
+- ``read_bytes``: bytes a step reads: every projection and LM-head weight as stored (int8 +
+  scales for int8), plus keys and values of every layer at this context and batch;
+- ``sum_gbps``: the machine's read bandwidth measured in the same interleaved rounds (a
+  512 MiB float32 ``sum``), so that the share is taken under the same load.
+
+The caches are filled with the same random keys and values for both libraries (a step costs
+the same whatever they hold), so no prefill is run for a decode row and both libraries' logits
+can be compared (``max_abs_diff``). ``prefill`` compares the 480-token prompt pass that
+``generate`` makes (last position's logits only, as both libraries' ``generate`` do), and
+``generate_speeds`` whole ``generate`` calls.
+
+``python -m headwise.bench.model_decode`` prints the README's tables (``--long`` adds contexts
+2048 and 4096, ``--compile`` transformers' StaticCache under ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+from ..config import GPT2Config
+from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
+from ..models.gpt2 import GPT2LMHeadModel
+from ..models.llama import LlamaForCausalLM
+from ..quantize import Int8Linear, int8_weights
+from .llama_decode import GPT2_SMALL_LLAMA
+from .timing import interleaved, keeping
+
+MODELS = ("gpt2", "llama")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}  # int8: int8 weights, float32 activations
+SUM_BYTES = 512 * 2**20
+#: Small sizes for a quick check of the benchmark itself (``tiny=True``): the numbers mean nothing.
+TINY = {"gpt2": {"vocab_size": 211, "n_embd": 64, "n_layer": 2, "n_head": 4},
+        "llama": {"vocab_size": 211, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2}}
+
+
+@dataclass(frozen=True)
+class DecodeSpeed:
+    """One decode step of a whole model; milliseconds are medians of interleaved repeats.
+
+    Attributes:
+        model, dtype, batch, context: what was run ("gpt2" / "llama", "fp32" / "bf16" / "int8").
+        headwise_ms, transformers_ms: one step (transformers: None for int8).
+        read_bytes: weights + KV a step reads.
+        sum_gbps: the 512 MiB sum's GB/s in the same rounds.
+        max_abs_diff: largest |headwise - transformers| over the step's logits (None without transformers).
+        repeats, threads: timed rounds; ``torch.get_num_threads()``.
+    """
+
+    model: str
+    dtype: str
+    batch: int
+    context: int
+    headwise_ms: float
+    transformers_ms: float | None
+    read_bytes: int
+    sum_gbps: float
+    max_abs_diff: float | None
+    repeats: int
+    threads: int
+
+    @property
+    def gbps(self) -> float:
+        """GB/s headwise's step reads."""
+        return self.read_bytes / self.headwise_ms / 1e6
+
+    @property
+    def share(self) -> float:
+        """headwise's GB/s over the measured read bandwidth."""
+        return self.gbps / self.sum_gbps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.batch / self.headwise_ms
+
+    @property
+    def speedup(self) -> float | None:
+        """transformers' step time over headwise's (> 1 = headwise faster)."""
+        return None if self.transformers_ms is None else self.transformers_ms / self.headwise_ms
+
+
+def build(name: str, dtype: str, *, positions: int = 1024, seed: int = 0, hf: bool = True, tiny: bool = False) -> tuple[nn.Module, nn.Module | None]:
+    """headwise's model (int8: ``int8_weights`` of the float32 one) and transformers' with the same weights."""
+    _checks.integer("positions", positions, low=2)
+    if name not in MODELS or dtype not in DTYPES:
+        raise ValueError(f"model must be one of {MODELS} and dtype one of {list(DTYPES)}, got {name!r}, {dtype!r}")
+    from dataclasses import replace
+
+    import transformers
+
+    torch.manual_seed(seed)
+    sizes = TINY[name] if tiny else {}
+    if name == "gpt2":
+        hf_config = transformers.GPT2Config(n_positions=positions, **sizes)
+        hf_config._attn_implementation = "sdpa"
+        theirs = transformers.GPT2LMHeadModel(hf_config).eval()
+        with torch.device("meta"):
+            ours = GPT2LMHeadModel(GPT2Config(n_positions=positions, **sizes))
+        ours = load_checked(ours, theirs.state_dict(), source="transformers' GPT-2", transposed=HF_GPT2_TRANSPOSED,
+                            ignore=lambda key: key == "lm_head.weight" or is_legacy_gpt2_buffer(key))
+        ours = ours.eval()
+    else:
+        c = replace(GPT2_SMALL_LLAMA, **sizes)
+        hf_config = transformers.LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.kv_heads, max_position_embeddings=positions,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        )
+        hf_config._attn_implementation = "sdpa"
+        theirs = transformers.LlamaForCausalLM(hf_config).eval()
+        ours = LlamaForCausalLM(replace(c, max_position_embeddings=positions)).eval()
+        ours.load_state_dict(theirs.state_dict(), strict=True)
+    ours, theirs = ours.to(DTYPES[dtype]), theirs.to(DTYPES[dtype])
+    if dtype == "int8":
+        ours = int8_weights(ours)
+    return ours, (theirs if hf and dtype != "int8" else None)
+
+
+def read_bytes(model: nn.Module, batch: int, context: int) -> int:
+    """Bytes a decode step reads: the projections' and LM head's weights as stored, and every layer's K/V."""
+    weights = 0
+    for m in model.modules():
+        if type(m) is Int8Linear:
+            weights += m.weight.numel() + m.scales.numel() * 4
+        elif type(m) is nn.Linear:
+            weights += m.weight.numel() * m.weight.element_size()
+    tied = getattr(type(model), "tied_embedding", None)
+    if tied is not None and model.lm_head is None:
+        w = model.get_submodule(tied).weight
+        weights += w.numel() * w.element_size()
+    caches = model.new_caches(1, 1)
+    kv = sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches) * batch * context * caches[0].k.element_size()
+    return weights + kv
+
+
+def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, gen: torch.Generator) -> tuple[list, object]:
+    """headwise caches holding ``past`` random tokens' keys and values, and transformers' DynamicCache holding the same."""
+    caches = ours.new_caches(batch, past + 1)
+    kv = []
+    for cache in caches:
+        _, hkv, _, d = cache.k.shape
+        k, v = (torch.randn(batch, hkv, past, d, generator=gen).to(cache.k.dtype) for _ in range(2))  # (B, Hkv, past, D) each
+        cache.update(k, v)
+        kv.append((k, v))
+    hf_cache = None
+    if theirs is not None:
+        from transformers import DynamicCache
+
+        hf_cache = DynamicCache(config=theirs.config)
+        for i, (k, v) in enumerate(kv):
+            hf_cache.update(k.clone(), v.clone(), i)
+    return caches, hf_cache
+
+
+def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, gen: torch.Generator) -> dict[str, Callable[[], Tensor]]:
+    """One decode step at ``context`` for each library, its caches cropped back after it."""
+    caches, hf_cache = _fill(ours, theirs, batch, context - 1, gen)
+    token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
+
+    def headwise() -> Tensor:
+        logits = ours.next_logits(token, None, None, caches)  # (B, vocab)
+        for cache in caches:
+            cache.crop(context - 1)
+        return logits
+
+    def transformers() -> Tensor:
+        logits = theirs(token, past_key_values=hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, vocab)
+        hf_cache.crop(-1)  # a negative count of tokens to drop
+        return logits
+
+    return {"headwise": headwise} if theirs is None else {"headwise": headwise, "transformers": transformers}
+
+
+def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, compile: bool) -> dict[str, Callable[[], object]]:
+    """The prompt pass (last position's logits) and whole greedy generate calls of each library."""
+    prompt = ids.shape[1]
+    hf_kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+    calls = {
+        "headwise prefill": lambda: ours.next_logits(ids, None, None, ours.new_caches(1, prompt + 1)),
+        "transformers prefill": lambda: theirs(ids, use_cache=True, logits_to_keep=1).logits[:, -1],
+        "headwise generate": lambda: ours.generate(ids, max_new_tokens=new_tokens),
+        "transformers generate": lambda: theirs.generate(ids, **hf_kw),
+    }
+    if compile:
+        static = copy.deepcopy(theirs)
+        static.forward = torch.compile(static.forward, fullgraph=True)
+        calls["transformers static+compile generate"] = lambda: static.generate(ids, cache_implementation="static", **hf_kw)
+    return calls
+
+
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def decode_speeds(
+    models: Sequence[str] = MODELS,
+    dtypes: Sequence[str] = ("fp32", "bf16", "int8"),
+    shapes: Sequence[tuple[int, int]] = ((1, 512), (8, 512)),
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    hf: bool = True,
+    seed: int = 0,
+    tiny: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> list[DecodeSpeed]:
+    """Time one decode step of each model and dtype at each (batch, context) of ``shapes`` (see the module docstring).
+
+    Imports transformers (unless ``hf=False``). Nothing is printed (``progress`` is told what runs).
+    Under ``torch.inference_mode``, with the thread count torch already has.
+    """
+    _checks.integer("repeats", repeats, low=1)
+    _checks.integer("warmup", warmup, low=0)
+    positions = max(1024, *(n for _, n in shapes))
+    for b, n in shapes:
+        _checks.integer(f"a batch size (in shapes {tuple(shapes)!r})", b, low=1)
+        _checks.integer(f"a context (in shapes {tuple(shapes)!r})", n, low=2)
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.ones(SUM_BYTES // 4)  # (128 Mi,) float32: the read-bandwidth probe
+    rows = []
+    with torch.inference_mode():
+        for name in models:
+            for dtype in dtypes:
+                ours, theirs = build(name, dtype, positions=positions, seed=seed, hf=hf, tiny=tiny)
+                for batch, context in shapes:
+                    if progress:
+                        progress(f"{name} {dtype} B={batch} context {context}")
+                    steps = {**_steps(ours, theirs, batch, context, gen), "sum": big.sum}
+                    outs: dict[str, Tensor] = {}
+                    med = _medians(interleaved({k: keeping(s, outs, k) for k, s in steps.items()}, repeats=repeats, warmup=warmup))
+                    diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
+                    rows.append(DecodeSpeed(name, dtype, batch, context, med["headwise"], med.get("transformers"),
+                                            read_bytes(ours, batch, context), SUM_BYTES / med["sum"] / 1e6, diff, repeats,
+                                            torch.get_num_threads()))
+                del ours, theirs
+    return rows
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Median milliseconds of one call, headwise and transformers: ``what`` says which call."""
+
+    what: str
+    model: str
+    dtype: str
+    headwise_ms: float
+    transformers_ms: float
+    repeats: int
+    threads: int
+
+    @property
+    def speedup(self) -> float:
+        return self.transformers_ms / self.headwise_ms
+
+
+def prefill_and_generate(
+    models: Sequence[str] = MODELS,
+    dtypes: Sequence[str] = ("fp32", "bf16"),
+    *,
+    prompt: int = 480,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    compile: bool = False,
+    seed: int = 0,
+    tiny: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> list[Comparison]:
+    """The prompt pass ``generate`` makes (last position's logits) and whole greedy ``generate`` calls, B = 1.
+
+    ``generate``'s row reports milliseconds per new token: (generate - prefill) / new_tokens, both
+    medians. With ``compile``, transformers also runs with a StaticCache under torch.compile
+    (``cache_implementation="static"``, compiled on first use: minutes on 2 cores).
+    """
+    _checks.integer("prompt", prompt, low=1)
+    _checks.integer("new_tokens", new_tokens, low=1)
+    _checks.integer("repeats", repeats, low=1)
+    rows = []
+    ids = torch.randint(0, 211 if tiny else 32000, (1, prompt), generator=torch.Generator().manual_seed(seed))  # (1, T)
+    with torch.inference_mode():
+        for name in models:
+            for dtype in dtypes:
+                if progress:
+                    progress(f"{name} {dtype}: prefill and generate")
+                ours, theirs = build(name, dtype, positions=max(1024, prompt + new_tokens), seed=seed, tiny=tiny)
+                med = _medians(interleaved(_calls(ours, theirs, ids, new_tokens, compile), repeats=repeats, warmup=1))
+                threads = torch.get_num_threads()
+                rows.append(Comparison("prefill", name, dtype, med["headwise prefill"], med["transformers prefill"], repeats, threads))
+                per_token = {k: (med[f"{k} generate"] - med[f"{k} prefill" if k != "transformers static+compile" else "transformers prefill"]) / new_tokens
+                             for k in ("headwise", "transformers", *(["transformers static+compile"] if compile else []))}
+                rows.append(Comparison("generate ms/token", name, dtype, per_token["headwise"], per_token["transformers"], repeats, threads))
+                if compile:
+                    rows.append(Comparison("vs static+compile ms/token", name, dtype, per_token["headwise"], per_token["transformers static+compile"],
+                                           repeats, threads))
+                del ours, theirs
+    return rows
+
+
+def markdown(speeds: Sequence[DecodeSpeed], comparisons: Sequence[Comparison]) -> str:
+    """The README's tables."""
+    out = ["| model | dtype | B | context | headwise ms | tok/s | MB read | GB/s | share of sum GB/s | sum GB/s | transformers ms | speed-up |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in speeds:
+        hf = "—" if r.transformers_ms is None else f"{r.transformers_ms:.1f}"
+        up = "—" if r.speedup is None else f"{r.speedup:.2f}x"
+        out.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.headwise_ms:.1f} | {r.tokens_per_s:.0f} | {r.read_bytes / 1e6:.0f} | "
+                   f"{r.gbps:.1f} | {r.share:.2f} | {r.sum_gbps:.1f} | {hf} | {up} |")
+    if comparisons:
+        out += ["", "| call | model | dtype | headwise ms | transformers ms | speed-up |", "|---|---|---|---:|---:|---:|"]
+        out += [f"| {c.what} | {c.model} | {c.dtype} | {c.headwise_ms:.1f} | {c.transformers_ms:.1f} | {c.speedup:.2f}x |" for c in comparisons]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.model_decode``: print the tables (progress on stderr)."""
+    import sys
+
+    from .harness import machine
+
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.model_decode", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,llama")
+    p.add_argument("--dtypes", default="fp32,bf16,int8")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--contexts", default="128,512,1024", help="comma list (default 128,512,1024)")
+    p.add_argument("--long", action="store_true", help="also contexts 2048 and 4096 (B=1)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--no-generate", action="store_true", help="skip the prefill and generate comparisons")
+    p.add_argument("--compile", action="store_true", help="also transformers' StaticCache + torch.compile generate (slow to compile)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    split = lambda text: [t for t in text.split(",") if t]  # noqa: E731
+    models, dtypes, batches, contexts = split(args.models), split(args.dtypes), [int(b) for b in split(args.batches)], [int(c) for c in split(args.contexts)]
+    say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
+    shapes = [(1, c) for c in contexts] + [(b, 512) for b in batches if b != 1]  # B = 1 at every context, larger batches at 512
+    shapes += [(1, 2048), (1, 4096)] if args.long else []
+    speeds = decode_speeds(models, dtypes, shapes, repeats=args.repeats, progress=say)
+    comparisons = [] if args.no_generate else prefill_and_generate(models, [d for d in dtypes if d != "int8"], compile=args.compile, progress=say)
+    print(f"{machine()}\n")
+    print(markdown(speeds, comparisons))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Weight-only int8 for decode: ``int8_weights(model)`` stores every projection and the LM head as int8.
+
+A decode step reads every weight once, so its time is the bytes it reads: int8 weights are a
+quarter of float32's. Each ``nn.Linear`` becomes an ``Int8Linear``: weight (N, K) rounded to
+int8 with one float32 scale per output channel (symmetric, ``scale = max|w_row| / 127``), the
+bias kept in the model's dtype. A model whose LM head is tied to its embeddings (``lm_head`` is
+None: GPT-2, tied Llamas) gets an int8 copy of the embedding matrix as ``lm_head``; the
+embedding itself stays as it was (a token reads one row of it).
+
+How an ``Int8Linear`` multiplies, by one fixed rule (nothing timed):
+
+- on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, and torch has
+  ``torch.ops.aten._weight_int8pack_mm``: that kernel, with bfloat16 activations (its only
+  vectorised input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop ~25x
+  slower) and unit scales; the float32 per-channel scales are applied to its output after;
+- otherwise (a prefill, training, another device, no such op): the int8 weight dequantized to
+  the input's dtype and ``F.linear``: the same numbers, no bandwidth saved.
+
+So an int8 decode step rounds activations to bfloat16 on their way into each projection, and
+each output once more; ``int8_errors`` measures what that and the int8 weights cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .linear import DECODE_ROWS
+
+
+def _has_int8_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with an int8 weight and a float32 scale per output channel: (..., K) -> (..., N).
+
+    Args:
+        weight: (N, K) float weight to quantize.
+        bias: (N,) or None, kept as it is.
+
+    Buffers: ``weight`` (N, K) int8, ``scales`` (N,) float32, ``bias`` (N,) or None.
+
+    Example:
+        >>> lin = nn.Linear(64, 32)
+        >>> q = Int8Linear(lin.weight.detach(), lin.bias.detach())
+        >>> x = torch.randn(2, 1, 64)
+        >>> q(x).shape, bool((q(x) - lin(x)).abs().max() < 0.05)
+        (torch.Size([2, 1, 32]), True)
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
+            got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
+            raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
+        w = weight.detach().float()  # (N, K)
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,): a zero row keeps scale > 0
+        self.register_buffer("weight", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))  # (N, K)
+        self.register_buffer("scales", scales)  # (N,)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())  # (N,)
+        self.register_buffer("_ones", torch.ones(w.shape[0], dtype=torch.bfloat16, device=w.device), persistent=False)  # (N,)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    def uses_kernel(self, x: Tensor) -> bool:
+        """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
+        grad = torch.is_grad_enabled() and x.requires_grad
+        rows = x.numel() // max(self.in_features, 1)
+        return x.device.type == "cpu" == self.weight.device.type and rows <= DECODE_ROWS and not grad and _has_int8_kernel()
+
+    def dequantized(self, dtype: torch.dtype) -> Tensor:
+        """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
+        return (self.weight.float() * self.scales[:, None]).to(dtype)  # (N, K)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != self.in_features:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
+        if not self.uses_kernel(x):
+            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # (..., N)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (M, K): the kernel's input dtype
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self._ones).float() * self.scales  # (M, N) float32
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 per-channel"
+
+
+def int8_weights(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (and a tied LM head) by an ``Int8Linear``, in place.
+
+    Meant for inference (decode): the int8 weights are buffers, not parameters. The model's
+    embeddings, norms and KV cache keep their dtype. A model whose ``lm_head`` is None and whose
+    class names its ``tied_embedding`` (GPT-2, tied Llamas) gets an int8 ``lm_head`` made from
+    that embedding's weight.
+
+    Args:
+        model: any ``nn.Module``, e.g. a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``.
+
+    Returns:
+        ``model`` itself, changed.
+
+    Example:
+        >>> from headwise import GPT2Config
+        >>> from headwise.models import GPT2LMHeadModel
+        >>> model = int8_weights(GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval())
+        >>> type(model.lm_head).__name__, model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape
+        ('Int8Linear', torch.Size([1, 7]))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, Int8Linear(child.weight, child.bias))
+    tied = getattr(type(model), "tied_embedding", None)
+    if tied is not None and getattr(model, "lm_head", 0) is None:
+        model.lm_head = Int8Linear(model.get_submodule(tied).weight)
+    return model
+
+
+@dataclass(frozen=True)
+class Int8Error:
+    """How far an int8 copy of a model is from the original, on one prompt.
+
+    Attributes:
+        logits_rel_error: ||int8 - original|| / ||original|| over the prompt's next-token logits
+            (every row of the batch, one decode-shaped call each).
+        logits_max_abs_error: the largest |int8 - original| among them.
+        greedy_tokens: new tokens compared (greedy ``generate`` from the same prompt).
+        greedy_agree: leading tokens equal in every row before the first difference.
+    """
+
+    logits_rel_error: float
+    logits_max_abs_error: float
+    greedy_tokens: int
+    greedy_agree: int
+
+
+@torch.no_grad()
+def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *, max_new_tokens: int = 256) -> Int8Error:
+    """Compare a causal LM with its ``int8_weights`` copy: next-token logits and greedy agreement.
+
+    Args:
+        original, quantized: models with ``next_logits``/``new_caches``/``generate`` (headwise's
+            GPT-2 and Llama family).
+        input_ids: (B, T) prompt.
+        max_new_tokens: greedy tokens to generate with each.
+    """
+    logits = []
+    for model in (original, quantized):
+        caches = model.new_caches(input_ids.shape[0], input_ids.shape[1])
+        logits.append(model.next_logits(input_ids, None, None, caches).double())  # (B, vocab)
+    diff = logits[1] - logits[0]
+    a = original.generate(input_ids, max_new_tokens=max_new_tokens)[:, input_ids.shape[1] :]  # (B, n)
+    b = quantized.generate(input_ids, max_new_tokens=max_new_tokens)[:, input_ids.shape[1] :]  # (B, n)
+    same = (a == b).all(dim=0).long()  # (n,)
+    agree = int(same.cumprod(0).sum())
+    return Int8Error(float(diff.norm() / logits[0].norm()), float(diff.abs().max()), a.shape[1], agree)

