@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
 TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
 PATHS = ("auto", "onednn", "torch")
@@ -373,6 +374,4 @@ def _plain(layer: nn.Module) -> bool:
 
 
 def _global_module_hooks() -> bool:
-    from torch.nn.modules import module as _module
-
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
