@@ -103,7 +103,7 @@ def test_two_all_reduces_of_b_t_c_per_layer_in_forward(ranks):
 
 def test_fast_linear_path_is_off_for_dtensor_weights(ranks):
     for r in result(ranks, "fast_path"):
-        assert r["tp_calls"] == []  # no oneDNN call (and no packed weight) during the sharded forward
+        assert "DTensor" not in r["tp_calls"]  # no sharded weight reaches oneDNN (the replicated, tied LM head may)
         assert r["uses_onednn_dtensor"] is False
         assert r["linear_dtensor"] < TOL  # headwise.linear.linear hands a DTensor to F.linear
         assert r["logits"] < TOL
