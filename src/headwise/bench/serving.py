@@ -226,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m headwise.bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     start = time.perf_counter()
     report = serving(requests=args.requests, repeats=args.repeats)
     print(markdown(report, machine()))
