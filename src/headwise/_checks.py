@@ -190,3 +190,29 @@ def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Ten
         raise ValueError(f"documents must have shape {dims} = {(b, s)}, one id per key, got {tuple(t.shape)}")
     same_device("documents", t, "q, k and v are", device)
     return t
+
+
+def position_table(name: str, ids: object, t: int, *, batch: int | None = None) -> Tensor:
+    """Positions for T tokens: an integer tensor (B, T), or (1, T) shared by the batch.
+
+    ``batch``, if given, is x's B: the ids' first dim must be B or 1 (ids of another batch
+    would widen or narrow x's). Values are not read (no host sync).
+    """
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        what = f"dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an int start or an integer tensor of shape (batch, tokens={t}), got {what}")
+    if ids.ndim != 2 or ids.shape[1] != t or (batch is not None and ids.shape[0] not in (1, batch)):
+        expected = f"(batch, {t})" if batch is None else (f"(1, {t})" if batch == 1 else f"({batch}, {t}) or (1, {t})")
+        raise ValueError(f"{name} must have shape (batch, tokens) = {expected}, got {tuple(ids.shape)}")
+    return ids
+
+
+def head_input(name: str, x: object, head_dim: int) -> Tensor:
+    """A floating-point tensor (..., T, D) of queries or keys with D = ``head_dim``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (..., tokens, head_dim={head_dim}), got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.ndim < 2 or x.shape[-1] != head_dim:
+        raise ValueError(f"{name} must have shape (..., tokens, head_dim={head_dim}), got {tuple(x.shape)}")
+    return x

@@ -327,7 +327,7 @@ def split_heads(x: Tensor, head_dim: int, name: str = "") -> Tensor:
     are sharded across devices computes with its local heads.
     """
     B, T, _ = x.shape
-    x = x.view(B, T, -1, head_dim)  # (B, T, H, D)
+    x = x.view(B, T, x.shape[-1] // head_dim, head_dim)  # (B, T, H, D): H spelled out, -1 is ambiguous when B or T is 0
     report(f"{name}.view", x)
     x = x.transpose(1, 2)  # (B, H, T, D)
     report(f"{name}.transpose", x)

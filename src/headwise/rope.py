@@ -41,6 +41,7 @@ SCALINGS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _HALF = (torch.float16, torch.bfloat16)
+_MAX_TABLE = 1 << 17  # positions kept in a table (128K: Llama 3.1's context); past it an int start gets its own angles
 
 
 def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -59,7 +60,7 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if missing:
         raise ValueError(f"rope_scaling of rope_type {kind!r} needs {list(SCALINGS[kind])}, missing {missing}")
     for key in SCALINGS[kind]:
-        _checks.number(f"rope_scaling[{key!r}]", scaling[key], low=0.0, low_open=True)
+        _checks.number(f"rope_scaling[{key!r}]", scaling[key], low=0.0, low_open=True, high_open=True)
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ValueError(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
     return {"rope_type": kind, **{key: scaling[key] for key in SCALINGS[kind]}}
@@ -74,7 +75,7 @@ def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Map
     """
     if _checks.positive_int("rotary_dim", rotary_dim) % 2:
         raise ValueError(f"rotary_dim must be even (dims rotate in pairs), got {rotary_dim}")
-    theta = _checks.number("theta", theta, low=1.0, low_open=True)
+    theta = _checks.number("theta", theta, low=1.0, low_open=True, high_open=True)
     scaling = check_scaling(scaling)
     inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)  # (R/2,)
     kind = "default" if scaling is None else scaling["rope_type"]
@@ -177,6 +178,7 @@ class RotaryEmbedding:
         The tables grow by doubling and are kept, so every later call up to that length
         slices them. ``sin`` carries the signs of the rotation (see ``rotate``).
         """
+        _checks.integer("length", length, low=0)
         device = torch.device(device)
         cos, sin = self._tables.get(device, (None, None))
         if cos is None or cos.shape[0] < length:
@@ -190,14 +192,26 @@ class RotaryEmbedding:
         """(cos, sin) for T tokens at ``positions``: an int start -> (T, R) slices of the kept tables;
         (B, T) ids (left padding, or the caller's own positions) -> (B, 1, T, R), computed from the ids
         on the device, so no value is read back to the host. Compute once, rotate queries and keys."""
+        t = _checks.integer("t", t, low=0)
         if isinstance(positions, Tensor):
+            _checks.position_table("positions", positions, t)
             angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)
             cos, sin = self._cos_sin(angles)  # (B, T, R) each
             return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R) each
+        _checks.integer("positions (an int start)", positions, low=0)
+        if positions + t > _MAX_TABLE:  # far positions: their own angles, not a table of every position before them
+            angles = torch.arange(positions, positions + t, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (T, R/2)
+            return self._cos_sin(angles)  # (T, R) each
         cos, sin = self.tables(positions + t, device)
         return cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
 
     def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
-        """Rotate x (..., T, D) as tokens at ``positions``: an int start, or (B, T) ids for x (B, H, T, D)."""
+        """Rotate x (..., T, D) as tokens at ``positions``: an int start >= 0, or (B, T) or (1, T)
+        integer ids for x (B, H, T, D)."""
+        _checks.head_input("x", x, self.head_dim)
+        if isinstance(positions, Tensor):
+            _checks.position_table("positions", positions, x.shape[-2], batch=x.shape[0] if x.ndim == 4 else None)
+            if x.ndim != 4:
+                raise ValueError(f"x must have shape (batch, heads, tokens, head_dim) with position ids, got {tuple(x.shape)}")
         cos, sin = self.at(positions, x.shape[-2], x.device)
         return rotate(x, cos, sin, self.layout)
