@@ -227,6 +227,12 @@ def default_model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def _probe(tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
+    """The tokens and ids of an empty sentence's encoding: what the post-processor adds ([CLS], [SEP], ...)."""
+    encoding = tokenizer.encode("")
+    return encoding.tokens, encoding.ids
+
+
 class SentenceEncoder(nn.Module):
     """Sentence embeddings: tokenize, run a ``BertModel``, mean-pool the real tokens, L2-normalise.
 
@@ -248,16 +254,21 @@ class SentenceEncoder(nn.Module):
         self.model = model
         if not isinstance(model, BertModel):
             raise TypeError(f"model must be a BertModel, got {type(model).__name__}")
-        size = tokenizer.get_vocab_size(with_added_tokens=True)
-        if size > model.config.vocab_size:  # an id past the embedding table: an IndexError deep inside, or worse
-            raise ValueError(
-                f"the tokenizer's ids go up to {size - 1}, but the model's vocab_size is {model.config.vocab_size}: "
-                "they do not belong together"
-            )
         self.max_seq_length = min(_checks.positive_int("max_seq_length", max_seq_length), model.config.max_position_embeddings)
         pad = tokenizer.padding or {}
         pad_token = pad.get("pad_token", "[PAD]")
         pad_id = pad.get("pad_id", tokenizer.token_to_id(pad_token) or 0)
+        # every id it can emit: the vocabulary's (counting is not enough, ids may skip), padding, the special
+        # tokens its post-processor adds (an empty sentence's encoding): one past the embedding table fails at encode
+        ids = {**tokenizer.get_vocab(with_added_tokens=True), f"padding {pad_token!r}": pad_id}
+        ids |= {f"post-processor token {t!r}": i for t, i in zip(*_probe(tokenizer), strict=True)}
+        token, top = max(ids.items(), key=lambda kv: kv[1])
+        if top >= model.config.vocab_size:
+            what = token if token.startswith(("padding ", "post-processor ")) else f"token {token!r}"
+            raise ValueError(
+                f"the tokenizer's ids go up to {top}, but the model's vocab_size is {model.config.vocab_size} "
+                f"(ids 0..{model.config.vocab_size - 1}): they do not belong together ({what} is id {top})"
+            )
         tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token)  # to the longest in the batch, on the right
         tokenizer.enable_truncation(max_length=self.max_seq_length)
         self.tokenizer = tokenizer
@@ -295,6 +306,11 @@ class SentenceEncoder(nn.Module):
         for i, sentence in enumerate(sentences):
             if not isinstance(sentence, str):
                 raise TypeError(f"sentences must be a list of str, got sentences[{i}] = {sentence!r} of type {type(sentence).__name__}")
+            try:
+                sentence.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+                raise ValueError(f"sentences[{i}] is not valid Unicode text: {sentence[e.start]!r} at character {e.start} "
+                                 "(bytes that were not UTF-8?)") from None
         if not sentences:
             raise ValueError("sentences must hold at least one sentence, got an empty list")
         batch = self.tokenizer.encode_batch(list(sentences))

@@ -191,7 +191,8 @@ class LlamaForCausalLM(Generates, nn.Module):
 
         Args:
             path: the directory.
-            dtype: the parameters' dtype; default the checkpoint's (bf16 weights run in bf16).
+            dtype: the parameters' dtype; default the checkpoint's: config.json's ``dtype`` /
+                ``torch_dtype``, else the dtype of most of the weights (bf16 weights run in bf16).
             backend: headwise's attention backend.
 
         Returns the model in eval mode. With tied embeddings an ``lm_head.weight`` in the
@@ -206,18 +207,18 @@ class LlamaForCausalLM(Generates, nn.Module):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype or None (the checkpoint's), got {dtype!r}")
         directory = loading.model_directory(path)
-        config = llama_config(loading.read_config(directory, cls.model_type), cls.model_type, directory / loading.CONFIG)
+        raw = loading.read_config(directory, cls.model_type)
+        config = llama_config(raw, cls.model_type, directory / loading.CONFIG)
         file = loading.weights_file(directory)
         state = loading.read_weights(file)
         head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings
         if tied and head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
             raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
-        floats = [t.dtype for t in state.values() if t.is_floating_point()]
         skip = lambda key: tied and key == "lm_head.weight"  # noqa: E731
         with torch.device("meta"):  # shapes only: the tensors are checked before any memory is taken (the rotary
             check_state(cls(config, backend=backend), state, source=file, ignore=skip)  # tables are plain tensors: built for real below)
-        model = cls(config, backend=backend).to(dtype or (floats[0] if floats else torch.float32))
+        model = cls(config, backend=backend).to(dtype or loading.checkpoint_dtype(raw, state, directory / loading.CONFIG))
         load_checked(model, state, source=file, ignore=skip)
         return model.eval()
 

@@ -18,6 +18,7 @@ from .. import _checks
 from ..rope import check_scaling
 
 MODEL_TYPES = ("llama", "mistral", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds of layer_types this family runs
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,19 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
     unsupported = []
     if d.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={d['hidden_act']!r} (supported: 'silu')")
-    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-    partial = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    rope = _rope(d, file)
+    # transformers 5 reads rope_scaling (else rope_parameters) first; top-level values only fill what it lacks
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
     try:
         check_scaling(scaling)
     except (TypeError, ValueError) as e:
         unsupported.append(str(e))
+    if nested := [key for key in rope if key in LAYER_TYPES]:
+        unsupported.append(f"rotary settings per layer type ({nested}); supported: one set for every layer")
+    if model_type == "qwen3":
+        _layer_types(d, file)
     if unsupported:
         raise ValueError(f"{file}: unsupported {model_type} settings: {'; '.join(unsupported)}")
     known = {f.name for f in fields(LlamaConfig)} - {"rope_theta", "rope_scaling", "partial_rotary_factor", "qk_norm", "windows"}
@@ -121,6 +127,15 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
         raise ValueError(f"{file}: invalid {model_type} config: {e}") from None
 
 
+def _rope(d: dict[str, Any], file: os.PathLike[str]) -> dict[str, Any]:
+    """The rotary settings: ``rope_scaling`` if set, else ``rope_parameters``, else none; each must be an object."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = d.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{file}: {key} must be an object (a dict with a 'rope_type') or null, got {type(value).__name__} {value!r}")
+    return dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+
+
 def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | None:
     """Each layer's sliding window as HuggingFace's Mistral / Qwen3 decide it (Llama: none)."""
     n, window = d.get("num_hidden_layers", 32), d.get("sliding_window")
@@ -132,3 +147,17 @@ def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | Non
         return None
     kinds = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def _layer_types(d: dict[str, Any], file: os.PathLike[str]) -> None:
+    """Qwen3's ``layer_types``, if given: a list of one known attention kind per layer (as transformers checks)."""
+    kinds, n = d.get("layer_types"), d.get("num_hidden_layers", 32)
+    if kinds is None:
+        return
+    if not isinstance(kinds, list):
+        raise ValueError(f"{file}: layer_types must be a list of {list(LAYER_TYPES)}, one per layer, got {type(kinds).__name__} {kinds!r}")
+    unknown = sorted({repr(kind) for kind in kinds if not isinstance(kind, str) or kind not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"{file}: layer_types entries must be one of {list(LAYER_TYPES)}, got {', '.join(unknown)}")
+    if isinstance(n, int) and len(kinds) != n:
+        raise ValueError(f"{file}: layer_types must give one kind per layer (num_hidden_layers={n}), got {len(kinds)}")

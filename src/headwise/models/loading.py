@@ -84,6 +84,8 @@ def read_sharded(index: Path) -> dict[str, Tensor]:
     for shard in sorted(set(weight_map.values())):
         if Path(shard).name != shard:
             raise ValueError(f"{index}: shard {shard!r} is not a file name in the same directory")
+        if not shard.endswith(".safetensors"):  # an index naming an index (itself, or one naming it back) would never end
+            raise ValueError(f"{index}: shard {shard!r} is not a .safetensors file (an index lists shards, not other indexes)")
         tensors = read_weights(index.parent / shard)
         listed = {key for key, file in weight_map.items() if file == shard}
         absent = sorted(listed - tensors.keys())
@@ -127,6 +129,27 @@ def read_weights(file: Path) -> dict[str, Tensor]:
         bad = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor)))
         raise ValueError(f"{file}: expected a dict of tensors (a state dict), got entry {bad!r} of type {type(state[bad]).__name__}")
     raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def checkpoint_dtype(config: dict[str, Any], state: dict[str, Tensor], file: Path) -> torch.dtype:
+    """The dtype a checkpoint runs in: config.json's ``dtype`` (``torch_dtype`` before transformers 5), as
+    transformers reads it; without one, the floating dtype that holds most of the weights' elements (a
+    bf16 checkpoint with a few fp32 norms is bf16), float32 if none. ``file`` is config.json, for errors."""
+    for key in ("dtype", "torch_dtype"):
+        name = config.get(key)
+        if name is None:
+            continue
+        if not isinstance(name, str) or name.removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"{file}: {key} must be one of {list(DTYPES)} or null, got {name!r}")
+        return DTYPES[name.removeprefix("torch.")]
+    sizes: dict[torch.dtype, int] = {}
+    for t in state.values():
+        if t.is_floating_point():
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
 
 
 def read_tokenizer(directory: Path, user: str):
