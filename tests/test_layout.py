@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headwise"
 
 #: Lowest first. A module may import from its own layer's modules and from any layer below.
 LAYERS: list[set[str]] = [
-    {"_checks", "_optional", "_html", "observe", "linear", "quantize"},  # no headwise imports, or the checkers (quantize: linear's bound)
+    {"_checks", "_optional", "_html", "_argtypes", "observe", "linear", "quantize"},  # no headwise imports, or the checkers (quantize: linear's bound)
     {"masks", "cache", "rope", "config", "scores"},  # data structures and small functions
     {"backends"},  # the runners behind attention(): math, sdpa, packed documents
     {"functional"},  # the core: attention() (the cache-aware entry included)
@@ -33,11 +33,14 @@ def _top(path: Path) -> str:
     return path.relative_to(SRC).parts[0].removesuffix(".py")
 
 
-def _imports(path: Path) -> set[str]:
-    """The headwise top-level modules a file imports (relative imports resolved against its package)."""
+def _imports(path: Path, source: str | None = None) -> set[str]:
+    """The headwise top-level modules a file imports, every spelling: ``from .x import``, ``from . import x``,
+    ``from .. import x`` (resolved against the file's package), ``from headwise.x import``, ``from headwise
+    import x``, ``import headwise.x``. ``import headwise`` alone reaches no module (the package is loaded before
+    any of its files; the grader imports it for its path)."""
     package = path.relative_to(SRC).parts[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8") if source is None else source)):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - (node.level - 1)]
             targets = [*base, *node.module.split(".")] if node.module else [*base]
@@ -45,8 +48,15 @@ def _imports(path: Path) -> set[str]:
                 found.add(targets[0])
             else:  # "from . import x" at the top: x is the module
                 found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "headwise":
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("headwise."):
             found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "headwise" and len(parts) > 1:
+                    found.add(parts[1])
     return found
 
 
@@ -68,3 +78,26 @@ def test_imports_point_down(path):
 def test_the_cache_does_not_reach_into_the_core():
     for path in (SRC / "cache").rglob("*.py"):
         assert "functional" not in _imports(path), path.name
+
+
+@pytest.mark.parametrize(
+    ("where", "source"),
+    [
+        ("masks.py", "import headwise.cli"),
+        ("masks.py", "import headwise.cli as c"),
+        ("masks.py", "from headwise import cli"),
+        ("masks.py", "from headwise.cli import main"),
+        ("masks.py", "from . import cli"),
+        ("masks.py", "from .cli import main"),
+        ("masks.py", "def f():\n    from . import cli"),
+        ("models/llama.py", "from .. import cli"),
+        ("models/llama.py", "from ..cli import main"),
+        ("models/llama.py", "import headwise.cli.x"),
+    ],
+)
+def test_every_spelling_of_an_upward_import_is_seen(where, source):
+    """The reader catches an upward import however it is written (masks is layer 1, models 5, cli 7)."""
+    path = SRC / where
+    imported = _imports(path, source)
+    assert "cli" in imported
+    assert {name for name in imported if LEVEL.get(name, -1) > LEVEL[_top(path)]}

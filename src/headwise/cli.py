@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from . import _argtypes
+
 
 def _explain_rope(args: argparse.Namespace) -> None:
     from .explain import BOOK_TOKENS
@@ -97,6 +99,27 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
     bench.main(rest)
 
 
+#: explain's flags, each with its default; ROPE_ONLY and PLAIN_ONLY belong to one of its two modes.
+EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 3, "batch": 1, "seed": 123, "head_dim": 2}
+ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional")
+SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flags of the other mode (--rope or not), then fill in the defaults of the flags not given."""
+    given = [dest for dest in (*ROPE_ONLY, *PLAIN_ONLY) if getattr(args, dest) not in (None, False)]
+    wrong = [_flag(d) for d in given if d in (PLAIN_ONLY if args.rope else ROPE_ONLY)]
+    if wrong:
+        ex.error(f"{', '.join(wrong)} {'do' if len(wrong) > 1 else 'does'} not apply {'with' if args.rope else 'without'} --rope")
+    for dest, value in EXPLAIN_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="headwise", description="Multi-head attention, explained and fast.")
     sub = parser.add_subparsers(dest="command")
@@ -105,15 +128,17 @@ def main(argv: list[str] | None = None) -> None:
         "explain", help="Steps 1-10 of multi-head attention, read off a real forward pass",
         description="Build MultiHeadAttention(d_in, d_out, context_length=tokens, dropout=0.0, num_heads) under a seed, "
         "run one forward pass and print every tensor of the lecture's Steps 1-10.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ex.add_argument("--d-in", type=int, default=3, help="input width d_in (3 = the book's embeddings)")
-    ex.add_argument("--d-out", type=int, default=2, help="output width d_out = num_heads * head_dim")
-    ex.add_argument("--heads", type=int, default=2, help="number of heads (must divide d_out)")
-    ex.add_argument("--tokens", type=int, default=3,
-                    help="tokens T; with --d-in 3 and T <= 6 the input is the book's 'Your journey starts with one step', else torch.rand")
-    ex.add_argument("--batch", type=int, default=1, help="batch size B")
-    ex.add_argument("--seed", type=int, default=123, help="torch.manual_seed for the weights (and a random input); 123 is the book's")
+    size = _argtypes.integer(1, SIZE)
+    ex.add_argument("--d-in", type=size, help="input width d_in (3 = the book's embeddings) (default: 3)")
+    ex.add_argument("--d-out", type=size, help="output width d_out = num_heads * head_dim (default: 2)")
+    ex.add_argument("--heads", type=size, help="number of heads (must divide d_out) (default: 2)")
+    ex.add_argument("--tokens", type=size,
+                    help="tokens T; with --d-in 3 and T <= 6 the input is the book's 'Your journey starts with one step', else torch.rand "
+                    "(default: 3)")
+    ex.add_argument("--batch", type=_argtypes.integer(1, 64), help="batch size B (default: 1)")
+    ex.add_argument("--seed", type=_argtypes.integer(0, 2**64 - 1),
+                    help="torch.manual_seed for the weights (and a random input); 123 is the book's (default: 123)")
     ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style): step 8 masks nothing")
     ex.add_argument("--softcap", type=float, default=None, help="cap the scores: softcap * tanh(scores / softcap) (Gemma 2)")
     ex.add_argument("--sinks", action="store_true", help="a sink logit per head (1.0): step 8 shows each row's sink share")
@@ -121,17 +146,22 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--documents", type=lambda t: [int(n) for n in t.split(",")], default=None,
                     help="pack the tokens into documents of these lengths, e.g. 2,4: the masked scores show the blocks")
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
-    ex.add_argument("--head-dim", type=int, default=2, help="with --rope: each head's size (even)")
+    ex.add_argument("--head-dim", type=size, help="with --rope: each head's size (even) (default: 2)")
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
-    hd.add_argument("--model", metavar="DIR", help="a HuggingFace directory with tokenizer.json: BERT and GPT-2 on headwise's models, any other decoder or encoder through transformers on headwise (default: the packaged all-MiniLM-L6-v2)")
-    hd.add_argument("--text", default=None, help="the sentence (default: the book's 'Your journey starts with one step.')")
-    hd.add_argument("--out", default="heads.html", help="the page to write (default: heads.html)")
-    hd.add_argument("--png", metavar="FILE", help="also draw the grid as a PNG picture (matplotlib)")
+    hd.add_argument("--model", metavar="DIR", type=_argtypes.text("a directory"),
+                    help="a HuggingFace directory with tokenizer.json: BERT and GPT-2 on headwise's models, any other decoder or encoder through transformers "
+                    "on headwise (default: the packaged all-MiniLM-L6-v2)")
+    hd.add_argument("--text", default=None, type=_argtypes.text("a sentence"),
+                    help="the sentence (default: the book's 'Your journey starts with one step.')")
+    hd.add_argument("--out", default="heads.html", type=_argtypes.text("a file name"), help="the page to write (default: heads.html)")
+    hd.add_argument("--png", metavar="FILE", type=_argtypes.text("a file name"), help="also draw the grid as a PNG picture (matplotlib)")
     gr = sub.add_parser("grade", help="check your own attention classes against the book's, step by step")
-    gr.add_argument("path", help="your .py file, or a module path")
-    gr.add_argument("--class", dest="classes", action="append", metavar="NAME", help="grade this class (repeatable; default: the book's names)")
+    gr.add_argument("path", type=_argtypes.text("a .py file or a module path"), help="your .py file, or a module path")
+    gr.add_argument("--class", dest="classes", action="append", metavar="NAME", type=_argtypes.text("a class name"),
+                    help="grade this class (repeatable; default: the book's names)")
     gr.add_argument("--json", action="store_true", help="one JSON object instead of the text report")
-    gr.add_argument("--timeout", type=float, default=30.0, help="seconds the import and each class may take before grading stops them (default 30)")
+    gr.add_argument("--timeout", type=_argtypes.number(0.0, 24 * 3600.0, low_open=True), default=30.0,
+                    help="seconds the import and each class may take before grading stops them (default 30)")
     sub.add_parser("bench", help="benchmarks against the peers (see `headwise bench --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command is None:  # `headwise` alone: say what there is
@@ -149,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "grade":
             _grade(args)
         else:
+            _explain_mode(ex, args)
             _explain(args)
     except ValueError as e:  # the library's clear errors, shown without a traceback
         print(f"headwise {args.command}: error: {e}", file=sys.stderr)

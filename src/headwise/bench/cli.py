@@ -10,8 +10,9 @@ from dataclasses import asdict
 
 import torch
 
+from .. import _argtypes
 from .._optional import require
-from .cases import MODES, PRESETS, Case
+from .cases import DTYPES, MODES, PRESETS, Case
 from .harness import machine, run
 from .memory import memory_child
 from .peers import IMPLS
@@ -28,12 +29,40 @@ def _bar(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t]
+#: the flags only some modes read, and which; given without any of those modes they are refused, not ignored
+USES = {
+    "preset": ("forward", "backward", "memory", "decode"),
+    "tokens": ("forward", "backward", "memory", "decode", "hf"),
+    "batch": ("forward", "backward", "memory", "decode", "hf"),
+    "dtype": ("forward", "backward", "memory"),
+    "impls": ("forward", "backward", "memory"),
+    "max_scores_gib": ("forward", "backward", "memory"),
+    "warmup": ("forward", "backward", "hf"),
+    "repeats": ("forward", "backward", "decode", "hf"),
+}
+DEFAULTS = {"preset": ["small"], "tokens": [1024], "batch": 4, "dtype": ["fp32"], "modes": ["forward", "backward"], "repeats": 5,
+            "warmup": 2, "max_scores_gib": 8.0}
 
 
-def _names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse flags that the chosen modes (or --list) would ignore; fill in the defaults of those not given."""
+    given = [dest for dest in vars(args) if dest not in ("_memory_child", "device", "plot") and getattr(args, dest) not in (None, False)]
+    if args.list and given != ["list"]:
+        p.error(f"--list lists the implementations and runs nothing: it takes no other flags, got {', '.join(_flag(d) for d in given if d != 'list')}")
+    if args.variants and set(given) - {"variants", "repeats", "warmup"}:
+        p.error(f"--variants reads --repeats and --warmup only, got {', '.join(_flag(d) for d in given if d not in ('variants', 'repeats', 'warmup'))}")
+    modes = args.modes or DEFAULTS["modes"]
+    for dest, users in USES.items():
+        if dest in given and not set(users) & set(modes) and not args.variants:
+            p.error(f"{_flag(dest)} applies to --modes {','.join(users)} only, not to --modes {','.join(modes)}")
+    for dest, value in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    return args
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _transformers_table(args: argparse.Namespace) -> str:
@@ -46,21 +75,26 @@ def _transformers_table(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """``headwise bench``: parse, run, print the Markdown table, write the plot (and JSON)."""
     p = argparse.ArgumentParser(prog="headwise bench", description="Benchmarks: headwise against the peers, side by side, on this machine.")
-    p.add_argument("--preset", type=_names, default=["small"], help=f"comma list of {list(PRESETS)} (default small)")
-    p.add_argument("--tokens", type=_ints, default=[1024], help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
-    p.add_argument("--batch", type=int, default=4, help="B (default 4; decode too)")
-    p.add_argument("--dtype", type=_names, default=["fp32"], help="comma list of fp32,bf16 (default fp32)")
-    p.add_argument("--modes", type=_names, default=["forward", "backward"], help=f"comma list of {[*MODES, 'hf', 'serving']} (default forward,backward; hf: transformers models on headwise / sdpa / eager; serving: many requests through GPT-2 small, bench/serving.py)")
-    p.add_argument("--impls", type=_names, default=None, help="comma list of name substrings (default: all but torch.compile)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-scores-gib", type=float, default=8.0, help="skip classes whose (B, H, T, T) scores need more")
+    positive, path = _argtypes.integer(1), _argtypes.text("a file name")
+    p.add_argument("--preset", type=_argtypes.listing(_argtypes.choice(list(PRESETS)), "presets"), help=f"comma list of {list(PRESETS)} (default small)")
+    p.add_argument("--tokens", type=_argtypes.listing(positive, "positive ints"),
+                   help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
+    p.add_argument("--batch", type=positive, help="B (default 4; decode too)")
+    p.add_argument("--dtype", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), help="comma list of fp32,bf16 (default fp32)")
+    p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice((*MODES, "hf", "serving")), "modes"),
+                   help=f"comma list of {[*MODES, 'hf', 'serving']} (default forward,backward; hf: transformers models on headwise / sdpa / eager; "
+                   "serving: many requests through GPT-2 small, bench/serving.py)")
+    p.add_argument("--impls", type=_argtypes.listing(str, "name substrings"), help="comma list of name substrings (default: all but torch.compile)")
+    p.add_argument("--repeats", type=positive, help="timed calls per implementation and case (default 5)")
+    p.add_argument("--warmup", type=_argtypes.integer(0), help="untimed calls first (default 2)")
+    p.add_argument("--max-scores-gib", type=_argtypes.number(0.0, low_open=True),
+                   help="skip classes whose (B, H, T, T) scores need more (default 8)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the GEMM ceiling")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GPU's datasheet peak, CUDA memory)")
-    p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--markdown", type=path, help="also write the table to this file")
     p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
-    p.add_argument("--json", help="write the raw report here")
+    p.add_argument("--json", type=path, help="write the raw report here")
     p.add_argument("--list", action="store_true", help="list the implementations and exit")
     p.add_argument("--variants", action="store_true", help="packed documents, softcap, sinks, ALiBi against the other ways (headwise.bench.variants)")
     p.add_argument("--_memory-child", help=argparse.SUPPRESS)
@@ -69,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         spec = json.loads(args._memory_child)
         print(json.dumps(memory_child(spec["impl"], Case(**spec["case"]))))
         return
+    args = _checked(p, args)
     if args.variants:
         variants_main(["--repeats", str(args.repeats), "--warmup", str(args.warmup)])
         return
@@ -94,9 +129,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if transformers_too and not args.modes:  # only the transformers table
         print(_transformers_table(args))
         return
-    report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
-                 repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
-                 progress=_bar, device=args.device)
+    try:
+        report = run(presets=args.preset, tokens=args.tokens, batch=args.batch, dtypes=args.dtype, modes=args.modes, impls=args.impls,
+                     repeats=args.repeats, warmup=args.warmup, max_scores_gib=args.max_scores_gib, ceiling=not args.no_ceiling,
+                     progress=_bar, device=args.device)
+    except ValueError as e:  # what only the run can tell (impls that match nothing, a decode context past 1024): one line
+        p.error(str(e))
     if sys.stderr.isatty():
         sys.stderr.write("\n")  # end the redrawn line
     report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -105,6 +143,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         text += "\nSummary (time or memory of each headwise module / the fastest peer's; memory: / the fused reference's):\n\n"
         text += summary(report) + "\n"
     print(text)
+    try:
+        _write(args, report, text)
+    except OSError as e:  # a directory that does not exist, no permission: the table is printed above; say which file failed
+        p.error(f"cannot write {e.filename}: {e.strerror}")
+    if transformers_too:
+        print("\n" + _transformers_table(args))
+
+
+def _write(args: argparse.Namespace, report, text: str) -> None:
+    """The table (--markdown), the raw report (--json) and the plot (--plot), where asked for."""
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
@@ -114,5 +162,3 @@ def main(argv: Sequence[str] | None = None) -> None:
                        "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
     if args.plot and plot(report, args.plot):
         print(f"\nplot: {args.plot}")
-    if transformers_too:
-        print("\n" + _transformers_table(args))

@@ -1,0 +1,89 @@
+"""argparse ``type=`` functions for the command line: each takes the flag's text and returns its value
+or raises ``argparse.ArgumentTypeError`` saying what was expected and what was given, which argparse
+prints as one line (``headwise explain: error: argument --batch: ...``) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+
+
+def integer(low: int = 1, high: int | None = None) -> Callable[[str], int]:
+    """An int in [low, high] (high None: no bound)."""
+    expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
+
+
+def number(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """A finite float in [low, high] ((low, high] with ``low_open``)."""
+    if math.isinf(high):
+        expected = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        expected = f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not math.isfinite(value) or (value <= low if low_open else value < low) or value > high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def listing(item: Callable[[str], object], what: str) -> Callable[[str], list]:
+    """A non-empty comma list, each entry parsed by ``item``; ``what`` describes an entry."""
+
+    def parse(text: str) -> list:
+        parts = [part.strip() for part in text.split(",")]
+        if not text.strip() or any(not part for part in parts):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what} with no empty entries, got {text!r}")
+        try:
+            return [item(part) for part in parts]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}: {e}") from None
+
+    return parse
+
+
+def choice(choices: Sequence[str]) -> Callable[[str], str]:
+    """One of ``choices``."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def text(what: str) -> Callable[[str], str]:
+    """Non-empty text that is valid UTF-8 (undecodable bytes reach Python as lone surrogates)."""
+
+    def parse(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"expected {what}, got an empty string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = value[e.start].encode("utf-8", "surrogateescape")
+            raise argparse.ArgumentTypeError(
+                f"expected {what} in UTF-8, got bytes that are not UTF-8 ({bad!r} at character {e.start})"
+            ) from None
+        return value
+
+    return parse
