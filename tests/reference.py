@@ -134,3 +134,27 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         T, S = scores.shape[-2:]
         scores = scores.masked_fill(~allowed_matrix(T, S, causal=True, window=None), -math.inf)
     return torch.softmax(scores, dim=-1) @ v
+
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps) * weight.double() + bias.double()
+
+
+def reference_gpt2_logits(state: dict[str, Tensor], input_ids: Tensor, n_head: int, eps: float = 1e-5) -> Tensor:
+    """(B, T, vocab) float64 logits of a GPT-2 whose state dict holds (out, in) Linear weights
+    (``transformer.h.{i}.attn.c_attn.weight`` (3C, C), ...), on unpadded ids at positions 0..T-1."""
+    s = {k.removeprefix("transformer."): v.double() for k, v in state.items()}
+    t = input_ids.shape[1]
+    x = s["wte.weight"][input_ids] + s["wpe.weight"][:t]  # (B, T, C)
+    c = x.shape[-1]
+    for i in range(1 + max(int(k.split(".")[1]) for k in s if k.startswith("h."))):
+        p = f"h.{i}."
+        a = _layer_norm(x, s[p + "ln_1.weight"], s[p + "ln_1.bias"], eps)
+        wq, wk, wv = s[p + "attn.c_attn.weight"].split(c)
+        bq, bk, bv = s[p + "attn.c_attn.bias"].split(c)
+        x = x + reference_mha(a, wq, wk, wv, bq, bk, bv, s[p + "attn.c_proj.weight"], s[p + "attn.c_proj.bias"], n_head, causal=True)
+        m = linear(_layer_norm(x, s[p + "ln_2.weight"], s[p + "ln_2.bias"], eps), s[p + "mlp.c_fc.weight"], s[p + "mlp.c_fc.bias"])
+        m = 0.5 * m * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (m + 0.044715 * m**3)))  # GPT-2's tanh GELU
+        x = x + linear(m, s[p + "mlp.c_proj.weight"], s[p + "mlp.c_proj.bias"])
+    return _layer_norm(x, s["ln_f.weight"], s["ln_f.bias"], eps) @ s["wte.weight"].T  # (B, T, vocab)

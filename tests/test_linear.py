@@ -244,10 +244,20 @@ def machine(monkeypatch):
         ("AuthenticAMD", "AVX512", "2.13.0+cpu", torch.float64, "torch"),
     ],
 )
-def test_the_rule_depends_on_cpu_dtype_and_torch_version_only(machine, vendor, capability, version, dtype, path):
+def test_the_rule_depends_on_cpu_dtype_and_torch_version_only(machine, monkeypatch, vendor, capability, version, dtype, path):
+    import time
+
     machine(vendor, capability, version)
-    assert hl.choose(dtype)[0] == path
-    assert hl.choose(dtype) == hl.choose(dtype)  # nothing timed: the same answer every time
+    hl._ops_error(dtype)  # the one-time check that oneDNN's ops work here (cached): not part of the rule
+
+    def no(*args, **kwargs):
+        raise AssertionError("the rule read a clock or ran a GEMM")
+
+    for clock in ("perf_counter", "perf_counter_ns", "monotonic", "time", "process_time", "thread_time"):
+        monkeypatch.setattr(time, clock, no)
+    monkeypatch.setattr(hl, "_lp", no)
+    monkeypatch.setattr(hl.F, "linear", no)
+    assert hl.choose(dtype)[0] == path  # nothing timed, nothing run: from the facts alone
 
 
 def test_forcing_overrides_the_rule_by_env_and_by_function(machine, monkeypatch):
@@ -367,10 +377,21 @@ def test_bf16_end_to_end_within_2x_of_a_plain_bf16_implementation(linear_path, k
 
 
 
-def test_project_many_compiles_without_touching_its_caches():
+def test_project_many_compiles_without_touching_its_caches(linear_path):
+    """Under torch.compile the stacked (and packed) weights are not cached: no entry of _STACKED or _PACKED
+    names the module's parameters after the compiled call; the eager call right after does add them."""
     torch.manual_seed(0)
     mod = hw.MultiHeadAttention(64, 64, 40, 0.0, num_heads=4).eval()
     x = torch.randn(2, 24, 64)  # (B, T, C)
+    mine = {id(p) for p in mod.parameters()}
+
+    def entries() -> list:
+        return [ids for cache in (hl._STACKED, hl._PACKED) for ids in cache if mine & set(ids)]
+
     compiled = torch.compile(mod)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), mod(x), rtol=1e-5, atol=1e-6)
+        got = compiled(x)
+        assert entries() == []
+        want = mod(x)
+        assert entries(), "the eager call caches its stacked weights: these are the caches compile must leave alone"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from reference import reference_attention, reference_mha
+from reference import reference_attention, reference_gpt2_logits, reference_mha
 
 import headwise as hw
 from headwise.convert import load_checked, remap
@@ -187,12 +187,15 @@ def fully_padded_row_agrees(backend: str) -> Agrees:
 
 
 def int_and_bool_masks_agree() -> Agrees:
+    """An int 0/1 mask and the same mask as bools: each against the float64 reference."""
+
     def fn():
         q, k, v = qkv(B=2, T=4)
         ints = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
-        return hw.attention(q, k, v, attention_mask=ints, causal=True), hw.attention(q, k, v, attention_mask=ints.bool(), causal=True).double()
+        got = torch.stack([hw.attention(q, k, v, attention_mask=m, causal=True) for m in (ints, ints.bool())])
+        return got, reference_attention(q, k, v, attention_mask=ints.bool(), causal=True).expand_as(got)
 
-    return Agrees(fn, atol=0.0)
+    return Agrees(fn)
 
 
 def poisoned_padding_agrees(backend: str, poison: float) -> Agrees:
@@ -287,38 +290,51 @@ def additive_mask_agrees(backend: str) -> Agrees:
     return Agrees(fn)
 
 
+def reference_greedy(m: GPT2LMHeadModel, x: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding with the float64 reference's logits: x (B, T) -> (B, T + steps)."""
+    for _ in range(steps):
+        logits = reference_gpt2_logits(m.state_dict(), x, m.config.n_head, m.config.layer_norm_epsilon)  # (B, T, vocab)
+        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x
+
+
 def generate_tiny_temperature_agrees() -> Agrees:
+    """temperature=1e-300 is greedy: the float64 reference's argmax, token for token."""
+
     def fn():
         m, x = tiny_gpt2(), ids(2, 3)
-        greedy = m.generate(x, max_new_tokens=3)
-        return m.generate(x, max_new_tokens=3, temperature=1e-300).double(), greedy.double()
+        return m.generate(x, max_new_tokens=3, temperature=1e-300).double(), reference_greedy(m, x, 3).double()
 
     return Agrees(fn, atol=0.0)
 
 
 def left_padding_logits_agree() -> Agrees:
+    """Left-padded rows give the float64 reference's logits of the unpadded ids."""
+
     def fn():
         m = tiny_gpt2()
         x = ids(1, 4)
         padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), x], dim=1)
         mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
         with torch.no_grad():
-            return m(padded, attention_mask=mask)[:, 2:].double(), m(x).double()
+            got = m(padded, attention_mask=mask)[:, 2:].double()
+        return got, reference_gpt2_logits(m.state_dict(), x, m.config.n_head, m.config.layer_norm_epsilon)
 
     return Agrees(fn, atol=1e-5)
 
 
 def training_through_cache_agrees() -> Agrees:
+    """The input gradient through a cache (prefill 2, step 1, then 2) = the float64 reference's full-forward gradient."""
+
     def fn():
         m = mha().train()
         x = rnd(1, 5, 8, seed=9)
         c = hw.KVCache(1, 2, 16, 4, dtype=F64)
         xa = x.clone().requires_grad_(True)
         torch.cat([m(xa[:, :2], cache=c), m(xa[:, 2:3], cache=c), m(xa[:, 3:], cache=c)], 1).square().sum().backward()
-        got = xa.grad.clone()
         xb = x.clone().requires_grad_(True)
-        m(xb).square().sum().backward()
-        return got, xb.grad
+        _reference_of(m, xb).square().sum().backward()
+        return xa.grad, xb.grad
 
     return Agrees(fn)
 

@@ -22,7 +22,6 @@ def test_decode_benchmark_returns_rows_and_agrees_with_transformers():
     for r in rows:
         assert r.cached_ms > 0 and r.uncached_ms > 0 and r.hf_cached_ms > 0 and r.repeats == 1
         assert r.max_abs_diff < 1e-5  # the headwise and transformers stacks decode the same numbers
-        assert r.hf_speedup == r.hf_cached_ms / r.cached_ms
     (only,) = decode_latency((4,), n_layer=1, n_embd=8, n_head=2, repeats=1, uncached=False, hf=False)
     assert only.uncached_ms is None and only.hf_speedup is None and only.cache_speedup is None
     with pytest.raises(ValueError, match=r"contexts \(in \(2000,\)\) must be an int in \[2, 1024\], got 2000"):
@@ -60,3 +59,23 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers():
     assert table.count("\n| gpt2 | int8 |") == 2 and "| prefill | gpt2 | fp32 |" in table
     with pytest.raises(ValueError, match=r"a context \(in shapes \(\(1, 1\),\)\) must be an int >= 2, got 1"):
         decode_speeds(shapes=[(1, 1)])
+
+
+FAKE_S = {"cached": 0.002, "uncached": 0.010, "hf_cached": 0.006}  # seconds each step "takes"
+
+
+def fake_interleaved(steps, repeats, warmup):
+    """Each step run once (so that its output is kept), timed as FAKE_S says, every repeat alike."""
+    for step in steps.values():
+        step()
+    return {name: [FAKE_S[name]] * repeats for name in steps}
+
+
+def test_decode_rows_hold_milliseconds_and_speedups_of_the_times_measured(monkeypatch):
+    """With steps that take 2, 10 and 6 ms: the row says 2, 10 and 6 ms, a cache speedup of 5 and 3 over transformers."""
+    from headwise.bench import decode
+
+    monkeypatch.setattr(decode, "interleaved", fake_interleaved)
+    (r,) = decode.decode_latency((5,), n_layer=1, n_embd=8, n_head=2, repeats=3, warmup=0)
+    assert (r.cached_ms, r.uncached_ms, r.hf_cached_ms) == pytest.approx((2.0, 10.0, 6.0))
+    assert (r.cache_speedup, r.hf_speedup) == pytest.approx((5.0, 3.0))

@@ -102,13 +102,16 @@ def test_two_all_reduces_of_b_t_c_per_layer_in_forward(ranks):
 
 
 def test_fast_linear_path_is_off_for_dtensor_weights(ranks):
+    """With oneDNN forced (on this EPYC the rule picks F.linear), plain weights take it and DTensor weights do not:
+    without the DTensor guard the sharded forward raises NotImplementedError inside oneDNN's op."""
     for r in result(ranks, "fast_path"):
+        if "skipped" in r:
+            pytest.skip(f"oneDNN's private ops do not work here: {r['skipped']}")
+        assert r["onednn_chosen"] is True and r["uses_onednn_plain"] is True and r["ref_calls"] > 0  # the path is really on
         assert "DTensor" not in r["tp_calls"]  # no sharded weight reaches oneDNN (the replicated, tied LM head may)
         assert r["uses_onednn_dtensor"] is False
         assert r["linear_dtensor"] < TOL  # headwise.linear.linear hands a DTensor to F.linear
         assert r["logits"] < TOL
-        if r["onednn_chosen"]:  # where the rule (or HEADWISE_LINEAR) picks oneDNN, the same plain weights do take it
-            assert r["uses_onednn_plain"] is True and r["ref_calls"] > 0
 
 
 def test_indivisible_heads_and_widths_are_errors(ranks):
