@@ -242,7 +242,7 @@ def tmpdir(name: str) -> Path:
 LOADING: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("load model_type a list", lambda: load(gpt2_dir(tmpdir("a"), ["gpt2"])), Raises(ValueError, r"config.json: model_type must be a string, one of gpt2, bert, llama, mistral, qwen3; got \['gpt2'\]")),
     ("load model_type a dict", lambda: load(gpt2_dir(tmpdir("a"), {"name": "gpt2"})), Raises(ValueError, r"model_type must be a string, .*got \{'name': 'gpt2'\}")),
-    ("load model_type missing", lambda: load(gpt2_dir(tmpdir("a"), None)), Raises(ValueError, r"model_type must be a string, .*got None")),
+    ("load model_type missing", lambda: load(gpt2_dir(tmpdir("a"), None)), Raises(ValueError, r"config.json: model_type None is not supported; supported: gpt2, bert, llama, mistral, qwen3")),
     ("load model_type unknown", lambda: load(gpt2_dir(tmpdir("a"), "gpt3")), Raises(ValueError, r"model_type 'gpt3' is not supported; supported: gpt2, bert, llama")),
     ("load an index naming itself", lambda: load(index_dir(tmpdir("a"), {INDEX: {"lm_head.weight": INDEX}})),
      Raises(ValueError, r"model.safetensors.index.json: shard 'model.safetensors.index.json' is not a .safetensors file \(an index lists shards, not other indexes\)")),

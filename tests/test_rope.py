@@ -117,13 +117,13 @@ def test_bad_arguments():
         RotaryEmbedding(8, rotary_dim=5)
     with pytest.raises(ValueError, match=r"rotary_dim must be an int in \[2, 8\], got 10"):
         RotaryEmbedding(8, rotary_dim=10)
-    with pytest.raises(ValueError, match=r"theta must be a number in \(1, inf\], got 0"):
+    with pytest.raises(ValueError, match=r"theta must be a number in \(1, inf\), got 0"):
         RotaryEmbedding(8, theta=0)
     with pytest.raises(ValueError, match=r"rope_scaling's rope_type must be one of \['default', 'linear', 'llama3'\], got 'yarn'"):
         RotaryEmbedding(8, scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match=r"rope_scaling of rope_type 'llama3' needs .*, missing \['low_freq_factor', 'high_freq_factor'\]"):
         RotaryEmbedding(8, scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})
-    with pytest.raises(ValueError, match=r"rope_scaling\['factor'\] must be a number in \(0, inf\], got -2"):
+    with pytest.raises(ValueError, match=r"rope_scaling\['factor'\] must be a number in \(0, inf\), got -2"):
         RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": -2})
     with pytest.raises(ValueError, match=r"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got 1.0 and 4.0"):
         RotaryEmbedding(8, scaling={**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0})

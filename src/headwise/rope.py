@@ -114,6 +114,12 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
     return out.to(x.dtype)
 
 
+def _count(name: str, value: object) -> None:
+    """An int >= 0 (not a bool); a symbolic size (torch.compile with dynamic shapes) passes as it is."""
+    if not isinstance(value, torch.SymInt):
+        _checks.integer(name, value, low=0)
+
+
 def _swap_pairs(x: Tensor, layout: str) -> Tensor:
     """(..., R) -> (..., R) with the two dims of every rotating pair exchanged."""
     if layout == "interleaved":
@@ -178,7 +184,7 @@ class RotaryEmbedding:
         The tables grow by doubling and are kept, so every later call up to that length
         slices them. ``sin`` carries the signs of the rotation (see ``rotate``).
         """
-        _checks.integer("length", length, low=0)
+        _count("length", length)
         device = torch.device(device)
         cos, sin = self._tables.get(device, (None, None))
         if cos is None or cos.shape[0] < length:
@@ -192,13 +198,13 @@ class RotaryEmbedding:
         """(cos, sin) for T tokens at ``positions``: an int start -> (T, R) slices of the kept tables;
         (B, T) ids (left padding, or the caller's own positions) -> (B, 1, T, R), computed from the ids
         on the device, so no value is read back to the host. Compute once, rotate queries and keys."""
-        t = _checks.integer("t", t, low=0)
+        _count("t", t)
         if isinstance(positions, Tensor):
             _checks.position_table("positions", positions, t)
             angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)
             cos, sin = self._cos_sin(angles)  # (B, T, R) each
             return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R) each
-        _checks.integer("positions (an int start)", positions, low=0)
+        _count("positions (an int start)", positions)
         if positions + t > _MAX_TABLE:  # far positions: their own angles, not a table of every position before them
             angles = torch.arange(positions, positions + t, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (T, R/2)
             return self._cos_sin(angles)  # (T, R) each

@@ -45,7 +45,7 @@ def load(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> n
     directory = loading.model_directory(path)
     file = directory / loading.CONFIG
     model_type = loading.read_json(file).get("model_type")
-    if not isinstance(model_type, str):
+    if model_type is not None and not isinstance(model_type, str):
         raise ValueError(f"{file}: model_type must be a string, one of {', '.join(SUPPORTED)}; got {model_type!r}")
     if model_type not in SUPPORTED:
         raise ValueError(f"{file}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
