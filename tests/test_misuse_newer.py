@@ -454,7 +454,7 @@ BAD_COMMAND_LINES = [
     (["bench", "--device", "tpu"], r"argument --device: invalid choice: 'tpu'"),
     (["bench", "--modes", "decode", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory only, not to --modes decode"),
     (["bench", "--modes", "decode", "--impls", "fused"], r"--impls applies to --modes forward,backward,memory only"),
-    (["bench", "--modes", "memory", "--warmup", "3"], r"--warmup applies to --modes forward,backward,hf only, not to --modes memory"),
+    (["bench", "--modes", "memory", "--warmup", "3"], r"--warmup applies to --modes forward,backward,decode,hf only, not to --modes memory"),
     (["bench", "--modes", "memory", "--repeats", "3"], r"--repeats applies to --modes forward,backward,decode,hf only, not to --modes memory"),
     (["bench", "--modes", "decode", "--max-scores-gib", "2"], r"--max-scores-gib applies to --modes forward,backward,memory only"),
     (["bench", "--modes", "hf", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory only, not to --modes hf"),

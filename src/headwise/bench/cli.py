@@ -37,7 +37,7 @@ USES = {
     "dtype": ("forward", "backward", "memory"),
     "impls": ("forward", "backward", "memory"),
     "max_scores_gib": ("forward", "backward", "memory"),
-    "warmup": ("forward", "backward", "hf"),
+    "warmup": ("forward", "backward", "decode", "hf"),
     "repeats": ("forward", "backward", "decode", "hf"),
 }
 DEFAULTS = {"preset": ["small"], "tokens": [1024], "batch": 4, "dtype": ["fp32"], "modes": ["forward", "backward"], "repeats": 5,

@@ -78,7 +78,7 @@ def run(
             report.ceilings += measure_ceiling(dtype, device=device)
     for mode in modes:
         if mode == "decode":
-            report.decode += _decode(presets, tokens, batch, repeats, progress)
+            report.decode += _decode(presets, tokens, batch, repeats, warmup, progress)
             continue
         for preset in presets:
             for dtype in dtypes:
@@ -98,7 +98,7 @@ def _gpu() -> str:
     return describe()
 
 
-def _decode(presets: Sequence[str], tokens: Sequence[int], batch: int, repeats: int, progress: Progress | None) -> list:
+def _decode(presets: Sequence[str], tokens: Sequence[int], batch: int, repeats: int, warmup: int, progress: Progress | None) -> list:
     """A 12-layer decode step per preset at each context in ``tokens`` (batch ``batch``), one context at a time."""
     rows, done, total = [], 0, len(presets) * len(tokens)
     for preset in presets:
@@ -106,7 +106,7 @@ def _decode(presets: Sequence[str], tokens: Sequence[int], batch: int, repeats: 
         for t in tokens:
             if progress:
                 progress(done, total, f"decode {preset} B={batch} context {t}")
-            rows += decode_latency((t,), n_embd=width, n_head=heads, batch_size=batch, repeats=repeats)
+            rows += decode_latency((t,), n_embd=width, n_head=heads, batch_size=batch, repeats=repeats, warmup=warmup)
             done += 1
     if progress:
         progress(done, total, "decode done")
