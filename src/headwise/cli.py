@@ -101,7 +101,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
 
 #: explain's flags, each with its default; ROPE_ONLY and PLAIN_ONLY belong to one of its two modes.
 EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 3, "batch": 1, "seed": 123, "head_dim": 2}
-ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional")
+ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional", "softcap", "sinks", "alibi", "documents")
 SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson
 
 
@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--seed", type=_argtypes.integer(0, 2**64 - 1),
                     help="torch.manual_seed for the weights (and a random input); 123 is the book's (default: 123)")
     ex.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder style): step 8 masks nothing")
-    ex.add_argument("--softcap", type=float, default=None, help="cap the scores: softcap * tanh(scores / softcap) (Gemma 2)")
+    ex.add_argument("--softcap", type=_argtypes.number(0.0, low_open=True), default=None, help="cap the scores: softcap * tanh(scores / softcap) (Gemma 2)")
     ex.add_argument("--sinks", action="store_true", help="a sink logit per head (1.0): step 8 shows each row's sink share")
     ex.add_argument("--alibi", action="store_true", help="ALiBi's distance bias instead of positions: step 8 shows it")
-    ex.add_argument("--documents", type=lambda t: [int(n) for n in t.split(",")], default=None,
+    ex.add_argument("--documents", type=_argtypes.listing(_argtypes.integer(1, SIZE), "document lengths"), default=None,
                     help="pack the tokens into documents of these lengths, e.g. 2,4: the masked scores show the blocks")
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
     ex.add_argument("--head-dim", type=size, help="with --rope: each head's size (even) (default: 2)")
