@@ -17,7 +17,6 @@ from .harness import machine, run
 from .memory import memory_child
 from .peers import IMPLS
 from .report import markdown, plot, summary
-from .variants import main as variants_main
 
 
 def _bar(done: int, total: int, what: str) -> None:
@@ -105,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     args = _checked(p, args)
     if args.variants:
+        from .variants import main as variants_main  # here: `python -m headwise.bench.variants` must not find it imported
+
         variants_main(["--repeats", str(args.repeats), "--warmup", str(args.warmup)])
         return
     if args.list:
