@@ -5,11 +5,18 @@ Checks of shapes, dtypes and Python values cost nothing. A check of a tensor's *
 them on the host: on a GPU that is a device sync, so such checks sit only where a call enters
 with user data (an int padding mask, token ids), never on a path a bool mask or a decode step
 takes. Meta tensors have no values: ``has_values`` says so and value checks are skipped there.
+
+Under ``torch.compile`` the checks of shapes, dtypes, devices and Python values run while Dynamo
+traces (they become guards: a call that passes them runs the graph, nothing is re-checked inside
+it). A value check cannot read the host there without breaking the graph: ``holds`` puts it in the
+graph as ``torch._assert_async`` instead, which fails the call with a RuntimeError carrying the
+same message (on a GPU, a device-side assert).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +36,7 @@ def positive_int(name: str, value: object) -> int:
 
 def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
@@ -112,14 +119,31 @@ def attention_mask(
         return mask
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 int tensor (1/True = real token), got dtype {mask.dtype}")
-    if has_values(mask) and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 (padding) and 1 (real token), got values {sorted(mask.unique().tolist())}")
+    if has_values(mask):
+        holds(
+            ((mask == 0) | (mask == 1)).all(), f"{name} must hold only 0 (padding) and 1 (real token)",
+            lambda: f", got values {sorted(mask.unique().tolist())}",
+        )
     return mask != 0
 
 
 def has_values(t: Tensor) -> bool:
     """False for a meta tensor (shapes and dtypes only, nothing to read); True otherwise."""
     return t.device.type != "meta"
+
+
+def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, error: type[Exception] = ValueError) -> None:
+    """Raise ``error(message + detail())`` unless the one-element bool tensor ``ok`` is True.
+
+    Eager: one host read (a device sync on a GPU), then ``detail`` (what was given) is computed
+    only for the message. While ``torch.compile`` traces: ``torch._assert_async(ok, message)`` in
+    the graph, no host read and no graph break; a failing call raises RuntimeError(message).
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+        return
+    if not bool(ok):
+        raise error(message + (detail() if detail is not None else ""))
 
 
 def position_ids(ids: object, b: int, t: int, name: str = "position_ids") -> None:

@@ -5,6 +5,12 @@ forward pass produces (projections, head split, scores, weights, context, merge,
 Nothing is recorded when no one observes; the check costs one context-variable read.
 While observed, ``backend="auto"`` picks the ``"math"`` backend, the one whose scores and
 weights exist as tensors.
+
+Under ``torch.compile`` observers are off: ``observing()`` and ``report`` first ask
+``torch.compiler.is_compiling()``, which Dynamo folds to the constant True while it traces, so a
+compiled forward holds no observer call, no context-variable read and no graph break, and
+``backend="auto"`` keeps the fused kernel. Observe an eager module (the same weights, not
+compiled) to see its steps.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
 from torch import Tensor
 
 Observer = Callable[[str, Tensor], None]
@@ -21,12 +28,16 @@ _OBSERVER: ContextVar[Observer | None] = ContextVar("headwise_observer", default
 
 
 def observing() -> bool:
-    """True inside an ``observe`` block."""
+    """True inside an ``observe`` block, in eager mode (always False while ``torch.compile`` traces)."""
+    if torch.compiler.is_compiling():  # a constant to Dynamo: the branch below is never traced
+        return False
     return _OBSERVER.get() is not None
 
 
 def report(name: str, tensor: Tensor) -> None:
-    """Hand ``tensor`` (detached) to the active observer, if any."""
+    """Hand ``tensor`` (detached) to the active observer, if any (none under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return
     observer = _OBSERVER.get()
     if observer is not None:
         observer(name, tensor.detach())
@@ -34,7 +45,7 @@ def report(name: str, tensor: Tensor) -> None:
 
 @contextmanager
 def observe(fn: Observer) -> Iterator[None]:
-    """Call ``fn(name, tensor)`` for every step reported inside the block.
+    """Call ``fn(name, tensor)`` for every step reported inside the block (eager modules only).
 
     Example:
         >>> import headwise as hw
