@@ -208,6 +208,8 @@ def describe() -> dict:
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
+    if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
+        return False
     if not _plain_tensors(x, weight, bias):
         return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
     if not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES):
@@ -219,7 +221,7 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     big = weight.numel() >= MIN_DECODE_WEIGHT
     if x.numel() < MIN_ROWS * x.shape[-1] and not big:
         return False
-    if not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
+    if not torch.backends.mkldnn.enabled:
         return False
     if big and x.numel() <= DECODE_ROWS * x.shape[-1]:
         return choose_few_rows(x.dtype)[0] == "onednn"
