@@ -209,12 +209,12 @@ class KVCache:
         W, T, start = self.window, k.shape[2], self._len
         new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
         if T == 1:  # write first: the slot it overwrites holds position start - W, outside the window
-            slot = start % W
-            self.k[:, :, slot] = k[:, :, 0]
-            self.v[:, :, slot] = v[:, :, 0]
-            self.real[:, slot] = new_real[:, 0]
+            slot = start % W  # written as a slice: an int index would make torch.compile specialise on the slot
+            self.k[:, :, slot : slot + 1] = k
+            self.v[:, :, slot : slot + 1] = v
+            self.real[:, slot : slot + 1] = new_real
             self._len = start + 1
-            n = min(self._len, W)  # the stored slots; order does not matter for a single query
+            n = torch.sym_min(self._len, W)  # the stored slots (order does not matter for a single query); an int in eager
             return self.k[:, :, :n], self.v[:, :, :n], self.real[:, :n] if self._padded else None
         # several queries: the oldest of them may need keys that the write would overwrite
         n = min(start, W)
