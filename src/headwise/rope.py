@@ -158,6 +158,8 @@ class RotaryEmbedding:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
         self.layout = layout
         self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64
+        # the same numbers as constants, for torch.compile (see ``at``); a meta skeleton has none
+        self._inv_freq_values = None if self.inv_freq.is_meta else tuple(self.inv_freq.tolist())
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._freqs: dict[torch.device, Tensor] = {}
 
@@ -197,8 +199,21 @@ class RotaryEmbedding:
     def at(self, positions: int | Tensor, t: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """(cos, sin) for T tokens at ``positions``: an int start -> (T, R) slices of the kept tables;
         (B, T) ids (left padding, or the caller's own positions) -> (B, 1, T, R), computed from the ids
-        on the device, so no value is read back to the host. Compute once, rotate queries and keys."""
+        on the device, so no value is read back to the host. Compute once, rotate queries and keys.
+
+        Under ``torch.compile`` nothing is kept: tables filled inside a graph would fix its lengths and
+        make the next call trace again, so an int start's (T, R) come from its positions (the same
+        angles as the tables'), and the frequencies enter the graph as constants (a tensor input
+        would get a symbolic size that Dynamo may tie to T)."""
         _count("t", t)
+        if torch.compiler.is_compiling():
+            if isinstance(positions, Tensor):
+                _checks.position_table("positions", positions, t)
+            ids = positions if isinstance(positions, Tensor) else torch.arange(positions, positions + t, device=device)  # (B, T) or (T,)
+            values = self._inv_freq_values
+            inv_freq = self.inv_freq.to(device) if values is None else torch.tensor(values, dtype=torch.float64, device=device)  # (R/2,)
+            cos, sin = self._cos_sin(ids.to(torch.float64)[..., None] * inv_freq)  # (B, T, R) or (T, R) each
+            return (cos.unsqueeze(1), sin.unsqueeze(1)) if isinstance(positions, Tensor) else (cos, sin)  # (B, 1, T, R) or (T, R)
         if isinstance(positions, Tensor):
             _checks.position_table("positions", positions, t)
             angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)

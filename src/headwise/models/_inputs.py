@@ -24,9 +24,13 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
         raise TypeError(f"{name} must hold {kind}, got dtype {input_ids.dtype}; convert with {name}.long()")
     if not _checks.has_values(input_ids):
         return input_ids.shape[0], input_ids.shape[1]
+    expected = f"{name} must hold ids in [0, vocab_size={vocab_size})"
+    if torch.compiler.is_compiling():  # no host read inside a graph: an assert in it
+        _checks.holds(((input_ids >= 0) & (input_ids < vocab_size)).all(), expected)
+        return input_ids.shape[0], input_ids.shape[1]
     low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host read (a device sync on a GPU)
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"{name} must hold ids in [0, vocab_size={vocab_size}), got ids from {low} to {high}")
+        raise ValueError(f"{expected}, got ids from {low} to {high}")
     return input_ids.shape[0], input_ids.shape[1]
 
 
@@ -58,8 +62,12 @@ def padding_only(real: Tensor | None) -> Tensor | None:
     """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal).
 
     Asking costs one host read (a device sync on a GPU), once per forward or ``generate``:
-    it buys mask-free fused attention in every layer (and every decode step) after it.
+    it buys mask-free fused attention in every layer (and every decode step) after it. Under
+    ``torch.compile`` the mask is passed on as it is (the same numbers): a branch on its values
+    would break the graph.
     """
-    if real is None or (_checks.has_values(real) and bool(real.all())):
+    if real is None or torch.compiler.is_compiling():
+        return real
+    if _checks.has_values(real) and bool(real.all()):
         return None
     return real
