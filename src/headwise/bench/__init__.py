@@ -35,11 +35,13 @@ projection) plus ``2·B·T²·C`` for attention; forward + backward counts 3x th
 The functions return dataclasses; ``main`` (``headwise bench``, ``python -m headwise.bench``)
 parses, prints a Markdown table, and plots. The pieces: ``cases`` (what is measured), ``peers``
 (the implementations), ``timing`` (the one interleaved loop), ``memory``, ``decode`` (a cached
-decode step against transformers'), ``gpu`` (a GPU's name and peaks), ``harness`` (``run``), ``report`` and ``cli``.
+decode step against transformers'), ``compile`` (headwise's modules and the fused layer under
+``torch.compile``, with compile time), ``gpu`` (a GPU's name and peaks), ``harness`` (``run``), ``report`` and ``cli``.
 """
 
 from .cases import DTYPES, MODES, PRESETS, Case, Ceiling, Progress, Report, Row
 from .cli import main
+from .compile import CompileRow, compile_case
 from .decode import DecodeRow, decode_latency
 from .harness import machine, run
 from .memory import memory_case
@@ -48,7 +50,7 @@ from .report import fastest_peer, markdown, plot, summary
 from .timing import interleaved, measure_ceiling, time_case
 
 __all__ = [
-    "DEFAULT_SKIP", "DTYPES", "IMPLS", "MODES", "PRESETS", "Case", "Ceiling", "DecodeRow", "FusedReference", "Impl", "Progress",
-    "Report", "Row", "decode_latency", "fastest_peer", "interleaved", "machine", "main", "markdown", "measure_ceiling", "memory_case",
+    "DEFAULT_SKIP", "DTYPES", "IMPLS", "MODES", "PRESETS", "Case", "Ceiling", "CompileRow", "DecodeRow", "FusedReference", "Impl", "Progress",
+    "Report", "Row", "compile_case", "decode_latency", "fastest_peer", "interleaved", "machine", "main", "markdown", "measure_ceiling", "memory_case",
     "plot", "run", "select", "summary", "time_case",
 ]

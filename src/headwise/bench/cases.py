@@ -9,7 +9,7 @@ import torch
 
 PRESETS: dict[str, tuple[int, int]] = {"small": (768, 12), "medium": (1024, 16), "tiny": (64, 4)}  # name -> (C, H)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODES = ("forward", "backward", "memory", "decode")
+MODES = ("forward", "backward", "memory", "decode", "compile")
 
 Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
 
@@ -78,6 +78,7 @@ class Report:
     ceilings: list[Ceiling] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
     decode: list = field(default_factory=list)  # headwise.bench.decode.DecodeRow, one per context
+    compiled: list = field(default_factory=list)  # headwise.bench.compile.CompileRow, per case, mode and implementation
     command: str = ""
     linear: dict = field(default_factory=dict)  # headwise.linear.describe(): the projection path per dtype and why
 

@@ -160,6 +160,7 @@ def _write(args: argparse.Namespace, report, text: str) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": report.machine, "linear": report.linear, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
-                       "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode]}, f, indent=1)
+                       "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode],
+                       "compiled": [asdict(c) for c in report.compiled]}, f, indent=1)
     if args.plot and plot(report, args.plot):
         print(f"\nplot: {args.plot}")

@@ -10,6 +10,7 @@ import torch
 
 from ..linear import describe
 from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
+from .compile import compile_case
 from .decode import decode_latency
 from .memory import memory_case
 from .peers import select
@@ -49,7 +50,8 @@ def run(
         presets: names in ``PRESETS`` ("small" = GPT-2 small's C=768, H=12; "medium" = 1024, 16).
         tokens: T values; each case has ``batch`` sequences of T tokens.
         dtypes: "fp32", "bf16".
-        modes: any of "forward", "backward" (forward + backward), "memory", "decode".
+        modes: any of "forward", "backward" (forward + backward), "memory", "decode", "compile" (headwise's modules and
+            the fused layer under ``torch.compile``, forward and forward + backward, beside their eager selves).
         impls: substrings of implementation names (default: all but torch.compile).
         repeats, warmup: timed and untimed calls per implementation and case.
         max_scores_gib: skip implementations whose (B, H, T, T) scores need more.
@@ -84,7 +86,10 @@ def run(
             for dtype in dtypes:
                 for t in tokens:
                     case = Case(preset, batch, t, dtype, device)
-                    if mode == "memory":
+                    if mode == "compile":
+                        for timed in ("forward", "backward"):
+                            report.compiled += compile_case(case, timed, repeats=repeats, warmup=warmup, progress=progress)
+                    elif mode == "memory":
                         report.rows += memory_case(chosen, case, max_scores_gib=max_scores_gib, progress=progress)
                     else:
                         report.rows += time_case(chosen, case, mode, repeats=repeats, warmup=warmup, max_scores_gib=max_scores_gib,

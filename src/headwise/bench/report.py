@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .cases import DTYPES, MODES, Case, Report, Row
+from .compile import markdown as compiled_table
 
 
 def fastest_peer(report: Report, mode: str, case: Case) -> Row | None:
@@ -66,6 +67,7 @@ def markdown(report: Report) -> str:
                 pct = f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling is not None else ""
                 out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} |")
         out.append("")
+    out += compiled_table(report.compiled)
     if report.decode:
         fields = [*asdict(report.decode[0]), "cache_speedup", "hf_speedup"]  # the last two: recompute / cached, transformers / headwise
         out += ["| decode: " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
