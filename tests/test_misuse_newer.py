@@ -446,7 +446,7 @@ BAD_COMMAND_LINES = [
     (["bench", "--dtype", ""], r"argument --dtype: expected a comma list of dtypes with no empty entries, got ''"),
     (["bench", "--dtype", "fp16"], r"argument --dtype: expected a comma list of dtypes: expected one of fp32, bf16, got 'fp16'"),
     (["bench", "--modes", ""], r"argument --modes: expected a comma list of modes with no empty entries, got ''"),
-    (["bench", "--modes", "forward,sideways"], r"expected one of forward, backward, memory, decode, hf, serving, got 'sideways'"),
+    (["bench", "--modes", "forward,sideways"], r"expected one of forward, backward, memory, decode, compile, hf, serving, got 'sideways'"),
     (["bench", "--preset", "huge"], r"argument --preset: expected a comma list of presets: expected one of small, medium, tiny, got 'huge'"),
     (["bench", "--impls", ""], r"argument --impls: expected a comma list of name substrings with no empty entries, got ''"),
     (["bench", "--batch", "0"], r"argument --batch: expected a positive int, got 0"),
