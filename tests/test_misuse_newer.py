@@ -457,13 +457,13 @@ BAD_COMMAND_LINES = [
     (["bench", "--markdown", ""], r"argument --markdown: expected a file name, got an empty string"),
     (["bench", "--json", ""], r"argument --json: expected a file name, got an empty string"),
     (["bench", "--device", "tpu"], r"argument --device: invalid choice: 'tpu'"),
-    (["bench", "--modes", "decode", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory only, not to --modes decode"),
+    (["bench", "--modes", "decode", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory,compile only, not to --modes decode"),
     (["bench", "--modes", "decode", "--impls", "fused"], r"--impls applies to --modes forward,backward,memory only"),
-    (["bench", "--modes", "memory", "--warmup", "3"], r"--warmup applies to --modes forward,backward,decode,hf only, not to --modes memory"),
-    (["bench", "--modes", "memory", "--repeats", "3"], r"--repeats applies to --modes forward,backward,decode,hf only, not to --modes memory"),
+    (["bench", "--modes", "memory", "--warmup", "3"], r"--warmup applies to --modes forward,backward,decode,hf,compile only, not to --modes memory"),
+    (["bench", "--modes", "memory", "--repeats", "3"], r"--repeats applies to --modes forward,backward,decode,hf,compile only, not to --modes memory"),
     (["bench", "--modes", "decode", "--max-scores-gib", "2"], r"--max-scores-gib applies to --modes forward,backward,memory only"),
-    (["bench", "--modes", "hf", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory only, not to --modes hf"),
-    (["bench", "--modes", "serving", "--tokens", "64"], r"--tokens applies to --modes forward,backward,memory,decode,hf only, not to --modes serving"),
+    (["bench", "--modes", "hf", "--dtype", "bf16"], r"--dtype applies to --modes forward,backward,memory,compile only, not to --modes hf"),
+    (["bench", "--modes", "serving", "--tokens", "64"], r"--tokens applies to --modes forward,backward,memory,decode,hf,compile only, not to --modes serving"),
     (["bench", "--list", "--batch", "2"], r"--list lists the implementations and runs nothing: it takes no other flags, got --batch"),
     (["bench", "--impls", "nothing-like-this", "--no-ceiling", "--plot", "", "--tokens", "8", "--preset", "tiny"], r"impls \['nothing-like-this'\] match no implementation"),
     (["bench", "--modes", "decode", "--tokens", "2000", "--no-ceiling", "--plot", ""], r"contexts \(in \(2000,\)\) must be an int in \[2, 1024\], got 2000"),
@@ -480,6 +480,22 @@ def test_bad_command_lines_exit_2_with_one_error_line(argv, message, capsys):
     assert len(errors) == 1 and errors[0].startswith(f"headwise {argv[0]}: error: "), err
     assert "Traceback" not in err
     assert re.search(message, errors[0]), errors[0]
+
+
+def test_bench_compile_takes_the_flags_its_harness_reads():
+    """--modes compile times Case(preset, batch, tokens, dtype) with repeats and warmup: those flags are not refused."""
+    import argparse
+
+    from headwise.bench import cli as bench_cli
+
+    class Parser:
+        def error(self, message: str) -> None:
+            raise AssertionError(message)
+
+    args = argparse.Namespace(_memory_child=None, device="cpu", plot=None, list=False, variants=False, modes=["compile"], preset=["tiny"],
+                              tokens=[8], batch=1, dtype=["fp32", "bf16"], impls=None, max_scores_gib=None, warmup=0, repeats=1)
+    checked = bench_cli._checked(Parser(), args)
+    assert (checked.tokens, checked.batch, checked.dtype, checked.repeats) == ([8], 1, ["fp32", "bf16"], 1)
 
 
 def test_heads_text_in_another_encoding_is_one_line_from_a_real_shell(tmp_path):

@@ -30,14 +30,14 @@ def _bar(done: int, total: int, what: str) -> None:
 
 #: the flags only some modes read, and which; given without any of those modes they are refused, not ignored
 USES = {
-    "preset": ("forward", "backward", "memory", "decode"),
-    "tokens": ("forward", "backward", "memory", "decode", "hf"),
-    "batch": ("forward", "backward", "memory", "decode", "hf"),
-    "dtype": ("forward", "backward", "memory"),
+    "preset": ("forward", "backward", "memory", "decode", "compile"),
+    "tokens": ("forward", "backward", "memory", "decode", "hf", "compile"),
+    "batch": ("forward", "backward", "memory", "decode", "hf", "compile"),
+    "dtype": ("forward", "backward", "memory", "compile"),
     "impls": ("forward", "backward", "memory"),
     "max_scores_gib": ("forward", "backward", "memory"),
-    "warmup": ("forward", "backward", "decode", "hf"),
-    "repeats": ("forward", "backward", "decode", "hf"),
+    "warmup": ("forward", "backward", "decode", "hf", "compile"),
+    "repeats": ("forward", "backward", "decode", "hf", "compile"),
 }
 DEFAULTS = {"preset": ["small"], "tokens": [1024], "batch": 4, "dtype": ["fp32"], "modes": ["forward", "backward"], "repeats": 5,
             "warmup": 2, "max_scores_gib": 8.0}
