@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .cases import Case, Progress
 from .peers import IMPLS, Impl, prepare
-from .timing import _step, interleaved
+from .timing import _quartiles, _step, interleaved
 
 #: The implementations compiled: headwise's modules and the plain fused layer they are held to.
 COMPILED = ("headwise MultiHeadAttention", "headwise GPT2MultiHeadAttention", "fused Linear + SDPA + Linear")
@@ -56,13 +56,6 @@ class CompileRow:
     def speedup(self) -> float:
         """Eager time / compiled time (above 1: compiling pays)."""
         return self.eager_median_s / self.median_s
-
-
-def _quartiles(ts: list[float]) -> tuple[float, float, float]:
-    if len(ts) < 2:
-        return ts[0], ts[0], ts[0]
-    q1, q2, q3 = statistics.quantiles(ts, n=4, method="inclusive")
-    return q2, q1, q3
 
 
 def compile_case(
