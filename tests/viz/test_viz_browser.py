@@ -98,8 +98,15 @@ def test_the_ten_steps_view(tab):
     tab.click('nav [data-view="steps"]')
     assert tab.js("document.querySelector('#heads-view').hidden") is True
     assert tab.js("Array.from(document.querySelectorAll('#steps .step'), e => +e.dataset.step)") == list(range(1, 11))
-    assert tab.js("document.querySelectorAll('[data-tensor=\"masked_scores\"] td.neginf').length") == 2 * 15
-    assert tab.js("document.querySelector('[data-tensor=\"weights\"] td').textContent") == "1.0000"  # "Your" sees only itself
+    assert tab.js("document.querySelectorAll('#steps [data-tensor=\"masked_scores\"] td.neginf').length") == 2 * 15
+    assert tab.js("document.querySelector('#steps [data-tensor=\"weights\"] td').textContent") == "1.0000"  # "Your" sees only itself
+    variants = "#variants [data-variant]"
+    assert tab.js(f"Array.from(document.querySelectorAll('{variants}'), e => e.dataset.variant)") == ["softcap", "sinks", "alibi", "documents"]
+    documents = "[data-variant=\"documents\"] [data-tensor=\"masked_scores\"] td.neginf"
+    assert tab.js(f"document.querySelectorAll('{documents}').length") == 2 * (15 + 9)  # the future, and the other document
+    first = float(tab.js("document.querySelector('[data-variant=\"sinks\"] [data-tensor=\"weights\"] td').dataset.value"))
+    assert 0.05 < first < 0.95  # "Your" still sees only itself, but the sink took a share
+    assert tab.js("document.querySelectorAll('[data-variant=\"sinks\"] [data-tensor=\"sink_share\"] td').length") == 2 * 6
     tab.key("ArrowRight", ARROWS["ArrowRight"])  # the arrows belong to the heads view
     assert tab.js("headwise.current()") == [0, 0]
     assert tab.console_errors() == []

@@ -96,6 +96,34 @@ def test_the_ten_steps_are_explains_tensors(minilm_maps):
     assert base64_float32(output["float32"], output["shape"])[0, 0].tolist() == pytest.approx(book_first_row, abs=5e-5)
 
 
+def test_step_8_variants_are_explains_tensors_and_do_what_they_say(minilm_maps):
+    steps = read_data(heads_page(minilm_maps))["steps"]
+    assert [v["name"] for v in steps["variants"]] == ["softcap", "sinks", "alibi", "documents"]
+    kwargs = {"softcap": {"softcap": 0.1}, "sinks": {"sinks": True}, "alibi": {"alibi": True}, "documents": {"documents": [3, 3]}}
+    shown = {}
+    for v in steps["variants"]:
+        want = explain(d_in=3, d_out=2, num_heads=2, num_tokens=6, batch_size=1, seed=123, **kwargs[v["name"]]).steps[7]
+        assert (v["title"], v["code"]) == (want.title, want.code) and v["about"]
+        assert [t["name"] for t in v["tensors"]] == list(want.tensors)
+        shown[v["name"]] = {t["name"]: base64_float32(t["float32"], t["shape"]) for t in v["tensors"]}
+        for t in v["tensors"]:
+            assert len(t["axes"]) == len(t["shape"])
+            assert torch.equal(shown[v["name"]][t["name"]], want.tensors[t["name"]])
+    plain = explain(d_in=3, d_out=2, num_heads=2, num_tokens=6, batch_size=1, seed=123).steps[6].tensors["scores"].double()  # head_dim 1
+    # each term, recomputed here from the plain scores
+    torch.testing.assert_close(shown["softcap"]["capped_scores"].double(), 0.1 * torch.tanh(plain / 0.1), atol=1e-6, rtol=0)
+    distance = (torch.arange(6)[:, None] - torch.arange(6)).abs().double()  # (T, T)
+    slopes = torch.tensor([2.0**-4, 2.0**-8]).double()  # 2^(-8i/H), H = 2
+    torch.testing.assert_close(shown["alibi"]["alibi_bias"][0].double(), -slopes[:, None, None] * distance, atol=1e-7, rtol=0)
+    hidden = torch.isneginf(shown["documents"]["masked_scores"][0])  # (H, T, T)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    other_document = (torch.arange(6)[:, None] // 3) != (torch.arange(6) // 3)
+    assert torch.equal(hidden, (future | other_document).expand(2, 6, 6))
+    share, weights = shown["sinks"]["sink_share"][0], shown["sinks"]["weights"][0]  # (H, T), (H, T, T)
+    assert ((share > 0.05) & (share < 0.95)).all()
+    torch.testing.assert_close(share + weights.sum(-1), torch.ones(2, 6), atol=1e-6, rtol=0)
+
+
 def test_hostile_text_stays_text(gpt2_dir):
     text = "the </script> cat <b>sat</b> https://example.org"
     html = heads_page(head_maps(gpt2_dir, text))

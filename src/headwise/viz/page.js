@@ -151,7 +151,7 @@
   document.getElementById("steps-intro").textContent =
     S.module + ", seed " + S.seed + ", on the book's six tokens (" + S.tokens.join(" ") + "), batch of one: " +
     "the tensors of one real forward pass, as headwise explain prints them. Red = positive, blue = negative, " +
-    "striped = \u2212\u221e (a masked future token); each tensor has its own scale.";
+    "striped = \u2212\u221e (a masked key: the future, or another document); each tensor has its own scale.";
   function heat(values, rows, cols, rowNames, colNames, m) {
     const table = el("table", { class: "heat" });
     const head = el("tr"); head.append(el("th"));
@@ -208,6 +208,16 @@
     for (const t of step.tensors) tensors.append(tensorFigure(t));
     art.append(tensors);
     stepsBox.append(art);
+  }
+  // Step 8 again, one newer term at a time: what the cap, the sink, ALiBi and documents change.
+  const variantsBox = document.getElementById("variants");
+  for (const v of S.variants) {
+    const art = el("article", { class: "step", "data-variant": v.name });
+    art.append(el("h3", {}, "Step 8 with " + v.name + ": " + v.title), el("p", {}, v.about), el("pre", {}, v.code));
+    const tensors = el("div", { class: "tensors" });
+    for (const t of v.tensors) tensors.append(tensorFigure(t));
+    art.append(tensors);
+    variantsBox.append(art);
   }
 
   // #ten-steps opens the ten steps; #head=L.H opens that head.
