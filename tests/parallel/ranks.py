@@ -1,8 +1,10 @@
 """Run a function on 2 gloo ranks spawned from pytest and bring each rank's result back.
 
 ``spawn(fn, world)`` starts ``world`` processes (torch.multiprocessing, spawn method), each
-joining one gloo process group over localhost with a short timeout, so that a mismatched
-collective fails the test in seconds instead of hanging. ``fn(rank, world)`` returns a
+joining one gloo process group over localhost with a bounded timeout, so that a mismatched
+collective fails the test in minutes instead of hanging. The bound (300 s) is far above a rank's
+honest wait: on a loaded 2-core machine one rank can wait a minute for the other to import torch
+or finish its forward pass, and a 60 s bound failed such runs. ``fn(rank, world)`` returns a
 picklable dict; an exception in one piece is recorded as its traceback (``"error"``) so
 the other pieces still report.
 """
@@ -31,7 +33,7 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable[[int, int], dict], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         result = fn(rank, world)
     finally:
