@@ -43,19 +43,41 @@ SCHEDULE = [
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("placement", ["in order", "random"])
+def fragment(paged: PagedKVCache) -> None:
+    """Hold every other block of a fresh pool with one-token sequences: no two free blocks are consecutive."""
+    ids = list(range(-paged.free_blocks, 0))
+    for seq_id in ids:
+        paged.add(seq_id)
+    kv = torch.zeros(1, paged.k.shape[0], len(ids), D, dtype=paged.k.dtype)
+    paged.batch(ids, [1] * len(ids)).append(kv, kv)  # a fresh pool: id i takes block i + len(ids)
+    for seq_id in ids[::2]:
+        paged.free(seq_id)
+
+
+def consecutive(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("placement", ["in order", "random", "reserved", "reserved, fragmented"])
 def test_ragged_batches_equal_a_kvcache_per_sequence_and_the_reference(block_size, H, Hkv, window, placement):
     rng, gen = random.Random(block_size * 7 + H + Hkv), torch.Generator().manual_seed(block_size)
-    paged = PagedKVCache({1: 96, 16: 12, 128: 6}[block_size], block_size, Hkv, D, dtype=torch.float64)
+    blocks = {1: 96, 16: 12, 128: 6}[block_size]
+    paged = PagedKVCache(2 * blocks if placement == "reserved, fragmented" else blocks, block_size, Hkv, D, dtype=torch.float64)
     if placement == "random":
         scramble(paged, rng)
+    if placement == "reserved, fragmented":
+        fragment(paged)
+    totals = {s: sum(n for step in SCHEDULE for t, n in step if t == s) for s in range(3)}  # the tokens each sequence reaches
     static = {i: hw.KVCache(1, Hkv, 64, D, dtype=torch.float64) for i in range(3)}
     seen: dict[int, tuple[list, list]] = {i: ([], []) for i in range(3)}
     for step in SCHEDULE:
         ids, counts = [s for s, _ in step], [n for _, n in step]
         for s in ids:
             if s not in paged.sequences:
-                paged.add(s)
+                paged.add(s, reserve=totals[s] if placement.startswith("reserved") else 0)
         T = sum(counts)
         q = torch.randn(1, H, T, D, generator=gen, dtype=torch.float64)  # packed: sequences one after another
         k = torch.randn(1, Hkv, T, D, generator=gen, dtype=torch.float64)
@@ -76,6 +98,47 @@ def test_ragged_batches_equal_a_kvcache_per_sequence_and_the_reference(block_siz
         assert paged.length(s) == len(static[s])
         held = paged.blocks(s)
         assert len(held) == -(-paged.length(s) // block_size)  # ceil: memory follows the tokens held
+    runs = [consecutive(paged.blocks(s)) for s in range(3)]
+    if placement == "reserved":
+        assert all(runs)  # every sequence read as a view
+    elif placement != "in order" and block_size < 128:  # 128: every sequence fits in one block
+        assert not all(runs)  # the gather path ran
+
+
+def test_reserve_sets_a_run_aside_that_others_take_only_when_nothing_else_is_free():
+    torch.manual_seed(0)
+    paged = PagedKVCache(10, 4, 1, D, dtype=torch.float64)
+    paged.add(0, reserve=12)  # blocks 0, 1, 2 set aside
+    paged.add(1)
+    assert paged.free_blocks == 10
+    seen = {0: [], 1: []}
+    for _ in range(6):  # both grow together: without the reserve their blocks would interleave
+        kv = torch.randn(1, 1, 4, D, dtype=torch.float64)
+        parts = paged.batch([0, 1], [2, 2]).append(kv, kv)
+        seen[0].append(kv[:, :, :2])
+        seen[1].append(kv[:, :, 2:])
+    assert paged.blocks(0) == [0, 1, 2] and paged.blocks(1) == [3, 4, 5]
+    assert parts[0].keys.untyped_storage().data_ptr() == paged.k.untyped_storage().data_ptr()  # read in place
+    torch.testing.assert_close(parts[0].keys, torch.cat(seen[0], 2), rtol=0, atol=0)
+    paged.free(0)
+    paged.add(2, reserve=8)  # blocks 0, 1 set aside: the lowest run that holds 8 tokens
+    paged.add(3, reserve=40)  # 10 blocks: no run that long, so nothing set aside
+    kv = torch.randn(1, 1, 4, D, dtype=torch.float64)
+    paged.batch([2], [4]).append(kv, kv)
+    assert paged.blocks(2) == [0] and paged.free_blocks == 6  # block 1 still set aside for 2
+    big = torch.randn(1, 1, 24, D, dtype=torch.float64)
+    (part,) = paged.batch([3], [24]).append(big, big)  # 6 blocks: the 5 set aside for no one, then block 1
+    assert paged.blocks(3) == [2, 6, 7, 8, 9, 1] and paged.free_blocks == 0
+    torch.testing.assert_close(part.keys, big, rtol=0, atol=0)  # gathered, in order
+    kv = torch.randn(1, 1, 4, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"pool is exhausted"):  # 2's set-aside block went to 3
+        paged.batch([2], [4]).append(kv, kv)
+    paged.free(2)
+    paged.free(3)
+    assert paged.free_blocks == 10 - 3
+    with pytest.raises(ValueError, match=r"reserve must be an int >= 0, got -1"):
+        paged.add(4, reserve=-1)
+    assert 4 not in paged.sequences
 
 
 def test_blocks_in_order_are_read_as_a_view_and_scattered_ones_gathered():

@@ -106,6 +106,9 @@ def test_stream_takes_requests_that_arrive_later_and_frees_the_finished():
         if not batcher.pending:
             break
         emitted = batcher.step()
+        if step == 1:  # the first three joined a fresh pool: each one's worst case was set aside as one run of blocks
+            for table in (batcher.caches[0].blocks(i) for i in first):
+                assert table == list(range(table[0], table[0] + len(table)))
         running_counts.append(len(emitted))
         held.append((batcher.blocks_held, batcher.tokens_held))
         for request, token in emitted:

@@ -16,7 +16,10 @@ sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each seq
 appended to its blocks, then its queries attend over its own tokens only: no padding to the
 longest. What it attends over is a view of the pool when the sequence's blocks happen to be
 consecutive, else a gather of its slots into a fresh (1, Hkv, S, D) tensor, then SDPA (the gather
-copies 2·Hkv·S·D elements per sequence and layer: the price of the first fast path).
+copies 2·Hkv·S·D elements per sequence and layer, every step). ``add(seq_id, reserve=n)`` sets a
+run of consecutive free blocks aside for a sequence expected to reach n tokens, so that its
+blocks are consecutive however many sequences grow beside it (the ``Batcher`` reserves every
+request's worst case); a sequence gathers only when the pool had no such run (fragmented).
 
 Nothing is half-done: a write that needs more free blocks than the pool has raises before
 any block changes hands, and so do unknown ids, a double free and a reused id.
@@ -73,7 +76,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
         self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest block first
+        self._free = list(range(num_blocks - 1, -1, -1))  # free blocks set aside for no one; pop() hands out the lowest first
+        self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)
+        self._plan: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, blocks) of the run set aside for it
         self._refs = [0] * num_blocks  # how many sequences hold each block
         self._tables: dict[int, list[int]] = {}  # seq_id -> its blocks, in order
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
@@ -89,8 +94,8 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        """Blocks no sequence holds."""
-        return len(self._free)
+        """Blocks no sequence holds (set aside for a sequence or not)."""
+        return len(self._free) + len(self._set_aside)
 
     @property
     def sequences(self) -> list[int]:
@@ -112,20 +117,48 @@ class PagedKVCache:
         shared_tail = n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
         return grow + int(shared_tail)
 
-    def add(self, seq_id: int) -> None:
-        """Open an empty sequence ``seq_id`` (any int not open already)."""
+    def add(self, seq_id: int, *, reserve: int = 0) -> None:
+        """Open an empty sequence ``seq_id`` (any int not open already).
+
+        ``reserve``: the tokens it is expected to reach. A run of consecutive free blocks that
+        holds them is set aside for it, when the pool has one: its blocks come from that run as
+        it grows, so its keys and values are read as a view of the pool, never gathered. Set-aside
+        blocks stay free (other sequences get them only when no other block is free) and are
+        taken as tokens are written, so memory still follows the tokens held.
+        """
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
         if seq_id in self._tables:
             raise ValueError(f"seq_id {seq_id} is already in the cache: free it first, or pick another id")
+        _checks.integer("reserve", reserve, low=0)
         self._tables[seq_id], self._lens[seq_id], self._run[seq_id] = [], 0, True
         self._slots[seq_id] = torch.empty(0, dtype=torch.long, device=self.k.device)
+        want = math.ceil(reserve / self.block_size)
+        first = self._find_run(want) if want else None
+        if first is not None:  # set the run aside: out of the shared free list, into this sequence's plan
+            self._free = [b for b in self._free if not first <= b < first + want]
+            self._set_aside.update(dict.fromkeys(range(first, first + want), seq_id))
+            self._plan[seq_id] = (first, want)
+
+    def _find_run(self, want: int) -> int | None:
+        """The first block of the lowest run of ``want`` consecutive free blocks set aside for no one, or None."""
+        run_first, run = None, 0
+        for b in sorted(self._free):
+            run_first, run = (run_first, run + 1) if run and b == run_first + run else (b, 1)
+            if run == want:
+                return run_first
+        return None
 
     def free(self, seq_id: int) -> None:
         """Close ``seq_id``; its blocks no other sequence holds return to the pool."""
         for block in self._tables[self._known(seq_id)]:
             self._refs[block] -= 1
             if self._refs[block] == 0:
+                self._free.append(block)
+        first, count = self._plan.pop(seq_id, (0, 0))
+        for block in range(first, first + count):  # what it had set aside and not taken
+            if self._set_aside.get(block) == seq_id:
+                del self._set_aside[block]
                 self._free.append(block)
         del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id]
 
@@ -166,22 +199,35 @@ class PagedKVCache:
     def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give each sequence the blocks its new tokens need (copying a shared last block), all or nothing."""
         needed = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
-        if needed > len(self._free):
+        if needed > self.free_blocks:
             raise ValueError(
                 f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
-                f"{len(self._free)} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
+                f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
                 "or make the pool bigger. Nothing was written"
             )
         for seq_id, n in zip(seq_ids, counts, strict=True):
             table, length = self._tables[seq_id], self._lens[seq_id]
             if length % self.block_size and n and self._refs[table[-1]] > 1:  # copy-on-write of the shared, partly filled last block
-                old, new = table[-1], self._free.pop()
+                old, new = table[-1], self._take(seq_id, len(table) - 1)
                 self.k[:, self._block_slots(new)] = self.k[:, self._block_slots(old)]
                 self.v[:, self._block_slots(new)] = self.v[:, self._block_slots(old)]
                 self._refs[old] -= 1
                 self._set_block(seq_id, len(table) - 1, new)
             while len(table) * self.block_size < length + n:
-                self._set_block(seq_id, len(table), self._free.pop())
+                self._set_block(seq_id, len(table), self._take(seq_id, len(table)))
+
+    def _take(self, seq_id: int, index: int) -> int:
+        """A free block to be the ``index``-th of ``seq_id``: the one set aside for it there, else one set
+        aside for no one, else (the pool is that full) the last block set aside for another sequence."""
+        first, count = self._plan.get(seq_id, (0, 0))
+        if index < count and self._set_aside.get(first + index) == seq_id:
+            del self._set_aside[first + index]
+            return first + index
+        if self._free:
+            return self._free.pop()
+        block = max(self._set_aside)  # the caller checked that enough blocks are free
+        del self._set_aside[block]
+        return block
 
     def _block_slots(self, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)

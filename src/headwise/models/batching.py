@@ -13,8 +13,9 @@ the sequence alone (each sequence attends over its own keys only).
 
 Admission never overcommits: a request joins only when the blocks its prompt and its
 ``max_new_tokens`` could take, added to what the running requests may still take, fit the pool,
-so no step runs out of blocks and nothing is ever evicted. Blocks are taken as tokens are
-written, so memory follows the tokens held.
+so no step runs out of blocks and nothing is ever evicted. That worst case is set aside as one
+run of consecutive blocks when the pool has one (keys and values are then read in place, not
+gathered); blocks are taken as tokens are written, so memory follows the tokens held.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class Batcher:
             counts.append(1)
         for r in joining:
             for cache in self.caches:
-                cache.add(r.id)
+                cache.add(r.id, reserve=len(r.prompt) + r.max_new_tokens - 1)  # its worst case, as one run of blocks
             ids.extend(r.prompt)
             positions.extend(range(len(r.prompt)))
             counts.append(len(r.prompt))
