@@ -76,6 +76,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
         self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
+        self._k1, self._v1 = self.k[None], self.v[None]  # (1, Hkv, N*Bs, D) views: what a read slices
         self._free = list(range(num_blocks - 1, -1, -1))  # free blocks set aside for no one; pop() hands out the lowest first
         self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)
         self._plan: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, blocks) of the run set aside for it
@@ -112,8 +113,11 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Free blocks that writing ``new_tokens`` more tokens for ``seq_id`` takes (a shared last block counts: it is copied)."""
-        n, table = self._lens[self._known(seq_id)], self._tables[seq_id]
-        grow = math.ceil((n + new_tokens) / self.block_size) - len(table)
+        return self._needed(self._known(seq_id), new_tokens)
+
+    def _needed(self, seq_id: int, new_tokens: int) -> int:
+        n, table = self._lens[seq_id], self._tables[seq_id]
+        grow = -(-(n + new_tokens) // self.block_size) - len(table)
         shared_tail = n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
         return grow + int(shared_tail)
 
@@ -198,7 +202,7 @@ class PagedKVCache:
 
     def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give each sequence the blocks its new tokens need (copying a shared last block), all or nothing."""
-        needed = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
+        needed = sum(self._needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
         if needed > self.free_blocks:
             raise ValueError(
                 f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
@@ -250,11 +254,18 @@ class PagedKVCache:
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
 
     def _read(self, buffer: Tensor, seq_id: int, n: int) -> Tensor:
-        """The first n positions of ``seq_id`` from a (Hkv, N*Bs, D) buffer -> (1, Hkv, n, D), oldest first."""
+        """The first n positions of ``seq_id`` from a (1, Hkv, N*Bs, D) buffer -> (1, Hkv, n, D), oldest first."""
         if self._run[seq_id]:  # consecutive blocks: consecutive slots
-            first = self._tables[seq_id][0] * self.block_size
-            return buffer[None, :, first : first + n]  # (1, Hkv, n, D): a view
-        return buffer.index_select(1, self._slots[seq_id][:n])[None]  # (1, Hkv, n, D): a gather
+            return buffer.narrow(2, self._tables[seq_id][0] * self.block_size, n)  # (1, Hkv, n, D): a view
+        return buffer.index_select(2, self._slots[seq_id][:n])  # (1, Hkv, n, D): a gather
+
+    def _where(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> Tensor:
+        """(T,) the pool slots of positions starts[i] .. starts[i] + counts[i] - 1 of each sequence, packed in order."""
+        if all(self._run[s] for s in seq_ids):  # slot = first slot + position: no tensor per sequence
+            bs, tables = self.block_size, self._tables
+            where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
+            return torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
+        return torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
 
 
 class PagedBatch:
@@ -284,8 +295,8 @@ class PagedBatch:
         total = sum(self.new_tokens)
         if t != total:
             raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")
-        device = self.cache.k.device
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.new_tokens, strict=True)])[None]  # (1, T)
+        positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
+        return torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
 
     def bind(self, owner: object) -> None:
         self.cache.bind(owner)
@@ -301,14 +312,14 @@ class PagedBatch:
         self._check(k, v, attention_mask)
         cache._reserve(self.seq_ids, self.new_tokens)  # all blocks first, or an error and nothing changed
         self._done = True
-        where = torch.cat([cache._slots[s][a : a + n] for s, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True)])  # (T,)
+        where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
         with torch.no_grad():
             cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
             cache.v.index_copy_(1, where, v[0])
         parts, row = [], 0
         for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
             cache._lens[seq_id] = a + n
-            parts.append(Part(slice(row, row + n), cache._read(cache.k, seq_id, a + n), cache._read(cache.v, seq_id, a + n), None))
+            parts.append(Part(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
             row += n
         return parts
 
