@@ -254,6 +254,33 @@ def attention(
     return context
 
 
+def attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
+    softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
+) -> Tensor:
+    """``attention(q, k, v, cache=cache, ...)`` for a decode loop that checked once what cannot change between steps.
+
+    ``generate`` calls it through ``AttentionLayer.decode``: q (B, H, T, D), k and v (B, Hkv, T, D)
+    of one dtype and device, a ``KVCache`` of theirs with room for T more (its window equal to
+    ``window``), no padding among the new tokens, no mask, documents or dropout, the default
+    scale. Nothing of that is checked here; the numbers are ``attention``'s.
+
+    Returns:
+        (B, H, T, D).
+    """
+    run = _choose(backend)
+    part = cache.append_unchecked(k, v)[0]  # one Part: every query over (B, Hkv, S, D) x2, (B, S) or None
+    k, v, real = part.keys, part.values, part.attention_mask
+    keep = None if window is None or not causal else window + q.shape[2] - 1  # as _read_cache trims
+    if keep is not None and k.shape[2] > keep:
+        k, v, real = k[:, :, -keep:], v[:, :, -keep:], None if real is None else real[:, -keep:]  # (B, Hkv, keep, D) x2, (B, keep)
+    spec = _spec(
+        q, k, causal=causal, window=window, mask=None, attention_mask=real, documents=None,
+        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=0.0, scale=1.0 / math.sqrt(q.shape[-1]),
+    )
+    return run(q, k, v, spec)  # (B, H, T, D)
+
+
 def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
     """(B, Hkv, S, D) keys or values with the rows of padded keys (real (B, S) False) set to zero.
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from .cache import Cache, KVCache, checked
-from .functional import attention, merge_heads, split_heads
+from .functional import attention, attention_unchecked, merge_heads, split_heads
 from .masks import inert_padding
 from .observe import report
 
@@ -193,6 +193,29 @@ class AttentionLayer(nn.Module):
         out = self.project_out(merge_heads(context))  # (B, T, C)
         report("output", out)
         return out
+
+    def decode(self, x: Tensor, cache: KVCache, position_ids: Tensor | None = None) -> Tensor:
+        """``forward(x, cache=cache, position_ids=position_ids)`` for a decode loop that checked once
+        what cannot change between steps (``generate`` does, before its first step).
+
+        Trusted: x (B, T, d_in) of the module's dtype and device, no padding among its tokens,
+        a ``KVCache`` already bound to this module with room for T more, eval mode, autograd off,
+        nobody observing, no hooks. Nothing of that is checked here (no host reads either); the
+        numbers are ``forward``'s, bit for bit.
+
+        Returns:
+            (B, T, C).
+        """
+        past = len(cache)
+        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+        queries = split_heads(queries, self.head_dim)  # (B, H, T, D)
+        keys = split_heads(keys, self.head_dim)  # (B, Hkv, T, D)
+        values = split_heads(values, self.head_dim)  # (B, Hkv, T, D)
+        queries, keys = self.position(queries, keys, past, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+        context = attention_unchecked(
+            queries, keys, values, cache, causal=self.causal, window=self.window, backend=self.backend, **self.score_terms()
+        )  # (B, H, T, D)
+        return self.project_out(merge_heads(context))  # (B, T, C)
 
     def _cross(
         self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, attention_mask: Tensor | None,

@@ -116,10 +116,10 @@ def int8_weights(model: nn.Module) -> nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight, child.bias))
+        setattr(parent, name, Int8Linear(child.weight, child.bias).train(child.training))  # an eval model stays all eval
     tied = getattr(type(model), "tied_embedding", None)
     if tied is not None and getattr(model, "lm_head", 0) is None:
-        model.lm_head = Int8Linear(model.get_submodule(tied).weight)
+        model.lm_head = Int8Linear(model.get_submodule(tied).weight).train(model.training)
     return model
 
 

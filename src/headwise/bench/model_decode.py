@@ -3,8 +3,10 @@
 A decode step reads every weight once and the KV cache it attends over: its speed limit is
 memory bandwidth. Each row here reports, for one model, dtype, batch B and context:
 
-- ``headwise_ms``: one step (``next_logits`` of B new tokens through a ``KVCache`` per layer
-  holding ``context - 1`` tokens, then cropped back), median of interleaved repeats;
+- ``headwise_ms``: one step as ``generate`` runs it (``step_logits``, unchecked: of B new tokens
+  through a ``KVCache`` per layer holding ``context - 1`` tokens, then cropped back), median of
+  interleaved repeats; ``checked_ms``: the same step through ``next_logits``, every argument
+  checked in every layer (what each step cost before ``generate`` checked once per call);
 - ``transformers_ms``: transformers' model on the same weights, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; for int8 rows, None (transformers has no such CPU path);
 - ``read_bytes``: bytes a step reads: every projection and LM-head weight as stored (int8 +
@@ -12,6 +14,8 @@ memory bandwidth. Each row here reports, for one model, dtype, batch B and conte
 - ``sum_gbps``: the machine's read bandwidth measured in the same interleaved rounds (a
   512 MiB float32 ``sum``), so that the share is taken under the same load.
 
+The models are built as a user builds them (outside ``torch.inference_mode``: inference-mode
+parameters cannot be packed or stacked once, ``headwise.linear``), then timed in inference mode.
 The caches are filled with the same random keys and values for both libraries (a step costs
 the same whatever they hold), so no prefill is run for a decode row and both libraries' logits
 can be compared (``max_abs_diff``). ``prefill`` compares the 480-token prompt pass that
@@ -58,6 +62,7 @@ class DecodeSpeed:
     Attributes:
         model, dtype, batch, context: what was run ("gpt2" / "llama", "fp32" / "bf16" / "int8").
         headwise_ms, transformers_ms: one step (transformers: None for int8).
+        checked_ms: headwise's step through ``next_logits`` (every layer's checks, every step).
         read_bytes: weights + KV a step reads.
         sum_gbps: the 512 MiB sum's GB/s in the same rounds.
         max_abs_diff: largest |headwise - transformers| over the step's logits (None without transformers).
@@ -75,6 +80,7 @@ class DecodeSpeed:
     max_abs_diff: float | None
     repeats: int
     threads: int
+    checked_ms: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -175,7 +181,13 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
 
     def headwise() -> Tensor:
-        logits = ours.next_logits(token, None, None, caches)  # (B, vocab)
+        logits = ours.step_logits(token, None, caches)  # (B, vocab): generate's step
+        for cache in caches:
+            cache.crop(context - 1)
+        return logits
+
+    def checked() -> Tensor:
+        logits = ours.next_logits(token, None, None, caches)  # (B, vocab): every argument checked in every layer
         for cache in caches:
             cache.crop(context - 1)
         return logits
@@ -185,7 +197,8 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
         hf_cache.crop(-1)  # a negative count of tokens to drop
         return logits
 
-    return {"headwise": headwise} if theirs is None else {"headwise": headwise, "transformers": transformers}
+    steps = {"headwise": headwise, "checked": checked}
+    return steps if theirs is None else {**steps, "transformers": transformers}
 
 
 def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, compile: bool) -> dict[str, Callable[[], object]]:
@@ -235,10 +248,10 @@ def decode_speeds(
     gen = torch.Generator().manual_seed(seed)
     big = torch.ones(SUM_BYTES // 4)  # (128 Mi,) float32: the read-bandwidth probe
     rows = []
-    with torch.inference_mode():
-        for name in models:
-            for dtype in dtypes:
-                ours, theirs = build(name, dtype, positions=positions, seed=seed, hf=hf, tiny=tiny)
+    for name in models:
+        for dtype in dtypes:
+            ours, theirs = build(name, dtype, positions=positions, seed=seed, hf=hf, tiny=tiny)  # as a user builds them
+            with torch.inference_mode():
                 for batch, context in shapes:
                     if progress:
                         progress(f"{name} {dtype} B={batch} context {context}")
@@ -246,10 +259,12 @@ def decode_speeds(
                     outs: dict[str, Tensor] = {}
                     med = _medians(interleaved({k: keeping(s, outs, k) for k, s in steps.items()}, repeats=repeats, warmup=warmup))
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
+                    if not torch.equal(outs["headwise"], outs["checked"]):
+                        raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
                     rows.append(DecodeSpeed(name, dtype, batch, context, med["headwise"], med.get("transformers"),
                                             read_bytes(ours, batch, context), SUM_BYTES / med["sum"] / 1e6, diff, repeats,
-                                            torch.get_num_threads()))
-                del ours, theirs
+                                            torch.get_num_threads(), med["checked"]))
+            del ours, theirs
     return rows
 
 
@@ -293,12 +308,12 @@ def prefill_and_generate(
     _checks.integer("repeats", repeats, low=1)
     rows = []
     ids = torch.randint(0, 211 if tiny else 32000, (1, prompt), generator=torch.Generator().manual_seed(seed))  # (1, T)
-    with torch.inference_mode():
-        for name in models:
-            for dtype in dtypes:
-                if progress:
-                    progress(f"{name} {dtype}: prefill and generate")
-                ours, theirs = build(name, dtype, positions=max(1024, prompt + new_tokens), seed=seed, tiny=tiny)
+    for name in models:
+        for dtype in dtypes:
+            if progress:
+                progress(f"{name} {dtype}: prefill and generate")
+            ours, theirs = build(name, dtype, positions=max(1024, prompt + new_tokens), seed=seed, tiny=tiny)  # as a user builds them
+            with torch.inference_mode():
                 med = _medians(interleaved(_calls(ours, theirs, ids, new_tokens, compile), repeats=repeats, warmup=1))
                 threads = torch.get_num_threads()
                 rows.append(Comparison("prefill", name, dtype, med["headwise prefill"], med["transformers prefill"], repeats, threads))
@@ -314,12 +329,13 @@ def prefill_and_generate(
 
 def markdown(speeds: Sequence[DecodeSpeed], comparisons: Sequence[Comparison]) -> str:
     """The README's tables."""
-    out = ["| model | dtype | B | context | headwise ms | tok/s | MB read | GB/s | share of sum GB/s | sum GB/s | transformers ms | speed-up |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| model | dtype | B | context | headwise ms | checked ms | tok/s | MB read | GB/s | share of sum GB/s | sum GB/s | transformers ms | speed-up |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in speeds:
         hf = "—" if r.transformers_ms is None else f"{r.transformers_ms:.1f}"
         up = "—" if r.speedup is None else f"{r.speedup:.2f}x"
-        out.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.headwise_ms:.1f} | {r.tokens_per_s:.0f} | {r.read_bytes / 1e6:.0f} | "
+        checked = "—" if r.checked_ms is None else f"{r.checked_ms:.1f}"
+        out.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.headwise_ms:.1f} | {checked} | {r.tokens_per_s:.0f} | {r.read_bytes / 1e6:.0f} | "
                    f"{r.gbps:.1f} | {r.share:.2f} | {r.sum_gbps:.1f} | {hf} | {up} |")
     if comparisons:
         out += ["", "| call | model | dtype | headwise ms | transformers ms | speed-up |", "|---|---|---|---:|---:|---:|"]

@@ -205,6 +205,21 @@ class KVCache:
         """``update``, answered as the cache protocol's one ``Part`` covering every query."""
         return [Part(slice(None), *self.update(k, v, attention_mask))]
 
+    def append_unchecked(self, k: Tensor, v: Tensor) -> list[Part]:
+        """``append(k, v)`` for a caller that checked once what cannot change between decode steps.
+
+        For a generation loop: k and v (B, Hkv, T, D) of this cache's dtype and device, room for
+        T more tokens, no padding among them, autograd off and nothing recorded (``_graph`` None).
+        Nothing is checked here; what is stored and returned is what ``append`` stores and returns.
+        """
+        if self.window is not None:
+            return [Part(slice(None), *self._update_ring(k, v, None))]
+        start, end = self._len, self._len + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self._len = end
+        return [Part(slice(None), self.k[:, :, :end], self.v[:, :, :end], self.real[:, :end] if self._padded else None)]
+
     def _update_ring(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         W, T, start = self.window, k.shape[2], self._len
         new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)

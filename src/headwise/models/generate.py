@@ -13,9 +13,11 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as _module  # the global hook registries
 
 from .. import _checks
 from ..cache import KVCache
+from ..observe import observing
 from . import _inputs
 
 
@@ -85,6 +87,7 @@ class Generates:
         caches = self.new_caches(b, t + max_new_tokens)
         position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
+        run_step = self.step_logits if unchecked_steps(self) else lambda ids, pos, caches: self.next_logits(ids, pos, None, caches)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)
@@ -96,8 +99,26 @@ class Generates:
                 break
             if position is not None:
                 position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
-            logits = self.next_logits(token[:, None], position, None, caches)  # (B, vocab)
+            logits = run_step(token[:, None], position, caches)  # (B, vocab)
         return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def unchecked_steps(model: object) -> bool:
+    """Whether ``generate``'s decode steps may run unchecked (``model.step_logits``), decided once a call.
+
+    Each step feeds the model one token per row that ``generate`` itself chose, at the position
+    after the last, into caches it made with room for every new token and that the checked
+    prompt pass bound to their layers: nothing a per-step check could catch changes between
+    steps, as long as the model has a ``step_logits``, is in eval mode (no dropout), has no
+    forward hooks (an unchecked step calls the attention layers' ``decode``, not their
+    ``__call__``) and nobody observes it (``headwise.observe`` reads the checked path's steps).
+    Otherwise every step goes through ``next_logits`` and its checks.
+    """
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "step_logits")) or observing():
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return not any(m.training or m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def prompt_padding(real: Tensor | None) -> Tensor | None:

@@ -181,6 +181,21 @@ class GPT2LMHeadModel(Generates, nn.Module):
             position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
         return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
 
+    def step_logits(self, input_ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
+        """``next_logits(input_ids, position_ids, None, caches)`` unchecked: a decode step of ``generate``,
+        which checked once what cannot change between steps (see ``generate.unchecked_steps``).
+
+        (B, T) ids through the caches -> (B, vocab) logits of the last token, bit for bit ``next_logits``'s.
+        """
+        if position_ids is None:
+            position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
+        t = self.transformer
+        x = t.wte(input_ids) + t.wpe(position_ids)  # (B, T, C): dropout is off in eval mode
+        for block, cache in zip(t.h, caches, strict=True):
+            x = x + block.attn.decode(block.ln_1(x), cache)  # (B, T, C)
+            x = x + block.mlp(block.ln_2(x))  # (B, T, C)
+        return self._head(t.ln_f(x[:, -1:]))[:, 0]  # (B, vocab): the LM head on the last row only
+
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``)."""
         c, weight = self.config, self.transformer.wte.weight

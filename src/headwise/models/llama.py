@@ -277,6 +277,20 @@ class LlamaForCausalLM(Generates, nn.Module):
         """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
         return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
 
+    def step_logits(self, input_ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
+        """``next_logits(input_ids, position_ids, None, caches)`` unchecked: a decode step of ``generate``,
+        which checked once what cannot change between steps (see ``generate.unchecked_steps``).
+
+        (B, T) ids through the caches -> (B, vocab) logits of the last token, bit for bit ``next_logits``'s.
+        """
+        x = self.model["embed_tokens"](input_ids)  # (B, T, C)
+        for layer, cache in zip(self.model["layers"], caches, strict=True):
+            x = x + layer.self_attn.decode(layer.input_layernorm(x), cache, position_ids)  # (B, T, C)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))  # (B, T, C)
+        x = self.model["norm"](x[:, -1:])  # (B, 1, C)
+        logits = linear(x, self.model["embed_tokens"].weight) if self.lm_head is None else project(self.lm_head, x)  # (B, 1, vocab)
+        return logits[:, 0]  # (B, vocab)
+
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a
         sliding layer keeps every token too (its window is applied by attention)."""
