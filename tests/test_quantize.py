@@ -155,3 +155,36 @@ def test_misuse_is_named():
         Int8Linear(torch.arange(3))
     with pytest.raises(ValueError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got \(2, 8\)"):
         Int8Linear(torch.randn(4, 16))(torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none, got \['in_features=16, out_features=4"):
+        Int8Linear.stack([Int8Linear(torch.randn(4, 16)), Int8Linear(torch.randn(4, 8))])
+    with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none"):
+        Int8Linear.stack([Int8Linear(torch.randn(4, 16)), Int8Linear(torch.randn(4, 16), torch.randn(4))])
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])  # the kernel, the kernel at B = 8, the dequantized path
+@pytest.mark.parametrize("bias", [True, False])
+@torch.no_grad()
+def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
+    """Q/K/V (or gate/up) as int8 layers: one stacked layer, made once, each output as the layer's own."""
+    gen = torch.Generator().manual_seed(2)
+    layers = [Int8Linear(torch.randn(n, 64, generator=gen), torch.randn(n, generator=gen) if bias else None) for n in (64, 32, 32)]
+    x = torch.randn(rows, 1, 64, generator=gen)  # (B, 1, K)
+    stacked = []
+    original = Int8Linear.forward
+    def counted(self, x):
+        stacked.append(self.out_features)
+        return original(self, x)
+    Int8Linear.forward = counted
+    try:
+        got = hl.project_many(layers, x)
+        again = hl.project_many(layers, x)
+    finally:
+        Int8Linear.forward = original
+    assert stacked == [128, 128]  # one call of one (64+32+32)-wide layer each time
+    for layer, y, y2 in zip(layers, got, again, strict=True):
+        assert torch.equal(y, layer(x)) and torch.equal(y2, y)  # every channel keeps its own row and scale
+    layers[1].weight[0, 0] += 1  # a changed weight makes a new stack
+    assert torch.equal(hl.project_many(layers, x)[1], layers[1](x))
+    seen = []
+    layers[2].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert [y.shape for y in hl.project_many(layers, x)] == [(rows, 1, 64), (rows, 1, 32), (rows, 1, 32)] and seen == [(rows, 1, 32)]

@@ -339,7 +339,9 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     ``torch.compile`` traces) the stacking is a ``torch.cat`` in the graph, so every weight gets its gradient; without it the stack is made
     once and remade when any weight or bias changes (``_version``). The results are views of one
     (..., sum N) tensor. Otherwise (or for inference tensors, which have no version, and tensor
-    subclasses such as DTensor, which shard their own way) each layer runs alone.
+    subclasses such as DTensor, which shard their own way) each layer runs alone. Layers of one
+    class with a ``stack(layers)`` classmethod (``headwise.quantize.Int8Linear``), none hooked,
+    run the same way: one stacked layer, made once and remade when any of their tensors changes.
 
     Args:
         layers: layers with weights (N_i, K).
@@ -348,6 +350,8 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     Returns:
         one (..., N_i) tensor per layer.
     """
+    if len(layers) > 1 and _stackable(layers):
+        return _project_stacked(layers, x)
     if not (len(layers) > 1 and all(_plain(layer) for layer in layers)):
         return [project(layer, x) for layer in layers]
     weights = [layer.weight for layer in layers]
@@ -367,12 +371,33 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     return list(y.split([w.shape[0] for w in weights], dim=-1))  # (..., N_i) each
 
 
+def _stackable(layers: Sequence[nn.Module]) -> bool:
+    """Layers of one class that offers ``stack(layers)`` (``headwise.quantize.Int8Linear``), none with hooks."""
+    kind = type(layers[0])
+    return callable(getattr(kind, "stack", None)) and all(type(layer) is kind and _hookless(layer) for layer in layers)
+
+
+def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
+    """``project_many`` for layers of a class with ``stack``: one stacked layer, made once and remade when any
+    of their tensors changes (as the stacked ``nn.Linear`` weights are), then split (..., N_i)."""
+    owners = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]  # their own tensors
+    if not _watchable() or not _plain_tensors(x, *owners) or any(t.is_inference() for t in owners):
+        return [layer(x) for layer in layers]
+    stacked = _cached(_STACKED, owners, lambda: type(layers[0]).stack(layers))
+    y = stacked(x)  # (..., sum N)
+    return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
+
+
 def _plain_tensors(*tensors: Tensor | None) -> bool:
     return all(type(t) in (Tensor, nn.Parameter) for t in tensors if t is not None)
 
 
 def _plain(layer: nn.Module) -> bool:
-    return type(layer) is nn.Linear and not layer._forward_hooks and not layer._forward_pre_hooks and not _global_module_hooks()
+    return type(layer) is nn.Linear and _hookless(layer)
+
+
+def _hookless(layer: nn.Module) -> bool:
+    return not layer._forward_hooks and not layer._forward_pre_hooks and not _global_module_hooks()
 
 
 def _global_module_hooks() -> bool:

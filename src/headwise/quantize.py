@@ -22,6 +22,7 @@ each output once more; ``int8_errors`` measures what that and the int8 weights c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +60,32 @@ class Int8Linear(nn.Module):
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
         w = weight.detach().float()  # (N, K)
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,): a zero row keeps scale > 0
-        self.register_buffer("weight", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))  # (N, K)
+        self._hold((w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales, None if bias is None else bias.detach().clone())
+
+    def _hold(self, weight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
+        """Register the (N, K) int8 weight, its (N,) float32 scales and the (N,) bias or None."""
+        self.register_buffer("weight", weight)  # (N, K) int8
         self.register_buffer("scales", scales)  # (N,)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())  # (N,)
-        self.register_buffer("_ones", torch.ones(w.shape[0], dtype=torch.bfloat16, device=w.device), persistent=False)  # (N,)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("bias", bias)  # (N,)
+        self.register_buffer("_ones", torch.ones(weight.shape[0], dtype=torch.bfloat16, device=weight.device), persistent=False)  # (N,)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def stack(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
+        """One ``Int8Linear`` whose output is the layers' outputs side by side: (..., K) -> (..., sum N).
+
+        Their int8 weights, scales and biases concatenated (all with a bias or all without), so
+        ``headwise.linear.project_many`` reads x once and runs one kernel call for, say, Q, K
+        and V; every output channel keeps its own weight row and scale.
+        """
+        biases = [layer.bias for layer in layers]
+        if len({layer.in_features for layer in layers}) != 1 or len({b is None for b in biases}) != 1:
+            raise ValueError(f"layers must share in_features and all have a bias or none, got {[layer.extra_repr() for layer in layers]}")
+        stacked = cls.__new__(cls)
+        nn.Module.__init__(stacked)
+        stacked._hold(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]),  # (sum N, K), (sum N,)
+                      None if biases[0] is None else torch.cat(biases))  # (sum N,)
+        return stacked.train(layers[0].training)
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
