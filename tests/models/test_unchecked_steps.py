@@ -86,6 +86,8 @@ def test_generate_checks_every_step_when_it_cannot_trust_them():
     with observe(lambda name, tensor: None):
         assert not unchecked_steps(model)  # an observer reads the checked path's steps
     assert not unchecked_steps(nn.Linear(2, 2))  # no step_logits
+    model.next_logits = torch.compile(model.next_logits)  # the caller's own step (not compiled until called)
+    assert not unchecked_steps(model)
 
 
 def test_a_hooked_attention_layer_sees_every_step():

@@ -111,10 +111,12 @@ def unchecked_steps(model: object) -> bool:
     prompt pass bound to their layers: nothing a per-step check could catch changes between
     steps, as long as the model has a ``step_logits``, is in eval mode (no dropout), has no
     forward hooks (an unchecked step calls the attention layers' ``decode``, not their
-    ``__call__``) and nobody observes it (``headwise.observe`` reads the checked path's steps).
-    Otherwise every step goes through ``next_logits`` and its checks.
+    ``__call__``), nobody observes it (``headwise.observe`` reads the checked path's steps) and
+    its ``next_logits`` is the class's own (one replaced on the model, e.g. by
+    ``torch.compile(model.next_logits)``, runs every step as before). Otherwise every step goes
+    through ``next_logits`` and its checks.
     """
-    if not (isinstance(model, torch.nn.Module) and hasattr(model, "step_logits")) or observing():
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "step_logits")) or "next_logits" in vars(model) or observing():
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
