@@ -22,7 +22,7 @@ backend: plain functions ``fn(q, k, v, spec)`` in ``BACKENDS``, chosen in ``_cho
             to an observer (``headwise.observe``).
     "sdpa"  torch's fused kernels, ``is_causal`` instead of a mask whenever it means the
             same, native GQA; sinks through the kernel's log-sum-exp, ALiBi as a per-block
-            bias, softcap by the math over blocks of queries, packed documents one kernel
+            bias, softcap over blocks of queries (``backends.softcap``), packed documents one kernel
             call per document (``headwise.backends``).
     "auto"  "sdpa", or "math" while someone observes.
 

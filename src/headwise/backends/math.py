@@ -3,8 +3,9 @@
 ``run`` computes the whole (B, H, T, S) score tensor and reports each step to an observer
 (``scores``, ``capped_scores``, ``masked_scores``, ``weights``). ``run_chunked`` is the same
 arithmetic over blocks of queries, each against only the keys it may see (causal and window
-ranges cut off up front), so memory stays bounded by the block, not by T x S: the fast path
-for softcap, which no fused kernel computes.
+ranges cut off up front), so memory stays bounded by the block, not by T x S in a forward
+(autograd keeps each block's weights): where a term no fused kernel takes meets dropout or a
+trained bias (``softcap.py`` runs softcap otherwise).
 
 Order, per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> masks (-inf)
 -> softmax over the keys and the sink -> dropout -> @ v. Half inputs get float32 logits and

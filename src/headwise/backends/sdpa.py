@@ -7,8 +7,9 @@
   the rescaled output, plus the sink's gradient). Elsewhere (CUDA, dropout) the chunked math;
 - ALiBi: the bias is an additive mask, folded per block of queries (the kernel stays fused,
   the bias costs one block at a time, never (H, T, S));
-- softcap: the tanh acts on each score, which no fused kernel exposes: the chunked math
-  (``math.run_chunked``), with causal and window ranges cut off per block;
+- softcap: the tanh acts on each score, which no fused kernel exposes: ``softcap.run``, the
+  scores over blocks of queries (causal and window ranges cut off per block), tanh through a
+  sigmoid, and a backward that recomputes each block instead of keeping its weights;
 - documents: ``packed.run``, one kernel call per document (or per group of equal short ones).
 """
 
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from ..scores import sink_share
 from . import math as math_backend
-from . import packed
+from . import packed, softcap
 from .spec import Spec
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -92,7 +93,9 @@ def _sinks_fused(q: Tensor, v: Tensor, spec: Spec) -> bool:
 
 def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """Every term but documents folded into fused kernel calls (B, H, T, D) -> (B, H, T, Dv)."""
-    if spec.softcap is not None or (spec.sinks is not None and not _sinks_fused(q, v, spec)):
+    if spec.softcap is not None:
+        return softcap.run(q, k, v, spec)
+    if spec.sinks is not None and not _sinks_fused(q, v, spec):
         return math_backend.run_chunked(q, k, v, spec)
     T, S = spec.T, spec.S
     if spec.alibi is None:

@@ -5,7 +5,10 @@
   into SDPA); time and peak memory (each way in a fresh subprocess on the CPU);
 - softcap, sinks, ALiBi: headwise with the term against plain causal headwise (the ratio is
   the term's cost), and against the eager functions transformers runs for them (Gemma 2's
-  and gpt-oss's ``eager_attention_forward``), forward and forward+backward.
+  and gpt-oss's ``eager_attention_forward``), forward and forward+backward. For softcap, the
+  ways tried beside the one kept: the blocked math with ``torch.tanh`` differentiated by
+  autograd (every block's weights kept for the backward), and (``--flex``, which compiles
+  and needs a C++ compiler) torch's ``flex_attention`` with a softcap ``score_mod``.
 
 ``python -m headwise.bench.variants`` or ``headwise bench --variants`` prints the tables.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..backends import math as math_backend
+from ..backends.spec import Spec
 from ..functional import attention
 from ..masks import documents_from_cu_seqlens
 from ..scores import alibi_slopes
@@ -136,9 +142,21 @@ def _transformers_eager() -> dict[str, Callable] | str:
     return {"gemma2": gemma2, "gpt_oss": gpt_oss}
 
 
+def _flex_softcap(tokens: int, softcap: float) -> Callable[..., Tensor]:
+    """torch.compile(flex_attention) with a softcap ``score_mod`` and a causal block mask (compiled at the first call)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    blocks = create_block_mask(lambda b, h, i, j: i >= j, None, None, tokens, tokens, device="cpu")
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, score_mod=lambda s, b, h, i, j: softcap * torch.tanh(s / softcap), block_mask=blocks)
+
+
 def terms(batch: int = 4, tokens: int = 1024, heads: int = 12, head_dim: int = 64, *, softcap: float = 50.0,
-          modes: tuple[str, ...] = ("forward", "backward"), repeats: int = 5, warmup: int = 1) -> list[VariantRow]:
-    """Each term's cost over plain causal headwise, and transformers' eager way beside it (B, T, GPT-2-small heads, fp32)."""
+          modes: tuple[str, ...] = ("forward", "backward"), repeats: int = 5, warmup: int = 1, flex: bool = False) -> list[VariantRow]:
+    """Each term's cost over plain causal headwise, and transformers' eager way beside it (B, T, GPT-2-small heads, fp32).
+
+    ``flex`` adds compiled ``flex_attention`` with softcap (its compile runs in the warmup round).
+    """
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, tokens, head_dim, generator=g) for _ in range(3))  # (B, H, T, D) x3
     sinks = torch.randn(heads, generator=g)  # (H,)
@@ -153,7 +171,12 @@ def terms(batch: int = 4, tokens: int = 1024, heads: int = 12, head_dim: int = 6
         "headwise softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=softcap),
         "headwise sinks": lambda q, k, v: attention(q, k, v, causal=True, sinks=sinks),
         "headwise ALiBi": lambda q, k, v: attention(q, k, v, causal=True, alibi_slopes=slopes),
+        "softcap: tanh, autograd over blocks": lambda q, k, v: math_backend.run_chunked(
+            q, k, v, Spec(T=tokens, S=tokens, causal=True, softcap=softcap, scale=scale)
+        ),
     }
+    if flex:
+        ways["softcap: flex_attention compiled"] = _flex_softcap(tokens, softcap)
     if isinstance(hf, dict):
         ways["transformers Gemma 2 eager (softcap)"] = lambda q, k, v: hf["gemma2"](module, q, k, v, min_mask, scaling=scale, softcap=softcap)[0]
         ways["transformers gpt-oss eager (sinks)"] = lambda q, k, v: hf["gpt_oss"](module, q, k, v, min_mask, scaling=scale)[0]
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--only", choices=("packed", "terms"), default=None)
+    p.add_argument("--flex", action="store_true", help="add compiled flex_attention with softcap (needs a C++ compiler; compiles ~1 min)")
     p.add_argument("--_peak", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._peak:
@@ -217,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "packed"):
         rows += packed(repeats=args.repeats, warmup=args.warmup)
     if args.only in (None, "terms"):
-        rows += terms(repeats=args.repeats, warmup=args.warmup)
-    print(f"machine: {machine()}\n")
+        rows += terms(repeats=args.repeats, warmup=max(1, args.warmup) if args.flex else args.warmup, flex=args.flex)
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} (1 min)\n")
     print(markdown(rows))
 
 

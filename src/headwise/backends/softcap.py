@@ -1,0 +1,152 @@
+"""Softcapped attention over blocks of queries, with a backward that recomputes instead of storing.
+
+No fused kernel computes ``cap * tanh(scores / cap)``, so the scores are written out, one block
+of queries at a time against only the keys it may see (``math.visible``). Two things make it
+cheap:
+
+- **tanh through sigmoid.** ``cap * tanh(y / cap) = 2 cap * sigmoid(2 y / cap) - cap``, and a
+  softmax ignores a constant shift, so the logits are ``2 cap * sigmoid(2 y / cap)``: torch's
+  CPU sigmoid is several times faster than its tanh. The ``2 scale / cap`` goes into q before
+  the product (T x D numbers, not T x S). In float32 a logit's absolute error grows to about
+  ``cap * 6e-8`` (a softmax weight's relative error, the same), against the tanh's ``|score| *
+  6e-8``; in float64 both are at rounding.
+- **A flash-style backward** (``CappedAttention``): the forward keeps only its inputs and
+  output; the backward recomputes each block's weights P and sigmoids s and applies
+  ``dS = P * (dP - rowsum(dO * O))`` (the sink's logit carries no value, so the same row sum
+  holds with sinks) times the tanh's derivative ``1 - tanh^2 = 4 s (1 - s)``. Memory stays one
+  block's scores in backward too, where autograd would keep every block's weights.
+
+Terms it does not take (dropout, or an ALiBi slope or float mask that wants a gradient) go
+to ``math.run_chunked``, which autograd differentiates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import math as math_backend
+from .spec import Spec
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _blocks(spec: Spec, B: int, H: int) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1): blocks of queries and the keys each may see (none for queries that see nothing)."""
+    step = max(1, math_backend.BLOCK_ELEMENTS // max(1, B * H * spec.S))  # the math backend's block size: a few MiB
+    out = []
+    for r0 in range(0, spec.T, step):
+        r1 = min(spec.T, r0 + step)
+        c0, c1 = math_backend.visible(spec, r0, r1)
+        out.append((r0, r1, c0, c1))
+    return out
+
+
+def _grouped(x: Tensor, Hkv: int) -> Tensor:
+    """(B, H, t, n) -> (B, Hkv, G*t, n): each key head's query heads stacked as rows (a copy only when G > 1)."""
+    B, H, t, n = x.shape
+    return x.reshape(B, Hkv, (H // Hkv) * t, n)
+
+
+def _probs(
+    qs: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], keep: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, and (``keep``) the sigmoids s behind them.
+
+    ``qs`` holds q * 2 scale / cap (float32 for half inputs): s = sigmoid(qs . k), the logits
+    2 cap * s (+ bias), masked, then the softmax over the keys and the sink, in place.
+    """
+    B, H, t, _ = qs.shape
+    sig = math_backend.scores(qs, k).sigmoid_()  # (B, H, t, s)
+    logits = sig * (2.0 * spec.softcap) if keep else sig.mul_(2.0 * spec.softcap)  # (B, H, t, s)
+    sig = sig if keep else None
+    bias = spec.bias(rows, cols, qs.device)  # (B?, H?, t, s) or None
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype))
+    edge = math_backend._edge(spec, rows, cols)  # keys before it are visible to every row of the block
+    allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
+    if allowed is not None:
+        logits[..., edge:].masked_fill_(~allowed, -math.inf)
+    if spec.sinks is not None:  # the sink joins the softmax, its share is dropped: a row of -inf gives zeros, no NaN
+        sink = (spec.sinks.to(logits.dtype) + spec.softcap)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1): shifted as the logits are
+        return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].contiguous(), sig  # (B, H, t, s)
+    live = None if edge else math_backend._live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
+    if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
+        logits.masked_fill_(~live, 0.0)
+    p = torch.softmax(logits, dim=-1, out=logits)  # (B, H, t, s)
+    if live is not None:
+        p.masked_fill_(~live, 0.0)
+    return p, sig
+
+
+def _scaled_q(q: Tensor, spec: Spec) -> Tensor:
+    """q * 2 scale / cap, float32 for half inputs: (B, H, T, D)."""
+    return (q.float() if q.dtype in _HALF else q) * (2.0 * spec.scale / spec.softcap)
+
+
+class CappedAttention(torch.autograd.Function):
+    """Softcapped attention over blocks of queries; backward recomputes each block (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, spec: Spec) -> Tensor:
+        B, H, T, _ = q.shape
+        Hkv = k.shape[1]
+        wide = torch.float32 if q.dtype in _HALF else q.dtype
+        qs, kw = _scaled_q(q, spec), k.to(wide)  # (B, H, T, D), (B, Hkv, S, D)
+        out = q.new_zeros(B, H, T, v.shape[3])  # (B, H, T, Dv): rows that see no key stay zero
+        for r0, r1, c0, c1 in _blocks(spec, B, H):
+            if c1 <= c0:
+                continue
+            p, _ = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1))  # (B, H, t, s)
+            ctx_blk = _grouped(p.to(v.dtype), Hkv) @ v[:, :, c0:c1]  # (B, Hkv, G*t, Dv)
+            out[:, :, r0:r1] = ctx_blk.view(B, H, r1 - r0, -1)
+        ctx.save_for_backward(q, k, v, sinks, out)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple:
+        q, k, v, sinks, out = ctx.saved_tensors
+        spec = ctx.spec
+        B, H, T, _ = q.shape
+        Hkv = k.shape[1]
+        wide = torch.float32 if q.dtype in _HALF else q.dtype
+        qs, kw, vw = _scaled_q(q, spec), k.to(wide), v.to(wide)  # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+        g = g.to(wide)  # (B, H, T, Dv)
+        delta = (g * out.to(wide)).sum(-1, keepdim=True)  # (B, H, T, 1): rowsum(dO * O)
+        dq = torch.zeros_like(qs)  # (B, H, T, D)
+        dk, dv = torch.zeros_like(kw), torch.zeros_like(vw)  # (B, Hkv, S, D), (B, Hkv, S, Dv)
+        dsinks = None if sinks is None else torch.zeros(B, H, T, dtype=wide, device=q.device)  # (B, H, T)
+        for r0, r1, c0, c1 in _blocks(spec, B, H):
+            if c1 <= c0:
+                continue
+            t = r1 - r0
+            p, sig = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2
+            g_blk = _grouped(g[:, :, r0:r1], Hkv)  # (B, Hkv, G*t, Dv)
+            dv[:, :, c0:c1] += _grouped(p, Hkv).transpose(-2, -1) @ g_blk  # (B, Hkv, s, Dv)
+            if dsinks is not None:  # the sink's weight is 1 - sum(P); its logit's gradient is -share * rowsum(dO * O)
+                dsinks[:, :, r0:r1] = -(1.0 - p.sum(-1)) * delta[:, :, r0:r1, 0]
+            ds = (g_blk @ vw[:, :, c0:c1].transpose(-2, -1)).view(B, H, t, -1)  # (B, H, t, s): dP
+            ds.sub_(delta[:, :, r0:r1]).mul_(p)  # dS = P (dP - rowsum(dO O)) w.r.t. the capped logits
+            ds.mul_(sig).mul_(sig.sub_(1.0))  # times s (s - 1) = -(1 - tanh^2) / 4: the sign and 4 go in below
+            ds = _grouped(ds, Hkv)  # (B, Hkv, G*t, s)
+            dq[:, :, r0:r1] = (ds @ kw[:, :, c0:c1]).view(B, H, t, -1)  # (B, H, t, D)
+            dk[:, :, c0:c1] += ds.transpose(-2, -1) @ _grouped(q[:, :, r0:r1].to(wide), Hkv)  # (B, Hkv, s, D)
+        d_scaled = -4.0 * spec.scale  # d logit / d(q.k) = scale (1 - tanh^2) = -4 scale s (s - 1)
+        grads_sinks = None if dsinks is None else dsinks.sum((0, 2)).to(sinks.dtype)  # (H,)
+        return (dq * d_scaled).to(q.dtype), (dk * d_scaled).to(k.dtype), dv.to(v.dtype), grads_sinks, None
+
+
+def takes(spec: Spec) -> bool:
+    """Whether ``CappedAttention`` computes this call exactly: softcap, no dropout, no bias that wants a gradient."""
+    trained_bias = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (spec.alibi, spec.mask))
+    return spec.softcap is not None and spec.dropout_p == 0.0 and not trained_bias
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """Softcapped attention (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv), over blocks of queries."""
+    if not takes(spec):
+        return math_backend.run_chunked(q, k, v, spec)
+    return CappedAttention.apply(q, k, v, spec.sinks, spec)  # (B, H, T, Dv)
