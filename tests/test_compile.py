@@ -11,6 +11,7 @@ A new module, model or attention variant joins by adding a ``Case`` to ``MODULES
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -339,3 +340,13 @@ def test_value_checks_run_inside_the_graph():
     ids[0, 1] = VOCAB
     with pytest.raises(RuntimeError, match=rf"input_ids must hold ids in \[0, vocab_size={VOCAB}\)"):
         model(ids)
+
+
+def test_an_additive_float_mask_compiles_whole_and_its_values_are_asserted_in_the_graph():
+    """The float mask's NaN/+inf check is an assert inside the graph (no host read, no graph break)."""
+    q = k = v = torch.randn(B, 4, 6, 8)
+    fn = torch.compile(lambda q, k, v, m: hw.attention(q, k, v, mask=m), backend="aot_eager", fullgraph=True)
+    bias = torch.randn(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(fn(q, k, v, bias), hw.attention(q, k, v, mask=bias))
+    with pytest.raises(RuntimeError, match=r"mask \(additive float\) must hold finite numbers or -inf"):
+        fn(q, k, v, bias.clone().fill_(math.nan))

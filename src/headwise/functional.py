@@ -105,8 +105,11 @@ def _check_mask(mask: object, q: Tensor, S: int) -> Tensor | None:
         return mask
     if not mask.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {mask.dtype}")
-    if _checks.has_values(mask) and bool((mask.isnan() | (mask == math.inf)).any()):  # one host read, for a float mask only
-        raise ValueError("mask (additive float) must hold finite numbers or -inf (= may not attend), got NaN or +inf")
+    if _checks.has_values(mask):  # one host read for a float mask (eager); an assert in the graph under torch.compile
+        _checks.holds(
+            ~(mask.isnan() | (mask == math.inf)).any(), "mask (additive float) must hold finite numbers or -inf (= may not attend)",
+            lambda: ", got NaN or +inf",
+        )
     return mask.to(q.dtype)
 
 
