@@ -8,7 +8,8 @@ import transformers
 from helpers import on, reference_weights, tol
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import reference_mha
+from reference import linear, reference_mha
+from reference_variants import variant_attention
 from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
@@ -191,3 +192,42 @@ def test_bad_input():
         attn(torch.randn(1, 5, 16))
     with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, tokens\) = \(1, 3\)"):
         attn(torch.randn(1, 3, 16), attention_mask=torch.ones(1, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- cross-attention
+
+
+def _cross_reference(attn: hw.GPT2MultiHeadAttention, x: torch.Tensor, memory: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Queries from x through c_attn's query rows, keys/values from the memory through its other rows, head by head (float64)."""
+    w = reference_weights(attn)
+    heads = lambda y, n: torch.stack(y.split(attn.head_dim, dim=-1), dim=1)  # noqa: E731  (B, n, T, D)
+    q = heads(linear(x, w["wq"], w["bq"]), attn.num_heads)
+    k = heads(linear(memory, w["wk"], w["bk"]), attn.num_kv_heads)
+    v = heads(linear(memory, w["wv"], w["bv"]), attn.num_kv_heads)
+    ctx = variant_attention(q, k, v, attention_mask=real)  # (B, H, T, D): every real context token visible
+    return linear(torch.cat(ctx.unbind(1), dim=-1), w["wo"], w["bo"])
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_cross_attention_uses_c_attn_rows_and_matches_the_reference(backend, n_kv_head):
+    torch.manual_seed(0)
+    config = hw.GPT2Config(n_embd=16, n_head=4, n_kv_head=n_kv_head, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0)
+    attn = hw.GPT2MultiHeadAttention(config, causal=False, backend=backend).double().eval()
+    x, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    real = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    memory[1, 4:] = float("nan")  # padding is inert
+    got = attn(x, context=memory, context_mask=real)
+    want = _cross_reference(attn, x, torch.where(real[..., None], memory, 0.0), real)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    cache = hw.ContextCache()  # decode steps reuse the context's keys and values
+    steps = [attn(x[:, :3], context=memory, context_mask=real, cache=cache), attn(x[:, 3:], cache=cache)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-12, rtol=1e-12)
+
+
+def test_cross_attention_needs_a_module_built_without_causal():
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=16, n_head=4, n_positions=32))
+    with pytest.raises(ValueError, match=r"cross-attention .* is not causal.*causal=False, got causal=True"):
+        attn(torch.randn(1, 3, 16), context=torch.randn(1, 4, 16))
+    with pytest.raises(TypeError, match=r"causal must be a bool, got str 'yes'"):
+        hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=16, n_head=4, n_positions=32), causal="yes")

@@ -5,12 +5,14 @@ from .config import GPT2Config
 from .convert import gpt2_attention_from_hf, gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .functional import attention, attention_weights
 from .fused import GPT2MultiHeadAttention
+from .layer import ContextCache
 from .masks import causal_mask
 from .observe import observe
 from .teaching import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper
 
 __all__ = [
     "CausalAttention",
+    "ContextCache",
     "GPT2Config",
     "GPT2MultiHeadAttention",
     "KVCache",

@@ -60,7 +60,7 @@ class ContextCache:
     Example:
         >>> import torch, headwise as hw
         >>> cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6)
-        >>> memory, cache = torch.randn(1, 5, 6), ContextCache()
+        >>> memory, cache = torch.randn(1, 5, 6), hw.ContextCache()
         >>> y = cross(torch.randn(1, 1, 8), context=memory, cache=cache)  # projects the 5 context tokens
         >>> y = cross(torch.randn(1, 1, 8), cache=cache)  # reuses them
         >>> len(cache)
