@@ -24,4 +24,7 @@ def test_small_runs_give_a_table():
     assert all(r.ms is not None and r.ms > 0 for r in rows if not r.note)
     assert {r.way for r in rows} >= {"headwise causal", "headwise softcap", "headwise sinks", "headwise ALiBi"}
     table = V.markdown(rows)
-    assert table.count("\n") == len(rows) + 1 and "one after another" in table
+    ways = {(r.case, r.way) for r in rows}
+    assert table.count("\n") == len(ways) + 1 and "one after another" in table  # one line per way, both modes on it
+    causal = next(line for line in table.splitlines() if "| headwise causal |" in line)
+    assert causal.count("1.00x") == 2  # the baseline of both modes

@@ -211,13 +211,25 @@ def _step(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, mode: str)
 
 
 def markdown(rows: list[VariantRow]) -> str:
-    """The rows as one Markdown table (ratios against the case's baseline: one after another, or plain causal)."""
-    lines = ["| case | way | mode | ms | x baseline | peak MiB |", "|---|---|---|---|---|---|"]
+    """The rows as one Markdown table, one line per way, forward and forward+backward side by side.
+
+    Ratios are against the case's baseline (the documents one after another, or plain causal).
+    """
+    lines = ["| case | way | forward ms | x baseline | fwd+bwd ms | x baseline | peak MiB |", "|---|---|---|---|---|---|---|"]
+    ways: dict[tuple[str, str], dict[str, VariantRow]] = {}
     for r in rows:
-        ms = "-" if r.ms is None else f"{r.ms:.1f}"
-        ratio = "-" if r.vs_baseline is None else f"{r.vs_baseline:.2f}x"
-        peak = "-" if r.peak_mib is None or math.isnan(r.peak_mib) else f"{r.peak_mib:.0f}"
-        lines.append(f"| {r.case} | {r.way}{' (' + r.note + ')' if r.note else ''} | {r.mode} | {ms} | {ratio} | {peak} |")
+        ways.setdefault((r.case, r.way), {})[r.mode] = r
+    last_case = None
+    for (case, way), modes in ways.items():
+        cells = []
+        for mode in ("forward", "backward"):
+            r = modes.get(mode)
+            cells += ["" if r is None or r.ms is None else f"{r.ms:.0f}", "" if r is None or r.vs_baseline is None else f"{r.vs_baseline:.2f}x"]
+        peak = next((r.peak_mib for r in modes.values() if r.peak_mib is not None and not math.isnan(r.peak_mib)), None)
+        note = next((r.note for r in modes.values() if r.note), "")
+        label = f"{way} ({note})" if note else way
+        lines.append(f"| {case if case != last_case else ''} | {label} | {' | '.join(cells)} | {'' if peak is None else f'{peak:.0f}'} |")
+        last_case = case
     return "\n".join(lines)
 
 
