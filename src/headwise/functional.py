@@ -24,7 +24,9 @@ backend: plain functions ``fn(q, k, v, spec)`` in ``BACKENDS``, chosen in ``_cho
             same, native GQA; sinks through the kernel's log-sum-exp, ALiBi as a per-block
             bias, softcap over blocks of queries (``backends.softcap``), packed documents one kernel
             call per document (``headwise.backends``).
-    "auto"  "sdpa", or "math" while someone observes.
+    "auto"  "sdpa", or "math" while someone observes, and "math" (blocks of queries) for
+            one bfloat16 query per row on the CPU, a decode step: there torch's fused CPU
+            kernel runs 5-17x slower than two matmuls (128-2048 keys, torch 2.13).
 
 ``attention`` is the one entry: with a ``KVCache`` it first appends the new keys and values
 to the cache, then attends over everything the cache holds (trimmed to what a sliding window
@@ -141,11 +143,19 @@ Backend = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
 BACKENDS: dict[str, Backend] = {"math": math_backend.run, "sdpa": sdpa_backend.run}
 
 
+def _auto(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """"auto" when nobody observes: SDPA, except for one bfloat16 query per row on the CPU (a decode
+    step), where torch's fused kernel is 5-17x slower than the math's two matmuls (128-2048 keys)."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and spec.T == 1:
+        return math_backend.run_chunked(q, k, v, spec)  # (B, H, 1, Dv)
+    return sdpa_backend.run(q, k, v, spec)  # (B, H, T, Dv)
+
+
 def _choose(backend: str) -> Backend:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be one of {['auto', *BACKENDS]} (a str), got {type(backend).__name__} {backend!r}")
     if backend == "auto":
-        return math_backend.run if observing() else sdpa_backend.run
+        return math_backend.run if observing() else _auto
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
     return BACKENDS[backend]
