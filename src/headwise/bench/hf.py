@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _argtypes, _checks
 from .._optional import require
 from .harness import machine
 from .timing import interleaved, keeping
@@ -175,13 +175,15 @@ def markdown(rows: Sequence[HFTiming]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.hf``: print the table."""
     p = argparse.ArgumentParser(prog="python -m headwise.bench.hf", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    positive = _argtypes.integer(1)
+    p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(list(MODELS)), "models"), default=list(MODELS),
+                   help=f"comma list of {list(MODELS)} (default: all)")
+    p.add_argument("--batch", type=positive, default=4)
+    p.add_argument("--tokens", type=positive, default=1024)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--repeats", type=positive, default=3)
     args = p.parse_args(argv)
-    print(markdown(hf_latency(args.models.split(","), batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats)))
+    print(markdown(hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats)))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _argtypes, _checks
 from ..models.llama import LlamaForCausalLM
 from ..models.llama_config import LlamaConfig
 from .timing import interleaved, keeping
@@ -150,10 +150,11 @@ def llama_latency(
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.llama_decode``: print the two timings as a Markdown table."""
     p = argparse.ArgumentParser(prog="python -m headwise.bench.llama_decode", description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--decode-repeats", type=int, default=20)
-    p.add_argument("--prefill-repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    positive = _argtypes.integer(1)
+    p.add_argument("--context", type=positive, default=1024)
+    p.add_argument("--decode-repeats", type=positive, default=20)
+    p.add_argument("--prefill-repeats", type=positive, default=5)
+    p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

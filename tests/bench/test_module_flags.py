@@ -1,0 +1,30 @@
+"""Every ``python -m headwise.bench.<name>`` entry refuses a bad flag value the way ``headwise`` does:
+argparse's one line naming the flag, exit status 2, no traceback, nothing run."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+BAD = [
+    ("hf", ["--batch", "0"], "--batch: expected a positive int, got 0"),
+    ("hf", ["--tokens", "-3"], "--tokens: expected a positive int, got -3"),
+    ("hf", ["--models", "llama,bert"], "--models: expected a comma list of models: expected one of llama, gemma2, gpt_oss, got 'bert'"),
+    ("hf", ["--models", ""], "--models: expected a comma list of models with no empty entries, got ''"),
+    ("hf", ["--repeats", "2.5"], "--repeats: expected a positive int, got '2.5'"),
+    ("llama_decode", ["--context", "0"], "--context: expected a positive int, got 0"),
+    ("llama_decode", ["--threads", "-1"], "--threads: expected a positive int, got -1"),
+    ("llama_decode", ["--decode-repeats", "x"], "--decode-repeats: expected a positive int, got 'x'"),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), BAD, ids=[f"{m}{' '.join(a)}" for m, a, _ in BAD])
+def test_a_bad_value_is_one_line_and_exit_2(module, argv, message, capsys):
+    main = importlib.import_module(f"headwise.bench.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"python -m headwise.bench.{module}: error: argument {message}"
