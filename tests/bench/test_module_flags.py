@@ -16,6 +16,12 @@ BAD = [
     ("llama_decode", ["--context", "0"], "--context: expected a positive int, got 0"),
     ("llama_decode", ["--threads", "-1"], "--threads: expected a positive int, got -1"),
     ("llama_decode", ["--decode-repeats", "x"], "--decode-repeats: expected a positive int, got 'x'"),
+    ("model_decode", ["--models", "gpt3"], "--models: expected a comma list of models: expected one of gpt2, llama, got 'gpt3'"),
+    ("model_decode", ["--dtypes", "fp32,int4"], "--dtypes: expected a comma list of dtypes: expected one of fp32, bf16, int8, got 'int4'"),
+    ("model_decode", ["--batches", "1,0"], "--batches: expected a comma list of positive ints: expected a positive int, got 0"),
+    ("model_decode", ["--contexts", "512,"], "--contexts: expected a comma list of positive ints with no empty entries, got '512,'"),
+    ("model_decode", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
+    ("model_decode", ["--threads", "two"], "--threads: expected a positive int, got 'two'"),
 ]
 
 
@@ -28,3 +34,12 @@ def test_a_bad_value_is_one_line_and_exit_2(module, argv, message, capsys):
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"python -m headwise.bench.{module}: error: argument {message}"
+
+
+def test_headwise_bench_modes_model_decode_runs_that_module_with_its_defaults(monkeypatch, capsys):
+    from headwise.bench import cli, model_decode
+
+    calls = []
+    monkeypatch.setattr(model_decode, "main", lambda argv=None: calls.append(argv))
+    cli.main(["--modes", "model-decode", "--plot", ""])
+    assert calls == [[]]

@@ -80,9 +80,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
     p.add_argument("--batch", type=positive, help="B (default 4; decode too)")
     p.add_argument("--dtype", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), help="comma list of fp32,bf16 (default fp32)")
-    p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice((*MODES, "hf", "serving")), "modes"),
-                   help=f"comma list of {[*MODES, 'hf', 'serving']} (default forward,backward; hf: transformers models on headwise / sdpa / eager; "
-                   "serving: many requests through GPT-2 small, bench/serving.py)")
+    p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice((*MODES, "hf", "serving", "model-decode")), "modes"),
+                   help=f"comma list of {[*MODES, 'hf', 'serving', 'model-decode']} (default forward,backward; hf: transformers models on headwise / "
+                   "sdpa / eager; serving: many requests through GPT-2 small, bench/serving.py; model-decode: whole GPT-2 small and Llama decode "
+                   "steps, fp32/bf16/int8, against transformers, bench/model_decode.py with its defaults)")
     p.add_argument("--impls", type=_argtypes.listing(str, "name substrings"), help="comma list of name substrings (default: all but torch.compile)")
     p.add_argument("--repeats", type=positive, help="timed calls per implementation and case (default 5)")
     p.add_argument("--warmup", type=_argtypes.integer(0), help="untimed calls first (default 2)")
@@ -117,9 +118,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         from . import serving
 
         print(serving.markdown(serving.serving(), machine()) + "\n")
-        args.modes = [m for m in args.modes if m != "serving"]
-        if not args.modes:
-            return
+    if "model-decode" in args.modes:  # whole models, one decode step and generate against transformers (bench/model_decode.py)
+        from . import model_decode
+
+        model_decode.main([])
+        print()
+    args.modes = [m for m in args.modes if m not in ("serving", "model-decode")]
+    if not args.modes:
+        return
     if args.plot:
         try:
             require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import _checks
+from .. import _argtypes, _checks
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..models.gpt2 import GPT2LMHeadModel
@@ -350,20 +350,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .harness import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.model_decode", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt2,llama")
-    p.add_argument("--dtypes", default="fp32,bf16,int8")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--contexts", default="128,512,1024", help="comma list (default 128,512,1024)")
+    positive = _argtypes.integer(1)
+    p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(MODELS), "models"), default=list(MODELS), help="comma list (default gpt2,llama)")
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), default=list(DTYPES),
+                   help="comma list (default fp32,bf16,int8)")
+    p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8], help="comma list (default 1,8)")
+    p.add_argument("--contexts", type=_argtypes.listing(positive, "positive ints"), default=[128, 512, 1024], help="comma list (default 128,512,1024)")
     p.add_argument("--long", action="store_true", help="also contexts 2048 and 4096 (B=1)")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=positive, default=10)
     p.add_argument("--no-generate", action="store_true", help="skip the prefill and generate comparisons")
     p.add_argument("--compile", action="store_true", help="also transformers' StaticCache + torch.compile generate (slow to compile)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    split = lambda text: [t for t in text.split(",") if t]  # noqa: E731
-    models, dtypes, batches, contexts = split(args.models), split(args.dtypes), [int(b) for b in split(args.batches)], [int(c) for c in split(args.contexts)]
+    models, dtypes, batches, contexts = args.models, args.dtypes, args.batches, args.contexts
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
     shapes = [(1, c) for c in contexts] + [(b, 512) for b in batches if b != 1]  # B = 1 at every context, larger batches at 512
     shapes += [(1, 2048), (1, 4096)] if args.long else []
