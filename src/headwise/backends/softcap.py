@@ -34,7 +34,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _blocks(spec: Spec, B: int, H: int) -> list[tuple[int, int, int, int]]:
-    """(r0, r1, c0, c1): blocks of queries and the keys each may see (none for queries that see nothing)."""
+    """(r0, r1, c0, c1): blocks of queries and the keys each may see (c1 <= c0: queries that see no key)."""
     step = max(1, math_backend.BLOCK_ELEMENTS // max(1, B * H * spec.S))  # the math backend's block size: a few MiB
     out = []
     for r0 in range(0, spec.T, step):
