@@ -22,7 +22,10 @@ BAD = [
     ("model_decode", ["--contexts", "512,"], "--contexts: expected a comma list of positive ints with no empty entries, got '512,'"),
     ("model_decode", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
     ("model_decode", ["--threads", "two"], "--threads: expected a positive int, got 'two'"),
+    ("variants", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
+    ("variants", ["--warmup", "-1"], "--warmup: expected an int >= 0, got -1"),
 ]
+PROG = {"variants": "headwise bench --variants"}  # what it is called as: the headwise command hands it its flags
 
 
 @pytest.mark.parametrize(("module", "argv", "message"), BAD, ids=[f"{m}{' '.join(a)}" for m, a, _ in BAD])
@@ -33,7 +36,8 @@ def test_a_bad_value_is_one_line_and_exit_2(module, argv, message, capsys):
     assert stop.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == f"python -m headwise.bench.{module}: error: argument {message}"
+    prog = PROG.get(module, f"python -m headwise.bench.{module}")
+    assert err.strip().splitlines()[-1] == f"{prog}: error: argument {message}"
 
 
 def test_headwise_bench_modes_model_decode_runs_that_module_with_its_defaults(monkeypatch, capsys):

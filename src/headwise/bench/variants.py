@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _argtypes
 from ..backends import math as math_backend
 from ..backends.spec import Spec
 from ..functional import attention
@@ -243,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     from .harness import machine
 
     p = argparse.ArgumentParser(prog="headwise bench --variants", description="packed documents, softcap, sinks, ALiBi: headwise against the other ways")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=_argtypes.integer(1), default=5)
+    p.add_argument("--warmup", type=_argtypes.integer(0), default=1)
     p.add_argument("--only", choices=("packed", "terms"), default=None)
     p.add_argument("--flex", action="store_true", help="add compiled flex_attention with softcap (needs a C++ compiler; compiles ~1 min)")
     p.add_argument("--_peak", help=argparse.SUPPRESS)
