@@ -40,15 +40,16 @@ def test_wrapper_to_mha_keeps_the_function(d_in, head_dim, heads, tokens, qkv_bi
 
 @given(
     kv_heads=st.integers(1, 3), group=st.integers(1, 3), head_dim=st.integers(1, 5), tokens=st.integers(1, 6),
-    qkv_bias=st.booleans(), window=st.none() | st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+    qkv_bias=st.booleans(), window=st.none() | st.integers(1, 4), causal=st.booleans(), seed=st.integers(0, 2**31 - 1),
 )
-def test_mha_to_gpt2_and_back_keep_the_function(kv_heads, group, head_dim, tokens, qkv_bias, window, seed):
+def test_mha_to_gpt2_and_back_keep_the_function(kv_heads, group, head_dim, tokens, qkv_bias, window, causal, seed):
     heads = kv_heads * group
     C = heads * head_dim
     torch.manual_seed(seed)
-    mha = _randomise(hw.MultiHeadAttention(C, C, 6, 0.0, heads, qkv_bias, window=window, num_kv_heads=kv_heads).double())
+    window = window if causal else None
+    mha = _randomise(hw.MultiHeadAttention(C, C, 6, 0.0, heads, qkv_bias, window=window, num_kv_heads=kv_heads, causal=causal).double())
     gpt2 = hw.mha_to_gpt2(mha).eval()
-    assert gpt2.num_kv_heads == kv_heads and gpt2.window == window
+    assert gpt2.num_kv_heads == kv_heads and gpt2.window == window and gpt2.causal == causal
     back = hw.gpt2_to_mha(gpt2).eval()
     x = torch.randn(2, tokens, C, dtype=torch.float64)
     kpm = torch.rand(2, tokens) < 0.8
@@ -93,8 +94,10 @@ def test_conversions_keep_dtype():
 @pytest.mark.parametrize(
     ("mha", "match"),
     [
-        (hw.MultiHeadAttention(3, 4, 6, 0.0, 2), r"GPT-2 attention is causal with d_in == d_out; got d_in=3, d_out=4, causal=True"),
-        (hw.MultiHeadAttention(4, 4, 6, 0.0, 2, causal=False), r"got d_in=4, d_out=4, causal=False"),
+        (hw.MultiHeadAttention(3, 4, 6, 0.0, 2), r"one width: d_in == d_out == kv_dim; got d_in=3, d_out=4, kv_dim=3"),
+        (hw.MultiHeadAttention(4, 4, 6, 0.0, 2, causal=False, kv_dim=5), r"got d_in=4, d_out=4, kv_dim=5"),
+        (hw.MultiHeadAttention(4, 4, 6, 0.0, 2, softcap=30.0), r"GPT-2's layout has no softcap: mha_to_gpt2 would drop it"),
+        (hw.MultiHeadAttention(4, 4, 6, 0.0, 2, sinks=True, alibi=True), r"has no sinks, alibi: .* with sinks, alibi"),
     ],
 )
 def test_mha_to_gpt2_refuses_what_gpt2_cannot_express(mha, match):

@@ -510,7 +510,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("wrapper_to_mha given an mha", lambda: hw.wrapper_to_mha(mha()), Raises(TypeError, r"wrapper_to_mha converts a MultiHeadAttentionWrapper: wrapper must be one, got MultiHeadAttention")),
     ("gpt2_to_mha given an mha", lambda: hw.gpt2_to_mha(mha()), Raises(TypeError, r"gpt2_to_mha converts a GPT2MultiHeadAttention: attn must be one, got MultiHeadAttention")),
     ("mha_to_gpt2 given a gpt2", lambda: hw.mha_to_gpt2(gpt2_attn()), Raises(TypeError, r"mha_to_gpt2 converts a MultiHeadAttention: mha must be one, got GPT2MultiHeadAttention")),
-    ("mha_to_gpt2 bidirectional", lambda: hw.mha_to_gpt2(mha(causal=False)), Raises(ValueError, r"GPT-2 attention is causal with d_in == d_out")),
+    ("mha_to_gpt2 softcap", lambda: hw.mha_to_gpt2(mha(softcap=50.0)), Raises(ValueError, r"GPT-2's layout has no softcap: mha_to_gpt2 would drop it")),
     ("hf attention, two layers' keys", lambda: hw.gpt2_attention_from_hf(gpt2_attn(), {f"h.{i}.attn.{k}": v.T if v.ndim == 2 else v for i in (0, 1) for k, v in gpt2_attn().state_dict().items()}),
      Raises(ValueError, r"duplicate: h.0.attn.c_attn.weight and h.1.attn.c_attn.weight both give c_attn.weight")),
     ("hf attention, missing key", lambda: hw.gpt2_attention_from_hf(gpt2_attn(), {"c_attn.weight": torch.zeros(8, 24)}), Raises(ValueError, r"missing: c_attn.bias")),

@@ -201,15 +201,21 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
 
 @torch.no_grad()
 def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
-    """GPT-2's layout of ``mha``: c_attn = [W_query; W_key; W_value] (zero bias if it had none)."""
+    """GPT-2's layout of ``mha``: c_attn = [W_query; W_key; W_value] (zero bias if it had none), causal or not.
+
+    GPT-2's layout has one input width and no softcap, sinks or ALiBi: a module using any of
+    them is refused (a ValueError naming it) rather than converted without it."""
     _module("mha", mha, MultiHeadAttention, "mha_to_gpt2")
-    if mha.d_in != mha.d_out or not mha.causal:
-        raise ValueError(f"GPT-2 attention is causal with d_in == d_out; got d_in={mha.d_in}, d_out={mha.d_out}, causal={mha.causal}")
+    if mha.d_in != mha.d_out or mha.kv_dim != mha.d_in:
+        raise ValueError(f"GPT-2's c_attn reads one width: d_in == d_out == kv_dim; got d_in={mha.d_in}, d_out={mha.d_out}, kv_dim={mha.kv_dim}")
+    terms = [name for name, on in (("softcap", mha.softcap is not None), ("sinks", hasattr(mha, "sinks")), ("alibi", hasattr(mha, "alibi_slopes"))) if on]
+    if terms:
+        raise ValueError(f"GPT-2's layout has no {', '.join(terms)}: mha_to_gpt2 would drop it; got a MultiHeadAttention with {', '.join(terms)}")
     config = GPT2Config(
         n_positions=mha.context_length, n_embd=mha.d_out, n_head=mha.num_heads,
         n_kv_head=mha.num_kv_heads, attn_pdrop=mha.dropout.p, resid_pdrop=0.0,
     )
-    attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend).to(mha.W_query.weight)
+    attn = GPT2MultiHeadAttention(config, window=mha.window, backend=mha.backend, causal=mha.causal).to(mha.W_query.weight)
     layers = (mha.W_query, mha.W_key, mha.W_value)
     attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
     attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]))
@@ -224,7 +230,7 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
     c = attn.config
     mha = MultiHeadAttention(
         c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
-        window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend,
+        window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend, causal=attn.causal,
     ).to(attn.c_attn.weight)
     kv = attn.num_kv_heads * attn.head_dim
     sizes = [attn.d_in, kv, kv]
