@@ -1,9 +1,12 @@
-"""The serving benchmark on a tiny model: its three strategies give the same tokens, its numbers add up."""
+"""The serving benchmarks on tiny shapes: the three strategies give the same tokens and the three ways of
+a decode step's attention the same outputs (against the float64 reference); the numbers add up."""
 
 from __future__ import annotations
 
 import torch
+from reference import reference_attention
 
+from headwise.bench.paged_attention import filled, padded, paged_attention, per_sequence
 from headwise.bench.serving import markdown, paged_generate, request_mix, serving, static_generate
 from headwise.config import GPT2Config
 from headwise.models import GPT2LMHeadModel
@@ -32,3 +35,23 @@ def test_the_report_adds_up():
     assert min(r.paged_s, r.one_at_a_time_s, r.static_s, r.decode_static_ms, r.decode_paged_gather_ms) > 0
     text = markdown(r, "this machine")
     assert "| continuous batching, paged cache |" in text and "this machine" in text
+
+
+def consecutive(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+def test_the_three_ways_of_a_decode_steps_attention_give_the_same_outputs():
+    lengths = [5, 17, 33, 2, 9]
+    pools = [filled(lengths, reserve=r, heads=2, head_dim=8, block_size=4, dtype=torch.float64, seed=1) for r in (True, False, True)]
+    assert all(consecutive(pools[i].blocks(s)) for s in range(5) for i in (0, 2))  # reserved runs: read as views
+    assert not consecutive(pools[1].blocks(1))  # written together without a reserve: interleaved, gathered
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))  # (1, H, N, D)
+    views, gathers, one_call = per_sequence(pools[0], q, k, v), per_sequence(pools[1], q, k, v), padded(pools[2], q, k, v)
+    for s, n in enumerate(lengths):
+        slots = pools[1]._slots[s][: n + 1]
+        want = reference_attention(q[:, :, s : s + 1], pools[1].k[None, :, slots], pools[1].v[None, :, slots], causal=True)
+        for out in (views, gathers, one_call):
+            torch.testing.assert_close(out[:, :, s : s + 1], want, rtol=0, atol=1e-12)
+    assert set(paged_attention(2, (3, 6), repeats=1)) == {"views", "gathers", "padded"}

@@ -1,0 +1,109 @@
+"""A decode step's attention over many sequences of a paged cache, three ways, timed interleaved.
+
+N sequences of seeded context lengths (default GPT-2 small's heads: H = Hkv = 12, D = 64, fp32,
+block_size 16), each adding one token, through one layer's ``PagedKVCache``:
+
+- ``views``: what the ``Batcher`` does: each sequence's blocks set aside as one run
+  (``add(..., reserve=)``), so ``attention`` reads its keys and values as a view of the pool,
+  one SDPA call per sequence;
+- ``gathers``: the sequences written together without a reservation, so their blocks
+  interleave and every read gathers (``index_select``) 2·Hkv·S·D elements, one SDPA call per
+  sequence (a fragmented pool);
+- ``padded``: the same reserved pool read by ONE gather into (N, Hkv, S_max, D) and ONE SDPA
+  call with a key-padding mask: fewer calls, but a copy of every key and value, padded to the
+  longest.
+
+All three give the same outputs (tests/bench/test_serving.py); the times say which to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cache import PagedKVCache
+from ..functional import attention
+from .timing import interleaved
+
+
+def filled(lengths: Sequence[int], *, reserve: bool, heads: int = 12, head_dim: int = 64, block_size: int = 16,
+           spare: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0) -> PagedKVCache:
+    """A pool holding sequences 0..N-1 of ``lengths`` tokens (seeded keys/values), written a block at a time
+    together (their blocks interleave) unless ``reserve`` set a run aside for each (``spare`` more tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    paged = PagedKVCache(sum(-(-(n + spare) // block_size) for n in lengths) + 1, block_size, heads, head_dim, dtype=dtype)
+    for s, n in enumerate(lengths):
+        paged.add(s, reserve=n + spare if reserve else 0)
+    for start in range(0, max(lengths), block_size):
+        ids = [s for s, n in enumerate(lengths) if n > start]
+        counts = [min(block_size, lengths[s] - start) for s in ids]
+        kv = torch.randn(1, heads, sum(counts), head_dim, generator=g, dtype=dtype)  # (1, Hkv, T, D)
+        paged.batch(ids, counts).append(kv, kv)
+    return paged
+
+
+def per_sequence(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """(1, H, N, D) one new token of each open sequence -> (1, H, N, D): the library's path, one SDPA per sequence."""
+    ids = paged.sequences
+    return attention(q, k, v, causal=True, cache=paged.batch(ids, [1] * len(ids)))
+
+
+def padded(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """(1, H, N, D) -> (1, H, N, D): the tokens appended, then one gather to (N, Hkv, S_max, D) and one masked SDPA."""
+    ids = paged.sequences
+    paged.batch(ids, [1] * len(ids)).append(k, v)
+    lengths = [paged.length(s) for s in ids]
+    S, Hkv, D = max(lengths), paged.k.shape[0], paged.k.shape[2]
+    slots = torch.zeros(len(ids), S, dtype=torch.long)  # (N, S): padding reads slot 0, masked out
+    for i, (s, n) in enumerate(zip(ids, lengths, strict=True)):
+        slots[i, :n] = paged._slots[s][:n]
+    real = torch.arange(S)[None] < torch.tensor(lengths)[:, None]  # (N, S)
+    keys = paged.k.index_select(1, slots.view(-1)).view(Hkv, len(ids), S, D).transpose(0, 1)  # (N, Hkv, S, D)
+    values = paged.v.index_select(1, slots.view(-1)).view(Hkv, len(ids), S, D).transpose(0, 1)  # (N, Hkv, S, D)
+    out = F.scaled_dot_product_attention(q[0].transpose(0, 1)[:, :, None], keys, values, attn_mask=real[:, None, None], enable_gqa=True)  # (N, H, 1, D)
+    return out[:, :, 0].transpose(0, 1)[None]  # (1, H, N, D)
+
+
+@torch.no_grad()
+def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), *, repeats: int = 15, seed: int = 0) -> dict[str, float]:
+    """Median ms of one decode step's attention (one layer) over ``sequences`` sequences of contexts uniform in ``context``."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*context) for _ in range(sequences)]
+    pools = {"views": filled(lengths, reserve=True), "gathers": filled(lengths, reserve=False), "padded": filled(lengths, reserve=True)}
+    ways: dict[str, Callable[[PagedKVCache, Tensor, Tensor, Tensor], Tensor]] = {"views": per_sequence, "gathers": per_sequence, "padded": padded}
+    g = torch.Generator().manual_seed(seed)
+
+    def step(name: str) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            q, k, v = (torch.randn(1, 12, sequences, 64, generator=g) for _ in range(3))  # (1, H, N, D)
+            return ways[name](pools[name], q, k, v)
+        return run
+
+    times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)  # each call adds a token: 64 spare
+    return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.paged_attention``: the three ways at 8 and 32 sequences."""
+    from .harness import machine
+
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"A decode step's attention, one layer, H = Hkv = 12, D = 64, fp32, block_size 16; {machine()}\n")
+    print("| sequences | contexts | one SDPA per sequence, views (ms) | ... gathers | one padded SDPA |\n|---:|---|---:|---:|---:|")
+    for n, context in ((8, (50, 1300)), (32, (50, 1300)), (32, (16, 64))):
+        ms = paged_attention(n, context)
+        print(f"| {n} | {context[0]}..{context[1]} | {ms['views']:.2f} | {ms['gathers']:.2f} ({ms['gathers'] / ms['views']:.1f}x) "
+              f"| {ms['padded']:.2f} ({ms['padded'] / ms['views']:.1f}x) |")
+
+
+if __name__ == "__main__":
+    main()
