@@ -22,6 +22,9 @@ BAD = [
     ("model_decode", ["--contexts", "512,"], "--contexts: expected a comma list of positive ints with no empty entries, got '512,'"),
     ("model_decode", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
     ("model_decode", ["--threads", "two"], "--threads: expected a positive int, got 'two'"),
+    ("serving", ["--requests", "0"], "--requests: expected a positive int, got 0"),
+    ("serving", ["--threads", "1.5"], "--threads: expected a positive int, got '1.5'"),
+    ("paged_attention", ["--threads", "-2"], "--threads: expected a positive int, got -2"),
     ("variants", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
     ("variants", ["--warmup", "-1"], "--warmup: expected an int >= 0, got -1"),
 ]

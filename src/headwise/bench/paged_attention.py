@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _argtypes
 from ..cache import PagedKVCache
 from ..functional import attention
 from .timing import interleaved
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .harness import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

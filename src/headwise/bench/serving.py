@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _argtypes
 from ..cache import KVCache, PagedKVCache
 from ..config import GPT2Config
 from ..models.batching import Batcher
@@ -224,9 +225,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .harness import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.serving", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    positive = _argtypes.integer(1)
+    p.add_argument("--requests", type=positive, default=32)
+    p.add_argument("--repeats", type=positive, default=1)
+    p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
