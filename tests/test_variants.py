@@ -316,11 +316,47 @@ def test_documents_need_no_more_queries_than_keys():
         hw.attention(q, k, k, documents=torch.zeros(1, 3, dtype=torch.long))
 
 
-def test_documents_and_alibi_refuse_a_sliding_cache():
-    q = torch.randn(1, 2, 1, 8)
-    cache = hw.KVCache.sliding(1, 2, 4, 8)
-    with pytest.raises(ValueError, match=r"a sliding KVCache returns its slots in ring order .* got KVCache \(window=4\)"):
-        hw.attention(q, q, q, causal=True, window=4, cache=cache, alibi_slopes=torch.ones(2))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 1, 3, 1, 1], [3, 4, 5]])
+def test_a_sliding_cache_with_alibi_and_documents_equals_the_reference(backend, chunks):
+    """The ring hands a single new token its slots in ring order; ALiBi and documents read key positions, so they get time order."""
+    torch.manual_seed(5)
+    W, S = 4, 12
+    q, k, v = torch.randn(1, 4, S, 8, dtype=torch.float64), torch.randn(1, 2, S, 8, dtype=torch.float64), torch.randn(1, 2, S, 8, dtype=torch.float64)
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])  # (1, S)
+    kw = {"alibi_slopes": torch.rand(4, dtype=torch.float64), "softcap": 3.0, "sinks": torch.randn(4, dtype=torch.float64)}
+    everything = ({"documents": docs, **kw}, variant_attention(q, k, v, causal=True, window=W, documents=docs, **kw))  # (1, 4, S, 8)
+    alibi = ({"alibi_slopes": kw["alibi_slopes"]}, variant_attention(q, k, v, causal=True, window=W, alibi_slopes=kw["alibi_slopes"]))
+    for terms, want in (everything, alibi):
+        cache, got, at = hw.KVCache.sliding(1, 2, W, 8, dtype=torch.float64), [], 0
+        for n in chunks:
+            step = terms | ({"documents": docs[:, : at + n]} if "documents" in terms else {})  # ids of every token so far
+            got.append(hw.attention(q[:, :, at : at + n], k[:, :, at : at + n], v[:, :, at : at + n], causal=True, window=W,
+                                    cache=cache, backend=backend, **step))
+            at += n
+        torch.testing.assert_close(torch.cat(got, dim=2), want, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_paged_batch_with_alibi_equals_each_sequence_alone(backend):
+    torch.manual_seed(6)
+    slopes, lengths = torch.rand(4, dtype=torch.float64), [7, 3, 10]
+    seqs = [tuple(torch.randn(1, h, n, 8, dtype=torch.float64) for h in (4, 2, 2)) for n in lengths]  # (q, k, v) each
+    paged = hw.PagedKVCache(num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
+    for i in range(3):
+        paged.add(i)
+    packed = [torch.cat([s[j] for s in seqs], dim=2) for j in range(3)]  # (1, H or Hkv, 20, 8)
+    got = hw.attention(*packed, causal=True, alibi_slopes=slopes, cache=paged.batch([0, 1, 2], lengths), backend=backend)
+    want = torch.cat([variant_attention(*s, causal=True, alibi_slopes=slopes) for s in seqs], dim=2)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_documents_refuse_a_paged_batch():
+    paged = hw.PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8)
+    paged.add(0)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"a paged batch packs several sequences, each its own document already: pass documents=None"):
+        hw.attention(q, q, q, causal=True, cache=paged.batch([0], [3]), documents=torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_cu_seqlens_errors():

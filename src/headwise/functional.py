@@ -237,13 +237,10 @@ def attention(
     attention_mask = _checks.attention_mask(
         attention_mask, k.shape[0], k.shape[2], "(B, T_kv)" if cache is not None else "(B, S)", device=("k and v are", k.device)
     )
-    if cache is not None and (documents is not None or alibi_slopes is not None) and (
-        not isinstance(cache, KVCache) or cache.window is not None
-    ):
+    if cache is not None and documents is not None and not isinstance(cache, KVCache):
         raise ValueError(
-            "documents and alibi_slopes need the keys in time order in one KVCache of max_len: a sliding KVCache "
-            f"returns its slots in ring order and a paged batch packs several sequences, got {type(cache).__name__}"
-            + (f" (window={cache.window})" if isinstance(cache, KVCache) else "")
+            "documents number the tokens of one row of a KVCache; a paged batch packs several sequences, each its own "
+            f"document already: pass documents=None, got a {type(cache).__name__}"
         )
     held = len(cache) if isinstance(cache, KVCache) else 0
     documents = _checks.documents(documents, k.shape[0], held + k.shape[2], "(B, cached + T_kv)" if cache is not None else "(B, S)", q.device)
@@ -252,7 +249,8 @@ def attention(
     if cache is None:
         parts = [Part(slice(None), k, v, attention_mask)]  # every query over every key
     else:
-        parts = _read_cache(q, k, v, cache, causal, window, attention_mask, mask)  # each with (B, Hkv, S, D) x2, (B, S)
+        in_order = documents is not None or alibi_slopes is not None  # both read key positions: no ring order
+        parts = _read_cache(q, k, v, cache, causal, window, attention_mask, mask, in_order)  # each with (B, Hkv, S, D) x2, (B, S)
     contexts = []
     for rows, k, v, attention_mask in parts:  # one part, or one per sequence of a paged batch
         q_part = q[:, :, rows]  # (B, H, T_part, D)
@@ -282,7 +280,7 @@ def attention_unchecked(
         (B, H, T, D).
     """
     run = _choose(backend)
-    part = cache.append_unchecked(k, v)[0]  # one Part: every query over (B, Hkv, S, D) x2, (B, S) or None
+    part = cache.append_unchecked(k, v, in_order=alibi_slopes is not None)[0]  # one Part: every query over (B, Hkv, S, D) x2, (B, S) or None
     k, v, real = part.keys, part.values, part.attention_mask
     keep = None if window is None or not causal else window + q.shape[2] - 1  # as _read_cache trims
     if keep is not None and k.shape[2] > keep:
@@ -304,7 +302,8 @@ def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
 
 
 def _read_cache(
-    q: Tensor, k: Tensor, v: Tensor, cache: Cache, causal: bool, window: int | None, attention_mask: Tensor | None, mask: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, cache: Cache, causal: bool, window: int | None, attention_mask: Tensor | None, mask: Tensor | None,
+    in_order: bool = False,
 ) -> list[Part]:
     """Append the new keys/values to ``cache``; return what each run of queries attends over (``cache.protocol``)."""
     cache = checked(cache)
@@ -312,7 +311,7 @@ def _read_cache(
         raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
     if mask is not None and not isinstance(cache, KVCache):
         raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
-    parts = cache.append(k, v, attention_mask)  # one Part, or one per sequence of a paged batch
+    parts = cache.append(k, v, attention_mask, in_order=in_order)  # one Part, or one per sequence of a paged batch
     if window is None or not causal:
         return parts
     trimmed = []

@@ -100,6 +100,7 @@ def test_a_hooked_attention_layer_sees_every_step():
 
 @pytest.mark.parametrize("terms", [
     {"softcap": 5.0}, {"sinks": True}, {"alibi": True}, {"window": 3}, {"num_kv_heads": 2, "window": 3, "sinks": True},
+    {"alibi": True, "window": 3},
 ], ids=str)
 @pytest.mark.parametrize("sliding", [False, True])
 @torch.no_grad()

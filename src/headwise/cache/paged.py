@@ -301,12 +301,13 @@ class PagedBatch:
     def bind(self, owner: object) -> None:
         self.cache.bind(owner)
 
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> list[Part]:
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False) -> list[Part]:
         """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Part`` per sequence.
 
         Returns:
             For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
-            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, with no padding mask.
+            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
+            asks nothing more), with no padding mask.
         """
         cache = self.cache
         self._check(k, v, attention_mask)

@@ -10,6 +10,8 @@ A cache answers two questions for the layer and one for ``attention``:
   what to attend over, as ``Part``s: the queries in ``rows`` (a slice of the T axis) attend over
   ``keys`` / ``values`` with ``attention_mask``. A static cache answers with one part covering
   every query; a paged batch with one part per sequence (ragged: no padding to the longest).
+  Keys come in time order, except that a sliding cache may answer one new token with its slots
+  in ring order; ``in_order=True`` (what ALiBi and documents need) asks for time order always.
 
 ``window`` is the window the stored keys were kept for (a ring buffer), or None.
 """
@@ -39,5 +41,5 @@ class Cache(Protocol):
 
     def bind(self, owner: object) -> None: ...
 
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> list[Part]: ...
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, *, in_order: bool = False) -> list[Part]: ...
 

@@ -163,7 +163,9 @@ class KVCache:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
         return attention_mask
 
-    def update(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store the new tokens' keys and values; return everything a query must attend over.
 
         Args:
@@ -177,8 +179,9 @@ class KVCache:
             attention aligned bottom-right (``headwise.attention(causal=True, window=...)``)
             over them equals attention over the whole sequence. They are in time order (oldest
             first), except from a sliding cache given one new token: then the W slots come in
-            ring order, which a single query that sees all of them does not mind. The linear
-            cache returns views of its buffers (nothing is copied).
+            ring order, which a single query that sees all of them does not mind (``in_order=True``
+            asks for time order there too, at the cost of a gather: ALiBi and documents need it).
+            The linear cache returns views of its buffers (nothing is copied).
         """
         attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         T = k.shape[2]
@@ -195,17 +198,17 @@ class KVCache:
             self._len = start + T
             S = self._len
             return self.k[:, :, :S], self.v[:, :, :S], self.real[:, :S] if self._padded else None
-        return self._update_ring(k, v, attention_mask)
+        return self._update_ring(k, v, attention_mask, in_order)
 
     def start(self, t: int) -> int:
         """Where the ``t`` new tokens of every row start: the tokens written so far (the cache protocol)."""
         return self._len
 
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> list[Part]:
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False) -> list[Part]:
         """``update``, answered as the cache protocol's one ``Part`` covering every query."""
-        return [Part(slice(None), *self.update(k, v, attention_mask))]
+        return [Part(slice(None), *self.update(k, v, attention_mask, in_order=in_order))]
 
-    def append_unchecked(self, k: Tensor, v: Tensor) -> list[Part]:
+    def append_unchecked(self, k: Tensor, v: Tensor, *, in_order: bool = False) -> list[Part]:
         """``append(k, v)`` for a caller that checked once what cannot change between decode steps.
 
         For a generation loop: k and v (B, Hkv, T, D) of this cache's dtype and device, room for
@@ -213,17 +216,19 @@ class KVCache:
         Nothing is checked here; what is stored and returned is what ``append`` stores and returns.
         """
         if self.window is not None:
-            return [Part(slice(None), *self._update_ring(k, v, None))]
+            return [Part(slice(None), *self._update_ring(k, v, None, in_order))]
         start, end = self._len, self._len + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self._len = end
         return [Part(slice(None), self.k[:, :, :end], self.v[:, :, :end], self.real[:, :end] if self._padded else None)]
 
-    def _update_ring(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _update_ring(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         W, T, start = self.window, k.shape[2], self._len
         new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
-        if T == 1:  # write first: the slot it overwrites holds position start - W, outside the window
+        if T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
             slot = start % W  # written as a slice: an int index would make torch.compile specialise on the slot
             self.k[:, :, slot : slot + 1] = k
             self.v[:, :, slot : slot + 1] = v
