@@ -35,3 +35,19 @@ def linear_path(request):
         pytest.skip(f"oneDNN's private ops do not work here: {hl._ops_error(torch.float32)}")
     with hl.use_path(request.param):
         yield request.param
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend to be another machine for ``headwise.linear``'s rule: ``machine(vendor, capability, flags, version=...)``."""
+    import headwise.linear as hl
+
+    def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu"):
+        facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}
+        monkeypatch.setattr(hl, "cpu", lambda: facts)
+        monkeypatch.setattr(hl.torch, "__version__", version)
+        monkeypatch.delenv(hl.ENV, raising=False)
+        hl._auto.cache_clear()
+
+    yield pretend
+    hl._auto.cache_clear()

@@ -218,21 +218,6 @@ def test_project_many_with_mixed_biases_runs_each_layer():
 # ----------------------------------------------------------------------------- the rule
 
 
-@pytest.fixture
-def machine(monkeypatch):
-    """Pretend to be another machine: ``machine(vendor, capability, torch_version)``."""
-
-    def pretend(vendor="AuthenticAMD", capability="AVX512", version="2.13.0+cpu"):
-        facts = {"vendor": vendor, "family": "25", "model": "17", "name": "test CPU", "flags": [], "capability": capability}
-        monkeypatch.setattr(hl, "cpu", lambda: facts)
-        monkeypatch.setattr(hl.torch, "__version__", version)
-        monkeypatch.delenv(hl.ENV, raising=False)
-        hl._auto.cache_clear()
-
-    yield pretend
-    hl._auto.cache_clear()
-
-
 @pytest.mark.parametrize(
     "vendor, capability, version, dtype, path",
     [
@@ -247,7 +232,7 @@ def machine(monkeypatch):
 def test_the_rule_depends_on_cpu_dtype_and_torch_version_only(machine, monkeypatch, vendor, capability, version, dtype, path):
     import time
 
-    machine(vendor, capability, version)
+    machine(vendor, capability, version=version)
     hl._ops_error(dtype)  # the one-time check that oneDNN's ops work here (cached): not part of the rule
 
     def no(*args, **kwargs):
@@ -261,7 +246,7 @@ def test_the_rule_depends_on_cpu_dtype_and_torch_version_only(machine, monkeypat
 
 
 def test_forcing_overrides_the_rule_by_env_and_by_function(machine, monkeypatch):
-    machine("GenuineIntel", "AVX512", "2.99.0")
+    machine("GenuineIntel", "AVX512", version="2.99.0")
     assert hl.choose()[0] == "torch"
     monkeypatch.setenv(hl.ENV, "onednn")
     assert hl.choose() == ("onednn", "forced by HEADWISE_LINEAR")

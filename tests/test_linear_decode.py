@@ -21,21 +21,6 @@ def decode_case(rows, dtype, *, n=N, k=K, seed=0):
     return x.to(dtype), w.to(dtype), b.to(dtype)
 
 
-@pytest.fixture
-def machine(monkeypatch):
-    """Pretend to be another machine: ``machine(vendor, capability, flags, torch_version)``."""
-
-    def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu"):
-        facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}
-        monkeypatch.setattr(hl, "cpu", lambda: facts)
-        monkeypatch.setattr(hl.torch, "__version__", version)
-        monkeypatch.delenv(hl.ENV, raising=False)
-        hl._auto.cache_clear()
-
-    yield pretend
-    hl._auto.cache_clear()
-
-
 @pytest.mark.parametrize(
     "vendor, capability, flags, version, dtype, few, many",
     [
@@ -50,7 +35,7 @@ def machine(monkeypatch):
     ],
 )
 def test_the_few_rows_rule_depends_on_cpu_flags_dtype_and_torch_version_only(machine, vendor, capability, flags, version, dtype, few, many):
-    machine(vendor, capability, flags, version)
+    machine(vendor, capability, flags, version=version)
     assert hl.choose_few_rows(dtype)[0] == few
     assert hl.choose(dtype)[0] == many
     assert hl.choose_few_rows(dtype) == hl.choose_few_rows(dtype)  # nothing timed: the same answer every time
