@@ -362,21 +362,40 @@ def test_bf16_end_to_end_within_2x_of_a_plain_bf16_implementation(linear_path, k
 
 
 
-def test_project_many_compiles_without_touching_its_caches(linear_path):
-    """Under torch.compile the stacked (and packed) weights are not cached: no entry of _STACKED or _PACKED
-    names the module's parameters after the compiled call; the eager call right after does add them."""
+def test_compiled_inference_runs_the_eager_path_as_one_op_and_training_traces_the_stack(linear_path):
+    """Without autograd a compiled call runs ``linear`` / the stacked GEMM as opaque ops (``headwise::linear``,
+    ``headwise::linear_many``): they stack and pack once when they run, as the eager call does, and repeated
+    calls add nothing. With autograd the stack is a ``torch.cat`` in the graph and no cache names the parameters."""
     torch.manual_seed(0)
-    mod = hw.MultiHeadAttention(64, 64, 40, 0.0, num_heads=4).eval()
+    mod = hw.MultiHeadAttention(64, 64, 40, 0.0, num_heads=4)
     x = torch.randn(2, 24, 64)  # (B, T, C)
     mine = {id(p) for p in mod.parameters()}
 
     def entries() -> list:
         return [ids for cache in (hl._STACKED, hl._PACKED) for ids in cache if mine & set(ids)]
 
-    compiled = torch.compile(mod)
+    compiled = torch.compile(mod, fullgraph=True)
+    compiled(x).sum().backward()  # training: traced, nothing cached
+    assert entries() == []
+    assert all(p.grad is not None for p in mod.parameters())
+    mod.eval()
     with torch.no_grad():
         got = compiled(x)
-        assert entries() == []
+        made = entries()
+        assert made, "the compiled inference call stacks (and on the oneDNN path packs) the weights once"
+        for _ in range(3):
+            compiled(x)
+        assert entries() == made
         want = mod(x)
-        assert entries(), "the eager call caches its stacked weights: these are the caches compile must leave alone"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_opaque_ops_pass_torch_library_checks(linear_path, bias):
+    x, w, b = make(bias=bias)
+    torch.library.opcheck(torch.ops.headwise.linear, (x, w, b))
+    w2 = torch.randn(24, 80)
+    b2 = torch.randn(24) if bias else None
+    torch.library.opcheck(torch.ops.headwise.linear_many, (x, [w, w2], [b, b2] if bias else []))
+    got = torch.ops.headwise.linear_many(x, [w, w2], [b, b2] if bias else [])  # (B, T, 72 + 24)
+    torch.testing.assert_close(got, torch.cat([F.linear(x, w, b), F.linear(x, w2, b2)], -1), rtol=1e-5, atol=1e-5)

@@ -34,6 +34,13 @@ def positive_int(name: str, value: object) -> int:
     return integer(name, value, low=1)
 
 
+def boolean(name: str, value: object) -> bool:
+    """TypeError naming ``name`` unless ``value`` is True or False (not 0/1, not None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)

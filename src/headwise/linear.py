@@ -91,12 +91,21 @@ def use_path(path: str) -> Iterator[None]:
 
 
 def _setting() -> tuple[str, str]:
+    """The setting the rule starts from and where it came from ("set_path", ``ENV`` or "default")."""
+    value = _path_setting()
+    return value, "set_path" if _forced is not None else ENV if ENV in os.environ else "default"
+
+
+def _path_setting() -> str:
+    """``set_path``'s value, else ``HEADWISE_LINEAR``'s, else "auto" (read on every call: one dict lookup)."""
     if _forced is not None:
-        return _forced, "set_path"
-    value = os.environ.get(ENV, "auto")
+        return _forced
+    value = os.environ.get(ENV)
+    if value is None:
+        return "auto"
     if value not in PATHS:
         raise ValueError(f"the environment variable {ENV} must be one of {PATHS}, got {value!r}")
-    return value, ENV if ENV in os.environ else "default"
+    return value
 
 
 @functools.cache
@@ -208,28 +217,31 @@ def describe() -> dict:
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
+    # Cheap tests first: a decode step makes ~50 of these calls per token (~3 us each).
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
-        return False
+        return False  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
     if not _plain_tensors(x, weight, bias):
         return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
-    if not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES):
+    dtype = x.dtype
+    if dtype not in _DTYPES or weight.dtype != dtype or not (x.is_cpu and weight.is_cpu):
         return False
-    if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
+    if bias is not None and (bias.dtype != dtype or not bias.is_cpu):
         return False
     if x.layout != torch.strided or weight.layout != torch.strided or not weight.is_contiguous() or x.ndim < 1:
         return False  # a sliced weight (row stride != K) sends oneDNN down a path ~1000x slower
-    big = weight.numel() >= MIN_DECODE_WEIGHT
-    if x.numel() < MIN_ROWS * x.shape[-1] and not big:
+    big, size, k = weight.numel() >= MIN_DECODE_WEIGHT, x.numel(), x.shape[-1]
+    if (size < MIN_ROWS * k and not big) or not torch.backends.mkldnn.enabled:
         return False
-    if not torch.backends.mkldnn.enabled:
+    setting = _path_setting()
+    if setting == "torch":
         return False
-    if big and x.numel() <= DECODE_ROWS * x.shape[-1]:
-        return choose_few_rows(x.dtype)[0] == "onednn"
-    return choose(x.dtype)[0] == "onednn"
+    if setting == "auto" and _auto(dtype, big and size <= DECODE_ROWS * k)[0] != "onednn":
+        return False
+    return _ops_error(dtype) is None
 
 
 def _key(tensors: Sequence[Tensor]) -> tuple:
-    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+    return tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype) for t in tensors)
 
 
 def _watchable() -> bool:
@@ -305,11 +317,45 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
+    if torch.compiler.is_compiling() and _opaque(x, weight, bias):
+        return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _OneDNNLinear.apply(x, weight, bias)  # (..., N)
     return _lp(x.contiguous(), _packed(weight), None if bias is None else bias.detach().contiguous())  # (..., N)
+
+
+def _opaque(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether a call traced by ``torch.compile`` runs as one of the ops below: plain CPU tensors of a dtype oneDNN
+    takes, no autograd (shape, dtype, device, grad mode and requires_grad become the graph's guards, not the rows)."""
+    tensors = [t for t in (x, *params) if t is not None]
+    if not _plain_tensors(*tensors) or any(t.device.type != "cpu" or t.dtype != x.dtype for t in tensors) or x.dtype not in _DTYPES:
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+@torch.library.custom_op("headwise::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear`` as an op ``torch.compile`` does not look into: the path is chosen when it runs, the weight
+    packed once (the graph hands it the model's own parameter)."""
+    return linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))  # (..., N)
+
+
+@torch.library.custom_op("headwise::linear_many", mutates_args=())
+def _linear_many_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    """``project_many``'s stacked GEMM as one opaque op: (..., K) -> (..., sum N), the stack made once (biases: all or [])."""
+    return _stacked_linear(x, weights, biases or [None] * len(weights))
+
+
+@_linear_many_op.register_fake
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))  # (..., sum N)
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -360,15 +406,25 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or len({(t.dtype, t.device) for t in params}) > 1
     if mixed or not _plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
-        weight, bias = torch.cat(weights), None if biases[0] is None else torch.cat(biases)  # (sum N, K), (sum N,)
+    sizes = [w.shape[0] for w in weights]
+    if torch.compiler.is_compiling() and _opaque(x, *params):
+        y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
+        y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]
     else:
-        weight, bias = _cached(_STACKED, params, lambda: (
-            torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
-    y = linear(x, weight, bias)  # (..., sum N)
-    return list(y.split([w.shape[0] for w in weights], dim=-1))  # (..., N_i) each
+        y = _stacked_linear(x, weights, biases)  # (..., sum N)
+    return list(y.split(sizes, dim=-1))  # (..., N_i) each
+
+
+def _stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:
+    """(..., K) through the weights stacked into one (sum N, K), made once and remade when any weight or bias changed."""
+    if any(t.is_inference() for t in (*weights, *biases) if t is not None):  # no version to watch: stack for this call only
+        return linear(x, torch.cat(list(weights)), None if biases[0] is None else torch.cat(list(biases)))  # (..., sum N)
+    weight, bias = _cached(_STACKED, [t for t in (*weights, *biases) if t is not None], lambda: (
+        torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
+    return linear(x, weight, bias)  # (..., sum N)
 
 
 def _stackable(layers: Sequence[nn.Module]) -> bool:
@@ -380,6 +436,8 @@ def _stackable(layers: Sequence[nn.Module]) -> bool:
 def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     """``project_many`` for layers of a class with ``stack``: one stacked layer, made once and remade when any
     of their tensors changes (as the stacked ``nn.Linear`` weights are), then split (..., N_i)."""
+    if torch.compiler.is_compiling():  # each layer traced as it is (a stack made once cannot live in a graph)
+        return [layer(x) for layer in layers]
     owners = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]  # their own tensors
     if not _watchable() or not _plain_tensors(x, *owners) or any(t.is_inference() for t in owners):
         return [layer(x) for layer in layers]

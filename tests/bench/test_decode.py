@@ -1,6 +1,7 @@
 """headwise.bench.decode and the one interleaved timing loop (data only: no timing is asserted)."""
 
 import pytest
+import torch
 
 from headwise.bench.timing import interleaved
 
@@ -59,6 +60,20 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers():
     assert table.count("\n| gpt2 | int8 |") == 2 and "| prefill | gpt2 | fp32 |" in table
     with pytest.raises(ValueError, match=r"a context \(in shapes \(\(1, 1\),\)\) must be an int >= 2, got 1"):
         decode_speeds(shapes=[(1, 1)])
+
+
+def test_model_decode_with_compile_times_generates_compiled_step_and_call():
+    """``compile=True``: a compiled-step column (the step generate(compile=True) runs) and a compiled generate row."""
+    from headwise.bench.model_decode import decode_speeds, markdown, prefill_and_generate
+
+    torch._dynamo.reset()
+    rows = decode_speeds(["gpt2"], ["fp32"], [(2, 7)], repeats=1, warmup=1, tiny=True, hf=False, compile=True)
+    assert rows[0].compiled_ms > 0 and rows[0].compiled_share == rows[0].read_bytes / rows[0].compiled_ms / 1e6 / rows[0].sum_gbps
+    comparisons = prefill_and_generate(["gpt2"], ["fp32"], prompt=6, new_tokens=2, repeats=1, tiny=True, compile=True, hf_compile=False)
+    assert [c.what for c in comparisons] == ["prefill", "generate ms/token", "generate ms/token, compile=True"]
+    table = markdown(rows, comparisons)
+    assert "| compiled ms | compiled share |" in table and "| generate ms/token, compile=True | gpt2 | fp32 |" in table
+    torch._dynamo.reset()
 
 
 FAKE_S = {"cached": 0.002, "uncached": 0.010, "hf_cached": 0.006}  # seconds each step "takes"

@@ -167,7 +167,7 @@ def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     B, H, T, _ = q.shape
     Dv = v.shape[3]
     per_row = max(1, B * H * spec.S)
-    step = max(1, BLOCK_ELEMENTS // per_row)
+    step = T if T * per_row <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // per_row)  # one block: a bound, not a value, under compile
     outs = []
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from .. import _argtypes, _checks
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
+from ..models.generate import decode_step
 from ..models.gpt2 import GPT2LMHeadModel
 from ..models.llama import LlamaForCausalLM
 from ..quantize import Int8Linear, int8_weights
@@ -66,6 +67,7 @@ class DecodeSpeed:
         read_bytes: weights + KV a step reads.
         sum_gbps: the 512 MiB sum's GB/s in the same rounds.
         max_abs_diff: largest |headwise - transformers| over the step's logits (None without transformers).
+        compiled_ms: the step as ``generate(..., compile=True)`` runs it (None unless asked for).
         repeats, threads: timed rounds; ``torch.get_num_threads()``.
     """
 
@@ -81,6 +83,7 @@ class DecodeSpeed:
     repeats: int
     threads: int
     checked_ms: float | None = None
+    compiled_ms: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -91,6 +94,11 @@ class DecodeSpeed:
     def share(self) -> float:
         """headwise's GB/s over the measured read bandwidth."""
         return self.gbps / self.sum_gbps
+
+    @property
+    def compiled_share(self) -> float | None:
+        """The compiled step's GB/s over the measured read bandwidth."""
+        return None if self.compiled_ms is None else self.read_bytes / self.compiled_ms / 1e6 / self.sum_gbps
 
     @property
     def tokens_per_s(self) -> float:
@@ -175,13 +183,22 @@ def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, gen:
     return caches, hf_cache
 
 
-def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, gen: torch.Generator) -> dict[str, Callable[[], Tensor]]:
+def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, gen: torch.Generator,
+           compile: bool = False) -> dict[str, Callable[[], Tensor]]:
     """One decode step at ``context`` for each library, its caches cropped back after it."""
     caches, hf_cache = _fill(ours, theirs, batch, context - 1, gen)
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
 
     def headwise() -> Tensor:
         logits = ours.step_logits(token, None, caches)  # (B, vocab): generate's step
+        for cache in caches:
+            cache.crop(context - 1)
+        return logits
+
+    step = decode_step(ours, compile=True) if compile else None  # generate(..., compile=True)'s step
+
+    def compiled() -> Tensor:
+        logits = step(token, None, caches)  # (B, vocab)
         for cache in caches:
             cache.crop(context - 1)
         return logits
@@ -197,11 +214,11 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
         hf_cache.crop(-1)  # a negative count of tokens to drop
         return logits
 
-    steps = {"headwise": headwise, "checked": checked}
+    steps = {"headwise": headwise, "checked": checked, **({"compiled": compiled} if compile else {})}
     return steps if theirs is None else {**steps, "transformers": transformers}
 
 
-def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, compile: bool) -> dict[str, Callable[[], object]]:
+def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, compile: bool, hf_compile: bool) -> dict[str, Callable[[], object]]:
     """The prompt pass (last position's logits) and whole greedy generate calls of each library."""
     prompt = ids.shape[1]
     hf_kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
@@ -212,6 +229,8 @@ def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, com
         "transformers generate": lambda: theirs.generate(ids, **hf_kw),
     }
     if compile:
+        calls["headwise compile generate"] = lambda: ours.generate(ids, max_new_tokens=new_tokens, compile=True)
+    if hf_compile:
         static = copy.deepcopy(theirs)
         static.forward = torch.compile(static.forward, fullgraph=True)
         calls["transformers static+compile generate"] = lambda: static.generate(ids, cache_implementation="static", **hf_kw)
@@ -232,9 +251,12 @@ def decode_speeds(
     hf: bool = True,
     seed: int = 0,
     tiny: bool = False,
+    compile: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[DecodeSpeed]:
     """Time one decode step of each model and dtype at each (batch, context) of ``shapes`` (see the module docstring).
+
+    With ``compile``, also the step ``generate(..., compile=True)`` runs (compiled during the warm-up rounds).
 
     Imports transformers (unless ``hf=False``). Nothing is printed (``progress`` is told what runs).
     Under ``torch.inference_mode``, with the thread count torch already has.
@@ -255,15 +277,17 @@ def decode_speeds(
                 for batch, context in shapes:
                     if progress:
                         progress(f"{name} {dtype} B={batch} context {context}")
-                    steps = {**_steps(ours, theirs, batch, context, gen), "sum": big.sum}
+                    steps = {**_steps(ours, theirs, batch, context, gen, compile), "sum": big.sum}
                     outs: dict[str, Tensor] = {}
                     med = _medians(interleaved({k: keeping(s, outs, k) for k, s in steps.items()}, repeats=repeats, warmup=warmup))
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
                     if not torch.equal(outs["headwise"], outs["checked"]):
                         raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
+                    if compile and not torch.allclose(outs["compiled"].float(), outs["headwise"].float(), rtol=0.02, atol=0.02 * float(outs["headwise"].abs().max())):
+                        raise RuntimeError(f"{name} {dtype}: the compiled step's logits are far from the eager step's")
                     rows.append(DecodeSpeed(name, dtype, batch, context, med["headwise"], med.get("transformers"),
                                             read_bytes(ours, batch, context), SUM_BYTES / med["sum"] / 1e6, diff, repeats,
-                                            torch.get_num_threads(), med["checked"]))
+                                            torch.get_num_threads(), med["checked"], med.get("compiled")))
             del ours, theirs
     return rows
 
@@ -293,6 +317,7 @@ def prefill_and_generate(
     new_tokens: int = 32,
     repeats: int = 3,
     compile: bool = False,
+    hf_compile: bool | None = None,
     seed: int = 0,
     tiny: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -300,8 +325,9 @@ def prefill_and_generate(
     """The prompt pass ``generate`` makes (last position's logits) and whole greedy ``generate`` calls, B = 1.
 
     ``generate``'s row reports milliseconds per new token: (generate - prefill) / new_tokens, both
-    medians. With ``compile``, transformers also runs with a StaticCache under torch.compile
-    (``cache_implementation="static"``, compiled on first use: minutes on 2 cores).
+    medians. With ``compile``, headwise's ``generate(..., compile=True)`` beside transformers with a
+    StaticCache under torch.compile (``cache_implementation="static"``; both compiled on first use,
+    minutes on 2 cores).
     """
     _checks.integer("prompt", prompt, low=1)
     _checks.integer("new_tokens", new_tokens, low=1)
@@ -314,29 +340,38 @@ def prefill_and_generate(
                 progress(f"{name} {dtype}: prefill and generate")
             ours, theirs = build(name, dtype, positions=max(1024, prompt + new_tokens), seed=seed, tiny=tiny)  # as a user builds them
             with torch.inference_mode():
-                med = _medians(interleaved(_calls(ours, theirs, ids, new_tokens, compile), repeats=repeats, warmup=1))
+                med = _medians(interleaved(_calls(ours, theirs, ids, new_tokens, compile, compile if hf_compile is None else hf_compile),
+                                           repeats=repeats, warmup=1))
                 threads = torch.get_num_threads()
                 rows.append(Comparison("prefill", name, dtype, med["headwise prefill"], med["transformers prefill"], repeats, threads))
-                per_token = {k: (med[f"{k} generate"] - med[f"{k} prefill" if k != "transformers static+compile" else "transformers prefill"]) / new_tokens
-                             for k in ("headwise", "transformers", *(["transformers static+compile"] if compile else []))}
+                prefill = {"headwise": med["headwise prefill"], "transformers": med["transformers prefill"]}
+                per_token = {k: (med[f"{k} generate"] - prefill[k.split()[0]]) / new_tokens
+                             for k in ("headwise", "transformers", *(["headwise compile"] if compile else []),
+                                       *(["transformers static+compile"] if "transformers static+compile generate" in med else []))}
                 rows.append(Comparison("generate ms/token", name, dtype, per_token["headwise"], per_token["transformers"], repeats, threads))
                 if compile:
-                    rows.append(Comparison("vs static+compile ms/token", name, dtype, per_token["headwise"], per_token["transformers static+compile"],
-                                           repeats, threads))
+                    rows.append(Comparison("generate ms/token, compile=True", name, dtype, per_token["headwise compile"],
+                                           per_token["transformers"], repeats, threads))
+                if "transformers static+compile" in per_token:
+                    rows.append(Comparison("generate ms/token, both compiled (static cache)", name, dtype,
+                                           per_token["headwise compile" if compile else "headwise"], per_token["transformers static+compile"], repeats, threads))
                 del ours, theirs
     return rows
 
 
 def markdown(speeds: Sequence[DecodeSpeed], comparisons: Sequence[Comparison]) -> str:
     """The README's tables."""
-    out = ["| model | dtype | B | context | headwise ms | checked ms | tok/s | MB read | GB/s | share of sum GB/s | sum GB/s | transformers ms | speed-up |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    compiled = any(r.compiled_ms is not None for r in speeds)
+    extra = " compiled ms | compiled share |" if compiled else ""
+    out = ["| model | dtype | B | context | headwise ms | checked ms | tok/s | MB read | GB/s | share of sum GB/s | sum GB/s |" + extra
+           + " transformers ms | speed-up |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * (1 + compiled)]
     for r in speeds:
         hf = "—" if r.transformers_ms is None else f"{r.transformers_ms:.1f}"
         up = "—" if r.speedup is None else f"{r.speedup:.2f}x"
         checked = "—" if r.checked_ms is None else f"{r.checked_ms:.1f}"
+        cells = "" if not compiled else (" — | — |" if r.compiled_ms is None else f" {r.compiled_ms:.1f} | {r.compiled_share:.2f} |")
         out.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.headwise_ms:.1f} | {checked} | {r.tokens_per_s:.0f} | {r.read_bytes / 1e6:.0f} | "
-                   f"{r.gbps:.1f} | {r.share:.2f} | {r.sum_gbps:.1f} | {hf} | {up} |")
+                   f"{r.gbps:.1f} | {r.share:.2f} | {r.sum_gbps:.1f} |{cells} {hf} | {up} |")
     if comparisons:
         out += ["", "| call | model | dtype | headwise ms | transformers ms | speed-up |", "|---|---|---|---:|---:|---:|"]
         out += [f"| {c.what} | {c.model} | {c.dtype} | {c.headwise_ms:.1f} | {c.transformers_ms:.1f} | {c.speedup:.2f}x |" for c in comparisons]
@@ -359,7 +394,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--long", action="store_true", help="also contexts 2048 and 4096 (B=1)")
     p.add_argument("--repeats", type=positive, default=10)
     p.add_argument("--no-generate", action="store_true", help="skip the prefill and generate comparisons")
-    p.add_argument("--compile", action="store_true", help="also transformers' StaticCache + torch.compile generate (slow to compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="also generate(compile=True)'s step, and both libraries' compiled generate (transformers: StaticCache; slow to compile)")
+    p.add_argument("--no-hf-compile", action="store_true", help="with --compile: skip transformers' StaticCache + torch.compile generate")
     p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
@@ -368,8 +405,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
     shapes = [(1, c) for c in contexts] + [(b, 512) for b in batches if b != 1]  # B = 1 at every context, larger batches at 512
     shapes += [(1, 2048), (1, 4096)] if args.long else []
-    speeds = decode_speeds(models, dtypes, shapes, repeats=args.repeats, progress=say)
-    comparisons = [] if args.no_generate else prefill_and_generate(models, [d for d in dtypes if d != "int8"], compile=args.compile, progress=say)
+    speeds = decode_speeds(models, dtypes, shapes, repeats=args.repeats, compile=args.compile, progress=say)
+    comparisons = [] if args.no_generate else prefill_and_generate(models, [d for d in dtypes if d != "int8"], compile=args.compile,
+                                                                   hf_compile=args.compile and not args.no_hf_compile, progress=say)
     print(f"{machine()}\n")
     print(markdown(speeds, comparisons))
 

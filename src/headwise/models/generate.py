@@ -9,6 +9,8 @@ real tokens before it, so a padded row continues exactly as the unpadded row wou
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -59,6 +61,7 @@ class Generates:
         top_k: int | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Tensor:
         """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
 
@@ -71,6 +74,11 @@ class Generates:
             eos_token_id: a row that emits it is finished and is padded with it from then
                 on; generation stops early once every row is finished.
             generator: the ``torch.Generator`` that sampling draws from.
+            compile: run every decode step after the prompt pass under ``torch.compile``
+                (``fullgraph=True``, ``dynamic=True``: one graph for every step, cache length
+                and batch size; compiled on the first call, minutes on a small CPU for a
+                12-layer model, then reused by later calls on the same model). The tokens are
+                the eager steps'; see the README's "Decode speed" for what it gains.
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
@@ -80,6 +88,7 @@ class Generates:
         weight = next(self.parameters(), None) if isinstance(self, torch.nn.Module) else None  # the ids must be on its device
         b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # real: (B, T) bool or None
         check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+        _checks.boolean("compile", compile)
         name, limit = self.context_limit()
         if limit is not None and t + max_new_tokens > limit:
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
@@ -87,7 +96,7 @@ class Generates:
         caches = self.new_caches(b, t + max_new_tokens)
         position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
-        run_step = self.step_logits if unchecked_steps(self) else lambda ids, pos, caches: self.next_logits(ids, pos, None, caches)
+        run_step = decode_step(self, compile)  # (ids, position_ids, caches) -> (B, vocab)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)
@@ -101,6 +110,28 @@ class Generates:
                 position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
             logits = run_step(token[:, None], position, caches)  # (B, vocab)
         return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def decode_step(model: CausalLM, compile: bool) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor]:
+    """The step ``generate`` runs after its prompt pass: (B, 1) ids, positions or None, caches -> (B, vocab).
+
+    ``model.step_logits`` where ``unchecked_steps`` allows it, else ``next_logits`` with every
+    check; with ``compile``, that step under ``torch.compile(fullgraph=True, dynamic=True)``,
+    made once per model and step kind (``torch.compile``'s wrapper is kept on the model, so
+    later calls reuse its graph: the cache length, the batch and the prompt length are symbolic).
+    """
+    unchecked = unchecked_steps(model)
+    if not compile:
+        return model.step_logits if unchecked else partial(_checked_step, model)
+    compiled = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
+    if unchecked not in compiled:
+        step = model.step_logits if unchecked else partial(_checked_step, model)
+        compiled[unchecked] = torch.compile(step, fullgraph=True, dynamic=True)
+    return compiled[unchecked]
+
+
+def _checked_step(model: CausalLM, ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
+    return model.next_logits(ids, position_ids, None, caches)  # (B, vocab)
 
 
 def unchecked_steps(model: object) -> bool:
