@@ -31,9 +31,8 @@ from torch import Tensor, nn
 
 from .linear import DECODE_ROWS
 
-
-def _has_int8_kernel() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
+_int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
 
 
 class Int8Linear(nn.Module):
@@ -89,9 +88,9 @@ class Int8Linear(nn.Module):
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
-        grad = torch.is_grad_enabled() and x.requires_grad
-        rows = x.numel() // max(self.in_features, 1)
-        return x.device.type == "cpu" == self.weight.device.type and rows <= DECODE_ROWS and not grad and _has_int8_kernel()
+        if not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
+            return False
+        return not (torch.is_grad_enabled() and x.requires_grad) and _INT8_KERNEL
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
@@ -104,9 +103,8 @@ class Int8Linear(nn.Module):
         if not self.uses_kernel(x):
             return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # (..., N)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (M, K): the kernel's input dtype
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self._ones).float() * self.scales  # (M, N) float32
-        if self.bias is not None:
-            y = y + self.bias
+        y = _int8_mm(rows, self.weight, self._ones)  # (M, N) bfloat16, unit scales
+        y = y * self.scales if self.bias is None else torch.addcmul(self.bias, y, self.scales)  # (M, N) float32: bias + y * scale
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:

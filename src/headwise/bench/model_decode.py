@@ -48,7 +48,8 @@ from .llama_decode import GPT2_SMALL_LLAMA
 from .timing import interleaved, keeping
 
 MODELS = ("gpt2", "llama")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}  # int8: int8 weights, float32 activations
+#: int8: int8 weights, float32 activations; int8-bf16: int8 weights, bfloat16 activations and KV cache.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "int8-bf16": torch.bfloat16}
 SUM_BYTES = 512 * 2**20
 #: Small sizes for a quick check of the benchmark itself (``tiny=True``): the numbers mean nothing.
 TINY = {"gpt2": {"vocab_size": 211, "n_embd": 64, "n_layer": 2, "n_head": 4},
@@ -61,8 +62,8 @@ class DecodeSpeed:
     """One decode step of a whole model; milliseconds are medians of interleaved repeats.
 
     Attributes:
-        model, dtype, batch, context: what was run ("gpt2" / "llama", "fp32" / "bf16" / "int8").
-        headwise_ms, transformers_ms: one step (transformers: None for int8).
+        model, dtype, batch, context: what was run ("gpt2" / "llama", a key of ``DTYPES``).
+        headwise_ms, transformers_ms: one step (transformers: None for int8 weights).
         checked_ms: headwise's step through ``next_logits`` (every layer's checks, every step).
         read_bytes: weights + KV a step reads.
         sum_gbps: the 512 MiB sum's GB/s in the same rounds.
@@ -111,7 +112,7 @@ class DecodeSpeed:
 
 
 def build(name: str, dtype: str, *, positions: int = 1024, seed: int = 0, hf: bool = True, tiny: bool = False) -> tuple[nn.Module, nn.Module | None]:
-    """headwise's model (int8: ``int8_weights`` of the float32 one) and transformers' with the same weights."""
+    """headwise's model (int8: ``int8_weights`` of the float32 or bfloat16 one) and transformers' with the same weights."""
     _checks.integer("positions", positions, low=2)
     if name not in MODELS or dtype not in DTYPES:
         raise ValueError(f"model must be one of {MODELS} and dtype one of {list(DTYPES)}, got {name!r}, {dtype!r}")
@@ -142,9 +143,9 @@ def build(name: str, dtype: str, *, positions: int = 1024, seed: int = 0, hf: bo
         ours = LlamaForCausalLM(replace(c, max_position_embeddings=positions)).eval()
         ours.load_state_dict(theirs.state_dict(), strict=True)
     ours, theirs = ours.to(DTYPES[dtype]), theirs.to(DTYPES[dtype])
-    if dtype == "int8":
+    if dtype.startswith("int8"):
         ours = int8_weights(ours)
-    return ours, (theirs if hf and dtype != "int8" else None)
+    return ours, (theirs if hf and not dtype.startswith("int8") else None)
 
 
 def read_bytes(model: nn.Module, batch: int, context: int) -> int:
@@ -243,7 +244,7 @@ def _medians(times: dict[str, list[float]]) -> dict[str, float]:
 
 def decode_speeds(
     models: Sequence[str] = MODELS,
-    dtypes: Sequence[str] = ("fp32", "bf16", "int8"),
+    dtypes: Sequence[str] = tuple(DTYPES),
     shapes: Sequence[tuple[int, int]] = ((1, 512), (8, 512)),
     *,
     repeats: int = 10,
@@ -388,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     positive = _argtypes.integer(1)
     p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(MODELS), "models"), default=list(MODELS), help="comma list (default gpt2,llama)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), default=list(DTYPES),
-                   help="comma list (default fp32,bf16,int8)")
+                   help="comma list (default fp32,bf16,int8,int8-bf16)")
     p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8], help="comma list (default 1,8)")
     p.add_argument("--contexts", type=_argtypes.listing(positive, "positive ints"), default=[128, 512, 1024], help="comma list (default 128,512,1024)")
     p.add_argument("--long", action="store_true", help="also contexts 2048 and 4096 (B=1)")
@@ -406,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shapes = [(1, c) for c in contexts] + [(b, 512) for b in batches if b != 1]  # B = 1 at every context, larger batches at 512
     shapes += [(1, 2048), (1, 4096)] if args.long else []
     speeds = decode_speeds(models, dtypes, shapes, repeats=args.repeats, compile=args.compile, progress=say)
-    comparisons = [] if args.no_generate else prefill_and_generate(models, [d for d in dtypes if d != "int8"], compile=args.compile,
+    comparisons = [] if args.no_generate else prefill_and_generate(models, [d for d in dtypes if not d.startswith("int8")], compile=args.compile,
                                                                    hf_compile=args.compile and not args.no_hf_compile, progress=say)
     print(f"{machine()}\n")
     print(markdown(speeds, comparisons))
