@@ -238,6 +238,11 @@ def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, com
     return calls
 
 
+def _rel(got: Tensor, want: Tensor) -> float:
+    """||got - want|| / ||want|| in float32."""
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
 def _medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
@@ -284,8 +289,8 @@ def decode_speeds(
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
                     if not torch.equal(outs["headwise"], outs["checked"]):
                         raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
-                    if compile and not torch.allclose(outs["compiled"].float(), outs["headwise"].float(), rtol=0.02, atol=0.02 * float(outs["headwise"].abs().max())):
-                        raise RuntimeError(f"{name} {dtype}: the compiled step's logits are far from the eager step's")
+                    if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if dtype == "fp32" else 0.05):  # bf16 rounding differs in fused code
+                        raise RuntimeError(f"{name} {dtype}: the compiled step's logits are {_rel(outs['compiled'], outs['headwise']):.2g} from the eager step's")
                     rows.append(DecodeSpeed(name, dtype, batch, context, med["headwise"], med.get("transformers"),
                                             read_bytes(ours, batch, context), SUM_BYTES / med["sum"] / 1e6, diff, repeats,
                                             torch.get_num_threads(), med["checked"], med.get("compiled")))
