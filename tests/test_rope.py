@@ -103,6 +103,22 @@ def test_bf16_is_rotated_in_float32_and_rounded_once():
     assert ours_err <= 2 * plain_err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, None), (32, 8), (12, None)])
+@pytest.mark.parametrize("per_row", [False, True], ids=["start", "position-ids"])
+def test_rotate_half_in_place_equals_the_swapped_copy_bit_for_bit(dtype, head_dim, rotary_dim, per_row):
+    """Each half adding the other half's product in place gives x·cos + swap(x)·sin with a swapped copy, exactly."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 7, 3, head_dim, generator=g).to(dtype)[..., 0, :].transpose(1, 2)  # (B, H, T, D), strided as split heads
+    rope = RotaryEmbedding(head_dim, rotary_dim=rotary_dim)
+    cos, sin = rope.at(torch.tensor([[3, 4, 5, 6, 7], [0, 0, 1, 2, 3]]) if per_row else 40, 5, x.device)  # (B, 1, T, R) or (T, R)
+    r = cos.shape[-1]
+    part = x.float()[..., :r]  # (B, H, T, R)
+    copied = torch.addcmul(part * cos, part.roll(r // 2, dims=-1), sin)  # (B, H, T, R): the swap as a copy
+    want = torch.cat((copied, x.float()[..., r:]), dim=-1).to(dtype)  # (B, H, T, D)
+    assert torch.equal(rotate(x, cos, sin), want)
+
+
 def test_rotate_keeps_float64():
     x = torch.randn(1, 1, 4, 8, dtype=torch.float64)
     rope = RotaryEmbedding(8)

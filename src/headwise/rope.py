@@ -108,7 +108,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
     r = cos.shape[-1]
     work = x.float() if x.dtype in _HALF else x
     part = work[..., :r] if r < x.shape[-1] else work  # (..., T, R)
-    out = torch.addcmul(part * cos, _swap_pairs(part, layout), sin)  # (..., T, R)
+    if layout == "interleaved":
+        out = torch.addcmul(part * cos, _swap_pairs(part, layout), sin)  # (..., T, R)
+    else:  # each half adds the other half's product in place: no swapped copy of x (torch.roll is a copy)
+        h = r // 2
+        out = part * cos  # (..., T, R)
+        out[..., :h].addcmul_(part[..., h:], sin[..., :h])  # x1·cos - x2·sin
+        out[..., h:].addcmul_(part[..., :h], sin[..., h:])  # x2·cos + x1·sin
     if r < x.shape[-1]:
         out = torch.cat((out, work[..., r:]), dim=-1)  # (..., T, D)
     return out.to(x.dtype)
@@ -121,7 +127,8 @@ def _count(name: str, value: object) -> None:
 
 
 def _swap_pairs(x: Tensor, layout: str) -> Tensor:
-    """(..., R) -> (..., R) with the two dims of every rotating pair exchanged."""
+    """(..., R) -> (..., R) with the two dims of every rotating pair exchanged (``rotate`` does the
+    "rotate_half" swap in place, half by half)."""
     if layout == "interleaved":
         return x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)  # pairs (2i, 2i+1)
     return x.roll(x.shape[-1] // 2, dims=-1)  # pairs (i, i + R/2): the halves change places

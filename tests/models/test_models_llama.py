@@ -11,7 +11,9 @@ from hf_checkpoints import LLAMA_CONFIGS, LLAMA_SIZES, make_hf_llama, save_hf_ll
 from llama_reference import llama_logits
 
 import headwise.models as hm
+from headwise import linear as hl
 from headwise.cache import KVCache
+from headwise.models import llama
 from headwise.models.llama import LlamaAttention
 from headwise.rope import RotaryEmbedding
 
@@ -306,3 +308,20 @@ def test_llama_generate_reads_the_prompt_and_no_decode_step(device, padded):
     # int mask values; "any padding?" and "does a prompt end in padding?" in one read; ids' min and max
     want = ["__bool__", "tolist", "tolist"] if padded else ["tolist"]
     assert counts == [want, want]
+
+
+@pytest.mark.parametrize("rows", [1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, 40])
+def test_projections_are_one_gemm_for_decode_rows_only(rows, monkeypatch):
+    """A decode step's few rows run Q/K/V (or gate/up) as one stacked GEMM; a prompt's rows run each
+    layer alone, into contiguous outputs; the numbers are each layer's either way."""
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(32, 48), torch.nn.Linear(32, 16, bias=True), torch.nn.Linear(32, 16))
+    x = torch.randn(rows, 1, 32)  # (B, T, C): B*T rows
+    stacked = []
+    monkeypatch.setattr(llama, "project_many", lambda ls, x: stacked.append(len(ls)) or hl.project_many(ls, x))
+    with torch.no_grad():
+        outs = llama.projections(layers, x)
+    assert stacked == ([3] if rows <= hl.DECODE_ROWS else [])
+    for out, layer in zip(outs, layers, strict=True):
+        torch.testing.assert_close(out, layer(x).detach(), atol=1e-5, rtol=1e-5)
+        assert out.is_contiguous() or rows <= hl.DECODE_ROWS

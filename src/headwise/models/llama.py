@@ -23,7 +23,7 @@ from ..cache import KVCache, PagedBatch, PagedKVCache
 from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
-from ..linear import linear, project, project_many
+from ..linear import DECODE_ROWS, linear, project, project_many
 from ..observe import report
 from ..rope import RotaryEmbedding, rotate
 from . import _inputs, loading
@@ -42,6 +42,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)  # (..., N), rounded back as HuggingFace does
         return self.weight * normed
+
+
+def projections(layers: tuple[nn.Module, ...], x: Tensor) -> list[Tensor]:
+    """Several projections of one input x (..., C): one stacked GEMM (``project_many``) for a decode
+    step's few rows (at most ``DECODE_ROWS``, or under ``torch.compile``), one GEMM per layer for
+    a prompt's many: each output is then a contiguous (..., N_i) tensor that the next op reads
+    while it is still in cache, not a strided slice of one wide (..., sum N_i) output (a bf16
+    prefill of the GPT-2-sized Llama ~1% faster, fp32 ~4%, same numbers). Returns one (..., N_i) per layer.
+    """
+    if torch.compiler.is_compiling() or x.numel() <= DECODE_ROWS * x.shape[-1]:
+        return project_many(layers, x)
+    return [project(layer, x) for layer in layers]
 
 
 class LlamaAttention(AttentionLayer):
@@ -93,8 +105,8 @@ class LlamaAttention(AttentionLayer):
         return self.dropout_p if self.training else 0.0
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, C) -> q_proj(x) (B, T, H*D), k_proj(x) and v_proj(x) (B, T, Hkv*D), as one GEMM where it pays."""
-        queries, keys, values = project_many((self.q_proj, self.k_proj, self.v_proj), x)
+        """(B, T, C) -> q_proj(x) (B, T, H*D), k_proj(x) and v_proj(x) (B, T, Hkv*D): one GEMM for a decode step (see ``projections``)."""
+        queries, keys, values = projections((self.q_proj, self.k_proj, self.v_proj), x)
         return queries, keys, values
 
     def position(
@@ -127,7 +139,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project_many((self.gate_proj, self.up_proj), x)  # (B, T, I) each, one GEMM where it pays
+        gate, up = projections((self.gate_proj, self.up_proj), x)  # (B, T, I) each, one GEMM for a decode step
         return project(self.down_proj, F.silu(gate) * up)  # (B, T, C)
 
 
