@@ -1,7 +1,9 @@
 """The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
 
 - plain, causal, window, padding, masks, GQA: ``F.scaled_dot_product_attention``, with
-  ``is_causal`` instead of a mask whenever it means the same;
+  ``is_causal`` instead of a mask whenever it means the same; a causal prompt of 65 to 1024
+  tokens on the CPU (no autograd) as blocks of 64 queries, each over the keys it may see
+  (``_causal_blocks``: the CPU kernel would compute the masked half of each key block too);
 - sinks: the CPU flash kernel returns each row's log-sum-exp, and a sink only rescales a row:
   ``context * sigmoid(lse - sink)`` (``SinkAttention``; its backward is the kernel's own, given
   the rescaled output, plus the sink's gradient). Elsewhere (CUDA, dropout) the chunked math;
@@ -91,6 +93,38 @@ def _sinks_fused(q: Tensor, v: Tensor, spec: Spec) -> bool:
     )
 
 
+CAUSAL_BLOCK = 64  # queries per kernel call of a blocked causal prompt
+CAUSAL_BLOCKS_UP_TO = 1024  # prompts up to this long run as blocks (torch's CPU flash kernel wastes least beyond it)
+
+
+def _blocks_pay(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
+    """Whether plain causal attention runs as ``_causal_blocks``: on the CPU, CAUSAL_BLOCK < T <=
+    CAUSAL_BLOCKS_UP_TO, no sinks, no dropout, no autograd, eager."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (
+        q.device.type == "cpu" and CAUSAL_BLOCK < spec.T <= CAUSAL_BLOCKS_UP_TO and spec.sinks is None
+        and spec.dropout_p == 0.0 and not grad and not torch.compiler.is_compiling()
+    )
+
+
+def _causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """Plain causal attention as blocks of CAUSAL_BLOCK queries, each over the keys it may see.
+
+    torch's CPU flash kernel (torch 2.13) splits keys in blocks of up to 512 and computes every
+    score of a key block that a query block reaches: a causal prompt of T <= 512 costs the whole
+    T x T square, half of it masked. Here block r0..r1 reads keys 0..r1 only (the first block
+    with ``is_causal``, the others with their (t, r1) mask): 480 tokens ~1.5x faster, 1024 ~1.1x,
+    each row's softmax the same (float32 sums over the keys it sees, rounded once).
+    (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).
+    """
+    outs = [_kernel(q[:, :, :CAUSAL_BLOCK], k[:, :, :CAUSAL_BLOCK], v[:, :, :CAUSAL_BLOCK], spec, None, None, True)]  # (B, H, t, Dv)
+    for r0 in range(CAUSAL_BLOCK, spec.T, CAUSAL_BLOCK):
+        r1 = min(spec.T, r0 + CAUSAL_BLOCK)
+        allowed = spec.allowed((r0, r1), (0, r1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
+        outs.append(_kernel(q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], spec, allowed, None, False))  # (B, H, t, Dv)
+    return torch.cat(outs, dim=2)  # (B, H, T, Dv)
+
+
 def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """Every term but documents folded into fused kernel calls (B, H, T, D) -> (B, H, T, Dv)."""
     if spec.softcap is not None:
@@ -99,6 +133,8 @@ def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
         return math_backend.run_chunked(q, k, v, spec)
     T, S = spec.T, spec.S
     if spec.alibi is None:
+        if spec.plain_causal and _blocks_pay(q, k, v, spec):
+            return _causal_blocks(q, k, v, spec)
         if spec.plain_causal:
             return _kernel(q, k, v, spec, None, None, True)
         return _kernel(q, k, v, spec, spec.allowed((0, T), (0, S), q.device), spec.bias((0, T), (0, S), q.device), False)

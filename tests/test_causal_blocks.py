@@ -1,0 +1,67 @@
+"""A causal prompt on the CPU as blocks of queries, each over the keys it may see, against the float64 reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import reference_attention
+
+from headwise import KVCache, attention
+from headwise.backends import sdpa
+
+BLOCK = sdpa.CAUSAL_BLOCK
+
+
+def qkv(t, dtype, h=8, hkv=4, d=16, seed=0, grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, t, h, d, generator=gen).to(dtype).transpose(1, 2)  # (B, H, T, D), strided as split heads
+    k, v = (torch.randn(1, hkv, t, d, generator=gen).to(dtype) for _ in range(2))  # (B, Hkv, T, D)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def one_call(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+
+
+def error(got, q, k, v):
+    return float((got.double() - reference_attention(q, k, v, causal=True)).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [BLOCK + 1, 2 * BLOCK, 300, sdpa.CAUSAL_BLOCKS_UP_TO])
+def test_blocks_are_as_close_to_float64_as_one_kernel_call(t, dtype, monkeypatch):
+    q, k, v = qkv(t, dtype)
+    calls = []
+    kernel = sdpa._kernel
+    monkeypatch.setattr(sdpa, "_kernel", lambda q, k, *a: calls.append((q.shape[2], k.shape[2])) or kernel(q, k, *a))
+    with torch.no_grad():
+        got, one = attention(q, k, v, causal=True), one_call(q, k, v)
+    assert calls == [(min(t, r0 + BLOCK) - r0, min(t, r0 + BLOCK)) for r0 in range(0, t, BLOCK)]  # (queries, keys) per call
+    assert got.dtype == dtype and got.shape == one.shape
+    assert error(got, q, k, v) <= 2 * error(one, q, k, v)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, one, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_rows_of_a_prompt_are_their_own_prefixes():
+    """Row i of a blocked prompt is the last row of the prompt cut after token i: no key past its own."""
+    q, k, v = qkv(3 * BLOCK + 5, torch.float32)
+    full = attention(q, k, v, causal=True)  # (B, H, T, D)
+    for i in (0, BLOCK - 1, BLOCK, 2 * BLOCK + 7, 3 * BLOCK + 4):
+        alone = attention(q[:, :, : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], causal=True)[:, :, -1]  # (B, H, D)
+        torch.testing.assert_close(full[:, :, i], alone, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["short", "long", "grad"])
+def test_other_prompts_keep_one_kernel_call(case):
+    t = {"short": BLOCK, "long": sdpa.CAUSAL_BLOCKS_UP_TO + 1, "grad": 300}[case]
+    q, k, v = qkv(t, torch.float32, grad=case == "grad")
+    with torch.no_grad() if case != "grad" else torch.enable_grad():
+        assert torch.equal(attention(q, k, v, causal=True), one_call(q, k, v))
+
+
+@torch.no_grad()
+def test_a_prompt_through_an_empty_cache_is_blocked_the_same():
+    q, k, v = qkv(200, torch.bfloat16)
+    cache = KVCache(1, 4, 256, 16, dtype=torch.bfloat16)
+    assert torch.equal(attention(q, k, v, causal=True, cache=cache), attention(q, k, v, causal=True))
