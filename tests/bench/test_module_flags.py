@@ -25,6 +25,9 @@ BAD = [
     ("serving", ["--requests", "0"], "--requests: expected a positive int, got 0"),
     ("serving", ["--threads", "1.5"], "--threads: expected a positive int, got '1.5'"),
     ("paged_attention", ["--threads", "-2"], "--threads: expected a positive int, got -2"),
+    ("decode_attention", ["--threads", "0"], "--threads: expected a positive int, got 0"),
+    ("decode_attention", ["--contexts", "128,x"], "--contexts: expected a comma list of positive ints: expected a positive int, got 'x'"),
+    ("decode_attention", ["--dtypes", "fp32"], "--dtypes: expected a comma list of dtypes: expected one of bf16, fp16, got 'fp32'"),
     ("variants", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
     ("variants", ["--warmup", "-1"], "--warmup: expected an int >= 0, got -1"),
 ]

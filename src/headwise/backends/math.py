@@ -11,6 +11,14 @@ Order, per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> m
 -> softmax over the keys and the sink -> dropout -> @ v. Half inputs get float32 logits and
 softmax. A row that may see no key gets zero weights (finite logits, then zeroed by ``where``,
 never by asking the device whether such a row exists).
+
+Decode-shaped half precision on the CPU (at most ``FEW_ROWS`` query rows per key head: a decode
+step, G query heads of a group times T queries) runs both matmuls in float32, keys and values
+converted a block at a time: each step brings a new key count S, and oneDNN's bfloat16 matmul
+builds a new kernel for every new shape (0.2-0.4 ms on a family-26 EPYC, then page faults in the
+ops after it), where float32 GEMM has no per-shape setup; where no oneDNN half kernel exists
+(float16 on most CPUs, bfloat16 without AVX-512) the half matmul is 2-4x slower than float32.
+The scores come out float32 (not rounded to the half type first): as exact or more.
 """
 
 from __future__ import annotations
@@ -31,15 +39,44 @@ _HALF = (torch.float16, torch.bfloat16)
 #: Score elements (B * H * rows * keys) one block of ``run_chunked`` may hold.
 BLOCK_ELEMENTS = 1 << 22
 
+#: Query rows per key head (G * T) up to which half-precision matmuls on the CPU run in float32.
+FEW_ROWS = 8
+
+#: Keys or values (B * Hkv * keys * D) converted to float32 at a time on that path (4 MiB).
+WIDE_ELEMENTS = 1 << 20
+
+
+def _wide(rows: int, x: Tensor) -> bool:
+    """Whether a product of ``rows`` query rows per key head with half keys or values ``x`` runs in float32."""
+    return x.dtype in _HALF and x.device.type == "cpu" and rows <= FEW_ROWS
+
+
+def _key_blocks(x: Tensor) -> list[tuple[int, int]]:
+    """Key ranges of (B, Hkv, S, D) ``x`` whose float32 copies hold about ``WIDE_ELEMENTS`` each; one under compile."""
+    B, Hkv, S, D = x.shape
+    step = max(1, WIDE_ELEMENTS // (B * Hkv * D))
+    if torch.compiler.is_compiling() or step >= S:  # a compiled graph keeps S symbolic: no loop over it
+        return [(0, S)]
+    return [(c, min(S, c + step)) for c in range(0, S, step)]
+
 
 def scores(q: Tensor, k: Tensor) -> Tensor:
-    """Raw scores q·k for every head; query head h uses key head h // (H // Hkv)."""
+    """Raw scores q·k for every head; query head h uses key head h // (H // Hkv).
+
+    (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype; float32 for decode-shaped half
+    queries on the CPU (see the module docstring).
+    """
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
     # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
-    out = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
+    if _wide(q.shape[2], k):
+        q = q.float()
+        parts = [q @ k[:, :, c0:c1].float().transpose(-2, -1) for c0, c1 in _key_blocks(k)]  # (B, Hkv, G*T, s) each
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # (B, Hkv, G*T, S) float32
+    else:
+        out = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
     return out.view(B, H, T, S)  # (B, H, T, S)
 
 
@@ -93,7 +130,7 @@ def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple
         live = None if edge else _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
         if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
             logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
-        out = logits if inplace and half is None else None  # in place where nothing keeps the logits
+        out = logits if inplace and (half is None or logits.dtype == half) else None  # in place where nothing keeps the logits
         w = torch.softmax(logits, dim=-1, dtype=half, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=half)
         if live is not None:
             w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
@@ -132,9 +169,20 @@ def _live(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple
 
 
 def context(w: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v read in place, never repeated."""
+    """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v never repeated.
+
+    v is read in place, or for decode-shaped half values on the CPU converted to float32 a block
+    of keys at a time (the weights stay float32: see the module docstring).
+    """
     B, H, t, s = w.shape
     Hkv, Dv = v.shape[1], v.shape[3]
+    if dropout_p == 0.0 and _wide((H // Hkv) * t, v):  # decode-shaped half on the CPU: float32 weights and values
+        w = w.float().reshape(B, Hkv, (H // Hkv) * t, s)  # (B, Hkv, G*t, s)
+        out = None
+        for c0, c1 in _key_blocks(v):
+            part = w[..., c0:c1] @ v[:, :, c0:c1].float()  # (B, Hkv, G*t, Dv) float32
+            out = part if out is None else out.add_(part)
+        return out.to(v.dtype).view(B, H, t, Dv)  # (B, H, t, Dv)
     w = w.to(v.dtype)
     if dropout_p > 0.0:
         w = F.dropout(w, dropout_p)
