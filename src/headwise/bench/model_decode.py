@@ -3,8 +3,9 @@
 A decode step reads every weight once and the KV cache it attends over: its speed limit is
 memory bandwidth. Each row here reports, for one model, dtype, batch B and context:
 
-- ``headwise_ms``: one step as ``generate`` runs it (``step_logits``, unchecked: of B new tokens
-  through a ``KVCache`` per layer holding ``context - 1`` tokens, then cropped back), median of
+- ``headwise_ms``: one step as ``generate`` runs it (``step_logits``, unchecked: B new tokens
+  through a ``KVCache`` per layer; each repeat appends its token, so the steps see
+  ``context - repeats`` .. ``context`` keys, one more each time, as ``generate``'s do), median of
   interleaved repeats; ``checked_ms``: the same step through ``next_logits``, every argument
   checked in every layer (what each step cost before ``generate`` checked once per call);
 - ``transformers_ms``: transformers' model on the same weights, the same cache contents (a
@@ -45,7 +46,7 @@ from ..models.gpt2 import GPT2LMHeadModel
 from ..models.llama import LlamaForCausalLM
 from ..quantize import Int8Linear, int8_weights
 from .llama_decode import GPT2_SMALL_LLAMA
-from .timing import interleaved, keeping
+from .timing import interleaved
 
 MODELS = ("gpt2", "llama")
 #: int8: int8 weights, float32 activations; int8-bf16: int8 weights, bfloat16 activations and KV cache.
@@ -165,15 +166,19 @@ def read_bytes(model: nn.Module, batch: int, context: int) -> int:
     return weights + kv
 
 
-def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, gen: torch.Generator) -> tuple[list, object]:
-    """headwise caches holding ``past`` random tokens' keys and values, and transformers' DynamicCache holding the same."""
-    caches = ours.new_caches(batch, past + 1)
+def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room: int, gen: torch.Generator, copies: int) -> tuple[list, object]:
+    """``copies`` sets of headwise caches (room for ``room`` tokens) holding ``past`` random tokens' keys and
+    values, and transformers' DynamicCache holding the same."""
     kv = []
-    for cache in caches:
+    for cache in ours.new_caches(batch, 1):
         _, hkv, _, d = cache.k.shape
-        k, v = (torch.randn(batch, hkv, past, d, generator=gen).to(cache.k.dtype) for _ in range(2))  # (B, Hkv, past, D) each
-        cache.update(k, v)
-        kv.append((k, v))
+        kv.append(tuple(torch.randn(batch, hkv, past, d, generator=gen).to(cache.k.dtype) for _ in range(2)))  # (B, Hkv, past, D) each
+    sets = []
+    for _ in range(copies):
+        caches = ours.new_caches(batch, room)
+        for cache, (k, v) in zip(caches, kv, strict=True):
+            cache.update(k, v)
+        sets.append(caches)
     hf_cache = None
     if theirs is not None:
         from transformers import DynamicCache
@@ -181,42 +186,35 @@ def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, gen:
         hf_cache = DynamicCache(config=theirs.config)
         for i, (k, v) in enumerate(kv):
             hf_cache.update(k.clone(), v.clone(), i)
-    return caches, hf_cache
+    return sets, hf_cache
 
 
-def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, gen: torch.Generator,
-           compile: bool = False) -> dict[str, Callable[[], Tensor]]:
-    """One decode step at ``context`` for each library, its caches cropped back after it."""
-    caches, hf_cache = _fill(ours, theirs, batch, context - 1, gen)
+def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, rounds: int, gen: torch.Generator,
+           compile: bool = False) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Tensor]]:
+    """One decode step of each kind, each on caches of its own, and each kind's logits from one step on the same contents.
+
+    Every call appends its token, as ``generate``'s steps do, so each sees one more key than the
+    last (a kernel built for one key count is not reused for the next; the CPU's bfloat16 matmul
+    builds one per shape): ``rounds`` calls take the caches from ``context - rounds`` keys to ``context``.
+    """
+    past = max(2, context - rounds)  # keys the first timed step sees
+    (mine, checked_caches, compiled_caches), hf_cache = _fill(ours, theirs, batch, past - 1, past + rounds, gen, copies=3)
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
-
-    def headwise() -> Tensor:
-        logits = ours.step_logits(token, None, caches)  # (B, vocab): generate's step
-        for cache in caches:
-            cache.crop(context - 1)
-        return logits
-
     step = decode_step(ours, compile=True) if compile else None  # generate(..., compile=True)'s step
-
-    def compiled() -> Tensor:
-        logits = step(token, None, caches)  # (B, vocab)
+    steps = {
+        "headwise": lambda: ours.step_logits(token, None, mine),  # (B, vocab): generate's step
+        "checked": lambda: ours.next_logits(token, None, None, checked_caches),  # every argument checked in every layer
+        **({"compiled": lambda: step(token, None, compiled_caches)} if compile else {}),
+    }
+    if theirs is not None:
+        steps["transformers"] = lambda: theirs(token, past_key_values=hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, vocab)
+    first = {name: run() for name, run in steps.items()}  # one step each on the same contents (and the compile), then back
+    for caches in (mine, checked_caches, compiled_caches):
         for cache in caches:
-            cache.crop(context - 1)
-        return logits
-
-    def checked() -> Tensor:
-        logits = ours.next_logits(token, None, None, caches)  # (B, vocab): every argument checked in every layer
-        for cache in caches:
-            cache.crop(context - 1)
-        return logits
-
-    def transformers() -> Tensor:
-        logits = theirs(token, past_key_values=hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, vocab)
+            cache.crop(past - 1)
+    if hf_cache is not None:
         hf_cache.crop(-1)  # a negative count of tokens to drop
-        return logits
-
-    steps = {"headwise": headwise, "checked": checked, **({"compiled": compiled} if compile else {})}
-    return steps if theirs is None else {**steps, "transformers": transformers}
+    return steps, first
 
 
 def _calls(ours: nn.Module, theirs: nn.Module, ids: Tensor, new_tokens: int, compile: bool, hf_compile: bool) -> dict[str, Callable[[], object]]:
@@ -283,9 +281,8 @@ def decode_speeds(
                 for batch, context in shapes:
                     if progress:
                         progress(f"{name} {dtype} B={batch} context {context}")
-                    steps = {**_steps(ours, theirs, batch, context, gen, compile), "sum": big.sum}
-                    outs: dict[str, Tensor] = {}
-                    med = _medians(interleaved({k: keeping(s, outs, k) for k, s in steps.items()}, repeats=repeats, warmup=warmup))
+                    steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile)
+                    med = _medians(interleaved({**steps, "sum": big.sum}, repeats=repeats, warmup=warmup))
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
                     if not torch.equal(outs["headwise"], outs["checked"]):
                         raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
