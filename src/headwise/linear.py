@@ -174,23 +174,23 @@ def _auto(dtype: torch.dtype, few_rows: bool = False) -> tuple[str, str]:
 
 def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring)."""
-    setting, source = _setting()
-    if setting == "torch":
-        return "torch", f"forced by {source}"
-    if dtype not in _DTYPES:
-        return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {source}") if setting == "onednn" else _auto(dtype)
-    if path == "onednn" and (error := _ops_error(dtype)):
-        return "torch", f"oneDNN's private ops fail here: {error}"
-    return path, reason
+    return _decision(dtype, few_rows=False)
 
 
 def choose_few_rows(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """The path for ``dtype`` and why when a call has at most ``DECODE_ROWS`` rows and a weight of at
     least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
-    if _setting()[0] != "auto" or dtype not in _DTYPES:
-        return choose(dtype)
-    path, reason = _auto(dtype, few_rows=True)
+    return _decision(dtype, few_rows=True)
+
+
+def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None) -> tuple[str, str]:
+    """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls); ``setting`` read when not given."""
+    setting = _path_setting() if setting is None else setting
+    if setting == "torch":
+        return "torch", f"forced by {_setting()[1]}"
+    if dtype not in _DTYPES:
+        return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows)
     if path == "onednn" and (error := _ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -233,11 +233,9 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     if (size < MIN_ROWS * k and not big) or not torch.backends.mkldnn.enabled:
         return False
     setting = _path_setting()
-    if setting == "torch":
-        return False
-    if setting == "auto" and _auto(dtype, big and size <= DECODE_ROWS * k)[0] != "onednn":
-        return False
-    return _ops_error(dtype) is None
+    if setting != "auto":  # forced: no reason to word
+        return setting == "onednn" and _ops_error(dtype) is None
+    return _decision(dtype, big and size <= DECODE_ROWS * k, setting)[0] == "onednn"
 
 
 def _key(tensors: Sequence[Tensor]) -> tuple:

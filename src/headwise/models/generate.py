@@ -76,7 +76,7 @@ class Generates:
             generator: the ``torch.Generator`` that sampling draws from.
             compile: run every decode step after the prompt pass under ``torch.compile``
                 (``fullgraph=True``, ``dynamic=True``: one graph for every step, cache length
-                and batch size; compiled on the first call, minutes on a small CPU for a
+                and batch size > 1; compiled on the first call, minutes on a small CPU for a
                 12-layer model, then reused by later calls on the same model). The tokens are
                 the eager steps'; see the README's "Decode speed" for what it gains.
 
@@ -118,14 +118,14 @@ def decode_step(model: CausalLM, compile: bool) -> Callable[[Tensor, Tensor | No
     ``model.step_logits`` where ``unchecked_steps`` allows it, else ``next_logits`` with every
     check; with ``compile``, that step under ``torch.compile(fullgraph=True, dynamic=True)``,
     made once per model and step kind (``torch.compile``'s wrapper is kept on the model, so
-    later calls reuse its graph: the cache length, the batch and the prompt length are symbolic).
+    later calls reuse its graph: the cache length, a batch size > 1 and the prompt length are symbolic).
     """
     unchecked = unchecked_steps(model)
+    step = model.step_logits if unchecked else partial(_checked_step, model)
     if not compile:
-        return model.step_logits if unchecked else partial(_checked_step, model)
+        return step
     compiled = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
     if unchecked not in compiled:
-        step = model.step_logits if unchecked else partial(_checked_step, model)
         compiled[unchecked] = torch.compile(step, fullgraph=True, dynamic=True)
     return compiled[unchecked]
 

@@ -243,10 +243,13 @@ class LlamaForCausalLM(Generates, nn.Module):
         x = self.model["embed_tokens"](input_ids)  # (B, T, C)
         for i, layer in enumerate(self.model["layers"]):
             x = layer(x, attention_mask=attention_mask, cache=None if caches is None else caches[i], position_ids=position_ids)  # (B, T, C)
-        x = self.model["norm"](x[:, -keep:] if keep else x)  # (B, T or keep, C): the LM head only where logits are wanted
+        return self._head(self.model["norm"](x[:, -keep:] if keep else x))  # (B, T or keep, vocab): the LM head only where logits are wanted
+
+    def _head(self, x: Tensor) -> Tensor:
+        """(..., C) -> (..., vocab): ``lm_head`` if set, else tied to the embeddings."""
         if self.lm_head is None:
-            return linear(x, self.model["embed_tokens"].weight)  # (B, T or keep, vocab): tied to the embeddings
-        return project(self.lm_head, x)  # (B, T or keep, vocab)
+            return linear(x, self.model["embed_tokens"].weight)
+        return project(self.lm_head, x)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
         """Logits for every position (or the last ``logits_to_keep``).
@@ -299,9 +302,7 @@ class LlamaForCausalLM(Generates, nn.Module):
         for layer, cache in zip(self.model["layers"], caches, strict=True):
             x = x + layer.self_attn.decode(layer.input_layernorm(x), cache, position_ids)  # (B, T, C)
             x = x + layer.mlp(layer.post_attention_layernorm(x))  # (B, T, C)
-        x = self.model["norm"](x[:, -1:])  # (B, 1, C)
-        logits = linear(x, self.model["embed_tokens"].weight) if self.lm_head is None else project(self.lm_head, x)  # (B, 1, vocab)
-        return logits[:, 0]  # (B, vocab)
+        return self._head(self.model["norm"](x[:, -1:]))[:, 0]  # (B, vocab): the LM head on the last row only
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a
@@ -318,8 +319,7 @@ class LlamaForCausalLM(Generates, nn.Module):
         x = self.model["embed_tokens"](input_ids)  # (1, T, C)
         for layer, cache in zip(self.model["layers"], caches, strict=True):
             x = layer(x, attention_mask=None, cache=cache, position_ids=position_ids)  # (1, T, C)
-        x = self.model["norm"](x[0, rows])  # (N, C)
-        return linear(x, self.model["embed_tokens"].weight) if self.lm_head is None else project(self.lm_head, x)  # (N, vocab)
+        return self._head(self.model["norm"](x[0, rows]))  # (N, vocab)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
