@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -21,11 +22,59 @@ def test_explain_prints_steps_1_to_10_with_shapes(capsys):
     out = capsys.readouterr().out
     assert [int(n) for n in re.findall(r"^## Step (\d+):", out, flags=re.M)] == list(range(1, 11))
     assert "head_dim = 1" in out
-    assert "-- queries.view: shape (1, 3, 2, 1)" in out
-    assert "-- scores: shape (1, 2, 3, 3)" in out
-    assert "-- output: shape (1, 3, 2)" in out
-    assert "0.4300, 0.1500, 0.8900" in out  # the book's "Your"
-    assert "-- masked_scores: shape (1, 2, 3, 3)" in out and "-inf," in out  # step 8 masks the future
+    assert "-- queries.view: shape (1, 6, 2, 1) = (b, num_tokens, num_heads, head_dim): one (num_heads, head_dim) block per token" in out
+    assert "-- scores: shape (1, 2, 6, 6)" in out
+    assert "-- output: shape (1, 6, 2)" in out
+    assert "\n0.4300 0.1500 0.8900\n" in out  # the book's "Your"
+    assert "-- masked_scores: shape (1, 2, 6, 6)" in out and "  -inf" in out  # step 8 masks the future
+
+
+def test_explain_defaults_to_the_books_six_tokens_and_prints_its_numbers(capsys):
+    main(["explain"])
+    out = capsys.readouterr().out
+    assert "context_length=6" in out and "input: the book's embeddings of 'Your journey starts with one step'" in out
+    output = out[out.index("-- output:"):].splitlines()[1:7]
+    book = ["0.3190 0.4858", "0.2943 0.3897", "0.2856 0.3593", "0.2693 0.3873", "0.2639 0.3928", "0.2575 0.4028"]  # the book's print
+    assert output == book
+
+
+def test_explain_shows_every_head(capsys):
+    main(["explain", "--d-out", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("-- scores: shape (1, 2, 6, 6) = (b, num_heads, num_tokens, num_tokens): one (num_tokens, num_tokens) block per head")
+    assert lines[at + 1].split() == ["head", "0", "head", "1"]  # side by side
+    assert len(lines[at + 2].split()) == 12
+
+
+def test_explain_refuses_to_print_numbers_that_are_not_finite(capsys, monkeypatch):
+    ex = sys.modules["headwise.explain"]  # the module: the package's attribute `explain` is the function
+    real = ex.explain
+
+    def broken(**kw):
+        result = real(**kw)
+        result.steps[8].tensors["context"][0, 1, 2, 0] = float("nan")
+        return result
+
+    monkeypatch.setattr(ex, "explain", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain"])
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    assert captured.err == "headwise explain: error: the forward pass did not give finite numbers: step 9's context holds NaN (1 of 12 values)\n"
+    assert "## Step" not in captured.out
+
+
+@pytest.mark.parametrize("softcap", ["1e-30", "1e-8", "1e30", "1e300"])
+def test_explain_softcap_never_prints_nan_with_success(softcap, capsys):
+    """Caps at the edges of float32: either finite tables and exit 0, or exit 1 and a message."""
+    try:
+        main(["explain", "--softcap", softcap])
+    except SystemExit as e:
+        assert e.code == 1
+        assert "did not give finite numbers" in capsys.readouterr().err
+        return
+    out = capsys.readouterr().out
+    assert "## Step 10" in out and not re.search(r"\bnan\b|(?<!-)\binf\b", out)
 
 
 def test_explain_options(capsys):
@@ -33,7 +82,7 @@ def test_explain_options(capsys):
     out = capsys.readouterr().out
     assert "MultiHeadAttention(d_in=4, d_out=6, context_length=5, dropout=0.0, num_heads=3), seed 1: head_dim = 2" in out
     assert "-- queries.transpose: shape (2, 3, 5, 2)" in out
-    assert "-- masked_scores:" not in out and "-inf," not in out  # bidirectional: nothing masked
+    assert "-- masked_scores:" not in out and "-inf" not in out  # bidirectional: nothing masked
 
 
 def test_explain_bad_arguments_exit_2_with_the_librarys_message(capsys):

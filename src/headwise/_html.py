@@ -1,4 +1,4 @@
-"""Small HTML pieces the rich displays share: escaping, a tensor's compact table, a heatmap,
+"""Small HTML pieces the rich displays share: escaping, a tensor's compact tables (every matrix of it), a heatmap,
 a page in an ``<iframe srcdoc>``, and one scoped stylesheet.
 
 Everything is plain text with inline styles: no script, nothing fetched, so it shows the same
@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._text import Label, index_label, matrices
+
 #: The stylesheet of every display, scoped to ``.headwise`` so that it cannot restyle the notebook.
 CSS = """
 .headwise { font: 13px/1.4 system-ui, sans-serif; color: #222; background: #fff; padding: 6px 8px; border-radius: 4px; }
@@ -29,6 +31,8 @@ CSS = """
 .headwise table.hw-t th { color: #666; font-weight: normal; }
 .headwise table.hw-t caption { white-space: nowrap; font-size: 11px; color: #555; text-align: left; caption-side: top; }
 .headwise td.hw-neginf { color: #999; }
+.headwise .hw-multi { display: inline-block; vertical-align: top; margin: 2px 10px 6px 0; }
+.headwise .hw-multi .hw-cap, .headwise .hw-more { font-size: 11px; color: #555; }
 .headwise .hw-step { border-top: 1px solid #e5e5e5; padding: 4px 0; }
 .headwise .hw-badge { display: inline-block; padding: 0 6px; border-radius: 3px; color: #fff; font-weight: 600; font-size: 12px; }
 .headwise h4 .hw-note { font-weight: normal; }
@@ -71,14 +75,8 @@ def number(v: float) -> str:
     return f"{v:.4f}"
 
 
-def tensor_table(name: str, t: Tensor, *, rows: int = 6, cols: int = 8) -> str:
-    """A tensor as a small table: a 2-D tensor whole (up to ``rows`` x ``cols``), a larger one's
-    first matrix ``[0, ..., :, :]``; the caption gives the name, the shape and the slice shown."""
-    t = t.detach().to("cpu", torch.float64)
-    shape = tuple(t.shape)
-    index = [0] * max(t.ndim - 2, 0)
-    matrix = t.reshape(1, -1) if t.ndim < 2 else t[tuple(index)] if index else t  # (R, C)
-    where = f" [{', '.join(map(str, index))}, :, :]" if index else ""
+def _matrix_table(matrix: Tensor, caption: str, rows: int, cols: int, attrs: str) -> str:
+    """One (R, C) matrix as a table of up to ``rows`` x ``cols`` numbers (``…`` / ``⋮`` where cut)."""
     body = []
     for r in range(min(matrix.shape[0], rows)):
         values = matrix[r, :cols].tolist()
@@ -87,8 +85,24 @@ def tensor_table(name: str, t: Tensor, *, rows: int = 6, cols: int = 8) -> str:
         body.append(f"<tr>{cells}{more}</tr>")
     if matrix.shape[0] > rows:
         body.append(f'<tr><td colspan="{min(matrix.shape[1], cols)}">⋮</td></tr>')
-    caption = f"<code>{escape(name)}</code> {escape(shape)}{escape(where)}"
-    return f'<table class="hw-t" data-tensor="{escape(name)}" data-shape="{escape(list(shape))}"><caption>{caption}</caption>{"".join(body)}</table>'
+    return f'<table class="hw-t"{attrs}><caption>{caption}</caption>{"".join(body)}</table>'
+
+
+def tensor_table(name: str, t: Tensor, *, label: Label = index_label, axes: str = "", rows: int = 6, cols: int = 8, panels: int = 12) -> str:
+    """A tensor as small tables: one matrix (a 1-D or 2-D tensor, or (1, R, C)) in one table (up to ``rows`` x ``cols``);
+    a larger one as small multiples, one table per matrix ``t[i, j, ..., :, :]`` (up to ``panels``),
+    each captioned by ``label(index)`` (e.g. ``head 1``), inside a ``<div>`` whose caption gives the
+    name, the shape and its ``axes`` (e.g. ``(b, num_heads, num_tokens, head_dim)``)."""
+    t = t.detach().to("cpu", torch.float64)
+    shape = tuple(t.shape)
+    data = f' data-tensor="{escape(name)}" data-shape="{escape(list(shape))}"'
+    head = f"<code>{escape(name)}</code> {escape(shape)}" + (f" = {escape(axes)}" if axes else "")
+    if t.ndim <= 2 or math.prod(shape[:-2]) == 1:  # one matrix: one table
+        return _matrix_table(t.reshape(1, -1) if t.ndim < 2 else t.reshape(shape[-2:]), head, rows, cols, data)
+    tables = [_matrix_table(m, escape(label(i)), rows, cols, f' data-index="{escape(list(i))}"') for i, m in matrices(t, panels)]
+    total = math.prod(shape[:-2])
+    more = f'<span class="hw-more">… {total - len(tables)} more</span>' if total > len(tables) else ""
+    return f'<div class="hw-multi"{data}><div class="hw-cap">{head}</div>{"".join(tables)}{more}</div>'
 
 
 def colour(v: float) -> str:

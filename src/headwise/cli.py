@@ -10,18 +10,29 @@ import torch
 from . import _argtypes
 
 
+def _print_steps(steps: list, tokens: list[str], facts: str = "") -> None:
+    """Each step as text (every matrix of every tensor), after refusing a result that is not finite."""
+    from .explain import nonfinite, step_text
+
+    bad = nonfinite(steps)
+    if bad is not None:  # a NaN table would teach nothing: say where it came from instead
+        print(f"headwise explain: error: the forward pass did not give finite numbers: {bad}", file=sys.stderr)
+        raise SystemExit(1)
+    for step in steps:
+        lines = step_text(step, tokens).split("\n")  # title, code, then the tensors
+        if step.number == 2 and facts:
+            lines.insert(2, f"   {facts}")
+        print("\n" + "\n".join(lines))
+
+
 def _explain_rope(args: argparse.Namespace) -> None:
     from .explain import BOOK_TOKENS
     from .explain_rope import explain_rope
 
-    torch.set_printoptions(precision=4, sci_mode=False)
     attn, steps = explain_rope(num_heads=args.heads, head_dim=args.head_dim, seed=args.seed)
     print(f"LlamaAttention on the book's tokens {' '.join(BOOK_TOKENS)}: d_in=3, num_heads={attn.num_heads}, "
           f"head_dim={attn.head_dim}, seed {args.seed}; positions 0..{len(BOOK_TOKENS) - 1}")
-    for step in steps:
-        print(f"\n## Step {step.number}: {step.title}\n   {step.code}")
-        for name, t in step.tensors.items():
-            print(f"-- {name}: shape {tuple(t.shape)}\n{t}")
+    _print_steps(steps, list(BOOK_TOKENS))
 
 
 def _explain(args: argparse.Namespace) -> None:
@@ -30,12 +41,12 @@ def _explain(args: argparse.Namespace) -> None:
     if args.rope:
         _explain_rope(args)
         return
-    torch.set_printoptions(precision=4, sci_mode=False)
-    mha, steps = explain(
+    result = explain(
         d_in=args.d_in, d_out=args.d_out, num_heads=args.heads, num_tokens=args.tokens,
         batch_size=args.batch, seed=args.seed, causal=not args.bidirectional,
         softcap=args.softcap, sinks=args.sinks, alibi=args.alibi, documents=args.documents,
     )
+    mha = result.module
     print(f"MultiHeadAttention(d_in={args.d_in}, d_out={args.d_out}, context_length={args.tokens}, dropout=0.0, "
           f"num_heads={args.heads}), seed {args.seed}: head_dim = {mha.head_dim}")
     if uses_book_inputs(args.d_in, args.tokens):
@@ -44,12 +55,7 @@ def _explain(args: argparse.Namespace) -> None:
     else:
         print(f"input: torch.rand({args.batch}, {args.tokens}, {args.d_in}) under seed {args.seed}: random, not the book's inputs, "
               f"which are {len(BOOK_TOKENS)} tokens 3 wide (--d-in 3 --tokens <= {len(BOOK_TOKENS)} uses them)")
-    for step in steps:
-        print(f"\n## Step {step.number}: {step.title}\n   {step.code}")
-        if step.number == 2:
-            print(f"   d_out = {mha.d_out}, num_heads = {mha.num_heads}, head_dim = {mha.head_dim}")
-        for name, t in step.tensors.items():
-            print(f"-- {name}: shape {tuple(t.shape)}\n{t}")
+    _print_steps(result.steps, result.tokens(), f"d_out = {mha.d_out}, num_heads = {mha.num_heads}, head_dim = {mha.head_dim}")
 
 
 def _heads(args: argparse.Namespace) -> None:
@@ -100,7 +106,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
 
 
 #: explain's flags, each with its default; ROPE_ONLY and PLAIN_ONLY belong to one of its two modes.
-EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 3, "batch": 1, "seed": 123, "head_dim": 2}
+EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 6, "batch": 1, "seed": 123, "head_dim": 2}
 ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional", "softcap", "sinks", "alibi", "documents")
 SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson
 
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--heads", type=size, help="number of heads (must divide d_out) (default: 2)")
     ex.add_argument("--tokens", type=size,
                     help="tokens T; with --d-in 3 and T <= 6 the input is the book's 'Your journey starts with one step', else torch.rand "
-                    "(default: 3)")
+                    "(default: 6, the book's)")
     ex.add_argument("--batch", type=_argtypes.integer(1, 64), help="batch size B (default: 1)")
     ex.add_argument("--seed", type=_argtypes.integer(0, 2**64 - 1),
                     help="torch.manual_seed for the weights (and a random input); 123 is the book's (default: 123)")

@@ -8,13 +8,14 @@ notebook: each step, each tensor as a small table, the attention weights as heat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from . import _html
+from . import _html, _text
 from .observe import observe
 from .teaching import MultiHeadAttention
 
@@ -30,6 +31,23 @@ BOOK_INPUTS = torch.tensor(
     ]
 )
 BOOK_TOKENS = ("Your", "journey", "starts", "with", "one", "step")
+
+_T = "num_tokens"
+
+#: The axes of every tensor ``explain`` reports, in the book's names.
+AXES: dict[str, tuple[str, ...]] = {
+    "x": ("b", _T, "d_in"),
+    **{f"W_{n}": ("d_out", "d_in") for n in ("query", "key", "value")},
+    **{n: ("b", _T, "d_out") for n in ("queries", "keys", "values", "merged", "output")},
+    **{f"{n}.view": ("b", _T, "num_heads", "head_dim") for n in ("queries", "keys", "values")},
+    **{f"{n}.transpose": ("b", "num_heads", _T, "head_dim") for n in ("queries", "keys", "values")},
+    **{n: ("b", "num_heads", _T, _T) for n in ("scores", "capped_scores", "alibi_bias", "masked_scores", "weights")},
+    "sink_share": ("b", "num_heads", _T),
+    "context": ("b", "num_heads", _T, "head_dim"),
+    "context.transpose": ("b", _T, "num_heads", "head_dim"),
+    **{f"{n}.rotated": ("b", "num_heads", _T, "head_dim") for n in ("queries", "keys")},  # explain_rope's
+    "angles": (_T, "head_dim / 2"),
+}
 
 
 def book_batch() -> Tensor:
@@ -65,6 +83,11 @@ class Explanation(NamedTuple):
             return list(BOOK_TOKENS[:T])
         return [f"#{i}" for i in range(T)]
 
+    def to_text(self) -> str:
+        """Every step as plain text: its title, its code and every matrix of each tensor (``step_text``)."""
+        tokens = self.tokens()
+        return "\n\n".join(step_text(s, tokens) for s in self.steps)
+
     def __repr__(self) -> str:
         lines = [f"{type(self.module).__name__}: {len(self.steps)} steps"]
         for s in self.steps:
@@ -78,15 +101,68 @@ class Explanation(NamedTuple):
         body += [_step_html(s, tokens) for s in self.steps]
         return _html.block("explain", "".join(body))
 
+_EACH = {"b": "batch row", "num_heads": "head", _T: "token"}
+
+
+def label(name: str, shape: tuple[int, ...], tokens: list[str]) -> _text.Label:
+    """Titles for the matrices of tensor ``name``: ``head 1``, a token's word, ``b=1`` when the batch has
+    more than one row (nothing for a batch of one); ``[i, j, :, :]`` for a tensor without known axes."""
+    axes = AXES.get(name)
+    if axes is None or len(axes) != len(shape):
+        return _text.index_label
+
+    def title(index: tuple[int, ...]) -> str:
+        parts = []
+        for axis, i, n in zip(axes, index, shape, strict=False):
+            if axis == "num_heads":
+                parts.append(f"head {i}")
+            elif axis == _T:
+                parts.append(tokens[i] if i < len(tokens) else f"#{i}")
+            elif axis != "b" or n > 1:
+                parts.append(f"{axis}={i}")
+        return ", ".join(parts)
+
+    return title
+
+
+def step_text(step: Step, tokens: list[str]) -> str:
+    """A step as plain text: its title and code, then each tensor's name, shape and axes over
+    every matrix of it side by side (a (b, num_heads, ...) tensor shows every head)."""
+    lines = [f"## Step {step.number}: {step.title}", f"   {step.code}"]
+    for name, t in step.tensors.items():
+        axes = AXES.get(name) if len(AXES.get(name, ())) == t.ndim else None
+        head = f"-- {name}: shape {tuple(t.shape)}" + (f" = ({', '.join(axes)})" if axes else "")
+        if axes and t.ndim > 2 and math.prod(t.shape[:-2]) > 1:
+            each = [a for a, n in zip(axes[:-2], t.shape[:-2], strict=True) if a != "b" or n > 1]
+            head += f": one ({axes[-2]}, {axes[-1]}) block per {' and '.join(_EACH.get(a, a) for a in each)}"
+        lines += [head, _text.tensor_text(t, label=label(name, tuple(t.shape), tokens))]
+    return "\n".join(lines)
+
+
+def nonfinite(steps: list[Step]) -> str | None:
+    """Which tensor first holds a value that is not a number the lesson can show, or None.
+
+    NaN and +inf are never right; -inf is right only in the masked scores (the mask itself).
+    """
+    for step in steps:
+        for name, t in step.tensors.items():
+            masked = t == -torch.inf if name == "masked_scores" else torch.zeros_like(t, dtype=torch.bool)
+            bad = ~torch.isfinite(t) & ~masked
+            if bad.any():
+                kinds = " and ".join(k for k, found in (("NaN", torch.isnan(t).any()), ("inf", (torch.isinf(t) & bad).any())) if found)
+                return f"step {step.number}'s {name} holds {kinds} ({int(bad.sum())} of {t.numel()} values)"
+    return None
+
 
 def _step_html(step: Step, tokens: list[str]) -> str:
     parts = [f"<h4>Step {step.number}. {_html.escape(step.title)}</h4><code>{_html.escape(step.code)}</code><div>"]
     for name, t in step.tensors.items():
+        title = label(name, tuple(t.shape), tokens)
         if name == "weights" and t.ndim >= 3 and t.shape[-1] == t.shape[-2] == len(tokens):  # (B, [H,] T, T)
-            per_head = t[0] if t.ndim == 4 else t[:1]  # (H, T, T)
-            parts += [_html.heatmap(w, tokens, tokens, caption=f"<code>weights</code> head {h}") for h, w in enumerate(per_head)]
+            parts += [_html.heatmap(w, tokens, tokens, caption=f"<code>weights</code> {_html.escape(title(i))}") for i, w in _text.matrices(t, 12)]
         else:
-            parts.append(_html.tensor_table(name, t))
+            axes = f"({', '.join(AXES[name])})" if name in AXES else ""
+            parts.append(_html.tensor_table(name, t, label=title, axes=axes))
     return f'<div class="hw-step" data-step="{step.number}">' + "".join(parts) + "</div></div>"
 
 
@@ -134,13 +210,15 @@ def uses_book_inputs(d_in: int, num_tokens: int) -> bool:
 
 
 def explain(
-    *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 3, batch_size: int = 1, seed: int = 123, causal: bool = True,
+    *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 6, batch_size: int = 1, seed: int = 123, causal: bool = True,
     softcap: float | None = None, sinks: bool = False, alibi: bool = False, documents: list[int] | None = None,
 ) -> Explanation:
     """Build ``MultiHeadAttention(d_in, d_out, ...)`` under ``seed`` and walk one forward pass.
 
-    The input is the book's token embeddings when ``uses_book_inputs(d_in, num_tokens)``
-    (d_in == 3 and num_tokens <= 6), else ``torch.rand`` under the same seed. With
+    The defaults are the book's: ``MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)`` under seed 123 on
+    its six tokens, so step 10's output is the book's printed context vectors. The input is the
+    book's token embeddings when ``uses_book_inputs(d_in, num_tokens)`` (d_in == 3 and
+    num_tokens <= 6), else ``torch.rand`` under the same seed. With
     ``causal=False`` step 8 masks nothing and says so. ``softcap``, ``sinks`` (sink logits
     set to 1.0) and ``alibi`` build the module with those terms, and ``documents`` (lengths
     adding up to num_tokens) packs the tokens into documents: step 8 then also shows the
@@ -154,7 +232,9 @@ def explain(
     Example:
         >>> mha, steps = explain()
         >>> [tuple(t.shape) for t in steps[7].tensors.values()]     # masked scores, weights: (B, H, T, T)
-        [(1, 2, 3, 3), (1, 2, 3, 3)]
+        [(1, 2, 6, 6), (1, 2, 6, 6)]
+        >>> steps[9].tensors["output"][0, 0]                        # the book's first context vector
+        tensor([0.3190, 0.4858])
     """
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal, softcap=softcap, sinks=sinks, alibi=alibi)

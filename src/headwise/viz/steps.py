@@ -9,24 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..explain import BOOK_TOKENS, explain
+from ..explain import AXES, BOOK_TOKENS, explain  # AXES: every tensor's axes in the book's names
 from .encode import float32_base64
-
-_T = "num_tokens"
-
-#: The axes of every tensor ``explain`` reports, in the book's names.
-AXES: dict[str, tuple[str, ...]] = {
-    "x": ("b", _T, "d_in"),
-    **{f"W_{n}": ("d_out", "d_in") for n in ("query", "key", "value")},
-    **{n: ("b", _T, "d_out") for n in ("queries", "keys", "values", "merged", "output")},
-    **{f"{n}.view": ("b", _T, "num_heads", "head_dim") for n in ("queries", "keys", "values")},
-    **{f"{n}.transpose": ("b", "num_heads", _T, "head_dim") for n in ("queries", "keys", "values")},
-    **{n: ("b", "num_heads", _T, _T) for n in ("scores", "capped_scores", "alibi_bias", "masked_scores", "weights")},
-    "sink_share": ("b", "num_heads", _T),
-    "context": ("b", "num_heads", _T, "head_dim"),
-    "context.transpose": ("b", _T, "num_heads", "head_dim"),
-}
-
 
 #: Step 8 again with one term that newer models add: (name, what it does, ``explain`` arguments).
 #: The book's scores are small (|s| < 0.31), so the cap is 0.1 to make its bend visible.
