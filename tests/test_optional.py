@@ -44,7 +44,7 @@ def test_models_without_safetensors_say_which_extra(tmp_path):
 
 
 def test_the_transformers_adapter_without_transformers_says_which_extra():
-    code = BLOCK + "import headwise.hf\nheadwise.hf.register()\n"
+    code = BLOCK + "import headwise as hw\nhw.hf.register()\n"  # the part loads on first use, then names its extra
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1
     assert "running transformers models on headwise needs the package 'transformers'" in out.stderr
