@@ -10,7 +10,7 @@ DeepSeek, BERT, BART, Whisper, GPT-2 and most others) then hands its queries, ke
     transformers                          headwise.attention
     query (B, H, T, D)                    q
     key, value (B, Hkv, S, D / Dv)        k, v (grouped heads read in place, never repeated)
-    attention_mask: from ``mask``         mask (bool, True = may attend), or None: plain causal / full
+    attention_mask: from ``mask``         mask (bool, True = may attend), or None: causal (see ``mask``)
     is_causal (or module.is_causal)       causal (only when no mask came: a mask already holds it)
     scaling, dropout                      scale, dropout_p
     softcap (Gemma 2), s_aux (gpt-oss)    softcap, sinks
@@ -19,7 +19,8 @@ DeepSeek, BERT, BART, Whisper, GPT-2 and most others) then hands its queries, ke
 
 The mask comes from transformers' own mask builder (``masking_utils.sdpa_mask``: causal, sliding
 windows, padding, packed rows, static-cache slots, chunks), registered under the same name in
-``AttentionMaskInterface``: without it transformers passes no mask at all. transformers' cache
+``AttentionMaskInterface``: without it transformers passes no mask at all. A bidirectional mask
+is always built, so a None from it means causal and nothing else. transformers' cache
 has already appended the new keys and values when ``attend`` is called, so headwise's cache
 is not used. An argument that would change the result and that headwise cannot honour raises
 a TypeError naming it, never a wrong answer.
@@ -87,16 +88,23 @@ def register(name: str = "headwise") -> str:
     return name
 
 
-def mask(*args, **kwargs) -> Tensor | None:
-    """The mask ``attend`` receives: transformers' ``sdpa_mask`` (see ``register``).
+def mask(*args, allow_is_bidirectional_skip: bool = False, **kwargs) -> Tensor | None:
+    """The mask ``attend`` receives: transformers' ``sdpa_mask`` (see ``register``), built so that
+    None has one meaning.
+
+    ``sdpa_mask`` answers None in two cases that mean opposite things: a plain causal mask it may
+    skip (``allow_is_causal_skip``: SDPA's ``is_causal`` says the same) and a bidirectional mask
+    with nothing padded (``allow_is_bidirectional_skip``: no mask at all). ``attend`` cannot tell
+    them apart, so the bidirectional one is always built, whatever transformers asks: None then
+    only ever stands for the causal mask.
 
     Returns:
         (B, 1, T, S) bool, True = may attend; or None where SDPA's ``is_causal`` (aligned
-        top-left) or no mask at all says the same.
+        top-left) says the same: a causal mask with nothing padded, or one query that sees every key.
     """
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, **kwargs)
+    return sdpa_mask(*args, allow_is_bidirectional_skip=False, **kwargs)
 
 
 def attend(
@@ -185,4 +193,3 @@ def _weights_wanted(kwargs: dict) -> bool:
     collector = getattr(output_capturing, "_active_collector", None)
     wanted = collector.get() if collector is not None else None
     return bool(wanted) and ("attentions" in wanted or "cross_attentions" in wanted)
-

@@ -4,19 +4,22 @@
 (repeated keys and values, an additive finfo.min mask, softcap and sinks by hand): an
 implementation independent of headwise's. Per architecture:
 
-- logits on a padded batch within 1e-4 of the largest logit (padded positions are not compared:
-  eager gives a query that sees no key uniform weights, headwise zeros), and the attention
-  weights the model returns when asked;
+- logits (hidden states, for a model without a head) on a padded batch within 1e-4 of the
+  largest logit (padded positions are not compared: eager gives a query that sees no key
+  uniform weights, headwise zeros), the same on a batch with nothing padded (where transformers
+  may skip building a mask), and the attention weights the model returns when asked;
 - greedy ``generate`` tokens identical, with a DynamicCache and with a StaticCache;
 - a packed row (position_ids restarting at 0, no attention_mask) equals each sequence run alone;
-- one backward: the gradient of every parameter within 1e-4 of that parameter's largest.
+- one backward (of the real outputs weighted by fixed random numbers: a mean square would be
+  nearly constant after a final LayerNorm, and its gradients rounding noise): the gradient of
+  every parameter within 1e-4 of that parameter's largest.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from architectures import ARCHS, batch, build, real_rows
+from architectures import ARCHS, batch, build, output, real_rows
 
 import headwise.hf
 
@@ -45,12 +48,13 @@ def pair(request):
     return arch, build(arch, "eager"), build(arch, NAME)
 
 
-def test_logits_match_eager_on_a_padded_batch(pair):
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_logits_match_eager(pair, padded):
     arch, eager, ours = pair
-    inputs = batch(arch)
+    inputs = batch(arch, padded)
     real = real_rows(arch, inputs)  # (B, T)
     with torch.no_grad():
-        want, got = eager(**inputs).logits, ours(**inputs).logits  # (B, T, vocab)
+        want, got = output(eager(**inputs)), output(ours(**inputs))  # (B, T, vocab)
     close(got[real], want[real], f"{arch.name} logits")
 
 
@@ -103,11 +107,13 @@ def test_gradients_of_every_parameter_match_eager(pair):
     arch, eager, ours = pair
     inputs = batch(arch)
     real = real_rows(arch, inputs)  # (B, T)
-    grads = {}
+    grads, probe = {}, None
     for name, model in (("eager", eager), (NAME, ours)):
         model.zero_grad(set_to_none=True)
-        logits = model(**inputs).logits  # (B, T, vocab)
-        (logits[real].float() ** 2).mean().backward()
+        logits = output(model(**inputs))[real]  # (real tokens, vocab)
+        if probe is None:
+            probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))  # (real tokens, vocab)
+        (logits * probe).mean().backward()
         grads[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
     assert grads[NAME].keys() == grads["eager"].keys() and grads[NAME]
@@ -116,4 +122,3 @@ def test_gradients_of_every_parameter_match_eager(pair):
     floor = 1e-3 * max(g.abs().max().item() for g in grads["eager"].values())
     for n, want in grads["eager"].items():
         close(grads[NAME][n], want, f"{arch.name} grad of {n}", floor)
-
