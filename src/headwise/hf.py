@@ -143,6 +143,7 @@ def attend(
         for attentions.
     """
     _refuse(kwargs)
+    _check_bias(position_bias, query, key)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     T, S = query.shape[2], key.shape[2]
     if attention_mask is None and causal and 1 < T < S:
@@ -170,6 +171,25 @@ def _refuse(kwargs: dict) -> None:
             f"attn_implementation='headwise' got an argument it does not know, {name!r} ({type(value).__name__}): "
             "rather than ignore what may change the result, it refuses"
         )
+
+
+def _check_bias(position_bias: object, query: Tensor, key: Tensor) -> None:
+    """``position_bias`` is None or a float tensor that broadcasts to (B, H, T, S); checked here, by
+    its own name, before it is folded into the mask (q and k themselves are the core's to check)."""
+    if position_bias is None:
+        return
+    if not isinstance(position_bias, Tensor) or not position_bias.is_floating_point():
+        what = f"dtype {position_bias.dtype}" if isinstance(position_bias, Tensor) else type(position_bias).__name__
+        raise TypeError(f"position_bias must be a floating-point torch.Tensor (an additive bias), got {what}")
+    if not (isinstance(query, Tensor) and isinstance(key, Tensor) and query.ndim == key.ndim == 4):
+        return
+    want = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (B, H, T, S)
+    try:
+        ok = torch.broadcast_shapes(position_bias.shape, want) == want
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"position_bias must broadcast to (B, H, T, S) = {want}, got shape {tuple(position_bias.shape)}")
 
 
 def _with_bias(mask: Tensor | None, position_bias: Tensor | None) -> Tensor | None:

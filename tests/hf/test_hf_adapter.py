@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as tf
@@ -86,6 +88,29 @@ def test_bookkeeping_arguments_pass_and_the_output_is_b_t_h_dv():
 def test_bad_tensors_reach_the_core_checks():
     with pytest.raises(ValueError, match=r"k must have shape \(B=1, Hkv, S, D=4\)"):
         headwise.hf.attend(_Layer(), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 4), None)
+
+
+@pytest.mark.parametrize("mask", [None, torch.ones(1, 1, 3, 3, dtype=torch.bool)], ids=["no mask", "a mask"])
+@pytest.mark.parametrize("shape", [(1, 2, 3, 5), (3, 4), (2, 2, 3, 3)])
+def test_a_position_bias_of_the_wrong_shape_is_named(shape, mask):
+    with pytest.raises(
+        ValueError, match=rf"position_bias must broadcast to \(B, H, T, S\) = \(1, 2, 3, 3\), got shape {re.escape(str(shape))}"
+    ):
+        headwise.hf.attend(_Layer(), *_qkv(), mask, position_bias=torch.randn(shape))
+
+
+def test_a_position_bias_that_is_not_floating_point_is_named():
+    with pytest.raises(TypeError, match=r"position_bias must be a floating-point torch.Tensor \(an additive bias\), got dtype torch.int64"):
+        headwise.hf.attend(_Layer(), *_qkv(), None, position_bias=torch.zeros(1, 2, 3, 3, dtype=torch.long))
+
+
+def test_a_position_bias_that_broadcasts_is_added_to_the_scores():
+    q, k, v = _qkv()
+    bias = torch.randn(1, 1, 3, 3)  # (1, 1, T, S): one bias for every head
+    out, _ = headwise.hf.attend(_Layer(), q, k, v, None, position_bias=bias)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()  # (T, S)
+    want = headwise.attention(q, k, v, mask=bias.masked_fill(~causal, float("-inf"))).transpose(1, 2)  # (B, T, H, D)
+    torch.testing.assert_close(out, want)
 
 
 def test_register_refuses_a_name_that_is_not_a_string():
