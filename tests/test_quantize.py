@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from isolated import run_isolated
 from torch import nn
 
 from headwise import GPT2Config
@@ -188,3 +189,40 @@ def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
     seen = []
     layers[2].register_forward_hook(lambda module, args, out: seen.append(out.shape))
     assert [y.shape for y in hl.project_many(layers, x)] == [(rows, 1, 64), (rows, 1, 32), (rows, 1, 32)] and seen == [(rows, 1, 32)]
+
+
+def test_int8_decode_of_any_width_is_the_quantized_product_not_a_crash():
+    """Widths the int8 kernel's vector loop cannot read (K not a multiple of 16) take the exact path: the
+    float64 product of the quantized weight, never a SIGSEGV or values read past the rows (run in a child)."""
+    got = run_isolated("""
+        import json, torch
+        from headwise.quantize import Int8Linear
+        errors = {}
+        for n, k in [(2, 3), (4, 8), (4, 24), (6, 40), (3, 17)]:
+            gen = torch.Generator().manual_seed(k)
+            lin = Int8Linear(torch.randn(n, k, generator=gen))
+            x = torch.randn(1, k, generator=gen)  # (1, K): a decode step's one row
+            ref = x.double() @ lin.dequantized(torch.float64).T  # (1, N)
+            with torch.no_grad():
+                errors[f"{n}x{k}"] = ((lin(x).double() - ref).norm() / ref.norm()).item()
+        print(json.dumps(errors))
+    """)
+    assert all(err < 1e-6 for err in got.values()), got
+
+
+@pytest.mark.parametrize("width", [24, 40])
+def test_int8_gpt2_of_a_width_the_kernel_cannot_read_generates(width):
+    """``int8_weights`` of a GPT-2 whose n_embd is not a multiple of 16: generate runs (in a child) and its
+    next-token logits stay within the int8 error of the float model's."""
+    got = run_isolated(f"""
+        import copy, json, torch
+        from headwise import GPT2Config
+        from headwise.models import GPT2LMHeadModel
+        from headwise.quantize import int8_errors, int8_weights
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd={width}, n_layer=2, n_head=4)).eval()
+        ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+        err = int8_errors(model, int8_weights(copy.deepcopy(model)), ids, max_new_tokens=6)
+        print(json.dumps([err.logits_rel_error, err.greedy_tokens]))
+    """)
+    assert got[0] < 0.03 and got[1] == 6, got

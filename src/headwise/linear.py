@@ -130,6 +130,38 @@ def _lp(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def inner_product_takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether oneDNN's inner product (``mkldnn._linear_pointwise``) computes ``F.linear(x, weight, bias)``,
+    and ``_OneDNNLinear``'s backward GEMMs its gradients, for these operands.
+
+    It takes plain dense CPU tensors of one dtype it runs (float32, bfloat16; float16 needs CPU flags,
+    float64 none), x (..., K) against a 2-D weight (N, K), and a bias of shape (N,) or None. It refuses
+    K = 0, N = 0 with a packed weight, a bias of another shape and mixed dtypes with a RuntimeError, and
+    a 0-d bias gives wrong numbers where ``F.linear`` broadcasts it; rows M = 0 run forward, but the
+    weight gradient's GEMM then has an empty inner dimension. So M, N and K must all be > 0.
+    ``tests/test_private_ops.py`` runs the op on both sides of each condition.
+
+    Args:
+        x: (..., K).
+        weight: (N, K).
+        bias: (N,) or None.
+    """
+    if not _plain_tensors(x, weight, bias) or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1] or x.numel() == 0 or weight.numel() == 0:
+        return False
+    if x.layout != torch.strided or weight.layout != torch.strided or not (x.is_cpu and weight.is_cpu):
+        return False
+    return bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_cpu and bias.layout == torch.strided)
+
+
+def reorder_takes(weight: Tensor) -> bool:
+    """Whether ``mkldnn._reorder_linear_weight`` packs ``weight`` (N, K) into oneDNN's blocked layout: a plain
+    2-D CPU float32 or bfloat16 tensor with N and K > 0 (an empty one fails to create its reorder)."""
+    return (_plain_tensors(weight) and weight.dtype in _DTYPES and weight.ndim == 2 and weight.numel() > 0
+            and weight.is_cpu and weight.layout == torch.strided)
+
+
 @functools.cache
 def _ops_error(dtype: torch.dtype) -> str | None:
     """Why oneDNN's private ops cannot be used in ``dtype`` here (None: they work). Tried once, warns once."""
@@ -217,18 +249,11 @@ def describe() -> dict:
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (see the module docstring)."""
-    # Cheap tests first: a decode step makes ~50 of these calls per token (~3 us each).
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return False  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
-    if not _plain_tensors(x, weight, bias):
-        return False  # a tensor subclass (DTensor under tensor parallelism, ...) dispatches itself through F.linear
-    dtype = x.dtype
-    if dtype not in _DTYPES or weight.dtype != dtype or not (x.is_cpu and weight.is_cpu):
-        return False
-    if bias is not None and (bias.dtype != dtype or not bias.is_cpu):
-        return False
-    if x.layout != torch.strided or weight.layout != torch.strided or not weight.is_contiguous() or x.ndim < 1:
+    if not inner_product_takes(x, weight, bias) or not weight.is_contiguous():
         return False  # a sliced weight (row stride != K) sends oneDNN down a path ~1000x slower
+    dtype = x.dtype
     big, size, k = weight.numel() >= MIN_DECODE_WEIGHT, x.numel(), x.shape[-1]
     if (size < MIN_ROWS * k and not big) or not torch.backends.mkldnn.enabled:
         return False
@@ -268,7 +293,7 @@ _STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (the
 
 def _packed(weight: Tensor) -> Tensor:
     """The weight reordered for oneDNN, remade whenever the weight changed since."""
-    if weight.is_inference() or not _watchable():  # no change we could see: use it as it is, unpacked
+    if weight.is_inference() or not _watchable() or not reorder_takes(weight):  # no change we could see: use it as it is, unpacked
         return weight
     return _cached(_PACKED, [weight], lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
 
@@ -315,7 +340,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
-    if torch.compiler.is_compiling() and _opaque(x, weight, bias):
+    if torch.compiler.is_compiling() and weight.ndim == 2 and _opaque(x, weight, bias):
         return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)

@@ -9,12 +9,13 @@ embedding itself stays as it was (a token reads one row of it).
 
 How an ``Int8Linear`` multiplies, by one fixed rule (nothing timed):
 
-- on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, and torch has
-  ``torch.ops.aten._weight_int8pack_mm``: that kernel, with bfloat16 activations (its only
-  vectorised input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop ~25x
-  slower) and unit scales; the float32 per-channel scales are applied to its output after;
-- otherwise (a prefill, training, another device, no such op): the int8 weight dequantized to
-  the input's dtype and ``F.linear``: the same numbers, no bandwidth saved.
+- on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
+  ``torch.ops.aten._weight_int8pack_mm`` and ``int8_mm_takes`` accepts the operands: that kernel,
+  with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and AVX-512 alike;
+  float32 input runs a scalar loop) and unit scales; the float32 per-channel scales are applied
+  to its output after;
+- otherwise (a prefill, training, another device, no such op, a K the kernel cannot read): the
+  int8 weight dequantized to the input's dtype and ``F.linear``: the same numbers, no bandwidth saved.
 
 So an int8 decode step rounds activations to bfloat16 on their way into each projection, and
 each output once more; ``int8_errors`` measures what that and the int8 weights cost.
@@ -33,6 +34,63 @@ from .linear import DECODE_ROWS
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
+K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
+ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
+
+
+def int8_mm_takes(rows: Tensor, weight: Tensor) -> bool:
+    """Whether ``aten._weight_int8pack_mm(rows, weight, scales)`` reads only inside its operands here.
+
+    Its CPU kernel checks dtypes and ranks, not what its vector loop assumes: bfloat16 rows whose K
+    is a multiple of ``K_MULTIPLE`` (any other K reads past each row: values far off, inf, or a
+    SIGSEGV), rows starting on a ``ROWS_ALIGNMENT``-byte boundary and a weight on a
+    ``WEIGHT_ALIGNMENT``-byte one (aligned loads: a SIGSEGV otherwise), both contiguous, on the CPU,
+    with sizes that fit the 32-bit ints it indexes with. ``tests/test_private_ops.py`` runs the
+    kernel on both sides of each condition.
+
+    Args:
+        rows: (M, K) activations as the kernel would read them.
+        weight: (N, K) int8.
+    """
+    if not (rows.dtype == torch.bfloat16 and weight.dtype == torch.int8 and rows.ndim == 2 and weight.ndim == 2):
+        return False
+    k = weight.shape[1]
+    return (rows.shape[1] == k and k % K_MULTIPLE == 0 and rows.is_cpu and weight.is_cpu
+            and rows.is_contiguous() and weight.is_contiguous() and max(rows.numel(), weight.numel()) < 2**31
+            and rows.data_ptr() % ROWS_ALIGNMENT == 0 and weight.data_ptr() % WEIGHT_ALIGNMENT == 0)
+
+
+def _dequantized(weight: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """(N, K) int8 times each row's scale, as ``dtype``."""
+    return (weight.float() * scales[:, None]).to(dtype)  # (N, K)
+
+
+def _kernel_rows(x: Tensor) -> Tensor:
+    """(..., K) -> (M, K) contiguous bfloat16 on its own aligned storage (a view at an odd offset is copied)."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # (M, K)
+    return rows if rows.data_ptr() % ROWS_ALIGNMENT == 0 else rows.clone()
+
+
+def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
+    """(M, K) x (N, K) int8 with (N,) scales and bias -> (M, N) in x's dtype: the kernel when
+    ``int8_mm_takes`` its operands, else the dequantized weight's exact product."""
+    rows = _kernel_rows(x)  # (M, K) bfloat16
+    if not int8_mm_takes(rows, weight):
+        return F.linear(x, _dequantized(weight, scales, x.dtype), None if bias is None else bias.to(x.dtype))  # (M, N)
+    y = _int8_mm(rows, weight, ones)  # (M, N) bfloat16, unit scales
+    y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # (M, N) float32: bias + y * scale
+    return y.to(x.dtype)  # (M, N)
+
+
+@torch.library.custom_op("headwise::int8_matmul", mutates_args=())
+def _int8_matmul_op(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
+    """``_int8_matmul`` as an op ``torch.compile`` does not look into: the guard reads the storage the graph hands it."""
+    return _int8_matmul(x, weight, scales, bias, ones)
+
+
+@_int8_matmul_op.register_fake
+def _(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))  # (M, N)
 
 
 class Int8Linear(nn.Module):
@@ -86,26 +144,29 @@ class Int8Linear(nn.Module):
                       None if biases[0] is None else torch.cat(biases))  # (sum N,)
         return stacked.train(layers[0].training)
 
-    def uses_kernel(self, x: Tensor) -> bool:
-        """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
+    def _decode_shaped(self, x: Tensor) -> bool:
+        """The rule before the kernel's guard: CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
         if not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
             return False
         return not (torch.is_grad_enabled() and x.requires_grad) and _INT8_KERNEL
 
+    def uses_kernel(self, x: Tensor) -> bool:
+        """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
+        return self._decode_shaped(x) and int8_mm_takes(_kernel_rows(x), self.weight)
+
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
-        return (self.weight.float() * self.scales[:, None]).to(dtype)  # (N, K)
+        return _dequantized(self.weight, self.scales, dtype)  # (N, K)
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
-        if not self.uses_kernel(x):
+        if not self._decode_shaped(x):
             return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # (..., N)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (M, K): the kernel's input dtype
-        y = _int8_mm(rows, self.weight, self._ones)  # (M, N) bfloat16, unit scales
-        y = y * self.scales if self.bias is None else torch.addcmul(self.bias, y, self.scales)  # (M, N) float32: bias + y * scale
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
+        matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
+        y = matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.bias, self._ones)  # (M, N)
+        return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 per-channel"
