@@ -156,6 +156,10 @@ def test_misuse_is_named():
         Int8Linear(torch.arange(3))
     with pytest.raises(ValueError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got \(2, 8\)"):
         Int8Linear(torch.randn(4, 16))(torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"weight must have K >= 1 input features, got shape \(4, 0\)"):
+        Int8Linear(torch.randn(4, 0))
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor \(the output takes its dtype\), got torch.int64"):
+        Int8Linear(torch.randn(4, 16))(torch.arange(16)[None])  # (1, K) int64 ids, not activations
     with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none, got \['in_features=16, out_features=4"):
         Int8Linear.stack([Int8Linear(torch.randn(4, 16)), Int8Linear(torch.randn(4, 8))])
     with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none"):
@@ -226,3 +230,16 @@ def test_int8_gpt2_of_a_width_the_kernel_cannot_read_generates(width):
         print(json.dumps([err.logits_rel_error, err.greedy_tokens]))
     """)
     assert got[0] < 0.03 and got[1] == 6, got
+
+
+@pytest.mark.parametrize("bias, got", [
+    (torch.randn(3), r"torch.float32 of shape \(3,\)"),
+    (torch.randn(1), r"torch.float32 of shape \(1,\)"),  # F.linear would broadcast it over the 4 outputs
+    (torch.randn(()), r"torch.float32 of shape \(\)"),
+    (torch.randn(1, 4), r"torch.float32 of shape \(1, 4\)"),
+    (torch.arange(4), r"torch.int64 of shape \(4,\)"),
+    ([0.0] * 4, "list"),
+])
+def test_a_bias_of_another_shape_is_refused_when_the_layer_is_made(bias, got):
+    with pytest.raises(ValueError, match=r"bias must be None or a floating-point tensor of shape \(N,\) = \(4,\), got " + got):
+        Int8Linear(torch.randn(4, 16), bias)

@@ -115,6 +115,11 @@ class Int8Linear(nn.Module):
         if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
             got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
+        if weight.shape[1] == 0:
+            raise ValueError(f"weight must have K >= 1 input features, got shape {tuple(weight.shape)}")
+        if bias is not None and (not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != weight.shape[:1]):
+            got = f"{type(bias).__name__}" if not isinstance(bias, Tensor) else f"{bias.dtype} of shape {tuple(bias.shape)}"
+            raise ValueError(f"bias must be None or a floating-point tensor of shape (N,) = ({weight.shape[0]},), got {got}")
         w = weight.detach().float()  # (N, K)
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,): a zero row keeps scale > 0
         self._hold((w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales, None if bias is None else bias.detach().clone())
@@ -162,6 +167,8 @@ class Int8Linear(nn.Module):
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         if not self._decode_shaped(x):
             return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # (..., N)
         matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
