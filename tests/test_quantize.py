@@ -243,3 +243,26 @@ def test_int8_gpt2_of_a_width_the_kernel_cannot_read_generates(width):
 def test_a_bias_of_another_shape_is_refused_when_the_layer_is_made(bias, got):
     with pytest.raises(ValueError, match=r"bias must be None or a floating-point tensor of shape \(N,\) = \(4,\), got " + got):
         Int8Linear(torch.randn(4, 16), bias)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("fmt", ["model.safetensors", "pytorch_model.bin"])
+def test_a_saved_int8_state_dict_is_refused_as_quantized(tmp_path, name, fmt):
+    """A directory holding ``int8_weights(model).state_dict()``: refused as int8 weights (a GPT-2's used to be
+    refused as an untied LM head), pointing at quantizing the float model after loading."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from headwise.models import load
+
+    model = MODELS[name]()
+    state = {k: v.contiguous() for k, v in int8_weights(copy.deepcopy(model)).state_dict().items()}
+    config = ({"model_type": "gpt2", "vocab_size": 211, "n_positions": 288, "n_embd": 64, "n_layer": 2, "n_head": 4} if name == "gpt2" else
+              {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 288, "tie_word_embeddings": name == "llama-tied"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(tmp_path / fmt)) if fmt.endswith(".safetensors") else torch.save(state, tmp_path / fmt)
+    with pytest.raises(ValueError, match=rf"{fmt}: holds int8 \(quantized\) weights, e\.g\. \['.*'\]; headwise loads float checkpoints "
+                       r"only: load the float model, then quantize it with headwise\.quantize\.int8_weights\(model\)"):
+        load(tmp_path)

@@ -106,7 +106,7 @@ def read_weights(file: Path) -> dict[str, Tensor]:
         from safetensors.torch import load_file
 
         try:
-            return load_file(file)
+            return float_weights(load_file(file), file)
         except (safetensors.SafetensorError, OSError) as e:
             raise ValueError(f"{file}: cannot read it as safetensors, the file is truncated or corrupt ({e})") from None
     try:
@@ -118,7 +118,7 @@ def read_weights(file: Path) -> dict[str, Tensor]:
         reason = str(e) or type(e).__name__
         raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt ({reason})") from None
     if isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
-        return state
+        return float_weights(state, file)
     if isinstance(state, dict):
         nested = [k for k, v in state.items() if isinstance(v, dict)]
         if nested:  # a training checkpoint: {"state_dict": {...}, "epoch": 3, ...}
@@ -129,6 +129,17 @@ def read_weights(file: Path) -> dict[str, Tensor]:
         bad = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor)))
         raise ValueError(f"{file}: expected a dict of tensors (a state dict), got entry {bad!r} of type {type(state[bad]).__name__}")
     raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+
+
+def float_weights(state: dict[str, Tensor], file: Path) -> dict[str, Tensor]:
+    """``state`` unless it holds int8 tensors: quantized weights, which every model here loads only as floats."""
+    int8 = [key for key, t in state.items() if t.dtype == torch.int8]
+    if int8:
+        raise ValueError(
+            f"{file}: holds int8 (quantized) weights, e.g. {int8[:3]}; headwise loads float checkpoints only: "
+            "load the float model, then quantize it with headwise.quantize.int8_weights(model)"
+        )
+    return state
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
