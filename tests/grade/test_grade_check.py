@@ -18,7 +18,7 @@ from headwise.grade import hints as H
 from headwise.grade.check import grade_class
 from headwise.grade.learner import find_classes, load
 from headwise.grade.reference import CONFIGS, reference
-from headwise.grade.report import Result
+from headwise.grade.report import Report, Result
 
 LEARNERS = Path(__file__).parent / "learners"
 
@@ -90,10 +90,13 @@ def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuratio
 
 def test_a_crash_points_at_the_learners_own_line():
     r = grade_here("crash")["MultiHeadAttention"]
-    assert (r.step, r.hint) == ("error", None)
-    assert r.error.startswith("crash.py:31: attn_scores = queries @ self.keys.transpose(2, 3)  AttributeError:")
+    assert (r.step, r.hint, r.line, r.code) == ("error", None, "crash.py:31", "attn_scores = queries @ self.keys.transpose(2, 3)")
+    assert r.error == "AttributeError: 'MultiHeadAttention' object has no attribute 'keys'"
+    text = Report("crash.py", [r]).to_text().splitlines()
+    assert text[2] == "MultiHeadAttention: FAIL at crash.py:31"  # the line, not a step named "error"
+    assert "  code:         attn_scores = queries @ self.keys.transpose(2, 3)" in text
     r = grade_here("mask_not_cut")["MultiHeadAttention"]
-    assert r.error.startswith("mask_not_cut.py:32: ") and "RuntimeError" in r.error
+    assert r.line == "mask_not_cut.py:32" and r.error.startswith("RuntimeError")
     assert r.config == "MultiHeadAttention(5, 12, 9, 0.0, 3, True) on x of shape (3, 7, 5)"  # tokens 7 < context_length 9
 
 

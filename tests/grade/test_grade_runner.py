@@ -63,6 +63,9 @@ def test_a_hang_is_stopped_and_the_other_classes_are_still_graded():
     report = grade(LEARNERS / "hang.py", timeout=3)
     assert [(r.name, r.passed, r.step) for r in report.results] == [("MultiHeadAttention", False, "error"), ("CausalAttention", True, None)]
     assert report.results[0].error == "stopped after 3 s: an endless loop, or far too slow"
+    stopped = report.results[0]
+    assert (stopped.line, stopped.code) in {("hang.py:14", "while steps >= 0:  # an off-by-one loop that never ends"), ("hang.py:15", "steps += 1")}
+    assert f"MultiHeadAttention: FAIL at {stopped.line}" in report.to_text()
     assert report.exit_code == 1
 
 

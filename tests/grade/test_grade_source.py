@@ -1,13 +1,9 @@
 """Classes written in notebook cells, read back and graded in a separate process.
 
-IPython compiles each cell under a file name of its own (``/tmp/ipykernel_<pid>/<hash>.py``)
-and keeps the cell's text in ``linecache`` under it; ``cell()`` does the same here, in a
-namespace named ``__main__`` as a kernel's is. (tests/test_notebook.py runs a real kernel.)
+The ``notebook`` fixture (conftest.py) runs cells as a kernel would.
 """
 
 from __future__ import annotations
-
-import linecache
 
 import pytest
 
@@ -41,24 +37,6 @@ class MyWrapper(nn.Module):
 '''
 
 
-@pytest.fixture
-def notebook():
-    """Run cells as a kernel would: ``notebook(code)`` runs one more cell in the same namespace."""
-    namespace: dict = {"__name__": "__main__"}
-    names: list[str] = []
-
-    def cell(code: str) -> dict:
-        filename = f"/tmp/ipykernel_0/{len(names) + 1000}.py"
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        names.append(filename)
-        exec(compile(code, filename, "exec"), namespace)
-        return namespace
-
-    yield cell
-    for filename in names:
-        linecache.cache.pop(filename, None)
-
-
 def test_a_class_takes_the_modules_functions_classes_and_constants_of_the_notebook_it_uses(notebook):
     notebook("import math\nimport torch\nfrom torch import nn\n\nNEG = -math.inf\nbatch = torch.ones(2, 6, 3)\n")
     notebook("def scale(scores, d):\n    return scores / math.sqrt(d)\n" + HEAD)
@@ -87,19 +65,26 @@ def test_the_latest_definition_of_a_redefined_class_is_the_one_read_back(noteboo
     assert "second" in definition(ns["CausalAttention"]) and "first" not in definition(ns["CausalAttention"])
 
 
-def test_a_class_with_no_method_of_its_own_is_found_in_the_cells(notebook):
+def test_a_class_with_no_method_of_its_own_is_written_from_its_bases(notebook):
     ns = notebook("from torch import nn\n\nclass Empty(nn.Module):\n    pass\n")
-    assert definition(ns["Empty"]) == "class Empty(nn.Module):\n    pass\n"
+    assert definition(ns["Empty"]) == "class Empty(Module):\n    pass\n"
+    assert module_source([ns["Empty"]]) == "from torch.nn.modules.module import Module\n\n\nclass Empty(Module):\n    pass\n"
+
+
+def test_a_class_with_no_method_made_with_exec_is_not_read_from_an_earlier_cell_of_its_name(notebook):
+    ns = notebook("import torch\nfrom torch import nn\n" + HEAD)
+    exec("class CausalAttention(nn.Module):\n    scale = 2\n", ns)
+    assert definition(ns["CausalAttention"]) == "class CausalAttention(Module):\n    pass\n\nCausalAttention.scale = 2\n"
 
 
 def test_a_class_whose_source_is_nowhere_says_so():
     namespace: dict = {"__name__": "__main__"}
     exec("from torch import nn\nclass MultiHeadAttention(nn.Module):\n    def forward(self, x):\n        return x\n", namespace)
-    with pytest.raises(SourceError, match=r"cannot find the source of the class MultiHeadAttention: it was not written in a file or a notebook cell"):
+    with pytest.raises(SourceError, match=r"its method forward has no source Python can read back \(made with exec\(\)"):
         definition(namespace["MultiHeadAttention"])
     report = grade(namespace["MultiHeadAttention"])
-    assert report.exit_code == 2 and report.problem.startswith("cannot find the source of the class MultiHeadAttention")
-    assert "put it in a .py file and grade that file" in report.to_text()
+    assert report.exit_code == 2 and report.problem.startswith("cannot grade MultiHeadAttention: its method forward has no source")
+    assert "put it in a .py file or a notebook cell and grade that" in report.to_text()
 
 
 def test_two_classes_of_one_name_and_bad_lists_are_refused(notebook):
@@ -129,6 +114,6 @@ def test_a_notebook_tensor_the_class_reads_is_named_as_left_behind(notebook):
                   "        super().__init__()\n        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)\n\n"
                   "    def forward(self, x):\n        return self.W_query(x).masked_fill(FUTURE[: x.shape[1], :1], 0.0)\n")
     (r,) = grade(ns["CausalAttention"]).results
-    assert r.step == "error" and r.error.startswith("notebook.py:")
+    assert (r.step, r.line) == ("error", "1000.py, line 12")  # the cell's own line (IPython would name it Cell In[n])
     assert r.error.endswith("NameError: name 'FUTURE' is not defined (FUTURE is a Tensor in the notebook, which cannot be carried "
                             "into the grading process: create it inside the class, e.g. in __init__)")

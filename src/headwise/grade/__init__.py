@@ -6,11 +6,17 @@ the classes named like the book's (``CausalAttention``, ``MultiHeadAttentionWrap
 the book's batch and a few random configurations in eval mode, and records every tensor the
 learner's forward computes. A class passes when its output matches the book's class; else
 the report names the first step of the book's forward it never produced, what was expected
-and what came closest, and a hint when its numbers match a known mistake's.
+and what came closest, and a hint when its numbers match a known mistake's; code that raised
+or ran too long is shown at its line.
+
+``grade("my_notebook.ipynb")`` runs the notebook's code cells in order in that process (its
+JSON read with the standard library) and grades the classes they leave defined.
 
 ``grade(MyMultiHeadAttention)`` (or a list of classes) does the same for classes defined in a
-notebook cell or a module: their source is read back and graded in the same separate process.
-In a notebook the ``Report`` shows itself as a table.
+notebook cell or a module: each is written down as it is now, from the code its methods hold
+(a method replaced or added in a later cell included), and graded in the same separate
+process; a class that cannot be written down (made with ``exec()``) is not graded, and the
+report says why. In a notebook the ``Report`` shows itself as a table.
 
 Example:
     >>> from headwise.teaching import CausalAttention
@@ -27,22 +33,25 @@ from .report import Report, Result
 
 __all__ = ["Report", "Result", "grade"]
 
+FILES = (".py", ".ipynb")
+
 
 def grade(path_or_class: str | Path | type | list[type], classes: list[str] | None = None, timeout: float = 30.0) -> Report:
-    """Grade a learner's file, module path, class or list of classes, each in a separate process.
+    """Grade a learner's file (``.py`` or ``.ipynb``), module path, class or list of classes, in a separate process.
 
     Args:
-        path_or_class: a ``.py`` file, a module path, a class or a list of classes. Classes
-            written in a notebook cell (or in the running script) are read back from their
-            source, with the modules, functions, classes and constants of the notebook they use.
+        path_or_class: a ``.py`` file, a ``.ipynb`` notebook, a module path, a class or a list of
+            classes. Classes written in a notebook cell (or in the running script) are written down
+            as they are now, with the modules, functions, classes and constants of the notebook they use.
         classes: for a file or module: names of the classes to grade (default: those named
             like the book's); a name that is not a book name is graded as the book class its
             signature fits. Not used with class objects.
-        timeout: seconds the file's import, and each class, may take before they are stopped.
+        timeout: seconds the file's import (a notebook's cells), and each class, may take before they are stopped.
 
     Returns:
         A ``Report``: one ``Result`` per class; ``exit_code`` 0 all passed, 1 one failed,
-        2 nothing graded (``problem`` says why, e.g. a class whose source cannot be read back).
+        2 nothing graded (``problem`` says why, e.g. "cannot grade NAME: ..." for a class that
+        cannot be written down).
     """
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -58,7 +67,7 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
     if not isinstance(path_or_class, (str, Path)):
         raise TypeError(f"path_or_class must be a file path, a module path, a class or a list of classes, got {type(path_or_class).__name__}")
     target = str(path_or_class)
-    if target.endswith(".py") and not Path(target).is_file():
+    if target.endswith(FILES) and not Path(target).is_file():
         return Report(target, problem=f"no such file: {target}")
     from .runner import grade_file
 
@@ -66,18 +75,21 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
 
 
 def _grade_classes(objects: list[type], timeout: float) -> Report:
+    """Write the classes as a notebook, one cell per definition at its own line numbers, and grade that."""
+    from . import notebook
     from .runner import grade_file
-    from .source import SourceError, carried, explain_name_error
+    from .source import SourceError, carried, explain_name_error, origin
 
     names = [c.__name__ for c in objects]
     label = f"<class {names[0]}>" if len(names) == 1 else f"<classes {', '.join(names)}>"
     try:
-        source, left_behind = carried(objects)
+        pieces, left_behind = carried(objects)
     except SourceError as e:
         return Report(label, problem=str(e))
+    cells = [notebook.Cell(origin(p.filename), "\n" * (p.line - 1) + p.text) for p in pieces]
     with tempfile.TemporaryDirectory(prefix="headwise-classes-") as folder:
-        path = Path(folder, "notebook.py")
-        path.write_text(source, encoding="utf-8")
+        path = Path(folder, "classes.ipynb")
+        notebook.write(cells, path)
         report = grade_file(str(path), names, timeout, label=label)
     report.problem = explain_name_error(report.problem, left_behind)
     for r in report.results:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import hints as H
-from .learner import SetupError, build, kind_of, where
+from .learner import Raised, SetupError, build, kind_of, where
 from .match import closest, is_scores, matching_probes, step_status
 from .record import Recorder
 from .reference import CONFIGS, Config, reference
@@ -24,7 +24,7 @@ class Outcome:
     hints: list[str] = field(default_factory=list)
     expected: str | None = None
     got: str | None = None
-    error: str | None = None
+    raised: Raised | None = None  # step "error": where their code raised, and what
     steps: dict[str, str] | None = None  # step -> "match" / "skipped" / "missing"
 
 
@@ -45,7 +45,8 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
     try:
         kind = kind_of(name, cls)
     except (Exception, SystemExit) as e:
-        return Result(name, "unknown", False, "error", error=where(e, file))
+        raised = where(e, file)
+        return Result(name, "unknown", False, "error", error=raised.error, line=raised.line, code=raised.code)
     outcomes = [_try(cls, kind, config, file) for config in CONFIGS[kind]]
     return _verdict(name, kind, outcomes)
 
@@ -55,15 +56,16 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     try:
         module = build(cls, kind, config, ref.state)
     except SetupError as e:
-        return Outcome(config, "error", error=str(e))
+        return Outcome(config, "error", raised=Raised(None, None, str(e)))
     except (Exception, SystemExit) as e:
-        return Outcome(config, "error", error=f"while building it: {where(e, file)}")
+        raised = where(e, file)
+        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it: {raised.error}"))
     x = ref.x.float()  # (B, T, d_in)
     try:
         with torch.no_grad(), Recorder() as rec:
             out = module(x)
     except (Exception, SystemExit) as e:  # sys.exit() in forward is the learner's mistake, not the grader's end
-        return Outcome(config, "error", error=where(e, file))
+        return Outcome(config, "error", raised=where(e, file))
     want = ref.output
     if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):
         return Outcome(config)
@@ -98,8 +100,9 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
     else:
         shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
         hint = "; or ".join(shared or first.hints) or None
-    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, first.error, len(outcomes),
-                  first.steps)
+    raised = first.raised or Raised(None, None, None)
+    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, raised.error, len(outcomes),
+                  first.steps, raised.line, raised.code)
 
 
 def _show(records: list[Tensor], want: Tensor, scale_free: bool) -> tuple[str, str]:

@@ -13,12 +13,14 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor, nn
 
+from . import notebook
 from .reference import BOOK_CLASSES, Config
 
 ALIASES = {
@@ -35,9 +37,20 @@ class SetupError(Exception):
 
 
 def load(target: str, root: str | None = None) -> ModuleType:
-    """Import a ``.py`` file (its folder goes on sys.path, for its own imports) or a module path,
-    looked up from ``root`` (default: the current directory)."""
+    """Import a ``.py`` file or run a ``.ipynb`` notebook's code cells (the file's folder goes on sys.path,
+    for its own imports), or import a module path, looked up from ``root`` (default: the current directory)."""
     path = Path(target)
+    if path.suffix == ".ipynb":
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            cells = notebook.read(path)
+        except notebook.NotebookError as e:
+            raise SetupError(str(e)) from None
+        module = ModuleType("learner")
+        module.__file__ = str(path)
+        sys.modules["learner"] = module
+        notebook.run(cells, vars(module), str(path.resolve()))
+        return module
     if path.suffix == ".py" or path.exists():
         sys.path.insert(0, str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location("learner", path)
@@ -124,17 +137,39 @@ def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
     )
 
 
-def where(exc: BaseException, file: str | None) -> str:
-    """``file.py:LINE: code`` of the deepest frame in the learner's file, then the exception."""
+@dataclass(frozen=True)
+class Raised:
+    """Where the learner's code raised (or was stopped) and what: ``line`` ``crash.py:31`` or
+    ``mine.ipynb, cell 4, line 2`` (None when no frame of theirs is on the stack), ``code`` its text."""
+
+    line: str | None
+    code: str | None
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.line}: {self.code}  {self.error}" if self.line else self.error
+
+
+def where(exc: BaseException, file: str | None) -> Raised:
+    """The deepest frame of the learner's own code (``file``, or a notebook cell) in ``exc``'s traceback, and the exception."""
     what = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SystemExit):
         what = f"SystemExit({exc.code!r}): the code called sys.exit(), which would end the program"
     if isinstance(exc, SyntaxError) and exc.filename:
-        return f"{Path(exc.filename).name}:{exc.lineno}: {(exc.text or '').strip()}  {type(exc).__name__}: {exc.msg}"
-    if file is not None:
-        mine = Path(file).resolve()
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == mine]
-        if frames:
-            f = frames[-1]
-            return f"{mine.name}:{f.lineno}: {(f.line or '').strip()}  {what}"
-    return what
+        return Raised(place(exc.filename, exc.lineno or 0), (exc.text or "").strip(), f"{type(exc).__name__}: {exc.msg}")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_theirs(f.filename, file)]
+    if frames:
+        f = frames[-1]
+        return Raised(place(f.filename, f.lineno or 0), (f.line or "").strip(), what)
+    return Raised(None, None, what)
+
+
+def is_theirs(filename: str, file: str | None) -> bool:
+    """True for a notebook cell the grader ran, or for ``file``."""
+    return filename in notebook.CELLS or (file is not None and Path(filename).resolve() == Path(file).resolve())
+
+
+def place(filename: str, lineno: int) -> str:
+    """``crash.py:31``, or ``mine.ipynb, cell 4, line 2`` for a notebook cell."""
+    cell = notebook.CELLS.get(filename)
+    return f"{cell}, line {lineno}" if cell else f"{Path(filename).name}:{lineno}"

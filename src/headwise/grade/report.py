@@ -25,11 +25,15 @@ class Result:
         config: the construction call and input shape of the configuration that failed.
         expected: the book's tensor at ``step``: shape and one row of numbers.
         got: the learner's closest tensor: shape and the same row.
-        error: for ``step == "error"``: where in the learner's file, and the exception.
+        error: for ``step == "error"``: the exception, or why it was stopped or could not be set up.
         configs: how many configurations were tried.
         steps: when it failed on numbers: each step of the book's forward in order, ``"match"`` (one of
             its tensors equals it), ``"skipped"`` (never formed, but a later step of its chain was) or
             ``"missing"``; None otherwise.
+        line: for ``step == "error"``: the line of the learner's code that raised, or where a class that
+            ran too long was stopped (``crash.py:31``, ``mine.ipynb, cell 4, line 2``, ``Cell In[5], line 3``);
+            None when none of their code was running.
+        code: the text of that line.
     """
 
     name: str
@@ -43,6 +47,8 @@ class Result:
     error: str | None = None
     configs: int = 0
     steps: dict[str, str] | None = None
+    line: str | None = None
+    code: str | None = None
 
     def to_dict(self) -> dict:
         """The JSON object of one result; the class name goes under ``"class"``."""
@@ -82,8 +88,9 @@ class Report:
             if r.passed:
                 lines.append(f"{r.name}: PASS (same output as the book's {r.kind} in all {r.configs} configurations)")
                 continue
-            lines.append(f"{r.name}: FAIL at step `{r.step}`")
-            for label, value in (("checked with", r.config), ("error", r.error), ("expected", r.expected), ("got", r.got), ("hint", r.hint)):
+            lines.append(f"{r.name}: FAIL {_where_it_failed(r)}")
+            for label, value in (("checked with", r.config), ("code", r.code), ("error", r.error), ("expected", r.expected), ("got", r.got),
+                                 ("hint", r.hint)):
                 if value is not None:
                     lines.append(f"  {label + ':':13} {value}")
         failed = sum(not r.passed for r in self.results)
@@ -107,7 +114,7 @@ def _result_html(r: Result) -> str:
     if r.passed:
         badge, note = "PASS", f"same output as the book's <code>{escape(r.kind)}</code> in all {r.configs} configurations"
     else:
-        badge, note = "FAIL", f"at step <code>{escape(r.step)}</code>"
+        badge, note = "FAIL", escape(_where_it_failed(r)).replace("`", "<code>", 1).replace("`", "</code>", 1)
     parts = [f'<h4>{escape(r.name)} <span class="hw-badge">{badge}</span> <span class="hw-note">{note}</span></h4>']
     if r.steps:
         items = "".join(
@@ -116,10 +123,18 @@ def _result_html(r: Result) -> str:
             for name, status in r.steps.items()
         )
         parts.append(f'<ol class="hw-steps" title="the book\'s steps: ✓ matched, · formed later in its chain, ✗ not found">{items}</ol>')
-    rows = [(label, value) for label, value in (("checked with", r.config), ("error", r.error), ("expected", r.expected), ("got", r.got)) if value]
+    rows = [(label, value) for label, value in (("checked with", r.config), ("code", r.code), ("error", r.error), ("expected", r.expected),
+                                                ("got", r.got)) if value]
     if r.hint:
         rows.append(("hint", r.hint))
     if rows:
         dd = {label: '<dd class="hw-hint">' if label == "hint" else "<dd>" for label, _ in rows}
         parts.append("<dl>" + "".join(f"<dt>{label}</dt>{dd[label]}{escape(value)}</dd>" for label, value in rows) + "</dl>")
     return f'<section class="hw-class" data-class="{escape(r.name)}" data-verdict="{verdict}">{"".join(parts)}</section>'
+
+
+def _where_it_failed(r: Result) -> str:
+    """``at step `weights```; for code that raised or was stopped, its line (``at crash.py:31``) when it was theirs."""
+    if r.step != "error":
+        return f"at step `{r.step}`"
+    return f"at {r.line}" if r.line else "with an error"

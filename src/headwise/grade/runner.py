@@ -7,7 +7,8 @@ anonymous pipe, never a file, each line carrying a token the learner's code is n
 line without it means something else wrote there, and nothing from that run is trusted.
 
 The time limit applies to importing their file and to each class; when a class hangs, the
-process is killed, that class is reported as stopped, and a fresh process grades the classes
+process is asked where it is (``SIGUSR1``: the line of their code that was running), then
+killed; that class is reported as stopped at that line, and a fresh process grades the classes
 still left. When nothing could be graded, the report always says why.
 
 This isolates mistakes, not an adversary: code written to subvert the grader from inside its
@@ -34,6 +35,7 @@ from .report import Report, Result
 from .worker import FD_VARIABLE
 
 STARTUP_S = 300.0  # starting Python and importing torch on a busy machine: not the learner's time
+ASK_S = 2.0  # how long a process that ran out of time has to say which line it was running
 
 
 def grade_file(target: str, classes: list[str] | None, timeout: float, label: str | None = None) -> Report:
@@ -43,7 +45,7 @@ def grade_file(target: str, classes: list[str] | None, timeout: float, label: st
     """
     report = Report(label or target)
     path = Path(target)
-    if path.suffix == ".py" or path.exists():
+    if path.suffix in (".py", ".ipynb") or path.exists():
         target = str(path.resolve())  # the worker runs elsewhere
     left, order = list(classes or []), None
     while True:
@@ -61,7 +63,8 @@ def grade_file(target: str, classes: list[str] | None, timeout: float, label: st
         left = [n for n in found if n not in done and n not in started]
         if started:  # the one running when the process stopped
             kind = started[0] if started[0] in BOOK_CLASSES else "unknown"
-            report.results.append(Result(started[0], kind, False, "error", error=note))
+            at = next((e["stopped"] for e in events if "stopped" in e), {})
+            report.results.append(Result(started[0], kind, False, "error", error=note, line=at.get("line"), code=at.get("code")))
         if not left or not started:
             report.results.sort(key=lambda r: order.index(r.name))
             if not report.results:
@@ -91,20 +94,33 @@ def _run(target: str, classes: list[str], timeout: float) -> tuple[list[dict], s
                 proc.stdin.close()
             except BrokenPipeError:  # it ended before reading: _how_it_ended says how
                 pass
-            lines, note = _collect(proc, pipe, timeout)
-        if not note:
+            lines, stopped, note = _collect(proc, pipe, timeout)
+        if not note and not stopped:
             err.seek(0)
             note = _how_it_ended(proc.returncode, lines, token, err.read())
     events = [json.loads(line.removeprefix(token + " ")) for line in lines if line.startswith(token + " ")]
     if len(events) != len(lines):
         return [], "something other than the grader wrote into the grader's results (does the code write to file descriptors it did not open?); nothing from that run is trusted"
+    if stopped:
+        note = _stopped(timeout, events)
     return events, note
 
 
-def _collect(proc: subprocess.Popen, pipe, timeout: float) -> tuple[list[str], str]:
-    """Read complete lines from the pipe until the worker closes it, or stop it when it is silent too long."""
+def _stopped(timeout: float, events: list[dict]) -> str:
+    """Why a process was stopped; while importing, with the line it was running (a class shows it as its own)."""
+    doing = ""
+    if not any("found" in e for e in events):
+        at = next((e["stopped"] for e in events if e.get("stopped")), None)
+        doing = " while importing the file" + (f", at {at['line']} (`{at['code']}`)" if at else "")
+    return f"stopped after {timeout:g} s{doing}: an endless loop, or far too slow"
+
+
+def _collect(proc: subprocess.Popen, pipe, timeout: float) -> tuple[list[str], bool, str]:
+    """Read complete lines from the pipe until the worker closes it, or stop it when it is silent too long
+    (after asking it, with ``SIGUSR1``, which line it is running: one more line, or ``ASK_S`` seconds).
+    Returns the lines, whether it was stopped, and a note when it went on after closing the pipe."""
     buffer, lines, note = b"", [], ""
-    deadline = time.monotonic() + STARTUP_S
+    deadline, asked = time.monotonic() + STARTUP_S, False
     while True:
         ready, _, _ = select.select([pipe], [], [], 0.05)
         if not ready and proc.poll() is not None:
@@ -118,11 +134,14 @@ def _collect(proc: subprocess.Popen, pipe, timeout: float) -> tuple[list[str], s
             if complete:
                 lines += [c.decode("utf-8", errors="replace") for c in complete]
                 deadline = time.monotonic() + timeout
-        if time.monotonic() > deadline:
-            doing = " while importing the file" if len(lines) <= 1 else ""
-            note = f"stopped after {timeout:g} s{doing}: an endless loop, or far too slow"
+                if asked:
+                    break
+        if time.monotonic() > deadline and asked:
             break
-    if proc.poll() is None and not note:  # closed the pipe but still running: give it a moment
+        if time.monotonic() > deadline:
+            proc.send_signal(signal.SIGUSR1)
+            deadline, asked = time.monotonic() + ASK_S, True
+    if proc.poll() is None and not asked:  # closed the pipe but still running: give it a moment
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -130,7 +149,7 @@ def _collect(proc: subprocess.Popen, pipe, timeout: float) -> tuple[list[str], s
     if proc.poll() is None:
         proc.kill()
     proc.wait()
-    return lines, note
+    return lines, asked, note
 
 
 def _how_it_ended(returncode: int, lines: list[str], token: str, stderr: str) -> str:

@@ -9,25 +9,32 @@ can tell the grader's lines from anything else written there. Nothing is written
 
 Events, one JSON object a line: ``{"ready": true}``, ``{"found": [names]}``,
 ``{"started": name}``, ``{"result": {...}}``, ``{"problem": "..."}`` and last ``{"done": true}``.
-The learner's own prints go to stdout, which the parent ignores.
+The learner's own prints go to stdout, which the parent ignores. When the parent stops a
+class that runs too long it first sends ``SIGUSR1``, answered with ``{"stopped": {"line": ...,
+"code": ...}}``: the line of the learner's code that was running (when Python code was running).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import linecache
 import os
+import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 from .check import grade_class
-from .learner import SetupError, find_classes, load, where
+from .learner import SetupError, find_classes, is_theirs, load, place, where
 
 FD_VARIABLE = "HEADWISE_GRADE_FD"
+RUNNING: dict[str, str | None] = {"file": None}  # the learner's file whose code runs now (notebook cells are always theirs)
 
 
 def run(target: str, root: str, names: list[str], emit: Callable[[dict], None]) -> None:
     """Load ``target``, grade its classes (``names``, or those named like the book's), ``emit`` each event."""
+    RUNNING["file"] = _file(target)
     emit({"ready": True})  # our own imports are done: the learner's time starts
     try:
         module = load(target, root)
@@ -38,9 +45,19 @@ def run(target: str, root: str, names: list[str], emit: Callable[[dict], None]) 
         return emit({"problem": f"importing {target} raised: {where(e, _file(target))}"})
     emit({"found": [n for n, _ in classes]})
     for name, cls in classes:
+        RUNNING["file"] = _source_file(cls, module)
         emit({"started": name})
-        emit({"result": grade_class(cls, name, _source_file(cls, module)).to_dict()})
+        emit({"result": grade_class(cls, name, RUNNING["file"]).to_dict()})
     emit({"done": True})
+
+
+def _running(frame: FrameType | None, file: str | None) -> dict:
+    """The innermost frame of the learner's code on the stack: ``{"line": "hang.py:14", "code": "..."}`` (empty if none)."""
+    while frame is not None and not is_theirs(frame.f_code.co_filename, file):
+        frame = frame.f_back
+    if frame is None:
+        return {}
+    return {"line": place(frame.f_code.co_filename, frame.f_lineno), "code": linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()}
 
 
 def main(argv: list[str]) -> None:
@@ -51,8 +68,11 @@ def main(argv: list[str]) -> None:
     os.set_inheritable(fd, False)  # a process the learner starts does not get the pipe
 
     def emit(event: dict) -> None:
-        os.write(fd, f"{token} {json.dumps(event)}\n".encode())
+        data = f"{token} {json.dumps(event)}\n".encode()
+        while data:  # a write a signal interrupts returns having written only part
+            data = data[os.write(fd, data) :]
 
+    signal.signal(signal.SIGUSR1, lambda _signum, frame: emit({"stopped": _running(frame, RUNNING["file"])}))
     run(target, root, names, emit)
 
 
@@ -65,11 +85,12 @@ def _detach_stdin() -> None:
 
 
 def _source_file(cls: type, module: object) -> str | None:
-    """The file the class was written in (its errors are shown at a line of it)."""
+    """The file the class was written in (its errors are shown at a line of it); None for notebook cells."""
     try:
-        return inspect.getsourcefile(cls)
+        found = inspect.getsourcefile(cls)
     except (TypeError, OSError):
-        return getattr(module, "__file__", None)
+        found = getattr(module, "__file__", None)
+    return _file(found) if found else None
 
 
 def _file(target: str) -> str | None:

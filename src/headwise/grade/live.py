@@ -1,0 +1,248 @@
+"""A class as Python text, the way the learner has it now, found through the code it holds.
+
+Every method is located by the file and line its code object carries (``co_filename``,
+``co_firstlineno``), never by the class's name: the class statement is the one whose body
+defined the methods the class still holds, and each method set on the class after that
+statement ran (``C.forward = f`` in a later cell, d2l's ``add_to_class``) is written after it
+as the function it now is; a method deleted since is deleted again. A class with no method
+of its own is written from its bases. Whatever cannot be written down this way (a method
+made with ``exec()``, a lambda, a closure) raises ``SourceError`` saying why.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import linecache
+import math
+import textwrap
+from dataclasses import dataclass, field
+from types import FunctionType
+
+#: Attributes Python (or its ``abc`` module) puts into every class's namespace.
+MADE_BY_PYTHON = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
+                            "__parameters__", "__abstractmethods__", "_abc_impl", "__firstlineno__", "__static_attributes__"})
+NO_TEXT = ("has no source Python can read back (made with exec() or type(), or typed into a console?): "
+           "put it in a .py file or a notebook cell and grade that")
+
+
+_CONSTANTS = (bool, int, float, complex, str, bytes, type(None))
+
+
+class SourceError(Exception):
+    """The source of a class (or of something it uses) cannot be written down."""
+
+
+def literal(value: object) -> str | None:
+    """Python text for a plain constant (a number, a string, None, a tuple of them), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"  # float('inf'), float('-inf'), float('nan')
+    if isinstance(value, tuple):
+        items = [literal(v) for v in value]
+        return None if None in items else "(" + "".join(f"{i}, " for i in items).rstrip(" ") + ")"
+    return repr(value) if isinstance(value, _CONSTANTS) else None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One definition: its text, where it was written (``filename``, ``line``: its first line there),
+    and the names it reads with what they mean where it was written."""
+
+    text: str
+    filename: str | None
+    line: int
+    uses: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A class as pieces: its statement (or a header made from its bases), then each change made since."""
+
+    pieces: list[Piece]
+    changes: list[str]  # the attributes set or deleted after the class statement ran
+    from_statement: bool  # False: no method of its own tells which statement made it (written from its bases)
+
+
+def write_class(cls: type) -> Written:
+    """``cls`` as it is now. Raises ``SourceError`` when some part of it has no text to write."""
+    statement = _statement(cls)
+    bound = _bound(statement[1]) if statement else {}
+    pieces = [_statement_piece(cls, *statement) if statement else _header(cls)]
+    changes = []
+    for name, value in vars(cls).items():
+        if name in MADE_BY_PYTHON:
+            continue
+        functions = _functions(value)
+        if functions is not None:
+            if statement and name in bound and all(_in_statement(f, statement) for f in functions):
+                continue
+            pieces += _method(cls, name, value, functions)
+        elif literal(value) is not None:
+            if name in bound and (bound[name] is _COMPUTED or _same(bound[name], value)):
+                continue
+            pieces.append(Piece(f"{cls.__name__}.{name} = {literal(value)}\n", None, 1))
+        elif name not in bound:
+            raise SourceError(f"{cls.__name__}.{name} (a {type(value).__name__}) was set outside the class statement and cannot be written down: "
+                              "set it inside the class, e.g. in __init__")
+        else:
+            continue  # made by the statement's own code: written with it
+        changes.append(name)
+    for name in bound:
+        if name not in vars(cls):
+            pieces.append(Piece(f"del {cls.__name__}.{name}\n", None, 1))
+            changes.append(name)
+    return Written(pieces, changes, statement is not None)
+
+
+def function_piece(fn: FunctionType, decorated: bool = True) -> Piece:
+    """A function's ``def`` (with its decorators when ``decorated``) from the file and line its code carries."""
+    found = _def_node(inspect.unwrap(fn) if decorated else fn)
+    if found is None:
+        raise SourceError(f"the function {fn.__qualname__} {NO_TEXT}")
+    filename, lines, _, node = found
+    first = _first(node) if decorated else node.lineno
+    return Piece(textwrap.dedent("".join(lines[first - 1 : node.end_lineno])), filename, first, _uses(lines[first - 1 : node.end_lineno], fn))
+
+
+# ----------------------------------------------------------------------------- the class statement
+
+
+def _statement(cls: type) -> tuple[str, ast.ClassDef, list[str]] | None:
+    """The class statement (file, node, its file's lines) whose body defined the methods ``cls`` holds, or None."""
+    found: dict[tuple[str, int], tuple[str, ast.ClassDef, list[str]]] = {}
+    for value in vars(cls).values():
+        for fn in _functions(value) or ():
+            place = _def_node(inspect.unwrap(fn))
+            if place is None:
+                continue
+            filename, lines, tree, node = place
+            owner = next((c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls.__name__ and node in c.body), None)
+            if owner is not None:
+                found[(filename, owner.lineno)] = (filename, owner, lines)
+    if len(found) > 1:
+        where = ", ".join(f"{_short(f)} line {n}" for f, n in sorted(found))
+        raise SourceError(f"its methods come from {len(found)} different class statements named {cls.__name__} ({where}): "
+                          "run the cell that defines the class again, or grade a .py file")
+    return next(iter(found.values()), None)
+
+
+def _statement_piece(cls: type, filename: str, node: ast.ClassDef, lines: list[str]) -> Piece:
+    first = _first(node)
+    text = lines[first - 1 : node.end_lineno]
+    scope = next((inspect.unwrap(f).__globals__ for v in vars(cls).values() for f in _functions(v) or ()), {})
+    uses = {n: scope[n] for n in _free_names(text) if n in scope and n != cls.__name__}
+    return Piece(textwrap.dedent("".join(text)), filename, first, uses | _same_name_bases(cls))
+
+
+def _header(cls: type) -> Piece:
+    """``class C(Base, ...): pass`` for a class with no method of its own."""
+    bases = [b for b in cls.__bases__ if b is not object]
+    names = ", ".join(b.__name__ for b in bases)
+    return Piece(f"class {cls.__name__}{f'({names})' if names else ''}:\n    pass\n", None, 1, {b.__name__: b for b in bases})
+
+
+def _same_name_bases(cls: type) -> dict[str, object]:
+    """``class A(A)``: the earlier A, which the name no longer reaches."""
+    return {b.__name__: b for b in cls.__bases__ if b.__name__ == cls.__name__}
+
+
+def _bound(node: ast.ClassDef) -> dict[str, object]:
+    """The names the statement's body binds, each with its literal value (``_COMPUTED`` when it is not one)."""
+    bound: dict[str, object] = {}
+    for stmt in node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound[stmt.name] = _COMPUTED
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and stmt.value is not None:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    bound[t.id] = _COMPUTED if isinstance(stmt, ast.AugAssign) else _literal_node(stmt.value)
+    return bound
+
+
+_COMPUTED = object()  # bound by code the statement runs: its value is not read from the text
+
+
+def _literal_node(node: ast.expr) -> object:
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _COMPUTED
+
+
+def _same(a: object, b: object) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _in_statement(fn: FunctionType, statement: tuple[str, ast.ClassDef, list[str]]) -> bool:
+    place = _def_node(inspect.unwrap(fn))
+    return place is not None and place[0] == statement[0] and any(n.lineno == place[3].lineno for n in statement[1].body)
+
+
+# ----------------------------------------------------------------------------- methods set later
+
+
+def _method(cls: type, name: str, value: object, functions: list[FunctionType]) -> list[Piece]:
+    """The ``def`` of a method set after the class statement, then ``C.name = ...``."""
+    where = f"{cls.__name__}.{name}"
+    if isinstance(value, property):
+        raise SourceError(f"the property {where} was set outside the class statement and cannot be written down: define it in the class")
+    (fn,) = functions
+    if fn is not inspect.unwrap(fn):
+        raise SourceError(f"{where} is a decorated function set outside the class statement and cannot be written down: define it in the class")
+    if fn.__code__.co_name == "<lambda>":
+        raise SourceError(f"{where} is a lambda, which cannot be written down: write it with def")
+    try:
+        piece = function_piece(fn, decorated=False)  # the function itself: a decorator such as add_to_class already ran
+    except SourceError:
+        raise SourceError(f"its method {name} {NO_TEXT}") from None
+    if fn.__code__.co_freevars:
+        raise SourceError(f"{where} reads {', '.join(fn.__code__.co_freevars)} from the function or class it was made in, "
+                          "which cannot be carried into the grading process: define it in the class, or at the top of the notebook")
+    wrap = {staticmethod: "staticmethod", classmethod: "classmethod"}.get(type(value))
+    made = f"{wrap}({fn.__code__.co_name})" if wrap else fn.__code__.co_name
+    return [piece, Piece(f"{cls.__name__}.{name} = {made}\n", None, 1)]
+
+
+def _functions(value: object) -> list[FunctionType] | None:
+    """The Python functions a method attribute holds, or None when it is not a method made of them."""
+    inner = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    found = [f for f in (inner.fget, inner.fset, inner.fdel) if f is not None] if isinstance(inner, property) else [inner]
+    return found if found and all(isinstance(f, FunctionType) for f in found) else None
+
+
+# ----------------------------------------------------------------------------- reading the text
+
+
+def _def_node(fn: FunctionType) -> tuple[str, list[str], ast.Module, ast.FunctionDef | ast.AsyncFunctionDef] | None:
+    """The ``def`` that made ``fn``: at the line its code starts in the file its code names (linecache)."""
+    code = fn.__code__
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return None
+    try:
+        tree = ast.parse("".join(lines))
+    except SyntaxError:  # code compiled from a text that is not Python as a whole (a README's block)
+        return None
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    node = next((n for n in ast.walk(tree) if isinstance(n, kinds) and n.name == code.co_name and _first(n) == code.co_firstlineno), None)
+    return None if node is None else (code.co_filename, lines, tree, node)
+
+
+def _first(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> int:
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
+def _uses(lines: list[str], fn: FunctionType) -> dict[str, object]:
+    scope = inspect.unwrap(fn).__globals__
+    return {n: scope[n] for n in _free_names(lines) if n in scope and n != fn.__code__.co_name}
+
+
+def _free_names(lines: list[str]) -> list[str]:
+    """Every name the definition reads, in order of first use."""
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)))
+
+
+def _short(filename: str) -> str:
+    return filename.rsplit("/", 1)[-1]

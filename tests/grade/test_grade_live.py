@@ -1,0 +1,103 @@
+"""A class is graded as the learner has it now: its methods' own code, wherever each was written.
+
+A class remade with ``exec()`` (no text to read back), a method replaced in a later cell, a
+method added after the class statement (d2l's ``add_to_class``), a method deleted: each is
+graded as the object is, or refused with the reason, never graded as an older text of its name.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+from llms_from_scratch import ch03 as book
+
+from headwise.grade import grade
+from headwise.grade import hints as H
+from headwise.grade.source import SourceError, module_source
+
+LEARNERS = Path(__file__).parent / "learners"
+BOOK = (LEARNERS / "book.py").read_text()
+ADD_TO_CLASS = "def add_to_class(Class):\n    def wrapper(obj):\n        setattr(Class, obj.__name__, obj)\n    return wrapper\n"
+
+
+def method(stem: str, name: str, cls: str = "MultiHeadAttention") -> str:
+    """The text of ``cls.name`` in ``learners/<stem>.py``, dedented to the top level."""
+    source = (LEARNERS / f"{stem}.py").read_text()
+    (node,) = [n for c in ast.parse(source).body if isinstance(c, ast.ClassDef) and c.name == cls for n in c.body
+               if isinstance(n, ast.FunctionDef) and n.name == name]
+    return textwrap.dedent("".join(source.splitlines(True)[node.lineno - 1 : node.end_lineno]))
+
+
+def test_a_class_remade_with_exec_is_refused_not_graded_as_an_earlier_cells_class_of_its_name(notebook):
+    ns = notebook(BOOK)
+    exec((LEARNERS / "no_scaling.py").read_text(), ns)  # a wrong MultiHeadAttention, from a string: no text to read back
+    report = grade(ns["MultiHeadAttention"])
+    assert report.exit_code == 2, report.to_text()
+    assert report.problem.startswith("cannot grade MultiHeadAttention: its method __init__ has no source Python can read back")
+
+
+def test_a_method_replaced_in_a_later_cell_is_the_one_graded(notebook):
+    ns = notebook(BOOK)
+    notebook(method("no_scaling", "forward").replace("def forward(", "def unscaled(") + "\n\nMultiHeadAttention.forward = unscaled\n")
+    (r,) = grade(ns["MultiHeadAttention"]).results
+    assert (r.passed, r.step, r.hint) == (False, "weights", H.NO_SCALE)
+
+
+def test_methods_added_after_the_class_statement_are_graded(notebook):
+    init = method("book", "__init__")
+    notebook("import torch\nfrom torch import nn\n\n" + ADD_TO_CLASS)
+    ns = notebook("class MultiHeadAttention(nn.Module):\n" + textwrap.indent(init, "    "))
+    notebook("@add_to_class(MultiHeadAttention)\n" + method("book", "forward"))
+    report = grade(ns["MultiHeadAttention"])
+    assert report.exit_code == 0, report.to_text()
+
+
+# ----------------------------------------------------------------------------- written down, in this process
+
+
+def test_a_deleted_method_is_deleted_again_and_a_static_method_set_later_stays_static(notebook):
+    ns = notebook("from torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return x\n\n    def extra(self):\n        return 1\n")
+    notebook("def double(x):\n    return 2 * x\n\ndel A.extra\nA.double = staticmethod(double)\n")
+    source = module_source([ns["A"]])
+    assert source.endswith("def double(x):\n    return 2 * x\n\n\nA.double = staticmethod(double)\n\n\ndel A.extra\n")
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"].double(3) == 6 and not hasattr(namespace["A"], "extra")
+
+
+@pytest.mark.parametrize(("cell", "why"), [
+    ("A.forward = lambda self, x: x\n", r"A.forward is a lambda, which cannot be written down: write it with def"),
+    ("def make():\n    k = 2\n    def forward(self, x):\n        return k * x\n    return forward\n\nA.forward = make()\n",
+     r"A.forward reads k from the function or class it was made in, which cannot be carried"),
+    ("exec('def forward(self, x):\\n    return x')\nA.forward = forward\n", r"its method forward has no source Python can read back"),
+    ("A.size = torch.ones(2)\n", r"A.size \(a Tensor\) was set outside the class statement and cannot be written down"),
+])
+def test_what_cannot_be_written_down_is_refused_with_the_reason(notebook, cell, why):
+    ns = notebook("import torch\nfrom torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return -x\n")
+    notebook(cell)
+    with pytest.raises(SourceError, match="^cannot grade A: " + why):
+        module_source([ns["A"]])
+
+
+def test_methods_from_two_class_statements_of_one_name_are_refused(notebook):
+    first = notebook("from torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return x\n")["A"]
+    second = notebook("class A(nn.Module):\n    def __init__(self):\n        super().__init__()\n")["A"]
+    second.forward = first.forward
+    with pytest.raises(SourceError, match=r"^cannot grade A: its methods come from 2 different class statements named A \(1000.py line 3, 1001.py line 1\)"):
+        module_source([second])
+
+
+def test_a_changed_class_from_a_module_is_written_as_it_is_and_a_subclass_of_one_is_refused(notebook, monkeypatch):
+    ns = notebook(method("no_scaling", "forward").replace("def forward(", "def unscaled("))
+    monkeypatch.setattr(book.MultiHeadAttention, "forward", ns["unscaled"])
+    source = module_source([book.MultiHeadAttention])
+    assert "from llms_from_scratch" not in source and source.endswith("MultiHeadAttention.forward = unscaled\n")
+    ns = notebook("from llms_from_scratch import ch03 as book\n\nclass Mine(book.MultiHeadAttention):\n    pass\n")
+    with pytest.raises(SourceError, match=r"^cannot grade Mine: its base llms_from_scratch.ch03.MultiHeadAttention was changed after its "
+                                          r"module was imported \(forward\), and the grading process imports the module as its file is"):
+        module_source([ns["Mine"]])
+    monkeypatch.undo()
+    assert module_source([book.MultiHeadAttention]) == "from llms_from_scratch.ch03 import MultiHeadAttention\n"
