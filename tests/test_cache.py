@@ -239,3 +239,61 @@ def test_update_refuses_what_is_not_a_tensor():
         cache.update([[0.0]], torch.zeros(1, 2, 1, 3))
     with pytest.raises(TypeError, match=r"v must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=3\), got NoneType"):
         cache.update(torch.zeros(1, 2, 1, 3), None)
+
+
+# ----------------------------------------------------------------------------- a refused call changes nothing
+
+
+def snapshot(cache: hw.KVCache) -> tuple:
+    return len(cache), cache.k.clone(), cache.v.clone(), cache.real.clone(), cache._padded, cache._owner
+
+
+def unchanged(before: tuple, after: tuple) -> bool:
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after, strict=True))
+
+
+REFUSED = {  # attention arguments refused only once the cache's keys would be known
+    "softcap": ({"softcap": -1.0}, r"softcap must be"),
+    "sinks": ({"sinks": torch.randn(3)}, r"sinks must have shape"),
+    "alibi": ({"alibi_slopes": torch.randn(5)}, r"alibi_slopes must have shape"),
+    "mask": ({"mask": torch.ones(7, 7, dtype=torch.bool)}, r"mask must broadcast to"),
+    "bad keys": ({"k": torch.randn(1, 2, 3, 4, dtype=torch.float64)}, r"q, k and v must share one dtype"),
+}
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["linear", "ring"])
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_attention_call_leaves_the_cache_as_it_was(case, sliding):
+    torch.manual_seed(0)
+    cache = hw.KVCache.sliding(1, 2, 4, 4) if sliding else hw.KVCache(1, 2, 16, 4)
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    hw.attention(q, k, v, causal=True, window=cache.window, cache=cache, attention_mask=torch.tensor([[False, True, True]]))
+    before = snapshot(cache)
+    kwargs, match = REFUSED[case]
+    args = {"k": k, "v": v} | kwargs
+    with pytest.raises((ValueError, TypeError), match=match):
+        hw.attention(q, args.pop("k"), args.pop("v"), causal=True, window=cache.window, cache=cache, **args)
+    assert unchanged(before, snapshot(cache))
+    hw.attention(q, k, v, causal=True, window=cache.window, cache=cache)  # and it still takes what fits
+    assert len(cache) == 6
+
+
+def test_a_refused_module_call_leaves_a_fresh_cache_free_for_its_layer():
+    torch.manual_seed(0)
+    wide, narrow = make("mha", H=4, Hkv=4), make("mha", H=4, Hkv=2)
+    cache = new_cache(narrow, 1, 8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"cache holds \(B=1, Hkv=2, \*, D=4\); k has shape \(1, 4, 2, 4\)"):
+            wide(torch.randn(1, 2, 16), cache=cache)  # the wrong layer: refused before anything is written
+        with pytest.raises(TypeError, match=r"position_ids must be an integer tensor"):
+            narrow(torch.randn(1, 2, 16), cache=cache, position_ids=torch.zeros(1, 2))
+        assert len(cache) == 0 and cache._owner is None
+        narrow(torch.randn(1, 2, 16), cache=cache)  # its own layer takes it
+    assert len(cache) == 2
+
+
+def test_caches_hold_floating_point_numbers_only():
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*got torch.int64"):
+        hw.KVCache(1, 2, 4, 3, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*got 'float32'"):
+        hw.KVCache.sliding(1, 2, 4, 3, dtype="float32")

@@ -40,9 +40,6 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 128])
-@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("window", [None, 5])
 def fragment(paged: PagedKVCache) -> None:
     """Hold every other block of a fresh pool with one-token sequences: no two free blocks are consecutive."""
     ids = list(range(-paged.free_blocks, 0))
@@ -283,3 +280,63 @@ def test_a_layer_runs_packed_sequences_through_its_own_paged_cache():
         other = hw.MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=2).double()
         with pytest.raises(ValueError, match=r"this PagedKVCache belongs to MultiHeadAttention"):
             other(xs[0][:, :1], cache=paged.batch([0], [1]))
+
+
+REFUSED = {  # attention arguments refused only once each sequence's keys would be known
+    "softcap": ({"softcap": -1.0}, ValueError, r"softcap must be"),
+    "sinks": ({"sinks": torch.randn(3)}, ValueError, r"sinks must have shape"),
+    "alibi": ({"alibi_slopes": torch.randn(5)}, ValueError, r"alibi_slopes must have shape"),
+    "keys of another count": ({"kv": torch.randn(1, 1, 2, D)}, ValueError, r"takes k of shape"),
+    "pool exhausted": ({"new_tokens": [9, 4]}, ValueError, r"pool is exhausted"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_attention_call_leaves_the_pool_as_it_was(case):
+    torch.manual_seed(0)
+    paged = PagedKVCache(4, 4, 1, D)
+    paged.add(0, reserve=8)
+    paged.add(1)
+    hw.attention(*(torch.randn(1, 1, 5, D) for _ in range(3)), causal=True, cache=paged.batch([0, 1], [3, 2]))
+    before = state(paged)
+    kwargs, error, match = REFUSED[case]
+    args = {"new_tokens": [1, 2]} | kwargs
+    T = sum(args["new_tokens"])
+    q, kv = torch.randn(1, 1, T, D), args.pop("kv", torch.randn(1, 1, T, D))
+    with pytest.raises(error, match=match):
+        hw.attention(q, kv, kv, causal=True, cache=paged.batch([0, 1], args.pop("new_tokens")), **args)
+    after = state(paged)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and paged._set_aside == {1: 0}
+
+
+def test_crop_gives_blocks_back_and_the_sequence_continues_as_if_never_written():
+    torch.manual_seed(0)
+    paged = PagedKVCache(8, 4, 1, D, dtype=torch.float64)
+    paged.add(0, reserve=12)  # blocks 0, 1, 2 set aside
+    paged.add(1)
+    kv = torch.randn(1, 1, 14, D, dtype=torch.float64)
+    paged.batch([0, 1], [6, 4]).append(kv[:, :, :10], kv[:, :, :10])  # 0: blocks 0, 1; 1: block 3
+    paged.batch([0], [4]).append(kv[:, :, 10:], kv[:, :, 10:])  # 0 reaches 10 tokens: block 2
+    assert paged.blocks(0) == [0, 1, 2] and paged.free_blocks == 4
+    paged.crop(0, 6)  # block 2 goes back to 0's run
+    assert paged.length(0) == 6 and paged.blocks(0) == [0, 1] and paged.free_blocks == 5 and paged._set_aside == {2: 0}
+    new = torch.randn(1, 1, 5, D, dtype=torch.float64)
+    (part,) = paged.batch([0], [5]).append(new, new)
+    assert paged.blocks(0) == [0, 1, 2]  # the same run: read in place
+    torch.testing.assert_close(part.keys, torch.cat([kv[:, :, :6], new], 2), rtol=0, atol=0)
+    paged.crop(1, 0)
+    assert paged.blocks(1) == [] and paged.length(1) == 0 and paged.free_blocks == 5
+    with pytest.raises(ValueError, match=r"length \(seq_id 0 holds 11 tokens\) must be an int in \[0, 11\], got 12"):
+        paged.crop(0, 12)
+    with pytest.raises(ValueError, match=r"seq_id 5 is not in the cache"):
+        paged.crop(5, 0)
+
+
+def test_bad_pool_arguments():
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*got torch.int64"):
+        PagedKVCache(4, 4, 1, D, dtype=torch.int64)
+    paged = PagedKVCache(4, 4, 1, D)
+    paged.add(0)
+    with pytest.raises(ValueError, match=r"new_tokens must be an int >= 0, got -3"):
+        paged.blocks_needed(0, -3)
+    assert paged.blocks_needed(0, 0) == 0 and paged.blocks_needed(0, 5) == 2

@@ -120,6 +120,57 @@ def test_a_context_cache_projects_the_context_once(monkeypatch):
     assert len(cache) == 0
 
 
+def test_a_context_cache_belongs_to_one_layer():
+    first, second = _module(causal=False, kv_dim=7), _module(seed=1, causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 1, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    cache = ContextCache()
+    first(x, context=memory, cache=cache)
+    keys = cache.k
+    with pytest.raises(ValueError, match=r"this ContextCache belongs to MultiHeadAttention at 0x[0-9a-f]+, not to MultiHeadAttention"):
+        second(x, cache=cache)  # would have attended over the first layer's keys
+    with pytest.raises(ValueError, match=r"this ContextCache belongs to"):
+        second(x, context=memory, cache=cache)
+    assert cache.k is keys
+    cache.reset()  # forgets the context, keeps the owner
+    with pytest.raises(ValueError, match=r"this ContextCache belongs to"):
+        second(x, context=memory, cache=cache)
+
+
+def test_a_context_cache_given_another_context_attends_over_that_one(monkeypatch):
+    m = _module(causal=False, kv_dim=7)
+    x = torch.randn(2, 1, 12, dtype=torch.float64)
+    one, other = torch.randn(2, 6, 7, dtype=torch.float64), torch.randn(2, 4, 7, dtype=torch.float64)
+    real = torch.tensor([[True] * 4, [True] * 3 + [False]])
+    calls = []
+    project_kv = m.project_kv
+    monkeypatch.setattr(m, "project_kv", lambda c: calls.append(c.shape[1]) or project_kv(c))
+    cache = ContextCache()
+    m(x, context=one, cache=cache)
+    torch.testing.assert_close(m(x, context=other, cache=cache), m(x, context=other), rtol=0, atol=0)  # not the stored one
+    torch.testing.assert_close(m(x, cache=cache), m(x, context=other), rtol=0, atol=0)  # and it is stored now
+    calls.clear()
+    m(x, context=other.clone(), cache=cache)  # equal values: the stored keys serve
+    assert calls == []
+    torch.testing.assert_close(m(x, context=other, context_mask=real, cache=cache), m(x, context=other, context_mask=real), rtol=0, atol=0)
+    calls.clear()
+    with torch.no_grad():
+        other[0, 0] += 1.0  # the stored context changed in place: projected again
+    torch.testing.assert_close(m(x, context=other, context_mask=real, cache=cache), m(x, context=other, context_mask=real), rtol=0, atol=0)
+    assert calls == [4, 4]
+    with pytest.raises(ValueError, match=r"context_mask differs from the padding this ContextCache was filled with"):
+        m(x, context_mask=torch.ones(2, 4, dtype=torch.bool), cache=cache)
+    m(x, context_mask=real, cache=cache)  # the same padding is fine
+
+
+def test_a_refused_cross_attention_call_leaves_the_context_cache_empty():
+    m = _module(causal=False, kv_dim=7, sinks=True)
+    m.sinks = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # refused by attention, after the projection
+    cache = ContextCache()
+    with pytest.raises(ValueError, match=r"sinks must have shape"):
+        m(torch.randn(2, 1, 12, dtype=torch.float64), context=torch.randn(2, 6, 7, dtype=torch.float64), cache=cache)
+    assert len(cache) == 0 and cache._owner is None
+
+
 @pytest.mark.parametrize(
     ("make", "call", "error", "match"),
     [

@@ -41,6 +41,13 @@ def boolean(name: str, value: object) -> bool:
     return value
 
 
+def floating_dtype(name: str, value: object) -> torch.dtype:
+    """``value`` as a floating-point ``torch.dtype`` (what keys, values and weights are stored in)."""
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype (e.g. torch.float32, torch.bfloat16), got {value!r}")
+    return value
+
+
 def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)

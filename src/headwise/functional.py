@@ -116,13 +116,12 @@ def _check_mask(mask: object, q: Tensor, S: int) -> Tensor | None:
 
 
 def _spec(
-    q: Tensor, k: Tensor, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
+    q: Tensor, S: int, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
     documents: Tensor | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None,
     dropout_p: float, scale: float,
 ) -> Spec:
-    """Every term of a call, checked (attention_mask already is), unfolded: see ``backends.spec``."""
+    """Every term of T queries over S keys, checked (attention_mask already is), unfolded: see ``backends.spec``."""
     B, H, T, _ = q.shape
-    S = k.shape[2]
     if _checks.window(window, causal) is not None and window >= S:
         window = None  # the last query sits at S-1 and sees keys > S-1-window: every key, so no window at all
     if documents is not None and T > S:
@@ -246,20 +245,28 @@ def attention(
     documents = _checks.documents(documents, k.shape[0], held + k.shape[2], "(B, cached + T_kv)" if cache is not None else "(B, S)", q.device)
     if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
         k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
+    in_order = documents is not None or alibi_slopes is not None  # both read key positions: no ring order
     if cache is None:
-        parts = [Part(slice(None), k, v, attention_mask)]  # every query over every key
+        sizes = [(slice(None), k.shape[2])]  # every query over every key
     else:
-        in_order = documents is not None or alibi_slopes is not None  # both read key positions: no ring order
+        if mask is not None and not isinstance(checked(cache), KVCache):
+            raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
+        sizes = [(rows, _kept(S, q, rows, causal, window)) for rows, S in checked(cache).sizes(k.shape[2], in_order=in_order)]
+    specs = []
+    for rows, S in sizes:  # every term checked against the keys each run of queries will see, before a cache is written
+        docs = None if documents is None else documents[:, documents.shape[1] - S :]  # (B, S): the keys kept
+        specs.append(_spec(
+            q[:, :, rows], S, causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=docs,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale,
+        ))
+    if cache is None:
+        parts = [Part(slice(None), k, v, attention_mask)]
+    else:
         parts = _read_cache(q, k, v, cache, causal, window, attention_mask, mask, in_order)  # each with (B, Hkv, S, D) x2, (B, S)
     contexts = []
-    for rows, k, v, attention_mask in parts:  # one part, or one per sequence of a paged batch
-        q_part = q[:, :, rows]  # (B, H, T_part, D)
-        docs = None if documents is None else documents[:, documents.shape[1] - k.shape[2] :]  # (B, S): the keys kept
-        spec = _spec(
-            q_part, k, causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=docs,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale,
-        )
-        contexts.append(run(q_part, k, v, spec))  # (B, H, T_part, Dv)
+    for (rows, k, v, attention_mask), spec in zip(parts, specs, strict=True):  # one part, or one per sequence of a paged batch
+        spec.attention_mask = attention_mask  # (B, S) or None: what the cache holds of the keys' padding
+        contexts.append(run(q[:, :, rows], k, v, spec))  # (B, H, T_part, Dv)
     context = contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)  # (B, H, T, Dv)
     report("context", context)
     return context
@@ -286,7 +293,7 @@ def attention_unchecked(
     if keep is not None and k.shape[2] > keep:
         k, v, real = k[:, :, -keep:], v[:, :, -keep:], None if real is None else real[:, -keep:]  # (B, Hkv, keep, D) x2, (B, keep)
     spec = _spec(
-        q, k, causal=causal, window=window, mask=None, attention_mask=real, documents=None,
+        q, k.shape[2], causal=causal, window=window, mask=None, attention_mask=real, documents=None,
         softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=0.0, scale=1.0 / math.sqrt(q.shape[-1]),
     )
     return run(q, k, v, spec)  # (B, H, T, D)
@@ -301,6 +308,12 @@ def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
     return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 
+def _kept(S: int, q: Tensor, rows: slice, causal: bool, window: int | None) -> int:
+    """The keys a run of queries ``q[:, :, rows]`` attends over of the S a cache holds for it: a causal window
+    trims those that its oldest query no longer sees (as ``_read_cache`` trims them)."""
+    return S if window is None or not causal else min(S, window + len(range(q.shape[2])[rows]) - 1)
+
+
 def _read_cache(
     q: Tensor, k: Tensor, v: Tensor, cache: Cache, causal: bool, window: int | None, attention_mask: Tensor | None, mask: Tensor | None,
     in_order: bool = False,
@@ -309,8 +322,6 @@ def _read_cache(
     cache = checked(cache)
     if cache.window is not None and cache.window != window:
         raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
-    if mask is not None and not isinstance(cache, KVCache):
-        raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
     parts = cache.append(k, v, attention_mask, in_order=in_order)  # one Part, or one per sequence of a paged batch
     if window is None or not causal:
         return parts
@@ -353,7 +364,7 @@ def attention_weights(
     if attention_mask is not None:
         k = _zero_padding(k, attention_mask)  # (B, Hkv, S, D)
     spec = _spec(
-        q, k, causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=documents,
+        q, k.shape[2], causal=causal, window=window, mask=mask, attention_mask=attention_mask, documents=documents,
         softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=0.0, scale=scale,
     )
     return math_backend.weights(q, k, spec, (0, spec.T), (0, spec.S)).to(q.dtype)  # (B, H, T, S)

@@ -26,6 +26,9 @@ The steps are reported to ``headwise.observe`` under the names ``headwise explai
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import Tensor, nn
 
 from . import _checks
@@ -55,7 +58,11 @@ class ContextCache:
     """Cross-attention's cache: the context's keys and values (B, Hkv, S, D), projected once.
 
     The first forward given it (with a ``context``) projects and stores them; later forwards
-    attend over the stored ones, with or without the context passed again.
+    attend over the stored ones, with or without the context passed again. A forward given
+    another context (another tensor with other values, or another ``context_mask``) attends over
+    that context: it is projected and stored in place of the old one. Like a ``KVCache``, a
+    ``ContextCache`` belongs to the one module that filled it (another module's keys are other
+    numbers): another module given it gets a ValueError.
 
     Example:
         >>> import torch, headwise as hw
@@ -71,13 +78,49 @@ class ContextCache:
         self.k: Tensor | None = None  # (B, Hkv, S, D)
         self.v: Tensor | None = None  # (B, Hkv, S, D)
         self.real: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
+        self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
+        self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
+        self._owner: weakref.ref | None = None
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
     def reset(self) -> None:
-        """Forget the stored context (the next forward projects a new one)."""
-        self.k = self.v = self.real = None
+        """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
+        self.k = self.v = self.real = self._context = self._version = None
+
+    def check_owner(self, owner: object) -> None:
+        """Raise ValueError (changing nothing) if this cache belongs to another module than ``owner`` (still alive)."""
+        bound = None if self._owner is None else self._owner()
+        if bound is not None and bound is not owner:
+            raise ValueError(
+                f"this ContextCache belongs to {type(bound).__name__} at {id(bound):#x}, not to {type(owner).__name__} at "
+                f"{id(owner):#x}: its keys and values are that module's projections; give every cross-attention layer a cache of its own"
+            )
+
+    def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
+        """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
+        the same tensor, unchanged since, or equal values (one comparison, read on the host)."""
+        if self._context is None or (self.real is None) != (context_mask is None):
+            return False
+        if self.real is not None and not torch.equal(self.real, context_mask):
+            return False
+        if context is self._context:
+            return self._version is not None and _version(context) == self._version
+        unchanged = self._version is not None and _version(self._context) == self._version
+        return unchanged and context.shape == self._context.shape and torch.equal(context, self._context)
+
+    def _store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, real: Tensor | None) -> None:
+        self.k, self.v, self.real, self._context, self._version = keys, values, real, context, _version(context)
+        self._owner = weakref.ref(owner)
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (it counts in-place writes), or None where it is not tracked (inference tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class AttentionLayer(nn.Module):
@@ -171,7 +214,7 @@ class AttentionLayer(nn.Module):
         sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
         if cache is not None:
-            cache.bind(self)  # one cache, one layer
+            cache.check_owner(self)  # one cache, one layer
         _checks.position_ids(position_ids, *x.shape[:2])
         start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
         if position_ids is None and not isinstance(start, int):
@@ -190,6 +233,8 @@ class AttentionLayer(nn.Module):
             attention_mask=attention_mask, documents=documents, dropout_p=self.attn_dropout_p, backend=self.backend,
             **self.score_terms(),
         )  # (B, H, T, D)
+        if cache is not None:
+            cache.bind(self)  # after its first write: a refused call leaves a fresh cache free
         out = self.project_out(merge_heads(context))  # (B, T, C)
         report("output", out)
         return out
@@ -235,33 +280,40 @@ class AttentionLayer(nn.Module):
             raise ValueError("position_ids place x's tokens for a position encoding; cross-attention uses none: pass position_ids=None")
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T)
         B = x.shape[0]
-        report("x", x)
-        queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        if cache is not None and len(cache):
-            if context is not None:
-                _checks.tokens(context, self.kv_dim, "context")
-            if cache.k.shape[0] != B or (context is not None and context.shape[:2] != (B, len(cache))):
-                raise ValueError(f"this ContextCache holds a context of (B, S) = {(cache.k.shape[0], len(cache))}; got x of batch {B}")
-            keys, values, real = cache.k, cache.v, cache.real  # (B, Hkv, S, D) x2, (B, S) or None
-        else:
-            if context is None:
-                raise ValueError("cross-attention needs context= (B, S, kv_dim) the first time (an empty ContextCache holds nothing yet)")
-            kv_dim = getattr(self, "kv_dim", self.d_in)
+        kv_dim = getattr(self, "kv_dim", self.d_in)
+        if cache is not None:
+            cache.check_owner(self)
+        if context is not None:
             b, s = _checks.tokens(context, kv_dim, "context")
             if b != B:
                 raise ValueError(f"context must have the batch size of x ({B}), got shape {tuple(context.shape)}")
             _checks.module_input(self, context, "context")
-            real = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("context is", context.device))
-            context = inert_padding(context, real)  # (B, S, kv_dim)
-            keys, values = self.project_kv(context)  # (B, S, Hkv*D) x2
+        elif cache is None or not len(cache):
+            raise ValueError("cross-attention needs context= (B, S, kv_dim) the first time (an empty ContextCache holds nothing yet)")
+        else:
+            b, s = cache.k.shape[0], len(cache)
+            if b != B:
+                raise ValueError(f"this ContextCache holds a context of (B, S) = {(b, s)}; got x of batch {B}")
+        real = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("the context is", x.device))  # (B, S) or None
+        if context is None and context_mask is not None and not (cache.real is not None and torch.equal(cache.real, real)):
+            raise ValueError(
+                "context_mask differs from the padding this ContextCache was filled with: pass the context again with it "
+                "(it is projected again), or leave context_mask out"
+            )
+        report("x", x)
+        queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
+        fresh = context is not None and not (cache is not None and cache.holds(context, real))
+        if fresh:
+            keys, values = self.project_kv(inert_padding(context, real))  # (B, S, Hkv*D) x2
             keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
             values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
-            if cache is not None:
-                cache.k, cache.v, cache.real = keys, values, real
-        terms = self.score_terms()
+        else:
+            keys, values, real = cache.k, cache.v, cache.real  # (B, Hkv, S, D) x2, (B, S) or None
         out = attention(
-            queries, keys, values, attention_mask=real, dropout_p=self.attn_dropout_p, backend=self.backend, **terms
+            queries, keys, values, attention_mask=real, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
         )  # (B, H, T, D)
+        if fresh and cache is not None:
+            cache._store(self, context, keys, values, real)  # after attention took them: a refused call changes nothing
         out = self.project_out(merge_heads(out))  # (B, T, C)
         report("output", out)
         return out

@@ -21,13 +21,16 @@ run of consecutive free blocks aside for a sequence expected to reach n tokens, 
 blocks are consecutive however many sequences grow beside it (the ``Batcher`` reserves every
 request's worst case); a sequence gathers only when the pool had no such run (fragmented).
 
-Nothing is half-done: a write that needs more free blocks than the pool has raises before
-any block changes hands, and so do unknown ids, a double free and a reused id.
+Nothing is half-done: every write is checked whole before anything changes (a write that
+needs more free blocks than the pool has raises before any block changes hands, and so do
+unknown ids, a double free and a reused id). ``crop(seq_id, length)`` takes a sequence back
+to an earlier length and gives the blocks past it back: a caller rolls back a step with it.
 The pool is for inference: keys that need gradients are refused (nothing flows through it).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Sequence
@@ -73,6 +76,7 @@ class PagedKVCache:
     ) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
+        _checks.floating_dtype("dtype", dtype)
         self.block_size = block_size
         self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
         self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
@@ -103,6 +107,10 @@ class PagedKVCache:
         """The ids of the open sequences."""
         return list(self._tables)
 
+    def __contains__(self, seq_id: object) -> bool:
+        """Whether ``seq_id`` is an open sequence."""
+        return seq_id in self._tables
+
     def length(self, seq_id: int) -> int:
         """Tokens written for ``seq_id``."""
         return self._lens[self._known(seq_id)]
@@ -113,7 +121,8 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Free blocks that writing ``new_tokens`` more tokens for ``seq_id`` takes (a shared last block counts: it is copied)."""
-        return self._needed(self._known(seq_id), new_tokens)
+        seq_id = self._known(seq_id)
+        return self._needed(seq_id, _checks.integer("new_tokens", new_tokens, low=0))
 
     def _needed(self, seq_id: int, new_tokens: int) -> int:
         n, table = self._lens[seq_id], self._tables[seq_id]
@@ -166,6 +175,26 @@ class PagedKVCache:
                 self._free.append(block)
         del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id]
 
+    def crop(self, seq_id: int, length: int) -> None:
+        """Keep only the first ``length`` tokens of ``seq_id``; the blocks past them that no other
+        sequence holds go back (to the run set aside for it, if they came from there).
+
+        Raises:
+            ValueError: an unknown ``seq_id``, or a length outside 0 .. length(seq_id).
+        """
+        held = self._lens[self._known(seq_id)]
+        _checks.integer(f"length (seq_id {seq_id} holds {held} tokens)", length, low=0, high=held)
+        table, (first, count) = self._tables[seq_id], self._plan.get(seq_id, (0, 0))
+        while len(table) * self.block_size >= length + self.block_size:  # a whole block past the kept tokens
+            index, block = len(table) - 1, table.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0 and index < count and block == first + index:
+                self._set_aside[block] = seq_id  # back into its run: it grows into the same blocks again
+            elif self._refs[block] == 0:
+                self._free.append(block)
+        self._run[seq_id] = all(b == table[0] + i for i, b in enumerate(table))
+        self._lens[seq_id] = length
+
     def fork(self, seq_id: int, new_id: int) -> None:
         """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
         self._known(seq_id)
@@ -176,16 +205,20 @@ class PagedKVCache:
         self._tables[new_id], self._lens[new_id] = list(table), self._lens[seq_id]
         self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
 
-    def bind(self, owner: object) -> None:
-        """Tie this cache to ``owner``, the attention module that writes it (one pool per layer)."""
+    def check_owner(self, owner: object) -> None:
+        """Raise ValueError (changing nothing) if this pool belongs to another module than ``owner`` (still alive)."""
         bound = None if self._owner is None else self._owner()
-        if bound is None:
-            self._owner = weakref.ref(owner)
-        elif bound is not owner:
+        if bound is not None and bound is not owner:
             raise ValueError(
                 f"this PagedKVCache belongs to {type(bound).__name__} at {id(bound):#x}, not to {type(owner).__name__} at {id(owner):#x}: "
                 "give every attention layer a cache of its own"
             )
+
+    def bind(self, owner: object) -> None:
+        """Tie this cache to ``owner``, the attention module that writes it (one pool per layer)."""
+        self.check_owner(owner)
+        if self._owner is None or self._owner() is None:
+            self._owner = weakref.ref(owner)
 
     def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
         """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
@@ -200,8 +233,8 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------------- writing
 
-    def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
-        """Give each sequence the blocks its new tokens need (copying a shared last block), all or nothing."""
+    def _check_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """ValueError unless the pool has the free blocks these new tokens need (copies of shared last blocks too)."""
         needed = sum(self._needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
         if needed > self.free_blocks:
             raise ValueError(
@@ -209,6 +242,9 @@ class PagedKVCache:
                 f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
                 "or make the pool bigger. Nothing was written"
             )
+
+    def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """Give each sequence the blocks its new tokens need (copying a shared last block); ``_check_room`` said they are free."""
         for seq_id, n in zip(seq_ids, counts, strict=True):
             table, length = self._tables[seq_id], self._lens[seq_id]
             if length % self.block_size and n and self._refs[table[-1]] > 1:  # copy-on-write of the shared, partly filled last block
@@ -298,6 +334,15 @@ class PagedBatch:
         positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
         return torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
 
+    def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
+        """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
+        protocol); ``append`` refuses keys of any other count than the ``sum(new_tokens)`` this batch packs."""
+        bounds = [0, *itertools.accumulate(self.new_tokens)]
+        return [(slice(a, b), s + b - a) for a, b, s in zip(bounds[:-1], bounds[1:], self.starts, strict=True)]
+
+    def check_owner(self, owner: object) -> None:
+        self.cache.check_owner(owner)
+
     def bind(self, owner: object) -> None:
         self.cache.bind(owner)
 
@@ -310,8 +355,8 @@ class PagedBatch:
             asks nothing more), with no padding mask.
         """
         cache = self.cache
-        self._check(k, v, attention_mask)
-        cache._reserve(self.seq_ids, self.new_tokens)  # all blocks first, or an error and nothing changed
+        self._check(k, v, attention_mask)  # everything, the pool's free blocks too: a refused call changes nothing
+        cache._reserve(self.seq_ids, self.new_tokens)
         self._done = True
         where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
         with torch.no_grad():
@@ -342,3 +387,4 @@ class PagedBatch:
         for seq_id, start in zip(self.seq_ids, self.starts, strict=True):  # a sequence freed or written since this batch was made
             if cache._lens.get(cache._known(seq_id)) != start:
                 raise ValueError(f"seq_id {seq_id} holds {cache._lens[seq_id]} tokens, not the {start} it held when this batch was made")
+        cache._check_room(self.seq_ids, self.new_tokens)

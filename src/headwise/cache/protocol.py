@@ -5,7 +5,10 @@ A cache answers two questions for the layer and one for ``attention``:
 - ``start(t)``: where the ``t`` new tokens sit: one int for every row (the static cache: the
   first new token's position), or (1, T) position ids when the row packs tokens of several
   sequences (the paged cache's batch: each sequence continues from its own length);
-- ``bind(owner)``: a cache belongs to one attention module;
+- ``check_owner(owner)`` / ``bind(owner)``: a cache belongs to one attention module (the first
+  refuses, changing nothing, a cache of another module; the second ties it, after its first write);
+- ``sizes(t)``: ``[(rows, S)]``, what ``append`` of t tokens will answer with, before anything is
+  written: the core checks every term against them first, so that a refused call changes nothing;
 - ``append(k, v, attention_mask)``: store the new keys and values (and their padding), and say
   what to attend over, as ``Part``s: the queries in ``rows`` (a slice of the T axis) attend over
   ``keys`` / ``values`` with ``attention_mask``. A static cache answers with one part covering
@@ -39,7 +42,11 @@ class Cache(Protocol):
 
     def start(self, t: int) -> int | Tensor: ...
 
+    def check_owner(self, owner: object) -> None: ...
+
     def bind(self, owner: object) -> None: ...
+
+    def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]: ...
 
     def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, *, in_order: bool = False) -> list[Part]: ...
 

@@ -15,9 +15,12 @@ any write came with a mask, it hands its (B, S) record of real tokens on with ev
 cache never given a mask hands on None, so that attention needs no mask at all. (The models
 pass None for a batch without padding.)
 
-A cache belongs to one attention module: the first module that runs with it binds it
+A cache belongs to one attention module: the first module that writes it binds it
 (``bind``), and any other module given it gets a ValueError naming both (two layers sharing a
-cache would attend over each other's keys). ``reset`` and ``crop`` forget tokens, not the
+cache would attend over each other's keys).
+
+A refused write changes nothing: ``append`` checks everything it is given (and ``sizes`` tells
+the caller, before anything is written, how many keys each query will attend over), then writes. ``reset`` and ``crop`` forget tokens, not the
 owner: a cache reused for the next sequence stays with its layer; another layer needs a
 cache of its own.
 
@@ -71,6 +74,7 @@ class KVCache:
     ) -> None:
         for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
+        _checks.floating_dtype("dtype", dtype)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
@@ -104,20 +108,24 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def bind(self, owner: object) -> None:
-        """Tie this cache to ``owner``, the attention module that writes it (its forward calls this).
-
-        Raises:
-            ValueError: the cache already belongs to another module (still alive).
-        """
+    def check_owner(self, owner: object) -> None:
+        """Raise ValueError (changing nothing) if this cache belongs to another module than ``owner`` (still alive)."""
         bound = None if self._owner is None else self._owner()
-        if bound is None:
-            self._owner = weakref.ref(owner)
-        elif bound is not owner:
+        if bound is not None and bound is not owner:
             raise ValueError(
                 f"this KVCache belongs to {_describe(bound)}, not to {_describe(owner)}: give every attention layer "
                 "a cache of its own (a shared cache mixes their keys and values)"
             )
+
+    def bind(self, owner: object) -> None:
+        """Tie this cache to ``owner``, the attention module that writes it (after its first write).
+
+        Raises:
+            ValueError: the cache already belongs to another module (still alive).
+        """
+        self.check_owner(owner)
+        if self._owner is None or self._owner() is None:
+            self._owner = weakref.ref(owner)
 
     def reset(self) -> None:
         """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
@@ -163,6 +171,15 @@ class KVCache:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
         return attention_mask
 
+    def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
+        """What ``append`` of ``t`` new tokens will answer with, before anything is written:
+        ``[(rows, S)]``, every query over S keys (the cache protocol)."""
+        if self.window is None:
+            return [(slice(None), self._len + t)]
+        if t == 1 and not in_order:
+            return [(slice(None), min(self._len + 1, self.window))]
+        return [(slice(None), min(self._len, self.window) + t)]
+
     def update(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False
     ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -182,31 +199,23 @@ class KVCache:
             ring order, which a single query that sees all of them does not mind (``in_order=True``
             asks for time order there too, at the cost of a gather: ALiBi and documents need it).
             The linear cache returns views of its buffers (nothing is copied).
+
+        Raises:
+            TypeError, ValueError: keys, values or padding that do not fit this cache, or more
+                tokens than it has room for; nothing is written then.
         """
-        attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
-        T = k.shape[2]
-        start = self._len
-        if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
-            self._padded = True
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None):
-            return self._update_recorded(k, v, attention_mask)
-        if self.window is None:
-            self.k[:, :, start : start + T] = k
-            self.v[:, :, start : start + T] = v
-            if attention_mask is not None:
-                self.real[:, start : start + T] = attention_mask
-            self._len = start + T
-            S = self._len
-            return self.k[:, :, :S], self.v[:, :, :S], self.real[:, :S] if self._padded else None
-        return self._update_ring(k, v, attention_mask, in_order)
+        (part,) = self.append(k, v, attention_mask, in_order=in_order)
+        return part.keys, part.values, part.attention_mask
 
     def start(self, t: int) -> int:
         """Where the ``t`` new tokens of every row start: the tokens written so far (the cache protocol)."""
         return self._len
 
     def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False) -> list[Part]:
-        """``update``, answered as the cache protocol's one ``Part`` covering every query."""
-        return [Part(slice(None), *self.update(k, v, attention_mask, in_order=in_order))]
+        """``update``, answered as the cache protocol's one ``Part`` covering every query: every
+        argument checked first, then written (a refused call changes nothing)."""
+        attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
+        return [Part(slice(None), *self._write(k, v, attention_mask, in_order))]
 
     def append_unchecked(self, k: Tensor, v: Tensor, *, in_order: bool = False) -> list[Part]:
         """``append(k, v)`` for a caller that checked once what cannot change between decode steps.
@@ -215,13 +224,23 @@ class KVCache:
         T more tokens, no padding among them, autograd off and nothing recorded (``_graph`` None).
         Nothing is checked here; what is stored and returned is what ``append`` stores and returns.
         """
+        return [Part(slice(None), *self._write(k, v, None, in_order))]
+
+    def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
+        if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
+            self._padded = True
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None):
+            return self._update_recorded(k, v, attention_mask)
         if self.window is not None:
-            return [Part(slice(None), *self._update_ring(k, v, None, in_order))]
+            return self._update_ring(k, v, attention_mask, in_order)
         start, end = self._len, self._len + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
+        if attention_mask is not None:
+            self.real[:, start:end] = attention_mask
         self._len = end
-        return [Part(slice(None), self.k[:, :, :end], self.v[:, :, :end], self.real[:, :end] if self._padded else None)]
+        return self.k[:, :, :end], self.v[:, :, :end], self.real[:, :end] if self._padded else None
 
     def _update_ring(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool = False
@@ -249,8 +268,6 @@ class KVCache:
         self.real[:, slots] = new_real[:, T - keep :]
         self._len = start + T
         return keys, values, real if self._padded else None
-
-
 
     # ------------------------------------------------------------------------- training through the cache
 
