@@ -23,6 +23,7 @@ def test_the_three_strategies_give_the_same_tokens():
     assert static_generate(model, prompts, new) == alone  # left-padded batch
     watch: list = []
     assert paged_generate(model, prompts, new, block_size=4, watch=watch) == alone
+    assert len(watch) >= max(new) - 1  # one entry a step while tokens are held
     assert all(tokens <= slots < tokens + 4 * len(prompts) for slots, tokens in watch)
 
 
@@ -31,10 +32,13 @@ def test_the_report_adds_up():
     prompts, new = request_mix(3, prompt=(4, 20), new=(2, 6), vocab=TINY.vocab_size)
     assert (r.prompt_tokens, r.new_tokens) == (sum(len(p) for p in prompts), sum(new))
     assert r.static_slots == 3 * (max(len(p) for p in prompts) + max(new))
+    assert r.same_tokens == r.requests  # what the tables claim: every strategy gives the same tokens
     assert r.paged_peak_tokens <= r.paged_peak_slots < r.paged_peak_tokens + 3 * 4
-    assert min(r.paged_s, r.one_at_a_time_s, r.static_s, r.decode_static_ms, r.decode_paged_gather_ms) > 0
+    assert r.paged_worst_ratio >= r.paged_peak_slots / r.paged_peak_tokens
+    assert min(r.paged_s, r.one_at_a_time_s, r.static_s, r.decode_static_ms, r.decode_paged_view_ms, r.decode_paged_gather_ms) > 0
     text = markdown(r, "this machine")
     assert "| continuous batching, paged cache |" in text and "this machine" in text
+    assert "Requests whose paged tokens equal their one-at-a-time tokens: 3 of 3." in text
 
 
 def consecutive(blocks: list[int]) -> bool:

@@ -147,14 +147,119 @@ def test_bad_requests():
         batcher.submit(torch.tensor([1] * 10), 11)
     with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_new_tokens \(10\) exceeds n_positions=96"):
         batcher.submit(torch.tensor([1] * 90), 10)
-    with pytest.raises(ValueError, match=r"seed \(or None\) must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"seed \(or None\) must be an int in \[0, 18446744073709551615\], got -1"):
         batcher.submit(torch.tensor([1, 2]), 2, temperature=1.0, seed=-1)
+    with pytest.raises(ValueError, match=r"seed \(or None\) must be an int in \[0, 18446744073709551615\], got 18446744073709551616"):
+        batcher.submit(torch.tensor([1, 2]), 2, temperature=1.0, seed=2**64)
     assert batcher.pending == 0
     with pytest.raises(ValueError, match=r"max_new_tokens must be an int or one int per prompt \(2\), got 3 values"):
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], [1, 2, 3])
     with pytest.raises(ValueError, match=r"prompts must hold at least one"):
         generate_many(model, [], 3)
+    with pytest.raises(ValueError, match=r"prompt \(2 tokens\) \+ max_new_tokens \(100000000\) exceeds n_positions=96"):
+        generate_many(model, [torch.tensor([1, 2])], 10**8)  # refused before a pool is allocated for it
+    with pytest.raises(ValueError, match=r"seed \(or None; request i samples with seed \+ i, 2 requests\) must be an int in \[0, 18446744073709551614\]"):
+        generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, temperature=1.0, seed=2**64 - 1)
     with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with packed_logits"):
         Batcher(torch.nn.Linear(2, 2), num_blocks=4)
     with pytest.raises(ValueError, match=r"num_blocks must be a positive int"):
         Batcher(model, num_blocks=0)
+
+
+# ----------------------------------------------------------------------------- failures: nothing is lost
+
+
+def collect(pairs, got: dict[int, list[int]]) -> None:
+    for request, token in pairs:
+        got.setdefault(request, []).append(token)
+
+
+def submitted(name: str, seed: int = 5, **kw) -> Batcher:
+    batcher = Batcher(model_named(name), **({"num_blocks": 12, "block_size": 8} | kw))
+    for p, n in zip(prompts(seed), NEW, strict=True):
+        batcher.submit(p, n)
+    return batcher
+
+
+def pool_state(batcher: Batcher) -> list:
+    return [(c.free_blocks, {s: (c.length(s), c.blocks(s)) for s in c.sequences}, dict(c._set_aside)) for c in batcher.caches]
+
+
+def test_a_stream_stopped_mid_step_and_resumed_loses_no_token():
+    batcher, got = submitted("gpt2"), {}
+    for stop in (2, 1, 3, 5):  # stop the loop after a few tokens, in the middle of a step's tokens, several times
+        stream = batcher.stream()
+        for _ in range(stop):
+            collect([next(stream)], got)
+        stream.close()
+    collect(batcher.stream(), got)
+    assert [got[i] for i in range(len(NEW))] == list(greedy_alone("gpt2", 5))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral-window"])
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("at", [0, 3])  # the first step (everyone joining), a later one (requests running and joining)
+def test_a_step_that_raises_at_a_layer_changes_nothing(name, layer, at):
+    batcher, got = submitted(name), {}
+    model = batcher.model
+    attn = model.transformer.h[layer].attn if name == "gpt2" else model.model["layers"][layer].self_attn
+    for _ in range(at):
+        collect(batcher.step(), got)
+
+    def fail(module, args, out):
+        raise RuntimeError("a failing hook")
+
+    handle = attn.register_forward_hook(fail)  # raises after this layer (and those before it) wrote their keys
+    before, pending, waiting = pool_state(batcher), batcher.pending, len(batcher._waiting)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="a failing hook"):
+            batcher.step()
+        assert pool_state(batcher) == before and batcher.pending == pending and len(batcher._waiting) == waiting
+    handle.remove()
+    collect(batcher.stream(), got)
+    assert [got[i] for i in range(len(NEW))] == list(greedy_alone(name, 5))
+    assert batcher.blocks_held == 0
+
+
+def test_a_model_whose_dtype_changed_is_refused_and_its_requests_keep_no_blocks():
+    import copy
+
+    batcher, got = submitted("gpt2"), {}
+    batcher.model = model = copy.deepcopy(batcher.model)
+    collect(batcher.step(), got)
+    before, pending = pool_state(batcher), batcher.pending
+    model.float()
+    with pytest.raises(TypeError, match=r"the model now computes in torch.float32 on cpu, but this Batcher's caches hold torch.float64"):
+        batcher.step()
+    assert pool_state(batcher) == before and batcher.pending == pending
+    for request in {r.id for r in [*batcher._running, *batcher._waiting]}:
+        batcher.cancel(request)
+    assert batcher.pending == 0 and batcher.caches[0].free_blocks == 12
+
+
+def test_a_cancelled_request_stops_and_the_others_go_on():
+    batcher, got = submitted("llama-gqa", seed=6, num_blocks=10), {}
+    collect(batcher.step(), got)
+    running, waiting = batcher._running[0].id, batcher._waiting[-1].id
+    batcher.cancel(running)
+    batcher.cancel(waiting)
+    with pytest.raises(ValueError, match=rf"request {running} is not pending \(finished, cancelled or never submitted\); pending: \["):
+        batcher.cancel(running)
+    with pytest.raises(ValueError, match=r"request 99 is not pending"):
+        batcher.cancel(99)
+    stream = batcher.stream()
+    collect([next(stream)], got)
+    unread = {request for request, _ in batcher._unread}
+    for request in unread:  # cancelled with tokens computed but not yielded yet: none of them comes
+        batcher.cancel(request)
+    collect(stream, got)
+    alone = greedy_alone_with("llama-gqa", 6)
+    assert waiting not in got
+    for request, tokens in got.items():
+        stopped = request == running or request in unread
+        assert tokens == alone[request][: len(tokens)] if stopped else tokens == alone[request]
+    assert len(got[running]) == 1 and batcher.blocks_held == 0 and batcher.caches[0].free_blocks == 10
+
+
+def greedy_alone_with(name: str, seed: int) -> list[list[int]]:
+    return list(greedy_alone(name, seed))

@@ -7,6 +7,13 @@ emits its ``eos_token_id`` or reaches its ``max_new_tokens`` leaves at once and 
 back; a waiting one joins as soon as the pool can hold everything it may write. ``stream()``
 yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
 
+A step is all or nothing: it computes every token first, then commits them. A step that raises
+(a changed model, a hook that fails, an interrupt) leaves every cache and request as they were
+before it (the keys some layers wrote are taken back, the joining requests wait again), so the
+next step carries on as if it had not run. A request is always pending (waiting or running),
+finished, or cancelled (``cancel``): never lost. Tokens a step computed reach ``stream()`` even
+when the loop over it stopped between two of them: the next ``stream()`` yields them first.
+
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
 seed): the sampling calls are the same, one generator per request, and the logits are those of
 the sequence alone (each sequence attends over its own keys only).
@@ -84,10 +91,15 @@ class Batcher:
             raise TypeError(f"model must be a causal LM of headwise.models with packed_logits (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.caches = model.new_paged_caches(num_blocks, block_size)
-        self._weight = next(model.parameters())  # the device ids go to
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._unread: deque[tuple[int, int]] = deque()  # tokens steps computed that stream() has not yielded yet
         self._next_id = 0
+
+    @property
+    def _weight(self) -> Tensor:
+        """A parameter of the model: the device and dtype it computes in now."""
+        return next(self.model.parameters())
 
     @property
     def pending(self) -> int:
@@ -121,18 +133,7 @@ class Batcher:
             max_new_tokens, eos_token_id, temperature, top_k: as ``model.generate``.
             seed: the seed of this request's own ``torch.Generator`` (sampling only).
         """
-        vocab = self.model.vocab_size
-        if not isinstance(prompt, Tensor) or prompt.ndim != 1:
-            shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
-            raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
-        _inputs.on_model(prompt, self._weight, "prompt")
-        _inputs.token_ids(prompt[None], vocab, "prompt")
-        check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
-        if seed is not None:
-            _checks.integer("seed (or None)", seed, low=0)
-        name, limit = self.model.context_limit()
-        if limit is not None and len(prompt) + max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+        check_request(self.model, prompt, max_new_tokens, eos_token_id, temperature, top_k, seed)
         blocks = math.ceil((len(prompt) + max_new_tokens - 1) / self.block_size)
         if blocks > self.caches[0].num_blocks:
             raise ValueError(
@@ -151,22 +152,80 @@ class Batcher:
         self._next_id += 1
         return request.id
 
+    def cancel(self, request: int) -> None:
+        """Stop a pending request: it produces no more tokens (``stream()`` yields none of its unread ones) and its blocks go back.
+
+        Raises:
+            ValueError: ``request`` is not pending (finished, cancelled already, or never submitted).
+        """
+        waiting = [r for r in self._waiting if r.id == request]
+        running = [r for r in self._running if r.id == request]
+        if not waiting and not running:
+            pending = sorted(r.id for r in [*self._waiting, *self._running])
+            raise ValueError(f"request {request!r} is not pending (finished, cancelled or never submitted); pending: {pending}")
+        if waiting:
+            self._waiting.remove(waiting[0])
+        else:
+            self._running.remove(running[0])
+            for cache in self.caches:
+                cache.free(request)
+        self._unread = deque(pair for pair in self._unread if pair[0] != request)
+
     def stream(self) -> Iterator[tuple[int, int]]:
-        """Run steps until every request is finished, yielding ``(request id, token)`` as each token comes."""
-        while self.pending:
-            yield from self.step()
+        """Run steps until every request is finished, yielding ``(request id, token)`` as each token comes.
+
+        Stopping the loop (``break``, ``close()``) loses nothing: the tokens of the last step
+        not yielded yet come first from the next ``stream()``.
+        """
+        while self._unread or self.pending:
+            if not self._unread:
+                self._unread.extend(self.step())
+            while self._unread:
+                yield self._unread.popleft()  # taken out before it is handed over: a closed loop has it already
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:
         """One forward pass: the running requests' next tokens and the joining prompts, packed in one row.
 
+        All or nothing: if anything raises, every cache and request is as it was before the step.
+
         Returns:
             ``(request id, token)`` for every request in the step, in packing order.
+
+        Raises:
+            TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
         """
+        weight, pool = self._weight, self.caches[0].k
+        if weight.dtype != pool.dtype or weight.device != pool.device:
+            raise TypeError(
+                f"the model now computes in {weight.dtype} on {weight.device}, but this Batcher's caches hold {pool.dtype} on "
+                f"{pool.device} (made with it): make a new Batcher after changing the model's dtype or device"
+            )
         joining = self._admit()
         batch = self._running + joining
         if not batch:
             return []
+        lengths = {r.id: self.caches[0].length(r.id) for r in self._running}
+        states = [r.generator.get_state() if r.generator is not None else None for r in batch]
+        try:
+            tokens = self._compute(joining, batch, weight.device)
+        except BaseException:
+            self._roll_back(lengths, joining, batch, states)
+            raise
+        for _ in joining:
+            self._waiting.popleft()
+        self._running = []
+        for r, token in zip(batch, tokens, strict=True):
+            r.tokens.append(token)
+            if len(r.tokens) == r.max_new_tokens or token == r.eos_token_id:
+                for cache in self.caches:
+                    cache.free(r.id)
+            else:
+                self._running.append(r)
+        return [(r.id, token) for r, token in zip(batch, tokens, strict=True)]
+
+    def _compute(self, joining: list[_Request], batch: list[_Request], device: torch.device) -> list[int]:
+        """The step's tokens: the joining requests' sequences opened, every layer's keys written, the logits sampled."""
         ids, positions, counts = [], [], []
         for r in self._running:  # one token each: the last one emitted, at the position after the cached ones
             ids.append(r.tokens[-1])
@@ -178,33 +237,37 @@ class Batcher:
             ids.extend(r.prompt)
             positions.extend(range(len(r.prompt)))
             counts.append(len(r.prompt))
-        device = self._weight.device
         seq_ids = [r.id for r in batch]
         rows = torch.tensor(counts, device=device).cumsum(0) - 1  # (N,): each sequence's last token in the row
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         position_ids = torch.tensor([positions], device=device)  # (1, T)
         logits = self.model.packed_logits(input_ids, position_ids, [c.batch(seq_ids, counts) for c in self.caches], rows)  # (N, vocab)
-        tokens = self._sample(batch, logits)
-        self._running = []
-        for r, token in zip(batch, tokens, strict=True):
-            r.tokens.append(token)
-            if len(r.tokens) == r.max_new_tokens or token == r.eos_token_id:
-                for cache in self.caches:
+        return self._sample(batch, logits)
+
+    def _roll_back(self, lengths: dict[int, int], joining: list[_Request], batch: list[_Request], states: list[Tensor | None]) -> None:
+        """Undo what a failed step did: the running requests' keys cut back to ``lengths``, the joining ones' sequences
+        closed (they wait again, first in line), the generators of sampled requests back where they were."""
+        for cache in self.caches:
+            for seq_id, n in lengths.items():
+                if cache.length(seq_id) != n:
+                    cache.crop(seq_id, n)
+            for r in joining:
+                if r.id in cache:
                     cache.free(r.id)
-            else:
-                self._running.append(r)
-        return [(r.id, token) for r, token in zip(batch, tokens, strict=True)]
+        for r, state in zip(batch, states, strict=True):
+            if state is not None:
+                r.generator.set_state(state)
 
     def _admit(self) -> list[_Request]:
-        """Waiting requests that join this step, oldest first, while the pool and the step's token budget allow."""
+        """The first waiting requests that join this step (they leave the queue when the step commits), while
+        the pool and the step's token budget allow."""
         reserved = sum(r.blocks for r in self._running)  # blocks the running requests may reach
         budget = self.max_step_tokens
         joining: list[_Request] = []
-        while self._waiting:
-            r = self._waiting[0]
+        for r in self._waiting:
             if reserved + r.blocks > self.caches[0].num_blocks or (joining and len(r.prompt) > budget):
                 break
-            joining.append(self._waiting.popleft())
+            joining.append(r)
             reserved += r.blocks
             budget -= len(r.prompt)
         return joining
@@ -216,6 +279,28 @@ class Batcher:
             if r.temperature > 0:
                 tokens[i] = next_token(logits[i : i + 1], r.temperature, r.top_k, r.generator)[0]  # as generate draws it for one row
         return tokens.tolist()  # the one host read a step
+
+
+#: The largest seed a ``torch.Generator`` takes (an unsigned 64-bit int).
+SEED_HIGH = 2**64 - 1
+
+
+def check_request(
+    model: PagedLM, prompt: object, max_new_tokens: object, eos_token_id: object, temperature: object, top_k: object, seed: object
+) -> None:
+    """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated)."""
+    if not isinstance(prompt, Tensor) or prompt.ndim != 1:
+        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+        raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
+    vocab = model.vocab_size
+    _inputs.on_model(prompt, next(model.parameters()), "prompt")
+    _inputs.token_ids(prompt[None], vocab, "prompt")
+    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+    if seed is not None:
+        _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
+    name, limit = model.context_limit()
+    if limit is not None and len(prompt) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
 
 
 def generate_many(
@@ -263,8 +348,12 @@ def generate_many(
     if len(counts) != len(prompts):
         raise ValueError(f"max_new_tokens must be an int or one int per prompt ({len(prompts)}), got {len(counts)} values")
     _checks.positive_int("block_size", block_size)
+    if seed is not None:
+        _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
+    for prompt, n in zip(prompts, counts, strict=True):  # every request checked before a pool is allocated for them
+        check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
     if num_blocks is None:
-        num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) if isinstance(p, Tensor) and isinstance(n, int) else 1 for p, n in zip(prompts, counts, strict=True))
+        num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, counts, strict=True))
     batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
         batcher.submit(prompt, n, eos_token_id=eos_token_id, temperature=temperature, top_k=top_k, seed=None if seed is None else seed + i)
