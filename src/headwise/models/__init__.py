@@ -12,6 +12,7 @@
 - ``generate_many`` / ``Batcher``: many requests at once, by continuous batching through a
   ``PagedKVCache`` per layer (``batching.py``), streaming ``(request id, token)``.
 - ``head_roles``: which heads attend to the previous / next token, themselves, [CLS]/[SEP].
+- ``generate_text``: text in, text out: a tokenizer (``tokenizers.Tokenizer``) around ``generate``.
 """
 
 from .batching import Batcher, generate_many
@@ -22,6 +23,7 @@ from .heads import HeadRoles, attention_maps, attention_mass, head_roles
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
 from .llama_config import LlamaConfig
 from .load import SUPPORTED, load
+from .text import generate_text
 
 __all__ = [
     "SUPPORTED",
@@ -40,6 +42,7 @@ __all__ = [
     "attention_maps",
     "attention_mass",
     "generate_many",
+    "generate_text",
     "head_roles",
     "load",
 ]
