@@ -400,35 +400,3 @@ def test_the_opaque_ops_pass_torch_library_checks(linear_path, bias):
     got = torch.ops.headwise.linear_many(x, [w, w2], [b, b2] if bias else [])  # (B, T, 72 + 24)
     torch.testing.assert_close(got, torch.cat([F.linear(x, w, b), F.linear(x, w2, b2)], -1), rtol=1e-5, atol=1e-5)
 
-
-# ----------------------------------------------------------------------------- operands oneDNN does not take
-
-# (x, weight, bias) that F.linear takes and oneDNN's inner product refuses, gets wrong or cannot differentiate
-EDGES = {
-    "0-d bias": lambda: (torch.randn(64, 16), torch.randn(8, 16), torch.randn(())),  # F.linear broadcasts it
-    "(1,) bias": lambda: (torch.randn(64, 16), torch.randn(8, 16), torch.randn(1)),
-    "K = 0": lambda: (torch.randn(64, 0), torch.randn(8, 0), None),
-    "N = 0": lambda: (torch.randn(64, 16), torch.randn(0, 16), torch.randn(0)),
-    "M = 0, decode-sized weight": lambda: (torch.randn(2, 0, 512), torch.randn(256, 512), None),
-    "1-D weight": lambda: (torch.randn(64, 16), torch.randn(16), None),
-}
-
-
-@pytest.mark.parametrize("edge", EDGES)
-@pytest.mark.parametrize("grad", [False, True])
-def test_operands_onednn_does_not_take_get_f_linears_answer(edge, grad):
-    """Forced onto oneDNN, each of these is F.linear's result and gradient (it used to raise oneDNN's
-    'could not create a primitive descriptor', or, for a 0-d bias, return other numbers)."""
-    x, w, b = EDGES[edge]()
-    x64, w64 = x.double().requires_grad_(grad), w.double().requires_grad_(grad)
-    want = F.linear(x64, w64, None if b is None else b.double())
-    x, w = x.requires_grad_(grad), w.requires_grad_(grad)
-    with hl.use_path("onednn"):
-        assert not hl.uses_onednn(x, w, b)
-        got = hl.linear(x, w, b)
-    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-6)
-    if grad:
-        got.sum().backward()
-        want.sum().backward()
-        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-6, atol=1e-5)

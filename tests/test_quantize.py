@@ -266,3 +266,16 @@ def test_a_saved_int8_state_dict_is_refused_as_quantized(tmp_path, name, fmt):
     with pytest.raises(ValueError, match=rf"{fmt}: holds int8 \(quantized\) weights, e\.g\. \['.*'\]; headwise loads float checkpoints "
                        r"only: load the float model, then quantize it with headwise\.quantize\.int8_weights\(model\)"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("k", [64, 24])  # the kernel, the exact path
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_opaque_int8_op_passes_torch_library_checks(k, bias):
+    """``headwise::int8_matmul``, the decode call ``torch.compile`` sees: its fake shapes and its eager result."""
+    gen = torch.Generator().manual_seed(k)
+    lin = Int8Linear(torch.randn(24, k, generator=gen), torch.randn(24, generator=gen) if bias else None)
+    x = torch.randn(3, k, generator=gen)  # (M, K)
+    args = (x, lin.weight, lin.scales, lin.bias, lin._ones)
+    torch.library.opcheck(torch.ops.headwise.int8_matmul, args)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.headwise.int8_matmul(*args), lin(x), rtol=0, atol=0)

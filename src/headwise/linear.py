@@ -130,6 +130,11 @@ def _lp(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _reorder(weight: Tensor) -> Tensor:
+    """(N, K) -> the same weight in oneDNN's blocked layout, which ``_lp`` reads as (N, K)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
 def inner_product_takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether oneDNN's inner product (``mkldnn._linear_pointwise``) computes ``F.linear(x, weight, bias)``,
     and ``_OneDNNLinear``'s backward GEMMs its gradients, for these operands.
@@ -166,14 +171,13 @@ def reorder_takes(weight: Tensor) -> bool:
 def _ops_error(dtype: torch.dtype) -> str | None:
     """Why oneDNN's private ops cannot be used in ``dtype`` here (None: they work). Tried once, warns once."""
     try:
-        mkldnn = torch.ops.mkldnn
         if not torch.backends.mkldnn.is_available():
             raise RuntimeError("torch was built without oneDNN")
         gen = torch.Generator().manual_seed(0)
         x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)  # (M, K) (N, K) (N,)
         lo = [t.to(dtype) for t in (x, w, b)]
         with torch.no_grad():
-            got = [_lp(*lo), _lp(lo[0], mkldnn._reorder_linear_weight(lo[1], None), lo[2]), _lp(lo[0] @ lo[1].t(), lo[1].t(), None)]
+            got = [_lp(*lo), _lp(lo[0], _reorder(lo[1]), lo[2]), _lp(lo[0] @ lo[1].t(), lo[1].t(), None)]
         want = [F.linear(x, w, b), F.linear(x, w, b), x @ w.t() @ w]
         for g, r in zip(got, want, strict=True):
             if g.shape != r.shape or not torch.allclose(g.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item()):
@@ -295,7 +299,7 @@ def _packed(weight: Tensor) -> Tensor:
     """The weight reordered for oneDNN, remade whenever the weight changed since."""
     if weight.is_inference() or not _watchable() or not reorder_takes(weight):  # no change we could see: use it as it is, unpacked
         return weight
-    return _cached(_PACKED, [weight], lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+    return _cached(_PACKED, [weight], lambda: _reorder(weight.detach()))
 
 
 class _OneDNNLinear(torch.autograd.Function):
