@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     hd.add_argument("--out", default="heads.html", type=_argtypes.text("a file name"), help="the page to write (default: heads.html)")
     hd.add_argument("--png", metavar="FILE", type=_argtypes.text("a file name"), help="also draw the grid as a PNG picture (matplotlib)")
     gr = sub.add_parser("grade", help="check your own attention classes against the book's, step by step")
-    gr.add_argument("path", type=_argtypes.text("a .py file or a module path"), help="your .py file, or a module path")
+    gr.add_argument("path", type=_argtypes.text("a .py file or a module path"), help="your .py file or .ipynb notebook, or a module path")
     gr.add_argument("--class", dest="classes", action="append", metavar="NAME", type=_argtypes.text("a class name"),
                     help="grade this class (repeatable; default: the book's names)")
     gr.add_argument("--json", action="store_true", help="one JSON object instead of the text report")

@@ -15,7 +15,7 @@ from torch import nn
 
 from headwise.grade import grade
 from headwise.grade import hints as H
-from headwise.grade.check import grade_class
+from headwise.grade.check import Outcome, _verdict, grade_class
 from headwise.grade.learner import find_classes, load
 from headwise.grade.reference import CONFIGS, reference
 from headwise.grade.report import Report, Result
@@ -209,6 +209,14 @@ VARIANTS = {  # (file, its line, the line with another mistake) -> (class, step,
          "values = values.view(b, self.num_heads, num_tokens, self.head_dim)"),
         ("MultiHeadAttention", "values.transpose", H.NO_TRANSPOSE.format(name="values"))),
     "cat-on-the-batch": (("wrapper_cat_dim", "], dim=1)", "], dim=0)"), ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=0, what="the batch"))),
+    "mask-with-zero": (("book", "attn_scores.masked_fill_(mask_bool, -torch.inf)", "attn_scores.masked_fill_(mask_bool, 0)"),
+                       ("MultiHeadAttention", "masked_scores", H.MASK_ZERO)),
+    "mask-by-multiplying": (("book", "attn_scores.masked_fill_(mask_bool, -torch.inf)", "attn_scores = attn_scores * ~mask_bool"),
+                            ("MultiHeadAttention", "masked_scores", H.MASK_ZERO)),
+    "head-mask-with-zero": (("book", "[:num_tokens, :num_tokens], -torch.inf)", "[:num_tokens, :num_tokens], 0.0)"),
+                            ("CausalAttention", "masked_scores", H.MASK_ZERO)),
+    "merged-after-transpose-2-3": (("book", "context_vec = (attn_weights @ values).transpose(1, 2)", "context_vec = (attn_weights @ values).transpose(2, 3)"),
+                                   ("MultiHeadAttention", "merged", H.MERGE_TRANSPOSE_23)),
 }
 
 
@@ -222,3 +230,12 @@ def test_more_mistakes_from_one_edited_line(variant, tmp_path):
     module = load(str(path))
     r = grade_class(getattr(module, name), name, str(path))
     assert (r.passed, r.step, r.hint) == (False, step, hint)
+
+
+def test_a_hint_another_failing_configuration_does_not_show_is_not_given():
+    """At head_dim 1 two merge mistakes give the same numbers: a hint must hold in every configuration that fails there."""
+    first, second = CONFIGS["MultiHeadAttention"][:2]
+    outcomes = [Outcome(first, "merged", [H.MERGE_NO_TRANSPOSE, H.MERGE_TRANSPOSE_23]), Outcome(second, "merged", [H.MERGE_TRANSPOSE_23])]
+    assert _verdict("MultiHeadAttention", "MultiHeadAttention", outcomes).hint == H.MERGE_TRANSPOSE_23
+    outcomes = [Outcome(first, "merged", [H.MERGE_NO_TRANSPOSE]), Outcome(second, "merged", [])]
+    assert _verdict("MultiHeadAttention", "MultiHeadAttention", outcomes).hint is None

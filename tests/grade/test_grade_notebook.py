@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_grade_live import ADD_TO_CLASS, BOOK, method
 
+import headwise as hw
 from headwise.cli import main as cli_main
 from headwise.grade import grade
 from headwise.grade import hints as H
@@ -53,6 +54,8 @@ def test_the_books_notebook_passes_and_a_wrong_one_fails_with_a_hint_on_the_comm
     out = capsys.readouterr().out
     assert exit_.value.code == 1, out
     assert "MultiHeadAttention: FAIL at step `weights`" in out and f"hint:         {H.NO_SCALE}" in out
+    report = hw.grade(good)  # the package's own attribute: a notebook's path, as a Path
+    assert (report.file, report.exit_code) == (str(good), 0)
 
 
 def test_magics_and_shell_lines_are_left_out_and_display_exists(tmp_path):

@@ -99,10 +99,10 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
         hint = H.MASK_NOT_CUT if failed == short else None
     else:
         shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
-        hint = "; or ".join(shared or first.hints) or None
-    raised = first.raised or Raised(None, None, None)
-    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, raised.error, len(outcomes),
-                  first.steps, raised.line, raised.code)
+        hint = "; or ".join(shared) or None  # a mistake whose tensor another failing configuration does not show is not it
+    line, code, error = (first.raised.line, first.raised.code, first.raised.error) if first.raised else (None, None, None)
+    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, error, len(outcomes),
+                  first.steps, line, code)
 
 
 def _show(records: list[Tensor], want: Tensor, scale_free: bool) -> tuple[str, str]:

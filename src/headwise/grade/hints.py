@@ -19,6 +19,8 @@ from .reference import Config, Reference
 SHARED_QK = "{got} equal the {other}: W_query and W_key are one layer, or both are computed with the same one; give each its own nn.Linear"
 SWAPPED = "keys and queries are swapped: the scores are keys @ queries.T; compute queries @ keys.transpose(-2, -1)"
 NO_MASK = "the causal mask is missing: fill the scores above the diagonal with -inf (masked_fill) before the softmax"
+MASK_ZERO = ("the scores above the diagonal are set to 0, not -inf: the softmax still gives them weight (e^0 = 1); "
+             "fill them with -torch.inf (masked_fill) so that no token attends to a later one")
 MASK_AFTER = "the mask is applied after the softmax: mask the scores with -inf first, then take the softmax, so each row still sums to 1"
 MASK_NOT_CUT = "the mask is not cut to num_tokens: it fails only when num_tokens < context_length; use self.mask.bool()[:num_tokens, :num_tokens]"
 NO_SCALE = "the scores are not scaled: divide them by sqrt(head_dim), keys.shape[-1] ** 0.5, before the softmax"
@@ -27,6 +29,8 @@ NOT_SQRT = "the scores are divided by head_dim; the book divides them by its squ
 SOFTMAX_DIM = "the softmax runs over {what} (dim {dim} of {layout}); each query's weights must sum to 1 over the keys: softmax(..., dim=-1)"
 NO_TRANSPOSE = "{name} are viewed as (b, num_heads, num_tokens, head_dim) directly: view as (b, num_tokens, num_heads, head_dim), then .transpose(1, 2)"
 MERGE_NO_TRANSPOSE = "the heads are merged without transposing back: context_vec.transpose(1, 2).contiguous().view(b, num_tokens, d_out)"
+MERGE_TRANSPOSE_23 = ("the heads are merged after transpose(2, 3), which swaps tokens and head_dim; transpose(1, 2) brings the tokens "
+                      "back before the heads: context_vec.transpose(1, 2).contiguous().view(b, num_tokens, d_out)")
 NO_OUT_PROJ = "the output is the merged heads as they are: apply self.out_proj to them last"
 WRONG_SHAPE = "right numbers, wrong shape: every step matches the book's, but forward returns them in another shape; return (b, num_tokens, d_out)"
 CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
@@ -80,6 +84,7 @@ def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str,
         Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), s[prefix + "keys"]),
         Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"]),
         Probe(prefix + "scores", SWAPPED, scores.transpose(-2, -1), scale_free=True),
+        Probe(prefix + "masked_scores", MASK_ZERO, scores.masked_fill(future, 0.0), scale_free=True),
         Probe(prefix + "masked_scores", NO_MASK, unmasked, same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, 0.0), same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, -math.inf), same_kind=False),
@@ -99,5 +104,6 @@ def _heads(s: dict[str, Tensor]) -> list[Probe]:
     B, H, T, D = s["queries.transpose"].shape
     found = [Probe(f"{n}.transpose", NO_TRANSPOSE.format(name=n), s[n].reshape(B, H, T, D)) for n in ("queries", "keys", "values")]
     found.append(Probe("merged", MERGE_NO_TRANSPOSE, s["context"].reshape(B, T, H * D)))
+    found.append(Probe("merged", MERGE_TRANSPOSE_23, s["context"].transpose(2, 3).reshape(B, T, H * D)))  # (B, H, D, T) read as (B, T, C)
     found.append(Probe("output", NO_OUT_PROJ, s["merged"], returned=True))
     return found
