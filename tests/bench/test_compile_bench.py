@@ -22,7 +22,8 @@ def test_rows_for_each_implementation_with_compile_time_and_both_medians():
     table = markdown(rows)
     assert table[0].startswith("| compiled: case | mode | implementation | compile s |")
     assert table[2].startswith("| tiny B=1 T=8 fp32 | forward | **headwise GPT2MultiHeadAttention** |")
-    assert table[3].endswith("| 1.00x |")  # the reference against itself
+    assert table[3].endswith(f"| 1.00x | {rows[1].load} |")  # the reference against itself, then the load it ran under
+    assert rows[0].load is not None and rows[0].load == rows[1].load  # one interleaved loop
 
 
 def test_unknown_implementation_and_mode_are_named():

@@ -31,48 +31,45 @@ def test_decode_benchmark_returns_rows_and_agrees_with_transformers():
         decode_latency(repeats=0)
 
 
-def test_model_decode_rows_count_bytes_and_agree_with_transformers():
+def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
     """Whole-model decode on tiny models: rows for every case, bytes read counted from the weights
     as stored and the KV actually held, and both libraries' logits equal on the same cache contents."""
-    from headwise.bench.model_decode import decode_speeds, markdown, prefill_and_generate, read_bytes
+    from headwise.bench.model_decode import decode_speeds, markdown, read_bytes
     from headwise.quantize import int8_weights
 
-    rows = decode_speeds(["gpt2", "llama"], ["fp32", "int8"], [(1, 9), (3, 5)], repeats=1, warmup=0, tiny=True)
+    rows = decode_speeds(["gpt2", "llama"], ["fp32", "int8"], [(1, 9), (3, 5)], repeats=1, warmup=0, tiny=True, root=tmp_path)
     assert [(r.model, r.dtype, r.batch, r.context) for r in rows] == [
         (m, d, b, n) for m in ("gpt2", "llama") for d in ("fp32", "int8") for b, n in [(1, 9), (3, 5)]]
     for r in rows:
-        assert r.headwise_ms > 0 and r.sum_gbps > 0 and r.repeats == 1
+        assert r.headwise_ms > 0 and r.sum_gbps > 0 and r.repeats == 1 and r.load is not None
         assert (r.transformers_ms is None) == (r.dtype == "int8") == (r.max_abs_diff is None)
         if r.max_abs_diff is not None:
             assert r.max_abs_diff < 1e-4  # same weights, same cached keys and values, same token
         assert r.gbps == r.read_bytes / r.headwise_ms / 1e6 and r.tokens_per_s == 1e3 * r.batch / r.headwise_ms
-    # GPT-2 tiny: C=64, 2 layers, vocab 211, fp32: 4 projections (C*3C + C*C + C*4C + 4C*C) a layer + the tied head; K/V of 2 layers
-    fp32 = 4 * (2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 211 * 64)
+    # GPT-2 tiny: C=64, 2 layers, vocab 320, fp32: 4 projections (C*3C + C*C + C*4C + 4C*C) a layer + the tied head; K/V of 2 layers
+    fp32 = 4 * (2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 320 * 64)
     assert rows[0].read_bytes == fp32 + 4 * 2 * 2 * 1 * 9 * 64  # + (k, v) x 2 layers x B=1 x 9 tokens x C floats
     from headwise import GPT2Config
     from headwise.models import GPT2LMHeadModel
 
-    model = int8_weights(GPT2LMHeadModel(GPT2Config(vocab_size=211, n_positions=16, n_embd=64, n_layer=2, n_head=4)))
-    assert read_bytes(model, 1, 1) == fp32 // 4 + 4 * (2 * (192 + 64 + 256 + 64) + 211) + 4 * 2 * 2 * 64  # int8 + float32 scales + K/V
-    comparisons = prefill_and_generate(["gpt2"], ["fp32"], prompt=6, new_tokens=2, repeats=1, tiny=True)
-    assert [c.what for c in comparisons] == ["prefill", "generate ms/token"]
-    table = markdown(rows, comparisons)
-    assert table.count("\n| gpt2 | int8 |") == 2 and "| prefill | gpt2 | fp32 |" in table
+    model = int8_weights(GPT2LMHeadModel(GPT2Config(vocab_size=320, n_positions=16, n_embd=64, n_layer=2, n_head=4)))
+    assert read_bytes(model, 1, 1) == fp32 // 4 + 4 * (2 * (192 + 64 + 256 + 64) + 320) + 4 * 2 * 2 * 64  # int8 + float32 scales + K/V
+    table = markdown(rows)
+    assert table.count("\n| gpt2 | int8 |") == 2 and table.splitlines()[0].endswith("| speed-up | load |")
     with pytest.raises(ValueError, match=r"a context \(in shapes \(\(1, 1\),\)\) must be an int >= 2, got 1"):
         decode_speeds(shapes=[(1, 1)])
+    with pytest.raises(ValueError, match=r"precision must be one of \['fp32', 'bf16', 'int8', 'int8-bf16'\], got 'int4'"):
+        decode_speeds(dtypes=["int4"])
 
 
-def test_model_decode_with_compile_times_generates_compiled_step_and_call():
-    """``compile=True``: a compiled-step column (the step generate(compile=True) runs) and a compiled generate row."""
-    from headwise.bench.model_decode import decode_speeds, markdown, prefill_and_generate
+def test_model_decode_with_compile_times_generates_compiled_step(tmp_path):
+    """``compile=True``: a compiled-step column (the step generate(compile=True) runs)."""
+    from headwise.bench.model_decode import decode_speeds, markdown
 
     torch._dynamo.reset()
-    rows = decode_speeds(["gpt2"], ["fp32"], [(2, 7)], repeats=1, warmup=1, tiny=True, hf=False, compile=True)
+    rows = decode_speeds(["gpt2"], ["fp32"], [(2, 7)], repeats=1, warmup=1, tiny=True, hf=False, compile=True, root=tmp_path)
     assert rows[0].compiled_ms > 0 and rows[0].compiled_share == rows[0].read_bytes / rows[0].compiled_ms / 1e6 / rows[0].sum_gbps
-    comparisons = prefill_and_generate(["gpt2"], ["fp32"], prompt=6, new_tokens=2, repeats=1, tiny=True, compile=True, hf_compile=False)
-    assert [c.what for c in comparisons] == ["prefill", "generate ms/token", "generate ms/token, compile=True"]
-    table = markdown(rows, comparisons)
-    assert "| compiled ms | compiled share |" in table and "| generate ms/token, compile=True | gpt2 | fp32 |" in table
+    assert "| compiled ms | compiled share |" in markdown(rows)
     torch._dynamo.reset()
 
 

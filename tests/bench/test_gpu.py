@@ -1,4 +1,4 @@
-"""The benchmark on CUDA: event timing, datasheet peaks, CUDA memory (benchmarks are not tests: no timing asserted).
+"""The benchmark on CUDA: event timing, the GEMM ceiling measured there, CUDA memory (benchmarks are not tests: no timing asserted).
 
 The event loop is checked here on the CPU against a fake CUDA clock; the real run is a smoke
 test that needs a GPU.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from headwise import bench
-from headwise.bench import gpu
+from headwise.bench import timing
 from headwise.bench.cases import Ceiling, Report, Row
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the run itself times kernels on a GPU")
@@ -72,41 +72,33 @@ def test_cpu_timing_is_unchanged_by_the_device_argument(monkeypatch):
     assert len(times["a"]) == 2 and all(t >= 0 for t in times["a"])
 
 
-@pytest.mark.parametrize(
-    ("name", "dtype", "precision", "path", "tflops"),
-    [
-        ("NVIDIA H100 80GB HBM3", "bf16", "highest", "H100 SXM datasheet, dense bf16", 989.4),
-        ("NVIDIA H100 80GB HBM3", "fp32", "highest", "H100 SXM datasheet, dense fp32", 66.9),
-        ("NVIDIA H100 80GB HBM3", "fp32", "high", "H100 SXM datasheet, dense tf32", 494.7),
-        ("NVIDIA H100 PCIe", "bf16", "highest", "H100 PCIe datasheet, dense bf16", 756.0),
-        ("NVIDIA H200", "bf16", "highest", "H200 SXM datasheet, dense bf16", 989.4),
-        ("NVIDIA H200 NVL", "fp32", "medium", "H200 NVL datasheet, dense tf32", 417.5),
-        ("NVIDIA A100-SXM4-80GB", "bf16", "highest", "A100 datasheet, dense bf16", 312.0),
-        ("NVIDIA A100 80GB PCIe", "fp32", "high", "A100 datasheet, dense tf32", 156.0),
-    ],
-)
-def test_known_gpus_have_their_datasheet_peak(monkeypatch, name, dtype, precision, path, tflops):
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
-    assert gpu.peak(name, dtype) == Ceiling(dtype, path, pytest.approx(tflops * 1e3))
+def test_the_cuda_ceiling_is_a_gemm_timed_by_events(monkeypatch):
+    """Each of the fake GEMMs advances the fake CUDA clock 2 ms: 2 * 8192^3 flops in 2 ms, read from the events."""
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    seen = []
+
+    def paths(dtype, size, device):
+        seen.append((dtype, size, device))
+        return {"F.linear": lambda: setattr(fake, "now", fake.now + 2.0)}
+
+    monkeypatch.setattr(timing, "_ceiling_paths", paths)
+    (ceiling,) = bench.measure_ceiling("bf16", device="cuda", repeats=2)
+    assert seen == [("bf16", 8192, "cuda")]  # a GEMM large enough to fill a GPU
+    assert ceiling == Ceiling("bf16", "F.linear", pytest.approx(2 * 8192**3 / 2e-3 / 1e9))
+    assert not fake.read_before_sync
 
 
-def test_an_unknown_gpu_gets_no_share(monkeypatch):
-    assert gpu.peak("NVIDIA GeForce RTX 4090", "bf16") is None
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Future GPU")
-    assert bench.measure_ceiling("bf16", device="cuda") == []
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    assert [c.gflops for c in bench.measure_ceiling("bf16", device="cuda")] == [pytest.approx(989.4e3)]
-
-
-def test_cuda_rows_report_tflops_and_the_share_of_the_peak():
+def test_cuda_rows_report_tflops_and_the_share_of_the_ceiling():
     case = bench.Case("small", 8, 2048, "bf16", "cuda")
     assert case.label == "small B=8 T=2048 bf16 cuda" and bench.Case("small", 8, 2048).label == "small B=8 T=2048 fp32"
-    ceiling = Ceiling("bf16", "H100 SXM datasheet, dense bf16", 989.4e3)
+    ceiling = Ceiling("bf16", "F.linear", 989.4e3)
     rate = case.flops("forward") / 0.002 / 1e9  # GFLOP/s at 2 ms
     row = Row("headwise GPT2MultiHeadAttention", False, "forward", case, 0.002, 0.0019, 0.0021, 5, rate, 100 * rate / ceiling.gflops)
     text = bench.markdown(Report("test machine", [ceiling], [row]))
-    assert "| GPU peak | path | TFLOP/s |" in text and "| 989 |" in text
-    assert "| forward: case | implementation | median s | IQR s | TFLOP/s | % peak | vs fastest peer |" in text
+    assert "| GEMM ceiling (8192³) | path | TFLOP/s |" in text and "| 989 |" in text
+    assert "| forward: case | implementation | median s | IQR s | TFLOP/s | % ceiling | vs fastest peer | load |" in text
     assert f"| {rate / 1e3:.1f} | {row.pct_of_ceiling:.0f}% |" in text
 
 
@@ -135,5 +127,4 @@ def test_a_tiny_cuda_run_times_and_measures_memory():
     assert timed and all(r.note == "" and 0 < r.q1_s <= r.median_s <= r.q3_s for r in timed)
     assert all(r.case.device == "cuda" for r in report.rows)
     assert all(r.peak_mib is not None and r.peak_mib > 0 for r in report.rows if r.mode == "memory")
-    if gpu.peak(torch.cuda.get_device_name(), "bf16") is not None:
-        assert all(r.pct_of_ceiling is not None for r in timed)
+    assert all(r.pct_of_ceiling is not None for r in timed)

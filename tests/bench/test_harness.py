@@ -22,7 +22,7 @@ def test_forward_and_backward_rows_for_every_implementation():
                      "nn.MultiheadAttention (bias, mask)", "nn.MultiheadAttention (no bias, is_causal)"}
     assert len(report.rows) == 8
     for row in report.rows:
-        assert row.note == "" and row.repeats == 2
+        assert row.note == "" and row.repeats == 2 and row.load is not None
         assert 0 < row.q1_s <= row.median_s <= row.q3_s
         assert row.gflops == pytest.approx(row.case.flops(row.mode) / row.median_s / 1e9)
     assert bench.fastest_peer(report, "forward", report.rows[0].case).peer
@@ -30,6 +30,7 @@ def test_forward_and_backward_rows_for_every_implementation():
     assert "headwise GPT2MultiHeadAttention" in lines[0] and len(lines) == 4  # header, rule, forward, backward
     text = bench.markdown(report)
     assert "| forward: case |" in text and "| backward: case |" in text and "**headwise GPT2MultiHeadAttention**" in text
+    assert "| vs fastest peer | load |" in text and f"| {report.rows[0].load} |" in text
 
 
 def counted_flops(case, *, backward: bool, out_proj: bool = True) -> float:
@@ -73,10 +74,8 @@ def test_default_selection_leaves_out_torch_compile():
 
 
 def test_ceiling_and_machine(monkeypatch):
-    """Each GEMM timed by a clock that ticks 1 ms a read: 2 * 64^3 flops in 1 ms is 0.524288 GFLOP/s.
-
-    (A wall clock made this depend on the machine's load: 0.009 GFLOP/s at 64^3 on a busy one.)
-    """
+    """Each GEMM timed by a clock that ticks 1 ms a read: 2 * 64^3 flops in 1 ms is 0.524288 GFLOP/s,
+    whatever the machine's load."""
     from types import SimpleNamespace
 
     from headwise.bench import timing
@@ -170,3 +169,24 @@ def test_plot_writes_nothing_and_says_so_for_an_empty_report(tmp_path):
     from headwise.bench.report import plot
 
     assert plot(Report("m"), str(tmp_path / "x.png")) is False and not (tmp_path / "x.png").exists()
+
+
+def test_busy_runs_the_cases_beside_that_many_spinning_processes(monkeypatch, capsys):
+    from contextlib import contextmanager
+
+    from headwise.bench import cli
+    from headwise.bench.cases import Report
+
+    seen = []
+
+    @contextmanager
+    def spinning(processes):
+        seen.append(("start", processes))
+        yield
+        seen.append(("end", processes))
+
+    monkeypatch.setattr(cli, "busy", spinning)
+    monkeypatch.setattr(cli, "run", lambda **kw: seen.append("run") or Report("m"))
+    cli.main(["--preset", "tiny", "--tokens", "8", "--batch", "1", "--busy", "2", "--plot", "", "--no-ceiling"])
+    assert seen == [("start", 2), "run", ("end", 2)]
+    assert "Command: `headwise bench --preset tiny --tokens 8 --batch 1 --busy 2 --plot  --no-ceiling`" in capsys.readouterr().out

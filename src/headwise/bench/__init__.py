@@ -1,12 +1,25 @@
-"""Benchmarks: headwise against the peers, side by side, on this machine.
+"""Benchmarks: headwise against the peers and the engines, side by side, on this machine.
 
-Every implementation computes the same causal self-attention layer (B, T, C) -> (B, T, C):
-Q/K/V projections, attention over H heads of size D = C / H, heads merged, an output
-projection (the book's wrapper has none). Fairness rules:
+One command per question, each timed with the one interleaved loop (``timing.interleaved``: A B C,
+B C A, ... so that noise from other jobs hits every contender alike; medians kept), each table
+naming the machine and its load before and after every measurement (``host``); ``--busy N``
+runs N spinning processes beside it.
+
+| question | command | module |
+|---|---|---|
+| how fast is the attention layer against the peers (forward, backward, memory, compiled, a decode step of the attention stack)? | ``headwise bench`` | ``harness``, ``cases``, ``peers``, ``timing``, ``memory``, ``compile``, ``decode``, ``report``, ``cli`` |
+| how fast do whole models decode, against transformers, CTranslate2 and llama.cpp? | ``python -m headwise.bench.model_decode`` (``headwise bench --modes model-decode``) | ``model_decode``, ``generation``, ``engines``, ``conversions``, ``models`` |
+| does ``attn_implementation="headwise"`` speed up a transformers model? | ``headwise bench --modes hf`` | ``hf`` |
+| what do packed documents, softcap, sinks and ALiBi cost, against the other ways? | ``headwise bench --variants`` | ``variants`` |
+| how fast is serving many requests (continuous batching vs alone vs a static batch)? | ``python -m headwise.bench.serving`` | ``serving``, ``paged_attention`` (the ways to read paged blocks) |
+| which way should a half-precision decode step's attention run? | ``python -m headwise.bench.decode_attention`` | ``decode_attention`` |
+
+The layer benchmark: every implementation computes the same causal self-attention layer
+(B, T, C) -> (B, T, C): Q/K/V projections, attention over H heads of size D = C / H, heads
+merged, an output projection (the book's wrapper has none). Fairness rules:
 
 - one case (mode, shape, dtype) builds every implementation, warms each up, then times them
-  interleaved, A B C A B C ..., so that noise from other jobs hits all alike; median and
-  quartiles are reported;
+  interleaved; median and quartiles are reported;
 - forward runs under ``torch.no_grad()`` in eval mode (inference); "backward" times forward +
   ``backward`` of a fixed upstream gradient w.r.t. the input and every parameter;
 - ``torch.nn.MultiheadAttention`` gets ``batch_first=True``, the causal mask it needs (bool,
@@ -23,27 +36,23 @@ projection (the book's wrapper has none). Fairness rules:
   GEMM rate as a share of the measured ceiling.
 
 ``device="cuda"`` (``headwise bench --device cuda``) runs the same cases on the GPU: each call
-timed by CUDA events around it (warm-up waited for, interleaved, medians), rates in TFLOP/s
-as a share of the GPU's datasheet peak for the dtype (bf16, or tf32/fp32 as torch's float32
-matmul precision says; ``gpu``: none for a GPU the table does not know), and memory as
+timed by CUDA events around it (warm-up waited for, interleaved, medians), rates in TFLOP/s as a
+share of an 8192³ GEMM's rate measured there the same way, and memory as
 ``torch.cuda.max_memory_allocated`` during one forward beyond what was allocated before it.
 
 Useful FLOPs of one forward (causal, so QK^T and AV count half):
 ``2·B·T·C·(3C) + 2·B·T·C·C`` for the projections (no ``C·C`` term without an output
 projection) plus ``2·B·T²·C`` for attention; forward + backward counts 3x the forward.
 
-The functions return dataclasses; ``main`` (``headwise bench``, ``python -m headwise.bench``)
-parses, prints a Markdown table, and plots. The pieces: ``cases`` (what is measured), ``peers``
-(the implementations), ``timing`` (the one interleaved loop), ``memory``, ``decode`` (a cached
-decode step against transformers'), ``compile`` (headwise's modules and the fused layer under
-``torch.compile``, with compile time), ``gpu`` (a GPU's name and peaks), ``harness`` (``run``), ``report`` and ``cli``.
+The functions return dataclasses; the commands parse, print Markdown tables, and plot.
 """
 
 from .cases import DTYPES, MODES, PRESETS, Case, Ceiling, Progress, Report, Row
 from .cli import main
 from .compile import CompileRow, compile_case
 from .decode import DecodeRow, decode_latency
-from .harness import machine, run
+from .harness import run
+from .host import machine
 from .memory import memory_case
 from .peers import DEFAULT_SKIP, IMPLS, FusedReference, Impl, select
 from .report import fastest_peer, markdown, plot, summary

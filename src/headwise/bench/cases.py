@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host import Load
+
 PRESETS: dict[str, tuple[int, int]] = {"small": (768, 12), "medium": (1024, 16), "tiny": (64, 4)}  # name -> (C, H)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("forward", "backward", "memory", "decode", "compile")
@@ -59,6 +61,7 @@ class Row:
     pct_of_ceiling: float | None = None
     peak_mib: float | None = None
     note: str = ""
+    load: Load | None = None  # the load average before and after the case's interleaved rounds
 
 
 @dataclass(frozen=True)

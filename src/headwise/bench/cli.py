@@ -13,7 +13,8 @@ import torch
 from .. import _argtypes
 from .._optional import require
 from .cases import DTYPES, MODES, PRESETS, Case
-from .harness import machine, run
+from .harness import run
+from .host import add_busy_flag, busy, machine
 from .memory import memory_child
 from .peers import IMPLS
 from .report import markdown, plot, summary
@@ -48,8 +49,8 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     given = [dest for dest in vars(args) if dest not in ("_memory_child", "device", "plot") and getattr(args, dest) not in (None, False)]
     if args.list and given != ["list"]:
         p.error(f"--list lists the implementations and runs nothing: it takes no other flags, got {', '.join(_flag(d) for d in given if d != 'list')}")
-    if args.variants and set(given) - {"variants", "repeats", "warmup"}:
-        p.error(f"--variants reads --repeats and --warmup only, got {', '.join(_flag(d) for d in given if d not in ('variants', 'repeats', 'warmup'))}")
+    if args.variants and set(given) - {"variants", "repeats", "warmup", "busy"}:
+        p.error(f"--variants reads --repeats, --warmup and --busy only, got {', '.join(_flag(d) for d in given if d not in ('variants', 'repeats', 'warmup', 'busy'))}")
     modes = args.modes or DEFAULTS["modes"]
     for dest, users in USES.items():
         if dest in given and not set(users) & set(modes) and not args.variants:
@@ -82,8 +83,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dtype", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), help="comma list of fp32,bf16 (default fp32)")
     p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice((*MODES, "hf", "serving", "model-decode")), "modes"),
                    help=f"comma list of {[*MODES, 'hf', 'serving', 'model-decode']} (default forward,backward; hf: transformers models on headwise / "
-                   "sdpa / eager; serving: many requests through GPT-2 small, bench/serving.py; model-decode: whole GPT-2 small and Llama decode "
-                   "steps, fp32/bf16/int8, against transformers, bench/model_decode.py with its defaults)")
+                   "sdpa / eager; serving: many requests through GPT-2 small, bench/serving.py; model-decode: whole GPT-2 small and Llama, decode "
+                   "steps against transformers and generation beside transformers, CTranslate2 and llama.cpp, bench/model_decode.py with its defaults)")
     p.add_argument("--impls", type=_argtypes.listing(str, "name substrings"), help="comma list of name substrings (default: all but torch.compile)")
     p.add_argument("--repeats", type=positive, help="timed calls per implementation and case (default 5)")
     p.add_argument("--warmup", type=_argtypes.integer(0), help="untimed calls first (default 2)")
@@ -91,12 +92,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="skip classes whose (B, H, T, T) scores need more (default 8)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the GEMM ceiling")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GPU's datasheet peak, CUDA memory)")
+                   help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GEMM ceiling measured there, CUDA memory)")
     p.add_argument("--markdown", type=path, help="also write the table to this file")
     p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
     p.add_argument("--json", type=path, help="write the raw report here")
     p.add_argument("--list", action="store_true", help="list the implementations and exit")
     p.add_argument("--variants", action="store_true", help="packed documents, softcap, sinks, ALiBi against the other ways (headwise.bench.variants)")
+    add_busy_flag(p)
     p.add_argument("--_memory-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._memory_child:
@@ -104,16 +106,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(memory_child(spec["impl"], Case(**spec["case"]))))
         return
     args = _checked(p, args)
-    if args.variants:
-        from .variants import main as variants_main  # here: `python -m headwise.bench.variants` must not find it imported
-
-        variants_main(["--repeats", str(args.repeats), "--warmup", str(args.warmup)])
-        return
     if args.list:
         print("\n".join(f"{'peer    ' if i.peer else 'headwise'} {i.name}" for i in IMPLS))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    with busy(args.busy):
+        _run(p, args, argv)
+
+
+def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    """Every table the flags ask for, in order: variants, serving, model decode, then the layer cases."""
+    if args.variants:
+        from .variants import main as variants_main  # here: `python -m headwise.bench.variants` must not find it imported
+
+        variants_main(["--repeats", str(args.repeats), "--warmup", str(args.warmup)])
+        return
     if "serving" in args.modes:  # a whole-model benchmark of its own: many requests, three ways (bench/serving.py)
         from . import serving
 

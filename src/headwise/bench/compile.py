@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .cases import Case, Progress
+from .host import Load, loaded
 from .peers import IMPLS, Impl, prepare
 from .timing import _quartiles, _step, interleaved
 
@@ -40,6 +41,7 @@ class CompileRow:
         median_s, q1_s, q3_s: the compiled call's median and quartiles.
         eager_median_s: the same module's median, eager, from the same loop.
         repeats: timed calls behind each median.
+        load: the load average before and after the interleaved rounds.
     """
 
     impl: str
@@ -51,6 +53,7 @@ class CompileRow:
     q3_s: float
     eager_median_s: float
     repeats: int
+    load: Load | None = None
 
     @property
     def speedup(self) -> float:
@@ -95,12 +98,12 @@ def compile_case(
         first[impl.name] = time.perf_counter() - start
         steps[impl.name] = step
         steps[impl.name + " (eager)"] = _step(mode, module, call, x, grad)
-    times = interleaved(steps, repeats=repeats, warmup=warmup, progress=progress, what=f"compiled {mode} {case.label}")
+    times, load = loaded(lambda: interleaved(steps, repeats=repeats, warmup=warmup, progress=progress, what=f"compiled {mode} {case.label}"))
     rows = []
     for impl in chosen:
         med, q1, q3 = _quartiles(times[impl.name])
         eager = statistics.median(times[impl.name + " (eager)"])
-        rows.append(CompileRow(impl.name, mode, case, max(first[impl.name] - med, 0.0), med, q1, q3, eager, repeats))
+        rows.append(CompileRow(impl.name, mode, case, max(first[impl.name] - med, 0.0), med, q1, q3, eager, repeats, load))
     return rows
 
 
@@ -108,12 +111,12 @@ def markdown(rows: Sequence[CompileRow]) -> list[str]:
     """The compiled table: one line per (case, mode, implementation), ratios to the compiled fused layer."""
     if not rows:
         return []
-    out = ["| compiled: case | mode | implementation | compile s | median s | IQR s | eager s | compile speedup | vs compiled fused |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| compiled: case | mode | implementation | compile s | median s | IQR s | eager s | compile speedup | vs compiled fused | load |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ref = next((x for x in rows if x.case == r.case and x.mode == r.mode and x.impl == REFERENCE), None)
         ratio = f"{r.median_s / ref.median_s:.2f}x" if ref else ""
         name = r.impl if r.impl == REFERENCE else f"**{r.impl}**"
         out.append(f"| {r.case.label} | {r.mode} | {name} | {r.compile_s:.1f} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | "
-                   f"{r.eager_median_s:.4f} | {r.speedup:.2f}x | {ratio} |")
+                   f"{r.eager_median_s:.4f} | {r.speedup:.2f}x | {ratio} | {r.load} |")
     return [*out, ""]

@@ -30,6 +30,7 @@ from .. import _checks
 from ..cache import KVCache
 from ..config import GPT2Config
 from ..fused import GPT2MultiHeadAttention
+from .host import Load, loaded
 from .timing import interleaved, keeping
 
 
@@ -45,6 +46,7 @@ class DecodeRow:
         max_abs_diff: largest |headwise - transformers| over the step's outputs; None when not measured.
         repeats: timed steps behind each median.
         threads: ``torch.get_num_threads()`` during the run.
+        load: the load average before and after the interleaved rounds.
     """
 
     context: int
@@ -54,6 +56,7 @@ class DecodeRow:
     max_abs_diff: float | None
     repeats: int
     threads: int
+    load: Load | None = None
 
     @property
     def cache_speedup(self) -> float | None:
@@ -148,8 +151,7 @@ def decode_latency(
 
     Runs in float32 on the CPU under ``torch.inference_mode``, with the thread count torch
     already has (set it in the caller, e.g. ``torch.set_num_threads``). Nothing is printed.
-    GPT-2 small's defaults take about a minute on 2 cores, most of it recomputing the prefix
-    (``uncached=False`` skips that).
+    Most of the time goes to recomputing the prefix (``uncached=False`` skips that).
 
     Args:
         contexts: tokens the new token attends over, each in [2, 1024] (GPT-2's n_positions).
@@ -188,8 +190,9 @@ def decode_latency(
             token = torch.randn(batch_size, 1, n_embd, generator=gen)  # (B, 1, C)
             steps = _steps(layers, hf_layers, prompt, token, uncached)
             outs: dict[str, Tensor] = {}
-            times = interleaved({name: keeping(step, outs, name) for name, step in steps.items()}, repeats=repeats, warmup=warmup)
+            timed = {name: keeping(step, outs, name) for name, step in steps.items()}
+            times, load = loaded(lambda timed=timed: interleaved(timed, repeats=repeats, warmup=warmup))
             med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             diff = float((outs["cached"] - outs["hf_cached"]).abs().max()) if hf else None
-            rows.append(DecodeRow(n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads()))
+            rows.append(DecodeRow(n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads(), load))
     return rows

@@ -3,7 +3,7 @@
 One query per row (T = 1) over the first S keys of a preallocated (B, Hkv, L, D) cache (a slice:
 not contiguous across heads), S growing by one every step as in generation:
 
-- ``half``: q·k and weights·v in the half type, k and v read in place (the math backend before);
+- ``half``: q·k and weights·v in the half type, k and v read in place (a plain matmul);
 - ``half, copied``: the same with k and v copied contiguous first;
 - ``float32``: the math backend's rule (``backends.math.scores`` / ``context``): both matmuls in
   float32, keys and values converted a block at a time.
@@ -104,7 +104,7 @@ def decode_attention(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.decode_attention``: the three ways over B, S, G, D, with ratios to float32."""
-    from .harness import machine
+    from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.decode_attention", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=_argtypes.integer(1), default=1, help="torch threads (default 1: thread CPU time)")

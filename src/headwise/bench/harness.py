@@ -1,9 +1,7 @@
-"""The run: every requested (mode, preset, tokens, dtype) case, and a description of the machine."""
+"""The run: every requested (mode, preset, tokens, dtype) case of the layer benchmark."""
 
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Sequence
 
 import torch
@@ -12,21 +10,10 @@ from ..linear import describe
 from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
 from .compile import compile_case
 from .decode import decode_latency
+from .host import gpu, machine
 from .memory import memory_case
 from .peers import select
 from .timing import measure_ceiling, time_case
-
-
-def machine() -> str:
-    """CPU (name, vendor, family/model, the flags that matter), cores, torch, its threads and kernel ISA, Python."""
-    from ..linear import cpu
-
-    facts = cpu()
-    flags = {"AVX-512": "avx512f", "AVX512-bf16": "avx512_bf16", "AMX": "amx_tile"}
-    have = ", ".join(f"{name} {'yes' if flag in facts['flags'] else 'no'}" for name, flag in flags.items())
-    where = f"{facts['vendor']} family {facts['family']} model {facts['model']}" if facts["vendor"] else platform.machine()
-    return (f"{facts['name']} ({where}; {have}), {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads, {facts['capability']} kernels), Python {platform.python_version()}")
 
 
 def run(
@@ -55,7 +42,7 @@ def run(
         impls: substrings of implementation names (default: all but torch.compile).
         repeats, warmup: timed and untimed calls per implementation and case.
         max_scores_gib: skip implementations whose (B, H, T, T) scores need more.
-        ceiling: measure the machine's GEMM ceiling per dtype first (on CUDA: the GPU's datasheet peak).
+        ceiling: measure the machine's GEMM ceiling per dtype first (``timing.measure_ceiling``).
         device: "cpu" or "cuda" (timed with CUDA events; memory from ``torch.cuda.max_memory_allocated``).
 
     Returns:
@@ -74,7 +61,7 @@ def run(
     if device == "cuda" and "decode" in modes:
         raise ValueError("mode 'decode' runs on the CPU only (the decode benchmark is a CPU latency study), got device='cuda'")
     chosen = select(impls)
-    report = Report(machine() if device == "cpu" else f"{machine()}; {_gpu()}", linear=describe())
+    report = Report(machine() if device == "cpu" else f"{machine()}; {gpu()}", linear=describe())
     if ceiling:
         for dtype in dtypes:
             report.ceilings += measure_ceiling(dtype, device=device)
@@ -95,12 +82,6 @@ def run(
                         report.rows += time_case(chosen, case, mode, repeats=repeats, warmup=warmup, max_scores_gib=max_scores_gib,
                                                  ceiling=report.ceiling(dtype), progress=progress)
     return report
-
-
-def _gpu() -> str:
-    from .gpu import describe
-
-    return describe()
 
 
 def _decode(presets: Sequence[str], tokens: Sequence[int], batch: int, repeats: int, warmup: int, progress: Progress | None) -> list:

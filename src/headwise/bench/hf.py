@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .. import _argtypes, _checks
 from .._optional import require
-from .harness import machine
+from .host import machine
 from .timing import interleaved, keeping
 
 IMPLEMENTATIONS = ("headwise", "sdpa", "eager")
@@ -124,7 +124,7 @@ def hf_latency(
     """Time each model's forward (and forward + backward) under headwise, sdpa and eager.
 
     Imports transformers (the ``hf`` extra) and registers headwise's attention there. Nothing
-    is printed. At the defaults (2 layers, B=4, T=1024) it takes a few minutes on 2 cores.
+    is printed.
 
     Returns:
         One ``HFTiming`` per (model, mode).

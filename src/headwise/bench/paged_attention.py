@@ -91,7 +91,7 @@ def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.paged_attention``: the three ways at 8 and 32 sequences."""
-    from .harness import machine
+    from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")

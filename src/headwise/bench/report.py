@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 
 from .cases import DTYPES, MODES, Case, Report, Row
 from .compile import markdown as compiled_table
@@ -37,11 +37,11 @@ def markdown(report: Report) -> str:
     out = [f"Machine: {report.machine}", ""]
     if report.command:
         out += [f"Command: `{report.command}`", ""]
-    gpu = any(r.case.device == "cuda" for r in report.rows)  # then rates in TFLOP/s, shares of the datasheet peak
-    rate, share, per = ("TFLOP/s", "% peak", 1e3) if gpu else ("GFLOP/s", "% ceiling", 1.0)
+    gpu = any(r.case.device == "cuda" for r in report.rows)  # then rates in TFLOP/s
+    rate, share, per = ("TFLOP/s", "% ceiling", 1e3) if gpu else ("GFLOP/s", "% ceiling", 1.0)
     out += [] if gpu else linear_paths(report)  # the projections' CPU path (a GPU takes F.linear)
     if report.ceilings:
-        out += [f"| {'GPU peak' if gpu else 'GEMM ceiling (2048³)'} | path | {rate} | share of the ceiling |", "|---|---|---:|---:|"]
+        out += [f"| GEMM ceiling ({8192 if gpu else 2048}³) | path | {rate} | share of the ceiling |", "|---|---|---:|---:|"]
         out += [f"| {c.dtype} | {c.path} | {c.gflops / per:.0f} | {100 * c.gflops / report.ceiling(c.dtype):.0f}% |" for c in report.ceilings] + [""]
     for mode in MODES[:3]:
         rows = [r for r in report.rows if r.mode == mode]
@@ -50,13 +50,13 @@ def markdown(report: Report) -> str:
         if mode == "memory":
             out += ["| memory: case | implementation | peak MiB | vs fused reference |", "|---|---|---:|---:|"]
         else:
-            out += [f"| {mode}: case | implementation | median s | IQR s | {rate} | {share} | vs fastest peer |",
-                    "|---|---|---:|---:|---:|---:|---:|"]
+            out += [f"| {mode}: case | implementation | median s | IQR s | {rate} | {share} | vs fastest peer | load |",
+                    "|---|---|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             c, label = r.case, r.case.label
             name = r.impl if r.peer else f"**{r.impl}**"
             if r.note:
-                out.append(f"| {label} | {name} | {r.note} |" + " |" * (2 if mode == "memory" else 4))
+                out.append(f"| {label} | {name} | {r.note} |" + " |" * (2 if mode == "memory" else 5))
             elif mode == "memory":
                 ref = next((x for x in rows if x.case == c and x.impl.startswith("fused Linear") and x.peak_mib), None)
                 ratio = f"{r.peak_mib / ref.peak_mib:.2f}x" if ref else ""
@@ -65,14 +65,15 @@ def markdown(report: Report) -> str:
                 best = fastest_peer(report, mode, c)
                 ratio = f"{r.median_s / best.median_s:.2f}x" if best else ""
                 pct = f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling is not None else ""
-                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} |")
+                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} | {r.load} |")
         out.append("")
     out += compiled_table(report.compiled)
     if report.decode:
-        fields = [*asdict(report.decode[0]), "cache_speedup", "hf_speedup"]  # the last two: recompute / cached, transformers / headwise
-        out += ["| decode: " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+        names = [f.name for f in fields(report.decode[0])]
+        columns = [*names, "cache_speedup", "hf_speedup"]  # the last two: recompute / cached, transformers / headwise
+        out += ["| decode: " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for d in report.decode:
-            values = [*asdict(d).values(), d.cache_speedup, d.hf_speedup]
+            values = [*(getattr(d, n) for n in names), d.cache_speedup, d.hf_speedup]
             cells = [f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)) for v in values]
             cells[-2:] = [f"{v:.2f}x" if v is not None else "" for v in values[-2:]]
             out.append("| " + " | ".join(cells) + " |")

@@ -15,8 +15,8 @@ comparison is of the batching, not of wasted logits. Memory is the keys/values s
 the batcher's peak blocks × block_size (and its ratio to the tokens held at that step) against
 B × max_len for the static batch. ``decode_*`` time one decode step of one sequence of the
 whole model at one context through a ``KVCache``, through a ``PagedKVCache`` whose blocks are
-consecutive (read as a view) and through one whose blocks are scattered (gathered: the copy of
-the first fast path).
+consecutive (read as a view) and through one whose blocks are scattered (gathered: a copy of
+every key and value read).
 """
 
 from __future__ import annotations
@@ -222,19 +222,21 @@ def markdown(r: ServingReport, machine: str = "") -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.serving``: run the mix and print the tables."""
-    from .harness import machine
+    from .host import add_busy_flag, busy, loaded, machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.serving", description=__doc__.splitlines()[0])
     positive = _argtypes.integer(1)
     p.add_argument("--requests", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=1)
     p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    report = serving(requests=args.requests, repeats=args.repeats)
-    print(markdown(report, machine()))
+    with busy(args.busy):
+        report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats))
+    print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
 

@@ -8,7 +8,6 @@ waited for before the timed ones start.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cases import DTYPES, Case, Ceiling, Progress, Row
+from .host import loaded
 from .peers import Impl, prepare, skip_reason
 
 
@@ -149,51 +149,46 @@ def time_case(
             steps[impl.name] = step
         except Exception as e:  # a peer that cannot run this case is reported, not fatal
             notes[impl.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-    times = interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}", device=case.device)
+    times, load = loaded(lambda: interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}", device=case.device))
     rows = []
     for impl in impls:
         if impl.name not in times:
-            rows.append(Row(impl.name, impl.peer, mode, case, note=notes.get(impl.name, "")))
+            rows.append(Row(impl.name, impl.peer, mode, case, note=notes.get(impl.name, ""), load=load))
             continue
         med, q1, q3 = _quartiles(times[impl.name])
         rate = case.flops(mode, impl.out_proj) / med / 1e9
         pct = 100 * rate / ceiling if ceiling else None
-        rows.append(Row(impl.name, impl.peer, mode, case, med, q1, q3, repeats, rate, pct))
+        rows.append(Row(impl.name, impl.peer, mode, case, med, q1, q3, repeats, rate, pct, load=load))
     return rows
 
 
-def measure_ceiling(dtype: str, *, size: int = 2048, repeats: int = 3, device: str = "cpu") -> list[Ceiling]:
-    """The best rate of a size^3 GEMM through ``F.linear`` (torch's BLAS) and oneDNN, interleaved.
-
-    On CUDA the ceiling is the GPU's datasheet peak for ``dtype`` (``bench.gpu``), none for a
-    GPU the table does not know.
-    """
+def _ceiling_paths(dtype: str, size: int, device: str) -> dict[str, Callable[[], Tensor]]:
+    """The GEMMs a ceiling is measured with: ``F.linear`` (torch's BLAS; cuBLAS on CUDA) and, on the CPU, oneDNN's inner product."""
     from ..linear import _lp, _ops_error
-
-    if torch.device(device).type == "cuda":
-        from .gpu import peak
-
-        known = peak(torch.cuda.get_device_name(), dtype)
-        return [known] if known else []
 
     t = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(t)
-    b = torch.randn(size, size, generator=gen).to(t)
+    a = torch.randn(size, size, generator=gen).to(device=device, dtype=t)
+    b = torch.randn(size, size, generator=gen).to(device=device, dtype=t)
     paths: dict[str, Callable[[], Tensor]] = {"F.linear": lambda: F.linear(a, b)}
-    if _ops_error(t) is None:
+    if torch.device(device).type == "cpu" and _ops_error(t) is None:
         paths["oneDNN inner product"] = lambda: _lp(a, b, None)
-    best = {}
+    return paths
+
+
+def measure_ceiling(dtype: str, *, size: int | None = None, repeats: int = 3, device: str = "cpu") -> list[Ceiling]:
+    """The best rate of a size^3 GEMM per path (``_ceiling_paths``), timed interleaved on ``device``.
+
+    ``size`` defaults to 2048 on the CPU and 8192 on CUDA (where a smaller GEMM cannot fill the
+    GPU). On CUDA, float32 runs as ``torch.get_float32_matmul_precision()`` says (tf32 unless "highest").
+    """
+    size = size or (8192 if torch.device(device).type == "cuda" else 2048)
+    paths = _ceiling_paths(dtype, size, device)
     with torch.no_grad():
         for name, fn in list(paths.items()):
             try:
                 fn()
             except RuntimeError:
                 del paths[name]
-        best = dict.fromkeys(paths, math.inf)
-        for _ in range(repeats):
-            for name, fn in paths.items():
-                start = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return [Ceiling(dtype, name, 2 * size**3 / s / 1e9) for name, s in best.items()]
+        times = interleaved(paths, repeats=repeats, device=device)
+    return [Ceiling(dtype, name, 2 * size**3 / min(ts) / 1e9) for name, ts in times.items()]

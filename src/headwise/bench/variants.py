@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m headwise.bench.variants [--repeats N] [--only packed|terms]``: print both tables."""
     import argparse
 
-    from .harness import machine
+    from .host import machine
 
     p = argparse.ArgumentParser(prog="headwise bench --variants", description="packed documents, softcap, sinks, ALiBi: headwise against the other ways")
     p.add_argument("--repeats", type=_argtypes.integer(1), default=5)

@@ -1,0 +1,197 @@
+"""Prefill and greedy decode of whole models, every engine (``bench.engines``) on the same checkpoint, interleaved.
+
+For each model, precision and batch B: one seeded prompt of ``prompt`` token ids per row; each
+engine generates 1 token (``prefill``: the prompt pass and the first token) and ``new_tokens``
+tokens, every call timed in the same rounds, the order rotated each round
+(``timing.interleaved``), medians kept. A decode step is ``(generate - prefill) / (new_tokens - 1)``.
+The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds.
+
+Bytes a step reads: every weight matrix once in the engine's format, and the cached keys and
+values at the mean context of the decode (``prompt + new_tokens / 2``) in its cache's type
+(``Engine.weight_bytes`` / ``kv_bytes``). ``agree`` counts the first generated tokens equal to
+headwise's in every row: evidence the engines run the same model (a near tie of random
+weights can part them later, sooner in 8-bit and 16-bit formats).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from .engines import ENGINES, Runner
+from .host import Load, ReadProbe, loaded
+from .models import check, checkpoint, headwise_model, kv_elements, matrix_elements
+from .timing import interleaved, keeping
+
+
+@dataclass(frozen=True)
+class GenerateSpeed:
+    """One engine at one model, precision and batch; milliseconds are medians of interleaved rounds.
+
+    Attributes:
+        engine, format: the engine and its own name for the precision.
+        prefill_ms: the prompt pass and the first token; decode_ms: one step after it (B tokens).
+        read_bytes: what a decode step reads (weights in the engine's format, K/V at the mean context).
+        sum_gbps: the 512 MiB ``sum`` in the same rounds.
+        agree: leading generated tokens equal to headwise's in every row (None for headwise itself).
+        note: why there are no numbers (a missing engine, a format it lacks); then the numbers are None.
+    """
+
+    model: str
+    precision: str
+    batch: int
+    engine: str
+    format: str = ""
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    read_bytes: int = 0
+    sum_gbps: float | None = None
+    agree: int | None = None
+    prompt: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    threads: int = 0
+    load: Load | None = None
+    note: str = ""
+
+    @property
+    def gbps(self) -> float | None:
+        return None if self.decode_ms is None else self.read_bytes / self.decode_ms / 1e6
+
+    @property
+    def share(self) -> float | None:
+        """GB/s over the measured read bandwidth."""
+        return None if self.gbps is None or not self.sum_gbps else self.gbps / self.sum_gbps
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.decode_ms is None else 1e3 * self.batch / self.decode_ms
+
+
+def _agree(tokens: Tensor, reference: Tensor) -> int:
+    """(B, n) x2 -> how many leading columns are equal in every row."""
+    same = (tokens == reference).all(dim=0).tolist()  # (n,)
+    return same.index(False) if False in same else len(same)
+
+
+def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: ReadProbe, rounds: int,
+           warmup: int) -> tuple[dict[str, float], dict[str, Tensor], Load]:
+    """Median ms of each runner's prefill and generate calls and of the probe, interleaved; each runner's tokens; the load."""
+    outs: dict[str, Tensor] = {}
+    steps: dict[str, Callable[[], object]] = {"sum": probe}
+    for name, run in runners.items():
+        steps[f"{name} prefill"] = lambda run=run: run(ids, 1)
+        steps[f"{name} generate"] = keeping(lambda run=run: run(ids, new_tokens), outs, name)
+    times, load = loaded(lambda: interleaved(steps, repeats=rounds, warmup=warmup))
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}, outs, load
+
+
+def generate_speeds(
+    models: Sequence[str] = ("gpt2", "llama"),
+    precisions: Sequence[str] = ("fp32", "bf16", "int8"),
+    batches: Sequence[int] = (1,),
+    *,
+    engines: Sequence[str] = ("headwise", "transformers", "CTranslate2", "llama.cpp"),
+    prompt: int = 512,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    warmup: int = 1,
+    root: Path | None = None,
+    tiny: bool = False,
+    init_std: float = 0.02,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[GenerateSpeed]:
+    """Time every engine's prefill and decode at each model, precision and batch (see the module docstring).
+
+    Threads: torch's count (``torch.set_num_threads``), given to CTranslate2 and llama.cpp too.
+    Checkpoints and conversions are written under ``root`` once (``bench.models.default_root()``).
+    An engine that is not installed, or lacks a format, gets a row with a note, not an error.
+    """
+    for name, value, low in (("prompt", prompt, 1), ("new_tokens", new_tokens, 2), ("rounds", rounds, 1), ("warmup", warmup, 0)):
+        _checks.integer(name, value, low=low)
+    for b in batches:
+        _checks.integer(f"a batch size (in {tuple(batches)!r})", b, low=1)
+    for model in models:
+        for precision in precisions:
+            check(model, precision)
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise ValueError(f"engines must be among {list(ENGINES)}, got {unknown}")
+    threads = torch.get_num_threads()
+    probe = ReadProbe(repeats=4)
+    rows = []
+    for model in models:
+        directory = checkpoint(model, root, tiny=tiny, seed=seed, init_std=init_std)
+        reference = headwise_model(directory, "fp32")
+        weights, kv = matrix_elements(reference), kv_elements(reference)
+        vocab = reference.vocab_size
+        del reference
+        for precision in precisions:
+            runners, notes = {}, {}
+            for name in engines:
+                engine = ENGINES[name]
+                notes[name] = engine.missing(precision)
+                if not notes[name]:
+                    if progress:
+                        progress(f"{model} {precision}: loading {name}")
+                    try:
+                        runners[name] = engine.load(directory, precision, threads)
+                    except Exception as e:  # a conversion or a load that fails is reported in its row
+                        notes[name] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+            for batch in batches:
+                if progress:
+                    progress(f"{model} {precision} B={batch}: {', '.join(runners)}")
+                ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(seed))  # (B, T)
+                here = {n: r for n, r in runners.items() if batch == 1 or ENGINES[n].batches}
+                med, outs, load = _timed(here, ids, new_tokens, probe, rounds, warmup)
+                gbps = probe.gbps(med["sum"] / 1e3)
+                context = prompt + new_tokens // 2
+                for name in engines:
+                    engine = ENGINES[name]
+                    fmt = engine.formats.get(precision, "")
+                    if name not in here:
+                        note = notes[name] or f"{name} runs one sequence at a time here"
+                        rows.append(GenerateSpeed(model, precision, batch, name, fmt, note=note))
+                        continue
+                    step_bytes = weights * engine.weight_bytes[precision] + kv * batch * context * engine.kv_bytes[precision]
+                    prefill = med[f"{name} prefill"]
+                    agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
+                    rows.append(GenerateSpeed(model, precision, batch, name, fmt, prefill, (med[f"{name} generate"] - prefill) / (new_tokens - 1),
+                                              int(step_bytes), gbps, agree, prompt, new_tokens, rounds, threads, load))
+            del runners
+    return rows
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(rows: Sequence[GenerateSpeed]) -> str:
+    """Every row, then decode ms per step side by side per (model, precision, B) with each engine's ratio to headwise."""
+    out = ["| model | precision | B | engine | format | prefill ms | decode ms/step | tok/s | MB read/step | GB/s | share of sum | sum GB/s "
+           "| tokens = headwise | load |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r.note:
+            out.append(f"| {r.model} | {r.precision} | {r.batch} | {r.engine} | {r.format or '—'} | {r.note} |" + " |" * 8)
+            continue
+        agree = "—" if r.agree is None else f"{r.agree}/{r.new_tokens}"
+        out.append(f"| {r.model} | {r.precision} | {r.batch} | {r.engine} | {r.format} | {r.prefill_ms:.1f} | {r.decode_ms:.2f} | "
+                   f"{r.tokens_per_s:.0f} | {r.read_bytes / 1e6:.0f} | {r.gbps:.1f} | {r.share:.2f} | {r.sum_gbps:.1f} | {agree} | {r.load} |")
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    groups = list(dict.fromkeys((r.model, r.precision, r.batch) for r in rows))
+    out += ["", "decode ms per step (x headwise's time):", "", "| model | precision | B | " + " | ".join(engines) + " |",
+            "|---|---|---:|" + "---:|" * len(engines)]
+    for model, precision, batch in groups:
+        got = {r.engine: r.decode_ms for r in rows if (r.model, r.precision, r.batch) == (model, precision, batch)}
+        base = got.get("headwise")
+        cells = [_cell(got.get(e), ".1f") + ("" if got.get(e) is None or not base else f" ({got[e] / base:.2f}x)") for e in engines]
+        out.append(f"| {model} | {precision} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+

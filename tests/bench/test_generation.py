@@ -1,0 +1,134 @@
+"""``headwise.bench.generation`` and ``bench.engines``: every engine on the same checkpoint, data only (no timing asserted).
+
+The harness is checked with the optional engines missing (monkeypatched) and with fake times;
+where CTranslate2 and llama.cpp are installed, a slow test checks that their first greedy tokens
+equal headwise's on the same random weights: evidence each conversion is the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headwise.bench import engines, generation
+from headwise.bench.host import Load
+from headwise.bench.models import checkpoint, tokenizer
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """One directory of tiny checkpoints (and their conversions) for the module's tests."""
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+def tiny(root, **kw):
+    args = {"models": ("gpt2",), "precisions": ("fp32",), "batches": (1,), "prompt": 8, "new_tokens": 3, "rounds": 1, "warmup": 0,
+            "root": root, "tiny": True, "init_std": 0.2}
+    return generation.generate_speeds(**(args | kw))
+
+
+def test_a_missing_engine_is_a_row_saying_so_not_a_failure(root, monkeypatch):
+    monkeypatch.setattr(engines, "installed", lambda module: module == "transformers")
+    rows = tiny(root, batches=(1, 2), precisions=("fp32", "int8"))
+    got = {(r.precision, r.batch, r.engine): r for r in rows}
+    assert len(rows) == 2 * 2 * 4
+    for precision in ("fp32", "int8"):
+        for batch in (1, 2):
+            assert got[precision, batch, "headwise"].decode_ms is not None and got[precision, batch, "headwise"].note == ""
+            for name in ("CTranslate2", "llama.cpp"):
+                row = got[precision, batch, name]
+                assert row.decode_ms is None and row.note == f"{name} is not installed (pip install 'headwise[anchors]')"
+    assert got["fp32", 1, "transformers"].agree == 3  # the same model: every token equal
+    assert got["int8", 1, "transformers"].note == "transformers has no int8 format on the CPU"
+    table = generation.markdown(rows)
+    assert "| gpt2 | fp32 | 1 | llama.cpp | f32 | llama.cpp is not installed (pip install 'headwise[anchors]') |" in table
+    assert "| gpt2 | fp32 | 1 | transformers | fp32 |" in table and "| 3/3 |" in table
+
+
+def test_an_engine_that_fails_to_load_is_reported_in_its_row(root, monkeypatch):
+    def broken(directory, precision, threads):
+        raise RuntimeError("convert_hf_to_gguf.py failed (exit 1):\nthe last line says why")
+
+    monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
+        **{**engines.ENGINES["llama.cpp"].__dict__, "load": broken, "module": "", "limits": lambda precision: ""}))
+    (hw, cpp) = tiny(root, engines=("headwise", "llama.cpp"))
+    assert hw.decode_ms is not None
+    assert cpp.decode_ms is None and cpp.note == "failed: RuntimeError: the last line says why"
+
+
+def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
+    calls = []
+
+    def one_at_a_time(directory, precision, threads):
+        def run(ids, new):
+            calls.append(ids.shape[0])
+            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+        return run
+
+    monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
+        **{**engines.ENGINES["llama.cpp"].__dict__, "load": one_at_a_time, "module": "", "limits": lambda precision: ""}))
+    rows = tiny(root, engines=("headwise", "llama.cpp"), batches=(1, 3))
+    assert set(calls) == {1}
+    assert [(r.batch, r.engine, r.note) for r in rows if r.note] == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
+
+
+def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monkeypatch):
+    """Prefill 10 ms, 8 new tokens in 10 + 7 x 2 ms, the probe's 4 x 512 MiB in 50 ms: a step of 2 ms, its bytes over 2 ms."""
+    fake = {"prefill": 0.010, "generate": 0.024, "sum": 0.050}
+
+    def fake_interleaved(steps, repeats, warmup):
+        for step in steps.values():
+            step()  # keeps each engine's tokens
+        return {name: [fake[name.rsplit(" ", 1)[-1]]] * repeats for name in steps}
+
+    monkeypatch.setattr(generation, "interleaved", fake_interleaved)
+    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=2)
+    assert hw.prefill_ms == pytest.approx(10.0) and hw.decode_ms == pytest.approx(2.0)
+    assert hw.sum_gbps == pytest.approx(4 * 512 * 2**20 / 0.050 / 1e9)
+    # tiny GPT-2, fp32: its matrices (4 a layer, 2 layers, the tied head) and K/V of 2 layers at the mean context 8 + 8 // 2
+    matrices = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 320 * 64
+    assert hw.read_bytes == 4 * matrices + 4 * 2 * 2 * 64 * 12
+    assert hw.gbps == pytest.approx(hw.read_bytes / 2.0 / 1e6) and hw.share == pytest.approx(hw.gbps / hw.sum_gbps)
+    assert hw.tokens_per_s == pytest.approx(500.0) and isinstance(hw.load, Load) and hw.threads == torch.get_num_threads()
+
+
+def test_agreement_counts_leading_tokens_equal_in_every_row():
+    a = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert generation._agree(a, a) == 4
+    assert generation._agree(a, torch.tensor([[1, 2, 0, 4], [5, 6, 7, 8]])) == 2
+    assert generation._agree(a, torch.tensor([[1, 2, 3, 4], [0, 6, 7, 8]])) == 0
+
+
+def test_bad_arguments_are_named(root):
+    with pytest.raises(ValueError, match=r"engines must be among \['headwise', .*\], got \['vllm'\]"):
+        tiny(root, engines=("vllm",))
+    with pytest.raises(ValueError, match=r"new_tokens must be an int >= 2, got 1"):
+        tiny(root, new_tokens=1)
+    with pytest.raises(ValueError, match=r"model must be one of \['gpt2', 'llama'\], got 'gpt3'"):
+        tiny(root, models=("gpt3",))
+    with pytest.raises(ValueError, match=r"a batch size \(in \(0,\)\) must be a positive int, got 0"):
+        tiny(root, batches=(0,))
+
+
+def test_the_tokenizer_has_exactly_the_models_vocabulary():
+    tok = tokenizer(320)
+    assert len(tok.get_vocab()) == 320 and tok.eos_token_id == 319
+    with pytest.raises(ValueError, match=r"vocab_size must be an int >= 258, got 100"):
+        tokenizer(100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("engine", ["transformers", "CTranslate2", "llama.cpp"])
+def test_each_engine_generates_headwise_tokens_from_its_own_conversion(root, model, engine):
+    """fp32, the same random checkpoint converted by the engine's converter: the greedy tokens equal headwise's."""
+    missing = engines.ENGINES[engine].missing("fp32")
+    if missing:
+        pytest.skip(missing)
+    directory = checkpoint(model, root, tiny=True, init_std=0.2)
+    ids = torch.randint(0, 319, (1, 12), generator=torch.Generator().manual_seed(1))  # (1, T)
+    want = engines.ENGINES["headwise"].load(directory, "fp32", 1)(ids, 6)
+    got = engines.ENGINES[engine].load(directory, "fp32", 1)(ids, 6)
+    assert got.shape == (1, 6) and got[0, 0] == want[0, 0]
+    assert got.tolist() == want.tolist()
