@@ -43,3 +43,11 @@ def test_the_steps_travel_in_the_json():
     data = json.loads(Report("x.py", [r]).to_json())["results"][0]
     assert data["steps"] == {"queries": "match", "weights": "missing"}
     assert Result(**{"name" if k == "class" else k: v for k, v in data.items()}) == r
+
+
+def test_code_that_raised_is_shown_at_its_line_not_at_a_step_named_error():
+    r = grade_here("crash")["MultiHeadAttention"]
+    p = parse(Report("crash.py", [r])._repr_html_())
+    text = "".join(p.text)
+    assert "MultiHeadAttention FAIL at crash.py:31" in text and "at step" not in text
+    assert "codeattn_scores = queries @ self.keys.transpose(2, 3)" in text and "errorAttributeError: " in text

@@ -12,6 +12,7 @@ made with ``exec()``, a lambda, a closure) raises ``SourceError`` saying why.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import linecache
 import math
@@ -218,15 +219,21 @@ def _def_node(fn: FunctionType) -> tuple[str, list[str], ast.Module, ast.Functio
     """The ``def`` that made ``fn``: at the line its code starts in the file its code names (linecache)."""
     code = fn.__code__
     lines = linecache.getlines(code.co_filename)
-    if not lines:
-        return None
-    try:
-        tree = ast.parse("".join(lines))
-    except SyntaxError:  # code compiled from a text that is not Python as a whole (a README's block)
+    tree = _parse("".join(lines)) if lines else None
+    if tree is None:
         return None
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
     node = next((n for n in ast.walk(tree) if isinstance(n, kinds) and n.name == code.co_name and _first(n) == code.co_firstlineno), None)
     return None if node is None else (code.co_filename, lines, tree, node)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(text: str) -> ast.Module | None:
+    """A file's tree (shared: never changed), or None for a text that is not Python as a whole (a README's block)."""
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None
 
 
 def _first(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> int:
