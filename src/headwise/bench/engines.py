@@ -130,22 +130,23 @@ def _llama_cpp_limits(precision: str) -> str:
 
 
 def _llama_cpp(directory: Path, precision: str, threads: int) -> Runner:
+    import llama_cpp
     import numpy as np
-    from llama_cpp import Llama
 
     path = conversions.gguf_model(directory, GGUF_TYPES[precision], threads=threads)
     context = json.loads((directory / "config.json").read_text())
     positions = context.get("n_positions") or context["max_position_embeddings"]
-    llm = Llama(model_path=str(path), n_ctx=positions, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=positions, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def run(ids: Tensor, new: int) -> Tensor:
         if ids.shape[0] != 1:
             raise ValueError(f"llama.cpp runs one sequence at a time here, got a batch of {ids.shape[0]}")
         llm.reset()  # the next eval writes from position 0, dropping what the cache held after it
         llm.eval(ids[0].tolist())
-        out = []
+        vocab, out = llm.n_vocab(), []
         for i in range(new):
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))  # (vocab,): the last token's
+            out.append(int(np.argmax(logits)))
             if i < new - 1:
                 llm.eval(out[-1:])
         return torch.tensor([out])  # (1, new)

@@ -86,8 +86,8 @@ def checkpoint(model: str, root: Path | None = None, *, tiny: bool = False, seed
     special = {"bos_token_id": sizes["vocab_size"] - 1, "eos_token_id": sizes["vocab_size"] - 1, "initializer_range": init_std}
     with torch.random.fork_rng():  # seeded weights without touching the caller's RNG
         torch.manual_seed(seed)
-        if model == "gpt2":
-            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes, **special))
+        if model == "gpt2":  # n_ctx, as GPT-2's own config.json has it: llama.cpp's converter reads it
+            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes, **special, n_ctx=sizes["n_positions"]))
         else:
             hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **special, tie_word_embeddings=False))
     hf.save_pretrained(directory)
