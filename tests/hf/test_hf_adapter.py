@@ -69,6 +69,7 @@ def _qkv():
         ("cu_seq_lens_q", torch.tensor([0, 3]), r"does not support packed sequences given as cumulative lengths .*'cu_seq_lens_q'"),
         ("indices", torch.zeros(1, 3, 2, dtype=torch.long), r"does not support sparse attention over selected key indices: .*'indices'"),
         ("cache", object(), r"does not support a paged KV cache"),
+        ("sinks", torch.zeros(1, 2, 3, 1), r"does not support a sink logit per query \(headwise's sinks are one per head.*'sinks'"),
         ("some_new_bias", torch.zeros(1), r"got an argument it does not know, 'some_new_bias' \(Tensor\): rather than ignore"),
     ],
 )

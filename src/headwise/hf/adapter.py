@@ -1,17 +1,15 @@
-"""headwise inside transformers: ``attn_implementation="headwise"`` for any model that asks for it.
-
-    import headwise.hf
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=headwise.hf.register())
+"""The translator: transformers' attention arguments onto ``headwise.attention``, and nothing else.
 
 Every attention class that calls transformers' ``AttentionInterface`` (Llama, Gemma, gpt-oss,
-DeepSeek, BERT, BART, Whisper, GPT-2 and most others) then hands its queries, keys and values to
-``attend``, which translates transformers' arguments onto ``headwise.attention`` and nothing else:
+DeepSeek, BERT, BART, Whisper, GPT-2, GPT-J and most others) hands its queries, keys and values
+to ``attend``:
 
     transformers                          headwise.attention
     query (B, H, T, D)                    q
     key, value (B, Hkv, S, D / Dv)        k, v (grouped heads read in place, never repeated)
-    attention_mask: from ``mask``         mask (bool, True = may attend), or None: causal (see ``mask``)
-    is_causal (or module.is_causal)       causal (only when no mask came: a mask already holds it)
+    attention_mask: from ``mask``         mask (bool, True = may attend); where transformers would
+                                          have skipped it, causal or nothing masked (see ``mask``)
+    is_causal (or module.is_causal)       causal, only when the model built no mask at all
     scaling, dropout                      scale, dropout_p
     softcap (Gemma 2), s_aux (gpt-oss)    softcap, sinks
     position_bias (T5-style)              an additive float mask
@@ -19,8 +17,7 @@ DeepSeek, BERT, BART, Whisper, GPT-2 and most others) then hands its queries, ke
 
 The mask comes from transformers' own mask builder (``masking_utils.sdpa_mask``: causal, sliding
 windows, padding, packed rows, static-cache slots, chunks), registered under the same name in
-``AttentionMaskInterface``: without it transformers passes no mask at all. A bidirectional mask
-is always built, so a None from it means causal and nothing else. transformers' cache
+``AttentionMaskInterface``: without it transformers passes no mask at all. transformers' cache
 has already appended the new keys and values when ``attend`` is called, so headwise's cache
 is not used. An argument that would change the result and that headwise cannot honour raises
 a TypeError naming it, never a wrong answer.
@@ -29,12 +26,14 @@ a TypeError naming it, never a wrong answer.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor, nn
 
-from ._optional import require
-from .functional import attention, attention_weights
+from .._optional import require
+from ..functional import attention, attention_weights
+from .routing import refuse_never_routed
 
 #: Arguments transformers passes that change nothing in attention itself: bookkeeping of the
 #: model around it. ``sliding_window`` is already in the mask transformers builds (as eager and
@@ -62,15 +61,30 @@ REFUSED = {
     "cache": "a paged KV cache (continuous batching)",
     "indices": "sparse attention over selected key indices",
     "block_indices": "block-sparse attention",
+    "sinks": "a sink logit per query (headwise's sinks are one per head, gpt-oss's s_aux)",
 }
 
 
 def register(name: str = "headwise") -> str:
-    """Make ``attn_implementation=name`` run every transformers attention layer on headwise.
+    """Make ``attn_implementation=name`` run transformers' attention layers on headwise.
 
     Registers ``attend`` in ``transformers.AttentionInterface`` and ``mask`` in
     ``transformers.AttentionMaskInterface`` under ``name`` (both, or transformers would pass no
     mask). Needs the ``hf`` extra (transformers).
+
+    Only layers that call ``AttentionInterface`` run on headwise. Others compute attention in
+    their own code and never call it (see ``headwise.hf.routing``):
+
+    - a whole architecture (Bloom, MPT, XGLM, DeBERTa, Longformer, BigBird, RoFormer, ...): its
+      first forward raises a TypeError naming it (it builds its masks through ``mask``);
+    - an architecture that picks its attention class from a table of its own (Falcon, GPT-Neo,
+      Bark, GIT, SAM): transformers raises ``KeyError: 'headwise'`` while building it, which
+      ``headwise.hf.load`` turns into a TypeError naming the class;
+    - some layers of a model whose others call it (CLAP's audio tower, Gemma 3n's and 4's
+      audio towers, BigBird-Pegasus' encoder, DETR-style deformable attention): nothing fails.
+
+    ``headwise.hf.check(model)`` raises unless every attention layer of a loaded model runs on
+    headwise; ``headwise.hf.load(model_class, path)`` loads and checks in one call.
 
     Returns:
         ``name``, to hand to ``from_pretrained(..., attn_implementation=...)`` or
@@ -88,23 +102,61 @@ def register(name: str = "headwise") -> str:
     return name
 
 
-def mask(*args, allow_is_bidirectional_skip: bool = False, **kwargs) -> Tensor | None:
-    """The mask ``attend`` receives: transformers' ``sdpa_mask`` (see ``register``), built so that
-    None has one meaning.
+def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False, **kwargs) -> Tensor:
+    """The mask ``attend`` receives: transformers' ``sdpa_mask`` (see ``register``), never None.
 
-    ``sdpa_mask`` answers None in two cases that mean opposite things: a plain causal mask it may
-    skip (``allow_is_causal_skip``: SDPA's ``is_causal`` says the same) and a bidirectional mask
-    with nothing padded (``allow_is_bidirectional_skip``: no mask at all). ``attend`` cannot tell
-    them apart, so the bidirectional one is always built, whatever transformers asks: None then
-    only ever stands for the causal mask.
+    ``sdpa_mask`` may answer None in two cases that mean opposite things: a plain causal mask it
+    skips (``allow_is_causal_skip``: SDPA's ``is_causal`` says the same) and a bidirectional mask
+    with nothing padded (``allow_is_bidirectional_skip``: no mask at all). The layer cannot tell
+    which (its ``is_causal`` may be missing, or say the opposite of the mask transformers built),
+    so the mask is always built. Where transformers would have skipped it, ``attend`` recognises
+    the very tensor returned here and runs without reading it (causal, or nothing masked); a copy
+    or a slice of it is read as the mask it is. Under ``torch.compile`` every mask is read.
+
+    An architecture none of whose attention layers calls the interface (Bloom, MPT, XGLM, ...)
+    still builds its masks here: it is refused by name (``routing.never_routed``).
 
     Returns:
-        (B, 1, T, S) bool, True = may attend; or None where SDPA's ``is_causal`` (aligned
-        top-left) says the same: a causal mask with nothing padded, or one query that sees every key.
+        (B, 1, T, S) bool, True = may attend.
+
+    Raises:
+        TypeError: ``config`` (passed by transformers) is of an architecture headwise never runs.
     """
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, allow_is_bidirectional_skip=False, **kwargs)
+    if not torch.compiler.is_compiling() and "config" in kwargs:
+        refuse_never_routed(kwargs["config"])  # the layers that read this mask would never call attend
+
+    def build(causal_skip: bool = False, bidirectional_skip: bool = False) -> Tensor | None:
+        return sdpa_mask(*args, allow_is_causal_skip=causal_skip, allow_is_bidirectional_skip=bidirectional_skip, **kwargs)
+
+    if not torch.compiler.is_compiling():
+        for meaning, allowed in (("causal", allow_is_causal_skip), ("full", allow_is_bidirectional_skip)):
+            if allowed and build(meaning == "causal", meaning == "full") is None:
+                built = build()  # (B, 1, T, S)
+                _SKIPPABLE[meaning][id(built)] = built
+                return built
+    return build()  # (B, 1, T, S)
+
+
+#: The masks ``mask`` built where transformers' ``sdpa_mask`` would have answered None, by what
+#: they stand for ("causal": SDPA's ``is_causal``, top-left aligned, for T == S, one query, or a
+#: prefill into an empty static cache; "full": nothing masked), by id, for as long as each lives.
+_SKIPPABLE: dict[str, weakref.WeakValueDictionary[int, Tensor]] = {
+    "causal": weakref.WeakValueDictionary(),
+    "full": weakref.WeakValueDictionary(),
+}
+
+
+def _stands_for(attention_mask: Tensor | None) -> str | None:
+    """The meaning, "causal" or "full", of a mask ``mask`` built where transformers would have skipped it
+    (itself, not a copy); None for any other mask."""
+    if attention_mask is None or torch.compiler.is_compiling():
+        return None
+    for meaning, masks in _SKIPPABLE.items():
+        if masks.get(id(attention_mask)) is attention_mask:
+            return meaning
+    return None
 
 
 def attend(
@@ -144,14 +196,19 @@ def attend(
     """
     _refuse(kwargs)
     _check_bias(position_bias, query, key)
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    meaning = _stands_for(attention_mask)
+    if meaning is not None:  # a mask transformers would have skipped: run without reading it
+        attention_mask, causal = None, meaning == "causal"
+    elif attention_mask is None:  # the model built no mask: the layer says what it is
+        causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    else:
+        causal = False  # the mask already holds causality
     T, S = query.shape[2], key.shape[2]
     if attention_mask is None and causal and 1 < T < S:
-        # transformers' None means SDPA's is_causal, aligned top-left: only a prefill into an empty
-        # static cache gets here, whose keys past the first T are empty slots (sdpa slices them off too)
+        # SDPA's is_causal is aligned top-left: only a prefill into an empty static cache gets
+        # here, whose keys past the first T are empty slots (sdpa slices them off too)
         key, value = key[:, :, :T], value[:, :, :T]  # (B, Hkv, T, D), (B, Hkv, T, Dv)
         position_bias = None if position_bias is None else position_bias[..., :T]  # (B, H, T, T)
-    causal = causal and attention_mask is None  # a mask from transformers already holds causality
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
     terms = dict(causal=causal, mask=bias, softcap=softcap, sinks=s_aux, scale=scaling)
     context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)

@@ -1,0 +1,116 @@
+"""Models whose attention does not call transformers' ``AttentionInterface``: refused by name, never run silently.
+
+Three ways a model can bypass ``attn_implementation="headwise"``, each with its own refusal:
+every attention layer computes attention itself (Bloom: it still builds its masks through
+``headwise.hf.mask``, which refuses the architecture), the model picks its attention class from
+a table of its own (Falcon: transformers' bare ``KeyError``, named by ``load``), or only some
+layers do (CLAP's audio tower: ``check``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from architectures import ENCODER, SMALL
+from torch import nn
+
+import headwise
+from headwise.hf import routing
+
+NAME = headwise.hf.register()
+BLOOM = dict(hidden_size=32, n_layer=2, n_head=4, vocab_size=100)
+FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+
+
+def test_an_architecture_that_never_calls_the_interface_is_refused_at_its_first_forward():
+    """Bloom builds its masks through headwise's mask function but adds them to scores of its own."""
+    model = tf.AutoModelForCausalLM.from_config(tf.BloomConfig(**BLOOM), attn_implementation=NAME).eval()
+    with pytest.raises(TypeError, match=r"attn_implementation='headwise' cannot run 'bloom' models: their attention layers \(BloomAttention\) "
+                                        r"compute attention themselves .* load the model with attn_implementation='eager' or 'sdpa'"):  # fmt: skip
+        model(input_ids=torch.randint(2, 100, (1, 5)))
+
+
+def test_never_routed_names_the_classes_of_such_an_architecture_and_none_of_one_that_routes():
+    tf.AutoModelForCausalLM.from_config(tf.BloomConfig(**BLOOM))  # its model file is loaded
+    tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**SMALL))
+    assert routing.never_routed(tf.BloomConfig) == ("BloomAttention",)
+    assert routing.never_routed(tf.LlamaConfig) == ()
+    assert routing.never_routed(tf.ClapConfig) == ()  # its text tower calls the interface, its audio tower does not
+
+
+def test_load_names_an_architecture_that_looks_its_attention_class_up_in_a_table_of_its_own():
+    with pytest.raises(TypeError, match=r"FalconDecoderLayer \(transformers.models.falcon.modeling_falcon\) picks its attention class from a "
+                                        r"table of its own, .* no entry for 'headwise', so this architecture cannot run on headwise"):  # fmt: skip
+        headwise.hf.load(tf.AutoModelForCausalLM, tf.FalconConfig(**FALCON))
+
+
+class _Raises:
+    """A model class whose ``from_config`` raises the KeyError it is given."""
+
+    key = "headwise"
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        raise KeyError(cls.key)
+
+
+def test_load_names_the_lookup_only_for_its_own_name_and_passes_other_key_errors_on():
+    with pytest.raises(TypeError, match=r"attn_implementation='headwise': its layers pick"):
+        headwise.hf.load(_Raises, tf.BertConfig(**ENCODER))
+    _Raises.key = "something_else"
+    with pytest.raises(KeyError, match="something_else"):
+        headwise.hf.load(_Raises, tf.BertConfig(**ENCODER))
+
+
+def test_check_names_the_layers_of_a_model_that_compute_attention_themselves():
+    config = tf.ClapConfig(text_config=dict(**ENCODER), audio_config=dict(hidden_size=32, depths=[1, 1], num_attention_heads=[2, 2]))
+    torch.manual_seed(0)
+    model = tf.ClapModel(config)
+    model.set_attn_implementation(NAME)
+    with pytest.raises(TypeError, match=r"ClapModel does not run every attention layer on headwise: its layers of class ClapAudioSelfAttention "
+                                        r"compute attention themselves .*\(allow=\{'ClapAudioSelfAttention'\} accepts them\)"):  # fmt: skip
+        headwise.hf.check(model)
+    assert headwise.hf.check(model.text_model) is model.text_model  # the text tower alone runs on headwise
+    assert headwise.hf.check(model, allow={"ClapAudioSelfAttention"}) is model  # accepted by name
+    with pytest.raises(TypeError, match=r"allow must be an iterable of class names \(str\), got 'ClapAudioSelfAttention'"):
+        headwise.hf.check(model, allow="ClapAudioSelfAttention")
+
+
+def test_check_names_a_model_on_another_implementation():
+    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**SMALL), attn_implementation="sdpa")
+    with pytest.raises(
+        TypeError, match=r"LlamaForCausalLM does not run on headwise: LlamaForCausalLM runs attention on 'sdpa'; load it with"
+    ):
+        headwise.hf.check(model)
+    model.set_attn_implementation(NAME)
+    assert headwise.hf.check(model) is model
+
+
+def test_check_refuses_what_is_not_a_transformers_model():
+    with pytest.raises(TypeError, match=r"model must be a transformers PreTrainedModel \(an nn.Module\), got int"):
+        headwise.hf.check(3)
+    with pytest.raises(TypeError, match=r"model must be a transformers PreTrainedModel or hold one, got Linear holding none"):
+        headwise.hf.check(nn.Linear(2, 2))
+
+
+def test_load_checks_what_it_loads_and_keeps_the_implementation_to_itself():
+    model = headwise.hf.load(tf.AutoModel, tf.BertConfig(**ENCODER))
+    assert type(model).__name__ == "BertModel" and model.config._attn_implementation == NAME
+    with pytest.raises(TypeError, match=r"load sets attn_implementation itself \(to headwise\), got attn_implementation='eager'"):
+        headwise.hf.load(tf.AutoModel, tf.BertConfig(**ENCODER), attn_implementation="eager")
+    with pytest.raises(
+        TypeError, match=r"BloomForCausalLM does not run every attention layer on headwise: its layers of class BloomAttention"
+    ):
+        headwise.hf.load(tf.AutoModelForCausalLM, tf.BloomConfig(**BLOOM))
+
+
+def test_how_a_class_is_judged_from_its_source():
+    assert routing.routes(tf.models.llama.modeling_llama.LlamaAttention)
+    assert not routing.computes_attention_itself(tf.models.llama.modeling_llama.LlamaAttention)
+    assert routing.computes_attention_itself(tf.models.bloom.modeling_bloom.BloomAttention)
+    assert routing.computes_attention_itself(nn.MultiheadAttention)
+    assert not routing.computes_attention_itself(tf.models.bert.modeling_bert.BertAttention)  # holds the layer that routes
+    namespace: dict = {}
+    exec("import torch\nclass MyAttention(torch.nn.Module):\n    def forward(self, s):\n        return s.softmax(-1)\n", namespace)
+    assert not routing.computes_attention_itself(namespace["MyAttention"])  # no source to read: not judged
