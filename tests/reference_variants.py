@@ -7,7 +7,7 @@ Rules it encodes (B batch, H query heads, Hkv key/value heads, T queries, S keys
   an additive float mask is added after those; bool masks / padding / documents only say
   which keys are visible (documents: key j is visible when doc[j] == doc[p]);
 - sinks: the softmax denominator also holds exp(sink_h); the sink contributes no value;
-- a query that sees no key gets zero weights.
+- a query that sees no key gets zero weights (a sink of -inf is no sink at all).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def variant_weights(
                         ok = [o and bool(x > -math.inf) for o, x in zip(ok, m, strict=True)]
                 keep = torch.tensor(ok, dtype=torch.bool)
                 row = torch.zeros(S, dtype=torch.float64)
-                if keep.any() or sinks is not None:
+                if keep.any():  # a row that sees no key gives them no weight, sink or not
                     seen = logits[keep]
                     parts = [seen] if sinks is None else [seen, sinks.double()[h].reshape(1)]
                     everything = torch.cat(parts)

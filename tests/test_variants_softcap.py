@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import ERROR_RATIO
+from reference_precise import error, precise_softcap_attention
 from reference_variants import variant_attention
 from test_variants import cut_fine
 
@@ -95,16 +95,43 @@ def test_dropout_and_a_trained_bias_go_to_autograd():
     assert not softcap_backend.takes(spec)
 
 
-def test_float32_error_stays_at_the_plain_error_plus_the_sigmoid_rounding():
-    """tanh through a sigmoid: a logit's absolute error grows to about cap * eps, documented; nothing more."""
-    cap = 50.0
-    for seed, (T, D) in enumerate([(64, 16), (256, 64)]):
-        q, k, v, _ = _problem(B=2, H=4, Hkv=4, T=T, S=T, D=D, Dv=D, seed=seed)
-        want = variant_attention(q, k, v, causal=True, softcap=cap)
-        low = [t.float() for t in (q, k, v)]
-        ours = (hw.attention(*low, causal=True, softcap=cap).double() - want).abs().max()
-        logits = (low[0] @ low[1].transpose(-2, -1)) / math.sqrt(D)
-        logits = (cap * torch.tanh(logits / cap)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
-        plain = (torch.softmax(logits, -1) @ low[2]).double().sub(want).abs().max()
-        sigmoid_rounding = cap * torch.finfo(torch.float32).eps * v.abs().max()
-        assert ours <= ERROR_RATIO * plain + sigmoid_rounding, f"{ours:.3g} > {ERROR_RATIO} x {plain:.3g} + {sigmoid_rounding:.3g}"
+CAPS = [1e-3, 1e-1, 1.0, 30.0, 50.0, 1e3, 1e4, 1e8, 1e15, 1e30]
+
+
+@pytest.fixture(scope="module")
+def precise_answers():
+    """A causal problem with scores of a few units and its 40-digit answer at every cap."""
+    q, k, v, _ = _problem(B=1, H=2, Hkv=2, T=12, S=12, D=8, Dv=8, seed=3)
+    return (q * 1.5, k * 1.5, v), {cap: precise_softcap_attention(q * 1.5, k * 1.5, v, softcap=cap, causal=True) for cap in CAPS}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cap", CAPS)
+def test_the_fast_path_is_as_exact_as_the_math_backend_at_every_cap(precise_answers, cap, dtype):
+    """Error against 40-digit arithmetic within 2x the math backend's (a floor of 4 rounding steps of the output)."""
+    (q, k, v), answers = precise_answers
+    want = answers[cap]
+    low = [t.to(dtype) for t in (q, k, v)]
+    floor = 4 * torch.finfo(dtype).eps * float(want.abs().max())
+    reference_error = max(error(hw.attention(*low, causal=True, softcap=cap, backend="math"), want), floor)
+    with torch.no_grad():
+        fast = hw.attention(*low, causal=True, softcap=cap, backend="sdpa")
+    assert error(fast, want) <= 2 * reference_error, f"{error(fast, want):.3g} > 2 x {reference_error:.3g}"
+
+
+@pytest.mark.parametrize("cap", [0.0, 9e-7, 1.1e30, 1e39, float("inf"), float("nan"), -1.0, True, "50"])
+def test_a_cap_no_runner_computes_exactly_is_refused_by_name(cap):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"softcap must be a number in \[1e-06, 1e\+30\] .* got"):
+        hw.attention(q, q, q, softcap=cap)
+    with pytest.raises(ValueError, match=r"softcap must be a number in \[1e-06, 1e\+30\]"):
+        hw.MultiHeadAttention(4, 4, 8, 0.0, num_heads=2, softcap=cap)
+
+
+@pytest.mark.parametrize("cap", [1e-6, 1e30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_caps_at_both_ends_give_finite_numbers(cap, dtype):
+    q, k, v, _ = _problem(dtype=dtype)
+    for backend in ("math", "sdpa"):
+        out = hw.attention(q, k, v, causal=True, softcap=cap, backend=backend)
+        assert out.isfinite().all(), backend

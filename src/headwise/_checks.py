@@ -195,15 +195,34 @@ def context(t: int, past: int, context_length: int, sliding: bool) -> None:
         raise ValueError(f"got {past + t} tokens{cached}, more than context_length={context_length}")
 
 
+#: The caps a softcap may take: every runner computes them to its dtype's precision (float32 for
+#: half inputs). A cap below the range leaves the scores within 1e-6 of each other, one above it
+#: leaves them as they are, and near float32's limits 1 / cap or cap itself no longer fits.
+SOFTCAP_RANGE = (1e-6, 1e30)
+
+
 def softcap(value: object) -> float | None:
-    """None, or a logit softcap: a finite number > 0 (scores become cap * tanh(scores / cap))."""
+    """None, or a logit softcap: a number in ``SOFTCAP_RANGE`` (scores become cap * tanh(scores / cap))."""
     if value is None:
         return None
-    return number("softcap", value, low=0.0, high=math.inf, low_open=True, high_open=True)
+    low, high = SOFTCAP_RANGE
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value <= high  # False for NaN
+    if not ok:
+        raise ValueError(
+            f"softcap must be a number in [{low:g}, {high:g}] (scores become cap * tanh(scores / cap); a cap beyond {high:g} "
+            f"caps nothing: pass None), got {value!r}"
+        )
+    return float(value)
 
 
-def per_head(name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool) -> Tensor | None:
-    """None, or (H,) floats (also (B, H) when ``batched``) on ``device``; returned as (1, H) or (B, H) when batched."""
+def per_head(
+    name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool, minus_inf: str | None = None
+) -> Tensor | None:
+    """None, or (H,) floats (also (B, H) when ``batched``) on ``device``; returned as (1, H) or (B, H) when batched.
+
+    The values must be finite (one host read); ``minus_inf``, if given, says what -inf means
+    there, and -inf is taken too.
+    """
     if t is None:
         return None
     dims = f"(H={h},) or (B={b}, H={h})" if batched else f"(H={h},)"
@@ -214,6 +233,10 @@ def per_head(name: str, t: object, b: int, h: int, device: torch.device, *, batc
     if tuple(t.shape) != (h,) and not (batched and tuple(t.shape) == (b, h)):
         raise ValueError(f"{name} must have shape {dims}, one per query head, got {tuple(t.shape)}")
     same_device(name, t, "q, k and v are", device)
+    if has_values(t):
+        bad = (t.isnan() | (t == math.inf)) if minus_inf is not None else ~t.isfinite()
+        expected = f"finite numbers or -inf ({minus_inf})" if minus_inf is not None else "finite numbers"
+        holds(~bad.any(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
     return t.view(-1, h) if batched else t
 
 

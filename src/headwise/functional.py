@@ -43,6 +43,7 @@ from torch import Tensor
 
 from . import _checks
 from .backends import math as math_backend
+from .backends import packed as packed_backend
 from .backends import sdpa as sdpa_backend
 from .backends.spec import Spec
 from .cache import Cache, KVCache, Part, checked
@@ -129,7 +130,7 @@ def _spec(
     return Spec(
         T=T, S=S, causal=causal, window=window, mask=_check_mask(mask, q, S), attention_mask=attention_mask,
         documents=documents, softcap=_checks.softcap(softcap),
-        sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False),
+        sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head"),
         alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True),
         dropout_p=dropout_p, scale=scale,
     )
@@ -139,7 +140,16 @@ def _spec(
 
 
 Backend = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
-BACKENDS: dict[str, Backend] = {"math": math_backend.run, "sdpa": sdpa_backend.run}
+
+
+def _math(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """"math": every score written out; packed documents one at a time (scores of a document's size) unless observed."""
+    if spec.documents is not None and not observing() and packed_backend.can_split(spec):
+        return packed_backend.run(q, k, v, spec, math_backend.run)  # (B, H, T, Dv)
+    return math_backend.run(q, k, v, spec)  # (B, H, T, Dv)
+
+
+BACKENDS: dict[str, Backend] = {"math": _math, "sdpa": sdpa_backend.run}
 
 
 def _auto(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:

@@ -42,9 +42,12 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)  # (H,)
 
 
-def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """``-slope * |q_pos - k_pos|``: (Bs, H) slopes, (t,) and (s,) positions -> (Bs, H, t, s), float32 or wider."""
-    dtype = torch.promote_types(slopes.dtype, torch.float32)
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``-slope * |q_pos - k_pos|``: (Bs, H) slopes, (t,) and (s,) positions -> (Bs, H, t, s).
+
+    Computed in the wider of ``dtype`` (the scores' own), the slopes' dtype and float32.
+    """
+    dtype = torch.promote_types(torch.promote_types(slopes.dtype, dtype), torch.float32)
     distance = (q_pos[:, None] - k_pos[None, :]).abs().to(dtype)  # (t, s)
     return -slopes.to(dtype)[:, :, None, None] * distance  # (Bs, H, t, s)
 
@@ -56,4 +59,5 @@ def sink_share(lse: Tensor, sinks: Tensor) -> Tensor:
     Returns (B, H, T), float32 or wider; multiply a row's context by it.
     """
     dtype = torch.promote_types(torch.promote_types(lse.dtype, sinks.dtype), torch.float32)
-    return torch.sigmoid(lse.to(dtype) - sinks.to(dtype)[:, None])  # (B, H, T)
+    sinks = sinks.to(dtype).clamp_min(torch.finfo(dtype).min)  # a sink of -inf (no sink) leaves every row whole, one of no keys (lse -inf) too
+    return torch.sigmoid(lse.to(dtype) - sinks[:, None])  # (B, H, T)

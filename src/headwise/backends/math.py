@@ -32,12 +32,10 @@ from torch import Tensor
 
 from ..observe import report
 from ..scores import softcap
+from .blocks import joined, query_blocks, rows_per_block
 from .spec import Spec, cut
 
 _HALF = (torch.float16, torch.bfloat16)
-
-#: Score elements (B * H * rows * keys) one block of ``run_chunked`` may hold.
-BLOCK_ELEMENTS = 1 << 22
 
 #: Query rows per key head (G * T) up to which half-precision matmuls on the CPU run in float32.
 FEW_ROWS = 8
@@ -54,7 +52,7 @@ def _wide(rows: int, x: Tensor) -> bool:
 def _key_blocks(x: Tensor) -> list[tuple[int, int]]:
     """Key ranges of (B, Hkv, S, D) ``x`` whose float32 copies hold about ``WIDE_ELEMENTS`` each; one under compile."""
     B, Hkv, S, D = x.shape
-    step = max(1, WIDE_ELEMENTS // (B * Hkv * D))
+    step = max(1, WIDE_ELEMENTS // max(1, B * Hkv * D))
     if torch.compiler.is_compiling() or step >= S:  # a compiled graph keeps S symbolic: no loop over it
         return [(0, S)]
     return [(c, min(S, c + step)) for c in range(0, S, step)]
@@ -115,25 +113,26 @@ def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple
             else:
                 logits = logits.masked_fill(~allowed, -math.inf)
             say("masked_scores", logits)
-    bias = spec.bias(rows, cols, q.device)  # (B?, H?, t, s) or None
+    bias = spec.bias(rows, cols, q.device, q.dtype)  # (B?, H?, t, s) or None
     if steps and spec.alibi is not None:  # ALiBi's own part, for a learner (the bias may also hold an additive mask)
-        say("alibi_bias", dataclasses.replace(spec, mask=None).bias(rows, cols, q.device))  # (B?, H, t, s)
+        say("alibi_bias", dataclasses.replace(spec, mask=None).bias(rows, cols, q.device, q.dtype))  # (B?, H, t, s)
     if bias is not None:  # softmax(q k^T * scale + bias): a bias is not scaled
         logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
     half = torch.float32 if q.dtype in _HALF else None
+    live = None if edge else _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
+    if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
+        logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
     if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
         B, H, t, _ = logits.shape
         sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
         w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=half)[..., :-1]  # (B, H, t, s)
-        say("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
     else:
-        live = None if edge else _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
-        if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
-            logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
         out = logits if inplace and (half is None or logits.dtype == half) else None  # in place where nothing keeps the logits
         w = torch.softmax(logits, dim=-1, dtype=half, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=half)
-        if live is not None:
-            w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
+    if live is not None:
+        w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
+    if spec.sinks is not None:
+        say("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
     say("weights", w)
     return w
 
@@ -196,36 +195,18 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     return context(w, v, spec.dropout_p)  # (B, H, T, Dv)
 
 
-def visible(spec: Spec, r0: int, r1: int) -> tuple[int, int]:
-    """Keys c0..c1 that queries r0..r1 may see at all (causal and window cut both ends)."""
-    if not spec.causal:
-        return 0, spec.S
-    off = spec.S - spec.T
-    c1 = max(0, min(spec.S, off + r1))  # the last query's own position, + 1
-    c0 = 0 if spec.window is None else max(0, min(c1, off + r0 - spec.window + 1))
-    return c0, c1
-
-
 def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """``run`` over blocks of queries, each against only the keys it may see; nothing reported.
 
-    Memory holds one block's scores (about ``BLOCK_ELEMENTS``) at a time in a forward
+    Memory holds one block's scores (about ``blocks.BLOCK_ELEMENTS``) at a time in a forward
     without gradients; with autograd each block keeps its weights for the backward.
     """
-    B, H, T, _ = q.shape
-    Dv = v.shape[3]
-    per_row = max(1, B * H * spec.S)
-    step = T if T * per_row <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // per_row)  # one block: a bound, not a value, under compile
-    outs = []
-    for r0 in range(0, T, step):
-        r1 = min(T, r0 + step)
-        c0, c1 = visible(spec, r0, r1)
-        if c1 <= c0:  # these queries sit before the first key: they see nothing
-            outs.append(q.new_zeros(B, H, r1 - r0, Dv))
-            continue
+    B, H = q.shape[:2]
+    contexts = []
+    for (r0, r1), (c0, c1) in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S)):
         w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False)  # (B, H, t, s)
-        outs.append(context(w, v[:, :, c0:c1], spec.dropout_p))  # (B, H, t, Dv)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T, Dv)
+        contexts.append(context(w, v[:, :, c0:c1], spec.dropout_p))  # (B, H, t, Dv)
+    return joined(contexts)  # (B, H, T, Dv)
 
 
 def _silent(name: str, tensor: Tensor) -> None:

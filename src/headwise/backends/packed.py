@@ -39,6 +39,9 @@ def runs(documents: Tensor) -> list[list[tuple[int, int]]] | None:
     ids = documents.cpu()  # (B, S): the one host read
     out = []
     for row in ids:
+        if row.numel() == 0:  # no keys: no documents
+            out.append([])
+            continue
         change = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
         starts, ends = [0, *change], [*change, row.numel()]
         if len(set(row[starts].tolist())) != len(starts):

@@ -26,10 +26,46 @@ from torch import Tensor
 from ..scores import sink_share
 from . import math as math_backend
 from . import packed, softcap
+from .blocks import joined, query_blocks, rows_per_block
 from .spec import Spec
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def flash_guard(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """The one guard in front of torch's private CPU flash op (forward and backward): True when it has work.
+
+    What the op takes (torch 2.13, probed in subprocesses by ``tests/test_flash_guard.py``):
+    q (B, H, T, D), k and v (B, Hkv, S, D) of one dtype, one batch B, one head size D (Dv == D),
+    H a multiple of Hkv, any strides, and a float mask of q's dtype broadcastable to (B, H, T, S).
+    It divides by zero (SIGFPE, the interpreter dies) when H, T or S is 0, or B and T are: no
+    empty call reaches it, the caller answers it (False here). It reads another batch or an H that
+    Hkv does not divide without a word: those raise ValueError here.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D or v.shape[3] != D or (Hkv and H % Hkv):
+        raise ValueError(f"the CPU flash op takes q (B, H, T, D), k and v (B, Hkv, S, D) with Hkv | H, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or (mask is not None and mask.dtype != q.dtype):
+        raise ValueError(f"the CPU flash op takes q, k, v and a float mask of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {None if mask is None else mask.dtype}")
+    return B * H * T * S > 0
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(B, H, T, Dv) context and (B, H, T) log-sum-exp; no keys: zeros and -inf, without the op."""
+    if flash_guard(q, k, v, mask):
+        return _flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, T, Dv), (B, H, T)
+    B, H, T, _ = q.shape
+    lse = torch.full((B, H, T), -math.inf, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # (B, H, T)
+    return q.new_zeros(B, H, T, v.shape[3]), lse
+
+
+def _flash_grads(g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple:
+    """The op's backward: (dq, dk, dv); zeros for an empty call, without the op."""
+    if flash_guard(q, k, v, mask):
+        return _flash_backward(g, q, k, v, o, lse, 0.0, is_causal, attn_mask=mask, scale=scale)[:3]
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 class SinkAttention(torch.autograd.Function):
@@ -44,7 +80,7 @@ class SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
-        o, lse = _flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, T, Dv), (B, H, T)
+        o, lse = _flash_forward(q, k, v, mask, is_causal, scale)  # (B, H, T, Dv), (B, H, T)
         w = sink_share(lse, sinks).unsqueeze(-1)  # (B, H, T, 1) float32
         y = (o * w).to(o.dtype)  # (B, H, T, Dv)
         ctx.save_for_backward(q, k, v, o, lse, w, y, mask)
@@ -55,7 +91,7 @@ class SinkAttention(torch.autograd.Function):
     def backward(ctx, g: Tensor) -> tuple:
         q, k, v, o, lse, w, y, mask = ctx.saved_tensors
         go = (g * w).to(g.dtype).contiguous()  # (B, H, T, Dv)
-        dq, dk, dv = _flash_backward(go, q, k, v, y, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
+        dq, dk, dv = _flash_grads(go, q, k, v, y, lse, mask, ctx.is_causal, ctx.scale)
         share = (g.to(w.dtype) * o.to(w.dtype)).sum(-1) * (w * (1 - w)).squeeze(-1)  # (B, H, T), float32 or wider
         dsinks = -share.sum((0, 2)).to(ctx.sinks_dtype)  # (H,)
         return dq, dk, dv, dsinks, None, None, None
@@ -113,16 +149,16 @@ def _causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     torch's CPU flash kernel (torch 2.13) splits keys in blocks of up to 512 and computes every
     score of a key block that a query block reaches: a causal prompt of T <= 512 costs the whole
     T x T square, half of it masked. Here block r0..r1 reads keys 0..r1 only (the first block
-    with ``is_causal``, the others with their (t, r1) mask): 480 tokens ~1.5x faster, 1024 ~1.1x,
-    each row's softmax the same (float32 sums over the keys it sees, rounded once).
+    with ``is_causal``, the others with their (t, r1) mask), each row's softmax the same
+    (float32 sums over the keys it sees, rounded once).
     (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).
     """
-    outs = [_kernel(q[:, :, :CAUSAL_BLOCK], k[:, :, :CAUSAL_BLOCK], v[:, :, :CAUSAL_BLOCK], spec, None, None, True)]  # (B, H, t, Dv)
-    for r0 in range(CAUSAL_BLOCK, spec.T, CAUSAL_BLOCK):
-        r1 = min(spec.T, r0 + CAUSAL_BLOCK)
-        allowed = spec.allowed((r0, r1), (0, r1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
-        outs.append(_kernel(q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], spec, allowed, None, False))  # (B, H, t, Dv)
-    return torch.cat(outs, dim=2)  # (B, H, T, Dv)
+    contexts = []
+    for rows, (c0, c1) in query_blocks(spec, CAUSAL_BLOCK):
+        allowed = None if rows[0] == 0 else spec.allowed(rows, (c0, c1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
+        q_block = q[:, :, rows[0] : rows[1]]  # (B, H, t, D)
+        contexts.append(_kernel(q_block, k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, None, rows[0] == 0))  # (B, H, t, Dv)
+    return joined(contexts)  # (B, H, T, Dv)
 
 
 def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
@@ -137,20 +173,13 @@ def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
             return _causal_blocks(q, k, v, spec)
         if spec.plain_causal:
             return _kernel(q, k, v, spec, None, None, True)
-        return _kernel(q, k, v, spec, spec.allowed((0, T), (0, S), q.device), spec.bias((0, T), (0, S), q.device), False)
-    B, H = q.shape[:2]
-    step = max(1, math_backend.BLOCK_ELEMENTS // max(1, spec.alibi.shape[0] * H * S))
-    outs = []
-    for r0 in range(0, T, step):  # ALiBi's bias one block of queries at a time, each over the keys it may see
-        r1 = min(T, r0 + step)
-        c0, c1 = math_backend.visible(spec, r0, r1)
-        if c1 <= c0:
-            outs.append(q.new_zeros(B, H, r1 - r0, v.shape[3]))
-            continue
-        rows, cols = (r0, r1), (c0, c1)
-        allowed, bias = spec.allowed(rows, cols, q.device), spec.bias(rows, cols, q.device)
-        outs.append(_kernel(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T, Dv)
+        return _kernel(q, k, v, spec, spec.allowed((0, T), (0, S), q.device), spec.bias((0, T), (0, S), q.device, q.dtype), False)
+    contexts = []
+    for rows, cols in query_blocks(spec, rows_per_block(T, spec.alibi.shape[0] * q.shape[1] * S)):  # ALiBi's bias a block at a time
+        allowed, bias = spec.allowed(rows, cols, q.device), spec.bias(rows, cols, q.device, q.dtype)  # (B?, H?, t, s) each, or None
+        q_block, (c0, c1) = q[:, :, rows[0] : rows[1]], cols  # (B, H, t, D)
+        contexts.append(_kernel(q_block, k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
+    return joined(contexts)  # (B, H, T, Dv)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:

@@ -1,20 +1,20 @@
 """Softcapped attention over blocks of queries, with a backward that recomputes instead of storing.
 
 No fused kernel computes ``cap * tanh(scores / cap)``, so the scores are written out, one block
-of queries at a time against only the keys it may see (``math.visible``). Two things make it
-cheap:
+of queries at a time against only the keys it may see (``blocks.query_blocks``). Two things make it
+cheap and keep it exact:
 
-- **tanh through sigmoid.** ``cap * tanh(y / cap) = 2 cap * sigmoid(2 y / cap) - cap``, and a
-  softmax ignores a constant shift, so the logits are ``2 cap * sigmoid(2 y / cap)``: torch's
-  CPU sigmoid is several times faster than its tanh. The ``2 scale / cap`` goes into q before
-  the product (T x D numbers, not T x S). In float32 a logit's absolute error grows to about
-  ``cap * 6e-8`` (a softmax weight's relative error, the same), against the tanh's ``|score| *
-  6e-8``; in float64 both are at rounding.
+- **tanh through expm1.** ``tanh(x) = e / (e + 2)`` with ``e = expm1(2 x)``: no cancellation at
+  any x (expm1 is exact near 0, the sum is at least 1), so the capped score keeps the relative
+  precision of the score at every cap, large ones included, where ``2 sigmoid(2 x) - 1`` keeps
+  only an absolute ``cap * eps``. torch's CPU expm1 costs less than its tanh. The ``2 scale /
+  cap`` goes into q before the product (T x D numbers, not T x S); the products are clamped to
+  +-40 first, where tanh is 1 to float64 precision and expm1 cannot overflow.
 - **A flash-style backward** (``CappedAttention``): the forward keeps only its inputs and
-  output; the backward recomputes each block's weights P and sigmoids s and applies
+  output; the backward recomputes each block's weights P and tanh values and applies
   ``dS = P * (dP - rowsum(dO * O))`` (the sink's logit carries no value, so the same row sum
-  holds with sinks) times the tanh's derivative ``1 - tanh^2 = 4 s (1 - s)``. Memory stays one
-  block's scores in backward too, where autograd would keep every block's weights.
+  holds with sinks) times the tanh's derivative ``1 - tanh^2``. Memory stays one block's
+  scores in backward too, where autograd would keep every block's weights.
 
 Terms it does not take (dropout, or an ALiBi slope or float mask that wants a gradient) go
 to ``math.run_chunked``, which autograd differentiates.
@@ -28,20 +28,18 @@ import torch
 from torch import Tensor
 
 from . import math as math_backend
+from .blocks import Block, query_blocks, rows_per_block
 from .spec import Spec
 
 _HALF = (torch.float16, torch.bfloat16)
 
+#: 2x beyond which tanh(x) is 1 in float64 (1 - tanh(20) < 1e-17): the products are clamped there.
+_SATURATED = 40.0
 
-def _blocks(spec: Spec, B: int, H: int) -> list[tuple[int, int, int, int]]:
-    """(r0, r1, c0, c1): blocks of queries and the keys each may see (c1 <= c0: queries that see no key)."""
-    step = max(1, math_backend.BLOCK_ELEMENTS // max(1, B * H * spec.S))  # the math backend's block size: a few MiB
-    out = []
-    for r0 in range(0, spec.T, step):
-        r1 = min(spec.T, r0 + step)
-        c0, c1 = math_backend.visible(spec, r0, r1)
-        out.append((r0, r1, c0, c1))
-    return out
+
+def _blocks(spec: Spec, B: int, H: int) -> list[Block]:
+    """Blocks of queries of about ``blocks.BLOCK_ELEMENTS`` scores and the keys each may see (none: left out, their rows stay zero)."""
+    return [block for block in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S)) if block.cols[1] > block.cols[0]]
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -53,32 +51,34 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 def _probs(
     qs: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], keep: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, and (``keep``) the sigmoids s behind them.
+    """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, and (``keep``) the tanh values behind them.
 
-    ``qs`` holds q * 2 scale / cap (float32 for half inputs): s = sigmoid(qs . k), the logits
-    2 cap * s (+ bias), masked, then the softmax over the keys and the sink, in place.
+    ``qs`` holds q * 2 scale / cap (float32 for half inputs): th = tanh(scale q.k / cap), the
+    logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place.
     """
     B, H, t, _ = qs.shape
-    sig = math_backend.scores(qs, k).sigmoid_()  # (B, H, t, s)
-    logits = sig * (2.0 * spec.softcap) if keep else sig.mul_(2.0 * spec.softcap)  # (B, H, t, s)
-    sig = sig if keep else None
-    bias = spec.bias(rows, cols, qs.device)  # (B?, H?, t, s) or None
+    e = math_backend.scores(qs, k).clamp_(-_SATURATED, _SATURATED).expm1_()  # (B, H, t, s): expm1(2 x)
+    th = e.div_(e + 2.0)  # (B, H, t, s): tanh(x)
+    logits = th * spec.softcap if keep else th.mul_(spec.softcap)  # (B, H, t, s)
+    th = th if keep else None
+    bias = spec.bias(rows, cols, qs.device, qs.dtype)  # (B?, H?, t, s) or None
     if bias is not None:
         logits.add_(bias.to(logits.dtype))
     edge = math_backend._edge(spec, rows, cols)  # keys before it are visible to every row of the block
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
     if allowed is not None:
         logits[..., edge:].masked_fill_(~allowed, -math.inf)
-    if spec.sinks is not None:  # the sink joins the softmax, its share is dropped: a row of -inf gives zeros, no NaN
-        sink = (spec.sinks.to(logits.dtype) + spec.softcap)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1): shifted as the logits are
-        return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].contiguous(), sig  # (B, H, t, s)
     live = None if edge else math_backend._live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
-    if live is not None:  # a row of -inf would give 0/0: finite logits, then zero weights
+    if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
         logits.masked_fill_(~live, 0.0)
-    p = torch.softmax(logits, dim=-1, out=logits)  # (B, H, t, s)
+    if spec.sinks is not None:  # the sink joins the softmax, its share is dropped
+        sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
+        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].contiguous()  # (B, H, t, s)
+    else:
+        p = torch.softmax(logits, dim=-1, out=logits)  # (B, H, t, s)
     if live is not None:
         p.masked_fill_(~live, 0.0)
-    return p, sig
+    return p, th
 
 
 def _scaled_q(q: Tensor, spec: Spec) -> Tensor:
@@ -96,12 +96,10 @@ class CappedAttention(torch.autograd.Function):
         wide = torch.float32 if q.dtype in _HALF else q.dtype
         qs, kw = _scaled_q(q, spec), k.to(wide)  # (B, H, T, D), (B, Hkv, S, D)
         out = q.new_zeros(B, H, T, v.shape[3])  # (B, H, T, Dv): rows that see no key stay zero
-        for r0, r1, c0, c1 in _blocks(spec, B, H):
-            if c1 <= c0:
-                continue
+        for (r0, r1), (c0, c1) in _blocks(spec, B, H):
             p, _ = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1))  # (B, H, t, s)
             ctx_blk = _grouped(p.to(v.dtype), Hkv) @ v[:, :, c0:c1]  # (B, Hkv, G*t, Dv)
-            out[:, :, r0:r1] = ctx_blk.view(B, H, r1 - r0, -1)
+            out[:, :, r0:r1] = ctx_blk.view(B, H, r1 - r0, v.shape[3])
         ctx.save_for_backward(q, k, v, sinks, out)
         ctx.spec = spec
         return out
@@ -119,22 +117,20 @@ class CappedAttention(torch.autograd.Function):
         dq = torch.zeros_like(qs)  # (B, H, T, D)
         dk, dv = torch.zeros_like(kw), torch.zeros_like(vw)  # (B, Hkv, S, D), (B, Hkv, S, Dv)
         dsinks = None if sinks is None else torch.zeros(B, H, T, dtype=wide, device=q.device)  # (B, H, T)
-        for r0, r1, c0, c1 in _blocks(spec, B, H):
-            if c1 <= c0:
-                continue
+        for (r0, r1), (c0, c1) in _blocks(spec, B, H):
             t = r1 - r0
-            p, sig = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2
+            p, th = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2
             g_blk = _grouped(g[:, :, r0:r1], Hkv)  # (B, Hkv, G*t, Dv)
             dv[:, :, c0:c1] += _grouped(p, Hkv).transpose(-2, -1) @ g_blk  # (B, Hkv, s, Dv)
             if dsinks is not None:  # the sink's weight is 1 - sum(P); its logit's gradient is -share * rowsum(dO * O)
                 dsinks[:, :, r0:r1] = -(1.0 - p.sum(-1)) * delta[:, :, r0:r1, 0]
-            ds = (g_blk @ vw[:, :, c0:c1].transpose(-2, -1)).view(B, H, t, -1)  # (B, H, t, s): dP
+            ds = (g_blk @ vw[:, :, c0:c1].transpose(-2, -1)).view(B, H, t, c1 - c0)  # (B, H, t, s): dP
             ds.sub_(delta[:, :, r0:r1]).mul_(p)  # dS = P (dP - rowsum(dO O)) w.r.t. the capped logits
-            ds.mul_(sig).mul_(sig.sub_(1.0))  # times s (s - 1) = -(1 - tanh^2) / 4: the sign and 4 go in below
+            ds.mul_(torch.addcmul(th.new_ones(()), th, th, value=-1.0))  # times 1 - tanh^2: w.r.t. scale * q.k
             ds = _grouped(ds, Hkv)  # (B, Hkv, G*t, s)
-            dq[:, :, r0:r1] = (ds @ kw[:, :, c0:c1]).view(B, H, t, -1)  # (B, H, t, D)
+            dq[:, :, r0:r1] = (ds @ kw[:, :, c0:c1]).view(B, H, t, q.shape[3])  # (B, H, t, D)
             dk[:, :, c0:c1] += ds.transpose(-2, -1) @ _grouped(q[:, :, r0:r1].to(wide), Hkv)  # (B, Hkv, s, D)
-        d_scaled = -4.0 * spec.scale  # d logit / d(q.k) = scale (1 - tanh^2) = -4 scale s (s - 1)
+        d_scaled = spec.scale  # d logit / d(q.k) = scale (1 - tanh^2)
         grads_sinks = None if dsinks is None else dsinks.sum((0, 2)).to(sinks.dtype)  # (H,)
         return (dq * d_scaled).to(q.dtype), (dk * d_scaled).to(k.dtype), dv.to(v.dtype), grads_sinks, None
 

@@ -68,14 +68,14 @@ class Spec:
             allowed = part if allowed is None else allowed & part  # broadcasts to (B?, H?, t, s)
         return allowed
 
-    def bias(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> Tensor | None:
-        """Additive floats (1 or B, 1 or H, t, s): ALiBi plus an additive user mask; None = nothing."""
+    def bias(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Tensor | None:
+        """Additive floats (1 or B, 1 or H, t, s): ALiBi (in ``dtype``, the scores', or wider) plus an additive user mask; None = nothing."""
         (r0, r1), (c0, c1) = rows, cols
         off = self.S - self.T
         bias = None
         if self.alibi is not None:
             q_pos = torch.arange(off + r0, off + r1, device=device)  # (t,)
-            bias = alibi_bias(self.alibi, q_pos, torch.arange(c0, c1, device=device))  # (Bs, H, t, s)
+            bias = alibi_bias(self.alibi, q_pos, torch.arange(c0, c1, device=device), dtype)  # (Bs, H, t, s)
         if self.mask is not None and self.mask.dtype != torch.bool:
             user = cut(self.mask, rows, cols)  # (B?, H?, t, s)
             bias = user if bias is None else bias + user
