@@ -264,12 +264,15 @@ def test_set_path_rejects_unknown_paths():
         hl.set_path("mkl")
 
 
-def test_describe_reports_the_machine_and_the_decision():
+@pytest.mark.parametrize("vendor, capability, fp32", [("AuthenticAMD", "AVX512", "onednn"), ("GenuineIntel", "AVX512", "torch"),
+                                                    ("AuthenticAMD", "AVX2", "torch")])
+def test_describe_reports_the_machine_and_the_decision(machine, vendor, capability, fp32):
+    machine(vendor, capability)
     info = hl.describe()
-    assert {"vendor", "family", "model", "flags", "capability"} <= set(info["cpu"])
-    assert info["torch"] == torch.__version__ and info["tested_torch"] == list(hl.TESTED_TORCH)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert info[str(dtype)[6:]] == dict(zip(("path", "reason"), hl.choose(dtype), strict=True))
+    assert info["cpu"]["vendor"] == vendor and info["cpu"]["capability"] == capability
+    assert info["torch"] == torch.__version__ and info["tested_torch"] == ["2.13"]
+    assert info["float32"]["path"] == fp32 and info["bfloat16"]["path"] == "torch"  # bf16 GEMMs: torch's own, on oneDNN already
+    assert info["float32"]["reason"].startswith("AMD family 26" if fp32 == "onednn" else vendor) and info["setting"] == "auto (default)"
 
 
 def test_failing_private_ops_fall_back_to_f_linear_with_one_warning(monkeypatch):

@@ -34,11 +34,22 @@ def decode_case(rows, dtype, *, n=N, k=K, seed=0):
         ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float16, "torch", "torch"),
     ],
 )
-def test_the_few_rows_rule_depends_on_cpu_flags_dtype_and_torch_version_only(machine, vendor, capability, flags, version, dtype, few, many):
+def test_the_few_rows_rule_depends_on_cpu_flags_dtype_and_torch_version_only(machine, monkeypatch, vendor, capability, flags, version, dtype, few, many):
+    import time
+
     machine(vendor, capability, flags, version=version)
-    assert hl.choose_few_rows(dtype)[0] == few
-    assert hl.choose(dtype)[0] == many
-    assert hl.choose_few_rows(dtype) == hl.choose_few_rows(dtype)  # nothing timed: the same answer every time
+    hl._ops_error(dtype)  # the one-time check that oneDNN's ops work here (cached): not part of the rule
+
+    def no(*args, **kwargs):
+        raise AssertionError("the rule read a clock or ran a GEMM")
+
+    with monkeypatch.context() as patched:  # nothing timed, nothing run: the answers come from the facts alone
+        for clock in ("perf_counter", "perf_counter_ns", "monotonic", "time", "process_time", "thread_time"):
+            patched.setattr(time, clock, no)
+        patched.setattr(hl, "_lp", no)
+        patched.setattr(hl.F, "linear", no)
+        assert hl.choose_few_rows(dtype)[0] == few
+        assert hl.choose(dtype)[0] == many
     if dtype in (torch.float32, torch.bfloat16):
         x, w, b = decode_case(1, dtype)
         assert hl.uses_onednn(x, w, b) == (few == "onednn")  # one row, a decode-sized weight: the few-rows rule
@@ -62,11 +73,16 @@ def test_forcing_decides_decode_shapes_too(machine, monkeypatch):
     assert hl.choose_few_rows(torch.float32) == ("torch", "forced by HEADWISE_LINEAR")
 
 
-def test_describe_reports_the_few_rows_decision():
+@pytest.mark.parametrize("vendor, flags, fp32, bf16", [
+    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "onednn", "onednn"),
+    ("GenuineIntel", ["avx512f"], "torch", "torch"),
+])
+def test_describe_reports_the_few_rows_decision(machine, vendor, flags, fp32, bf16):
+    machine(vendor, "AVX512", flags)
     info = hl.describe()["few_rows"]
-    assert info["rows"] == hl.DECODE_ROWS and info["min_weight"] == hl.MIN_DECODE_WEIGHT
-    for dtype in (torch.float32, torch.bfloat16):
-        assert info[str(dtype)[6:]] == dict(zip(("path", "reason"), hl.choose_few_rows(dtype), strict=True))
+    assert info["rows"] == 16 and info["min_weight"] == 2**17
+    assert (info["float32"]["path"], info["bfloat16"]["path"]) == (fp32, bf16)
+    assert info["bfloat16"]["reason"].startswith("bfloat16 with avx512_bf16" if bf16 == "onednn" else "bfloat16 on a CPU without avx512_bf16")
 
 
 def plain_error(x, w, b, ref):
@@ -108,7 +124,7 @@ def test_a_models_decode_step_agrees_on_both_paths(dtype):
     for path in ("torch", "onednn"):
         with hl.use_path(path):
             caches = model.new_caches(2, 8)
-            model.next_logits(ids, None, None, caches)
-            logits[path] = model.next_logits(ids[:, :1], None, None, caches).float()  # (B, vocab): one row per sequence
+            model(ids, cache=caches, logits_to_keep=1)
+            logits[path] = model(ids[:, :1], cache=caches)[:, 0].float()  # (B, vocab): one row per sequence
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=tol, atol=tol)
