@@ -111,7 +111,9 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     which (its ``is_causal`` may be missing, or say the opposite of the mask transformers built),
     so the mask is always built. Where transformers would have skipped it, ``attend`` recognises
     the very tensor returned here and runs without reading it (causal, or nothing masked); a copy
-    or a slice of it is read as the mask it is. Under ``torch.compile`` every mask is read.
+    or a slice of it is read as the mask it is. Under ``torch.compile`` every mask is read. The
+    cost: a skippable mask is built (T * S bools when nothing is padded, once per forward: the
+    layers share it) where transformers would build none.
 
     An architecture none of whose attention layers calls the interface (Bloom, MPT, XGLM, ...)
     still builds its masks here: it is refused by name (``routing.never_routed``).
@@ -176,15 +178,17 @@ def attend(
     """transformers' attention function, computed by ``headwise.attention``.
 
     Args:
-        module: the calling attention layer (its ``is_causal`` says causal unless ``is_causal`` is given).
+        module: the calling attention layer; its ``is_causal`` (True if missing) is read only
+            where the model built no mask at all.
         query: (B, H, T, D).
         key: (B, Hkv, S, D), everything the layer's cache holds (Hkv divides H).
         value: (B, Hkv, S, Dv); Dv may differ from D (multi-head latent attention).
-        attention_mask: the mask ``mask`` built ((B, 1, T, S) bool, True = may attend), a 4D
-            bool or additive float mask the caller built, or None.
+        attention_mask: the mask ``mask`` built ((B, 1, T, S) bool, True = may attend; one
+            transformers would have skipped runs as what it stands for), a 4D bool or additive
+            float mask the caller built, or None (the model built none).
         dropout: dropout on the weights (transformers passes 0.0 in eval mode).
         scaling: multiplies the scores; None = 1/sqrt(D).
-        is_causal: overrides ``module.is_causal``.
+        is_causal: overrides ``module.is_causal`` (where the model built no mask).
         softcap: Gemma 2's logit cap: scores become softcap * tanh(scores / softcap).
         s_aux: (H,) gpt-oss's sink logits, one per query head.
         position_bias: (B or 1, H, T, S) additive bias (T5-style relative positions).
