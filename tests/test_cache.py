@@ -245,7 +245,7 @@ def test_update_refuses_what_is_not_a_tensor():
 
 
 def snapshot(cache: hw.KVCache) -> tuple:
-    return len(cache), cache.k.clone(), cache.v.clone(), cache.real.clone(), cache._padded, cache._owner
+    return len(cache), cache.k.clone(), cache.v.clone(), cache.is_token.clone(), cache._padded, cache._owner
 
 
 def unchanged(before: tuple, after: tuple) -> bool:

@@ -21,19 +21,22 @@ values from the context, never causal (the context is another sequence: a query 
 it, less its padding ``context_mask``). A ``ContextCache`` keeps the context's projected keys
 and values from the first call, so decode steps do not project the encoder's output again.
 
+``forward`` checks its arguments, then runs the path. ``check=False`` skips the checks (and,
+for the decode shape: new tokens through a ``KVCache``, nothing padded, no dropout, the core's
+too) for a caller that made them once for what cannot change between its calls: ``generate``'s
+decode loop. The numbers are the same either way.
+
 The steps are reported to ``headwise.observe`` under the names ``headwise explain`` shows.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor, nn
 
 from . import _checks
-from .cache import Cache, KVCache, checked
-from .functional import attention, attention_unchecked, merge_heads, split_heads
+from .cache import Cache, ContextCache, KVCache, checked
+from .functional import Plan, attention, attention_unchecked, merge_heads, plan, split_heads
 from .masks import inert_padding
 from .observe import report
 
@@ -52,75 +55,6 @@ def checked_input(
     attention_mask = _checks.attention_mask(attention_mask, b, t, device=(name + " is", x.device))  # (B, T) bool or None
     _checks.context(t, past, module.context_length, sliding=sliding)
     return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
-
-
-class ContextCache:
-    """Cross-attention's cache: the context's keys and values (B, Hkv, S, D), projected once.
-
-    The first forward given it (with a ``context``) projects and stores them; later forwards
-    attend over the stored ones, with or without the context passed again. A forward given
-    another context (another tensor with other values, or another ``context_mask``) attends over
-    that context: it is projected and stored in place of the old one. Like a ``KVCache``, a
-    ``ContextCache`` belongs to the one module that filled it (another module's keys are other
-    numbers): another module given it gets a ValueError.
-
-    Example:
-        >>> import torch, headwise as hw
-        >>> cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6)
-        >>> memory, cache = torch.randn(1, 5, 6), hw.ContextCache()
-        >>> y = cross(torch.randn(1, 1, 8), context=memory, cache=cache)  # projects the 5 context tokens
-        >>> y = cross(torch.randn(1, 1, 8), cache=cache)  # reuses them
-        >>> len(cache)
-        5
-    """
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None  # (B, Hkv, S, D)
-        self.v: Tensor | None = None  # (B, Hkv, S, D)
-        self.real: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
-        self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
-        self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
-        self._owner: weakref.ref | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def reset(self) -> None:
-        """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
-        self.k = self.v = self.real = self._context = self._version = None
-
-    def check_owner(self, owner: object) -> None:
-        """Raise ValueError (changing nothing) if this cache belongs to another module than ``owner`` (still alive)."""
-        bound = None if self._owner is None else self._owner()
-        if bound is not None and bound is not owner:
-            raise ValueError(
-                f"this ContextCache belongs to {type(bound).__name__} at {id(bound):#x}, not to {type(owner).__name__} at "
-                f"{id(owner):#x}: its keys and values are that module's projections; give every cross-attention layer a cache of its own"
-            )
-
-    def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
-        """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
-        the same tensor, unchanged since, or equal values (one comparison, read on the host)."""
-        if self._context is None or (self.real is None) != (context_mask is None):
-            return False
-        if self.real is not None and not torch.equal(self.real, context_mask):
-            return False
-        if context is self._context:
-            return self._version is not None and _version(context) == self._version
-        unchanged = self._version is not None and _version(self._context) == self._version
-        return unchanged and context.shape == self._context.shape and torch.equal(context, self._context)
-
-    def _store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, real: Tensor | None) -> None:
-        self.k, self.v, self.real, self._context, self._version = keys, values, real, context, _version(context)
-        self._owner = weakref.ref(owner)
-
-
-def _version(t: Tensor) -> int | None:
-    """``t``'s version counter (it counts in-place writes), or None where it is not tracked (inference tensors)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 class AttentionLayer(nn.Module):
@@ -180,6 +114,7 @@ class AttentionLayer(nn.Module):
         cache: Cache | ContextCache | None = None,
         position_ids: Tensor | None = None,
         documents: Tensor | None = None,
+        check: bool = True,
     ) -> Tensor:
         """Attend over the tokens of x (and, with a cache, over every token cached before), or over a context.
 
@@ -199,23 +134,18 @@ class AttentionLayer(nn.Module):
                 encoding (HuggingFace's ``position_ids``); default: counted from the cache length.
             documents: (B, S) document ids of packed rows (``headwise.attention``'s): a token
                 sees only tokens of its own document; with a cache, S counts the cached tokens.
+            check: False skips every check of the arguments (see the module docstring): a wrong
+                argument then fails inside torch or gives a wrong answer. For ``generate``.
 
         Returns:
             (B, T, C).
         """
-        if documents is not None and (context is not None or isinstance(cache, ContextCache)):
-            raise ValueError("documents (packed rows) apply to self-attention; cross-attention takes context_mask for the context's padding")
         if context is not None or context_mask is not None or isinstance(cache, ContextCache):
+            if documents is not None:
+                raise ValueError("documents (packed rows) apply to self-attention; cross-attention takes context_mask for the context's padding")
             return self._cross(x, context, context_mask, attention_mask, cache, position_ids)
-        if getattr(self, "kv_dim", self.d_in) != self.d_in:
-            raise ValueError(f"this module's keys come from a context of width kv_dim={self.kv_dim} (cross-attention): pass context=")
-        cache = checked(cache)
-        past = len(cache) if isinstance(cache, KVCache) else 0
-        sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
-        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
-        if cache is not None:
-            cache.check_owner(self)  # one cache, one layer
-        _checks.position_ids(position_ids, *x.shape[:2])
+        if check:
+            x, attention_mask = self._checked(x, attention_mask, cache, position_ids)  # (B, T, d_in), (B, T) bool or None
         start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
         if position_ids is None and not isinstance(start, int):
             position_ids = start  # (1, T): each sequence's tokens continue from its own length
@@ -227,40 +157,59 @@ class AttentionLayer(nn.Module):
         queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
         keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
         values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
-        queries, keys = self.position(queries, keys, past, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
-        context = attention(
-            queries, keys, values, cache=cache, causal=self.causal, window=self.window,
-            attention_mask=attention_mask, documents=documents, dropout_p=self.attn_dropout_p, backend=self.backend,
-            **self.score_terms(),
-        )  # (B, H, T, D)
-        if cache is not None:
+        queries, keys = self.position(queries, keys, start if isinstance(start, int) else 0, attention_mask, position_ids)
+        terms = {"causal": self.causal, "window": self.window, "backend": self.backend, **self.score_terms()}
+        dropout_p = self.attn_dropout_p
+        if not check and isinstance(cache, KVCache) and attention_mask is None and documents is None and dropout_p == 0:
+            context = attention_unchecked(queries, keys, values, cache, **terms)  # (B, H, T, D): the decode shape, nothing to check
+        else:
+            context = attention(
+                queries, keys, values, cache=cache, attention_mask=attention_mask, documents=documents, dropout_p=dropout_p, **terms
+            )  # (B, H, T, D)
+        if check and cache is not None:
             cache.bind(self)  # after its first write: a refused call leaves a fresh cache free
         out = self.project_out(merge_heads(context))  # (B, T, C)
         report("output", out)
         return out
 
-    def decode(self, x: Tensor, cache: KVCache, position_ids: Tensor | None = None) -> Tensor:
-        """``forward(x, cache=cache, position_ids=position_ids)`` for a decode loop that checked once
-        what cannot change between steps (``generate`` does, before its first step).
+    def plan(
+        self, x: Tensor, *, context: Tensor | None = None, attention_mask: Tensor | None = None, cache: Cache | None = None,
+        position_ids: Tensor | None = None, documents: Tensor | None = None,
+    ) -> Plan:
+        """How ``forward`` with these arguments would compute attention, and why (``headwise.plan``).
 
-        Trusted: x (B, T, d_in) of the module's dtype and device, no padding among its tokens,
-        a ``KVCache`` already bound to this module with room for T more, eval mode, autograd off,
-        nobody observing, no hooks. Nothing of that is checked here (no host reads either); the
-        numbers are ``forward``'s, bit for bit.
-
-        Returns:
-            (B, T, C).
+        The projections run (the plan reads q, k and v: shapes, dtype, device, autograd); nothing
+        is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
         """
-        past = len(cache)
+        if context is not None or isinstance(cache, ContextCache):  # cross-attention: keys of the context (or the cache's)
+            queries = split_heads(self.project_q(x), self.head_dim)  # (B, H, T, D)
+            keys, values = (split_heads(t, self.head_dim) for t in self.project_kv(context)) if context is not None else (cache.k, cache.v)
+            return plan(queries, keys, values, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms())
+        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
-        queries = split_heads(queries, self.head_dim)  # (B, H, T, D)
-        keys = split_heads(keys, self.head_dim)  # (B, Hkv, T, D)
-        values = split_heads(values, self.head_dim)  # (B, Hkv, T, D)
-        queries, keys = self.position(queries, keys, past, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
-        context = attention_unchecked(
-            queries, keys, values, cache, causal=self.causal, window=self.window, backend=self.backend, **self.score_terms()
-        )  # (B, H, T, D)
-        return self.project_out(merge_heads(context))  # (B, T, C)
+        queries, keys, values = (split_heads(t, self.head_dim) for t in (queries, keys, values))  # (B, H or Hkv, T, D)
+        at = start if isinstance(start, int) else 0
+        queries, keys = self.position(queries, keys, at, attention_mask, start if position_ids is None and not isinstance(start, int) else position_ids)
+        return plan(
+            queries, keys, values, cache=cache, causal=self.causal, window=self.window, attention_mask=attention_mask, documents=documents,
+            dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms(),
+        )
+
+    def _checked(
+        self, x: Tensor, attention_mask: Tensor | None, cache: Cache | None, position_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Self-attention's checks (``attention`` checks the rest): x and its padding (see ``checked_input``),
+        a cache the core reads and that is this layer's (or no one's yet), position_ids."""
+        if getattr(self, "kv_dim", self.d_in) != self.d_in:
+            raise ValueError(f"this module's keys come from a context of width kv_dim={self.kv_dim} (cross-attention): pass context=")
+        cache = checked(cache)
+        past = len(cache) if isinstance(cache, KVCache) else 0
+        sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
+        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
+        if cache is not None:
+            cache.check_owner(self)  # one cache, one layer
+        _checks.position_ids(position_ids, *x.shape[:2])
+        return x, attention_mask
 
     def _cross(
         self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, attention_mask: Tensor | None,
@@ -294,26 +243,26 @@ class AttentionLayer(nn.Module):
             b, s = cache.k.shape[0], len(cache)
             if b != B:
                 raise ValueError(f"this ContextCache holds a context of (B, S) = {(b, s)}; got x of batch {B}")
-        real = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("the context is", x.device))  # (B, S) or None
-        if context is None and context_mask is not None and not (cache.real is not None and torch.equal(cache.real, real)):
+        context_mask = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("the context is", x.device))  # (B, S)
+        if context is None and context_mask is not None and not (cache.context_mask is not None and torch.equal(cache.context_mask, context_mask)):
             raise ValueError(
                 "context_mask differs from the padding this ContextCache was filled with: pass the context again with it "
                 "(it is projected again), or leave context_mask out"
             )
         report("x", x)
         queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        fresh = context is not None and not (cache is not None and cache.holds(context, real))
+        fresh = context is not None and not (cache is not None and cache.holds(context, context_mask))
         if fresh:
-            keys, values = self.project_kv(inert_padding(context, real))  # (B, S, Hkv*D) x2
+            keys, values = self.project_kv(inert_padding(context, context_mask))  # (B, S, Hkv*D) x2
             keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
             values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
         else:
-            keys, values, real = cache.k, cache.v, cache.real  # (B, Hkv, S, D) x2, (B, S) or None
+            keys, values, context_mask = cache.k, cache.v, cache.context_mask  # (B, Hkv, S, D) x2, (B, S) or None
         out = attention(
-            queries, keys, values, attention_mask=real, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
+            queries, keys, values, attention_mask=context_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
         )  # (B, H, T, D)
         if fresh and cache is not None:
-            cache._store(self, context, keys, values, real)  # after attention took them: a refused call changes nothing
+            cache.store(self, context, keys, values, context_mask)  # after attention took them: a refused call changes nothing
         out = self.project_out(merge_heads(out))  # (B, T, C)
         report("output", out)
         return out

@@ -234,7 +234,7 @@ def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *,
     """Compare a causal LM with its ``int8_weights`` copy: next-token logits and greedy agreement.
 
     Args:
-        original, quantized: models with ``next_logits``/``new_caches``/``generate`` (headwise's
+        original, quantized: models with ``new_caches``, ``generate`` and ``forward(ids, cache=, logits_to_keep=)`` (headwise's
             GPT-2 and Llama family).
         input_ids: (B, T) prompt.
         max_new_tokens: greedy tokens to generate with each.
@@ -242,7 +242,7 @@ def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *,
     logits = []
     for model in (original, quantized):
         caches = model.new_caches(input_ids.shape[0], input_ids.shape[1])
-        logits.append(model.next_logits(input_ids, None, None, caches).double())  # (B, vocab)
+        logits.append(model(input_ids, cache=caches, logits_to_keep=1)[:, 0].double())  # (B, vocab)
     diff = logits[1] - logits[0]
     a = original.generate(input_ids, max_new_tokens=max_new_tokens)[:, input_ids.shape[1] :]  # (B, n)
     b = quantized.generate(input_ids, max_new_tokens=max_new_tokens)[:, input_ids.shape[1] :]  # (B, n)

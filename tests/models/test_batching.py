@@ -160,7 +160,7 @@ def test_bad_requests():
         generate_many(model, [torch.tensor([1, 2])], 10**8)  # refused before a pool is allocated for it
     with pytest.raises(ValueError, match=r"seed \(or None; request i samples with seed \+ i, 2 requests\) must be an int in \[0, 18446744073709551614\]"):
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, temperature=1.0, seed=2**64 - 1)
-    with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with packed_logits"):
+    with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with new_paged_caches"):
         Batcher(torch.nn.Linear(2, 2), num_blocks=4)
     with pytest.raises(ValueError, match=r"num_blocks must be a positive int"):
         Batcher(model, num_blocks=0)

@@ -44,8 +44,23 @@ def test_kept_logits_equal_the_last_positions_of_all_logits(name, keep, mask):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("bad", [-1, 7, True, 1.0, None])
 def test_logits_to_keep_must_be_a_count_of_positions(name, bad):
-    with pytest.raises(ValueError, match=rf"logits_to_keep \(0 = all positions\) must be an int in \[0, 6\], got {bad!r}"):
+    with pytest.raises(ValueError, match=rf"logits_to_keep \(0 = all positions, or a 1-D tensor of positions\) must be an int in \[0, 6\], got {bad!r}"):
         MODELS[name]()(IDS, logits_to_keep=bad)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_kept_at_given_positions_equal_those_of_all_logits(name):
+    model = MODELS[name]()
+    rows = torch.tensor([5, 0, 3])
+    with torch.no_grad():
+        full, kept = model(IDS, attention_mask=MASK), model(IDS, attention_mask=MASK, logits_to_keep=rows)  # (B, T, vocab), (B, 3, vocab)
+    torch.testing.assert_close(kept, full[:, rows], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"logits_to_keep must hold positions in \[0, T=6\), got \[6\]"):
+        model(IDS, logits_to_keep=torch.tensor([6]))
+    with pytest.raises(ValueError, match=r"logits_to_keep must hold positions in \[0, T=6\), got \[-1\]"):
+        model(IDS, logits_to_keep=torch.tensor([-1]))  # would wrap to the last position
+    with pytest.raises(TypeError, match=r"logits_to_keep as a tensor must be 1-D integer positions \(N,\), got dtype torch.float32 shape \(1,\)"):
+        model(IDS, logits_to_keep=torch.tensor([1.0]))
 
 
 @pytest.mark.parametrize("name", MODELS)

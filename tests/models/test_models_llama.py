@@ -108,7 +108,7 @@ def test_cached_decoding_equals_the_full_forward(pair):
     assert torch.equal(model.generate(ids, max_new_tokens=9), seq)
     caches = model.new_caches(2, 16)
     with torch.no_grad():
-        step = [model.next_logits(seq[:, :7], None, None, caches)] + [model.next_logits(seq[:, i : i + 1], None, None, caches) for i in range(7, 16)]
+        step = [model(seq[:, :7], cache=caches, logits_to_keep=1)[:, 0]] + [model(seq[:, i : i + 1], cache=caches)[:, 0] for i in range(7, 16)]
         full = model(seq)[:, 6:]  # (2, 10, V): the logits after 7 .. 16 tokens
     torch.testing.assert_close(torch.stack(step, dim=1), full, atol=1e-4, rtol=0)  # float32, other GEMM shapes
 

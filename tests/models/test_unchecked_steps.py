@@ -1,5 +1,6 @@
-"""generate's unchecked decode steps (``step_logits``, ``AttentionLayer.decode``) give the checked
-path's numbers bit for bit, and generate falls back to the checked path where it must."""
+"""generate's unchecked forwards (``forward(..., check=False)``, down to every attention layer and
+its cache) give the checked path's numbers bit for bit, and generate checks every forward where it
+cannot trust them; a model's forward refuses caches it cannot run."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from torch import nn
 
 from headwise import GPT2Config
 from headwise.models import GPT2LMHeadModel, LlamaForCausalLM
-from headwise.models.generate import unchecked_steps
+from headwise.models.generate import trusts
 from headwise.models.llama_config import LlamaConfig
 from headwise.observe import observe
 from headwise.quantize import int8_weights
@@ -45,19 +46,19 @@ MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
 @torch.no_grad()
 def test_unchecked_steps_equal_the_checked_steps_bit_for_bit(name, mask):
     model = MODELS[name]()
-    assert unchecked_steps(model)
-    real = None if mask is None else mask.bool()
-    positions = None if real is None else (real.long().cumsum(-1) - 1).masked_fill(~real, 0)  # (B, T)
+    assert trusts(model)
+    is_token = None if mask is None else mask.bool()
+    positions = None if is_token is None else (is_token.long().cumsum(-1) - 1).masked_fill(~is_token, 0)  # (B, T)
     checked, unchecked = (model.new_caches(2, 6 + 12) for _ in range(2))
-    first = model.next_logits(IDS, positions, real, checked)  # (B, vocab)
-    assert torch.equal(first, model.next_logits(IDS, positions, real, unchecked))
-    token, position = first.argmax(-1)[:, None], None if positions is None else positions[:, -1:]  # (B, 1)
+    first = model(IDS, is_token, positions=positions, cache=checked, logits_to_keep=1)  # (B, 1, vocab)
+    assert torch.equal(first, model(IDS, is_token, positions=positions, cache=unchecked, logits_to_keep=1, check=False))
+    token, position = first[:, 0].argmax(-1)[:, None], None if positions is None else positions[:, -1:]  # (B, 1)
     for _ in range(12):
         position = None if position is None else position + 1
-        want = model.next_logits(token, position, None, checked)  # (B, vocab)
-        got = model.step_logits(token, position, unchecked)
+        want = model(token, positions=position, cache=checked)  # (B, 1, vocab)
+        got = model(token, positions=position, cache=unchecked, check=False)
         assert torch.equal(got, want)
-        token = want.argmax(-1)[:, None]  # (B, 1)
+        token = want[:, 0].argmax(-1)[:, None]  # (B, 1)
     for a, b in zip(checked, unchecked, strict=True):
         assert len(a) == len(b) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
@@ -68,7 +69,7 @@ def test_generate_is_the_same_with_checked_steps(name):
     model = MODELS[name]()
     fast = model.generate(IDS, attention_mask=MASK, max_new_tokens=10)
     handle = model.register_forward_pre_hook(lambda module, args: None)
-    assert not unchecked_steps(model)
+    assert not trusts(model)
     slow = model.generate(IDS, attention_mask=MASK, max_new_tokens=10)
     handle.remove()
     assert torch.equal(fast, slow)
@@ -76,18 +77,18 @@ def test_generate_is_the_same_with_checked_steps(name):
 
 def test_generate_checks_every_step_when_it_cannot_trust_them():
     model = gpt2()
-    assert unchecked_steps(model)
+    assert trusts(model)
     model.train()
-    assert not unchecked_steps(model)  # dropout: decode skips it
+    assert not trusts(model)  # dropout: the unchecked core runs none
     model.eval()
     handle = model.transformer.h[1].attn.register_forward_hook(lambda module, args, out: None)
-    assert not unchecked_steps(model)  # decode does not run the hooks of __call__
+    assert not trusts(model)  # a hook may change what the next layer is given
     handle.remove()
     with observe(lambda name, tensor: None):
-        assert not unchecked_steps(model)  # an observer reads the checked path's steps
-    assert not unchecked_steps(nn.Linear(2, 2))  # no step_logits
-    model.next_logits = torch.compile(model.next_logits)  # the caller's own step (not compiled until called)
-    assert not unchecked_steps(model)
+        assert not trusts(model)  # an observer reads the checked core's steps
+    assert not trusts(object())
+    model.forward = torch.compile(model.forward)  # the caller's own forward (not compiled until called)
+    assert not trusts(model)
 
 
 def test_a_hooked_attention_layer_sees_every_step():
@@ -105,7 +106,7 @@ def test_a_hooked_attention_layer_sees_every_step():
 @pytest.mark.parametrize("sliding", [False, True])
 @torch.no_grad()
 def test_decode_equals_forward_with_every_score_term(terms, sliding):
-    """``AttentionLayer.decode`` (generate's unchecked step) and ``forward`` through twin caches, bit for bit."""
+    """``forward(..., check=False)`` (generate's unchecked step) and ``forward`` through twin caches, bit for bit."""
     from headwise import KVCache, MultiHeadAttention
 
     if sliding and "window" not in terms:
@@ -121,5 +122,25 @@ def test_decode_equals_forward_with_every_score_term(terms, sliding):
     torch.testing.assert_close(mha(x, cache=checked), mha(x, cache=unchecked), rtol=0, atol=0)
     for _ in range(8):
         x = torch.randn(2, 1, 16)  # (B, 1, C): one step
-        assert torch.equal(mha.decode(x, unchecked), mha(x, cache=checked))
+        assert torch.equal(mha(x, cache=unchecked, check=False), mha(x, cache=checked))
     assert len(checked) == len(unchecked) == 13 and torch.equal(checked.k, unchecked.k) and torch.equal(checked.v, unchecked.v)
+
+
+def test_a_models_forward_refuses_caches_it_cannot_run():
+    model, paged = gpt2(), gpt2().new_paged_caches(4, 4)
+    for pool in paged:
+        pool.add(0)
+    with pytest.raises(TypeError, match=r"cache must be a list of one cache per layer \(2\): model.new_caches\(batch_size, max_len\).*got KVCache"):
+        model(IDS, cache=model.new_caches(2, 8)[0])
+    with pytest.raises(TypeError, match=r"cache must be a list of one cache per layer \(2\).*got a list of 1"):
+        model(IDS, cache=model.new_caches(2, 8)[:1])
+    with pytest.raises(TypeError, match=r"cache must hold KVCaches or paged batches, one kind, got \['KVCache', 'PagedBatch'\]"):
+        model(IDS[:1, :1], cache=[model.new_caches(1, 8)[0], paged[1].batch([0], [1])])
+    with pytest.raises(ValueError, match=r"a paged batch packs its sequences' real tokens in one row: input_ids \(1, T\) and no attention_mask, got B=2"):
+        model(IDS, cache=[c.batch([0], [6]) for c in paged])
+    with pytest.raises(ValueError, match=r"input_ids has 6 tokens after 60 cached, more than n_positions=64"):
+        caches = model.new_caches(2, 70)
+        model(torch.ones(2, 60, dtype=torch.long), cache=caches)
+        model(IDS, cache=caches)
+    with pytest.raises(TypeError, match=r"positions must be an integer tensor of shape \(batch, tokens\) = \(2, 6\), got dtype torch.float32"):
+        model(IDS, positions=torch.zeros(2, 6))

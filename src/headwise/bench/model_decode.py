@@ -5,10 +5,10 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
 
 **Steps** (``decode_speeds``), per model, precision, batch B and context:
 
-- ``headwise_ms``: one step as ``generate`` runs it (``step_logits``, unchecked: B new tokens
+- ``headwise_ms``: one step as ``generate`` runs it (``forward(..., check=False)``: B new tokens
   through a ``KVCache`` per layer; each repeat appends its token, so the steps see
   ``context - repeats`` .. ``context`` keys, one more each time, as ``generate``'s do), median of
-  interleaved repeats; ``checked_ms``: the same step through ``next_logits``, every argument
+  interleaved repeats; ``checked_ms``: the same step through ``forward`` with its checks, every argument
   checked in every layer; ``compiled_ms``: the step ``generate(..., compile=True)`` runs;
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
@@ -60,7 +60,7 @@ class DecodeSpeed:
     Attributes:
         model, dtype, batch, context: what was run ("gpt2" / "llama", a precision of ``bench.models.PRECISIONS``).
         headwise_ms, transformers_ms: one step (transformers: None for int8 weights).
-        checked_ms: headwise's step through ``next_logits`` (every layer's checks, every step).
+        checked_ms: headwise's step through ``forward`` with its checks (every layer's checks, every step).
         read_bytes: weights + KV a step reads.
         sum_gbps: the 512 MiB sum's GB/s in the same rounds.
         max_abs_diff: largest |headwise - transformers| over the step's logits (None without transformers).
@@ -162,8 +162,8 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
     step = decode_step(ours, compile=True) if compile else None  # generate(..., compile=True)'s step
     steps = {
-        "headwise": lambda: ours.step_logits(token, None, mine),  # (B, vocab): generate's step
-        "checked": lambda: ours.next_logits(token, None, None, checked_caches),  # every argument checked in every layer
+        "headwise": lambda: ours(token, cache=mine, logits_to_keep=1, check=False)[:, 0],  # (B, vocab): generate's step
+        "checked": lambda: ours(token, cache=checked_caches, logits_to_keep=1)[:, 0],  # every argument checked in every layer
         **({"compiled": lambda: step(token, None, compiled_caches)} if compile else {}),
     }
     if theirs is not None:

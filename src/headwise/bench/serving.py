@@ -145,11 +145,11 @@ def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int) -> dict
             n = min(block_size, context - 1 - start)
             chunk, where = prompt[:, start : start + n], list(range(start, start + n))
             row, pos = (torch.cat([chunk, chunk], 1), [where + where]) if scatter else (chunk, [where])  # (1, T), (1, T)
-            model.packed_logits(row, torch.tensor(pos), [c.batch(ids, [n] * len(ids)) for c in caches], torch.tensor([n - 1]))
+            model(row, positions=torch.tensor(pos), cache=[c.batch(ids, [n] * len(ids)) for c in caches], logits_to_keep=torch.tensor([n - 1]))
 
         def step(caches: list[PagedKVCache] = caches) -> None:
             length = caches[0].length(0)
-            model.packed_logits(prompt[:, -1:], torch.tensor([[length]]), [c.batch([0], [1]) for c in caches], torch.tensor([0]))
+            model(prompt[:, -1:], positions=torch.tensor([[length]]), cache=[c.batch([0], [1]) for c in caches], logits_to_keep=torch.tensor([0]))
 
         steps[name] = step
     return steps

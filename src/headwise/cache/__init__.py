@@ -5,13 +5,16 @@
 - ``PagedKVCache`` (paged.py): one pool of fixed-size blocks shared by many sequences of any
   lengths, a block table per sequence, copy-on-write forks; ``paged.batch(seq_ids, new_tokens)``
   is what ``attention`` takes for a row that packs several sequences' new tokens.
+- ``ContextCache`` (context.py): cross-attention's keys and values of a context, projected once
+  (the layer reads it; ``attention`` takes its keys directly).
 """
 
+from .context import ContextCache
 from .paged import PagedBatch, PagedKVCache
 from .protocol import Cache, Part
 from .static import KVCache
 
-__all__ = ["Cache", "KVCache", "PagedBatch", "PagedKVCache", "Part", "checked"]
+__all__ = ["Cache", "ContextCache", "KVCache", "PagedBatch", "PagedKVCache", "Part", "checked"]
 
 
 def checked(cache: object) -> Cache | None:

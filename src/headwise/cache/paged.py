@@ -10,16 +10,14 @@ new_id)`` makes a sequence that shares every block of another (parallel samples,
 system prompt): a shared block is copied only when one of them writes into it (copy-on-write;
 full blocks are never written again, so only a partly filled last block is ever copied).
 
-``attention`` reads the cache through ``paged.batch(seq_ids, new_tokens)``: the queries, keys
-and values hold the new tokens of those sequences packed in one row, (1, H, T, D) with T =
-sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each sequence's keys are
-appended to its blocks, then its queries attend over its own tokens only: no padding to the
-longest. What it attends over is a view of the pool when the sequence's blocks happen to be
-consecutive, else a gather of its slots into a fresh (1, Hkv, S, D) tensor, then SDPA (the gather
-copies 2·Hkv·S·D elements per sequence and layer, every step). ``add(seq_id, reserve=n)`` sets a
-run of consecutive free blocks aside for a sequence expected to reach n tokens, so that its
-blocks are consecutive however many sequences grow beside it (the ``Batcher`` reserves every
-request's worst case); a sequence gathers only when the pool had no such run (fragmented).
+``attention`` reads the cache through ``paged.batch(seq_ids, new_tokens)`` (``paged_batch.py``):
+one row packing the new tokens of those sequences, each attending over its own tokens only. What
+a sequence attends over is a view of the pool when its blocks happen to be consecutive, else a
+gather of its slots into a fresh (1, Hkv, S, D) tensor (2·Hkv·S·D elements copied per sequence
+and layer, every step). ``add(seq_id, reserve=n)`` sets a run of consecutive free blocks aside
+for a sequence expected to reach n tokens, so that its blocks are consecutive however many
+sequences grow beside it (the ``Batcher`` reserves every request's worst case); a sequence
+gathers only when the pool had no such run (fragmented).
 
 Nothing is half-done: every write is checked whole before anything changes (a write that
 needs more free blocks than the pool has raises before any block changes hands, and so do
@@ -30,19 +28,18 @@ The pool is for inference: keys that need gradients are refused (nothing flows t
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .. import _checks
-from .protocol import Part
+from .owner import Owned
+from .paged_batch import PagedBatch
 
 
-class PagedKVCache:
+class PagedKVCache(Owned):
     """One pool of key/value blocks for many sequences; one cache per attention layer.
 
     Args:
@@ -64,16 +61,8 @@ class PagedKVCache:
         (5, 2, 5)
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
         _checks.floating_dtype("dtype", dtype)
@@ -89,7 +78,6 @@ class PagedKVCache:
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
         self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
-        self._owner: weakref.ref | None = None
 
     # ------------------------------------------------------------------------- the pool
 
@@ -205,21 +193,6 @@ class PagedKVCache:
         self._tables[new_id], self._lens[new_id] = list(table), self._lens[seq_id]
         self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
 
-    def check_owner(self, owner: object) -> None:
-        """Raise ValueError (changing nothing) if this pool belongs to another module than ``owner`` (still alive)."""
-        bound = None if self._owner is None else self._owner()
-        if bound is not None and bound is not owner:
-            raise ValueError(
-                f"this PagedKVCache belongs to {type(bound).__name__} at {id(bound):#x}, not to {type(owner).__name__} at {id(owner):#x}: "
-                "give every attention layer a cache of its own"
-            )
-
-    def bind(self, owner: object) -> None:
-        """Tie this cache to ``owner``, the attention module that writes it (one pool per layer)."""
-        self.check_owner(owner)
-        if self._owner is None or self._owner() is None:
-            self._owner = weakref.ref(owner)
-
     def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
         """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
         return PagedBatch(self, seq_ids, new_tokens)
@@ -302,89 +275,3 @@ class PagedKVCache:
             where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
             return torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
         return torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
-
-
-class PagedBatch:
-    """The next tokens of some sequences of a ``PagedKVCache``, packed in one row: the cache protocol for ``attention``.
-
-    Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
-    """
-
-    window: int | None = None  # the pool keeps every token; a window is applied by attention
-
-    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
-        seq_ids, new_tokens = list(seq_ids), list(new_tokens)
-        for seq_id in seq_ids:
-            cache._known(seq_id)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
-        if len(new_tokens) != len(seq_ids) or not seq_ids:
-            raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
-        for n in new_tokens:
-            _checks.positive_int("new_tokens (each count)", n)
-        self.cache, self.seq_ids, self.new_tokens = cache, seq_ids, new_tokens
-        self.starts = [cache._lens[s] for s in seq_ids]  # each sequence's length before this step
-        self._done = False
-
-    def start(self, t: int) -> Tensor:
-        """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
-        total = sum(self.new_tokens)
-        if t != total:
-            raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")
-        positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
-        return torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
-
-    def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
-        """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
-        protocol); ``append`` refuses keys of any other count than the ``sum(new_tokens)`` this batch packs."""
-        bounds = [0, *itertools.accumulate(self.new_tokens)]
-        return [(slice(a, b), s + b - a) for a, b, s in zip(bounds[:-1], bounds[1:], self.starts, strict=True)]
-
-    def check_owner(self, owner: object) -> None:
-        self.cache.check_owner(owner)
-
-    def bind(self, owner: object) -> None:
-        self.cache.bind(owner)
-
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False) -> list[Part]:
-        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Part`` per sequence.
-
-        Returns:
-            For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
-            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
-            asks nothing more), with no padding mask.
-        """
-        cache = self.cache
-        self._check(k, v, attention_mask)  # everything, the pool's free blocks too: a refused call changes nothing
-        cache._reserve(self.seq_ids, self.new_tokens)
-        self._done = True
-        where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
-        with torch.no_grad():
-            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
-            cache.v.index_copy_(1, where, v[0])
-        parts, row = [], 0
-        for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
-            cache._lens[seq_id] = a + n
-            parts.append(Part(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
-            row += n
-        return parts
-
-    def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
-        cache, T = self.cache, sum(self.new_tokens)
-        Hkv, _, D = cache.k.shape
-        if self._done:
-            raise ValueError("this PagedBatch was used already: make one per forward pass and layer with paged.batch(seq_ids, new_tokens)")
-        if attention_mask is not None:
-            raise ValueError("a PagedKVCache batch packs real tokens only: pass attention_mask=None (give each sequence only its real tokens)")
-        for name, t in [("k", k), ("v", v)]:
-            if t.ndim != 4 or t.shape[0] != 1 or t.shape[1] != Hkv or t.shape[2] != T or t.shape[3] != D:
-                raise ValueError(f"a paged batch of {T} new tokens takes {name} of shape (1, Hkv={Hkv}, T={T}, D={D}), got {tuple(t.shape)}")
-            if t.dtype != cache.k.dtype:
-                raise TypeError(f"the PagedKVCache holds {cache.k.dtype}; {name} is {t.dtype}")
-            _checks.same_device(name, t, "the cache is", cache.k.device)
-            if torch.is_grad_enabled() and t.requires_grad:
-                raise ValueError(f"{name} requires grad, but a PagedKVCache serves inference only: run under torch.no_grad()")
-        for seq_id, start in zip(self.seq_ids, self.starts, strict=True):  # a sequence freed or written since this batch was made
-            if cache._lens.get(cache._known(seq_id)) != start:
-                raise ValueError(f"seq_id {seq_id} holds {cache._lens[seq_id]} tokens, not the {start} it held when this batch was made")
-        cache._check_room(self.seq_ids, self.new_tokens)

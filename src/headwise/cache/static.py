@@ -33,16 +33,15 @@ training step start clean.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
 from .. import _checks
+from .owner import Owned
 from .protocol import Part
 
 
-class KVCache:
+class KVCache(Owned):
     """Preallocated (B, Hkv, L, D) key/value buffers, L = max_len (or window when sliding).
 
     Args:
@@ -62,39 +61,22 @@ class KVCache:
         6
     """
 
-    def __init__(
-        self,
-        batch_size: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
         _checks.floating_dtype("dtype", dtype)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
-        self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
+        self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
         self._padded = False  # did any stored position come with a padding mask?
         self._len = 0
-        self._owner: weakref.ref | None = None  # the attention module this cache belongs to
         self._graph: tuple[int, Tensor, Tensor] | None = None  # (first position, keys, values) that autograd recorded
 
     @classmethod
-    def sliding(
-        cls,
-        batch_size: int,
-        num_kv_heads: int,
-        window: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
+    def sliding(cls, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> KVCache:
         """A ring buffer of ``window`` positions for sliding-window attention (``window=W``)."""
         _checks.positive_int("window", window)
         cache = cls(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device)
@@ -108,31 +90,12 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def check_owner(self, owner: object) -> None:
-        """Raise ValueError (changing nothing) if this cache belongs to another module than ``owner`` (still alive)."""
-        bound = None if self._owner is None else self._owner()
-        if bound is not None and bound is not owner:
-            raise ValueError(
-                f"this KVCache belongs to {_describe(bound)}, not to {_describe(owner)}: give every attention layer "
-                "a cache of its own (a shared cache mixes their keys and values)"
-            )
-
-    def bind(self, owner: object) -> None:
-        """Tie this cache to ``owner``, the attention module that writes it (after its first write).
-
-        Raises:
-            ValueError: the cache already belongs to another module (still alive).
-        """
-        self.check_owner(owner)
-        if self._owner is None or self._owner() is None:
-            self._owner = weakref.ref(owner)
-
     def reset(self) -> None:
         """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
         self._len = 0
         self._padded = False
         self._graph = None
-        self.real.fill_(True)
+        self.is_token.fill_(True)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (e.g. to rewind after a rejected draft).
@@ -146,7 +109,7 @@ class KVCache:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
         if self._padded:  # forget the dropped positions' padding (never padded: all True already)
-            self.real[:, length : self._len] = True
+            self.is_token[:, length : self._len] = True
         self._len = length
         if self._graph is not None:
             first, gk, gv = self._graph
@@ -211,20 +174,19 @@ class KVCache:
         """Where the ``t`` new tokens of every row start: the tokens written so far (the cache protocol)."""
         return self._len
 
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False) -> list[Part]:
+    def append(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
+    ) -> list[Part]:
         """``update``, answered as the cache protocol's one ``Part`` covering every query: every
-        argument checked first, then written (a refused call changes nothing)."""
-        attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
-        return [Part(slice(None), *self._write(k, v, attention_mask, in_order))]
+        argument checked first, then written (a refused call changes nothing).
 
-    def append_unchecked(self, k: Tensor, v: Tensor, *, in_order: bool = False) -> list[Part]:
-        """``append(k, v)`` for a caller that checked once what cannot change between decode steps.
-
-        For a generation loop: k and v (B, Hkv, T, D) of this cache's dtype and device, room for
-        T more tokens, no padding among them, autograd off and nothing recorded (``_graph`` None).
-        Nothing is checked here; what is stored and returned is what ``append`` stores and returns.
+        ``check=False`` skips the checks, for a caller that made them once for what cannot change
+        between its calls (a decode loop: keys and values of this cache's shape, dtype and device,
+        room for them, no padding, autograd off); what is stored and returned is the same.
         """
-        return [Part(slice(None), *self._write(k, v, None, in_order))]
+        if check:
+            attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
+        return [Part(slice(None), *self._write(k, v, attention_mask, in_order))]
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
@@ -238,36 +200,36 @@ class KVCache:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         if attention_mask is not None:
-            self.real[:, start:end] = attention_mask
+            self.is_token[:, start:end] = attention_mask
         self._len = end
-        return self.k[:, :, :end], self.v[:, :, :end], self.real[:, :end] if self._padded else None
+        return self.k[:, :, :end], self.v[:, :, :end], self.is_token[:, :end] if self._padded else None
 
     def _update_ring(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool = False
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         W, T, start = self.window, k.shape[2], self._len
-        new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
+        new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
         if T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
             slot = start % W  # written as a slice: an int index would make torch.compile specialise on the slot
             self.k[:, :, slot : slot + 1] = k
             self.v[:, :, slot : slot + 1] = v
-            self.real[:, slot : slot + 1] = new_real
+            self.is_token[:, slot : slot + 1] = new_is_token
             self._len = start + 1
             n = torch.sym_min(self._len, W)  # the stored slots (order does not matter for a single query); an int in eager
-            return self.k[:, :, :n], self.v[:, :, :n], self.real[:, :n] if self._padded else None
+            return self.k[:, :, :n], self.v[:, :, :n], self.is_token[:, :n] if self._padded else None
         # several queries: the oldest of them may need keys that the write would overwrite
         n = min(start, W)
         order = torch.arange(start - n, start, device=self.k.device) % W  # (n,) slots, oldest first
         keys = torch.cat([self.k[:, :, order], k], dim=2)  # (B, Hkv, n + T, D)
         values = torch.cat([self.v[:, :, order], v], dim=2)  # (B, Hkv, n + T, D)
-        real = torch.cat([self.real[:, order], new_real], dim=1)  # (B, n + T)
+        is_token = torch.cat([self.is_token[:, order], new_is_token], dim=1)  # (B, n + T)
         keep = min(T, W)
         slots = torch.arange(start + T - keep, start + T, device=self.k.device) % W  # (keep,)
         self.k[:, :, slots] = k[:, :, T - keep :]
         self.v[:, :, slots] = v[:, :, T - keep :]
-        self.real[:, slots] = new_real[:, T - keep :]
+        self.is_token[:, slots] = new_is_token[:, T - keep :]
         self._len = start + T
-        return keys, values, real if self._padded else None
+        return keys, values, is_token if self._padded else None
 
     # ------------------------------------------------------------------------- training through the cache
 
@@ -295,8 +257,8 @@ class KVCache:
         first = 0 if self.window is None else max(0, start - self.window)  # the oldest position a new query may need
         keys = torch.cat([self._recorded_past(self.k, 1, first, start), k], dim=2)  # (B, Hkv, S, D)
         values = torch.cat([self._recorded_past(self.v, 2, first, start), v], dim=2)  # (B, Hkv, S, D)
-        new_real = attention_mask if attention_mask is not None else self.real.new_ones(k.shape[0], T)  # (B, T)
-        real = torch.cat([self._stored(self.real, first, start), new_real], dim=1)  # (B, S)
+        new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
+        is_token = torch.cat([self._stored(self.is_token, first, start), new_is_token], dim=1)  # (B, S)
         keep = T if self.window is None else min(T, self.window)
         if self.window is None:
             slots = torch.arange(start, start + T, device=self.k.device)  # (T,)
@@ -305,12 +267,9 @@ class KVCache:
         with torch.no_grad():  # the buffers hold values only; autograd keeps its own copy in _graph
             self.k[:, :, slots] = k[:, :, T - keep :]
             self.v[:, :, slots] = v[:, :, T - keep :]
-            self.real[:, slots] = new_real[:, T - keep :]
+            self.is_token[:, slots] = new_is_token[:, T - keep :]
         self._len = start + T
         held = keys.shape[2] if self.window is None else min(keys.shape[2], self.window)
         self._graph = (start + T - held, keys[:, :, -held:], values[:, :, -held:])
-        return keys, values, real if self._padded else None
+        return keys, values, is_token if self._padded else None
 
-
-def _describe(module: object) -> str:
-    return f"{type(module).__name__} at {id(module):#x}"

@@ -17,7 +17,7 @@
 
 from .batching import Batcher, generate_many
 from .bert import BertConfig, BertModel, SentenceEncoder
-from .generate import CausalLM, Generates
+from .generate import CausalLM, GenerationMixin
 from .gpt2 import GPT2LMHeadModel
 from .heads import HeadRoles, attention_maps, attention_mass, head_roles
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
@@ -32,7 +32,7 @@ __all__ = [
     "BertModel",
     "CausalLM",
     "GPT2LMHeadModel",
-    "Generates",
+    "GenerationMixin",
     "HeadRoles",
     "LlamaConfig",
     "LlamaForCausalLM",

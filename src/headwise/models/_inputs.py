@@ -1,11 +1,15 @@
-"""Checks for what users pass to the models: token ids and HuggingFace-style attention masks."""
+"""Checks for what users pass to the models: token ids, HuggingFace-style attention masks, a forward's caches and
+logits to keep, the sampling arguments of generate and of a request."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from .. import _checks
+from ..cache import KVCache, PagedBatch
 
 
 def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tuple[int, int]:
@@ -54,11 +58,11 @@ def ids_and_mask(input_ids: object, mask: object, vocab_size: int, weight: Tenso
     if weight is not None:
         on_model(input_ids, weight)
     b, t = token_ids(input_ids, vocab_size)
-    real = None if mask is None else attention_mask(mask, (b, t), device=input_ids.device)  # (B, T) bool
-    return b, t, real
+    is_token = None if mask is None else attention_mask(mask, (b, t), device=input_ids.device)  # (B, T) bool
+    return b, t, is_token
 
 
-def padding_only(real: Tensor | None) -> Tensor | None:
+def padding_only(is_token: Tensor | None) -> Tensor | None:
     """The key padding mask to pass on: None when nothing is padding (lets SDPA use is_causal).
 
     Asking costs one host read (a device sync on a GPU), once per forward or ``generate``:
@@ -66,8 +70,88 @@ def padding_only(real: Tensor | None) -> Tensor | None:
     ``torch.compile`` the mask is passed on as it is (the same numbers): a branch on its values
     would break the graph.
     """
-    if real is None or torch.compiler.is_compiling():
-        return real
-    if _checks.has_values(real) and bool(real.all()):
+    if is_token is None or torch.compiler.is_compiling():
+        return is_token
+    if _checks.has_values(is_token) and bool(is_token.all()):
         return None
-    return real
+    return is_token
+
+
+def model_call(
+    model: object, input_ids: object, attention_mask: object, positions: object, cache: object, logits_to_keep: object, weight: Tensor, layers: int
+) -> tuple[int, int, Tensor | None, int | Tensor]:
+    """What a causal LM's ``forward`` checks before it runs (each layer checks its own cache after).
+
+    Returns (B, T, the padding mask to pass on ((B, T) bool, None when nothing is padding),
+    ``logits_to_keep``). ``cache`` must be None or one cache per layer, all ``KVCache`` or all
+    ``PagedKVCache.batch(...)`` (then B = 1 and nothing is padding).
+    """
+    b, t, is_token = ids_and_mask(input_ids, attention_mask, model.vocab_size, weight)
+    if cache is not None:
+        if not isinstance(cache, (list, tuple)) or len(cache) != layers:
+            got = f"a {type(cache).__name__} of {len(cache)}" if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise TypeError(
+                f"cache must be a list of one cache per layer ({layers}): model.new_caches(batch_size, max_len), "
+                f"or each layer's PagedKVCache.batch(seq_ids, new_tokens); got {got}"
+            )
+        if not (all(isinstance(c, KVCache) for c in cache) or all(isinstance(c, PagedBatch) for c in cache)):
+            raise TypeError(f"cache must hold KVCaches or paged batches, one kind, got {sorted({type(c).__name__ for c in cache})}")
+        if isinstance(cache[0], PagedBatch) and (b != 1 or is_token is not None):
+            raise ValueError(f"a paged batch packs its sequences' real tokens in one row: input_ids (1, T) and no attention_mask, got B={b}")
+    if positions is not None:
+        _checks.position_ids(positions, b, t, "positions")
+    return b, t, padding_only(is_token), logits_kept(logits_to_keep, t)
+
+
+def logits_kept(logits_to_keep: object, t: int) -> int | Tensor:
+    """HuggingFace's ``logits_to_keep``: an int k in [0, T] (0 = every position, else the last k), or a (N,)
+    integer tensor of positions in [0, T) (read on the host once: an index out of range would wrap or fail)."""
+    if not isinstance(logits_to_keep, Tensor):
+        return _checks.integer("logits_to_keep (0 = all positions, or a 1-D tensor of positions)", logits_to_keep, low=0, high=t)
+    if logits_to_keep.ndim != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype.is_complex or logits_to_keep.dtype == torch.bool:
+        raise TypeError(f"logits_to_keep as a tensor must be 1-D integer positions (N,), got dtype {logits_to_keep.dtype} shape {tuple(logits_to_keep.shape)}")
+    if _checks.has_values(logits_to_keep) and logits_to_keep.numel():
+        _checks.holds(
+            ((logits_to_keep >= 0) & (logits_to_keep < t)).all(), f"logits_to_keep must hold positions in [0, T={t})",
+            lambda: f", got {logits_to_keep.tolist()}",
+        )
+    return logits_to_keep
+
+
+def kept(x: Tensor, logits_to_keep: int | Tensor) -> Tensor:
+    """(B, T, C) -> (B, T, C) for 0, the last k positions (B, k, C) for an int k, or those listed (B, N, C)."""
+    if isinstance(logits_to_keep, Tensor):
+        return x[:, logits_to_keep]  # (B, N, C)
+    return x[:, -logits_to_keep:] if logits_to_keep else x  # (B, k or T, C)
+
+
+def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
+    """ValueError naming the first of generate's arguments that is out of range."""
+    _checks.positive_int("max_new_tokens", max_new_tokens)
+    _checks.number("temperature (0 = greedy)", temperature, low=0.0, high=math.inf, high_open=True)
+    if top_k is not None:
+        _checks.positive_int("top_k (or None)", top_k)
+    if eos_token_id is not None:
+        _checks.integer("eos_token_id (or None)", eos_token_id, low=0, high=vocab_size - 1)
+
+
+#: The largest seed a ``torch.Generator`` takes (an unsigned 64-bit int).
+SEED_HIGH = 2**64 - 1
+
+
+def check_request(
+    model: object, prompt: object, max_new_tokens: object, eos_token_id: object, temperature: object, top_k: object, seed: object
+) -> None:
+    """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated)."""
+    if not isinstance(prompt, Tensor) or prompt.ndim != 1:
+        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+        raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
+    vocab = model.vocab_size
+    on_model(prompt, next(model.parameters()), "prompt")
+    token_ids(prompt[None], vocab, "prompt")
+    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+    if seed is not None:
+        _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
+    name, limit = model.context_limit()
+    if limit is not None and len(prompt) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")

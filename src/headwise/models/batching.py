@@ -37,17 +37,15 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..cache import PagedBatch, PagedKVCache
-from . import _inputs
-from .generate import CausalLM, check_sampling, next_token
+from ..cache import PagedKVCache
+from ._inputs import SEED_HIGH, check_request
+from .generate import CausalLM, next_token, trusts
 
 
 class PagedLM(CausalLM, Protocol):
     """What the ``Batcher`` needs from a model, beside ``CausalLM``."""
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]: ...
-
-    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor: ...
 
 
 @dataclass
@@ -87,8 +85,8 @@ class Batcher:
     def __init__(self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
             _checks.positive_int(name, value)
-        if not hasattr(model, "packed_logits"):
-            raise TypeError(f"model must be a causal LM of headwise.models with packed_logits (GPT-2, Llama), got {type(model).__name__}")
+        if not hasattr(model, "new_paged_caches"):
+            raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.caches = model.new_paged_caches(num_blocks, block_size)
         self._waiting: deque[_Request] = deque()
@@ -116,16 +114,8 @@ class Batcher:
         """Tokens whose keys and values each layer's pool holds."""
         return sum(self.caches[0].length(r.id) for r in self._running)
 
-    def submit(
-        self,
-        prompt: Tensor,
-        max_new_tokens: int,
-        *,
-        eos_token_id: int | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-    ) -> int:
+    def submit(self, prompt: Tensor, max_new_tokens: int, *, eos_token_id: int | None = None, temperature: float = 0.0,
+               top_k: int | None = None, seed: int | None = None) -> int:
         """Queue a request; returns its id (0, 1, 2, ... in order of submission).
 
         Args:
@@ -241,8 +231,9 @@ class Batcher:
         rows = torch.tensor(counts, device=device).cumsum(0) - 1  # (N,): each sequence's last token in the row
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         position_ids = torch.tensor([positions], device=device)  # (1, T)
-        logits = self.model.packed_logits(input_ids, position_ids, [c.batch(seq_ids, counts) for c in self.caches], rows)  # (N, vocab)
-        return self._sample(batch, logits)
+        batches = [c.batch(seq_ids, counts) for c in self.caches]
+        logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=not trusts(self.model))  # (1, N, vocab)
+        return self._sample(batch, logits[0])
 
     def _roll_back(self, lengths: dict[int, int], joining: list[_Request], batch: list[_Request], states: list[Tensor | None]) -> None:
         """Undo what a failed step did: the running requests' keys cut back to ``lengths``, the joining ones' sequences
@@ -279,28 +270,6 @@ class Batcher:
             if r.temperature > 0:
                 tokens[i] = next_token(logits[i : i + 1], r.temperature, r.top_k, r.generator)[0]  # as generate draws it for one row
         return tokens.tolist()  # the one host read a step
-
-
-#: The largest seed a ``torch.Generator`` takes (an unsigned 64-bit int).
-SEED_HIGH = 2**64 - 1
-
-
-def check_request(
-    model: PagedLM, prompt: object, max_new_tokens: object, eos_token_id: object, temperature: object, top_k: object, seed: object
-) -> None:
-    """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated)."""
-    if not isinstance(prompt, Tensor) or prompt.ndim != 1:
-        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
-        raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
-    vocab = model.vocab_size
-    _inputs.on_model(prompt, next(model.parameters()), "prompt")
-    _inputs.token_ids(prompt[None], vocab, "prompt")
-    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
-    if seed is not None:
-        _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
-    name, limit = model.context_limit()
-    if limit is not None and len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
 
 
 def generate_many(

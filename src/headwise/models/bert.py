@@ -169,7 +169,7 @@ class BertModel(nn.Module):
         Returns:
             (B, T, C) hidden states; those of padding positions mean nothing.
         """
-        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.embeddings.word_embeddings.weight)
+        b, t, is_token = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.embeddings.word_embeddings.weight)
         if t > self.config.max_position_embeddings:
             raise ValueError(f"input_ids has {t} tokens, more than max_position_embeddings={self.config.max_position_embeddings}")
         if token_type_ids is None:
@@ -179,7 +179,7 @@ class BertModel(nn.Module):
         else:
             _inputs.on_model(token_type_ids, self.embeddings.word_embeddings.weight, "token_type_ids")
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
-        attention_mask = _inputs.padding_only(real)
+        attention_mask = _inputs.padding_only(is_token)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for layer in self.encoder["layer"]:
             x = layer(x, attention_mask=attention_mask)  # (B, T, C)
@@ -322,8 +322,8 @@ class SentenceEncoder(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """(N, T) ids and (N, T) mask -> (N, C): mean of the real tokens' states, unit length."""
         hidden = self.model(input_ids, attention_mask)  # (N, T, C)
-        real = _inputs.attention_mask(attention_mask, tuple(input_ids.shape)).unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
-        mean = (hidden * real).sum(1) / real.sum(1).clamp(min=1)  # (N, C)
+        is_token = _inputs.attention_mask(attention_mask, tuple(input_ids.shape)).unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
+        mean = (hidden * is_token).sum(1) / is_token.sum(1).clamp(min=1)  # (N, C)
         return F.normalize(mean, p=2, dim=-1)  # (N, C)
 
     @torch.no_grad()

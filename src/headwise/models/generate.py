@@ -1,14 +1,19 @@
 """Autoregressive generation through a ``KVCache`` per layer, shared by the causal language models.
 
 A model takes part by offering the ``CausalLM`` methods: its vocabulary size, the most tokens
-it may hold, fresh caches, and the logits of the last token of a chunk run through the caches.
+it may hold, fresh caches, and its ``forward(ids, positions=, cache=, logits_to_keep=, check=)``,
+through which the prompt and every step run (as gpt-fast's model is its ``forward(idx, input_pos)``).
 Positions follow HuggingFace's ``generate``: under left padding a token's position counts the
 real tokens before it, so a padded row continues exactly as the unpadded row would.
+
+``generate`` checks its arguments once a call; what it then feeds the model (its own tokens, at
+the next positions, into caches it made) cannot go wrong between steps, so the forwards run with
+``check=False`` (no per-layer checks, no host reads) unless something outside could change them
+(``trusts``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol
@@ -24,7 +29,7 @@ from . import _inputs
 
 
 class CausalLM(Protocol):
-    """What ``Generates.generate`` needs from the model it is mixed into."""
+    """What ``GenerationMixin.generate`` needs from the model it is mixed into."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -37,16 +42,19 @@ class CausalLM(Protocol):
         """One empty cache per layer, room for ``max_len`` tokens (or a sliding window)."""
         ...
 
-    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
-        """(B, T) ids through the caches -> (B, vocab) logits of the last one.
+    def __call__(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, positions: Tensor | None = None,
+        cache: list[KVCache] | None = None, logits_to_keep: int | Tensor = 0, check: bool = True,
+    ) -> Tensor:
+        """(B, T) ids through the caches -> (B, T or logits_to_keep, vocab) logits.
 
-        position_ids: (B, T), or None for consecutive positions from the caches' length;
+        positions: (B, T), or None for the positions after the caches' tokens;
         attention_mask: (B, T) bool for the new tokens, or None (no padding among them).
         """
         ...
 
 
-class Generates:
+class GenerationMixin:
     """``model.generate(...)``, the one method GPT-2 and the Llama family share; the model offers
     the ``CausalLM`` methods it calls."""
 
@@ -86,17 +94,18 @@ class Generates:
         """
         vocab = self.vocab_size
         weight = next(self.parameters(), None) if isinstance(self, torch.nn.Module) else None  # the ids must be on its device
-        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # real: (B, T) bool or None
-        check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+        b, t, is_token = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # (B, T) bool or None
+        _inputs.check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
         _checks.boolean("compile", compile)
         name, limit = self.context_limit()
         if limit is not None and t + max_new_tokens > limit:
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
-        real = prompt_padding(real)  # None when nothing is padding; refuses prompts that end in padding
+        is_token = prompt_padding(is_token)  # None when nothing is padding; refuses prompts that end in padding
         caches = self.new_caches(b, t + max_new_tokens)
-        position = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: consecutive
-        logits = self.next_logits(input_ids, position, real, caches)  # (B, vocab): the caches remember the padding
-        run_step = decode_step(self, compile)  # (ids, position_ids, caches) -> (B, vocab)
+        position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
+        check = not trusts(self)
+        logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
+        run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)
@@ -112,69 +121,67 @@ class Generates:
         return torch.cat(tokens, dim=1)  # (B, T + n)
 
 
-def decode_step(model: CausalLM, compile: bool) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor]:
+def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor]:
     """The step ``generate`` runs after its prompt pass: (B, 1) ids, positions or None, caches -> (B, vocab).
 
-    ``model.step_logits`` where ``unchecked_steps`` allows it, else ``next_logits`` with every
-    check; with ``compile``, that step under ``torch.compile(fullgraph=True, dynamic=True)``,
-    made once per model and step kind (``torch.compile``'s wrapper is kept on the model, so
-    later calls reuse its graph: the cache length, a batch size > 1 and the prompt length are symbolic).
+    The model's forward with ``check`` (default: ``not trusts(model)``); with ``compile``, under
+    ``torch.compile(fullgraph=True, dynamic=True)``, made once per model and ``check`` (the wrapper
+    is kept on the model, so later calls reuse its graph: the cache length, a batch size > 1 and
+    the prompt length are symbolic).
     """
-    unchecked = unchecked_steps(model)
-    step = model.step_logits if unchecked else partial(_checked_step, model)
+    check = not trusts(model) if check is None else check
+    step = partial(_next_logits, model, check)
     if not compile:
         return step
     compiled = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
-    if unchecked not in compiled:
-        compiled[unchecked] = torch.compile(step, fullgraph=True, dynamic=True)
-    return compiled[unchecked]
+    if check not in compiled:
+        compiled[check] = torch.compile(step, fullgraph=True, dynamic=True)
+    return compiled[check]
 
 
-def _checked_step(model: CausalLM, ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
-    return model.next_logits(ids, position_ids, None, caches)  # (B, vocab)
+def _next_logits(model: CausalLM, check: bool, ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
+    return model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
 
 
-def unchecked_steps(model: object) -> bool:
-    """Whether ``generate``'s decode steps may run unchecked (``model.step_logits``), decided once a call.
+def trusts(model: object) -> bool:
+    """Whether ``generate``'s forwards may skip their checks (``check=False``), decided once a call.
 
-    Each step feeds the model one token per row that ``generate`` itself chose, at the position
-    after the last, into caches it made with room for every new token and that the checked
-    prompt pass bound to their layers: nothing a per-step check could catch changes between
-    steps, as long as the model has a ``step_logits``, is in eval mode (no dropout), has no
-    forward hooks (an unchecked step calls the attention layers' ``decode``, not their
-    ``__call__``), nobody observes it (``headwise.observe`` reads the checked path's steps) and
-    its ``next_logits`` is the class's own (one replaced on the model, e.g. by
-    ``torch.compile(model.next_logits)``, runs every step as before). Otherwise every step goes
-    through ``next_logits`` and its checks.
+    ``generate`` checks its arguments, then feeds the model its own tokens, at the next
+    positions, into caches it made with room for every new token: nothing a check could catch
+    changes between steps, as long as nothing outside the model's own code sees or changes what
+    a layer is given: no forward hooks (they may change a layer's input), a ``forward`` that is
+    the class's own (one replaced on the model, e.g. by ``torch.compile(model.forward)``, is the
+    caller's), nobody observing (``headwise.observe`` reads the checked core's steps) and eval mode
+    (the unchecked core runs no dropout). Otherwise every forward checks its arguments.
     """
-    if not (isinstance(model, torch.nn.Module) and hasattr(model, "step_logits")) or "next_logits" in vars(model) or observing():
+    if not isinstance(model, torch.nn.Module) or "forward" in vars(model) or observing():
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
     return not any(m.training or m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def prompt_padding(real: Tensor | None) -> Tensor | None:
+def prompt_padding(is_token: Tensor | None) -> Tensor | None:
     """The prompts' padding mask to pass on (None when nothing is padding), after checking that
     no prompt ends in padding: generate continues every row from its last column. One host
     read answers both questions (as ``_inputs.padding_only`` answers the first)."""
-    if real is None or not _checks.has_values(real):
-        return real
-    all_real, ends_real = torch.stack([real.all(), real[:, -1].all()]).tolist()  # one host read (a device sync on a GPU)
+    if is_token is None or not _checks.has_values(is_token):
+        return is_token
+    all_real, ends_real = torch.stack([is_token.all(), is_token[:, -1].all()]).tolist()  # one host read (a device sync on a GPU)
     if not ends_real:
-        rows = (~real[:, -1]).nonzero().flatten().tolist()
+        rows = (~is_token[:, -1]).nonzero().flatten().tolist()
         raise ValueError(
             f"generate continues each prompt from its last column, but attention_mask marks it as padding in rows {rows}: "
             "pad prompts on the left (tokenizer.padding_side = 'left')"
         )
-    return None if all_real else real
+    return None if all_real else is_token
 
 
-def positions(real: Tensor | None, b: int, t: int, device: torch.device, start: int = 0) -> Tensor:
+def positions(is_token: Tensor | None, b: int, t: int, device: torch.device, start: int = 0) -> Tensor:
     """(B, T) position ids: start .. start+T-1, or with padding start + the count of real tokens before (pads: start)."""
-    if real is None:
+    if is_token is None:
         return torch.arange(start, start + t, device=device).expand(b, t)  # (B, T)
-    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0) + start  # (B, T), as HuggingFace's generate
+    return (is_token.long().cumsum(-1) - 1).masked_fill(~is_token, 0) + start  # (B, T), as HuggingFace's generate
 
 
 def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
@@ -188,13 +195,3 @@ def next_token(logits: Tensor, temperature: float, top_k: int | None, generator:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-
-
-def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
-    """ValueError naming the first of generate's arguments that is out of range."""
-    _checks.positive_int("max_new_tokens", max_new_tokens)
-    _checks.number("temperature (0 = greedy)", temperature, low=0.0, high=math.inf, high_open=True)
-    if top_k is not None:
-        _checks.positive_int("top_k (or None)", top_k)
-    if eos_token_id is not None:
-        _checks.integer("eos_token_id (or None)", eos_token_id, low=0, high=vocab_size - 1)

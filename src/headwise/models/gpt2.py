@@ -14,14 +14,14 @@ import os
 import torch
 from torch import Tensor, nn
 
-from .. import _checks
-from ..cache import KVCache, PagedBatch, PagedKVCache
+from ..cache import Cache
 from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
-from ..linear import linear, project
-from . import _inputs, loading
-from .generate import Generates, positions
+from ..linear import project
+from . import loading
+from .causal import CausalModel
+from .generate import positions as _positions
 
 #: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -51,12 +51,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), attention_mask=attention_mask, cache=cache)
+    def forward(
+        self, x: Tensor, *, attention_mask: Tensor | None = None, cache: Cache | None = None, position_ids: Tensor | None = None, check: bool = True
+    ) -> Tensor:
+        """``position_ids`` are the model's to embed: GPT-2's attention encodes no positions."""
+        x = x + self.attn(self.ln_1(x), attention_mask=attention_mask, cache=cache, check=check)
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2LMHeadModel(Generates, nn.Module):
+class GPT2LMHeadModel(CausalModel):
     """GPT-2: token + position embeddings, ``n_layer`` pre-LN blocks, final LayerNorm, tied LM head.
 
     Args:
@@ -64,14 +67,10 @@ class GPT2LMHeadModel(Generates, nn.Module):
 
     ``GPT2LMHeadModel.from_pretrained(directory)`` loads a HuggingFace GPT-2 directory.
 
-    Example:
+    Example (``CausalModel`` shows the forward's other uses):
         >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
-        >>> ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-        >>> mask = torch.tensor([[1, 1, 1], [0, 1, 1]])           # left padding, 1 = real token
-        >>> model(ids, attention_mask=mask).shape                  # (B, T, vocab_size)
-        torch.Size([2, 3, 100])
-        >>> model.generate(ids, attention_mask=mask, max_new_tokens=4).shape  # greedy
-        torch.Size([2, 7])
+        >>> model(torch.tensor([[5, 6, 7]])).shape                 # (B, T, vocab_size)
+        torch.Size([1, 3, 100])
     """
 
     tied_embedding = "transformer.wte"  # the module whose weight the LM head uses while lm_head is None
@@ -126,41 +125,27 @@ class GPT2LMHeadModel(Generates, nn.Module):
         )
         return model.eval()
 
-    def _logits(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, caches: list[KVCache] | None, keep: int = 0) -> Tensor:
-        """(B, T) ids at (B, T) positions -> (B, T or keep, vocab) logits of the last ``keep`` positions
-        (0 = all), through the caches if given."""
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.transformer.ln_f
+
+    def embed(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None, cache: list[Cache] | None) -> Tensor:
+        """(B, T) ids -> wte(ids) + wpe(positions), dropped out: (B, T, C). Default positions: after the cached
+        tokens, real tokens counted; for a paged batch, each sequence's after its own."""
         t = self.transformer
-        x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (B, T, C)
-        for i, block in enumerate(t.h):
-            x = block(x, attention_mask=attention_mask, cache=caches[i] if caches is not None else None)  # (B, T, C)
-        return self._head(t.ln_f(x[:, -keep:] if keep else x))  # (B, T or keep, vocab): the LM head only where logits are wanted
-
-    def _head(self, x: Tensor) -> Tensor:
-        """(..., C) -> (..., vocab): ``lm_head`` if set (an int8 copy), else tied to wte."""
-        if self.lm_head is not None:
-            return project(self.lm_head, x)
-        return linear(x, self.transformer.wte.weight)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
-        """Logits for every position (or the last ``logits_to_keep``).
-
-        Args:
-            input_ids: (B, T) token ids.
-            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
-                left or right padding. Positions count real tokens only, as HuggingFace's
-                ``generate`` counts them, so a left-padded row gives the logits of the
-                unpadded one.
-            logits_to_keep: 0 (default) = logits for all T positions; k >= 1 = for the last k
-                only (HuggingFace's argument): the LM head then runs on k rows, not T.
-
-        Returns:
-            (B, T or logits_to_keep, vocab_size) logits; those at padding positions mean nothing.
-        """
-        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.transformer.wte.weight)
-        if t > self.config.n_positions:
-            raise ValueError(f"input_ids has {t} tokens, more than n_positions={self.config.n_positions}")
-        keep = _checks.integer("logits_to_keep (0 = all positions)", logits_to_keep, low=0, high=t)
-        return self._logits(input_ids, positions(real, b, t, input_ids.device), _inputs.padding_only(real), None, keep)  # (B, T or keep, vocab)
+        if positions is None:
+            b, n = input_ids.shape
+            start = 0 if cache is None else cache[0].start(n)  # an int, or (1, T) positions of a paged batch
+            positions = start if isinstance(start, Tensor) else _positions(attention_mask, b, n, input_ids.device, start=start)  # (B, T)
+        return t.drop(t.wte(input_ids) + t.wpe(positions))  # (B, T, C)
 
     @property
     def vocab_size(self) -> int:
@@ -168,47 +153,6 @@ class GPT2LMHeadModel(Generates, nn.Module):
 
     def context_limit(self) -> tuple[str, int | None]:
         return "n_positions", self.config.n_positions
-
-    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
-        c, weight = self.config, self.transformer.wte.weight
-        return [  # each layer's own key/value heads: fewer than c.kv_heads when sharded by headwise.parallel
-            KVCache(batch_size, block.attn.num_kv_heads, max_len, c.head_dim, dtype=weight.dtype, device=weight.device) for block in self.transformer.h
-        ]
-
-    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
-        """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
-        if position_ids is None:
-            position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
-        return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
-
-    def step_logits(self, input_ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
-        """``next_logits(input_ids, position_ids, None, caches)`` unchecked: a decode step of ``generate``,
-        which checked once what cannot change between steps (see ``generate.unchecked_steps``).
-
-        (B, T) ids through the caches -> (B, vocab) logits of the last token, bit for bit ``next_logits``'s.
-        """
-        if position_ids is None:
-            position_ids = positions(None, *input_ids.shape, input_ids.device, start=len(caches[0]))  # (B, T)
-        t = self.transformer
-        x = t.wte(input_ids) + t.wpe(position_ids)  # (B, T, C): dropout is off in eval mode
-        for block, cache in zip(t.h, caches, strict=True):
-            x = x + block.attn.decode(block.ln_1(x), cache)  # (B, T, C)
-            x = x + block.mlp(block.ln_2(x))  # (B, T, C)
-        return self._head(t.ln_f(x[:, -1:]))[:, 0]  # (B, vocab): the LM head on the last row only
-
-    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
-        """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``)."""
-        c, weight = self.config, self.transformer.wte.weight
-        return [PagedKVCache(num_blocks, block_size, b.attn.num_kv_heads, c.head_dim, dtype=weight.dtype, device=weight.device) for b in self.transformer.h]
-
-    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor:
-        """(1, T) ids of several sequences packed in one row, at (1, T) positions, through one paged
-        batch per layer -> (N, vocab) logits at the N positions ``rows`` (each sequence's last token)."""
-        t = self.transformer
-        x = t.drop(t.wte(input_ids) + t.wpe(position_ids))  # (1, T, C)
-        for block, cache in zip(t.h, caches, strict=True):
-            x = block(x, cache=cache)  # (1, T, C)
-        return self._head(t.ln_f(x[0, rows]))  # (N, vocab)
 
 
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:

@@ -75,13 +75,13 @@ def attention_maps(model: BertModel, input_ids: Tensor, attention_mask: Tensor |
     ]
 
 
-def attention_mass(weights: list[Tensor], special: Tensor, real: Tensor) -> Tensor:
+def attention_mass(weights: list[Tensor], special: Tensor, is_token: Tensor) -> Tensor:
     """Mean weight each head puts on the previous / next / same / special key.
 
     Args:
         weights: L tensors (B, H, T, T), rows summing to 1.
         special: (B, T) bool, True at [CLS]/[SEP] (and other special) tokens.
-        real: (B, T) bool, True at real (not padding) tokens.
+        is_token: (B, T) bool, True at real (not padding) tokens.
 
     Returns:
         (L, H, 4) in ``KINDS`` order, averaged over queries that are real and not special.
@@ -90,7 +90,7 @@ def attention_mass(weights: list[Tensor], special: Tensor, real: Tensor) -> Tens
     """
     _, _, T, _ = weights[0].shape
     i = torch.arange(T, device=weights[0].device)
-    plain = real & ~special  # (B, T) keys that are ordinary tokens
+    plain = is_token & ~special  # (B, T) keys that are ordinary tokens
     queries = plain.float()  # (B, T) the queries averaged over
     n = queries.sum().clamp(min=1)
     out = []

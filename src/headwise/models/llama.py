@@ -19,15 +19,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..cache import KVCache, PagedBatch, PagedKVCache
+from ..cache import Cache
 from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
-from ..linear import DECODE_ROWS, linear, project, project_many
+from ..linear import DECODE_ROWS, project, project_many
 from ..observe import report
 from ..rope import RotaryEmbedding, rotate
-from . import _inputs, loading
-from .generate import Generates, positions
+from . import loading
+from .causal import CausalModel
+from .generate import positions
 from .llama_config import LlamaConfig, llama_config
 
 
@@ -48,8 +49,8 @@ def projections(layers: tuple[nn.Module, ...], x: Tensor) -> list[Tensor]:
     """Several projections of one input x (..., C): one stacked GEMM (``project_many``) for a decode
     step's few rows (at most ``DECODE_ROWS``, or under ``torch.compile``), one GEMM per layer for
     a prompt's many: each output is then a contiguous (..., N_i) tensor that the next op reads
-    while it is still in cache, not a strided slice of one wide (..., sum N_i) output (a bf16
-    prefill of the GPT-2-sized Llama ~1% faster, fp32 ~4%, same numbers). Returns one (..., N_i) per layer.
+    while it is still in cache, not a strided slice of one wide (..., sum N_i) output; the numbers
+    are the same either way. Returns one (..., N_i) per layer.
     """
     if torch.compiler.is_compiling() or x.numel() <= DECODE_ROWS * x.shape[-1]:
         return project_many(layers, x)
@@ -153,12 +154,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, *, attention_mask: Tensor | None, cache: KVCache | None, position_ids: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+    def forward(
+        self, x: Tensor, *, attention_mask: Tensor | None, cache: Cache | None, position_ids: Tensor | None, check: bool = True
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), attention_mask=attention_mask, cache=cache, position_ids=position_ids, check=check)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(Generates, nn.Module):
+class LlamaForCausalLM(CausalModel):
     """A Llama-family causal LM: embeddings, decoder layers, final RMSNorm, LM head (tied or not).
 
     Args:
@@ -171,12 +174,8 @@ class LlamaForCausalLM(Generates, nn.Module):
         >>> config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         ...                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
         >>> model = LlamaForCausalLM(config).eval()
-        >>> ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-        >>> mask = torch.tensor([[1, 1, 1], [0, 1, 1]])           # left padding, 1 = real token
-        >>> model(ids, attention_mask=mask).shape                  # (B, T, vocab_size)
-        torch.Size([2, 3, 100])
-        >>> model.generate(ids, attention_mask=mask, max_new_tokens=4).shape  # greedy
-        torch.Size([2, 7])
+        >>> model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape  # greedy; ``CausalModel`` shows the forward
+        torch.Size([1, 7])
     """
 
     model_type = "llama"
@@ -238,88 +237,26 @@ class LlamaForCausalLM(Generates, nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def _logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache] | None, keep: int) -> Tensor:
-        """(B, T) ids -> (B, T or keep, vocab) logits of the last ``keep`` positions (0 = all), through the caches if given."""
-        x = self.model["embed_tokens"](input_ids)  # (B, T, C)
-        for i, layer in enumerate(self.model["layers"]):
-            x = layer(x, attention_mask=attention_mask, cache=None if caches is None else caches[i], position_ids=position_ids)  # (B, T, C)
-        return self._head(self.model["norm"](x[:, -keep:] if keep else x))  # (B, T or keep, vocab): the LM head only where logits are wanted
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model["embed_tokens"]
 
-    def _head(self, x: Tensor) -> Tensor:
-        """(..., C) -> (..., vocab): ``lm_head`` if set, else tied to the embeddings."""
-        if self.lm_head is None:
-            return linear(x, self.model["embed_tokens"].weight)
-        return project(self.lm_head, x)
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model["layers"]
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
-        """Logits for every position (or the last ``logits_to_keep``).
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model["norm"]
 
-        Args:
-            input_ids: (B, T) token ids.
-            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
-                left or right. Positions count real tokens only, as HuggingFace's
-                ``generate`` counts them, so a left-padded row gives the unpadded row's logits.
-            logits_to_keep: 0 (default) = logits for all T positions; k >= 1 = for the last k
-                only (HuggingFace's argument): the LM head then runs on k rows, not T.
-
-        Returns:
-            (B, T or logits_to_keep, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
-        """
-        b, t, real = _inputs.ids_and_mask(input_ids, attention_mask, self.config.vocab_size, self.model.embed_tokens.weight)
-        keep = _checks.integer("logits_to_keep (0 = all positions)", logits_to_keep, low=0, high=t)
-        real = _inputs.padding_only(real)  # None when nothing is padding
-        position_ids = None if real is None else positions(real, b, t, input_ids.device)  # (B, T) or None: 0 .. T-1
-        return self._logits(input_ids, position_ids, real, None, keep)  # (B, T or keep, vocab)
+    def embed(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None, cache: list[Cache] | None) -> Tensor:
+        """(B, T) ids -> (B, T, C): positions are the layers' to apply (rotary, inside attention)."""
+        return self.model["embed_tokens"](input_ids)  # (B, T, C)
 
     def context_limit(self) -> tuple[str, int | None]:
         windows = [self.config.window(i) for i in range(self.config.num_hidden_layers)]
         bounded = any(w is None for w in windows)  # a sliding cache has no length limit
         return "max_position_embeddings", self.config.max_position_embeddings if bounded else None
-
-    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
-        c, weight = self.config, self.model["embed_tokens"].weight
-        kw = {"dtype": weight.dtype, "device": weight.device}
-        caches = []
-        for layer in self.model["layers"]:  # each layer's own key/value heads (fewer when sharded by headwise.parallel)
-            attn = layer.self_attn
-            if attn.window is None or attn.window >= max_len:
-                caches.append(KVCache(batch_size, attn.num_kv_heads, max_len, c.head_size, **kw))
-            else:  # a ring of `window` slots: memory bounded however long decoding runs
-                caches.append(KVCache.sliding(batch_size, attn.num_kv_heads, attn.window, c.head_size, **kw))
-        return caches
-
-    def next_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, caches: list[KVCache]) -> Tensor:
-        """(B, T) ids through the caches -> (B, vocab) logits of the last token (see ``generate``)."""
-        return self._logits(input_ids, position_ids, attention_mask, caches, keep=1)[:, 0]  # (B, vocab): the LM head on the last row only
-
-    def step_logits(self, input_ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
-        """``next_logits(input_ids, position_ids, None, caches)`` unchecked: a decode step of ``generate``,
-        which checked once what cannot change between steps (see ``generate.unchecked_steps``).
-
-        (B, T) ids through the caches -> (B, vocab) logits of the last token, bit for bit ``next_logits``'s.
-        """
-        x = self.model["embed_tokens"](input_ids)  # (B, T, C)
-        for layer, cache in zip(self.model["layers"], caches, strict=True):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cache, position_ids)  # (B, T, C)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))  # (B, T, C)
-        return self._head(self.model["norm"](x[:, -1:]))[:, 0]  # (B, vocab): the LM head on the last row only
-
-    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
-        """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a
-        sliding layer keeps every token too (its window is applied by attention)."""
-        c, weight = self.config, self.model["embed_tokens"].weight
-        return [
-            PagedKVCache(num_blocks, block_size, layer.self_attn.num_kv_heads, c.head_size, dtype=weight.dtype, device=weight.device)
-            for layer in self.model["layers"]
-        ]
-
-    def packed_logits(self, input_ids: Tensor, position_ids: Tensor, caches: list[PagedBatch], rows: Tensor) -> Tensor:
-        """(1, T) ids of several sequences packed in one row, at (1, T) positions, through one paged
-        batch per layer -> (N, vocab) logits at the N positions ``rows`` (each sequence's last token)."""
-        x = self.model["embed_tokens"](input_ids)  # (1, T, C)
-        for layer, cache in zip(self.model["layers"], caches, strict=True):
-            x = layer(x, attention_mask=None, cache=cache, position_ids=position_ids)  # (1, T, C)
-        return self._head(self.model["norm"](x[0, rows]))  # (N, vocab)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from .. import _checks
-from .generate import Generates
+from .generate import GenerationMixin
 
 
 class Encoding(Protocol):
@@ -33,7 +33,7 @@ class Tokenizer(Protocol):
 
 
 def generate_text(
-    model: Generates,
+    model: GenerationMixin,
     tokenizer: Tokenizer,
     prompt: str | Sequence[str],
     *,
@@ -62,7 +62,7 @@ def generate_text(
         >>> generate_text(model, tokenizer, "Beautiful is better than")  # doctest: +SKIP
         ' ugly.\\nExplicit is better than implicit.\\n...'
     """
-    if not isinstance(model, Generates):
+    if not isinstance(model, GenerationMixin):
         raise TypeError(f"model must be a causal language model of headwise.models (with generate), got {type(model).__name__}")
     if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
         raise TypeError(f"tokenizer must have encode(text).ids and decode(ids), such as tokenizers.Tokenizer, got {type(tokenizer).__name__}")

@@ -1,0 +1,77 @@
+"""Cross-attention's cache: the keys and values of a context (an encoder's output), projected once.
+
+A decoder attends over its own tokens (a ``KVCache``) and, in its cross-attention layers, over
+another sequence that does not change while it decodes. ``ContextCache`` keeps that sequence's
+projected keys and values (B, Hkv, S, D) and its padding (B, S), so that decode steps do not
+project the encoder's output again. The layer fills it (``AttentionLayer.forward(x, context=...,
+cache=...)``); the core never reads it (cross-attention passes its keys to ``attention`` directly).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .owner import Owned
+
+
+class ContextCache(Owned):
+    """The context's keys and values (B, Hkv, S, D), projected once, and its padding (B, S).
+
+    The first forward given it (with a ``context``) projects and stores them; later forwards
+    attend over the stored ones, with or without the context passed again. A forward given
+    another context (another tensor with other values, or another ``context_mask``) attends over
+    that context: it is projected and stored in place of the old one. Like a ``KVCache``, a
+    ``ContextCache`` belongs to the one module that filled it (another module's keys are other
+    numbers): another module given it gets a ValueError.
+
+    Example:
+        >>> import torch, headwise as hw
+        >>> cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6)
+        >>> memory, cache = torch.randn(1, 5, 6), hw.ContextCache()
+        >>> y = cross(torch.randn(1, 1, 8), context=memory, cache=cache)  # projects the 5 context tokens
+        >>> y = cross(torch.randn(1, 1, 8), cache=cache)  # reuses them
+        >>> len(cache)
+        5
+    """
+
+    _why = "its keys and values are that module's projections of the context"
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None  # (B, Hkv, S, D)
+        self.v: Tensor | None = None  # (B, Hkv, S, D)
+        self.context_mask: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
+        self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
+        self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def reset(self) -> None:
+        """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
+        self.k = self.v = self.context_mask = self._context = self._version = None
+
+    def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
+        """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
+        the same tensor, unchanged since, or equal values (one comparison, read on the host)."""
+        if self._context is None or (self.context_mask is None) != (context_mask is None):
+            return False
+        if self.context_mask is not None and not torch.equal(self.context_mask, context_mask):
+            return False
+        if context is self._context:
+            return self._version is not None and _version(context) == self._version
+        unchanged = self._version is not None and _version(self._context) == self._version
+        return unchanged and context.shape == self._context.shape and torch.equal(context, self._context)
+
+    def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
+        """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
+        self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
+        self.bind(owner)
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (it counts in-place writes), or None where it is not tracked (inference tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None

@@ -1,0 +1,39 @@
+"""A cache belongs to one attention module: the first that writes it; any other module is refused by name.
+
+Two layers sharing a cache would attend over each other's keys (a ``KVCache``, a paged pool) or over
+another layer's projections of the context (a ``ContextCache``): numbers that run, and are wrong.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+
+class Owned:
+    """``check_owner`` (refuses, changing nothing) and ``bind`` (ties the cache, after its first write)."""
+
+    _owner: weakref.ref | None = None  # the module this cache belongs to (a weak reference: a dead module frees it)
+    _why = "a shared cache mixes their keys and values"  # what sharing would do, for the message
+
+    def check_owner(self, owner: object) -> None:
+        """Raise ValueError (changing nothing) if this cache belongs to another module than ``owner`` (still alive)."""
+        bound = None if self._owner is None else self._owner()
+        if bound is not None and bound is not owner:
+            raise ValueError(
+                f"this {type(self).__name__} belongs to {_describe(bound)}, not to {_describe(owner)}: "
+                f"give every attention layer a cache of its own ({self._why})"
+            )
+
+    def bind(self, owner: object) -> None:
+        """Tie this cache to ``owner``, the attention module that writes it.
+
+        Raises:
+            ValueError: the cache already belongs to another module (still alive).
+        """
+        self.check_owner(owner)
+        if self._owner is None or self._owner() is None:
+            self._owner = weakref.ref(owner)
+
+
+def _describe(module: object) -> str:
+    return f"{type(module).__name__} at {id(module):#x}"

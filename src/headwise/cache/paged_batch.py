@@ -1,0 +1,115 @@
+"""One forward pass's row through a ``PagedKVCache``: the next tokens of several sequences, packed.
+
+``paged.batch(seq_ids, new_tokens)`` makes a ``PagedBatch``, the cache protocol for ``attention``:
+the queries, keys and values hold the new tokens of those sequences packed in one row, (1, H, T, D)
+with T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). ``append`` checks
+everything, then writes each sequence's keys to its blocks and answers with one ``Part`` per
+sequence: its queries attend over its own cached and new tokens only (ragged: no padding to the
+longest), read as a view of the pool when its blocks are consecutive, else gathered.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from .protocol import Part
+
+if TYPE_CHECKING:
+    from .paged import PagedKVCache
+
+
+class PagedBatch:
+    """The next tokens of some sequences of a ``PagedKVCache``, packed in one row: the cache protocol for ``attention``.
+
+    Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
+    """
+
+    window: int | None = None  # the pool keeps every token; a window is applied by attention
+
+    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
+        seq_ids, new_tokens = list(seq_ids), list(new_tokens)
+        for seq_id in seq_ids:
+            cache._known(seq_id)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
+        if len(new_tokens) != len(seq_ids) or not seq_ids:
+            raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
+        for n in new_tokens:
+            _checks.positive_int("new_tokens (each count)", n)
+        self.cache, self.seq_ids, self.new_tokens = cache, seq_ids, new_tokens
+        self.starts = [cache._lens[s] for s in seq_ids]  # each sequence's length before this step
+        self._done = False
+
+    def start(self, t: int) -> Tensor:
+        """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
+        total = sum(self.new_tokens)
+        if t != total:
+            raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")
+        positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
+        return torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
+
+    def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
+        """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
+        protocol); ``append`` refuses keys of any other count than the ``sum(new_tokens)`` this batch packs."""
+        bounds = [0, *itertools.accumulate(self.new_tokens)]
+        return [(slice(a, b), s + b - a) for a, b, s in zip(bounds[:-1], bounds[1:], self.starts, strict=True)]
+
+    def check_owner(self, owner: object) -> None:
+        self.cache.check_owner(owner)
+
+    def bind(self, owner: object) -> None:
+        self.cache.bind(owner)
+
+    def append(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
+    ) -> list[Part]:
+        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Part`` per sequence.
+
+        ``check=False`` skips the checks of the arguments (not of the pool's room), for a caller that made them.
+
+        Returns:
+            For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
+            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
+            asks nothing more), with no padding mask.
+        """
+        cache = self.cache
+        if check:
+            self._check(k, v, attention_mask)
+        cache._check_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
+        cache._reserve(self.seq_ids, self.new_tokens)
+        self._done = True
+        where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
+        with torch.no_grad():
+            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
+            cache.v.index_copy_(1, where, v[0])
+        parts, row = [], 0
+        for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
+            cache._lens[seq_id] = a + n
+            parts.append(Part(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
+            row += n
+        return parts
+
+    def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
+        cache, T = self.cache, sum(self.new_tokens)
+        Hkv, _, D = cache.k.shape
+        if self._done:
+            raise ValueError("this PagedBatch was used already: make one per forward pass and layer with paged.batch(seq_ids, new_tokens)")
+        if attention_mask is not None:
+            raise ValueError("a PagedKVCache batch packs real tokens only: pass attention_mask=None (give each sequence only its real tokens)")
+        for name, t in [("k", k), ("v", v)]:
+            if t.ndim != 4 or t.shape[0] != 1 or t.shape[1] != Hkv or t.shape[2] != T or t.shape[3] != D:
+                raise ValueError(f"a paged batch of {T} new tokens takes {name} of shape (1, Hkv={Hkv}, T={T}, D={D}), got {tuple(t.shape)}")
+            if t.dtype != cache.k.dtype:
+                raise TypeError(f"the PagedKVCache holds {cache.k.dtype}; {name} is {t.dtype}")
+            _checks.same_device(name, t, "the cache is", cache.k.device)
+            if torch.is_grad_enabled() and t.requires_grad:
+                raise ValueError(f"{name} requires grad, but a PagedKVCache serves inference only: run under torch.no_grad()")
+        for seq_id, start in zip(self.seq_ids, self.starts, strict=True):  # a sequence freed or written since this batch was made
+            if cache._lens.get(cache._known(seq_id)) != start:
+                raise ValueError(f"seq_id {seq_id} holds {cache._lens[seq_id]} tokens, not the {start} it held when this batch was made")

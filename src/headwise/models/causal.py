@@ -1,0 +1,132 @@
+"""The causal language models' one forward: token ids in, logits out, through a cache per layer or not.
+
+GPT-2 and the Llama family differ in how they embed tokens (GPT-2 adds a position table, Llama
+rotates queries and keys inside its layers), in their blocks and in their final norm; the rest is
+the same path, written here once:
+
+    ids -> embed -> every block (each with its layer's cache) -> final norm -> LM head
+
+Prompts, decode steps (``generate``), packed rows of several sequences (``Batcher``) and the
+full-sequence logits all go through ``forward`` (gpt-fast's model is its ``forward(idx, input_pos)``).
+It checks its arguments first, unless ``check=False``: then nothing is checked anywhere below it
+(no per-layer checks, no host reads), for ``generate``, which checked its own arguments once.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..cache import Cache, KVCache, PagedKVCache
+from ..layer import AttentionLayer
+from ..linear import linear, project
+from . import _inputs
+from .generate import GenerationMixin
+
+
+class CausalModel(GenerationMixin, nn.Module):
+    """Base of headwise's causal LMs: one ``forward``, its caches, the LM head (tied or not).
+
+    A model says what differs: ``embed_tokens``, ``blocks``, ``final_norm`` (modules), ``embed``
+    (ids -> (B, T, C)), ``vocab_size`` and ``context_limit``; ``lm_head`` is None while the head
+    is tied to ``embed_tokens``. Each block takes ``(x, attention_mask=, cache=, position_ids=, check=)``.
+
+    Example:
+        >>> import torch, headwise as hw
+        >>> from headwise.models import GPT2LMHeadModel
+        >>> model = GPT2LMHeadModel(hw.GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
+        >>> ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+        >>> mask = torch.tensor([[1, 1, 1], [0, 1, 1]])                # left padding, 1 = real token
+        >>> model(ids, attention_mask=mask).shape                       # (B, T, vocab_size)
+        torch.Size([2, 3, 100])
+        >>> caches = model.new_caches(2, 8)
+        >>> model(ids, mask, cache=caches, logits_to_keep=1).shape      # the prompt, its last logits
+        torch.Size([2, 1, 100])
+        >>> model(torch.tensor([[1], [2]]), positions=torch.tensor([[3], [2]]), cache=caches).shape  # one step
+        torch.Size([2, 1, 100])
+        >>> model.generate(ids, attention_mask=mask, max_new_tokens=4).shape  # greedy
+        torch.Size([2, 7])
+    """
+
+    lm_head: nn.Module | None
+    embed_tokens: nn.Embedding
+    blocks: nn.ModuleList
+    final_norm: nn.Module
+
+    def embed(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None, cache: list[Cache] | None) -> Tensor:
+        """(B, T) ids of the tokens at ``positions`` (None: after the cached ones) -> (B, T, C)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        positions: Tensor | None = None,
+        cache: list[Cache] | None = None,
+        logits_to_keep: int | Tensor = 0,
+        check: bool = True,
+    ) -> Tensor:
+        """Logits for every position (or those ``logits_to_keep`` asks for), through the caches if given.
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T), 1/True = real token, 0/False = padding (ints or bools),
+                left or right; with a cache, of the new tokens only.
+            positions: (B, T) position ids; default: the tokens after those the cache holds,
+                counting real tokens only (as HuggingFace's ``generate`` counts them, so a
+                left-padded row gives the logits of the unpadded one).
+            cache: one cache per layer: ``new_caches(B, max_len)`` (input_ids are the next
+                tokens), or each layer's ``PagedKVCache.batch(seq_ids, new_tokens)`` (input_ids
+                (1, T) pack the next tokens of several sequences, each after its own).
+            logits_to_keep: 0 = logits for all T positions; k >= 1 = the last k only; a (N,)
+                tensor = those positions (HuggingFace's argument): the LM head runs on those rows.
+            check: False skips every check (for ``generate``, which checked its arguments once).
+
+        Returns:
+            (B, T or k or N, vocab_size) logits in the model's dtype; those at padding positions mean nothing.
+
+        Raises:
+            TypeError, ValueError: ids, mask, positions, caches or ``logits_to_keep`` the model
+                cannot take; more tokens than ``context_limit()`` allows.
+        """
+        if check:
+            _, t, attention_mask, logits_to_keep = _inputs.model_call(
+                self, input_ids, attention_mask, positions, cache, logits_to_keep, self.embed_tokens.weight, len(self.blocks)
+            )
+            start = 0 if cache is None else cache[0].start(t)  # an int, or (1, T) positions of a paged batch
+            name, limit = self.context_limit()
+            if positions is None and isinstance(start, int) and limit is not None and start + t > limit:
+                cached = f" after {start} cached" if start else ""
+                raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
+        x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attention_mask=attention_mask, cache=None if cache is None else cache[i], position_ids=positions, check=check)
+        x = self.final_norm(_inputs.kept(x, logits_to_keep))  # (B, T or k or N, C): the LM head only where logits are wanted
+        return linear(x, self.embed_tokens.weight) if self.lm_head is None else project(self.lm_head, x)  # (B, T or k or N, vocab)
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        """Each block's attention module, in order."""
+        return [m for block in self.blocks for m in block.modules() if isinstance(m, AttentionLayer)]
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """One empty ``KVCache`` per layer with room for ``max_len`` tokens; a ring of ``window`` slots for a
+        sliding layer whose window is shorter (memory bounded however long decoding runs)."""
+        weight = self.embed_tokens.weight
+        caches = []
+        for attn in self.attention_layers():  # each layer's own key/value heads (fewer when sharded by headwise.parallel)
+            shape = (batch_size, attn.num_kv_heads, max_len, attn.head_dim)
+            if attn.window is not None and attn.window < max_len:
+                shape = (batch_size, attn.num_kv_heads, attn.window, attn.head_dim)
+                caches.append(KVCache.sliding(*shape, dtype=weight.dtype, device=weight.device))
+            else:
+                caches.append(KVCache(*shape, dtype=weight.dtype, device=weight.device))
+        return caches
+
+    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a sliding
+        layer keeps every token too (its window is applied by attention)."""
+        weight = self.embed_tokens.weight
+        return [
+            PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=weight.dtype, device=weight.device)
+            for attn in self.attention_layers()
+        ]
