@@ -77,6 +77,17 @@ def test_check_names_the_layers_of_a_model_that_compute_attention_themselves():
         headwise.hf.check(model, allow="ClapAudioSelfAttention")
 
 
+def test_check_names_the_encoder_layers_of_a_model_whose_decoder_alone_calls_the_interface():
+    """BigBird-Pegasus's encoder reads the mask headwise builds as eager's additive one: check is what says so."""
+    config = tf.BigBirdPegasusConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                                     encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    assert routing.never_routed(tf.BigBirdPegasusConfig) == ()  # its decoder layers call attend: not refused as a whole
+    model = tf.AutoModel.from_config(config, attn_implementation=NAME)
+    with pytest.raises(TypeError, match=r"BigBirdPegasusModel does not run every attention layer on headwise: its layers of class "
+                                        r"BigBirdPegasusBlockSparseAttention"):  # fmt: skip
+        headwise.hf.check(model)
+
+
 def test_check_names_a_model_on_another_implementation():
     model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**SMALL), attn_implementation="sdpa")
     with pytest.raises(

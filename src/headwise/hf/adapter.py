@@ -81,7 +81,9 @@ def register(name: str = "headwise") -> str:
       Bark, GIT, SAM): transformers raises ``KeyError: 'headwise'`` while building it, which
       ``headwise.hf.load`` turns into a TypeError naming the class;
     - some layers of a model whose others call it (CLAP's audio tower, Gemma 3n's and 4's
-      audio towers, BigBird-Pegasus' encoder, DETR-style deformable attention): nothing fails.
+      audio towers, BigBird-Pegasus' encoder, DETR-style deformable attention): nothing fails;
+      those layers do not run on headwise, and where they read transformers' mask
+      (BigBird-Pegasus' encoder on a padded batch) they compute something else than eager.
 
     ``headwise.hf.check(model)`` raises unless every attention layer of a loaded model runs on
     headwise; ``headwise.hf.load(model_class, path)`` loads and checks in one call.
