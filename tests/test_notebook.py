@@ -29,6 +29,8 @@ if _missing:
 import nbformat  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 
+pytestmark = pytest.mark.slow  # left out by make test-fast (pyproject's markers)
+
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):

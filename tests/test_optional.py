@@ -17,6 +17,7 @@ def test_require_names_the_extra():
         require("no_such_pkg_hw", "models", "reading weights")
 
 
+@pytest.mark.slow
 def test_import_and_core_work_without_the_optional_packages():
     code = BLOCK + (
         "import torch, headwise as hw\n"
@@ -27,6 +28,7 @@ def test_import_and_core_work_without_the_optional_packages():
     assert out.stdout.strip() == "(1, 4, 8)"
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_says_which_extra_before_any_work():
     code = BLOCK + "from headwise.bench.cli import main\nmain(['--tokens', '16', '--batch', '1'])\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -35,6 +37,7 @@ def test_bench_without_matplotlib_says_which_extra_before_any_work():
     assert "GFLOP" not in out.stdout and out.stdout == ""  # nothing was measured
 
 
+@pytest.mark.slow
 def test_models_without_safetensors_say_which_extra(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     code = BLOCK + f"from headwise.models.loading import read_weights\nfrom pathlib import Path\nread_weights(Path({str(tmp_path / 'model.safetensors')!r}))\n"
@@ -43,6 +46,7 @@ def test_models_without_safetensors_say_which_extra(tmp_path):
     assert "pip install 'headwise[models]'" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_transformers_adapter_without_transformers_says_which_extra():
     code = BLOCK + "import headwise as hw\nhw.hf.register()\n"  # the part loads on first use, then names its extra
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

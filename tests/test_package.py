@@ -29,6 +29,7 @@ def test_import_headwise_stays_light():
     assert loaded == "[]"
 
 
+@pytest.mark.slow
 def test_the_learners_tools_are_functions_at_the_top_level():
     out = run("""
         import headwise as hw
@@ -43,6 +44,7 @@ def test_the_learners_tools_are_functions_at_the_top_level():
     assert out.splitlines() == ["0 MultiHeadAttention True", "MultiHeadAttention 10 (1, 6, 2)", "True heads"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "first",
     ["import headwise.grade", "from headwise.explain import BOOK_TOKENS", "import headwise.viz", "import headwise.explain_rope"],
@@ -61,6 +63,7 @@ def test_importing_a_module_first_leaves_the_functions_in_place(first):
     assert out == "True True module Report 6"
 
 
+@pytest.mark.slow
 def test_submodules_are_attributes_loaded_on_first_use():
     out = run("""
         import sys

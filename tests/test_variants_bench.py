@@ -17,6 +17,7 @@ def test_packed_ways_compute_the_same_thing():
         V.packed_call("nope", q, k, v, cu)
 
 
+@pytest.mark.slow
 def test_small_runs_give_a_table_and_the_packed_peaks_follow_the_documents():
     """Packed: each way's peak in a fresh process; documents= stays near the documents run alone, the dense mask does not."""
     rows = V.packed(docs=4, doc_len=512, heads=4, head_dim=16, repeats=1, warmup=0)

@@ -9,6 +9,7 @@ from headwise.bench import Case, compile_case
 from headwise.bench.compile import REFERENCE, markdown
 
 
+@pytest.mark.slow
 def test_rows_for_each_implementation_with_compile_time_and_both_medians():
     dynamo.reset()
     case = Case("tiny", 1, 8)

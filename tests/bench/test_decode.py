@@ -31,6 +31,7 @@ def test_decode_benchmark_returns_rows_and_agrees_with_transformers():
         decode_latency(repeats=0)
 
 
+@pytest.mark.slow
 def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
     """Whole-model decode on tiny models: rows for every case, bytes read counted from the weights
     as stored and the KV actually held, and both libraries' logits equal on the same cache contents."""
@@ -62,6 +63,7 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
         decode_speeds(dtypes=["int4"])
 
 
+@pytest.mark.slow
 def test_model_decode_with_compile_times_generates_compiled_step(tmp_path):
     """``compile=True``: a compiled-step column (the step generate(compile=True) runs)."""
     from headwise.bench.model_decode import decode_speeds, markdown

@@ -87,6 +87,7 @@ def test_ceiling_and_machine(monkeypatch):
     assert "cores" in bench.machine() and "torch" in bench.machine()
 
 
+@pytest.mark.slow
 def test_header_names_the_cpu_and_the_linear_path_with_its_share_of_the_ceiling():
     from headwise import linear as hl
 
@@ -120,6 +121,7 @@ def test_bad_arguments_are_named():
         tiny(tokens=(0,))
 
 
+@pytest.mark.slow
 def test_cli_module_prints_a_table_and_writes_plot_and_json(tmp_path):
     png, js = tmp_path / "b.png", tmp_path / "b.json"
     proc = subprocess.run(
@@ -136,6 +138,7 @@ def test_cli_module_prints_a_table_and_writes_plot_and_json(tmp_path):
     assert re.search(r"\[[#.]{24}\] \d+/\d+ ", proc.stderr), proc.stderr  # the progress bar
 
 
+@pytest.mark.slow
 def test_cli_decode_honours_tokens_and_batch_and_writes_the_plot_it_names(tmp_path):
     png = tmp_path / "d.png"
     proc = subprocess.run(

@@ -7,6 +7,7 @@ import pytest
 from headwise.bench.hf import hf_latency, markdown
 
 
+@pytest.mark.slow
 def test_rows_for_each_mode_with_every_implementation_transformers_accepts():
     rows = hf_latency(batch=1, tokens=8, layers=1, repeats=1, warmup=0)
     assert [(r.model, r.mode) for r in rows] == [(m, mode) for m in ("llama", "gemma2", "gpt_oss") for mode in ("forward", "backward")]

@@ -36,6 +36,7 @@ def test_every_correct_style_passes(stem):
     assert all(r.configs == len(CONFIGS[r.kind]) for r in results.values())
 
 
+@pytest.mark.slow
 def test_the_books_own_classes_pass():
     report = grade([book.CausalAttention, book.MultiHeadAttentionWrapper, book.MultiHeadAttention])  # one grading process
     assert report.exit_code == 0, report.to_text()

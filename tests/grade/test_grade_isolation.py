@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from headwise.grade import grade
+
+pytestmark = pytest.mark.slow  # left out by make test-fast (pyproject's markers)
 
 FORGED = {"class": "MultiHeadAttention", "kind": "MultiHeadAttention", "passed": True, "step": None, "hint": None, "config": None,
           "expected": None, "got": None, "error": None, "configs": 4}

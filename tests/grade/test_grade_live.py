@@ -39,6 +39,7 @@ def test_a_class_remade_with_exec_is_refused_not_graded_as_an_earlier_cells_clas
     assert report.problem.startswith("cannot grade MultiHeadAttention: its method __init__ has no source Python can read back")
 
 
+@pytest.mark.slow
 def test_a_method_replaced_in_a_later_cell_is_the_one_graded(notebook):
     ns = notebook(BOOK)
     notebook(method("no_scaling", "forward").replace("def forward(", "def unscaled(") + "\n\nMultiHeadAttention.forward = unscaled\n")
@@ -46,6 +47,7 @@ def test_a_method_replaced_in_a_later_cell_is_the_one_graded(notebook):
     assert (r.passed, r.step, r.hint) == (False, "weights", H.NO_SCALE)
 
 
+@pytest.mark.slow
 def test_methods_added_after_the_class_statement_are_graded(notebook):
     init = method("book", "__init__")
     notebook("import torch\nfrom torch import nn\n\n" + ADD_TO_CLASS)

@@ -40,6 +40,7 @@ def results(tmp_path: Path, path: Path) -> dict:
     return {"problem": problem[0]} if problem else {e["result"]["class"]: e["result"] for e in sent if "result" in e}
 
 
+@pytest.mark.slow
 def test_the_books_notebook_passes_and_a_wrong_one_fails_with_a_hint_on_the_command_line(tmp_path, capsys):
     head, classes = BOOK.split("class CausalAttention", 1)
     good = ipynb(tmp_path, "# md\n# Chapter 3", "%matplotlib inline\n" + head, "class CausalAttention" + classes, name="book.ipynb")
@@ -103,6 +104,7 @@ def test_the_classes_a_notebook_leaves_are_graded_exec_patches_and_add_to_class_
     assert results(tmp_path, added)["MultiHeadAttention"]["passed"]
 
 
+@pytest.mark.slow
 def test_a_notebook_that_loops_while_running_its_cells_is_stopped_at_its_line(tmp_path):
     path = ipynb(tmp_path, "import torch", "while True: pass")
     report = grade(path, timeout=3)

@@ -59,6 +59,7 @@ def test_the_worker_writes_found_started_result_in_order(tmp_path):
 # ----------------------------------------------------------------------------- real processes
 
 
+@pytest.mark.slow
 def test_a_hang_is_stopped_and_the_other_classes_are_still_graded():
     report = grade(LEARNERS / "hang.py", timeout=3)
     assert [(r.name, r.passed, r.step) for r in report.results] == [("MultiHeadAttention", False, "error"), ("CausalAttention", True, None)]
@@ -69,6 +70,7 @@ def test_a_hang_is_stopped_and_the_other_classes_are_still_graded():
     assert report.exit_code == 1
 
 
+@pytest.mark.slow
 def test_a_file_that_kills_the_interpreter_is_reported(tmp_path):
     path = tmp_path / "exits.py"
     path.write_text("import os\n\nos._exit(3)\n")
@@ -82,6 +84,7 @@ def cli(*args: str, cwd: Path = LEARNERS) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "headwise.cli", "grade", *args], capture_output=True, text=True, cwd=cwd, env={"PYTHONPATH": SRC}, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_json_for_a_passing_file_exits_0():
     proc = cli("book.py", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -92,6 +95,7 @@ def test_cli_json_for_a_passing_file_exits_0():
     ]
 
 
+@pytest.mark.slow
 def test_cli_text_for_a_module_path_with_a_mistake_exits_1():
     proc = cli("learners.swapped_qk", "--class", "MultiHeadAttention", cwd=LEARNERS.parent)
     assert proc.returncode == 1, proc.stderr

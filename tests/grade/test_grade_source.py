@@ -49,6 +49,7 @@ def test_a_class_takes_the_modules_functions_classes_and_constants_of_the_notebo
     compile(source, "notebook.py", "exec")
 
 
+@pytest.mark.slow
 def test_notebook_classes_are_graded_in_a_separate_process(notebook):
     notebook("import math\nimport torch\nfrom torch import nn\n\nNEG = float('-inf')\n")
     ns = notebook("def scale(scores, d):\n    return scores / d ** 0.5\n" + HEAD + WRAPPER)
@@ -107,6 +108,7 @@ def test_a_class_that_extends_its_own_earlier_definition_takes_that_one_along(no
     assert namespace["A"].__bases__[0].__name__ == "A" and namespace["A"]()(1) == -1
 
 
+@pytest.mark.slow
 def test_a_notebook_tensor_the_class_reads_is_named_as_left_behind(notebook):
     ns = notebook("import torch\nfrom torch import nn\n\nFUTURE = torch.ones(6, 6).triu(1).bool()\n\n"
                   "class CausalAttention(nn.Module):\n"

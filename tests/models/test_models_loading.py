@@ -178,6 +178,7 @@ def test_config_values_are_checked_with_the_file_named(gpt2_dir, tmp_path, chang
         GPT2LMHeadModel.from_pretrained(d)
 
 
+@pytest.mark.slow
 def test_a_huge_config_against_a_small_file_fails_before_allocating(gpt2_dir, tmp_path):
     """config.json promises ~150 GB of weights; the small file must give the clear error, not an out-of-memory kill."""
     d = copy_of(gpt2_dir, tmp_path / "m")

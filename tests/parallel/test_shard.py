@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+pytestmark = [
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,  # two ranks started once for the module; left out by make test-fast
+]
 
 TOL = 1e-5
 WORLD = 2
