@@ -38,7 +38,7 @@ from . import _checks
 from .cache import Cache, ContextCache, KVCache, checked
 from .functional import attention, attention_unchecked, merge_heads, split_heads
 from .masks import inert_padding
-from .observe import report
+from .observe import observing, report
 
 
 def checked_input(
@@ -147,17 +147,18 @@ class AttentionLayer(nn.Module):
         if check:
             x, attention_mask = self._checked(x, attention_mask, cache, position_ids)  # (B, T, d_in), (B, T) bool or None
         start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
-        if position_ids is None and not isinstance(start, int):
+        packed = not isinstance(start, int)
+        if position_ids is None and packed:
             position_ids = start  # (1, T): each sequence's tokens continue from its own length
-        report("x", x)
+        watched = observing()  # the steps below go to an observer only (one question, not one per step)
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
-        report("queries", queries)
-        report("keys", keys)
-        report("values", values)
+        if watched:
+            for name, t in (("x", x), ("queries", queries), ("keys", keys), ("values", values)):
+                report(name, t)
         queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
         keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
         values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
-        queries, keys = self.position(queries, keys, start if isinstance(start, int) else 0, attention_mask, position_ids)
+        queries, keys = self.position(queries, keys, 0 if packed else start, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         terms = {"causal": self.causal, "window": self.window, "backend": self.backend, **self.score_terms()}
         dropout_p = self.attn_dropout_p
         if not check and isinstance(cache, KVCache) and attention_mask is None and documents is None and dropout_p == 0:
@@ -169,7 +170,8 @@ class AttentionLayer(nn.Module):
         if check and cache is not None:
             cache.bind(self)  # after its first write: a refused call leaves a fresh cache free
         out = self.project_out(merge_heads(context))  # (B, T, C)
-        report("output", out)
+        if watched:
+            report("output", out)
         return out
 
     def _checked(
