@@ -77,6 +77,19 @@ def test_check_names_the_layers_of_a_model_that_compute_attention_themselves():
         headwise.hf.check(model, allow="ClapAudioSelfAttention")
 
 
+def test_check_names_an_architecture_that_never_reaches_headwise_at_all():
+    """DeBERTa builds its masks itself: nothing reaches headwise, nothing fails, and check says so."""
+    model = tf.AutoModel.from_config(tf.DebertaV2Config(**ENCODER), attn_implementation=NAME).eval()
+    calls = []
+    with headwise.observe(lambda step, t: calls.append(step)):
+        model(input_ids=torch.randint(2, 100, (1, 5)))
+    assert calls == []  # headwise was never called
+    with pytest.raises(
+        TypeError, match=r"DebertaV2Model does not run every attention layer on headwise: its layers of class DisentangledSelfAttention"
+    ):
+        headwise.hf.check(model)
+
+
 def test_check_names_the_encoder_layers_of_a_model_whose_decoder_alone_calls_the_interface():
     """BigBird-Pegasus's encoder reads the mask headwise builds as eager's additive one: check is what says so."""
     config = tf.BigBirdPegasusConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,

@@ -75,8 +75,10 @@ def register(name: str = "headwise") -> str:
     Only layers that call ``AttentionInterface`` run on headwise. Others compute attention in
     their own code and never call it (see ``headwise.hf.routing``):
 
-    - a whole architecture (Bloom, MPT, XGLM, DeBERTa, Longformer, BigBird, RoFormer, ...): its
-      first forward raises a TypeError naming it (it builds its masks through ``mask``);
+    - a whole architecture that builds its masks through ``mask`` (Bloom, MPT, XGLM, Longformer,
+      BigBird, RoFormer, MPNet, ...): its first forward raises a TypeError naming it;
+    - a whole architecture that builds its masks itself (DeBERTa, OpenAI GPT, FSMT, Funnel,
+      ProphetNet, ...): headwise sees nothing; the model runs as it would on eager;
     - an architecture that picks its attention class from a table of its own (Falcon, GPT-Neo,
       Bark, GIT, SAM): transformers raises ``KeyError: 'headwise'`` while building it, which
       ``headwise.hf.load`` turns into a TypeError naming the class;
