@@ -29,10 +29,11 @@ def linear_path(request):
     """Run the test once per projection path of headwise.linear, forced, whatever the rule picks here."""
     import torch
 
-    from headwise import linear as hl
+    from headwise.linear import onednn
+    from headwise.linear import rule as hl
 
-    if request.param == "onednn" and hl._ops_error(torch.float32) is not None:
-        pytest.skip(f"oneDNN's private ops do not work here: {hl._ops_error(torch.float32)}")
+    if request.param == "onednn" and onednn.ops_error(torch.float32) is not None:
+        pytest.skip(f"oneDNN's private ops do not work here: {onednn.ops_error(torch.float32)}")
     with hl.use_path(request.param):
         yield request.param
 
@@ -40,7 +41,7 @@ def linear_path(request):
 @pytest.fixture
 def machine(monkeypatch):
     """Pretend to be another machine for ``headwise.linear``'s rule: ``machine(vendor, capability, flags, version=...)``."""
-    import headwise.linear as hl
+    import headwise.linear.rule as hl
 
     def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu"):
         facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}

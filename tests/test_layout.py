@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"_checks", "_optional", "_html", "_text", "_argtypes", "observe", "linear", "quantize"},  # no headwise imports, or the checkers (quantize: linear's bound)
     {"masks", "cache", "rope", "config", "scores"},  # data structures and small functions
     {"backends"},  # the runners behind attention(): math, sdpa, packed documents
-    {"functional"},  # the core: attention() (the cache-aware entry included)
+    {"arguments", "functional"},  # the core: attention()'s arguments checked, then its one path (the cache, the plan)
     {"layer"},  # the one attention path
     {"teaching", "fused"},  # the book's classes, GPT-2's layout
     {"convert", "explain", "models", "hf"},  # conversions and loading, explaining, whole models, the transformers adapter
@@ -26,6 +26,10 @@ LAYERS: list[set[str]] = [
     {"demo", "cli", "__init__"},  # entry points
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+#: The same rule one level down, inside a package: its modules, lowest first.
+INSIDE: dict[str, list[set[str]]] = {
+    "linear": [{"weight_cache"}, {"onednn"}, {"rule"}, {"projection"}, {"custom_ops"}, {"__init__"}],
+}
 
 
 def _top(path: Path) -> str:
@@ -73,6 +77,20 @@ def test_imports_point_down(path):
     me = _top(path)
     upward = {name for name in _imports(path) - {me} if LEVEL.get(name, -1) > LEVEL[me]}
     assert upward == set(), f"{path.relative_to(SRC)} (layer {LEVEL[me]}) imports {upward} from above"
+
+
+@pytest.mark.parametrize("package", INSIDE)
+def test_imports_inside_a_package_point_down(package):
+    level = {name: i for i, layer in enumerate(INSIDE[package]) for name in layer}
+    files = sorted((SRC / package).glob("*.py"))
+    assert {f.stem for f in files} == set(level), f"add the new module of {package}/ to INSIDE"
+    for path in files:
+        siblings = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                siblings.update([node.module.split(".")[0]] if node.module else [alias.name for alias in node.names])
+        upward = {name for name in siblings - {path.stem} if level[name] > level[path.stem]}
+        assert upward == set(), f"{package}/{path.name} imports {upward} from above"
 
 
 def test_the_cache_does_not_reach_into_the_core():

@@ -14,6 +14,7 @@ from reference import reference_mha
 
 import headwise as hw
 from headwise import linear as hl
+from headwise.linear import onednn, weight_cache
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -71,7 +72,7 @@ def test_gradients_match_float64_for_every_layout_and_loss(linear_path, layout, 
     w = w0.clone().requires_grad_(True)
     b = None if b0 is None else b0.clone().requires_grad_(True)
     y = hl.linear(x, w, b)
-    assert (type(y.grad_fn).__name__ == "_OneDNNLinearBackward") == (linear_path == "onednn")
+    assert (type(y.grad_fn).__name__ == "OneDNNLinearBackward") == (linear_path == "onednn")
     LOSSES[loss](y).backward()
     x64, w64 = x.detach().double().requires_grad_(True), w0.double().requires_grad_(True)
     b64 = None if b0 is None else b0.double().requires_grad_(True)
@@ -233,16 +234,17 @@ def test_the_rule_depends_on_cpu_dtype_and_torch_version_only(machine, monkeypat
     import time
 
     machine(vendor, capability, version=version)
-    hl._ops_error(dtype)  # the one-time check that oneDNN's ops work here (cached): not part of the rule
+    onednn.ops_error(dtype)  # the one-time check that oneDNN's ops work here (cached): not part of the rule
 
     def no(*args, **kwargs):
         raise AssertionError("the rule read a clock or ran a GEMM")
 
     for clock in ("perf_counter", "perf_counter_ns", "monotonic", "time", "process_time", "thread_time"):
         monkeypatch.setattr(time, clock, no)
-    monkeypatch.setattr(hl, "_lp", no)
-    monkeypatch.setattr(hl.F, "linear", no)
+    monkeypatch.setattr(onednn, "inner_product", no)
+    monkeypatch.setattr(F, "linear", no)
     assert hl.choose(dtype)[0] == path  # nothing timed, nothing run: from the facts alone
+    hl.choose_few_rows(dtype)  # the decode-shaped calls' rule neither
 
 
 def test_forcing_overrides_the_rule_by_env_and_by_function(machine, monkeypatch):
@@ -279,8 +281,8 @@ def test_failing_private_ops_fall_back_to_f_linear_with_one_warning(monkeypatch)
     def broken(*args):
         raise RuntimeError("no such kernel")
 
-    monkeypatch.setattr(hl, "_lp", broken)
-    hl._ops_error.cache_clear()
+    monkeypatch.setattr(onednn, "inner_product", broken)
+    onednn.ops_error.cache_clear()
     try:
         x, w, b = make()
         with hl.use_path("onednn"):
@@ -290,7 +292,7 @@ def test_failing_private_ops_fall_back_to_f_linear_with_one_warning(monkeypatch)
                 warnings.simplefilter("error")  # the second call: no second warning
                 torch.testing.assert_close(hl.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
     finally:
-        hl._ops_error.cache_clear()
+        onednn.ops_error.cache_clear()
 
 
 def test_pyproject_states_the_tested_torch_versions():
@@ -365,6 +367,7 @@ def test_bf16_end_to_end_within_2x_of_a_plain_bf16_implementation(linear_path, k
 
 
 
+@pytest.mark.slow
 def test_compiled_inference_runs_the_eager_path_as_one_op_and_training_traces_the_stack(linear_path):
     """Without autograd a compiled call runs ``linear`` / the stacked GEMM as opaque ops (``headwise::linear``,
     ``headwise::linear_many``): they stack and pack once when they run, as the eager call does, and repeated
@@ -375,7 +378,7 @@ def test_compiled_inference_runs_the_eager_path_as_one_op_and_training_traces_th
     mine = {id(p) for p in mod.parameters()}
 
     def entries() -> list:
-        return [ids for cache in (hl._STACKED, hl._PACKED) for ids in cache if mine & set(ids)]
+        return [ids for cache in (weight_cache.STACKED, weight_cache.PACKED) for ids in cache if mine & set(ids)]
 
     compiled = torch.compile(mod, fullgraph=True)
     compiled(x).sum().backward()  # training: traced, nothing cached

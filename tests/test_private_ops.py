@@ -27,6 +27,7 @@ from isolated import run_cases, run_isolated
 
 from headwise import linear as hl
 from headwise import quantize
+from headwise.linear import onednn
 
 SRC = Path(__file__).parents[1] / "src" / "headwise"
 
@@ -43,10 +44,10 @@ PRIVATE_OPS = {
         ("quantize.py",), "headwise.quantize:int8_mm_takes",
         "K not a multiple of 16 (reads past each row: SIGSEGV or values far off), rows or weight off their alignment (SIGSEGV)"),
     "torch.ops.mkldnn._linear_pointwise": PrivateOp(
-        ("linear.py",), "headwise.linear:inner_product_takes",
+        ("linear/onednn.py",), "headwise.linear.onednn:inner_product_takes",
         "an empty M, N or K, a bias not (N,) (a 0-d one gives wrong numbers), dtypes oneDNN does not run, mixed dtypes"),
     "torch.ops.mkldnn._reorder_linear_weight": PrivateOp(
-        ("linear.py",), "headwise.linear:reorder_takes", "an empty weight, dtypes oneDNN does not run"),
+        ("linear/onednn.py",), "headwise.linear.onednn:reorder_takes", "an empty weight, dtypes oneDNN does not run"),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": PrivateOp(
         ("backends/sdpa.py",), "headwise.backends.sdpa:flash_guard", "empty shapes (SIGFPE); tested in tests/test_flash_guard.py"),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": PrivateOp(
@@ -121,6 +122,7 @@ def error(m, n, k, rows_at=0, weight_at=0):
 INT8_ACCEPTED = [(m, n, k, at, at) for m in (1, 3, 5, 16) for n in (1, 5, 17) for k in (16, 48) for at in (0, 16)]  # at 16: 32 bytes in
 
 
+@pytest.mark.slow
 def test_int8_shapes_the_guard_accepts_run_on_the_kernel():
     """Every accepted case run on the op itself in one child (a crash fails the test): bf16 output rounding only."""
     if not quantize._INT8_KERNEL:
@@ -171,6 +173,7 @@ def test_int8_operands_the_guard_refuses_never_reach_the_kernel(monkeypatch, n, 
         assert ((lin(x).double() - want).norm() / want.norm()).item() < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not torch.__version__.startswith("2.13"),
                     reason="the refused conditions were measured on torch 2.13's AVX-512 kernel")
 def test_each_condition_the_int8_guard_refuses_is_one_the_kernel_gets_wrong():
@@ -188,7 +191,7 @@ def test_each_condition_the_int8_guard_refuses_is_one_the_kernel_gets_wrong():
 ONEDNN_SETUP = """
 import torch
 import torch.nn.functional as F
-from headwise.linear import inner_product_takes, reorder_takes
+from headwise.linear.onednn import inner_product_takes, reorder_takes
 torch.set_num_threads(1)
 linear_pointwise = torch.ops.mkldnn._linear_pointwise
 reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -223,10 +226,11 @@ ONEDNN_ACCEPTED = [
 
 
 def skip_without_onednn():
-    if hl._ops_error(torch.float32) is not None:
-        pytest.skip(f"oneDNN's private ops do not work here: {hl._ops_error(torch.float32)}")
+    if onednn.ops_error(torch.float32) is not None:
+        pytest.skip(f"oneDNN's private ops do not work here: {onednn.ops_error(torch.float32)}")
 
 
+@pytest.mark.slow
 def test_onednn_operands_the_guards_accept_run_on_the_ops():
     """Every accepted case on the ops themselves in one child, against F.linear in float64 (the backward's
     transposed operands and the packed weight included)."""
@@ -260,12 +264,12 @@ def test_onednn_operands_the_guard_refuses_never_reach_the_ops(monkeypatch, edge
 
     skip_without_onednn()
     x, w, b = ONEDNN_REFUSED[edge]()
-    assert not hl.inner_product_takes(x, w, b)
+    assert not onednn.inner_product_takes(x, w, b)
     x64, w64 = x.double().requires_grad_(grad), w.double().requires_grad_(grad)
     want = F.linear(x64, w64, None if b is None else b.double())
     x, w = x.requires_grad_(grad), w.requires_grad_(grad)
-    monkeypatch.setattr(hl, "_lp", unreachable)
-    monkeypatch.setattr(hl, "_reorder", unreachable)
+    monkeypatch.setattr(onednn, "inner_product", unreachable)
+    monkeypatch.setattr(onednn, "reorder", unreachable)
     with hl.use_path("onednn"):
         got = hl.linear(x, w, b)
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-6)
@@ -281,11 +285,12 @@ def test_a_weight_the_reorder_guard_refuses_is_used_unpacked(monkeypatch, weight
     def unreachable(*args):
         raise AssertionError("_reorder_linear_weight was called")
 
-    monkeypatch.setattr(hl, "_reorder", unreachable)
-    assert not hl.reorder_takes(weight)
-    assert hl._packed(weight) is weight
+    monkeypatch.setattr(onednn, "reorder", unreachable)
+    assert not onednn.reorder_takes(weight)
+    assert onednn.packed(weight) is weight
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="the refused conditions were measured on torch 2.13's oneDNN ops")
 def test_each_condition_the_onednn_guards_refuse_is_one_the_ops_get_wrong():
     """Raw op calls, each forked on its own: an error that names nothing the caller passed, or other numbers."""

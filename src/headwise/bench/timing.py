@@ -164,15 +164,15 @@ def time_case(
 
 def _ceiling_paths(dtype: str, size: int, device: str) -> dict[str, Callable[[], Tensor]]:
     """The GEMMs a ceiling is measured with: ``F.linear`` (torch's BLAS; cuBLAS on CUDA) and, on the CPU, oneDNN's inner product."""
-    from ..linear import _lp, _ops_error
+    from ..linear.onednn import inner_product, ops_error
 
     t = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=device, dtype=t)
     b = torch.randn(size, size, generator=gen).to(device=device, dtype=t)
     paths: dict[str, Callable[[], Tensor]] = {"F.linear": lambda: F.linear(a, b)}
-    if torch.device(device).type == "cpu" and _ops_error(t) is None:
-        paths["oneDNN inner product"] = lambda: _lp(a, b, None)
+    if torch.device(device).type == "cpu" and ops_error(t) is None:
+        paths["oneDNN inner product"] = lambda: inner_product(a, b, None)
     return paths
 
 

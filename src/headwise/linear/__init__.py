@@ -1,0 +1,39 @@
+"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs, the LM head): ``F.linear`` or oneDNN, by one fixed rule.
+
+``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels). On AMD
+CPUs with AVX-512, oneDNN's own inner product (``mkldnn._linear_pointwise``) runs
+float32 GEMMs faster than MKL does on the same cores, with the same float32 accuracy, and its
+packed weight reads a decode step's weights faster than MKL's gemv (the timings: the
+performance docs). Which path a call takes follows a fixed rule, nothing timed:
+
+- ``rule``: the rule (``choose``, ``choose_few_rows``, ``uses_onednn``, ``describe``,
+  ``set_path`` / ``use_path`` / ``HEADWISE_LINEAR``) and the CPU facts it reads;
+- ``onednn``: oneDNN's private ops behind their guards, their one-time self-test, the autograd
+  Function whose backward GEMMs run on oneDNN too, the packed weight;
+- ``weight_cache``: what is made from weights (packed, stacked), kept until a weight changes;
+- ``projection``: ``linear``, ``project``, ``project_many``, the entry points the layers call;
+- ``custom_ops``: the opaque ops a compiled inference call runs them as.
+"""
+
+from . import custom_ops  # noqa: F401  (registers headwise::linear and headwise::linear_many)
+from .projection import linear, project, project_many
+from .rule import (
+    DECODE_ROWS,
+    ENV,
+    MIN_DECODE_WEIGHT,
+    MIN_ROWS,
+    PATHS,
+    TESTED_TORCH,
+    choose,
+    choose_few_rows,
+    cpu,
+    describe,
+    set_path,
+    use_path,
+    uses_onednn,
+)
+
+__all__ = [
+    "DECODE_ROWS", "ENV", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
+    "describe", "linear", "project", "project_many", "set_path", "use_path", "uses_onednn",
+]

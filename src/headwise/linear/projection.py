@@ -1,0 +1,154 @@
+"""``linear``, ``project`` and ``project_many``: the projections' entry points, on the path ``rule`` picks.
+
+``linear`` is ``F.linear`` with the same numbers (to float32 rounding). ``project`` runs a layer
+through it when the layer is a plain ``nn.Linear``; ``project_many`` runs several layers that
+read one input as one GEMM over their stacked weights. While ``torch.compile`` traces an
+inference call (no autograd), both become opaque ops (``custom_ops``) that decide their path and
+stack their weights when the graph runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as _module  # its global hook registries, read on every project()
+
+from . import onednn
+from .onednn import DTYPES, plain_tensors
+from .rule import uses_onednn
+from .weight_cache import STACKED, cached, watchable
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` with the same numbers (to float32 rounding), on the path ``choose`` picks.
+
+    Args:
+        x: (..., K) input, e.g. (B, T, C).
+        weight: (N, K), PyTorch's ``nn.Linear`` layout.
+        bias: (N,) or None.
+
+    Returns:
+        (..., N).
+
+    Example:
+        >>> lin = torch.nn.Linear(768, 2304)
+        >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
+        torch.Size([4, 128, 2304])
+    """
+    if torch.compiler.is_compiling() and weight.ndim == 2 and runs_as_op(x, weight, bias):
+        return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
+    if not uses_onednn(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return onednn.run(x, weight, bias)  # (..., N)
+
+
+def runs_as_op(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether a call traced by ``torch.compile`` runs as one of ``custom_ops``' ops: plain CPU tensors of a dtype
+    oneDNN takes, no autograd (shape, dtype, device, grad mode and requires_grad become the graph's guards, not the rows)."""
+    tensors = [t for t in (x, *params) if t is not None]
+    if not plain_tensors(*tensors) or any(t.device.type != "cpu" or t.dtype != x.dtype for t in tensors) or x.dtype not in DTYPES:
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """``layer(x)`` for a projection layer, through ``linear`` when the layer is a plain ``nn.Linear``.
+
+    A subclass, a replaced module (LoRA, quantised) or one with hooks is called as it is, so
+    whatever it adds still happens.
+
+    Args:
+        layer: usually an ``nn.Linear`` with weight (N, K).
+        x: (..., K).
+
+    Returns:
+        (..., N).
+    """
+    if not _plain(layer):
+        return layer(x)
+    return linear(x, layer.weight, layer.bias)  # (..., N)
+
+
+def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
+    """``[project(layer, x) for layer in layers]`` as one GEMM, on either path, where that is safe.
+
+    When every layer is a plain, hook-free ``nn.Linear`` with weights of one dtype and device,
+    all with a bias or all without, the weights are stacked into one (sum N, K) weight and x is
+    read once: one GEMM instead of, say, three for Q, K, V. Under autograd (and when
+    ``torch.compile`` traces) the stacking is a ``torch.cat`` in the graph, so every weight gets its gradient; without it the stack is made
+    once and remade when any weight or bias changes (``_version``). The results are views of one
+    (..., sum N) tensor. Otherwise (or for inference tensors, which have no version, and tensor
+    subclasses such as DTensor, which shard their own way) each layer runs alone. Layers of one
+    class with a ``stack(layers)`` classmethod (``headwise.quantize.Int8Linear``), none hooked,
+    run the same way: one stacked layer, made once and remade when any of their tensors changes.
+
+    Args:
+        layers: layers with weights (N_i, K).
+        x: (..., K).
+
+    Returns:
+        one (..., N_i) tensor per layer.
+    """
+    if len(layers) > 1 and _stackable(layers):
+        return _project_stacked(layers, x)
+    if not (len(layers) > 1 and all(_plain(layer) for layer in layers)):
+        return [project(layer, x) for layer in layers]
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    params = [t for t in (*weights, *biases) if t is not None]
+    mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or len({(t.dtype, t.device) for t in params}) > 1
+    if mixed or not plain_tensors(x, *params):
+        return [project(layer, x) for layer in layers]
+    sizes = [w.shape[0] for w in weights]
+    if torch.compiler.is_compiling() and runs_as_op(x, *params):
+        y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
+        y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient
+    elif any(t.is_inference() for t in params):
+        return [project(layer, x) for layer in layers]
+    else:
+        y = stacked_linear(x, weights, biases)  # (..., sum N)
+    return list(y.split(sizes, dim=-1))  # (..., N_i) each
+
+
+def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:
+    """(..., K) through the weights stacked into one (sum N, K), made once and remade when any weight or bias changed."""
+    if any(t.is_inference() for t in (*weights, *biases) if t is not None):  # no version to watch: stack for this call only
+        return linear(x, torch.cat(list(weights)), None if biases[0] is None else torch.cat(list(biases)))  # (..., sum N)
+    weight, bias = cached(STACKED, [t for t in (*weights, *biases) if t is not None], lambda: (
+        torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
+    return linear(x, weight, bias)  # (..., sum N)
+
+
+def _stackable(layers: Sequence[nn.Module]) -> bool:
+    """Layers of one class that offers ``stack(layers)`` (``headwise.quantize.Int8Linear``), none with hooks."""
+    kind = type(layers[0])
+    return callable(getattr(kind, "stack", None)) and all(type(layer) is kind and _hookless(layer) for layer in layers)
+
+
+def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
+    """``project_many`` for layers of a class with ``stack``: one stacked layer, made once and remade when any
+    of their tensors changes (as the stacked ``nn.Linear`` weights are), then split (..., N_i)."""
+    if torch.compiler.is_compiling():  # each layer traced as it is (a stack made once cannot live in a graph)
+        return [layer(x) for layer in layers]
+    owners = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]  # their own tensors
+    if not watchable() or not plain_tensors(x, *owners) or any(t.is_inference() for t in owners):
+        return [layer(x) for layer in layers]
+    stacked = cached(STACKED, owners, lambda: type(layers[0]).stack(layers))
+    y = stacked(x)  # (..., sum N)
+    return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
+
+
+def _plain(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and _hookless(layer)
+
+
+def _hookless(layer: nn.Module) -> bool:
+    return not layer._forward_hooks and not layer._forward_pre_hooks and not _global_module_hooks()
+
+
+def _global_module_hooks() -> bool:
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)

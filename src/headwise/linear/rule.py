@@ -1,0 +1,185 @@
+"""The rule that picks a projection's path, ``F.linear`` ("torch") or oneDNN ("onednn"), from fixed facts.
+
+Nothing is timed. A call's path follows, in order:
+
+1. ``set_path("onednn" | "torch")`` (or ``use_path``) if called, else ``HEADWISE_LINEAR`` =
+   ``auto`` (default), ``onednn`` or ``torch``, read at each call;
+2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
+   (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
+   everything else (Intel, ARM, bf16: torch already sends bf16 matmuls to oneDNN) is ``torch``;
+3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
+   ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
+   ``choose_few_rows``: float32 as in 2; bfloat16 on oneDNN's packed weight on any CPU whose
+   flags name ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16
+   matmul re-reads the plain (N, K) weight each call), on the tested torch versions;
+4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
+   they fail, ``torch`` and one warning;
+5. per call (``uses_onednn``), a oneDNN decision still falls back to ``F.linear`` for operands
+   the oneDNN ops do not take (``onednn.inner_product_takes``: tensor subclasses such as DTensor,
+   other dtypes, empty sizes, a bias not (N,)), a weight that is not contiguous, few rows
+   (fewer than ``MIN_ROWS`` with a weight under ``MIN_DECODE_WEIGHT`` elements),
+   ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
+
+``describe()`` returns the decisions (many rows and few rows, per dtype) and the machine facts
+behind them. Nothing global is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from . import onednn
+
+TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
+PATHS = ("auto", "onednn", "torch")
+ENV = "HEADWISE_LINEAR"
+# Bounds found by timing both paths' GEMMs at decode and prompt shapes on an AMD EPYC (the timings: the performance docs):
+MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT: F.linear's lower per-call overhead wins
+MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
+DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags of native bf16 dot products (oneDNN's packed bf16 GEMV uses them)
+_forced: str | None = None  # set_path's value; None = the environment decides
+
+
+def set_path(path: str | None) -> str | None:
+    """Force the path of every later call ("auto", "onednn", "torch"); None hands back to ``HEADWISE_LINEAR``.
+
+    Returns:
+        the previous ``set_path`` value (None if none was set).
+    """
+    global _forced
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None, got {path!r}")
+    previous, _forced = _forced, path
+    return previous
+
+
+@contextlib.contextmanager
+def use_path(path: str) -> Iterator[None]:
+    """``set_path(path)`` inside a ``with`` block, the previous setting restored after it."""
+    previous = set_path(path)
+    try:
+        yield
+    finally:
+        set_path(previous)
+
+
+def _setting() -> tuple[str, str]:
+    """The setting the rule starts from and where it came from ("set_path", ``ENV`` or "default")."""
+    value = _path_setting()
+    return value, "set_path" if _forced is not None else ENV if ENV in os.environ else "default"
+
+
+def _path_setting() -> str:
+    """``set_path``'s value, else ``HEADWISE_LINEAR``'s, else "auto" (read on every call: one dict lookup)."""
+    if _forced is not None:
+        return _forced
+    value = os.environ.get(ENV)
+    if value is None:
+        return "auto"
+    if value not in PATHS:
+        raise ValueError(f"the environment variable {ENV} must be one of {PATHS}, got {value!r}")
+    return value
+
+
+@functools.cache
+def cpu() -> dict:
+    """The CPU facts the rule reads: vendor, family, model, name, torch's kernel ISA, relevant flags."""
+    facts = {"vendor": "", "family": "", "model": "", "name": platform.processor() or platform.machine(), "flags": []}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = (s.strip() for s in line.partition(":"))
+            for field, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"), ("model name", "name")):
+                if key == field:
+                    facts[name] = value
+            if key in ("flags", "Features"):
+                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} & set(value.split()))
+                break
+    facts["capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
+
+
+@functools.cache
+def _auto(dtype: torch.dtype, few_rows: bool = False) -> tuple[str, str]:
+    """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why."""
+    facts = cpu()
+    untested = None  # or the decision on a torch the oneDNN path was not tested with
+    if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
+        untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
+    if few_rows and dtype == torch.bfloat16:
+        native = sorted(set(_BF16_FLAGS) & set(facts["flags"]))
+        if not native:
+            return "torch", f"bfloat16 on a CPU without {' or '.join(_BF16_FLAGS)}: torch's own GEMM"
+        return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call")
+    if dtype != torch.float32:
+        return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
+    if facts["vendor"] != "AuthenticAMD" or not facts["capability"].startswith("AVX512"):
+        return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only AMD CPUs with AVX-512 take oneDNN"
+    return untested or ("onednn", f"AMD family {facts['family']} with AVX-512 kernels: MKL's fp32 GEMM is slower here than oneDNN's")
+
+
+def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring)."""
+    return _decision(dtype, few_rows=False)
+
+
+def choose_few_rows(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """The path for ``dtype`` and why when a call has at most ``DECODE_ROWS`` rows and a weight of at
+    least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
+    return _decision(dtype, few_rows=True)
+
+
+def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None) -> tuple[str, str]:
+    """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls); ``setting`` read when not given."""
+    setting = _path_setting() if setting is None else setting
+    if setting == "torch":
+        return "torch", f"forced by {_setting()[1]}"
+    if dtype not in onednn.DTYPES:
+        return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows)
+    if path == "onednn" and (error := onednn.ops_error(dtype)):
+        return "torch", f"oneDNN's private ops fail here: {error}"
+    return path, reason
+
+
+def describe() -> dict:
+    """The decision as data: CPU facts, torch version, setting and, per dtype, the path and why
+    (``few_rows``: the same for decode-shaped calls, at most ``DECODE_ROWS`` rows).
+
+    Example:
+        >>> list(describe())
+        ['cpu', 'float32', 'bfloat16', 'few_rows', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
+        >>> describe()["float32"]["path"] in ("onednn", "torch"), describe()["few_rows"]["rows"]
+        (True, 16)
+    """
+    setting, source = _setting()
+    names = [str(dtype).removeprefix("torch.") for dtype in onednn.DTYPES]
+    decided = {name: [dict(zip(("path", "reason"), decide(dtype), strict=True)) for decide in (choose, choose_few_rows)]
+               for name, dtype in zip(names, onednn.DTYPES, strict=True)}
+    return {"cpu": cpu(), **{name: many for name, (many, _) in decided.items()},
+            "few_rows": {"rows": DECODE_ROWS, "min_weight": MIN_DECODE_WEIGHT, **{name: few for name, (_, few) in decided.items()}},
+            "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
+            "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
+
+
+def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """True when ``linear(x, weight, bias)`` takes the oneDNN path (rule step 5)."""
+    if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
+        return False  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
+    if not onednn.inner_product_takes(x, weight, bias) or not weight.is_contiguous():
+        return False  # a sliced weight (row stride != K) takes oneDNN's slow strided path
+    dtype = x.dtype
+    big, size, k = weight.numel() >= MIN_DECODE_WEIGHT, x.numel(), x.shape[-1]
+    if (size < MIN_ROWS * k and not big) or not torch.backends.mkldnn.enabled:
+        return False
+    setting = _path_setting()
+    if setting != "auto":  # forced: no reason to word
+        return setting == "onednn" and onednn.ops_error(dtype) is None
+    return _decision(dtype, big and size <= DECODE_ROWS * k, setting)[0] == "onednn"
