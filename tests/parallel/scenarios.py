@@ -83,17 +83,17 @@ class Collectives(TorchDispatchMode):
 def counting_onednn_calls():
     """Count calls into oneDNN's inner product through headwise.linear."""
     calls = []
-    original = headwise.linear._lp
+    original = headwise.linear.onednn.inner_product
 
     def counted(x, weight, bias):
         calls.append(type(weight).__name__)
         return original(x, weight, bias)
 
-    headwise.linear._lp = counted
+    headwise.linear.onednn.inner_product = counted
     try:
         yield calls
     finally:
-        headwise.linear._lp = original
+        headwise.linear.onednn.inner_product = original
 
 
 # ----------------------------------------------------------------------------- checks
@@ -260,8 +260,8 @@ def communication(rank: int, world: int) -> dict:
 def fast_path(rank: int, world: int) -> dict:
     """oneDNN's fast path and its packed-weight cache never see a DTensor weight, with oneDNN forced
     (the rule picks F.linear on CPUs without AVX-512, where the guard would not be exercised)."""
-    if headwise.linear._ops_error(torch.float32) is not None:
-        return {"skipped": headwise.linear._ops_error(torch.float32)}
+    if headwise.linear.onednn.ops_error(torch.float32) is not None:
+        return {"skipped": headwise.linear.onednn.ops_error(torch.float32)}
     with headwise.linear.use_path("onednn"):
         return _fast_path(world)
 
