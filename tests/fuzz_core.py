@@ -5,7 +5,7 @@ terms (causal, window, padding, a mask, softcap, sinks with -inf entries, ALiBi,
 scale), fed at once or through a cache (``KVCache``, a sliding one, a ``PagedKVCache`` batch)
 in chunks. The answer must match ``reference_variants.variant_attention`` on the same (rounded)
 inputs, be finite everywhere (a query that sees no key gets zeros), and so must the gradients
-where autograd runs. ``run(n)`` checks n examples and raises hypothesis' falsifying example;
+where autograd runs; ``attention(..., backend=plan.backend)`` must equal "auto" bit for bit. ``run(n)`` checks n examples and raises hypothesis' falsifying example;
 ``tests/test_fuzz_core.py`` calls it in a child process, so a crash in a kernel fails the test
 and not the run. Each example is written to stderr before it runs: the last one names a crash.
 """
@@ -127,6 +127,9 @@ def check(case: dict) -> None:
         want = variant_attention(q.detach().double(), k.detach().double(), v.detach().double(), **ref_kw)
         error = float((out.detach().double() - want).abs().max())
         assert error <= ATOL[dtype], f"error {error:.3g} > {ATOL[dtype]:g}"
+    if case["feed"] == "whole" and not case["grad"]:  # the plan's backend runs what "auto" runs, bit for bit
+        plan = hw.plan(q, k, v, **low)
+        assert torch.equal(hw.attention(q, k, v, **low), hw.attention(q, k, v, backend=plan.backend, **low)), str(plan)
     if case["grad"] and out.numel():
         out.backward(torch.ones_like(out))
         assert all(t.grad.isfinite().all() for t in leaves), "NaN or inf in a gradient"

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from reference import reference_attention
 
 from headwise import KVCache, attention
-from headwise.backends import sdpa
+from headwise.backends import plan, sdpa
 
-BLOCK = sdpa.CAUSAL_BLOCK
+BLOCK = plan.CAUSAL_BLOCK
 
 
 def qkv(t, dtype, h=8, hkv=4, d=16, seed=0, grad=False):
@@ -26,8 +26,9 @@ def error(got, q, k, v):
     return float((got.double() - reference_attention(q, k, v, causal=True)).abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t", [BLOCK + 1, 2 * BLOCK, 300, sdpa.CAUSAL_BLOCKS_UP_TO])
+@pytest.mark.parametrize("t", [BLOCK + 1, 2 * BLOCK, 300, plan.CAUSAL_BLOCKS_UP_TO])
 def test_blocks_are_as_close_to_float64_as_one_kernel_call(t, dtype, monkeypatch):
     q, k, v = qkv(t, dtype)
     calls = []
@@ -54,7 +55,7 @@ def test_rows_of_a_prompt_are_their_own_prefixes():
 
 @pytest.mark.parametrize("case", ["short", "long", "grad"])
 def test_other_prompts_keep_one_kernel_call(case):
-    t = {"short": BLOCK, "long": sdpa.CAUSAL_BLOCKS_UP_TO + 1, "grad": 300}[case]
+    t = {"short": BLOCK, "long": plan.CAUSAL_BLOCKS_UP_TO + 1, "grad": 300}[case]
     q, k, v = qkv(t, torch.float32, grad=case == "grad")
     with torch.no_grad() if case != "grad" else torch.enable_grad():
         assert torch.equal(attention(q, k, v, causal=True), one_call(q, k, v))

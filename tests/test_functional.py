@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from reference import allowed_matrix, plain_attention, reference_attention, reference_weights
 
 import headwise as hw
-from headwise.functional import BACKENDS
+from headwise.arguments import BACKENDS
 
 BACKEND_NAMES = ["math", "sdpa", "auto"]
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 from reference import reference_attention
 
+import headwise as hw
 from headwise import KVCache, attention
 from headwise.backends import math as math_backend
+from headwise.backends import plan
 
 
 def half_yardstick(q, k, v, real, *, window=None):
@@ -74,8 +76,8 @@ def test_a_sliding_window_ring_cache_matches_float64(dtype):
 def test_keys_converted_a_block_at_a_time_give_the_same_numbers(monkeypatch):
     q, _, _, keys, values, real, _ = list(steps(torch.bfloat16, prompt=30, new=1))[-1]  # 31 keys
     one = attention(q, keys, values, causal=True, attention_mask=real, backend="math")  # (B, H, 1, D): one block
-    monkeypatch.setattr(math_backend, "WIDE_ELEMENTS", 3 * 2 * 16 * 5)  # 5 keys a block at B * Hkv * D = 3 * 2 * 16: 7 blocks
-    assert len(math_backend._key_blocks(keys)) == 7
+    monkeypatch.setattr(plan, "FLOAT32_KEY_ELEMENTS", 3 * 2 * 16 * 5)  # 5 keys a block at B * Hkv * D = 3 * 2 * 16: 7 blocks
+    assert len(math_backend._key_blocks(keys, plan.FLOAT32_KEY_ELEMENTS)) == 7
     blocks = attention(q, keys, values, causal=True, attention_mask=real, backend="math")
     ours, plain = errors(blocks, q, keys, values, real)
     assert ours <= max(plain, 2**-8)
@@ -83,12 +85,16 @@ def test_keys_converted_a_block_at_a_time_give_the_same_numbers(monkeypatch):
 
 
 def test_which_products_run_in_float32():
+    """The plan's rule: half matmuls on the CPU of at most FLOAT32_ROWS query rows per key head run in float32."""
     g = torch.Generator().manual_seed(0)
     k = torch.randn(2, 2, 40, 16, generator=g)  # (B, Hkv, S, D)
     for dtype in (torch.bfloat16, torch.float16):
-        assert math_backend.scores(torch.randn(2, 6, 1, 16).to(dtype), k.to(dtype)).dtype == torch.float32  # 3 rows a key head
-        assert math_backend.scores(torch.randn(2, 2, 8, 16).to(dtype), k.to(dtype)).dtype == torch.float32  # 8 rows: still few
-        assert math_backend.scores(torch.randn(2, 2, 9, 16).to(dtype), k.to(dtype)).dtype == dtype  # a prompt's rows: half
+        for H, T, float32 in ((6, 1, True), (2, 8, True), (2, 9, False)):  # 3 rows a key head, 8 (still few), a prompt's 9
+            q = torch.randn(2, H, T, 16).to(dtype)
+            keys = plan.float32_keys(q, k.to(dtype), T)
+            assert (keys is not None) == float32, (dtype, H, T)
+            assert math_backend.scores(q, k.to(dtype), keys).dtype == (torch.float32 if float32 else dtype)
+            assert ("float32" in hw.plan(q, k.to(dtype), k.to(dtype), backend="math").runner) == (float32 and dtype == torch.bfloat16 and T == 1)
     q = torch.randn(2, 6, 1, 16, generator=g)
     want = q.reshape(2, 2, 3, 16) @ k.transpose(-2, -1)  # float32 as before, bit for bit
     assert torch.equal(math_backend.scores(q, k), want.view(2, 6, 1, 40))

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import headwise as hw
-from headwise.backends import blocks, packed
+from headwise.backends import plan
 from headwise.masks import documents_from_cu_seqlens, documents_from_position_ids
 from headwise.scores import alibi_slopes
 
@@ -89,7 +89,7 @@ def cut_fine(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    with mock.patch.object(blocks, "BLOCK_ELEMENTS", 1), mock.patch.object(packed, "SHORT", 4):
+    with mock.patch.object(plan, "BLOCK_ELEMENTS", 1), mock.patch.object(plan, "SHORT_DOCUMENT", 4):
         yield
 
 
@@ -222,7 +222,7 @@ def test_a_packed_row_makes_the_kernel_calls_of_its_documents_alone(grad):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_documents_never_build_scores_of_the_whole_row(backend):
     """Every backend, math too: the largest tensor is one document's scores (or the inputs), not (H, T, S)."""
-    lengths = [150] * 5  # each above SHORT: run alone
+    lengths = [150] * 5  # each above SHORT_DOCUMENT: run alone
     q, k, v, cu = _packed_problem(lengths, H=2, Hkv=2, D=8, dtype=torch.float32)
     with torch.no_grad(), Kernels() as seen:
         hw.attention(q, k, v, causal=True, documents=documents_from_cu_seqlens(cu), backend=backend)

@@ -12,7 +12,6 @@ from reference_variants import variant_attention
 from test_variants import cut_fine
 
 import headwise as hw
-from headwise.backends import softcap as softcap_backend
 
 
 def _problem(B=2, H=4, Hkv=2, T=9, S=13, D=5, Dv=3, seed=0, dtype=torch.float64):
@@ -83,16 +82,13 @@ def test_the_backward_keeps_inputs_and_output_only():
 
 
 def test_dropout_and_a_trained_bias_go_to_autograd():
-    q, k, _, _ = _problem()
-    spec = hw.functional._spec(
-        q, k, causal=True, window=None, mask=None, attention_mask=None, documents=None, softcap=2.0, sinks=None,
-        alibi_slopes=torch.rand(q.shape[1], dtype=torch.float64, requires_grad=True), dropout_p=0.0, scale=1.0,
-    )
-    assert not softcap_backend.takes(spec)
+    q, k, v, _ = _problem()
+    slopes = torch.rand(q.shape[1], dtype=torch.float64, requires_grad=True)
+    assert hw.plan(q, k, v, causal=True, softcap=2.0, alibi_slopes=slopes).runner == "math blocks"
     with torch.no_grad():  # no gradient wanted: the bias is a constant
-        assert softcap_backend.takes(spec)
-    spec.alibi, spec.dropout_p = None, 0.1
-    assert not softcap_backend.takes(spec)
+        assert hw.plan(q, k, v, causal=True, softcap=2.0, alibi_slopes=slopes).runner.startswith("capped blocks")
+    assert hw.plan(q, k, v, causal=True, softcap=2.0, dropout_p=0.1).runner == "math blocks"
+    assert hw.plan(q, k, v, causal=True, softcap=2.0).runner.startswith("capped blocks")
 
 
 CAPS = [1e-3, 1e-1, 1.0, 30.0, 50.0, 1e3, 1e4, 1e8, 1e15, 1e30]

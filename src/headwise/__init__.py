@@ -27,7 +27,7 @@ from .cache import KVCache, PagedKVCache
 from .config import GPT2Config
 from .convert import gpt2_attention_from_hf, gpt2_to_mha, mha_to_gpt2, wrapper_to_mha
 from .explain import explain
-from .functional import attention, attention_weights
+from .functional import Plan, attention, attention_weights, plan
 from .fused import GPT2MultiHeadAttention
 from .grade import grade
 from .layer import ContextCache
@@ -55,6 +55,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "PagedKVCache",
+    "Plan",
     "attention",
     "attention_weights",
     "causal_mask",
@@ -65,6 +66,7 @@ __all__ = [
     "heads",
     "mha_to_gpt2",
     "observe",
+    "plan",
     "wrapper_to_mha",
 ]
 

@@ -171,6 +171,16 @@ def position_ids(ids: object, b: int, t: int, name: str = "position_ids") -> Non
         raise ValueError(f"{name} must have shape (batch, tokens) = {(b, t)}, got {tuple(ids.shape)}")
 
 
+def broadcasts(name: str, t: Tensor, shape: tuple[int, ...], dims: str, given: tuple[int, ...] | None = None) -> None:
+    """``t`` must broadcast to ``shape`` (named ``dims``, e.g. "(B, H, T, S)"); ``given``: the shape to name if not t's."""
+    try:
+        ok = torch.broadcast_shapes(t.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must broadcast to {dims} = {shape}, got shape {tuple(t.shape) if given is None else given}")
+
+
 def same_device(name: str, t: Tensor, what: str, device: torch.device) -> None:
     """``t`` must be on ``device``, where ``what`` lives; the message names both devices."""
     if t.device != device:

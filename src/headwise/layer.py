@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from .cache import Cache, ContextCache, KVCache, checked
-from .functional import attention, attention_unchecked, merge_heads, split_heads
+from .functional import Plan, attention, attention_unchecked, merge_heads, plan, split_heads
 from .masks import inert_padding
 from .observe import observing, report
 
@@ -173,6 +173,29 @@ class AttentionLayer(nn.Module):
         if watched:
             report("output", out)
         return out
+
+    def plan(
+        self, x: Tensor, *, context: Tensor | None = None, attention_mask: Tensor | None = None, cache: Cache | None = None,
+        position_ids: Tensor | None = None, documents: Tensor | None = None,
+    ) -> Plan:
+        """How ``forward`` with these arguments would compute attention, and why (``headwise.plan``).
+
+        The projections run (the plan reads q, k and v: shapes, dtype, device, autograd); nothing
+        is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
+        """
+        if context is not None or isinstance(cache, ContextCache):  # cross-attention: keys of the context (or the cache's)
+            queries = split_heads(self.project_q(x), self.head_dim)  # (B, H, T, D)
+            keys, values = (split_heads(t, self.head_dim) for t in self.project_kv(context)) if context is not None else (cache.k, cache.v)
+            return plan(queries, keys, values, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms())
+        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
+        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+        queries, keys, values = (split_heads(t, self.head_dim) for t in (queries, keys, values))  # (B, H or Hkv, T, D)
+        at = start if isinstance(start, int) else 0
+        queries, keys = self.position(queries, keys, at, attention_mask, start if position_ids is None and not isinstance(start, int) else position_ids)
+        return plan(
+            queries, keys, values, cache=cache, causal=self.causal, window=self.window, attention_mask=attention_mask, documents=documents,
+            dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms(),
+        )
 
     def _checked(
         self, x: Tensor, attention_mask: Tensor | None, cache: Cache | None, position_ids: Tensor | None

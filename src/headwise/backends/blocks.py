@@ -16,9 +16,6 @@ from torch import Tensor
 
 from .spec import Spec
 
-#: Score elements (B * H * rows * keys) one block of queries may hold: a few MiB in float32.
-BLOCK_ELEMENTS = 1 << 22
-
 
 class Block(NamedTuple):
     """Queries ``rows`` = (r0, r1) and the keys ``cols`` = (c0, c1) they may see (c0 == c1: none)."""
@@ -41,14 +38,14 @@ def visible(T: int, S: int, causal: bool, window: int | None, r0: int, r1: int) 
     return c0, c1
 
 
-def rows_per_block(T: int, row_elements: int) -> int:
-    """Query rows whose scores (``row_elements`` each, e.g. B * H * S) fit ``BLOCK_ELEMENTS``; all T when they fit at once.
+def rows_per_block(T: int, row_elements: int, block_elements: int) -> int:
+    """Query rows whose scores (``row_elements`` each, e.g. B * H * S) fit ``block_elements``; all T when they fit at once.
 
     All T is T itself, not a number computed from it: under ``torch.compile`` a symbolic T then
     makes one block, with no loop over a symbolic range.
     """
     row_elements = max(1, row_elements)
-    return max(1, T) if T * row_elements <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // row_elements)
+    return max(1, T) if T * row_elements <= block_elements else max(1, block_elements // row_elements)
 
 
 def query_blocks(spec: Spec, rows: int) -> list[Block]:

@@ -4,21 +4,17 @@
 (``scores``, ``capped_scores``, ``masked_scores``, ``weights``). ``run_chunked`` is the same
 arithmetic over blocks of queries, each against only the keys it may see (causal and window
 ranges cut off up front), so memory stays bounded by the block, not by T x S in a forward
-(autograd keeps each block's weights): where a term no fused kernel takes meets dropout or a
-trained bias (``softcap.py`` runs softcap otherwise).
+(autograd keeps each block's weights).
 
 Order, per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> masks (-inf)
 -> softmax over the keys and the sink -> dropout -> @ v. Half inputs get float32 logits and
 softmax. A row that may see no key gets zero weights (finite logits, then zeroed by ``where``,
 never by asking the device whether such a row exists).
 
-Decode-shaped half precision on the CPU (at most ``FEW_ROWS`` query rows per key head: a decode
-step, G query heads of a group times T queries) runs both matmuls in float32, keys and values
-converted a block at a time: each step brings a new key count S, and oneDNN's bfloat16 matmul
-builds a new kernel for every new shape (0.2-0.4 ms on a family-26 EPYC, then page faults in the
-ops after it), where float32 GEMM has no per-shape setup; where no oneDNN half kernel exists
-(float16 on most CPUs, bfloat16 without AVX-512) the half matmul is 2-4x slower than float32.
-The scores come out float32 (not rounded to the half type first): as exact or more.
+``float32_keys`` (the plan's choice for decode-shaped half inputs on the CPU) runs both matmuls
+in float32, keys and values converted that many elements at a time: oneDNN's half matmul builds
+a kernel for every new key count, float32 GEMM has no per-shape setup. The scores then come out
+float32 (not rounded to the half type first): as exact or more.
 """
 
 from __future__ import annotations
@@ -33,71 +29,60 @@ from torch import Tensor
 from ..observe import report
 from ..scores import softcap
 from .blocks import joined, query_blocks, rows_per_block
-from .spec import Spec, cut
+from .spec import Spec, mask_block
 
 _HALF = (torch.float16, torch.bfloat16)
 
-#: Query rows per key head (G * T) up to which half-precision matmuls on the CPU run in float32.
-FEW_ROWS = 8
 
-#: Keys or values (B * Hkv * keys * D) converted to float32 at a time on that path (4 MiB).
-WIDE_ELEMENTS = 1 << 20
-
-
-def _wide(rows: int, x: Tensor) -> bool:
-    """Whether a product of ``rows`` query rows per key head with half keys or values ``x`` runs in float32."""
-    return x.dtype in _HALF and x.device.type == "cpu" and rows <= FEW_ROWS
-
-
-def _key_blocks(x: Tensor) -> list[tuple[int, int]]:
-    """Key ranges of (B, Hkv, S, D) ``x`` whose float32 copies hold about ``WIDE_ELEMENTS`` each; one under compile."""
+def _key_blocks(x: Tensor, elements: int) -> list[tuple[int, int]]:
+    """Key ranges of (B, Hkv, S, D) ``x`` whose float32 copies hold about ``elements`` each; one under compile."""
     B, Hkv, S, D = x.shape
-    step = max(1, WIDE_ELEMENTS // max(1, B * Hkv * D))
+    step = max(1, elements // max(1, B * Hkv * D))
     if torch.compiler.is_compiling() or step >= S:  # a compiled graph keeps S symbolic: no loop over it
         return [(0, S)]
     return [(c, min(S, c + step)) for c in range(0, S, step)]
 
 
-def scores(q: Tensor, k: Tensor) -> Tensor:
+def scores(q: Tensor, k: Tensor, float32_keys: int | None = None) -> Tensor:
     """Raw scores q·k for every head; query head h uses key head h // (H // Hkv).
 
-    (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype; float32 for decode-shaped half
-    queries on the CPU (see the module docstring).
+    (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype; float32 with ``float32_keys``
+    (keys converted that many elements at a time).
     """
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
     # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
-    if _wide(q.shape[2], k):
+    if float32_keys is not None:
         q = q.float()
-        parts = [q @ k[:, :, c0:c1].float().transpose(-2, -1) for c0, c1 in _key_blocks(k)]  # (B, Hkv, G*T, s) each
+        parts = [q @ k[:, :, c0:c1].float().transpose(-2, -1) for c0, c1 in _key_blocks(k, float32_keys)]  # (B, Hkv, G*T, s) each
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # (B, Hkv, G*T, S) float32
     else:
         out = q @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
     return out.view(B, H, T, S)  # (B, H, T, S)
 
 
-def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], steps: bool = True) -> Tensor:
+def weights(
+    q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], *, steps: bool = True, float32_keys: int | None = None
+) -> Tensor:
     """Softmax weights of queries ``rows`` (q holds just them) over keys ``cols`` (k holds just them).
 
+    ``steps`` reports each step to an observer; ``float32_keys``: see ``scores``.
     Returns (B, H, t, s), float32 for half inputs; rows sum to 1 minus the sink's share, or
     are all zeros for a query that may see no key.
     """
-    say = report if steps else _silent
+    record = report if steps else _silent
     inplace = not steps and not _needs_grad(q, k, spec)  # no graph to keep: rewrite one buffer instead of allocating one per step
-    raw = scores(q, k)  # (B, H, t, s)
-    say("scores", raw)
-    edge = _edge(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there
+    raw = scores(q, k, float32_keys)  # (B, H, t, s)
+    record("scores", raw)
+    edge = seen_by_all(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), q.device)  # (B?, H?, t, s - edge) bool or None
-    wide = q.dtype in _HALF and (spec.scored or spec.sinks is not None)  # float32 logits for the extra terms
+    wide = q.dtype in _HALF and (spec.changes_scores or spec.sinks is not None)  # float32 logits for the extra terms
     if spec.softcap is None:
         if allowed is not None:
-            if inplace:
-                raw[..., edge:].masked_fill_(~allowed, -math.inf)
-            else:
-                raw = raw.masked_fill(~allowed, -math.inf)
-            say("masked_scores", raw)
+            raw = _masked(raw, allowed, edge, inplace)  # (B, H, t, s)
+            record("masked_scores", raw)
         logits = raw.float() if wide else raw
         logits = logits.mul_(spec.scale) if inplace else logits * spec.scale  # (B, H, t, s)
     else:
@@ -106,20 +91,17 @@ def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple
             logits = logits.mul_(spec.scale / spec.softcap).tanh_().mul_(spec.softcap)  # (B, H, t, s)
         else:
             logits = softcap(logits * spec.scale, spec.softcap)  # (B, H, t, s)
-        say("capped_scores", logits)
+        record("capped_scores", logits)
         if allowed is not None:
-            if inplace:
-                logits[..., edge:].masked_fill_(~allowed, -math.inf)
-            else:
-                logits = logits.masked_fill(~allowed, -math.inf)
-            say("masked_scores", logits)
+            logits = _masked(logits, allowed, edge, inplace)  # (B, H, t, s)
+            record("masked_scores", logits)
     bias = spec.bias(rows, cols, q.device, q.dtype)  # (B?, H?, t, s) or None
     if steps and spec.alibi is not None:  # ALiBi's own part, for a learner (the bias may also hold an additive mask)
-        say("alibi_bias", dataclasses.replace(spec, mask=None).bias(rows, cols, q.device, q.dtype))  # (B?, H, t, s)
+        record("alibi_bias", dataclasses.replace(spec, mask=None).bias(rows, cols, q.device, q.dtype))  # (B?, H, t, s)
     if bias is not None:  # softmax(q k^T * scale + bias): a bias is not scaled
         logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
     half = torch.float32 if q.dtype in _HALF else None
-    live = None if edge else _live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
+    live = None if edge else rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
     if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
         logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
     if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
@@ -132,13 +114,21 @@ def weights(q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple
     if live is not None:
         w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
     if spec.sinks is not None:
-        say("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
-    say("weights", w)
+        record("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
+    record("weights", w)
     return w
 
 
-def _edge(spec: Spec, rows: tuple[int, int], cols: tuple[int, int]) -> int:
-    """With causal the only restriction: how many of the keys ``cols`` every query of ``rows`` sees (none masked)."""
+def _masked(x: Tensor, allowed: Tensor, edge: int, inplace: bool) -> Tensor:
+    """(B, H, t, s) ``x`` with -inf where ``allowed`` (of keys ``edge`` onwards) is False; in place when nothing keeps x."""
+    if inplace:
+        x[..., edge:].masked_fill_(~allowed, -math.inf)
+        return x
+    return x.masked_fill(~allowed, -math.inf)
+
+
+def seen_by_all(spec: Spec, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """With causal the only restriction: how many of the keys ``cols``, from c0 on, every query of ``rows`` sees (none masked there)."""
     if not spec.causal or spec.window is not None or spec.mask is not None or spec.attention_mask is not None or spec.documents is not None:
         return 0
     first_query = spec.S - spec.T + rows[0]  # its position: keys up to it are visible to every later query too
@@ -152,7 +142,7 @@ def _needs_grad(q: Tensor, k: Tensor, spec: Spec) -> bool:
     return any(t is not None and t.requires_grad for t in (q, k, spec.sinks, spec.alibi, spec.mask))
 
 
-def _live(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:
+def rows_seeing_keys(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:
     """(B?, H?, t, 1) bool: rows that see at least one key; None when every row does, known without looking."""
     user_bias = spec.mask is not None and spec.mask.dtype != torch.bool
     if not user_bias and allowed is None:
@@ -162,23 +152,23 @@ def _live(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], cols: tuple
         return None
     live = allowed
     if user_bias:
-        finite = cut(spec.mask, rows, cols) > -math.inf  # (B?, H?, t, s)
+        finite = mask_block(spec.mask, rows, cols) > -math.inf  # (B?, H?, t, s)
         live = finite if live is None else live & finite
     return live.any(-1, keepdim=True)
 
 
-def context(w: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = None) -> Tensor:
     """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v never repeated.
 
-    v is read in place, or for decode-shaped half values on the CPU converted to float32 a block
-    of keys at a time (the weights stay float32: see the module docstring).
+    v is read in place, or with ``float32_keys`` (and no dropout) converted to float32 that many
+    elements at a time, the weights kept float32.
     """
     B, H, t, s = w.shape
     Hkv, Dv = v.shape[1], v.shape[3]
-    if dropout_p == 0.0 and _wide((H // Hkv) * t, v):  # decode-shaped half on the CPU: float32 weights and values
+    if dropout_p == 0.0 and float32_keys is not None:
         w = w.float().reshape(B, Hkv, (H // Hkv) * t, s)  # (B, Hkv, G*t, s)
         out = None
-        for c0, c1 in _key_blocks(v):
+        for c0, c1 in _key_blocks(v, float32_keys):
             part = w[..., c0:c1] @ v[:, :, c0:c1].float()  # (B, Hkv, G*t, Dv) float32
             out = part if out is None else out.add_(part)
         return out.to(v.dtype).view(B, H, t, Dv)  # (B, H, t, Dv)
@@ -189,23 +179,23 @@ def context(w: Tensor, v: Tensor, dropout_p: float) -> Tensor:
     return (w @ v).view(B, H, t, Dv)  # (B, H, t, Dv)
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, float32_keys: int | None = None) -> Tensor:
     """Every score at once, each step reported: (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv)."""
-    w = weights(q, k, spec, (0, spec.T), (0, spec.S))  # (B, H, T, S)
-    return context(w, v, spec.dropout_p)  # (B, H, T, Dv)
+    w = weights(q, k, spec, (0, spec.T), (0, spec.S), float32_keys=float32_keys)  # (B, H, T, S)
+    return context(w, v, spec.dropout_p, float32_keys)  # (B, H, T, Dv)
 
 
-def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """``run`` over blocks of queries, each against only the keys it may see; nothing reported.
+def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int, float32_keys: int | None = None) -> Tensor:
+    """``run`` over blocks of queries of about ``block_elements`` scores, each against only the keys it may see; nothing reported.
 
-    Memory holds one block's scores (about ``blocks.BLOCK_ELEMENTS``) at a time in a forward
-    without gradients; with autograd each block keeps its weights for the backward.
+    Memory holds one block's scores at a time in a forward without gradients; with autograd
+    each block keeps its weights for the backward.
     """
     B, H = q.shape[:2]
     contexts = []
-    for (r0, r1), (c0, c1) in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S)):
-        w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False)  # (B, H, t, s)
-        contexts.append(context(w, v[:, :, c0:c1], spec.dropout_p))  # (B, H, t, Dv)
+    for (r0, r1), (c0, c1) in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S, block_elements)):
+        w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False, float32_keys=float32_keys)  # (B, H, t, s)
+        contexts.append(context(w, v[:, :, c0:c1], spec.dropout_p, float32_keys))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)
 
 

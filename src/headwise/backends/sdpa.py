@@ -1,18 +1,17 @@
 """The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
 
-- plain, causal, window, padding, masks, GQA: ``F.scaled_dot_product_attention``, with
-  ``is_causal`` instead of a mask whenever it means the same; a causal prompt of 65 to 1024
-  tokens on the CPU (no autograd) as blocks of 64 queries, each over the keys it may see
-  (``_causal_blocks``: the CPU kernel would compute the masked half of each key block too);
-- sinks: the CPU flash kernel returns each row's log-sum-exp, and a sink only rescales a row:
-  ``context * sigmoid(lse - sink)`` (``SinkAttention``; its backward is the kernel's own, given
-  the rescaled output, plus the sink's gradient). Elsewhere (CUDA, dropout) the chunked math;
-- ALiBi: the bias is an additive mask, folded per block of queries (the kernel stays fused,
-  the bias costs one block at a time, never (H, T, S));
-- softcap: the tanh acts on each score, which no fused kernel exposes: ``softcap.run``, the
-  scores over blocks of queries (causal and window ranges cut off per block), tanh through a
-  sigmoid, and a backward that recomputes each block instead of keeping its weights;
-- documents: ``packed.run``, one kernel call per document (or per group of equal short ones).
+- ``fused``: one call of ``F.scaled_dot_product_attention`` (native GQA) with every term folded
+  into one mask (``is_causal`` instead of a mask whenever it means the same);
+- ``causal_blocks``: a causal prompt as blocks of queries, each over the keys it may see (torch's
+  CPU flash kernel would compute the masked half of each key block too);
+- ``alibi_blocks``: ALiBi's bias is an additive mask, folded one block of queries at a time (the
+  kernel stays fused, the bias never costs (H, T, S));
+- sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink only
+  rescales a row: ``context * sigmoid(lse - sink)`` (``SinkAttention``; its backward is the
+  kernel's own, given the rescaled output, plus the sink's gradient).
+
+Which of them runs, and what goes elsewhere (softcap, packed documents, sinks the flash kernel
+cannot take), is ``plan.RULES``'s choice.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scores import sink_share
-from . import math as math_backend
-from . import packed, softcap
 from .blocks import joined, query_blocks, rows_per_block
 from .spec import Spec
 
@@ -116,35 +113,16 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale)  # (B, H, t, Dv)
 
 
-def _sinks_fused(q: Tensor, v: Tensor, spec: Spec) -> bool:
-    """Whether the CPU flash kernel with its log-sum-exp can take this call's sinks.
-
-    One head size, no dropout, eager, and no bias that wants a gradient (the kernel's backward
-    gives none to its mask).
-    """
-    trained_bias = any(t is not None and t.requires_grad for t in (spec.alibi, spec.mask)) and torch.is_grad_enabled()
-    return (
-        q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and spec.dropout_p == 0.0
-        and not trained_bias and not torch.compiler.is_compiling()
-    )
+def fused(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """One kernel call, every term folded into one mask (none for plain causal: ``is_causal``): (B, H, T, D) -> (B, H, T, Dv)."""
+    if spec.plain_causal:
+        return _kernel(q, k, v, spec, None, None, True)
+    whole = (0, spec.T), (0, spec.S)
+    return _kernel(q, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)  # (B, H, T, Dv)
 
 
-CAUSAL_BLOCK = 64  # queries per kernel call of a blocked causal prompt
-CAUSAL_BLOCKS_UP_TO = 1024  # prompts up to this long run as blocks (torch's CPU flash kernel wastes least beyond it)
-
-
-def _blocks_pay(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
-    """Whether plain causal attention runs as ``_causal_blocks``: on the CPU, CAUSAL_BLOCK < T <=
-    CAUSAL_BLOCKS_UP_TO, no sinks, no dropout, no autograd, eager."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (
-        q.device.type == "cpu" and CAUSAL_BLOCK < spec.T <= CAUSAL_BLOCKS_UP_TO and spec.sinks is None
-        and spec.dropout_p == 0.0 and not grad and not torch.compiler.is_compiling()
-    )
-
-
-def _causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """Plain causal attention as blocks of CAUSAL_BLOCK queries, each over the keys it may see.
+def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
+    """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see.
 
     torch's CPU flash kernel (torch 2.13) splits keys in blocks of up to 512 and computes every
     score of a key block that a query block reaches: a causal prompt of T <= 512 costs the whole
@@ -154,36 +132,17 @@ def _causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).
     """
     contexts = []
-    for rows, (c0, c1) in query_blocks(spec, CAUSAL_BLOCK):
-        allowed = None if rows[0] == 0 else spec.allowed(rows, (c0, c1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
-        q_block = q[:, :, rows[0] : rows[1]]  # (B, H, t, D)
-        contexts.append(_kernel(q_block, k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, None, rows[0] == 0))  # (B, H, t, Dv)
+    for (r0, r1), (c0, c1) in query_blocks(spec, rows):
+        allowed = None if r0 == 0 else spec.allowed((r0, r1), (c0, c1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
+        contexts.append(_kernel(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, None, r0 == 0))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)
 
 
-def dense(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """Every term but documents folded into fused kernel calls (B, H, T, D) -> (B, H, T, Dv)."""
-    if spec.softcap is not None:
-        return softcap.run(q, k, v, spec)
-    if spec.sinks is not None and not _sinks_fused(q, v, spec):
-        return math_backend.run_chunked(q, k, v, spec)
-    T, S = spec.T, spec.S
-    if spec.alibi is None:
-        if spec.plain_causal and _blocks_pay(q, k, v, spec):
-            return _causal_blocks(q, k, v, spec)
-        if spec.plain_causal:
-            return _kernel(q, k, v, spec, None, None, True)
-        return _kernel(q, k, v, spec, spec.allowed((0, T), (0, S), q.device), spec.bias((0, T), (0, S), q.device, q.dtype), False)
+def alibi_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int) -> Tensor:
+    """ALiBi's bias (and every other term) folded a block of queries at a time, each block of about
+    ``block_elements`` bias elements over the keys it may see: (B, H, T, D) -> (B, H, T, Dv)."""
     contexts = []
-    for rows, cols in query_blocks(spec, rows_per_block(T, spec.alibi.shape[0] * q.shape[1] * S)):  # ALiBi's bias a block at a time
-        allowed, bias = spec.allowed(rows, cols, q.device), spec.bias(rows, cols, q.device, q.dtype)  # (B?, H?, t, s) each, or None
-        q_block, (c0, c1) = q[:, :, rows[0] : rows[1]], cols  # (B, H, t, D)
-        contexts.append(_kernel(q_block, k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
+    for rows, (c0, c1) in query_blocks(spec, rows_per_block(spec.T, spec.alibi.shape[0] * q.shape[1] * spec.S, block_elements)):
+        allowed, bias = spec.allowed(rows, (c0, c1), q.device), spec.bias(rows, (c0, c1), q.device, q.dtype)  # (B?, H?, t, s) each, or None
+        contexts.append(_kernel(q[:, :, rows[0] : rows[1]], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)
-
-
-def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """(B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv): packed documents split, the rest fused."""
-    if spec.documents is not None and packed.can_split(spec):
-        return packed.run(q, k, v, spec, dense)
-    return dense(q, k, v, spec)

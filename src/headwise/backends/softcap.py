@@ -16,8 +16,8 @@ cheap and keep it exact:
   holds with sinks) times the tanh's derivative ``1 - tanh^2``. Memory stays one block's
   scores in backward too, where autograd would keep every block's weights.
 
-Terms it does not take (dropout, or an ALiBi slope or float mask that wants a gradient) go
-to ``math.run_chunked``, which autograd differentiates.
+Dropout, or an ALiBi slope or float mask that wants a gradient, it does not take: ``plan``
+sends those calls to ``math.run_chunked``, which autograd differentiates.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _SATURATED = 40.0
 
 
-def _blocks(spec: Spec, B: int, H: int) -> list[Block]:
-    """Blocks of queries of about ``blocks.BLOCK_ELEMENTS`` scores and the keys each may see (none: left out, their rows stay zero)."""
-    return [block for block in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S)) if block.cols[1] > block.cols[0]]
+def _blocks(spec: Spec, B: int, H: int, block_elements: int) -> list[Block]:
+    """Blocks of queries of about ``block_elements`` scores and the keys each may see (none: left out, their rows stay zero)."""
+    return [block for block in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S, block_elements)) if block.cols[1] > block.cols[0]]
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -64,11 +64,11 @@ def _probs(
     bias = spec.bias(rows, cols, qs.device, qs.dtype)  # (B?, H?, t, s) or None
     if bias is not None:
         logits.add_(bias.to(logits.dtype))
-    edge = math_backend._edge(spec, rows, cols)  # keys before it are visible to every row of the block
+    edge = math_backend.seen_by_all(spec, rows, cols)  # keys before it are visible to every row of the block
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
     if allowed is not None:
         logits[..., edge:].masked_fill_(~allowed, -math.inf)
-    live = None if edge else math_backend._live(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
+    live = None if edge else math_backend.rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
     if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
         logits.masked_fill_(~live, 0.0)
     if spec.sinks is not None:  # the sink joins the softmax, its share is dropped
@@ -90,18 +90,18 @@ class CappedAttention(torch.autograd.Function):
     """Softcapped attention over blocks of queries; backward recomputes each block (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, spec: Spec) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, spec: Spec, block_elements: int) -> Tensor:
         B, H, T, _ = q.shape
         Hkv = k.shape[1]
         wide = torch.float32 if q.dtype in _HALF else q.dtype
         qs, kw = _scaled_q(q, spec), k.to(wide)  # (B, H, T, D), (B, Hkv, S, D)
         out = q.new_zeros(B, H, T, v.shape[3])  # (B, H, T, Dv): rows that see no key stay zero
-        for (r0, r1), (c0, c1) in _blocks(spec, B, H):
+        for (r0, r1), (c0, c1) in _blocks(spec, B, H, block_elements):
             p, _ = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1))  # (B, H, t, s)
             ctx_blk = _grouped(p.to(v.dtype), Hkv) @ v[:, :, c0:c1]  # (B, Hkv, G*t, Dv)
             out[:, :, r0:r1] = ctx_blk.view(B, H, r1 - r0, v.shape[3])
         ctx.save_for_backward(q, k, v, sinks, out)
-        ctx.spec = spec
+        ctx.spec, ctx.block_elements = spec, block_elements
         return out
 
     @staticmethod
@@ -117,7 +117,7 @@ class CappedAttention(torch.autograd.Function):
         dq = torch.zeros_like(qs)  # (B, H, T, D)
         dk, dv = torch.zeros_like(kw), torch.zeros_like(vw)  # (B, Hkv, S, D), (B, Hkv, S, Dv)
         dsinks = None if sinks is None else torch.zeros(B, H, T, dtype=wide, device=q.device)  # (B, H, T)
-        for (r0, r1), (c0, c1) in _blocks(spec, B, H):
+        for (r0, r1), (c0, c1) in _blocks(spec, B, H, ctx.block_elements):
             t = r1 - r0
             p, th = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2
             g_blk = _grouped(g[:, :, r0:r1], Hkv)  # (B, Hkv, G*t, Dv)
@@ -132,17 +132,12 @@ class CappedAttention(torch.autograd.Function):
             dk[:, :, c0:c1] += ds.transpose(-2, -1) @ _grouped(q[:, :, r0:r1].to(wide), Hkv)  # (B, Hkv, s, D)
         d_scaled = spec.scale  # d logit / d(q.k) = scale (1 - tanh^2)
         grads_sinks = None if dsinks is None else dsinks.sum((0, 2)).to(sinks.dtype)  # (H,)
-        return (dq * d_scaled).to(q.dtype), (dk * d_scaled).to(k.dtype), dv.to(v.dtype), grads_sinks, None
+        return (dq * d_scaled).to(q.dtype), (dk * d_scaled).to(k.dtype), dv.to(v.dtype), grads_sinks, None, None
 
 
-def takes(spec: Spec) -> bool:
-    """Whether ``CappedAttention`` computes this call exactly: softcap, no dropout, no bias that wants a gradient."""
-    trained_bias = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (spec.alibi, spec.mask))
-    return spec.softcap is not None and spec.dropout_p == 0.0 and not trained_bias
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int) -> Tensor:
+    """Softcapped attention (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv), over blocks of about ``block_elements`` scores.
 
-
-def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """Softcapped attention (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv), over blocks of queries."""
-    if not takes(spec):
-        return math_backend.run_chunked(q, k, v, spec)
-    return CappedAttention.apply(q, k, v, spec.sinks, spec)  # (B, H, T, Dv)
+    Exact without dropout and without a bias that wants a gradient (``plan`` sends those to math).
+    """
+    return CappedAttention.apply(q, k, v, spec.sinks, spec, block_elements)  # (B, H, T, Dv)

@@ -36,7 +36,7 @@ class Spec:
     scale: float = 1.0
 
     @property
-    def scored(self) -> bool:
+    def changes_scores(self) -> bool:
         """True when the scores themselves change (softcap or ALiBi): no fused kernel computes them."""
         return self.softcap is not None or self.alibi is not None
 
@@ -62,7 +62,7 @@ class Spec:
         if self.documents is not None:
             parts.append(document_mask(self.documents[:, off + r0 : off + r1], self.documents[:, c0:c1]))  # (B, 1, t, s)
         if self.mask is not None and self.mask.dtype == torch.bool:
-            parts.append(cut(self.mask, rows, cols))  # (B?, H?, t, s)
+            parts.append(mask_block(self.mask, rows, cols))  # (B?, H?, t, s)
         allowed = None
         for part in parts:
             allowed = part if allowed is None else allowed & part  # broadcasts to (B?, H?, t, s)
@@ -77,22 +77,22 @@ class Spec:
             q_pos = torch.arange(off + r0, off + r1, device=device)  # (t,)
             bias = alibi_bias(self.alibi, q_pos, torch.arange(c0, c1, device=device), dtype)  # (Bs, H, t, s)
         if self.mask is not None and self.mask.dtype != torch.bool:
-            user = cut(self.mask, rows, cols)  # (B?, H?, t, s)
+            user = mask_block(self.mask, rows, cols)  # (B?, H?, t, s)
             bias = user if bias is None else bias + user
         return bias
 
-    def piece(self, b: int, rows: tuple[int, int], cols: tuple[int, int]) -> Spec:
+    def sliced(self, b: int, rows: tuple[int, int], cols: tuple[int, int]) -> Spec:
         """The terms of row ``b``'s queries r0..r1 over keys c0..c1 (the queries must be the block's last positions)."""
         (r0, r1), (c0, c1) = rows, cols
         pick = lambda t: None if t is None else t[b : b + 1] if t.shape[0] > 1 else t  # noqa: E731
-        mask = None if self.mask is None else cut(pick(self.mask), rows, cols)
+        mask = None if self.mask is None else mask_block(pick(self.mask), rows, cols)
         real = None if self.attention_mask is None else self.attention_mask[b : b + 1, c0:c1]
         return dataclasses.replace(
             self, T=r1 - r0, S=c1 - c0, mask=mask, attention_mask=real, documents=None, alibi=pick(self.alibi)
         )
 
 
-def cut(t: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+def mask_block(t: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
     """A 4-D mask's block: rows and columns sliced where the mask has them (size-1 dims broadcast)."""
     if t.shape[-2] > 1:
         t = t[..., rows[0] : rows[1], :]

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .. import _argtypes
 from ..backends import math as math_backend
+from ..backends import plan
 
 Way = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -48,8 +49,9 @@ def copied(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def wide(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """The math backend's ``scores`` and ``context`` (float32 matmuls for these shapes)."""
-    w = torch.softmax(math_backend.scores(q, k).float() / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, T, S) float32
-    return math_backend.context(w, v, 0.0)  # (B, H, T, Dv)
+    keys = plan.float32_keys(q, k, q.shape[2])  # the plan's rule: float32 for these decode shapes
+    w = torch.softmax(math_backend.scores(q, k, keys).float() / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, T, S) float32
+    return math_backend.context(w, v, 0.0, keys)  # (B, H, T, Dv)
 
 
 WAYS: dict[str, Way] = {"half": half, "half, copied": copied, "float32": wide}

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .. import _argtypes
 from ..backends import math as math_backend
+from ..backends import plan
 from ..backends.spec import Spec
 from ..functional import attention
 from ..masks import documents_from_cu_seqlens
@@ -176,7 +177,7 @@ def terms(batch: int = 4, tokens: int = 1024, heads: int = 12, head_dim: int = 6
         "headwise sinks": lambda q, k, v: attention(q, k, v, causal=True, sinks=sinks),
         "headwise ALiBi": lambda q, k, v: attention(q, k, v, causal=True, alibi_slopes=slopes),
         "softcap: tanh, autograd over blocks": lambda q, k, v: math_backend.run_chunked(
-            q, k, v, Spec(T=tokens, S=tokens, causal=True, softcap=softcap, scale=scale)
+            q, k, v, Spec(T=tokens, S=tokens, causal=True, softcap=softcap, scale=scale), block_elements=plan.BLOCK_ELEMENTS
         ),
     }
     if flex:

@@ -11,10 +11,10 @@
 
 from .context import ContextCache
 from .paged import PagedBatch, PagedKVCache
-from .protocol import Cache, Part
+from .protocol import Attended, Cache
 from .static import KVCache
 
-__all__ = ["Cache", "ContextCache", "KVCache", "PagedBatch", "PagedKVCache", "Part", "checked"]
+__all__ = ["Attended", "Cache", "ContextCache", "KVCache", "PagedBatch", "PagedKVCache", "checked"]
 
 
 def checked(cache: object) -> Cache | None:

@@ -3,7 +3,7 @@
 ``paged.batch(seq_ids, new_tokens)`` makes a ``PagedBatch``, the cache protocol for ``attention``:
 the queries, keys and values hold the new tokens of those sequences packed in one row, (1, H, T, D)
 with T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). ``append`` checks
-everything, then writes each sequence's keys to its blocks and answers with one ``Part`` per
+everything, then writes each sequence's keys to its blocks and answers with one ``Attended`` per
 sequence: its queries attend over its own cached and new tokens only (ragged: no padding to the
 longest), read as a view of the pool when its blocks are consecutive, else gathered.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from .protocol import Part
+from .protocol import Attended
 
 if TYPE_CHECKING:
     from .paged import PagedKVCache
@@ -68,8 +68,8 @@ class PagedBatch:
 
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
-    ) -> list[Part]:
-        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Part`` per sequence.
+    ) -> list[Attended]:
+        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Attended`` per sequence.
 
         ``check=False`` skips the checks of the arguments (not of the pool's room), for a caller that made them.
 
@@ -91,7 +91,7 @@ class PagedBatch:
         parts, row = [], 0
         for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
             cache._lens[seq_id] = a + n
-            parts.append(Part(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
+            parts.append(Attended(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
             row += n
         return parts
 

@@ -10,9 +10,9 @@ A cache answers two questions for the layer and one for ``attention``:
 - ``sizes(t)``: ``[(rows, S)]``, what ``append`` of t tokens will answer with, before anything is
   written: the core checks every term against them first, so that a refused call changes nothing;
 - ``append(k, v, attention_mask)``: store the new keys and values (and their padding), and say
-  what to attend over, as ``Part``s: the queries in ``rows`` (a slice of the T axis) attend over
-  ``keys`` / ``values`` with ``attention_mask``. A static cache answers with one part covering
-  every query; a paged batch with one part per sequence (ragged: no padding to the longest).
+  what to attend over, as a list of ``Attended``: the queries in ``rows`` (a slice of the T axis)
+  attend over ``keys`` / ``values`` with ``attention_mask``. A static cache answers with one
+  covering every query; a paged batch with one per sequence (ragged: no padding to the longest).
   Keys come in time order, except that a sliding cache may answer one new token with its slots
   in ring order; ``in_order=True`` (what ALiBi and documents need) asks for time order always.
 
@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 from torch import Tensor
 
 
-class Part(NamedTuple):
+class Attended(NamedTuple):
     """Queries ``q[:, :, rows]`` attend over keys (B, Hkv, S, D), values (B, Hkv, S, Dv), padding (B, S) or None."""
 
     rows: slice
@@ -48,5 +48,5 @@ class Cache(Protocol):
 
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]: ...
 
-    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, *, in_order: bool = False) -> list[Part]: ...
+    def append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, *, in_order: bool = False) -> list[Attended]: ...
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .. import _checks
 from .owner import Owned
-from .protocol import Part
+from .protocol import Attended
 
 
 class KVCache(Owned):
@@ -176,9 +176,9 @@ class KVCache(Owned):
 
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
-    ) -> list[Part]:
-        """``update``, answered as the cache protocol's one ``Part`` covering every query: every
-        argument checked first, then written (a refused call changes nothing).
+    ) -> list[Attended]:
+        """``update``, answered as the cache protocol's one ``Attended`` (every query over every key):
+        every argument checked first, then written (a refused call changes nothing).
 
         ``check=False`` skips the checks, for a caller that made them once for what cannot change
         between its calls (a decode loop: keys and values of this cache's shape, dtype and device,
@@ -186,7 +186,7 @@ class KVCache(Owned):
         """
         if check:
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
-        return [Part(slice(None), *self._write(k, v, attention_mask, in_order))]
+        return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""

@@ -1,0 +1,172 @@
+"""The arguments of one attention call, every one checked before anything is written.
+
+``checked(q, k, v, ...)`` raises ValueError/TypeError naming the argument, what was expected
+and what came, for every argument of ``headwise.attention``, and checks the terms that depend
+on the keys (a mask's shape, documents) against the keys each run of queries will see, which a
+cache says before it is written (``sizes``). What it returns is what ``functional`` runs: q, k
+and v (padded keys and values zeroed), one ``Spec`` of the call's terms, the cache and the
+backend. ``for_run`` makes that Spec the one of a run of queries over the keys a cache hands it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from . import cache as caches
+from .backends.blocks import visible
+from .backends.spec import Spec
+from .cache import Cache, KVCache
+
+BACKENDS = ("auto", "math", "sdpa")
+
+
+class Arguments(NamedTuple):
+    q: Tensor  # (B, H, T, D)
+    k: Tensor  # (B, Hkv, T_kv, D), padded keys zeroed
+    v: Tensor  # (B, Hkv, T_kv, Dv), padded values zeroed
+    spec: Spec  # the call's terms; T and S, padding and documents are each run's (``for_run``)
+    cache: Cache | None
+    backend: str
+
+
+def check_backend(backend: str) -> str:
+    """Return ``backend`` if it names a backend, else raise ValueError (TypeError for a non-str) listing the valid ones."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be one of {list(BACKENDS)} (a str), got {type(backend).__name__} {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def _tensor(name: str, t: object, ndim: int, dims: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have shape {dims} ({ndim} dims), got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return t
+
+
+def qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): floats of one dtype and device, Hkv dividing H."""
+    _tensor("q", q, 4, "(B, H, T, D)")
+    _tensor("k", k, 4, "(B, Hkv, S, D)")
+    _tensor("v", v, 4, "(B, Hkv, S, Dv)")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a head size D >= 1, got q of shape {tuple(q.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"k must have shape (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have shape (B, Hkv, S, Dv) = {tuple(k.shape[:3])} + (Dv,) like k, got {tuple(v.shape)}")
+    if H % k.shape[1]:
+        raise ValueError(f"q's heads H={H} must be a multiple of k/v's heads Hkv={k.shape[1]}")
+
+
+def _scale(value: float | None, d: int) -> float:
+    if value is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"scale must be a positive finite number or None (1/sqrt(D)), got {value!r}")
+    return float(value)
+
+
+def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+    """The user's mask, its kind and values checked, as 4-D (floats in ``dtype``); its shape is checked per run of queries."""
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor (bool or float), got {type(value).__name__}")
+    _checks.same_device("mask", value, "q, k and v are", device)
+    if value.ndim > 4:
+        raise ValueError(f"mask must broadcast to (B, H, T, S), got shape {tuple(value.shape)}")
+    value = value.view((1,) * (4 - value.ndim) + tuple(value.shape))  # (B?, H?, T?, S?)
+    if value.dtype == torch.bool:
+        return value
+    if not value.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {value.dtype}")
+    if _checks.has_values(value):  # one host read for a float mask (eager); an assert in the graph under torch.compile
+        _checks.holds(
+            ~(value.isnan() | (value == math.inf)).any(), "mask (additive float) must hold finite numbers or -inf (= may not attend)",
+            lambda: ", got NaN or +inf",
+        )
+    return value.to(dtype)
+
+
+def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: bool) -> tuple[Spec, int]:
+    """The terms of T queries over the S keys handed to them, and c0: the first key kept. A cache's
+    keys that no query sees (before a causal window) are dropped: c0 > 0; the caller's own keys are
+    all kept (its mask and documents number them). The padding (B, S) is the keys'; a window that
+    covers every kept key is none."""
+    c0 = visible(T, S, spec.causal, spec.window, 0, T)[0] if cached else 0  # (the last query sees up to key S - 1)
+    kept = S - c0
+    documents = None if spec.documents is None else spec.documents[:, spec.documents.shape[1] - kept :]  # (B, kept)
+    window = None if spec.window is not None and spec.window >= kept else spec.window
+    padding = None if attention_mask is None else attention_mask[:, c0:]  # (B, kept)
+    return dataclasses.replace(spec, T=T, S=kept, window=window, attention_mask=padding, documents=documents), c0
+
+
+def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
+    """(B, Hkv, S, D) keys or values with the rows of padded keys (real (B, S) False) set to zero.
+
+    A padded key gets weight 0, but 0 * NaN is NaN: a NaN or Inf there would reach every row
+    through weights @ v (and q's gradient through k). Zeros are inert, and no output changes.
+    """
+    return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
+
+
+def checked(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
+    documents: Tensor | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None, cache: Cache | None,
+    dropout_p: float, scale: float | None, backend: str,
+) -> Arguments:
+    """Every argument of ``headwise.attention`` checked, nothing written; see the module docstring."""
+    qkv(q, k, v)
+    B, H, T, D = q.shape
+    _checks.boolean("causal", causal)
+    window = _checks.window(window, causal)
+    dropout_p = _checks.dropout("dropout_p", dropout_p)
+    scale = _scale(scale, D)
+    check_backend(backend)
+    cache = caches.checked(cache)
+    paged = cache is not None and not isinstance(cache, KVCache)
+    if cache is not None and cache.window is not None and cache.window != window:
+        raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
+    if paged and documents is not None:
+        raise ValueError(
+            "documents number the tokens of one row of a KVCache; a paged batch packs several sequences, each its own "
+            f"document already: pass documents=None, got a {type(cache).__name__}"
+        )
+    if paged and mask is not None:
+        raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
+    given = "(B, T_kv)" if cache is not None else "(B, S)"
+    attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], given, device=("k and v are", k.device))
+    held = len(cache) if isinstance(cache, KVCache) else 0
+    documents = _checks.documents(documents, B, held + k.shape[2], "(B, cached + T_kv)" if cache is not None else "(B, S)", q.device)
+    user_mask = _mask(mask, q.device, q.dtype)
+    spec = Spec(
+        T=T, S=k.shape[2], causal=causal, window=window, mask=user_mask, attention_mask=attention_mask, documents=documents,
+        softcap=_checks.softcap(softcap), sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head"),
+        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True), dropout_p=dropout_p, scale=scale,
+    )
+    in_order = documents is not None or alibi_slopes is not None
+    for rows, S in [(slice(None), k.shape[2])] if cache is None else cache.sizes(k.shape[2], in_order=in_order):
+        run, _ = for_run(spec, T if rows == slice(None) else rows.stop - rows.start, S, None, cache is not None)  # (a symbolic T: no range)
+        if user_mask is not None:
+            _checks.broadcasts("mask", user_mask, (B, H, run.T, run.S), "(B, H, T, S)", tuple(mask.shape))
+        if documents is not None and run.T > run.S:
+            raise ValueError(f"documents need T <= S (the queries are the last T keys' positions), got T={run.T} queries over S={run.S} keys")
+    if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
+        k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
+    return Arguments(q, k, v, spec, cache, backend)

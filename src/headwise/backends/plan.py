@@ -1,0 +1,213 @@
+"""How one attention call runs, and why: one ordered table of rules, read by ``attention`` and ``headwise.plan``.
+
+Each rule is a predicate over the call (shapes, dtype, device, terms, autograd, the backend
+asked for), the runner it builds and the reason, one sentence. The first rule that matches and
+serves the asked backend runs the call: "auto" is served by every rule, "math" and "sdpa" by
+the rules that run their way (a term no fused kernel takes goes to math blocks under "sdpa"
+too). A rule whose runner is ``backend`` is the first match under ``backend`` whenever it is
+under "auto", so ``attention(..., backend=plan.backend)`` runs the same runner, bit for bit.
+
+The sizes the rules and runners use are the named constants below, each with how it was
+measured (the numbers and the machine: docs/performance). Runners take them as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from ..observe import observing
+from . import math as math_runner
+from . import packed, sdpa, softcap
+from .spec import Spec
+
+# ----------------------------------------------------------------------------- sizes
+
+#: Query rows per row of a bfloat16 call on the CPU that run as math (a decode step): torch's
+#: fused CPU kernel against two matmuls, one query over 128-2048 keys (bench.decode_attention).
+DECODE_QUERIES = 1
+#: Query rows per key head (G * T) up to which half matmuls on the CPU run in float32: decode
+#: steps of G = 1 and 3 timed both ways (bench.decode_attention); larger G * T not measured.
+FLOAT32_ROWS = 8
+#: Keys or values (B * Hkv * keys * D) converted to float32 at a time on that path: a memory
+#: bound for the copy (4 MiB), not a tuned speed.
+FLOAT32_KEY_ELEMENTS = 1 << 20
+#: Score elements (B * H * rows * keys) one block of queries holds: the memory bound of every
+#: blocked runner (16 MiB of float32), not a tuned speed.
+BLOCK_ELEMENTS = 1 << 22
+#: Queries per kernel call of a blocked causal prompt: the size the causal-block timings used
+#: (480- and 1024-token prompts against one call, bench); other sizes not compared.
+CAUSAL_BLOCK = 64
+#: Causal prompts up to this long run as blocks: the gain timed at 1024 tokens was the smallest
+#: (it shrinks as the kernel's masked share of each key block does); longer not timed.
+CAUSAL_BLOCKS_UP_TO = 1024
+#: Documents with fewer keys than this are stacked with others of their length into one call,
+#: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).
+SHORT_DOCUMENT = 128
+
+Runner = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
+
+
+@dataclass(slots=True)
+class Call:
+    """What a rule reads: the runner's operands, the call's terms, the backend asked for, an observer."""
+
+    q: Tensor  # (B, H, T, D)
+    k: Tensor  # (B, Hkv, S, D): shape, dtype and autograd only; S is spec.S
+    v: Tensor  # (B, Hkv, S, Dv)
+    spec: Spec
+    backend: str  # "auto", "math" or "sdpa"
+    observed: bool = False
+    document_runs: list | None = field(default=None)  # per row, its documents' key ranges (read once, by the rule that splits)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a call runs: ``backend`` (what ``attention(..., backend=)`` takes to run the same), ``runner``
+    (which kernel, blocks or split), ``reason`` (why, one sentence); ``str(plan)`` on one line."""
+
+    backend: str
+    runner: str
+    reason: str
+    run: Runner = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.runner} (backend={self.backend!r}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    runner: str  # the name shown ({CAUSAL_BLOCK} filled in)
+    backend: str  # whose way the runner is: "math" or "sdpa"
+    serves: frozenset[str]  # the backends asked for that may take this rule
+    when: Callable[[Call], bool]
+    build: Callable[[Call], Runner]
+    why: str
+
+
+# ----------------------------------------------------------------------------- predicates
+
+
+def _grad(c: Call) -> bool:
+    return torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad)
+
+
+def _trained_bias(c: Call) -> bool:
+    """An ALiBi slope or float mask that wants a gradient (the fused kernels and the capped runner give none)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (c.spec.alibi, c.spec.mask))
+
+
+def _bf16_decode(c: Call) -> bool:
+    return c.q.dtype == torch.bfloat16 and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
+
+
+def _split_documents(c: Call) -> bool:
+    """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
+    if c.spec.documents is None or torch.compiler.is_compiling():
+        return False
+    c.document_runs = packed.runs(c.spec.documents)
+    return c.document_runs is not None
+
+
+def _capped(c: Call) -> bool:
+    return c.spec.softcap is not None and c.spec.dropout_p == 0.0 and not _trained_bias(c)
+
+
+def _sinks_fused(c: Call) -> bool:
+    """Sinks the CPU flash kernel carries through its log-sum-exp: one head size, no dropout, eager,
+    no bias that wants a gradient (the kernel's backward gives none to its mask)."""
+    return (
+        c.q.device.type == "cpu" and c.q.shape[-1] == c.v.shape[-1] and c.spec.dropout_p == 0.0
+        and not _trained_bias(c) and not torch.compiler.is_compiling()
+    )
+
+
+def _math_only(c: Call) -> bool:
+    """Terms no fused runner computes exactly: softcap with dropout or a trained bias, sinks the flash kernel cannot take."""
+    return (c.spec.softcap is not None and not _capped(c)) or (c.spec.sinks is not None and not _sinks_fused(c))
+
+
+def _causal_blocks(c: Call) -> bool:
+    """Eager first: a compiled graph keeps T symbolic, and comparing it would add guards."""
+    return (
+        not torch.compiler.is_compiling() and c.spec.plain_causal and c.q.device.type == "cpu"
+        and CAUSAL_BLOCK < c.spec.T <= CAUSAL_BLOCKS_UP_TO and c.spec.sinks is None and c.spec.dropout_p == 0.0 and not _grad(c)
+    )
+
+
+def float32_keys(q: Tensor, k: Tensor, T: int) -> int | None:
+    """Keys converted to float32 at a time for half matmuls of a decode shape on the CPU, else None (matmuls in q's dtype)."""
+    few_rows = (q.shape[1] // max(1, k.shape[1])) * T <= FLOAT32_ROWS
+    return FLOAT32_KEY_ELEMENTS if q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cpu" and few_rows else None
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+def _math_whole(c: Call) -> Runner:
+    return partial(math_runner.run, float32_keys=float32_keys(c.q, c.k, c.spec.T))
+
+
+def _math_blocks(c: Call) -> Runner:
+    return partial(math_runner.run_chunked, float32_keys=float32_keys(c.q, c.k, c.spec.T), block_elements=BLOCK_ELEMENTS)
+
+
+def _per_document(backend: str) -> Callable[[Call], Runner]:
+    def build(c: Call) -> Runner:
+        def inner(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:  # one document (or a stack of short ones), planned alone
+            return choose(Call(q, k, v, spec, backend)).run(q, k, v, spec)
+
+        return partial(packed.run, runs=c.document_runs, inner=inner, short=SHORT_DOCUMENT)
+
+    return build
+
+
+AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "sdpa"}), frozenset({"auto", "math", "sdpa"})
+
+RULES: tuple[Rule, ...] = (
+    Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
+         "an observer (headwise.observe, explain) reads every step's whole tensor"),
+    Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
+         "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
+    Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),
+         "packed documents attend within themselves: one call per document costs sum(T_i * S_i), not T * S"),
+    Rule("per document, each on math's rules", "math", frozenset({"math"}), _split_documents, _per_document("math"),
+         "packed documents attend within themselves: scores of one document at a time, not T * S"),
+    Rule("capped blocks (tanh through expm1, backward recomputes)", "sdpa", AUTO_SDPA, _capped,
+         lambda c: partial(softcap.run, block_elements=BLOCK_ELEMENTS),
+         "no fused kernel caps scores: they are written a block of queries at a time, and backward recomputes each block"),
+    Rule("math blocks", "math", EVERY, _math_only, _math_blocks,
+         "softcap with dropout or a trained bias, or sinks the CPU flash kernel cannot take (device, Dv != D, dropout, "
+         "a trained bias, compile): math a block of queries at a time, differentiated by autograd"),
+    Rule("sdpa ALiBi blocks", "sdpa", AUTO_SDPA, lambda c: c.spec.alibi is not None,
+         lambda c: partial(sdpa.alibi_blocks, block_elements=BLOCK_ELEMENTS),
+         "ALiBi is an additive bias: folded into the fused kernel's mask a block of queries at a time, never (H, T, S) at once"),
+    Rule("sdpa flash kernel, sink through its log-sum-exp", "sdpa", AUTO_SDPA, lambda c: c.spec.sinks is not None, lambda c: sdpa.fused,
+         "a sink only rescales each row: the CPU flash kernel's log-sum-exp gives context * sigmoid(lse - sink)"),
+    Rule("sdpa causal blocks of {CAUSAL_BLOCK} queries", "sdpa", AUTO_SDPA, _causal_blocks,
+         lambda c: partial(sdpa.causal_blocks, rows=CAUSAL_BLOCK),
+         "a causal prompt on the CPU: torch's flash kernel computes the masked half of each key block; blocks over the keys each sees skip it"),
+    Rule("sdpa is_causal", "sdpa", AUTO_SDPA, lambda c: c.spec.plain_causal, lambda c: sdpa.fused,
+         "causal over T == S keys with nothing else: the fused kernel's is_causal says it all, no mask"),
+    Rule("sdpa", "sdpa", AUTO_SDPA, lambda c: True, lambda c: sdpa.fused,
+         "torch's fused kernel takes what remains (a window, padding, masks, causal over T != S) folded into one mask, or none"),
+    Rule("math, every score at once", "math", frozenset({"math"}), lambda c: True, _math_whole,
+         "asked for math: every score written out, the reference"),
+)
+
+
+def choose(call: Call) -> Plan:
+    """The first rule that serves ``call.backend`` and matches ``call``, as a ``Plan`` whose ``run`` runs it."""
+    for rule in RULES:
+        if call.backend in rule.serves and rule.when(call):
+            return Plan(rule.backend, rule.runner.format(CAUSAL_BLOCK=CAUSAL_BLOCK), rule.why, rule.build(call))
+    raise AssertionError(f"no rule serves backend {call.backend!r}")  # the last rules of each backend match every call
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, spec: Spec, backend: str) -> Plan:
+    """``choose`` for the operands of one runner call: (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)."""
+    return choose(Call(q, k, v, spec, backend, observed=backend != "sdpa" and observing()))

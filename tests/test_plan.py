@@ -1,0 +1,181 @@
+"""headwise.plan: what attention runs for a call, and why; attention runs from the same table.
+
+For every kind of call the plan names its runner and gives one sentence, and
+``attention(..., backend=plan.backend)`` equals the default call bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise as hw
+from headwise.backends import plan as plan_table
+from headwise.masks import documents_from_cu_seqlens
+
+
+def _qkv(B=2, H=4, Hkv=2, T=100, S=None, D=16, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    S = T if S is None else S
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _cache(kind: str, dtype=torch.float32):
+    """A cache holding a 20-token prefix (the same numbers every time), ready for a 1-token step."""
+    q, k, v = _qkv(B=1, T=20, dtype=dtype, seed=1)
+    if kind == "paged":
+        cache = hw.PagedKVCache(num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+        cache.add(0), cache.add(1)
+        with torch.no_grad():
+            hw.attention(q, k, v, causal=True, cache=cache.batch([0, 1], [12, 8]))
+        return lambda: cache.batch([0, 1], [1, 3])
+    cache = hw.KVCache.sliding(1, 2, 8, 16, dtype=dtype) if kind == "ring" else hw.KVCache(1, 2, 64, 16, dtype=dtype)
+    with torch.no_grad():
+        hw.attention(q, k, v, causal=True, window=cache.window, cache=cache)
+    return lambda: cache
+
+
+# name: (inputs, keyword arguments, grad enabled, the runner expected)
+CASES = {
+    "prompt": (dict(T=100), dict(causal=True), False, "sdpa causal blocks of 64 queries"),
+    "prompt, training": (dict(T=100, grad=True), dict(causal=True), True, "sdpa is_causal"),
+    "long prompt": (dict(B=1, H=2, Hkv=1, T=1100, D=8), dict(causal=True), False, "sdpa is_causal"),
+    "decode": (dict(T=1, S=50), dict(causal=True), False, "sdpa"),
+    "bf16 decode": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, "math blocks, float32 matmuls"),
+    "bf16 prompt": (dict(T=30, dtype=torch.bfloat16), dict(causal=True), False, "sdpa is_causal"),
+    "window": (dict(T=100), dict(causal=True, window=16), False, "sdpa"),
+    "padding": (dict(T=30), dict(causal=True, attention_mask=torch.arange(30).expand(2, 30) > 3), False, "sdpa"),
+    "softcap": (dict(T=30), dict(causal=True, softcap=50.0), False, "capped blocks (tanh through expm1, backward recomputes)"),
+    "softcap, dropout": (dict(T=30), dict(causal=True, softcap=50.0, dropout_p=0.2), True, "math blocks"),
+    "sinks": (dict(T=30), dict(causal=True, sinks=torch.randn(4)), False, "sdpa flash kernel, sink through its log-sum-exp"),
+    "sinks, dropout": (dict(T=30), dict(causal=True, sinks=torch.randn(4), dropout_p=0.2), True, "math blocks"),
+    "ALiBi": (dict(T=30), dict(causal=True, alibi_slopes=torch.rand(4)), False, "sdpa ALiBi blocks"),
+    "documents": (dict(B=1, T=40), dict(causal=True, documents=documents_from_cu_seqlens(torch.tensor([0, 10, 40]))), False,
+                  "per document, each on sdpa's rules"),
+    "documents not in runs": (dict(B=1, T=6), dict(causal=True, documents=torch.tensor([[0, 1, 0, 1, 0, 1]])), False, "sdpa"),
+    "T < S": (dict(T=5, S=40), dict(), False, "sdpa"),
+    "T > S, causal": (dict(T=8, S=3), dict(causal=True), False, "sdpa"),
+    "float64": (dict(T=100, dtype=torch.float64), dict(causal=True), False, "sdpa causal blocks of 64 queries"),
+    "float64, plain": (dict(T=10, dtype=torch.float64), dict(), False, "sdpa"),
+    "cache": (dict(B=1, T=1), dict(causal=True, cache="kv"), False, "sdpa"),
+    "bf16 cache": (dict(B=1, T=1, dtype=torch.bfloat16), dict(causal=True, cache="kv"), False, "math blocks, float32 matmuls"),
+    "ring cache": (dict(B=1, T=1), dict(causal=True, window=8, cache="ring"), False, "sdpa"),
+    "paged batch": (dict(B=1, T=4), dict(causal=True, cache="paged"), False, "sdpa"),
+}
+
+
+def _call(case: str):
+    shape, kw, grad, _ = CASES[case]
+    q, k, v = _qkv(**shape)
+    kw = dict(kw)
+    if "cache" in kw:
+        make = _cache(kw["cache"], q.dtype)
+        kw["cache"] = make
+    return q, k, v, kw, grad
+
+
+def _attend(q, k, v, kw, grad, **extra):
+    kw = {**kw, **extra}
+    if "cache" in kw:
+        kw["cache"] = kw["cache"]()
+    torch.manual_seed(7)  # the same dropout draws for both calls
+    with torch.set_grad_enabled(grad):
+        return hw.attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_plan_names_the_runner_and_its_backend_reproduces_the_default_bit_for_bit(case):
+    q, k, v, kw, grad = _call(case)
+    plan_kw = {**kw, "cache": kw["cache"]()} if "cache" in kw else kw
+    with torch.set_grad_enabled(grad):
+        plan = hw.plan(q, k, v, **plan_kw)
+    assert plan.runner == CASES[case][3]
+    assert plan.backend in ("math", "sdpa") and plan.reason and "\n" not in str(plan)
+    assert str(plan).startswith(plan.runner) and plan.reason in str(plan)
+    if "cache" in kw:  # two caches with the same prefix: one for each call
+        default = _attend(q, k, v, {**kw, "cache": _cache(CASES[case][1]["cache"], q.dtype)}, grad)
+        chosen = _attend(q, k, v, {**kw, "cache": _cache(CASES[case][1]["cache"], q.dtype)}, grad, backend=plan.backend)
+    else:
+        default, chosen = _attend(q, k, v, kw, grad), _attend(q, k, v, kw, grad, backend=plan.backend)
+    assert torch.equal(default, chosen)
+    with torch.set_grad_enabled(grad):
+        again = hw.plan(q, k, v, **{**plan_kw, "backend": plan.backend})
+    assert again.runner == plan.runner
+
+
+def test_a_plan_writes_nothing_to_a_cache():
+    q, k, v = _qkv(B=1, T=3)
+    cache = hw.KVCache(1, 2, 8, 16)
+    assert hw.plan(q, k, v, causal=True, cache=cache).runner == "sdpa is_causal"
+    assert len(cache) == 0
+    paged = hw.PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=2, head_dim=16)
+    paged.add(0)
+    hw.plan(q, k, v, causal=True, cache=paged.batch([0], [3]))
+    assert paged.length(0) == 0 and paged.free_blocks == 4
+
+
+def test_a_cache_that_holds_padding_plans_as_its_run_will():
+    q, k, v = _qkv(B=1, T=4)
+    cache = hw.KVCache(1, 2, 8, 16)
+    hw.attention(q, k, v, causal=True, cache=cache, attention_mask=torch.tensor([[False, True, True, True]]))
+    step = _qkv(B=1, T=4, seed=3)
+    assert hw.plan(*step, causal=True, cache=cache).runner == "sdpa"  # the cache hands on its padding: a mask, not is_causal
+
+
+def test_while_observed_auto_and_math_plan_every_step_whole():
+    q, k, v = _qkv(T=8)
+    with hw.observe(lambda name, t: None):
+        assert hw.plan(q, k, v, causal=True).runner == "math, every step whole"
+        assert hw.plan(q, k, v, causal=True, backend="math").runner == "math, every step whole"
+        assert hw.plan(q, k, v, causal=True, backend="sdpa").runner == "sdpa is_causal"
+
+
+def test_attention_runs_what_the_table_says(monkeypatch):
+    """Change the table and attention changes: it has no other way of choosing."""
+    q, k, v = _qkv(T=8)
+    marker = plan_table.Rule("marker", "sdpa", plan_table.EVERY, lambda c: True, lambda c: lambda q, k, v, spec: torch.full_like(q, 7.0), "a test")
+    monkeypatch.setattr(plan_table, "RULES", (marker,))
+    assert torch.equal(hw.attention(q, k, v, causal=True), torch.full_like(q, 7.0))
+    assert hw.plan(q, k, v).runner == "marker"
+
+
+def test_every_backend_has_a_last_rule_that_takes_any_call():
+    for backend in ("auto", "math", "sdpa"):
+        last = [rule for rule in plan_table.RULES if backend in rule.serves][-1]
+        assert last.when(None), backend  # its predicate reads nothing
+
+
+def test_a_module_plans_its_next_call():
+    torch.manual_seed(0)
+    mha = hw.MultiHeadAttention(32, 32, 512, 0.0, num_heads=4).eval()
+    x = torch.randn(1, 200, 32)
+    with torch.no_grad():
+        assert mha.plan(x).runner == "sdpa causal blocks of 64 queries"
+        cache = hw.KVCache(1, 4, 256, 8)
+        mha(x, cache=cache)
+        assert mha.plan(x[:, :1], cache=cache).runner == "sdpa" and len(cache) == 200
+    assert mha.plan(x).runner == "sdpa is_causal"  # with autograd: one kernel call
+    bf16 = hw.MultiHeadAttention(32, 32, 512, 0.0, num_heads=4, softcap=30.0).eval().to(torch.bfloat16)
+    assert "capped blocks" in str(bf16.plan(x.to(torch.bfloat16)))
+    cross = hw.MultiHeadAttention(32, 32, 512, 0.0, num_heads=4, causal=False, kv_dim=6).eval()
+    assert cross.plan(x, context=torch.randn(1, 9, 6)).runner == "sdpa"
+
+
+def test_plan_refuses_what_attention_refuses():
+    q, k, v = _qkv(T=4)
+    with pytest.raises(ValueError, match=r"softcap must be a number"):
+        hw.plan(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'math', 'sdpa'\], got 'fast'"):
+        hw.plan(q, k, v, backend="fast")
+    with pytest.raises(ValueError, match=r"mask must broadcast to \(B, H, T, S\) = \(2, 4, 4, 4\)"):
+        hw.plan(q, k, v, mask=torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_float32_matmuls_follow_the_rows_per_key_head():
+    """The math runners' float32 matmuls for half decode shapes on the CPU: at most FLOAT32_ROWS rows per key head."""
+    k = torch.zeros(1, 2, 10, 8, dtype=torch.bfloat16)
+    assert plan_table.float32_keys(torch.zeros(1, 8, 2, 8, dtype=torch.bfloat16), k, 2) == plan_table.FLOAT32_KEY_ELEMENTS  # 4 * 2
+    assert plan_table.float32_keys(torch.zeros(1, 8, 3, 8, dtype=torch.bfloat16), k, 3) is None  # 12 rows
+    assert plan_table.float32_keys(torch.zeros(1, 8, 1, 8), k.float(), 1) is None  # float32 already
