@@ -40,6 +40,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 def test_what_the_guard_lets_through_the_op_computes_right():
     """Every shape the guard passes, run on the raw op in one child process; it stops only calls with nothing to compute."""
     passed = []
@@ -83,6 +84,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_empty_calls_with_sinks_come_back_empty_or_zero():
     got = run_isolated(_EMPTY_CALLS)
     assert got == {

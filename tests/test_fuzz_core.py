@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from isolated import run_isolated
 
 TESTS = Path(__file__).resolve().parent
@@ -12,6 +13,7 @@ TESTS = Path(__file__).resolve().parent
 EXAMPLES = 150
 
 
+@pytest.mark.slow
 def test_random_calls_match_the_reference_and_never_crash():
     code = f"""
 import json, sys
