@@ -112,20 +112,36 @@ def test_int8_weights_converts_every_projection_and_the_lm_head(name):
     assert int8_bytes == sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear) + (0 if name == "llama-untied" else head.numel())
 
 
+def teacher_forced(model, quantized, ids, steps):
+    """Both models fed the float model's greedy tokens, one decode step at a time (the int8 kernel's calls):
+    per step, the two (B, vocab) logits."""
+    caches = [m.new_caches(ids.shape[0], ids.shape[1] + steps) for m in (model, quantized)]
+    out = []
+    for _ in range(steps):
+        out.append([m(ids, cache=c, logits_to_keep=1)[:, 0] for m, c in zip((model, quantized), caches, strict=True)])  # (B, vocab) each
+        ids = out[-1][0].argmax(-1, keepdim=True)  # (B, 1): the float model's choice, fed to both
+    return out
+
+
 @pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
 def test_int8_logits_and_greedy_tokens_stay_close_to_float32(name):
-    """The stated error: next-token logits within 3% (relative norm) on every prompt, the first
-    greedy token equal; how long greedy decoding agrees is reported in the README, beside a bf16 copy's."""
+    """The stated error, along the float model's greedy continuation (24 decode steps, 3 prompts): logits within 3%
+    (relative norm) at every step, the same greedy token at 90% of the steps or more, and ``int8_errors``
+    reporting the leading run of equal tokens that those steps show (free-running greedy agrees until they differ)."""
     model = MODELS[name]()
     q = int8_weights(copy.deepcopy(model))
-    agree = []
+    same = []
     for seed in range(3):
         ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(seed))  # (1, T)
-        err = int8_errors(model, q, ids, max_new_tokens=24)
-        assert err.greedy_tokens == 24
-        assert err.logits_rel_error < 0.03, err
-        agree.append(err.greedy_agree)
-    assert min(agree) >= 1, agree  # longer agreement depends on near-ties (README's table: 3 to 256 tokens)
+        steps = teacher_forced(model, q, ids, 24)
+        agree = [bool(torch.equal(a.argmax(-1), b.argmax(-1))) for a, b in steps]
+        for a, b in steps:
+            assert ((b - a).norm() / a.norm()).item() < 0.03
+        leading = agree.index(False) if False in agree else len(agree)
+        assert int8_errors(model, q, ids, max_new_tokens=24).greedy_agree == leading, (agree, seed)
+        same += agree
+    assert sum(same) >= 0.9 * len(same), same
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +211,7 @@ def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
     assert [y.shape for y in hl.project_many(layers, x)] == [(rows, 1, 64), (rows, 1, 32), (rows, 1, 32)] and seen == [(rows, 1, 32)]
 
 
+@pytest.mark.slow
 def test_int8_decode_of_any_width_is_the_quantized_product_not_a_crash():
     """Widths the int8 kernel's vector loop cannot read (K not a multiple of 16) take the exact path: the
     float64 product of the quantized weight, never a SIGSEGV or values read past the rows (run in a child)."""
@@ -214,6 +231,7 @@ def test_int8_decode_of_any_width_is_the_quantized_product_not_a_crash():
     assert all(err < 1e-6 for err in got.values()), got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [24, 40])
 def test_int8_gpt2_of_a_width_the_kernel_cannot_read_generates(width):
     """``int8_weights`` of a GPT-2 whose n_embd is not a multiple of 16: generate runs (in a child) and its
