@@ -92,7 +92,7 @@ def test_bert_hidden_states_and_gradients(ranks):
 
 
 def test_two_all_reduces_of_b_t_c_per_layer_in_forward(ranks):
-    # as the README says: per block, one all-reduce after attention's output projection and one
+    # as docs/use/parallel.md says: per block, one all-reduce after attention's output projection and one
     # after the MLP, each of B x T x C float32 values; nothing else. Here B=2, T=8, 2 layers.
     gpt2_bytes, bert_bytes = 2 * 8 * 64 * 4, 2 * 8 * 32 * 4
     for r in result(ranks, "communication"):

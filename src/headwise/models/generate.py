@@ -86,7 +86,7 @@ class GenerationMixin:
                 (``fullgraph=True``, ``dynamic=True``: one graph for every step, cache length
                 and batch size > 1; compiled on the first call, minutes on a small CPU for a
                 12-layer model, then reused by later calls on the same model). The tokens are
-                the eager steps'; see the README's "Decode speed" for what it gains.
+                the eager steps'; docs/performance/decode.md says what it gains.
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals

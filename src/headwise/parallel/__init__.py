@@ -4,7 +4,7 @@ Heads are independent until the output projection, so multi-head attention split
 ranks by heads (Megatron's column-parallel Q/K/V, row-parallel output projection).
 ``parallelize(module, device_mesh)`` applies that plan (``PLANS``) with PyTorch's own
 ``torch.distributed.tensor.parallel.parallelize_module`` to any headwise attention module
-and to the models. See the README's "Scaling out" section, and ``python -m torch.distributed.run
+and to the models. See docs/use/parallel.md, and ``python -m torch.distributed.run
 --nproc-per-node 2 -m headwise.parallel.demo`` for a runnable example.
 
 Example (on each of 2 ranks, after ``torch.distributed.init_process_group("gloo")``):
