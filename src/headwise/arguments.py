@@ -109,12 +109,15 @@ def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: b
     keys that no query sees (before a causal window) are dropped: c0 > 0; the caller's own keys are
     all kept (its mask and documents number them). The padding (B, S) is the keys'; a window that
     covers every kept key is none."""
-    c0 = visible(T, S, spec.causal, spec.window, 0, T)[0] if cached else 0  # (the last query sees up to key S - 1)
+    if not cached:  # the call's own keys: its terms as given
+        return (spec if spec.window is None or spec.window < S else dataclasses.replace(spec, window=None)), 0
+    c0 = visible(T, S, spec.causal, spec.window, 0, T)[0]  # (the last query sees up to key S - 1)
     kept = S - c0
     documents = None if spec.documents is None else spec.documents[:, spec.documents.shape[1] - kept :]  # (B, kept)
     window = None if spec.window is not None and spec.window >= kept else spec.window
     padding = None if attention_mask is None else attention_mask[:, c0:]  # (B, kept)
-    return dataclasses.replace(spec, T=T, S=kept, window=window, attention_mask=padding, documents=documents), c0
+    fields = (spec.causal, window, spec.mask, padding, documents, spec.softcap, spec.sinks, spec.alibi, spec.dropout_p, spec.scale)
+    return Spec(T, kept, *fields), c0  # built field by field: no dataclasses.replace (introspection) at every decode step
 
 
 def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
@@ -161,7 +164,8 @@ def checked(
         alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True), dropout_p=dropout_p, scale=scale,
     )
     in_order = documents is not None or alibi_slopes is not None
-    for rows, S in [(slice(None), k.shape[2])] if cache is None else cache.sizes(k.shape[2], in_order=in_order):
+    runs = [] if user_mask is None and documents is None else [(slice(None), k.shape[2])] if cache is None else cache.sizes(k.shape[2], in_order=in_order)
+    for rows, S in runs:  # the terms that number the keys, against the keys each run of queries will see
         run, _ = for_run(spec, T if rows == slice(None) else rows.stop - rows.start, S, None, cache is not None)  # (a symbolic T: no range)
         if user_mask is not None:
             _checks.broadcasts("mask", user_mask, (B, H, run.T, run.S), "(B, H, T, S)", tuple(mask.shape))

@@ -193,9 +193,10 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
         runs = cache.append(k, v, spec.attention_mask, in_order=_in_order(spec), check=check_cache)  # one, or one per sequence
     contexts = []
     for rows, keys, values, padding in runs:
-        q_run = q[:, :, rows]  # (B, H, T_run, D)
+        q_run = q if rows == slice(None) else q[:, :, rows]  # (B, H, T_run, D)
         run_spec, c0 = for_run(spec, q_run.shape[2], keys.shape[2], padding, cache is not None)
-        keys, values = keys[:, :, c0:], values[:, :, c0:]  # (B, Hkv, S_run, D), (B, Hkv, S_run, Dv): views, nothing copied
+        if c0:  # keys no query of the run sees
+            keys, values = keys[:, :, c0:], values[:, :, c0:]  # (B, Hkv, S_run, D), (B, Hkv, S_run, Dv): views, nothing copied
         contexts.append(plan_runner(q_run, keys, values, run_spec, backend).run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
     context = joined(contexts)  # (B, H, T, Dv)
     report("context", context)

@@ -204,7 +204,8 @@ def choose(call: Call) -> Plan:
     """The first rule that serves ``call.backend`` and matches ``call``, as a ``Plan`` whose ``run`` runs it."""
     for rule in RULES:
         if call.backend in rule.serves and rule.when(call):
-            return Plan(rule.backend, rule.runner.format(CAUSAL_BLOCK=CAUSAL_BLOCK), rule.why, rule.build(call))
+            name = rule.runner.format(CAUSAL_BLOCK=CAUSAL_BLOCK) if "{" in rule.runner else rule.runner
+            return Plan(rule.backend, name, rule.why, rule.build(call))
     raise AssertionError(f"no rule serves backend {call.backend!r}")  # the last rules of each backend match every call
 
 
