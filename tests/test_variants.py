@@ -302,6 +302,23 @@ def test_alibi_of_float32_slopes_on_float64_inputs_is_float64_exact(backend):
     torch.testing.assert_close(got, variant_attention(q, k, v, causal=True, alibi_slopes=slopes), atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("B", "T", "S", "terms"),
+    [
+        (1, 0, 0, {"documents": torch.zeros(1, 0, dtype=torch.long)}),  # no keys, no documents
+        (1, 0, 5, {"alibi_slopes": torch.ones(2)}),  # no queries
+        (0, 4, 4, {"softcap": 2.0}),  # no rows
+        (0, 4, 4, {"alibi_slopes": torch.ones(0, 2)}),
+        (1, 3, 0, {"softcap": 2.0, "alibi_slopes": torch.ones(2)}),  # queries that see no key: zeros
+    ],
+)
+def test_empty_calls_give_empty_or_zero_answers(backend, B, T, S, terms):
+    q, k, v = torch.randn(B, 2, T, 4), torch.randn(B, 2, S, 4), torch.randn(B, 2, S, 3)
+    out = hw.attention(q, k, v, causal=True, backend=backend, **terms)
+    assert out.shape == (B, 2, T, 3) and torch.equal(out, torch.zeros_like(out)) == (S == 0 or out.numel() == 0)
+
+
 # ----------------------------------------------------------------------------- low precision
 
 
