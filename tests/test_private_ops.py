@@ -123,6 +123,7 @@ INT8_ACCEPTED = [(m, n, k, at, at) for m in (1, 3, 5, 16) for n in (1, 5, 17) fo
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # child processes
 def test_int8_shapes_the_guard_accepts_run_on_the_kernel():
     """Every accepted case run on the op itself in one child (a crash fails the test): bf16 output rounding only."""
     if not quantize._INT8_KERNEL:
@@ -174,6 +175,7 @@ def test_int8_operands_the_guard_refuses_never_reach_the_kernel(monkeypatch, n, 
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # child processes
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not torch.__version__.startswith("2.13"),
                     reason="the refused conditions were measured on torch 2.13's AVX-512 kernel")
 def test_each_condition_the_int8_guard_refuses_is_one_the_kernel_gets_wrong():
@@ -231,6 +233,7 @@ def skip_without_onednn():
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # child processes
 def test_onednn_operands_the_guards_accept_run_on_the_ops():
     """Every accepted case on the ops themselves in one child, against F.linear in float64 (the backward's
     transposed operands and the packed weight included)."""
@@ -291,6 +294,7 @@ def test_a_weight_the_reorder_guard_refuses_is_used_unpacked(monkeypatch, weight
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # child processes
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="the refused conditions were measured on torch 2.13's oneDNN ops")
 def test_each_condition_the_onednn_guards_refuse_is_one_the_ops_get_wrong():
     """Raw op calls, each forked on its own: an error that names nothing the caller passed, or other numbers."""
