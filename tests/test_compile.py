@@ -31,6 +31,8 @@ from headwise.models.llama_config import LlamaConfig
 from headwise.observe import observe, observing
 from headwise.rope import RotaryEmbedding
 
+pytestmark = pytest.mark.slow  # left out by make test-fast (pyproject's markers)
+
 B, C, CTX, VOCAB = 2, 64, 32, 97
 LENGTHS = (16, 24, 31)  # three sequence lengths: one graph must serve them all under dynamic=True
 
@@ -272,13 +274,13 @@ def test_decode_only_with_dynamic_builds_one_graph():
 
 @pytest.mark.parametrize("build", [lambda: GPT2LMHeadModel(_gpt2_config()), lambda: LlamaForCausalLM(_llama_config())], ids=["gpt2", "llama"])
 def test_generate_with_compiled_steps(build):
-    """``next_logits`` compiled: generate gives eager's tokens, with two graphs (prompt, steps) for 12 new tokens."""
+    """``forward`` compiled: generate gives eager's tokens, with two graphs (prompt, steps) for 12 new tokens."""
     torch.manual_seed(0)
     model = build().eval()
     ids, mask = _ids(6), _padding(6, torch.long)
     want = model.generate(ids, attention_mask=mask, max_new_tokens=12)
     counter = CompileCounter()
-    model.next_logits = torch.compile(model.next_logits, backend=counter)
+    model.forward = torch.compile(model.forward, backend=counter)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert torch.equal(got, want)
     assert counter.frame_count == 2

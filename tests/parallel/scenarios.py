@@ -250,9 +250,9 @@ def communication(rank: int, world: int) -> dict:
     out["bert_backward"] = c.calls
     with torch.no_grad():
         caches = [KVCache(2, b.attn.num_kv_heads, 9, 16) for b in gpt2.transformer.h]
-        gpt2._logits(ids, torch.arange(8).expand(2, 8), None, caches)
+        gpt2(ids, positions=torch.arange(8).expand(2, 8), cache=caches)
         with Collectives() as c:
-            gpt2._logits(ids[:, :1], torch.full((2, 1), 8), None, caches)
+            gpt2(ids[:, :1], positions=torch.full((2, 1), 8), cache=caches)
     out["gpt2_decode_step"] = c.calls
     return out
 
