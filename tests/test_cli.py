@@ -169,3 +169,23 @@ def test_heads_bad_arguments_exit_2_with_the_librarys_message(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert f"headwise heads: error: {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists()
+
+
+@pytest.mark.parametrize(("flags", "runner"), [([], "is_causal"), (["--softcap", "30"], "capped blocks"), (["--documents", "2,4"], "per document")])
+def test_explain_says_how_the_call_runs(flags, runner, capsys):
+    """The last line is the plan of the same call unwatched: the runner its terms take and a backend that reproduces it."""
+    import headwise as hw
+
+    main(["explain", *flags])
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("Unwatched, headwise runs this call as (module.plan(x)): ") and runner in last
+    backend = re.search(r"\(backend='(\w+)'\)", last).group(1)
+    assert backend in {"math", "sdpa"}
+    result = hw.explain(**({"softcap": 30.0} if "--softcap" in flags else {}))
+    x = result.steps[0].tensors["x"]  # (B, T, d_in)
+    if "--documents" not in flags:  # the plan's backend reproduces the module's default output bit for bit
+        with torch.no_grad():
+            default = result.module(x)  # (B, T, d_out)
+            result.module.backend = backend
+            assert torch.equal(result.module(x), default)
+            torch.testing.assert_close(default, result.steps[9].tensors["output"])  # what explain showed, watched on math

@@ -56,6 +56,11 @@ def _explain(args: argparse.Namespace) -> None:
         print(f"input: torch.rand({args.batch}, {args.tokens}, {args.d_in}) under seed {args.seed}: random, not the book's inputs, "
               f"which are {len(BOOK_TOKENS)} tokens 3 wide (--d-in 3 --tokens <= {len(BOOK_TOKENS)} uses them)")
     _print_steps(result.steps, result.tokens(), f"d_out = {mha.d_out}, num_heads = {mha.num_heads}, head_dim = {mha.head_dim}")
+    x = result.steps[0].tensors["x"]  # (B, T, d_in): step 1's input
+    ids = None if args.documents is None else torch.repeat_interleave(torch.arange(len(args.documents)), torch.tensor(args.documents))
+    with torch.no_grad():  # as explain's forward ran, but unwatched: watching every step takes the math backend
+        plan = mha.plan(x, documents=None if ids is None else ids.expand(x.shape[0], -1))
+    print(f"\nUnwatched, headwise runs this call as (module.plan(x)): {plan}")
 
 
 def _heads(args: argparse.Namespace) -> None:
