@@ -24,7 +24,8 @@ def test_small_runs_give_a_table_and_the_packed_peaks_follow_the_documents():
     ours, alone, dense = (r.peak_mib for r in rows)
     assert None not in (ours, alone, dense), "peak memory not measured (Linux /proc/self/clear_refs)"
     assert ours <= 2 * alone + 4, f"documents= took {ours:.1f} MiB, the documents alone {alone:.1f} MiB"
-    assert dense > 2 * ours, f"the dense (T, T) mask took {dense:.1f} MiB, documents= {ours:.1f} MiB: the measure does not see it"
+    mask_mib = (4 * 512) ** 2 / 2**20  # the (T, T) bool mask alone
+    assert dense >= ours + mask_mib, f"the dense (T, T) mask took {dense:.1f} MiB, documents= {ours:.1f} MiB: the measure does not see it"
     rows += V.terms(batch=1, tokens=16, heads=2, head_dim=8, modes=("forward", "backward"), repeats=1, warmup=0)
     assert [r.way for r in rows[:3]] == list(V.PACKED_WAYS)
     assert all(r.ms is not None and r.ms > 0 for r in rows if not r.note)
