@@ -57,9 +57,11 @@ def test_an_engine_that_fails_to_load_is_reported_in_its_row(root, monkeypatch):
 
 
 def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
-    calls = []
+    calls, loads = [], []
 
     def one_at_a_time(directory, precision, threads):
+        loads.append(precision)
+
         def run(ids, new):
             calls.append(ids.shape[0])
             return torch.zeros(ids.shape[0], new, dtype=torch.long)
@@ -69,21 +71,37 @@ def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
     monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
         **{**engines.ENGINES["llama.cpp"].__dict__, "load": one_at_a_time, "module": "", "limits": lambda precision: ""}))
     rows = tiny(root, engines=("headwise", "llama.cpp"), batches=(1, 3))
-    assert set(calls) == {1}
+    assert set(calls) == {1} and loads == ["fp32"]
+    assert [(r.batch, r.engine, r.note) for r in rows if r.note] == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
+    rows = tiny(root, engines=("headwise", "llama.cpp"), batches=(3,))
+    assert loads == ["fp32"]  # not loaded where no batch can run
     assert [(r.batch, r.engine, r.note) for r in rows if r.note] == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
 
 
 def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monkeypatch):
-    """Prefill 10 ms, 8 new tokens in 10 + 7 x 2 ms, the probe's 4 x 512 MiB in 50 ms: a step of 2 ms, its bytes over 2 ms."""
-    fake = {"prefill": 0.010, "generate": 0.024, "sum": 0.050}
+    """A runner on a fake clock: the prompt pass 10 ms, each further token 2 ms; the probe's 4 x 512 MiB in 50 ms.
+    Then a step is 2 ms, whatever the rounds' order, and the bytes of a step are read in 2 ms."""
+    clock = [0.0]
+
+    def on_the_clock(directory, precision, threads):
+        def run(ids, new):
+            clock[0] += 0.010 + 0.002 * (new - 1)
+            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+        return run
 
     def fake_interleaved(steps, repeats, warmup):
-        for step in steps.values():
-            step()  # keeps each engine's tokens
-        return {name: [fake[name.rsplit(" ", 1)[-1]]] * repeats for name in steps}
+        for _ in range(warmup + repeats):
+            for name, step in steps.items():
+                if name != "sum":
+                    step()
+        return {"sum": [0.050] * repeats}
 
+    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(generation, "interleaved", fake_interleaved)
-    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=2)
+    monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
+        **{**engines.ENGINES["headwise"].__dict__, "load": on_the_clock}))
+    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=2, warmup=1)
     assert hw.prefill_ms == pytest.approx(10.0) and hw.decode_ms == pytest.approx(2.0)
     assert hw.sum_gbps == pytest.approx(4 * 512 * 2**20 / 0.050 / 1e9)
     # tiny GPT-2, fp32: its matrices (4 a layer, 2 layers, the tied head) and K/V of 2 layers at the mean context 8 + 8 // 2
@@ -91,6 +109,32 @@ def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monk
     assert hw.read_bytes == 4 * matrices + 4 * 2 * 2 * 64 * 12
     assert hw.gbps == pytest.approx(hw.read_bytes / 2.0 / 1e6) and hw.share == pytest.approx(hw.gbps / hw.sum_gbps)
     assert hw.tokens_per_s == pytest.approx(500.0) and isinstance(hw.load, Load) and hw.threads == torch.get_num_threads()
+
+
+def test_the_decode_is_taken_within_each_turn_so_load_that_comes_and_goes_does_not_skew_it(root, monkeypatch):
+    """Prefill 10 ms and 2 ms a token, but a load that triples the time of some calls: the second turn's
+    prefill, the whole third turn. Medians of the prefills and of the generates apart (30 and 24 ms) would
+    give a negative step; the median of each turn's own difference gives 2 ms."""
+    clock, slow = [0.0], iter([1, 1, 3, 1, 3, 3])  # (prefill, generate) of each turn
+
+    def on_the_clock(directory, precision, threads):
+        def run(ids, new):
+            clock[0] += next(slow) * (0.010 + 0.002 * (new - 1))
+            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+        return run
+
+    def fake_interleaved(steps, repeats, warmup):
+        for _ in range(warmup + repeats):
+            steps["headwise"]()
+        return {"sum": [0.050] * repeats}
+
+    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(generation, "interleaved", fake_interleaved)
+    monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
+        **{**engines.ENGINES["headwise"].__dict__, "load": on_the_clock}))
+    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=3, warmup=0)
+    assert hw.decode_ms == pytest.approx(2.0) and hw.prefill_ms == pytest.approx(30.0)
 
 
 def test_agreement_counts_leading_tokens_equal_in_every_row():

@@ -1,10 +1,10 @@
 """Prefill and greedy decode of whole models, every engine (``bench.engines``) on the same checkpoint, interleaved.
 
 For each model, precision and batch B: one seeded prompt of ``prompt`` token ids per row; each
-engine generates 1 token (``prefill``: the prompt pass and the first token) and ``new_tokens``
-tokens, every call timed in the same rounds, the order rotated each round
-(``timing.interleaved``), medians kept. A decode step is ``(generate - prefill) / (new_tokens - 1)``.
-The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds.
+engine generates 1 token (``prefill``: the prompt pass and the first token), then at once
+``new_tokens`` tokens; every engine takes one such turn a round, the order rotated each round
+(``timing.interleaved``), medians kept. A decode step is ``(generate - prefill) / (new_tokens - 1)``
+within a turn. The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds.
 
 Bytes a step reads: every weight matrix once in the engine's format, and the cached keys and
 values at the mean context of the decode (``prompt + new_tokens / 2``) in its cache's type
@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from .. import _checks
 from .engines import ENGINES, Runner
 from .host import Load, ReadProbe, loaded
 from .models import check, checkpoint, headwise_model, kv_elements, matrix_elements
-from .timing import interleaved, keeping
+from .timing import interleaved
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,33 @@ def _agree(tokens: Tensor, reference: Tensor) -> int:
 
 
 def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: ReadProbe, rounds: int,
-           warmup: int) -> tuple[dict[str, float], dict[str, Tensor], Load]:
-    """Median ms of each runner's prefill and generate calls and of the probe, interleaved; each runner's tokens; the load."""
+           warmup: int) -> tuple[dict[str, tuple[float, float]], float, dict[str, Tensor], Load]:
+    """Each runner's median prefill ms and decode ms per step, the probe's median seconds, each runner's tokens, the load.
+
+    A runner's turn in a round is its prefill call and, right after it, its generate call: the
+    decode is their difference taken within the turn, so that a change of load between rounds
+    does not land on one of the two only.
+    """
     outs: dict[str, Tensor] = {}
-    steps: dict[str, Callable[[], object]] = {"sum": probe}
-    for name, run in runners.items():
-        steps[f"{name} prefill"] = lambda run=run: run(ids, 1)
-        steps[f"{name} generate"] = keeping(lambda run=run: run(ids, new_tokens), outs, name)
+    splits: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+
+    def turn(name: str, run: Runner) -> Callable[[], None]:
+        def call() -> None:
+            start = perf_counter()
+            run(ids, 1)
+            middle = perf_counter()
+            outs[name] = run(ids, new_tokens)
+            splits[name].append((middle - start, perf_counter() - middle))
+
+        return call
+
+    steps: dict[str, Callable[[], object]] = {"sum": probe, **{name: turn(name, run) for name, run in runners.items()}}
     times, load = loaded(lambda: interleaved(steps, repeats=rounds, warmup=warmup))
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}, outs, load
+    timed = {}
+    for name, pairs in splits.items():
+        pairs = pairs[warmup:]
+        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * statistics.median(g - p for p, g in pairs) / (new_tokens - 1))
+    return timed, statistics.median(times["sum"]), outs, load
 
 
 def generate_speeds(
@@ -128,7 +147,7 @@ def generate_speeds(
     probe = ReadProbe(repeats=4)
     rows = []
     for model in models:
-        directory = checkpoint(model, root, tiny=tiny, seed=seed, init_std=init_std)
+        directory = checkpoint(model, root, tiny=tiny, seed=seed, init_std=init_std, positions=prompt + new_tokens)
         reference = headwise_model(directory, "fp32")
         weights, kv = matrix_elements(reference), kv_elements(reference)
         vocab = reference.vocab_size
@@ -138,6 +157,8 @@ def generate_speeds(
             for name in engines:
                 engine = ENGINES[name]
                 notes[name] = engine.missing(precision)
+                if not engine.batches and 1 not in batches:
+                    notes[name] = notes[name] or f"{name} runs one sequence at a time here"
                 if not notes[name]:
                     if progress:
                         progress(f"{model} {precision}: loading {name}")
@@ -146,12 +167,12 @@ def generate_speeds(
                     except Exception as e:  # a conversion or a load that fails is reported in its row
                         notes[name] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
             for batch in batches:
-                if progress:
-                    progress(f"{model} {precision} B={batch}: {', '.join(runners)}")
-                ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(seed))  # (B, T)
                 here = {n: r for n, r in runners.items() if batch == 1 or ENGINES[n].batches}
-                med, outs, load = _timed(here, ids, new_tokens, probe, rounds, warmup)
-                gbps = probe.gbps(med["sum"] / 1e3)
+                if progress:
+                    progress(f"{model} {precision} B={batch}: {', '.join(here)}")
+                ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(seed))  # (B, T)
+                timed, probe_s, outs, load = _timed(here, ids, new_tokens, probe, rounds, warmup)
+                gbps = probe.gbps(probe_s)
                 context = prompt + new_tokens // 2
                 for name in engines:
                     engine = ENGINES[name]
@@ -161,10 +182,9 @@ def generate_speeds(
                         rows.append(GenerateSpeed(model, precision, batch, name, fmt, note=note))
                         continue
                     step_bytes = weights * engine.weight_bytes[precision] + kv * batch * context * engine.kv_bytes[precision]
-                    prefill = med[f"{name} prefill"]
                     agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
-                    rows.append(GenerateSpeed(model, precision, batch, name, fmt, prefill, (med[f"{name} generate"] - prefill) / (new_tokens - 1),
-                                              int(step_bytes), gbps, agree, prompt, new_tokens, rounds, threads, load))
+                    rows.append(GenerateSpeed(model, precision, batch, name, fmt, *timed[name], int(step_bytes), gbps, agree, prompt,
+                                              new_tokens, rounds, threads, load))
             del runners
     return rows
 
