@@ -21,6 +21,12 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")
 
 
+@pytest.fixture(autouse=True)
+def no_settling(monkeypatch):
+    """No pause before each engine's turn: the tests time nothing."""
+    monkeypatch.setattr(generation, "SETTLE_S", 0.0)
+
+
 def tiny(root, **kw):
     args = {"models": ("gpt2",), "precisions": ("fp32",), "batches": (1,), "prompt": 8, "new_tokens": 3, "rounds": 1, "warmup": 0,
             "root": root, "tiny": True, "init_std": 0.2}

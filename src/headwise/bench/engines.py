@@ -136,7 +136,10 @@ def _llama_cpp(directory: Path, precision: str, threads: int) -> Runner:
     path = conversions.gguf_model(directory, GGUF_TYPES[precision], threads=threads)
     context = json.loads((directory / "config.json").read_text())
     positions = context.get("n_positions") or context["max_position_embeddings"]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=positions, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    # use_mmap=False: the weights in the process's own memory, as every other engine holds them; a
+    # mapped file's pages can be dropped under memory pressure and read back from disk mid-step.
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=positions, n_batch=512, n_threads=threads, n_threads_batch=threads, use_mmap=False,
+                          verbose=False)
 
     def run(ids: Tensor, new: int) -> Tensor:
         if ids.shape[0] != 1:

@@ -15,11 +15,12 @@ weights can part them later, sooner in 8-bit and 16-bit formats).
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, sleep
 
 import torch
 from torch import Tensor
@@ -81,6 +82,11 @@ def _agree(tokens: Tensor, reference: Tensor) -> int:
     return same.index(False) if False in same else len(same)
 
 
+#: Untimed seconds before each engine's turn: the threads of the engine before it stop spinning
+#: (an OpenMP runtime keeps its workers spinning a while after a parallel region) and leave the cores.
+SETTLE_S = 0.25
+
+
 def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: ReadProbe, rounds: int,
            warmup: int) -> tuple[dict[str, tuple[float, float]], float, dict[str, Tensor], Load]:
     """Each runner's median prefill ms and decode ms per step, the probe's median seconds, each runner's tokens, the load.
@@ -94,6 +100,7 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
 
     def turn(name: str, run: Runner) -> Callable[[], None]:
         def call() -> None:
+            sleep(SETTLE_S)
             start = perf_counter()
             run(ids, 1)
             middle = perf_counter()
@@ -153,7 +160,9 @@ def generate_speeds(
         vocab = reference.vocab_size
         del reference
         for precision in precisions:
-            runners, notes = {}, {}
+            runners: dict[str, Runner] = {}
+            here: dict[str, Runner] = {}
+            notes: dict[str, str] = {}
             for name in engines:
                 engine = ENGINES[name]
                 notes[name] = engine.missing(precision)
@@ -185,7 +194,9 @@ def generate_speeds(
                     agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
                     rows.append(GenerateSpeed(model, precision, batch, name, fmt, *timed[name], int(step_bytes), gbps, agree, prompt,
                                               new_tokens, rounds, threads, load))
-            del runners
+            runners.clear()  # the next precision's engines load into the memory these held
+            here.clear()
+            gc.collect()
     return rows
 
 
