@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import _text
 from ._text import Label, index_label, matrices
 
 #: The stylesheet of every display, scoped to ``.headwise`` so that it cannot restyle the notebook.
@@ -68,11 +69,7 @@ def block(kind: str, body: str, **data: object) -> str:
 
 def number(v: float) -> str:
     """A float in 4 decimals, ``-∞`` / ``∞`` / ``nan`` spelled out."""
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "-∞" if v < 0 else "∞"
-    return f"{v:.4f}"
+    return _text.number(v, "∞")
 
 
 def _matrix_table(matrix: Tensor, caption: str, rows: int, cols: int, attrs: str) -> str:

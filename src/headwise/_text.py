@@ -40,12 +40,12 @@ def matrices(t: Tensor, limit: int | None = None) -> Iterator[tuple[tuple[int, .
         yield index, t[index]  # (R, C)
 
 
-def number(v: float) -> str:
-    """A float in 4 decimals, ``-inf`` / ``inf`` / ``nan`` spelled out."""
+def number(v: float, infinity: str = "inf") -> str:
+    """A float in 4 decimals, ``-inf`` / ``inf`` (or the ``infinity`` sign given) / ``nan`` spelled out."""
     if math.isnan(v):
         return "nan"
     if math.isinf(v):
-        return "-inf" if v < 0 else "inf"
+        return "-" + infinity if v < 0 else infinity
     return f"{v:.4f}"
 
 

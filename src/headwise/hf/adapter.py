@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from .. import _checks
 from .._optional import require
 from ..functional import attention, attention_weights
 from .routing import refuse_never_routed
@@ -248,13 +249,7 @@ def _check_bias(position_bias: object, query: Tensor, key: Tensor) -> None:
         raise TypeError(f"position_bias must be a floating-point torch.Tensor (an additive bias), got {what}")
     if not (isinstance(query, Tensor) and isinstance(key, Tensor) and query.ndim == key.ndim == 4):
         return
-    want = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (B, H, T, S)
-    try:
-        ok = torch.broadcast_shapes(position_bias.shape, want) == want
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"position_bias must broadcast to (B, H, T, S) = {want}, got shape {tuple(position_bias.shape)}")
+    _checks.broadcasts("position_bias", position_bias, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), "(B, H, T, S)")
 
 
 def _with_bias(mask: Tensor | None, position_bias: Tensor | None) -> Tensor | None:
