@@ -81,7 +81,7 @@ def weights(
     wide = q.dtype in _HALF and (spec.changes_scores or spec.sinks is not None)  # float32 logits for the extra terms
     if spec.softcap is None:
         if allowed is not None:
-            raw = _masked(raw, allowed, edge, inplace)  # (B, H, t, s)
+            raw = masked(raw, allowed, edge, inplace)  # (B, H, t, s)
             record("masked_scores", raw)
         logits = raw.float() if wide else raw
         logits = logits.mul_(spec.scale) if inplace else logits * spec.scale  # (B, H, t, s)
@@ -93,7 +93,7 @@ def weights(
             logits = softcap(logits * spec.scale, spec.softcap)  # (B, H, t, s)
         record("capped_scores", logits)
         if allowed is not None:
-            logits = _masked(logits, allowed, edge, inplace)  # (B, H, t, s)
+            logits = masked(logits, allowed, edge, inplace)  # (B, H, t, s)
             record("masked_scores", logits)
     bias = spec.bias(rows, cols, q.device, q.dtype)  # (B?, H?, t, s) or None
     if steps and spec.alibi is not None:  # ALiBi's own part, for a learner (the bias may also hold an additive mask)
@@ -101,25 +101,37 @@ def weights(
     if bias is not None:  # softmax(q k^T * scale + bias): a bias is not scaled
         logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
     half = torch.float32 if q.dtype in _HALF else None
-    live = None if edge else rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
-    if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
-        logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
-    if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
-        B, H, t, _ = logits.shape
-        sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
-        w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=half)[..., :-1]  # (B, H, t, s)
-    else:
-        out = logits if inplace and (half is None or logits.dtype == half) else None  # in place where nothing keeps the logits
-        w = torch.softmax(logits, dim=-1, dtype=half, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=half)
-    if live is not None:
-        w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
+    w = softmax(logits, spec, allowed, edge, rows, cols, dtype=half, inplace=inplace)  # (B, H, t, s)
     if spec.sinks is not None:
         record("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
     record("weights", w)
     return w
 
 
-def _masked(x: Tensor, allowed: Tensor, edge: int, inplace: bool) -> Tensor:
+def softmax(
+    logits: Tensor, spec: Spec, allowed: Tensor | None, edge: int, rows: tuple[int, int], cols: tuple[int, int], *,
+    dtype: torch.dtype | None, inplace: bool,
+) -> Tensor:
+    """Softmax of (B, H, t, s) masked ``logits`` over the keys and the sink (in ``dtype``), rows that see no key zeroed.
+
+    ``allowed`` masks keys ``edge`` onwards (``seen_by_all``); ``inplace`` rewrites ``logits`` where nothing keeps them.
+    """
+    live = None if edge else rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
+    if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
+        logits = logits.masked_fill_(~live, 0.0) if inplace else logits.masked_fill(~live, 0.0)
+    if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
+        B, H, t, _ = logits.shape
+        sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
+        w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=dtype)[..., :-1]  # (B, H, t, s)
+    else:
+        out = logits if inplace and (dtype is None or logits.dtype == dtype) else None  # in place where nothing keeps the logits
+        w = torch.softmax(logits, dim=-1, dtype=dtype, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=dtype)
+    if live is not None:
+        w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
+    return w
+
+
+def masked(x: Tensor, allowed: Tensor, edge: int, inplace: bool) -> Tensor:
     """(B, H, t, s) ``x`` with -inf where ``allowed`` (of keys ``edge`` onwards) is False; in place when nothing keeps x."""
     if inplace:
         x[..., edge:].masked_fill_(~allowed, -math.inf)

@@ -22,8 +22,6 @@ sends those calls to ``math.run_chunked``, which autograd differentiates.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -56,7 +54,6 @@ def _probs(
     ``qs`` holds q * 2 scale / cap (float32 for half inputs): th = tanh(scale q.k / cap), the
     logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place.
     """
-    B, H, t, _ = qs.shape
     e = math_backend.scores(qs, k).clamp_(-_SATURATED, _SATURATED).expm1_()  # (B, H, t, s): expm1(2 x)
     th = e.div_(e + 2.0)  # (B, H, t, s): tanh(x)
     logits = th * spec.softcap if keep else th.mul_(spec.softcap)  # (B, H, t, s)
@@ -67,18 +64,9 @@ def _probs(
     edge = math_backend.seen_by_all(spec, rows, cols)  # keys before it are visible to every row of the block
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
     if allowed is not None:
-        logits[..., edge:].masked_fill_(~allowed, -math.inf)
-    live = None if edge else math_backend.rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None
-    if live is not None:  # a row of -inf would give 0/0 (a sink of -inf too): finite logits, then zero weights
-        logits.masked_fill_(~live, 0.0)
-    if spec.sinks is not None:  # the sink joins the softmax, its share is dropped
-        sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
-        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].contiguous()  # (B, H, t, s)
-    else:
-        p = torch.softmax(logits, dim=-1, out=logits)  # (B, H, t, s)
-    if live is not None:
-        p.masked_fill_(~live, 0.0)
-    return p, th
+        math_backend.masked(logits, allowed, edge, inplace=True)
+    p = math_backend.softmax(logits, spec, allowed, edge, rows, cols, dtype=None, inplace=True)  # (B, H, t, s)
+    return p.contiguous(), th
 
 
 def _scaled_q(q: Tensor, spec: Spec) -> Tensor:
