@@ -24,6 +24,12 @@ needs more free blocks than the pool has raises before any block changes hands, 
 unknown ids, a double free and a reused id). ``crop(seq_id, length)`` takes a sequence back
 to an earlier length and gives the blocks past it back: a caller rolls back a step with it.
 The pool is for inference: keys that need gradients are refused (nothing flows through it).
+
+A cache made with ``window=W`` serves sliding-window attention only (every ``attention`` call
+over it must pass ``window=W``): ``slide(seq_id)`` then gives back the blocks wholly before the
+window of every query still to come (positions < length - W + 1), so a sequence holds about
+W + Bs tokens however long it grows. Positions keep counting (``length`` is every token ever
+written); a sequence's block table starts at its first block still held (``first_held``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class PagedKVCache(Owned):
         num_kv_heads: Hkv.
         head_dim: D.
         dtype, device: of the pool; keys and values written must match them.
+        window: W for sliding-window attention (then ``slide`` may give blocks back), or None.
 
     Example:
         >>> import headwise as hw
@@ -62,11 +69,11 @@ class PagedKVCache(Owned):
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, window: int | None = None) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
         _checks.floating_dtype("dtype", dtype)
-        self.block_size = block_size
+        self.block_size, self.window = block_size, _checks.window(window, causal=True)
         self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
         self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
         self._k1, self._v1 = self.k[None], self.v[None]  # (1, Hkv, N*Bs, D) views: what a read slices
@@ -74,9 +81,10 @@ class PagedKVCache(Owned):
         self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)
         self._plan: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, blocks) of the run set aside for it
         self._refs = [0] * num_blocks  # how many sequences hold each block
-        self._tables: dict[int, list[int]] = {}  # seq_id -> its blocks, in order
+        self._tables: dict[int, list[int]] = {}  # seq_id -> the blocks it holds, in order
+        self._gone: dict[int, int] = {}  # seq_id -> blocks given back before its table (``slide``): table[i] is block gone + i of it
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
-        self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position
+        self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position from first_held
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
 
     # ------------------------------------------------------------------------- the pool
@@ -103,8 +111,12 @@ class PagedKVCache(Owned):
         """Tokens written for ``seq_id``."""
         return self._lens[self._known(seq_id)]
 
+    def first_held(self, seq_id: int) -> int:
+        """The first position of ``seq_id`` whose key is still held (0 unless ``slide`` gave blocks back)."""
+        return self._gone[self._known(seq_id)] * self.block_size
+
     def blocks(self, seq_id: int) -> list[int]:
-        """The block table of ``seq_id``: its blocks in order (a copy)."""
+        """The block table of ``seq_id``: the blocks it holds in order, from ``first_held`` (a copy)."""
         return list(self._tables[self._known(seq_id)])
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
@@ -114,7 +126,7 @@ class PagedKVCache(Owned):
 
     def _needed(self, seq_id: int, new_tokens: int) -> int:
         n, table = self._lens[seq_id], self._tables[seq_id]
-        grow = -(-(n + new_tokens) // self.block_size) - len(table)
+        grow = -(-(n + new_tokens) // self.block_size) - self._gone[seq_id] - len(table)
         shared_tail = n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
         return grow + int(shared_tail)
 
@@ -132,7 +144,7 @@ class PagedKVCache(Owned):
         if seq_id in self._tables:
             raise ValueError(f"seq_id {seq_id} is already in the cache: free it first, or pick another id")
         _checks.integer("reserve", reserve, low=0)
-        self._tables[seq_id], self._lens[seq_id], self._run[seq_id] = [], 0, True
+        self._tables[seq_id], self._lens[seq_id], self._run[seq_id], self._gone[seq_id] = [], 0, True, 0
         self._slots[seq_id] = torch.empty(0, dtype=torch.long, device=self.k.device)
         want = math.ceil(reserve / self.block_size)
         first = self._find_run(want) if want else None
@@ -161,20 +173,25 @@ class PagedKVCache(Owned):
             if self._set_aside.get(block) == seq_id:
                 del self._set_aside[block]
                 self._free.append(block)
-        del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id]
+        del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id], self._gone[seq_id]
 
     def crop(self, seq_id: int, length: int) -> None:
         """Keep only the first ``length`` tokens of ``seq_id``; the blocks past them that no other
         sequence holds go back (to the run set aside for it, if they came from there).
 
         Raises:
-            ValueError: an unknown ``seq_id``, or a length outside 0 .. length(seq_id).
+            ValueError: an unknown ``seq_id``, or a length outside 0 .. length(seq_id), or (a sliding
+                cache) one whose next query would need keys ``slide`` gave back already.
         """
         held = self._lens[self._known(seq_id)]
-        _checks.integer(f"length (seq_id {seq_id} holds {held} tokens)", length, low=0, high=held)
-        table, (first, count) = self._tables[seq_id], self._plan.get(seq_id, (0, 0))
-        while len(table) * self.block_size >= length + self.block_size:  # a whole block past the kept tokens
-            index, block = len(table) - 1, table.pop()
+        first_held, low = self.first_held(seq_id), 0
+        if first_held:  # the next query, at position length, sees keys from length - window + 1 on: they must be held
+            low = first_held + self.window - 1
+        held_from = f", keys from position {first_held} on" if first_held else ""
+        _checks.integer(f"length (seq_id {seq_id} holds {held} tokens{held_from})", length, low=low, high=held)
+        table, (first, count), gone = self._tables[seq_id], self._plan.get(seq_id, (0, 0)), self._gone[seq_id]
+        while (gone + len(table)) * self.block_size >= length + self.block_size:  # a whole block past the kept tokens
+            index, block = gone + len(table) - 1, table.pop()
             self._refs[block] -= 1
             if self._refs[block] == 0 and index < count and block == first + index:
                 self._set_aside[block] = seq_id  # back into its run: it grows into the same blocks again
@@ -183,6 +200,37 @@ class PagedKVCache(Owned):
         self._run[seq_id] = all(b == table[0] + i for i, b in enumerate(table))
         self._lens[seq_id] = length
 
+    def slide(self, seq_id: int) -> int:
+        """Give back the blocks of ``seq_id`` wholly before the window of every query still to come (the next
+        one, at position ``length``, sees keys from length - window + 1 on); returns how many went back.
+
+        Nothing is written: a caller that may still roll back (``crop``) a write slides after it commits.
+
+        Raises:
+            ValueError: an unknown ``seq_id``, or a cache made without ``window``.
+        """
+        self._known(seq_id)
+        if self.window is None:
+            raise ValueError("slide needs a cache made with window=W (sliding-window attention), got window=None")
+        table, bs = self._tables[seq_id], self.block_size
+        drop = min(len(table), max(0, self._lens[seq_id] - self.window + 1) // bs - self._gone[seq_id])
+        if drop <= 0:
+            return 0
+        first, count = self._plan.pop(seq_id, (0, 0))
+        for block in range(first, first + count):  # a sliding sequence grows past its run: what it set aside goes back
+            if self._set_aside.get(block) == seq_id:
+                del self._set_aside[block]
+                self._free.append(block)
+        for block in table[:drop]:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        kept = self._tables[seq_id] = table[drop:]
+        self._gone[seq_id] += drop
+        self._slots[seq_id] = self._slots[seq_id][drop * bs :].clone()
+        self._run[seq_id] = all(b == kept[0] + i for i, b in enumerate(kept))
+        return drop
+
     def fork(self, seq_id: int, new_id: int) -> None:
         """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
         self._known(seq_id)
@@ -190,7 +238,7 @@ class PagedKVCache(Owned):
         table = self._tables[seq_id]
         for block in table:
             self._refs[block] += 1
-        self._tables[new_id], self._lens[new_id] = list(table), self._lens[seq_id]
+        self._tables[new_id], self._lens[new_id], self._gone[new_id] = list(table), self._lens[seq_id], self._gone[seq_id]
         self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
 
     def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
@@ -221,16 +269,16 @@ class PagedKVCache(Owned):
         for seq_id, n in zip(seq_ids, counts, strict=True):
             table, length = self._tables[seq_id], self._lens[seq_id]
             if length % self.block_size and n and self._refs[table[-1]] > 1:  # copy-on-write of the shared, partly filled last block
-                old, new = table[-1], self._take(seq_id, len(table) - 1)
+                old, new = table[-1], self._take(seq_id, self._gone[seq_id] + len(table) - 1)
                 self.k[:, self._block_slots(new)] = self.k[:, self._block_slots(old)]
                 self.v[:, self._block_slots(new)] = self.v[:, self._block_slots(old)]
                 self._refs[old] -= 1
                 self._set_block(seq_id, len(table) - 1, new)
-            while len(table) * self.block_size < length + n:
-                self._set_block(seq_id, len(table), self._take(seq_id, len(table)))
+            while (self._gone[seq_id] + len(table)) * self.block_size < length + n:
+                self._set_block(seq_id, len(table), self._take(seq_id, self._gone[seq_id] + len(table)))
 
     def _take(self, seq_id: int, index: int) -> int:
-        """A free block to be the ``index``-th of ``seq_id``: the one set aside for it there, else one set
+        """A free block to be block ``index`` of ``seq_id`` (counting those ``slide`` gave back): the one set aside for it there, else one set
         aside for no one, else (the pool is that full) the last block set aside for another sequence."""
         first, count = self._plan.get(seq_id, (0, 0))
         if index < count and self._set_aside.get(first + index) == seq_id:
@@ -246,7 +294,7 @@ class PagedKVCache(Owned):
         return slice(block * self.block_size, (block + 1) * self.block_size)
 
     def _set_block(self, seq_id: int, index: int, block: int) -> None:
-        """Make ``block`` the ``index``-th block of ``seq_id`` (appended or replacing), and its slots."""
+        """Make ``block`` the ``index``-th block of the table of ``seq_id`` (appended or replacing), and its slots."""
         table, bs = self._tables[seq_id], self.block_size
         if index == len(table):
             table.append(block)
@@ -263,15 +311,17 @@ class PagedKVCache(Owned):
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
 
     def _read(self, buffer: Tensor, seq_id: int, n: int) -> Tensor:
-        """The first n positions of ``seq_id`` from a (1, Hkv, N*Bs, D) buffer -> (1, Hkv, n, D), oldest first."""
+        """Positions first_held .. n - 1 of ``seq_id`` from a (1, Hkv, N*Bs, D) buffer -> (1, Hkv, S, D), oldest first."""
+        n -= self._gone[seq_id] * self.block_size  # S: the positions held
         if self._run[seq_id]:  # consecutive blocks: consecutive slots
-            return buffer.narrow(2, self._tables[seq_id][0] * self.block_size, n)  # (1, Hkv, n, D): a view
-        return buffer.index_select(2, self._slots[seq_id][:n])  # (1, Hkv, n, D): a gather
+            return buffer.narrow(2, self._tables[seq_id][0] * self.block_size, n)  # (1, Hkv, S, D): a view
+        return buffer.index_select(2, self._slots[seq_id][:n])  # (1, Hkv, S, D): a gather
 
     def _where(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> Tensor:
         """(T,) the pool slots of positions starts[i] .. starts[i] + counts[i] - 1 of each sequence, packed in order."""
+        bs, tables = self.block_size, self._tables
+        starts = [a - self._gone[s] * bs for s, a in zip(seq_ids, starts, strict=True)]  # counted from first_held
         if all(self._run[s] for s in seq_ids):  # slot = first slot + position: no tensor per sequence
-            bs, tables = self.block_size, self._tables
             where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
             return torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
         return torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)

@@ -5,7 +5,9 @@ the queries, keys and values hold the new tokens of those sequences packed in on
 with T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). ``append`` checks
 everything, then writes each sequence's keys to its blocks and answers with one ``Attended`` per
 sequence: its queries attend over its own cached and new tokens only (ragged: no padding to the
-longest), read as a view of the pool when its blocks are consecutive, else gathered.
+longest), read as a view of the pool when its blocks are consecutive, else gathered. A sliding
+cache's sequence answers with the keys from its first one still held (``first_held``): fewer
+than its length, the newest last, so causal attention aligned bottom-right sees the same keys.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class PagedBatch:
     Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
     """
 
-    window: int | None = None  # the pool keeps every token; a window is applied by attention
+    window: int | None  # the pool's: attention must apply the window it gives blocks back for
 
     def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
         seq_ids, new_tokens = list(seq_ids), list(new_tokens)
@@ -42,7 +44,7 @@ class PagedBatch:
             raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
         for n in new_tokens:
             _checks.positive_int("new_tokens (each count)", n)
-        self.cache, self.seq_ids, self.new_tokens = cache, seq_ids, new_tokens
+        self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
         self.starts = [cache._lens[s] for s in seq_ids]  # each sequence's length before this step
         self._done = False
 
@@ -58,7 +60,8 @@ class PagedBatch:
         """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
         protocol); ``append`` refuses keys of any other count than the ``sum(new_tokens)`` this batch packs."""
         bounds = [0, *itertools.accumulate(self.new_tokens)]
-        return [(slice(a, b), s + b - a) for a, b, s in zip(bounds[:-1], bounds[1:], self.starts, strict=True)]
+        held = [s - self.cache.first_held(i) for i, s in zip(self.seq_ids, self.starts, strict=True)]  # cached keys still held
+        return [(slice(a, b), h + b - a) for a, b, h in zip(bounds[:-1], bounds[1:], held, strict=True)]
 
     def check_owner(self, owner: object) -> None:
         self.cache.check_owner(owner)
@@ -75,7 +78,7 @@ class PagedBatch:
 
         Returns:
             For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
-            + new_tokens[i] keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
+            + new_tokens[i] - first_held keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
             asks nothing more), with no padding mask.
         """
         cache = self.cache

@@ -1,36 +1,42 @@
 """Continuous batching: many generation requests through one model and one paged cache per layer.
 
 ``Batcher(model, num_blocks=...)`` takes requests (``submit``) at any time; each ``step`` runs
-one forward pass over one row that packs the next token of every running request and the whole
-prompt of the waiting requests that join (ragged: no padding to the longest). A request that
+one forward pass over one row that packs the next token of every running request and at most
+``max_step_tokens`` prompt tokens (ragged: no padding to the longest). A long prompt is fed in
+chunks over several steps (``scheduling.py``), so the running requests get a token every step
+while it is prefilled; it samples its first token when its last chunk has run. A request that
 emits its ``eos_token_id`` or reaches its ``max_new_tokens`` leaves at once and gives its blocks
 back; a waiting one joins as soon as the pool can hold everything it may write. ``stream()``
 yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
 
 A step is all or nothing: it computes every token first, then commits them. A step that raises
 (a changed model, a hook that fails, an interrupt) leaves every cache and request as they were
-before it (the keys some layers wrote are taken back, the joining requests wait again), so the
-next step carries on as if it had not run. A request is always pending (waiting or running),
-finished, or cancelled (``cancel``): never lost. Tokens a step computed reach ``stream()`` even
-when the loop over it stopped between two of them: the next ``stream()`` yields them first.
+before it (the keys some layers wrote are taken back, the joining requests wait again, a
+prompt being prefilled keeps the chunks fed before), so the next step carries on as if it had
+not run. A request is always pending (waiting or running), finished, or cancelled (``cancel``,
+which also frees a partly prefilled prompt's blocks): never lost. Tokens a step computed reach
+``stream()`` even when the loop over it stopped between two of them: the next ``stream()``
+yields them first.
 
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
 seed): the sampling calls are the same, one generator per request, and the logits are those of
 the sequence alone (each sequence attends over its own keys only).
 
-Admission never overcommits: a request joins only when the blocks its prompt and its
-``max_new_tokens`` could take, added to what the running requests may still take, fit the pool,
-so no step runs out of blocks and nothing is ever evicted. That worst case is set aside as one
-run of consecutive blocks when the pool has one (keys and values are then read in place, not
-gathered); blocks are taken as tokens are written, so memory follows the tokens held.
+Admission never overcommits: a request joins only when the blocks it could hold at once, added
+to what the running requests may still take, fit the pool, so no step runs out of blocks and
+nothing is ever evicted. That worst case is set aside as one run of consecutive blocks when the
+pool has one (keys and values are then read in place, not gathered); blocks are taken as tokens
+are written, so memory follows the tokens held. When every layer of the model slides (Mistral),
+each step's commit gives back the blocks wholly before each sequence's window
+(``PagedKVCache.slide``): a request then holds about W + block_size tokens however long it
+generates, and its worst case is that, not its length.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -40,6 +46,7 @@ from .. import _checks
 from ..cache import PagedKVCache
 from ._inputs import SEED_HIGH, check_request
 from .generate import CausalLM, next_token, trusts
+from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
 
 class PagedLM(CausalLM, Protocol):
@@ -47,18 +54,7 @@ class PagedLM(CausalLM, Protocol):
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]: ...
 
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    eos_token_id: int | None
-    temperature: float
-    top_k: int | None
-    generator: torch.Generator | None
-    blocks: int  # the most blocks it may hold: prompt + max_new_tokens - 1 tokens (the last one is never fed back)
-    tokens: list[int] = field(default_factory=list)
+    def attention_layers(self) -> list: ...
 
 
 class Batcher:
@@ -66,10 +62,11 @@ class Batcher:
 
     Args:
         model: a causal LM of ``headwise.models`` (GPT-2, the Llama family).
-        num_blocks: blocks in each layer's pool; a request needs ceil((prompt + max_new_tokens - 1) / block_size).
+        num_blocks: blocks in each layer's pool; a request needs ceil((prompt + max_new_tokens - 1) / block_size)
+            of them, or about (W + block_size + its first chunk) / block_size when every layer slides (window W).
         block_size: token slots per block.
-        max_step_tokens: the prompt tokens a step may add beside the running requests' (one
-            prompt joins per step whatever its length, so a long prompt is never starved).
+        max_step_tokens: the prompt tokens a step may feed beside the running requests' next tokens; a
+            longer prompt is admitted all the same and fed in chunks over several steps.
 
     Example:
         >>> import headwise as hw
@@ -89,8 +86,9 @@ class Batcher:
             raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.caches = model.new_paged_caches(num_blocks, block_size)
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self.window = sliding_window(model)  # when every layer slides: the blocks before each window go back
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # in the order they joined
         self._unread: deque[tuple[int, int]] = deque()  # tokens steps computed that stream() has not yielded yet
         self._next_id = 0
 
@@ -112,19 +110,19 @@ class Batcher:
     @property
     def tokens_held(self) -> int:
         """Tokens whose keys and values each layer's pool holds."""
-        return sum(self.caches[0].length(r.id) for r in self._running)
+        return sum(self.caches[0].length(r.id) - self.caches[0].first_held(r.id) for r in self._running)
 
     def submit(self, prompt: Tensor, max_new_tokens: int, *, eos_token_id: int | None = None, temperature: float = 0.0,
                top_k: int | None = None, seed: int | None = None) -> int:
         """Queue a request; returns its id (0, 1, 2, ... in order of submission).
 
         Args:
-            prompt: (T,) token ids, T >= 1.
+            prompt: (T,) token ids, T >= 1 (any length the model takes: a long one is fed in chunks).
             max_new_tokens, eos_token_id, temperature, top_k: as ``model.generate``.
             seed: the seed of this request's own ``torch.Generator`` (sampling only).
         """
         check_request(self.model, prompt, max_new_tokens, eos_token_id, temperature, top_k, seed)
-        blocks = math.ceil((len(prompt) + max_new_tokens - 1) / self.block_size)
+        blocks = worst_blocks(len(prompt), max_new_tokens, block_size=self.block_size, max_step_tokens=self.max_step_tokens, window=self.window)
         if blocks > self.caches[0].num_blocks:
             raise ValueError(
                 f"a request of {len(prompt)} + {max_new_tokens} tokens needs {blocks} blocks of {self.block_size}, "
@@ -137,13 +135,14 @@ class Batcher:
                 generator.manual_seed(seed)
             else:
                 generator.seed()
-        request = _Request(self._next_id, prompt.tolist(), max_new_tokens, eos_token_id, float(temperature), top_k, generator, blocks)
+        request = Request(self._next_id, prompt.tolist(), max_new_tokens, eos_token_id, float(temperature), top_k, generator, blocks)
         self._waiting.append(request)
         self._next_id += 1
         return request.id
 
     def cancel(self, request: int) -> None:
-        """Stop a pending request: it produces no more tokens (``stream()`` yields none of its unread ones) and its blocks go back.
+        """Stop a pending request: it produces no more tokens (``stream()`` yields none of its unread ones) and its
+        blocks go back (a prompt being prefilled's too).
 
         Raises:
             ValueError: ``request`` is not pending (finished, cancelled already, or never submitted).
@@ -175,12 +174,13 @@ class Batcher:
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:
-        """One forward pass: the running requests' next tokens and the joining prompts, packed in one row.
+        """One forward pass: the running requests' next tokens and up to ``max_step_tokens`` prompt tokens, packed in one row.
 
         All or nothing: if anything raises, every cache and request is as it was before the step.
 
         Returns:
-            ``(request id, token)`` for every request in the step, in packing order.
+            ``(request id, token)`` for every request the step gives a token (a prompt fed only in
+            part gets none yet), in packing order; empty when only prompt chunks ran.
 
         Raises:
             TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
@@ -191,51 +191,53 @@ class Batcher:
                 f"the model now computes in {weight.dtype} on {weight.device}, but this Batcher's caches hold {pool.dtype} on "
                 f"{pool.device} (made with it): make a new Batcher after changing the model's dtype or device"
             )
-        joining = self._admit()
-        batch = self._running + joining
-        if not batch:
+        feeds, joins = schedule(self._running, self._waiting, max_step_tokens=self.max_step_tokens, num_blocks=self.caches[0].num_blocks)
+        if not feeds:
             return []
+        joining = list(itertools.islice(self._waiting, joins))
+        emitting = [f.request for f in feeds if f.emits]
         lengths = {r.id: self.caches[0].length(r.id) for r in self._running}
-        states = [r.generator.get_state() if r.generator is not None else None for r in batch]
+        states = [r.generator.get_state() if r.generator is not None else None for r in emitting]
         try:
-            tokens = self._compute(joining, batch, weight.device)
+            tokens = self._compute(feeds, joining, weight.device)
         except BaseException:
-            self._roll_back(lengths, joining, batch, states)
+            self._roll_back(lengths, joining, emitting, states)
             raise
         for _ in joining:
             self._waiting.popleft()
-        self._running = []
-        for r, token in zip(batch, tokens, strict=True):
+        for f in feeds:
+            f.request.fed += f.count
+        self._running += joining
+        for r, token in zip(emitting, tokens, strict=True):
             r.tokens.append(token)
             if len(r.tokens) == r.max_new_tokens or token == r.eos_token_id:
+                self._running.remove(r)
                 for cache in self.caches:
                     cache.free(r.id)
-            else:
-                self._running.append(r)
-        return [(r.id, token) for r, token in zip(batch, tokens, strict=True)]
+        if self.window is not None:  # committed: the keys no query to come sees go back
+            for cache, r in itertools.product(self.caches, self._running):
+                cache.slide(r.id)
+        return [(r.id, token) for r, token in zip(emitting, tokens, strict=True)]
 
-    def _compute(self, joining: list[_Request], batch: list[_Request], device: torch.device) -> list[int]:
+    def _compute(self, feeds: list[Feed], joining: list[Request], device: torch.device) -> list[int]:
         """The step's tokens: the joining requests' sequences opened, every layer's keys written, the logits sampled."""
-        ids, positions, counts = [], [], []
-        for r in self._running:  # one token each: the last one emitted, at the position after the cached ones
-            ids.append(r.tokens[-1])
-            positions.append(len(r.prompt) + len(r.tokens) - 1)
-            counts.append(1)
         for r in joining:
             for cache in self.caches:
-                cache.add(r.id, reserve=len(r.prompt) + r.max_new_tokens - 1)  # its worst case, as one run of blocks
-            ids.extend(r.prompt)
-            positions.extend(range(len(r.prompt)))
-            counts.append(len(r.prompt))
-        seq_ids = [r.id for r in batch]
-        rows = torch.tensor(counts, device=device).cumsum(0) - 1  # (N,): each sequence's last token in the row
+                cache.add(r.id, reserve=r.blocks * self.block_size)  # its worst case, as one run of blocks
+        ids, positions, counts = [], [], []
+        for f in feeds:  # each request's next tokens, at the positions after its cached ones
+            ids.extend(f.request.next_ids(f.count))
+            positions.extend(range(f.request.fed, f.request.fed + f.count))
+            counts.append(f.count)
+        ends = itertools.accumulate(counts)
+        rows = torch.tensor([end - 1 for f, end in zip(feeds, ends, strict=True) if f.emits], dtype=torch.long, device=device)  # (N,)
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         position_ids = torch.tensor([positions], device=device)  # (1, T)
-        batches = [c.batch(seq_ids, counts) for c in self.caches]
+        batches = [c.batch([f.request.id for f in feeds], counts) for c in self.caches]
         logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=not trusts(self.model))  # (1, N, vocab)
-        return self._sample(batch, logits[0])
+        return self._sample([f.request for f in feeds if f.emits], logits[0])
 
-    def _roll_back(self, lengths: dict[int, int], joining: list[_Request], batch: list[_Request], states: list[Tensor | None]) -> None:
+    def _roll_back(self, lengths: dict[int, int], joining: list[Request], emitting: list[Request], states: list[Tensor | None]) -> None:
         """Undo what a failed step did: the running requests' keys cut back to ``lengths``, the joining ones' sequences
         closed (they wait again, first in line), the generators of sampled requests back where they were."""
         for cache in self.caches:
@@ -245,25 +247,11 @@ class Batcher:
             for r in joining:
                 if r.id in cache:
                     cache.free(r.id)
-        for r, state in zip(batch, states, strict=True):
+        for r, state in zip(emitting, states, strict=True):
             if state is not None:
                 r.generator.set_state(state)
 
-    def _admit(self) -> list[_Request]:
-        """The first waiting requests that join this step (they leave the queue when the step commits), while
-        the pool and the step's token budget allow."""
-        reserved = sum(r.blocks for r in self._running)  # blocks the running requests may reach
-        budget = self.max_step_tokens
-        joining: list[_Request] = []
-        for r in self._waiting:
-            if reserved + r.blocks > self.caches[0].num_blocks or (joining and len(r.prompt) > budget):
-                break
-            joining.append(r)
-            reserved += r.blocks
-            budget -= len(r.prompt)
-        return joining
-
-    def _sample(self, batch: list[_Request], logits: Tensor) -> list[int]:
+    def _sample(self, batch: list[Request], logits: Tensor) -> list[int]:
         """(N, vocab) logits -> one token per request: argmax for all the greedy ones at once, each sampled one with its generator."""
         tokens = logits.argmax(dim=-1)  # (N,)
         for i, r in enumerate(batch):
@@ -316,13 +304,17 @@ def generate_many(
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else list(max_new_tokens)
     if len(counts) != len(prompts):
         raise ValueError(f"max_new_tokens must be an int or one int per prompt ({len(prompts)}), got {len(counts)} values")
-    _checks.positive_int("block_size", block_size)
+    for name, value in [("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
+        _checks.positive_int(name, value)
     if seed is not None:
         _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
     for prompt, n in zip(prompts, counts, strict=True):  # every request checked before a pool is allocated for them
         check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
     if num_blocks is None:
-        num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, counts, strict=True))
+        window = sliding_window(model)
+        num_blocks = sum(
+            worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)
+        )
     batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
         batcher.submit(prompt, n, eos_token_id=eos_token_id, temperature=temperature, top_k=top_k, seed=None if seed is None else seed + i)

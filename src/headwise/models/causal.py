@@ -124,9 +124,9 @@ class CausalModel(GenerationMixin, nn.Module):
 
     def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a sliding
-        layer keeps every token too (its window is applied by attention)."""
+        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it)."""
         weight = self.embed_tokens.weight
         return [
-            PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=weight.dtype, device=weight.device)
+            PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=weight.dtype, device=weight.device, window=attn.window)
             for attn in self.attention_layers()
         ]
