@@ -13,20 +13,12 @@ Causal attention is aligned bottom-right: with T queries over S keys, query i se
 ``j <= i + S - T`` (see ``headwise.masks``). A query that can see no key gets zero weights
 and a zero context, never NaN, in forward and backward, in every backend.
 
-The variants compose with all of that: ``softcap`` (Gemma 2), ``sinks`` (gpt-oss),
-``alibi_slopes`` (BLOOM, MPT) and ``documents`` (packed rows).
-
-One path: ``attention`` checks every argument (``arguments.checked``: nothing is written
-before), appends the new keys and values to a cache if given one, and for each run of queries
-(one, or one per sequence of a paged batch) trims the keys to those a causal window lets them
-see, asks ``backends.plan`` which runner computes the call, and runs it. ``plan(...)`` answers
-the same question without running anything. The backends:
-    "math"  explicit QK^T, scale, softcap, bias, mask, softmax (float32 for half inputs),
-            dropout, AV; the reference for every term, and the one that reports its steps
-            to an observer (``headwise.observe``).
-    "sdpa"  torch's fused kernels, and the runners that carry what they cannot take exactly
-            (softcap over blocks of queries, packed documents one call each).
-    "auto"  the plan's first rule that matches, whichever backend's it is.
+One path: the checks (``arguments.checked``: nothing written before), the cache's write, then
+per run of queries (one, or one per sequence of a paged batch) the keys a causal window lets
+them see, the plan (``backends.plan``) and its runner; ``plan(...)`` stops before the write.
+Backends: "math" writes every score out (the reference, and what an observer watches); "sdpa"
+runs torch's fused kernels and the runners that carry what they cannot take exactly; "auto"
+takes the plan's first rule that matches, whichever backend's it is.
 """
 
 from __future__ import annotations
@@ -146,8 +138,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     """What ``attention(q, k, v, **kwargs)`` would run, and why; nothing is computed or written.
 
     ``kwargs`` are ``attention``'s keyword arguments (another name is a TypeError), each checked
-    as ``attention`` checks it (a cache's own checks of the keys it takes run at its write only). ``plan.backend`` given to ``attention(..., backend=)`` runs
-    the same runner, bit for bit; the rules are ``headwise.backends.plan.RULES``.
+    as ``attention`` checks it (a cache's own checks of the keys it takes run at its write only).
+    ``attention(..., backend=plan.backend)`` runs the same runner, bit for bit; the rules are
+    ``headwise.backends.plan.RULES``.
 
     Returns:
         a ``Plan``: ``backend``, ``runner``, ``reason``; ``str(plan)`` is one line. With a paged
@@ -160,23 +153,23 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         >>> print(plan(q, k, v, causal=True).runner)
         math blocks, float32 matmuls
     """
-    call = inspect.signature(attention).bind(q, k, v, **kwargs)  # attention's keywords, and its defaults
-    call.apply_defaults()
-    args = arguments.checked(**call.arguments)
-    cache, backend = args.cache, args.backend
-    runs = [(slice(None), k.shape[2])] if cache is None else cache.sizes(k.shape[2], in_order=_in_order(args.spec))
+    args = _checked_as_attention(q, k, v, **kwargs)
+    runs = [(slice(None), k.shape[2])] if args.cache is None else args.cache.sizes(k.shape[2], in_order=_in_order(args.spec))
     padding = args.spec.attention_mask
-    if getattr(args.cache, "_padded", False):  # a KVCache hands on the padding of every write that had some
+    if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
-    plans = []
-    for rows, S in runs:
-        q_run = args.q[:, :, rows]  # (B, H, T_run, D)
-        spec, _ = for_run(args.spec, q_run.shape[2], S, padding, cache is not None)
-        plans.append(plan_runner(q_run, args.k, args.v, spec, backend))
+    plans = [_for_run(args, rows, S, args.k, args.v, padding)[4] for rows, S in runs]
     if all(p.runner == plans[0].runner for p in plans):
         return plans[0]
     runners = "; ".join(dict.fromkeys(p.runner for p in plans))
     return Plan("auto", f"per sequence: {runners}", "the sequences of a paged batch differ: " + plans[0].reason, plans[0].run)
+
+
+def _checked_as_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Arguments:
+    """``arguments.checked`` of ``attention(q, k, v, **kwargs)``: its keywords only, its defaults for the rest."""
+    call = inspect.signature(attention).bind(q, k, v, **kwargs)
+    call.apply_defaults()
+    return arguments.checked(**call.arguments)
 
 
 def _in_order(spec: Spec) -> bool:
@@ -184,20 +177,29 @@ def _in_order(spec: Spec) -> bool:
     return spec.documents is not None or spec.alibi is not None
 
 
+def _for_run(
+    args: Arguments, rows: slice, S: int, keys: Tensor, values: Tensor, padding: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Spec, Plan]:
+    """A run of queries ``rows`` over S keys (B, Hkv, S, D) with padding (B, S): its queries, the keys and values
+    a causal window lets them see (views), their terms and the plan."""
+    q = args.q if rows == slice(None) else args.q[:, :, rows]  # (B, H, T_run, D)
+    spec, c0 = for_run(args.spec, q.shape[2], S, padding, args.cache is not None)
+    if c0:  # keys no query of the run sees
+        keys, values = keys[:, :, c0:], values[:, :, c0:]  # (B, Hkv, S_run, D), (B, Hkv, S_run, Dv): views, nothing copied
+    return q, keys, values, spec, plan_runner(q, keys, values, spec, args.backend)
+
+
 def _run(args: Arguments, check_cache: bool) -> Tensor:
     """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says."""
-    q, k, v, spec, cache, backend = args
+    _, k, v, spec, cache, _ = args
     if cache is None:
         runs = [Attended(slice(None), k, v, spec.attention_mask)]  # every query over every key
     else:
         runs = cache.append(k, v, spec.attention_mask, in_order=_in_order(spec), check=check_cache)  # one, or one per sequence
     contexts = []
     for rows, keys, values, padding in runs:
-        q_run = q if rows == slice(None) else q[:, :, rows]  # (B, H, T_run, D)
-        run_spec, c0 = for_run(spec, q_run.shape[2], keys.shape[2], padding, cache is not None)
-        if c0:  # keys no query of the run sees
-            keys, values = keys[:, :, c0:], values[:, :, c0:]  # (B, Hkv, S_run, D), (B, Hkv, S_run, Dv): views, nothing copied
-        contexts.append(plan_runner(q_run, keys, values, run_spec, backend).run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
+        q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)
+        contexts.append(chosen.run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
     context = joined(contexts)  # (B, H, T, Dv)
     report("context", context)
     return context
@@ -223,9 +225,7 @@ def attention_weights(q: Tensor, k: Tensor, **terms: Any) -> Tensor:
         raise TypeError(f"attention_weights() takes the keywords {list(WEIGHT_TERMS)}, got {other}")
     arguments.qkv(q, k, k)
     padding = _checks.attention_mask(terms.pop("attention_mask", None), k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
-    call = inspect.signature(attention).bind(q, k, k, attention_mask=padding, **terms)  # attention's defaults for the rest
-    call.apply_defaults()
-    args = arguments.checked(**call.arguments)
+    args = _checked_as_attention(q, k, k, attention_mask=padding, **terms)
     spec, _ = for_run(args.spec, args.spec.T, args.spec.S, args.spec.attention_mask, False)
     w = math_backend.weights(q, args.k, spec, (0, spec.T), (0, spec.S), float32_keys=float32_keys(q, args.k, spec.T))  # (B, H, T, S)
     return w.to(q.dtype)

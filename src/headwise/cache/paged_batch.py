@@ -33,6 +33,7 @@ class PagedBatch:
     """
 
     window: int | None  # the pool's: attention must apply the window it gives blocks back for
+    padded = False  # it packs real tokens only
 
     def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
         seq_ids, new_tokens = list(seq_ids), list(new_tokens)

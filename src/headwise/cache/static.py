@@ -1,34 +1,14 @@
-"""A static key/value cache for incremental decoding, written in place.
+"""``KVCache``: preallocated (B, Hkv, max_len, D) key and value buffers written in place, nothing
+grows; ``KVCache.sliding(B, Hkv, window, D)``, a ring of ``window`` slots whose memory stays bounded.
 
-``KVCache(B, Hkv, max_len, D)`` preallocates (B, Hkv, max_len, D) key and value buffers
-(2·B·Hkv·max_len·D elements, nothing grows). ``KVCache.sliding(B, Hkv, window, D)`` is a
-ring buffer of ``window`` slots for sliding-window attention: memory stays bounded however
-long decoding runs.
+``len(cache)`` counts the tokens written (the next token's position; a ring keeps counting).
+Padding: once any write came with an ``attention_mask``, the cache hands its (B, S) record of
+real tokens on with every read (``padded``), so decode steps after a left-padded prefill need
+no mask; a cache never given one hands on None. It never reads a mask's values on the host.
 
-``len(cache)`` is the number of tokens written so far: the absolute position of the next
-token (for a sliding cache this keeps counting past ``window``).
-
-The cache also remembers which stored positions are padding (from the padding mask
-given with the tokens that filled them, ``attention_mask``), so that decode steps after a left-padded prefill
-need no mask of their own. It never reads a mask's values on the host (no device sync): once
-any write came with a mask, it hands its (B, S) record of real tokens on with every read; a
-cache never given a mask hands on None, so that attention needs no mask at all. (The models
-pass None for a batch without padding.)
-
-A cache belongs to one attention module: the first module that writes it binds it
-(``bind``), and any other module given it gets a ValueError naming both (two layers sharing a
-cache would attend over each other's keys).
-
-A refused write changes nothing: ``append`` checks everything it is given (and ``sizes`` tells
-the caller, before anything is written, how many keys each query will attend over), then writes. ``reset`` and ``crop`` forget tokens, not the
-owner: a cache reused for the next sequence stays with its layer; another layer needs a
-cache of its own.
-
-Training through a cache works: when autograd records (grad enabled and keys or values that
-need gradients), the buffers still get plain copies, and attention gets the stored keys
-concatenated with the new ones, so gradients reach every step's keys and values as in one
-forward over the whole sequence; the buffers never join a graph, so a ``reset`` and a second
-training step start clean.
+Training through a cache: while autograd records, attention gets the stored keys concatenated
+with the new ones (gradients reach every step's keys and values, as in one forward over the
+whole sequence); the buffers only ever get plain copies, so a ``reset`` starts clean.
 """
 
 from __future__ import annotations
@@ -89,6 +69,11 @@ class KVCache(Owned):
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def padded(self) -> bool:
+        """Whether any stored position came with a padding mask (the cache protocol)."""
+        return self._padded
 
     def reset(self) -> None:
         """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
@@ -153,15 +138,12 @@ class KVCache(Owned):
             attention_mask: (B, T) padding of the new tokens only, 1/True = real token.
 
         Returns:
-            ``(keys, values, attention_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or
-            None (no stored position is padding), where S counts the cached tokens plus the new
-            ones (for a sliding cache, at most the last ``window`` of the cached ones). Causal
-            attention aligned bottom-right (``headwise.attention(causal=True, window=...)``)
-            over them equals attention over the whole sequence. They are in time order (oldest
-            first), except from a sliding cache given one new token: then the W slots come in
-            ring order, which a single query that sees all of them does not mind (``in_order=True``
-            asks for time order there too, at the cost of a gather: ALiBi and documents need it).
-            The linear cache returns views of its buffers (nothing is copied).
+            ``(keys, values, attention_mask)``: (B, Hkv, S, D), (B, Hkv, S, D) and (B, S) or None
+            (no stored position is padding). S counts the cached tokens (a sliding cache's last
+            ``window``) and the new ones, in time order, except that a sliding cache given one new
+            token answers with its W slots in ring order (``in_order=True``: time order there too,
+            at the cost of a gather). Bottom-right causal attention over them equals attention over
+            the whole sequence. The linear cache answers with views of its buffers.
 
         Raises:
             TypeError, ValueError: keys, values or padding that do not fit this cache, or more
@@ -177,13 +159,8 @@ class KVCache(Owned):
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
     ) -> list[Attended]:
-        """``update``, answered as the cache protocol's one ``Attended`` (every query over every key):
-        every argument checked first, then written (a refused call changes nothing).
-
-        ``check=False`` skips the checks, for a caller that made them once for what cannot change
-        between its calls (a decode loop: keys and values of this cache's shape, dtype and device,
-        room for them, no padding, autograd off); what is stored and returned is the same.
-        """
+        """``update``, answered as the cache protocol's one ``Attended``. ``check=False`` skips the checks, for a
+        decode loop that made them once (keys and values of this cache's kind, room, no padding, autograd off)."""
         if check:
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
@@ -192,56 +169,54 @@ class KVCache(Owned):
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
         if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
             self._padded = True
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None):
-            return self._update_recorded(k, v, attention_mask)
-        if self.window is not None:
-            return self._update_ring(k, v, attention_mask, in_order)
-        start, end = self._len, self._len + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        if attention_mask is not None:
-            self.is_token[:, start:end] = attention_mask
-        self._len = end
-        return self.k[:, :, :end], self.v[:, :, :end], self.is_token[:, :end] if self._padded else None
-
-    def _update_ring(
-        self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool = False
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        W, T, start = self.window, k.shape[2], self._len
+        recording = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None)
+        T, start = k.shape[2], self._len
+        if not recording and self.window is None:  # views of the buffers, nothing copied
+            end = start + T
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+            if attention_mask is not None:
+                self.is_token[:, start:end] = attention_mask
+            self._len = end
+            return self.k[:, :, :end], self.v[:, :, :end], self.is_token[:, :end] if self._padded else None
         new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
-        if T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
-            slot = start % W  # written as a slice: an int index would make torch.compile specialise on the slot
+        if not recording and T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
+            slot = start % self.window  # written as a slice: an int index would make torch.compile specialise on the slot
             self.k[:, :, slot : slot + 1] = k
             self.v[:, :, slot : slot + 1] = v
             self.is_token[:, slot : slot + 1] = new_is_token
             self._len = start + 1
-            n = torch.sym_min(self._len, W)  # the stored slots (order does not matter for a single query); an int in eager
+            n = torch.sym_min(self._len, self.window)  # the stored slots (order does not matter for a single query); an int in eager
             return self.k[:, :, :n], self.v[:, :, :n], self.is_token[:, :n] if self._padded else None
-        # several queries: the oldest of them may need keys that the write would overwrite
-        n = min(start, W)
-        order = torch.arange(start - n, start, device=self.k.device) % W  # (n,) slots, oldest first
-        keys = torch.cat([self.k[:, :, order], k], dim=2)  # (B, Hkv, n + T, D)
-        values = torch.cat([self.v[:, :, order], v], dim=2)  # (B, Hkv, n + T, D)
-        is_token = torch.cat([self.is_token[:, order], new_is_token], dim=1)  # (B, n + T)
-        keep = min(T, W)
-        slots = torch.arange(start + T - keep, start + T, device=self.k.device) % W  # (keep,)
-        self.k[:, :, slots] = k[:, :, T - keep :]
-        self.v[:, :, slots] = v[:, :, T - keep :]
-        self.is_token[:, slots] = new_is_token[:, T - keep :]
+        # the past in time order, then the new tokens: the oldest new query may need keys the write overwrites
+        first = 0 if self.window is None else max(0, start - self.window)  # the oldest position a new query may need
+        keys = torch.cat([self._past(self.k, 1, first, start), k], dim=2)  # (B, Hkv, S, D)
+        values = torch.cat([self._past(self.v, 2, first, start), v], dim=2)  # (B, Hkv, S, D)
+        is_token = torch.cat([self._stored(self.is_token, first, start), new_is_token], dim=1)  # (B, S)
+        keep = T if self.window is None else min(T, self.window)  # a ring keeps the last W
+        slots = self._slots(start + T - keep, start + T)  # (keep,)
+        with torch.no_grad():  # the buffers hold values only; autograd keeps its own copy in _graph
+            self.k[:, :, slots] = k[:, :, T - keep :]
+            self.v[:, :, slots] = v[:, :, T - keep :]
+            self.is_token[:, slots] = new_is_token[:, T - keep :]
         self._len = start + T
+        if recording:
+            held = keys.shape[2] if self.window is None else min(keys.shape[2], self.window)
+            self._graph = (start + T - held, keys[:, :, -held:], values[:, :, -held:])
         return keys, values, is_token if self._padded else None
 
-    # ------------------------------------------------------------------------- training through the cache
+    def _slots(self, first: int, end: int) -> Tensor:
+        """(end - first,) the buffer slots of positions first .. end-1."""
+        positions = torch.arange(first, end, device=self.k.device)
+        return positions if self.window is None else positions % self.window
 
     def _stored(self, buffer: Tensor, first: int, end: int) -> Tensor:
         """Positions first .. end-1 of a buffer ((B, Hkv, L, D) or (B, L)), oldest first."""
-        if self.window is None or first >= end:
-            return buffer[:, first:end] if buffer.ndim == 2 else buffer[:, :, first:end]
-        slots = torch.arange(first, end, device=buffer.device) % self.window  # (end - first,)
-        return buffer[:, slots] if buffer.ndim == 2 else buffer[:, :, slots]
+        at = slice(first, end) if self.window is None or first >= end else self._slots(first, end)
+        return buffer[:, at] if buffer.ndim == 2 else buffer[:, :, at]
 
-    def _recorded_past(self, buffer: Tensor, index: int, first: int, end: int) -> Tensor:
-        """Positions first .. end-1 in time order: autograd's copy where it has one, else the buffer's."""
+    def _past(self, buffer: Tensor, index: int, first: int, end: int) -> Tensor:
+        """Positions first .. end-1 in time order: autograd's copy (``_graph[index]``) where it has one, else the buffer's."""
         if self._graph is None:
             return self._stored(buffer, first, end)
         start, recorded = self._graph[0], self._graph[index]
@@ -250,26 +225,3 @@ class KVCache(Owned):
             return self._stored(buffer, first, end)
         parts = [self._stored(buffer, first, a), recorded[:, :, a - start : b - start], self._stored(buffer, b, end)]
         return torch.cat(parts, dim=2)
-
-    def _update_recorded(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``update`` while autograd records: buffers get detached copies, attention a concatenation with history."""
-        T, start = k.shape[2], self._len
-        first = 0 if self.window is None else max(0, start - self.window)  # the oldest position a new query may need
-        keys = torch.cat([self._recorded_past(self.k, 1, first, start), k], dim=2)  # (B, Hkv, S, D)
-        values = torch.cat([self._recorded_past(self.v, 2, first, start), v], dim=2)  # (B, Hkv, S, D)
-        new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
-        is_token = torch.cat([self._stored(self.is_token, first, start), new_is_token], dim=1)  # (B, S)
-        keep = T if self.window is None else min(T, self.window)
-        if self.window is None:
-            slots = torch.arange(start, start + T, device=self.k.device)  # (T,)
-        else:
-            slots = torch.arange(start + T - keep, start + T, device=self.k.device) % self.window  # (keep,)
-        with torch.no_grad():  # the buffers hold values only; autograd keeps its own copy in _graph
-            self.k[:, :, slots] = k[:, :, T - keep :]
-            self.v[:, :, slots] = v[:, :, T - keep :]
-            self.is_token[:, slots] = new_is_token[:, T - keep :]
-        self._len = start + T
-        held = keys.shape[2] if self.window is None else min(keys.shape[2], self.window)
-        self._graph = (start + T - held, keys[:, :, -held:], values[:, :, -held:])
-        return keys, values, is_token if self._padded else None
-
