@@ -6,9 +6,8 @@ methods, and keeps its own parameter names and state-dict layout:
 - ``project_qkv(x)``: queries (B, T, H·D), keys and values (B, T, Hkv·D), e.g. three
   Linear layers (the book) or one fused ``c_attn`` split in three (GPT-2);
 - ``position(q, k, start, attention_mask, position_ids)``: whatever a position encoding does
-  to the split heads before the cache write (identity here; ``headwise.models.llama``'s rotary
-  embeddings plug in here): the new tokens sit at ``start`` (the cache length) onwards, or
-  where the caller's ``position_ids`` say;
+  to the split heads before the cache write (identity here; rotary embeddings in
+  ``headwise.models.llama``), the new tokens at ``start`` onwards or at ``position_ids``;
 - ``project_out(context)``: (B, T, H·D) -> (B, T, C), e.g. ``out_proj``;
 - for cross-attention, ``project_q(x)`` and ``project_kv(context)``: queries from x, keys and
   values from another sequence (B, S, kv_dim);
@@ -16,16 +15,10 @@ methods, and keeps its own parameter names and state-dict layout:
   ``window``, ``backend`` and ``attn_dropout_p``; optionally ``kv_dim``, ``softcap``, a
   ``sinks`` parameter (H,) and an ``alibi_slopes`` buffer (H,).
 
-Cross-attention (``forward(x, context=...)``) runs the same path: queries from x, keys and
-values from the context, never causal (the context is another sequence: a query sees all of
-it, less its padding ``context_mask``). A ``ContextCache`` keeps the context's projected keys
-and values from the first call, so decode steps do not project the encoder's output again.
-
-``forward`` checks its arguments, then runs the path. ``check=False`` skips the checks (and,
-for the decode shape: new tokens through a ``KVCache``, nothing padded, no dropout, the core's
-too) for a caller that made them once for what cannot change between its calls: ``generate``'s
-decode loop. The numbers are the same either way.
-
+Cross-attention (``forward(x, context=...)``) runs the same path, never causal: a query sees
+the whole context less its padding ``context_mask``; a ``ContextCache`` keeps the context's
+projected keys and values. ``check=False`` skips the checks (and, for the decode shape, the
+core's: ``attention_unchecked``) for ``generate``'s decode loop; the numbers are the same.
 The steps are reported to ``headwise.observe`` under the names ``headwise explain`` shows.
 """
 
@@ -146,19 +139,8 @@ class AttentionLayer(nn.Module):
             return self._cross(x, context, context_mask, attention_mask, cache, position_ids)
         if check:
             x, attention_mask = self._checked(x, attention_mask, cache, position_ids)  # (B, T, d_in), (B, T) bool or None
-        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
-        packed = not isinstance(start, int)
-        if position_ids is None and packed:
-            position_ids = start  # (1, T): each sequence's tokens continue from its own length
         watched = observing()  # the steps below go to an observer only (one question, not one per step)
-        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
-        if watched:
-            for name, t in (("x", x), ("queries", queries), ("keys", keys), ("values", values)):
-                report(name, t)
-        queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
-        keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
-        values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
-        queries, keys = self.position(queries, keys, 0 if packed else start, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+        queries, keys, values = self._heads(x, cache, attention_mask, position_ids, watched)  # (B, H, T, D), (B, Hkv, T, D) x2
         terms = {"causal": self.causal, "window": self.window, "backend": self.backend, **self.score_terms()}
         dropout_p = self.attn_dropout_p
         if not check and isinstance(cache, KVCache) and attention_mask is None and documents is None and dropout_p == 0:
@@ -183,19 +165,32 @@ class AttentionLayer(nn.Module):
         The projections run (the plan reads q, k and v: shapes, dtype, device, autograd); nothing
         is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
         """
+        terms = {"dropout_p": self.attn_dropout_p, "backend": self.backend, **self.score_terms()}
         if context is not None or isinstance(cache, ContextCache):  # cross-attention: keys of the context (or the cache's)
-            queries = split_heads(self.project_q(x), self.head_dim)  # (B, H, T, D)
-            keys, values = (split_heads(t, self.head_dim) for t in self.project_kv(context)) if context is not None else (cache.k, cache.v)
-            return plan(queries, keys, values, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms())
-        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
-        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
-        queries, keys, values = (split_heads(t, self.head_dim) for t in (queries, keys, values))  # (B, H or Hkv, T, D)
-        at = start if isinstance(start, int) else 0
-        queries, keys = self.position(queries, keys, at, attention_mask, start if position_ids is None and not isinstance(start, int) else position_ids)
+            queries, keys, values, context_mask, _ = self._cross_heads(x, context, None, cache)
+            return plan(queries, keys, values, attention_mask=context_mask, **terms)
+        queries, keys, values = self._heads(x, cache, attention_mask, position_ids, False)  # (B, H, T, D), (B, Hkv, T, D) x2
         return plan(
-            queries, keys, values, cache=cache, causal=self.causal, window=self.window, attention_mask=attention_mask, documents=documents,
-            dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms(),
+            queries, keys, values, cache=cache, causal=self.causal, window=self.window, attention_mask=attention_mask, documents=documents, **terms
         )
+
+    def _heads(
+        self, x: Tensor, cache: Cache | None, attention_mask: Tensor | None, position_ids: Tensor | None, watched: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, d_in) -> queries (B, H, T, D), keys and values (B, Hkv, T, D), position-encoded after the cache's tokens."""
+        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
+        packed = not isinstance(start, int)
+        if position_ids is None and packed:
+            position_ids = start  # (1, T): each sequence's tokens continue from its own length
+        queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+        if watched:
+            for name, t in (("x", x), ("queries", queries), ("keys", keys), ("values", values)):
+                report(name, t)
+        queries = split_heads(queries, self.head_dim, "queries")  # (B, H, T, D)
+        keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, T, D)
+        values = split_heads(values, self.head_dim, "values")  # (B, Hkv, T, D)
+        queries, keys = self.position(queries, keys, 0 if packed else start, attention_mask, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+        return queries, keys, values
 
     def _checked(
         self, x: Tensor, attention_mask: Tensor | None, cache: Cache | None, position_ids: Tensor | None
@@ -230,21 +225,16 @@ class AttentionLayer(nn.Module):
         if position_ids is not None:
             raise ValueError("position_ids place x's tokens for a position encoding; cross-attention uses none: pass position_ids=None")
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T)
-        B = x.shape[0]
-        kv_dim = getattr(self, "kv_dim", self.d_in)
         if cache is not None:
             cache.check_owner(self)
-        if context is not None:
-            b, s = _checks.tokens(context, kv_dim, "context")
-            if b != B:
-                raise ValueError(f"context must have the batch size of x ({B}), got shape {tuple(context.shape)}")
-            _checks.module_input(self, context, "context")
-        elif cache is None or not len(cache):
+        if context is None and (cache is None or not len(cache)):
             raise ValueError("cross-attention needs context= (B, S, kv_dim) the first time (an empty ContextCache holds nothing yet)")
-        else:
-            b, s = cache.k.shape[0], len(cache)
-            if b != B:
-                raise ValueError(f"this ContextCache holds a context of (B, S) = {(b, s)}; got x of batch {B}")
+        b, s = _checks.tokens(context, getattr(self, "kv_dim", self.d_in), "context") if context is not None else (cache.k.shape[0], len(cache))
+        if b != x.shape[0]:
+            held = "" if context is not None else " (the ContextCache's)"
+            raise ValueError(f"context must have the batch size of x ({x.shape[0]}), got (B, S) = {(b, s)}{held}")
+        if context is not None:
+            _checks.module_input(self, context, "context")
         context_mask = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("the context is", x.device))  # (B, S)
         if context is None and context_mask is not None and not (cache.context_mask is not None and torch.equal(cache.context_mask, context_mask)):
             raise ValueError(
@@ -252,14 +242,7 @@ class AttentionLayer(nn.Module):
                 "(it is projected again), or leave context_mask out"
             )
         report("x", x)
-        queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        fresh = context is not None and not (cache is not None and cache.holds(context, context_mask))
-        if fresh:
-            keys, values = self.project_kv(inert_padding(context, context_mask))  # (B, S, Hkv*D) x2
-            keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
-            values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
-        else:
-            keys, values, context_mask = cache.k, cache.v, cache.context_mask  # (B, Hkv, S, D) x2, (B, S) or None
+        queries, keys, values, context_mask, fresh = self._cross_heads(x, context, context_mask, cache)
         out = attention(
             queries, keys, values, attention_mask=context_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
         )  # (B, H, T, D)
@@ -268,3 +251,16 @@ class AttentionLayer(nn.Module):
         out = self.project_out(merge_heads(out))  # (B, T, C)
         report("output", out)
         return out
+
+    def _cross_heads(
+        self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, cache: ContextCache | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+        """Queries (B, H, T, D) of x; keys and values (B, Hkv, S, D) and padding (B, S) or None of ``context``, or the
+        ``ContextCache``'s where it holds them; and whether they were projected now."""
+        queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
+        if context is None or (cache is not None and cache.holds(context, context_mask)):
+            return queries, cache.k, cache.v, cache.context_mask, False
+        keys, values = self.project_kv(inert_padding(context, context_mask))  # (B, S, Hkv*D) x2
+        keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
+        values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
+        return queries, keys, values, context_mask, True
