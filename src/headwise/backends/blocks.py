@@ -1,10 +1,7 @@
 """Blocks of queries, each over only the keys it may see: the one loop of every runner that blocks.
 
-A runner that must not hold the whole (B, H, T, S) score tensor, or that gains by skipping the
-keys a block of queries cannot see (causal, window), walks ``query_blocks(spec, rows)``: query
-rows r0..r1 and the keys c0..c1 they may see at all (``visible``). A block whose queries see no
-key (they sit before the first key) comes with an empty key range, and every runner answers it
-with zeros; ``joined`` puts the blocks' contexts back together along T.
+``query_blocks(spec, rows)``: query rows r0..r1 and the keys c0..c1 they may see at all
+(``visible``); queries that see no key get an empty key range, answered with zeros.
 """
 
 from __future__ import annotations

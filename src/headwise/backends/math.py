@@ -1,20 +1,15 @@
 """The "math" backend: the scores written out, every term applied to them; the reference for all.
 
-``run`` computes the whole (B, H, T, S) score tensor and reports each step to an observer
-(``scores``, ``capped_scores``, ``masked_scores``, ``weights``). ``run_chunked`` is the same
-arithmetic over blocks of queries, each against only the keys it may see (causal and window
-ranges cut off up front), so memory stays bounded by the block, not by T x S in a forward
-(autograd keeps each block's weights).
-
-Order, per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> masks (-inf)
--> softmax over the keys and the sink -> dropout -> @ v. Half inputs get float32 logits and
+``run`` computes the whole (B, H, T, S) score tensor and reports each step to an observer;
+``run_chunked`` is the same arithmetic over blocks of queries, each against only the keys it
+may see. Per score: q.k -> * scale -> softcap -> + ALiBi bias + additive mask -> masks (-inf)
+-> softmax over the keys and the sink -> dropout -> @ v; half inputs get float32 logits and
 softmax. A row that may see no key gets zero weights (finite logits, then zeroed by ``where``,
 never by asking the device whether such a row exists).
 
 ``float32_keys`` (the plan's choice for decode-shaped half inputs on the CPU) runs both matmuls
 in float32, keys and values converted that many elements at a time: oneDNN's half matmul builds
-a kernel for every new key count, float32 GEMM has no per-shape setup. The scores then come out
-float32 (not rounded to the half type first): as exact or more.
+a kernel for every new key count, float32 GEMM has no per-shape setup.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Packed documents: several documents in one row, each attended on its own.
 
-A dense document mask would cost a (T, S) mask per row and push the fused kernel off its
-fast path. Instead the row is cut where the document id changes, and each document's
-queries attend over its keys in a call of their own (``inner``, planned for that document):
-memory and time follow sum(T_i * S_i) per head, never T * S. Documents shorter than ``short``
-keys that share a length are stacked into one batched call (their call overhead would
-dominate otherwise).
-
-The cut needs the documents' lengths on the host: one read of the (B, S) ids per call
-(``runs``). The plan reads them, eager only, and folds ids that do not form contiguous runs
-into the mask of one call instead.
+The row is cut where the document id changes (``runs``: one host read of the (B, S) ids), and
+each document's queries attend over its keys in a call of their own (``inner``, planned for that
+document): memory and time follow sum(T_i * S_i) per head, never T * S, and no (T, S) mask.
+Documents shorter than ``short`` keys that share a length are stacked into one batched call.
 """
 
 from __future__ import annotations

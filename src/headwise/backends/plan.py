@@ -1,14 +1,10 @@
 """How one attention call runs, and why: one ordered table of rules, read by ``attention`` and ``headwise.plan``.
 
-Each rule is a predicate over the call (shapes, dtype, device, terms, autograd, the backend
-asked for), the runner it builds and the reason, one sentence. The first rule that matches and
-serves the asked backend runs the call: "auto" is served by every rule, "math" and "sdpa" by
-the rules that run their way (a term no fused kernel takes goes to math blocks under "sdpa"
-too). A rule whose runner is ``backend`` is the first match under ``backend`` whenever it is
-under "auto", so ``attention(..., backend=plan.backend)`` runs the same runner, bit for bit.
-
-The sizes the rules and runners use are the named constants below, each with how it was
-measured (the numbers and the machine: docs/performance). Runners take them as arguments.
+Each rule: a predicate over the call, the runner it builds, the backend whose way it is, the
+backends it serves, and why. The first rule that matches and serves the asked backend runs the
+call ("auto" is served by every rule). A rule whose runner is ``backend`` is the first match
+under ``backend`` whenever it is under "auto": ``attention(..., backend=plan.backend)`` runs
+the same runner, bit for bit. Runners take the sizes below as arguments (measured: docs/performance).
 """
 
 from __future__ import annotations

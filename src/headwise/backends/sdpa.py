@@ -1,17 +1,9 @@
 """The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
 
-- ``fused``: one call of ``F.scaled_dot_product_attention`` (native GQA) with every term folded
-  into one mask (``is_causal`` instead of a mask whenever it means the same);
-- ``causal_blocks``: a causal prompt as blocks of queries, each over the keys it may see (torch's
-  CPU flash kernel would compute the masked half of each key block too);
-- ``alibi_blocks``: ALiBi's bias is an additive mask, folded one block of queries at a time (the
-  kernel stays fused, the bias never costs (H, T, S));
-- sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink only
-  rescales a row: ``context * sigmoid(lse - sink)`` (``SinkAttention``; its backward is the
-  kernel's own, given the rescaled output, plus the sink's gradient).
-
-Which of them runs, and what goes elsewhere (softcap, packed documents, sinks the flash kernel
-cannot take), is ``plan.RULES``'s choice.
+``fused`` is one call with every term folded into one mask (``is_causal`` where it means the
+same); ``causal_blocks`` and ``alibi_blocks`` call it a block of queries at a time over the keys
+each sees. Sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink
+only rescales a row, ``context * sigmoid(lse - sink)`` (``SinkAttention``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""What one attention call asks for, unfolded, and the masks and biases of any block of it.
+"""What one attention call asks for, unfolded (``Spec``), and the masks and biases of any block of it.
 
-``Spec`` holds every term of a call (causal, window, masks, documents, softcap, ALiBi, sinks)
-as given, not folded into a (T, S) mask: a backend folds only the block it computes
-(``allowed`` and ``bias`` for query rows r0..r1 and keys c0..c1), so a chunk of queries or
-one packed document costs a mask of its own size, and plain causal attention costs none.
+A backend folds only the block it computes (``allowed`` and ``bias`` for query rows r0..r1 and
+keys c0..c1): a block or a packed document costs a mask of its own size, plain causal none.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Key/value caches for incremental decoding, all read by the core through one protocol (protocol.py).
-
-- ``KVCache`` (static.py): preallocated (B, Hkv, max_len, D) buffers written in place, one row
-  per sequence, or a ring buffer for sliding windows.
-- ``PagedKVCache`` (paged.py): one pool of fixed-size blocks shared by many sequences of any
-  lengths, a block table per sequence, copy-on-write forks; ``paged.batch(seq_ids, new_tokens)``
-  is what ``attention`` takes for a row that packs several sequences' new tokens.
-- ``ContextCache`` (context.py): cross-attention's keys and values of a context, projected once
-  (the layer reads it; ``attention`` takes its keys directly).
-"""
+"""Key/value caches, read by the core through one protocol (``protocol.py``): ``KVCache`` (static.py),
+``PagedKVCache`` and its ``batch(...)`` (paged.py, paged_batch.py), cross-attention's ``ContextCache`` (context.py)."""
 
 from .context import ContextCache
 from .paged import PagedBatch, PagedKVCache

@@ -1,10 +1,7 @@
-"""Cross-attention's cache: the keys and values of a context (an encoder's output), projected once.
+"""Cross-attention's cache: a context's keys and values (an encoder's output), projected once.
 
-A decoder attends over its own tokens (a ``KVCache``) and, in its cross-attention layers, over
-another sequence that does not change while it decodes. ``ContextCache`` keeps that sequence's
-projected keys and values (B, Hkv, S, D) and its padding (B, S), so that decode steps do not
-project the encoder's output again. The layer fills it (``AttentionLayer.forward(x, context=...,
-cache=...)``); the core never reads it (cross-attention passes its keys to ``attention`` directly).
+The layer fills and reads it (``AttentionLayer.forward(x, context=..., cache=...)``); the core
+never does (cross-attention passes its keys to ``attention`` directly).
 """
 
 from __future__ import annotations
@@ -18,12 +15,10 @@ from .owner import Owned
 class ContextCache(Owned):
     """The context's keys and values (B, Hkv, S, D), projected once, and its padding (B, S).
 
-    The first forward given it (with a ``context``) projects and stores them; later forwards
-    attend over the stored ones, with or without the context passed again. A forward given
-    another context (another tensor with other values, or another ``context_mask``) attends over
-    that context: it is projected and stored in place of the old one. Like a ``KVCache``, a
-    ``ContextCache`` belongs to the one module that filled it (another module's keys are other
-    numbers): another module given it gets a ValueError.
+    The first forward given a ``context`` projects and stores them; later forwards reuse them,
+    with or without the context passed again; another context (other values, or another
+    ``context_mask``) is projected and replaces them. It belongs to the module that filled it
+    (another module's projections are other numbers): another module given it gets a ValueError.
 
     Example:
         >>> import torch, headwise as hw
