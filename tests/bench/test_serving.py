@@ -28,7 +28,7 @@ def test_the_three_strategies_give_the_same_tokens():
 
 
 def test_the_report_adds_up():
-    r = serving(requests=3, prompt=(4, 20), new=(2, 6), config=TINY, block_size=4, decode_context=12, decode_repeats=2)
+    r = serving(requests=3, prompt=(4, 20), new=(2, 6), config=TINY, block_size=4, chunk=3, decode_context=12, decode_repeats=2)
     prompts, new = request_mix(3, prompt=(4, 20), new=(2, 6), vocab=TINY.vocab_size)
     assert (r.prompt_tokens, r.new_tokens) == (sum(len(p) for p in prompts), sum(new))
     assert r.static_slots == 3 * (max(len(p) for p in prompts) + max(new))
@@ -38,7 +38,10 @@ def test_the_report_adds_up():
     assert min(r.paged_s, r.one_at_a_time_s, r.static_s, r.decode_static_ms, r.decode_paged_view_ms, r.decode_paged_gather_ms) > 0
     text = markdown(r, "this machine")
     assert "| continuous batching, paged cache |" in text and "this machine" in text
-    assert "Requests whose paged tokens equal their one-at-a-time tokens: 3 of 3." in text
+    assert "Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: 3 of 3." in text
+    assert (r.chunked.max_step_tokens, r.unchunked.max_step_tokens) == (3, 2048) and "| 3 |" in text
+    for t in (r.chunked, r.unchunked):
+        assert 0 < t.gap_median_ms <= t.gap_max_ms and t.longest_step_ms > 0
 
 
 def consecutive(blocks: list[int]) -> bool:

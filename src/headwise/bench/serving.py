@@ -17,6 +17,11 @@ B × max_len for the static batch. ``decode_*`` time one decode step of one sequ
 whole model at one context through a ``KVCache``, through a ``PagedKVCache`` whose blocks are
 consecutive (read as a view) and through one whose blocks are scattered (gathered: a copy of
 every key and value read).
+
+``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole)
+and again with ``chunk`` (256): a long prompt fed in chunks over several steps. For each, the
+longest step and the running requests' time between two of their tokens (median and worst)
+say how long a joining prompt stalls the others.
 """
 
 from __future__ import annotations
@@ -41,6 +46,27 @@ from .timing import interleaved
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """One paged run's steps: ``max_step_tokens``, the longest step and the gaps between a request's tokens (ms)."""
+
+    max_step_tokens: int
+    longest_step_ms: float
+    gap_median_ms: float
+    gap_max_ms: float
+
+    @classmethod
+    def of(cls, max_step_tokens: int, steps: list[tuple[float, float, list[int]]]) -> StepTimes:
+        """From (start, end, request ids given a token) per step."""
+        last: dict[int, float] = {}
+        gaps = []
+        for _, end, emitted in steps:
+            gaps += [end - last[r] for r in emitted if r in last]
+            last.update(dict.fromkeys(emitted, end))
+        gaps = sorted(gaps) or [0.0]  # (no request had two tokens)
+        return cls(max_step_tokens, 1000 * max(b - a for a, b, _ in steps), 1000 * gaps[len(gaps) // 2], 1000 * gaps[-1])
+
+
+@dataclass(frozen=True)
 class ServingReport:
     """One interleaved run of the three strategies over one mix, and the decode-step timings.
 
@@ -52,6 +78,8 @@ class ServingReport:
     new_tokens: int
     block_size: int
     paged_s: float
+    chunked: StepTimes  # the same paged run with max_step_tokens = chunk
+    unchunked: StepTimes  # and with the default max_step_tokens
     one_at_a_time_s: float
     static_s: float
     paged_peak_slots: int  # blocks x block_size held at the fullest step
@@ -110,15 +138,21 @@ def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: 
     return [row[:n] for row, n in zip(tokens, max_new, strict=True)]
 
 
-def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None) -> list[list[int]]:
-    """Greedy generation through the ``Batcher``; ``watch`` collects (slots held, tokens held) after every step."""
+def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None,
+                   *, max_step_tokens: int = 2048, steps: list | None = None) -> list[list[int]]:
+    """Greedy generation through the ``Batcher``; ``watch`` collects (slots held, tokens held) after every step,
+    ``steps`` (start, end, request ids given a token) of every step."""
     num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, max_new, strict=True))
-    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size)
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
     for p, n in zip(prompts, max_new, strict=True):
         batcher.submit(p, n)
     out: list[list[int]] = [[] for _ in prompts]
     while batcher.pending:
-        for request, token in batcher.step():
+        start = time.perf_counter()
+        emitted = batcher.step()
+        if steps is not None:
+            steps.append((start, time.perf_counter(), [request for request, _ in emitted]))
+        for request, token in emitted:
             out[request].append(token)
         if watch is not None and batcher.tokens_held:
             watch.append((batcher.blocks_held * block_size, batcher.tokens_held))
@@ -163,6 +197,7 @@ def serving(
     new: tuple[int, int] = (16, 256),
     config: GPT2Config | None = None,
     block_size: int = 16,
+    chunk: int = 256,
     repeats: int = 1,
     decode_context: int = 512,
     decode_repeats: int = 20,
@@ -175,10 +210,16 @@ def serving(
     prompts, max_new = request_mix(requests, prompt=prompt, new=new, vocab=config.vocab_size, seed=seed)
     results: dict[str, list[list[int]]] = {}
     watch: list[tuple[int, int]] = []
+    steps: dict[str, list] = {"unchunked": [], "chunked": []}
 
     def run_paged() -> None:
         watch.clear()
-        results["paged"] = paged_generate(model, prompts, max_new, block_size, watch)
+        steps["unchunked"].clear()
+        results["paged"] = paged_generate(model, prompts, max_new, block_size, watch, steps=steps["unchunked"])
+
+    def run_chunked() -> None:
+        steps["chunked"].clear()
+        results["chunked"] = paged_generate(model, prompts, max_new, block_size, max_step_tokens=chunk, steps=steps["chunked"])
 
     def run_alone() -> None:
         results["alone"] = [static_generate(model, [p], [n])[0] for p, n in zip(prompts, max_new, strict=True)]
@@ -186,7 +227,7 @@ def serving(
     def run_static() -> None:
         results["static"] = static_generate(model, prompts, max_new)
 
-    times = interleaved({"paged": run_paged, "one_at_a_time": run_alone, "static": run_static}, repeats=repeats)
+    times = interleaved({"paged": run_paged, "chunked": run_chunked, "one_at_a_time": run_alone, "static": run_static}, repeats=repeats)
     median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     peak_slots, peak_tokens = max(watch)
     decode = interleaved(_decode_steps(model, decode_context, block_size), repeats=decode_repeats, warmup=2)
@@ -194,9 +235,10 @@ def serving(
     return ServingReport(
         requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
         paged_s=median["paged"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
+        chunked=StepTimes.of(chunk, steps["chunked"]), unchunked=StepTimes.of(2048, steps["unchunked"]),
         paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
-        same_tokens=sum(a == b for a, b in zip(results["paged"], results["alone"], strict=True)),
+        same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(),
     )
@@ -212,7 +254,9 @@ def markdown(r: ServingReport, machine: str = "") -> str:
     lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
               f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
               f"| static batch, B x max_len | {r.static_slots} | {r.static_slots / r.paged_peak_tokens:.2f} |",
-              "", f"Requests whose paged tokens equal their one-at-a-time tokens: {r.same_tokens} of {r.requests}.", "",
+              "", f"Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: {r.same_tokens} of {r.requests}.", "",
+              "| paged, max_step_tokens | longest step ms | between a request's tokens: median ms | worst ms |", "|---|---:|---:|---:|",
+              *(f"| {t.max_step_tokens} | {t.longest_step_ms:.0f} | {t.gap_median_ms:.1f} | {t.gap_max_ms:.0f} |" for t in (r.unchunked, r.chunked)), "",
               f"| decode step, one sequence, context {r.decode_context} | ms | / KVCache |", "|---|---:|---:|"]
     for name, t in (("KVCache", r.decode_static_ms), ("PagedKVCache, consecutive blocks (view)", r.decode_paged_view_ms),
                     ("PagedKVCache, scattered blocks (gather)", r.decode_paged_gather_ms)):
@@ -228,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     positive = _argtypes.integer(1)
     p.add_argument("--requests", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=1)
+    p.add_argument("--chunk", type=positive, default=256, help="max_step_tokens of the chunked paged run")
     p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
     add_busy_flag(p)
     args = p.parse_args(argv)
@@ -235,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with busy(args.busy):
-        report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats))
+        report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk))
     print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
