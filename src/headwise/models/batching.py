@@ -2,34 +2,28 @@
 
 ``Batcher(model, num_blocks=...)`` takes requests (``submit``) at any time; each ``step`` runs
 one forward pass over one row that packs the next token of every running request and at most
-``max_step_tokens`` prompt tokens (ragged: no padding to the longest). A long prompt is fed in
-chunks over several steps (``scheduling.py``), so the running requests get a token every step
-while it is prefilled; it samples its first token when its last chunk has run. A request that
+``max_step_tokens`` prompt tokens, a long prompt fed in chunks over several steps (ragged: no
+padding to the longest; what a step feeds and who joins: ``scheduling.py``). A request that
 emits its ``eos_token_id`` or reaches its ``max_new_tokens`` leaves at once and gives its blocks
-back; a waiting one joins as soon as the pool can hold everything it may write. ``stream()``
-yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
+back. ``stream()`` yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
 
 A step is all or nothing: it computes every token first, then commits them. A step that raises
 (a changed model, a hook that fails, an interrupt) leaves every cache and request as they were
-before it (the keys some layers wrote are taken back, the joining requests wait again, a
-prompt being prefilled keeps the chunks fed before), so the next step carries on as if it had
-not run. A request is always pending (waiting or running), finished, or cancelled (``cancel``,
-which also frees a partly prefilled prompt's blocks): never lost. Tokens a step computed reach
-``stream()`` even when the loop over it stopped between two of them: the next ``stream()``
-yields them first.
+before it (the keys some layers wrote are taken back, the joining requests wait again, a prompt
+being prefilled keeps its earlier chunks), so the next step carries on as if it had not run. A
+request is always pending (waiting or running), finished, or cancelled (``cancel``): never lost.
+Tokens a step computed reach ``stream()`` even when the loop over it stopped between two of them.
 
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
 seed): the sampling calls are the same, one generator per request, and the logits are those of
-the sequence alone (each sequence attends over its own keys only).
+the sequence alone (each sequence attends over its own keys only), whatever the chunks.
 
-Admission never overcommits: a request joins only when the blocks it could hold at once, added
-to what the running requests may still take, fit the pool, so no step runs out of blocks and
-nothing is ever evicted. That worst case is set aside as one run of consecutive blocks when the
-pool has one (keys and values are then read in place, not gathered); blocks are taken as tokens
-are written, so memory follows the tokens held. When every layer of the model slides (Mistral),
-each step's commit gives back the blocks wholly before each sequence's window
-(``PagedKVCache.slide``): a request then holds about W + block_size tokens however long it
-generates, and its worst case is that, not its length.
+Admission never overcommits (``scheduling.worst_blocks``), so no step runs out of blocks and
+nothing is evicted. A request's worst case is set aside as one run of consecutive blocks when
+the pool has one (keys and values are then read in place, not gathered); blocks are taken as
+tokens are written. When every layer slides (Mistral), each commit gives back the blocks wholly
+before each sequence's window (``PagedKVCache.slide``): a request holds about W + block_size
+tokens however long it generates.
 """
 
 from __future__ import annotations
