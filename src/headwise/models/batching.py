@@ -80,7 +80,7 @@ class Batcher:
             raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.caches = model.new_paged_caches(num_blocks, block_size)
-        self.window = sliding_window(model)  # when every layer slides: the blocks before each window go back
+        self.window = sliding_window(c.window for c in self.caches)  # when every layer's cache slides: blocks before each window go back
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in the order they joined
         self._unread: deque[tuple[int, int]] = deque()  # tokens steps computed that stream() has not yielded yet
@@ -305,7 +305,7 @@ def generate_many(
     for prompt, n in zip(prompts, counts, strict=True):  # every request checked before a pool is allocated for them
         check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
     if num_blocks is None:
-        window = sliding_window(model)
+        window = sliding_window(attn.window for attn in model.attention_layers())
         num_blocks = sum(
             worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)
         )

@@ -20,13 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-
-
-class HasAttentionLayers(Protocol):
-    def attention_layers(self) -> list: ...
 
 
 @dataclass
@@ -65,9 +60,9 @@ class Feed:
         return self.request.fed + self.count >= len(self.request.prompt)
 
 
-def sliding_window(model: HasAttentionLayers) -> int | None:
-    """The largest window when every attention layer of ``model`` slides, else None (a layer sees every key)."""
-    windows = [attn.window for attn in model.attention_layers()]
+def sliding_window(windows: Iterable[int | None]) -> int | None:
+    """The largest of the layers' ``windows`` when every layer slides, else None (a layer sees every key)."""
+    windows = list(windows)
     return None if not windows or any(w is None for w in windows) else max(windows)
 
 
