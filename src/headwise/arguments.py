@@ -1,11 +1,8 @@
 """The arguments of one attention call, every one checked before anything is written.
 
-``checked(q, k, v, ...)`` raises ValueError/TypeError naming the argument, what was expected
-and what came, for every argument of ``headwise.attention``, and checks the terms that depend
-on the keys (a mask's shape, documents) against the keys each run of queries will see, which a
-cache says before it is written (``sizes``). What it returns is what ``functional`` runs: q, k
-and v (padded keys and values zeroed), one ``Spec`` of the call's terms, the cache and the
-backend. ``for_run`` makes that Spec the one of a run of queries over the keys a cache hands it.
+``checked`` returns what ``functional`` runs (``Arguments``: q, k and v with padded keys and
+values zeroed, the call's ``Spec``, the cache, the backend); terms that number the keys are
+checked against what the cache's ``sizes`` says each run will see. ``for_run``: a run's ``Spec``.
 """
 
 from __future__ import annotations
@@ -104,11 +101,20 @@ def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | N
     return value.to(dtype)
 
 
+def in_order(spec: Spec) -> bool:
+    """ALiBi and documents read key positions: a sliding cache hands them its keys in time order."""
+    return spec.documents is not None or spec.alibi is not None
+
+
+def sizes(cache: Cache | None, spec: Spec, t: int) -> list[tuple[slice, int]]:
+    """``[(rows, S)]``: the S keys each run of queries will see once ``t`` new keys are written, before any write."""
+    return [(slice(None), t)] if cache is None else cache.sizes(t, in_order=in_order(spec))
+
+
 def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: bool) -> tuple[Spec, int]:
-    """The terms of T queries over the S keys handed to them, and c0: the first key kept. A cache's
-    keys that no query sees (before a causal window) are dropped: c0 > 0; the caller's own keys are
-    all kept (its mask and documents number them). The padding (B, S) is the keys'; a window that
-    covers every kept key is none."""
+    """The terms of T queries over the S keys handed to them with padding (B, S), and c0: the first key
+    kept (a cache's keys before a causal window are dropped; the caller's own are all kept: its mask
+    and documents number them). A window that covers every kept key is none."""
     if not cached:  # the call's own keys: its terms as given
         return (spec if spec.window is None or spec.window < S else dataclasses.replace(spec, window=None)), 0
     c0 = visible(T, S, spec.causal, spec.window, 0, T)[0]  # (the last query sees up to key S - 1)
@@ -121,11 +127,8 @@ def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: b
 
 
 def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
-    """(B, Hkv, S, D) keys or values with the rows of padded keys (real (B, S) False) set to zero.
-
-    A padded key gets weight 0, but 0 * NaN is NaN: a NaN or Inf there would reach every row
-    through weights @ v (and q's gradient through k). Zeros are inert, and no output changes.
-    """
+    """(B, Hkv, S, D) keys or values with padded keys' rows (real (B, S) False) zeroed: a padded key gets
+    weight 0, but 0 * NaN is NaN, which would reach every row through weights @ v (and q's gradient)."""
     return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 
@@ -163,8 +166,7 @@ def checked(
         softcap=_checks.softcap(softcap), sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head"),
         alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True), dropout_p=dropout_p, scale=scale,
     )
-    in_order = documents is not None or alibi_slopes is not None
-    runs = [] if user_mask is None and documents is None else [(slice(None), k.shape[2])] if cache is None else cache.sizes(k.shape[2], in_order=in_order)
+    runs = [] if user_mask is None and documents is None else sizes(cache, spec, k.shape[2])
     for rows, S in runs:  # the terms that number the keys, against the keys each run of queries will see
         run, _ = for_run(spec, T if rows == slice(None) else rows.stop - rows.start, S, None, cache is not None)  # (a symbolic T: no range)
         if user_mask is not None:

@@ -154,7 +154,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)
-    runs = [(slice(None), k.shape[2])] if args.cache is None else args.cache.sizes(k.shape[2], in_order=_in_order(args.spec))
+    runs = arguments.sizes(args.cache, args.spec, k.shape[2])
     padding = args.spec.attention_mask
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
@@ -170,11 +170,6 @@ def _checked_as_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Arg
     call = inspect.signature(attention).bind(q, k, v, **kwargs)
     call.apply_defaults()
     return arguments.checked(**call.arguments)
-
-
-def _in_order(spec: Spec) -> bool:
-    """ALiBi and documents read key positions: a sliding cache hands them its keys in time order."""
-    return spec.documents is not None or spec.alibi is not None
 
 
 def _for_run(
@@ -195,7 +190,7 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     if cache is None:
         runs = [Attended(slice(None), k, v, spec.attention_mask)]  # every query over every key
     else:
-        runs = cache.append(k, v, spec.attention_mask, in_order=_in_order(spec), check=check_cache)  # one, or one per sequence
+        runs = cache.append(k, v, spec.attention_mask, in_order=arguments.in_order(spec), check=check_cache)  # one, or one per sequence
     contexts = []
     for rows, keys, values, padding in runs:
         q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)

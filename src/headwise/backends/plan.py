@@ -21,8 +21,6 @@ from . import math as math_runner
 from . import packed, sdpa, softcap
 from .spec import Spec
 
-# ----------------------------------------------------------------------------- sizes
-
 #: Query rows per row of a bfloat16 call on the CPU that run as math (a decode step): torch's
 #: fused CPU kernel against two matmuls, one query over 128-2048 keys (bench.decode_attention).
 DECODE_QUERIES = 1
@@ -85,9 +83,6 @@ class Rule:
     why: str
 
 
-# ----------------------------------------------------------------------------- predicates
-
-
 def _grad(c: Call) -> bool:
     return torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad)
 
@@ -123,7 +118,6 @@ def _sinks_fused(c: Call) -> bool:
 
 
 def _math_only(c: Call) -> bool:
-    """Terms no fused runner computes exactly: softcap with dropout or a trained bias, sinks the flash kernel cannot take."""
     return (c.spec.softcap is not None and not _capped(c)) or (c.spec.sinks is not None and not _sinks_fused(c))
 
 
@@ -139,9 +133,6 @@ def float32_keys(q: Tensor, k: Tensor, T: int) -> int | None:
     """Keys converted to float32 at a time for half matmuls of a decode shape on the CPU, else None (matmuls in q's dtype)."""
     few_rows = (q.shape[1] // max(1, k.shape[1])) * T <= FLOAT32_ROWS
     return FLOAT32_KEY_ELEMENTS if q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cpu" and few_rows else None
-
-
-# ----------------------------------------------------------------------------- runners
 
 
 def _math_whole(c: Call) -> Runner:
