@@ -114,14 +114,12 @@ def fused(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
 
 
 def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
-    """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see.
-
-    torch's CPU flash kernel (torch 2.13) splits keys in blocks of up to 512 and computes every
-    score of a key block that a query block reaches: a causal prompt of T <= 512 costs the whole
-    T x T square, half of it masked. Here block r0..r1 reads keys 0..r1 only (the first block
-    with ``is_causal``, the others with their (t, r1) mask), each row's softmax the same
-    (float32 sums over the keys it sees, rounded once).
+    """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see:
     (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).
+
+    torch's CPU flash kernel (torch 2.13) computes every score of a key block (up to 512) that a
+    query block reaches: half of a causal prompt's T x T square is masked work. Here block r0..r1
+    reads keys 0..r1 only (the first with ``is_causal``, the others with their (t, r1) mask).
     """
     contexts = []
     for (r0, r1), (c0, c1) in query_blocks(spec, rows):

@@ -1,23 +1,16 @@
-"""Softcapped attention over blocks of queries, with a backward that recomputes instead of storing.
-
-No fused kernel computes ``cap * tanh(scores / cap)``, so the scores are written out, one block
-of queries at a time against only the keys it may see (``blocks.query_blocks``). Two things make it
-cheap and keep it exact:
+"""Softcapped attention over blocks of queries (``blocks.query_blocks``), with a backward that recomputes.
 
 - **tanh through expm1.** ``tanh(x) = e / (e + 2)`` with ``e = expm1(2 x)``: no cancellation at
-  any x (expm1 is exact near 0, the sum is at least 1), so the capped score keeps the relative
-  precision of the score at every cap, large ones included, where ``2 sigmoid(2 x) - 1`` keeps
-  only an absolute ``cap * eps``. torch's CPU expm1 costs less than its tanh. The ``2 scale /
-  cap`` goes into q before the product (T x D numbers, not T x S); the products are clamped to
-  +-40 first, where tanh is 1 to float64 precision and expm1 cannot overflow.
-- **A flash-style backward** (``CappedAttention``): the forward keeps only its inputs and
-  output; the backward recomputes each block's weights P and tanh values and applies
-  ``dS = P * (dP - rowsum(dO * O))`` (the sink's logit carries no value, so the same row sum
-  holds with sinks) times the tanh's derivative ``1 - tanh^2``. Memory stays one block's
-  scores in backward too, where autograd would keep every block's weights.
+  any x, so the capped score keeps the score's relative precision at every cap, where
+  ``2 sigmoid(2 x) - 1`` keeps only an absolute ``cap * eps``; torch's CPU expm1 costs less than
+  its tanh. ``2 scale / cap`` goes into q (T x D numbers, not T x S); the products are clamped to
+  +-40, where tanh is 1 to float64 precision and expm1 cannot overflow.
+- **A flash-style backward** (``CappedAttention``): the forward keeps its inputs and output; the
+  backward recomputes each block's weights P and tanh values and applies ``dS = P * (dP -
+  rowsum(dO * O))`` (the sink carries no value: the same row sum holds) times ``1 - tanh^2``.
+  Memory stays one block's scores in backward too.
 
-Dropout, or an ALiBi slope or float mask that wants a gradient, it does not take: ``plan``
-sends those calls to ``math.run_chunked``, which autograd differentiates.
+Dropout, or an ALiBi slope or float mask that wants a gradient, ``plan`` sends to ``math.run_chunked``.
 """
 
 from __future__ import annotations
