@@ -116,12 +116,10 @@ def attention_unchecked(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
     softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
 ) -> Tensor:
-    """``attention(q, k, v, cache=cache, ...)`` with nothing checked, for a decode loop that checked once what cannot change.
-
-    ``AttentionLayer.forward(..., check=False)`` calls it for ``generate``: q (B, H, T, D), k and
-    v (B, Hkv, T, D) of one dtype and device, a ``KVCache`` of theirs with room for T more (its
-    window equal to ``window``), no padding among the new tokens, no mask, documents or dropout,
-    the default scale, terms ``attention`` would take. The path and the numbers are ``attention``'s.
+    """``attention(q, k, v, cache=cache, ...)`` with nothing checked, for ``generate``'s decode loop
+    (``AttentionLayer.forward(..., check=False)``): q (B, H, T, D), k and v (B, Hkv, T, D) of one
+    dtype and device, a ``KVCache`` of theirs with room for T more (its window ``window``), no
+    padding, mask, documents or dropout, the default scale. The path and the numbers are ``attention``'s.
 
     Returns:
         (B, H, T, D).

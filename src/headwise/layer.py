@@ -37,10 +37,8 @@ from .observe import observing, report
 def checked_input(
     module: nn.Module, x: Tensor, attention_mask: Tensor | None, *, name: str = "x", past: int = 0, sliding: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """What every attention module checks first, for ``module`` (``d_in``, ``context_length``).
-
-    x must be (B, T, d_in) floats on the module's device and dtype; the padding mask (B, T)
-    becomes bool; ``past`` cached tokens plus T must fit ``context_length`` (unless
+    """What every attention module checks first: x (B, T, d_in) floats on ``module``'s device and dtype, its
+    padding mask (B, T) (made bool), ``past`` cached tokens plus T within ``context_length`` (unless
     ``sliding``). Returns x with NaN/Inf at padded tokens zeroed (padding is inert) and the mask.
     """
     b, t = _checks.tokens(x, module.d_in, name)
