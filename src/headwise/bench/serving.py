@@ -78,7 +78,8 @@ class ServingReport:
     new_tokens: int
     block_size: int
     paged_s: float
-    chunked: StepTimes  # the same paged run with max_step_tokens = chunk
+    chunked_s: float  # the same paged run with max_step_tokens = chunk
+    chunked: StepTimes
     unchunked: StepTimes  # and with the default max_step_tokens
     one_at_a_time_s: float
     static_s: float
@@ -234,7 +235,7 @@ def serving(
     ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
     return ServingReport(
         requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
-        paged_s=median["paged"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
+        paged_s=median["paged"], chunked_s=median["chunked"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
         chunked=StepTimes.of(chunk, steps["chunked"]), unchunked=StepTimes.of(2048, steps["unchunked"]),
         paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
@@ -249,7 +250,9 @@ def markdown(r: ServingReport, machine: str = "") -> str:
     lines = [f"Serving {r.requests} requests ({r.prompt_tokens} prompt tokens, {r.new_tokens} new tokens, greedy), "
              f"block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
-    for name, s in (("continuous batching, paged cache", r.paged_s), ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s)):
+    strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
+                  ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
+    for name, s in strategies:
         lines.append(f"| {name} | {s:.1f} | {r.tokens_per_s(s):.0f} | {s / r.paged_s:.2f} |")
     lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
               f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
