@@ -1,35 +1,15 @@
 """A paged key/value cache: one pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention).
 
-The pool holds ``num_blocks`` blocks of ``block_size`` token slots for keys and for values,
-laid out (Hkv, num_blocks · block_size, D): block b is slots b·Bs .. b·Bs + Bs - 1 of every
-head. Each sequence owns a block table (its blocks in order) and a length; a sequence of L
-tokens holds ceil(L / Bs) blocks, so memory follows the tokens actually held, not B × max_len.
-
-``add(seq_id)`` opens a sequence, ``free(seq_id)`` gives its blocks back, ``fork(seq_id,
-new_id)`` makes a sequence that shares every block of another (parallel samples, a shared
-system prompt): a shared block is copied only when one of them writes into it (copy-on-write;
-full blocks are never written again, so only a partly filled last block is ever copied).
-
-``attention`` reads the cache through ``paged.batch(seq_ids, new_tokens)`` (``paged_batch.py``):
-one row packing the new tokens of those sequences, each attending over its own tokens only. What
-a sequence attends over is a view of the pool when its blocks happen to be consecutive, else a
-gather of its slots into a fresh (1, Hkv, S, D) tensor (2·Hkv·S·D elements copied per sequence
-and layer, every step). ``add(seq_id, reserve=n)`` sets a run of consecutive free blocks aside
-for a sequence expected to reach n tokens, so that its blocks are consecutive however many
-sequences grow beside it (the ``Batcher`` reserves every request's worst case); a sequence
-gathers only when the pool had no such run (fragmented).
-
-Nothing is half-done: every write is checked whole before anything changes (a write that
-needs more free blocks than the pool has raises before any block changes hands, and so do
-unknown ids, a double free and a reused id). ``crop(seq_id, length)`` takes a sequence back
-to an earlier length and gives the blocks past it back: a caller rolls back a step with it.
-The pool is for inference: keys that need gradients are refused (nothing flows through it).
-
-A cache made with ``window=W`` serves sliding-window attention only (every ``attention`` call
-over it must pass ``window=W``): ``slide(seq_id)`` then gives back the blocks wholly before the
-window of every query still to come (positions < length - W + 1), so a sequence holds about
-W + Bs tokens however long it grows. Positions keep counting (``length`` is every token ever
-written); a sequence's block table starts at its first block still held (``first_held``).
+The pool is laid out (Hkv, num_blocks · Bs, D): block b is slots b·Bs .. b·Bs + Bs - 1 of every
+head. Each sequence holds a block table (its blocks in order) and a length: memory follows the
+tokens held, not B × max_len. Forked sequences share blocks; a shared, partly filled last block
+is copied when one of them writes into it (copy-on-write: full blocks are never written again).
+A sequence whose blocks are consecutive is read as a view of the pool, any other is gathered;
+``add(seq_id, reserve=n)`` sets a run of consecutive free blocks aside so that it stays a view.
+Every write is checked whole before anything changes hands; keys that need gradients are
+refused (the pool is for inference). With ``window=W``, ``slide`` gives back the blocks before
+the window of every query still to come: positions keep counting (``length``), and the block
+table starts at ``first_held``.
 """
 
 from __future__ import annotations
@@ -87,8 +67,6 @@ class PagedKVCache(Owned):
         self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position from first_held
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
 
-    # ------------------------------------------------------------------------- the pool
-
     @property
     def num_blocks(self) -> int:
         return len(self._refs)
@@ -104,7 +82,6 @@ class PagedKVCache(Owned):
         return list(self._tables)
 
     def __contains__(self, seq_id: object) -> bool:
-        """Whether ``seq_id`` is an open sequence."""
         return seq_id in self._tables
 
     def length(self, seq_id: int) -> int:
@@ -122,22 +99,23 @@ class PagedKVCache(Owned):
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Free blocks that writing ``new_tokens`` more tokens for ``seq_id`` takes (a shared last block counts: it is copied)."""
         seq_id = self._known(seq_id)
-        return self._needed(seq_id, _checks.integer("new_tokens", new_tokens, low=0))
+        grow, copy = self._growth(seq_id, _checks.integer("new_tokens", new_tokens, low=0))
+        return grow + copy
 
-    def _needed(self, seq_id: int, new_tokens: int) -> int:
-        n, table = self._lens[seq_id], self._tables[seq_id]
-        grow = -(-(n + new_tokens) // self.block_size) - self._gone[seq_id] - len(table)
-        shared_tail = n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
-        return grow + int(shared_tail)
+    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
+        """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
+        return PagedBatch(self, seq_ids, new_tokens)
+
+    # ------------------------------------------------------------------------- opening and closing sequences
 
     def add(self, seq_id: int, *, reserve: int = 0) -> None:
         """Open an empty sequence ``seq_id`` (any int not open already).
 
-        ``reserve``: the tokens it is expected to reach. A run of consecutive free blocks that
-        holds them is set aside for it, when the pool has one: its blocks come from that run as
-        it grows, so its keys and values are read as a view of the pool, never gathered. Set-aside
-        blocks stay free (other sequences get them only when no other block is free) and are
-        taken as tokens are written, so memory still follows the tokens held.
+        Args:
+            reserve: the tokens it is expected to reach. A run of consecutive free blocks that holds
+                them is set aside for it when the pool has one; it grows into that run, so it is read
+                as a view of the pool. Set-aside blocks stay free (others get them only when no other
+                block is free) and are taken as tokens are written.
         """
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
@@ -153,26 +131,21 @@ class PagedKVCache(Owned):
             self._set_aside.update(dict.fromkeys(range(first, first + want), seq_id))
             self._plan[seq_id] = (first, want)
 
-    def _find_run(self, want: int) -> int | None:
-        """The first block of the lowest run of ``want`` consecutive free blocks set aside for no one, or None."""
-        run_first, run = None, 0
-        for b in sorted(self._free):
-            run_first, run = (run_first, run + 1) if run and b == run_first + run else (b, 1)
-            if run == want:
-                return run_first
-        return None
+    def fork(self, seq_id: int, new_id: int) -> None:
+        """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
+        self._known(seq_id)
+        self.add(new_id)
+        table = self._tables[seq_id]
+        for block in table:
+            self._refs[block] += 1
+        self._tables[new_id], self._lens[new_id], self._gone[new_id] = list(table), self._lens[seq_id], self._gone[seq_id]
+        self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
 
     def free(self, seq_id: int) -> None:
         """Close ``seq_id``; its blocks no other sequence holds return to the pool."""
         for block in self._tables[self._known(seq_id)]:
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free.append(block)
-        first, count = self._plan.pop(seq_id, (0, 0))
-        for block in range(first, first + count):  # what it had set aside and not taken
-            if self._set_aside.get(block) == seq_id:
-                del self._set_aside[block]
-                self._free.append(block)
+            self._release(block)
+        self._drop_plan(seq_id)
         del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id], self._gone[seq_id]
 
     def crop(self, seq_id: int, length: int) -> None:
@@ -183,28 +156,23 @@ class PagedKVCache(Owned):
             ValueError: an unknown ``seq_id``, or a length outside 0 .. length(seq_id), or (a sliding
                 cache) one whose next query would need keys ``slide`` gave back already.
         """
-        held = self._lens[self._known(seq_id)]
-        first_held, low = self.first_held(seq_id), 0
-        if first_held:  # the next query, at position length, sees keys from length - window + 1 on: they must be held
-            low = first_held + self.window - 1
+        held, first_held = self._lens[self._known(seq_id)], self.first_held(seq_id)
+        low = first_held + self.window - 1 if first_held else 0  # the next query sees keys from length - window + 1 on
         held_from = f", keys from position {first_held} on" if first_held else ""
         _checks.integer(f"length (seq_id {seq_id} holds {held} tokens{held_from})", length, low=low, high=held)
-        table, (first, count), gone = self._tables[seq_id], self._plan.get(seq_id, (0, 0)), self._gone[seq_id]
-        while (gone + len(table)) * self.block_size >= length + self.block_size:  # a whole block past the kept tokens
-            index, block = gone + len(table) - 1, table.pop()
-            self._refs[block] -= 1
-            if self._refs[block] == 0 and index < count and block == first + index:
-                self._set_aside[block] = seq_id  # back into its run: it grows into the same blocks again
-            elif self._refs[block] == 0:
-                self._free.append(block)
-        self._run[seq_id] = all(b == table[0] + i for i, b in enumerate(table))
+        table, gone = self._tables[seq_id], self._gone[seq_id]
+        while (gone + len(table) - 1) * self.block_size >= length:  # the last block starts past the kept tokens
+            self._release(table.pop(), seq_id, gone + len(table))
+        self._run[seq_id] = _consecutive(table)
         self._lens[seq_id] = length
 
     def slide(self, seq_id: int) -> int:
         """Give back the blocks of ``seq_id`` wholly before the window of every query still to come (the next
-        one, at position ``length``, sees keys from length - window + 1 on); returns how many went back.
+        one, at position ``length``, sees keys from length - window + 1 on). Nothing is written: a caller
+        that may still roll back (``crop``) a write slides after it commits.
 
-        Nothing is written: a caller that may still roll back (``crop``) a write slides after it commits.
+        Returns:
+            How many blocks went back.
 
         Raises:
             ValueError: an unknown ``seq_id``, or a cache made without ``window``.
@@ -216,34 +184,14 @@ class PagedKVCache(Owned):
         drop = min(len(table), max(0, self._lens[seq_id] - self.window + 1) // bs - self._gone[seq_id])
         if drop <= 0:
             return 0
-        first, count = self._plan.pop(seq_id, (0, 0))
-        for block in range(first, first + count):  # a sliding sequence grows past its run: what it set aside goes back
-            if self._set_aside.get(block) == seq_id:
-                del self._set_aside[block]
-                self._free.append(block)
+        self._drop_plan(seq_id)  # a sliding sequence grows past its run
         for block in table[:drop]:
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free.append(block)
+            self._release(block)
         kept = self._tables[seq_id] = table[drop:]
         self._gone[seq_id] += drop
         self._slots[seq_id] = self._slots[seq_id][drop * bs :].clone()
-        self._run[seq_id] = all(b == kept[0] + i for i, b in enumerate(kept))
+        self._run[seq_id] = _consecutive(kept)
         return drop
-
-    def fork(self, seq_id: int, new_id: int) -> None:
-        """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
-        self._known(seq_id)
-        self.add(new_id)
-        table = self._tables[seq_id]
-        for block in table:
-            self._refs[block] += 1
-        self._tables[new_id], self._lens[new_id], self._gone[new_id] = list(table), self._lens[seq_id], self._gone[seq_id]
-        self._slots[new_id], self._run[new_id] = self._slots[seq_id].clone(), self._run[seq_id]
-
-    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
-        """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
-        return PagedBatch(self, seq_ids, new_tokens)
 
     def _known(self, seq_id: object) -> int:
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in self._tables:
@@ -252,30 +200,16 @@ class PagedKVCache(Owned):
             raise ValueError(f"seq_id {seq_id!r} is not in the cache (freed already, or never added); open ids: {shown}")
         return seq_id
 
-    # ------------------------------------------------------------------------- writing
+    # ------------------------------------------------------------------------- blocks changing hands
 
-    def _check_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
-        """ValueError unless the pool has the free blocks these new tokens need (copies of shared last blocks too)."""
-        needed = sum(self._needed(s, n) for s, n in zip(seq_ids, counts, strict=True))
-        if needed > self.free_blocks:
-            raise ValueError(
-                f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
-                f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
-                "or make the pool bigger. Nothing was written"
-            )
-
-    def _reserve(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
-        """Give each sequence the blocks its new tokens need (copying a shared last block); ``_check_room`` said they are free."""
-        for seq_id, n in zip(seq_ids, counts, strict=True):
-            table, length = self._tables[seq_id], self._lens[seq_id]
-            if length % self.block_size and n and self._refs[table[-1]] > 1:  # copy-on-write of the shared, partly filled last block
-                old, new = table[-1], self._take(seq_id, self._gone[seq_id] + len(table) - 1)
-                self.k[:, self._block_slots(new)] = self.k[:, self._block_slots(old)]
-                self.v[:, self._block_slots(new)] = self.v[:, self._block_slots(old)]
-                self._refs[old] -= 1
-                self._set_block(seq_id, len(table) - 1, new)
-            while (self._gone[seq_id] + len(table)) * self.block_size < length + n:
-                self._set_block(seq_id, len(table), self._take(seq_id, self._gone[seq_id] + len(table)))
+    def _find_run(self, want: int) -> int | None:
+        """The first block of the lowest run of ``want`` consecutive free blocks set aside for no one, or None."""
+        run_first, run = None, 0
+        for b in sorted(self._free):
+            run_first, run = (run_first, run + 1) if run and b == run_first + run else (b, 1)
+            if run == want:
+                return run_first
+        return None
 
     def _take(self, seq_id: int, index: int) -> int:
         """A free block to be block ``index`` of ``seq_id`` (counting those ``slide`` gave back): the one set aside for it there, else one set
@@ -290,8 +224,55 @@ class PagedKVCache(Owned):
         del self._set_aside[block]
         return block
 
-    def _block_slots(self, block: int) -> slice:
-        return slice(block * self.block_size, (block + 1) * self.block_size)
+    def _release(self, block: int, seq_id: int | None = None, index: int = 0) -> None:
+        """Drop one hold on ``block``; once no sequence holds it, it is set aside for ``seq_id`` again when it is
+        block ``index`` of the run set aside for it (it grows into the same blocks again), else free for anyone."""
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        first, count = self._plan.get(seq_id, (0, 0))
+        if index < count and block == first + index:
+            self._set_aside[block] = seq_id
+        else:
+            self._free.append(block)
+
+    def _drop_plan(self, seq_id: int) -> None:
+        """Give back what was set aside for ``seq_id`` and it has not taken."""
+        first, count = self._plan.pop(seq_id, (0, 0))
+        for block in range(first, first + count):
+            if self._set_aside.get(block) == seq_id:
+                del self._set_aside[block]
+                self._free.append(block)
+
+    # ------------------------------------------------------------------------- writing and reading
+
+    def _growth(self, seq_id: int, new_tokens: int) -> tuple[int, bool]:
+        """(blocks to append, whether the shared, partly filled last block is copied first) for ``new_tokens`` more tokens."""
+        n, table = self._lens[seq_id], self._tables[seq_id]
+        grow = -(-(n + new_tokens) // self.block_size) - self._gone[seq_id] - len(table)
+        return grow, n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
+
+    def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """Give each sequence the blocks its ``counts`` new tokens need, copying a shared last block (copy-on-write);
+        a ValueError, nothing changed, unless the pool has them all."""
+        needed = sum(sum(self._growth(s, n)) for s, n in zip(seq_ids, counts, strict=True))
+        if needed > self.free_blocks:
+            raise ValueError(
+                f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
+                f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
+                "or make the pool bigger. Nothing was written"
+            )
+        for seq_id, n in zip(seq_ids, counts, strict=True):
+            table, bs = self._tables[seq_id], self.block_size
+            grow, copy = self._growth(seq_id, n)  # after the sequences before it: a block one copied may be no longer shared
+            if copy:
+                old, new = table[-1], self._take(seq_id, self._gone[seq_id] + len(table) - 1)
+                self.k[:, new * bs : (new + 1) * bs] = self.k[:, old * bs : (old + 1) * bs]  # (Hkv, Bs, D): the block's keys
+                self.v[:, new * bs : (new + 1) * bs] = self.v[:, old * bs : (old + 1) * bs]
+                self._refs[old] -= 1
+                self._set_block(seq_id, len(table) - 1, new)
+            for _ in range(grow):
+                self._set_block(seq_id, len(table), self._take(seq_id, self._gone[seq_id] + len(table)))
 
     def _set_block(self, seq_id: int, index: int, block: int) -> None:
         """Make ``block`` the ``index``-th block of the table of ``seq_id`` (appended or replacing), and its slots."""
@@ -301,7 +282,7 @@ class PagedKVCache(Owned):
             self._run[seq_id] = index == 0 or (self._run[seq_id] and block == table[index - 1] + 1)
         else:
             table[index] = block
-            self._run[seq_id] = all(b == table[0] + i for i, b in enumerate(table))
+            self._run[seq_id] = _consecutive(table)
         self._refs[block] += 1
         slots = self._slots[seq_id]
         if slots.numel() < len(table) * bs:  # grow the slot map by doubling: one copy per doubling, not per block
@@ -325,3 +306,7 @@ class PagedKVCache(Owned):
             where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
             return torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
         return torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
+
+
+def _consecutive(table: list[int]) -> bool:
+    return all(b == table[0] + i for i, b in enumerate(table))

@@ -1,13 +1,8 @@
 """One forward pass's row through a ``PagedKVCache``: the next tokens of several sequences, packed.
 
-``paged.batch(seq_ids, new_tokens)`` makes a ``PagedBatch``, the cache protocol for ``attention``:
-the queries, keys and values hold the new tokens of those sequences packed in one row, (1, H, T, D)
-with T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). ``append`` checks
-everything, then writes each sequence's keys to its blocks and answers with one ``Attended`` per
-sequence: its queries attend over its own cached and new tokens only (ragged: no padding to the
-longest), read as a view of the pool when its blocks are consecutive, else gathered. A sliding
-cache's sequence answers with the keys from its first one still held (``first_held``): fewer
-than its length, the newest last, so causal attention aligned bottom-right sees the same keys.
+The queries, keys and values hold the new tokens of ``seq_ids`` in one row, (1, H, T, D) with
+T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each sequence's
+queries attend over its own tokens only, from its ``first_held`` on (ragged: no padding).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class PagedBatch:
-    """The next tokens of some sequences of a ``PagedKVCache``, packed in one row: the cache protocol for ``attention``.
+    """The cache protocol for ``attention`` over the next tokens of some sequences of a ``PagedKVCache``.
 
     Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
     """
@@ -37,8 +32,7 @@ class PagedBatch:
 
     def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
         seq_ids, new_tokens = list(seq_ids), list(new_tokens)
-        for seq_id in seq_ids:
-            cache._known(seq_id)
+        self.starts = [cache.length(s) for s in seq_ids]  # each sequence's length before this step
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
         if len(new_tokens) != len(seq_ids) or not seq_ids:
@@ -46,7 +40,8 @@ class PagedBatch:
         for n in new_tokens:
             _checks.positive_int("new_tokens (each count)", n)
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
-        self.starts = [cache._lens[s] for s in seq_ids]  # each sequence's length before this step
+        bounds = [0, *itertools.accumulate(new_tokens)]
+        self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self._done = False
 
     def start(self, t: int) -> Tensor:
@@ -60,9 +55,8 @@ class PagedBatch:
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
         """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
         protocol); ``append`` refuses keys of any other count than the ``sum(new_tokens)`` this batch packs."""
-        bounds = [0, *itertools.accumulate(self.new_tokens)]
         held = [s - self.cache.first_held(i) for i, s in zip(self.seq_ids, self.starts, strict=True)]  # cached keys still held
-        return [(slice(a, b), h + b - a) for a, b, h in zip(bounds[:-1], bounds[1:], held, strict=True)]
+        return [(rows, h + n) for rows, h, n in zip(self._rows, held, self.new_tokens, strict=True)]
 
     def check_owner(self, owner: object) -> None:
         self.cache.check_owner(owner)
@@ -80,24 +74,24 @@ class PagedBatch:
         Returns:
             For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
             + new_tokens[i] - first_held keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
-            asks nothing more), with no padding mask.
+            asks nothing more; a sliding cache's are its newest, as causal attention aligned bottom-right
+            expects), with no padding mask.
         """
         cache = self.cache
         if check:
             self._check(k, v, attention_mask)
-        cache._check_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
-        cache._reserve(self.seq_ids, self.new_tokens)
+        cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
         self._done = True
         where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
         with torch.no_grad():
             cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
             cache.v.index_copy_(1, where, v[0])
-        parts, row = [], 0
-        for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
-            cache._lens[seq_id] = a + n
-            parts.append(Attended(slice(row, row + n), cache._read(cache._k1, seq_id, a + n), cache._read(cache._v1, seq_id, a + n), None))
-            row += n
-        return parts
+        ends = [a + n for a, n in zip(self.starts, self.new_tokens, strict=True)]
+        cache._lens.update(zip(self.seq_ids, ends, strict=True))
+        return [
+            Attended(rows, cache._read(cache._k1, seq_id, end), cache._read(cache._v1, seq_id, end), None)  # (1, Hkv, S_i, D) each
+            for seq_id, end, rows in zip(self.seq_ids, ends, self._rows, strict=True)
+        ]
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
@@ -115,5 +109,5 @@ class PagedBatch:
             if torch.is_grad_enabled() and t.requires_grad:
                 raise ValueError(f"{name} requires grad, but a PagedKVCache serves inference only: run under torch.no_grad()")
         for seq_id, start in zip(self.seq_ids, self.starts, strict=True):  # a sequence freed or written since this batch was made
-            if cache._lens.get(cache._known(seq_id)) != start:
-                raise ValueError(f"seq_id {seq_id} holds {cache._lens[seq_id]} tokens, not the {start} it held when this batch was made")
+            if cache.length(seq_id) != start:
+                raise ValueError(f"seq_id {seq_id} holds {cache.length(seq_id)} tokens, not the {start} it held when this batch was made")
