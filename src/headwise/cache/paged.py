@@ -1,15 +1,10 @@
 """A paged key/value cache: one pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention).
 
-The pool is laid out (Hkv, num_blocks · Bs, D): block b is slots b·Bs .. b·Bs + Bs - 1 of every
-head. Each sequence holds a block table (its blocks in order) and a length: memory follows the
-tokens held, not B × max_len. Forked sequences share blocks; a shared, partly filled last block
-is copied when one of them writes into it (copy-on-write: full blocks are never written again).
-A sequence whose blocks are consecutive is read as a view of the pool, any other is gathered;
-``add(seq_id, reserve=n)`` sets a run of consecutive free blocks aside so that it stays a view.
-Every write is checked whole before anything changes hands; keys that need gradients are
-refused (the pool is for inference). With ``window=W``, ``slide`` gives back the blocks before
-the window of every query still to come: positions keep counting (``length``), and the block
-table starts at ``first_held``.
+The pool is (Hkv, num_blocks · Bs, D): block b is slots b·Bs .. b·Bs + Bs - 1 of every head. A
+sequence holds a block table (its blocks in order): memory follows the tokens held. Forks share
+blocks; a shared, partly filled last block is copied when one of them writes (copy-on-write).
+A sequence whose blocks are consecutive is read as a view of the pool, any other is gathered.
+Every write is checked whole before any block changes hands; the pool is for inference.
 """
 
 from __future__ import annotations
@@ -106,16 +101,13 @@ class PagedKVCache(Owned):
         """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
         return PagedBatch(self, seq_ids, new_tokens)
 
-    # ------------------------------------------------------------------------- opening and closing sequences
-
     def add(self, seq_id: int, *, reserve: int = 0) -> None:
         """Open an empty sequence ``seq_id`` (any int not open already).
 
         Args:
-            reserve: the tokens it is expected to reach. A run of consecutive free blocks that holds
-                them is set aside for it when the pool has one; it grows into that run, so it is read
-                as a view of the pool. Set-aside blocks stay free (others get them only when no other
-                block is free) and are taken as tokens are written.
+            reserve: the tokens it is expected to reach. A run of consecutive free blocks that holds them
+                is set aside for it when the pool has one; it grows into that run, read as a view of the pool.
+                Set-aside blocks stay free (others get them only when no other block is) until written.
         """
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
@@ -167,12 +159,9 @@ class PagedKVCache(Owned):
         self._lens[seq_id] = length
 
     def slide(self, seq_id: int) -> int:
-        """Give back the blocks of ``seq_id`` wholly before the window of every query still to come (the next
-        one, at position ``length``, sees keys from length - window + 1 on). Nothing is written: a caller
-        that may still roll back (``crop``) a write slides after it commits.
-
-        Returns:
-            How many blocks went back.
+        """Give back the blocks of ``seq_id`` wholly before the window of every query still to come (the next,
+        at position ``length``, sees keys from length - window + 1 on); returns how many went back. Nothing is
+        written: a caller that may still roll back (``crop``) a write slides after it commits.
 
         Raises:
             ValueError: an unknown ``seq_id``, or a cache made without ``window``.
@@ -200,20 +189,17 @@ class PagedKVCache(Owned):
             raise ValueError(f"seq_id {seq_id!r} is not in the cache (freed already, or never added); open ids: {shown}")
         return seq_id
 
-    # ------------------------------------------------------------------------- blocks changing hands
-
     def _find_run(self, want: int) -> int | None:
         """The first block of the lowest run of ``want`` consecutive free blocks set aside for no one, or None."""
-        run_first, run = None, 0
-        for b in sorted(self._free):
-            run_first, run = (run_first, run + 1) if run and b == run_first + run else (b, 1)
-            if run == want:
-                return run_first
+        free = sorted(self._free)
+        for i in range(len(free) - want + 1):
+            if free[i + want - 1] - free[i] == want - 1:  # distinct and sorted: consecutive
+                return free[i]
         return None
 
     def _take(self, seq_id: int, index: int) -> int:
-        """A free block to be block ``index`` of ``seq_id`` (counting those ``slide`` gave back): the one set aside for it there, else one set
-        aside for no one, else (the pool is that full) the last block set aside for another sequence."""
+        """A free block to be block ``index`` of ``seq_id`` (from position 0): the one set aside for it there, else
+        one set aside for no one, else (the pool is that full) the last block set aside for another sequence."""
         first, count = self._plan.get(seq_id, (0, 0))
         if index < count and self._set_aside.get(first + index) == seq_id:
             del self._set_aside[first + index]
@@ -225,8 +211,8 @@ class PagedKVCache(Owned):
         return block
 
     def _release(self, block: int, seq_id: int | None = None, index: int = 0) -> None:
-        """Drop one hold on ``block``; once no sequence holds it, it is set aside for ``seq_id`` again when it is
-        block ``index`` of the run set aside for it (it grows into the same blocks again), else free for anyone."""
+        """Drop one hold on ``block``; once no one holds it, it is free: set aside for ``seq_id`` again if it is block
+        ``index`` of the run set aside for it (it grows into the same blocks again), else for anyone."""
         self._refs[block] -= 1
         if self._refs[block]:
             return
@@ -244,8 +230,6 @@ class PagedKVCache(Owned):
                 del self._set_aside[block]
                 self._free.append(block)
 
-    # ------------------------------------------------------------------------- writing and reading
-
     def _growth(self, seq_id: int, new_tokens: int) -> tuple[int, bool]:
         """(blocks to append, whether the shared, partly filled last block is copied first) for ``new_tokens`` more tokens."""
         n, table = self._lens[seq_id], self._tables[seq_id]
@@ -253,8 +237,7 @@ class PagedKVCache(Owned):
         return grow, n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
 
     def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
-        """Give each sequence the blocks its ``counts`` new tokens need, copying a shared last block (copy-on-write);
-        a ValueError, nothing changed, unless the pool has them all."""
+        """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
         needed = sum(sum(self._growth(s, n)) for s, n in zip(seq_ids, counts, strict=True))
         if needed > self.free_blocks:
             raise ValueError(
@@ -291,21 +274,29 @@ class PagedKVCache(Owned):
             self._slots[seq_id] = slots = grown
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
 
-    def _read(self, buffer: Tensor, seq_id: int, n: int) -> Tensor:
-        """Positions first_held .. n - 1 of ``seq_id`` from a (1, Hkv, N*Bs, D) buffer -> (1, Hkv, S, D), oldest first."""
-        n -= self._gone[seq_id] * self.block_size  # S: the positions held
-        if self._run[seq_id]:  # consecutive blocks: consecutive slots
-            return buffer.narrow(2, self._tables[seq_id][0] * self.block_size, n)  # (1, Hkv, S, D): a view
-        return buffer.index_select(2, self._slots[seq_id][:n])  # (1, Hkv, S, D): a gather
-
-    def _where(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> Tensor:
-        """(T,) the pool slots of positions starts[i] .. starts[i] + counts[i] - 1 of each sequence, packed in order."""
+    def _write(self, seq_ids: Sequence[int], counts: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """Write keys and values (1, Hkv, T, D), counts[i] new tokens of seq_ids[i] in order, after each one's length."""
         bs, tables = self.block_size, self._tables
-        starts = [a - self._gone[s] * bs for s, a in zip(seq_ids, starts, strict=True)]  # counted from first_held
+        starts = [self._lens[s] - self._gone[s] * bs for s in seq_ids]  # counted from first_held
         if all(self._run[s] for s in seq_ids):  # slot = first slot + position: no tensor per sequence
             where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
-            return torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
-        return torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
+            where = torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
+        else:
+            where = torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
+        with torch.no_grad():
+            self.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
+            self.v.index_copy_(1, where, v[0])
+        for s, n in zip(seq_ids, counts, strict=True):
+            self._lens[s] += n
+
+    def _read(self, seq_id: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1, oldest first."""
+        S = self._lens[seq_id] - self._gone[seq_id] * self.block_size  # the positions held
+        if self._run[seq_id]:  # consecutive blocks: consecutive slots
+            first = self._tables[seq_id][0] * self.block_size
+            return self._k1.narrow(2, first, S), self._v1.narrow(2, first, S)  # (1, Hkv, S, D) each: views
+        slots = self._slots[seq_id][:S]
+        return self._k1.index_select(2, slots), self._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
 
 
 def _consecutive(table: list[int]) -> bool:

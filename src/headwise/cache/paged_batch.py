@@ -82,16 +82,8 @@ class PagedBatch:
             self._check(k, v, attention_mask)
         cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
         self._done = True
-        where = cache._where(self.seq_ids, self.starts, self.new_tokens)  # (T,)
-        with torch.no_grad():
-            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
-            cache.v.index_copy_(1, where, v[0])
-        ends = [a + n for a, n in zip(self.starts, self.new_tokens, strict=True)]
-        cache._lens.update(zip(self.seq_ids, ends, strict=True))
-        return [
-            Attended(rows, cache._read(cache._k1, seq_id, end), cache._read(cache._v1, seq_id, end), None)  # (1, Hkv, S_i, D) each
-            for seq_id, end, rows in zip(self.seq_ids, ends, self._rows, strict=True)
-        ]
+        cache._write(self.seq_ids, self.new_tokens, k, v)
+        return [Attended(rows, *cache._read(s), None) for s, rows in zip(self.seq_ids, self._rows, strict=True)]  # (1, Hkv, S_i, D) each
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
