@@ -214,12 +214,10 @@ class PagedKVCache(Owned):
         """Drop one hold on ``block``; once no one holds it, it is free: set aside for ``seq_id`` again if it is block
         ``index`` of the run set aside for it (it grows into the same blocks again), else for anyone."""
         self._refs[block] -= 1
-        if self._refs[block]:
-            return
         first, count = self._plan.get(seq_id, (0, 0))
-        if index < count and block == first + index:
+        if self._refs[block] == 0 and index < count and block == first + index:
             self._set_aside[block] = seq_id
-        else:
+        elif self._refs[block] == 0:
             self._free.append(block)
 
     def _drop_plan(self, seq_id: int) -> None:
@@ -248,24 +246,23 @@ class PagedKVCache(Owned):
         for seq_id, n in zip(seq_ids, counts, strict=True):
             table, bs = self._tables[seq_id], self.block_size
             grow, copy = self._growth(seq_id, n)  # after the sequences before it: a block one copied may be no longer shared
-            if copy:
-                old, new = table[-1], self._take(seq_id, self._gone[seq_id] + len(table) - 1)
+            if copy:  # the last block, shared and partly filled, is swapped for a copy of it
+                old = table.pop()
+                self._refs[old] -= 1
+                self._run[seq_id] = _consecutive(table)
+                new = self._append_block(seq_id)
                 self.k[:, new * bs : (new + 1) * bs] = self.k[:, old * bs : (old + 1) * bs]  # (Hkv, Bs, D): the block's keys
                 self.v[:, new * bs : (new + 1) * bs] = self.v[:, old * bs : (old + 1) * bs]
-                self._refs[old] -= 1
-                self._set_block(seq_id, len(table) - 1, new)
             for _ in range(grow):
-                self._set_block(seq_id, len(table), self._take(seq_id, self._gone[seq_id] + len(table)))
+                self._append_block(seq_id)
 
-    def _set_block(self, seq_id: int, index: int, block: int) -> None:
-        """Make ``block`` the ``index``-th block of the table of ``seq_id`` (appended or replacing), and its slots."""
+    def _append_block(self, seq_id: int) -> int:
+        """Take a free block for the end of the table of ``seq_id`` and map its slots; returns the block."""
         table, bs = self._tables[seq_id], self.block_size
-        if index == len(table):
-            table.append(block)
-            self._run[seq_id] = index == 0 or (self._run[seq_id] and block == table[index - 1] + 1)
-        else:
-            table[index] = block
-            self._run[seq_id] = _consecutive(table)
+        index = len(table)
+        block = self._take(seq_id, self._gone[seq_id] + index)
+        table.append(block)
+        self._run[seq_id] = index == 0 or (self._run[seq_id] and block == table[index - 1] + 1)
         self._refs[block] += 1
         slots = self._slots[seq_id]
         if slots.numel() < len(table) * bs:  # grow the slot map by doubling: one copy per doubling, not per block
@@ -273,6 +270,7 @@ class PagedKVCache(Owned):
             grown[: slots.numel()] = slots
             self._slots[seq_id] = slots = grown
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
+        return block
 
     def _write(self, seq_ids: Sequence[int], counts: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Write keys and values (1, Hkv, T, D), counts[i] new tokens of seq_ids[i] in order, after each one's length."""
