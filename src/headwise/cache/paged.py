@@ -141,8 +141,7 @@ class PagedKVCache(Owned):
         del self._tables[seq_id], self._lens[seq_id], self._slots[seq_id], self._run[seq_id], self._gone[seq_id]
 
     def crop(self, seq_id: int, length: int) -> None:
-        """Keep only the first ``length`` tokens of ``seq_id``; the blocks past them that no other
-        sequence holds go back (to the run set aside for it, if they came from there).
+        """Keep the first ``length`` tokens of ``seq_id``; blocks past them go back (into its set-aside run if from there).
 
         Raises:
             ValueError: an unknown ``seq_id``, or a length outside 0 .. length(seq_id), or (a sliding
@@ -271,30 +270,6 @@ class PagedKVCache(Owned):
             self._slots[seq_id] = slots = grown
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
         return block
-
-    def _write(self, seq_ids: Sequence[int], counts: Sequence[int], k: Tensor, v: Tensor) -> None:
-        """Write keys and values (1, Hkv, T, D), counts[i] new tokens of seq_ids[i] in order, after each one's length."""
-        bs, tables = self.block_size, self._tables
-        starts = [self._lens[s] - self._gone[s] * bs for s in seq_ids]  # counted from first_held
-        if all(self._run[s] for s in seq_ids):  # slot = first slot + position: no tensor per sequence
-            where = [slot for s, a, n in zip(seq_ids, starts, counts, strict=True) for slot in range(tables[s][0] * bs + a, tables[s][0] * bs + a + n)]
-            where = torch.tensor(where, dtype=torch.long, device=self.k.device)  # (T,)
-        else:
-            where = torch.cat([self._slots[s][a : a + n] for s, a, n in zip(seq_ids, starts, counts, strict=True)])  # (T,)
-        with torch.no_grad():
-            self.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
-            self.v.index_copy_(1, where, v[0])
-        for s, n in zip(seq_ids, counts, strict=True):
-            self._lens[s] += n
-
-    def _read(self, seq_id: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1, oldest first."""
-        S = self._lens[seq_id] - self._gone[seq_id] * self.block_size  # the positions held
-        if self._run[seq_id]:  # consecutive blocks: consecutive slots
-            first = self._tables[seq_id][0] * self.block_size
-            return self._k1.narrow(2, first, S), self._v1.narrow(2, first, S)  # (1, Hkv, S, D) each: views
-        slots = self._slots[seq_id][:S]
-        return self._k1.index_select(2, slots), self._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
 
 
 def _consecutive(table: list[int]) -> bool:

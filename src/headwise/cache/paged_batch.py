@@ -22,10 +22,8 @@ if TYPE_CHECKING:
 
 
 class PagedBatch:
-    """The cache protocol for ``attention`` over the next tokens of some sequences of a ``PagedKVCache``.
-
-    Made by ``PagedKVCache.batch(seq_ids, new_tokens)``, used for one forward pass of one layer.
-    """
+    """The cache protocol for ``attention`` over the next tokens of some sequences of a ``PagedKVCache``:
+    made by ``paged.batch(seq_ids, new_tokens)`` for one forward pass of one layer."""
 
     window: int | None  # the pool's: attention must apply the window it gives blocks back for
     padded = False  # it packs real tokens only
@@ -67,23 +65,46 @@ class PagedBatch:
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
     ) -> list[Attended]:
-        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks; one ``Attended`` per sequence.
-
-        ``check=False`` skips the checks of the arguments (not of the pool's room), for a caller that made them.
+        """Write the packed keys/values (1, Hkv, T, D) to each sequence's blocks (``check=False`` skips the
+        checks of the arguments, not of the pool's room, for a caller that made them).
 
         Returns:
-            For sequence i, the queries ``rows`` = its slice of T attend over its S_i = starts[i]
-            + new_tokens[i] - first_held keys and values, (1, Hkv, S_i, D) each, in time order (``in_order``
-            asks nothing more; a sliding cache's are its newest, as causal attention aligned bottom-right
-            expects), with no padding mask.
+            One ``Attended`` per sequence i: its queries ``rows`` (its slice of T) attend over its S_i = starts[i]
+            + new_tokens[i] - first_held keys and values, (1, Hkv, S_i, D) each, oldest first (``in_order`` asks
+            nothing more; a sliding cache's newest, as causal attention aligned bottom-right expects), no padding.
         """
         cache = self.cache
         if check:
             self._check(k, v, attention_mask)
         cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
         self._done = True
-        cache._write(self.seq_ids, self.new_tokens, k, v)
-        return [Attended(rows, *cache._read(s), None) for s, rows in zip(self.seq_ids, self._rows, strict=True)]  # (1, Hkv, S_i, D) each
+        where = self._where()  # (T,)
+        with torch.no_grad():
+            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
+            cache.v.index_copy_(1, where, v[0])
+        for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
+            cache._lens[seq_id] = a + n
+        return [Attended(rows, *self._read(s), None) for s, rows in zip(self.seq_ids, self._rows, strict=True)]  # (1, Hkv, S_i, D) each
+
+    def _where(self) -> Tensor:
+        """(T,) the pool slots of the row's new tokens, packed in order."""
+        cache, bs = self.cache, self.cache.block_size
+        starts = [a - cache._gone[s] * bs for s, a in zip(self.seq_ids, self.starts, strict=True)]  # counted from first_held
+        pairs = list(zip(self.seq_ids, starts, self.new_tokens, strict=True))
+        if all(cache._run[s] for s in self.seq_ids):  # slot = first slot + position: no tensor per sequence
+            where = [slot for s, a, n in pairs for slot in range(cache._tables[s][0] * bs + a, cache._tables[s][0] * bs + a + n)]
+            return torch.tensor(where, dtype=torch.long, device=cache.k.device)  # (T,)
+        return torch.cat([cache._slots[s][a : a + n] for s, a, n in pairs])  # (T,)
+
+    def _read(self, seq_id: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1: views or gathers."""
+        cache = self.cache
+        S = cache._lens[seq_id] - cache._gone[seq_id] * cache.block_size  # the positions held
+        if cache._run[seq_id]:
+            first = cache._tables[seq_id][0] * cache.block_size
+            return cache._k1.narrow(2, first, S), cache._v1.narrow(2, first, S)  # (1, Hkv, S, D) each
+        slots = cache._slots[seq_id][:S]
+        return cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
