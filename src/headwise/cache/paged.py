@@ -197,7 +197,7 @@ class PagedKVCache(Owned):
         return None
 
     def _take(self, seq_id: int, index: int) -> int:
-        """A free block to be block ``index`` of ``seq_id`` (from position 0): the one set aside for it there, else
+        """A free block to be block ``index`` of ``seq_id`` (counting those ``slide`` gave back): the one set aside for it there, else
         one set aside for no one, else (the pool is that full) the last block set aside for another sequence."""
         first, count = self._plan.get(seq_id, (0, 0))
         if index < count and self._set_aside.get(first + index) == seq_id:

@@ -100,11 +100,11 @@ class PagedBatch:
         """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1: views or gathers."""
         cache = self.cache
         S = cache._lens[seq_id] - cache._gone[seq_id] * cache.block_size  # the positions held
-        if cache._run[seq_id]:
+        if cache._run[seq_id]:  # consecutive blocks: consecutive slots
             first = cache._tables[seq_id][0] * cache.block_size
-            return cache._k1.narrow(2, first, S), cache._v1.narrow(2, first, S)  # (1, Hkv, S, D) each
+            return cache._k1.narrow(2, first, S), cache._v1.narrow(2, first, S)  # (1, Hkv, S, D) each: views
         slots = cache._slots[seq_id][:S]
-        return cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each
+        return cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
