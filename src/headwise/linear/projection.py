@@ -94,12 +94,13 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     """
     if len(layers) > 1 and _stackable(layers):
         return _project_stacked(layers, x)
-    if not (len(layers) > 1 and all(_plain(layer) for layer in layers)):
+    if len(layers) < 2 or _global_module_hooks() or not all(type(layer) is nn.Linear and _unhooked(layer) for layer in layers):
         return [project(layer, x) for layer in layers]
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
     params = [t for t in (*weights, *biases) if t is not None]
-    mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or len({(t.dtype, t.device) for t in params}) > 1
+    dtype, device = params[0].dtype, params[0].device
+    mixed = (any(b is None for b in biases) and any(b is not None for b in biases)) or any(t.dtype != dtype or t.device != device for t in params)
     if mixed or not plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
     sizes = [w.shape[0] for w in weights]
@@ -110,7 +111,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]
     else:
-        y = stacked_linear(x, weights, biases)  # (..., sum N)
+        y = linear(x, *_stacked(weights, biases))  # (..., sum N)
     return list(y.split(sizes, dim=-1))  # (..., N_i) each
 
 
@@ -118,9 +119,14 @@ def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor
     """(..., K) through the weights stacked into one (sum N, K), made once and remade when any weight or bias changed."""
     if any(t.is_inference() for t in (*weights, *biases) if t is not None):  # no version to watch: stack for this call only
         return linear(x, torch.cat(list(weights)), None if biases[0] is None else torch.cat(list(biases)))  # (..., sum N)
-    weight, bias = cached(STACKED, [t for t in (*weights, *biases) if t is not None], lambda: (
+    return linear(x, *_stacked(weights, biases))  # (..., sum N)
+
+
+def _stacked(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """The weights (N_i, K) stacked into one (sum N, K) and the biases into one (sum N,) or None, made once
+    and remade when any of them changed; none of them an inference tensor (which has no version to watch)."""
+    return cached(STACKED, [t for t in (*weights, *biases) if t is not None], lambda: (
         torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
-    return linear(x, weight, bias)  # (..., sum N)
 
 
 def _stackable(layers: Sequence[nn.Module]) -> bool:
@@ -147,7 +153,12 @@ def _plain(layer: nn.Module) -> bool:
 
 
 def _hookless(layer: nn.Module) -> bool:
-    return not layer._forward_hooks and not layer._forward_pre_hooks and not _global_module_hooks()
+    return _unhooked(layer) and not _global_module_hooks()
+
+
+def _unhooked(layer: nn.Module) -> bool:
+    """No forward hooks of the layer's own (the global ones are ``_global_module_hooks``)."""
+    return not layer._forward_hooks and not layer._forward_pre_hooks
 
 
 def _global_module_hooks() -> bool:

@@ -173,12 +173,14 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when ``linear(x, weight, bias)`` takes the oneDNN path (rule step 5)."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return False  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
+    big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
+    if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
+        return False
     if not onednn.inner_product_takes(x, weight, bias) or not weight.is_contiguous():
         return False  # a sliced weight (row stride != K) takes oneDNN's slow strided path
-    dtype = x.dtype
-    big, size, k = weight.numel() >= MIN_DECODE_WEIGHT, x.numel(), x.shape[-1]
-    if (size < MIN_ROWS * k and not big) or not torch.backends.mkldnn.enabled:
+    if not torch.backends.mkldnn.enabled:
         return False
+    dtype, k = x.dtype, x.shape[-1]
     setting = _path_setting()
     if setting != "auto":  # forced: no reason to word
         return setting == "onednn" and onednn.ops_error(dtype) is None

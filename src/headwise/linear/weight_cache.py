@@ -27,7 +27,7 @@ def watchable() -> bool:
 
 def state(tensors: Sequence[Tensor]) -> tuple:
     """What changes when any of ``tensors`` is written or replaced."""
-    return tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype) for t in tensors)
+    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype) for t in tensors])
 
 
 def cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) -> Any:
