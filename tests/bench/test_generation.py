@@ -7,6 +7,8 @@ equal headwise's on the same random weights: evidence each conversion is the sam
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def no_settling(monkeypatch):
 
 def tiny(root, **kw):
     args = {"models": ("gpt2",), "precisions": ("fp32",), "batches": (1,), "prompt": 8, "new_tokens": 3, "rounds": 1, "warmup": 0,
-            "root": root, "tiny": True, "init_std": 0.2}
+            "root": root, "tiny": True, "init_std": 0.2, "isolated": False}
     return generation.generate_speeds(**(args | kw))
 
 
@@ -182,3 +184,29 @@ def test_each_engine_generates_headwise_tokens_from_its_own_conversion(root, mod
     got = engines.ENGINES[engine].load(directory, "fp32", 1)(ids, 6)
     assert got.shape == (1, 6) and got[0, 0] == want[0, 0]
     assert got.tolist() == want.tolist()
+
+
+def test_each_engine_runs_in_a_process_of_its_own(root):
+    """The default: an engine is loaded in a child, not here, and its tokens and times come back."""
+    from headwise.bench.isolated import Isolated
+
+    directory = checkpoint("gpt2", root, tiny=True, init_std=0.2)
+    run = Isolated("headwise", directory, "fp32", 1)
+    try:
+        ids = torch.randint(0, 320, (2, 8), generator=torch.Generator().manual_seed(0))
+        here = engines.ENGINES["headwise"].load(directory, "fp32", 1)(ids, 3)
+        assert run.process.pid != os.getpid() and run.process.is_alive()
+        assert torch.equal(run(ids, 3), here)
+    finally:
+        run.close()
+    assert not run.process.is_alive()
+    (hw,) = generation.generate_speeds(("gpt2",), ("fp32",), (1,), engines=("headwise",), prompt=8, new_tokens=3, rounds=1, warmup=0,
+                                       root=root, tiny=True, init_std=0.2)
+    assert hw.decode_ms is not None and hw.note == ""
+
+
+def test_an_engine_that_fails_in_its_process_is_reported_by_its_own_error(root):
+    from headwise.bench.isolated import Isolated
+
+    with pytest.raises(FileNotFoundError):
+        Isolated("headwise", root / "no-such-checkpoint", "fp32", 1)

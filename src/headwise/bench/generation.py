@@ -4,7 +4,8 @@ For each model, precision and batch B: one seeded prompt of ``prompt`` token ids
 engine generates 1 token (``prefill``: the prompt pass and the first token), then at once
 ``new_tokens`` tokens; every engine takes one such turn a round, the order rotated each round
 (``timing.interleaved``), medians kept. A decode step is ``(generate - prefill) / (new_tokens - 1)``
-within a turn. The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds.
+within a turn. The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds. Each engine
+runs in a process of its own (``bench.isolated``), timed from this one.
 
 Bytes a step reads: every weight matrix once in the engine's format, and the cached keys and
 values at the mean context of the decode (``prompt + new_tokens / 2``) in its cache's type
@@ -28,6 +29,7 @@ from torch import Tensor
 from .. import _checks
 from .engines import ENGINES, Runner
 from .host import Load, ReadProbe, loaded
+from .isolated import Isolated
 from .models import check, checkpoint, headwise_model, kv_elements, matrix_elements
 from .timing import interleaved
 
@@ -133,10 +135,13 @@ def generate_speeds(
     init_std: float = 0.02,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    isolated: bool = True,
 ) -> list[GenerateSpeed]:
     """Time every engine's prefill and decode at each model, precision and batch (see the module docstring).
 
     Threads: torch's count (``torch.set_num_threads``), given to CTranslate2 and llama.cpp too.
+    ``isolated``: each engine loaded and run in a process of its own (``bench.isolated``), so that
+    no engine's runtime slows another's turns; False loads them all in this process.
     Checkpoints and conversions are written under ``root`` once (``bench.models.default_root()``).
     An engine that is not installed, or lacks a format, gets a row with a note, not an error.
     """
@@ -172,7 +177,7 @@ def generate_speeds(
                     if progress:
                         progress(f"{model} {precision}: loading {name}")
                     try:
-                        runners[name] = engine.load(directory, precision, threads)
+                        runners[name] = Isolated(name, directory, precision, threads) if isolated else engine.load(directory, precision, threads)
                     except Exception as e:  # a conversion or a load that fails is reported in its row
                         notes[name] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
             for batch in batches:
@@ -194,6 +199,9 @@ def generate_speeds(
                     agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
                     rows.append(GenerateSpeed(model, precision, batch, name, fmt, *timed[name], int(step_bytes), gbps, agree, prompt,
                                               new_tokens, rounds, threads, load))
+            for run in runners.values():
+                if isinstance(run, Isolated):
+                    run.close()
             runners.clear()  # the next precision's engines load into the memory these held
             here.clear()
             gc.collect()

@@ -285,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
     p.add_argument("--llama-cpp", type=_argtypes.text("a directory"), default=None,
                    help="llama.cpp's sources, holding convert_hf_to_gguf.py (default $HEADWISE_LLAMA_CPP)")
+    p.add_argument("--same-process", action="store_true",
+                   help="generation: load every engine in this process (default: each in a process of its own)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -305,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                   flush=True)
         if not args.no_generate:
             rows = generation.generate_speeds(args.models, args.dtypes, args.batches, engines=engines, prompt=args.prompt,
-                                              new_tokens=args.new_tokens, rounds=args.rounds, root=root, progress=say)
+                                              new_tokens=args.new_tokens, rounds=args.rounds, root=root, progress=say,
+                                              isolated=not args.same_process)
             print(generation.markdown(rows))
 
 
