@@ -35,6 +35,23 @@ def tiny(root, **kw):
     return generation.generate_speeds(**(args | kw))
 
 
+def on_a_fake_clock(monkeypatch, clock, load):
+    """headwise's engine loaded by ``load``, timed on ``clock`` (a one-item list of seconds); every round runs
+    each engine's turn once, in order, and the probe's 4 x 512 MiB takes 50 ms."""
+
+    def fake_interleaved(steps, repeats, warmup):
+        for _ in range(warmup + repeats):
+            for name, step in steps.items():
+                if name != "sum":
+                    step()
+        return {"sum": [0.050] * repeats}
+
+    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(generation, "interleaved", fake_interleaved)
+    monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
+        **{**engines.ENGINES["headwise"].__dict__, "load": load}))
+
+
 def test_a_missing_engine_is_a_row_saying_so_not_a_failure(root, monkeypatch):
     monkeypatch.setattr(engines, "installed", lambda module: module == "transformers")
     rows = tiny(root, batches=(1, 2), precisions=("fp32", "int8"))
@@ -98,17 +115,7 @@ def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monk
 
         return run
 
-    def fake_interleaved(steps, repeats, warmup):
-        for _ in range(warmup + repeats):
-            for name, step in steps.items():
-                if name != "sum":
-                    step()
-        return {"sum": [0.050] * repeats}
-
-    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(generation, "interleaved", fake_interleaved)
-    monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
-        **{**engines.ENGINES["headwise"].__dict__, "load": on_the_clock}))
+    on_a_fake_clock(monkeypatch, clock, on_the_clock)
     (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=2, warmup=1)
     assert hw.prefill_ms == pytest.approx(10.0) and hw.decode_ms == pytest.approx(2.0)
     assert hw.sum_gbps == pytest.approx(4 * 512 * 2**20 / 0.050 / 1e9)
@@ -132,15 +139,7 @@ def test_the_decode_is_taken_within_each_turn_so_load_that_comes_and_goes_does_n
 
         return run
 
-    def fake_interleaved(steps, repeats, warmup):
-        for _ in range(warmup + repeats):
-            steps["headwise"]()
-        return {"sum": [0.050] * repeats}
-
-    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(generation, "interleaved", fake_interleaved)
-    monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
-        **{**engines.ENGINES["headwise"].__dict__, "load": on_the_clock}))
+    on_a_fake_clock(monkeypatch, clock, on_the_clock)
     (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=3, warmup=0)
     assert hw.decode_ms == pytest.approx(2.0) and hw.prefill_ms == pytest.approx(30.0)
 
