@@ -117,7 +117,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
         out[..., h:].addcmul_(part[..., :h], sin[..., h:])  # x2·cos + x1·sin
     if r < x.shape[-1]:
         out = torch.cat((out, work[..., r:]), dim=-1)  # (..., T, D)
-    return out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _count(name: str, value: object) -> None:
