@@ -8,7 +8,7 @@ from reference import linear as ref_linear
 
 from headwise import GPT2Config
 from headwise import linear as hl
-from headwise.linear import onednn
+from headwise.linear import onednn, weight_cache
 from headwise.models import GPT2LMHeadModel
 
 N, K = 512, 256  # N*K = MIN_DECODE_WEIGHT: the smallest weight the few-rows rule covers
@@ -118,3 +118,58 @@ def test_a_models_decode_step_agrees_on_both_paths(dtype):
             logits[path] = model(ids[:, :1], cache=caches)[:, 0].float()  # (B, vocab): one row per sequence
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------------------- decode calls decided once
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_decode_call_is_prepared_once_and_follows_every_change(linear_path, bias):
+    """``project`` and ``project_many`` keep what a decode-shaped inference call runs; every change a
+    full call would see (weights written or replaced, hooks, the path, grad mode) is seen."""
+    layers = [torch.nn.Linear(K, n, bias=bias) for n in (N, 256, 256)]
+    x = decode_case(2, torch.float32)[0]  # (2, 1, K)
+
+    def check(*, many=True):
+        with torch.no_grad():
+            outs = hl.project_many(layers, x) if many else [hl.project(layers[0], x)]
+        for out, layer in zip(outs, layers, strict=False):
+            assert ((out.double() - ref_linear(x, layer.weight, layer.bias)).norm() / out.double().norm()).item() < 1e-6
+        return outs
+
+    first = check()
+    assert check()[0].data_ptr() != first[0].data_ptr()  # a new output each call
+    check(many=False)
+    keys = [key for key in weight_cache.READY if id(layers[0]) in key]
+    assert keys, "a decode-shaped call under no_grad is kept"
+    with torch.no_grad():
+        layers[1].weight.mul_(-2.0)  # in place: _version moves
+    check()
+    layers[2].load_state_dict(torch.nn.Linear(K, 256, bias=bias).state_dict())
+    check()
+    layers[0].weight.data = torch.randn(N, K)  # a new tensor under the same Parameter
+    check(), check(many=False)
+    layers[0].weight = torch.nn.Parameter(torch.randn(N, K))  # a new Parameter
+    check(), check(many=False)
+    seen = []
+    handle = layers[2].register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    check()
+    assert seen == [torch.Size([2, 1, 256])]  # a hooked layer runs as it is
+    handle.remove()
+    other = "torch" if linear_path == "onednn" else "onednn"
+    if onednn.ops_error(torch.float32) is None:
+        with hl.use_path(other):
+            check()
+    outs = hl.project_many(layers, x.requires_grad_(True))  # autograd: the full path, every weight its gradient
+    sum(o.sum() for o in outs).backward()
+    assert all(layer.weight.grad is not None for layer in layers)
+    del layers[:]
+    assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"
+
+
+def test_a_decode_call_of_inference_tensors_is_not_kept():
+    with torch.inference_mode():
+        lin = torch.nn.Linear(K, N)  # no version counter: a change could not be seen
+        x = decode_case(1, torch.float32)[0]
+        torch.testing.assert_close(hl.project(lin, x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert not [key for key in weight_cache.READY if id(lin) in key]

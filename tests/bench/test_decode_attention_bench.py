@@ -1,4 +1,4 @@
-"""``headwise.bench.decode_attention``: the three ways agree with each other, and the module runs tiny."""
+"""``headwise.bench.decode_attention``: the ways agree with each other, and the module runs tiny."""
 
 import pytest
 import torch

@@ -96,6 +96,16 @@ def _bf16_decode(c: Call) -> bool:
     return c.q.dtype == torch.bfloat16 and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
 
 
+def _grouped_decode(c: Call) -> bool:
+    """A bfloat16 decode step on the CPU whose G >= 2 query heads per key head see every key, nothing added."""
+    s = c.spec
+    return (
+        _bf16_decode(c) and c.q.shape[1] >= 2 * c.k.shape[1] and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1]
+        and s.window is None and s.mask is None and s.attention_mask is None and s.documents is None
+        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0
+    )
+
+
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
     if c.spec.documents is None or torch.compiler.is_compiling():
@@ -158,6 +168,9 @@ AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "s
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
+    Rule("sdpa, each key head's query heads as rows", "sdpa", AUTO_SDPA, _grouped_decode, lambda c: sdpa.grouped_rows,
+         "one bfloat16 query per row on the CPU, G >= 2 query heads per key head seeing every key: as G rows of one "
+         "fused call the kernel beats two float32 matmuls (its path for one row per head does not)"),
     Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),

@@ -113,6 +113,16 @@ def fused(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     return _kernel(q, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)  # (B, H, T, Dv)
 
 
+def grouped_rows(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """One query per row that sees every key, H = G * Hkv: each key head's G query heads as G rows of
+    one fused call (torch's CPU kernel runs rows of one head far faster than one row of each of G
+    heads). (B, H, 1, D) x (B, Hkv, S, D) -> (B, H, 1, Dv); query head h reads key head h // G."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, (H // Hkv) * T, D), k, v, scale=spec.scale)  # (B, Hkv, G, Dv)
+    return out.view(B, H, T, v.shape[-1])  # (B, H, 1, Dv)
+
+
 def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
     """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see:
     (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).

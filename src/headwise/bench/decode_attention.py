@@ -1,4 +1,4 @@
-"""A half-precision decode step's attention on the CPU, three ways to run its two matmuls, timed side by side.
+"""A half-precision decode step's attention on the CPU, five ways to run it, timed side by side.
 
 One query per row (T = 1) over the first S keys of a preallocated (B, Hkv, L, D) cache (a slice:
 not contiguous across heads), S growing by one every step as in generation:
@@ -6,9 +6,12 @@ not contiguous across heads), S growing by one every step as in generation:
 - ``half``: q·k and weights·v in the half type, k and v read in place (a plain matmul);
 - ``half, copied``: the same with k and v copied contiguous first;
 - ``float32``: the math backend's rule (``backends.math.scores`` / ``context``): both matmuls in
-  float32, keys and values converted a block at a time.
+  float32, keys and values converted a block at a time;
+- ``sdpa``: torch's fused kernel, one query row per query head (``enable_gqa``);
+- ``sdpa, grouped rows``: the fused kernel with each key head's G query heads as G rows
+  (``backends.sdpa.grouped_rows``; the same call as ``sdpa`` when G = 1).
 
-All three feed the same float32 softmax. A new S is a new shape every step, and oneDNN's
+The first three feed the same float32 softmax; the kernel keeps its own. A new S is a new shape every step, and oneDNN's
 bfloat16 matmul builds a kernel per shape: each way gets shapes no other way uses, and runs
 ``rounds`` consecutive steps before the next way's turn (the first of each run is not timed:
 it pays for the page faults the previous way's kernel builds leave behind).
@@ -24,11 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _argtypes
 from ..backends import math as math_backend
-from ..backends import plan
+from ..backends import plan, sdpa
+from ..backends.spec import Spec
 
 Way = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -54,7 +59,17 @@ def wide(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return math_backend.context(w, v, 0.0, keys)  # (B, H, T, Dv)
 
 
-WAYS: dict[str, Way] = {"half": half, "half, copied": copied, "float32": wide}
+def fused(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """torch's fused kernel, one row per query head."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])  # (B, H, 1, Dv)
+
+
+def grouped(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The fused kernel over each key head's query heads as rows (the plan's runner for G >= 2)."""
+    return sdpa.grouped_rows(q, k, v, Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1])))
+
+
+WAYS: dict[str, Way] = {"half": half, "half, copied": copied, "float32": wide, "sdpa": fused, "sdpa, grouped rows": grouped}
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,7 @@ def decode_attention(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m headwise.bench.decode_attention``: the three ways over B, S, G, D, with ratios to float32."""
+    """``python -m headwise.bench.decode_attention``: the five ways over B, S, G, D, with ratios to float32."""
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.decode_attention", description=__doc__.splitlines()[0])

@@ -9,7 +9,8 @@ stack their weights when the graph runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,8 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 
 from . import onednn
 from .onednn import DTYPES, plain_tensors
-from .rule import uses_onednn
-from .weight_cache import STACKED, cached, watchable
+from .rule import DECODE_ROWS, _path_setting, uses_onednn
+from .weight_cache import READY, STACKED, cached, state, watchable
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -67,6 +68,8 @@ def project(layer: nn.Module, x: Tensor) -> Tensor:
     Returns:
         (..., N).
     """
+    if (ready := _ready((layer,), x)) is not None:
+        return ready(x)  # (..., N)
     if not _plain(layer):
         return layer(x)
     return linear(x, layer.weight, layer.bias)  # (..., N)
@@ -92,6 +95,8 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     Returns:
         one (..., N_i) tensor per layer.
     """
+    if (ready := _ready(layers, x)) is not None:
+        return list(ready(x).split(ready.sizes, dim=-1))  # (..., N_i) each
     if len(layers) > 1 and _stackable(layers):
         return _project_stacked(layers, x)
     if len(layers) < 2 or _global_module_hooks() or not all(type(layer) is nn.Linear and _unhooked(layer) for layer in layers):
@@ -113,6 +118,73 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     else:
         y = linear(x, *_stacked(weights, biases))  # (..., sum N)
     return list(y.split(sizes, dim=-1))  # (..., N_i) each
+
+
+class Ready:
+    """A decode-shaped inference call of some layers, decided and prepared once: the function, the
+    (packed, stacked) weight and bias it runs, the output sizes; valid while ``state`` holds."""
+
+    __slots__ = ("bias", "k", "run", "sizes", "state", "weight")
+
+    def __init__(self, state: tuple, run: Callable, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> None:
+        self.state, self.run, self.weight, self.bias, self.k, self.sizes = state, run, weight, bias, weight.shape[-1], sizes
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x.contiguous(), self.weight, self.bias)  # (..., sum N)
+
+
+def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
+    """What ``project_many(layers, x)`` (or ``project``) computes for a decode-shaped inference call,
+    prepared by the full path once and reused while nothing it was decided from changes; None when
+    the call takes the full path.
+
+    The fast way serves plain, hook-free ``nn.Linear`` layers under no_grad / inference mode, eager,
+    a plain strided x of 1..``DECODE_ROWS`` rows. It is keyed by the layers, x's dtype and device
+    and the path setting, and remade when any weight or bias changes (``weight_cache.state``); an
+    inference-tensor weight, a changing world (torch.distributed) or a weight that cannot be
+    packed once never gets one. The numbers are the full path's: the same function on the same
+    prepared weight.
+    """
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
+        return None
+    if not 0 < x.numel() <= DECODE_ROWS * x.shape[-1] or _global_module_hooks():
+        return None
+    params = []
+    for layer in layers:
+        if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+        params.append(layer._parameters["weight"])
+        if (bias := layer._parameters["bias"]) is not None:
+            params.append(bias)
+    key = (*map(id, layers), x.dtype, x.device, _path_setting(), torch.backends.mkldnn.enabled)
+    entry = READY.get(key)
+    if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
+        return entry
+    if not watchable() or any(type(t) is not nn.Parameter or t.is_inference() for t in params):
+        return None
+    made = _prepare(layers, x, params)
+    if made is not None:
+        if entry is None:
+            for layer in layers:
+                weakref.finalize(layer, READY.pop, key, None)
+        READY[key] = made
+    return made
+
+
+def _prepare(layers: Sequence[nn.Module], x: Tensor, params: list[Tensor]) -> Ready | None:
+    """The full path's decision for this call, as a ``Ready``; None where it would not run one prepared GEMM."""
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    if len({b is None for b in biases}) != 1 or any(t.dtype != params[0].dtype or t.device != params[0].device for t in params):
+        return None
+    weight, bias = (weights[0], biases[0]) if len(layers) == 1 else _stacked(weights, biases)
+    sizes = [w.shape[0] for w in weights]
+    if not uses_onednn(x, weight, bias):
+        return Ready(state(params), F.linear, weight, bias, sizes)
+    ready = onednn.packed(weight)
+    if ready is weight:  # not packed once: nothing to keep
+        return None
+    return Ready(state(params), onednn.inner_product, ready, None if bias is None else bias.detach().contiguous(), sizes)
 
 
 def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:
