@@ -14,7 +14,7 @@ import headwise.models as hm
 from headwise import linear as hl
 from headwise.cache import KVCache
 from headwise.models import llama
-from headwise.models.llama import LlamaAttention
+from headwise.models.llama import LlamaAttention, RMSNorm
 from headwise.rope import RotaryEmbedding
 
 V = LLAMA_SIZES["vocab_size"]
@@ -325,3 +325,15 @@ def test_projections_are_one_gemm_for_decode_rows_only(rows, monkeypatch):
     for out, layer in zip(outs, layers, strict=True):
         torch.testing.assert_close(out, layer(x).detach(), atol=1e-5, rtol=1e-5)
         assert out.is_contiguous() or rows <= hl.DECODE_ROWS
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 768), (3, 17, 64), (2, 5, 4096)])
+def test_rmsnorm_in_float32_is_weight_times_the_normed_input_bit_for_bit(shape):
+    """The float32 norm runs as one op with the weight inside; HuggingFace multiplies the weight after: the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+        x = torch.randn(shape, generator=gen)
+        want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # (..., N) as HuggingFace writes it
+        assert torch.equal(norm(x), want)

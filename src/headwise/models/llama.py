@@ -41,8 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # nothing to convert: two fewer ops a call
-            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)  # (..., N)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # nothing to convert: one op, the weight's product inside
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # (..., N): (x * rsqrt) * weight, as weight * normed
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)  # (..., N), rounded back as HuggingFace does
         return self.weight * normed
 
