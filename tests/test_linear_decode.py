@@ -173,3 +173,14 @@ def test_a_decode_call_of_inference_tensors_is_not_kept():
         x = decode_case(1, torch.float32)[0]
         torch.testing.assert_close(hl.project(lin, x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert not [key for key in weight_cache.READY if id(lin) in key]
+
+
+def test_a_call_that_cannot_run_leaves_the_kept_decision_as_it_was(linear_path):
+    layers = [torch.nn.Linear(K, N), torch.nn.Linear(K, 256)]
+    x = decode_case(1, torch.float32)[0]  # (1, 1, K)
+    with torch.no_grad():
+        hl.project_many(layers, x)
+        kept = {key: entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key}
+        with pytest.raises(RuntimeError):
+            hl.project_many(layers, torch.randn(1, 1, K + 16))  # the wrong width: F.linear's own error
+        assert {key: entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key} == kept

@@ -175,6 +175,8 @@ def _prepare(layers: Sequence[nn.Module], x: Tensor, params: list[Tensor]) -> Re
     """The full path's decision for this call, as a ``Ready``; None where it would not run one prepared GEMM."""
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
+    if any(w.ndim != 2 or w.shape[1] != x.shape[-1] for w in weights):
+        return None  # the full path raises its own error; nothing is kept from a call that cannot run
     if len({b is None for b in biases}) != 1 or any(t.dtype != params[0].dtype or t.device != params[0].device for t in params):
         return None
     weight, bias = (weights[0], biases[0]) if len(layers) == 1 else _stacked(weights, biases)
