@@ -184,3 +184,17 @@ def test_a_call_that_cannot_run_leaves_the_kept_decision_as_it_was(linear_path):
         with pytest.raises(RuntimeError):
             hl.project_many(layers, torch.randn(1, 1, K + 16))  # the wrong width: F.linear's own error
         assert {key: entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key} == kept
+
+
+def test_a_decode_call_under_inference_mode_is_kept_on_the_packed_stack():
+    """Layers built outside inference mode, decoded inside it: the stack made there is packed and kept as under no_grad."""
+    layers = [torch.nn.Linear(K, n, bias=False) for n in (N, 256, 256)]
+    x = decode_case(1, torch.float32)[0]  # (1, 1, K)
+    with torch.inference_mode():
+        outs = hl.project_many(layers, x)
+    kept = [entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key]
+    assert kept, "the stack made under inference mode is a plain tensor: packed and kept"
+    if hl.uses_onednn(x, torch.cat([layer.weight for layer in layers]), None):
+        assert kept[0].run is onednn.inner_product  # oneDNN on the packed stack
+    for out, layer in zip(outs, layers, strict=True):
+        torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

@@ -198,9 +198,14 @@ def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor
 
 def _stacked(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> tuple[Tensor, Tensor | None]:
     """The weights (N_i, K) stacked into one (sum N, K) and the biases into one (sum N,) or None, made once
-    and remade when any of them changed; none of them an inference tensor (which has no version to watch)."""
-    return cached(STACKED, [t for t in (*weights, *biases) if t is not None], lambda: (
-        torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])))
+    and remade when any of them changed; none of them an inference tensor (which has no version to watch).
+    Made outside inference mode, so that a stack first made there is a plain tensor ``onednn.packed`` can pack."""
+
+    def stack() -> tuple[Tensor, Tensor | None]:
+        with torch.inference_mode(False):
+            return torch.cat([w.detach() for w in weights]), None if biases[0] is None else torch.cat([b.detach() for b in biases])
+
+    return cached(STACKED, [t for t in (*weights, *biases) if t is not None], stack)
 
 
 def _stackable(layers: Sequence[nn.Module]) -> bool:
