@@ -198,3 +198,31 @@ def test_a_decode_call_under_inference_mode_is_kept_on_the_packed_stack():
         assert kept[0].run is onednn.inner_product  # oneDNN on the packed stack
     for out, layer in zip(outs, layers, strict=True):
         torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_compiled_graphs_ops_keep_a_decode_call_by_its_weights(linear_path, bias):
+    """``headwise::linear`` and ``headwise::linear_many`` (what a compiled inference call runs) get the weights,
+    not their layers: a decode-shaped call is kept by the weight tensors and follows every change to them."""
+    import headwise.linear.custom_ops  # noqa: F401  (registers the ops)
+
+    layers = [torch.nn.Linear(K, n, bias=bias) for n in (N, 256)]
+    x = decode_case(1, torch.float32)[0]  # (1, 1, K)
+
+    def check(layers):
+        with torch.no_grad():
+            many = torch.ops.headwise.linear_many(x, [m.weight for m in layers], [m.bias for m in layers] if bias else [])  # (1, 1, N + 256)
+            one = torch.ops.headwise.linear(x, layers[1].weight, layers[1].bias)  # (1, 1, 256)
+        want = [ref_linear(x, layer.weight, layer.bias) for layer in layers]
+        for got, ref in ((many, torch.cat(want, -1)), (one, want[1])):
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+    check(layers)
+    firsts = {id(layers[0].weight), id(layers[1].weight)}
+    kept = [key for key in weight_cache.READY if key[0] in firsts]
+    assert len(kept) == 2, "both ops keep the decode call, keyed by the weights"
+    with torch.no_grad():
+        layers[1].weight.mul_(-3.0)  # in place: seen by both
+    check(layers)
+    del layers
+    assert not [key for key in kept if key in weight_cache.READY], "kept calls die with their weights"

@@ -145,44 +145,61 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     packed once never gets one. The numbers are the full path's: the same function on the same
     prepared weight.
     """
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
+    if not _decode_call(x) or _global_module_hooks():
         return None
-    if not 0 < x.numel() <= DECODE_ROWS * x.shape[-1] or _global_module_hooks():
-        return None
-    params = []
+    weights, biases = [], []
     for layer in layers:
         if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
             return None
-        params.append(layer._parameters["weight"])
-        if (bias := layer._parameters["bias"]) is not None:
-            params.append(bias)
-    key = (*map(id, layers), x.dtype, x.device, _path_setting(), torch.backends.mkldnn.enabled)
+        weights.append(layer._parameters["weight"])
+        biases.append(layer._parameters["bias"])
+    return _kept(layers, weights, biases, x)
+
+
+def ready_for(weights: Sequence[Tensor], biases: Sequence[Tensor | None], x: Tensor) -> Ready | None:
+    """``_ready`` for a compiled graph's projection ops (``custom_ops``), which get the weights, not their
+    layers: the same decision, keyed by the weight and bias tensors, which must be ``nn.Parameter``s."""
+    if not _decode_call(x):
+        return None
+    return _kept([t for t in (*weights, *biases) if t is not None], list(weights), list(biases), x)
+
+
+def _decode_call(x: Tensor) -> bool:
+    """An eager inference call of 1..``DECODE_ROWS`` rows of a plain strided x."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
+        return False
+    return 0 < x.numel() <= DECODE_ROWS * x.shape[-1]
+
+
+def _kept(owners: Sequence[object], weights: list[Tensor], biases: list[Tensor | None], x: Tensor) -> Ready | None:
+    """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x, made when missing or stale."""
+    params = [t for t in (*weights, *biases) if t is not None]
+    key = (*map(id, owners), x.dtype, x.device, _path_setting(), torch.backends.mkldnn.enabled)
     entry = READY.get(key)
     if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
         return entry
     if not watchable() or any(type(t) is not nn.Parameter or t.is_inference() for t in params):
         return None
-    made = _prepare(layers, x, params)
+    made = _prepare(weights, biases, x, params)
     if made is not None:
         if entry is None:
-            for layer in layers:
-                weakref.finalize(layer, READY.pop, key, None)
+            for owner in owners:
+                weakref.finalize(owner, READY.pop, key, None)
         READY[key] = made
     return made
 
 
-def _prepare(layers: Sequence[nn.Module], x: Tensor, params: list[Tensor]) -> Ready | None:
+def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, params: list[Tensor]) -> Ready | None:
     """The full path's decision for this call, as a ``Ready``; None where it would not run one prepared GEMM."""
-    weights = [layer.weight for layer in layers]
-    biases = [layer.bias for layer in layers]
     if any(w.ndim != 2 or w.shape[1] != x.shape[-1] for w in weights):
         return None  # the full path raises its own error; nothing is kept from a call that cannot run
     if len({b is None for b in biases}) != 1 or any(t.dtype != params[0].dtype or t.device != params[0].device for t in params):
         return None
-    weight, bias = (weights[0], biases[0]) if len(layers) == 1 else _stacked(weights, biases)
+    weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
     sizes = [w.shape[0] for w in weights]
     if not uses_onednn(x, weight, bias):
-        return Ready(state(params), F.linear, weight, bias, sizes)
+        # aliases, not the Parameters: an entry keyed by the weights themselves must not keep them alive
+        return Ready(state(params), F.linear, weight.detach(), None if bias is None else bias.detach(), sizes)
     ready = onednn.packed(weight)
     if ready is weight:  # not packed once: nothing to keep
         return None
