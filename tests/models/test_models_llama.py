@@ -7,6 +7,7 @@ import json
 import helpers
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_checkpoints import LLAMA_CONFIGS, LLAMA_SIZES, make_hf_llama, save_hf_llama
 from llama_reference import llama_logits
 
@@ -337,3 +338,21 @@ def test_rmsnorm_in_float32_is_weight_times_the_normed_input_bit_for_bit(shape):
         x = torch.randn(shape, generator=gen)
         want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # (..., N) as HuggingFace writes it
         assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 768), (3, 17, 64), (2, 5, 4096), (4, 2, 1000)])
+def test_rmsnorm_in_half_is_the_float32_norm_rounded_back_once(shape, dtype):
+    """A half x is normed as one op on x: the bits of the float32 op on x.float() rounded back, then the
+    weight's product (HuggingFace's order), at any scale; within rounding of HuggingFace's own formula."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+        for scale in (1e-3, 1.0, 30.0):
+            x = (scale * torch.randn(shape, generator=gen)).to(dtype)
+            got = norm(x)
+            assert torch.equal(got, norm.weight * F.rms_norm(x.float(), (shape[-1],), eps=1e-5).to(dtype))
+            wide = x.float()
+            hf = norm.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # as HuggingFace writes it
+            torch.testing.assert_close(got, hf)

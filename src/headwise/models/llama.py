@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # nothing to convert: one op, the weight's product inside
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # (..., N): (x * rsqrt) * weight, as weight * normed
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)  # (..., N), rounded back as HuggingFace does
+        normed = F.rms_norm(x, (x.shape[-1],), eps=self.eps)  # (..., N): computed in float32, rounded back once as HuggingFace does
         return self.weight * normed
 
 
@@ -122,7 +122,8 @@ class LlamaAttention(AttentionLayer):
             position_ids = positions(attention_mask, q.shape[0], q.shape[2], q.device, start=start)  # (B, T): real tokens counted
         where = start if position_ids is None else position_ids
         cos, sin = self.rotary.at(where, q.shape[2], q.device)  # (T, R) or (B, 1, T, R): once for q and k
-        q, k = rotate(q, cos, sin, self.rotary.layout), rotate(k, cos, sin, self.rotary.layout)  # (B, H, T, D), (B, Hkv, T, D)
+        qk = rotate(torch.cat((q, k), dim=1), cos, sin, self.rotary.layout)  # (B, H + Hkv, T, D): q and k in one rotation
+        q, k = qk.split((q.shape[1], k.shape[1]), dim=1)  # (B, H, T, D), (B, Hkv, T, D): views
         report("queries.rotated", q)
         report("keys.rotated", k)
         return q, k
