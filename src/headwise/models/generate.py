@@ -124,7 +124,8 @@ class GenerationMixin:
 def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor]:
     """The step ``generate`` runs after its prompt pass: (B, 1) ids, positions or None, caches -> (B, vocab).
 
-    The model's forward with ``check`` (default: ``not trusts(model)``); with ``compile``, under
+    The model's forward with ``check`` (default: ``not trusts(model)``); unchecked and eager, the
+    model's ``flat_step()`` where it offers one (the same logits, bit for bit); with ``compile``, under
     ``torch.compile(fullgraph=True, dynamic=True)``, made once per model and ``check`` (the wrapper
     is kept on the model, so later calls reuse its graph: the cache length, a batch size > 1 and
     the prompt length are symbolic).
@@ -132,7 +133,8 @@ def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Ca
     check = not trusts(model) if check is None else check
     step = partial(_next_logits, model, check)
     if not compile:
-        return step
+        flat = None if check else getattr(model, "flat_step", lambda: None)()  # the unchecked step written out, where the model has one
+        return step if flat is None else flat
     compiled = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
     if check not in compiled:
         compiled[check] = torch.compile(step, fullgraph=True, dynamic=True)
