@@ -14,6 +14,8 @@ It checks its arguments first, unless ``check=False``: then nothing is checked a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
 from ..cache import Cache, KVCache, PagedKVCache
@@ -103,6 +105,13 @@ class CausalModel(GenerationMixin, nn.Module):
             x = block(x, attention_mask=attention_mask, cache=None if cache is None else cache[i], position_ids=positions, check=check)
         x = self.final_norm(_inputs.kept(x, logits_to_keep))  # (B, T or k or N, C): the LM head only where logits are wanted
         return linear(x, self.embed_tokens.weight) if self.lm_head is None else project(self.lm_head, x)  # (B, T or k or N, vocab)
+
+    def flat_step(self) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor] | None:
+        """``generate``'s unchecked decode step written out flat (``flat_step.FlatStep``: the same logits with
+        less Python), or None where a block does not name its parts (``flat_parts``) or a layer differs."""
+        from .flat_step import flat_step  # it builds on this module
+
+        return flat_step(self)
 
     def attention_layers(self) -> list[AttentionLayer]:
         """Each block's attention module, in order."""

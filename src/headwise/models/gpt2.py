@@ -44,6 +44,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); (B, T, C) -> (B, T, C)."""
 
+    flat_parts = ("ln_1", "attn", "ln_2", "mlp")  # forward's order, for models.flat_step
+
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)

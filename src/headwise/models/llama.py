@@ -13,7 +13,6 @@ and its ``position`` step (QK-norm, then the rotation, before the cache write).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +150,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)); (B, T, C) -> (B, T, C)."""
 
+    flat_parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # forward's order, for models.flat_step
+
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, layer: int, backend: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -256,13 +257,6 @@ class LlamaForCausalLM(CausalModel):
     def embed(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None, cache: list[Cache] | None) -> Tensor:
         """(B, T) ids -> (B, T, C): positions are the layers' to apply (rotary, inside attention)."""
         return self.model["embed_tokens"](input_ids)  # (B, T, C)
-
-    def flat_step(self) -> Callable[[Tensor, Tensor | None, list[Cache]], Tensor] | None:
-        """``generate``'s unchecked decode step written out flat (``llama_step.LlamaStep``: the same logits, less
-        Python), or None where a layer differs from what it writes out (QK-norm, a window, a subclass)."""
-        from .llama_step import flat_step  # it builds on this module's classes
-
-        return flat_step(self)
 
     def context_limit(self) -> tuple[str, int | None]:
         windows = [self.config.window(i) for i in range(self.config.num_hidden_layers)]

@@ -1,0 +1,82 @@
+"""``generate``'s unchecked decode step written out flat: the model's ops in order, without the calls around them.
+
+``generate`` runs its steps unchecked (``check=False``) when nothing outside the model can see or
+change a layer (``trusts``: no hooks, eval mode, no observer). Such a step does little tensor work
+per layer at B = 1, and much of its time is Python: five module calls a layer and the attention
+layer's glue around the same few ops. ``FlatStep`` runs those ops directly: for each pre-norm
+block ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``, the attention as
+``AttentionLayer.forward``'s unchecked decode path (``project_qkv``, the head split, ``position``,
+``attention_unchecked``, the merge, ``project_out``), called as methods, not modules. The same
+functions on the same tensors in the same order: the logits and the caches are the unchecked
+forward's bit for bit (tests/models/test_flat_step.py).
+
+A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
+on its own class (a subclass that changes ``forward`` does not inherit it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..cache import KVCache
+from ..functional import attention_unchecked
+from ..layer import AttentionLayer
+from ..linear import linear, project
+from ..observe import observing
+from .causal import CausalModel
+
+
+def flat_step(model: CausalModel) -> FlatStep | None:
+    """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None."""
+    if not isinstance(model, CausalModel) or type(model).forward is not CausalModel.forward:
+        return None
+    for block in model.blocks:
+        names = vars(type(block)).get("flat_parts")
+        if names is None:
+            return None
+        attn = getattr(block, names[1])
+        if not isinstance(attn, AttentionLayer) or type(attn).forward is not AttentionLayer.forward:
+            return None
+        if attn.attn_dropout_p != 0.0 or getattr(attn, "kv_dim", attn.d_in) != attn.d_in:
+            return None
+    return FlatStep(model)
+
+
+class FlatStep:
+    """``model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=False)[:, 0]``, written out.
+
+    Called as ``generate``'s step: (ids (B, T), position_ids (B, T) or None, caches) -> (B, vocab) logits.
+    """
+
+    def __init__(self, model: CausalModel) -> None:
+        self.model = model
+        self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
+
+    def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
+        model = self.model
+        if observing() or len(caches) != len(self.blocks) or not all(isinstance(c, KVCache) for c in caches):
+            return model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=False)[:, 0]  # (B, vocab)
+        x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
+        for (norm1, attn, norm2, mlp), cache in zip(self.blocks, caches, strict=True):
+            x = x + _attend(attn, norm1.forward(x), cache, position_ids)  # (B, T, C)
+            x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
+        x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
+        logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
+        return logits[:, 0]  # (B, vocab)
+
+
+def _attend(attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor:
+    """``attn(x, cache=cache, position_ids=position_ids, check=False)``: (B, T, C) -> (B, T, C), nobody observing."""
+    B, T, _ = x.shape
+    D = attn.head_dim
+    start = cache.start(T)
+    queries, keys, values = attn.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+    queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+    keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
+    values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
+    queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+    terms = attn.score_terms()
+    context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
+    return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)

@@ -1,0 +1,142 @@
+"""generate's unchecked decode step written out flat (``models/flat_step.py``): the unchecked forward's logits bit for
+bit and its caches written the same, for GPT-2 and the Llama family; the forward itself where the step does not apply."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from headwise.config import GPT2Config
+from headwise.models.flat_step import FlatStep, flat_step
+from headwise.models.generate import decode_step
+from headwise.models.gpt2 import Block, GPT2LMHeadModel
+from headwise.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
+from headwise.models.llama_config import LlamaConfig
+from headwise.observe import observe
+from headwise.quantize import int8_weights
+
+LLAMA = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+GPT2 = dict(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+
+CASES = {
+    "llama gqa fp32": (LlamaForCausalLM, dict(), torch.float32),
+    "llama gqa bf16": (LlamaForCausalLM, dict(), torch.bfloat16),
+    "llama mha, biases, tied head": (LlamaForCausalLM, dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=True), torch.float32),
+    "llama3 rope scaling, partial rotary": (LlamaForCausalLM, dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}, partial_rotary_factor=0.5), torch.float32),
+    "llama decode-sized widths, bf16": (LlamaForCausalLM, dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2), torch.bfloat16),
+    "qwen3 qk-norm": (Qwen3ForCausalLM, dict(qk_norm=True, head_dim=32), torch.float32),
+    "mistral sliding window (ring caches)": (MistralForCausalLM, dict(windows=(4, 4)), torch.float32),
+    "gpt2 fp32": (GPT2LMHeadModel, dict(), torch.float32),
+    "gpt2 bf16, decode-sized widths": (GPT2LMHeadModel, dict(n_embd=512, n_head=8), torch.bfloat16),
+    "gpt2 grouped-query": (GPT2LMHeadModel, dict(n_kv_head=2), torch.float32),
+}
+
+
+def model_of(cls: type, kw: dict, dtype: torch.dtype):
+    torch.manual_seed(0)
+    config = GPT2Config(**{**GPT2, **kw}) if cls is GPT2LMHeadModel else LlamaConfig(**{**LLAMA, **kw})
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # weights of every scale, so that a changed op order would show
+            p.normal_(0, 0.5)
+    return model
+
+
+def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False):
+    """The prompt once, then the same tokens through the flat step and through the unchecked forward, each on its own
+    caches; with ``padded``, as generate runs a left-padded batch (position ids every step)."""
+    ids = torch.randint(0, model.vocab_size, (batch, 7))
+    mask = torch.ones(batch, 7, dtype=torch.bool)
+    if padded:
+        mask[0, :3] = False
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    with torch.no_grad():
+        flat_caches = model.new_caches(batch, 32)
+        model(ids, mask if padded else None, positions=positions if padded else None, cache=flat_caches, logits_to_keep=1, check=False)
+        plain_caches = copy.deepcopy(flat_caches)
+        step = flat_step(model)
+        assert isinstance(step, FlatStep)
+        token, position = ids[:, -1:], positions[:, -1:] if padded else None
+        for _ in range(steps):
+            if position is not None:
+                position = position + 1  # (B, 1)
+            got = step(token, position, flat_caches)  # (B, vocab)
+            want = model(token, positions=position, cache=plain_caches, logits_to_keep=1, check=False)[:, 0]  # (B, vocab)
+            yield got, want, flat_caches, plain_caches
+            token = want.argmax(-1, keepdim=True)  # (B, 1)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("batch", [1, 3, 20])  # 20 rows: more than a decode call's DECODE_ROWS, the layers' GEMMs one by one
+def test_the_flat_step_gives_the_forwards_logits_bit_for_bit(case, batch):
+    cls, kw, dtype = CASES[case]
+    for got, want, flat_caches, plain_caches in steps_both_ways(model_of(cls, kw, dtype), batch):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+        for a, b in zip(flat_caches, plain_caches, strict=True):
+            assert len(a) == len(b) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_a_padded_batch_steps_flat_at_its_position_ids(cls):
+    for got, want, _, _ in steps_both_ways(model_of(cls, {}, torch.float32), 3, padded=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_an_int8_model_steps_flat_bit_for_bit(cls):
+    wide = dict(hidden_size=256, intermediate_size=512) if cls is LlamaForCausalLM else dict(n_embd=256)
+    model = int8_weights(model_of(cls, wide, torch.float32))
+    for got, want, _, _ in steps_both_ways(model, 2):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_generate_takes_the_flat_step_only_unchecked_and_eager_with_the_checked_tokens(cls):
+    model = model_of(cls, {}, torch.float32)
+    assert isinstance(decode_step(model, False, False), FlatStep)
+    assert not isinstance(decode_step(model, False, True), FlatStep)  # a checked step is the forward's
+    ids = torch.randint(0, model.vocab_size, (2, 5))
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=6)
+        caches = model.new_caches(2, 11)  # the same greedy loop through the checked forward
+        logits = model(ids, cache=caches, logits_to_keep=1)[:, 0]
+        want = [ids]
+        for _ in range(6):
+            want.append(logits.argmax(-1, keepdim=True))
+            logits = model(want[-1], cache=caches, logits_to_keep=1)[:, 0]
+    assert torch.equal(tokens, torch.cat(want, dim=1))
+
+
+def test_a_block_that_does_not_name_its_parts_keeps_the_forward():
+    """``flat_parts`` counts on the class that declares it: a subclass (which may change forward) must name its own."""
+    model = model_of(GPT2LMHeadModel, {}, torch.float32)
+
+    class Changed(Block):
+        def forward(self, x, **kw):
+            return super().forward(x, **kw) * 2
+
+    changed = Changed(model.config).eval()
+    changed.load_state_dict(model.blocks[1].state_dict())
+    model.blocks[1] = changed
+    assert flat_step(model) is None
+    assert not isinstance(decode_step(model, False, False), FlatStep)
+
+
+def test_an_observed_step_runs_the_forward():
+    """An observer started after the step was made still sees the forward's steps."""
+    model = model_of(LlamaForCausalLM, {}, torch.float32)
+    step = flat_step(model)
+    ids = torch.randint(0, model.vocab_size, (1, 5))
+    with torch.no_grad():
+        caches = model.new_caches(1, 16)
+        model(ids, cache=caches, logits_to_keep=1, check=False)
+        seen = []
+        with observe(lambda name, tensor: seen.append(name)):
+            step(ids[:, -1:], None, caches)
+    assert "queries.rotated" in seen and "context" in seen, "the observer saw the layers' steps"
