@@ -52,14 +52,15 @@ def fused_rows_of_rank(num_heads: int, num_kv_heads: int, head_dim: int, world: 
 
 
 def grad_diffs(tp: torch.nn.Module, ref: torch.nn.Module, fused: dict[str, tuple[int, int, int]] | None = None, world: int = 2) -> dict[str, float]:
-    """Each parameter's gradient, reassembled from the ranks' shards, against the single-process one."""
+    """Each parameter's gradient, reassembled from the ranks' shards, against the single-process one
+    (the largest difference over the largest gradient, or over 1 where every gradient is smaller)."""
     out = {}
     ref_params = dict(ref.named_parameters())
     for name, p in tp.named_parameters():
         g, want = full(p.grad), ref_params[name].grad
         if fused and name.rsplit(".", 1)[0] in fused:  # sharded in head order: rank 0's q|k|v, rank 1's q|k|v
             want = torch.cat([want[fused_rows_of_rank(*fused[name.rsplit(".", 1)[0]], world, r)] for r in range(world)])
-        out[name] = max_diff(g, want)
+        out[name] = max_diff(g, want) / max(want.abs().max().item(), 1.0)  # relative to the largest gradient: a sum of squares grows them past 100, where 1e-5 is 1 ulp
     return out
 
 
