@@ -105,6 +105,7 @@ def test_demo_shows_the_books_numbers(capsys):
     assert "0.3190, 0.4858" in out
     assert out.count("matches the book to 4 decimals") == 2 and "DIFFERS" not in out
     assert "(2, 6, 2)" in out  # exercise 3.2
+    assert "each head on its own gives the same (up to rounding): True" in out  # batched matmul, head by head
     assert "parameters: 2,360,064" in out  # exercise 3.3
     assert "input (2, 8, 768) -> heads (2, 12, 8, 64) -> output (2, 8, 768)" in out
     diffs = [float(d) for d in re.findall(r"max \|diff\|(?: to the wrapper)? = (\S+)", out)]
