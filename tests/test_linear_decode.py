@@ -23,26 +23,31 @@ def decode_case(rows, dtype, *, n=N, k=K, seed=0):
 
 
 @pytest.mark.parametrize(
-    "vendor, capability, flags, version, dtype, few, many",
+    "vendor, capability, flags, version, dtype, gemv, few, many",
     [
-        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float32, "onednn", "onednn"),
-        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.bfloat16, "onednn", "torch"),
-        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16", "amx_tile"], "2.13.0", torch.bfloat16, "onednn", "torch"),
-        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16"], "2.13.0", torch.float32, "torch", "torch"),
-        ("AuthenticAMD", "AVX512", ["avx512f"], "2.13.0", torch.bfloat16, "torch", "torch"),  # Zen 3-style: no native bf16
-        ("AuthenticAMD", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch"),
-        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.14.0", torch.bfloat16, "torch", "torch"),  # untested torch
-        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float16, "torch", "torch"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float32, "onednn", "onednn", "onednn"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.bfloat16, "onednn", "onednn", "torch"),
+        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16", "amx_tile"], "2.13.0", torch.bfloat16, "onednn", "onednn", "torch"),
+        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16"], "2.13.0", torch.float32, "torch", "onednn", "torch"),  # MKL's GEMV up to 3 rows
+        ("GenuineIntel", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch", "torch"),
+        ("GenuineIntel", "AVX512", ["avx512f"], "2.14.0", torch.float32, "torch", "torch", "torch"),  # untested torch
+        ("AuthenticAMD", "AVX512", ["avx512f"], "2.13.0", torch.bfloat16, "torch", "torch", "torch"),  # Zen 3-style: no native bf16
+        ("AuthenticAMD", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch", "torch"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.14.0", torch.bfloat16, "torch", "torch", "torch"),  # untested torch
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float16, "torch", "torch", "torch"),
     ],
 )
-def test_the_few_rows_rule_depends_on_cpu_flags_dtype_and_torch_version_only(machine, vendor, capability, flags, version, dtype, few, many):
+def test_the_few_rows_rule_depends_on_cpu_flags_dtype_rows_and_torch_version_only(machine, vendor, capability, flags, version, dtype,
+                                                                                   gemv, few, many):
     """The paths the rule names on each pretended machine, against the table (nothing timed: test_linear.py)."""
     machine(vendor, capability, flags, version=version)
-    assert hl.choose_few_rows(dtype)[0] == few
+    assert hl.choose_few_rows(dtype, hl.GEMV_ROWS)[0] == gemv
+    assert hl.choose_few_rows(dtype, hl.GEMV_ROWS + 1)[0] == hl.choose_few_rows(dtype)[0] == few
     assert hl.choose(dtype)[0] == many
     if dtype in (torch.float32, torch.bfloat16):
-        x, w, b = decode_case(1, dtype)
-        assert hl.uses_onednn(x, w, b) == (few == "onednn")  # one row, a decode-sized weight: the few-rows rule
+        for rows, path in ((1, gemv), (hl.GEMV_ROWS, gemv), (hl.GEMV_ROWS + 1, few), (hl.DECODE_ROWS, few)):
+            x, w, b = decode_case(rows, dtype)
+            assert hl.uses_onednn(x, w, b) == (path == "onednn"), rows  # a decode-sized weight: the few-rows rule
         assert hl.uses_onednn(x[:, :, :128], w[:128, :128].contiguous(), b[:128]) is False  # a small weight: F.linear
         x_many = torch.randn(64, 1, K).to(dtype)
         assert hl.uses_onednn(x_many, w, b) == (many == "onednn")  # 64 rows: the many-rows rule
@@ -63,15 +68,16 @@ def test_forcing_decides_decode_shapes_too(machine, monkeypatch):
     assert hl.choose_few_rows(torch.float32) == ("torch", "forced by HEADWISE_LINEAR")
 
 
-@pytest.mark.parametrize("vendor, flags, fp32, bf16", [
-    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "onednn", "onednn"),
-    ("GenuineIntel", ["avx512f"], "torch", "torch"),
+@pytest.mark.parametrize("vendor, flags, fp32_gemv, fp32, bf16", [
+    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "onednn", "onednn", "onednn"),
+    ("GenuineIntel", ["avx512f"], "torch", "onednn", "torch"),
 ])
-def test_describe_reports_the_few_rows_decision(machine, vendor, flags, fp32, bf16):
+def test_describe_reports_the_few_rows_decision(machine, vendor, flags, fp32_gemv, fp32, bf16):
     machine(vendor, "AVX512", flags)
     info = hl.describe()["few_rows"]
-    assert info["rows"] == 16 and info["min_weight"] == 2**17
-    assert (info["float32"]["path"], info["bfloat16"]["path"]) == (fp32, bf16)
+    assert info["rows"] == 16 and info["min_weight"] == 2**17 and info["gemv"]["rows"] == 3
+    assert (info["gemv"]["float32"]["path"], info["float32"]["path"], info["bfloat16"]["path"]) == (fp32_gemv, fp32, bf16)
+    assert info["gemv"]["bfloat16"] == info["bfloat16"]
     assert info["bfloat16"]["reason"].startswith("bfloat16 with avx512_bf16" if bf16 == "onednn" else "bfloat16 on a CPU without avx512_bf16")
 
 
@@ -165,6 +171,22 @@ def test_a_decode_call_is_prepared_once_and_follows_every_change(linear_path, bi
     assert all(layer.weight.grad is not None for layer in layers)
     del layers[:]
     assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"
+
+
+def test_a_kept_decode_call_follows_the_rows_band(machine):
+    """Where the rule sends 1..GEMV_ROWS rows and GEMV_ROWS + 1..DECODE_ROWS rows apart (float32 on an
+    Intel CPU with AVX-512), a layer kept for one batch size runs the other's own decision."""
+    machine("GenuineIntel", "AVX512", ["avx512f"])
+    if onednn.ops_error(torch.float32) is not None:
+        pytest.skip("oneDNN's private ops fail for float32 here")
+    lin = torch.nn.Linear(K, N)
+    with torch.no_grad():
+        for rows, run in ((1, F.linear), (8, onednn.inner_product), (hl.GEMV_ROWS, F.linear), (hl.GEMV_ROWS + 1, onednn.inner_product)):
+            x = decode_case(rows, torch.float32)[0]  # (rows, 1, K)
+            out = hl.project(lin, x)
+            kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key and key[-3] == (rows <= hl.GEMV_ROWS)]
+            assert len(kept) == 1 and kept[0].run is run, rows
+            assert ((out.double() - ref_linear(x, lin.weight, lin.bias)).norm() / out.double().norm()).item() < 1e-6
 
 
 def test_a_decode_call_of_inference_tensors_is_not_kept():

@@ -20,6 +20,7 @@ from .projection import linear, project, project_many
 from .rule import (
     DECODE_ROWS,
     ENV,
+    GEMV_ROWS,
     MIN_DECODE_WEIGHT,
     MIN_ROWS,
     PATHS,
@@ -34,6 +35,6 @@ from .rule import (
 )
 
 __all__ = [
-    "DECODE_ROWS", "ENV", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
+    "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
     "describe", "linear", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

@@ -19,7 +19,7 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 
 from . import onednn
 from .onednn import DTYPES, plain_tensors
-from .rule import DECODE_ROWS, _path_setting, uses_onednn
+from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
 from .weight_cache import READY, STACKED, cached, state, watchable
 
 
@@ -139,10 +139,10 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     the call takes the full path.
 
     The fast way serves plain, hook-free ``nn.Linear`` layers under no_grad / inference mode, eager,
-    a plain strided x of 1..``DECODE_ROWS`` rows. It is keyed by the layers, x's dtype and device
-    and the path setting, and remade when any weight or bias changes (``weight_cache.state``); an
-    inference-tensor weight, a changing world (torch.distributed) or a weight that cannot be
-    packed once never gets one. The numbers are the full path's: the same function on the same
+    a plain strided x of 1..``DECODE_ROWS`` rows. It is keyed by the layers, x's dtype and device,
+    whether x has at most ``GEMV_ROWS`` rows and the path setting, and remade when any weight or
+    bias changes (``weight_cache.state``); an inference-tensor weight, a changing world
+    (torch.distributed) or a weight that cannot be packed once never gets one. The numbers are the full path's: the same function on the same
     prepared weight.
     """
     if not _decode_call(x) or _global_module_hooks():
@@ -174,7 +174,8 @@ def _decode_call(x: Tensor) -> bool:
 def _kept(owners: Sequence[object], weights: list[Tensor], biases: list[Tensor | None], x: Tensor) -> Ready | None:
     """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x, made when missing or stale."""
     params = [t for t in (*weights, *biases) if t is not None]
-    key = (*map(id, owners), x.dtype, x.device, _path_setting(), torch.backends.mkldnn.enabled)
+    gemv = x.numel() <= GEMV_ROWS * x.shape[-1]  # the rule may decide 1..GEMV_ROWS rows apart from the rest
+    key = (*map(id, owners), x.dtype, x.device, gemv, _path_setting(), torch.backends.mkldnn.enabled)
     entry = READY.get(key)
     if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
         return entry

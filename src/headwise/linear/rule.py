@@ -9,9 +9,12 @@ Nothing is timed. A call's path follows, in order:
    everything else (Intel, ARM, bf16: torch already sends bf16 matmuls to oneDNN) is ``torch``;
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
-   ``choose_few_rows``: float32 as in 2; bfloat16 on oneDNN's packed weight on any CPU whose
-   flags name ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16
-   matmul re-reads the plain (N, K) weight each call), on the tested torch versions;
+   ``choose_few_rows``: float32 as in 2, except that on any CPU whose torch kernels run AVX-512
+   a call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind
+   ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows it runs
+   a GEMV that reads it once); bfloat16 on oneDNN's packed weight on any CPU whose flags name
+   ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16 matmul re-reads
+   the plain (N, K) weight each call), on the tested torch versions;
 4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
    they fail, ``torch`` and one warning;
 5. per call (``uses_onednn``), a oneDNN decision still falls back to ``F.linear`` for operands
@@ -44,6 +47,7 @@ ENV = "HEADWISE_LINEAR"
 MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT: F.linear's lower per-call overhead wins
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
+GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags of native bf16 dot products (oneDNN's packed bf16 GEMV uses them)
 _forced: str | None = None  # set_path's value; None = the environment decides
 
@@ -107,8 +111,9 @@ def cpu() -> dict:
 
 
 @functools.cache
-def _auto(dtype: torch.dtype, few_rows: bool = False) -> tuple[str, str]:
-    """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why."""
+def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tuple[str, str]:
+    """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
+    decode-shaped call of at most ``GEMV_ROWS`` rows)."""
     facts = cpu()
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -120,8 +125,15 @@ def _auto(dtype: torch.dtype, few_rows: bool = False) -> tuple[str, str]:
         return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call")
     if dtype != torch.float32:
         return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
-    if facts["vendor"] != "AuthenticAMD" or not facts["capability"].startswith("AVX512"):
-        return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only AMD CPUs with AVX-512 take oneDNN"
+    if not facts["capability"].startswith("AVX512"):
+        return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only CPUs with AVX-512 take oneDNN"
+    if facts["vendor"] != "AuthenticAMD":
+        if few_rows and not gemv:
+            return untested or ("onednn", f"{GEMV_ROWS + 1}-{DECODE_ROWS} rows with AVX-512 kernels: MKL's GEMM packs the plain weight on every "
+                                          "call, oneDNN's weight is packed once")
+        if few_rows:
+            return "torch", f"{facts['vendor'] or facts['name']}, up to {GEMV_ROWS} rows: MKL's float32 GEMV reads the plain weight once"
+        return "torch", f"{facts['vendor'] or facts['name']}, many rows: MKL's float32 GEMM (oneDNN's was faster on AMD CPUs only)"
     return untested or ("onednn", f"AMD family {facts['family']} with AVX-512 kernels: MKL's fp32 GEMM is slower here than oneDNN's")
 
 
@@ -130,20 +142,21 @@ def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     return _decision(dtype, few_rows=False)
 
 
-def choose_few_rows(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
-    """The path for ``dtype`` and why when a call has at most ``DECODE_ROWS`` rows and a weight of at
+def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS) -> tuple[str, str]:
+    """The path for ``dtype`` and why when a call has ``rows`` <= ``DECODE_ROWS`` rows and a weight of at
     least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
-    return _decision(dtype, few_rows=True)
+    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS)
 
 
-def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None) -> tuple[str, str]:
-    """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls); ``setting`` read when not given."""
+def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False) -> tuple[str, str]:
+    """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls, ``gemv`` those of at most ``GEMV_ROWS``
+    rows); ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, few_rows and gemv)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -151,7 +164,8 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None) ->
 
 def describe() -> dict:
     """The decision as data: CPU facts, torch version, setting and, per dtype, the path and why
-    (``few_rows``: the same for decode-shaped calls, at most ``DECODE_ROWS`` rows).
+    (``few_rows``: the same for decode-shaped calls of ``GEMV_ROWS`` + 1 to ``DECODE_ROWS`` rows,
+    and in its ``gemv`` entry for those of 1 to ``GEMV_ROWS`` rows).
 
     Example:
         >>> list(describe())
@@ -161,10 +175,12 @@ def describe() -> dict:
     """
     setting, source = _setting()
     names = [str(dtype).removeprefix("torch.") for dtype in onednn.DTYPES]
-    decided = {name: [dict(zip(("path", "reason"), decide(dtype), strict=True)) for decide in (choose, choose_few_rows)]
+    deciders = (choose, choose_few_rows, lambda dtype: choose_few_rows(dtype, GEMV_ROWS))
+    decided = {name: [dict(zip(("path", "reason"), decide(dtype), strict=True)) for decide in deciders]
                for name, dtype in zip(names, onednn.DTYPES, strict=True)}
-    return {"cpu": cpu(), **{name: many for name, (many, _) in decided.items()},
-            "few_rows": {"rows": DECODE_ROWS, "min_weight": MIN_DECODE_WEIGHT, **{name: few for name, (_, few) in decided.items()}},
+    return {"cpu": cpu(), **{name: many for name, (many, _, _) in decided.items()},
+            "few_rows": {"rows": DECODE_ROWS, "min_weight": MIN_DECODE_WEIGHT, **{name: few for name, (_, few, _) in decided.items()},
+                         "gemv": {"rows": GEMV_ROWS, **{name: gemv for name, (_, _, gemv) in decided.items()}}},
             "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
@@ -184,4 +200,5 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     setting = _path_setting()
     if setting != "auto":  # forced: no reason to word
         return setting == "onednn" and onednn.ops_error(dtype) is None
-    return _decision(dtype, big and size <= DECODE_ROWS * k, setting)[0] == "onednn"
+    few = big and size <= DECODE_ROWS * k
+    return _decision(dtype, few, setting, few and size <= GEMV_ROWS * k)[0] == "onednn"
