@@ -81,6 +81,27 @@ def test_an_engine_that_fails_to_load_is_reported_in_its_row(root, monkeypatch):
     assert cpp.decode_ms is None and cpp.note == "failed: RuntimeError: the last line says why"
 
 
+def test_an_engine_that_dies_while_running_is_reported_in_its_row_and_the_others_go_on(root, monkeypatch):
+    calls = []
+
+    def dies_on_its_second_call(directory, precision, threads):
+        def run(ids, new):
+            calls.append(new)
+            if len(calls) > 1:
+                raise RuntimeError("the engine's process ended\n(exit code -4)")
+            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+        return run
+
+    monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
+        **{**engines.ENGINES["llama.cpp"].__dict__, "load": dies_on_its_second_call, "module": "", "limits": lambda precision: ""}))
+    (hw, cpp) = tiny(root, engines=("headwise", "llama.cpp"), rounds=3)
+    assert hw.decode_ms is not None and hw.note == ""
+    assert cpp.decode_ms is None and cpp.note == "failed while running: RuntimeError: (exit code -4)"
+    assert calls == [1, 3]  # no turn after the one that failed
+    assert "| gpt2 | fp32 | 1 | llama.cpp | f32 | failed while running: RuntimeError: (exit code -4) |" in generation.markdown([hw, cpp])
+
+
 def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
     calls, loads = [], []
 

@@ -90,23 +90,32 @@ SETTLE_S = 0.25
 
 
 def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: ReadProbe, rounds: int,
-           warmup: int) -> tuple[dict[str, tuple[float, float]], float, dict[str, Tensor], Load]:
-    """Each runner's median prefill ms and decode ms per step, the probe's median seconds, each runner's tokens, the load.
+           warmup: int) -> tuple[dict[str, tuple[float, float]], float, dict[str, Tensor], Load, dict[str, str]]:
+    """Each runner's median prefill ms and decode ms per step, the probe's median seconds, each runner's tokens,
+    the load, and why each runner that failed while running stopped.
 
     A runner's turn in a round is its prefill call and, right after it, its generate call: the
     decode is their difference taken within the turn, so that a change of load between rounds
-    does not land on one of the two only.
+    does not land on one of the two only. A runner that raises (an engine's process that died
+    in its native code, say) takes no more turns; the others go on.
     """
     outs: dict[str, Tensor] = {}
     splits: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    failed: dict[str, str] = {}
 
     def turn(name: str, run: Runner) -> Callable[[], None]:
         def call() -> None:
+            if name in failed:
+                return
             sleep(SETTLE_S)
-            start = perf_counter()
-            run(ids, 1)
-            middle = perf_counter()
-            outs[name] = run(ids, new_tokens)
+            try:
+                start = perf_counter()
+                run(ids, 1)
+                middle = perf_counter()
+                outs[name] = run(ids, new_tokens)
+            except Exception as e:
+                failed[name] = f"failed while running: {type(e).__name__}: {_last_line(e)}"
+                return
             splits[name].append((middle - start, perf_counter() - middle))
 
         return call
@@ -116,8 +125,15 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
     timed = {}
     for name, pairs in splits.items():
         pairs = pairs[warmup:]
-        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * statistics.median(g - p for p, g in pairs) / (new_tokens - 1))
-    return timed, statistics.median(times["sum"]), outs, load
+        if name not in failed:
+            timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * statistics.median(g - p for p, g in pairs) / (new_tokens - 1))
+    return timed, statistics.median(times["sum"]), {n: t for n, t in outs.items() if n not in failed}, load, failed
+
+
+def _last_line(error: Exception) -> str:
+    """An error's last line, at most 160 characters (an engine's converter may print pages)."""
+    text = str(error).strip()
+    return text.splitlines()[-1][:160] if text else ""
 
 
 def generate_speeds(
@@ -143,7 +159,8 @@ def generate_speeds(
     ``isolated``: each engine loaded and run in a process of its own (``bench.isolated``), so that
     no engine's runtime slows another's turns; False loads them all in this process.
     Checkpoints and conversions are written under ``root`` once (``bench.models.default_root()``).
-    An engine that is not installed, or lacks a format, gets a row with a note, not an error.
+    An engine that is not installed, lacks a format, fails to load or fails while running gets a row with a
+    note, not an error: the other engines go on.
     """
     for name, value, low in (("prompt", prompt, 1), ("new_tokens", new_tokens, 2), ("rounds", rounds, 1), ("warmup", warmup, 0)):
         _checks.integer(name, value, low=low)
@@ -179,20 +196,20 @@ def generate_speeds(
                     try:
                         runners[name] = Isolated(name, directory, precision, threads) if isolated else engine.load(directory, precision, threads)
                     except Exception as e:  # a conversion or a load that fails is reported in its row
-                        notes[name] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+                        notes[name] = f"failed: {type(e).__name__}: {_last_line(e)}"
             for batch in batches:
                 here = {n: r for n, r in runners.items() if batch == 1 or ENGINES[n].batches}
                 if progress:
                     progress(f"{model} {precision} B={batch}: {', '.join(here)}")
                 ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(seed))  # (B, T)
-                timed, probe_s, outs, load = _timed(here, ids, new_tokens, probe, rounds, warmup)
+                timed, probe_s, outs, load, failed = _timed(here, ids, new_tokens, probe, rounds, warmup)
                 gbps = probe.gbps(probe_s)
                 context = prompt + new_tokens // 2
                 for name in engines:
                     engine = ENGINES[name]
                     fmt = engine.formats.get(precision, "")
-                    if name not in here:
-                        note = notes[name] or f"{name} runs one sequence at a time here"
+                    if name not in here or name in failed:
+                        note = failed.get(name) or notes[name] or f"{name} runs one sequence at a time here"
                         rows.append(GenerateSpeed(model, precision, batch, name, fmt, note=note))
                         continue
                     step_bytes = weights * engine.weight_bytes[precision] + kv * batch * context * engine.kv_bytes[precision]
