@@ -53,6 +53,21 @@ def test_the_few_rows_rule_depends_on_cpu_flags_dtype_rows_and_torch_version_onl
         assert hl.uses_onednn(x_many, w, b) == (many == "onednn")  # 64 rows: the many-rows rule
 
 
+@pytest.mark.parametrize("vendor, recorded", [("GenuineIntel", "torch"), ("AuthenticAMD", "onednn")])
+def test_few_rows_under_autograd_keep_the_faster_backward(machine, vendor, recorded):
+    """On Intel a float32 call of 4-16 rows takes oneDNN for inference only: one autograd records keeps
+    F.linear (its backward at so few rows was the faster); AMD's fp32 rule takes oneDNN either way."""
+    machine(vendor, "AVX512", ["avx512f"])
+    x, w, b = decode_case(8, torch.float32)
+    assert hl.uses_onednn(x, w, b) is True  # nothing wants a gradient: inference
+    for wants in (x, w, b):
+        wants.requires_grad_(True)
+        assert hl.uses_onednn(x, w, b) is (recorded == "onednn")
+        with torch.no_grad():
+            assert hl.uses_onednn(x, w, b) is True  # not recorded under no_grad
+        wants.requires_grad_(False)
+
+
 def test_rows_up_to_the_bound_take_the_few_rows_rule(machine):
     machine(flags=["avx512f", "avx512_bf16"])
     w = torch.randn(N, K, dtype=torch.bfloat16)

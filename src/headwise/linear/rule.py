@@ -10,9 +10,10 @@ Nothing is timed. A call's path follows, in order:
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: float32 as in 2, except that on any CPU whose torch kernels run AVX-512
-   a call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind
-   ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows it runs
-   a GEMV that reads it once); bfloat16 on oneDNN's packed weight on any CPU whose flags name
+   an inference call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM
+   behind ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows
+   it runs a GEMV that reads it once; a call autograd records keeps ``F.linear``, whose backward
+   was the faster at so few rows); bfloat16 on oneDNN's packed weight on any CPU whose flags name
    ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16 matmul re-reads
    the plain (N, K) weight each call), on the tested torch versions;
 4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
@@ -113,7 +114,7 @@ def cpu() -> dict:
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
-    decode-shaped call of at most ``GEMV_ROWS`` rows)."""
+    decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records)."""
     facts = cpu()
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -129,10 +130,11 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tup
         return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only CPUs with AVX-512 take oneDNN"
     if facts["vendor"] != "AuthenticAMD":
         if few_rows and not gemv:
-            return untested or ("onednn", f"{GEMV_ROWS + 1}-{DECODE_ROWS} rows with AVX-512 kernels: MKL's GEMM packs the plain weight on every "
-                                          "call, oneDNN's weight is packed once")
+            return untested or ("onednn", f"{GEMV_ROWS + 1}-{DECODE_ROWS} rows, inference, AVX-512 kernels: MKL's GEMM packs the plain weight "
+                                          "on every call, oneDNN's weight is packed once")
         if few_rows:
-            return "torch", f"{facts['vendor'] or facts['name']}, up to {GEMV_ROWS} rows: MKL's float32 GEMV reads the plain weight once"
+            return "torch", (f"{facts['vendor'] or facts['name']}, up to {GEMV_ROWS} rows or under autograd: MKL's float32 GEMV reads the plain "
+                             "weight once, and its backward is the faster at few rows")
         return "torch", f"{facts['vendor'] or facts['name']}, many rows: MKL's float32 GEMM (oneDNN's was faster on AMD CPUs only)"
     return untested or ("onednn", f"AMD family {facts['family']} with AVX-512 kernels: MKL's fp32 GEMM is slower here than oneDNN's")
 
@@ -201,4 +203,10 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     if setting != "auto":  # forced: no reason to word
         return setting == "onednn" and onednn.ops_error(dtype) is None
     few = big and size <= DECODE_ROWS * k
-    return _decision(dtype, few, setting, few and size <= GEMV_ROWS * k)[0] == "onednn"
+    gemv = few and (size <= GEMV_ROWS * k or _recorded(x, weight, bias))  # where MKL's F.linear stays on Intel
+    return _decision(dtype, few, setting, gemv)[0] == "onednn"
+
+
+def _recorded(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether autograd records this call (then a few rows' backward runs faster through ``F.linear`` on Intel)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
