@@ -142,8 +142,8 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     a plain strided x of 1..``DECODE_ROWS`` rows. It is keyed by the layers, x's dtype and device,
     whether x has at most ``GEMV_ROWS`` rows and the path setting, and remade when any weight or
     bias changes (``weight_cache.state``); an inference-tensor weight, a changing world
-    (torch.distributed) or a weight that cannot be packed once never gets one. The numbers are the full path's: the same function on the same
-    prepared weight.
+    (torch.distributed) or a weight that cannot be packed once never gets one. The numbers are the
+    full path's: the same function on the same prepared weight.
     """
     if not _decode_call(x) or _global_module_hooks():
         return None
