@@ -37,6 +37,9 @@ def _cache(kind: str, dtype=torch.float32):
     return lambda: cache
 
 
+#: One bfloat16 query per row, one query head per key head: the fused kernel where its GEMMs run on MKL's kernels for this CPU.
+HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_bf16_gemm() else "math blocks, float32 matmuls"
+
 # name: (inputs, keyword arguments, grad enabled, the runner expected)
 CASES = {
     "prompt": (dict(T=100), dict(causal=True), False, "sdpa causal blocks of 64 queries"),
@@ -44,8 +47,10 @@ CASES = {
     "long prompt": (dict(B=1, H=2, Hkv=1, T=1100, D=8), dict(causal=True), False, "sdpa is_causal"),
     "decode": (dict(T=1, S=50), dict(causal=True), False, "sdpa"),
     "bf16 decode": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, "sdpa, each key head's query heads as rows"),
-    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False,
-                                                 "math blocks, float32 matmuls"),
+    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, HEAD_ROWS),
+    "bf16 decode, one query head per key head, padding": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16),
+                                                          dict(causal=True, attention_mask=torch.arange(50).expand(2, 50) > 3), False,
+                                                          "math blocks, float32 matmuls"),
     "bf16 decode, window": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16), False, "math blocks, float32 matmuls"),
     "bf16 decode, training": (dict(T=1, S=50, dtype=torch.bfloat16, grad=True), dict(causal=True), True,
                               "sdpa, each key head's query heads as rows"),
@@ -184,3 +189,31 @@ def test_float32_matmuls_follow_the_rows_per_key_head():
     assert plan_table.float32_keys(torch.zeros(1, 8, 2, 8, dtype=torch.bfloat16), k, 2) == plan_table.FLOAT32_KEY_ELEMENTS  # 4 * 2
     assert plan_table.float32_keys(torch.zeros(1, 8, 3, 8, dtype=torch.bfloat16), k, 3) is None  # 12 rows
     assert plan_table.float32_keys(torch.zeros(1, 8, 1, 8), k.float(), 1) is None  # float32 already
+
+
+@pytest.mark.parametrize("on_mkl", [True, False])
+def test_one_bf16_query_row_per_head_takes_the_fused_kernel_only_where_its_gemms_are_mkls(monkeypatch, on_mkl):
+    """Either way the step is as close to the float64 reference as the bf16 output allows."""
+    monkeypatch.setattr(plan_table, "mkl_bf16_gemm", lambda: on_mkl)
+    q, k, v = _qkv(B=3, H=4, Hkv=4, T=1, S=300, D=64, dtype=torch.bfloat16)
+    plan = hw.plan(q, k, v, causal=True)
+    assert plan.runner == ("sdpa, one row per head on MKL" if on_mkl else "math blocks, float32 matmuls")
+    out = hw.attention(q, k, v, causal=True)
+    assert torch.equal(out, hw.attention(q, k, v, causal=True, backend=plan.backend))
+    w = torch.softmax(q.double() @ k.double().transpose(-2, -1) / 8, dim=-1)  # (B, H, 1, S)
+    want = w @ v.double()  # (B, H, 1, D)
+    assert float((out.double() - want).abs().max()) <= 2 * float(want.abs().max()) * 2**-8  # two bf16 roundings at most
+
+
+def test_mkl_bf16_gemm_reads_the_vendor_the_kernels_and_the_build(monkeypatch):
+    facts = {"vendor": "GenuineIntel", "capability": "AVX512"}
+    monkeypatch.setattr(plan_table, "cpu", lambda: facts)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    assert plan_table.mkl_bf16_gemm.__wrapped__()
+    for changed in ({"vendor": "AuthenticAMD"}, {"capability": "AVX2"}):
+        facts = {"vendor": "GenuineIntel", "capability": "AVX512", **changed}
+        monkeypatch.setattr(plan_table, "cpu", lambda facts=facts: facts)
+        assert not plan_table.mkl_bf16_gemm.__wrapped__(), changed
+    monkeypatch.setattr(plan_table, "cpu", lambda: {"vendor": "GenuineIntel", "capability": "AVX512"})
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert not plan_table.mkl_bf16_gemm.__wrapped__()

@@ -147,9 +147,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
 
     Example:
         >>> q = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
-        >>> k = v = torch.randn(1, 4, 300, 64, dtype=torch.bfloat16)
+        >>> k = v = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16)  # two query heads per key head
         >>> print(plan(q, k, v, causal=True).runner)
-        math blocks, float32 matmuls
+        sdpa, each key head's query heads as rows
     """
     args = _checked_as_attention(q, k, v, **kwargs)
     runs = arguments.sizes(args.cache, args.spec, k.shape[2])
