@@ -9,10 +9,9 @@ the same runner, bit for bit. Runners take the sizes below as arguments (measure
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import Tensor
@@ -113,7 +112,7 @@ def _grouped_decode(c: Call) -> bool:
     return c.q.shape[1] >= 2 * c.k.shape[1] and _plain_decode(c)
 
 
-@functools.cache
+@cache
 def mkl_bf16_gemm() -> bool:
     """Whether torch's CPU GEMM of bfloat16 operands into float32 (the fused kernel's q·k and weights·v
     for one query row) runs MKL's kernels for this CPU: torch built with MKL, an Intel CPU, AVX-512
@@ -191,7 +190,7 @@ RULES: tuple[Rule, ...] = (
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
     Rule("sdpa, each key head's query heads as rows", "sdpa", AUTO_SDPA, _grouped_decode, lambda c: sdpa.grouped_rows,
          "one bfloat16 query per row on the CPU, G >= 2 query heads per key head seeing every key: as G rows of one "
-         "fused call the kernel beats two float32 matmuls (its path for one row per head does not)"),
+         "fused call the kernel beats two float32 matmuls (its path for one row per head does so on Intel CPUs only: next rule)"),
     Rule("sdpa, one row per head on MKL", "sdpa", AUTO_SDPA, _head_rows_on_mkl, lambda c: sdpa.grouped_rows,
          "one bfloat16 query per row on an Intel CPU with AVX-512, one query head per key head, seeing every key: the fused "
          "kernel's bf16-to-float32 GEMMs run on MKL's kernels for this CPU and beat two float32 matmuls (elsewhere they do not)"),
