@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_attention
 
 import headwise as hw
 from headwise.backends import plan as plan_table
@@ -37,7 +38,8 @@ def _cache(kind: str, dtype=torch.float32):
     return lambda: cache
 
 
-#: One bfloat16 query per row, one query head per key head: the fused kernel where its GEMMs run on MKL's kernels for this CPU.
+#: One bfloat16 query per row, one query head per key head or a window or mask: the fused kernel where its
+#: GEMMs run on MKL's kernels for this CPU, else two float32 matmuls.
 HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_bf16_gemm() else "math blocks, float32 matmuls"
 
 # name: (inputs, keyword arguments, grad enabled, the runner expected)
@@ -50,8 +52,9 @@ CASES = {
     "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, HEAD_ROWS),
     "bf16 decode, one query head per key head, padding": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16),
                                                           dict(causal=True, attention_mask=torch.arange(50).expand(2, 50) > 3), False,
-                                                          "math blocks, float32 matmuls"),
-    "bf16 decode, window": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16), False, "math blocks, float32 matmuls"),
+                                                          HEAD_ROWS),
+    "bf16 decode, window": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16), False, HEAD_ROWS),
+    "bf16 decode, softcap": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, softcap=30.0), False, "math blocks, float32 matmuls"),
     "bf16 decode, training": (dict(T=1, S=50, dtype=torch.bfloat16, grad=True), dict(causal=True), True,
                               "sdpa, each key head's query heads as rows"),
     "bf16 prompt": (dict(T=30, dtype=torch.bfloat16), dict(causal=True), False, "sdpa is_causal"),
@@ -191,29 +194,31 @@ def test_float32_matmuls_follow_the_rows_per_key_head():
     assert plan_table.float32_keys(torch.zeros(1, 8, 1, 8), k.float(), 1) is None  # float32 already
 
 
+PADDED = torch.arange(300).expand(3, 300) >= torch.tensor([[0], [120], [300]])  # (B, S): row 1 left-padded, row 2 sees no key
+
+
 @pytest.mark.parametrize("on_mkl", [True, False])
-def test_one_bf16_query_row_per_head_takes_the_fused_kernel_only_where_its_gemms_are_mkls(monkeypatch, on_mkl):
+@pytest.mark.parametrize(("Hkv", "terms"), [(4, {}), (4, {"attention_mask": PADDED}), (2, {"attention_mask": PADDED}), (4, {"window": 64}),
+                                           (2, {"window": 64, "attention_mask": PADDED})], ids=["G=1", "G=1 padded", "G=2 padded", "G=1 window",
+                                                                                              "G=2 window padded"])
+def test_a_bf16_decode_step_takes_the_fused_kernel_only_where_its_gemms_are_mkls(monkeypatch, on_mkl, Hkv, terms):
     """Either way the step is as close to the float64 reference as the bf16 output allows."""
     monkeypatch.setattr(plan_table, "mkl_bf16_gemm", lambda: on_mkl)
-    q, k, v = _qkv(B=3, H=4, Hkv=4, T=1, S=300, D=64, dtype=torch.bfloat16)
-    plan = hw.plan(q, k, v, causal=True)
+    q, k, v = _qkv(B=3, H=4, Hkv=Hkv, T=1, S=300, D=64, dtype=torch.bfloat16)
+    plan = hw.plan(q, k, v, causal=True, **terms)
     assert plan.runner == ("sdpa, one row per head on MKL" if on_mkl else "math blocks, float32 matmuls")
-    out = hw.attention(q, k, v, causal=True)
-    assert torch.equal(out, hw.attention(q, k, v, causal=True, backend=plan.backend))
-    w = torch.softmax(q.double() @ k.double().transpose(-2, -1) / 8, dim=-1)  # (B, H, 1, S)
-    want = w @ v.double()  # (B, H, 1, D)
+    out = hw.attention(q, k, v, causal=True, **terms)
+    assert torch.equal(out, hw.attention(q, k, v, causal=True, backend=plan.backend, **terms))
+    want = reference_attention(q, k, v, causal=True, **terms)  # (B, H, 1, D) float64
     assert float((out.double() - want).abs().max()) <= 2 * float(want.abs().max()) * 2**-8  # two bf16 roundings at most
+    if "attention_mask" in terms:
+        assert not out[2].any()  # a row that sees no key: zeros
 
 
-def test_mkl_bf16_gemm_reads_the_vendor_the_kernels_and_the_build(monkeypatch):
-    facts = {"vendor": "GenuineIntel", "capability": "AVX512"}
-    monkeypatch.setattr(plan_table, "cpu", lambda: facts)
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
-    assert plan_table.mkl_bf16_gemm.__wrapped__()
-    for changed in ({"vendor": "AuthenticAMD"}, {"capability": "AVX2"}):
-        facts = {"vendor": "GenuineIntel", "capability": "AVX512", **changed}
-        monkeypatch.setattr(plan_table, "cpu", lambda facts=facts: facts)
-        assert not plan_table.mkl_bf16_gemm.__wrapped__(), changed
-    monkeypatch.setattr(plan_table, "cpu", lambda: {"vendor": "GenuineIntel", "capability": "AVX512"})
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert not plan_table.mkl_bf16_gemm.__wrapped__()
+def test_mkl_bf16_gemm_reads_the_vendor_the_kernels_and_the_build():
+    intel = {"vendor": "GenuineIntel", "capability": "AVX512"}
+    assert plan_table.mkl_bf16_gemm_on(intel, mkl=True)
+    assert not plan_table.mkl_bf16_gemm_on(intel, mkl=False)
+    assert not plan_table.mkl_bf16_gemm_on({**intel, "vendor": "AuthenticAMD"}, mkl=True)
+    assert not plan_table.mkl_bf16_gemm_on({**intel, "capability": "AVX2"}, mkl=True)
+    assert plan_table.mkl_bf16_gemm() == plan_table.mkl_bf16_gemm_on(hw.linear.cpu(), torch.backends.mkl.is_available())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -97,33 +97,41 @@ def _bf16_decode(c: Call) -> bool:
     return c.q.dtype == torch.bfloat16 and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
 
 
-def _plain_decode(c: Call) -> bool:
-    """A bfloat16 decode step on the CPU whose queries see every key, nothing added."""
+def _grouped_decode(c: Call) -> bool:
+    """A bfloat16 decode step on the CPU whose G >= 2 query heads per key head see every key, nothing added."""
     s = c.spec
     return (
-        _bf16_decode(c) and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1]
+        _bf16_decode(c) and c.q.shape[1] >= 2 * c.k.shape[1] and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1]
         and s.window is None and s.mask is None and s.attention_mask is None and s.documents is None
         and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0
     )
 
 
-def _grouped_decode(c: Call) -> bool:
-    """``_plain_decode`` with G >= 2 query heads per key head."""
-    return c.q.shape[1] >= 2 * c.k.shape[1] and _plain_decode(c)
-
-
-@cache
-def mkl_bf16_gemm() -> bool:
+def mkl_bf16_gemm_on(facts: dict, mkl: bool) -> bool:
     """Whether torch's CPU GEMM of bfloat16 operands into float32 (the fused kernel's q·k and weights·v
-    for one query row) runs MKL's kernels for this CPU: torch built with MKL, an Intel CPU, AVX-512
-    kernels. MKL runs generic code on other vendors' CPUs (float32 too: ``headwise.linear``)."""
-    facts = cpu()
-    return torch.backends.mkl.is_available() and facts["vendor"] == "GenuineIntel" and facts["capability"].startswith("AVX512")
+    for one query row) runs MKL's kernels for a CPU of ``facts`` (``headwise.linear.cpu()``): torch built
+    with MKL (``mkl``), an Intel CPU, AVX-512 kernels. MKL runs generic code on other vendors' CPUs
+    (float32 too: ``headwise.linear``)."""
+    return mkl and facts["vendor"] == "GenuineIntel" and facts["capability"].startswith("AVX512")
 
 
-def _head_rows_on_mkl(c: Call) -> bool:
-    """``_plain_decode`` with one query head per key head, where the fused kernel's GEMMs are MKL's (``mkl_bf16_gemm``)."""
-    return c.q.shape[1] == c.k.shape[1] and _plain_decode(c) and mkl_bf16_gemm()
+_MKL_BF16_GEMM = mkl_bf16_gemm_on(cpu(), torch.backends.mkl.is_available())  # read once: a compiled graph reads no /proc
+
+
+def mkl_bf16_gemm() -> bool:
+    """``mkl_bf16_gemm_on`` this machine."""
+    return _MKL_BF16_GEMM
+
+
+def _decode_on_mkl(c: Call) -> bool:
+    """A bfloat16 decode step on the CPU where the fused kernel's GEMMs are MKL's (``mkl_bf16_gemm``), with
+    any window or mask (folded into one) but nothing the kernel does not compute (softcap, ALiBi, sinks,
+    documents, dropout, a bias that wants a gradient)."""
+    s = c.spec
+    return (
+        _bf16_decode(c) and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1] and s.documents is None
+        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0 and not _trained_bias(c) and mkl_bf16_gemm()
+    )
 
 
 def _split_documents(c: Call) -> bool:
@@ -191,9 +199,9 @@ RULES: tuple[Rule, ...] = (
     Rule("sdpa, each key head's query heads as rows", "sdpa", AUTO_SDPA, _grouped_decode, lambda c: sdpa.grouped_rows,
          "one bfloat16 query per row on the CPU, G >= 2 query heads per key head seeing every key: as G rows of one "
          "fused call the kernel beats two float32 matmuls (its path for one row per head does so on Intel CPUs only: next rule)"),
-    Rule("sdpa, one row per head on MKL", "sdpa", AUTO_SDPA, _head_rows_on_mkl, lambda c: sdpa.grouped_rows,
-         "one bfloat16 query per row on an Intel CPU with AVX-512, one query head per key head, seeing every key: the fused "
-         "kernel's bf16-to-float32 GEMMs run on MKL's kernels for this CPU and beat two float32 matmuls (elsewhere they do not)"),
+    Rule("sdpa, one row per head on MKL", "sdpa", AUTO_SDPA, _decode_on_mkl, lambda c: sdpa.fused,
+         "one bfloat16 query per row on an Intel CPU with AVX-512 (one query head per key head, or a window or mask): the "
+         "fused kernel's bf16-to-float32 GEMMs run on MKL's kernels for this CPU and beat two float32 matmuls (elsewhere they do not)"),
     Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),
