@@ -30,6 +30,7 @@ def error(got, q, k, v):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [BLOCK + 1, 2 * BLOCK, 300, plan.CAUSAL_BLOCKS_UP_TO])
 def test_blocks_are_as_close_to_float64_as_one_kernel_call(t, dtype, monkeypatch):
+    monkeypatch.setattr(plan, "mkl_avx512", lambda: False)  # blocks on any machine (where MKL runs AVX-512 kernels, one call)
     q, k, v = qkv(t, dtype)
     calls = []
     kernel = sdpa._kernel
@@ -51,6 +52,13 @@ def test_rows_of_a_prompt_are_their_own_prefixes():
     for i in (0, BLOCK - 1, BLOCK, 2 * BLOCK + 7, 3 * BLOCK + 4):
         alone = attention(q[:, :, : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], causal=True)[:, :, -1]  # (B, H, D)
         torch.testing.assert_close(full[:, :, i], alone, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_where_mkl_runs_avx512_kernels_a_prompt_is_one_kernel_call(monkeypatch):
+    monkeypatch.setattr(plan, "mkl_avx512", lambda: True)
+    q, k, v = qkv(300, torch.float32)
+    assert torch.equal(attention(q, k, v, causal=True), one_call(q, k, v))
 
 
 @pytest.mark.parametrize("case", ["short", "long", "grad"])

@@ -38,13 +38,15 @@ def _cache(kind: str, dtype=torch.float32):
     return lambda: cache
 
 
-#: One bfloat16 query per row, one query head per key head or a window or mask: the fused kernel where its
-#: GEMMs run on MKL's kernels for this CPU, else two float32 matmuls.
-HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_bf16_gemm() else "math blocks, float32 matmuls"
+#: Where the fused kernel's GEMMs run MKL's AVX-512 kernels (Intel CPUs), one bfloat16 query per row with one query
+#: head per key head or a window or mask takes the kernel, else two float32 matmuls; and a causal prompt is one call,
+#: else blocks of queries.
+HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "math blocks, float32 matmuls"
+PROMPT = "sdpa is_causal" if plan_table.mkl_avx512() else "sdpa causal blocks of 64 queries"
 
 # name: (inputs, keyword arguments, grad enabled, the runner expected)
 CASES = {
-    "prompt": (dict(T=100), dict(causal=True), False, "sdpa causal blocks of 64 queries"),
+    "prompt": (dict(T=100), dict(causal=True), False, PROMPT),
     "prompt, training": (dict(T=100, grad=True), dict(causal=True), True, "sdpa is_causal"),
     "long prompt": (dict(B=1, H=2, Hkv=1, T=1100, D=8), dict(causal=True), False, "sdpa is_causal"),
     "decode": (dict(T=1, S=50), dict(causal=True), False, "sdpa"),
@@ -70,7 +72,7 @@ CASES = {
     "documents not in runs": (dict(B=1, T=6), dict(causal=True, documents=torch.tensor([[0, 1, 0, 1, 0, 1]])), False, "sdpa"),
     "T < S": (dict(T=5, S=40), dict(), False, "sdpa"),
     "T > S, causal": (dict(T=8, S=3), dict(causal=True), False, "sdpa"),
-    "float64": (dict(T=100, dtype=torch.float64), dict(causal=True), False, "sdpa causal blocks of 64 queries"),
+    "float64": (dict(T=100, dtype=torch.float64), dict(causal=True), False, PROMPT),
     "float64, plain": (dict(T=10, dtype=torch.float64), dict(), False, "sdpa"),
     "cache": (dict(B=1, T=1), dict(causal=True, cache="kv"), False, "sdpa"),
     "bf16 cache": (dict(B=1, T=1, dtype=torch.bfloat16), dict(causal=True, cache="kv"), False, "sdpa, each key head's query heads as rows"),
@@ -165,7 +167,7 @@ def test_a_module_plans_its_next_call():
     mha = hw.MultiHeadAttention(32, 32, 512, 0.0, num_heads=4).eval()
     x = torch.randn(1, 200, 32)
     with torch.no_grad():
-        assert mha.plan(x).runner == "sdpa causal blocks of 64 queries"
+        assert mha.plan(x).runner == PROMPT
         cache = hw.KVCache(1, 4, 256, 8)
         mha(x, cache=cache)
         assert mha.plan(x[:, :1], cache=cache).runner == "sdpa" and len(cache) == 200
@@ -203,7 +205,7 @@ PADDED = torch.arange(300).expand(3, 300) >= torch.tensor([[0], [120], [300]])  
                                                                                               "G=2 window padded"])
 def test_a_bf16_decode_step_takes_the_fused_kernel_only_where_its_gemms_are_mkls(monkeypatch, on_mkl, Hkv, terms):
     """Either way the step is as close to the float64 reference as the bf16 output allows."""
-    monkeypatch.setattr(plan_table, "mkl_bf16_gemm", lambda: on_mkl)
+    monkeypatch.setattr(plan_table, "mkl_avx512", lambda: on_mkl)
     q, k, v = _qkv(B=3, H=4, Hkv=Hkv, T=1, S=300, D=64, dtype=torch.bfloat16)
     plan = hw.plan(q, k, v, causal=True, **terms)
     assert plan.runner == ("sdpa, one row per head on MKL" if on_mkl else "math blocks, float32 matmuls")
@@ -215,10 +217,22 @@ def test_a_bf16_decode_step_takes_the_fused_kernel_only_where_its_gemms_are_mkls
         assert not out[2].any()  # a row that sees no key: zeros
 
 
-def test_mkl_bf16_gemm_reads_the_vendor_the_kernels_and_the_build():
+@pytest.mark.parametrize("on_mkl", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_prompt_is_one_call_where_mkl_runs_its_avx512_kernels_else_blocks(monkeypatch, on_mkl, dtype):
+    monkeypatch.setattr(plan_table, "mkl_avx512", lambda: on_mkl)
+    q, k, v = _qkv(B=1, H=4, Hkv=2, T=200, D=32, dtype=dtype)
+    plan = hw.plan(q, k, v, causal=True)
+    assert plan.runner == ("sdpa is_causal" if on_mkl else "sdpa causal blocks of 64 queries")
+    out = hw.attention(q, k, v, causal=True)
+    want = reference_attention(q, k, v, causal=True)  # (B, H, T, D) float64
+    assert float((out.double() - want).abs().max()) <= 2 * float(want.abs().max()) * (2**-8 if dtype == torch.bfloat16 else 2**-20)
+
+
+def test_mkl_avx512_reads_the_vendor_the_kernels_and_the_build():
     intel = {"vendor": "GenuineIntel", "capability": "AVX512"}
-    assert plan_table.mkl_bf16_gemm_on(intel, mkl=True)
-    assert not plan_table.mkl_bf16_gemm_on(intel, mkl=False)
-    assert not plan_table.mkl_bf16_gemm_on({**intel, "vendor": "AuthenticAMD"}, mkl=True)
-    assert not plan_table.mkl_bf16_gemm_on({**intel, "capability": "AVX2"}, mkl=True)
-    assert plan_table.mkl_bf16_gemm() == plan_table.mkl_bf16_gemm_on(hw.linear.cpu(), torch.backends.mkl.is_available())
+    assert plan_table.mkl_avx512_on(intel, mkl=True)
+    assert not plan_table.mkl_avx512_on(intel, mkl=False)
+    assert not plan_table.mkl_avx512_on({**intel, "vendor": "AuthenticAMD"}, mkl=True)
+    assert not plan_table.mkl_avx512_on({**intel, "capability": "AVX2"}, mkl=True)
+    assert plan_table.mkl_avx512() == plan_table.mkl_avx512_on(hw.linear.cpu(), torch.backends.mkl.is_available())

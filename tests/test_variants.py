@@ -216,7 +216,8 @@ def test_a_packed_row_makes_the_kernel_calls_of_its_documents_alone(grad):
             hw.attention(*(t[:, :, a:b] for t in leaves), causal=True, backend="sdpa")
         alone += one.calls
     assert packed_row.calls == alone
-    assert [shape[2] for shape in alone] == ([200, 300, 150] if grad else [64] * 3 + [8] + [64] * 4 + [44] + [64] * 2 + [22])
+    blocked = not grad and not plan.mkl_avx512()  # a causal prompt runs as blocks of 64 queries (not on Intel's MKL)
+    assert [shape[2] for shape in alone] == ([64] * 3 + [8] + [64] * 4 + [44] + [64] * 2 + [22] if blocked else [200, 300, 150])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
