@@ -5,9 +5,10 @@ not contiguous across heads), S growing by one every step as in generation:
 
 - ``half``: q·k and weights·v in the half type, k and v read in place (a plain matmul);
 - ``half, copied``: the same with k and v copied contiguous first;
-- ``float32``: the math backend's rule (``backends.math.scores`` / ``context``): both matmuls in
-  float32, keys and values converted a block at a time;
-- ``sdpa``: torch's fused kernel, one query row per query head (``enable_gqa``);
+- ``float32``: the math backend's way (``backends.math.scores`` / ``context``; the plan's runner at
+  G = 1 elsewhere): both matmuls in float32, keys and values converted a block at a time;
+- ``sdpa``: torch's fused kernel, one query row per query head (``enable_gqa``; the plan's runner at
+  G = 1 where MKL runs its AVX-512 kernels, ``backends.plan.mkl_avx512``);
 - ``sdpa, grouped rows``: the fused kernel with each key head's G query heads as G rows
   (``backends.sdpa.grouped_rows``; the same call as ``sdpa`` when G = 1).
 
