@@ -97,13 +97,22 @@ def _bf16_decode(c: Call) -> bool:
     return c.q.dtype == torch.bfloat16 and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
 
 
-def _grouped_decode(c: Call) -> bool:
-    """A bfloat16 decode step on the CPU whose G >= 2 query heads per key head see every key, nothing added."""
+def _kernel_decode(c: Call) -> bool:
+    """A bfloat16 decode step on the CPU with nothing the fused kernel does not compute (softcap, ALiBi,
+    sinks, documents, dropout, Dv != D) and something to compute."""
     s = c.spec
     return (
-        _bf16_decode(c) and c.q.shape[1] >= 2 * c.k.shape[1] and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1]
-        and s.window is None and s.mask is None and s.attention_mask is None and s.documents is None
-        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0
+        _bf16_decode(c) and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1]
+        and s.documents is None and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0
+    )
+
+
+def _grouped_decode(c: Call) -> bool:
+    """``_kernel_decode`` whose G >= 2 query heads per key head see every key, no mask."""
+    s = c.spec
+    return (
+        _kernel_decode(c) and c.q.shape[1] >= 2 * c.k.shape[1]
+        and s.window is None and s.mask is None and s.attention_mask is None
     )
 
 
@@ -124,14 +133,9 @@ def mkl_avx512() -> bool:
 
 
 def _decode_on_mkl(c: Call) -> bool:
-    """A bfloat16 decode step on the CPU where the fused kernel's GEMMs run MKL's AVX-512 kernels (``mkl_avx512``), with
-    any window or mask (folded into one) but nothing the kernel does not compute (softcap, ALiBi, sinks,
-    documents, dropout, a bias that wants a gradient)."""
-    s = c.spec
-    return (
-        _bf16_decode(c) and c.q.shape[0] > 0 and s.S > 0 and c.q.shape[-1] == c.v.shape[-1] and s.documents is None
-        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0 and not _trained_bias(c) and mkl_avx512()
-    )
+    """``_kernel_decode`` (any window or mask, folded into one; no bias that wants a gradient) where the fused
+    kernel's GEMMs run MKL's AVX-512 kernels (``mkl_avx512``)."""
+    return _kernel_decode(c) and not _trained_bias(c) and mkl_avx512()
 
 
 def _split_documents(c: Call) -> bool:

@@ -35,6 +35,11 @@ def plain_tensors(*tensors: Tensor | None) -> bool:
     return all(type(t) in (Tensor, nn.Parameter) for t in tensors if t is not None)
 
 
+def recorded(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on these tensors (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def inner_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """oneDNN inner product: (..., K) x (N, K) [dense, transposed (K, N)^T or packed] -> (..., N)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -135,6 +140,6 @@ class OneDNNLinear(torch.autograd.Function):
 
 def run(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` on oneDNN, for operands ``rule.uses_onednn`` sent here: (..., K) -> (..., N)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if recorded(x, weight, bias):
         return OneDNNLinear.apply(x, weight, bias)  # (..., N)
     return inner_product(x.contiguous(), packed(weight), None if bias is None else bias.detach().contiguous())  # (..., N)

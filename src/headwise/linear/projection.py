@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
 from . import onednn
-from .onednn import DTYPES, plain_tensors
+from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
 from .weight_cache import READY, STACKED, cached, state, watchable
 
@@ -52,7 +52,7 @@ def runs_as_op(x: Tensor, *params: Tensor | None) -> bool:
     tensors = [t for t in (x, *params) if t is not None]
     if not plain_tensors(*tensors) or any(t.device.type != "cpu" or t.dtype != x.dtype for t in tensors) or x.dtype not in DTYPES:
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return not recorded(*tensors)
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -111,7 +111,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     sizes = [w.shape[0] for w in weights]
     if torch.compiler.is_compiling() and runs_as_op(x, *params):
         y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
-    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))):
+    elif torch.compiler.is_compiling() or recorded(x, *params):
         y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]

@@ -203,10 +203,6 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     if setting != "auto":  # forced: no reason to word
         return setting == "onednn" and onednn.ops_error(dtype) is None
     few = big and size <= DECODE_ROWS * k
-    gemv = few and (size <= GEMV_ROWS * k or _recorded(x, weight, bias))  # where MKL's F.linear stays on Intel
+    gemv = few and (size <= GEMV_ROWS * k or onednn.recorded(x, weight, bias))  # where MKL's F.linear stays on Intel (its backward is faster)
     return _decision(dtype, few, setting, gemv)[0] == "onednn"
 
-
-def _recorded(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether autograd records this call (then a few rows' backward runs faster through ``F.linear`` on Intel)."""
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
