@@ -94,6 +94,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.double()
 
 
+def int8_linear(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """An int8 layer's product in float64, and how far a computed one may be from it.
+
+    The activations rounded to bfloat16, times the (N, K) int8 weight: s = bf16(x) @ q^T, exact in
+    float64; the result s * scale + bias. A computation that sums in float32 and rounds s once to
+    bfloat16 is within half a bfloat16 step of s (2^-8 relative) plus float32's error of the sums.
+
+    Returns:
+        (..., N) the product and (..., N) the allowed distance.
+    """
+    xb, q, scale = x.bfloat16().double(), weight.double(), scales.double()
+    s = xb @ q.T  # (..., N)
+    slack = (2.0**-8 * s.abs() + 1e-5 * (xb.abs() @ q.abs().T)) * scale + 1e-6  # (..., N)
+    return s * scale + (0 if bias is None else bias.double()), slack
+
+
 def reference_mha(
     x: Tensor,
     wq: Tensor,

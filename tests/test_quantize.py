@@ -3,15 +3,17 @@ models converted (tied heads too), and what int8 costs: logits, greedy tokens, r
 
 import copy
 import importlib.util
+import textwrap
 from pathlib import Path
 
 import pytest
+import reference
 import torch
 import torch.nn.functional as F
 from isolated import run_isolated
 from torch import nn
 
-from headwise import GPT2Config
+from headwise import GPT2Config, quantize
 from headwise import linear as hl
 from headwise.models import GPT2LMHeadModel, LlamaForCausalLM
 from headwise.models.llama_config import LlamaConfig
@@ -47,30 +49,52 @@ def test_quantization_is_per_channel_symmetric_int8():
 
 @pytest.mark.parametrize("rows", [1, 5, hl.DECODE_ROWS, 40])
 @pytest.mark.parametrize("bias", [True, False])
-def test_both_paths_match_the_float64_product_of_the_quantized_weight(rows, bias):
+@pytest.mark.parametrize("bf16_gemm", [True, False])  # torch's GEMM in bfloat16 (CPUs with bf16 dot products) or in float32
+def test_every_path_computes_the_kernels_arithmetic(rows, bias, bf16_gemm, monkeypatch):
+    """The kernel (decode rows) and torch's GEMM (a prompt's rows) both give bf16(x) @ q^T rounded once to
+    bfloat16, times the scale, plus the bias: within one rounding of the float64 product, the same for
+    any x of the same bfloat16 values, the sums on bfloat16 values."""
+    monkeypatch.setattr(quantize, "_BF16_GEMM", bf16_gemm)
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=gen), (torch.randn(96, generator=gen) if bias else None)
     x = torch.randn(rows, 1, 64, generator=gen)  # (B, 1, K)
     lin = Int8Linear(w, b)
-    q, scale = reference_quantized(w)
-    ref = x.double() @ (q * scale[:, None]).T + (0 if b is None else b.double())  # (B, 1, N)
     with torch.no_grad():
         got = lin(x)
+        again = lin(x.bfloat16().float() + 2**-12 * x.abs() * (x.bfloat16().float() - x).sign())  # nearer the same bf16 values
     assert got.shape == (rows, 1, 96) and got.dtype == torch.float32
-    kernel = lin.uses_kernel(x)
-    assert kernel == (HAS_KERNEL and rows <= hl.DECODE_ROWS)
-    if kernel:  # bfloat16 activations and output: within 2x what rounding x and y to bf16 costs a plain GEMM
-        plain = F.linear(x.bfloat16().double(), (q * scale[:, None]), None if b is None else b.double()).bfloat16()
-        assert rel(got, ref) <= 2 * rel(plain, ref) + 1e-6
-    else:
-        assert rel(got, ref) < 1e-6
+    assert lin.uses_kernel(x) == (HAS_KERNEL and rows <= hl.DECODE_ROWS)
+    ref, slack = reference.int8_linear(x, lin.weight, lin.scales, lin.bias)
+    assert bool(((got.double() - ref).abs() <= slack).all())
+    assert torch.equal(again, got)  # x enters as its bfloat16 values
+    if not bias:  # the sums were rounded to bfloat16: got / scale is a bfloat16 value (to float32's rounding of the product)
+        sums = got.double() / lin.scales.double()
+        assert bool(((sums - sums.bfloat16().double()).abs() <= 1e-6 * sums.abs()).all())
 
 
-def test_under_autograd_the_dequantized_path_gives_the_input_its_gradient():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_and_a_decode_step_multiply_alike(dtype):
+    """A row through the kernel and the same row among a prompt's through torch's GEMM: at most one bfloat16
+    step apart (their float32 sums differ in order only), where the kernel runs."""
+    gen = torch.Generator().manual_seed(3)
+    lin = Int8Linear(torch.randn(128, 96, generator=gen), torch.randn(128, generator=gen))
+    x = torch.randn(1, 40, 96, generator=gen).to(dtype)  # (B, T, K): a prompt
+    with torch.no_grad():
+        prompt, step = lin(x)[0, -1], lin(x[:, -1:])[0, 0]  # (N,), (N,)
+    assert lin.uses_kernel(x[:, -1:]) == HAS_KERNEL and not lin.uses_kernel(x)
+    sums = [((y.double() - lin.bias.double()) / lin.scales.double()) for y in (prompt, step)]
+    step_size = 2.0 ** (torch.floor(torch.log2(sums[0].abs())) - 7)  # (N,): a bfloat16 step at each sum
+    assert bool(((sums[0] - sums[1]).abs() <= step_size * 1.01 + 1e-3).all())
+
+
+def test_under_autograd_the_gemm_gives_the_input_its_float32_gradient():
     lin = Int8Linear(torch.randn(32, 16))
     x = torch.randn(1, 16, requires_grad=True)
     assert not lin.uses_kernel(x)
-    lin(x).sum().backward()
+    out = lin(x)
+    with torch.no_grad():
+        assert torch.equal(out, lin(x))  # the same numbers with or without autograd (here: the same path)
+    out.sum().backward()
     torch.testing.assert_close(x.grad, lin.dequantized(torch.float32).sum(0, keepdim=True), rtol=1e-6, atol=1e-6)
 
 
@@ -213,22 +237,30 @@ def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
 
 @pytest.mark.slow
 def test_int8_decode_of_any_width_is_the_quantized_product_not_a_crash():
-    """Widths the int8 kernel's vector loop cannot read (K not a multiple of 16) take the exact path: the
-    float64 product of the quantized weight, never a SIGSEGV or values read past the rows (run in a child)."""
-    got = run_isolated("""
+    """Widths the int8 kernel's vector loop cannot read (K not a multiple of 16) take torch's GEMM with the
+    kernel's arithmetic: within one bfloat16 rounding of the float64 product, never a SIGSEGV or values
+    read past the rows (run in a child, checked here on the same seeded layers)."""
+    shapes = [(2, 3), (4, 8), (4, 24), (6, 40), (3, 17)]
+    made = """
+        gen = torch.Generator().manual_seed(k)
+        lin = Int8Linear(torch.randn(n, k, generator=gen))
+        x = torch.randn(1, k, generator=gen)  # (1, K): a decode step's one row
+    """
+    got = run_isolated(f"""
         import json, torch
         from headwise.quantize import Int8Linear
-        errors = {}
-        for n, k in [(2, 3), (4, 8), (4, 24), (6, 40), (3, 17)]:
-            gen = torch.Generator().manual_seed(k)
-            lin = Int8Linear(torch.randn(n, k, generator=gen))
-            x = torch.randn(1, k, generator=gen)  # (1, K): a decode step's one row
-            ref = x.double() @ lin.dequantized(torch.float64).T  # (1, N)
+        outputs = []
+        for n, k in {shapes}:
+            {textwrap.indent(textwrap.dedent(made), " " * 12).strip()}
             with torch.no_grad():
-                errors[f"{n}x{k}"] = ((lin(x).double() - ref).norm() / ref.norm()).item()
-        print(json.dumps(errors))
+                outputs.append(lin(x).tolist())
+        print(json.dumps(outputs))
     """)
-    assert all(err < 1e-6 for err in got.values()), got
+    for (n, k), out in zip(shapes, got, strict=True):
+        scope = {"torch": torch, "Int8Linear": Int8Linear, "n": n, "k": k}
+        exec(textwrap.dedent(made), scope)
+        want, slack = reference.int8_linear(scope["x"], scope["lin"].weight, scope["lin"].scales, None)  # (1, N)
+        assert bool(((torch.tensor(out, dtype=torch.float64) - want).abs() <= slack).all()), (n, k)
 
 
 @pytest.mark.slow

@@ -7,18 +7,25 @@ bias kept in the model's dtype. A model whose LM head is tied to its embeddings 
 None: GPT-2, tied Llamas) gets an int8 copy of the embedding matrix as ``lm_head``; the
 embedding itself stays as it was (a token reads one row of it).
 
-How an ``Int8Linear`` multiplies, by one fixed rule (nothing timed):
+What an ``Int8Linear`` computes, on every path: the activations rounded to bfloat16, times the int8
+weight with float32 sums, the sums rounded once to bfloat16, then the float32 per-channel scale and
+the bias applied in float32, the result in the input's dtype. The products of a bfloat16 and an
+int8 value are exact in float32, so the paths differ only in the order of their sums. How, by one
+fixed rule (nothing timed):
 
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
-  ``torch.ops.aten._weight_int8pack_mm`` and ``int8_mm_takes`` accepts the operands: that kernel,
-  with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and AVX-512 alike;
-  float32 input runs a scalar loop) and unit scales; the float32 per-channel scales are applied
-  to its output after;
-- otherwise (a prefill, training, another device, no such op, a K the kernel cannot read): the
-  int8 weight dequantized to the input's dtype and ``F.linear``: the same numbers, no bandwidth saved.
+  ``torch.ops.aten._weight_int8pack_mm`` and ``int8_mm_takes`` accepts the operands: that kernel
+  (a decode step), with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and
+  AVX-512 alike; float32 input runs a scalar loop) and unit scales;
+- otherwise (a prompt, training, another device, no such op, a K the kernel cannot read) torch's
+  GEMM of the same operands: the int8 weight converted to bfloat16 (exact) and a bfloat16
+  ``F.linear`` on a CPU with native bfloat16 dot products (``headwise.linear.bf16_flags``), when
+  autograd records nothing; else the float32 ``F.linear`` of the rounded activations and the
+  weight, rounded to bfloat16 after (the same numbers at float32's rate, and a float32 backward).
 
-So an int8 decode step rounds activations to bfloat16 on their way into each projection, and
-each output once more; ``int8_errors`` measures what that and the int8 weights cost.
+So a prompt and the decode steps after it multiply alike, and a prompt on a CPU with bfloat16 dot
+products runs at bfloat16's rate; ``int8_errors`` measures what the int8 weights and the
+bfloat16 roundings cost.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import DECODE_ROWS
+from .linear import DECODE_ROWS, bf16_flags
+from .linear.onednn import recorded
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
 K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
 ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
+_BF16_GEMM = bool(bf16_flags())  # this CPU has bf16 dot products: torch's bf16 GEMM runs them (read once: a compiled graph reads no /proc)
 
 
 def int8_mm_takes(rows: Tensor, weight: Tensor) -> bool:
@@ -60,26 +69,41 @@ def int8_mm_takes(rows: Tensor, weight: Tensor) -> bool:
             and rows.data_ptr() % ROWS_ALIGNMENT == 0 and weight.data_ptr() % WEIGHT_ALIGNMENT == 0)
 
 
-def _dequantized(weight: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """(N, K) int8 times each row's scale, as ``dtype``."""
-    return (weight.float() * scales[:, None]).to(dtype)  # (N, K)
-
-
 def _kernel_rows(x: Tensor) -> Tensor:
     """(..., K) -> (M, K) contiguous bfloat16 on its own aligned storage (a view at an odd offset is copied)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # (M, K)
     return rows if rows.data_ptr() % ROWS_ALIGNMENT == 0 else rows.clone()
 
 
+def _scaled(y: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """(..., N) sums rounded to bfloat16 -> bias + sums * scale, computed in float32, as ``dtype``."""
+    y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # (..., N) float32
+    return y.to(dtype)  # (..., N)
+
+
+def _bf16_values(t: Tensor) -> Tensor:
+    """``t`` rounded to bfloat16, held as float32; under autograd the rounding passes the gradient straight through."""
+    r = t.to(torch.bfloat16).float()
+    return t.float() + (r - t.float()).detach() if t.requires_grad else r  # r - t is exact: they are within a bf16 step
+
+
+def _gemm(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """(..., K) x (N, K) int8 -> (..., N) in x's dtype with torch's GEMM: the kernel's arithmetic (the
+    module docstring) for any rows, width, device or autograd."""
+    if _BF16_GEMM and x.is_cpu and not recorded(x):
+        y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))  # (..., N) bfloat16: float32 sums rounded once
+    else:  # bf16 x int8 products are exact in float32: the same sums, rounded once after (a float32 backward)
+        y = _bf16_values(F.linear(_bf16_values(x), weight.float()))  # (..., N)
+    return _scaled(y, scales, bias, x.dtype)
+
+
 def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
     """(M, K) x (N, K) int8 with (N,) scales and bias -> (M, N) in x's dtype: the kernel when
-    ``int8_mm_takes`` its operands, else the dequantized weight's exact product."""
+    ``int8_mm_takes`` its operands, else the same arithmetic through torch's GEMM."""
     rows = _kernel_rows(x)  # (M, K) bfloat16
     if not int8_mm_takes(rows, weight):
-        return F.linear(x, _dequantized(weight, scales, x.dtype), None if bias is None else bias.to(x.dtype))  # (M, N)
-    y = _int8_mm(rows, weight, ones)  # (M, N) bfloat16, unit scales
-    y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # (M, N) float32: bias + y * scale
-    return y.to(x.dtype)  # (M, N)
+        return _gemm(x, weight, scales, bias)  # (M, N)
+    return _scaled(_int8_mm(rows, weight, ones), scales, bias, x.dtype)  # (M, N): the kernel's bfloat16 sums, unit scales
 
 
 @torch.library.custom_op("headwise::int8_matmul", mutates_args=())
@@ -161,7 +185,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
-        return _dequantized(self.weight, self.scales, dtype)  # (N, K)
+        return (self.weight.float() * self.scales[:, None]).to(dtype)  # (N, K)
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != self.in_features:
@@ -170,7 +194,7 @@ class Int8Linear(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         if not self._decode_shaped(x):
-            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # (..., N)
+            return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)
         matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
         y = matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.bias, self._ones)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)

@@ -25,6 +25,7 @@ from .rule import (
     MIN_ROWS,
     PATHS,
     TESTED_TORCH,
+    bf16_flags,
     choose,
     choose_few_rows,
     cpu,
@@ -35,6 +36,6 @@ from .rule import (
 )
 
 __all__ = [
-    "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
+    "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "bf16_flags", "choose", "choose_few_rows", "cpu",
     "describe", "linear", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

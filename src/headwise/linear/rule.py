@@ -111,6 +111,12 @@ def cpu() -> dict:
     return facts
 
 
+def bf16_flags() -> list[str]:
+    """The flags of native bfloat16 dot products this CPU names (of ``avx512_bf16``, ``amx_bf16``): where oneDNN runs
+    bf16 GEMMs on them, at twice the multiply-adds per instruction of float32's (empty: none)."""
+    return sorted(set(_BF16_FLAGS) & set(cpu()["flags"]))
+
+
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
@@ -120,7 +126,7 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tup
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
     if few_rows and dtype == torch.bfloat16:
-        native = sorted(set(_BF16_FLAGS) & set(facts["flags"]))
+        native = bf16_flags()
         if not native:
             return "torch", f"bfloat16 on a CPU without {' or '.join(_BF16_FLAGS)}: torch's own GEMM"
         return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call")
