@@ -93,7 +93,8 @@ def _gemm(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Ten
     if _BF16_GEMM and x.is_cpu and not recorded(x):
         y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))  # (..., N) bfloat16: float32 sums rounded once
     else:  # bf16 x int8 products are exact in float32: the same sums, rounded once after (a float32 backward)
-        y = _bf16_values(F.linear(_bf16_values(x), weight.float()))  # (..., N)
+        y = F.linear(_bf16_values(x), weight.float())  # (..., N) float32
+        y = _bf16_values(y) if y.requires_grad else y.to(torch.bfloat16)  # (..., N): the sums rounded once
     return _scaled(y, scales, bias, x.dtype)
 
 
