@@ -11,6 +11,7 @@ import torch
 from reference import reference_attention
 
 import headwise as hw
+from headwise import machine
 from headwise.backends import plan as plan_table
 from headwise.masks import documents_from_cu_seqlens
 
@@ -229,10 +230,5 @@ def test_a_causal_prompt_is_one_call_where_mkl_runs_its_avx512_kernels_else_bloc
     assert float((out.double() - want).abs().max()) <= 2 * float(want.abs().max()) * (2**-8 if dtype == torch.bfloat16 else 2**-20)
 
 
-def test_mkl_avx512_reads_the_vendor_the_kernels_and_the_build():
-    intel = {"vendor": "GenuineIntel", "capability": "AVX512"}
-    assert plan_table.mkl_avx512_on(intel, mkl=True)
-    assert not plan_table.mkl_avx512_on(intel, mkl=False)
-    assert not plan_table.mkl_avx512_on({**intel, "vendor": "AuthenticAMD"}, mkl=True)
-    assert not plan_table.mkl_avx512_on({**intel, "capability": "AVX2"}, mkl=True)
-    assert plan_table.mkl_avx512() == plan_table.mkl_avx512_on(hw.linear.cpu(), torch.backends.mkl.is_available())
+def test_the_plan_reads_the_machines_mkl_fact_once():
+    assert plan_table.mkl_avx512() == machine.mkl_avx512_on(machine.cpu(), torch.backends.mkl.is_available())

@@ -19,7 +19,7 @@ fixed rule (nothing timed):
   AVX-512 alike; float32 input runs a scalar loop) and unit scales;
 - otherwise (a prompt, training, another device, no such op, a K the kernel cannot read) torch's
   GEMM of the same operands: the int8 weight converted to bfloat16 (exact) and a bfloat16
-  ``F.linear`` on a CPU with native bfloat16 dot products (``headwise.linear.bf16_flags``), when
+  ``F.linear`` on a CPU with native bfloat16 dot products (``headwise.machine.bf16_flags``), when
   autograd records nothing; else the float32 ``F.linear`` of the rounded activations and the
   weight, rounded to bfloat16 after (the same numbers at float32's rate, and a float32 backward).
 
@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import DECODE_ROWS, bf16_flags
+from .linear import DECODE_ROWS
 from .linear.onednn import recorded
+from .machine import bf16_flags
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..linear.rule import cpu
+from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
 from . import math as math_runner
 from . import packed, sdpa, softcap
@@ -116,19 +116,11 @@ def _grouped_decode(c: Call) -> bool:
     )
 
 
-def mkl_avx512_on(facts: dict, mkl: bool) -> bool:
-    """Whether the GEMMs torch's CPU kernels hand to MKL (float32 ``sgemm``, bfloat16 operands into float32:
-    the fused kernel's products) run MKL's AVX-512 kernels on a CPU of ``facts`` (``headwise.linear.cpu()``):
-    torch built with MKL (``mkl``), an Intel CPU, AVX-512 kernels. MKL runs its AVX2 code on other vendors'
-    CPUs (the reason float32 projections take oneDNN on AMD: ``headwise.linear``)."""
-    return mkl and facts["vendor"] == "GenuineIntel" and facts["capability"].startswith("AVX512")
-
-
 _MKL_AVX512 = mkl_avx512_on(cpu(), torch.backends.mkl.is_available())  # read once: a compiled graph reads no /proc
 
 
 def mkl_avx512() -> bool:
-    """``mkl_avx512_on`` this machine."""
+    """``headwise.machine.mkl_avx512_on`` this machine, read once at import."""
     return _MKL_AVX512
 
 

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 def machine() -> str:
     """CPU (name, vendor, family/model, the flags that matter), cores, torch, its threads and kernel ISA, Python."""
-    from ..linear import cpu
+    from ..machine import cpu
 
     facts = cpu()
     flags = {"AVX-512": "avx512f", "AVX512-bf16": "avx512_bf16", "AMX": "amx_tile"}

@@ -7,7 +7,7 @@ packed weight reads a decode step's weights faster than MKL's gemv (the timings:
 performance docs). Which path a call takes follows a fixed rule, nothing timed:
 
 - ``rule``: the rule (``choose``, ``choose_few_rows``, ``uses_onednn``, ``describe``,
-  ``set_path`` / ``use_path`` / ``HEADWISE_LINEAR``) and the CPU facts it reads;
+  ``set_path`` / ``use_path`` / ``HEADWISE_LINEAR``) over the CPU facts of ``headwise.machine``;
 - ``onednn``: oneDNN's private ops behind their guards, their one-time self-test, the autograd
   Function whose backward GEMMs run on oneDNN too, the packed weight;
 - ``weight_cache``: what is made from weights (packed, stacked), kept until a weight changes;
@@ -25,7 +25,6 @@ from .rule import (
     MIN_ROWS,
     PATHS,
     TESTED_TORCH,
-    bf16_flags,
     choose,
     choose_few_rows,
     cpu,
@@ -36,6 +35,6 @@ from .rule import (
 )
 
 __all__ = [
-    "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "bf16_flags", "choose", "choose_few_rows", "cpu",
+    "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
     "describe", "linear", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

@@ -33,12 +33,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from ..machine import BF16_FLAGS, bf16_flags_on, cpu
 from . import onednn
 
 TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
@@ -49,7 +49,6 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
-_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags of native bf16 dot products (oneDNN's packed bf16 GEMV uses them)
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -95,29 +94,6 @@ def _path_setting() -> str:
 
 
 @functools.cache
-def cpu() -> dict:
-    """The CPU facts the rule reads: vendor, family, model, name, torch's kernel ISA, relevant flags."""
-    facts = {"vendor": "", "family": "", "model": "", "name": platform.processor() or platform.machine(), "flags": []}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = (s.strip() for s in line.partition(":"))
-            for field, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"), ("model name", "name")):
-                if key == field:
-                    facts[name] = value
-            if key in ("flags", "Features"):
-                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} & set(value.split()))
-                break
-    facts["capability"] = torch.backends.cpu.get_cpu_capability()
-    return facts
-
-
-def bf16_flags() -> list[str]:
-    """The flags of native bfloat16 dot products this CPU names (of ``avx512_bf16``, ``amx_bf16``): where oneDNN runs
-    bf16 GEMMs on them, at twice the multiply-adds per instruction of float32's (empty: none)."""
-    return sorted(set(_BF16_FLAGS) & set(cpu()["flags"]))
-
-
-@functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records)."""
@@ -126,9 +102,9 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tup
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
     if few_rows and dtype == torch.bfloat16:
-        native = bf16_flags()
+        native = bf16_flags_on(facts)
         if not native:
-            return "torch", f"bfloat16 on a CPU without {' or '.join(_BF16_FLAGS)}: torch's own GEMM"
+            return "torch", f"bfloat16 on a CPU without {' or '.join(BF16_FLAGS)}: torch's own GEMM"
         return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call")
     if dtype != torch.float32:
         return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
