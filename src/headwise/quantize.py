@@ -179,7 +179,7 @@ class Int8Linear(nn.Module):
         """The rule before the kernel's guard: CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
         if not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
             return False
-        return not (torch.is_grad_enabled() and x.requires_grad) and _INT8_KERNEL
+        return not recorded(x) and _INT8_KERNEL
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
