@@ -28,17 +28,17 @@ from headwise.models.bert import BertConfig
 BACKENDS = ["math", "sdpa"]
 
 
-def module(kind: str, device, *, window=None, backend="sdpa", dtype=torch.float32, width=16, heads=4, kv_heads=2):
+def module(kind: str, device, *, window=None, backend="sdpa", dtype=torch.float32, width=16, heads=4, kv_heads=2, context=32):
     """A small attention module of each kind on ``device``, in eval mode."""
     torch.manual_seed(0)
     if kind == "causal":
-        m = hw.CausalAttention(width, width, 32, 0.1, backend=backend)
+        m = hw.CausalAttention(width, width, context, 0.1, backend=backend)
     elif kind == "wrapper":
-        m = hw.MultiHeadAttentionWrapper(width, width // heads, 32, 0.1, heads, backend=backend)
+        m = hw.MultiHeadAttentionWrapper(width, width // heads, context, 0.1, heads, backend=backend)
     elif kind == "mha":
-        m = hw.MultiHeadAttention(width, width, 32, 0.1, heads, qkv_bias=True, num_kv_heads=kv_heads, window=window, backend=backend)
+        m = hw.MultiHeadAttention(width, width, context, 0.1, heads, qkv_bias=True, num_kv_heads=kv_heads, window=window, backend=backend)
     else:
-        config = hw.GPT2Config(n_embd=width, n_head=heads, n_kv_head=kv_heads, n_positions=32)
+        config = hw.GPT2Config(n_embd=width, n_head=heads, n_kv_head=kv_heads, n_positions=context)
         m = hw.GPT2MultiHeadAttention(config, window=window, backend=backend)
     return m.to(device=device, dtype=dtype).eval()
 
@@ -314,7 +314,7 @@ def test_fused_kernels_run_prefill_decode_and_training_on_cuda(kind, kv_heads):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    m = module(kind, "cuda", dtype=torch.bfloat16, width=256, heads=4, kv_heads=kv_heads)  # D = 64
+    m = module(kind, "cuda", dtype=torch.bfloat16, width=256, heads=4, kv_heads=kv_heads, context=64)  # D = 64
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
     with sdpa_kernel(fused):
         with torch.no_grad():

@@ -206,3 +206,21 @@ def test_empty_or_oddly_typed_ids(model, ids, error, match):
         model(ids)
     with pytest.raises(error, match=match):
         model.generate(ids, max_new_tokens=1)
+
+
+def test_on_each_device_logits_and_greedy_tokens_equal_transformers(device, gpt2_dir, padded_batch):
+    """Both models loaded onto ``device`` (cuda too where torch sees a GPU): the same logits, the same tokens."""
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).to(device).eval()
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir).to(device)
+    ids, mask = helpers.on(device, padded_batch)
+    real = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+        got = model(ids, attention_mask=mask)
+    assert got.device.type == torch.device(device).type
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+    ids, mask = ids[:2], mask[:2]  # generation pads on the left
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)

@@ -88,6 +88,25 @@ def test_greedy_generate_equals_transformers(pair, padded_batch):
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), out.sequences)
 
 
+
+def test_on_each_device_logits_and_greedy_tokens_equal_transformers(pair, padded_batch, device):
+    """Both models loaded afresh onto ``device`` (cuda too where torch sees a GPU): the same logits, the same tokens."""
+    import transformers
+
+    _, _, path, _ = pair
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    model = hm.load(path).to(device)
+    ids, mask = helpers.on(device, padded_batch)
+    real = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+        got = model(ids, attention_mask=mask)
+    assert got.device.type == torch.device(device).type
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+    ids, mask = ids[:2], mask[:2]  # generation pads on the left
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)
+
 def test_greedy_generate_with_eos_equals_transformers(pair, padded_batch):
     _, hf, _, model = pair
     ids, mask = padded_batch[0][:2], padded_batch[1][:2]
