@@ -100,6 +100,7 @@ def test_cuda_rows_report_tflops_and_the_share_of_the_ceiling():
     assert "| GEMM ceiling (8192³) | path | TFLOP/s |" in text and "| 989 |" in text
     assert "| forward: case | implementation | median s | IQR s | TFLOP/s | % ceiling | vs fastest peer | load |" in text
     assert f"| {rate / 1e3:.1f} | {row.pct_of_ceiling:.0f}% |" in text
+    assert "| 0.002 | 0.0019–0.0021 |" in text  # times under 10 ms keep three significant digits
 
 
 @without_cuda
@@ -128,3 +129,27 @@ def test_a_tiny_cuda_run_times_and_measures_memory():
     assert all(r.case.device == "cuda" for r in report.rows)
     assert all(r.peak_mib is not None and r.peak_mib > 0 for r in report.rows if r.mode == "memory")
     assert all(r.pct_of_ceiling is not None for r in timed)
+
+
+def test_whole_model_generation_times_both_libraries_on_each_device(device, tmp_path):
+    """bench.cuda_generate's loop on tiny models (cpu; cuda too where torch sees a GPU): a row per way, the same fp32 tokens."""
+    from headwise.bench import cuda_generate
+
+    rows = cuda_generate.generate_speeds(["gpt2", "llama"], ["fp32"], [1, 3], prompt=6, new_tokens=4, rounds=1, device=device,
+                                         root=tmp_path, tiny=True, init_std=0.2)
+    assert [(r["model"], r["batch"], r["way"]) for r in rows] == [
+        (m, b, w) for m in ("gpt2", "llama") for b in (1, 3) for w in ("headwise", "transformers")]
+    assert all(r["prefill_ms"] > 0 and r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["agree"] == 4 for r in rows if r["way"] == "transformers")  # greedy tokens equal, all 4 new ones
+    text = cuda_generate.markdown(rows)
+    assert text.count("\n") == 1 + len(rows) and "| gpt2 | fp32 | 3 | transformers |" in text and "| 1.00x | 4 |" in text
+
+
+@without_cuda
+def test_whole_model_generation_on_cuda_without_a_gpu_is_a_clear_error():
+    from headwise.bench import cuda_generate
+
+    with pytest.raises(ValueError, match=r"device='cuda' needs a GPU that torch can see"):
+        cuda_generate.generate_speeds(["gpt2"], ["fp32"], [1])
+    proc = subprocess.run([sys.executable, "-m", "headwise.bench.cuda_generate"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a GPU that torch can see" in proc.stderr

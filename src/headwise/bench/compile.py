@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cases import Case, Progress
+from .cases import Case, Progress, seconds
 from .host import Load, loaded
 from .peers import IMPLS, Impl, prepare
 from .timing import _quartiles, _step, interleaved
@@ -117,6 +117,6 @@ def markdown(rows: Sequence[CompileRow]) -> list[str]:
         ref = next((x for x in rows if x.case == r.case and x.mode == r.mode and x.impl == REFERENCE), None)
         ratio = f"{r.median_s / ref.median_s:.2f}x" if ref else ""
         name = r.impl if r.impl == REFERENCE else f"**{r.impl}**"
-        out.append(f"| {r.case.label} | {r.mode} | {name} | {r.compile_s:.1f} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | "
-                   f"{r.eager_median_s:.4f} | {r.speedup:.2f}x | {ratio} | {r.load} |")
+        out.append(f"| {r.case.label} | {r.mode} | {name} | {r.compile_s:.1f} | {seconds(r.median_s)} | {seconds(r.q1_s)}–{seconds(r.q3_s)} | "
+                   f"{seconds(r.eager_median_s)} | {r.speedup:.2f}x | {ratio} | {r.load} |")
     return [*out, ""]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .cases import DTYPES, MODES, Case, Report, Row
+from .cases import DTYPES, MODES, Case, Report, Row, seconds
 from .compile import markdown as compiled_table
 
 
@@ -65,7 +65,7 @@ def markdown(report: Report) -> str:
                 best = fastest_peer(report, mode, c)
                 ratio = f"{r.median_s / best.median_s:.2f}x" if best else ""
                 pct = f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling is not None else ""
-                out.append(f"| {label} | {name} | {r.median_s:.4f} | {r.q1_s:.4f}–{r.q3_s:.4f} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} | {r.load} |")
+                out.append(f"| {label} | {name} | {seconds(r.median_s)} | {seconds(r.q1_s)}–{seconds(r.q3_s)} | {r.gflops / per:.{1 if gpu else 0}f} | {pct} | {ratio} | {r.load} |")
         out.append("")
     out += compiled_table(report.compiled)
     if report.decode:
@@ -101,7 +101,7 @@ def summary(report: Report) -> str:
                 row = next((r for r in report.rows if r.mode == mode and r.case == case and r.impl == name), None)
                 value = getattr(row, key) if row else None
                 cells.append(f"{value / getattr(best, key):.2f}x" if value is not None else "")
-            unit = f"{best.peak_mib:.0f} MiB" if mode == "memory" else f"{best.median_s:.4f} s"
+            unit = f"{best.peak_mib:.0f} MiB" if mode == "memory" else f"{seconds(best.median_s)} s"
             out.append(f"| {mode} | {case.label} | {best.impl} | {unit} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -1,0 +1,133 @@
+"""Whole-model generation on a GPU: headwise beside transformers, one checkpoint, one prompt.
+
+``python -m headwise.bench.cuda_generate`` loads the decode benchmark's random checkpoints
+(``bench.models``: GPT-2 small and a Llama of the same size) onto ``cuda`` at fp32 and bf16, each
+library's own copy as a user loads it (``headwise.models.load``; transformers'
+``AutoModelForCausalLM`` with SDPA attention), and times greedy generation from the same token ids
+at each batch size, the ways interleaved in rounds: prefill ms (a one-token ``generate``) and decode
+ms per step (a ``--new-tokens`` ``generate`` less the prefill, over the steps after the first),
+with the device synchronized before and after each call. ``agree`` counts the leading new tokens
+every row shares with headwise's. ``--compile`` adds headwise's ``generate(compile=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from torch import Tensor
+
+from .. import _argtypes
+from .generation import _agree
+from .host import gpu, machine
+from .models import MODELS, checkpoint, headwise_model, transformers_model
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tuple[dict[str, Callable[[Tensor, int], Tensor]], int]:
+    """Each way's ``run(ids (B, T), new) -> (B, new)`` on ``device``, and the vocabulary's size."""
+    ours = headwise_model(directory, precision).to(device)
+    theirs = transformers_model(directory, precision).to(device)
+    runners = {
+        "headwise": lambda ids, new: ours.generate(ids, max_new_tokens=new),
+        "transformers": lambda ids, new: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                                         pad_token_id=0),
+    }
+    if compiled:
+        runners["headwise compiled"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, compile=True)
+    return {name: _new_only(run) for name, run in runners.items()}, ours.vocab_size
+
+
+def _new_only(generate: Callable[[Tensor, int], Tensor]) -> Callable[[Tensor, int], Tensor]:
+    """``generate`` returning the (B, new) generated tokens without the prompt."""
+    return lambda ids, new: generate(ids, new)[:, ids.shape[1]:]
+
+
+def _timed(run: Callable[[Tensor, int], Tensor], ids: Tensor, new: int) -> tuple[float, float, Tensor]:
+    """(prefill ms, whole generate ms, (B, new) tokens), the device idle before and after each call."""
+    sync = torch.cuda.synchronize if ids.is_cuda else lambda: None
+    with torch.inference_mode():
+        sync()
+        start = perf_counter()
+        run(ids, 1)
+        sync()
+        middle = perf_counter()
+        out = run(ids, new)
+        sync()
+    return 1e3 * (middle - start), 1e3 * (perf_counter() - middle), out
+
+
+def generate_speeds(models: Sequence[str] = MODELS, precisions: Sequence[str] = PRECISIONS, batches: Sequence[int] = (1, 8), *,
+                    prompt: int = 512, new_tokens: int = 64, rounds: int = 5, compiled: bool = False, device: str = "cuda",
+                    root: Path | None = None, tiny: bool = False, init_std: float = 0.02) -> list[dict]:
+    """One row per model, precision, batch and way: prefill ms, decode ms per step, tokens/s, agreement with headwise.
+
+    ``device="cpu"`` with ``tiny=True`` (two-layer models) is for tests: the CPU's own table is
+    ``bench.model_decode``'s. Checkpoints (weights drawn with ``init_std``) are written under ``root``
+    once (``bench.models.default_root()``).
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a GPU that torch can see; torch.cuda.is_available() is False here")
+    rows = []
+    for model in models:
+        directory = checkpoint(model, root, tiny=tiny, init_std=init_std, positions=prompt + new_tokens)
+        for precision in precisions:
+            runners, vocab = _runners(directory, precision, compiled, device)
+            for batch in batches:
+                ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)  # (B, T)
+                times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+                outs: dict[str, Tensor] = {}
+                for _ in range(rounds + 1):  # the first round warms up (kernels chosen, compiled)
+                    for name, run in runners.items():
+                        prefill, whole, outs[name] = _timed(run, ids, new_tokens)
+                        times[name].append((prefill, whole))
+                for name, pairs in times.items():
+                    prefill = statistics.median(p for p, _ in pairs[1:])
+                    step = statistics.median(w - p for p, w in pairs[1:]) / (new_tokens - 1)
+                    agree = _agree(outs[name], outs["headwise"]) if name != "headwise" else None
+                    rows.append({"model": model, "precision": precision, "batch": batch, "way": name, "prefill_ms": prefill,
+                                 "step_ms": step, "tokens_per_s": 1e3 * batch / step, "agree": agree})
+            del runners
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: Sequence[dict]) -> str:
+    """The rows as a table, with each way's decode speed over transformers' in the same case."""
+    base = {(r["model"], r["precision"], r["batch"]): r["step_ms"] for r in rows if r["way"] == "transformers"}
+    lines = ["| model | precision | B | way | prefill ms | decode ms/step | tokens/s | vs transformers | agree |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        speed = base[(r["model"], r["precision"], r["batch"])] / r["step_ms"]
+        agree = "" if r["agree"] is None else str(r["agree"])
+        lines.append(f"| {r['model']} | {r['precision']} | {r['batch']} | {r['way']} | {r['prefill_ms']:.1f} | {r['step_ms']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {speed:.2f}x | {agree} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    positive = _argtypes.integer(1)
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.cuda_generate", description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(MODELS), "models"), default=list(MODELS), help="comma list (default gpt2,llama)")
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(PRECISIONS), "dtypes"), default=list(PRECISIONS), help="comma list (default fp32,bf16)")
+    p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8], help="comma list (default 1,8)")
+    p.add_argument("--prompt", type=positive, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--new-tokens", type=_argtypes.integer(2), default=64, help="greedy tokens (default 64)")
+    p.add_argument("--rounds", type=positive, default=5, help="timed rounds after one warm-up round (default 5)")
+    p.add_argument("--compile", action="store_true", help="also headwise's generate(compile=True)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a GPU that torch can see; torch.cuda.is_available() is False here")
+    rows = generate_speeds(args.models, args.dtypes, args.batches, prompt=args.prompt, new_tokens=args.new_tokens, rounds=args.rounds,
+                           compiled=args.compile)
+    print(f"Machine: {machine()}; {gpu()}\n")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
