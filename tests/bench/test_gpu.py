@@ -151,5 +151,9 @@ def test_whole_model_generation_on_cuda_without_a_gpu_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"device='cuda' needs a GPU that torch can see"):
         cuda_generate.generate_speeds(["gpt2"], ["fp32"], [1])
+    with pytest.raises(ValueError, match=r"precisions among \['fp32', 'bf16'\], got \['int8'\]"):
+        cuda_generate.generate_speeds(["gpt2"], ["int8"], [1], device="cpu")
+    with pytest.raises(ValueError, match=r"new_tokens"):
+        cuda_generate.generate_speeds(["gpt2"], ["fp32"], [1], new_tokens=1, device="cpu")
     proc = subprocess.run([sys.executable, "-m", "headwise.bench.cuda_generate"], capture_output=True, text=True)
     assert proc.returncode == 2 and "needs a GPU that torch can see" in proc.stderr

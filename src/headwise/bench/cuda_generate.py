@@ -21,7 +21,7 @@ from time import perf_counter
 import torch
 from torch import Tensor
 
-from .. import _argtypes
+from .. import _argtypes, _checks
 from .generation import _agree
 from .host import gpu, machine
 from .models import MODELS, checkpoint, headwise_model, transformers_model
@@ -71,6 +71,13 @@ def generate_speeds(models: Sequence[str] = MODELS, precisions: Sequence[str] = 
     ``bench.model_decode``'s. Checkpoints (weights drawn with ``init_std``) are written under ``root``
     once (``bench.models.default_root()``).
     """
+    for name, value, low in (("prompt", prompt, 1), ("new_tokens", new_tokens, 2), ("rounds", rounds, 1)):
+        _checks.integer(name, value, low=low)
+    for b in batches:
+        _checks.integer(f"a batch size (in {tuple(batches)!r})", b, low=1)
+    unknown = [p for p in precisions if p not in PRECISIONS] + [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"models must be among {list(MODELS)} and precisions among {list(PRECISIONS)}, got {unknown}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' needs a GPU that torch can see; torch.cuda.is_available() is False here")
     rows = []
