@@ -131,6 +131,7 @@ def test_a_tiny_cuda_run_times_and_measures_memory():
     assert all(r.pct_of_ceiling is not None for r in timed)
 
 
+@pytest.mark.slow  # whole (tiny) models, transformers' generate
 def test_whole_model_generation_times_both_libraries_on_each_device(device, tmp_path):
     """bench.cuda_generate's loop on tiny models (cpu; cuda too where torch sees a GPU): a row per way, the same fp32 tokens."""
     from headwise.bench import cuda_generate
@@ -145,6 +146,7 @@ def test_whole_model_generation_times_both_libraries_on_each_device(device, tmp_
     assert text.count("\n") == 1 + len(rows) and "| gpt2 | fp32 | 3 | transformers |" in text and "| 1.00x | 4 |" in text
 
 
+@pytest.mark.slow  # a subprocess
 @without_cuda
 def test_whole_model_generation_on_cuda_without_a_gpu_is_a_clear_error():
     from headwise.bench import cuda_generate

@@ -88,7 +88,6 @@ def test_greedy_generate_equals_transformers(pair, padded_batch):
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), out.sequences)
 
 
-
 def test_on_each_device_logits_and_greedy_tokens_equal_transformers(pair, padded_batch, device):
     """Both models loaded afresh onto ``device`` (cuda too where torch sees a GPU): the same logits, the same tokens."""
     import transformers

@@ -89,6 +89,7 @@ class Report:
         rates = [c.gflops for c in self.ceilings if c.dtype == dtype]
         return max(rates) if rates else None
 
+
 def seconds(value: float) -> str:
     """A time in seconds for a table: four decimals, or three significant digits under 10 ms (GPU kernels, small cases)."""
     return f"{value:.4f}" if value >= 0.01 else f"{value:.3g}"
