@@ -44,6 +44,13 @@ def test_the_report_adds_up():
         assert 0 < t.gap_median_ms <= t.gap_max_ms and t.longest_step_ms > 0
 
 
+def test_a_bf16_model_serves_with_bf16_caches():
+    r = serving(requests=2, prompt=(4, 12), new=(2, 4), config=TINY, block_size=4, chunk=3, decode_context=8, decode_repeats=1,
+                dtype=torch.bfloat16)
+    assert r.dtype == "bfloat16" and 0 <= r.same_tokens <= 2 and min(r.paged_s, r.one_at_a_time_s) > 0
+    assert "new tokens, greedy), bfloat16, block_size=4" in markdown(r)
+
+
 def consecutive(blocks: list[int]) -> bool:
     return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 

@@ -2,7 +2,8 @@
 
 A fixed seeded mix of requests (default 32, prompts 16..1024 tokens, 16..256 new tokens, greedy,
 no EOS so every strategy does the same work) through one model (default GPT-2 small's shapes
-with n_positions = 1024 + 256, random weights, fp32) three ways, timed interleaved in one run:
+with n_positions = 1024 + 256, random weights, fp32; ``--dtype bf16`` for a bf16 model and caches)
+three ways, timed interleaved in one run:
 
 - ``paged``: ``headwise.models.Batcher``, a ``PagedKVCache`` per layer, requests leaving and
   joining at every step, the tokens of a step packed in one row;
@@ -43,6 +44,8 @@ from ..models.batching import Batcher
 from ..models.generate import positions
 from ..models.gpt2 import GPT2LMHeadModel
 from .timing import interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class ServingReport:
     decode_paged_gather_ms: float
     repeats: int
     threads: int
+    dtype: str = "float32"  # the model's and its caches'
 
     def tokens_per_s(self, seconds: float) -> float:
         return self.new_tokens / seconds
@@ -203,11 +207,15 @@ def serving(
     decode_context: int = 512,
     decode_repeats: int = 20,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> ServingReport:
-    """Run the mix through the three strategies (interleaved) and time the decode steps; see the module docstring."""
+    """Run the mix through the three strategies (interleaved) and time the decode steps; see the module docstring.
+
+    ``dtype``: the model's and so its caches' (float32 by default; bfloat16 halves the keys and values read).
+    """
     config = config or GPT2Config(n_positions=prompt[1] + new[1])  # GPT-2 small, with room for the longest request
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config).eval()
+    model = GPT2LMHeadModel(config).to(dtype).eval()
     prompts, max_new = request_mix(requests, prompt=prompt, new=new, vocab=config.vocab_size, seed=seed)
     results: dict[str, list[list[int]]] = {}
     watch: list[tuple[int, int]] = []
@@ -241,14 +249,14 @@ def serving(
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
         same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
-        decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(),
+        decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
     )
 
 
 def markdown(r: ServingReport, machine: str = "") -> str:
     """The report as Markdown tables (the CLI prints this)."""
     lines = [f"Serving {r.requests} requests ({r.prompt_tokens} prompt tokens, {r.new_tokens} new tokens, greedy), "
-             f"block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
+             f"{r.dtype}, block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
     strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
                   ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
@@ -277,13 +285,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=positive, default=1)
     p.add_argument("--chunk", type=positive, default=256, help="max_step_tokens of the chunked paged run")
     p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's and its caches' (default fp32)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with busy(args.busy):
-        report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk))
+        report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk,
+                                                    dtype=DTYPES[args.dtype]))
     print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
