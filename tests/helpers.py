@@ -180,3 +180,25 @@ def padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask[2, -2:] = 0
     ids[mask == 0] = 0
     return ids, mask
+
+
+def hf_positions(real: torch.Tensor) -> torch.Tensor:
+    """HuggingFace generate's position ids: count of real tokens before, 0 at padding."""
+    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)
+
+
+def equals_transformers_on(device: str | torch.device, model: torch.nn.Module, hf: torch.nn.Module,
+                           batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A headwise causal LM and transformers' model of the same checkpoint, both on ``device``: the same
+    logits on the (ids, mask) padded ``batch`` (atol 1e-4, float32) and the same 10 greedy tokens from its
+    first two (left-padded) rows."""
+    ids, mask = on(device, batch)
+    real = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+        got = model(ids, attention_mask=mask)
+    assert got.device.type == torch.device(device).type
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+    ids, mask = ids[:2], mask[:2]  # generation pads on the left
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)

@@ -5,18 +5,13 @@ from __future__ import annotations
 import helpers
 import pytest
 import torch
-from helpers import ERROR_RATIO
+from helpers import ERROR_RATIO, hf_positions
 from hf_checkpoints import GPT2_SIZES
 from models_reference import gpt2_logits
 
 from headwise.models import GPT2LMHeadModel
 
 V = GPT2_SIZES["vocab_size"]
-
-
-def hf_positions(real: torch.Tensor) -> torch.Tensor:
-    """HuggingFace generate's position ids: count of real tokens before, 0 at padding."""
-    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +209,4 @@ def test_on_each_device_logits_and_greedy_tokens_equal_transformers(device, gpt2
 
     hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).to(device).eval()
     model = GPT2LMHeadModel.from_pretrained(gpt2_dir).to(device)
-    ids, mask = helpers.on(device, padded_batch)
-    real = mask.bool()
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
-        got = model(ids, attention_mask=mask)
-    assert got.device.type == torch.device(device).type
-    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
-    ids, mask = ids[:2], mask[:2]  # generation pads on the left
-    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)
+    helpers.equals_transformers_on(device, model, hf, padded_batch)

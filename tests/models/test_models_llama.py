@@ -8,6 +8,7 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import hf_positions
 from hf_checkpoints import LLAMA_CONFIGS, LLAMA_SIZES, make_hf_llama, save_hf_llama
 from llama_reference import llama_logits
 
@@ -20,11 +21,6 @@ from headwise.rope import RotaryEmbedding
 
 V = LLAMA_SIZES["vocab_size"]
 CLASSES = {"llama": hm.LlamaForCausalLM, "mistral": hm.MistralForCausalLM, "qwen3": hm.Qwen3ForCausalLM}
-
-
-def hf_positions(real: torch.Tensor) -> torch.Tensor:
-    """HuggingFace generate's position ids: count of real tokens before, 0 at padding."""
-    return (real.long().cumsum(-1) - 1).masked_fill(~real, 0)
 
 
 @pytest.fixture(scope="module", params=list(LLAMA_CONFIGS))
@@ -95,16 +91,7 @@ def test_on_each_device_logits_and_greedy_tokens_equal_transformers(pair, padded
     _, _, path, _ = pair
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).to(device).eval()
     model = hm.load(path).to(device)
-    ids, mask = helpers.on(device, padded_batch)
-    real = mask.bool()
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
-        got = model(ids, attention_mask=mask)
-    assert got.device.type == torch.device(device).type
-    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
-    ids, mask = ids[:2], mask[:2]  # generation pads on the left
-    want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)
+    helpers.equals_transformers_on(device, model, hf, padded_batch)
 
 def test_greedy_generate_with_eos_equals_transformers(pair, padded_batch):
     _, hf, _, model = pair

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import _argtypes, _checks
+from .engines import _torch_runner
 from .generation import _agree
 from .host import gpu, machine
 from .models import MODELS, checkpoint, headwise_model, transformers_model
@@ -40,25 +41,19 @@ def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tu
     }
     if compiled:
         runners["headwise compiled"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, compile=True)
-    return {name: _new_only(run) for name, run in runners.items()}, ours.vocab_size
-
-
-def _new_only(generate: Callable[[Tensor, int], Tensor]) -> Callable[[Tensor, int], Tensor]:
-    """``generate`` returning the (B, new) generated tokens without the prompt."""
-    return lambda ids, new: generate(ids, new)[:, ids.shape[1]:]
+    return {name: _torch_runner(run) for name, run in runners.items()}, ours.vocab_size  # (B, new) tokens, no prompt
 
 
 def _timed(run: Callable[[Tensor, int], Tensor], ids: Tensor, new: int) -> tuple[float, float, Tensor]:
     """(prefill ms, whole generate ms, (B, new) tokens), the device idle before and after each call."""
     sync = torch.cuda.synchronize if ids.is_cuda else lambda: None
-    with torch.inference_mode():
-        sync()
-        start = perf_counter()
-        run(ids, 1)
-        sync()
-        middle = perf_counter()
-        out = run(ids, new)
-        sync()
+    sync()
+    start = perf_counter()
+    run(ids, 1)
+    sync()
+    middle = perf_counter()
+    out = run(ids, new)
+    sync()
     return 1e3 * (middle - start), 1e3 * (perf_counter() - middle), out
 
 
