@@ -7,7 +7,8 @@ library's own copy as a user loads it (``headwise.models.load``; transformers'
 at each batch size, the ways interleaved in rounds: prefill ms (a one-token ``generate``) and decode
 ms per step (a ``--new-tokens`` ``generate`` less the prefill, over the steps after the first),
 with the device synchronized before and after each call. ``agree`` counts the leading new tokens
-every row shares with headwise's. ``--compile`` adds headwise's ``generate(compile=True)``.
+every row shares with headwise's. On ``cuda`` headwise's ``generate(cuda_graph=True)`` runs too (its
+capture counted in each call's decode time); ``--compile`` adds headwise's ``generate(compile=True)``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tu
         "transformers": lambda ids, new: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                                                          pad_token_id=0),
     }
+    if torch.device(device).type == "cuda":
+        runners["headwise cuda_graph"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, cuda_graph=True)
     if compiled:
         runners["headwise compiled"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, compile=True)
     return {name: _torch_runner(run) for name, run in runners.items()}, ours.vocab_size  # (B, new) tokens, no prompt

@@ -26,6 +26,7 @@ from .. import _checks
 from ..cache import KVCache
 from ..observe import observing
 from . import _inputs
+from .graph_step import GraphStep
 
 
 class CausalLM(Protocol):
@@ -70,6 +71,7 @@ class GenerationMixin:
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
         compile: bool = False,
+        cuda_graph: bool = False,
     ) -> Tensor:
         """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
 
@@ -87,6 +89,11 @@ class GenerationMixin:
                 and batch size > 1; compiled on the first call, minutes on a small CPU for a
                 12-layer model, then reused by later calls on the same model). The tokens are
                 the eager steps'; docs/performance/decode.md says what it gains.
+            cuda_graph: on a CUDA device, capture the first decode step as a CUDA graph and replay
+                it for every later one: the host's cost of a step (Python, kernel launches) is
+                paid once per call. Each step reads the whole cache under a mask of the tokens
+                written (``SlotCache``): the eager step's context, summed in another order. Needs
+                a model ``generate`` may run unchecked (eval mode, no hooks, nobody observing).
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
@@ -97,15 +104,18 @@ class GenerationMixin:
         b, t, is_token = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # (B, T) bool or None
         _inputs.check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
         _checks.boolean("compile", compile)
+        _checks.boolean("cuda_graph", cuda_graph)
+        check = not trusts(self)
+        if cuda_graph:
+            graph_allowed(input_ids.device, compile, check)
         name, limit = self.context_limit()
         if limit is not None and t + max_new_tokens > limit:
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
         is_token = prompt_padding(is_token)  # None when nothing is padding; refuses prompts that end in padding
         caches = self.new_caches(b, t + max_new_tokens)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
-        check = not trusts(self)
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
-        run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab)
+        run_step = GraphStep(decode_step(self, False, False)) if cuda_graph else decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)
@@ -139,6 +149,20 @@ def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Ca
     if check not in compiled:
         compiled[check] = torch.compile(step, fullgraph=True, dynamic=True)
     return compiled[check]
+
+
+def graph_allowed(device: torch.device, compile: bool, check: bool) -> None:
+    """Raise ValueError unless ``generate(..., cuda_graph=True)`` can capture its step: ids on a CUDA device, not also
+    compiled, and a model whose steps may run unchecked (``trusts``: a replayed step checks nothing)."""
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True captures the decode step as a CUDA graph: input_ids and the model must be on a CUDA device, got {device}")
+    if compile:
+        raise ValueError("cuda_graph=True and compile=True: choose one (the graph replays the eager step)")
+    if check:
+        raise ValueError(
+            "cuda_graph=True replays one unchecked step: the model must be in eval mode, with no forward hooks, "
+            "its class's own forward and nobody observing (headwise.observe)"
+        )
 
 
 def _next_logits(model: CausalLM, check: bool, ids: Tensor, position_ids: Tensor | None, caches: list[KVCache]) -> Tensor:
