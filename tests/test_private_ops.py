@@ -53,6 +53,10 @@ PRIVATE_OPS = {
         ("backends/sdpa.py",), "headwise.backends.sdpa:flash_guard", "empty shapes (SIGFPE); tested in tests/test_flash_guard.py"),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": PrivateOp(
         ("backends/sdpa.py",), "headwise.backends.sdpa:flash_guard", "the forward's guard, for the same operands"),
+    "torch._int_mm": PrivateOp(
+        ("quantize.py",), None,
+        "nothing: it checks its operands' dtypes and shapes, and gave exact sums on empty M, K or N and on operands at odd "
+        "offsets (tests/test_quantize_int8_rows.py)"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }

@@ -200,9 +200,9 @@ def test_misuse_is_named():
         Int8Linear(torch.randn(4, 0))
     with pytest.raises(TypeError, match=r"x must be a floating-point tensor \(the output takes its dtype\), got torch.int64"):
         Int8Linear(torch.randn(4, 16))(torch.arange(16)[None])  # (1, K) int64 ids, not activations
-    with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none, got \['in_features=16, out_features=4"):
+    with pytest.raises(ValueError, match=r"layers must share in_features and activations and all have a bias or none, got \['in_features=16, out_features=4"):
         Int8Linear.stack([Int8Linear(torch.randn(4, 16)), Int8Linear(torch.randn(4, 8))])
-    with pytest.raises(ValueError, match=r"layers must share in_features and all have a bias or none"):
+    with pytest.raises(ValueError, match=r"layers must share in_features and activations and all have a bias or none"):
         Int8Linear.stack([Int8Linear(torch.randn(4, 16)), Int8Linear(torch.randn(4, 16), torch.randn(4))])
 
 

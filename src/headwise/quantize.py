@@ -26,6 +26,17 @@ fixed rule (nothing timed):
 So a prompt and the decode steps after it multiply alike, and a prompt on a CPU with bfloat16 dot
 products runs at bfloat16's rate; ``int8_errors`` measures what the int8 weights and the
 bfloat16 roundings cost.
+
+``activations="int8"`` (``int8_weights(model, activations="int8")``) is another arithmetic, the
+one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
+own scale (``max|x_row| / 127``, in float32), the int8 x int8 products summed exactly in int32,
+the sums converted to float32 and multiplied by the row's and the channel's scales, then the
+bias, in float32. Integer sums have no order, so every path gives the same numbers, bit for bit:
+torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for any rows, else (another
+device, autograd) a float64 GEMM of the same integers, exact, with the rounding's gradient passed
+straight through. A row's result never depends on the other rows, and the GEMM's cost hardly
+grows with them: a decode step of 8 rows reads the weights at nearly one row's time, where the
+bfloat16-activation kernel's time grows with the rows.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has 
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
 K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
 ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
+ACTIVATIONS = ("bf16", "int8")  # Int8Linear's two arithmetics (the module docstring)
 _BF16_GEMM = bool(bf16_flags())  # this CPU has bf16 dot products: torch's bf16 GEMM runs them (read once: a compiled graph reads no /proc)
 
 
@@ -108,6 +120,29 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None,
     return _scaled(_int8_mm(rows, weight, ones), scales, bias, x.dtype)  # (M, N): the kernel's bfloat16 sums, unit scales
 
 
+def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, K) -> (M, K) int8 rows and their (M, 1) float32 scales: each row over max|x_row| / 127, rounded
+    (a row of zeros: scale float32's tiny, values 0). Under autograd the rounding passes the gradient straight
+    through and the scales are constants."""
+    rows = x.float()  # (M, K)
+    scales = (rows.detach().abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (M, 1)
+    scaled = rows / scales  # (M, K) in [-127, 127]
+    q = scaled.round()
+    return (scaled + (q - scaled).detach() if rows.requires_grad else q), scales
+
+
+def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """(..., K) x (N, K) int8 -> (..., N) in x's dtype by ``activations="int8"``'s arithmetic (the module docstring)."""
+    rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
+    if rows.is_cpu and not rows.requires_grad:
+        sums = torch._int_mm(rows.to(torch.int8), weight.t()).float()  # (M, N): exact int32 sums, then float32
+    else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
+        sums = F.linear(rows.double(), weight.double()).float()  # (M, N)
+    y = sums * (row_scales * scales)  # (M, N) float32
+    y = y if bias is None else y + bias  # a product, then a sum: two roundings, on every path
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
+
+
 @torch.library.custom_op("headwise::int8_matmul", mutates_args=())
 def _int8_matmul_op(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
     """``_int8_matmul`` as an op ``torch.compile`` does not look into: the guard reads the storage the graph hands it."""
@@ -125,6 +160,8 @@ class Int8Linear(nn.Module):
     Args:
         weight: (N, K) float weight to quantize.
         bias: (N,) or None, kept as it is.
+        activations: "bf16" (the activations rounded to bfloat16) or "int8" (each row rounded to
+            int8 with its own scale, exact integer sums): the module docstring says what each computes.
 
     Buffers: ``weight`` (N, K) int8, ``scales`` (N,) float32, ``bias`` (N,) or None.
 
@@ -136,8 +173,9 @@ class Int8Linear(nn.Module):
         (torch.Size([2, 1, 32]), True)
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, activations: str = "bf16") -> None:
         super().__init__()
+        self.activations = _activations(activations)
         if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
             got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
@@ -167,17 +205,19 @@ class Int8Linear(nn.Module):
         and V; every output channel keeps its own weight row and scale.
         """
         biases = [layer.bias for layer in layers]
-        if len({layer.in_features for layer in layers}) != 1 or len({b is None for b in biases}) != 1:
-            raise ValueError(f"layers must share in_features and all have a bias or none, got {[layer.extra_repr() for layer in layers]}")
+        if len({(layer.in_features, layer.activations) for layer in layers}) != 1 or len({b is None for b in biases}) != 1:
+            raise ValueError("layers must share in_features and activations and all have a bias or none, "
+                             f"got {[layer.extra_repr() for layer in layers]}")
         stacked = cls.__new__(cls)
         nn.Module.__init__(stacked)
+        stacked.activations = layers[0].activations
         stacked._hold(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]),  # (sum N, K), (sum N,)
                       None if biases[0] is None else torch.cat(biases))  # (sum N,)
         return stacked.train(layers[0].training)
 
     def _decode_shaped(self, x: Tensor) -> bool:
-        """The rule before the kernel's guard: CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
-        if not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
+        """The rule before the kernel's guard: bf16 activations, CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
+        if self.activations != "bf16" or not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
             return False
         return not recorded(x) and _INT8_KERNEL
 
@@ -195,6 +235,8 @@ class Int8Linear(nn.Module):
             raise ValueError(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
+        if self.activations == "int8":
+            return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
             return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)
         matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
@@ -202,10 +244,17 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 per-channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 per-channel, "
+                f"activations={self.activations}")
 
 
-def int8_weights(model: nn.Module) -> nn.Module:
+def _activations(value: object) -> str:
+    if value not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {list(ACTIVATIONS)}, got {value!r}")
+    return value
+
+
+def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (and a tied LM head) by an ``Int8Linear``, in place.
 
     Meant for inference (decode): the int8 weights are buffers, not parameters. The model's
@@ -215,6 +264,7 @@ def int8_weights(model: nn.Module) -> nn.Module:
 
     Args:
         model: any ``nn.Module``, e.g. a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``.
+        activations: each ``Int8Linear``'s arithmetic, "bf16" or "int8" (the module docstring).
 
     Returns:
         ``model`` itself, changed.
@@ -228,12 +278,13 @@ def int8_weights(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _activations(activations)
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight, child.bias).train(child.training))  # an eval model stays all eval
+        setattr(parent, name, Int8Linear(child.weight, child.bias, activations=activations).train(child.training))  # an eval model stays all eval
     tied = getattr(type(model), "tied_embedding", None)
     if tied is not None and getattr(model, "lm_head", 0) is None:
-        model.lm_head = Int8Linear(model.get_submodule(tied).weight).train(model.training)
+        model.lm_head = Int8Linear(model.get_submodule(tied).weight, activations=activations).train(model.training)
     return model
 
 

@@ -59,7 +59,7 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
     assert table.count("\n| gpt2 | int8 |") == 2 and table.splitlines()[0].endswith("| speed-up | load |")
     with pytest.raises(ValueError, match=r"a context \(in shapes \(\(1, 1\),\)\) must be an int >= 2, got 1"):
         decode_speeds(shapes=[(1, 1)])
-    with pytest.raises(ValueError, match=r"precision must be one of \['fp32', 'bf16', 'int8', 'int8-bf16'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"precision must be one of \['fp32', 'bf16', 'int8', 'int8-bf16', 'int8-a8'\], got 'int4'"):
         decode_speeds(dtypes=["int4"])
 
 

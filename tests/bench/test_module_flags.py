@@ -14,7 +14,7 @@ BAD = [
     ("hf", ["--models", ""], "--models: expected a comma list of models with no empty entries, got ''"),
     ("hf", ["--repeats", "2.5"], "--repeats: expected a positive int, got '2.5'"),
     ("model_decode", ["--models", "gpt3"], "--models: expected a comma list of models: expected one of gpt2, llama, got 'gpt3'"),
-    ("model_decode", ["--dtypes", "fp32,int4"], "--dtypes: expected a comma list of dtypes: expected one of fp32, bf16, int8, int8-bf16, got 'int4'"),
+    ("model_decode", ["--dtypes", "fp32,int4"], "--dtypes: expected a comma list of dtypes: expected one of fp32, bf16, int8, int8-bf16, int8-a8, got 'int4'"),
     ("model_decode", ["--batches", "1,0"], "--batches: expected a comma list of positive ints: expected a positive int, got 0"),
     ("model_decode", ["--contexts", "512,"], "--contexts: expected a comma list of positive ints with no empty entries, got '512,'"),
     ("model_decode", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),

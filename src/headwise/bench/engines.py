@@ -97,7 +97,7 @@ def _transformers(compile: bool) -> Callable[[Path, str, int], Runner]:
     return load
 
 
-CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8_float32", "int8-bf16": "int8_bfloat16"}
+CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8_float32", "int8-bf16": "int8_bfloat16", "int8-a8": "int8_float32"}
 
 
 def _ct2_limits(precision: str) -> str:
@@ -122,7 +122,7 @@ def _ctranslate2(directory: Path, precision: str, threads: int) -> Runner:
     return run
 
 
-GGUF_TYPES = {"fp32": "f32", "bf16": "f16", "int8": "q8_0"}
+GGUF_TYPES = {"fp32": "f32", "bf16": "f16", "int8": "q8_0", "int8-a8": "q8_0"}
 
 
 def _llama_cpp_limits(precision: str) -> str:
@@ -161,13 +161,13 @@ _TORCH_KV = {p: torch.finfo(t).bits // 8 for p, t in ACTIVATIONS.items()}
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
-        Engine("headwise", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1}, _TORCH_KV, _headwise(False)),
+        Engine("headwise", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _headwise(False)),
         Engine("transformers", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(False), "transformers"),
-        Engine("CTranslate2", CT2_TYPES, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1}, _TORCH_KV, _ctranslate2, "ctranslate2",
+        Engine("CTranslate2", CT2_TYPES, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _ctranslate2, "ctranslate2",
                limits=_ct2_limits),
-        Engine("llama.cpp", GGUF_TYPES, {"fp32": 4, "bf16": 2, "int8": 34 / 32}, dict.fromkeys(GGUF_TYPES, 2), _llama_cpp, "llama_cpp",
+        Engine("llama.cpp", GGUF_TYPES, {"fp32": 4, "bf16": 2, "int8": 34 / 32, "int8-a8": 34 / 32}, dict.fromkeys(GGUF_TYPES, 2), _llama_cpp, "llama_cpp",
                batches=False, limits=_llama_cpp_limits),
-        Engine("headwise compiled", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1}, _TORCH_KV, _headwise(True),
+        Engine("headwise compiled", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _headwise(True),
                compiled=True),
         Engine("transformers compiled", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(True), "transformers",
                compiled=True),

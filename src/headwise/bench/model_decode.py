@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     positive = _argtypes.integer(1)
     p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(MODELS), "models"), default=list(MODELS), help="comma list (default gpt2,llama)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(PRECISIONS), "dtypes"), default=list(PRECISIONS),
-                   help="comma list (default fp32,bf16,int8,int8-bf16)")
+                   help="comma list (default fp32,bf16,int8,int8-bf16,int8-a8)")
     p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8], help="comma list (default 1,8)")
     p.add_argument("--contexts", type=_argtypes.listing(positive, "positive ints"), default=[128, 512, 1024],
                    help="steps: comma list (default 128,512,1024)")

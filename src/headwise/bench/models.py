@@ -13,7 +13,9 @@ token ids, so how it would split text does not matter. ``tiny=True``: two layers
 a vocabulary of 320, for tests (the timings mean nothing).
 
 Precisions (``PRECISIONS``): fp32; bf16; int8 (int8 weights with a scale per row, fp32
-activations: ``headwise.quantize.int8_weights``); int8-bf16 (int8 weights, bf16 activations and KV cache).
+activations: ``headwise.quantize.int8_weights``); int8-bf16 (int8 weights, bf16 activations and KV cache);
+int8-a8 (int8 weights and each row of activations rounded to int8, exact integer sums:
+``int8_weights(model, activations="int8")``, the arithmetic of CTranslate2's int8 and llama.cpp's q8_0).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from .. import _checks
 from ..models.llama_config import LlamaConfig
 
 MODELS = ("gpt2", "llama")
-PRECISIONS = ("fp32", "bf16", "int8", "int8-bf16")
+PRECISIONS = ("fp32", "bf16", "int8", "int8-bf16", "int8-a8")
 #: The dtype of activations (and of the KV cache) at each precision.
-ACTIVATIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "int8-bf16": torch.bfloat16}
+ACTIVATIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "int8-bf16": torch.bfloat16, "int8-a8": torch.float32}
 
 #: GPT-2 small's width and depth, Llama's parts: 4 KV heads (GQA 3), SwiGLU of 8/3 C, Llama 2's vocabulary.
 GPT2_SMALL_LLAMA = LlamaConfig(
@@ -124,7 +126,9 @@ def headwise_model(directory: Path, precision: str) -> nn.Module:
 
     check("gpt2", precision)
     model = load(directory).to(ACTIVATIONS[precision]).eval()
-    return int8_weights(model) if precision.startswith("int8") else model
+    if not precision.startswith("int8"):
+        return model
+    return int8_weights(model, activations="int8" if precision == "int8-a8" else "bf16")
 
 
 def transformers_model(directory: Path, precision: str) -> nn.Module | None:

@@ -1,0 +1,137 @@
+"""headwise.quantize with ``activations="int8"``: each row of activations rounded to int8 with its own scale, exact
+integer sums. Checked against the same arithmetic written out with float64 sums of the integers, bit for bit, on
+every path; against float32 for what it costs; and through whole models (decode steps, the flat step, generate)."""
+
+import copy
+
+import pytest
+import torch
+from test_quantize import MODELS, teacher_forced
+from torch import nn
+
+from headwise import linear as hl
+from headwise.models.flat_step import flat_step
+from headwise.quantize import Int8Linear, int8_errors, int8_weights
+
+
+def written_out(x: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
+    """The arithmetic of the docstring, step by step: per-row float32 scale max|x| / 127, the rows rounded, the
+    integer products summed in float64 (exact), the sums in float32 times the row's and the channel's scales, the bias."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    row_scales = torch.stack([(r.abs().max() / 127).clamp_min(torch.finfo(torch.float32).tiny) for r in rows])[:, None]  # (M, 1)
+    q = (rows / row_scales).round()  # (M, K)
+    assert q.abs().max() <= 127
+    sums = (q.double()[:, None, :] * lin.weight.double()[None, :, :]).sum(-1).float()  # (M, N): every product, summed in float64
+    y = sums * (row_scales * lin.scales)
+    if lin.bias is not None:
+        y = lin.bias.float() + y
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, hl.DECODE_ROWS, 40])
+@pytest.mark.parametrize("k, n", [(64, 48), (37, 11), (3072, 24)])  # odd widths; K = 3072: sums past float32's exact integers
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_path_gives_the_written_out_arithmetic_bit_for_bit(rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]
+    lin = Int8Linear(w, torch.randn(n, generator=g) if bias else None, activations="int8")
+    x = torch.randn(2, rows, k, generator=g) * torch.logspace(-3, 2, rows)[None, :, None]  # rows of very different size
+    x[0, 0] = 0.0  # a zero row
+    want = written_out(x, lin)
+    assert torch.equal(lin(x), want)  # torch's int8 GEMM on the CPU
+    assert torch.equal(lin(x.requires_grad_()), want)  # autograd: the float64 GEMM of the same integers
+    assert torch.equal(lin(x.detach().bfloat16()), written_out(x.detach().bfloat16(), lin))
+
+
+def test_torch_int8_gemm_at_its_edges_gives_the_written_out_arithmetic():
+    """No rows, a layer whose weight and input are views at odd offsets into larger storage: torch._int_mm checks
+    its operands itself, and its sums stay exact there."""
+    lin = Int8Linear(torch.randn(9, 17), torch.randn(9), activations="int8")
+    assert lin(torch.randn(0, 17)).shape == (0, 9)
+    storage = torch.zeros(3 + 9 * 17, dtype=torch.int8)
+    storage[3:] = lin.weight.flatten()
+    lin.weight = storage[3:].view(9, 17)  # the same weight at an odd offset
+    x = torch.randn(1 + 2 * 17)[1:].view(2, 17)
+    assert torch.equal(lin(x), written_out(x, lin))
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    lin = Int8Linear(torch.randn(40, 96), activations="int8")
+    x = torch.randn(9, 96)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(lin(x), alone)
+
+
+def test_the_rounding_passes_the_gradient_straight_through():
+    w = torch.randn(16, 32)
+    lin = Int8Linear(w, activations="int8")
+    x = torch.randn(3, 32, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.dequantized(torch.float32).sum(0).expand(3, 32), rtol=1e-5, atol=1e-6)
+
+
+def test_its_error_against_float32_is_that_of_rounding_both_sides():
+    """Gaussian rows and weights, K = 768: within 1.5% of the float64 product (relative norm), as each side's
+    int8 rounding (~0.6% each for Gaussian values) adds up; the bf16-activation arithmetic for scale."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(256, 768, generator=g), torch.randn(8, 768, generator=g)
+    want = x.double() @ w.double().T
+    errors = {a: ((Int8Linear(w, activations=a)(x).double() - want).norm() / want.norm()).item() for a in ("bf16", "int8")}
+    assert errors["int8"] < 0.015 and errors["bf16"] < errors["int8"], errors
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_int8_rows_logits_and_greedy_tokens_stay_close_to_float32(name):
+    """Along the float model's greedy continuation (24 decode steps, 3 prompts): logits within 5% (relative norm) at
+    every step and the same greedy token at 85% of the steps or more; int8_errors measures it the same way."""
+    model = MODELS[name]()
+    q = int8_weights(copy.deepcopy(model), activations="int8")
+    assert all(m.activations == "int8" for m in q.modules() if isinstance(m, Int8Linear))
+    same = []
+    for seed in range(3):
+        ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(seed))
+        steps = teacher_forced(model, q, ids, 24)
+        for a, b in steps:
+            assert ((b - a).norm() / a.norm()).item() < 0.05
+        same += [bool(torch.equal(a.argmax(-1), b.argmax(-1))) for a, b in steps]
+        assert int8_errors(model, q, ids, max_new_tokens=8).logits_rel_error < 0.05
+    assert sum(same) >= 0.85 * len(same), same
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_a_prompt_the_steps_and_the_flat_step_multiply_alike(name):
+    """Integer sums have no order: the prompt's logits at its last position equal a step-by-step decode's, bit for
+    bit, and the flat decode step gives the forward's logits."""
+    model = int8_weights(MODELS[name](), activations="int8")
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    whole = model(ids, cache=model.new_caches(2, 9))[:, -1]  # (2, vocab)
+    caches = model.new_caches(2, 12)
+    model(ids[:, :8], cache=caches)
+    step = model(ids[:, 8:], cache=caches, logits_to_keep=1)[:, 0]
+    torch.testing.assert_close(step, whole, rtol=0, atol=1e-4)  # the attention's sums differ in order, not the projections'
+    flat, plain = model.new_caches(2, 12), model.new_caches(2, 12)
+    for c in (flat, plain):
+        model(ids, cache=c, check=False)
+    token = whole.argmax(-1, keepdim=True)
+    assert torch.equal(flat_step(model)(token, None, flat), model(token, cache=plain, logits_to_keep=1, check=False)[:, 0])
+
+
+def test_a_stack_keeps_the_arithmetic_and_refuses_to_mix_them():
+    a, b = (Int8Linear(torch.randn(8, 16), activations="int8") for _ in range(2))
+    stacked = Int8Linear.stack([a, b])
+    x = torch.randn(3, 16)
+    assert stacked.activations == "int8" and torch.equal(stacked(x), torch.cat([a(x), b(x)], dim=-1))
+    with pytest.raises(ValueError, match="activations"):
+        Int8Linear.stack([a, Int8Linear(torch.randn(8, 16))])
+
+
+def test_an_unknown_arithmetic_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"activations must be one of \['bf16', 'int8'\], got 'fp8'"):
+        Int8Linear(torch.randn(4, 4), activations="fp8")
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="activations must be one of"):
+        int8_weights(model, activations="int4")
+    assert type(model[0]) is nn.Linear, "nothing converted"
+    assert "activations=int8" in repr(Int8Linear(torch.randn(4, 4), activations="int8"))
