@@ -16,13 +16,14 @@ from headwise.quantize import Int8Linear, int8_errors, int8_weights
 
 def written_out(x: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
     """The arithmetic of the docstring, step by step: per-row float32 scale max|x| / 127, the rows rounded, the
-    integer products summed in float64 (exact), the sums in float32 times the row's and the channel's scales, the bias."""
+    integer products summed in float64 (exact), the sums in float32 times the row's scale, then the channel's, the bias."""
     rows = x.reshape(-1, x.shape[-1]).float()
     row_scales = torch.stack([(r.abs().max() / 127).clamp_min(torch.finfo(torch.float32).tiny) for r in rows])[:, None]  # (M, 1)
     q = (rows / row_scales).round()  # (M, K)
     assert q.abs().max() <= 127
     sums = (q.double()[:, None, :] * lin.weight.double()[None, :, :]).sum(-1).float()  # (M, N): every product, summed in float64
-    y = sums * (row_scales * lin.scales)
+    y = sums * row_scales
+    y = y * lin.scales
     if lin.bias is not None:
         y = lin.bias.float() + y
     return y.to(x.dtype).view(*x.shape[:-1], -1)

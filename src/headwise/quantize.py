@@ -30,8 +30,8 @@ bfloat16 roundings cost.
 ``activations="int8"`` (``int8_weights(model, activations="int8")``) is another arithmetic, the
 one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
 own scale (``max|x_row| / 127``, in float32), the int8 x int8 products summed exactly in int32,
-the sums converted to float32 and multiplied by the row's and the channel's scales, then the
-bias, in float32. Integer sums have no order, so every path gives the same numbers, bit for bit:
+each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
+added, each step a float32 rounding. Integer sums have no order, so every path gives the same numbers, bit for bit:
 torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for any rows, else (another
 device, autograd) a float64 GEMM of the same integers, exact, with the rounding's gradient passed
 straight through. A row's result never depends on the other rows, and the GEMM's cost hardly
@@ -57,6 +57,7 @@ _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None 
 K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
 ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
 ACTIVATIONS = ("bf16", "int8")  # Int8Linear's two arithmetics (the module docstring)
+_TINY = torch.finfo(torch.float32).tiny
 _BF16_GEMM = bool(bf16_flags())  # this CPU has bf16 dot products: torch's bf16 GEMM runs them (read once: a compiled graph reads no /proc)
 
 
@@ -121,25 +122,29 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None,
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(M, K) -> (M, K) int8 rows and their (M, 1) float32 scales: each row over max|x_row| / 127, rounded
-    (a row of zeros: scale float32's tiny, values 0). Under autograd the rounding passes the gradient straight
-    through and the scales are constants."""
+    """(M, K) -> (M, K) integer values in [-127, 127] and their (M, 1) float32 scales: each row over max|x_row| / 127,
+    rounded (a row of zeros: scale float32's tiny, values 0). Under autograd the rounding passes the gradient
+    straight through and the scales are constants."""
     rows = x.float()  # (M, K)
-    scales = (rows.detach().abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (M, 1)
-    scaled = rows / scales  # (M, K) in [-127, 127]
-    q = scaled.round()
-    return (scaled + (q - scaled).detach() if rows.requires_grad else q), scales
+    scales = rows.detach().abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(_TINY)  # (M, 1): max|x_row| / 127
+    scaled = rows / scales  # (M, K)
+    if rows.requires_grad:
+        return scaled + (scaled.round() - scaled).detach(), scales
+    return scaled.round_(), scales
 
 
 def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """(..., K) x (N, K) int8 -> (..., N) in x's dtype by ``activations="int8"``'s arithmetic (the module docstring)."""
     rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
     if rows.is_cpu and not rows.requires_grad:
-        sums = torch._int_mm(rows.to(torch.int8), weight.t()).float()  # (M, N): exact int32 sums, then float32
+        sums = torch._int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
-        sums = F.linear(rows.double(), weight.double()).float()  # (M, N)
-    y = sums * (row_scales * scales)  # (M, N) float32
-    y = y if bias is None else y + bias  # a product, then a sum: two roundings, on every path
+        sums = F.linear(rows.double(), weight.double())  # (M, N)
+    y = sums.float()  # (M, N): each exact sum rounded once to float32
+    if y.requires_grad:
+        y = y * row_scales * scales if bias is None else y * row_scales * scales + bias
+    else:  # in place: a prompt's (M, N) output is written once, not once per factor
+        y = y.mul_(row_scales).mul_(scales) if bias is None else y.mul_(row_scales).mul_(scales).add_(bias)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
 
 
