@@ -198,6 +198,24 @@ def test_generate_refuses_a_graph_with_compile_or_checked_steps(monkeypatch):
         model.generate(torch.randint(0, model.vocab_size, (1, 4)), max_new_tokens=2, cuda_graph=True)
 
 
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_generate_wires_the_replayed_step_as_its_eager_one(cls, monkeypatch):
+    """generate's loop around the graph, on the CPU (the device check passed, the capture stood in for): padded and
+    unpadded, sampling from a seeded generator, stopping at an end-of-sequence token: the eager loop's tokens."""
+    import headwise.models.generate as generation
+
+    monkeypatch.setattr(graph_step, "capture", traced_capture)
+    monkeypatch.setattr(generation, "graph_allowed", lambda device, compile, check: None)
+    model = model_of(cls, {}, torch.float32)
+    ids = torch.randint(0, model.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, :3] = False
+    for kw in (dict(), dict(attention_mask=mask), dict(temperature=0.8, top_k=20), dict(eos_token_id=int(ids[0, 3]))):
+        runs = [model.generate(ids, max_new_tokens=12, generator=torch.Generator().manual_seed(7), cuda_graph=graph, **kw)
+                for graph in (False, True)]
+        assert torch.equal(runs[1], runs[0]), kw
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][2] == torch.float32])
 def test_on_cuda_generate_with_a_graph_gives_the_eager_tokens(case):
