@@ -31,12 +31,12 @@ bfloat16 roundings cost.
 one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
 own scale (``max|x_row| / 127``, in float32), the int8 x int8 products summed exactly in int32,
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
-added, each step a float32 rounding. Integer sums have no order, so every path gives the same numbers, bit for bit:
-torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for any rows, else (another
-device, autograd) a float64 GEMM of the same integers, exact, with the rounding's gradient passed
-straight through. A row's result never depends on the other rows, and the GEMM's cost hardly
-grows with them: a decode step of 8 rows reads the weights at nearly one row's time, where the
-bfloat16-activation kernel's time grows with the rows.
+added, each step a float32 rounding. Integer sums have no order, so every path gives the same
+numbers, bit for bit: torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
+any rows, else (another device, autograd) a float64 GEMM of the same integers, exact, with the
+rounding's gradient passed straight through. A row's result never depends on the other rows, and
+the GEMM's time hardly grows with them: a decode step of 8 rows reads the weights in little more
+than one row's time, where the bfloat16-activation kernel's time grows with the rows.
 """
 
 from __future__ import annotations
