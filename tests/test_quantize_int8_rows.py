@@ -15,10 +15,11 @@ from headwise.quantize import Int8Linear, int8_errors, int8_weights
 
 
 def written_out(x: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
-    """The arithmetic of the docstring, step by step: per-row float32 scale max|x| / 127, the rows rounded, the
+    """The arithmetic of the docstring, step by step: per-row float32 scale max|x| * (1/127), the rows rounded, the
     integer products summed in float64 (exact), the sums in float32 times the row's scale, then the channel's, the bias."""
     rows = x.reshape(-1, x.shape[-1]).float()
-    row_scales = torch.stack([(r.abs().max() / 127).clamp_min(torch.finfo(torch.float32).tiny) for r in rows])[:, None]  # (M, 1)
+    reciprocal = torch.tensor(1 / 127, dtype=torch.float32)  # 1/127 rounded to float32
+    row_scales = torch.stack([(r.abs().max() * reciprocal).clamp_min(torch.finfo(torch.float32).tiny) for r in rows])[:, None]  # (M, 1)
     q = (rows / row_scales).round()  # (M, K)
     assert q.abs().max() <= 127
     sums = (q.double()[:, None, :] * lin.weight.double()[None, :, :]).sum(-1).float()  # (M, N): every product, summed in float64
@@ -54,6 +55,17 @@ def test_torch_int8_gemm_at_its_edges_gives_the_written_out_arithmetic():
     lin.weight = storage[3:].view(9, 17)  # the same weight at an odd offset
     x = torch.randn(1 + 2 * 17)[1:].view(2, 17)
     assert torch.equal(lin(x), written_out(x, lin))
+
+
+def test_on_each_device_the_cpus_numbers_bit_for_bit(device):
+    """Off the CPU (cuda where torch sees one) the float64 GEMM of the same integers: the CPU's int32 sums, the same bits.
+    (Its first run on a GPU found the row scales differing: they were a division by 127, which CUDA runs as a product
+    with the reciprocal; they are now that product on every device.)"""
+    g = torch.Generator().manual_seed(4)
+    lin = Int8Linear(torch.randn(24, 3072, generator=g), torch.randn(24, generator=g), activations="int8")
+    x = torch.randn(5, 3072, generator=g)
+    want = lin(x)
+    assert torch.equal(lin.to(device)(x.to(device)).cpu(), want)
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():

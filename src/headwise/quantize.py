@@ -29,7 +29,7 @@ bfloat16 roundings cost.
 
 ``activations="int8"`` (``int8_weights(model, activations="int8")``) is another arithmetic, the
 one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
-own scale (``max|x_row| / 127``, in float32), the int8 x int8 products summed exactly in int32,
+own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products summed exactly in int32,
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
@@ -122,11 +122,13 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None,
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(M, K) -> (M, K) integer values in [-127, 127] and their (M, 1) float32 scales: each row over max|x_row| / 127,
+    """(M, K) -> (M, K) integer values in [-127, 127] and their (M, 1) float32 scales: each row over max|x_row| * (1/127),
     rounded (a row of zeros: scale float32's tiny, values 0). Under autograd the rounding passes the gradient
     straight through and the scales are constants."""
     rows = x.float()  # (M, K)
-    scales = rows.detach().abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(_TINY)  # (M, 1): max|x_row| / 127
+    # (M, 1): max|x_row| times float32's 1/127, a product on every device (a CUDA division by a host scalar multiplies
+    # by its reciprocal, the CPU's divides: 4.5% of quotients would differ in their last bit)
+    scales = rows.detach().abs().amax(dim=1, keepdim=True).mul_(1 / 127).clamp_min_(_TINY)
     scaled = rows / scales  # (M, K)
     if rows.requires_grad:
         return scaled + (scaled.round() - scaled).detach(), scales
