@@ -142,11 +142,8 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
         sums = torch._int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
-    y = sums.float()  # (M, N): each exact sum rounded once to float32
-    if y.requires_grad:
-        y = y * row_scales * scales if bias is None else y * row_scales * scales + bias
-    else:  # in place: a prompt's (M, N) output is written once, not once per factor
-        y = y.mul_(row_scales).mul_(scales) if bias is None else y.mul_(row_scales).mul_(scales).add_(bias)
+    y = sums.float().mul_(row_scales).mul_(scales)  # (M, N): each exact sum rounded to float32, then scaled in place (written once)
+    y = y if bias is None else y.add_(bias)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
 
 

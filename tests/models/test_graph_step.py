@@ -45,21 +45,20 @@ def traced_capture(step, *args):
 def capture_on(device, monkeypatch):
     """The device the steps run on: a CUDA graph on cuda, ``make_fx``'s recording standing in for it on the CPU."""
     if device == "cpu":
-        monkeypatch.setattr(graph_step, "capture", traced_capture)
+        monkeypatch.setattr(graph_step.GraphStep, "capture", staticmethod(traced_capture))
     return device
+
+
+def rerun(step, *args):
+    """A stand-in for ``capture`` that records nothing: every replay runs the step again, eagerly."""
+    output = step(*args)
+    return (lambda: output.copy_(step(*args))), output
 
 
 class Uncaptured(graph_step.GraphStep):
     """The same step over the same ``SlotCache`` views, run eagerly every time: what a replay must equal bit for bit."""
 
-    def __call__(self, ids, position_ids, caches):
-        if not hasattr(self, "views"):
-            self.count = torch.zeros(1, dtype=torch.long, device=ids.device)
-            self.views, self.tokens = [SlotCache(c, self.count) for c in caches], len(caches[0])
-        self.count.fill_(self.tokens)
-        positions = torch.full_like(ids, self.tokens) if position_ids is None else position_ids
-        self.tokens += 1
-        return self.step(ids, positions, self.views)
+    capture = staticmethod(rerun)
 
 
 def stepped(runs: list, device: str, batch: int, steps: int, padded: bool):
@@ -134,7 +133,7 @@ def test_what_the_graph_reads_lives_as_long_as_the_step(monkeypatch):
         given.extend(weakref.ref(view.slots) for view in args[2])
         return (lambda: None), step(*args)  # as a CUDA graph: the step's result, and no reference to what it read
 
-    monkeypatch.setattr(graph_step, "capture", recording)
+    monkeypatch.setattr(graph_step.GraphStep, "capture", staticmethod(recording))
     model = model_of(GPT2LMHeadModel, {}, torch.float32)
     step = graph_step.GraphStep(decode_step(model, False, False))
     with torch.no_grad():
@@ -201,7 +200,7 @@ def test_generate_wires_the_replayed_step_as_its_eager_one(cls, monkeypatch):
     unpadded, sampling from a seeded generator, stopping at an end-of-sequence token: the eager loop's tokens."""
     import headwise.models.generate as generation
 
-    monkeypatch.setattr(graph_step, "capture", traced_capture)
+    monkeypatch.setattr(graph_step.GraphStep, "capture", staticmethod(traced_capture))
     monkeypatch.setattr(generation, "graph_allowed", lambda device, compile, check: None)
     model = model_of(cls, {}, torch.float32)
     ids = torch.randint(0, model.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5))

@@ -158,16 +158,17 @@ def _llama_cpp(directory: Path, precision: str, threads: int) -> Runner:
 
 
 _TORCH_KV = {p: torch.finfo(t).bits // 8 for p, t in ACTIVATIONS.items()}
+_TORCH_WEIGHT = {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}  # bytes a weight: headwise's and CTranslate2's formats
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
-        Engine("headwise", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _headwise(False)),
+        Engine("headwise", {p: p for p in ACTIVATIONS}, _TORCH_WEIGHT, _TORCH_KV, _headwise(False)),
         Engine("transformers", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(False), "transformers"),
-        Engine("CTranslate2", CT2_TYPES, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _ctranslate2, "ctranslate2",
+        Engine("CTranslate2", CT2_TYPES, _TORCH_WEIGHT, _TORCH_KV, _ctranslate2, "ctranslate2",
                limits=_ct2_limits),
         Engine("llama.cpp", GGUF_TYPES, {"fp32": 4, "bf16": 2, "int8": 34 / 32, "int8-a8": 34 / 32}, dict.fromkeys(GGUF_TYPES, 2), _llama_cpp, "llama_cpp",
                batches=False, limits=_llama_cpp_limits),
-        Engine("headwise compiled", {p: p for p in ACTIVATIONS}, {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}, _TORCH_KV, _headwise(True),
+        Engine("headwise compiled", {p: p for p in ACTIVATIONS}, _TORCH_WEIGHT, _TORCH_KV, _headwise(True),
                compiled=True),
         Engine("transformers compiled", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(True), "transformers",
                compiled=True),

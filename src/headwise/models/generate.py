@@ -115,7 +115,8 @@ class GenerationMixin:
         caches = self.new_caches(b, t + max_new_tokens)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
-        run_step = GraphStep(decode_step(self, False, False)) if cuda_graph else decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab)
+        run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
+        run_step = GraphStep(run_step) if cuda_graph else run_step
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)

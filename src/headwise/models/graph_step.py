@@ -45,6 +45,8 @@ class GraphStep:
     must pass the same caches, each holding one more token than at the call before (``generate``'s loop).
     """
 
+    capture = staticmethod(capture)  # how the step is recorded (a class attribute: tests stand another in)
+
     def __init__(self, step: Callable[[Tensor, Tensor | None, Sequence[KVCache]], Tensor]) -> None:
         self.step = step
         self.replay: Callable[[], None] | None = None
@@ -64,7 +66,7 @@ class GraphStep:
             # kept on self: the graph reads their tensors at the addresses it was captured with; freed, their
             # memory would be handed to the next tensor made and the replays would read that
             self.views = [SlotCache(cache, self.count) for cache in caches]
-            self.replay, self.logits = capture(self.step, self.ids, self.positions, self.views)  # (B, vocab)
+            self.replay, self.logits = self.capture(self.step, self.ids, self.positions, self.views)  # (B, vocab)
         self.replay()
         self.tokens += 1
         return self.logits.clone()  # (B, vocab): the graph's output is overwritten by the next replay
