@@ -1,14 +1,18 @@
 """``generate(..., compile=True)``: the compiled decode step gives the eager step's logits, one graph serves
-every step, prompt length and batch size > 1, a hooked model compiles its checked step, bad values are refused.
+every step, prompt length and batch size > 1, a hooked model compiles its checked step, a CPU model's frozen
+step is compiled anew when a weight changes, bad values are refused.
 
 Logits are compared teacher-forced (both steps fed the eager step's greedy token, so a near-tie cannot
 send them down different continuations) against a float64 copy of the model: the compiled step may be
 at most twice as far from it as the eager step is. Dynamo's graphs are run by ``aot_eager`` (the graph
-inductor would get, on eager kernels: seconds, not a cold inductor compile) except in one test, where
-inductor compiles the int8 model's step (its opaque int8 op inside inductor's code).
+inductor would get, on eager kernels: seconds, not a cold inductor compile) except in two tests, where
+inductor compiles the int8 model's step (its opaque int8 op inside inductor's code) and GPT-2's step with its
+weights frozen, before and after a weight changes.
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -47,9 +51,9 @@ def fresh_dynamo():
 
 @pytest.fixture
 def aot_eager(monkeypatch):
-    """``torch.compile`` (as ``generate`` calls it) with the ``aot_eager`` backend."""
+    """``torch.compile`` (as ``generate`` calls it) with the ``aot_eager`` backend (inductor's options left out)."""
     compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile(*args, **{**kwargs, "backend": "aot_eager"}))
+    monkeypatch.setattr(torch, "compile", lambda *args, options=None, **kwargs: compile(*args, **{**kwargs, "backend": "aot_eager"}))
 
 
 MODELS = {
@@ -115,6 +119,48 @@ def test_compiled_steps_give_the_eager_logits(aot_eager, name, padded):
 def test_inductor_compiled_int8_steps_give_the_eager_logits():
     """The one cold inductor compile: the int8 model's step (its opaque int8 op in inductor's code), a padded batch."""
     assert_as_close_as_eager(compiled_step_errors(MODELS["llama-int8"](), IDS, MASK), torch.float32)
+
+
+def test_inductor_frozen_steps_follow_a_weight_change():
+    """On the CPU inductor freezes the weights into the graph (its own packed copies): after an in-place write
+    to a weight, the next step is compiled anew and gives the changed model's logits, not the old ones."""
+    model = gpt2()
+    assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK), torch.float32)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(-3.0)  # in place: the same tensor, a new _version
+        model.transformer.wte.weight[:, :8].zero_()  # the tied LM head too
+    assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK), torch.float32)
+
+
+def test_the_compiled_step_is_kept_until_a_weight_or_buffer_changes():
+    model = gpt2()
+    step = decode_step(model, True)  # torch.compile is lazy: nothing compiles here
+    assert decode_step(model, True) is step
+    assert decode_step(model, True, check=True) is not step  # the checked step is another graph
+    model.generate(IDS[:1], max_new_tokens=3)  # an eager generate packs and stacks weights: it writes none
+    assert decode_step(model, True) is step
+    with torch.no_grad():
+        model.transformer.ln_f.bias.add_(1.0)
+    changed = decode_step(model, True)
+    assert changed is not step and decode_step(model, True) is changed
+    model.load_state_dict(gpt2().state_dict())  # copies in place: new versions
+    assert decode_step(model, True) is not changed
+
+
+def test_a_step_compiled_anew_frees_the_old_graphs(aot_eager):
+    """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and inductor's frozen
+    copies of the weights): replaced, the old step, its code and its graphs go."""
+    model = gpt2()
+    compiled_step_errors(model, IDS, MASK, steps=2)  # compiles the step
+    old = decode_step(model, True)
+    code = weakref.ref(old.step.func.__code__)
+    assert code() is not decode_step.__globals__["_next_logits"].__code__
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(2.0)
+    assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=2), torch.float32)  # compiled anew
+    del old
+    gc.collect()
+    assert code() is None
 
 
 def test_one_graph_serves_every_step_prompt_length_and_batch(aot_eager):

@@ -22,6 +22,10 @@ from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
 from .weight_cache import READY, STACKED, cached, state, watchable
 
+#: True while a graph whose weights inductor freezes into constants runs (``models.compiled_step``): its
+#: projections are traced as ``F.linear``, which inductor packs and runs itself, not as opaque ops.
+frozen = False
+
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` with the same numbers (to float32 rounding), on the path ``choose`` picks.
@@ -39,8 +43,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
-    if torch.compiler.is_compiling() and weight.ndim == 2 and runs_as_op(x, weight, bias):
-        return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
+    if torch.compiler.is_compiling() and (frozen or (weight.ndim == 2 and runs_as_op(x, weight, bias))):
+        return F.linear(x, weight, bias) if frozen else torch.ops.headwise.linear(x, weight, bias)  # (..., N)
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     return onednn.run(x, weight, bias)  # (..., N)
@@ -109,7 +113,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     if mixed or not plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
     sizes = [w.shape[0] for w in weights]
-    if torch.compiler.is_compiling() and runs_as_op(x, *params):
+    if torch.compiler.is_compiling() and not frozen and runs_as_op(x, *params):
         y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
     elif torch.compiler.is_compiling() or recorded(x, *params):
         y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient

@@ -26,6 +26,7 @@ from .. import _checks
 from ..cache import KVCache
 from ..observe import observing
 from . import _inputs
+from .compiled_step import compiled_step
 from .graph_step import GraphStep
 
 
@@ -146,10 +147,7 @@ def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Ca
     if not compile:
         flat = None if check else getattr(model, "flat_step", lambda: None)()  # the unchecked step written out, where the model has one
         return step if flat is None else flat
-    compiled = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
-    if check not in compiled:
-        compiled[check] = torch.compile(step, fullgraph=True, dynamic=True)
-    return compiled[check]
+    return compiled_step(model, check, step)
 
 
 def graph_allowed(device: torch.device, compile: bool, check: bool) -> None:

@@ -1,0 +1,71 @@
+"""``generate(..., compile=True)``'s step: the decode step under ``torch.compile``, on the CPU with its weights frozen.
+
+On the CPU the step is compiled with inductor's ``freezing`` and ``max_autotune``: the weights
+become constants of the graph, so inductor packs each projection's weight once for its own GEMM
+kernels (C++ micro-kernels for AVX-512, AMX, AVX2, timed at compile against ATen's and kept where
+faster), and the projections are traced as plain ``F.linear`` and int8 GEMMs for it
+(``projection.frozen``), not as headwise's opaque ops. A frozen graph cannot see a weight change,
+so the step is kept with the state of every parameter and buffer (``weight_cache.state``) and
+compiled anew when any changed (an optimizer step, ``load_state_dict``, ``.data =``). Inductor
+keeps its packed copies of the weights beside the model's own while the step lives. Each compiled
+step runs a code object of its own, where Dynamo keeps its graphs: they die with the step (a step
+compiled anew frees the old weights' copies), and one model's recompiles do not count against
+another's ``recompile_limit``.
+
+Elsewhere (CUDA) the step is compiled as it is, its projections opaque ops (``linear.custom_ops``).
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from ..linear import projection
+from ..linear.weight_cache import state, watchable
+
+
+def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
+    """``step`` under ``torch.compile``, kept on the model under ``key`` and reused while its frozen weights are the
+    model's (compiled anew when any parameter or buffer changed)."""
+    steps = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
+    tensors = [*model.parameters(), *model.buffers()]
+    freeze = watchable() and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    now = state(tensors) if freeze else None
+    kept = steps.get(key)
+    if kept is None or kept[0] != now:
+        steps[key] = kept = (now, CompiledStep(step, freeze))
+    return kept[1]
+
+
+class CompiledStep:
+    """A decode step under ``torch.compile(fullgraph=True, dynamic=True)``; with ``freeze``, inductor's freezing and
+    max-autotune, on whenever it runs (a new shape may recompile at any call)."""
+
+    def __init__(self, step: partial, freeze: bool) -> None:
+        self.step = _own_code(step)  # what Dynamo compiles: its graphs live on this step's own code object
+        self.freeze = freeze
+        self.compiled = torch.compile(self.step, fullgraph=True, dynamic=True, options={"max_autotune": True} if freeze else None)
+
+    def __call__(self, *args: object) -> Tensor:
+        if not self.freeze:
+            return self.compiled(*args)
+        import torch._inductor.config as inductor
+
+        before = inductor.freezing, projection.frozen
+        inductor.freezing = projection.frozen = True  # read when Dynamo traces and inductor compiles, not from options
+        try:
+            return self.compiled(*args)
+        finally:
+            inductor.freezing, projection.frozen = before
+
+
+def _own_code(step: partial) -> partial:
+    """``step`` over a copy of its function whose code object is its own: Dynamo keeps a code object's graphs on
+    it, so they live and die with this step and count against its own recompile limit."""
+    func = step.func
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return partial(own, *step.args, **step.keywords)
