@@ -12,7 +12,6 @@ weights frozen, before and after a weight changes.
 
 import copy
 import gc
-import weakref
 
 import pytest
 import torch
@@ -147,20 +146,31 @@ def test_the_compiled_step_is_kept_until_a_weight_or_buffer_changes():
     assert decode_step(model, True) is not changed
 
 
-def test_a_step_compiled_anew_frees_the_old_graphs(aot_eager):
-    """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and inductor's frozen
-    copies of the weights): replaced, the old step, its code and its graphs go."""
+def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):
+    """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and, compiled by
+    inductor, the frozen copies of the weights): when the step is compiled anew, the old code's graphs go."""
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list  # a code object's graphs
     model = gpt2()
     compiled_step_errors(model, IDS, MASK, steps=2)  # compiles the step
-    old = decode_step(model, True)
-    code = weakref.ref(old.step.func.__code__)
-    assert code() is not decode_step.__globals__["_next_logits"].__code__
+    code = decode_step(model, True).func.__code__
+    assert code is not decode_step.__globals__["_next_logits"].__code__ and len(entries(code)) == 1
     with torch.no_grad():
         model.transformer.ln_f.weight.mul_(2.0)
     assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=2), torch.float32)  # compiled anew
-    del old
     gc.collect()
-    assert code() is None
+    assert entries(code) == [] and len(entries(decode_step(model, True).func.__code__)) == 1
+
+
+def test_each_model_compiles_against_its_own_recompile_limit(aot_eager):
+    """Every model's step has graphs of its own (a frozen graph is guarded by its weights' identity): more models
+    than Dynamo's recompile limit compile in one process, each once."""
+    limit = torch._dynamo.config.recompile_limit
+    for seed in range(limit + 2):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=1, n_head=4)).eval()
+        graphs = counters["stats"]["unique_graphs"]
+        model.generate(IDS[:1], max_new_tokens=3, compile=True)
+        assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
 def test_one_graph_serves_every_step_prompt_length_and_batch(aot_eager):

@@ -8,9 +8,9 @@ faster), and the projections are traced as plain ``F.linear`` and int8 GEMMs for
 so the step is kept with the state of every parameter and buffer (``weight_cache.state``) and
 compiled anew when any changed (an optimizer step, ``load_state_dict``, ``.data =``). Inductor
 keeps its packed copies of the weights beside the model's own while the step lives. Each compiled
-step runs a code object of its own, where Dynamo keeps its graphs: they die with the step (a step
-compiled anew frees the old weights' copies), and one model's recompiles do not count against
-another's ``recompile_limit``.
+step runs a code object of its own, where Dynamo keeps its graphs (guarded by the identity of each
+frozen weight): they are dropped with the step (a step compiled anew frees the old weights' copies),
+and one model's graphs do not count against another's ``recompile_limit``.
 
 Elsewhere (CUDA) the step is compiled as it is, its projections opaque ops (``linear.custom_ops``).
 """
@@ -18,6 +18,7 @@ Elsewhere (CUDA) the step is compiled as it is, its projections opaque ops (``li
 from __future__ import annotations
 
 import types
+import weakref
 from functools import partial
 
 import torch
@@ -42,30 +43,30 @@ def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
 
 class CompiledStep:
     """A decode step under ``torch.compile(fullgraph=True, dynamic=True)``; with ``freeze``, inductor's freezing and
-    max-autotune, on whenever it runs (a new shape may recompile at any call)."""
+    max-autotune, on whenever it runs (a new shape may recompile at any call).
+
+    Dynamo compiles ``func``, a copy of the step's function with a code object of its own, called with the
+    step's bound arguments (the model): Dynamo keeps a code object's graphs on it, so they count against
+    this step's own ``recompile_limit``, not against every other model's, and are dropped with the step.
+    """
 
     def __init__(self, step: partial, freeze: bool) -> None:
-        self.step = _own_code(step)  # what Dynamo compiles: its graphs live on this step's own code object
-        self.freeze = freeze
-        self.compiled = torch.compile(self.step, fullgraph=True, dynamic=True, options={"max_autotune": True} if freeze else None)
+        func = step.func
+        self.func = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+        self.args, self.freeze = step.args, freeze
+        self.compiled = torch.compile(self.func, fullgraph=True, dynamic=True, options={"max_autotune": True} if freeze else None)
+        # the code object outlives the step (Dynamo's look-up caches hold code objects): its graphs, and the
+        # frozen weights' copies in them, are dropped when the step goes (compiled anew, or its model gone)
+        weakref.finalize(self, torch._dynamo.reset_code, self.func.__code__)
 
     def __call__(self, *args: object) -> Tensor:
         if not self.freeze:
-            return self.compiled(*args)
+            return self.compiled(*self.args, *args)
         import torch._inductor.config as inductor
 
         before = inductor.freezing, projection.frozen
         inductor.freezing = projection.frozen = True  # read when Dynamo traces and inductor compiles, not from options
         try:
-            return self.compiled(*args)
+            return self.compiled(*self.args, *args)
         finally:
             inductor.freezing, projection.frozen = before
-
-
-def _own_code(step: partial) -> partial:
-    """``step`` over a copy of its function whose code object is its own: Dynamo keeps a code object's graphs on
-    it, so they live and die with this step and count against its own recompile limit."""
-    func = step.func
-    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
-    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
-    return partial(own, *step.args, **step.keywords)

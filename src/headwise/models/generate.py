@@ -88,8 +88,11 @@ class GenerationMixin:
             compile: run every decode step after the prompt pass under ``torch.compile``
                 (``fullgraph=True``, ``dynamic=True``: one graph for every step, cache length
                 and batch size > 1; compiled on the first call, minutes on a small CPU for a
-                12-layer model, then reused by later calls on the same model). The tokens are
-                the eager steps'; docs/performance/decode.md says what it gains.
+                12-layer model, then reused by later calls on the same model). On the CPU the
+                weights are frozen into the graph, where inductor packs them for its own GEMM
+                kernels (``models.compiled_step``; compiled anew when a weight changes). The
+                tokens are the eager steps' (to rounding); docs/performance/decode.md says what
+                it gains.
             cuda_graph: on a CUDA device, capture the first decode step as a CUDA graph and replay
                 it for every later one: the host's cost of a step (Python, kernel launches) is
                 paid once per call. Each step reads the whole cache under a mask of the tokens
@@ -138,9 +141,9 @@ def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Ca
 
     The model's forward with ``check`` (default: ``not trusts(model)``); unchecked and eager, the
     model's ``flat_step()`` where it offers one (the same logits, bit for bit); with ``compile``, under
-    ``torch.compile(fullgraph=True, dynamic=True)``, made once per model and ``check`` (the wrapper
-    is kept on the model, so later calls reuse its graph: the cache length, a batch size > 1 and
-    the prompt length are symbolic).
+    ``torch.compile(fullgraph=True, dynamic=True)`` (``compiled_step``: on the CPU with the weights
+    frozen), kept on the model per ``check`` until a weight changes, so later calls reuse its graph
+    (the cache length, a batch size > 1 and the prompt length are symbolic).
     """
     check = not trusts(model) if check is None else check
     step = partial(_next_logits, model, check)
