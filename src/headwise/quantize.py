@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import DECODE_ROWS
+from .linear import DECODE_ROWS, projection
 from .linear.onednn import recorded
 from .machine import bf16_flags
 
@@ -243,8 +243,14 @@ class Int8Linear(nn.Module):
             return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
             return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)
-        matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
-        y = matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.bias, self._ones)  # (M, N)
+        if torch.compiler.is_compiling() and projection.frozen and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
+            # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;
+            # the rows a new buffer of inductor's (64-byte aligned); the same arithmetic, the sums in another order
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16, copy=True)  # (M, K)
+            y = _scaled(_int8_mm(rows, self.weight, self._ones), self.scales, self.bias, x.dtype)  # (M, N)
+        else:
+            matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
+            y = matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.bias, self._ones)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
