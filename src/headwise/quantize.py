@@ -16,7 +16,9 @@ fixed rule (nothing timed):
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` and ``int8_mm_takes`` accepts the operands: that kernel
   (a decode step), with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and
-  AVX-512 alike; float32 input runs a scalar loop) and unit scales;
+  AVX-512 alike; float32 input runs a scalar loop) and unit scales; under ``torch.compile`` an
+  opaque op, or, where the graph freezes the weights (``generate(..., compile=True)`` on the
+  CPU), the kernel traced, which inductor may run as its own packed int8 GEMM;
 - otherwise (a prompt, training, another device, no such op, a K the kernel cannot read) torch's
   GEMM of the same operands: the int8 weight converted to bfloat16 (exact) and a bfloat16
   ``F.linear`` on a CPU with native bfloat16 dot products (``headwise.machine.bf16_flags``), when

@@ -146,6 +146,16 @@ def test_the_compiled_step_is_kept_until_a_weight_or_buffer_changes():
     assert decode_step(model, True) is not changed
 
 
+def test_a_model_made_in_inference_mode_compiles_unfrozen(aot_eager):
+    """Inference tensors have no version counter, so a frozen graph could not see them change: such a model's
+    step is compiled with its projections as opaque ops, and gives the eager step's logits."""
+    with torch.inference_mode():
+        model = gpt2()
+    assert decode_step(model, True).freeze is False and decode_step(gpt2(), True).freeze is True
+    with torch.inference_mode():
+        assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=3), torch.float32)
+
+
 def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):
     """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and, compiled by
     inductor, the frozen copies of the weights): when the step is compiled anew, the old code's graphs go."""

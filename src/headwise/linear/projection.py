@@ -4,7 +4,8 @@
 through it when the layer is a plain ``nn.Linear``; ``project_many`` runs several layers that
 read one input as one GEMM over their stacked weights. While ``torch.compile`` traces an
 inference call (no autograd), both become opaque ops (``custom_ops``) that decide their path and
-stack their weights when the graph runs.
+stack their weights when the graph runs, unless the graph freezes its weights (``frozen``): then
+they are ``F.linear``, whose weights inductor packs itself.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
-    if torch.compiler.is_compiling() and (frozen or (weight.ndim == 2 and runs_as_op(x, weight, bias))):
-        return F.linear(x, weight, bias) if frozen else torch.ops.headwise.linear(x, weight, bias)  # (..., N)
+    if torch.compiler.is_compiling() and frozen:
+        return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
+    if torch.compiler.is_compiling() and weight.ndim == 2 and runs_as_op(x, weight, bias):
+        return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     return onednn.run(x, weight, bias)  # (..., N)

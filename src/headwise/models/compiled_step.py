@@ -12,7 +12,8 @@ step runs a code object of its own, where Dynamo keeps its graphs (guarded by th
 frozen weight): they are dropped with the step (a step compiled anew frees the old weights' copies),
 and one model's graphs do not count against another's ``recompile_limit``.
 
-Elsewhere (CUDA) the step is compiled as it is, its projections opaque ops (``linear.custom_ops``).
+Elsewhere (CUDA, inference tensors, which have no version counter, torch.distributed) the step is
+compiled as it is, its projections opaque ops (``linear.custom_ops``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
     model's (compiled anew when any parameter or buffer changed)."""
     steps = model.__dict__.setdefault("_compiled_steps", {})  # plain attribute: not a submodule, not in state_dict
     tensors = [*model.parameters(), *model.buffers()]
-    freeze = watchable() and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    # frozen where a change can be seen: CPU tensors with version counters (not inference tensors), not under torch.distributed
+    freeze = watchable() and bool(tensors) and all(t.device.type == "cpu" and not t.is_inference() for t in tensors)
     now = state(tensors) if freeze else None
     kept = steps.get(key)
     if kept is None or kept[0] != now:
