@@ -57,6 +57,14 @@ PRIVATE_OPS = {
         ("quantize.py",), None,
         "nothing: it checks its operands' dtypes and shapes, and gave exact sums on empty M, K or N and on operands at odd "
         "offsets (tests/test_quantize_int8_rows.py)"),
+    "torch._dynamo": PrivateOp(
+        ("models/compiled_step.py",), None,
+        "nothing: reset_code drops the graphs Dynamo keeps on a code object the compiled step owns "
+        "(tests/models/test_generate_compile.py)"),
+    "torch._inductor": PrivateOp(
+        ("models/compiled_step.py",), None,
+        "nothing: its config's freezing, on while the compiled step runs (Dynamo reads it where it traces; compile's "
+        "options do not reach it); tests/models/test_generate_compile.py checks the frozen step's logits and its recompiles"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }
