@@ -12,6 +12,7 @@ from helpers import BACKENDS, decode, make, new_cache, on, reference_weights, to
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import reference_mha
+from reference_variants import variant_attention
 
 import headwise as hw
 
@@ -297,3 +298,74 @@ def test_caches_hold_floating_point_numbers_only():
         hw.KVCache(1, 2, 4, 3, dtype=torch.int64)
     with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*got 'float32'"):
         hw.KVCache.sliding(1, 2, 4, 3, dtype="float32")
+
+
+# ----------------------------------------------------------------------------- a bfloat16 cache under float32 keys
+
+TERMS = {
+    "plain": {},
+    "softcap": {"softcap": 2.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+}
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bfloat16, held as float64 (what a bfloat16 cache stores, exactly)."""
+    return t.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("terms", TERMS)
+@pytest.mark.parametrize("window", [None, 3], ids=["linear", "ring"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(schedule=st.lists(st.integers(1, 4), min_size=1, max_size=5), Hkv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_a_bfloat16_cache_under_float32_keys_attends_over_them_rounded(terms, window, backend, schedule, Hkv, seed):
+    torch.manual_seed(seed)
+    B, H, D, T = 2, 4, 8, sum(schedule)
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.bfloat16) if window else hw.KVCache(B, Hkv, T, D, dtype=torch.bfloat16)
+    outs, start = [], 0
+    for n in schedule:
+        part = slice(start, start + n)
+        outs.append(hw.attention(q[:, :, part], k[:, :, part], v[:, :, part], causal=True, window=window, cache=cache, backend=backend, **TERMS[terms]))
+        start += n
+    got = torch.cat(outs, dim=2)  # (B, H, T, D)
+    assert got.dtype == torch.float32 and cache.dtype == torch.bfloat16
+    if window is None:
+        assert torch.equal(cache.k, k.to(torch.bfloat16)) and torch.equal(cache.v, v.to(torch.bfloat16))  # stored rounded, nothing else
+    want = variant_attention(bf16(q), bf16(k), bf16(v), causal=True, window=window, **TERMS[terms])  # float64 over the rounded keys
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)  # bfloat16's tolerance: the attention runs in bfloat16
+
+
+def test_a_bfloat16_paged_pool_under_float32_keys_attends_over_them_rounded():
+    torch.manual_seed(0)
+    H, Hkv, D = 4, 2, 8
+    pool = hw.PagedKVCache(16, 4, Hkv, D, dtype=torch.bfloat16)
+    lengths = {0: [5, 1, 1], 1: [2, 3, 1]}  # each sequence's chunks, fed side by side
+    seen = {s: ([], [], []) for s in lengths}  # each sequence's queries, keys and values so far
+    for s in lengths:
+        pool.add(s)
+    for step in range(3):
+        counts = [lengths[s][step] for s in lengths]
+        q, k, v = torch.randn(1, H, sum(counts), D), torch.randn(1, Hkv, sum(counts), D), torch.randn(1, Hkv, sum(counts), D)
+        got = hw.attention(q, k, v, causal=True, cache=pool.batch(list(lengths), counts))  # (1, H, T, D)
+        assert got.dtype == torch.float32
+        start = 0
+        for s, n in zip(lengths, counts, strict=True):
+            for held, new in zip(seen[s], (q, k, v), strict=True):
+                held.append(new[:, :, start : start + n])
+            sq, sk, sv = (torch.cat(t, dim=2) for t in seen[s])
+            want = variant_attention(bf16(sq[:, :, -n:]), bf16(sk), bf16(sv), causal=True)  # (1, H, n, D)
+            torch.testing.assert_close(got[:, :, start : start + n].double(), want, atol=2e-2, rtol=2e-2)
+            start += n
+
+
+@pytest.mark.parametrize("held,given", [(torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
+def test_a_cache_takes_its_own_dtype_or_float32_into_bfloat16_only(held, given):
+    cache, pool = hw.KVCache(1, 2, 8, 4, dtype=held), hw.PagedKVCache(4, 4, 2, 4, dtype=held)
+    pool.add(0)
+    q = k = v = torch.randn(1, 2, 3, 4, dtype=given)
+    for c in (cache, pool.batch([0], [3])):
+        with pytest.raises(TypeError, match=rf"the cache is {held}, but the keys and values are {given}: a cache holds their dtype, or torch.bfloat16 for float32"):
+            hw.attention(q, k, v, causal=True, cache=c)
+    assert len(cache) == 0 and pool.length(0) == 0  # refused before anything was written

@@ -464,7 +464,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("mha torch-style mask (True = padding) as floats", lambda: mha()(rnd(2, 3, 8), attention_mask=torch.zeros(2, 3, dtype=torch.float16)), Raises(TypeError, r"got dtype torch.float16")),
     ("mha attention_mask on meta", lambda: mha()(rnd(2, 3, 8), attention_mask=torch.ones(2, 3, dtype=torch.bool, device=META)), Raises(ValueError, r"attention_mask is on meta but x is on cpu")),
     ("mha cache of another head size", lambda: mha()(rnd(1, 2, 8), cache=hw.KVCache(1, 2, 8, 3, dtype=F64)), Raises(ValueError, r"cache holds \(B=1, Hkv=2, \*, D=3\); k has shape \(1, 2, 2, 4\)")),
-    ("mha cache of another dtype", lambda: mha()(rnd(1, 2, 8), cache=hw.KVCache(1, 2, 8, 4)), Raises(TypeError, r"cache holds torch.float32; k is torch.float64")),
+    ("mha cache of another dtype", lambda: mha()(rnd(1, 2, 8), cache=hw.KVCache(1, 2, 8, 4)), Raises(TypeError, r"the cache is torch.float32, but the keys and values are torch.float64")),
     ("mha cache too small", lambda: mha()(rnd(1, 5, 8), cache=hw.KVCache(1, 2, 4, 4, dtype=F64)), Raises(ValueError, r"cache is full: it holds 0 of max_len=4 tokens and cannot take 5 more")),
     ("mha sliding cache, no window", lambda: mha()(rnd(1, 2, 8), cache=hw.KVCache.sliding(1, 2, 3, 4, dtype=F64)), Raises(ValueError, r"a sliding cache of window=3 needs attention with window=3, got window=None")),
     ("mha cache shared by two layers", bound_cache_misuse, Raises(ValueError, r"this KVCache belongs to MultiHeadAttention at 0x[0-9a-f]+, not to MultiHeadAttention at 0x")),

@@ -241,7 +241,7 @@ def test_bad_batches():
         paged.batch([0, 1], [3, 0])
     with pytest.raises(ValueError, match=r"takes k of shape \(1, Hkv=1, T=4, D=8\), got \(1, 1, 3, 8\)"):
         hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 2]))
-    with pytest.raises(TypeError, match=r"holds torch.float32; k is torch.float64"):
+    with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.float64"):
         hw.attention(q.double(), kv.double(), kv.double(), cache=paged.batch([0, 1], [2, 1]))
     with pytest.raises(ValueError, match=r"packs real tokens only: pass attention_mask=None"):
         hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 1]), attention_mask=torch.ones(1, 3, dtype=torch.bool))

@@ -48,6 +48,16 @@ def floating_dtype(name: str, value: object) -> torch.dtype:
     return value
 
 
+def cache_dtype(name: str, held: torch.dtype, computed: torch.dtype) -> None:
+    """Raise TypeError unless a cache holding ``held`` may serve keys and values computed in ``computed``: the same
+    dtype, or bfloat16 for float32 (half the bytes; float32's exponent range, so no key overflows to inf)."""
+    if held != computed and (held, computed) != (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"{name} is {held}, but the keys and values are {computed}: a cache holds their dtype, "
+            f"or torch.bfloat16 for float32 ones"
+        )
+
+
 def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)

@@ -118,7 +118,7 @@ def attention_unchecked(
 ) -> Tensor:
     """``attention(q, k, v, cache=cache, ...)`` with nothing checked, for ``generate``'s decode loop
     (``AttentionLayer.forward(..., check=False)``): q (B, H, T, D), k and v (B, Hkv, T, D) of one
-    dtype and device, a ``KVCache`` of theirs with room for T more (its window ``window``), no
+    dtype and device, a ``KVCache`` of theirs (or bfloat16 under float32) with room for T more (its window ``window``), no
     padding, mask, documents or dropout, the default scale. The path and the numbers are ``attention``'s.
 
     Returns:
@@ -156,7 +156,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     padding = args.spec.attention_mask
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
-    plans = [_for_run(args, rows, S, args.k, args.v, padding)[4] for rows, S in runs]
+    stored = args.k.dtype if args.cache is None else args.cache.dtype
+    plans = [_for_run(args, rows, S, args.k.to(stored), args.v.to(stored), padding)[4] for rows, S in runs]
     if all(p.runner == plans[0].runner for p in plans):
         return plans[0]
     runners = "; ".join(dict.fromkeys(p.runner for p in plans))
@@ -174,8 +175,8 @@ def _for_run(
     args: Arguments, rows: slice, S: int, keys: Tensor, values: Tensor, padding: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Spec, Plan]:
     """A run of queries ``rows`` over S keys (B, Hkv, S, D) with padding (B, S): its queries, the keys and values
-    a causal window lets them see (views), their terms and the plan."""
-    q = args.q if rows == slice(None) else args.q[:, :, rows]  # (B, H, T_run, D)
+    a causal window lets them see (views), their terms and the plan; the queries in the keys' dtype (a bfloat16 cache's)."""
+    q = (args.q if rows == slice(None) else args.q[:, :, rows]).to(keys.dtype)  # (B, H, T_run, D)
     spec, c0 = for_run(args.spec, q.shape[2], S, padding, args.cache is not None)
     if c0:  # keys no query of the run sees
         keys, values = keys[:, :, c0:], values[:, :, c0:]  # (B, Hkv, S_run, D), (B, Hkv, S_run, Dv): views, nothing copied
@@ -183,17 +184,19 @@ def _for_run(
 
 
 def _run(args: Arguments, check_cache: bool) -> Tensor:
-    """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says."""
-    _, k, v, spec, cache, _ = args
+    """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says.
+    A bfloat16 cache under float32 keys stores them rounded; attention then runs in bfloat16, the context back in float32."""
+    q, k, v, spec, cache, _ = args
     if cache is None:
         runs = [Attended(slice(None), k, v, spec.attention_mask)]  # every query over every key
     else:
+        k, v = k.to(cache.dtype), v.to(cache.dtype)  # (B, Hkv, T, D) x2: as they are, but under a bfloat16 cache
         runs = cache.append(k, v, spec.attention_mask, in_order=arguments.in_order(spec), check=check_cache)  # one, or one per sequence
     contexts = []
     for rows, keys, values, padding in runs:
         q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)
         contexts.append(chosen.run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
-    context = joined(contexts)  # (B, H, T, Dv)
+    context = joined(contexts).to(q.dtype)  # (B, H, T, Dv)
     report("context", context)
     return context
 

@@ -3,6 +3,7 @@ sampled with its seed), for GPT-2 and the Llama family, whatever joins or leaves
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -72,6 +73,15 @@ def alone(model, prompt, n, **kw) -> list[int]:
 def test_greedy_requests_equal_each_generated_alone(name, block_size, num_blocks, max_step_tokens):
     outs = generate_many(model_named(name), prompts(), NEW, block_size=block_size, num_blocks=num_blocks, max_step_tokens=max_step_tokens)
     assert [out.tolist() for out in outs] == list(greedy_alone(name, 0))
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_float32_requests_over_bfloat16_pools_equal_each_generated_alone_over_a_bfloat16_cache(name):
+    model = copy.deepcopy(model_named(name)).float()
+    got = generate_many(model, prompts(2), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.bfloat16)
+    for out, prompt, n in zip(got, prompts(2), NEW, strict=True):
+        assert out.tolist() == alone(model, prompt, n, cache_dtype=torch.bfloat16)
+    assert Batcher(model, num_blocks=4, cache_dtype=torch.bfloat16).caches[0].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
@@ -222,14 +232,12 @@ def test_a_step_that_raises_at_a_layer_changes_nothing(name, layer, at):
 
 
 def test_a_model_whose_dtype_changed_is_refused_and_its_requests_keep_no_blocks():
-    import copy
-
     batcher, got = submitted("gpt2"), {}
     batcher.model = model = copy.deepcopy(batcher.model)
     collect(batcher.step(), got)
     before, pending = pool_state(batcher), batcher.pending
     model.float()
-    with pytest.raises(TypeError, match=r"the model now computes in torch.float32 on cpu, but this Batcher's caches hold torch.float64"):
+    with pytest.raises(TypeError, match=r"the model now computes in torch.float32 on cpu, but this Batcher's caches were made for torch.float64"):
         batcher.step()
     assert pool_state(batcher) == before and batcher.pending == pending
     for request in {r.id for r in [*batcher._running, *batcher._waiting]}:

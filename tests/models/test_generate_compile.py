@@ -81,15 +81,18 @@ def float64_copy(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def compiled_step_errors(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, steps: int = 8) -> list[tuple[float, float]]:
+def compiled_step_errors(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, steps: int = 8, cache_dtype: torch.dtype | None = None
+) -> list[tuple[float, float]]:
     """Per decode step, (eager, compiled) logits' relative error against the float64 copy's, all three fed
-    the eager step's greedy token after the same prompt pass, as ``generate`` feeds its steps."""
+    the eager step's greedy token after the same prompt pass, as ``generate`` feeds its steps (the eager and
+    compiled steps over caches of ``cache_dtype``)."""
     ref = float64_copy(model)
     b, t = ids.shape
     is_token = None if mask is None else mask.bool()  # (B, T)
     position = None if is_token is None else positions(is_token, b, t, ids.device)  # (B, T)
     runs = {"eager": (model, decode_step(model, False)), "compiled": (model, decode_step(model, True)), "float64": (ref, decode_step(ref, False))}
-    caches = {name: m.new_caches(b, t + steps + 1) for name, (m, _) in runs.items()}  # as generate(max_new_tokens=steps + 1) makes them
+    caches = {name: m.new_caches(b, t + steps + 1, None if name == "float64" else cache_dtype) for name, (m, _) in runs.items()}  # as generate makes them
     logits = {name: m(ids, is_token, positions=position, cache=caches[name], logits_to_keep=1)[:, 0] for name, (m, _) in runs.items()}
     errors = []
     for _ in range(steps):
@@ -113,6 +116,11 @@ def test_compiled_steps_give_the_eager_logits(aot_eager, name, padded):
     model = MODELS[name]()
     ids, mask = (IDS, MASK) if padded else (IDS[:1], None)
     assert_as_close_as_eager(compiled_step_errors(model, ids, mask), next(model.parameters()).dtype)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral-window"])
+def test_compiled_steps_over_bfloat16_caches_give_the_eager_logits(aot_eager, name):
+    assert_as_close_as_eager(compiled_step_errors(MODELS[name](), IDS, MASK, cache_dtype=torch.bfloat16), torch.bfloat16)
 
 
 def test_inductor_compiled_int8_steps_give_the_eager_logits():

@@ -12,6 +12,8 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   checked in every layer; ``compiled_ms``: the step ``generate(..., compile=True)`` runs;
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
+- ``--cache-dtype bf16``: headwise's caches hold bfloat16 under a float32 model (``generate(...,
+  cache_dtype=torch.bfloat16)``; the dtype column says so); transformers' stay in the model's dtype;
 - ``read_bytes``: every projection and LM-head weight as stored (int8 + scales for int8), plus
   keys and values of every layer at this context and batch; ``sum_gbps``: the machine's read
   bandwidth in the same interleaved rounds (``host.ReadProbe``), so that the share is taken
@@ -109,7 +111,7 @@ class DecodeSpeed:
         return None if self.transformers_ms is None else self.transformers_ms / self.headwise_ms
 
 
-def read_bytes(model: nn.Module, batch: int, context: int) -> int:
+def read_bytes(model: nn.Module, batch: int, context: int, cache_dtype: torch.dtype | None = None) -> int:
     """Bytes a decode step reads: the projections' and LM head's weights as stored, and every layer's K/V."""
     weights = 0
     for m in model.modules():
@@ -121,21 +123,22 @@ def read_bytes(model: nn.Module, batch: int, context: int) -> int:
     if tied is not None and model.lm_head is None:
         w = model.get_submodule(tied).weight
         weights += w.numel() * w.element_size()
-    caches = model.new_caches(1, 1)
+    caches = model.new_caches(1, 1, cache_dtype)
     kv = sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches) * batch * context * caches[0].k.element_size()
     return weights + kv
 
 
-def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room: int, gen: torch.Generator, copies: int) -> tuple[list, object]:
-    """``copies`` sets of headwise caches (room for ``room`` tokens) holding ``past`` random tokens' keys and
-    values, and transformers' DynamicCache holding the same."""
+def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room: int, gen: torch.Generator, copies: int,
+          cache_dtype: torch.dtype | None = None) -> tuple[list, object]:
+    """``copies`` sets of headwise caches (room for ``room`` tokens, holding ``cache_dtype``) holding ``past`` random tokens'
+    keys and values, and transformers' DynamicCache holding the same (in its model's dtype)."""
     kv = []
-    for cache in ours.new_caches(batch, 1):
+    for cache in ours.new_caches(batch, 1, cache_dtype):
         _, hkv, _, d = cache.k.shape
         kv.append(tuple(torch.randn(batch, hkv, past, d, generator=gen).to(cache.k.dtype) for _ in range(2)))  # (B, Hkv, past, D) each
     sets = []
     for _ in range(copies):
-        caches = ours.new_caches(batch, room)
+        caches = ours.new_caches(batch, room, cache_dtype)
         for cache, (k, v) in zip(caches, kv, strict=True):
             cache.update(k, v)
         sets.append(caches)
@@ -145,12 +148,12 @@ def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room
 
         hf_cache = DynamicCache(config=theirs.config)
         for i, (k, v) in enumerate(kv):
-            hf_cache.update(k.clone(), v.clone(), i)
+            hf_cache.update(k.to(theirs.dtype, copy=True), v.to(theirs.dtype, copy=True), i)
     return sets, hf_cache
 
 
 def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, rounds: int, gen: torch.Generator,
-           compile: bool = False) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Tensor]]:
+           compile: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Tensor]]:
     """One decode step of each kind, each on caches of its own, and each kind's logits from one step on the same contents.
 
     Every call appends its token, as ``generate``'s steps do, so each sees one more key than the
@@ -158,7 +161,7 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
     builds one per shape): ``rounds`` calls take the caches from ``context - rounds`` keys to ``context``.
     """
     past = max(2, context - rounds)  # keys the first timed step sees
-    (mine, checked_caches, compiled_caches), hf_cache = _fill(ours, theirs, batch, past - 1, past + rounds, gen, copies=3)
+    (mine, checked_caches, compiled_caches), hf_cache = _fill(ours, theirs, batch, past - 1, past + rounds, gen, 3, cache_dtype)
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
     step = decode_step(ours, compile=True) if compile else None  # generate(..., compile=True)'s step
     steps = {
@@ -195,12 +198,14 @@ def decode_speeds(
     seed: int = 0,
     tiny: bool = False,
     compile: bool = False,
+    cache_dtype: torch.dtype | None = None,
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[DecodeSpeed]:
     """Time one decode step of each model and precision at each (batch, context) of ``shapes`` (see the module docstring).
 
-    With ``compile``, also the step ``generate(..., compile=True)`` runs (compiled during the warm-up rounds).
+    With ``compile``, also the step ``generate(..., compile=True)`` runs (compiled during the warm-up rounds); with
+    ``cache_dtype`` (bfloat16), headwise's caches hold it (float32 models only: fp32, int8, int8-a8).
     Checkpoints are written under ``root`` once (``bench.models.default_root()``).
 
     Imports transformers (unless ``hf=False``). Nothing is printed (``progress`` is told what runs).
@@ -226,15 +231,16 @@ def decode_speeds(
                 for batch, context in shapes:
                     if progress:
                         progress(f"{name} {dtype} B={batch} context {context}")
-                    steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile)
+                    steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
                     times, load = loaded(lambda steps=steps: interleaved({**steps, "sum": probe}, repeats=repeats, warmup=warmup))
                     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
                     if not torch.equal(outs["headwise"], outs["checked"]):
                         raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
-                    if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if dtype == "fp32" else 0.05):  # bf16 rounding differs in fused code
+                    if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if dtype == "fp32" and cache_dtype is None else 0.05):  # bf16 rounding differs in fused code
                         raise RuntimeError(f"{name} {dtype}: the compiled step's logits are {_rel(outs['compiled'], outs['headwise']):.2g} from the eager step's")
-                    rows.append(DecodeSpeed(name, dtype, batch, context, med["headwise"], med.get("transformers"), read_bytes(ours, batch, context),
+                    label = dtype if ours.cache_dtype(cache_dtype) == ours.cache_dtype(None) else f"{dtype}, bf16 cache"
+                    rows.append(DecodeSpeed(name, label, batch, context, med["headwise"], med.get("transformers"), read_bytes(ours, batch, context, cache_dtype),
                                             probe.gbps(med["sum"] / 1e3), diff, repeats, torch.get_num_threads(), med["checked"],
                                             med.get("compiled"), load))
             del ours, theirs
@@ -280,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also generate(compile=True)'s step and generation, and transformers' static cache under torch.compile (slow to compile)")
     p.add_argument("--no-hf-compile", action="store_true", help="with --compile: leave out transformers under torch.compile")
+    p.add_argument("--cache-dtype", choices=("bf16",), default=None,
+                   help="steps: headwise's caches in bf16 under an fp32 model (fp32, int8, int8-a8; default: the model's dtype)")
     p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
     p.add_argument("--root", type=_argtypes.text("a directory"), default=None,
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
@@ -303,8 +311,9 @@ def main(argv: Sequence[str] | None = None) -> None:
           + f"\nCommand: python -m headwise.bench.model_decode {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     with busy(args.busy):
         if not args.no_steps:
-            print(markdown(decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, root=root, progress=say)) + "\n",
-                  flush=True)
+            cache_dtype = torch.bfloat16 if args.cache_dtype else None
+            print(markdown(decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtype=cache_dtype,
+                                         root=root, progress=say)) + "\n", flush=True)
         if not args.no_generate:
             rows = generation.generate_speeds(args.models, args.dtypes, args.batches, engines=engines, prompt=args.prompt,
                                               new_tokens=args.new_tokens, rounds=args.rounds, root=root, progress=say,

@@ -2,7 +2,8 @@
 
 A fixed seeded mix of requests (default 32, prompts 16..1024 tokens, 16..256 new tokens, greedy,
 no EOS so every strategy does the same work) through one model (default GPT-2 small's shapes
-with n_positions = 1024 + 256, random weights, fp32; ``--dtype bf16`` for a bf16 model and caches)
+with n_positions = 1024 + 256, random weights, fp32; ``--dtype bf16`` for a bf16 model and caches,
+``--cache-dtype bf16`` for bf16 caches under the fp32 model)
 three ways, timed interleaved in one run:
 
 - ``paged``: ``headwise.models.Batcher``, a ``PagedKVCache`` per layer, requests leaving and
@@ -97,7 +98,8 @@ class ServingReport:
     decode_paged_gather_ms: float
     repeats: int
     threads: int
-    dtype: str = "float32"  # the model's and its caches'
+    dtype: str = "float32"  # the model's
+    cache_dtype: str = "float32"  # its caches'
 
     def tokens_per_s(self, seconds: float) -> float:
         return self.new_tokens / seconds
@@ -121,15 +123,15 @@ def _last_logits(model: GPT2LMHeadModel, ids: Tensor, position_ids: Tensor, mask
 
 
 @torch.no_grad()
-def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int]) -> list[list[int]]:
-    """Greedy generation of all prompts as one left-padded batch through ``KVCache``s (B = 1: one request alone)."""
+def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], cache_dtype: torch.dtype | None = None) -> list[list[int]]:
+    """Greedy generation of all prompts as one left-padded batch through ``KVCache``s of ``cache_dtype`` (B = 1: one request alone)."""
     b, t, steps = len(prompts), max(len(p) for p in prompts), max(max_new)
     ids = torch.zeros(b, t, dtype=torch.long)
     real = torch.zeros(b, t, dtype=torch.bool)
     for i, p in enumerate(prompts):
         ids[i, t - len(p) :], real[i, t - len(p) :] = p, True
     mask = None if bool(real.all()) else real
-    caches = model.new_caches(b, t + steps)
+    caches = model.new_caches(b, t + steps, cache_dtype)
     position = positions(mask, b, t, ids.device)  # (B, T)
     logits = _last_logits(model, ids, position, mask, caches)  # (B, vocab)
     out = []
@@ -144,11 +146,11 @@ def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: 
 
 
 def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None,
-                   *, max_step_tokens: int = 2048, steps: list | None = None) -> list[list[int]]:
+                   *, max_step_tokens: int = 2048, steps: list | None = None, cache_dtype: torch.dtype | None = None) -> list[list[int]]:
     """Greedy generation through the ``Batcher``; ``watch`` collects (slots held, tokens held) after every step,
     ``steps`` (start, end, request ids given a token) of every step."""
     num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, max_new, strict=True))
-    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype)
     for p, n in zip(prompts, max_new, strict=True):
         batcher.submit(p, n)
     out: list[list[int]] = [[] for _ in prompts]
@@ -164,17 +166,17 @@ def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: S
     return out
 
 
-def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int) -> dict[str, Callable[[], None]]:
+def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_dtype: torch.dtype | None) -> dict[str, Callable[[], None]]:
     """One decode step of one sequence at ``context`` tokens, three ways; each call advances one token."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, context - 1), generator=g)
     steps: dict[str, Callable[[], None]] = {}
-    static = model.new_caches(1, context + 64)
+    static = model.new_caches(1, context + 64, cache_dtype)
     _last_logits(model, prompt, positions(None, 1, context - 1, prompt.device), None, static)
     steps["static"] = lambda: _last_logits(model, prompt[:, -1:], torch.tensor([[len(static[0])]]), None, static)
     for name, scatter in (("paged_view", False), ("paged_gather", True)):
         blocks = 2 * math.ceil((context + 64) / block_size) + 2
-        caches = model.new_paged_caches(blocks, block_size)
+        caches = model.new_paged_caches(blocks, block_size, cache_dtype)
         for cache in caches:
             cache.add(0)
             if scatter:  # a second sequence takes every other block: sequence 0's blocks are not consecutive
@@ -208,10 +210,12 @@ def serving(
     decode_repeats: int = 20,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
 ) -> ServingReport:
     """Run the mix through the three strategies (interleaved) and time the decode steps; see the module docstring.
 
-    ``dtype``: the model's and so its caches' (float32 by default; bfloat16 halves the keys and values read).
+    ``dtype``: the model's and so its caches' (float32 by default; bfloat16 halves the keys and values read);
+    ``cache_dtype``: the caches' where not the model's (bfloat16 under a float32 model).
     """
     config = config or GPT2Config(n_positions=prompt[1] + new[1])  # GPT-2 small, with room for the longest request
     torch.manual_seed(seed)
@@ -224,22 +228,22 @@ def serving(
     def run_paged() -> None:
         watch.clear()
         steps["unchunked"].clear()
-        results["paged"] = paged_generate(model, prompts, max_new, block_size, watch, steps=steps["unchunked"])
+        results["paged"] = paged_generate(model, prompts, max_new, block_size, watch, steps=steps["unchunked"], cache_dtype=cache_dtype)
 
     def run_chunked() -> None:
         steps["chunked"].clear()
-        results["chunked"] = paged_generate(model, prompts, max_new, block_size, max_step_tokens=chunk, steps=steps["chunked"])
+        results["chunked"] = paged_generate(model, prompts, max_new, block_size, max_step_tokens=chunk, steps=steps["chunked"], cache_dtype=cache_dtype)
 
     def run_alone() -> None:
-        results["alone"] = [static_generate(model, [p], [n])[0] for p, n in zip(prompts, max_new, strict=True)]
+        results["alone"] = [static_generate(model, [p], [n], cache_dtype)[0] for p, n in zip(prompts, max_new, strict=True)]
 
     def run_static() -> None:
-        results["static"] = static_generate(model, prompts, max_new)
+        results["static"] = static_generate(model, prompts, max_new, cache_dtype)
 
     times = interleaved({"paged": run_paged, "chunked": run_chunked, "one_at_a_time": run_alone, "static": run_static}, repeats=repeats)
     median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     peak_slots, peak_tokens = max(watch)
-    decode = interleaved(_decode_steps(model, decode_context, block_size), repeats=decode_repeats, warmup=2)
+    decode = interleaved(_decode_steps(model, decode_context, block_size, cache_dtype), repeats=decode_repeats, warmup=2)
     ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
     return ServingReport(
         requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
@@ -250,13 +254,14 @@ def serving(
         same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
+        cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."),
     )
 
 
 def markdown(r: ServingReport, machine: str = "") -> str:
     """The report as Markdown tables (the CLI prints this)."""
     lines = [f"Serving {r.requests} requests ({r.prompt_tokens} prompt tokens, {r.new_tokens} new tokens, greedy), "
-             f"{r.dtype}, block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
+             f"{r.dtype}" + (f" with {r.cache_dtype} caches" if r.cache_dtype != r.dtype else "") + f", block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
     strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
                   ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
@@ -286,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--chunk", type=positive, default=256, help="max_step_tokens of the chunked paged run")
     p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's and its caches' (default fp32)")
+    p.add_argument("--cache-dtype", choices=("bf16",), default=None, help="the caches' under an fp32 model (default: the model's)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -293,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     with busy(args.busy):
         report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk,
-                                                    dtype=DTYPES[args.dtype]))
+                                                    dtype=DTYPES[args.dtype], cache_dtype=args.cache_dtype and DTYPES[args.cache_dtype]))
     print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 

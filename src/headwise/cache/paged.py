@@ -28,7 +28,8 @@ class PagedKVCache(Owned):
         block_size: Bs, token slots per block.
         num_kv_heads: Hkv.
         head_dim: D.
-        dtype, device: of the pool; keys and values written must match them.
+        dtype, device: of the pool; keys and values written must match them (``attention`` rounds float32
+            ones into a bfloat16 pool).
         window: W for sliding-window attention (then ``slide`` may give blocks back), or None.
 
     Example:
@@ -61,6 +62,11 @@ class PagedKVCache(Owned):
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
         self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position from first_held
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the pool holds."""
+        return self.k.dtype
 
     @property
     def num_blocks(self) -> int:

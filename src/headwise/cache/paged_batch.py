@@ -42,6 +42,11 @@ class PagedBatch:
         self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self._done = False
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the pool holds (the cache protocol)."""
+        return self.cache.k.dtype
+
     def start(self, t: int) -> Tensor:
         """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
         total = sum(self.new_tokens)

@@ -11,13 +11,16 @@
   batch (ragged). Keys come in time order, except that a sliding cache may answer one new token
   with its slots in ring order; ``in_order=True`` (what ALiBi and documents need) asks for time order;
 - ``padded``: whether its answers carry a padding mask (any write came with one);
-- ``window``: the window the stored keys were kept for (a ring buffer), or None.
+- ``window``: the window the stored keys were kept for (a ring buffer), or None;
+- ``dtype``: what it stores: the keys' dtype, or bfloat16 under float32 keys (``attention`` rounds them and
+  attends in bfloat16, the context back in float32).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 
@@ -35,6 +38,9 @@ class Cache(Protocol):
 
     window: int | None
     padded: bool
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def start(self, t: int) -> int | Tensor: ...
 

@@ -29,7 +29,8 @@ class KVCache(Owned):
         num_kv_heads: Hkv, the key/value heads (fewer than the query heads under GQA).
         max_len: the most tokens this cache can hold.
         head_dim: D.
-        dtype, device: of the buffers; keys and values written must match them.
+        dtype, device: of the buffers; keys and values written must match them (``attention`` rounds float32
+            ones into a bfloat16 cache: half the bytes, attention in bfloat16).
 
     Example:
         >>> import headwise as hw
@@ -69,6 +70,11 @@ class KVCache(Owned):
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the buffers hold (the cache protocol)."""
+        return self.k.dtype
 
     @property
     def padded(self) -> bool:

@@ -44,10 +44,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
-    if torch.compiler.is_compiling() and frozen:
-        return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
-    if torch.compiler.is_compiling() and weight.ndim == 2 and runs_as_op(x, weight, bias):
-        return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
+    if torch.compiler.is_compiling():
+        if frozen:
+            return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
+        if weight.ndim == 2 and runs_as_op(x, weight, bias):
+            return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     return onednn.run(x, weight, bias)  # (..., N)

@@ -46,7 +46,7 @@ from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 class PagedLM(CausalLM, Protocol):
     """What the ``Batcher`` needs from a model, beside ``CausalLM``."""
 
-    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]: ...
+    def new_paged_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[PagedKVCache]: ...
 
     def attention_layers(self) -> list: ...
 
@@ -61,6 +61,9 @@ class Batcher:
         block_size: token slots per block.
         max_step_tokens: the prompt tokens a step may feed beside the running requests' next tokens; a
             longer prompt is admitted all the same and fed in chunks over several steps.
+        cache_dtype: what the pools hold, as ``model.generate``'s: None = the model's dtype;
+            ``torch.bfloat16`` for a float32 model (half the bytes a token keeps; a request's tokens then
+            equal ``generate(..., cache_dtype=torch.bfloat16)``'s).
 
     Example:
         >>> import headwise as hw
@@ -73,13 +76,16 @@ class Batcher:
         [0, 1, 0, 1, 0, 0]
     """
 
-    def __init__(self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048) -> None:
+    def __init__(
+        self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048, cache_dtype: torch.dtype | None = None
+    ) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
             _checks.positive_int(name, value)
         if not hasattr(model, "new_paged_caches"):
             raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
-        self.caches = model.new_paged_caches(num_blocks, block_size)
+        self.caches = model.new_paged_caches(num_blocks, block_size, cache_dtype)
+        self._computes = self._weight.dtype, self._weight.device  # what the caches were made for
         self.window = sliding_window(c.window for c in self.caches)  # when every layer's cache slides: blocks before each window go back
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in the order they joined
@@ -179,11 +185,11 @@ class Batcher:
         Raises:
             TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
         """
-        weight, pool = self._weight, self.caches[0].k
-        if weight.dtype != pool.dtype or weight.device != pool.device:
+        weight = self._weight
+        if (weight.dtype, weight.device) != self._computes:
             raise TypeError(
-                f"the model now computes in {weight.dtype} on {weight.device}, but this Batcher's caches hold {pool.dtype} on "
-                f"{pool.device} (made with it): make a new Batcher after changing the model's dtype or device"
+                f"the model now computes in {weight.dtype} on {weight.device}, but this Batcher's caches were made for "
+                f"{self._computes[0]} on {self._computes[1]}: make a new Batcher after changing the model's dtype or device"
             )
         feeds, joins = schedule(self._running, self._waiting, max_step_tokens=self.max_step_tokens, num_blocks=self.caches[0].num_blocks)
         if not feeds:
@@ -266,6 +272,7 @@ def generate_many(
     top_k: int | None = None,
     seed: int | None = None,
     max_step_tokens: int = 2048,
+    cache_dtype: torch.dtype | None = None,
 ) -> list[Tensor]:
     """Generate a continuation of every prompt by continuous batching through a paged cache.
 
@@ -278,7 +285,7 @@ def generate_many(
         num_blocks: blocks per layer's pool; default: room for every request at once.
         temperature, top_k: as ``model.generate`` (0 = greedy).
         seed: request i samples with ``torch.Generator().manual_seed(seed + i)``.
-        max_step_tokens: see ``Batcher``.
+        max_step_tokens, cache_dtype: see ``Batcher``.
 
     Returns:
         One (n_i,) tensor of new ids per prompt, n_i <= max_new_tokens[i]; each equals the new
@@ -309,7 +316,7 @@ def generate_many(
         num_blocks = sum(
             worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)
         )
-    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens)
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype)
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
         batcher.submit(prompt, n, eos_token_id=eos_token_id, temperature=temperature, top_k=top_k, seed=None if seed is None else seed + i)
     out: list[list[int]] = [[] for _ in prompts]

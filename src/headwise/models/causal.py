@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
+from .. import _checks
 from ..cache import Cache, KVCache, PagedKVCache
 from ..layer import AttentionLayer
 from ..linear import linear, project
@@ -117,25 +119,37 @@ class CausalModel(GenerationMixin, nn.Module):
         """Each block's attention module, in order."""
         return [m for block in self.blocks for m in block.modules() if isinstance(m, AttentionLayer)]
 
-    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+    def new_caches(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """One empty ``KVCache`` per layer with room for ``max_len`` tokens; a ring of ``window`` slots for a
-        sliding layer whose window is shorter (memory bounded however long decoding runs)."""
+        sliding layer whose window is shorter (memory bounded however long decoding runs). ``dtype``: what they
+        hold, the model's (None) or bfloat16 for a float32 model."""
         weight = self.embed_tokens.weight
+        dtype = self.cache_dtype(dtype)
         caches = []
         for attn in self.attention_layers():  # each layer's own key/value heads (fewer when sharded by headwise.parallel)
             shape = (batch_size, attn.num_kv_heads, max_len, attn.head_dim)
             if attn.window is not None and attn.window < max_len:
                 shape = (batch_size, attn.num_kv_heads, attn.window, attn.head_dim)
-                caches.append(KVCache.sliding(*shape, dtype=weight.dtype, device=weight.device))
+                caches.append(KVCache.sliding(*shape, dtype=dtype, device=weight.device))
             else:
-                caches.append(KVCache(*shape, dtype=weight.dtype, device=weight.device))
+                caches.append(KVCache(*shape, dtype=dtype, device=weight.device))
         return caches
 
-    def new_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+    def new_paged_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a sliding
-        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it)."""
-        weight = self.embed_tokens.weight
+        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it). ``dtype``: as ``new_caches``."""
+        weight, dtype = self.embed_tokens.weight, self.cache_dtype(dtype)
         return [
-            PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=weight.dtype, device=weight.device, window=attn.window)
+            PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=weight.device, window=attn.window)
             for attn in self.attention_layers()
         ]
+
+    def cache_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        """What this model's caches hold when asked for ``dtype``: the model's dtype for None; bfloat16 may serve a
+        float32 model (half the bytes a token keeps, attention in bfloat16). TypeError for anything else."""
+        computed = self.embed_tokens.weight.dtype
+        if dtype is None:
+            return computed
+        _checks.floating_dtype("cache_dtype", dtype)
+        _checks.cache_dtype("cache_dtype", dtype, computed)
+        return dtype

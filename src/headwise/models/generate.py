@@ -40,8 +40,9 @@ class CausalLM(Protocol):
         """The config field that bounds prompt + new tokens, and its value (None = no bound)."""
         ...
 
-    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
-        """One empty cache per layer, room for ``max_len`` tokens (or a sliding window)."""
+    def new_caches(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+        """One empty cache per layer, room for ``max_len`` tokens (or a sliding window), holding ``dtype``
+        (None: the model's; bfloat16 for a float32 model, TypeError for a dtype it cannot hold)."""
         ...
 
     def __call__(
@@ -73,6 +74,7 @@ class GenerationMixin:
         generator: torch.Generator | None = None,
         compile: bool = False,
         cuda_graph: bool = False,
+        cache_dtype: torch.dtype | None = None,
     ) -> Tensor:
         """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
 
@@ -98,6 +100,10 @@ class GenerationMixin:
                 paid once per call. Each step reads the whole cache under a mask of the tokens
                 written (``SlotCache``): the eager step's context, summed in another order. Needs
                 a model ``generate`` may run unchecked (eval mode, no hooks, nobody observing).
+            cache_dtype: what the ``KVCache`` holds: None = the model's dtype; ``torch.bfloat16`` for a
+                float32 model halves the bytes each token keeps and each step reads (keys and values
+                rounded to bfloat16, attention in bfloat16, everything else in float32: the tokens
+                may differ from float32's where two logits are close).
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
@@ -116,7 +122,7 @@ class GenerationMixin:
         if limit is not None and t + max_new_tokens > limit:
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
         is_token = prompt_padding(is_token)  # None when nothing is padding; refuses prompts that end in padding
-        caches = self.new_caches(b, t + max_new_tokens)
+        caches = self.new_caches(b, t + max_new_tokens, cache_dtype)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
         run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
