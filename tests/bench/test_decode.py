@@ -66,9 +66,9 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
 def test_model_decode_over_bf16_caches_reads_half_the_keys_and_values(tmp_path):
     from headwise.bench.model_decode import decode_speeds
 
-    (row,) = decode_speeds(["gpt2"], ["fp32"], [(1, 9)], repeats=1, warmup=0, tiny=True, root=tmp_path, cache_dtype=torch.bfloat16)
+    same, row = decode_speeds(["gpt2"], ["fp32"], [(1, 9)], repeats=1, warmup=0, tiny=True, root=tmp_path, cache_dtypes=[None, torch.bfloat16])
     fp32 = 4 * (2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 320 * 64)  # GPT-2 tiny's weights, as above
-    assert row.dtype == "fp32, bf16 cache" and row.read_bytes == fp32 + 2 * 2 * 2 * 1 * 9 * 64  # 2-byte keys and values
+    assert (same.dtype, row.dtype) == ("fp32", "fp32, bf16 cache") and row.read_bytes == fp32 + 2 * 2 * 2 * 1 * 9 * 64  # 2-byte keys and values
     assert 0 < row.max_abs_diff < 0.05  # transformers' float32 step over the same (rounded) keys and values
 
 

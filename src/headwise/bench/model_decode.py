@@ -12,8 +12,9 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   checked in every layer; ``compiled_ms``: the step ``generate(..., compile=True)`` runs;
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
-- ``--cache-dtype bf16``: headwise's caches hold bfloat16 under a float32 model (``generate(...,
-  cache_dtype=torch.bfloat16)``; the dtype column says so); transformers' stay in the model's dtype;
+- ``--cache-dtypes model,bf16``: also (or only) headwise's caches in bfloat16 under a float32 model
+  (``generate(..., cache_dtype=torch.bfloat16)``; the dtype column says so), each shape's rows back
+  to back; transformers' caches stay in the model's dtype;
 - ``read_bytes``: every projection and LM-head weight as stored (int8 + scales for int8), plus
   keys and values of every layer at this context and batch; ``sum_gbps``: the machine's read
   bandwidth in the same interleaved rounds (``host.ReadProbe``), so that the share is taken
@@ -35,6 +36,7 @@ packed or stacked once, ``headwise.linear``), then timed in inference mode.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -53,6 +55,9 @@ from .engines import ENGINES
 from .host import Load, ReadProbe, add_busy_flag, busy, load_average, loaded, machine
 from .models import MODELS, PRECISIONS, check, checkpoint, headwise_model, transformers_model
 from .timing import interleaved
+
+#: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
+CACHE_DTYPES = {"model": None, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -198,14 +203,15 @@ def decode_speeds(
     seed: int = 0,
     tiny: bool = False,
     compile: bool = False,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtypes: Sequence[torch.dtype | None] = (None,),
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[DecodeSpeed]:
     """Time one decode step of each model and precision at each (batch, context) of ``shapes`` (see the module docstring).
 
     With ``compile``, also the step ``generate(..., compile=True)`` runs (compiled during the warm-up rounds); with
-    ``cache_dtype`` (bfloat16), headwise's caches hold it (float32 models only: fp32, int8, int8-a8).
+    ``cache_dtypes``, a row for each dtype headwise's caches hold (None: the model's; bfloat16 for the float32
+    models: fp32, int8, int8-a8).
     Checkpoints are written under ``root`` once (``bench.models.default_root()``).
 
     Imports transformers (unless ``hf=False``). Nothing is printed (``progress`` is told what runs).
@@ -228,9 +234,10 @@ def decode_speeds(
             ours = headwise_model(directory, dtype)  # as a user builds them
             theirs = transformers_model(directory, dtype) if hf else None
             with torch.inference_mode():
-                for batch, context in shapes:
+                for (batch, context), cache_dtype in itertools.product(shapes, cache_dtypes):
+                    label = dtype if ours.cache_dtype(cache_dtype) == ours.cache_dtype(None) else f"{dtype}, bf16 cache"
                     if progress:
-                        progress(f"{name} {dtype} B={batch} context {context}")
+                        progress(f"{name} {label} B={batch} context {context}")
                     steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
                     times, load = loaded(lambda steps=steps: interleaved({**steps, "sum": probe}, repeats=repeats, warmup=warmup))
                     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
@@ -239,7 +246,6 @@ def decode_speeds(
                         raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
                     if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if dtype == "fp32" and cache_dtype is None else 0.05):  # bf16 rounding differs in fused code
                         raise RuntimeError(f"{name} {dtype}: the compiled step's logits are {_rel(outs['compiled'], outs['headwise']):.2g} from the eager step's")
-                    label = dtype if ours.cache_dtype(cache_dtype) == ours.cache_dtype(None) else f"{dtype}, bf16 cache"
                     rows.append(DecodeSpeed(name, label, batch, context, med["headwise"], med.get("transformers"), read_bytes(ours, batch, context, cache_dtype),
                                             probe.gbps(med["sum"] / 1e3), diff, repeats, torch.get_num_threads(), med["checked"],
                                             med.get("compiled"), load))
@@ -286,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also generate(compile=True)'s step and generation, and transformers' static cache under torch.compile (slow to compile)")
     p.add_argument("--no-hf-compile", action="store_true", help="with --compile: leave out transformers under torch.compile")
-    p.add_argument("--cache-dtype", choices=("bf16",), default=None,
-                   help="steps: headwise's caches in bf16 under an fp32 model (fp32, int8, int8-a8; default: the model's dtype)")
+    p.add_argument("--cache-dtypes", type=_argtypes.listing(_argtypes.choice(CACHE_DTYPES), "cache dtypes"), default=["model"],
+                   help="steps: comma list of what headwise's caches hold: model (the model's dtype, the default), bf16 (fp32, int8, int8-a8)")
     p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
     p.add_argument("--root", type=_argtypes.text("a directory"), default=None,
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
@@ -311,8 +317,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           + f"\nCommand: python -m headwise.bench.model_decode {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     with busy(args.busy):
         if not args.no_steps:
-            cache_dtype = torch.bfloat16 if args.cache_dtype else None
-            print(markdown(decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtype=cache_dtype,
+            cache_dtypes = [CACHE_DTYPES[c] for c in args.cache_dtypes]
+            print(markdown(decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtypes=cache_dtypes,
                                          root=root, progress=say)) + "\n", flush=True)
         if not args.no_generate:
             rows = generation.generate_speeds(args.models, args.dtypes, args.batches, engines=engines, prompt=args.prompt,
