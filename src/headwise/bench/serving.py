@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     with busy(args.busy):
         report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk,
-                                                    dtype=DTYPES[args.dtype], cache_dtype=args.cache_dtype and DTYPES[args.cache_dtype]))
+                                                    dtype=DTYPES[args.dtype], cache_dtype=DTYPES.get(args.cache_dtype)))
     print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 

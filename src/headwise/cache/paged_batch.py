@@ -45,7 +45,7 @@ class PagedBatch:
     @property
     def dtype(self) -> torch.dtype:
         """What the pool holds (the cache protocol)."""
-        return self.cache.k.dtype
+        return self.cache.dtype
 
     def start(self, t: int) -> Tensor:
         """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
