@@ -120,7 +120,13 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None,
     rows = _kernel_rows(x)  # (M, K) bfloat16
     if not int8_mm_takes(rows, weight):
         return _gemm(x, weight, scales, bias)  # (M, N)
-    return _scaled(_int8_mm(rows, weight, ones), scales, bias, x.dtype)  # (M, N): the kernel's bfloat16 sums, unit scales
+    return _kernel_sums(rows, weight, scales, bias, ones, x.dtype)  # (M, N)
+
+
+def _kernel_sums(rows: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor, dtype: torch.dtype) -> Tensor:
+    """(M, K) bfloat16 rows the kernel takes -> (M, N) in ``dtype``: the kernel's bfloat16 sums (unit scales), then the
+    channel scales and the bias."""
+    return _scaled(_int8_mm(rows, weight, ones), scales, bias, dtype)  # (M, N)
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -245,14 +251,15 @@ class Int8Linear(nn.Module):
             return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
             return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)
-        if torch.compiler.is_compiling() and projection.frozen and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        if not torch.compiler.is_compiling():
+            y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
+        elif projection.frozen and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
             # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;
             # the rows a new buffer of inductor's (64-byte aligned); the same arithmetic, the sums in another order
-            rows = x.reshape(-1, self.in_features).to(torch.bfloat16, copy=True)  # (M, K)
-            y = _scaled(_int8_mm(rows, self.weight, self._ones), self.scales, self.bias, x.dtype)  # (M, N)
+            y = _kernel_sums(rows.to(torch.bfloat16, copy=True), self.weight, self.scales, self.bias, self._ones, x.dtype)  # (M, N)
         else:
-            matmul = torch.ops.headwise.int8_matmul if torch.compiler.is_compiling() else _int8_matmul
-            y = matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.bias, self._ones)  # (M, N)
+            y = torch.ops.headwise.int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
