@@ -319,20 +319,21 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 3], ids=["linear", "ring"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(schedule=st.lists(st.integers(1, 4), min_size=1, max_size=5), Hkv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
-def test_a_bfloat16_cache_under_float32_keys_attends_over_them_rounded(terms, window, backend, schedule, Hkv, seed):
+def test_a_bfloat16_cache_under_float32_keys_attends_over_them_rounded(terms, window, backend, schedule, Hkv, seed, device):
     torch.manual_seed(seed)
     B, H, D, T = 2, 4, 8, sum(schedule)
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.bfloat16) if window else hw.KVCache(B, Hkv, T, D, dtype=torch.bfloat16)
-    outs, start = [], 0
+    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.bfloat16, device=device) if window else \
+        hw.KVCache(B, Hkv, T, D, dtype=torch.bfloat16, device=device)
+    outs, start, extra = [], 0, {name: t.to(device) if torch.is_tensor(t) else t for name, t in TERMS[terms].items()}
     for n in schedule:
         part = slice(start, start + n)
-        outs.append(hw.attention(q[:, :, part], k[:, :, part], v[:, :, part], causal=True, window=window, cache=cache, backend=backend, **TERMS[terms]))
+        outs.append(hw.attention(*(t[:, :, part].to(device) for t in (q, k, v)), causal=True, window=window, cache=cache, backend=backend, **extra))
         start += n
-    got = torch.cat(outs, dim=2)  # (B, H, T, D)
+    got = torch.cat(outs, dim=2).cpu()  # (B, H, T, D)
     assert got.dtype == torch.float32 and cache.dtype == torch.bfloat16
     if window is None:
-        assert torch.equal(cache.k, k.to(torch.bfloat16)) and torch.equal(cache.v, v.to(torch.bfloat16))  # stored rounded, nothing else
+        assert torch.equal(cache.k.cpu(), k.to(torch.bfloat16)) and torch.equal(cache.v.cpu(), v.to(torch.bfloat16))  # stored rounded, nothing else
     want = variant_attention(bf16(q), bf16(k), bf16(v), causal=True, window=window, **TERMS[terms])  # float64 over the rounded keys
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)  # bfloat16's tolerance: the attention runs in bfloat16
 

@@ -62,22 +62,23 @@ class Uncaptured(graph_step.GraphStep):
 
 
 def stepped(runs: list, device: str, batch: int, steps: int, padded: bool):
-    """Each (model, step) of ``runs`` on caches of its own: the same prompt, then greedy steps on the tokens of the
-    third run. Yields each run's (B, vocab) logits a step."""
+    """Each (model, step, cache dtype) of ``runs`` on caches of its own: the same prompt, then greedy steps on the
+    tokens of the third run. Yields each run's (B, vocab) logits a step."""
     ids = torch.randint(0, runs[0][0].vocab_size, (batch, 7), generator=torch.Generator().manual_seed(3)).to(device)
     mask = torch.ones(batch, 7, dtype=torch.bool, device=device)
     if padded:
         mask[0, :3] = False
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     with torch.no_grad():
-        caches = [model.new_caches(batch, 32) for model, _ in runs]
-        for (model, _), c in zip(runs, caches, strict=True):
+        caches = [model.new_caches(batch, 32, dtype) for model, _, dtype in runs]
+        assert all(c.dtype == (dtype or model.embed_tokens.weight.dtype) for (model, _, dtype), cs in zip(runs, caches, strict=True) for c in cs)
+        for (model, *_), c in zip(runs, caches, strict=True):
             model(ids, mask if padded else None, positions=positions if padded else None, cache=c, logits_to_keep=1, check=False)
         token, position = ids[:, -1:], positions[:, -1:] if padded else None
         for _ in range(steps):
             if position is not None:
                 position = position + 1  # (B, 1)
-            logits = [step(token, position, c) for (_, step), c in zip(runs, caches, strict=True)]  # (B, vocab) each
+            logits = [step(token, position, c) for (_, step, _), c in zip(runs, caches, strict=True)]  # (B, vocab) each
             yield logits
             token = logits[2].argmax(-1, keepdim=True)  # (B, 1)
 
@@ -86,17 +87,19 @@ def error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def check_steps(model, device: str, batch: int = 3, steps: int = 8, padded: bool = False) -> None:
-    """Three ways, each on its own caches: captured and replayed, the same masked step uncaptured, the eager step (and
-    for bf16 the eager step of the model in fp32). Replays equal the uncaptured step bit for bit; the masked step gives
-    the eager step's numbers (fp32: within ``CLOSE`` of their scale; bf16: its error against fp32 within ``RATIO`` of
-    the eager step's)."""
+def check_steps(model, device: str, batch: int = 3, steps: int = 8, padded: bool = False,
+                cache_dtype: torch.dtype | None = None) -> None:
+    """Three ways, each on its own caches of ``cache_dtype``: captured and replayed, the same masked step uncaptured,
+    the eager step (and for bf16 weights or caches the eager step of the model in fp32 over fp32 caches). Replays equal
+    the uncaptured step bit for bit; the masked step gives the eager step's numbers (fp32: within ``CLOSE`` of their
+    scale; bf16: its error against fp32 within ``RATIO`` of the eager step's)."""
     model = model.to(device)
-    half = model.embed_tokens.weight.dtype == torch.bfloat16
-    runs = [(model, way(decode_step(model, False, False))) for way in (graph_step.GraphStep, Uncaptured, lambda step: step)]
+    half = torch.bfloat16 in (model.embed_tokens.weight.dtype, cache_dtype)
+    runs = [(model, way(decode_step(model, False, False)), cache_dtype)
+            for way in (graph_step.GraphStep, Uncaptured, lambda step: step)]
     if half:
         reference = copy.deepcopy(model).float()
-        runs.append((reference, decode_step(reference, False, False)))
+        runs.append((reference, decode_step(reference, False, False), None))
     outputs = list(stepped(runs, device, batch, steps, padded))
     for i, (replayed, masked, eager, *fp32) in enumerate(outputs):
         assert replayed.dtype == eager.dtype and replayed.shape == eager.shape
@@ -118,6 +121,14 @@ def test_the_replayed_step_gives_the_eager_steps_logits(case, capture_on):
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 def test_a_left_padded_batch_replays_at_its_position_ids(cls, capture_on):
     check_steps(model_of(cls, {}, torch.float32), capture_on, padded=True)
+
+
+@pytest.mark.parametrize("case", ["llama gqa fp32", "gpt2 fp32", "mistral sliding window (ring caches)"])
+def test_a_float32_model_over_bfloat16_caches_replays_its_eager_step(case, capture_on):
+    """The graph's ``SlotCache`` views over bfloat16 buffers: the cast before the write and the queries' cast are
+    captured with the step."""
+    cls, kw, dtype = CASES[case]
+    check_steps(model_of(cls, kw, dtype), capture_on, padded=True, cache_dtype=torch.bfloat16)
 
 
 def test_what_the_graph_reads_lives_as_long_as_the_step(monkeypatch):
@@ -206,7 +217,8 @@ def test_generate_wires_the_replayed_step_as_its_eager_one(cls, monkeypatch):
     ids = torch.randint(0, model.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5))
     mask = torch.ones(3, 7, dtype=torch.bool)
     mask[1, :3] = False
-    for kw in (dict(), dict(attention_mask=mask), dict(temperature=0.8, top_k=20), dict(eos_token_id=int(ids[0, 3]))):
+    for kw in (dict(), dict(attention_mask=mask), dict(temperature=0.8, top_k=20), dict(eos_token_id=int(ids[0, 3])),
+               dict(attention_mask=mask, cache_dtype=torch.bfloat16)):
         runs = [model.generate(ids, max_new_tokens=12, generator=torch.Generator().manual_seed(7), cuda_graph=graph, **kw)
                 for graph in (False, True)]
         assert torch.equal(runs[1], runs[0]), kw
@@ -221,6 +233,6 @@ def test_on_cuda_generate_with_a_graph_gives_the_eager_tokens(case):
     ids = torch.randint(0, model.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5)).cuda()
     mask = torch.ones(3, 7, dtype=torch.bool, device="cuda")
     mask[1, :3] = False
-    for m in (None, mask):
-        want = model.generate(ids, attention_mask=m, max_new_tokens=12)
-        assert torch.equal(model.generate(ids, attention_mask=m, max_new_tokens=12, cuda_graph=True), want)
+    for kw in (dict(), dict(attention_mask=mask), dict(attention_mask=mask, cache_dtype=torch.bfloat16)):
+        want = model.generate(ids, max_new_tokens=12, **kw)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, cuda_graph=True, **kw), want), kw
