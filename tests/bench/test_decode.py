@@ -73,6 +73,16 @@ def test_model_decode_over_bf16_caches_reads_half_the_keys_and_values(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_generation_table_runs_headwise_over_each_cache_dtype_asked_for():
+    from headwise.bench.model_decode import generation_engines
+
+    names = ["headwise", "transformers", "llama.cpp"]
+    assert generation_engines(names, False, False, ["model"]) == names
+    assert generation_engines(names, True, True, ["model", "bf16"]) == [
+        *names, "headwise compiled", "transformers compiled", "headwise bf16 cache", "headwise compiled bf16 cache"]
+    assert generation_engines(names, False, False, ["bf16"]) == ["transformers", "llama.cpp", "headwise bf16 cache"]
+
+
 def test_model_decode_with_compile_times_generates_compiled_step(tmp_path):
     """``compile=True``: a compiled-step column (the step generate(compile=True) runs)."""
     from headwise.bench.model_decode import decode_speeds, markdown

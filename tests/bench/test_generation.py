@@ -147,6 +147,24 @@ def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monk
     assert hw.tokens_per_s == pytest.approx(500.0) and isinstance(hw.load, Load) and hw.threads == torch.get_num_threads()
 
 
+def test_headwise_over_bfloat16_caches_is_a_row_of_its_own_reading_two_bytes_a_key(root, monkeypatch):
+    """``headwise bf16 cache``: ``generate(cache_dtype=torch.bfloat16)`` at the precisions computed in float32, its step's
+    bytes counted with 2-byte keys and values (llama.cpp's f16 cache reads as many); none at bf16 (already bfloat16)."""
+    from headwise.models.generate import GenerationMixin
+
+    asked = []
+    generate = GenerationMixin.generate
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **kw: asked.append(kw["cache_dtype"]) or generate(self, *a, **kw))
+    rows = tiny(root, engines=("headwise", "headwise bf16 cache"), precisions=("fp32", "bf16"))
+    got = {(r.precision, r.engine): r for r in rows}
+    assert set(asked) == {None, torch.bfloat16}
+    plain, halved = got["fp32", "headwise"], got["fp32", "headwise bf16 cache"]
+    assert halved.decode_ms is not None and halved.note == "" and halved.agree == 3  # tiny, std 0.2: no near-ties
+    kv = 2 * 2 * 64 * (8 + 3 // 2)  # K and V, 2 layers, C = 64, the mean context
+    assert plain.read_bytes - halved.read_bytes == 2 * kv
+    assert got["bf16", "headwise bf16 cache"].note == "headwise bf16 cache has no bf16 format on the CPU"
+
+
 def test_the_decode_is_taken_within_each_turn_so_load_that_comes_and_goes_does_not_skew_it(root, monkeypatch):
     """Prefill 10 ms and 2 ms a token, but a load that triples the time of some calls: the second turn's
     prefill, the whole third turn. Medians of the prefills and of the generates apart (30 and 24 ms) would

@@ -6,6 +6,8 @@ own converter where it has one (``bench.conversions``), and generates greedily f
 every engine does the same work, and the tokens can be compared.
 
 - ``headwise``: ``headwise.models.load`` and ``generate``; ``headwise compiled``: ``generate(compile=True)``;
+  ``headwise bf16 cache`` (and compiled): ``generate(cache_dtype=torch.bfloat16)`` for the precisions computed in
+  float32, whose caches hold float32 otherwise (llama.cpp's f16 cache reads as many bytes);
 - ``transformers``: ``AutoModelForCausalLM`` (SDPA attention) and ``generate``; ``transformers
   compiled``: the same with a static cache and its ``forward`` under ``torch.compile``;
 - ``CTranslate2``: the checkpoint converted by ``TransformersConverter`` (what
@@ -52,6 +54,7 @@ class Engine:
     module: str = ""  # a module that must be importable
     batches: bool = True
     compiled: bool = False  # run only when asked for (minutes of compiling)
+    cache_bf16: bool = False  # a variant with bfloat16 caches: run only when asked for
     limits: Callable[[str], str] = field(default=lambda precision: "")  # why this machine cannot run a precision ("" if it can)
 
     def missing(self, precision: str) -> str:
@@ -76,10 +79,10 @@ def _torch_runner(generate: Callable[[Tensor, int], Tensor]) -> Runner:
     return run
 
 
-def _headwise(compile: bool) -> Callable[[Path, str, int], Runner]:
+def _headwise(compile: bool, cache_dtype: torch.dtype | None = None) -> Callable[[Path, str, int], Runner]:
     def load(directory: Path, precision: str, threads: int) -> Runner:
         model = headwise_model(directory, precision)
-        return _torch_runner(lambda ids, new: model.generate(ids, max_new_tokens=new, compile=compile))
+        return _torch_runner(lambda ids, new: model.generate(ids, max_new_tokens=new, compile=compile, cache_dtype=cache_dtype))
 
     return load
 
@@ -159,6 +162,7 @@ def _llama_cpp(directory: Path, precision: str, threads: int) -> Runner:
 
 _TORCH_KV = {p: torch.finfo(t).bits // 8 for p, t in ACTIVATIONS.items()}
 _TORCH_WEIGHT = {"fp32": 4, "bf16": 2, "int8": 1, "int8-bf16": 1, "int8-a8": 1}  # bytes a weight: headwise's and CTranslate2's formats
+_FLOAT32_KV = {p: p for p, t in ACTIVATIONS.items() if t == torch.float32}  # the precisions a bfloat16 cache changes
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
@@ -172,5 +176,9 @@ ENGINES: dict[str, Engine] = {
                compiled=True),
         Engine("transformers compiled", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(True), "transformers",
                compiled=True),
+        Engine("headwise bf16 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 2), _headwise(False, torch.bfloat16),
+               cache_bf16=True),
+        Engine("headwise compiled bf16 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 2), _headwise(True, torch.bfloat16),
+               compiled=True, cache_bf16=True),
     )
 }

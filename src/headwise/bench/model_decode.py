@@ -26,7 +26,8 @@ whatever they hold), so both libraries' logits can be compared (``max_abs_diff``
 **Generation** (``bench.generation``): the prompt pass and greedy decode of headwise,
 transformers, CTranslate2 and llama.cpp (``bench.engines``), each on the same checkpoint converted
 by its own converter, interleaved: prefill ms, decode ms per step, GB/s and share of the read
-bandwidth, and how many tokens equal headwise's.
+bandwidth, and how many tokens equal headwise's. ``--cache-dtypes model,bf16`` adds headwise's rows over
+bfloat16 caches (``headwise bf16 cache``: the bytes llama.cpp's f16 cache reads).
 
 The models (``bench.models``) are random checkpoints written by ``save_pretrained`` and read
 back as a user reads them (outside ``torch.inference_mode``: inference-mode parameters cannot be
@@ -269,6 +270,14 @@ def markdown(speeds: Sequence[DecodeSpeed]) -> str:
     return "\n".join(out)
 
 
+def generation_engines(names: Sequence[str], compile: bool, hf_compile: bool, cache_dtypes: Sequence[str]) -> list[str]:
+    """The engines the generation table runs: ``names``, their compiled variants when asked for, and headwise's rows
+    over each cache dtype asked for (``model``: the model's dtype; ``bf16``: ``headwise bf16 cache``)."""
+    engines = [*names, *(["headwise compiled"] if compile else []), *(["transformers compiled"] if hf_compile else [])]
+    ours = [e for e in engines if e.startswith("headwise")]
+    return [e for e in engines if e not in ours or "model" in cache_dtypes] + ([f"{e} bf16 cache" for e in ours] if "bf16" in cache_dtypes else [])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.model_decode``: print the steps table and the generation table (progress on stderr)."""
     p = argparse.ArgumentParser(prog="python -m headwise.bench.model_decode", description=__doc__.splitlines()[0])
@@ -283,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=positive, default=10, help="steps: timed rounds (default 10)")
     p.add_argument("--no-steps", action="store_true", help="skip the steps table")
     p.add_argument("--no-generate", action="store_true", help="skip the generation table")
-    names = [n for n, e in ENGINES.items() if not e.compiled]
+    names = [n for n, e in ENGINES.items() if not (e.compiled or e.cache_bf16)]
     p.add_argument("--engines", type=_argtypes.listing(_argtypes.choice(names), "engines"), default=names,
                    help=f"generation: comma list (default {','.join(names)}; one not installed gets a row saying so)")
     p.add_argument("--prompt", type=positive, default=512, help="generation: prompt tokens (default 512)")
@@ -293,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="also generate(compile=True)'s step and generation, and transformers' static cache under torch.compile (slow to compile)")
     p.add_argument("--no-hf-compile", action="store_true", help="with --compile: leave out transformers under torch.compile")
     p.add_argument("--cache-dtypes", type=_argtypes.listing(_argtypes.choice(CACHE_DTYPES), "cache dtypes"), default=["model"],
-                   help="steps: comma list of what headwise's caches hold: model (the model's dtype, the default), bf16 (fp32, int8, int8-a8)")
+                   help="comma list of what headwise's caches hold: model (the model's dtype, the default), bf16 (fp32, int8, int8-a8); "
+                        "generation: bf16 adds headwise's rows over bfloat16 caches")
     p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
     p.add_argument("--root", type=_argtypes.text("a directory"), default=None,
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
@@ -311,8 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
     shapes = [(1, c) for c in args.contexts] + [(b, 512) for b in args.batches if b != 1]  # B = 1 at every context, larger batches at 512
     shapes += [(1, 2048), (1, 4096)] if args.long else []
-    engines = [*args.engines, *(["headwise compiled"] if args.compile else []),
-               *(["transformers compiled"] if args.compile and not args.no_hf_compile else [])]
+    engines = generation_engines(args.engines, args.compile, args.compile and not args.no_hf_compile, args.cache_dtypes)
     print(f"{machine()}; load average {load_average():.1f}" + (f"; {args.busy} busy processes beside it" if args.busy else "")
           + f"\nCommand: python -m headwise.bench.model_decode {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     with busy(args.busy):
