@@ -254,7 +254,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (M, K)
         if not torch.compiler.is_compiling():
             y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
-        elif projection.frozen and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
+        elif projection.frozen() and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
             # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;
             # the rows a new buffer of inductor's (64-byte aligned); the same arithmetic, the sums in another order
             y = _kernel_sums(rows.to(torch.bfloat16, copy=True), self.weight, self.scales, self.bias, self._ones, x.dtype)  # (M, N)

@@ -12,6 +12,7 @@ weights frozen, before and after a weight changes.
 
 import copy
 import gc
+from functools import partial
 
 import pytest
 import torch
@@ -152,6 +153,53 @@ def test_the_compiled_step_is_kept_until_a_weight_or_buffer_changes():
     assert changed is not step and decode_step(model, True) is changed
     model.load_state_dict(gpt2().state_dict())  # copies in place: new versions
     assert decode_step(model, True) is not changed
+
+
+def test_a_frozen_step_freezes_its_own_threads_compiles_only():
+    """Inductor's ``freezing`` and ``projection.frozen()`` are on while a frozen step runs, in its thread alone: a
+    second thread's compiles meanwhile stay unfrozen (their weights may change), and its own frozen step, still
+    running after the first one ended, stays frozen; afterwards both are off everywhere."""
+    import threading
+
+    import torch._inductor.config as inductor
+
+    from headwise.linear import projection
+    from headwise.models.compiled_step import CompiledStep
+
+    flags = lambda: (inductor.freezing, projection.frozen())  # noqa: E731
+    first_running, second_read, first_done, seen = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def first_graph(*args):  # stands in for the compiled graph: records the flags its tracing would see
+        seen["first"] = flags()
+        first_running.set()
+        second_read.wait(timeout=10)
+        return torch.zeros(1)
+
+    def second_graph(*args):
+        first_done.wait(timeout=10)
+        seen["second, after the first ended"] = flags()
+        return torch.zeros(1)
+
+    steps = [CompiledStep(partial(lambda model, *args: None, gpt2()), freeze=True) for _ in range(2)]
+    steps[0].compiled, steps[1].compiled = first_graph, second_graph
+
+    def first():
+        steps[0](None)
+        first_done.set()
+
+    def second():
+        first_running.wait(timeout=10)
+        seen["second, beside the first"] = flags()
+        second_read.set()
+        steps[1](None)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert seen == {"first": (True, True), "second, beside the first": (False, False), "second, after the first ended": (True, True)}
+    assert flags() == (False, False)
 
 
 def test_a_model_made_in_inference_mode_compiles_unfrozen(aot_eager):

@@ -4,14 +4,16 @@
 through it when the layer is a plain ``nn.Linear``; ``project_many`` runs several layers that
 read one input as one GEMM over their stacked weights. While ``torch.compile`` traces an
 inference call (no autograd), both become opaque ops (``custom_ops``) that decide their path and
-stack their weights when the graph runs, unless the graph freezes its weights (``frozen``): then
+stack their weights when the graph runs, unless the graph freezes its weights (``frozen()``): then
 they are ``F.linear``, whose weights inductor packs itself.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,28 @@ from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
 from .weight_cache import READY, STACKED, cached, state, watchable
 
-#: True while a graph whose weights inductor freezes into constants runs (``models.compiled_step``): its
-#: projections are traced as ``F.linear``, which inductor packs and runs itself, not as opaque ops.
-frozen = False
+_frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
+
+
+def frozen() -> bool:
+    """Whether this thread runs a graph whose weights inductor freezes into constants (``models.compiled_step``): its
+    projections are traced as ``F.linear``, which inductor packs and runs itself, not as opaque ops."""
+    return getattr(_frozen, "on", False)
+
+
+@contextmanager
+def freezing() -> Iterator[None]:
+    """``frozen()`` and inductor's ``freezing`` on in this thread while the block runs, then as they were. Both are
+    read when Dynamo traces and inductor compiles (not from ``torch.compile``'s options); both are per thread
+    (inductor's settings are), so a step in one thread leaves another thread's compiles unfrozen."""
+    import torch._inductor.config as inductor
+
+    before = frozen(), inductor.freezing
+    _frozen.on = inductor.freezing = True
+    try:
+        yield
+    finally:
+        _frozen.on, inductor.freezing = before
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -45,7 +66,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         torch.Size([4, 128, 2304])
     """
     if torch.compiler.is_compiling():
-        if frozen:
+        if frozen():
             return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
             return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
@@ -117,7 +138,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     if mixed or not plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
     sizes = [w.shape[0] for w in weights]
-    if torch.compiler.is_compiling() and not frozen and runs_as_op(x, *params):
+    if torch.compiler.is_compiling() and not frozen() and runs_as_op(x, *params):
         y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
     elif torch.compiler.is_compiling() or recorded(x, *params):
         y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient

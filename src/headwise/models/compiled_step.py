@@ -4,7 +4,7 @@ On the CPU the step is compiled with inductor's ``freezing`` and ``max_autotune`
 become constants of the graph, so inductor packs each projection's weight once for its own GEMM
 kernels (C++ micro-kernels for AVX-512, AMX, AVX2, timed at compile against ATen's and kept where
 faster), and the projections are traced as plain ``F.linear`` and int8 GEMMs for it
-(``projection.frozen``), not as headwise's opaque ops. A frozen graph cannot see a weight change,
+(``projection.frozen()``), not as headwise's opaque ops. A frozen graph cannot see a weight change,
 so the step is kept with the state of every parameter and buffer (``weight_cache.state``) and
 compiled anew when any changed (an optimizer step, ``load_state_dict``, ``.data =``). Inductor
 keeps its packed copies of the weights beside the model's own while the step lives. Each compiled
@@ -64,11 +64,5 @@ class CompiledStep:
     def __call__(self, *args: object) -> Tensor:
         if not self.freeze:
             return self.compiled(*self.args, *args)
-        import torch._inductor.config as inductor
-
-        before = inductor.freezing, projection.frozen
-        inductor.freezing = projection.frozen = True  # read when Dynamo traces and inductor compiles, not from options
-        try:
+        with projection.freezing():
             return self.compiled(*self.args, *args)
-        finally:
-            inductor.freezing, projection.frozen = before
