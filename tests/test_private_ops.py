@@ -62,9 +62,10 @@ PRIVATE_OPS = {
         "nothing: reset_code drops the graphs Dynamo keeps on a code object the compiled step owns "
         "(tests/models/test_generate_compile.py)"),
     "torch._inductor": PrivateOp(
-        ("models/compiled_step.py",), None,
-        "nothing: its config's freezing, on while the compiled step runs (Dynamo reads it where it traces; compile's "
-        "options do not reach it); tests/models/test_generate_compile.py checks the frozen step's logits and its recompiles"),
+        ("linear/projection.py",), None,
+        "nothing: its config's freezing (per thread), on while the compiled step runs (projection.freezing; Dynamo reads it "
+        "where it traces, compile's options do not reach it); tests/models/test_generate_compile.py checks the frozen "
+        "step's logits, its recompiles and that the setting stays in the step's thread"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }
