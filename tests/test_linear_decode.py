@@ -263,3 +263,30 @@ def test_the_compiled_graphs_ops_keep_a_decode_call_by_its_weights(linear_path, 
     check(layers)
     del layers
     assert not [key for key in kept if key in weight_cache.READY], "kept calls die with their weights"
+
+
+def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear():
+    """Under ``projection.freezing()`` (the compiled step's setting, per thread) Dynamo traces ``linear`` as
+    ``F.linear``, for inductor to pack the frozen weight; outside it, as ``headwise::linear``. The setting is a guard:
+    the graph traced one way is not reused the other way."""
+    from headwise.linear import projection
+
+    layer = torch.nn.Linear(K, N)
+    x = decode_case(1, torch.float32)[0]  # (1, 1, K)
+    traced: list[set[str]] = []
+
+    def recording(gm, inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    run = torch.compile(lambda x: hl.linear(x, layer.weight, layer.bias), backend=recording, fullgraph=True)
+    with torch.no_grad():
+        with projection.freezing():
+            frozen = run(x)
+        plain = run(x)
+    assert len(traced) == 2 and not projection.frozen()
+    assert any("linear" in t and "headwise" not in t for t in traced[0]) and not any("headwise" in t for t in traced[0])
+    assert any("headwise.linear" in t for t in traced[1])
+    want = ref_linear(x, layer.weight, layer.bias)
+    for got in (frozen, plain):
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
