@@ -53,8 +53,7 @@ class Engine:
     load: Callable[[Path, str, int], Runner]  # (checkpoint, precision, threads) -> runner
     module: str = ""  # a module that must be importable
     batches: bool = True
-    compiled: bool = False  # run only when asked for (minutes of compiling)
-    cache_bf16: bool = False  # a variant with bfloat16 caches: run only when asked for
+    variant: bool = False  # another way of an engine above (compiled: minutes of compiling; bfloat16 caches): run only when asked for
     limits: Callable[[str], str] = field(default=lambda precision: "")  # why this machine cannot run a precision ("" if it can)
 
     def missing(self, precision: str) -> str:
@@ -173,12 +172,12 @@ ENGINES: dict[str, Engine] = {
         Engine("llama.cpp", GGUF_TYPES, {"fp32": 4, "bf16": 2, "int8": 34 / 32, "int8-a8": 34 / 32}, dict.fromkeys(GGUF_TYPES, 2), _llama_cpp, "llama_cpp",
                batches=False, limits=_llama_cpp_limits),
         Engine("headwise compiled", {p: p for p in ACTIVATIONS}, _TORCH_WEIGHT, _TORCH_KV, _headwise(True),
-               compiled=True),
+               variant=True),
         Engine("transformers compiled", {"fp32": "fp32", "bf16": "bf16"}, {"fp32": 4, "bf16": 2}, _TORCH_KV, _transformers(True), "transformers",
-               compiled=True),
+               variant=True),
         Engine("headwise bf16 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 2), _headwise(False, torch.bfloat16),
-               cache_bf16=True),
+               variant=True),
         Engine("headwise compiled bf16 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 2), _headwise(True, torch.bfloat16),
-               compiled=True, cache_bf16=True),
+               variant=True),
     )
 }

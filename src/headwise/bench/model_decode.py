@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=positive, default=10, help="steps: timed rounds (default 10)")
     p.add_argument("--no-steps", action="store_true", help="skip the steps table")
     p.add_argument("--no-generate", action="store_true", help="skip the generation table")
-    names = [n for n, e in ENGINES.items() if not (e.compiled or e.cache_bf16)]
+    names = [n for n, e in ENGINES.items() if not e.variant]
     p.add_argument("--engines", type=_argtypes.listing(_argtypes.choice(names), "engines"), default=names,
                    help=f"generation: comma list (default {','.join(names)}; one not installed gets a row saying so)")
     p.add_argument("--prompt", type=positive, default=512, help="generation: prompt tokens (default 512)")
