@@ -83,6 +83,23 @@ def test_the_generation_table_runs_headwise_over_each_cache_dtype_asked_for():
     assert generation_engines(names, False, False, ["bf16"]) == ["transformers", "llama.cpp", "headwise bf16 cache"]
 
 
+def test_batching_rows_say_the_gain_over_one_row_and_the_bound_the_bytes_set():
+    from headwise.bench.model_decode import DecodeSpeed, batch_gains, gains_markdown
+
+    def row(model, dtype, batch, context, ms, read, compiled=None):
+        return DecodeSpeed(model, dtype, batch, context, ms, None, read, 20.0, None, 1, 2, compiled_ms=compiled)
+
+    weights, kv = 1000, 10  # bytes: every weight once a step, each row's own keys and values
+    rows = [row("gpt2", "int8", 1, 512, 10.0, weights + kv, compiled=5.0), row("gpt2", "int8", 8, 512, 20.0, weights + 8 * kv, compiled=16.0),
+            row("gpt2", "int8, bf16 cache", 8, 512, 18.0, 2000),  # no B = 1 row of its own: left out
+            row("gpt2", "int8", 8, 128, 18.0, 2000), row("llama", "int8", 4, 512, 30.0, 900)]  # no B = 1 row at 128, nor for llama
+    (gain,) = batch_gains(rows)
+    assert (gain.model, gain.dtype, gain.batch, gain.context) == ("gpt2", "int8", 8, 512)
+    assert gain.eager == 8 * 10.0 / 20.0 and gain.compiled == 8 * 5.0 / 16.0 and gain.bound == 8 * 1010 / 1080
+    assert gains_markdown([gain]).splitlines()[-1] == "| gpt2 | int8 | 8 | 512 | 4.00x | 2.50x | 7.48x |"
+    assert batch_gains([row("gpt2", "fp32", 1, 512, 10.0, 5), row("gpt2", "fp32", 8, 512, 20.0, 8)])[0].compiled is None
+
+
 def test_model_decode_with_compile_times_generates_compiled_step(tmp_path):
     """``compile=True``: a compiled-step column (the step generate(compile=True) runs)."""
     from headwise.bench.model_decode import decode_speeds, markdown

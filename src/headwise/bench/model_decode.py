@@ -20,6 +20,11 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   bandwidth in the same interleaved rounds (``host.ReadProbe``), so that the share is taken
   under the same load; ``load``: the load average before and after.
 
+Below it, **batching** (``batch_gains``): each B > 1 row's tokens per second over the B = 1 row of the
+same context, eager and compiled, beside the most the bytes allow (B times the bytes one row's step
+reads over the bytes the batch's step reads: the weights are read once for all rows, each row's
+keys and values for that row).
+
 The caches hold the same random keys and values for both libraries (a step costs the same
 whatever they hold), so both libraries' logits can be compared (``max_abs_diff``).
 
@@ -254,6 +259,49 @@ def decode_speeds(
     return rows
 
 
+@dataclass(frozen=True)
+class BatchGain:
+    """What a batch of B rows gains over one row at the same context and cache dtype, in tokens per second.
+
+    Attributes:
+        model, dtype, batch, context: as in ``DecodeSpeed``.
+        eager, compiled: B x (the B = 1 step's time) / (this step's time), eager and compiled (None when not timed).
+        bound: the most the bytes allow, B x (bytes a B = 1 step reads) / (bytes this step reads): a step bound by
+            bandwidth reads the weights once for every row, and each row's own keys and values.
+    """
+
+    model: str
+    dtype: str
+    batch: int
+    context: int
+    eager: float
+    compiled: float | None
+    bound: float
+
+
+def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[BatchGain]:
+    """Each row with B > 1 against the B = 1 row of the same model, dtype (cache dtype included) and context."""
+    one = {(r.model, r.dtype, r.context): r for r in speeds if r.batch == 1}
+    gains = []
+    for r in speeds:
+        base = one.get((r.model, r.dtype, r.context))
+        if r.batch == 1 or base is None:
+            continue
+        compiled = None if r.compiled_ms is None or base.compiled_ms is None else r.batch * base.compiled_ms / r.compiled_ms
+        gains.append(BatchGain(r.model, r.dtype, r.batch, r.context, r.batch * base.headwise_ms / r.headwise_ms, compiled,
+                               r.batch * base.read_bytes / r.read_bytes))
+    return gains
+
+
+def gains_markdown(gains: Sequence[BatchGain]) -> str:
+    """The batching table: tokens per second over B = 1, measured and the bytes' bound."""
+    out = ["| model | dtype | B | context | eager | compiled | bytes allow |", "|---|---|---:|---:|---:|---:|---:|"]
+    for g in gains:
+        compiled = "—" if g.compiled is None else f"{g.compiled:.2f}x"
+        out.append(f"| {g.model} | {g.dtype} | {g.batch} | {g.context} | {g.eager:.2f}x | {compiled} | {g.bound:.2f}x |")
+    return "\n".join(out)
+
+
 def markdown(speeds: Sequence[DecodeSpeed]) -> str:
     """The steps table."""
     compiled = any(r.compiled_ms is not None for r in speeds)
@@ -327,8 +375,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     with busy(args.busy):
         if not args.no_steps:
             cache_dtypes = [CACHE_DTYPES[c] for c in args.cache_dtypes]
-            print(markdown(decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtypes=cache_dtypes,
-                                         root=root, progress=say)) + "\n", flush=True)
+            speeds = decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtypes=cache_dtypes,
+                                   root=root, progress=say)
+            gains = batch_gains(speeds)
+            print(markdown(speeds) + "\n", flush=True)
+            if gains:
+                print("tokens per second over B = 1:\n\n" + gains_markdown(gains) + "\n", flush=True)
         if not args.no_generate:
             rows = generation.generate_speeds(args.models, args.dtypes, args.batches, engines=engines, prompt=args.prompt,
                                               new_tokens=args.new_tokens, rounds=args.rounds, root=root, progress=say,
