@@ -70,6 +70,8 @@ def test_model_decode_over_bf16_caches_reads_half_the_keys_and_values(tmp_path):
     fp32 = 4 * (2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 320 * 64)  # GPT-2 tiny's weights, as above
     assert (same.dtype, row.dtype) == ("fp32", "fp32, bf16 cache") and row.read_bytes == fp32 + 2 * 2 * 2 * 1 * 9 * 64  # 2-byte keys and values
     assert 0 < row.max_abs_diff < 0.05  # transformers' float32 step over the same (rounded) keys and values
+    rows = decode_speeds(["gpt2"], ["bf16"], [(1, 9)], repeats=1, warmup=0, tiny=True, hf=False, root=tmp_path, cache_dtypes=[None, torch.bfloat16])
+    assert [r.dtype for r in rows] == ["bf16"]  # a bf16 model's caches hold bf16 either way: one row, not two alike
 
 
 @pytest.mark.slow
@@ -83,7 +85,7 @@ def test_the_generation_table_runs_headwise_over_each_cache_dtype_asked_for():
     assert generation_engines(names, False, False, ["bf16"]) == ["transformers", "llama.cpp", "headwise bf16 cache"]
 
 
-def test_batching_rows_say_the_gain_over_one_row_and_the_bound_the_bytes_set():
+def test_batching_rows_say_the_gain_over_one_row_beside_the_bytes_ratio():
     from headwise.bench.model_decode import DecodeSpeed, batch_gains, gains_markdown
 
     def row(model, dtype, batch, context, ms, read, compiled=None):
@@ -95,7 +97,7 @@ def test_batching_rows_say_the_gain_over_one_row_and_the_bound_the_bytes_set():
             row("gpt2", "int8", 8, 128, 18.0, 2000), row("llama", "int8", 4, 512, 30.0, 900)]  # no B = 1 row at 128, nor for llama
     (gain,) = batch_gains(rows)
     assert (gain.model, gain.dtype, gain.batch, gain.context) == ("gpt2", "int8", 8, 512)
-    assert gain.eager == 8 * 10.0 / 20.0 and gain.compiled == 8 * 5.0 / 16.0 and gain.bound == 8 * 1010 / 1080
+    assert gain.eager == 8 * 10.0 / 20.0 and gain.compiled == 8 * 5.0 / 16.0 and gain.bytes_ratio == 8 * 1010 / 1080
     assert gains_markdown([gain]).splitlines()[-1] == "| gpt2 | int8 | 8 | 512 | 4.00x | 2.50x | 7.48x |"
     assert batch_gains([row("gpt2", "fp32", 1, 512, 10.0, 5), row("gpt2", "fp32", 8, 512, 20.0, 8)])[0].compiled is None
 

@@ -21,9 +21,10 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   under the same load; ``load``: the load average before and after.
 
 Below it, **batching** (``batch_gains``): each B > 1 row's tokens per second over the B = 1 row of the
-same context, eager and compiled, beside the most the bytes allow (B times the bytes one row's step
-reads over the bytes the batch's step reads: the weights are read once for all rows, each row's
-keys and values for that row).
+same context, eager and compiled, beside the bytes' ratio (B times the bytes one row's step reads
+over the bytes the batch's step reads: the weights are read once for all rows, each row's keys and
+values for that row), the gain of two steps reading at the same rate: the most a B = 1 step at
+the bandwidth leaves room for.
 
 The caches hold the same random keys and values for both libraries (a step costs the same
 whatever they hold), so both libraries' logits can be compared (``max_abs_diff``).
@@ -240,7 +241,8 @@ def decode_speeds(
             ours = headwise_model(directory, dtype)  # as a user builds them
             theirs = transformers_model(directory, dtype) if hf else None
             with torch.inference_mode():
-                for (batch, context), cache_dtype in itertools.product(shapes, cache_dtypes):
+                held = dict.fromkeys(ours.cache_dtype(c) for c in cache_dtypes)  # a bf16 model's caches hold bf16 either way: one row
+                for (batch, context), cache_dtype in itertools.product(shapes, held):
                     label = dtype if ours.cache_dtype(cache_dtype) == ours.cache_dtype(None) else f"{dtype}, bf16 cache"
                     if progress:
                         progress(f"{name} {label} B={batch} context {context}")
@@ -266,8 +268,9 @@ class BatchGain:
     Attributes:
         model, dtype, batch, context: as in ``DecodeSpeed``.
         eager, compiled: B x (the B = 1 step's time) / (this step's time), eager and compiled (None when not timed).
-        bound: the most the bytes allow, B x (bytes a B = 1 step reads) / (bytes this step reads): a step bound by
-            bandwidth reads the weights once for every row, and each row's own keys and values.
+        bytes_ratio: B x (bytes a B = 1 step reads) / (bytes this step reads): the gain of steps that read at the
+            same rate at both sizes (the weights once for all rows, each row's own keys and values), so the most a
+            B = 1 step at the bandwidth leaves room for; a B = 1 step below it can gain more.
     """
 
     model: str
@@ -276,7 +279,7 @@ class BatchGain:
     context: int
     eager: float
     compiled: float | None
-    bound: float
+    bytes_ratio: float
 
 
 def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[BatchGain]:
@@ -294,11 +297,11 @@ def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[BatchGain]:
 
 
 def gains_markdown(gains: Sequence[BatchGain]) -> str:
-    """The batching table: tokens per second over B = 1, measured and the bytes' bound."""
-    out = ["| model | dtype | B | context | eager | compiled | bytes allow |", "|---|---|---:|---:|---:|---:|---:|"]
+    """The batching table: tokens per second over B = 1, measured, beside the bytes' ratio."""
+    out = ["| model | dtype | B | context | eager | compiled | bytes' ratio |", "|---|---|---:|---:|---:|---:|---:|"]
     for g in gains:
         compiled = "—" if g.compiled is None else f"{g.compiled:.2f}x"
-        out.append(f"| {g.model} | {g.dtype} | {g.batch} | {g.context} | {g.eager:.2f}x | {compiled} | {g.bound:.2f}x |")
+        out.append(f"| {g.model} | {g.dtype} | {g.batch} | {g.context} | {g.eager:.2f}x | {compiled} | {g.bytes_ratio:.2f}x |")
     return "\n".join(out)
 
 
