@@ -39,7 +39,7 @@ from torch import Tensor
 from .. import _checks
 from ..cache import PagedKVCache
 from ._inputs import SEED_HIGH, check_request
-from .generate import CausalLM, next_token, trusts
+from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
 
@@ -253,7 +253,7 @@ class Batcher:
 
     def _sample(self, batch: list[Request], logits: Tensor) -> list[int]:
         """(N, vocab) logits -> one token per request: argmax for all the greedy ones at once, each sampled one with its generator."""
-        tokens = logits.argmax(dim=-1)  # (N,)
+        tokens = greedy(logits)  # (N,)
         for i, r in enumerate(batch):
             if r.temperature > 0:
                 tokens[i] = next_token(logits[i : i + 1], r.temperature, r.top_k, r.generator)[0]  # as generate draws it for one row

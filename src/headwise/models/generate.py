@@ -15,7 +15,7 @@ the next positions, into caches it made) cannot go wrong between steps, so the f
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Protocol
 
 import torch
@@ -28,6 +28,9 @@ from ..observe import observing
 from . import _inputs
 from .compiled_step import compiled_step
 from .graph_step import GraphStep
+
+#: greedy's chunk of a row: at least this many logits (amax's vectors pay over such a run), the smallest divisor of the vocab
+GREEDY_CHUNK = 256
 
 
 class CausalLM(Protocol):
@@ -218,10 +221,32 @@ def positions(is_token: Tensor | None, b: int, t: int, device: torch.device, sta
     return (is_token.long().cumsum(-1) - 1).masked_fill(~is_token, 0) + start  # (B, T), as HuggingFace's generate
 
 
-def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
-    """(B, vocab) logits -> (B,) ids: argmax at temperature 0, else a top-k / temperature sample."""
-    if temperature == 0:
+@cache
+def _chunk(vocab: int) -> int | None:
+    """The smallest divisor of ``vocab`` in [GREEDY_CHUNK, 16 * GREEDY_CHUNK] (None: none, or a vocab under 4 chunks)."""
+    if vocab < 4 * GREEDY_CHUNK:
+        return None
+    return next((c for c in range(GREEDY_CHUNK, 16 * GREEDY_CHUNK + 1) if vocab % c == 0), None)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """(B, vocab) logits -> (B,) ids: ``logits.argmax(-1)``, the same index (the first largest; a NaN counts as
+    largest, the first NaN). On the CPU torch's argmax walks a row one element at a time while ``amax`` runs
+    vectors: so a row is cut into chunks (a divisor of the vocab, ``_chunk``), the first chunk holding the
+    row's maximum is found from the chunks' maxima, and the argmax runs inside it only."""
+    size = _chunk(logits.shape[-1]) if logits.is_cpu and logits.ndim == 2 else None
+    if size is None:
         return logits.argmax(dim=-1)  # (B,)
+    chunks = logits.reshape(logits.shape[0], logits.shape[1] // size, size)  # (B, vocab / size, size)
+    first = chunks.amax(dim=-1).argmax(dim=-1)  # (B,): the first chunk whose maximum is the row's (NaN: the first with one)
+    rows = torch.arange(logits.shape[0], device=logits.device)  # (B,)
+    return first * size + chunks[rows, first].argmax(dim=-1)  # (B,)
+
+
+def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    """(B, vocab) logits -> (B,) ids: the argmax at temperature 0 (``greedy``), else a top-k / temperature sample."""
+    if temperature == 0:
+        return greedy(logits)  # (B,)
     logits = logits.double()  # a temperature below float32's range (1e-300) must not round to 0 and make 0/0
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # (B, vocab) <= 0: a tiny temperature gives -inf, never inf
     if top_k is not None:
