@@ -243,7 +243,7 @@ def decode_speeds(
             with torch.inference_mode():
                 held = dict.fromkeys(ours.cache_dtype(c) for c in cache_dtypes)  # a bf16 model's caches hold bf16 either way: one row
                 for (batch, context), cache_dtype in itertools.product(shapes, held):
-                    label = dtype if ours.cache_dtype(cache_dtype) == ours.cache_dtype(None) else f"{dtype}, bf16 cache"
+                    label = dtype if cache_dtype == ours.cache_dtype(None) else f"{dtype}, bf16 cache"  # cache_dtype: as the model resolves it
                     if progress:
                         progress(f"{name} {label} B={batch} context {context}")
                     steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
