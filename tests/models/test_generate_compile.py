@@ -155,33 +155,76 @@ def test_the_compiled_step_is_kept_until_a_weight_or_buffer_changes():
     assert decode_step(model, True) is not changed
 
 
-def test_a_frozen_step_freezes_its_own_threads_compiles_only():
-    """Inductor's ``freezing`` and ``projection.frozen()`` are on while a frozen step runs, in its thread alone: a
-    second thread's compiles meanwhile stay unfrozen (their weights may change), and its own frozen step, still
-    running after the first one ended, stays frozen; afterwards both are off everywhere."""
+def test_config_per_thread_says_whether_another_thread_sees_a_setting():
+    """``config_per_thread`` against what inductor does: a setting made in one thread, read in another."""
+    import threading
+
+    import torch._inductor.config as inductor
+
+    from headwise.models.compiled_step import config_per_thread
+
+    made, read, seen = threading.Event(), threading.Event(), []
+
+    def setter():
+        before = inductor.freezing
+        inductor.freezing = not before
+        made.set()
+        read.wait(timeout=10)
+        inductor.freezing = before
+        seen.append(before)
+
+    t = threading.Thread(target=setter)
+    t.start()
+    made.wait(timeout=10)
+    here = inductor.freezing
+    read.set()
+    t.join(timeout=10)
+    assert (here == seen[0]) == config_per_thread()  # unchanged here: each thread has its own
+
+
+@pytest.mark.parametrize("turns", ["as this torch needs", "one lock"])
+def test_a_frozen_step_freezes_its_own_threads_compiles_only(turns, monkeypatch):
+    """Inductor's ``freezing`` and ``projection.frozen()`` are on while a frozen step runs, for its thread's compiles
+    alone: a second thread's unfrozen step meanwhile sees both off (its weights may change), and its frozen step,
+    still running after the first one ended, sees both on; afterwards both are off everywhere. Where inductor's
+    settings are one value for the process (torch before 2.12), the steps take turns (``TURNS`` is a lock): the
+    second thread's steps run after the first's. "one lock" runs the turns on any torch."""
+    import contextlib
     import threading
 
     import torch._inductor.config as inductor
 
     from headwise.linear import projection
-    from headwise.models.compiled_step import CompiledStep
+    from headwise.models import compiled_step
 
+    if turns == "one lock":
+        monkeypatch.setattr(compiled_step, "TURNS", threading.RLock())
+    taking_turns = not isinstance(compiled_step.TURNS, contextlib.nullcontext)
     flags = lambda: (inductor.freezing, projection.frozen())  # noqa: E731
-    first_running, second_read, first_done, seen = threading.Event(), threading.Event(), threading.Event(), {}
+    first_running, second_ran, first_done, seen, order = threading.Event(), threading.Event(), threading.Event(), {}, []
 
     def first_graph(*args):  # stands in for the compiled graph: records the flags its tracing would see
         seen["first"] = flags()
         first_running.set()
-        second_read.wait(timeout=10)
+        # beside it, the second thread's unfrozen step runs; taking turns, it waits for this one (the wait times out)
+        second_ran.wait(timeout=0.5 if taking_turns else 10)
+        order.append("first")
         return torch.zeros(1)
 
-    def second_graph(*args):
+    def unfrozen_graph(*args):
+        seen["second, unfrozen"] = flags()
+        order.append("second")
+        second_ran.set()
+        return torch.zeros(1)
+
+    def frozen_graph(*args):
         first_done.wait(timeout=10)
-        seen["second, after the first ended"] = flags()
+        seen["second, frozen, after the first ended"] = flags()
         return torch.zeros(1)
 
-    steps = [CompiledStep(partial(lambda model, *args: None, gpt2()), freeze=True) for _ in range(2)]
-    steps[0].compiled, steps[1].compiled = first_graph, second_graph
+    steps = [compiled_step.CompiledStep(partial(lambda model, *args: None, gpt2()), freeze=f) for f in (True, False, True)]
+    for step, graph in zip(steps, (first_graph, unfrozen_graph, frozen_graph), strict=True):
+        step.compiled = graph
 
     def first():
         steps[0](None)
@@ -189,16 +232,16 @@ def test_a_frozen_step_freezes_its_own_threads_compiles_only():
 
     def second():
         first_running.wait(timeout=10)
-        seen["second, beside the first"] = flags()
-        second_read.set()
         steps[1](None)
+        steps[2](None)
 
     threads = [threading.Thread(target=f) for f in (first, second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=20)
-    assert seen == {"first": (True, True), "second, beside the first": (False, False), "second, after the first ended": (True, True)}
+    assert seen == {"first": (True, True), "second, unfrozen": (False, False), "second, frozen, after the first ended": (True, True)}
+    assert order == (["first", "second"] if taking_turns else ["second", "first"])
     assert flags() == (False, False)
 
 

@@ -37,7 +37,7 @@ def test_the_page_inside_parses_and_carries_every_head(view, minilm_maps):
     assert "6 layers x 12 heads on 9 tokens" in repr(view)
 
 
-def test_a_sentence_that_looks_like_markup_stays_text(tmp_path):
+def test_a_sentence_that_looks_like_markup_stays_text(tmp_path, minilm_dir):  # heads() reads the packaged MiniLM
     view = heads('</iframe><script>alert(1)</script> "quoted" & more')
     out = view._repr_html_()
     p = parse(out)

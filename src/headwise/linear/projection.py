@@ -37,8 +37,9 @@ def frozen() -> bool:
 @contextmanager
 def freezing() -> Iterator[None]:
     """``frozen()`` and inductor's ``freezing`` on in this thread while the block runs, then as they were. Both are
-    read when Dynamo traces and inductor compiles (not from ``torch.compile``'s options); both are per thread
-    (inductor's settings are), so a step in one thread leaves another thread's compiles unfrozen."""
+    read when Dynamo traces and inductor compiles (not from ``torch.compile``'s options). ``frozen()`` is per
+    thread; inductor's settings are from torch 2.12 on (before, ``models.compiled_step.TURNS`` makes compiled
+    steps take turns), so a step in one thread leaves another thread's compiles unfrozen."""
     import torch._inductor.config as inductor
 
     before = frozen(), inductor.freezing

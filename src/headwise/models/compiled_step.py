@@ -14,10 +14,17 @@ and one model's graphs do not count against another's ``recompile_limit``.
 
 Elsewhere (CUDA, inference tensors, which have no version counter, torch.distributed) the step is
 compiled as it is, its projections opaque ops (``linear.custom_ops``).
+
+Inductor's settings are per thread from torch 2.12 on. Before, ``freezing`` is one value for the whole
+process: a frozen step running in one thread would freeze another thread's compile (whose weights may
+change) and, ending, unfreeze the other's frozen step. There the compiled steps take turns (one lock).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
 import types
 import weakref
 from functools import partial
@@ -27,6 +34,18 @@ from torch import Tensor, nn
 
 from ..linear import projection
 from ..linear.weight_cache import state, watchable
+
+
+def config_per_thread() -> bool:
+    """Whether inductor's settings are per thread (torch 2.12 on: each one a ``ContextVar``)."""
+    import torch._inductor.config as inductor
+
+    entry = getattr(inductor, "_config", {}).get("freezing")
+    return isinstance(getattr(entry, "user_override", None), contextvars.ContextVar)
+
+
+#: Entered around every compiled step's run: nothing where each thread has its own settings, else one lock.
+TURNS: contextlib.AbstractContextManager = contextlib.nullcontext() if config_per_thread() else threading.RLock()
 
 
 def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
@@ -62,7 +81,5 @@ class CompiledStep:
         weakref.finalize(self, torch._dynamo.reset_code, self.func.__code__)
 
     def __call__(self, *args: object) -> Tensor:
-        if not self.freeze:
-            return self.compiled(*self.args, *args)
-        with projection.freezing():
+        with TURNS, projection.freezing() if self.freeze else contextlib.nullcontext():
             return self.compiled(*self.args, *args)

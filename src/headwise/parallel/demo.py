@@ -55,9 +55,10 @@ def _device() -> torch.device:
 
 
 def run(argv: list[str] | None = None) -> list[int]:
-    """The demo on an initialised process group: shard, generate, print; returns this rank's tokens."""
+    """The demo on an initialised process group: shard, generate, print; returns this rank's tokens. The model goes
+    where the group's collectives run: this rank's GPU under nccl, the CPU under gloo."""
     args = _args(argv)
-    device = _device()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.model is not None:
         model = GPT2LMHeadModel.from_pretrained(args.model)
