@@ -48,3 +48,23 @@ def test_a_bf16_decode_step_through_a_cache_takes_the_same_path_checked_or_not()
         assert torch.equal(attention_unchecked(q, k, v, unchecked, causal=True, window=None), want)
     keys, values = checked.k[:, :, :6].double(), checked.v[:, :, :6].double()  # (B, Hkv, 6, D) x2
     assert float((want.double() - reference_attention(q, keys, values, causal=True)).abs().max()) < 2**-6
+
+
+def test_the_row_twice_runner_gives_the_reference_and_its_gradients():
+    """``sdpa.row_twice`` (the plan's G = 1 decode runner where MKL runs no AVX-512 kernels), on any machine: the output
+    and the gradients of q, k and v as near float64's as the one-row fused kernel's."""
+    from headwise.backends import sdpa
+    from headwise.backends.spec import Spec
+
+    q, k, v = (t.requires_grad_() for t in qkv(1, 300, torch.bfloat16, hkv=8))  # G = 1
+    spec = Spec(T=1, S=300, causal=True, scale=16**-0.5)
+    got, one_row = sdpa.row_twice(q, k, v, spec), sdpa.fused(q, k, v, spec)  # (B, H, 1, D) each
+    assert got.shape == (2, 8, 1, 16) and got.dtype == torch.bfloat16
+    assert error(got, q, k, v, causal=True) <= max(error(one_row, q, k, v, causal=True), 2**-8)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(3)).to(got.dtype)
+    grads = torch.autograd.grad(got, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference_attention(q64, k64, v64, causal=True), (q64, k64, v64), g.double())
+    ones = torch.autograd.grad(one_row, (q, k, v), g)
+    for name, a, b, w in zip("qkv", grads, ones, want, strict=True):
+        assert float((a.double() - w).abs().max()) <= 2 * float((b.double() - w).abs().max()) + 2**-8, name

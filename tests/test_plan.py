@@ -40,9 +40,11 @@ def _cache(kind: str, dtype=torch.float32):
 
 
 #: Where the fused kernel's GEMMs run MKL's AVX-512 kernels (Intel CPUs), one bfloat16 query per row with one query
-#: head per key head or a window or mask takes the kernel, else two float32 matmuls; and a causal prompt is one call,
-#: else blocks of queries.
+#: head per key head or a window or mask takes the kernel one row per head; elsewhere one query head per key head takes
+#: it with the row twice, G >= 2 with a window or mask two float32 matmuls; and a causal prompt is one call, else blocks
+#: of queries.
 HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "math blocks, float32 matmuls"
+ONE_HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "sdpa, the row twice"
 PROMPT = "sdpa is_causal" if plan_table.mkl_avx512() else "sdpa causal blocks of 64 queries"
 
 # name: (inputs, keyword arguments, grad enabled, the runner expected)
@@ -52,10 +54,10 @@ CASES = {
     "long prompt": (dict(B=1, H=2, Hkv=1, T=1100, D=8), dict(causal=True), False, "sdpa is_causal"),
     "decode": (dict(T=1, S=50), dict(causal=True), False, "sdpa"),
     "bf16 decode": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, "sdpa, each key head's query heads as rows"),
-    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, HEAD_ROWS),
+    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, ONE_HEAD_ROWS),
     "bf16 decode, one query head per key head, padding": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16),
                                                           dict(causal=True, attention_mask=torch.arange(50).expand(2, 50) > 3), False,
-                                                          HEAD_ROWS),
+                                                          ONE_HEAD_ROWS),
     "bf16 decode, window": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16), False, HEAD_ROWS),
     "bf16 decode, softcap": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, softcap=30.0), False, "math blocks, float32 matmuls"),
     "bf16 decode, training": (dict(T=1, S=50, dtype=torch.bfloat16, grad=True), dict(causal=True), True,
@@ -204,12 +206,13 @@ PADDED = torch.arange(300).expand(3, 300) >= torch.tensor([[0], [120], [300]])  
 @pytest.mark.parametrize(("Hkv", "terms"), [(4, {}), (4, {"attention_mask": PADDED}), (2, {"attention_mask": PADDED}), (4, {"window": 64}),
                                            (2, {"window": 64, "attention_mask": PADDED})], ids=["G=1", "G=1 padded", "G=2 padded", "G=1 window",
                                                                                               "G=2 window padded"])
-def test_a_bf16_decode_step_takes_the_fused_kernel_only_where_its_gemms_are_mkls(monkeypatch, on_mkl, Hkv, terms):
+def test_a_bf16_decode_step_takes_the_fused_kernel_where_its_gemms_are_mkls_or_with_the_row_twice(monkeypatch, on_mkl, Hkv, terms):
     """Either way the step is as close to the float64 reference as the bf16 output allows."""
     monkeypatch.setattr(plan_table, "mkl_avx512", lambda: on_mkl)
     q, k, v = _qkv(B=3, H=4, Hkv=Hkv, T=1, S=300, D=64, dtype=torch.bfloat16)
     plan = hw.plan(q, k, v, causal=True, **terms)
-    assert plan.runner == ("sdpa, one row per head on MKL" if on_mkl else "math blocks, float32 matmuls")
+    off_mkl = "sdpa, the row twice" if Hkv == 4 else "math blocks, float32 matmuls"  # G = 1: two equal rows of each head
+    assert plan.runner == ("sdpa, one row per head on MKL" if on_mkl else off_mkl)
     out = hw.attention(q, k, v, causal=True, **terms)
     assert torch.equal(out, hw.attention(q, k, v, causal=True, backend=plan.backend, **terms))
     want = reference_attention(q, k, v, causal=True, **terms)  # (B, H, 1, D) float64

@@ -130,6 +130,12 @@ def _decode_on_mkl(c: Call) -> bool:
     return _kernel_decode(c) and not _trained_bias(c) and mkl_avx512()
 
 
+def _one_head_per_key_head_decode(c: Call) -> bool:
+    """``_kernel_decode`` with one query head per key head (any window or mask, folded into one; no bias that wants
+    a gradient)."""
+    return _kernel_decode(c) and c.q.shape[1] == c.k.shape[1] and not _trained_bias(c)
+
+
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
     if c.spec.documents is None or torch.compiler.is_compiling():
@@ -198,6 +204,9 @@ RULES: tuple[Rule, ...] = (
     Rule("sdpa, one row per head on MKL", "sdpa", AUTO_SDPA, _decode_on_mkl, lambda c: sdpa.fused,
          "one bfloat16 query per row on an Intel CPU with AVX-512 (one query head per key head, or a window or mask): the "
          "fused kernel's bf16-to-float32 GEMMs run on MKL's kernels for this CPU and beat two float32 matmuls (elsewhere they do not)"),
+    Rule("sdpa, the row twice", "sdpa", AUTO_SDPA, _one_head_per_key_head_decode, lambda c: sdpa.row_twice,
+         "one bfloat16 query per row on a CPU where the fused kernel's bf16 GEMMs are not MKL's AVX-512 kernels, one query "
+         "head per key head: as two equal rows of each head its GEMMs beat one row's, and two float32 matmuls"),
     Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),

@@ -123,6 +123,16 @@ def grouped_rows(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     return out.view(B, H, T, v.shape[-1])  # (B, H, 1, Dv)
 
 
+def row_twice(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """One query per row (T = 1) as two equal rows of one fused call, the first kept: torch's CPU kernel runs two
+    rows of a head faster than one where its bfloat16 GEMMs are not MKL's AVX-512 kernels. Every term is folded
+    into one (..., 1, S) mask, as in ``fused``, which both rows share. (B, H, 1, D) -> (B, H, 1, Dv)."""
+    whole = (0, spec.T), (0, spec.S)
+    twice = q.expand(-1, -1, 2, -1).contiguous()  # (B, H, 2, D): the kernel reads a copy faster than a stride-0 row
+    out = _kernel(twice, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)  # (B, H, 2, Dv)
+    return out[:, :, :1]  # (B, H, 1, Dv)
+
+
 def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
     """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see:
     (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).

@@ -1,4 +1,4 @@
-"""A half-precision decode step's attention on the CPU, five ways to run it, timed side by side.
+"""A half-precision decode step's attention on the CPU, six ways to run it, timed side by side.
 
 One query per row (T = 1) over the first S keys of a preallocated (B, Hkv, L, D) cache (a slice:
 not contiguous across heads), S growing by one every step as in generation:
@@ -10,7 +10,9 @@ not contiguous across heads), S growing by one every step as in generation:
 - ``sdpa``: torch's fused kernel, one query row per query head (``enable_gqa``; the plan's runner at
   G = 1 where MKL runs its AVX-512 kernels, ``backends.plan.mkl_avx512``);
 - ``sdpa, grouped rows``: the fused kernel with each key head's G query heads as G rows
-  (``backends.sdpa.grouped_rows``; the same call as ``sdpa`` when G = 1).
+  (``backends.sdpa.grouped_rows``; the same call as ``sdpa`` when G = 1);
+- ``sdpa, row twice``: the fused kernel with each query row twice, the first kept (``backends.sdpa.row_twice``;
+  the plan's runner at G = 1 where MKL runs no AVX-512 kernels).
 
 The first three feed the same float32 softmax; the kernel keeps its own. A new S is a new shape every step, and oneDNN's
 bfloat16 matmul builds a kernel per shape: each way gets shapes no other way uses, and runs
@@ -70,7 +72,14 @@ def grouped(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return sdpa.grouped_rows(q, k, v, Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1])))
 
 
-WAYS: dict[str, Way] = {"half": half, "half, copied": copied, "float32": wide, "sdpa": fused, "sdpa, grouped rows": grouped}
+def twice(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The fused kernel over each query row twice, the first kept (the plan's runner at G = 1 off MKL's AVX-512)."""
+    return sdpa.row_twice(q, k, v, Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1])))
+
+
+WAYS: dict[str, Way] = {
+    "half": half, "half, copied": copied, "float32": wide, "sdpa": fused, "sdpa, grouped rows": grouped, "sdpa, row twice": twice,
+}
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ def decode_attention(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m headwise.bench.decode_attention``: the five ways over B, S, G, D, with ratios to float32."""
+    """``python -m headwise.bench.decode_attention``: the ways over B, S, G, D, with ratios to float32."""
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.decode_attention", description=__doc__.splitlines()[0])
