@@ -124,6 +124,23 @@ def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
     assert [(r.batch, r.engine, r.note) for r in rows if r.note] == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
 
 
+def test_a_format_an_engine_already_ran_for_the_model_is_not_run_again(root, monkeypatch):
+    """int8 and int8-a8 are one format for llama.cpp (q8_0): loaded and timed once, the second row says which row has it."""
+    loads = []
+
+    def recorded(directory, precision, threads):
+        loads.append(precision)
+        return lambda ids, new: torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+    monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
+        **{**engines.ENGINES["llama.cpp"].__dict__, "load": recorded, "module": "", "limits": lambda precision: ""}))
+    rows = tiny(root, engines=("headwise", "llama.cpp"), precisions=("int8", "fp32", "int8-a8"))
+    assert loads == ["int8", "fp32"]
+    got = {(r.precision, r.engine): r for r in rows}
+    assert got["int8-a8", "llama.cpp"].decode_ms is None and got["int8-a8", "llama.cpp"].note == "the same q8_0 as its int8 row"
+    assert got["int8-a8", "headwise"].decode_ms is not None and got["int8-a8", "headwise"].note == ""  # its own format
+
+
 def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monkeypatch):
     """A runner on a fake clock: the prompt pass 10 ms, each further token 2 ms; the probe's 4 x 512 MiB in 50 ms.
     Then a step is 2 ms, whatever the rounds' order, and the bytes of a step are read in 2 ms."""

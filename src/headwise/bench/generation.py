@@ -181,6 +181,7 @@ def generate_speeds(
         weights, kv = matrix_elements(reference), kv_elements(reference)
         vocab = reference.vocab_size
         del reference
+        ran: dict[tuple[str, str], str] = {}  # (engine, format) -> the precision that ran it for this model
         for precision in precisions:
             runners: dict[str, Runner] = {}
             here: dict[str, Runner] = {}
@@ -190,6 +191,10 @@ def generate_speeds(
                 notes[name] = engine.missing(precision)
                 if not engine.batches and 1 not in batches:
                     notes[name] = notes[name] or f"{name} runs one sequence at a time here"
+                fmt = engine.formats.get(precision, "")
+                if not notes[name] and (name, fmt) in ran:  # e.g. int8 and int8-a8 are both CTranslate2's int8_float32
+                    notes[name] = f"the same {fmt} as its {ran[name, fmt]} row"
+                ran.setdefault((name, fmt), precision)
                 if not notes[name]:
                     if progress:
                         progress(f"{model} {precision}: loading {name}")
