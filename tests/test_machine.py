@@ -10,7 +10,7 @@ def test_cpu_names_what_the_rules_read():
     facts = machine.cpu()
     assert set(facts) == {"vendor", "family", "model", "name", "flags", "capability"}
     assert facts["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(facts["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert set(facts["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
     assert machine.cpu() is facts  # read once
 
 
@@ -28,3 +28,12 @@ def test_mkl_avx512_reads_the_vendor_the_kernels_and_the_build():
     assert not machine.mkl_avx512_on(intel, mkl=False)
     assert not machine.mkl_avx512_on({**intel, "vendor": "AuthenticAMD"}, mkl=True)
     assert not machine.mkl_avx512_on({**intel, "capability": "AVX2"}, mkl=True)
+
+
+def test_amx_int8_needs_the_tiles_and_their_int8_products():
+    assert machine.amx_int8_on({"flags": ["amx_bf16", "amx_int8", "amx_tile", "avx512f"]})
+    assert not machine.amx_int8_on({"flags": ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f"]})
+    assert not machine.amx_int8_on({"flags": ["avx2", "avx512_bf16", "avx512f"]})  # a Zen 4 EPYC: VNNI, no AMX
+    from headwise.quantize import _AMX_INT8
+
+    assert machine.amx_int8_on(machine.cpu()) == _AMX_INT8  # Int8Linear reads it once

@@ -57,6 +57,29 @@ def test_torch_int8_gemm_at_its_edges_gives_the_written_out_arithmetic():
     assert torch.equal(lin(x), written_out(x, lin))
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_under_compile_the_int8_gemm_is_out_of_inductors_sight_off_amx(monkeypatch, amx):
+    """Off AMX (``machine.amx_int8_on``), a compiled int8-activation projection calls ``torch._int_mm`` through the
+    opaque ``headwise::int_mm`` (inductor's frozen int8 GEMMs run a scalar kernel there); on AMX the GEMM is traced.
+    The written-out arithmetic bit for bit either way."""
+    from headwise import quantize
+
+    monkeypatch.setattr(quantize, "_AMX_INT8", amx)
+    g = torch.Generator().manual_seed(5)
+    lin = Int8Linear(torch.randn(24, 64, generator=g), torch.randn(24, generator=g), activations="int8")
+    x = torch.randn(3, 64, generator=g)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lin, backend=backend, fullgraph=True)(x), written_out(x, lin))
+    opaque, traced = "headwise.int_mm" in seen, any("_int_mm" in t for t in seen)  # the op, or torch._int_mm itself
+    assert (opaque, traced) == (not amx, amx), seen
+
+
 def test_on_each_device_the_cpus_numbers_bit_for_bit(device):
     """Off the CPU (cuda where torch sees one) the float64 GEMM of the same integers: the CPU's int32 sums, the same bits.
     (Its first run on a GPU found the row scales differing: they were a division by 127, which CUDA runs as a product

@@ -9,7 +9,10 @@ pure functions of those facts, so that tests can ask them about any machine:
   prompt GEMM read it;
 - ``mkl_avx512_on``: whether the GEMMs torch hands to MKL run MKL's AVX-512 kernels (an Intel CPU,
   torch built with MKL, AVX-512 kernels; MKL runs its AVX2 code on other vendors' CPUs): the
-  attention plan's bf16 decode and causal-prompt rules read it.
+  attention plan's bf16 decode and causal-prompt rules read it;
+- ``amx_int8_on``: whether the CPU multiplies int8 by int8 in AMX tiles, where inductor's GEMM
+  templates have a vector kernel for int8 activations: ``Int8Linear(activations="int8")`` under
+  ``torch.compile`` reads it.
 
 A rule that reads a fact inside a compiled graph keeps it in a constant read at import (a graph
 reads no /proc).
@@ -37,7 +40,7 @@ def cpu() -> dict:
                 if key == field:
                     facts[name] = value
             if key in ("flags", "Features"):
-                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} & set(value.split()))
+                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"} & set(value.split()))
                 break
     facts["capability"] = torch.backends.cpu.get_cpu_capability()
     return facts
@@ -60,3 +63,11 @@ def mkl_avx512_on(facts: dict, mkl: bool) -> bool:
     built with MKL (``mkl``), an Intel CPU, AVX-512 kernels. MKL runs its AVX2 code on other vendors' CPUs
     (the reason float32 projections take oneDNN on AMD: ``headwise.linear``)."""
     return mkl and facts["vendor"] == "GenuineIntel" and facts["capability"].startswith("AVX512")
+
+
+def amx_int8_on(facts: dict) -> bool:
+    """Whether a CPU of ``facts`` (``cpu()``) multiplies int8 by int8 in AMX tiles (``amx_tile``, ``amx_int8``). Only
+    there do inductor's CPU GEMM templates (max-autotune over frozen weights) hold a vector micro-kernel for signed
+    int8 activations times int8 weights (torch 2.13: AMX's; its AVX512-VNNI one takes unsigned activations); elsewhere
+    they offer their scalar reference kernel and oneDNN's qlinear, 20-40x slower than ``torch._int_mm``."""
+    return {"amx_tile", "amx_int8"} <= set(facts["flags"])
