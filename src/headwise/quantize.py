@@ -35,9 +35,10 @@ own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products sum
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
-any rows (under ``torch.compile`` on a CPU without AMX's int8 tiles, an opaque op: inductor's own
-int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``), else (another device, autograd) a float64 GEMM of the same integers, exact, with the
-rounding's gradient passed straight through. A row's result never depends on the other rows, and
+any rows (under ``torch.compile`` on a CPU without AMX's int8 tiles, through an opaque op: inductor's
+own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``), else (another device,
+autograd) a float64 GEMM of the same integers, exact, with the rounding's gradient passed straight
+through. A row's result never depends on the other rows, and
 the GEMM's time hardly grows with them: a decode step of 8 rows reads the weights in little more
 than one row's time, where the bfloat16-activation kernel's time grows with the rows.
 """
@@ -148,10 +149,9 @@ def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """(..., K) x (N, K) int8 -> (..., N) in x's dtype by ``activations="int8"``'s arithmetic (the module docstring)."""
     rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
-    if rows.is_cpu and not rows.requires_grad and torch.compiler.is_compiling() and not _AMX_INT8:
-        sums = torch.ops.headwise.int_mm(rows.to(torch.int8), weight)  # (M, N) int32: torch._int_mm, out of inductor's sight
-    elif rows.is_cpu and not rows.requires_grad:
-        sums = torch._int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
+    if rows.is_cpu and not rows.requires_grad:
+        int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
+        sums = int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
     y = sums.float().mul_(row_scales).mul_(scales)  # (M, N): each exact sum rounded to float32, then scaled in place (written once)
@@ -160,18 +160,18 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
 
 
 @torch.library.custom_op("headwise::int_mm", mutates_args=())
-def _int_mm_op(rows: Tensor, weight: Tensor) -> Tensor:
-    """``torch._int_mm(rows, weight.t())``, (M, K) x (N, K) int8 -> (M, N) int32, as an op inductor does not look into.
+def _int_mm_op(a: Tensor, b: Tensor) -> Tensor:
+    """``torch._int_mm(a, b)``, (M, K) x (K, N) int8 -> (M, N) int32, as an op inductor does not look into.
 
     Where the weights are frozen, inductor rewrites a traced ``_int_mm`` and its scales into its own quantized
     linear, whose kernels for signed int8 activations are AMX's alone (``machine.amx_int8_on``): elsewhere it runs
     a scalar one. So a compiled int8-activation projection calls torch's kernel through this op off AMX."""
-    return torch._int_mm(rows, weight.t())
+    return torch._int_mm(a, b)
 
 
 @_int_mm_op.register_fake
-def _(rows: Tensor, weight: Tensor) -> Tensor:
-    return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.int32)  # (M, N)
+def _(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.int32)  # (M, N)
 
 
 @torch.library.custom_op("headwise::int8_matmul", mutates_args=())
