@@ -69,5 +69,5 @@ def amx_int8_on(facts: dict) -> bool:
     """Whether a CPU of ``facts`` (``cpu()``) multiplies int8 by int8 in AMX tiles (``amx_tile``, ``amx_int8``). Only
     there do inductor's CPU GEMM templates (max-autotune over frozen weights) hold a vector micro-kernel for signed
     int8 activations times int8 weights (torch 2.13: AMX's; its AVX512-VNNI one takes unsigned activations); elsewhere
-    they offer their scalar reference kernel and oneDNN's qlinear, both slower than ``torch._int_mm`` (docs: decoding)."""
+    they offer their scalar reference kernel and oneDNN's qlinear, both slower than torch's own int8 GEMM (docs: decoding)."""
     return {"amx_tile", "amx_int8"} <= set(facts["flags"])
