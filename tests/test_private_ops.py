@@ -62,10 +62,12 @@ PRIVATE_OPS = {
         "nothing: reset_code drops the graphs Dynamo keeps on a code object the compiled step owns "
         "(tests/models/test_generate_compile.py)"),
     "torch._inductor": PrivateOp(
-        ("linear/projection.py",), None,
-        "nothing: its config's freezing (per thread), on while the compiled step runs (projection.freezing; Dynamo reads it "
-        "where it traces, compile's options do not reach it); tests/models/test_generate_compile.py checks the frozen "
-        "step's logits, its recompiles and that the setting stays in the step's thread"),
+        ("linear/projection.py", "models/compiled_step.py"), None,
+        "nothing: its config's freezing (per thread from torch 2.12), on while the compiled step runs (projection.freezing; "
+        "Dynamo reads it where it traces, compile's options do not reach it); compiled_step.config_per_thread reads whether "
+        "the settings are per thread from its config entries (anything else it finds: process-wide, the safe answer); "
+        "tests/models/test_generate_compile.py checks the frozen step's logits, its recompiles, that the setting stays in "
+        "the step's thread and config_per_thread against what inductor does"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }
