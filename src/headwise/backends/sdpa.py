@@ -105,12 +105,18 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale)  # (B, H, t, Dv)
 
 
+def _folded(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """One kernel call over all of ``spec``'s queries and keys, its mask and bias folded into one: (B, H, T', D) -> (B, H, T', Dv),
+    where T' may repeat spec.T = 1's row (the (..., 1, S) mask broadcasts over them)."""
+    whole = (0, spec.T), (0, spec.S)
+    return _kernel(q, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)
+
+
 def fused(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """One kernel call, every term folded into one mask (none for plain causal: ``is_causal``): (B, H, T, D) -> (B, H, T, Dv)."""
     if spec.plain_causal:
         return _kernel(q, k, v, spec, None, None, True)
-    whole = (0, spec.T), (0, spec.S)
-    return _kernel(q, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)  # (B, H, T, Dv)
+    return _folded(q, k, v, spec)  # (B, H, T, Dv)
 
 
 def grouped_rows(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
@@ -127,10 +133,8 @@ def row_twice(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """One query per row (T = 1) as two equal rows of one fused call, the first kept: torch's CPU kernel runs two
     rows of a head faster than one where its bfloat16 GEMMs are not MKL's AVX-512 kernels. Every term is folded
     into one (..., 1, S) mask, as in ``fused``, which both rows share. (B, H, 1, D) -> (B, H, 1, Dv)."""
-    whole = (0, spec.T), (0, spec.S)
     twice = q.expand(-1, -1, 2, -1).contiguous()  # (B, H, 2, D): the kernel reads a copy faster than a stride-0 row
-    out = _kernel(twice, k, v, spec, spec.allowed(*whole, q.device), spec.bias(*whole, q.device, q.dtype), False)  # (B, H, 2, Dv)
-    return out[:, :, :1]  # (B, H, 1, Dv)
+    return _folded(twice, k, v, spec)[:, :, :1]  # (B, H, 1, Dv)
 
 
 def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:

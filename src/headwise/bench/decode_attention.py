@@ -67,14 +67,19 @@ def fused(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])  # (B, H, 1, Dv)
 
 
+def _spec(q: Tensor, k: Tensor) -> Spec:
+    """The step's terms as the plan's runners take them: causal, every key seen, 1/sqrt(D)."""
+    return Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1]))
+
+
 def grouped(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """The fused kernel over each key head's query heads as rows (the plan's runner for G >= 2)."""
-    return sdpa.grouped_rows(q, k, v, Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1])))
+    return sdpa.grouped_rows(q, k, v, _spec(q, k))
 
 
 def twice(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """The fused kernel over each query row twice, the first kept (the plan's runner at G = 1 off MKL's AVX-512)."""
-    return sdpa.row_twice(q, k, v, Spec(T=q.shape[2], S=k.shape[2], causal=True, scale=1 / math.sqrt(q.shape[-1])))
+    return sdpa.row_twice(q, k, v, _spec(q, k))
 
 
 WAYS: dict[str, Way] = {
