@@ -68,6 +68,11 @@ PRIVATE_OPS = {
         "the settings are per thread from its config entries (anything else it finds: process-wide, the safe answer); "
         "tests/models/test_generate_compile.py checks the frozen step's logits, its recompiles, that the setting stays in "
         "the step's thread and config_per_thread against what inductor does"),
+    "torch.ops.prims.inductor_force_stride_order": PrivateOp(
+        ("backends/math.py",), None,
+        "nothing: inductor's own prim, called only while torch.compile traces and only where inductor registered it, "
+        "on a contiguous tensor with its own strides (a buffer of it under inductor, a no-op elsewhere); "
+        "tests/test_compiled_decode_attention.py runs it under inductor, aot_eager and eager"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }

@@ -10,6 +10,12 @@ never by asking the device whether such a row exists).
 ``float32_keys`` (the plan's choice for decode-shaped half inputs on the CPU) runs both matmuls
 in float32, keys and values converted that many elements at a time: oneDNN's half matmul builds
 a kernel for every new key count, float32 GEMM has no per-shape setup.
+
+``summed`` (the plan's choice for a decode step under ``torch.compile`` on the CPU) writes both
+products out as broadcast multiplies and sums in float32 (or wider), no matmul: inductor fuses
+each into a loop that reads every key and value once, in its own dtype, and leaves no pattern
+for its attention rewrites to turn back into a kernel call. Eager, the same code writes the
+(B, Hkv, G*T, S, D) products out: it is for compiled graphs.
 """
 
 from __future__ import annotations
@@ -38,17 +44,41 @@ def _key_blocks(x: Tensor, elements: int) -> list[tuple[int, int]]:
     return [(c, min(S, c + step)) for c in range(0, S, step)]
 
 
-def scores(q: Tensor, k: Tensor, float32_keys: int | None = None) -> Tensor:
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``summed`` products are summed in: float32 for half types, else the inputs' own."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def realized(x: Tensor) -> Tensor:
+    """``x`` contiguous, computed into a buffer of its own where inductor compiles the graph (eager: ``x.contiguous()``).
+
+    A loop that reads a not yet computed tensor recomputes it at every read: the query of a
+    ``summed`` score, rotated by RoPE in the graph, would be rotated again for every key.
+    Inductor's own prim (``inductor_force_stride_order``, registered once inductor is imported,
+    as ``torch.compile`` does) makes it a buffer; other backends run it as a copy where the strides differ.
+    """
+    x = x.contiguous()  # the strides asked for: the ones the traced and the running tensor share
+    if torch.compiler.is_compiling() and hasattr(torch.ops.prims, "inductor_force_stride_order"):
+        return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+    return x
+
+
+def scores(q: Tensor, k: Tensor, float32_keys: int | None = None, summed: bool = False) -> Tensor:
     """Raw scores q·k for every head; query head h uses key head h // (H // Hkv).
 
     (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype; float32 with ``float32_keys``
-    (keys converted that many elements at a time).
+    (keys converted that many elements at a time); with ``summed``, products and a sum over D in
+    float32 (or wider), for a compiled graph (the module docstring).
     """
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     # each group's query heads stacked as rows of one matrix: k is read in place. (A broadcast
     # over a group dim, q.view(B, Hkv, G, T, D) @ k.unsqueeze(2), makes matmul copy k G times.)
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # (B, Hkv, G*T, D): a copy of q only when G > 1
+    if summed:
+        wide = _wide(q.dtype)
+        rows = realized(q).to(wide).unsqueeze(3)  # (B, Hkv, G*T, 1, D): q computed once, not once per key
+        return (rows * k.to(wide).unsqueeze(2)).sum(-1).view(B, H, T, S)  # (B, Hkv, G*T, S, D) summed -> (B, H, T, S)
     if float32_keys is not None:
         q = q.float()
         parts = [q @ k[:, :, c0:c1].float().transpose(-2, -1) for c0, c1 in _key_blocks(k, float32_keys)]  # (B, Hkv, G*T, s) each
@@ -59,17 +89,18 @@ def scores(q: Tensor, k: Tensor, float32_keys: int | None = None) -> Tensor:
 
 
 def weights(
-    q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], *, steps: bool = True, float32_keys: int | None = None
+    q: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], *, steps: bool = True,
+    float32_keys: int | None = None, summed: bool = False,
 ) -> Tensor:
     """Softmax weights of queries ``rows`` (q holds just them) over keys ``cols`` (k holds just them).
 
-    ``steps`` reports each step to an observer; ``float32_keys``: see ``scores``.
+    ``steps`` reports each step to an observer; ``float32_keys``, ``summed``: see ``scores``.
     Returns (B, H, t, s), float32 for half inputs; rows sum to 1 minus the sink's share, or
     are all zeros for a query that may see no key.
     """
     record = report if steps else _silent
     inplace = not steps and not _needs_grad(q, k, spec)  # no graph to keep: rewrite one buffer instead of allocating one per step
-    raw = scores(q, k, float32_keys)  # (B, H, t, s)
+    raw = scores(q, k, float32_keys, summed)  # (B, H, t, s)
     record("scores", raw)
     edge = seen_by_all(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), q.device)  # (B?, H?, t, s - edge) bool or None
@@ -164,14 +195,20 @@ def rows_seeing_keys(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], 
     return live.any(-1, keepdim=True)
 
 
-def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = None) -> Tensor:
+def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = None, summed: bool = False) -> Tensor:
     """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v never repeated.
 
     v is read in place, or with ``float32_keys`` (and no dropout) converted to float32 that many
-    elements at a time, the weights kept float32.
+    elements at a time, the weights kept float32; with ``summed`` (no dropout), products and a sum
+    over the keys in float32 (or wider), for a compiled graph (the module docstring).
     """
     B, H, t, s = w.shape
     Hkv, Dv = v.shape[1], v.shape[3]
+    if summed:
+        wide = _wide(v.dtype)
+        w = w.to(wide).reshape(B, Hkv, (H // Hkv) * t, s, 1)  # (B, Hkv, G*t, s, 1)
+        out = (w * v.to(wide).unsqueeze(2)).sum(-2)  # (B, Hkv, G*t, s, Dv) summed -> (B, Hkv, G*t, Dv)
+        return out.to(v.dtype).view(B, H, t, Dv)  # (B, H, t, Dv)
     if dropout_p == 0.0 and float32_keys is not None:
         w = w.float().reshape(B, Hkv, (H // Hkv) * t, s)  # (B, Hkv, G*t, s)
         out = None
@@ -192,8 +229,11 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, float32_keys: int | None
     return context(w, v, spec.dropout_p, float32_keys)  # (B, H, T, Dv)
 
 
-def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int, float32_keys: int | None = None) -> Tensor:
+def run_chunked(
+    q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int, float32_keys: int | None = None, summed: bool = False
+) -> Tensor:
     """``run`` over blocks of queries of about ``block_elements`` scores, each against only the keys it may see; nothing reported.
+    ``float32_keys``, ``summed``: see ``scores`` (``summed`` takes no dropout).
 
     Memory holds one block's scores at a time in a forward without gradients; with autograd
     each block keeps its weights for the backward.
@@ -201,8 +241,8 @@ def run_chunked(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: 
     B, H = q.shape[:2]
     contexts = []
     for (r0, r1), (c0, c1) in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S, block_elements)):
-        w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False, float32_keys=float32_keys)  # (B, H, t, s)
-        contexts.append(context(w, v[:, :, c0:c1], spec.dropout_p, float32_keys))  # (B, H, t, Dv)
+        w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False, float32_keys=float32_keys, summed=summed)  # (B, H, t, s)
+        contexts.append(context(w, v[:, :, c0:c1], spec.dropout_p, float32_keys, summed))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)
 
 

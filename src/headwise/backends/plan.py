@@ -136,6 +136,14 @@ def _one_head_per_key_head_decode(c: Call) -> bool:
     return _kernel_decode(c) and c.q.shape[1] == c.k.shape[1] and not _trained_bias(c)
 
 
+def _compiled_decode(c: Call) -> bool:
+    """One query per row (a decode step) traced by ``torch.compile`` on the CPU, no dropout, nothing that wants a gradient."""
+    return (
+        torch.compiler.is_compiling() and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
+        and c.spec.dropout_p == 0.0 and not _grad(c) and not _trained_bias(c)
+    )
+
+
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
     if c.spec.documents is None or torch.compiler.is_compiling():
@@ -179,6 +187,10 @@ def _math_whole(c: Call) -> Runner:
     return partial(math_runner.run, float32_keys=float32_keys(c.q, c.k, c.spec.T))
 
 
+def _math_summed(c: Call) -> Runner:
+    return partial(math_runner.run_chunked, block_elements=BLOCK_ELEMENTS, summed=True)
+
+
 def _math_blocks(c: Call) -> Runner:
     return partial(math_runner.run_chunked, float32_keys=float32_keys(c.q, c.k, c.spec.T), block_elements=BLOCK_ELEMENTS)
 
@@ -198,6 +210,9 @@ AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "s
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
+    Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
+         "one query per row under torch.compile on the CPU: products and sums, which inductor fuses into loops that read "
+         "each key and value once in their own dtype, beat the fused kernel's call and the matmuls in a compiled step"),
     Rule("sdpa, each key head's query heads as rows", "sdpa", AUTO_SDPA, _grouped_decode, lambda c: sdpa.grouped_rows,
          "one bfloat16 query per row on the CPU, G >= 2 query heads per key head seeing every key: as G rows of one "
          "fused call the kernel beats two float32 matmuls (its path for one row per head does so on Intel CPUs only: next rule)"),
