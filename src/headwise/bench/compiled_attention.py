@@ -1,0 +1,129 @@
+"""A compiled decode step with and without its attention as products and sums, side by side.
+
+``generate(..., compile=True)`` traces its decode step with the plan's rule "math, products summed
+(compiled)": one query per row as broadcast products and sums, which inductor fuses into loops
+(``backends.math``, ``summed``). Here, for each model, precision and batch at one context, two
+compiled steps of one checkpoint are timed interleaved, each on caches of its own (as
+``bench.model_decode`` times its compiled step): one traced with the plan's table as it is, one
+with that rule left out, where the step's attention takes the rule an eager step takes (the
+fused kernel, its rows or the row twice, float32 matmuls). Each step runs under the table it
+was traced with, so a recompile reads the same rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from .. import _argtypes
+from ..backends import plan
+from .model_decode import _rel, _steps
+from .models import MODELS, PRECISIONS, check, checkpoint, headwise_model
+from .timing import interleaved
+
+RULE = "math, products summed (compiled)"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Row:
+    """Median ms of one compiled step each way, and how far apart their logits are (relative L2)."""
+
+    model: str
+    dtype: str
+    batch: int
+    context: int
+    summed_ms: float
+    without_ms: float
+    logits_rel: float
+
+
+def _under(rules: tuple, call: Callable[[], T]) -> Callable[[], T]:
+    """``call`` run with ``plan.RULES`` set to ``rules``."""
+
+    def run() -> T:
+        kept, plan.RULES = plan.RULES, rules
+        try:
+            return call()
+        finally:
+            plan.RULES = kept
+
+    return run
+
+
+def compiled_attention(
+    models: Sequence[str] = MODELS, dtypes: Sequence[str] = ("fp32", "bf16"), batches: Sequence[int] = (1, 8), *,
+    context: int = 512, repeats: int = 10, warmup: int = 3, seed: int = 0, tiny: bool = False, root: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time the compiled step with the plan's products-summed rule and without it (the module docstring).
+
+    Each pair compiles two steps (inductor, weights frozen: a minute or more each on 2 cores). ``tiny``: the
+    models' two-layer shapes (``bench.models.checkpoint``).
+    """
+    for name in models:
+        for dtype in dtypes:
+            check(name, dtype)
+    rules = {"summed": plan.RULES, "without": tuple(r for r in plan.RULES if r.runner != RULE)}
+    rows = []
+    for name in models:
+        directory = checkpoint(name, root, tiny=tiny, seed=seed, positions=context)
+        for dtype in dtypes:
+            for batch in batches:
+                if progress:
+                    progress(f"{name} {dtype} B={batch} context {context}")
+                steps, firsts = {}, {}
+                with torch.inference_mode():
+                    for way, table in rules.items():
+                        model = headwise_model(directory, dtype)  # one model per way: each keeps its own compiled step
+                        gen = torch.Generator().manual_seed(seed)  # each way the same cache contents and token
+                        made, first = _under(table, partial(_steps, model, None, batch, context, repeats + warmup, gen, compile=True))()
+                        steps[way], firsts[way] = _under(table, made["compiled"]), first["compiled"]
+                    times = interleaved(steps, repeats=repeats, warmup=warmup)
+                med = {way: 1e3 * statistics.median(ts) for way, ts in times.items()}
+                rows.append(Row(name, dtype, batch, context, med["summed"], med["without"], _rel(firsts["summed"], firsts["without"])))
+    return rows
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| model | dtype | B | context | products summed (ms) | without the rule (ms) | summed / without | logits apart |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.summed_ms:.2f} | {r.without_ms:.2f} | "
+                     f"{r.summed_ms / r.without_ms:.2f}x | {r.logits_rel:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.compiled_attention``: the table, the machine first."""
+    import sys
+
+    from .host import load_average, machine
+
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.compiled_attention", description=__doc__.splitlines()[0])
+    positive = _argtypes.integer(1)
+    p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(MODELS), "models"), default=list(MODELS))
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(PRECISIONS), "dtypes"), default=["fp32", "bf16"])
+    p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8])
+    p.add_argument("--context", type=_argtypes.integer(2), default=512)
+    p.add_argument("--repeats", type=positive, default=20, help="timed rounds (default 20)")
+    p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{machine()}; load average {load_average():.1f}\nCommand: python -m headwise.bench.compiled_attention "
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}\n", flush=True)
+    say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
+    rows = compiled_attention(args.models, args.dtypes, args.batches, context=args.context, repeats=args.repeats, progress=say)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
