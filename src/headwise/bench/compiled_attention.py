@@ -80,11 +80,11 @@ def compiled_attention(
                 if progress:
                     progress(f"{name} {dtype} B={batch} context {context}")
                 steps, firsts = {}, {}
-                with torch.inference_mode():
+                built = {way: headwise_model(directory, dtype) for way in rules}  # a model per way, each keeping its own compiled step
+                with torch.inference_mode():  # the models built outside it, as a user builds them: their steps freeze the weights
                     for way, table in rules.items():
-                        model = headwise_model(directory, dtype)  # one model per way: each keeps its own compiled step
                         gen = torch.Generator().manual_seed(seed)  # each way the same cache contents and token
-                        made, first = _under(table, partial(_steps, model, None, batch, context, repeats + warmup, gen, compile=True))()
+                        made, first = _under(table, partial(_steps, built[way], None, batch, context, repeats + warmup, gen, compile=True))()
                         steps[way], firsts[way] = _under(table, made["compiled"]), first["compiled"]
                     times = interleaved(steps, repeats=repeats, warmup=warmup)
                 med = {way: 1e3 * statistics.median(ts) for way, ts in times.items()}
