@@ -22,8 +22,9 @@ from . import math as math_runner
 from . import packed, sdpa, softcap
 from .spec import Spec
 
-#: Query rows per row of a bfloat16 call on the CPU that run as math (a decode step): torch's
-#: fused CPU kernel against two matmuls, one query over 128-2048 keys (bench.decode_attention).
+#: Query rows per row of a decode step, the calls the decode rules take: a bfloat16 call on the CPU
+#: (torch's fused CPU kernel against two matmuls, one query over 128-2048 keys: bench.decode_attention)
+#: and any call traced by torch.compile on the CPU (bench.compiled_attention); more rows not measured.
 DECODE_QUERIES = 1
 #: Query rows per key head (G * T) up to which half matmuls on the CPU run in float32: decode
 #: steps of G = 1 and 3 timed both ways (bench.decode_attention); larger G * T not measured.
