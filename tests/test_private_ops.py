@@ -58,9 +58,10 @@ PRIVATE_OPS = {
         "nothing: it checks its operands' dtypes and shapes, and gave exact sums on empty M, K or N and on operands at odd "
         "offsets (tests/test_quantize_int8_rows.py)"),
     "torch._dynamo": PrivateOp(
-        ("models/compiled_step.py",), None,
+        ("models/compiled_step.py", "backends/paged.py"), None,
         "nothing: reset_code drops the graphs Dynamo keeps on a code object the compiled step owns "
-        "(tests/models/test_generate_compile.py)"),
+        "(tests/models/test_generate_compile.py); maybe_mark_dynamic marks the sizes a paged batch's one call changes from "
+        "step to step (a hint only: a size it cannot keep symbolic gets a graph of its own; tests/test_paged_rows.py)"),
     "torch._inductor": PrivateOp(
         ("linear/projection.py", "models/compiled_step.py"), None,
         "nothing: its config's freezing (per thread from torch 2.12), on while the compiled step runs (projection.freezing; "

@@ -34,10 +34,13 @@ from . import _checks, arguments
 from .arguments import Arguments, check_backend, for_run
 from .backends import math as math_backend
 from .backends.blocks import joined
-from .backends.plan import Plan, float32_keys
+from .backends.paged import attend as attend_rows
+from .backends.paged import rows_over_own_keys
+from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, rows_in_one_call
 from .backends.plan import plan as plan_runner
 from .backends.spec import Spec
 from .cache import Attended, Cache, KVCache
+from .cache.paged_batch import PoolRows
 from .observe import report
 
 __all__ = ["WEIGHT_TERMS", "Plan", "attention", "attention_unchecked", "attention_weights", "check_backend", "merge_heads", "plan", "split_heads"]
@@ -157,7 +160,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
     stored = args.k.dtype if args.cache is None else args.cache.dtype
-    plans = [_for_run(args, rows, S, args.k.to(stored), args.v.to(stored), padding)[4] for rows, S in runs]
+    one_call = _rows_in_one_call(args)
+    plans = [_for_run(args, rows, S, args.k.to(stored), args.v.to(stored), padding)[4] for rows, S in runs
+             if not (one_call and rows.stop - rows.start == 1)]
+    if len(plans) < len(runs):  # one-token rows in one call
+        plans.insert(0, Plan("auto", ROWS_IN_ONE_CALL, ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
     if all(p.runner == plans[0].runner for p in plans):
         return plans[0]
     runners = "; ".join(dict.fromkeys(p.runner for p in plans))
@@ -187,8 +194,11 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says.
     A bfloat16 cache under float32 keys stores them rounded; attention then runs in bfloat16, the context back in float32."""
     q, k, v, spec, cache, _ = args
+    pool_rows = None
     if cache is None:
         runs = [Attended(slice(None), k, v, spec.attention_mask)]  # every query over every key
+    elif _rows_in_one_call(args):
+        runs, pool_rows = cache.append_rows(k.to(cache.dtype), v.to(cache.dtype), spec.attention_mask, check=check_cache)  # longer runs, one-token rows
     else:
         k, v = k.to(cache.dtype), v.to(cache.dtype)  # (B, Hkv, T, D) x2: as they are, but under a bfloat16 cache
         runs = cache.append(k, v, spec.attention_mask, in_order=arguments.in_order(spec), check=check_cache)  # one, or one per sequence
@@ -196,8 +206,31 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     for rows, keys, values, padding in runs:
         q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)
         contexts.append(chosen.run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
-    context = joined(contexts).to(q.dtype)  # (B, H, T, Dv)
+    context = joined(contexts) if pool_rows is None else _placed(args, runs, contexts, pool_rows)  # (B, H, T, Dv)
+    context = context.to(q.dtype)
     report("context", context)
+    return context
+
+
+def _rows_in_one_call(args: Arguments) -> bool:
+    """A paged batch made with ``compile=True`` whose call the plan lets attend its one-token rows in one call."""
+    return getattr(args.cache, "compile", False) and rows_in_one_call(args.q, args.spec, args.backend)
+
+
+def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_rows: PoolRows) -> Tensor:
+    """The (1, H, T, Dv) context of a paged batch: the longer runs' ``contexts`` at their rows, the one-token rows'
+    from one call over their blocks (``backends.paged``), in the pool's dtype."""
+    q, spec = args.q, args.spec
+    _, H, T, D = q.shape
+    Hkv, _, Dv = pool_rows.keys.shape
+    one = q[0, :, pool_rows.rows].to(pool_rows.keys.dtype)  # (H, N, D): each one-token sequence's query
+    one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
+    rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
+                       scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)
+    context = q.new_empty((1, H, T, Dv), dtype=pool_rows.keys.dtype)  # (1, H, T, Dv)
+    context[0, :, pool_rows.rows] = rows.flatten(1, 2).transpose(0, 1)  # (H, N, Dv)
+    for (part, *_), c in zip(runs, contexts, strict=True):
+        context[:, :, part] = c  # (1, H, T_run, Dv)
     return context
 
 

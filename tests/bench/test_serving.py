@@ -1,4 +1,4 @@
-"""The serving benchmarks on tiny shapes: the three strategies give the same tokens and the three ways of
+"""The serving benchmarks on tiny shapes: the three strategies give the same tokens and the ways of
 a decode step's attention the same outputs (against the float64 reference); the numbers add up."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from reference import reference_attention
 
-from headwise.bench.paged_attention import filled, padded, paged_attention, per_sequence
+from headwise.bench.paged_attention import filled, one_call, padded, paged_attention, per_sequence
 from headwise.bench.serving import markdown, paged_generate, request_mix, serving, static_generate
 from headwise.config import GPT2Config
 from headwise.models import GPT2LMHeadModel
@@ -33,12 +33,14 @@ def test_the_report_adds_up():
     assert (r.prompt_tokens, r.new_tokens) == (sum(len(p) for p in prompts), sum(new))
     assert r.static_slots == 3 * (max(len(p) for p in prompts) + max(new))
     assert r.same_tokens == r.requests  # what the tables claim: every strategy gives the same tokens
+    assert r.compiled_same_tokens == r.requests and r.compiled_s > 0
     assert r.paged_peak_tokens <= r.paged_peak_slots < r.paged_peak_tokens + 3 * 4
     assert r.paged_worst_ratio >= r.paged_peak_slots / r.paged_peak_tokens
     assert min(r.paged_s, r.chunked_s, r.one_at_a_time_s, r.static_s, r.decode_static_ms, r.decode_paged_view_ms, r.decode_paged_gather_ms) > 0
     text = markdown(r, "this machine")
     assert "| continuous batching, paged cache |" in text and "this machine" in text
-    assert "Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: 3 of 3." in text
+    assert "Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: 3 of 3; with compile=True: 3 of 3." in text
+    assert "| the same, compile=True (one call per layer for the next tokens) |" in text
     assert (r.chunked.max_step_tokens, r.unchunked.max_step_tokens) == (3, 2048) and "| 3 |" in text
     for t in (r.chunked, r.unchunked):
         assert 0 < t.gap_median_ms <= t.gap_max_ms and t.longest_step_ms > 0
@@ -62,17 +64,18 @@ def consecutive(blocks: list[int]) -> bool:
     return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
-def test_the_three_ways_of_a_decode_steps_attention_give_the_same_outputs():
+def test_the_ways_of_a_decode_steps_attention_give_the_same_outputs():
     lengths = [5, 17, 33, 2, 9]
-    pools = [filled(lengths, reserve=r, heads=2, head_dim=8, block_size=4, dtype=torch.float64, seed=1) for r in (True, False, True)]
+    pools = [filled(lengths, reserve=r, heads=2, head_dim=8, block_size=4, dtype=torch.float64, seed=1) for r in (True, False, True, False)]
     assert all(consecutive(pools[i].blocks(s)) for s in range(5) for i in (0, 2))  # reserved runs: read as views
     assert not consecutive(pools[1].blocks(1))  # written together without a reserve: interleaved, gathered
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))  # (1, H, N, D)
-    views, gathers, one_call = per_sequence(pools[0], q, k, v), per_sequence(pools[1], q, k, v), padded(pools[2], q, k, v)
+    views, gathers, padded_call = per_sequence(pools[0], q, k, v), per_sequence(pools[1], q, k, v), padded(pools[2], q, k, v)
+    blocks = one_call(pools[3], q, k, v)
     for s, n in enumerate(lengths):
         slots = pools[1]._slots[s][: n + 1]
         want = reference_attention(q[:, :, s : s + 1], pools[1].k[None, :, slots], pools[1].v[None, :, slots], causal=True)
-        for out in (views, gathers, one_call):
+        for out in (views, gathers, padded_call, blocks):
             torch.testing.assert_close(out[:, :, s : s + 1], want, rtol=0, atol=1e-12)
-    assert set(paged_attention(2, (3, 6), repeats=1)) == {"views", "gathers", "padded"}
+    assert set(paged_attention(2, (3, 6), repeats=1)) == {"views", "gathers", "padded", "one call, views", "one call, gathers"}

@@ -76,6 +76,12 @@ def test_greedy_requests_equal_each_generated_alone(name, block_size, num_blocks
 
 
 @pytest.mark.parametrize("name", MAKERS)
+def test_greedy_requests_equal_each_generated_alone_with_the_next_tokens_in_one_call(name):
+    outs = generate_many(model_named(name), prompts(), NEW, block_size=4, max_step_tokens=16, compile=True)
+    assert [out.tolist() for out in outs] == list(greedy_alone(name, 0))
+
+
+@pytest.mark.parametrize("name", MAKERS)
 def test_float32_requests_over_bfloat16_pools_equal_each_generated_alone_over_a_bfloat16_cache(name):
     model = copy.deepcopy(model_named(name)).float()
     got = generate_many(model, prompts(2), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.bfloat16)

@@ -253,6 +253,33 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+#: A paged batch's one-token rows in one call: sorted by their key counts, cut into up to this many calls of at
+#: least ``ROWS_PER_GROUP`` rows, so that fewer padded keys are computed (1, 2, 4 and 8 groups of 32 rows
+#: timed: bench.paged_attention's sizes; 4 the fastest in float32 and bfloat16).
+ROW_GROUPS = 4
+#: Rows below which a group is not cut again (a call's fixed cost against its padding); not tuned.
+ROWS_PER_GROUP = 8
+#: How a paged batch made with ``compile=True`` runs its one-token rows when ``rows_in_one_call`` says so.
+ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks (compiled)"
+ROWS_IN_ONE_CALL_WHY = (
+    "a paged batch made with compile=True, its one-token rows (decode steps) on the CPU with no term but causal, a window "
+    "and the scale: every sequence's query over its own blocks of the pool, read in place, in one compiled call per layer "
+    "(products and sums that inductor makes loops of), not one fused-kernel call per sequence"
+)
+
+
+def rows_in_one_call(q: Tensor, spec: Spec, backend: str) -> bool:
+    """Whether a paged batch made with ``compile=True`` attends its one-token rows in one call (``backends.paged``):
+    eager on the CPU, ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and the
+    scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
+    s = spec
+    return (
+        backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
+        and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and q.requires_grad) and s.mask is None
+        and s.documents is None and not s.changes_scores and s.sinks is None
+    )
+
+
 def choose(call: Call) -> Plan:
     """The first rule that serves ``call.backend`` and matches ``call``, as a ``Plan`` whose ``run`` runs it."""
     for rule in RULES:

@@ -1,7 +1,7 @@
-"""A decode step's attention over many sequences of a paged cache, three ways, timed interleaved.
+"""A decode step's attention over many sequences of a paged cache, five ways, timed interleaved.
 
-N sequences of seeded context lengths (default GPT-2 small's heads: H = Hkv = 12, D = 64, fp32,
-block_size 16), each adding one token, through one layer's ``PagedKVCache``:
+N sequences of seeded context lengths (default GPT-2 small's heads: H = Hkv = 12, D = 64, fp32 or
+bf16, block_size 16), each adding one token, through one layer's ``PagedKVCache``:
 
 - ``views``: what the ``Batcher`` does: each sequence's blocks set aside as one run
   (``add(..., reserve=)``), so ``attention`` reads its keys and values as a view of the pool,
@@ -11,9 +11,12 @@ block_size 16), each adding one token, through one layer's ``PagedKVCache``:
   sequence (a fragmented pool);
 - ``padded``: the same reserved pool read by ONE gather into (N, Hkv, S_max, D) and ONE SDPA
   call with a key-padding mask: fewer calls, but a copy of every key and value, padded to the
-  longest.
+  longest;
+- ``one call``, over the reserved pool and over the interleaved one: the batch made with
+  ``compile=True``, every sequence's query over its own blocks read in place, one compiled call
+  (``backends.paged``; compiled before the timed rounds).
 
-All three give the same outputs (tests/bench/test_serving.py); the times say which to use.
+All give the same outputs (tests/bench/test_serving.py); the times say which to use.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .. import _argtypes
 from ..cache import PagedKVCache
 from ..functional import attention
 from .timing import interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def filled(lengths: Sequence[int], *, reserve: bool, heads: int = 12, head_dim: int = 64, block_size: int = 16,
@@ -54,6 +59,12 @@ def per_sequence(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor
     return attention(q, k, v, causal=True, cache=paged.batch(ids, [1] * len(ids)))
 
 
+def one_call(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """(1, H, N, D) -> (1, H, N, D): the batch made with ``compile=True``: one call over every sequence's blocks."""
+    ids = paged.sequences
+    return attention(q, k, v, causal=True, cache=paged.batch(ids, [1] * len(ids), compile=True))
+
+
 def padded(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """(1, H, N, D) -> (1, H, N, D): the tokens appended, then one gather to (N, Hkv, S_max, D) and one masked SDPA."""
     ids = paged.sequences
@@ -71,19 +82,24 @@ def padded(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), *, repeats: int = 15, seed: int = 0) -> dict[str, float]:
+def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), *, repeats: int = 15, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Median ms of one decode step's attention (one layer) over ``sequences`` sequences of contexts uniform in ``context``."""
     rng = random.Random(seed)
     lengths = [rng.randint(*context) for _ in range(sequences)]
-    pools = {"views": filled(lengths, reserve=True), "gathers": filled(lengths, reserve=False), "padded": filled(lengths, reserve=True)}
-    ways: dict[str, Callable[[PagedKVCache, Tensor, Tensor, Tensor], Tensor]] = {"views": per_sequence, "gathers": per_sequence, "padded": padded}
+    pools = {name: filled(lengths, reserve=reserve, dtype=dtype, spare=64 + 2)
+             for name, reserve in (("views", True), ("gathers", False), ("padded", True), ("one call, views", True), ("one call, gathers", False))}
+    ways: dict[str, Callable[[PagedKVCache, Tensor, Tensor, Tensor], Tensor]] = {
+        "views": per_sequence, "gathers": per_sequence, "padded": padded, "one call, views": one_call, "one call, gathers": one_call}
     g = torch.Generator().manual_seed(seed)
 
     def step(name: str) -> Callable[[], Tensor]:
         def run() -> Tensor:
-            q, k, v = (torch.randn(1, 12, sequences, 64, generator=g) for _ in range(3))  # (1, H, N, D)
+            q, k, v = (torch.randn(1, 12, sequences, 64, generator=g, dtype=dtype) for _ in range(3))  # (1, H, N, D)
             return ways[name](pools[name], q, k, v)
         return run
+
+    step("one call, views")(), step("one call, gathers")()  # compiled here, not in a timed round (a token each: 2 more spare)
 
     times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)  # each call adds a token: 64 spare
     return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
@@ -95,15 +111,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=["fp32"], help="comma-separated: fp32, bf16 (default fp32)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"A decode step's attention, one layer, H = Hkv = 12, D = 64, fp32, block_size 16; {machine()}\n")
-    print("| sequences | contexts | one SDPA per sequence, views (ms) | ... gathers | one padded SDPA |\n|---:|---|---:|---:|---:|")
-    for n, context in ((8, (50, 1300)), (32, (50, 1300)), (32, (16, 64))):
-        ms = paged_attention(n, context)
-        print(f"| {n} | {context[0]}..{context[1]} | {ms['views']:.2f} | {ms['gathers']:.2f} ({ms['gathers'] / ms['views']:.1f}x) "
-              f"| {ms['padded']:.2f} ({ms['padded'] / ms['views']:.1f}x) |")
+    print(f"A decode step's attention, one layer, H = Hkv = 12, D = 64, block_size 16; {machine()}; ms (over the views' time)\n")
+    print("| dtype | sequences | contexts | one SDPA per sequence, views | ... gathers | one padded SDPA | one call, views | one call, gathers |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for dtype in args.dtypes:
+        for n, context in ((8, (50, 1300)), (32, (50, 1300)), (32, (16, 64))):
+            ms = paged_attention(n, context, dtype=DTYPES[dtype])
+            others = " | ".join(f"{ms[w]:.2f} ({ms[w] / ms['views']:.2f}x)" for w in ("gathers", "padded", "one call, views", "one call, gathers"))
+            print(f"| {dtype} | {n} | {context[0]}..{context[1]} | {ms['views']:.2f} | {others} |")
 
 
 if __name__ == "__main__":

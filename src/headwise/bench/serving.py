@@ -20,8 +20,10 @@ whole model at one context through a ``KVCache``, through a ``PagedKVCache`` who
 consecutive (read as a view) and through one whose blocks are scattered (gathered: a copy of
 every key and value read).
 
-``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole)
-and again with ``chunk`` (256): a long prompt fed in chunks over several steps. For each, the
+``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole),
+again with ``chunk`` (256): a long prompt fed in chunks over several steps, and ``compiled``: the
+default with ``Batcher(compile=True)`` (the running requests' next tokens in one call per layer over
+their blocks; its kernels compiled before the timed runs, on a small mix of the same model). For each, the
 longest step and the running requests' time between two of their tokens (median and worst)
 say how long a joining prompt stalls the others.
 """
@@ -83,6 +85,7 @@ class ServingReport:
     block_size: int
     paged_s: float
     chunked_s: float  # the same paged run with max_step_tokens = chunk
+    compiled_s: float  # the same paged run with Batcher(compile=True)
     chunked: StepTimes
     unchunked: StepTimes  # and with the default max_step_tokens
     one_at_a_time_s: float
@@ -92,6 +95,7 @@ class ServingReport:
     paged_worst_ratio: float  # max over steps of slots held / tokens held
     static_slots: int  # B x max_len
     same_tokens: int  # requests whose paged tokens equal their one-at-a-time tokens
+    compiled_same_tokens: int  # requests whose Batcher(compile=True) tokens equal their one-at-a-time tokens
     decode_context: int
     decode_static_ms: float
     decode_paged_view_ms: float
@@ -146,11 +150,13 @@ def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: 
 
 
 def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None,
-                   *, max_step_tokens: int = 2048, steps: list | None = None, cache_dtype: torch.dtype | None = None) -> list[list[int]]:
+                   *, max_step_tokens: int = 2048, steps: list | None = None, cache_dtype: torch.dtype | None = None,
+                   compile: bool = False) -> list[list[int]]:
     """Greedy generation through the ``Batcher``; ``watch`` collects (slots held, tokens held) after every step,
     ``steps`` (start, end, request ids given a token) of every step."""
     num_blocks = sum(math.ceil((len(p) + n - 1) / block_size) for p, n in zip(prompts, max_new, strict=True))
-    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype)
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype,
+                      compile=compile)
     for p, n in zip(prompts, max_new, strict=True):
         batcher.submit(p, n)
     out: list[list[int]] = [[] for _ in prompts]
@@ -234,24 +240,32 @@ def serving(
         steps["chunked"].clear()
         results["chunked"] = paged_generate(model, prompts, max_new, block_size, max_step_tokens=chunk, steps=steps["chunked"], cache_dtype=cache_dtype)
 
+    def run_compiled() -> None:
+        results["compiled"] = paged_generate(model, prompts, max_new, block_size, cache_dtype=cache_dtype, compile=True)
+
     def run_alone() -> None:
         results["alone"] = [static_generate(model, [p], [n], cache_dtype)[0] for p, n in zip(prompts, max_new, strict=True)]
 
     def run_static() -> None:
         results["static"] = static_generate(model, prompts, max_new, cache_dtype)
 
-    times = interleaved({"paged": run_paged, "chunked": run_chunked, "one_at_a_time": run_alone, "static": run_static}, repeats=repeats)
+    small, small_new = request_mix(4, prompt=(16, 64), new=(4, 8), vocab=config.vocab_size, seed=seed + 1)
+    paged_generate(model, small[:1], small_new[:1], block_size, cache_dtype=cache_dtype, compile=True)  # compiles: one sequence,
+    paged_generate(model, small, small_new, block_size, cache_dtype=cache_dtype, compile=True)  # then several
+    strategies = {"paged": run_paged, "chunked": run_chunked, "compiled": run_compiled, "one_at_a_time": run_alone, "static": run_static}
+    times = interleaved(strategies, repeats=repeats)
     median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     peak_slots, peak_tokens = max(watch)
     decode = interleaved(_decode_steps(model, decode_context, block_size, cache_dtype), repeats=decode_repeats, warmup=2)
     ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
     return ServingReport(
         requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
-        paged_s=median["paged"], chunked_s=median["chunked"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
+        paged_s=median["paged"], chunked_s=median["chunked"], compiled_s=median["compiled"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
         chunked=StepTimes.of(chunk, steps["chunked"]), unchunked=StepTimes.of(2048, steps["unchunked"]),
         paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
         same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
+        compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)),
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
         cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."),
@@ -264,13 +278,15 @@ def markdown(r: ServingReport, machine: str = "") -> str:
              f"{r.dtype}" + (f" with {r.cache_dtype} caches" if r.cache_dtype != r.dtype else "") + f", block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
     strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
+                  ("the same, compile=True (one call per layer for the next tokens)", r.compiled_s),
                   ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
     for name, s in strategies:
         lines.append(f"| {name} | {s:.1f} | {r.tokens_per_s(s):.0f} | {s / r.paged_s:.2f} |")
     lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
               f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
               f"| static batch, B x max_len | {r.static_slots} | {r.static_slots / r.paged_peak_tokens:.2f} |",
-              "", f"Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: {r.same_tokens} of {r.requests}.", "",
+              "", f"Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: {r.same_tokens} of {r.requests}; "
+              f"with compile=True: {r.compiled_same_tokens} of {r.requests}.", "",
               "| paged, max_step_tokens | longest step ms | between a request's tokens: median ms | worst ms |", "|---|---:|---:|---:|",
               *(f"| {t.max_step_tokens} | {t.longest_step_ms:.0f} | {t.gap_median_ms:.1f} | {t.gap_max_ms:.0f} |" for t in (r.unchunked, r.chunked)), "",
               f"| decode step, one sequence, context {r.decode_context} | ms | / KVCache |", "|---|---:|---:|"]

@@ -103,9 +103,13 @@ class PagedKVCache(Owned):
         grow, copy = self._growth(seq_id, _checks.integer("new_tokens", new_tokens, low=0))
         return grow + copy
 
-    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
-        """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order."""
-        return PagedBatch(self, seq_ids, new_tokens)
+    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> PagedBatch:
+        """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order.
+
+        ``compile=True``: the sequences with one new token (a decode step's) may attend in one call over their
+        blocks, read in place, compiled by ``torch.compile`` at its first use (``headwise.plan`` says when they do).
+        """
+        return PagedBatch(self, seq_ids, new_tokens, compile=compile)
 
     def add(self, seq_id: int, *, reserve: int = 0) -> None:
         """Open an empty sequence ``seq_id`` (any int not open already).

@@ -3,13 +3,17 @@
 The queries, keys and values hold the new tokens of ``seq_ids`` in one row, (1, H, T, D) with
 T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each sequence's
 queries attend over its own tokens only, from its ``first_held`` on (ragged: no padding).
+
+Made with ``compile=True``, a batch offers ``append_rows``: the sequences with one new token (a decode
+step's) are answered together as ``PoolRows`` (their block tables over the pool, read in place by
+one compiled call: ``backends.paged``), the others as ``Attended`` runs.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,6 +25,21 @@ if TYPE_CHECKING:
     from .paged import PagedKVCache
 
 
+class PoolRows(NamedTuple):
+    """The one-token sequences of a paged batch, read in place: query ``rows[n]`` (an index into T) attends over keys
+    0 .. seen_to[n] - 1 of its block table, key j at pool slot ``tables[n, j // block_size] * block_size + j % block_size``.
+
+    Shapes: rows, seen_to (N,) long; tables (N, nb) long (padded with block 0); keys, values (Hkv, P, D): the pool.
+    """
+
+    rows: Tensor
+    tables: Tensor
+    seen_to: Tensor
+    keys: Tensor
+    values: Tensor
+    block_size: int
+
+
 class PagedBatch:
     """The cache protocol for ``attention`` over the next tokens of some sequences of a ``PagedKVCache``:
     made by ``paged.batch(seq_ids, new_tokens)`` for one forward pass of one layer."""
@@ -28,7 +47,7 @@ class PagedBatch:
     window: int | None  # the pool's: attention must apply the window it gives blocks back for
     padded = False  # it packs real tokens only
 
-    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> None:
+    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> None:
         seq_ids, new_tokens = list(seq_ids), list(new_tokens)
         self.starts = [cache.length(s) for s in seq_ids]  # each sequence's length before this step
         if len(set(seq_ids)) != len(seq_ids):
@@ -38,6 +57,7 @@ class PagedBatch:
         for n in new_tokens:
             _checks.positive_int("new_tokens (each count)", n)
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
+        self.compile = _checks.boolean("compile", compile)  # attention may take its one-token rows in one call (append_rows)
         bounds = [0, *itertools.accumulate(new_tokens)]
         self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self._done = False
@@ -78,6 +98,32 @@ class PagedBatch:
             + new_tokens[i] - first_held keys and values, (1, Hkv, S_i, D) each, oldest first (``in_order`` asks
             nothing more; a sliding cache's newest, as causal attention aligned bottom-right expects), no padding.
         """
+        self._write(k, v, attention_mask, check)
+        return [Attended(rows, *self._read(s), None) for s, rows in zip(self.seq_ids, self._rows, strict=True)]  # (1, Hkv, S_i, D) each
+
+    def append_rows(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, check: bool = True
+    ) -> tuple[list[Attended], PoolRows | None]:
+        """``append``, answering the sequences with one new token as one ``PoolRows`` (their tables, nothing read
+        or gathered) and the others as ``Attended`` runs; None when no sequence has one new token."""
+        self._write(k, v, attention_mask, check)
+        cache, one = self.cache, [i for i, n in enumerate(self.new_tokens) if n == 1]
+        runs = [Attended(self._rows[i], *self._read(self.seq_ids[i]), None) for i, n in enumerate(self.new_tokens) if n != 1]
+        if not one:
+            return runs, None
+        tables = [cache._tables[self.seq_ids[i]] for i in one]
+        width = max(len(t) for t in tables)
+        device = cache.k.device
+        seen_to = [cache._lens[self.seq_ids[i]] - cache.first_held(self.seq_ids[i]) for i in one]  # the keys each holds
+        rows = PoolRows(
+            torch.tensor([self._rows[i].start for i in one], device=device),  # (N,)
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),  # (N, nb)
+            torch.tensor(seen_to, device=device), cache.k, cache.v, cache.block_size,  # (N,), (Hkv, P, D) x2
+        )
+        return runs, rows
+
+    def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, check: bool) -> None:
+        """Check (unless told not to), take the blocks, write the keys and values and the new lengths."""
         cache = self.cache
         if check:
             self._check(k, v, attention_mask)
@@ -89,7 +135,6 @@ class PagedBatch:
             cache.v.index_copy_(1, where, v[0])
         for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
             cache._lens[seq_id] = a + n
-        return [Attended(rows, *self._read(s), None) for s, rows in zip(self.seq_ids, self._rows, strict=True)]  # (1, Hkv, S_i, D) each
 
     def _where(self) -> Tensor:
         """(T,) the pool slots of the row's new tokens, packed in order."""

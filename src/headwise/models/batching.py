@@ -64,6 +64,10 @@ class Batcher:
         cache_dtype: what the pools hold, as ``model.generate``'s: None = the model's dtype;
             ``torch.bfloat16`` for a float32 model (half the bytes a token keeps; a request's tokens then
             equal ``generate(..., cache_dtype=torch.bfloat16)``'s).
+        compile: every layer attends the running requests' next tokens in one call over their blocks
+            (``PagedKVCache.batch(..., compile=True)``), compiled by ``torch.compile`` at the first steps
+            (seconds, once per process and kind of layer); the per-sequence fused-kernel calls otherwise.
+            Its logits differ from the per-sequence calls' by rounding only.
 
     Example:
         >>> import headwise as hw
@@ -77,13 +81,15 @@ class Batcher:
     """
 
     def __init__(
-        self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048, cache_dtype: torch.dtype | None = None
+        self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048,
+        cache_dtype: torch.dtype | None = None, compile: bool = False,
     ) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
             _checks.positive_int(name, value)
         if not hasattr(model, "new_paged_caches"):
             raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
+        self.compile = _checks.boolean("compile", compile)
         self.caches = model.new_paged_caches(num_blocks, block_size, cache_dtype)
         self._computes = self._weight.dtype, self._weight.device  # what the caches were made for
         self.window = sliding_window(c.window for c in self.caches)  # when every layer's cache slides: blocks before each window go back
@@ -233,7 +239,7 @@ class Batcher:
         rows = torch.tensor([end - 1 for f, end in zip(feeds, ends, strict=True) if f.emits], dtype=torch.long, device=device)  # (N,)
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         position_ids = torch.tensor([positions], device=device)  # (1, T)
-        batches = [c.batch([f.request.id for f in feeds], counts) for c in self.caches]
+        batches = [c.batch([f.request.id for f in feeds], counts, compile=self.compile) for c in self.caches]
         logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=not trusts(self.model))  # (1, N, vocab)
         return self._sample([f.request for f in feeds if f.emits], logits[0])
 
@@ -273,6 +279,7 @@ def generate_many(
     seed: int | None = None,
     max_step_tokens: int = 2048,
     cache_dtype: torch.dtype | None = None,
+    compile: bool = False,
 ) -> list[Tensor]:
     """Generate a continuation of every prompt by continuous batching through a paged cache.
 
@@ -285,7 +292,7 @@ def generate_many(
         num_blocks: blocks per layer's pool; default: room for every request at once.
         temperature, top_k: as ``model.generate`` (0 = greedy).
         seed: request i samples with ``torch.Generator().manual_seed(seed + i)``.
-        max_step_tokens, cache_dtype: see ``Batcher``.
+        max_step_tokens, cache_dtype, compile: see ``Batcher``.
 
     Returns:
         One (n_i,) tensor of new ids per prompt, n_i <= max_new_tokens[i]; each equals the new
@@ -316,7 +323,8 @@ def generate_many(
         num_blocks = sum(
             worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)
         )
-    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype)
+    batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype,
+                      compile=compile)
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
         batcher.submit(prompt, n, eos_token_id=eos_token_id, temperature=temperature, top_k=top_k, seed=None if seed is None else seed + i)
     out: list[list[int]] = [[] for _ in prompts]

@@ -1,0 +1,121 @@
+"""The one-token rows of a paged batch in one call: every sequence's query over its own blocks of the pool, read in place.
+
+A paged decode step would otherwise attend sequence by sequence: one fused-kernel call per
+sequence and layer, each a view (or a gathered copy) of its keys. ``rows_over_blocks`` takes the
+pool and each sequence's block table instead (vLLM's PagedAttention): key j of sequence n is slot
+j % Bs of block ``tables[n, j // Bs]``, the pool seen as (Hkv, blocks, Bs, D), indexed a block at a time. Written as broadcast products and sums in float32 (or
+wider, as ``math``'s ``summed``), it is run compiled (``compiled``, one ``torch.compile`` per kind
+of call): inductor turns the indexing, the products, the softmax and the weighted sum into loops
+that read each key and value once from the pool, for every sequence in one call. Each table runs
+to the longest sequence's blocks (padded with block 0); the keys past a sequence's own are masked.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .spec import Spec
+
+
+def rows_over_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor,
+                     block_size: int, scale: float) -> Tensor:
+    """Attention of one query row per sequence over its own keys in the pool.
+
+    Args:
+        q: (N, Hkv, G, D) the N sequences' queries, G query heads per key head.
+        k_pool, v_pool: (Hkv, P, D) and (Hkv, P, Dv): a ``PagedKVCache``'s pool, P = blocks * Bs slots.
+        tables: (N, nb) long: each sequence's blocks in order (then any block: padding).
+        seen_from, seen_to: (N,) long: the keys j of its table each row attends over, seen_from <= j < seen_to
+            (seen_to >= seen_from + 1: a one-token row sees its own key).
+        block_size: Bs.
+        scale: the scores' factor.
+
+    Returns:
+        (N, Hkv, G, Dv) in q's dtype; logits, softmax and sums in float32 (or q's dtype if wider).
+    """
+    wide = torch.promote_types(q.dtype, torch.float32)
+    (Hkv, P, D), Dv, nb = k_pool.shape, v_pool.shape[-1], tables.shape[1]
+    j = torch.arange(nb * block_size, device=q.device)  # (S,): key j of every table, S = nb * Bs
+    seen = (j >= seen_from[:, None]) & (j < seen_to[:, None])  # (N, S)
+    k = k_pool.view(Hkv, P // block_size, block_size, D)[:, tables]  # (Hkv, N, nb, Bs, D): read in the loops, not copied (compiled)
+    v = v_pool.view(Hkv, P // block_size, block_size, Dv)[:, tables]  # (Hkv, N, nb, Bs, Dv)
+    rows = q.transpose(0, 1).to(wide)[:, :, :, None, None]  # (Hkv, N, G, 1, 1, D)
+    scores = (rows * k.to(wide)[:, :, None]).sum(-1).flatten(-2) * scale  # (Hkv, N, G, S)
+    weights = scores.masked_fill(~seen[None, :, None], float("-inf")).softmax(-1)  # (Hkv, N, G, S)
+    context = (weights.unflatten(-1, (nb, block_size))[..., None] * v.to(wide)[:, :, None]).sum((-3, -2))  # (Hkv, N, G, Dv)
+    return context.transpose(0, 1).to(q.dtype)  # (N, Hkv, G, Dv)
+
+
+def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: Tensor, *, block_size: int, scale: float,
+           window: int | None, groups: int, rows_per_group: int) -> Tensor:
+    """The one-token rows over their blocks, compiled, the rows sorted by their key counts and cut into up to ``groups``
+    calls of at least ``rows_per_group`` rows, each table cut to its group's longest (less padding to compute).
+
+    Args:
+        q: (N, Hkv, G, D). k_pool, v_pool: (Hkv, P, D), (Hkv, P, Dv). tables: (N, nb) long, padded with block 0.
+        seen_to: (N,) long, the keys each row sees, the newest last: keys j < seen_to (and j >= seen_to - window).
+
+    Returns:
+        (N, Hkv, G, Dv) in q's dtype.
+    """
+    Hkv, G = q.shape[1], q.shape[2]
+    seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)  # (N,)
+    run = compiled(block_size, scale, (k_pool.dtype, k_pool.device, Hkv, G, q.shape[-1], v_pool.shape[-1]))
+    count = max(1, min(groups, q.shape[0] // rows_per_group))
+    if count == 1:
+        return run(q, k_pool, v_pool, tables, seen_from, seen_to)
+    out = q.new_empty(*q.shape[:3], v_pool.shape[-1])  # (N, Hkv, G, Dv)
+    for part in seen_to.argsort().tensor_split(count):  # rows of similar key counts together
+        width = -(-int(seen_to[part[-1]]) // block_size)  # the group's longest table
+        out[part] = run(q[part], k_pool, v_pool, tables[part, :width], seen_from[part], seen_to[part])
+    return out
+
+
+_compiled: dict[tuple, Callable[..., Tensor]] = {}
+_lock = threading.Lock()
+
+
+def compiled(block_size: int, scale: float, key: tuple) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """``rows_over_blocks(q, k_pool, v_pool, tables, seen_from, seen_to)`` compiled for one kind of call: the block size
+    and scale held fixed, and ``key`` (the pool's dtype and device, heads, head sizes) kept apart.
+
+    Each kind runs a code object of its own, so that one kind's graphs do not count against another's
+    ``recompile_limit``. The sizes that change from call to call (sequences, blocks per table, the pool's
+    slots) are marked dynamic at each call; heads and head size stay fixed, so inductor's loops over them are static.
+    """
+    with _lock:
+        fn = _compiled.get((block_size, scale, key))
+        if fn is None:
+            def run(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor) -> Tensor:
+                return rows_over_blocks(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)
+
+            own = types.FunctionType(run.__code__.replace(), run.__globals__, "rows_over_blocks", None, run.__closure__)
+            fn = _compiled[(block_size, scale, key)] = _marked(torch.compile(own, fullgraph=True, dynamic=False))
+        return fn
+
+
+def _marked(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` with its sequences, table width and pool slots marked dynamic at each call (a size 1 stays a graph of its own)."""
+
+    def call(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor) -> Tensor:
+        for t, dim in ((q, 0), (tables, 0), (tables, 1), (seen_from, 0), (seen_to, 0), (k_pool, 1), (v_pool, 1)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        return fn(q, k_pool, v_pool, tables, seen_from, seen_to)
+
+    return call
+
+
+def rows_over_own_keys(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """The same call as a runner of one query per row (``headwise.plan``'s ``run`` for such rows): (B, H, 1, D) over
+    (B, Hkv, S, D) and (B, Hkv, S, Dv), each row's keys a pool of blocks of one key; (B, H, 1, Dv)."""
+    B, H, _, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    table, seen_to = torch.arange(S, device=q.device)[None], torch.full((1,), S, device=q.device)  # (1, S): key j in slot j; (1,)
+    rows = [attend(q[b : b + 1, :, 0].reshape(1, Hkv, H // Hkv, D).to(k.dtype), k[b].contiguous(), v[b].contiguous(), table, seen_to,
+                   block_size=1, scale=spec.scale, window=spec.window, groups=1, rows_per_group=1) for b in range(B)]  # (1, Hkv, G, Dv) each
+    return torch.cat(rows).reshape(B, H, 1, -1)  # (B, H, 1, Dv)

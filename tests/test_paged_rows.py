@@ -1,0 +1,140 @@
+"""A paged batch's one-token rows in one call (``PagedKVCache.batch(..., compile=True)``, ``backends.paged``): against
+the float64 reference, beside the per-sequence path, in the plan, under the ``Batcher``, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import reference_attention
+
+import headwise as hw
+from headwise.backends import paged as paged_runner
+from headwise.backends.plan import ROWS_IN_ONE_CALL
+from headwise.backends.spec import Spec
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def pool_of(lengths, *, Hkv=2, D=8, block_size=4, dtype=torch.float32, scattered=True, window=None, seed=0):
+    """A pool holding sequences 0..N-1 with ``lengths`` keys, written together a block at a time (their blocks
+    interleave) or each in a run set aside for it; and each sequence's keys and values as written, (1, Hkv, n, D)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = hw.PagedKVCache(sum(-(-(n + 8) // block_size) for n in lengths) + 2, block_size, Hkv, D, dtype=dtype, window=window)
+    keys: dict[int, list] = {s: [] for s in range(len(lengths))}
+    values: dict[int, list] = {s: [] for s in range(len(lengths))}
+    for s, n in enumerate(lengths):
+        pool.add(s, reserve=0 if scattered else n + 8)
+    for start in range(0, max(lengths), block_size):
+        ids = [s for s, n in enumerate(lengths) if n > start]
+        counts = [min(block_size, lengths[s] - start) for s in ids]
+        k, v = (torch.randn(1, Hkv, sum(counts), D, generator=g).to(dtype) for _ in range(2))  # (1, Hkv, T, D)
+        pool.batch(ids, counts).append(k, v)
+        at = 0
+        for s, n in zip(ids, counts, strict=True):
+            keys[s].append(k[:, :, at : at + n])
+            values[s].append(v[:, :, at : at + n])
+            at += n
+    return pool, {s: torch.cat(keys[s], 2) for s in keys}, {s: torch.cat(values[s], 2) for s in values}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,window", [(1, None), (3, None), (2, 5)])
+def test_rows_over_blocks_against_the_float64_reference(dtype, G, window):
+    lengths = [5, 17, 1, 9]
+    pool, keys, values = pool_of(lengths, dtype=dtype)
+    Hkv, _, D = pool.k.shape
+    assert not all(pool.blocks(s) == list(range(pool.blocks(s)[0], pool.blocks(s)[0] + len(pool.blocks(s)))) for s in range(4))
+    width = max(len(pool.blocks(s)) for s in range(4))
+    tables = torch.tensor([pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in range(4)])  # (N, nb)
+    seen_to = torch.tensor(lengths)
+    seen_from = torch.zeros(4, dtype=torch.long) if window is None else (seen_to - window).clamp(min=0)
+    q = torch.randn(4, Hkv, G, D, generator=torch.Generator().manual_seed(1)).to(dtype)  # (N, Hkv, G, D)
+    got = paged_runner.rows_over_blocks(q, pool.k, pool.v, tables, seen_from, seen_to, pool.block_size, D**-0.5)  # eager
+    assert got.shape == (4, Hkv, G, D) and got.dtype == dtype
+    for s in range(4):
+        want = reference_attention(q[s].reshape(1, Hkv * G, 1, D).double(), keys[s].double(), values[s].double(), causal=True, window=window)
+        torch.testing.assert_close(got[s].reshape(1, Hkv * G, 1, D).double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_rows_in_groups_of_similar_length_against_the_float64_reference(window):
+    lengths = [5, 40, 1, 9, 23, 3, 31]
+    pool, keys, values = pool_of(lengths, scattered=False)
+    Hkv, _, D = pool.k.shape
+    width = max(len(pool.blocks(s)) for s in range(7))
+    tables = torch.tensor([pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in range(7)])  # (N, nb)
+    q = torch.randn(7, Hkv, 2, D, generator=torch.Generator().manual_seed(4))  # (N, Hkv, G, D)
+    got = paged_runner.attend(q, pool.k, pool.v, tables, torch.tensor(lengths), block_size=pool.block_size, scale=0.3, window=window,
+                              groups=3, rows_per_group=2)  # three compiled calls, each table cut to its group's longest
+    for s in range(7):
+        want = reference_attention(q[s].reshape(1, Hkv * 2, 1, D).double(), keys[s].double(), values[s].double(), causal=True,
+                                   window=window, scale=0.3)
+        torch.testing.assert_close(got[s].reshape(1, Hkv * 2, 1, D).double(), want, **TOL[torch.float32])
+
+
+def step_inputs(counts, *, H, Hkv, D, dtype, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(counts)
+    return torch.randn(1, H, T, D, generator=g).to(dtype), *(torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,window", [(2, None), (4, 6)])
+def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, H, window):
+    lengths, counts = [5, 17, 1, 9], [1, 3, 1, 1]  # three one-token rows in one call, one run of three beside them
+    q, k, v = step_inputs(counts, H=H, Hkv=2, D=8, dtype=dtype)
+    outs = {}
+    for compile in (True, False):
+        pool, keys, values = pool_of(lengths, dtype=dtype, window=window)
+        batch = pool.batch([0, 1, 2, 3], counts, compile=compile)
+        runner = hw.plan(q, k, v, causal=True, window=window, cache=batch).runner
+        assert (ROWS_IN_ONE_CALL in runner) == compile
+        outs[compile] = hw.attention(q, k, v, causal=True, window=window, cache=batch)  # (1, H, T, D)
+        assert [pool.length(s) for s in range(4)] == [n + c for n, c in zip(lengths, counts, strict=True)]
+    at = 0
+    for s, c in enumerate(counts):
+        ks = torch.cat([keys[s], k[:, :, at : at + c]], 2).double()
+        vs = torch.cat([values[s], v[:, :, at : at + c]], 2).double()
+        want = reference_attention(q[:, :, at : at + c].double(), ks, vs, causal=True, window=window)
+        torch.testing.assert_close(outs[True][:, :, at : at + c].double(), want, **TOL[dtype])
+        at += c
+    torch.testing.assert_close(outs[True], outs[False], **TOL[dtype])
+
+
+def test_the_plan_takes_one_call_only_where_it_computes_every_term():
+    pool, _, _ = pool_of([5, 9])
+    q, k, v = step_inputs([1, 1], H=2, Hkv=2, D=8, dtype=torch.float32)
+    one = hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True))
+    assert (one.runner, one.backend) == (ROWS_IN_ONE_CALL, "auto")
+    mixed = hw.plan(*step_inputs([1, 2], H=2, Hkv=2, D=8, dtype=torch.float32), causal=True, cache=pool.batch([0, 1], [1, 2], compile=True))
+    assert mixed.runner.startswith(f"per sequence: {ROWS_IN_ONE_CALL}; ")
+    for kw in ({"softcap": 30.0}, {"backend": "sdpa"}, {"backend": "math"}, {"alibi_slopes": torch.ones(2)}):
+        assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
+    assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner
+    assert [pool.length(s) for s in (0, 1)] == [5, 9]  # a plan writes nothing
+
+
+def test_its_plans_run_is_the_same_call_over_each_rows_own_keys():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
+    for window in (None, 4):
+        got = paged_runner.rows_over_own_keys(q, k, v, Spec(1, 11, causal=True, window=window, scale=8**-0.5))
+        torch.testing.assert_close(got.double(), reference_attention(q.double(), k.double(), v.double(), causal=True, window=window))
+
+
+def test_a_refused_call_changes_nothing():
+    pool, _, _ = pool_of([5, 9])
+    before = (pool.k.clone(), [pool.length(s) for s in (0, 1)], pool.free_blocks)
+    q, k, v = step_inputs([1, 1], H=2, Hkv=2, D=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="shape"):
+        hw.attention(q, k[:, :, :1], v[:, :, :1], causal=True, cache=pool.batch([0, 1], [1, 1], compile=True))
+    assert torch.equal(pool.k, before[0]) and [pool.length(s) for s in (0, 1)] == before[1] and pool.free_blocks == before[2]
+
+
+def test_compile_must_be_a_bool():
+    pool, _, _ = pool_of([5])
+    with pytest.raises(TypeError, match="compile must be True or False, got int 1"):
+        pool.batch([0], [1], compile=1)
+    model = hw.models.GPT2LMHeadModel(hw.GPT2Config(vocab_size=11, n_positions=16, n_embd=8, n_layer=1, n_head=2))
+    with pytest.raises(TypeError, match="compile must be True or False, got str 'yes'"):
+        hw.models.Batcher(model, num_blocks=4, compile="yes")
