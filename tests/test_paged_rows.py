@@ -78,31 +78,32 @@ def step_inputs(counts, *, H, Hkv, D, dtype, seed=2):
     return torch.randn(1, H, T, D, generator=g).to(dtype), *(torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
 @pytest.mark.parametrize("H,window", [(2, None), (4, 6)])
-def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, H, window):
+def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, window):
     lengths, counts = [5, 17, 1, 9], [1, 3, 1, 1]  # three one-token rows in one call, one run of three beside them
     q, k, v = step_inputs(counts, H=H, Hkv=2, D=8, dtype=dtype)
     outs = {}
     for compile in (True, False):
-        pool, keys, values = pool_of(lengths, dtype=dtype, window=window)
+        pool, keys, values = pool_of(lengths, dtype=stored, window=window)
         batch = pool.batch([0, 1, 2, 3], counts, compile=compile)
         runner = hw.plan(q, k, v, causal=True, window=window, cache=batch).runner
-        assert (ROWS_IN_ONE_CALL in runner) == compile
+        assert (ROWS_IN_ONE_CALL in runner) == (compile and stored == torch.bfloat16)  # over float32 views: per sequence (faster)
         outs[compile] = hw.attention(q, k, v, causal=True, window=window, cache=batch)  # (1, H, T, D)
         assert [pool.length(s) for s in range(4)] == [n + c for n, c in zip(lengths, counts, strict=True)]
     at = 0
     for s, c in enumerate(counts):
-        ks = torch.cat([keys[s], k[:, :, at : at + c]], 2).double()
-        vs = torch.cat([values[s], v[:, :, at : at + c]], 2).double()
-        want = reference_attention(q[:, :, at : at + c].double(), ks, vs, causal=True, window=window)
-        torch.testing.assert_close(outs[True][:, :, at : at + c].double(), want, **TOL[dtype])
+        ks = torch.cat([keys[s], k[:, :, at : at + c].to(stored)], 2).double()  # as the pool holds them
+        vs = torch.cat([values[s], v[:, :, at : at + c].to(stored)], 2).double()
+        want = reference_attention(q[:, :, at : at + c].to(stored).double(), ks, vs, causal=True, window=window)
+        torch.testing.assert_close(outs[True][:, :, at : at + c].double(), want, **TOL[stored])
         at += c
-    torch.testing.assert_close(outs[True], outs[False], **TOL[dtype])
+    assert outs[True].dtype == dtype
+    torch.testing.assert_close(outs[True], outs[False], **TOL[stored])
 
 
 def test_the_plan_takes_one_call_only_where_it_computes_every_term():
-    pool, _, _ = pool_of([5, 9])
+    pool, _, _ = pool_of([5, 9], dtype=torch.bfloat16)
     q, k, v = step_inputs([1, 1], H=2, Hkv=2, D=8, dtype=torch.float32)
     one = hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True))
     assert (one.runner, one.backend) == (ROWS_IN_ONE_CALL, "auto")
@@ -112,6 +113,8 @@ def test_the_plan_takes_one_call_only_where_it_computes_every_term():
         assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
     assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner
     assert [pool.length(s) for s in (0, 1)] == [5, 9]  # a plan writes nothing
+    float32_pool, _, _ = pool_of([5, 9])  # over float32 views the fused kernel per sequence was the faster
+    assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=float32_pool.batch([0, 1], [1, 1], compile=True)).runner
 
 
 def test_its_plans_run_is_the_same_call_over_each_rows_own_keys():
@@ -123,7 +126,7 @@ def test_its_plans_run_is_the_same_call_over_each_rows_own_keys():
 
 
 def test_a_refused_call_changes_nothing():
-    pool, _, _ = pool_of([5, 9])
+    pool, _, _ = pool_of([5, 9], dtype=torch.bfloat16)
     before = (pool.k.clone(), [pool.length(s) for s in (0, 1)], pool.free_blocks)
     q, k, v = step_inputs([1, 1], H=2, Hkv=2, D=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="shape"):

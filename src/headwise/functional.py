@@ -214,7 +214,7 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
 
 def _rows_in_one_call(args: Arguments) -> bool:
     """A paged batch made with ``compile=True`` whose call the plan lets attend its one-token rows in one call."""
-    return getattr(args.cache, "compile", False) and rows_in_one_call(args.q, args.spec, args.backend)
+    return getattr(args.cache, "compile", False) and rows_in_one_call(args.q, args.spec, args.backend, args.cache.dtype)
 
 
 def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_rows: PoolRows) -> Tensor:

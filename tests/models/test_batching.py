@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import headwise as hw
+from headwise.backends.paged import attend
 from headwise.models import Batcher, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, generate_many
 
 V = 61
@@ -76,9 +77,16 @@ def test_greedy_requests_equal_each_generated_alone(name, block_size, num_blocks
 
 
 @pytest.mark.parametrize("name", MAKERS)
-def test_greedy_requests_equal_each_generated_alone_with_the_next_tokens_in_one_call(name):
-    outs = generate_many(model_named(name), prompts(), NEW, block_size=4, max_step_tokens=16, compile=True)
-    assert [out.tolist() for out in outs] == list(greedy_alone(name, 0))
+def test_requests_over_bfloat16_pools_with_the_next_tokens_in_one_call_equal_each_generated_alone(name, monkeypatch):
+    import headwise.functional as functional
+
+    calls = []
+    monkeypatch.setattr(functional, "attend_rows", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
+    model = copy.deepcopy(model_named(name)).float()
+    got = generate_many(model, prompts(2), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.bfloat16, compile=True)
+    for out, prompt, n in zip(got, prompts(2), NEW, strict=True):
+        assert out.tolist() == alone(model, prompt, n, cache_dtype=torch.bfloat16)
+    assert calls and max(calls) >= 3  # the one call ran, for several requests at once
 
 
 @pytest.mark.parametrize("name", MAKERS)

@@ -262,19 +262,20 @@ ROWS_PER_GROUP = 8
 #: How a paged batch made with ``compile=True`` runs its one-token rows when ``rows_in_one_call`` says so.
 ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks (compiled)"
 ROWS_IN_ONE_CALL_WHY = (
-    "a paged batch made with compile=True, its one-token rows (decode steps) on the CPU with no term but causal, a window "
-    "and the scale: every sequence's query over its own blocks of the pool, read in place, in one compiled call per layer "
-    "(products and sums that inductor makes loops of), not one fused-kernel call per sequence"
+    "a paged batch made with compile=True over a bfloat16 pool, its one-token rows (decode steps) on the CPU with no term "
+    "but causal, a window and the scale: every sequence's query over its own blocks of the pool, read in place, in one "
+    "compiled call per layer (products and sums that inductor makes loops of) beats one fused-kernel call per sequence"
 )
 
 
-def rows_in_one_call(q: Tensor, spec: Spec, backend: str) -> bool:
+def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype) -> bool:
     """Whether a paged batch made with ``compile=True`` attends its one-token rows in one call (``backends.paged``):
-    eager on the CPU, ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and the
-    scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
+    eager on the CPU over a bfloat16 pool (``stored``; over float32 views the fused kernel per sequence was the faster:
+    bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window
+    and the scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
     s = spec
     return (
-        backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
+        stored == torch.bfloat16 and backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and q.requires_grad) and s.mask is None
         and s.documents is None and not s.changes_scores and s.sinks is None
     )
