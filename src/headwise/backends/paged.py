@@ -3,11 +3,13 @@
 A paged decode step would otherwise attend sequence by sequence: one fused-kernel call per
 sequence and layer, each a view (or a gathered copy) of its keys. ``rows_over_blocks`` takes the
 pool and each sequence's block table instead (vLLM's PagedAttention): key j of sequence n is slot
-j % Bs of block ``tables[n, j // Bs]``, the pool seen as (Hkv, blocks, Bs, D), indexed a block at a time. Written as broadcast products and sums in float32 (or
-wider, as ``math``'s ``summed``), it is run compiled (``compiled``, one ``torch.compile`` per kind
-of call): inductor turns the indexing, the products, the softmax and the weighted sum into loops
-that read each key and value once from the pool, for every sequence in one call. Each table runs
-to the longest sequence's blocks (padded with block 0); the keys past a sequence's own are masked.
+j % Bs of block ``tables[n, j // Bs]``, the pool seen as (Hkv, blocks, Bs, D) and indexed a block
+at a time. Written as broadcast products and sums in float32 (or wider, as ``math``'s ``summed``),
+it runs compiled (``compiled``, one ``torch.compile`` per kind of call): inductor turns the
+indexing, the products, the softmax and the weighted sum into loops that read each key and value
+once from the pool, for every sequence of a call. ``attend`` sorts the rows by their key counts
+and makes a few calls of similar lengths: each table runs to its call's longest (padded with
+block 0), and the keys past a sequence's own are masked.
 """
 
 from __future__ import annotations
