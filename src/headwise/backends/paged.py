@@ -48,8 +48,10 @@ def rows_over_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, 
     v = v_pool.view(Hkv, P // block_size, block_size, Dv)[:, tables]  # (Hkv, N, nb, Bs, Dv)
     rows = q.transpose(0, 1).to(wide)[:, :, :, None, None]  # (Hkv, N, G, 1, 1, D)
     scores = (rows * k.to(wide)[:, :, None]).sum(-1).flatten(-2) * scale  # (Hkv, N, G, S)
-    weights = scores.masked_fill(~seen[None, :, None], float("-inf")).softmax(-1)  # (Hkv, N, G, S)
-    context = (weights.unflatten(-1, (nb, block_size))[..., None] * v.to(wide)[:, :, None]).sum((-3, -2))  # (Hkv, N, G, Dv)
+    scores = scores.masked_fill(~seen[None, :, None], float("-inf"))  # (Hkv, N, G, S)
+    e = (scores - scores.amax(-1, keepdim=True)).exp()  # (Hkv, N, G, S): softmax's numerators (every row sees a key)
+    context = (e.unflatten(-1, (nb, block_size))[..., None] * v.to(wide)[:, :, None]).sum((-3, -2))  # (Hkv, N, G, Dv)
+    context = context / e.sum(-1)[..., None]  # divided once a row, not once a key
     return context.transpose(0, 1).to(q.dtype)  # (N, Hkv, G, Dv)
 
 
