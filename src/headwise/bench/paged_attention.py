@@ -14,7 +14,8 @@ bf16, block_size 16), each adding one token, through one layer's ``PagedKVCache`
   longest;
 - ``one call``, over the reserved pool and over the interleaved one: the batch made with
   ``compile=True``, every sequence's query over its own blocks read in place, one compiled call
-  (``backends.paged``; compiled before the timed rounds).
+  (``backends.paged``; compiled before the timed rounds). The plan takes it over bfloat16 pools
+  only: over float32 ones these columns time one call per sequence again.
 
 All give the same outputs (tests/bench/test_serving.py); the times say which to use.
 """
