@@ -39,7 +39,7 @@ from .backends.paged import rows_over_own_keys
 from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, rows_in_one_call
 from .backends.plan import plan as plan_runner
 from .backends.spec import Spec
-from .cache import Attended, Cache, KVCache
+from .cache import Attended, Cache, KVCache, PagedBatch
 from .cache.paged_batch import PoolRows
 from .observe import report
 
@@ -214,7 +214,8 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
 
 def _rows_in_one_call(args: Arguments) -> bool:
     """A paged batch made with ``compile=True`` whose call the plan lets attend its one-token rows in one call."""
-    return getattr(args.cache, "compile", False) and rows_in_one_call(args.q, args.spec, args.backend, args.cache.dtype)
+    cache = args.cache
+    return isinstance(cache, PagedBatch) and cache.compile and rows_in_one_call(args.q, args.spec, args.backend, cache.dtype)
 
 
 def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_rows: PoolRows) -> Tensor:
