@@ -273,7 +273,7 @@ def test_describe_reports_the_machine_and_the_decision(machine, vendor, capabili
     info = hl.describe()
     assert info["cpu"]["vendor"] == vendor and info["cpu"]["capability"] == capability
     assert info["torch"] == torch.__version__ and info["tested_torch"] == ["2.13"]
-    assert info["float32"]["path"] == fp32 and info["bfloat16"]["path"] == "torch"  # bf16 GEMMs: torch's own, on oneDNN already
+    assert info["float32"]["path"] == fp32 and info["bfloat16"]["path"] == "torch"  # no native bf16 flags pretended
     assert info["float32"]["reason"].startswith("AMD family 26" if fp32 == "onednn" else vendor) and info["setting"] == "auto (default)"
 
 

@@ -26,8 +26,8 @@ def decode_case(rows, dtype, *, n=N, k=K, seed=0):
     "vendor, capability, flags, version, dtype, gemv, few, many",
     [
         ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float32, "onednn", "onednn", "onednn"),
-        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.bfloat16, "onednn", "onednn", "torch"),
-        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16", "amx_tile"], "2.13.0", torch.bfloat16, "onednn", "onednn", "torch"),
+        ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.bfloat16, "onednn", "onednn", "onednn"),
+        ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16", "amx_tile"], "2.13.0", torch.bfloat16, "onednn", "onednn", "onednn"),
         ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16"], "2.13.0", torch.float32, "torch", "onednn", "torch"),  # MKL's GEMV up to 3 rows
         ("GenuineIntel", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch", "torch"),
         ("GenuineIntel", "AVX512", ["avx512f"], "2.14.0", torch.float32, "torch", "torch", "torch"),  # untested torch
@@ -69,10 +69,26 @@ def test_few_rows_under_autograd_keep_the_faster_backward(machine, vendor, recor
 
 
 def test_rows_up_to_the_bound_take_the_few_rows_rule(machine):
-    machine(flags=["avx512f", "avx512_bf16"])
+    machine("GenuineIntel", "AVX512", ["avx512f"])  # float32 on Intel: MKL's GEMV, oneDNN for 4-16 rows, then MKL's GEMM
+    w = torch.randn(N, K)
+    for rows, path in [(1, False), (hl.GEMV_ROWS + 1, True), (hl.DECODE_ROWS, True), (hl.DECODE_ROWS + 1, False), (hl.MIN_ROWS, False)]:
+        assert hl.uses_onednn(torch.randn(rows, K), w) is path, rows
+
+
+@pytest.mark.parametrize("flags, path", [(["avx512f", "avx512_bf16"], "onednn"), (["avx512f", "amx_bf16"], "onednn"), (["avx512f"], "torch")])
+def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_call(machine, flags, path):
+    """With native bf16 dot products, every bf16 inference call runs on oneDNN's weight packed once (torch's bf16
+    GEMM runs oneDNN too, packing the plain weight again each call); one autograd records keeps F.linear from
+    DECODE_ROWS + 1 rows on (its backward)."""
+    machine("AuthenticAMD", "AVX512", flags)
+    assert hl.choose(torch.bfloat16)[0] == path and hl.choose(torch.bfloat16, recorded=True)[0] == "torch"
     w = torch.randn(N, K, dtype=torch.bfloat16)
-    for rows, path in [(1, True), (hl.DECODE_ROWS, True), (hl.DECODE_ROWS + 1, False), (hl.MIN_ROWS, False)]:
-        assert hl.uses_onednn(torch.randn(rows, K, dtype=torch.bfloat16), w) is path, rows
+    for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, 256, 2048):
+        x = torch.randn(rows, K, dtype=torch.bfloat16)
+        assert hl.uses_onednn(x, w) is (path == "onednn"), rows
+        with torch.enable_grad():
+            assert hl.uses_onednn(x, w.requires_grad_(True)) is (path == "onednn" and rows <= hl.DECODE_ROWS), rows
+        w.requires_grad_(False)
 
 
 def test_forcing_decides_decode_shapes_too(machine, monkeypatch):

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 
 class PoolRows(NamedTuple):
-    """The one-token sequences of a paged batch, read in place: query ``rows[n]`` (an index into T) attends over keys
-    0 .. seen_to[n] - 1 of its block table, key j at pool slot ``tables[n, j // block_size] * block_size + j % block_size``.
+    """The one-token sequences of a paged batch, read in place, fewest keys first: query ``rows[n]`` (an index into T)
+    attends over keys 0 .. seen_to[n] - 1 of its block table, key j at pool slot ``tables[n, j // block_size] * block_size + j % block_size``.
 
     Shapes: rows, seen_to (N,) long; tables (N, nb) long (padded with block 0); keys, values (Hkv, P, D): the pool.
     """
@@ -111,10 +111,12 @@ class PagedBatch:
         runs = [Attended(self._rows[i], *self._read(self.seq_ids[i]), None) for i, n in enumerate(self.new_tokens) if n != 1]
         if not one:
             return runs, None
+        held = {i: cache._lens[self.seq_ids[i]] - cache.first_held(self.seq_ids[i]) for i in one}  # the keys each holds
+        one.sort(key=held.__getitem__)  # fewest keys first: the order the one call groups them in
         tables = [cache._tables[self.seq_ids[i]] for i in one]
         width = max(len(t) for t in tables)
         device = cache.k.device
-        seen_to = [cache._lens[self.seq_ids[i]] - cache.first_held(self.seq_ids[i]) for i in one]  # the keys each holds
+        seen_to = [held[i] for i in one]
         rows = PoolRows(
             torch.tensor([self._rows[i].start for i in one], device=device),  # (N,)
             torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),  # (N, nb)

@@ -6,7 +6,7 @@ Nothing is timed. A call's path follows, in order:
    ``auto`` (default), ``onednn`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
-   everything else (Intel, ARM, bf16: torch already sends bf16 matmuls to oneDNN) is ``torch``;
+   everything else (Intel, ARM, bf16 but as in 3) is ``torch``;
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: float32 as in 2, except that on any CPU whose torch kernels run AVX-512
@@ -15,7 +15,9 @@ Nothing is timed. A call's path follows, in order:
    it runs a GEMV that reads it once; a call autograd records keeps ``F.linear``, whose backward
    was the faster at so few rows); bfloat16 on oneDNN's packed weight on any CPU whose flags name
    ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16 matmul re-reads
-   the plain (N, K) weight each call), on the tested torch versions;
+   the plain (N, K) weight each call), on the tested torch versions; so are bfloat16 calls of more
+   rows that autograd does not record (the same oneDNN kernels as torch's bf16 GEMM, without
+   packing the plain weight again on every call); a recorded one keeps ``F.linear``;
 4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
    they fail, ``torch`` and one warning;
 5. per call (``uses_onednn``), a oneDNN decision still falls back to ``F.linear`` for operands
@@ -94,20 +96,23 @@ def _path_setting() -> str:
 
 
 @functools.cache
-def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tuple[str, str]:
+def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
-    decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records)."""
+    decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it)."""
     facts = cpu()
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
-    if few_rows and dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and (few_rows or not recorded):
         native = bf16_flags_on(facts)
         if not native:
             return "torch", f"bfloat16 on a CPU without {' or '.join(BF16_FLAGS)}: torch's own GEMM"
-        return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call")
+        return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call"
+                                      + ("" if few_rows else " (a call autograd records keeps F.linear)"))
+    if dtype == torch.bfloat16:
+        return "torch", "bfloat16, recorded by autograd: torch's own GEMM (on oneDNN too) and its backward"
     if dtype != torch.float32:
-        return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM, which runs bf16 on oneDNN already"
+        return "torch", f"{str(dtype).removeprefix('torch.')}: torch's own GEMM"
     if not facts["capability"].startswith("AVX512"):
         return "torch", f"{facts['vendor'] or facts['name']} with {facts['capability']} kernels: only CPUs with AVX-512 take oneDNN"
     if facts["vendor"] != "AuthenticAMD":
@@ -121,9 +126,10 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False) -> tup
     return untested or ("onednn", f"AMD family {facts['family']} with AVX-512 kernels: MKL's fp32 GEMM is slower here than oneDNN's")
 
 
-def choose(dtype: torch.dtype = torch.float32) -> tuple[str, str]:
-    """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring)."""
-    return _decision(dtype, few_rows=False)
+def choose(dtype: torch.dtype = torch.float32, *, recorded: bool = False) -> tuple[str, str]:
+    """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring);
+    ``recorded``: for a call autograd records."""
+    return _decision(dtype, few_rows=False, recorded=recorded)
 
 
 def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS) -> tuple[str, str]:
@@ -132,15 +138,15 @@ def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS)
     return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS)
 
 
-def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False) -> tuple[str, str]:
+def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
-    ``GEMV_ROWS`` rows or recorded by autograd); ``setting`` read when not given."""
+    ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call); ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -184,7 +190,7 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     setting = _path_setting()
     if setting != "auto":  # forced: no reason to word
         return setting == "onednn" and onednn.ops_error(dtype) is None
-    few = big and size <= DECODE_ROWS * k
-    gemv = few and (size <= GEMV_ROWS * k or onednn.recorded(x, weight, bias))  # where MKL's F.linear stays on Intel (its backward is faster)
-    return _decision(dtype, few, setting, gemv)[0] == "onednn"
+    few, recorded = big and size <= DECODE_ROWS * k, onednn.recorded(x, weight, bias)
+    gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
+    return _decision(dtype, few, setting, gemv, recorded)[0] == "onednn"
 
