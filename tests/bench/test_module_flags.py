@@ -27,6 +27,8 @@ BAD = [
     ("serving", ["--requests", "0"], "--requests: expected a positive int, got 0"),
     ("serving", ["--threads", "1.5"], "--threads: expected a positive int, got '1.5'"),
     ("paged_attention", ["--threads", "-2"], "--threads: expected a positive int, got -2"),
+    ("projections", ["--rows", "1,0"], "--rows: expected a comma list of rows: expected a positive int, got 0"),
+    ("projections", ["--names", "wte"], "--names: expected a comma list of names: expected one of c_attn, attn.c_proj, c_fc, mlp.c_proj, lm_head, got 'wte'"),
     ("decode_attention", ["--threads", "0"], "--threads: expected a positive int, got 0"),
     ("decode_attention", ["--contexts", "128,x"], "--contexts: expected a comma list of positive ints: expected a positive int, got 'x'"),
     ("decode_attention", ["--dtypes", "fp32"], "--dtypes: expected a comma list of dtypes: expected one of bf16, fp16, got 'fp32'"),

@@ -1,0 +1,84 @@
+"""One projection's GEMM on both paths ``headwise.linear`` chooses between, at the rows a prompt, a decode step and a serving step give it.
+
+For GPT-2 small's projections (C = 768) and its tied LM head (50,257 x 768), inference, each row
+count times ``F.linear`` (torch's own GEMM: MKL for float32, oneDNN for bfloat16, packing the plain
+weight on each call) and oneDNN's inner product on the weight packed once (``headwise.linear.onednn``),
+interleaved, medians; ``auto`` names the path the rule takes for that call on this machine
+(``headwise.linear.uses_onednn``). Nothing here decides anything: the rule reads CPU facts only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import _argtypes
+from ..linear import onednn, uses_onednn
+from .timing import interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: GPT-2 small's projections as (N, K): Q/K/V stacked, attention output, MLP up and down, the tied LM head.
+SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768), "mlp.c_proj": (768, 3072), "lm_head": (50257, 768)}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One projection at one row count: median ms on each path and the path the rule takes."""
+
+    name: str
+    rows: int
+    torch_ms: float
+    onednn_ms: float
+    auto: str
+
+    @property
+    def ratio(self) -> float:
+        """oneDNN's packed weight over F.linear's time (< 1: the packed weight is the faster)."""
+        return self.onednn_ms / self.torch_ms
+
+
+@torch.no_grad()
+def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, int] | None = None, repeats: int = 15, seed: int = 0) -> Row:
+    """Time ``rows`` rows through projection ``name`` (``shape`` (N, K) overrides ``SHAPES``) on both paths."""
+    N, K = shape or SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)  # (N, K)
+    bias = None if name == "lm_head" else torch.randn(N, generator=g).to(dtype)  # (N,)
+    x = torch.randn(1, rows, K, generator=g).to(dtype)  # (1, rows, K)
+    packed = onednn.packed(weight)
+    times = interleaved({"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn.inner_product(x, packed, bias)},
+                        repeats=repeats, warmup=1)
+    ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
+    return Row(name, rows, ms["torch"], ms["onednn"], "onednn" if uses_onednn(x, weight, bias) else "torch")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.projections``: a table per dtype, one row per projection and row count."""
+    from .host import machine
+
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.projections", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=["bf16"], help="comma-separated: fp32, bf16 (default bf16)")
+    p.add_argument("--rows", type=_argtypes.listing(_argtypes.integer(1), "rows"), default=[1, 8, 16, 17, 32, 64, 256, 1024],
+                   help="comma-separated row counts (default 1,8,16,17,32,64,256,1024)")
+    p.add_argument("--names", type=_argtypes.listing(_argtypes.choice(tuple(SHAPES)), "names"), default=list(SHAPES),
+                   help=f"comma-separated projections (default all: {', '.join(SHAPES)})")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"One projection's GEMM, inference, GPT-2 small's shapes; {machine()}; median ms\n")
+    print("| dtype | projection | rows | F.linear | oneDNN, packed once | packed / F.linear | the rule takes |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for dtype in args.dtypes:
+        for name in args.names:
+            for rows in args.rows:
+                r = projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
+                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {r.onednn_ms:.3f} | {r.ratio:.2f}x | {r.auto} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
