@@ -56,9 +56,9 @@ def test_rows_over_blocks_against_the_float64_reference(dtype, G, window):
         torch.testing.assert_close(got[s].reshape(1, Hkv * G, 1, D).double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("lengths", [[5, 40, 1, 9, 23, 3, 31], [1, 3, 5, 9, 23, 31, 40]], ids=["gathered", "sorted, sliced"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_rows_in_groups_of_similar_length_against_the_float64_reference(window):
-    lengths = [5, 40, 1, 9, 23, 3, 31]
+def test_rows_in_groups_of_similar_length_against_the_float64_reference(window, lengths):
     pool, keys, values = pool_of(lengths, scattered=False)
     Hkv, _, D = pool.k.shape
     width = max(len(pool.blocks(s)) for s in range(7))
@@ -141,3 +141,18 @@ def test_compile_must_be_a_bool():
     model = hw.models.GPT2LMHeadModel(hw.GPT2Config(vocab_size=11, n_positions=16, n_embd=8, n_layer=1, n_head=2))
     with pytest.raises(TypeError, match="compile must be True or False, got str 'yes'"):
         hw.models.Batcher(model, num_blocks=4, compile="yes")
+
+
+def test_append_rows_gives_the_one_token_rows_fewest_keys_first_and_the_longer_runs_apart():
+    """The rows come sorted by the keys each sees (the one call groups them in that order, as slices), each with its own
+    place in the packed row, its own block table and key count; a sequence of several new tokens is a run of its own."""
+    pool, _, _ = pool_of([9, 2, 30, 5])
+    Hkv, _, D = pool.k.shape
+    batch = pool.batch([0, 1, 2, 3], [1, 3, 1, 1], compile=True)  # rows 0 | 1 2 3 | 4 | 5 of T = 6
+    k, v = (torch.randn(1, Hkv, 6, D) for _ in range(2))
+    runs, rows = batch.append_rows(k, v)
+    assert rows.seen_to.tolist() == [6, 10, 31] and rows.rows.tolist() == [5, 0, 4]  # sequences 3, 0, 2
+    for n, s in enumerate([3, 0, 2]):
+        blocks = pool.blocks(s)
+        assert rows.tables[n, : len(blocks)].tolist() == blocks
+    assert [run.rows for run in runs] == [slice(1, 4)] and runs[0].keys.shape == (1, Hkv, 5, D)  # sequence 1: 2 + 3 keys
