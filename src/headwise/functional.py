@@ -224,12 +224,12 @@ def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_
     q, spec = args.q, args.spec
     _, H, T, D = q.shape
     Hkv, _, Dv = pool_rows.keys.shape
-    one = q[0, :, pool_rows.rows].to(pool_rows.keys.dtype)  # (H, N, D): each one-token sequence's query
+    one = q[0, :, pool_rows.rows].float()  # (H, N, D): each one-token sequence's query, widened once, not once a key
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
                        scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)
     context = q.new_empty((1, H, T, Dv), dtype=pool_rows.keys.dtype)  # (1, H, T, Dv)
-    context[0, :, pool_rows.rows] = rows.flatten(1, 2).transpose(0, 1)  # (H, N, Dv)
+    context[0, :, pool_rows.rows] = rows.flatten(1, 2).transpose(0, 1).to(context.dtype)  # (H, N, Dv)
     for (part, *_), c in zip(runs, contexts, strict=True):
         context[:, :, part] = c  # (1, H, T_run, Dv)
     return context
