@@ -130,6 +130,6 @@ def rows_over_own_keys(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     table, seen_to = torch.arange(S, device=q.device)[None], torch.full((1,), S, device=q.device)  # (1, S): key j in slot j; (1,)
-    rows = [attend(q[b : b + 1, :, 0].reshape(1, Hkv, H // Hkv, D).to(k.dtype), k[b].contiguous(), v[b].contiguous(), table, seen_to,
+    rows = [attend(q[b : b + 1, :, 0].reshape(1, Hkv, H // Hkv, D).float(), k[b].contiguous(), v[b].contiguous(), table, seen_to,
                    block_size=1, scale=spec.scale, window=spec.window, groups=1, rows_per_group=1) for b in range(B)]  # (1, Hkv, G, Dv) each
-    return torch.cat(rows).reshape(B, H, 1, -1)  # (B, H, 1, Dv)
+    return torch.cat(rows).reshape(B, H, 1, -1).to(q.dtype)  # (B, H, 1, Dv)

@@ -6,7 +6,7 @@ Nothing is timed. A call's path follows, in order:
    ``auto`` (default), ``onednn`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
-   everything else (Intel, ARM, bf16 but as in 3) is ``torch``;
+   everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``;
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: float32 as in 2, except that on any CPU whose torch kernels run AVX-512
