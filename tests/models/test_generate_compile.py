@@ -12,6 +12,7 @@ weights frozen, before and after a weight changes.
 
 import copy
 import gc
+import warnings
 from functools import partial
 
 import pytest
@@ -247,12 +248,18 @@ def test_a_frozen_step_freezes_its_own_threads_compiles_only(turns, monkeypatch)
 
 def test_a_model_made_in_inference_mode_compiles_unfrozen(aot_eager):
     """Inference tensors have no version counter, so a frozen graph could not see them change: such a model's
-    step is compiled with its projections as opaque ops, and gives the eager step's logits."""
+    step is compiled with its projections as opaque ops, says so once with a warning (how to get the frozen step),
+    and gives the eager step's logits."""
     with torch.inference_mode():
         model = gpt2()
-    assert decode_step(model, True).freeze is False and decode_step(gpt2(), True).freeze is True
-    with torch.inference_mode():
-        assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=3), torch.float32)
+    with pytest.warns(UserWarning, match=r"inference tensors .* cannot freeze them .* outside inference mode") as seen:
+        assert decode_step(model, True).freeze is False
+    assert len(seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once a model: the step kept on it is reused without a word
+        assert decode_step(model, True).freeze is False and decode_step(gpt2(), True).freeze is True
+        with torch.inference_mode():
+            assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=3), torch.float32)
 
 
 def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):

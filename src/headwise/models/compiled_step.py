@@ -13,7 +13,9 @@ frozen weight): they are dropped with the step (a step compiled anew frees the o
 and one model's graphs do not count against another's ``recompile_limit``.
 
 Elsewhere (CUDA, inference tensors, which have no version counter, torch.distributed) the step is
-compiled as it is, its projections opaque ops (``linear.custom_ops``).
+compiled as it is, its projections opaque ops (``linear.custom_ops``). A CPU model whose weights are
+inference tensors (made or loaded under ``torch.inference_mode()``) is told so once, with a warning:
+its steps run without the frozen weights' kernels, and building it outside inference mode gives them back.
 
 Inductor's settings are per thread from torch 2.12 on. Before, ``freezing`` is one value for the whole
 process: a frozen step running in one thread would freeze another thread's compile (whose weights may
@@ -26,6 +28,7 @@ import contextlib
 import contextvars
 import threading
 import types
+import warnings
 import weakref
 from functools import partial
 
@@ -58,6 +61,13 @@ def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
     now = state(tensors) if freeze else None
     kept = steps.get(key)
     if kept is None or kept[0] != now:
+        if not freeze and watchable() and all(t.device.type == "cpu" for t in tensors) and any(t.is_inference() for t in tensors):
+            warnings.warn(
+                "compile=True: the model's parameters are inference tensors (made or loaded under torch.inference_mode()), "
+                "which have no version counter, so the compiled step cannot freeze them and runs without inductor's kernels "
+                "for the frozen weights (slower); build or load the model outside inference mode, and decode inside it",
+                UserWarning, stacklevel=4,
+            )
         steps[key] = kept = (now, CompiledStep(step, freeze))
     return kept[1]
 
