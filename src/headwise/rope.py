@@ -156,6 +156,9 @@ class RotaryEmbedding:
         True
     """
 
+    #: Caches of eager calls, never read under ``torch.compile`` (``models.compiled_step.structure`` leaves them out).
+    untraced = ("_tables", "_freqs")
+
     def __init__(
         self, head_dim: int, *, rotary_dim: int | None = None, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None, layout: str = "rotate_half"
     ) -> None:

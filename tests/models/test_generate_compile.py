@@ -52,9 +52,15 @@ def fresh_dynamo():
 
 @pytest.fixture
 def aot_eager(monkeypatch):
-    """``torch.compile`` (as ``generate`` calls it) with the ``aot_eager`` backend (inductor's options left out)."""
+    """``torch.compile`` (as ``generate`` calls it) with the ``aot_eager`` backend (inductor's options left out, Dynamo's
+    ``guard_filter_fn`` kept)."""
     compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda *args, options=None, **kwargs: compile(*args, **{**kwargs, "backend": "aot_eager"}))
+
+    def aot(*args, options=None, **kwargs):
+        kept = {k: v for k, v in (options or {}).items() if k == "guard_filter_fn"}
+        return compile(*args, **{**kwargs, "backend": "aot_eager", "options": kept or None})
+
+    monkeypatch.setattr(torch, "compile", aot)
 
 
 MODELS = {
@@ -262,6 +268,31 @@ def test_a_model_made_in_inference_mode_compiles_unfrozen(aot_eager):
             assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=3), torch.float32)
 
 
+def test_a_frozen_step_checks_the_modules_once_a_call_not_every_step(aot_eager):
+    """A frozen step's graph keeps Dynamo's checks of its arguments (the ids, the caches) but none of the model's
+    modules: ``compiled_step`` compares the modules' ``structure`` once a call instead, and compiles the step anew
+    when it changed (then with Dynamo's checks of the modules, once for all), so a changed attribute gives the
+    changed model's logits, not the old graph's."""
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    model = gpt2()
+    assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=2), torch.float32)
+    first = decode_step(model, True)
+    guards = str(entries(first.func.__code__)[0].guard_manager)
+    assert "L['caches']" in guards and "L['ids']" in guards
+    on_model = [line for line in guards.splitlines() if "L['model']" in line]
+    assert on_model and all("LAMBDA_GUARD" in line and "==" in line for line in on_model)  # only the floats it specialised (eps, p)
+    assert first.known
+    model.transformer.h[0].attn.softcap = 1.0  # read by the traced attention: a step compiled before never saw it
+    changed = compiled_step_errors(model, IDS, MASK, steps=2)
+    second = decode_step(model, True)
+    assert second is not first and not second.known  # compiled anew, with Dynamo's checks of the modules from now on
+    assert "L['model']._modules" in str(entries(second.func.__code__)[0].guard_manager)
+    assert_as_close_as_eager(changed, torch.float32)
+    model.transformer.h[0].attn.softcap = None  # Dynamo's own checks see it: no step compiled anew for it
+    assert_as_close_as_eager(compiled_step_errors(model, IDS, MASK, steps=2), torch.float32)
+    assert decode_step(model, True) is second
+
+
 def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):
     """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and, compiled by
     inductor, the frozen copies of the weights): when the step is compiled anew, the old code's graphs go."""
@@ -278,7 +309,7 @@ def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):
 
 
 def test_each_model_compiles_against_its_own_recompile_limit(aot_eager):
-    """Every model's step has graphs of its own (a frozen graph is guarded by its weights' identity): more models
+    """Every model's step has graphs of its own (a code object of its own, its weights frozen in): more models
     than Dynamo's recompile limit compile in one process, each once."""
     limit = torch._dynamo.config.recompile_limit
     for seed in range(limit + 2):
