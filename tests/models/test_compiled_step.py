@@ -5,6 +5,7 @@ could depend on; None where a model holds something it cannot compare (then Dyna
 """
 
 import dataclasses
+import functools
 import threading
 
 import pytest
@@ -91,12 +92,34 @@ def test_a_plain_tensor_attribute_written_in_place_is_seen():
     assert structure(model) != before
 
 
-@pytest.mark.parametrize("what", ["a lock", "an inference tensor"])
+def test_a_method_replaced_on_a_shared_helper_is_seen(monkeypatch):
+    model = llama()
+    before = structure(model)
+    monkeypatch.setattr(type(model.rotary), "at", lambda self, *args: None)
+    assert structure(model) != before
+
+
+def test_a_partial_kept_as_an_attribute_is_compared_by_its_arguments():
+    model = gpt2()
+    model.transformer.h[0].mlp.act2 = functools.partial(torch.clamp, min=0.0)
+    before = structure(model)
+    model.transformer.h[0].mlp.act2.keywords["min"] = 1.0  # a partial's keywords can be changed in place
+    assert structure(model) != before
+
+
+def _closure(value):
+    return lambda x: x * value
+
+
+@pytest.mark.parametrize("what", ["a lock", "an inference tensor", "a function with a closure"])
 def test_none_for_what_it_cannot_compare(what):
     model = gpt2()
+    attn = model.transformer.h[0].attn
     if what == "a lock":
-        model.transformer.h[0].attn.lock = threading.Lock()
-    else:
+        attn.lock = threading.Lock()
+    elif what == "an inference tensor":
         with torch.inference_mode():
-            model.transformer.h[0].attn.table = torch.ones(3)
+            attn.table = torch.ones(3)
+    else:
+        attn.scaled = _closure([2.0])  # the list in its cell can change without the function changing
     assert structure(model) is None

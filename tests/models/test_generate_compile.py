@@ -293,6 +293,14 @@ def test_a_frozen_step_checks_the_modules_once_a_call_not_every_step(aot_eager):
     assert decode_step(model, True) is second
 
 
+def test_a_checked_step_keeps_dynamos_checks_of_the_modules(aot_eager):
+    """A hooked model's step runs checked, its hooks traced: what a hook reads (its closure, its object) is only seen
+    by Dynamo's own checks, so they stay."""
+    model = gpt2()
+    model.transformer.h[0].register_forward_hook(lambda module, args, out: out)
+    assert decode_step(model, True).known is False and decode_step(gpt2(), True).known is True
+
+
 def test_a_step_compiled_anew_drops_the_old_graphs(aot_eager):
     """Each compiled step runs a code object of its own, on which Dynamo keeps its graphs (and, compiled by
     inductor, the frozen copies of the weights): when the step is compiled anew, the old code's graphs go."""

@@ -17,7 +17,8 @@ inference tensors (made or loaded under ``torch.inference_mode()``) is told so o
 its steps run without the frozen weights' kernels, and building it outside inference mode gives them back.
 
 Dynamo guards every graph on what its tracing read: on the model, thousands of checks of its modules
-(each one's class, hooks, attributes, parameters) run before every step. A frozen step is kept with the model's ``structure`` as well (each
+(each one's class, hooks, attributes, parameters) run before every step. A frozen step run unchecked
+(a model without hooks, in eval mode: ``generate.trusts``) is kept with the model's ``structure`` as well (each
 module's class, attributes by value, hooks, read once a ``generate`` call) and compiled anew when it
 changed, so Dynamo's own checks of the modules are dropped (``guard_filter_fn``); its checks of the
 step's arguments (the ids, the positions, the caches' tensors and lengths) and of global state stay.
@@ -60,9 +61,10 @@ def config_per_thread() -> bool:
 TURNS: contextlib.AbstractContextManager = contextlib.nullcontext() if config_per_thread() else threading.RLock()
 
 
-def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
+def compiled_step(model: nn.Module, key: object, step: partial, trusted: bool = False) -> CompiledStep:
     """``step`` under ``torch.compile``, kept on the model under ``key`` and reused while its frozen weights are the
-    model's (compiled anew when any parameter or buffer changed) and, while it tracks them, its modules' ``structure``.
+    model's (compiled anew when any parameter or buffer changed) and, for a ``trusted`` step (run unchecked: no
+    hooks, eval mode, ``generate.trusts``), while it tracks them, its modules' ``structure``.
 
     The first time the modules alone changed, the step is compiled anew with Dynamo's own checks of the modules and
     ``structure`` is no longer read for it: a model that changes an attribute between calls pays one compile, as it
@@ -72,7 +74,7 @@ def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
     # frozen where a change can be seen: CPU tensors with version counters (not inference tensors), not under torch.distributed
     freeze = watchable() and bool(tensors) and all(t.device.type == "cpu" and not t.is_inference() for t in tensors)
     kept = steps.get(key)
-    tracked = kept is None or (kept[0] is not None and kept[0][1] is not None)
+    tracked = trusted and (kept is None or (kept[0] is not None and kept[0][1] is not None))
     now = (state(tensors), structure(model) if tracked else None) if freeze else None
     if kept is None or kept[0] != now:
         if now is not None and now[1] is not None and kept is not None and kept[0] is not None and kept[0][0] == now[0]:
@@ -92,8 +94,9 @@ def compiled_step(model: nn.Module, key: object, step: partial) -> CompiledStep:
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 #: Containers an empty one of which ``structure`` compares by type alone.
 _CONTAINERS = frozenset({dict, collections.OrderedDict, list, tuple, set, frozenset})
-#: Callables ``structure`` compares by identity (what a hook dict holds, a function kept as an attribute).
-_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+#: Callables ``structure`` compares by identity: builtins, and functions and methods without a closure (a
+#: closure's cells may change unseen: such a function is opaque).
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 class _OpaqueError(Exception):
@@ -143,10 +146,16 @@ def _value(v: object, depth: int) -> object:
         if v.is_inference():  # no version counter: an in-place write would go unseen
             raise _OpaqueError
         return id(v), *state([v])[0]
-    if isinstance(v, (nn.Module, *_CALLABLES)):
+    if isinstance(v, nn.Module):
         return t, id(v)
+    if isinstance(v, _CALLABLES):
+        if getattr(getattr(v, "__func__", v), "__closure__", None) is not None:
+            raise _OpaqueError
+        return t, id(v), id(getattr(v, "__self__", None))
     if depth > 4:
         raise _OpaqueError
+    if isinstance(v, functools.partial):
+        return t, _value(v.func, depth + 1), _value(v.args, depth + 1), _value(v.keywords, depth + 1)
     if isinstance(v, dict):
         if any(type(k) not in _PLAIN for k in v):
             raise _OpaqueError
@@ -156,7 +165,7 @@ def _value(v: object, depth: int) -> object:
     if isinstance(v, (set, frozenset)):
         return t, frozenset([_value(x, depth + 1) for x in v])
     if t.__module__ != "builtins" and hasattr(v, "__dict__") and not hasattr(t, "__slots__"):
-        return t, _fields(v, depth + 1)  # a config object, a shared helper (RoPE): its fields
+        return _class(t), _fields(v, depth + 1)  # a config object, a shared helper (RoPE): its class and fields
     raise _OpaqueError
 
 

@@ -159,7 +159,7 @@ def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Ca
     if not compile:
         flat = None if check else getattr(model, "flat_step", lambda: None)()  # the unchecked step written out, where the model has one
         return step if flat is None else flat
-    return compiled_step(model, check, step)
+    return compiled_step(model, check, step, trusted=not check)
 
 
 def graph_allowed(device: torch.device, compile: bool, check: bool) -> None:
