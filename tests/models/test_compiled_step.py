@@ -111,7 +111,15 @@ def _closure(value):
     return lambda x: x * value
 
 
-@pytest.mark.parametrize("what", ["a lock", "an inference tensor", "a function with a closure"])
+class _Scale:
+    def __init__(self):
+        self.by = 2.0
+
+    def apply(self, x):
+        return x * self.by
+
+
+@pytest.mark.parametrize("what", ["a lock", "an inference tensor", "a function with a closure", "another object's method"])
 def test_none_for_what_it_cannot_compare(what):
     model = gpt2()
     attn = model.transformer.h[0].attn
@@ -120,6 +128,8 @@ def test_none_for_what_it_cannot_compare(what):
     elif what == "an inference tensor":
         with torch.inference_mode():
             attn.table = torch.ones(3)
-    else:
+    elif what == "a function with a closure":
         attn.scaled = _closure([2.0])  # the list in its cell can change without the function changing
+    else:
+        attn.scaled = _Scale().apply  # its object's ``by`` can change without the method changing
     assert structure(model) is None

@@ -94,8 +94,8 @@ def compiled_step(model: nn.Module, key: object, step: partial, trusted: bool = 
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 #: Containers an empty one of which ``structure`` compares by type alone.
 _CONTAINERS = frozenset({dict, collections.OrderedDict, list, tuple, set, frozenset})
-#: Callables ``structure`` compares by identity: builtins, and functions and methods without a closure (a
-#: closure's cells may change unseen: such a function is opaque).
+#: Callables ``structure`` compares by identity: builtins, functions without a closure, a module's methods (a
+#: closure's cells, another object's attributes may change unseen: such a callable is opaque).
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
@@ -149,9 +149,10 @@ def _value(v: object, depth: int) -> object:
     if isinstance(v, nn.Module):
         return t, id(v)
     if isinstance(v, _CALLABLES):
-        if getattr(getattr(v, "__func__", v), "__closure__", None) is not None:
+        owner = getattr(v, "__self__", None) if t is types.MethodType else None  # a method's object, walked nowhere else
+        if getattr(getattr(v, "__func__", v), "__closure__", None) is not None or not (owner is None or isinstance(owner, nn.Module)):
             raise _OpaqueError
-        return t, id(v), id(getattr(v, "__self__", None))
+        return t, id(v), id(owner)
     if depth > 4:
         raise _OpaqueError
     if isinstance(v, functools.partial):
