@@ -8,8 +8,9 @@ faster), and the projections are traced as plain ``F.linear`` and int8 GEMMs for
 so the step is kept with the state of every parameter and buffer (``weight_cache.state``) and
 compiled anew when any changed (an optimizer step, ``load_state_dict``, ``.data =``). Inductor
 keeps its packed copies of the weights beside the model's own while the step lives. Each compiled
-step runs a code object of its own, where Dynamo keeps its graphs: they are dropped with the step (a step compiled anew frees the old weights' copies),
-and one model's graphs do not count against another's ``recompile_limit``.
+step runs a code object of its own, where Dynamo keeps its graphs: they are dropped with the step (a
+step compiled anew frees the old weights' copies), and one model's graphs do not count against
+another's ``recompile_limit``.
 
 Elsewhere (CUDA, inference tensors, which have no version counter, torch.distributed) the step is
 compiled as it is, its projections opaque ops (``linear.custom_ops``). A CPU model whose weights are
@@ -17,12 +18,13 @@ inference tensors (made or loaded under ``torch.inference_mode()``) is told so o
 its steps run without the frozen weights' kernels, and building it outside inference mode gives them back.
 
 Dynamo guards every graph on what its tracing read: on the model, thousands of checks of its modules
-(each one's class, hooks, attributes, parameters) run before every step. A frozen step run unchecked
-(a model without hooks, in eval mode: ``generate.trusts``) is kept with the model's ``structure`` as well (each
-module's class, attributes by value, hooks, read once a ``generate`` call) and compiled anew when it
-changed, so Dynamo's own checks of the modules are dropped (``guard_filter_fn``); its checks of the
-step's arguments (the ids, the positions, the caches' tensors and lengths) and of global state stay.
-A model holding something ``structure`` cannot compare by value keeps Dynamo's checks.
+(each one's class, hooks, attributes, parameters) run before every step. A frozen step run
+unchecked (a model without hooks, in eval mode: ``generate.trusts``) is kept with the model's
+``structure`` as well (each module's class, attributes by value, read once a ``generate`` call) and
+compiled anew when it changed, so Dynamo's own checks of the modules are dropped
+(``guard_filter_fn``); its checks of the step's arguments (the ids, the positions, the caches'
+tensors and lengths) and of global state stay. A model holding something ``structure`` cannot
+compare by value, and a step compiled anew because the modules changed, keep Dynamo's checks.
 
 Inductor's settings are per thread from torch 2.12 on. Before, ``freezing`` is one value for the whole
 process: a frozen step running in one thread would freeze another thread's compile (whose weights may
@@ -35,7 +37,6 @@ import collections
 import contextlib
 import contextvars
 import enum
-import functools
 import threading
 import types
 import warnings
@@ -155,7 +156,7 @@ def _value(v: object, depth: int) -> object:
         return t, id(v), id(owner)
     if depth > 4:
         raise _OpaqueError
-    if isinstance(v, functools.partial):
+    if isinstance(v, partial):
         return t, _value(v.func, depth + 1), _value(v.args, depth + 1), _value(v.keywords, depth + 1)
     if isinstance(v, dict):
         if any(type(k) not in _PLAIN for k in v):
