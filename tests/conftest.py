@@ -52,3 +52,16 @@ def machine(monkeypatch):
 
     yield pretend
     hl._auto.cache_clear()
+
+
+@pytest.fixture(params=["C++ kernel", "compiled loops"])
+def decode_way(request, monkeypatch):
+    """Run the test once with the C++ decode kernel (``backends.decode_kernel``, built here once) and once as if it
+    could not be built, where compiled decode steps and paged batches keep inductor's loops. Yields whether it is on."""
+    from headwise.backends import decode_kernel
+
+    if request.param == "C++ kernel" and not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    if request.param == "compiled loops":
+        monkeypatch.setattr(decode_kernel, "available", lambda: False)
+    yield request.param == "C++ kernel"

@@ -1,8 +1,10 @@
 """A decode step's attention traced by ``torch.compile`` on the CPU: the plan's "math, products summed (compiled)".
 
-Under compile, one query per row runs as broadcast products and sums (``backends.math``'s
-``summed``), which inductor fuses into loops: no fused-kernel call and no matmul in the graph,
-and the numbers of the float64 reference with every term the math backend takes.
+Under compile, one query per row that the C++ decode kernel does not take (a term it does not
+compute, or the kernel not built: ``test_decode_kernel.py``) runs as broadcast products and sums
+(``backends.math``'s ``summed``), which inductor fuses into loops: no fused-kernel call and no
+matmul in the graph, and the numbers of the float64 reference with every term the math backend takes.
+Here the kernel is off (as where it cannot be built), so that every call takes the loops.
 """
 
 from __future__ import annotations
@@ -13,9 +15,15 @@ import torch.nn.functional as F
 from reference_variants import variant_attention
 
 import headwise as hw
+from headwise.backends import decode_kernel
 from headwise.backends import math as math_backend
 
 SUMMED = "math, products summed (compiled)"
+
+
+@pytest.fixture(autouse=True)
+def _without_the_kernel(monkeypatch):
+    monkeypatch.setattr(decode_kernel, "available", lambda: False)
 
 
 def _qkv(B=3, H=6, Hkv=2, S=40, D=16, dtype=torch.float32, seed=0):

@@ -1,5 +1,6 @@
 """A paged batch's one-token rows in one call (``PagedKVCache.batch(..., compile=True)``, ``backends.paged``): against
-the float64 reference, beside the per-sequence path, in the plan, under the ``Batcher``, and what it refuses."""
+the float64 reference, beside the per-sequence path, in the plan, under the ``Batcher``, and what it refuses; in C++
+(``backends.decode_kernel``) and as inductor's loops where the kernel is not built (the ``decode_way`` fixture)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from reference import reference_attention
 
 import headwise as hw
+from headwise.backends import decode_kernel
 from headwise.backends import paged as paged_runner
 from headwise.backends.plan import ROWS_IN_ONE_CALL
 from headwise.backends.spec import Spec
@@ -37,9 +39,13 @@ def pool_of(lengths, *, Hkv=2, D=8, block_size=4, dtype=torch.float32, scattered
     return pool, {s: torch.cat(keys[s], 2) for s in keys}, {s: torch.cat(values[s], 2) for s in values}
 
 
+@pytest.mark.parametrize("way", ["eager", "C++"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G,window", [(1, None), (3, None), (2, 5)])
-def test_rows_over_blocks_against_the_float64_reference(dtype, G, window):
+def test_rows_over_blocks_against_the_float64_reference(dtype, G, window, way):
+    if way == "C++" and not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    rows_over_blocks = paged_runner.rows_over_blocks if way == "eager" else decode_kernel.paged
     lengths = [5, 17, 1, 9]
     pool, keys, values = pool_of(lengths, dtype=dtype)
     Hkv, _, D = pool.k.shape
@@ -49,7 +55,7 @@ def test_rows_over_blocks_against_the_float64_reference(dtype, G, window):
     seen_to = torch.tensor(lengths)
     seen_from = torch.zeros(4, dtype=torch.long) if window is None else (seen_to - window).clamp(min=0)
     q = torch.randn(4, Hkv, G, D, generator=torch.Generator().manual_seed(1)).to(dtype)  # (N, Hkv, G, D)
-    got = paged_runner.rows_over_blocks(q, pool.k, pool.v, tables, seen_from, seen_to, pool.block_size, D**-0.5)  # eager
+    got = rows_over_blocks(q, pool.k, pool.v, tables, seen_from, seen_to, pool.block_size, D**-0.5)
     assert got.shape == (4, Hkv, G, D) and got.dtype == dtype
     for s in range(4):
         want = reference_attention(q[s].reshape(1, Hkv * G, 1, D).double(), keys[s].double(), values[s].double(), causal=True, window=window)
@@ -58,14 +64,14 @@ def test_rows_over_blocks_against_the_float64_reference(dtype, G, window):
 
 @pytest.mark.parametrize("lengths", [[5, 40, 1, 9, 23, 3, 31], [1, 3, 5, 9, 23, 31, 40]], ids=["gathered", "sorted, sliced"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_rows_in_groups_of_similar_length_against_the_float64_reference(window, lengths):
+def test_rows_in_groups_of_similar_length_against_the_float64_reference(window, lengths, decode_way):
     pool, keys, values = pool_of(lengths, scattered=False)
     Hkv, _, D = pool.k.shape
     width = max(len(pool.blocks(s)) for s in range(7))
     tables = torch.tensor([pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in range(7)])  # (N, nb)
     q = torch.randn(7, Hkv, 2, D, generator=torch.Generator().manual_seed(4))  # (N, Hkv, G, D)
     got = paged_runner.attend(q, pool.k, pool.v, tables, torch.tensor(lengths), block_size=pool.block_size, scale=0.3, window=window,
-                              groups=3, rows_per_group=2)  # three compiled calls, each table cut to its group's longest
+                              groups=3, rows_per_group=2)  # one C++ call, or three compiled ones, each table cut to its group's longest
     for s in range(7):
         want = reference_attention(q[s].reshape(1, Hkv * 2, 1, D).double(), keys[s].double(), values[s].double(), causal=True,
                                    window=window, scale=0.3)
@@ -80,7 +86,7 @@ def step_inputs(counts, *, H, Hkv, D, dtype, seed=2):
 
 @pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
 @pytest.mark.parametrize("H,window", [(2, None), (4, 6)])
-def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, window):
+def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, window, decode_way):
     lengths, counts = [5, 17, 1, 9], [1, 3, 1, 1]  # three one-token rows in one call, one run of three beside them
     q, k, v = step_inputs(counts, H=H, Hkv=2, D=8, dtype=dtype)
     outs = {}
@@ -88,7 +94,8 @@ def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, windo
         pool, keys, values = pool_of(lengths, dtype=stored, window=window)
         batch = pool.batch([0, 1, 2, 3], counts, compile=compile)
         runner = hw.plan(q, k, v, causal=True, window=window, cache=batch).runner
-        assert (ROWS_IN_ONE_CALL in runner) == (compile and stored == torch.bfloat16)  # over float32 views: per sequence (faster)
+        assert (ROWS_IN_ONE_CALL in runner) == (compile and (stored == torch.bfloat16 or decode_way))  # float32 loops: per sequence
+        assert ("C++ kernel" in runner) == (compile and decode_way)
         outs[compile] = hw.attention(q, k, v, causal=True, window=window, cache=batch)  # (1, H, T, D)
         assert [pool.length(s) for s in range(4)] == [n + c for n, c in zip(lengths, counts, strict=True)]
     at = 0
@@ -102,22 +109,24 @@ def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, windo
     torch.testing.assert_close(outs[True], outs[False], **TOL[stored])
 
 
-def test_the_plan_takes_one_call_only_where_it_computes_every_term():
+def test_the_plan_takes_one_call_only_where_it_computes_every_term(decode_way):
     pool, _, _ = pool_of([5, 9], dtype=torch.bfloat16)
     q, k, v = step_inputs([1, 1], H=2, Hkv=2, D=8, dtype=torch.float32)
     one = hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True))
-    assert (one.runner, one.backend) == (ROWS_IN_ONE_CALL, "auto")
+    runner = f"{ROWS_IN_ONE_CALL} ({'C++ kernel' if decode_way else 'compiled'})"
+    assert (one.runner, one.backend) == (runner, "auto")
     mixed = hw.plan(*step_inputs([1, 2], H=2, Hkv=2, D=8, dtype=torch.float32), causal=True, cache=pool.batch([0, 1], [1, 2], compile=True))
-    assert mixed.runner.startswith(f"per sequence: {ROWS_IN_ONE_CALL}; ")
+    assert mixed.runner.startswith(f"per sequence: {runner}; ")
     for kw in ({"softcap": 30.0}, {"backend": "sdpa"}, {"backend": "math"}, {"alibi_slopes": torch.ones(2)}):
         assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
     assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner
     assert [pool.length(s) for s in (0, 1)] == [5, 9]  # a plan writes nothing
-    float32_pool, _, _ = pool_of([5, 9])  # over float32 views the fused kernel per sequence was the faster
-    assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=float32_pool.batch([0, 1], [1, 1], compile=True)).runner
+    float32_pool, _, _ = pool_of([5, 9])  # over float32 views the fused kernel per sequence beat inductor's loops, not the C++ kernel
+    float32_plan = hw.plan(q, k, v, causal=True, cache=float32_pool.batch([0, 1], [1, 1], compile=True))
+    assert (ROWS_IN_ONE_CALL in float32_plan.runner) == decode_way
 
 
-def test_its_plans_run_is_the_same_call_over_each_rows_own_keys():
+def test_its_plans_run_is_the_same_call_over_each_rows_own_keys(decode_way):
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
     for window in (None, 4):

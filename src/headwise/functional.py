@@ -36,7 +36,7 @@ from .backends import math as math_backend
 from .backends.blocks import joined
 from .backends.paged import attend as attend_rows
 from .backends.paged import rows_over_own_keys
-from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, rows_in_one_call
+from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, one_call_runner, rows_in_one_call
 from .backends.plan import plan as plan_runner
 from .backends.spec import Spec
 from .cache import Attended, Cache, KVCache, PagedBatch
@@ -164,7 +164,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     plans = [_for_run(args, rows, S, args.k.to(stored), args.v.to(stored), padding)[4] for rows, S in runs
              if not (one_call and rows.stop - rows.start == 1)]
     if len(plans) < len(runs):  # one-token rows in one call
-        plans.insert(0, Plan("auto", ROWS_IN_ONE_CALL, ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
+        plans.insert(0, Plan("auto", one_call_runner(q.device, stored), ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
     if all(p.runner == plans[0].runner for p in plans):
         return plans[0]
     runners = "; ".join(dict.fromkeys(p.runner for p in plans))

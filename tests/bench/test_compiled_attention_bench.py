@@ -1,8 +1,8 @@
-"""headwise.bench.compiled_attention: rows for each case, both steps traced under their own table (no timing asserted)."""
+"""headwise.bench.compiled_attention: rows for each case, the three steps traced under their own table (no timing asserted)."""
 
 import torch
 
-from headwise.backends import plan
+from headwise.backends import decode_kernel, plan
 from headwise.bench import compiled_attention as bench
 
 
@@ -10,7 +10,8 @@ def test_each_way_is_traced_under_its_own_table(monkeypatch, tmp_path):
     compile, seen = torch.compile, []
 
     def recording(gm, inputs):  # what each trace ran, then the graph as it is
-        seen.append(any(node.target is torch.nn.functional.scaled_dot_product_attention for node in gm.graph.nodes))
+        targets = [node.target for node in gm.graph.nodes]
+        seen.append((torch.ops.headwise.decode_attention in targets, torch.nn.functional.scaled_dot_product_attention in targets))
         return gm.forward
 
     monkeypatch.setattr(torch, "compile", lambda *args, options=None, **kwargs: compile(*args, **{**kwargs, "backend": recording}))
@@ -19,6 +20,6 @@ def test_each_way_is_traced_under_its_own_table(monkeypatch, tmp_path):
     assert plan.RULES is rules  # put back
     (row,) = rows
     assert (row.model, row.dtype, row.batch, row.context) == ("gpt2", "fp32", 2, 12)
-    assert row.summed_ms > 0 and row.without_ms > 0 and row.logits_rel < 1e-5
-    assert seen == [False, True]  # products summed, then the fused kernel without the rule
+    assert row.kernel_ms > 0 and row.summed_ms > 0 and row.without_ms > 0 and row.logits_rel < 1e-5
+    assert seen == [(decode_kernel.available(), False), (False, False), (False, True)]  # the kernel, products summed, the fused kernel
     assert "| gpt2 | fp32 | 2 | 12 |" in bench.markdown(rows)

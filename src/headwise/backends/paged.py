@@ -7,9 +7,10 @@ j % Bs of block ``tables[n, j // Bs]``, the pool seen as (Hkv, blocks, Bs, D) an
 at a time. Written as broadcast products and sums in float32 (or wider, as ``math``'s ``summed``),
 it runs compiled (``compiled``, one ``torch.compile`` per kind of call): inductor turns the
 indexing, the products, the softmax and the weighted sum into loops that read each key and value
-once from the pool, for every sequence of a call. ``attend`` sorts the rows by their key counts
-and makes a few calls of similar lengths: each table runs to its call's longest (padded with
-block 0), and the keys past a sequence's own are masked.
+once from the pool, for every sequence of a call. ``attend`` runs the same call in C++ where
+``decode_kernel`` is built (one call for every row, each over its own keys only); else it sorts
+the rows by their key counts and makes a few compiled calls of similar lengths: each table runs
+to its call's longest (padded with block 0), and the keys past a sequence's own are masked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import decode_kernel
 from .spec import Spec
 
 
@@ -58,9 +60,10 @@ def rows_over_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, 
 
 def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: Tensor, *, block_size: int, scale: float,
            window: int | None, groups: int, rows_per_group: int) -> Tensor:
-    """The one-token rows over their blocks, compiled, the rows sorted by their key counts and cut into up to ``groups``
-    calls of at least ``rows_per_group`` rows, each table cut to its group's longest (less padding to compute).
-    Rows given in that order already (as ``PagedBatch.append_rows`` gives them) are cut into slices, not gathered.
+    """The one-token rows over their blocks: in one call of the C++ kernel (``in_cpp``), else compiled, the rows sorted
+    by their key counts and cut into up to ``groups`` calls of at least ``rows_per_group`` rows, each table cut to its
+    group's longest (less padding to compute). Rows given in that order already (as ``PagedBatch.append_rows`` gives
+    them) are cut into slices, not gathered.
 
     Args:
         q: (N, Hkv, G, D). k_pool, v_pool: (Hkv, P, D), (Hkv, P, Dv). tables: (N, nb) long, padded with block 0.
@@ -71,6 +74,8 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
     """
     N, Hkv, G = q.shape[:3]
     seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)  # (N,)
+    if in_cpp(q.device, q.dtype, k_pool.dtype) and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous():
+        return decode_kernel.paged(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)  # (N, Hkv, G, Dv)
     run = compiled(block_size, scale, (k_pool.dtype, k_pool.device, Hkv, G, q.shape[-1], v_pool.shape[-1]))
     count = max(1, min(groups, N // rows_per_group))
     if count == 1:
@@ -85,6 +90,13 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
         width = -(-counts[order[b - 1]] // block_size)  # the group's longest table
         out[part] = run(q[part], k_pool, v_pool, tables[part, :width].contiguous(), seen_from[part], seen_to[part])
     return out
+
+
+def in_cpp(device: torch.device, dtype: torch.dtype, stored: torch.dtype) -> bool:
+    """Whether ``attend`` runs in C++ (``decode_kernel.paged``, over contiguous pools): queries of ``dtype`` on a CPU
+    ``device`` over a pool of ``stored``, each float32 or bfloat16, the kernel built (at the first such call)."""
+    halves = (torch.float32, torch.bfloat16)
+    return device.type == "cpu" and dtype in halves and stored in halves and decode_kernel.available()
 
 
 #: The kernels' products and sums contracted into fused multiply-adds (inductor compiles without by default): one

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
+from . import decode_kernel, packed, paged, sdpa, softcap
 from . import math as math_runner
-from . import packed, sdpa, softcap
 from .spec import Spec
 
 #: Query rows per row of a decode step, the calls the decode rules take: a bfloat16 call on the CPU
@@ -44,6 +44,9 @@ CAUSAL_BLOCKS_UP_TO = 1024
 #: Documents with fewer keys than this are stacked with others of their length into one call,
 #: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).
 SHORT_DOCUMENT = 128
+
+#: The runner name of a compiled decode step's attention in C++ (``decode_kernel``).
+DECODE_KERNEL = "C++ decode kernel, each key head's queries in one pass (compiled)"
 
 Runner = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
 
@@ -145,6 +148,12 @@ def _compiled_decode(c: Call) -> bool:
     )
 
 
+def _compiled_kernel(c: Call) -> bool:
+    """``_compiled_decode`` that the C++ decode kernel computes (``decode_kernel.takes``: float32 or bfloat16, every
+    key seen, nothing but the scale), where it is built (``decode_kernel.available``: built at the first such call)."""
+    return _compiled_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
+
+
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
     if c.spec.documents is None or torch.compiler.is_compiling():
@@ -211,6 +220,10 @@ AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "s
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
+    Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _compiled_kernel, lambda c: decode_kernel.run,
+         "one float32 or bfloat16 query per row under torch.compile on the CPU, every key seen and nothing but the scale: "
+         "one C++ pass per key head (scores, softmax, weighted sum) reads the cache at about twice the rate of inductor's "
+         "loops for the same products and sums (next rule)"),
     Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
          "one query per row under torch.compile on the CPU: products and sums, which inductor fuses into loops that read "
          "each key and value once in their own dtype, beat the fused kernel's call and the matmuls in a compiled step"),
@@ -259,26 +272,34 @@ RULES: tuple[Rule, ...] = (
 ROW_GROUPS = 4
 #: Rows below which a group is not cut again (a call's fixed cost against its padding); not tuned.
 ROWS_PER_GROUP = 8
-#: How a paged batch made with ``compile=True`` runs its one-token rows when ``rows_in_one_call`` says so.
-ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks (compiled)"
+#: How a paged batch made with ``compile=True`` runs its one-token rows when ``rows_in_one_call`` says so
+#: (``one_call_runner`` adds how: the C++ kernel or inductor's loops).
+ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks"
 ROWS_IN_ONE_CALL_WHY = (
-    "a paged batch made with compile=True over a bfloat16 pool, its one-token rows (decode steps) on the CPU with no term "
-    "but causal, a window and the scale: every sequence's query over its own blocks of the pool, read in place, in one "
-    "compiled call per layer (products and sums that inductor makes loops of) beats one fused-kernel call per sequence"
+    "a paged batch made with compile=True, its one-token rows (decode steps) on the CPU with no term but causal, a window "
+    "and the scale: every sequence's query over its own blocks of the pool, read in place, in one call per layer (the C++ "
+    "decode kernel; where it is not built, inductor's loops over a bfloat16 pool) beats one fused-kernel call per sequence"
 )
 
 
 def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype) -> bool:
     """Whether a paged batch made with ``compile=True`` attends its one-token rows in one call (``backends.paged``):
-    eager on the CPU over a bfloat16 pool (``stored``; over float32 views the fused kernel per sequence was the faster:
-    bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window
-    and the scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
+    eager on the CPU over a pool (of ``stored``) that the C++ kernel reads (``paged.in_cpp``), or over a bfloat16 pool
+    (inductor's loops; over float32 views the fused kernel per sequence was the faster: bench.paged_attention),
+    ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and the scale (masks,
+    documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
     s = spec
     return (
-        stored == torch.bfloat16 and backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
+        backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and q.requires_grad) and s.mask is None
         and s.documents is None and not s.changes_scores and s.sinks is None
+        and (stored == torch.bfloat16 or paged.in_cpp(q.device, torch.float32, stored))
     )
+
+
+def one_call_runner(device: torch.device, stored: torch.dtype) -> str:
+    """The runner name of ``rows_in_one_call``'s call over a pool of ``stored`` (the queries in float32): how it runs."""
+    return f"{ROWS_IN_ONE_CALL} ({'C++ kernel' if paged.in_cpp(device, torch.float32, stored) else 'compiled'})"
 
 
 def choose(call: Call) -> Plan:

@@ -1,13 +1,15 @@
-"""A compiled decode step with and without its attention as products and sums, side by side.
+"""A compiled decode step's attention three ways, side by side: the C++ kernel, inductor's loops, neither.
 
-``generate(..., compile=True)`` traces its decode step with the plan's rule "math, products summed
-(compiled)": one query per row as broadcast products and sums, which inductor fuses into loops
-(``backends.math``, ``summed``). Here, for each model, precision and batch at one context, two
-compiled steps of one checkpoint are timed interleaved, each on caches of its own (as
-``bench.model_decode`` times its compiled step): one traced with the plan's table as it is, one
-with that rule left out, where the step's attention takes the rule an eager step takes (the
-fused kernel, its rows or the row twice, float32 matmuls). Each step runs under the table it
-was traced with, so a recompile reads the same rules.
+``generate(..., compile=True)`` traces its decode step with the plan's compiled-decode rules: the
+C++ decode kernel (``backends.decode_kernel``) where it computes the call, else "math, products
+summed (compiled)": one query per row as broadcast products and sums, which inductor fuses into
+loops (``backends.math``, ``summed``). Here, for each model, precision and batch at one context,
+three compiled steps of one checkpoint are timed interleaved, each on caches of its own (as
+``bench.model_decode`` times its compiled step): one traced with the plan's table as it is
+("kernel"), one with the kernel's rule left out ("summed"), one with both left out ("without"),
+where the step's attention takes the rule an eager step takes (the fused kernel, its rows or the
+row twice, float32 matmuls). Each step runs under the table it was traced with, so a recompile
+reads the same rules.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ from .model_decode import _rel, _steps
 from .models import MODELS, PRECISIONS, check, checkpoint, headwise_model
 from .timing import interleaved
 
-RULE = "math, products summed (compiled)"
+SUMMED = "math, products summed (compiled)"
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Row:
-    """Median ms of one compiled step each way, and how far apart their logits are (relative L2)."""
+    """Median ms of one compiled step each way, and how far apart the logits of the others are from the kernel's
+    (relative L2, the larger)."""
 
     model: str
     dtype: str
     batch: int
     context: int
+    kernel_ms: float
     summed_ms: float
     without_ms: float
     logits_rel: float
@@ -63,15 +67,17 @@ def compiled_attention(
     context: int = 512, repeats: int = 10, warmup: int = 3, seed: int = 0, tiny: bool = False, root: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """Time the compiled step with the plan's products-summed rule and without it (the module docstring).
+    """Time the compiled step with the plan's table, without the kernel's rule, and without the products-summed one too
+    (the module docstring).
 
-    Each pair compiles two steps (inductor, weights frozen: a minute or more each on 2 cores). ``tiny``: the
+    Each case compiles three steps (inductor, weights frozen: a minute or more each on 2 cores). ``tiny``: the
     models' two-layer shapes (``bench.models.checkpoint``).
     """
     for name in models:
         for dtype in dtypes:
             check(name, dtype)
-    rules = {"summed": plan.RULES, "without": tuple(r for r in plan.RULES if r.runner != RULE)}
+    rules = {"kernel": plan.RULES, "summed": tuple(r for r in plan.RULES if r.runner != plan.DECODE_KERNEL)}
+    rules["without"] = tuple(r for r in rules["summed"] if r.runner != SUMMED)
     rows = []
     for name in models:
         directory = checkpoint(name, root, tiny=tiny, seed=seed, positions=context)
@@ -88,16 +94,17 @@ def compiled_attention(
                         steps[way], firsts[way] = _under(table, made["compiled"]), first["compiled"]
                     times = interleaved(steps, repeats=repeats, warmup=warmup)
                 med = {way: 1e3 * statistics.median(ts) for way, ts in times.items()}
-                rows.append(Row(name, dtype, batch, context, med["summed"], med["without"], _rel(firsts["summed"], firsts["without"])))
+                apart = max(_rel(firsts[way], firsts["kernel"]) for way in ("summed", "without"))
+                rows.append(Row(name, dtype, batch, context, med["kernel"], med["summed"], med["without"], apart))
     return rows
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    lines = ["| model | dtype | B | context | products summed (ms) | without the rule (ms) | summed / without | logits apart |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | dtype | B | context | C++ kernel (ms) | products summed (ms) | neither (ms) | kernel / summed | "
+             "logits apart |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.summed_ms:.2f} | {r.without_ms:.2f} | "
-                     f"{r.summed_ms / r.without_ms:.2f}x | {r.logits_rel:.1e} |")
+        lines.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.kernel_ms:.2f} | {r.summed_ms:.2f} | "
+                     f"{r.without_ms:.2f} | {r.kernel_ms / r.summed_ms:.2f}x | {r.logits_rel:.1e} |")
     return "\n".join(lines)
 
 

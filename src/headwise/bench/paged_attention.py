@@ -13,9 +13,11 @@ bf16, block_size 16), each adding one token, through one layer's ``PagedKVCache`
   call with a key-padding mask: fewer calls, but a copy of every key and value, padded to the
   longest;
 - ``one call``, over the reserved pool and over the interleaved one: the batch made with
-  ``compile=True``, every sequence's query over its own blocks read in place, one compiled call
-  (``backends.paged``; compiled before the timed rounds). The plan takes it over bfloat16 pools
-  only: over float32 ones these columns time one call per sequence again.
+  ``compile=True``, every sequence's query over its own blocks read in place, one call
+  (``backends.paged``): the C++ decode kernel where it is built;
+- ``one call, loops``: the same over the reserved pool with the kernel left out, inductor's
+  compiled loops (compiled before the timed rounds). The plan takes them over bfloat16 pools
+  only: over float32 ones this column times one call per sequence again.
 
 All give the same outputs (tests/bench/test_serving.py); the times say which to use.
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _argtypes
+from ..backends import decode_kernel
 from ..cache import PagedKVCache
 from ..functional import attention
 from .timing import interleaved
@@ -66,6 +69,15 @@ def one_call(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return attention(q, k, v, causal=True, cache=paged.batch(ids, [1] * len(ids), compile=True))
 
 
+def one_call_loops(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``one_call`` with the C++ kernel left out: inductor's compiled loops (over a bfloat16 pool; else per sequence)."""
+    built, decode_kernel.available = decode_kernel.available, lambda: False
+    try:
+        return one_call(paged, q, k, v)
+    finally:
+        decode_kernel.available = built
+
+
 def padded(paged: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """(1, H, N, D) -> (1, H, N, D): the tokens appended, then one gather to (N, Hkv, S_max, D) and one masked SDPA."""
     ids = paged.sequences
@@ -88,10 +100,12 @@ def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), 
     """Median ms of one decode step's attention (one layer) over ``sequences`` sequences of contexts uniform in ``context``."""
     rng = random.Random(seed)
     lengths = [rng.randint(*context) for _ in range(sequences)]
-    pools = {name: filled(lengths, reserve=reserve, dtype=dtype, spare=64 + 2)
-             for name, reserve in (("views", True), ("gathers", False), ("padded", True), ("one call, views", True), ("one call, gathers", False))}
+    pools = {name: filled(lengths, reserve=reserve, dtype=dtype, spare=64 + 3)
+             for name, reserve in (("views", True), ("gathers", False), ("padded", True), ("one call, views", True), ("one call, gathers", False),
+                                   ("one call, loops", True))}
     ways: dict[str, Callable[[PagedKVCache, Tensor, Tensor, Tensor], Tensor]] = {
-        "views": per_sequence, "gathers": per_sequence, "padded": padded, "one call, views": one_call, "one call, gathers": one_call}
+        "views": per_sequence, "gathers": per_sequence, "padded": padded, "one call, views": one_call, "one call, gathers": one_call,
+        "one call, loops": one_call_loops}
     g = torch.Generator().manual_seed(seed)
 
     def step(name: str) -> Callable[[], Tensor]:
@@ -100,7 +114,7 @@ def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), 
             return ways[name](pools[name], q, k, v)
         return run
 
-    step("one call, views")(), step("one call, gathers")()  # compiled here, not in a timed round (a token each: 2 more spare)
+    step("one call, views")(), step("one call, gathers")(), step("one call, loops")()  # built or compiled here, not in a timed round
 
     times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)  # each call adds a token: 64 spare
     return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
@@ -117,12 +131,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"A decode step's attention, one layer, H = Hkv = 12, D = 64, block_size 16; {machine()}; ms (over the views' time)\n")
-    print("| dtype | sequences | contexts | one SDPA per sequence, views | ... gathers | one padded SDPA | one call, views | one call, gathers |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| dtype | sequences | contexts | one SDPA per sequence, views | ... gathers | one padded SDPA | one call, views | one call, gathers | "
+          "one call, loops |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for dtype in args.dtypes:
         for n, context in ((8, (50, 1300)), (32, (50, 1300)), (32, (16, 64))):
             ms = paged_attention(n, context, dtype=DTYPES[dtype])
-            others = " | ".join(f"{ms[w]:.2f} ({ms[w] / ms['views']:.2f}x)" for w in ("gathers", "padded", "one call, views", "one call, gathers"))
+            ways = ("gathers", "padded", "one call, views", "one call, gathers", "one call, loops")
+            others = " | ".join(f"{ms[w]:.2f} ({ms[w] / ms['views']:.2f}x)" for w in ways)
             print(f"| {dtype} | {n} | {context[0]}..{context[1]} | {ms['views']:.2f} | {others} |")
 
 

@@ -1,0 +1,298 @@
+// One query row per head over its keys, the whole attention in one pass per key head: scores,
+// softmax, weighted sum, float32 throughout, each key and value row read once for all the query
+// heads that share it. Two ops over one core: a dense cache (decode_attention) and the blocks of a
+// paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
+// instruction set torch runs its own kernels with; the ops' schemas live on the Python side, which
+// also checks what it passes (devices, dtypes, shapes, rows contiguous).
+//
+// Head sizes 64 and 128 run on 16-float vectors (GCC/Clang vector extensions: the compiler maps
+// them to AVX-512, or to two AVX2 registers), other sizes on plain loops.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+typedef unsigned short u16x16 __attribute__((vector_size(32)));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+
+inline f16v load16(const float* p) {
+  f16v x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline f16v load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half: widen, shift
+  u16x16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
+  f16v x;
+  __builtin_memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
+  f8v lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const f8v y = lo + hi;
+  f4v a, b;
+  __builtin_memcpy(&a, &y, sizeof a);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&y) + sizeof a, sizeof b);
+  const f4v z = a + b;
+  return (z[0] + z[1]) + (z[2] + z[3]);
+}
+
+constexpr int64_t KEYS = 4;         // keys scored together: independent sums hide the multiply-add latency
+constexpr int64_t VALUE_ROWS = 64;  // value rows summed for every query head before the next rows (kept in L1)
+
+// A run of n consecutive keys (or values): row u at p + u * stride.
+template <typename T>
+struct Run {
+  const T* p;
+  int64_t n;
+};
+
+// w[g * S + u] = q[g] . row u * scale, for the run's rows (w already offset to the run's first key)
+template <typename T, int D>
+void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float scale, float* w) {
+  constexpr int C = D / 16;
+  int64_t s = 0;
+  for (; s + KEYS <= n; s += KEYS) {
+    const T* k0 = p + s * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      f16v a[KEYS] = {};
+      for (int c = 0; c < C; ++c) {
+        const f16v x = load16(q + g * D + 16 * c);
+        for (int64_t u = 0; u < KEYS; ++u) a[u] += x * load16(k0 + u * stride + 16 * c);
+      }
+      for (int64_t u = 0; u < KEYS; ++u) w[g * S + s + u] = sum16(a[u]) * scale;
+    }
+  }
+  for (; s < n; ++s) {
+    for (int64_t g = 0; g < G; ++g) {
+      f16v a = {};
+      for (int c = 0; c < C; ++c) a += load16(q + g * D + 16 * c) * load16(p + s * stride + 16 * c);
+      w[g * S + s] = sum16(a) * scale;
+    }
+  }
+}
+
+template <typename T>
+void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t D, float scale, float* w) {
+  for (int64_t s = 0; s < n; ++s) {
+    const T* k0 = p + s * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t d = 0; d < D; ++d) a += q[g * D + d] * static_cast<float>(k0[d]);
+      w[g * S + s] = a * scale;
+    }
+  }
+}
+
+// acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped
+template <typename T, int D>
+void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc) {
+  constexpr int C = D / 16;
+  for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
+    const int64_t j1 = std::min(n, j0 + VALUE_ROWS);
+    for (int64_t g = 0; g < G; ++g) {
+      f16v a[C];
+      for (int c = 0; c < C; ++c) a[c] = load16(acc + g * D + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        const float wj = w[g * S + j];
+        if (wj == 0.f) continue;  // a masked key: its value row may hold anything
+        for (int c = 0; c < C; ++c) a[c] += wj * load16(p + j * stride + 16 * c);
+      }
+      for (int c = 0; c < C; ++c) __builtin_memcpy(acc + g * D + 16 * c, &a[c], sizeof a[c]);
+    }
+  }
+}
+
+template <typename T>
+void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t Dv, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v0 = p + j * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float wj = w[g * S + j];
+      if (wj == 0.f) continue;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] += wj * static_cast<float>(v0[d]);
+    }
+  }
+}
+
+// Scratch of one thread: the query rows in float32, the scores (G, S), the sums (G, Dv).
+struct Scratch {
+  std::vector<float> q, w, acc, total;
+};
+
+// The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
+// rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real):
+// out (G, Dv) in O, zeros for a row that sees no key.
+template <typename T, typename Q, typename O>
+void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
+                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch& t) {
+  t.q.resize(G * D);
+  t.w.resize(G * S);
+  t.acc.assign(G * Dv, 0.f);
+  t.total.assign(G, 0.f);
+  for (int64_t j = 0; j < G * D; ++j) t.q[j] = static_cast<float>(q[j]);
+  int64_t at = 0;
+  for (const Run<T>& r : keys) {
+    if (D == 64) {
+      scores_vec<T, 64>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at);
+    } else if (D == 128) {
+      scores_vec<T, 128>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at);
+    } else {
+      scores_any<T>(t.q.data(), r.p, r.n, ks, G, S, D, scale, t.w.data() + at);
+    }
+    at += r.n;
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, each row's max taken out; masked keys 0
+    float* wg = t.w.data() + g * S;
+    if (real != nullptr) {
+      for (int64_t j = 0; j < S; ++j) wg[j] = real[j] ? wg[j] : -std::numeric_limits<float>::infinity();
+    }
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < S; ++j) top = std::max(top, wg[j]);
+    if (top == -std::numeric_limits<float>::infinity()) {  // no key seen (or every score -inf): weights 0
+      std::fill(wg, wg + S, 0.f);
+      continue;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < S; ++j) {
+      wg[j] = std::exp(wg[j] - top);
+      sum += wg[j];
+    }
+    t.total[g] = sum;
+  }
+  at = 0;
+  for (const Run<T>& r : values) {
+    if (Dv == 64) {
+      context_vec<T, 64>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data());
+    } else if (Dv == 128) {
+      context_vec<T, 128>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data());
+    } else {
+      context_any<T>(t.w.data() + at, r.p, r.n, vs, G, S, Dv, t.acc.data());
+    }
+    at += r.n;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = t.total[g] > 0.f ? 1.f / t.total[g] : 0.f;
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<O>(t.acc[g * Dv + d] * inv);
+  }
+}
+
+// q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous, real (B, S) bool or none
+template <typename T, typename Q>
+void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
+           float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3), G = H / Hkv;
+  const Q* qp = q.data_ptr<Q>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const bool* rp = real ? real->data_ptr<bool>() : nullptr;
+  const int64_t rb = real ? real->stride(0) : 0, rs = real ? real->stride(1) : 0;
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    Scratch t;
+    std::vector<char> mask;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      const std::vector<Run<T>> keys{{kp + b * k.stride(0) + h * k.stride(1), S}};
+      const std::vector<Run<T>> values{{vp + b * v.stride(0) + h * v.stride(1), S}};
+      const bool* r = nullptr;
+      if (rp != nullptr) {
+        mask.resize(S);
+        for (int64_t j = 0; j < S; ++j) mask[j] = rp[b * rb + j * rs];
+        r = reinterpret_cast<const bool*>(mask.data());
+      }
+      attend_head<T, Q, Q>(qp + (b * H + h * G) * D, keys, values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
+                           op + (b * H + h * G) * Dv, t);
+    }
+  });
+}
+
+// q (N, Hkv, G, D) contiguous, pools (Hkv, P, D) and (Hkv, P, Dv) contiguous, tables (N, nb) long, seen_from/seen_to (N,)
+template <typename T, typename Q>
+void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const at::Tensor& tables, const at::Tensor& from,
+           const at::Tensor& to, int64_t bs, at::Tensor& out, float scale) {
+  const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = vp_.size(2), P = kp_.size(1);
+  const int64_t nb = tables.size(1);
+  const Q* qp = q.data_ptr<Q>();
+  const T* kp = kp_.data_ptr<T>();
+  const T* vp = vp_.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* fp = from.data_ptr<int64_t>();
+  const int64_t* sp = to.data_ptr<int64_t>();
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
+    Scratch t;
+    std::vector<Run<T>> keys, values;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / Hkv, h = i % Hkv;
+      const int64_t j0 = fp[n], j1 = sp[n];  // keys j0 <= j < j1 of the table
+      keys.clear();
+      values.clear();
+      for (int64_t j = j0; j < j1;) {
+        const int64_t block = tp[n * nb + j / bs], slot = j % bs, count = std::min(bs - slot, j1 - j);
+        keys.push_back({kp + h * P * D + (block * bs + slot) * D, count});
+        values.push_back({vp + h * P * Dv + (block * bs + slot) * Dv, count});
+        j += count;
+      }
+      attend_head<T, Q, Q>(qp + i * G * D, keys, values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
+                           op + i * G * Dv, t);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
+                            double scale) {
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3)}, q.options());  // (B, H, 1, Dv)
+  const float s = static_cast<float>(scale);
+  if (k.scalar_type() == at::kBFloat16) {
+    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s);
+  } else {
+    dense<float, float>(qc, k, v, real, out, s);
+  }
+  return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& seen_from, const at::Tensor& seen_to, int64_t block_size, double scale) {
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_pool.size(2)}, q.options());  // (N, Hkv, G, Dv)
+  const float s = static_cast<float>(scale);
+  const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16, bf16_q = q.scalar_type() == at::kBFloat16;
+  if (bf16_pool && bf16_q) {
+    paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+  } else if (bf16_pool) {
+    paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+  } else if (bf16_q) {
+    paged<float, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+  } else {
+    paged<float, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(headwise, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

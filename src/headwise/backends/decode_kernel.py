@@ -1,0 +1,105 @@
+"""A decode step's attention as one C++ pass per key head, for compiled steps and paged batches on the CPU.
+
+Two ops over one core (``decode_attention.cpp``): each key head's G query heads take its keys and
+values together (scores, softmax and the weighted sum in float32, each row of keys and values
+read once), the context in the queries' dtype, zeros for a row that sees no key.
+
+- ``headwise::decode_attention(q, k, v, real, scale)``: (B, H, 1, D) queries over a dense cache's
+  (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), -> (B, H, 1, Dv).
+- ``headwise::paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)``:
+  ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place.
+
+Inductor's loops for the same products and sums, and the same loops over a paged pool, read the
+keys and values more slowly (docs: decoding, serving). The kernel is built at run time by
+``torch.utils.cpp_extension`` for the instruction set torch's own CPU kernels run with
+(``torch.backends.cpu.get_cpu_capability()``), once per machine and torch (then loaded from
+torch's extension cache), at the first call that could use it: those calls come from
+``torch.compile`` or a paged batch made with ``compile=True``, which need a C++ compiler already.
+If it cannot be built, ``available()`` says False, with one warning, and inductor's loops stay.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .spec import Spec
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+#: Compiler flags per torch CPU capability: the kernel's vector code is the instruction set torch's own kernels use.
+ISA_FLAGS = {
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
+_HALVES = (torch.float32, torch.bfloat16)
+
+torch.library.define("headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale) -> Tensor")
+torch.library.define(
+    "headwise::paged_decode_attention",
+    "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seen_from, Tensor seen_to, int block_size, float scale) -> Tensor",
+)
+
+
+@torch.library.register_fake("headwise::decode_attention")
+def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3])  # (B, H, 1, Dv)
+
+
+@torch.library.register_fake("headwise::paged_decode_attention")
+def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
+                 scale: float) -> Tensor:
+    return q.new_empty(*q.shape[:3], v_pool.shape[-1])  # (N, Hkv, G, Dv)
+
+
+@functools.cache
+def _build() -> bool:
+    from torch.utils import cpp_extension
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = ISA_FLAGS.get(isa, ())
+    digest = hashlib.sha256(SOURCE.read_bytes() + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
+    try:
+        cpp_extension.load(
+            f"headwise_decode_attention_{digest}", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: inductor's loops stay
+        warnings.warn(f"headwise: the C++ decode kernel could not be built ({type(e).__name__}: {e}); decode steps keep "
+                      "inductor's loops", stacklevel=3)
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernel is built and loaded on this machine (built at the first call; a constant in a compiled graph)."""
+    return _build()
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
+    """Whether ``decode_attention`` computes this call: one query per row on the CPU, float32 or bfloat16 operands of
+    one dtype, key and value rows contiguous, every key seen but padding (no window left, no mask or documents) and
+    nothing but the scale (no softcap, ALiBi, sinks or dropout)."""
+    return (
+        q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in _HALVES and k.dtype == q.dtype and v.dtype == q.dtype
+        and k.stride(-1) == 1 and v.stride(-1) == 1 and spec.window is None and spec.mask is None and spec.documents is None
+        and not spec.changes_scores and spec.sinks is None and spec.dropout_p == 0.0
+    )
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv) -> (B, H, 1, Dv): the runner of a call ``takes`` accepts."""
+    return torch.ops.headwise.decode_attention(q, k, v, spec.attention_mask, spec.scale)
+
+
+def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
+          scale: float) -> Tensor:
+    """``backends.paged.rows_over_blocks`` in C++: q (N, Hkv, G, D) float32 or bfloat16, contiguous pools (Hkv, P, D) and
+    (Hkv, P, Dv) of either, tables (N, nb) long, seen_from / seen_to (N,) long -> (N, Hkv, G, Dv) in q's dtype."""
+    tables, seen_from, seen_to = (t.contiguous() for t in (tables, seen_from, seen_to))  # read as plain arrays
+    return torch.ops.headwise.paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)

@@ -1,0 +1,122 @@
+"""The C++ decode kernel (``backends.decode_kernel``): its dense op against the float64 reference, what the plan
+gives it under ``torch.compile``, the op inside an inductor graph, and a build that fails. (Its paged op:
+``test_paged_rows.py``.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from reference_variants import variant_attention
+
+import headwise as hw
+from headwise.backends import decode_kernel, plan
+from headwise.backends.spec import Spec
+
+pytestmark = pytest.mark.skipif(not decode_kernel.available(), reason="the C++ decode kernel could not be built here")
+
+KERNEL, SUMMED = plan.DECODE_KERNEL, "math, products summed (compiled)"
+
+
+def _qkv(B=2, H=6, Hkv=2, S=40, D=64, Dv=None, dtype=torch.float32, room=7, seed=0):
+    """q (B, H, 1, D); k, v views of a cache with ``room`` more slots (rows contiguous, not the tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S + room, D, generator=g).to(dtype)[:, :, :S]
+    v = torch.randn(B, Hkv, S + room, Dv or D, generator=g).to(dtype)[:, :, :S]
+    return q, k, v
+
+
+def _bound(dtype, want):
+    return (2**-8 if dtype == torch.bfloat16 else 2**-20) * 2 * float(want.abs().max())  # one rounding to dtype, float32 sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "H,Hkv,S,D,Dv",
+    [(12, 12, 513, 64, 64), (6, 2, 70, 128, 128), (8, 1, 3, 64, 64), (4, 4, 1, 128, 128), (6, 3, 19, 80, 48), (2, 2, 65, 32, 32)],
+    ids=["G=1 S=513 D=64", "G=3 S=70 D=128", "G=8 S=3", "one key", "D=80 Dv=48 (plain loops)", "S=65 D=32"],
+)
+def test_the_dense_op_gives_the_references_numbers(dtype, H, Hkv, S, D, Dv):
+    q, k, v = _qkv(H=H, Hkv=Hkv, S=S, D=D, Dv=Dv, dtype=dtype)
+    out = decode_kernel.run(q, k, v, Spec(T=1, S=S, causal=True, scale=D**-0.5))
+    want = variant_attention(q, k, v, causal=True)  # (B, H, 1, Dv) float64
+    assert out.shape == (2, H, 1, Dv) and out.dtype == dtype
+    assert float((out.double() - want).abs().max()) <= _bound(dtype, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_is_masked_and_a_row_without_keys_is_zeros(dtype):
+    q, k, v = _qkv(B=3, S=40, dtype=dtype)
+    real = torch.arange(40).expand(3, 40) >= torch.tensor([[0], [15], [40]])  # (B, S): row 1 left-padded, row 2 no key
+    v[1, :, :15] = float("nan")  # a padded key's value: never read into the context
+    out = decode_kernel.run(q, k, v, Spec(T=1, S=40, causal=True, attention_mask=real, scale=64**-0.5))
+    want = variant_attention(q, k, v.nan_to_num(0.0), causal=True, attention_mask=real)
+    assert float((out[:2].double() - want[:2]).abs().max()) <= _bound(dtype, want[:2])
+    assert not out[2].any()
+
+
+def test_a_query_not_contiguous_and_a_scale_of_its_own():
+    q, k, v = _qkv(S=33)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, 1, D), strides of (B, 1, H, D)
+    out = decode_kernel.run(qt, k, v, Spec(T=1, S=33, causal=False, scale=0.3))
+    want = variant_attention(q, k, v, scale=0.3)
+    assert float((out.double() - want).abs().max()) <= _bound(torch.float32, want)
+
+
+def _plan(q, k, v, **kwargs):
+    return hw.plan(q, k, v, **kwargs).runner
+
+
+def test_the_plan_takes_it_for_a_traced_decode_step_it_computes(monkeypatch):
+    q, k, v = _qkv()
+    assert _plan(q, k, v, causal=True) != KERNEL  # eager
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _plan(q, k, v, causal=True) == KERNEL
+    assert _plan(q, k, v, causal=True, backend="sdpa") == KERNEL
+    assert _plan(q, k, v, causal=True, backend="math") == SUMMED  # math's own way
+    assert _plan(q, k, v, causal=True, attention_mask=torch.ones(2, 40, dtype=torch.bool)) == KERNEL
+    assert _plan(*(t.bfloat16() for t in (q, k, v)), causal=True) == KERNEL
+    for terms in ({"window": 8}, {"softcap": 5.0}, {"sinks": torch.zeros(6)}, {"alibi_slopes": torch.ones(6)},
+                  {"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
+        assert _plan(q, k, v, causal=True, **terms) == SUMMED, terms
+    assert _plan(*(t.half() for t in (q, k, v)), causal=True) == SUMMED
+    assert _plan(torch.randn(2, 6, 2, 64), k, v, causal=True) != KERNEL  # two queries per row: not a decode step
+    with torch.enable_grad():
+        assert _plan(q.requires_grad_(), k, v, causal=True) != KERNEL
+    monkeypatch.setattr(decode_kernel, "available", lambda: False)
+    assert _plan(q.detach(), k, v, causal=True) == SUMMED
+
+
+def test_inductor_calls_the_op_with_symbolic_lengths():
+    q, k, v = _qkv(S=50)
+    graphs = []
+
+    def recording(gm, inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append([node.target for node in gm.graph.nodes])
+        return compile_fx(gm, inputs)
+
+    step = torch.compile(lambda q, k, v: hw.attention(q, k, v, causal=True), backend=recording, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for S in (50, 31):
+            out = step(q, k[:, :, :S], v[:, :, :S])  # (B, H, 1, D)
+            want = variant_attention(q, k[:, :, :S], v[:, :, :S], causal=True)
+            assert float((out.double() - want).abs().max()) <= _bound(torch.float32, want)
+    assert len(graphs) == 1 and torch.ops.headwise.decode_attention in graphs[0]
+
+
+def test_a_build_that_fails_says_so_once_and_leaves_the_loops(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.warns(UserWarning, match=r"C\+\+ decode kernel could not be built \(RuntimeError: no compiler\)"):
+        assert decode_kernel._build.__wrapped__() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_kernel.available()  # the cached build of this process stands
