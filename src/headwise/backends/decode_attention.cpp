@@ -13,7 +13,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -133,9 +135,25 @@ void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t 
   }
 }
 
-// Scratch of one thread: the query rows in float32, the scores (G, S), the sums (G, Dv).
+// The next run's rows asked into the cache while this run's are computed, where the run is shorter than a page:
+// the blocks of a paged pool lie anywhere, and x86 hardware prefetchers stop at page edges, so a run of a page or
+// more gets their stream and one of less gets nothing from them (docs: serving, the paged kernel).
+constexpr int64_t PAGE = 4096;
+
+template <typename T>
+inline void ahead(const Run<T>& r, int64_t stride) {
+  const int64_t bytes = r.n * stride * static_cast<int64_t>(sizeof(T));
+  if (bytes >= PAGE) return;
+  const char* p = reinterpret_cast<const char*>(r.p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+// Scratch of one thread: the query rows in float32, the scores (G, S), the sums (G, Dv), a row's padding, its runs.
+template <typename T>
 struct Scratch {
   std::vector<float> q, w, acc, total;
+  std::vector<char> mask;
+  std::vector<Run<T>> keys, values;
 };
 
 // The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
@@ -143,14 +161,16 @@ struct Scratch {
 // out (G, Dv) in O, zeros for a row that sees no key.
 template <typename T, typename Q, typename O>
 void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
-                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch& t) {
+                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch<T>& t) {
   t.q.resize(G * D);
   t.w.resize(G * S);
   t.acc.assign(G * Dv, 0.f);
   t.total.assign(G, 0.f);
   for (int64_t j = 0; j < G * D; ++j) t.q[j] = static_cast<float>(q[j]);
   int64_t at = 0;
-  for (const Run<T>& r : keys) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const Run<T>& r = keys[i];
+    if (i + 1 < keys.size()) ahead(keys[i + 1], ks);
     if (D == 64) {
       scores_vec<T, 64>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at);
     } else if (D == 128) {
@@ -179,7 +199,9 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     t.total[g] = sum;
   }
   at = 0;
-  for (const Run<T>& r : values) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const Run<T>& r = values[i];
+    if (i + 1 < values.size()) ahead(values[i + 1], vs);
     if (Dv == 64) {
       context_vec<T, 64>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data());
     } else if (Dv == 128) {
@@ -195,6 +217,20 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
   }
 }
 
+// fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
+// item when it is done with one: rows of different lengths (a paged batch) share the threads evenly.
+template <typename T, typename Fn>
+void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  if (!cost.empty()) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch<T> t;
+    for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
+  });
+}
+
 // q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous, real (B, S) bool or none
 template <typename T, typename Q>
 void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
@@ -207,22 +243,18 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   const bool* rp = real ? real->data_ptr<bool>() : nullptr;
   const int64_t rb = real ? real->stride(0) : 0, rs = real ? real->stride(1) : 0;
   Q* op = out.data_ptr<Q>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch t;
-    std::vector<char> mask;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      const std::vector<Run<T>> keys{{kp + b * k.stride(0) + h * k.stride(1), S}};
-      const std::vector<Run<T>> values{{vp + b * v.stride(0) + h * v.stride(1), S}};
-      const bool* r = nullptr;
-      if (rp != nullptr) {
-        mask.resize(S);
-        for (int64_t j = 0; j < S; ++j) mask[j] = rp[b * rb + j * rs];
-        r = reinterpret_cast<const bool*>(mask.data());
-      }
-      attend_head<T, Q, Q>(qp + (b * H + h * G) * D, keys, values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
-                           op + (b * H + h * G) * Dv, t);
+  each_item<T>(B * Hkv, {}, [&](int64_t i, Scratch<T>& t) {  // every item reads S keys: no order needed
+    const int64_t b = i / Hkv, h = i % Hkv;
+    const std::vector<Run<T>> keys{{kp + b * k.stride(0) + h * k.stride(1), S}};
+    const std::vector<Run<T>> values{{vp + b * v.stride(0) + h * v.stride(1), S}};
+    const bool* r = nullptr;
+    if (rp != nullptr) {
+      t.mask.resize(S);
+      for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
+      r = reinterpret_cast<const bool*>(t.mask.data());
     }
+    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, keys, values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
+                         op + (b * H + h * G) * Dv, t);
   });
 }
 
@@ -239,23 +271,21 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
   const int64_t* fp = from.data_ptr<int64_t>();
   const int64_t* sp = to.data_ptr<int64_t>();
   Q* op = out.data_ptr<Q>();
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch t;
-    std::vector<Run<T>> keys, values;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i / Hkv, h = i % Hkv;
-      const int64_t j0 = fp[n], j1 = sp[n];  // keys j0 <= j < j1 of the table
-      keys.clear();
-      values.clear();
-      for (int64_t j = j0; j < j1;) {
-        const int64_t block = tp[n * nb + j / bs], slot = j % bs, count = std::min(bs - slot, j1 - j);
-        keys.push_back({kp + h * P * D + (block * bs + slot) * D, count});
-        values.push_back({vp + h * P * Dv + (block * bs + slot) * Dv, count});
-        j += count;
-      }
-      attend_head<T, Q, Q>(qp + i * G * D, keys, values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
-                           op + i * G * Dv, t);
+  std::vector<int64_t> cost(N * Hkv);
+  for (int64_t i = 0; i < N * Hkv; ++i) cost[i] = sp[i / Hkv] - fp[i / Hkv];  // keys read
+  each_item<T>(N * Hkv, cost, [&](int64_t i, Scratch<T>& t) {
+    const int64_t n = i / Hkv, h = i % Hkv;
+    const int64_t j0 = fp[n], j1 = sp[n];  // keys j0 <= j < j1 of the table
+    t.keys.clear();
+    t.values.clear();
+    for (int64_t j = j0; j < j1;) {
+      const int64_t block = tp[n * nb + j / bs], slot = j % bs, count = std::min(bs - slot, j1 - j);
+      t.keys.push_back({kp + h * P * D + (block * bs + slot) * D, count});
+      t.values.push_back({vp + h * P * Dv + (block * bs + slot) * Dv, count});
+      j += count;
     }
+    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
+                         op + i * G * Dv, t);
   });
 }
 
