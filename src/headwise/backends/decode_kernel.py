@@ -20,8 +20,11 @@ If it cannot be built, ``available()`` says False, with one warning, and inducto
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -56,9 +59,21 @@ def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen
     return q.new_empty(*q.shape[:3], v_pool.shape[-1])  # (N, Hkv, G, Dv)
 
 
+def _ninja_on_path() -> None:
+    """torch's extension build runs ``ninja`` from PATH: where PATH has none, the PyPI package's (``pip install ninja``,
+    in ``[test]``), whose binary sits in its own folder when its environment's ``bin`` is not on PATH."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def _build() -> bool:
     from torch.utils import cpp_extension
+
+    _ninja_on_path()
 
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())

@@ -89,6 +89,7 @@ class Rule:
 
 
 def _grad(c: Call) -> bool:
+    """Whether autograd records this call: a backward to keep (the runners that give none are ruled out)."""
     return torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad)
 
 
