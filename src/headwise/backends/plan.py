@@ -223,8 +223,8 @@ RULES: tuple[Rule, ...] = (
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
     Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _compiled_kernel, lambda c: decode_kernel.run,
          "one float32 or bfloat16 query per row under torch.compile on the CPU, every key seen and nothing but the scale: "
-         "one C++ pass per key head (scores, softmax, weighted sum) reads the cache at about twice the rate of inductor's "
-         "loops for the same products and sums (next rule)"),
+         "one C++ pass per key head (scores, softmax, weighted sum on vectors, each key and value row read once for the "
+         "query heads sharing it) beats inductor's loops for the same products and sums (next rule) in a compiled step"),
     Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
          "one query per row under torch.compile on the CPU: products and sums, which inductor fuses into loops that read "
          "each key and value once in their own dtype, beat the fused kernel's call and the matmuls in a compiled step"),
