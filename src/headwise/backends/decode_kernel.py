@@ -39,7 +39,8 @@ ISA_FLAGS = {
     "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
     "AVX2": ("-mavx2", "-mfma"),
 }
-_HALVES = (torch.float32, torch.bfloat16)
+#: The dtypes the kernel reads and writes (queries, keys and values; sums in float32).
+DTYPES = (torch.float32, torch.bfloat16)
 
 torch.library.define("headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale) -> Tensor")
 torch.library.define(
@@ -101,7 +102,7 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     one dtype, key and value rows contiguous, every key seen but padding (no window left, no mask or documents) and
     nothing but the scale (no softcap, ALiBi, sinks or dropout)."""
     return (
-        q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in _HALVES and k.dtype == q.dtype and v.dtype == q.dtype
+        q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and k.stride(-1) == 1 and v.stride(-1) == 1 and spec.window is None and spec.mask is None and spec.documents is None
         and not spec.changes_scores and spec.sinks is None and spec.dropout_p == 0.0
     )

@@ -95,8 +95,7 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
 def in_cpp(device: torch.device, dtype: torch.dtype, stored: torch.dtype) -> bool:
     """Whether ``attend`` runs in C++ (``decode_kernel.paged``, over contiguous pools): queries of ``dtype`` on a CPU
     ``device`` over a pool of ``stored``, each float32 or bfloat16, the kernel built (at the first such call)."""
-    halves = (torch.float32, torch.bfloat16)
-    return device.type == "cpu" and dtype in halves and stored in halves and decode_kernel.available()
+    return device.type == "cpu" and dtype in decode_kernel.DTYPES and stored in decode_kernel.DTYPES and decode_kernel.available()
 
 
 #: The kernels' products and sums contracted into fused multiply-adds (inductor compiles without by default): one
