@@ -101,14 +101,17 @@ def test_inductor_calls_the_op_with_symbolic_lengths():
         return compile_fx(gm, inputs)
 
     step = torch.compile(lambda q, k, v: hw.attention(q, k, v, causal=True), backend=recording, fullgraph=True, dynamic=True)
+    traced = []  # graphs made by each call: the first may trace twice (a symbolic head size's scale, a float to the op,
+    # is specialised by a restart when inductor's cache is cold), the second call must make none
     with torch.no_grad():
         for S in (50, 31):
             out = step(q, k[:, :, :S], v[:, :, :S])  # (B, H, 1, D)
+            traced.append(len(graphs) - sum(traced))
             want = variant_attention(q, k[:, :, :S], v[:, :, :S], causal=True)
             assert float((out.double() - want).abs().max()) <= _bound(torch.float32, want)
-    reasons = torch._dynamo.utils.guard_failures  # why a second graph was made, if one was
-    assert len(graphs) == 1, [r for code, rs in reasons.items() if code.co_name == "<lambda>" for r in rs]
-    assert torch.ops.headwise.decode_attention in graphs[0]
+    reasons = torch._dynamo.utils.guard_failures  # why the second length recompiled, if it did
+    assert traced[0] >= 1 and traced[1] == 0, (traced, [r for code, rs in reasons.items() if code.co_name == "<lambda>" for r in rs])
+    assert torch.ops.headwise.decode_attention in graphs[-1]
 
 
 def test_a_build_that_fails_says_so_once_and_leaves_the_loops(monkeypatch):
