@@ -20,6 +20,10 @@
 #include <optional>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef float f16v __attribute__((vector_size(64)));
@@ -35,12 +39,17 @@ inline f16v load16(const float* p) {
 }
 
 inline f16v load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half: widen, shift
+#ifdef __AVX512F__  // one widening load (GCC's vector extensions split it into two halves and a shuffle)
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<f16v>(_mm512_castsi512_ps(wide));
+#else
   u16x16 h;
   __builtin_memcpy(&h, p, sizeof h);
   const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
   f16v x;
   __builtin_memcpy(&x, &wide, sizeof x);
   return x;
+#endif
 }
 
 inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
