@@ -254,15 +254,15 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   Q* op = out.data_ptr<Q>();
   each_item<T>(B * Hkv, {}, [&](int64_t i, Scratch<T>& t) {  // every item reads S keys: no order needed
     const int64_t b = i / Hkv, h = i % Hkv;
-    const std::vector<Run<T>> keys{{kp + b * k.stride(0) + h * k.stride(1), S}};
-    const std::vector<Run<T>> values{{vp + b * v.stride(0) + h * v.stride(1), S}};
+    t.keys.assign(1, {kp + b * k.stride(0) + h * k.stride(1), S});  // one run each: the scratch's, no allocation per item
+    t.values.assign(1, {vp + b * v.stride(0) + h * v.stride(1), S});
     const bool* r = nullptr;
     if (rp != nullptr) {
       t.mask.resize(S);
       for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
-    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, keys, values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
+    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
                          op + (b * H + h * G) * Dv, t);
   });
 }
