@@ -1,6 +1,8 @@
 """headwise.linear's few-rows rule (decode-shaped calls): which path it names on which CPU, each path
 forced at decode shapes against the float64 reference, and a model's decode step on either path."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,6 +281,32 @@ def test_the_compiled_graphs_ops_keep_a_decode_call_by_its_weights(linear_path, 
     check(layers)
     del layers
     assert not [key for key in kept if key in weight_cache.READY], "kept calls die with their weights"
+
+
+@pytest.mark.skipif(not torch._C.has_mkl, reason="a torch without MKL has no MKL GEMM to leave out")
+def test_a_frozen_graph_runs_inductors_gemm_where_it_has_one_not_mkls():
+    """Under ``projection.freezing()`` a float32 projection of one row runs inductor's C++ GEMM, never MKL's packed
+    GEMM, whatever max-autotune's timing would say. ``deterministic`` makes inductor pick an ATen kernel without
+    timing: compiled so without ``freezing()`` (inductor's freezing alone) the graph calls MKL, with it the template."""
+    from torch._inductor import config as inductor
+    from torch._inductor.utils import run_and_get_code
+
+    from headwise.linear import projection
+
+    layer = torch.nn.Linear(K, N).eval()
+    x = torch.randn(1, K)  # (1, K): one row, a size inductor does not make symbolic
+    codes = {}
+    with torch.no_grad():
+        for way in ("inductor's freezing", "projection.freezing()"):
+            torch._dynamo.reset()
+            run = torch.compile(layer, fullgraph=True, options={"max_autotune": True})
+            with inductor.patch(deterministic=True, freezing=True), projection.freezing() if way != "inductor's freezing" else contextlib.nullcontext():
+                got, code = run_and_get_code(run, x)
+            codes[way] = "\n".join(code)
+            want = ref_linear(x, layer.weight, layer.bias)
+            assert ((got.double() - want).norm() / want.norm()).item() < 1e-6, way
+    assert "_mkl_linear" in codes["inductor's freezing"], "the control compiles to MKL's GEMM"
+    assert "_mkl_linear" not in codes["projection.freezing()"] and "micro_gemm" in codes["projection.freezing()"]
 
 
 def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear():

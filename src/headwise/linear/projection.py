@@ -39,15 +39,35 @@ def freezing() -> Iterator[None]:
     """``frozen()`` and inductor's ``freezing`` on in this thread while the block runs, then as they were. Both are
     read when Dynamo traces and inductor compiles (not from ``torch.compile``'s options). ``frozen()`` is per
     thread; inductor's settings are from torch 2.12 on (before, ``models.compiled_step.TURNS`` makes compiled
-    steps take turns), so a step in one thread leaves another thread's compiles unfrozen."""
+    steps take turns), so a step in one thread leaves another thread's compiles unfrozen. What inductor compiles
+    meanwhile runs its own GEMM, not MKL's, for a float32 projection where it has one (``_template_over_mkl``)."""
     import torch._inductor.config as inductor
+    from torch._inductor import select_algorithm
 
+    if _template_over_mkl not in select_algorithm.get_algorithm_selector_cache().preprocessing_fns:
+        select_algorithm.add_preprocessing_fn(_template_over_mkl)  # once a process (again if someone cleared them)
     before = frozen(), inductor.freezing
     _frozen.on = inductor.freezing = True
     try:
         yield
     finally:
         _frozen.on, inductor.freezing = before
+
+
+def _template_over_mkl(choices: list) -> list:
+    """Inductor's GEMM choices for one projection, without MKL's packed float32 GEMM wherever a kernel of inductor's
+    own (its C++ GEMM template) is among them, in a graph compiled under ``freezing()``; other compiles' pass unchanged.
+
+    Freezing turns a float32 ``F.linear`` of a fixed row count (one decode row) into MKL's packed GEMM, and
+    max-autotune times it against the template once, at the first compile, and caches the winner. The template wins
+    that timing on every projection measured, but a timing disturbed by a busy host keeps MKL, slower in the step, for
+    as long as inductor's cache lives (the decoding performance page has the numbers). Left out of the timing, the
+    choice is the same on every run."""
+    from torch._inductor.select_algorithm import ExternKernelCaller
+
+    if not frozen() or all(isinstance(c, ExternKernelCaller) for c in choices):  # no kernel of inductor's own to run
+        return choices
+    return [c for c in choices if getattr(getattr(c, "choice", None), "cpp_kernel_name", None) != "mkl::_mkl_linear"]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
