@@ -2,6 +2,7 @@
 forced at decode shapes against the float64 reference, and a model's decode step on either path."""
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -284,6 +285,8 @@ def test_the_compiled_graphs_ops_keep_a_decode_call_by_its_weights(linear_path, 
 
 
 @pytest.mark.skipif(not torch._C.has_mkl, reason="a torch without MKL has no MKL GEMM to leave out")
+@pytest.mark.skipif(not hasattr(importlib.import_module("torch._inductor.select_algorithm"), "get_algorithm_selector_cache"),
+                    reason="this torch has no hook on inductor's choices: autotune chooses alone")
 def test_a_frozen_graph_runs_inductors_gemm_where_it_has_one_not_mkls():
     """Under ``projection.freezing()`` a float32 projection of one row runs inductor's C++ GEMM, never MKL's packed
     GEMM, whatever max-autotune's timing would say. ``deterministic`` makes inductor pick an ATen kernel without

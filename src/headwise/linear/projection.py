@@ -42,10 +42,11 @@ def freezing() -> Iterator[None]:
     steps take turns), so a step in one thread leaves another thread's compiles unfrozen. What inductor compiles
     meanwhile runs its own GEMM, not MKL's, for a float32 projection where it has one (``_template_over_mkl``)."""
     import torch._inductor.config as inductor
-    from torch._inductor import select_algorithm
+    from torch._inductor import select_algorithm as choosing
 
-    if _template_over_mkl not in select_algorithm.get_algorithm_selector_cache().preprocessing_fns:
-        select_algorithm.add_preprocessing_fn(_template_over_mkl)  # once a process (again if someone cleared them)
+    selector = getattr(choosing, "get_algorithm_selector_cache", None)  # an older torch without it: autotune chooses
+    if selector is not None and _template_over_mkl not in selector().preprocessing_fns:
+        choosing.add_preprocessing_fn(_template_over_mkl)  # once a process (again if someone cleared them)
     before = frozen(), inductor.freezing
     _frozen.on = inductor.freezing = True
     try:
