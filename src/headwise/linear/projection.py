@@ -61,7 +61,7 @@ def _template_over_mkl(choices: list) -> list:
 
     Freezing turns a float32 ``F.linear`` of a fixed row count (one decode row) into MKL's packed GEMM, and
     max-autotune times it against the template once, at the first compile, and caches the winner. The template wins
-    that timing on every projection measured, but a timing disturbed by a busy host keeps MKL, slower in the step, for
+    that timing on every projection measured, but one timing that favours MKL (a busy host) keeps it, slower in the step, for
     as long as inductor's cache lives (the decoding performance page has the numbers). Left out of the timing, the
     choice is the same on every run."""
     from torch._inductor.select_algorithm import ExternKernelCaller
