@@ -60,10 +60,10 @@ def _template_over_mkl(choices: list) -> list:
     own (its C++ GEMM template) is among them, in a graph compiled under ``freezing()``; other compiles' pass unchanged.
 
     Freezing turns a float32 ``F.linear`` of a fixed row count (one decode row) into MKL's packed GEMM, and
-    max-autotune times it against the template once, at the first compile, and caches the winner. The template wins
-    that timing on every projection measured, but one timing that favours MKL (a busy host) keeps it, slower in the step, for
-    as long as inductor's cache lives (the decoding performance page has the numbers). Left out of the timing, the
-    choice is the same on every run."""
+    max-autotune times it against the template once, at the first compile, and caches the winner. The template
+    wins that timing on every projection measured, but one timing that favours MKL (a busy host) keeps MKL, slower
+    in the step, for as long as inductor's cache lives (the decoding performance page has the numbers). Left out of
+    the timing, the choice is the same on every run."""
     from torch._inductor.select_algorithm import ExternKernelCaller
 
     if not frozen() or all(isinstance(c, ExternKernelCaller) for c in choices):  # no kernel of inductor's own to run
