@@ -11,6 +11,7 @@ import torch
 from reference_variants import variant_attention
 
 import headwise as hw
+from headwise import native
 from headwise.backends import decode_kernel, plan
 from headwise.backends.spec import Spec
 
@@ -121,8 +122,8 @@ def test_a_build_that_fails_says_so_once_and_leaves_the_loops(monkeypatch):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    with pytest.warns(UserWarning, match=r"C\+\+ decode kernel could not be built \(RuntimeError: no compiler\)"):
-        assert decode_kernel._build.__wrapped__() is False
+    with pytest.warns(UserWarning, match=r"C\+\+ kernels could not be built \(RuntimeError: no compiler\)"):
+        assert native.built.__wrapped__() is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert decode_kernel.available()  # the cached build of this process stands

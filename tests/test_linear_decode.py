@@ -312,12 +312,18 @@ def test_a_frozen_graph_runs_inductors_gemm_where_it_has_one_not_mkls():
     assert "_mkl_linear" not in codes["projection.freezing()"] and "micro_gemm" in codes["projection.freezing()"]
 
 
-def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear():
+@pytest.mark.parametrize("panels_on", [True, False], ids=["panels", "no panels"])
+def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear(panels_on, monkeypatch):
     """Under ``projection.freezing()`` (the compiled step's setting, per thread) Dynamo traces ``linear`` as
-    ``F.linear``, for inductor to pack the frozen weight; outside it, as ``headwise::linear``. The setting is a guard:
-    the graph traced one way is not reused the other way."""
-    from headwise.linear import projection
+    ``F.linear``, for inductor to pack the frozen weight (or, for float32 where ``panels`` runs, as its packing and
+    GEMM); outside it, as ``headwise::linear``. The setting is a guard: the graph traced one way is not reused the
+    other way."""
+    from headwise.linear import panels, projection
 
+    if panels_on and not panels.available():
+        pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+    if not panels_on:
+        monkeypatch.setattr(panels, "available", lambda: False)
     layer = torch.nn.Linear(K, N)
     x = decode_case(1, torch.float32)[0]  # (1, 1, K)
     traced: list[set[str]] = []
@@ -326,14 +332,18 @@ def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear(
         traced.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm
 
+    torch._dynamo.reset()
     run = torch.compile(lambda x: hl.linear(x, layer.weight, layer.bias), backend=recording, fullgraph=True)
     with torch.no_grad():
         with projection.freezing():
             frozen = run(x)
         plain = run(x)
     assert len(traced) == 2 and not projection.frozen()
-    assert any("linear" in t and "headwise" not in t for t in traced[0]) and not any("headwise" in t for t in traced[0])
-    assert any("headwise.linear" in t for t in traced[1])
+    if panels_on:
+        assert {"headwise.pack_panels", "headwise.panels_linear"} <= traced[0]
+    else:
+        assert any("linear" in t and "headwise" not in t for t in traced[0]) and not any("headwise" in t for t in traced[0])
+    assert "headwise.linear" not in traced[0] and any("headwise.linear" in t for t in traced[1])
     want = ref_linear(x, layer.weight, layer.bias)
     for got in (frozen, plain):
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-6

@@ -10,35 +10,19 @@ read once), the context in the queries' dtype, zeros for a row that sees no key.
   ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place.
 
 Inductor's loops for the same products and sums, and the same loops over a paged pool, read the
-keys and values more slowly (docs: decoding, serving). The kernel is built at run time by
-``torch.utils.cpp_extension`` for the instruction set torch's own CPU kernels run with
-(``torch.backends.cpu.get_cpu_capability()``), once per machine and torch (then loaded from
-torch's extension cache), at the first call that could use it: those calls come from
-``torch.compile`` or a paged batch made with ``compile=True``, which need a C++ compiler already.
-If it cannot be built, ``available()`` says False, with one warning, and inductor's loops stay.
+keys and values more slowly (docs: decoding, serving). The kernel is built at run time with
+headwise's other C++ ops (``headwise.native``) at the first call that could use it; if it cannot
+be built, ``available()`` says False, with one warning, and inductor's loops stay.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import os
-import shutil
-import warnings
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
+from .. import native
 from .spec import Spec
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-#: Compiler flags per torch CPU capability: the kernel's vector code is the instruction set torch's own kernels use.
-ISA_FLAGS = {
-    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
-    "AVX2": ("-mavx2", "-mfma"),
-}
 #: The dtypes the kernel reads and writes (queries, keys and values; sums in float32).
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,41 +44,10 @@ def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen
     return q.new_empty(*q.shape[:3], v_pool.shape[-1])  # (N, Hkv, G, Dv)
 
 
-def _ninja_on_path() -> None:
-    """torch's extension build runs ``ninja`` from PATH: where PATH has none, the PyPI package's (``pip install ninja``,
-    in ``[test]``), whose binary sits in its own folder when its environment's ``bin`` is not on PATH."""
-    if shutil.which("ninja") is None:
-        with contextlib.suppress(ImportError):
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-@functools.cache
-def _build() -> bool:
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
-
-    isa = torch.backends.cpu.get_cpu_capability()
-    flags = ISA_FLAGS.get(isa, ())
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
-    try:
-        cpp_extension.load(
-            f"headwise_decode_attention_{digest}", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, a failed build: inductor's loops stay
-        warnings.warn(f"headwise: the C++ decode kernel could not be built ({type(e).__name__}: {e}); decode steps keep "
-                      "inductor's loops", stacklevel=3)
-        return False
-    return True
-
-
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the kernel is built and loaded on this machine (built at the first call; a constant in a compiled graph)."""
-    return _build()
+    return native.built()
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:

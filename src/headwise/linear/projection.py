@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
-from . import onednn
+from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
 from .weight_cache import READY, STACKED, cached, state, watchable
@@ -89,6 +89,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if torch.compiler.is_compiling():
         if frozen():
+            if panels.takes(x, weight, bias):
+                return panels.linear(x, weight, bias)  # (..., N): the weight packed once, when the graph is compiled
             return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
             return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs

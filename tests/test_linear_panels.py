@@ -1,0 +1,101 @@
+"""headwise.linear.panels: the compiled step's few-row float32 GEMM over panels of the weight, against the float64
+reference at every row count, width and depth its loops branch on, its packing, what it takes, and its place in a
+graph whose weights inductor freezes (the packing folded into a constant, done once)."""
+
+import pytest
+import torch
+from reference import linear as ref_linear
+
+from headwise import linear as hl
+from headwise.linear import panels, projection
+
+pytestmark = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+
+
+def case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)  # (M, K)
+    w = torch.randn(n, k, generator=gen) / k**0.5  # (N, K)
+    b = torch.randn(n, generator=gen) if bias else None  # (N,)
+    return x, w, b
+
+
+def within_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Each output within the float32 bound of a sum of K products (and the bias) of the reference's."""
+    want = ref_linear(x, w, b)  # float64
+    k = x.shape[-1]
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())  # (..., N)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert bool(((got.double() - want).abs() <= (k + 2) * 2**-24 * scale + 1e-30).all())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_row_count_and_width_matches_the_reference(rows, n, bias):
+    x, w, b = case(rows, n, 70, bias)
+    within_float32(panels.linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 64, 3072])
+def test_every_depth_matches_the_reference(k):
+    x, w, b = case(8, 65, k, True)
+    within_float32(panels.linear(x, w, b), x, w, b)
+
+
+def test_leading_dimensions_and_a_strided_input():
+    x, w, b = case(12, 40, 96, True)
+    x3 = x.view(3, 4, 96)  # (B, T, K)
+    out = panels.linear(x3, w, b)
+    assert out.shape == (3, 4, 40)
+    within_float32(out, x3, w, b)
+    wide = torch.randn(12, 200)
+    strided = wide[:, 50:146]  # (M, K) rows 200 apart
+    within_float32(panels.linear(strided, w, b), strided, w, b)
+    empty = panels.linear(torch.randn(0, 96), w, b)  # no rows
+    assert empty.shape == (0, 40)
+
+
+def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
+    w = torch.randn(70, 9)  # (N, K)
+    packed = torch.ops.headwise.pack_panels(w)
+    assert packed.shape == (3, 9, 32)
+    assert torch.equal(packed.transpose(1, 2).reshape(96, 9)[:70], w)  # panel p, k, j = w[32 p + j, k]
+    assert not packed[2, :, 6:].any()  # 70 = 2 * 32 + 6: the rest of the last panel is zero
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x, w, b: (x.bfloat16(), w.bfloat16(), b.bfloat16()),
+        lambda x, w, b: (x, w.double(), b),
+        lambda x, w, b: (x, w, b[:-1]),
+        lambda x, w, b: (x, w, b.double()),
+        lambda x, w, b: (x, w[None], b),
+        lambda x, w, b: (x[:, :0], w[:, :0], b),
+        lambda x, w, b: (x[:, :-1], w, b),
+    ],
+    ids=["bf16", "float64 weight", "short bias", "float64 bias", "3-D weight", "K = 0", "K apart"],
+)
+def test_it_takes_float32_operands_of_one_shape_only(make):
+    x, w, b = case(4, 40, 16, True)
+    assert panels.takes(x, w, b) and panels.takes(x, w, None)
+    assert not panels.takes(*make(x, w, b))
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows):
+    """Under ``projection.freezing()`` a float32 projection traces as ``pack_panels`` + ``panels_linear``; inductor's
+    freezing folds the packing of the frozen weight into a constant, so the compiled code only runs the GEMM."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = torch.nn.Linear(96, 80).eval()
+    x = torch.randn(rows, 1, 96)  # (B, T=1, K): a decode step's input
+    torch._dynamo.reset()
+    run = torch.compile(lambda x: hl.linear(x, layer.weight, layer.bias), fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(run, x)
+    within_float32(got, x, layer.weight.detach(), layer.bias.detach())
+    code = "\n".join(code)
+    assert "panels_linear" in code and "pack_panels" not in code
+
