@@ -9,7 +9,7 @@ from reference import linear as ref_linear
 from headwise import linear as hl
 from headwise.linear import panels, projection
 
-pytestmark = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
 
 
 def case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
@@ -29,6 +29,7 @@ def within_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch
     assert bool(((got.double() - want).abs() <= (k + 2) * 2**-24 * scale + 1e-30).all())
 
 
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize("bias", [True, False])
@@ -37,12 +38,14 @@ def test_every_row_count_and_width_matches_the_reference(rows, n, bias):
     within_float32(panels.linear(x, w, b), x, w, b)
 
 
+@needs_panels
 @pytest.mark.parametrize("k", [1, 2, 5, 64, 3072])
 def test_every_depth_matches_the_reference(k):
     x, w, b = case(8, 65, k, True)
     within_float32(panels.linear(x, w, b), x, w, b)
 
 
+@needs_panels
 def test_leading_dimensions_and_a_strided_input():
     x, w, b = case(12, 40, 96, True)
     x3 = x.view(3, 4, 96)  # (B, T, K)
@@ -56,6 +59,7 @@ def test_leading_dimensions_and_a_strided_input():
     assert empty.shape == (0, 40)
 
 
+@needs_panels
 def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
     w = torch.randn(70, 9)  # (N, K)
     packed = torch.ops.headwise.pack_panels(w)
@@ -64,6 +68,7 @@ def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
     assert not packed[2, :, 6:].any()  # 70 = 2 * 32 + 6: the rest of the last panel is zero
 
 
+@needs_panels
 @pytest.mark.parametrize(
     "make",
     [
@@ -83,6 +88,7 @@ def test_it_takes_float32_operands_of_one_shape_only(make):
     assert not panels.takes(*make(x, w, b))
 
 
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 8])
 def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows):
     """Under ``projection.freezing()`` a float32 projection traces as ``pack_panels`` + ``panels_linear``; inductor's
@@ -99,3 +105,11 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows):
     code = "\n".join(code)
     assert "panels_linear" in code and "pack_panels" not in code
 
+
+
+@pytest.mark.parametrize("capability, path", [("AVX512", "panels"), ("AVX2", "inductor")])
+def test_describe_names_the_compiled_steps_gemm(machine, capability, path):
+    machine("GenuineIntel", capability)
+    step = hl.describe()["compiled_step"]
+    assert step["float32"]["path"] == path and step["bfloat16"]["path"] == "inductor"
+    assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]

@@ -7,7 +7,8 @@ run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch 
 loaded from torch's extension cache), at the first call that could use it: those calls come from
 ``torch.compile`` or a paged batch made with ``compile=True``, which need a C++ compiler already.
 If it cannot be built, ``built()`` is False, with one warning, and the callers keep inductor's code.
-The ops' schemas are defined on the Python side (each caller's module), their CPU kernels in C++.
+The ops' schemas are defined on the Python side (each caller's module, whenever it is imported: the dispatcher
+takes a kernel before its schema), their CPU kernels in C++.
 """
 
 from __future__ import annotations
@@ -47,9 +48,6 @@ def built() -> bool:
     """Build (or load from torch's extension cache) the library once a process; False, with one warning, where it
     cannot be built (no compiler, no ninja, a failed build)."""
     from torch.utils import cpp_extension
-
-    from .backends import decode_kernel  # noqa: F401  (the ops' schemas, defined before their kernels load)
-    from .linear import panels  # noqa: F401
 
     _ninja_on_path()
     isa = torch.backends.cpu.get_cpu_capability()

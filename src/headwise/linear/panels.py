@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from ..machine import cpu
 
 WIDTH = 32  # output columns per panel
 
@@ -37,11 +38,17 @@ def _out_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor
     return x.new_empty(*x.shape[:-1], n)  # (..., n)
 
 
+def runs_on(facts: dict) -> bool:
+    """Whether a compiled step's float32 projections take the panels on a CPU with these facts (``machine.cpu()``):
+    torch's kernels on AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need AVX-512's 32)."""
+    return facts["capability"] == "AVX512"
+
+
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether ``linear`` runs here: torch's CPU kernels on AVX-512 and the library built (built at the first call;
-    a constant in a compiled graph)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and native.built()
+    """Whether ``linear`` runs here: ``runs_on`` this CPU and the library built (built at the first call; a constant
+    in a compiled graph)."""
+    return runs_on(cpu()) and native.built()
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

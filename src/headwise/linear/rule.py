@@ -26,8 +26,13 @@ Nothing is timed. A call's path follows, in order:
    (fewer than ``MIN_ROWS`` with a weight under ``MIN_DECODE_WEIGHT`` elements),
    ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
 
-``describe()`` returns the decisions (many rows and few rows, per dtype) and the machine facts
-behind them. Nothing global is changed.
+``describe()`` returns the decisions (many rows and few rows, per dtype; a compiled step's) and the
+machine facts behind them. Nothing global is changed.
+
+A compiled decode step (``generate(..., compile=True)``, its weights frozen) follows none of the
+above: its float32 projections run ``panels`` (one C++ GEMM over the weight packed when the step is
+compiled) on CPUs whose torch kernels run AVX-512, and inductor's GEMMs elsewhere and in other
+dtypes (``describe()["compiled_step"]``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..machine import BF16_FLAGS, bf16_flags_on, cpu
-from . import onednn
+from . import onednn, panels
 
 TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
 PATHS = ("auto", "onednn", "torch")
@@ -159,7 +164,7 @@ def describe() -> dict:
 
     Example:
         >>> list(describe())
-        ['cpu', 'float32', 'bfloat16', 'few_rows', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
+        ['cpu', 'float32', 'bfloat16', 'few_rows', 'compiled_step', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
         >>> describe()["float32"]["path"] in ("onednn", "torch"), describe()["few_rows"]["rows"]
         (True, 16)
     """
@@ -171,8 +176,21 @@ def describe() -> dict:
     return {"cpu": cpu(), **{name: many for name, (many, _, _) in decided.items()},
             "few_rows": {"rows": DECODE_ROWS, "min_weight": MIN_DECODE_WEIGHT, **{name: few for name, (_, few, _) in decided.items()},
                          "gemv": {"rows": GEMV_ROWS, **{name: gemv for name, (_, _, gemv) in decided.items()}}},
+            "compiled_step": _compiled_step(cpu()),
             "setting": f"{setting} ({source})", "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
+
+
+def _compiled_step(facts: dict) -> dict:
+    """A compiled decode step's projections (weights frozen), per dtype: ``panels`` or inductor's GEMMs, and why."""
+    inductor = {"path": "inductor", "reason": "inductor's GEMM over the weight it packs when the step is compiled"}
+    if panels.runs_on(facts):
+        fp32 = {"path": "panels", "reason": "torch's kernels run AVX-512: headwise's C++ GEMM over the weight packed in "
+                                            "32-column panels (where headwise's C++ library builds)"}
+    else:
+        fp32 = {"path": "inductor", "reason": f"torch's kernels run {facts['capability']}: " + inductor["reason"]
+                + " (its own C++ GEMM where it has one, not MKL's)"}
+    return {"float32": fp32, "bfloat16": inductor}
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
