@@ -8,54 +8,63 @@ from reference import linear as ref_linear
 
 from headwise import linear as hl
 from headwise.linear import panels, projection
+from headwise.machine import cpu
 
 needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+DTYPES = [pytest.param(torch.float32, id="fp32"),
+          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(torch.bfloat16 not in panels.dtypes_on(cpu()),
+                                                                            reason="bfloat16 panels need AVX512-BF16"))]
 
 
-def case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
+def case(rows: int, n: int, k: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen)  # (M, K)
     w = torch.randn(n, k, generator=gen) / k**0.5  # (N, K)
     b = torch.randn(n, generator=gen) if bias else None  # (N,)
-    return x, w, b
+    return x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
 
 
 def within_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Each output within the float32 bound of a sum of K products (and the bias) of the reference's."""
-    want = ref_linear(x, w, b)  # float64
+    """Each output within the float32 bound of a sum of K products (and the bias) of the reference's, plus one
+    rounding to the output's dtype (bfloat16: the sum rounded once)."""
+    want = ref_linear(x, w, b)  # float64 of the operands' values
     k = x.shape[-1]
     scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())  # (..., N)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert bool(((got.double() - want).abs() <= (k + 2) * 2**-24 * scale + 1e-30).all())
+    last = 0 if x.dtype == torch.float32 else 2**-8  # bfloat16's unit roundoff
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert bool(((got.double() - want).abs() <= (k + 2) * 2**-24 * scale + last * want.abs() + 1e-30).all())
 
 
 @needs_panels
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize("bias", [True, False])
-def test_every_row_count_and_width_matches_the_reference(rows, n, bias):
-    x, w, b = case(rows, n, 70, bias)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_count_and_width_matches_the_reference(rows, n, bias, dtype):
+    x, w, b = case(rows, n, 70, bias, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
 
 
 @needs_panels
-@pytest.mark.parametrize("k", [1, 2, 5, 64, 3072])
-def test_every_depth_matches_the_reference(k):
-    x, w, b = case(8, 65, k, True)
+@pytest.mark.parametrize("k", [1, 2, 5, 64, 3071, 3072])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_depth_matches_the_reference(k, dtype):
+    x, w, b = case(8, 65, k, True, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
 
 
 @needs_panels
-def test_leading_dimensions_and_a_strided_input():
-    x, w, b = case(12, 40, 96, True)
-    x3 = x.view(3, 4, 96)  # (B, T, K)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_dimensions_and_a_strided_input(dtype):
+    x, w, b = case(12, 40, 95, True, dtype)
+    x3 = x.view(3, 4, 95)  # (B, T, K)
     out = panels.linear(x3, w, b)
     assert out.shape == (3, 4, 40)
     within_float32(out, x3, w, b)
-    wide = torch.randn(12, 200)
-    strided = wide[:, 50:146]  # (M, K) rows 200 apart
+    wide = torch.randn(12, 200).to(dtype)
+    strided = wide[:, 50:145]  # (M, K) rows 200 apart
     within_float32(panels.linear(strided, w, b), strided, w, b)
-    empty = panels.linear(torch.randn(0, 96), w, b)  # no rows
+    empty = panels.linear(torch.randn(0, 95).to(dtype), w, b)  # no rows
     assert empty.shape == (0, 40)
 
 
@@ -66,13 +75,18 @@ def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
     assert packed.shape == (3, 9, 32)
     assert torch.equal(packed.transpose(1, 2).reshape(96, 9)[:70], w)  # panel p, k, j = w[32 p + j, k]
     assert not packed[2, :, 6:].any()  # 70 = 2 * 32 + 6: the rest of the last panel is zero
+    packed = torch.ops.headwise.pack_panels(w.bfloat16())  # bfloat16: k in pairs, K = 9 padded to 10
+    assert packed.shape == (3, 10, 32) and packed.dtype == torch.bfloat16
+    pairs = packed.view(3, 5, 32, 2)  # panel p, pair i, column j, e = w[32 p + j, 2 i + e]
+    assert torch.equal(pairs.permute(0, 2, 1, 3).reshape(96, 10)[:70, :9], w.bfloat16())
+    assert not pairs[:, 4, :, 1].any() and not pairs[2, :, 6:].any()  # the padding k and columns are zero
 
 
 @needs_panels
 @pytest.mark.parametrize(
     "make",
     [
-        lambda x, w, b: (x.bfloat16(), w.bfloat16(), b.bfloat16()),
+        lambda x, w, b: (x.bfloat16(), w, b),
         lambda x, w, b: (x, w.double(), b),
         lambda x, w, b: (x, w, b[:-1]),
         lambda x, w, b: (x, w, b.double()),
@@ -80,9 +94,9 @@ def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
         lambda x, w, b: (x[:, :0], w[:, :0], b),
         lambda x, w, b: (x[:, :-1], w, b),
     ],
-    ids=["bf16", "float64 weight", "short bias", "float64 bias", "3-D weight", "K = 0", "K apart"],
+    ids=["mixed", "float64 weight", "short bias", "float64 bias", "3-D weight", "K = 0", "K apart"],
 )
-def test_it_takes_float32_operands_of_one_shape_only(make):
+def test_it_takes_operands_of_one_dtype_and_shape_only(make):
     x, w, b = case(4, 40, 16, True)
     assert panels.takes(x, w, b) and panels.takes(x, w, None)
     assert not panels.takes(*make(x, w, b))
@@ -90,13 +104,14 @@ def test_it_takes_float32_operands_of_one_shape_only(make):
 
 @needs_panels
 @pytest.mark.parametrize("rows", [1, 8])
-def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
     """Under ``projection.freezing()`` a float32 projection traces as ``pack_panels`` + ``panels_linear``; inductor's
     freezing folds the packing of the frozen weight into a constant, so the compiled code only runs the GEMM."""
     from torch._inductor.utils import run_and_get_code
 
-    layer = torch.nn.Linear(96, 80).eval()
-    x = torch.randn(rows, 1, 96)  # (B, T=1, K): a decode step's input
+    layer = torch.nn.Linear(95, 80).to(dtype).eval()
+    x = torch.randn(rows, 1, 95).to(dtype)  # (B, T=1, K): a decode step's input
     torch._dynamo.reset()
     run = torch.compile(lambda x: hl.linear(x, layer.weight, layer.bias), fullgraph=True, dynamic=True)
     with torch.no_grad(), projection.freezing():
@@ -107,9 +122,12 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows):
 
 
 
-@pytest.mark.parametrize("capability, path", [("AVX512", "panels"), ("AVX2", "inductor")])
-def test_describe_names_the_compiled_steps_gemm(machine, capability, path):
-    machine("GenuineIntel", capability)
+@pytest.mark.parametrize("capability, flags, fp32, bf16", [("AVX512", ["avx512f", "avx512_bf16"], "panels", "panels"),
+                                                           ("AVX512", ["avx512f"], "panels", "inductor"),
+                                                           ("AVX2", ["avx2"], "inductor", "inductor")])
+def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16):
+    machine("GenuineIntel", capability, flags)
     step = hl.describe()["compiled_step"]
-    assert step["float32"]["path"] == path and step["bfloat16"]["path"] == "inductor"
+    assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
+    assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step["bfloat16"]["reason"])

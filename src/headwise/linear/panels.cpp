@@ -1,17 +1,27 @@
-// A float32 GEMM for the few rows of a decode step: out (M, N) = x (M, K) . weight (N, K)^T + bias,
-// over the weight packed once in panels of 32 output columns, k-major (pack_panels: (ceil(N/32), K, 32),
-// the last panel zero-padded). Each panel is read from memory once, a step of k at a time (one
-// 128-byte line), while ROWS rows of x, broadcast one value at a time, are multiplied into ROWS x 32
-// float32 sums held in registers; more rows take the panel again from the core's cache. Sums run
-// over k in order, in float32. The panels are split between torch's threads. Built at run time by
-// headwise.native with the instruction set torch's own kernels use; the ops' schemas and checks
-// live on the Python side (headwise.linear.panels).
+// A GEMM for the few rows of a decode step: out (M, N) = x (M, K) . weight (N, K)^T + bias, over the
+// weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
+// memory once, a step of k at a time (one 128-byte line), while ROWS rows of x, broadcast one value
+// (or one pair) at a time, are multiplied into ROWS x 32 float32 sums held in registers; more rows
+// take the panel again from the core's cache. The panels are split between torch's threads.
+//
+// - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
+// - bfloat16 (CPUs with AVX512-BF16 only): panels (ceil(N/32), K + K % 2, 32), each step a pair of k
+//   for every column ((k, k+1) side by side, K padded with a zero); one vdpbf16ps adds a pair's two
+//   products (exact in float32) to each float32 sum; the sum plus the bias is rounded to bfloat16 once.
+// The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
+// own kernels use; the ops' schemas and checks live on the Python side (headwise.linear.panels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -32,8 +42,7 @@ inline vec load(const float* p) {
   return v;
 }
 
-
-// sums (M, PANEL) = x (M rows, row stride K) . panel (K, PANEL)
+// sums (M, PANEL) = x (M rows, row stride K) . panel (K, PANEL), float32
 template <int M>
 void rows_by_panel(const float* x, int64_t K, const float* panel, float* sums) {
   vec acc[M][VECS] = {};
@@ -53,57 +62,101 @@ void rows_by_panel(const float* x, int64_t K, const float* panel, float* sums) {
   }
 }
 
-void rows_by_panel(int64_t m, const float* x, int64_t K, const float* panel, float* sums) {
-  static_assert(ROWS == 8 || ROWS == 2, "one case per row count below ROWS");
-  switch (m) {
-    case 1: return rows_by_panel<1>(x, K, panel, sums);
-#if defined(__AVX512F__)
-    case 2: return rows_by_panel<2>(x, K, panel, sums);
-    case 3: return rows_by_panel<3>(x, K, panel, sums);
-    case 4: return rows_by_panel<4>(x, K, panel, sums);
-    case 5: return rows_by_panel<5>(x, K, panel, sums);
-    case 6: return rows_by_panel<6>(x, K, panel, sums);
-    case 7: return rows_by_panel<7>(x, K, panel, sums);
+#if defined(__x86_64__)
+// sums (M, PANEL) = x (M rows of `pairs` bfloat16 pairs, each pair one int32) . panel (pairs, PANEL, 2), bfloat16
+template <int M>
+__attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t* x, int64_t pairs, const c10::BFloat16* panel,
+                                                                     float* sums) {
+  __m512 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * PANEL);       // columns 0-15, a pair each
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * PANEL + 32);  // columns 16-31
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(x[m * pairs + kk]);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, w1);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm512_storeu_ps(sums + m * PANEL, acc[m][0]);
+    _mm512_storeu_ps(sums + m * PANEL + 16, acc[m][1]);
+  }
+}
 #endif
-    default: return rows_by_panel<ROWS>(x, K, panel, sums);
+
+// One call per block of at most ROWS rows: the row count a template argument, so the sums stay in registers.
+template <typename Rows>
+void by_rows(int64_t m, Rows rows) {
+  switch (m) {
+    case 1: return rows(std::integral_constant<int, 1>{});
+#if defined(__AVX512F__)
+    case 2: return rows(std::integral_constant<int, 2>{});
+    case 3: return rows(std::integral_constant<int, 3>{});
+    case 4: return rows(std::integral_constant<int, 4>{});
+    case 5: return rows(std::integral_constant<int, 5>{});
+    case 6: return rows(std::integral_constant<int, 6>{});
+    case 7: return rows(std::integral_constant<int, 7>{});
+#endif
+    default: return rows(std::integral_constant<int, ROWS>{});
   }
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {  // (N, K) -> (ceil(N / 32), K, 32) float32, zero-padded
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL;
-  at::Tensor padded = at::zeros({P * PANEL, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, PANEL, K}).transpose(1, 2).contiguous();
+at::Tensor pack_panels(const at::Tensor& weight) {  // (N, K) -> (ceil(N / 32), K', 32): K' = K (float32), K + K % 2 (bfloat16)
+  const bool pairs = weight.scalar_type() == at::kBFloat16;
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL, Kp = pairs ? K + K % 2 : K;
+  at::Tensor padded = at::zeros({P * PANEL, Kp}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  if (!pairs) return padded.view({P, PANEL, K}).transpose(1, 2).contiguous();  // panel p, k, column j
+  return padded.view({P, PANEL, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, Kp, PANEL});  // p, pair, j, 2
+}
+
+// out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
+template <typename T>
+void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, int64_t N) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < width; ++j) {
+      const float s = sums[i * PANEL + j];
+      out[i * N + j] = static_cast<T>(bias != nullptr ? s + static_cast<float>(bias[j]) : s);
+    }
+  }
 }
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
-  const int64_t K = x_.size(-1), P = panels.size(0);
-  const at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
+  const bool pairs = x_.scalar_type() == at::kBFloat16;
+  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
+  at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
+  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K + 1): a zero to pair with the last k
   const int64_t M = x.size(0);
   std::vector<int64_t> sizes = x_.sizes().vec();
   sizes.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());  // (M, N)
   const at::Tensor bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * PANEL));  // ~256 KB of weights a task
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));  // ~256 KB of float32 a task
+  const void* xp = x.data_ptr();
+  const void* pp = panels.data_ptr();
+  const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
+  void* op = out.data_ptr();
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     float sums[ROWS * PANEL];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
       for (int64_t r = 0; r < M; r += ROWS) {
         const int64_t m = std::min<int64_t>(ROWS, M - r);
-        rows_by_panel(m, xp + r * K, K, pp + p * K * PANEL, sums);
-        for (int64_t i = 0; i < m; ++i) {
-          float* row = op + (r + i) * N + n0;
-          const float* s = sums + i * PANEL;
-          if (bp != nullptr) {
-            for (int64_t j = 0; j < width; ++j) row[j] = s[j] + bp[n0 + j];
-          } else {
-            std::memcpy(row, s, width * sizeof(float));
-          }
+        if (pairs) {
+#if defined(__x86_64__)
+          using T = c10::BFloat16;
+          const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
+          const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
+          by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+          store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
+#endif
+        } else {
+          const float* xr = static_cast<const float*>(xp) + r * K;
+          const float* panel = static_cast<const float*>(pp) + p * K * PANEL;
+          by_rows(m, [&](auto rows) { rows_by_panel<decltype(rows)::value>(xr, K, panel, sums); });
+          store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
         }
       }
     }

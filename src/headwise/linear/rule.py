@@ -31,8 +31,8 @@ machine facts behind them. Nothing global is changed.
 
 A compiled decode step (``generate(..., compile=True)``, its weights frozen) follows none of the
 above: its float32 projections run ``panels`` (one C++ GEMM over the weight packed when the step is
-compiled) on CPUs whose torch kernels run AVX-512, and inductor's GEMMs elsewhere and in other
-dtypes (``describe()["compiled_step"]``).
+compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 ones on those with AVX512-BF16 too,
+and inductor's GEMMs elsewhere (``describe()["compiled_step"]``).
 """
 
 from __future__ import annotations
@@ -183,14 +183,15 @@ def describe() -> dict:
 
 def _compiled_step(facts: dict) -> dict:
     """A compiled decode step's projections (weights frozen), per dtype: ``panels`` or inductor's GEMMs, and why."""
-    inductor = {"path": "inductor", "reason": "inductor's GEMM over the weight it packs when the step is compiled"}
-    if panels.runs_on(facts):
-        fp32 = {"path": "panels", "reason": "torch's kernels run AVX-512: headwise's C++ GEMM over the weight packed in "
-                                            "32-column panels (where headwise's C++ library builds)"}
-    else:
-        fp32 = {"path": "inductor", "reason": f"torch's kernels run {facts['capability']}: " + inductor["reason"]
-                + " (its own C++ GEMM where it has one, not MKL's)"}
-    return {"float32": fp32, "bfloat16": inductor}
+    runs = panels.dtypes_on(facts)
+    why = {torch.float32: "torch's kernels run AVX-512", torch.bfloat16: "torch's kernels run AVX-512, the CPU has avx512_bf16"}
+    return {str(dtype).removeprefix("torch."): (
+        {"path": "panels", "reason": f"{why[dtype]}: headwise's C++ GEMM over the weight packed in 32-column panels "
+                                     "(where headwise's C++ library builds)"} if dtype in runs else
+        {"path": "inductor", "reason": f"torch's kernels run {facts['capability']}"
+                                       + ("" if facts["capability"] != "AVX512" or dtype == torch.float32 else ", no avx512_bf16")
+                                       + ": inductor's GEMM over the weight it packs when the step is compiled"})
+        for dtype in onednn.DTYPES}
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
