@@ -14,11 +14,14 @@
 At the few rows of a decode step the GEMM reads the weights at about the rate of a plain read of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
-kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 those with AVX512-BF16,
-where the library is built (``headwise.native``).
+kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 those with AVX512-BF16
+and more than one row (at one row inductor's own GEMM read faster), where the library is built
+(``headwise.native``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -65,13 +68,15 @@ def available() -> bool:
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether ``linear`` computes ``F.linear(x, weight, bias)`` here: CPU tensors of one dtype of ``dtypes_on`` this
-    CPU, x (..., K) with K > 0, weight (N, K), bias (N,) or None, and ``available()``."""
+    """Whether a frozen graph's ``F.linear(x, weight, bias)`` runs as ``linear``: CPU tensors of one dtype of
+    ``dtypes_on`` this CPU, x (..., K) with K > 0, weight (N, K), bias (N,) or None, and ``available()``; but not
+    bfloat16 of one row fixed at trace time (a decode step's B = 1 graph), where inductor's own GEMM was the faster."""
+    one_row = all(isinstance(d, int) for d in x.shape[:-1]) and math.prod(x.shape[:-1]) == 1
     return (
         x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _dtypes()
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu" and tuple(bias.shape) == (weight.shape[0],)))
-        and available()
+        and not (x.dtype == torch.bfloat16 and one_row) and available()
     )
 
 

@@ -5,7 +5,8 @@ through it when the layer is a plain ``nn.Linear``; ``project_many`` runs severa
 read one input as one GEMM over their stacked weights. While ``torch.compile`` traces an
 inference call (no autograd), both become opaque ops (``custom_ops``) that decide their path and
 stack their weights when the graph runs, unless the graph freezes its weights (``frozen()``): then
-they are ``F.linear``, whose weights inductor packs itself.
+they are ``panels.linear`` where it takes the operands (float32 on AVX-512, bfloat16 with
+AVX512-BF16), else ``F.linear``; inductor packs the frozen weights for either once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ _frozen = threading.local()  # .on: this thread runs a graph whose weights induc
 
 def frozen() -> bool:
     """Whether this thread runs a graph whose weights inductor freezes into constants (``models.compiled_step``): its
-    projections are traced as ``F.linear``, which inductor packs and runs itself, not as opaque ops."""
+    projections are traced as ``panels.linear`` or ``F.linear``, whose weights are packed once when the graph is
+    compiled, not as opaque ops."""
     return getattr(_frozen, "on", False)
 
 

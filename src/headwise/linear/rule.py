@@ -31,8 +31,8 @@ machine facts behind them. Nothing global is changed.
 
 A compiled decode step (``generate(..., compile=True)``, its weights frozen) follows none of the
 above: its float32 projections run ``panels`` (one C++ GEMM over the weight packed when the step is
-compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 ones on those with AVX512-BF16 too,
-and inductor's GEMMs elsewhere (``describe()["compiled_step"]``).
+compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 ones of more than one row on those
+with AVX512-BF16 too, and inductor's GEMMs elsewhere (``describe()["compiled_step"]``).
 """
 
 from __future__ import annotations
@@ -185,9 +185,10 @@ def _compiled_step(facts: dict) -> dict:
     """A compiled decode step's projections (weights frozen), per dtype: ``panels`` or inductor's GEMMs, and why."""
     runs = panels.dtypes_on(facts)
     why = {torch.float32: "torch's kernels run AVX-512", torch.bfloat16: "torch's kernels run AVX-512, the CPU has avx512_bf16"}
+    rows = {torch.float32: "", torch.bfloat16: "; one row (B = 1): inductor's GEMM, the faster there"}
     return {str(dtype).removeprefix("torch."): (
         {"path": "panels", "reason": f"{why[dtype]}: headwise's C++ GEMM over the weight packed in 32-column panels "
-                                     "(where headwise's C++ library builds)"} if dtype in runs else
+                                     f"(where headwise's C++ library builds){rows[dtype]}"} if dtype in runs else
         {"path": "inductor", "reason": f"torch's kernels run {facts['capability']}"
                                        + ("" if facts["capability"] != "AVX512" or dtype == torch.float32 else ", no avx512_bf16")
                                        + ": inductor's GEMM over the weight it packs when the step is compiled"})

@@ -1,11 +1,13 @@
 """``generate(..., compile=True)``'s step: the decode step under ``torch.compile``, on the CPU with its weights frozen.
 
 On the CPU the step is compiled with inductor's ``freezing`` and ``max_autotune``: the weights
-become constants of the graph, so inductor packs each projection's weight once for its own GEMM
-kernels (C++ micro-kernels for AVX-512, AMX, AVX2, timed at compile against ATen's and kept where
-faster; a float32 projection of one row always takes inductor's, never MKL's: ``projection.freezing``),
-and the projections are traced as plain ``F.linear`` and int8 GEMMs for it (``projection.frozen()``),
-not as headwise's opaque ops. A frozen graph cannot see a weight change,
+become constants of the graph, packed once when it is compiled. Where torch's kernels run AVX-512
+the float32 projections (and the bfloat16 ones on CPUs with AVX512-BF16) are traced as headwise's
+panels GEMM (``linear.panels``), whose packing inductor's constant folding does; the others as plain
+``F.linear`` and int8 GEMMs, which inductor packs for its own GEMM kernels (C++ micro-kernels for
+AVX-512, AMX, AVX2, timed at compile against ATen's and kept where faster; a float32 projection of
+one row takes inductor's, never MKL's: ``projection.freezing``). Neither is one of headwise's opaque
+ops that decide when they run (``projection.frozen()``). A frozen graph cannot see a weight change,
 so the step is kept with the state of every parameter and buffer (``weight_cache.state``) and
 compiled anew when any changed (an optimizer step, ``load_state_dict``, ``.data =``). Inductor
 keeps its packed copies of the weights beside the model's own while the step lives. Each compiled
