@@ -135,3 +135,17 @@ def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32
     assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
     assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step["bfloat16"]["reason"])
+
+
+@needs_panels
+def test_the_ops_refuse_what_they_cannot_read():
+    x, w, b = case(2, 40, 16, True)
+    packed = torch.ops.headwise.pack_panels(w)
+    for bad, match in [(lambda: torch.ops.headwise.pack_panels(w.double()), "2-D float32 or bfloat16"),
+                       (lambda: torch.ops.headwise.panels_linear(x.double(), packed, None, 40), "float32 or bfloat16"),
+                       (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), packed, None, 40), "of its dtype"),
+                       (lambda: torch.ops.headwise.panels_linear(x, packed, None, 70), "do not hold a weight of 70"),
+                       (lambda: torch.ops.headwise.panels_linear(x[:, :15], packed, None, 40), "by 15"),
+                       (lambda: torch.ops.headwise.panels_linear(x, packed, b[:3], 40), "bias must hold 40")]:
+        with pytest.raises(RuntimeError, match=match):
+            bad()

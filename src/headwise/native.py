@@ -1,6 +1,6 @@
 """headwise's C++ ops, built at run time into one library: the decode step's attention
-(``backends/decode_attention.cpp``, run by ``backends.decode_kernel``) and the few-row float32 GEMM
-of a compiled step (``linear/panels.cpp``, run by ``linear.panels``).
+(``backends/decode_attention.cpp``, run by ``backends.decode_kernel``) and the few-row GEMM of a
+compiled step (``linear/panels.cpp``, run by ``linear.panels``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then

@@ -103,7 +103,18 @@ void by_rows(int64_t m, Rows rows) {
   }
 }
 
+// The CPU runs AVX512-BF16's pair dot products (the bfloat16 path's one instruction).
+bool has_bf16_pairs() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 at::Tensor pack_panels(const at::Tensor& weight) {  // (N, K) -> (ceil(N / 32), K', 32): K' = K (float32), K + K % 2 (bfloat16)
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack_panels: weight must be a 2-D float32 or bfloat16 tensor, got ", weight.dim(), "-D ", weight.scalar_type());
   const bool pairs = weight.scalar_type() == at::kBFloat16;
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL, Kp = pairs ? K + K % 2 : K;
   at::Tensor padded = at::zeros({P * PANEL, Kp}, weight.options());
@@ -125,7 +136,16 @@ void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, i
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
   const bool pairs = x_.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kFloat || pairs) && panels.scalar_type() == x_.scalar_type()
+              && panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
+              "panels_linear: x must be float32 or bfloat16 and panels pack_panels' output of its dtype, got x ",
+              x_.scalar_type(), ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
   const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
+  TORCH_CHECK(Kp == (pairs ? K + K % 2 : K) && N >= 0 && (N + PANEL - 1) / PANEL == P,
+              "panels_linear: panels of shape ", panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
+  TORCH_CHECK(!bias_.has_value() || (bias_->scalar_type() == x_.scalar_type() && bias_->numel() == N),
+              "panels_linear: bias must hold ", N, " values of x's dtype");
+  TORCH_CHECK(!pairs || has_bf16_pairs(), "panels_linear: bfloat16 needs a CPU with AVX512-BF16");
   at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
   if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K + 1): a zero to pair with the last k
   const int64_t M = x.size(0);
