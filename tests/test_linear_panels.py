@@ -132,16 +132,21 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
 def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16):
     machine("GenuineIntel", capability, flags)
     step = hl.describe()["compiled_step"]
-    assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16
+    assert set(step) == {"float32", "bfloat16", "int8"}
+    assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16 and step["int8"]["path"] == bf16
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
-    assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step["bfloat16"]["reason"])
+    for dtype in ("bfloat16", "int8"):
+        assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step[dtype]["reason"])
 
 
 @needs_panels
 def test_the_ops_refuse_what_they_cannot_read():
     x, w, b = case(2, 40, 16, True)
     packed = torch.ops.headwise.pack_panels(w)
-    for bad, match in [(lambda: torch.ops.headwise.pack_panels(w.double()), "2-D float32 or bfloat16"),
+    int8 = torch.ops.headwise.pack_panels(w.to(torch.int8))
+    for bad, match in [(lambda: torch.ops.headwise.pack_panels(w.double()), "2-D float32, bfloat16 or int8"),
+                       (lambda: torch.ops.headwise.panels_linear(x, int8, None, 40), "or int8 for bfloat16 x"),
+                       (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), int8, b.bfloat16(), 40), "int8 panels take no bias"),
                        (lambda: torch.ops.headwise.panels_linear(x.double(), packed, None, 40), "float32 or bfloat16"),
                        (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), packed, None, 40), "of its dtype"),
                        (lambda: torch.ops.headwise.panels_linear(x, packed, None, 70), "do not hold a weight of 70"),
@@ -149,3 +154,73 @@ def test_the_ops_refuse_what_they_cannot_read():
                        (lambda: torch.ops.headwise.panels_linear(x, packed, b[:3], 40), "bias must hold 40")]:
         with pytest.raises(RuntimeError, match=match):
             bad()
+
+
+needs_int8 = pytest.mark.skipif(torch.int8 not in panels.dtypes_on(cpu()) or not panels.available(),
+                                reason="int8 panels need AVX512-BF16 and the library built")
+
+
+def int8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).bfloat16()  # (M, K)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)  # (N, K)
+    return x, w
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("n, k", [(1, 1), (33, 5), (100, 70), (65, 3071), (32, 3072)])
+def test_int8_panels_sum_like_the_reference_and_torchs_kernel(rows, n, k):
+    """int8 weights with bfloat16 x: the exact products' float32 sums rounded to bfloat16 once, within the float32
+    bound of the float64 reference, and (where torch's int8 kernel reads K) nearly always its very bits."""
+    x, w = int8_case(rows, n, k)
+    got = panels.linear(x, w)
+    within_float32(got, x, w, None)
+    if k % 16 == 0:
+        theirs = torch._weight_int8pack_mm(x, w, torch.ones(n, dtype=torch.bfloat16))  # (M, N), sums in another order
+        assert (got != theirs).float().mean() < 0.01
+
+
+@needs_int8
+def test_int8_packing_is_the_bfloat16_layout():
+    w = torch.randint(-127, 128, (70, 9), dtype=torch.int8)  # (N, K)
+    packed = torch.ops.headwise.pack_panels(w)
+    assert packed.dtype == torch.int8
+    assert torch.equal(packed.float(), torch.ops.headwise.pack_panels(w.bfloat16()).float())  # int8 values are exact in bfloat16
+
+
+@needs_int8
+@pytest.mark.parametrize(
+    "make, takes",
+    [(lambda x, w: (x, w, None), True), (lambda x, w: (x.float(), w, None), False),
+     (lambda x, w: (x, w, torch.zeros(40, dtype=torch.bfloat16)), False), (lambda x, w: (x[:, :8], w[:, :8], None), True)],
+    ids=["bfloat16 x", "float32 x", "a bias", "K = 8"],
+)
+def test_int8_panels_take_bfloat16_x_and_no_bias(make, takes):
+    x, w = int8_case(4, 40, 16)
+    assert panels.takes(*make(x, w)) == takes
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("k", [96, 90])
+def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
+    """``Int8Linear`` in a graph whose weights inductor freezes: the panels' GEMM over the int8 weight packed at compile
+    (also at a K torch's int8 kernel cannot read), then the scales and the bias; the layer's numbers to the bound of
+    its arithmetic (``reference.int8_linear``)."""
+    from reference import int8_linear
+    from torch._inductor.utils import run_and_get_code
+
+    from headwise.quantize import Int8Linear
+
+    gen = torch.Generator().manual_seed(3)
+    layer = Int8Linear(torch.randn(80, k, generator=gen), torch.randn(80, generator=gen))
+    x = torch.randn(rows, 1, k, generator=gen)  # (B, T=1, K)
+    torch._dynamo.reset()
+    run = torch.compile(layer, fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(run, x)
+    code = "\n".join(code)
+    assert "panels_linear" in code and "pack_panels" not in code and "int8pack" not in code
+    want, bound = int8_linear(x, layer.weight, layer.scales, layer.bias)
+    assert got.dtype == x.dtype and bool(((got.double() - want).abs() <= bound).all())

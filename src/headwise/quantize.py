@@ -18,7 +18,9 @@ fixed rule (nothing timed):
   (a decode step), with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and
   AVX-512 alike; float32 input runs a scalar loop) and unit scales; under ``torch.compile`` an
   opaque op, or, where the graph freezes the weights (``generate(..., compile=True)`` on the
-  CPU), the kernel traced, which inductor may run as its own packed int8 GEMM;
+  CPU), ``headwise.linear.panels``' GEMM over the int8 weight packed at compile where it takes the
+  operands (AVX-512 with AVX512-BF16), else the kernel traced, which inductor may run as its own
+  packed int8 GEMM;
 - otherwise (a prompt, training, another device, no such op, a K the kernel cannot read) torch's
   GEMM of the same operands: the int8 weight converted to bfloat16 (exact) and a bfloat16
   ``F.linear`` on a CPU with native bfloat16 dot products (``headwise.machine.bf16_flags``), when
@@ -52,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import DECODE_ROWS, projection
+from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
 from .machine import amx_int8_on, bf16_flags, cpu
 
@@ -273,6 +275,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (M, K)
         if not torch.compiler.is_compiling():
             y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
+        elif projection.frozen() and panels.takes(bf16 := rows.to(torch.bfloat16), self.weight, None):
+            # the weights frozen into the graph: the panels' GEMM, its packing folded at compile; the same sums
+            y = _scaled(panels.linear(bf16, self.weight), self.scales, self.bias, x.dtype)  # (M, N)
         elif projection.frozen() and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
             # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;
             # the rows a new buffer of inductor's (64-byte aligned); the same arithmetic, the sums in another order

@@ -8,6 +8,9 @@
 // - bfloat16 (CPUs with AVX512-BF16 only): panels (ceil(N/32), K + K % 2, 32), each step a pair of k
 //   for every column ((k, k+1) side by side, K padded with a zero); one vdpbf16ps adds a pair's two
 //   products (exact in float32) to each float32 sum; the sum plus the bias is rounded to bfloat16 once.
+// - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
+//   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
+//   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them).
 // The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
 // own kernels use; the ops' schemas and checks live on the Python side (headwise.linear.panels).
 #include <ATen/ATen.h>
@@ -63,15 +66,30 @@ void rows_by_panel(const float* x, int64_t K, const float* panel, float* sums) {
 }
 
 #if defined(__x86_64__)
-// sums (M, PANEL) = x (M rows of `pairs` bfloat16 pairs, each pair one int32) . panel (pairs, PANEL, 2), bfloat16
-template <int M>
-__attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t* x, int64_t pairs, const c10::BFloat16* panel,
-                                                                     float* sums) {
+// One step of a panel (a pair of k for its 32 columns) as two registers of bfloat16 pairs: columns 0-15, 16-31.
+__attribute__((target("avx512f,avx512bf16"))) inline void pair_step(const c10::BFloat16* p, __m512bh& w0, __m512bh& w1) {
+  w0 = (__m512bh)_mm512_loadu_si512(p);
+  w1 = (__m512bh)_mm512_loadu_si512(p + 32);
+}
+
+// int8: 16 values at a time widened to int32, then float32, then two registers' worth rounded (exactly) to bfloat16.
+__attribute__((target("avx512f,avx512bf16"))) inline __m512 widened(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));  // (16,)
+}
+
+__attribute__((target("avx512f,avx512bf16"))) inline void pair_step(const int8_t* p, __m512bh& w0, __m512bh& w1) {
+  w0 = _mm512_cvtne2ps_pbh(widened(p + 16), widened(p));       // the second argument fills lanes 0-15
+  w1 = _mm512_cvtne2ps_pbh(widened(p + 48), widened(p + 32));
+}
+
+// sums (M, PANEL) = x (M rows of `pairs` bfloat16 pairs, each pair one int32) . panel (pairs, PANEL, 2) of bfloat16 or int8
+template <int M, typename W>
+__attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t* x, int64_t pairs, const W* panel, float* sums) {
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * PANEL);       // columns 0-15, a pair each
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * PANEL + 32);  // columns 16-31
+    __m512bh w0, w1;
+    pair_step(panel + kk * 2 * PANEL, w0, w1);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512bh xm = (__m512bh)_mm512_set1_epi32(x[m * pairs + kk]);
@@ -112,10 +130,12 @@ bool has_bf16_pairs() {
 #endif
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {  // (N, K) -> (ceil(N / 32), K', 32): K' = K (float32), K + K % 2 (bfloat16)
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "pack_panels: weight must be a 2-D float32 or bfloat16 tensor, got ", weight.dim(), "-D ", weight.scalar_type());
-  const bool pairs = weight.scalar_type() == at::kBFloat16;
+// (N, K) -> (ceil(N / 32), K', 32): K' = K (float32), K + K % 2 (bfloat16, int8)
+at::Tensor pack_panels(const at::Tensor& weight) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar),
+              "pack_panels: weight must be a 2-D float32, bfloat16 or int8 tensor, got ", weight.dim(), "-D ", dtype);
+  const bool pairs = dtype != at::kFloat;
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL, Kp = pairs ? K + K % 2 : K;
   at::Tensor padded = at::zeros({P * PANEL, Kp}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
@@ -135,11 +155,13 @@ void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, i
 }
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
-  const bool pairs = x_.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kFloat || pairs) && panels.scalar_type() == x_.scalar_type()
+  const bool pairs = x_.scalar_type() == at::kBFloat16, int8 = panels.scalar_type() == at::kChar;
+  TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kFloat || pairs)
+              && (panels.scalar_type() == x_.scalar_type() || (pairs && int8))
               && panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
-              "panels_linear: x must be float32 or bfloat16 and panels pack_panels' output of its dtype, got x ",
-              x_.scalar_type(), ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+              "panels_linear: x must be float32 or bfloat16 and panels pack_panels' output of its dtype (or int8 for "
+              "bfloat16 x), got x ", x_.scalar_type(), ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+  TORCH_CHECK(!int8 || !bias_.has_value(), "panels_linear: int8 panels take no bias (their sums are scaled after)");
   const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
   TORCH_CHECK(Kp == (pairs ? K + K % 2 : K) && N >= 0 && (N + PANEL - 1) / PANEL == P,
               "panels_linear: panels of shape ", panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
@@ -168,8 +190,13 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #if defined(__x86_64__)
           using T = c10::BFloat16;
           const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
-          const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
-          by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+          if (int8) {
+            const int8_t* panel = static_cast<const int8_t*>(pp) + p * Kp * PANEL;
+            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+          } else {
+            const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
+            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+          }
           store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
 #endif
         } else {

@@ -181,18 +181,26 @@ def describe() -> dict:
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
 
+# A compiled step's projections per weight dtype: the CPU flag the panels need beyond AVX-512, and a note on their rows.
+_STEP_PANELS = {torch.float32: ("", ""), torch.bfloat16: ("avx512_bf16", "; one row (B = 1): inductor's GEMM, the faster there"),
+                torch.int8: ("avx512_bf16", ", int8 widened to bfloat16 in registers (Int8Linear's bfloat16 sums)")}
+
+
 def _compiled_step(facts: dict) -> dict:
-    """A compiled decode step's projections (weights frozen), per dtype: ``panels`` or inductor's GEMMs, and why."""
-    runs = panels.dtypes_on(facts)
-    why = {torch.float32: "torch's kernels run AVX-512", torch.bfloat16: "torch's kernels run AVX-512, the CPU has avx512_bf16"}
-    rows = {torch.float32: "", torch.bfloat16: "; one row (B = 1): inductor's GEMM, the faster there"}
-    return {str(dtype).removeprefix("torch."): (
-        {"path": "panels", "reason": f"{why[dtype]}: headwise's C++ GEMM over the weight packed in 32-column panels "
-                                     f"(where headwise's C++ library builds){rows[dtype]}"} if dtype in runs else
-        {"path": "inductor", "reason": f"torch's kernels run {facts['capability']}"
-                                       + ("" if facts["capability"] != "AVX512" or dtype == torch.float32 else ", no avx512_bf16")
-                                       + ": inductor's GEMM over the weight it packs when the step is compiled"})
-        for dtype in onednn.DTYPES}
+    """A compiled decode step's projections (weights frozen), per weight dtype: ``panels`` or inductor's GEMMs, and why."""
+    runs, isa = panels.dtypes_on(facts), facts["capability"]
+    step = {}
+    for dtype, (flag, note) in _STEP_PANELS.items():
+        if dtype in runs:
+            needs = "torch's kernels run AVX-512" + (f", the CPU has {flag}" if flag else "")
+            entry = {"path": "panels", "reason": f"{needs}: headwise's C++ GEMM over the weight packed in 32-column panels "
+                                                 f"(where headwise's C++ library builds){note}"}
+        else:
+            lacks = f", no {flag}" if isa == "AVX512" and flag else ""
+            entry = {"path": "inductor", "reason": f"torch's kernels run {isa}{lacks}: inductor's GEMM over the weight it packs "
+                                                   "when the step is compiled"}
+        step[str(dtype).removeprefix("torch.")] = entry
+    return step
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
