@@ -106,9 +106,8 @@ def test_it_takes_operands_of_one_dtype_and_shape_only(make):
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
-    """Under ``projection.freezing()`` a float32 projection traces as ``pack_panels`` + ``panels_linear`` (bfloat16 too
-    but at one row); inductor's freezing folds the packing of the frozen weight into a constant, so the compiled code
-    only runs the GEMM."""
+    """Under ``projection.freezing()`` a projection traces as ``pack_panels`` + ``panels_linear``; inductor's freezing
+    folds the packing of the frozen weight into a constant, so the compiled code only runs the GEMM."""
     from torch._inductor.utils import run_and_get_code
 
     layer = torch.nn.Linear(95, 80).to(dtype).eval()
@@ -118,11 +117,7 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
     with torch.no_grad(), projection.freezing():
         got, code = run_and_get_code(run, x)
     within_float32(got, x, layer.weight.detach(), layer.bias.detach())
-    code = "\n".join(code)
-    if dtype == torch.bfloat16 and rows == 1:  # bfloat16 at one row: inductor's GEMM
-        assert "panels" not in code
-    else:
-        assert "panels_linear" in code and "pack_panels" not in code
+    assert "panels_linear" in "\n".join(code) and "pack_panels" not in "\n".join(code)
 
 
 
@@ -224,3 +219,13 @@ def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
     assert "panels_linear" in code and "pack_panels" not in code and "int8pack" not in code
     want, bound = int8_linear(x, layer.weight, layer.scales, layer.bias)
     assert got.dtype == x.dtype and bool(((got.double() - want).abs() <= bound).all())
+
+
+@needs_panels
+@pytest.mark.parametrize("make", [lambda x, w, b: (x, w.double(), b), lambda x, w, b: (x[:, :15], w, b),
+                                  lambda x, w, b: (x.bfloat16(), w.to(torch.int8), b.bfloat16())],
+                         ids=["float64 weight", "K apart", "int8 with a bias"])
+def test_linear_names_operands_it_cannot_run(make):
+    x, w, b = case(2, 40, 16, True)
+    with pytest.raises(ValueError, match=r"panels.linear runs .* got x"):
+        panels.linear(*make(x, w, b))

@@ -17,13 +17,10 @@ At the few rows of a decode step the GEMM reads the weights at about the rate of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
 kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 and int8 weights those
-with AVX512-BF16, for bfloat16 weights more than one row (at one row inductor's own GEMM read
-faster), where the library is built (``headwise.native``).
+with AVX512-BF16, where the library is built (``headwise.native``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -73,15 +70,13 @@ def available() -> bool:
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether a frozen graph's ``F.linear(x, weight, bias)`` (for an int8 weight: ``Int8Linear``'s bfloat16 sums) runs as
     ``linear``: CPU tensors, the weight's dtype one of ``_dtypes()`` and x of the dtype it multiplies (``ACTIVATIONS``),
-    x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for int8); but not a bfloat16 weight
-    with one row of x fixed at trace time (a decode step's B = 1 graph), where inductor's own GEMM was the faster."""
-    one_row = all(isinstance(d, int) for d in x.shape[:-1]) and math.prod(x.shape[:-1]) == 1
-    int8 = weight.dtype == torch.int8
+    x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for int8)."""
     return (
         x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == ACTIVATIONS.get(weight.dtype)
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
-        and (bias is None or (not int8 and bias.dtype == x.dtype and bias.device.type == "cpu" and tuple(bias.shape) == (weight.shape[0],)))
-        and not (weight.dtype == torch.bfloat16 and one_row) and weight.dtype in _dtypes()
+        and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
+                              and tuple(bias.shape) == (weight.shape[0],)))
+        and weight.dtype in _dtypes()
     )
 
 
@@ -89,4 +84,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for operands ``takes`` accepts: (..., K) x (N, K) (+ (N,)) -> (..., N); for an int8
     weight, bfloat16 x and no bias, the (..., N) bfloat16 sums ``Int8Linear`` scales. The weight is packed on every
     call: this is for graphs whose weights inductor freezes, where the packing is done once."""
+    if not takes(x, weight, bias):  # a check while tracing, not in the compiled graph
+        raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here (weight dtypes {list(_dtypes())}), "
+                         f"got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
     return torch.ops.headwise.panels_linear(x, torch.ops.headwise.pack_panels(weight), bias, weight.shape[0])  # (..., N)

@@ -182,7 +182,7 @@ def describe() -> dict:
 
 
 # A compiled step's projections per weight dtype: the CPU flag the panels need beyond AVX-512, and a note on their rows.
-_STEP_PANELS = {torch.float32: ("", ""), torch.bfloat16: ("avx512_bf16", "; one row (B = 1): inductor's GEMM, the faster there"),
+_STEP_PANELS = {torch.float32: ("", ""), torch.bfloat16: ("avx512_bf16", ""),
                 torch.int8: ("avx512_bf16", ", int8 widened to bfloat16 in registers (Int8Linear's bfloat16 sums)")}
 
 
