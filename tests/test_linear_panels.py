@@ -1,4 +1,4 @@
-"""headwise.linear.panels: the compiled step's few-row float32 GEMM over panels of the weight, against the float64
+"""headwise.linear.panels: the compiled step's few-row GEMM over panels of the weight (float32, bfloat16, int8), against the float64
 reference at every row count, width and depth its loops branch on, its packing, what it takes, and its place in a
 graph whose weights inductor freezes (the packing folded into a constant, done once)."""
 

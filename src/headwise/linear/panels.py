@@ -29,7 +29,7 @@ from .. import native
 from ..machine import cpu
 
 WIDTH = 32  # output columns per panel
-ACTIVATIONS = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.bfloat16}  # weight -> x dtype
+X_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.bfloat16}  # weight -> x dtype
 
 torch.library.define("headwise::pack_panels", "(Tensor weight) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
@@ -69,10 +69,10 @@ def available() -> bool:
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether a frozen graph's ``F.linear(x, weight, bias)`` (for an int8 weight: ``Int8Linear``'s bfloat16 sums) runs as
-    ``linear``: CPU tensors, the weight's dtype one of ``_dtypes()`` and x of the dtype it multiplies (``ACTIVATIONS``),
+    ``linear``: CPU tensors, the weight's dtype one of ``_dtypes()`` and x of the dtype it multiplies (``X_DTYPES``),
     x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for int8)."""
     return (
-        x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == ACTIVATIONS.get(weight.dtype)
+        x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == X_DTYPES.get(weight.dtype)
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
                               and tuple(bias.shape) == (weight.shape[0],)))

@@ -181,7 +181,7 @@ def describe() -> dict:
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
 
-# A compiled step's projections per weight dtype: the CPU flag the panels need beyond AVX-512, and a note on their rows.
+# A compiled step's projections per weight dtype: the CPU flag the panels need beyond AVX-512, and what they do besides.
 _STEP_PANELS = {torch.float32: ("", ""), torch.bfloat16: ("avx512_bf16", ""),
                 torch.int8: ("avx512_bf16", ", int8 widened to bfloat16 in registers (Int8Linear's bfloat16 sums)")}
 
