@@ -198,7 +198,7 @@ def test_int8_panels_take_bfloat16_x_and_no_bias(make, takes):
 
 @needs_int8
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("k", [96, 90])
+@pytest.mark.parametrize("k", [96, 90, 95])
 def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
     """``Int8Linear`` in a graph whose weights inductor freezes: the panels' GEMM over the int8 weight packed at compile
     (also at a K torch's int8 kernel cannot read), then the scales and the bias; the layer's numbers to the bound of

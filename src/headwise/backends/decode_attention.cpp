@@ -66,6 +66,18 @@ inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
 
 constexpr int64_t KEYS = 4;         // keys scored together: independent sums hide the multiply-add latency
 constexpr int64_t VALUE_ROWS = 64;  // value rows summed for every query head before the next rows (kept in L1)
+constexpr int64_t AHEAD = 4096;     // bytes: how far ahead of the rows being read the next are asked into the cache
+
+// `rows` rows of n values from `row` on, AHEAD bytes further, asked into the cache where that is still inside the
+// run, which ends at `end` (rows side by side only): the hardware's prefetchers alone ran short of memory's rate on
+// these loops (most on bfloat16 rows), and a paged run's next block lies elsewhere (docs: decoding, the prefetch).
+template <typename T>
+inline void rows_ahead(const T* row, int64_t rows, int64_t n, const T* end) {
+  const char* a = reinterpret_cast<const char*>(row) + AHEAD;
+  const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(T));
+  if (a + bytes > reinterpret_cast<const char*>(end)) return;
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off);
+}
 
 // A run of n consecutive keys (or values): row u at p + u * stride.
 template <typename T>
@@ -81,6 +93,7 @@ void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
   int64_t s = 0;
   for (; s + KEYS <= n; s += KEYS) {
     const T* k0 = p + s * stride;
+    if (stride == D) rows_ahead(k0, KEYS, D, p + n * stride);
     for (int64_t g = 0; g < G; ++g) {
       f16v a[KEYS] = {};
       for (int c = 0; c < C; ++c) {
@@ -122,6 +135,7 @@ void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t 
       f16v a[C];
       for (int c = 0; c < C; ++c) a[c] = load16(acc + g * D + 16 * c);
       for (int64_t j = j0; j < j1; ++j) {
+        if (g == 0 && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);  // the first head reads them from memory
         const float wj = w[g * S + j];
         if (wj == 0.f) continue;  // a masked key: its value row may hold anything
         for (int c = 0; c < C; ++c) a[c] += wj * load16(p + j * stride + 16 * c);
