@@ -64,6 +64,55 @@ inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
   return (z[0] + z[1]) + (z[2] + z[3]);
 }
 
+typedef int i16v __attribute__((vector_size(64)));
+
+// exp(x) of 16 floats, x <= 0 (a score minus its row's largest), within a few float32 ulps of std::exp: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, times 2^n put into the exponent. Below -87.3 (where
+// exp leaves float32's normal range) it returns 0, so a masked key's -inf gives an exact 0; NaN stays NaN.
+inline f16v exp16(f16v x) {
+  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer held in the low bits
+  const f16v clamped = x < -88.f ? f16v{} - 88.f : x;
+  const f16v t = clamped * 1.44269504088896341f + magic;
+  const f16v n = t - magic;  // round(x / ln2)
+  const f16v r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, ln2 in two parts
+  f16v p = f16v{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  i16v bits, scale;
+  __builtin_memcpy(&bits, &t, sizeof bits);
+  const i16v exponent = (bits - 0x4B400000 + 127) << 23;  // t's integer part n, as the exponent of 2^n
+  __builtin_memcpy(&scale, &exponent, sizeof scale);
+  f16v two_n;
+  __builtin_memcpy(&two_n, &scale, sizeof two_n);
+  const f16v e = p * two_n;
+  return x < -87.33654f ? f16v{} : e;
+}
+
+// w[j] = exp(w[j] - top) for j < S (the softmax's numerators), and their sum.
+inline float exp_sum(float* w, int64_t S, float top) {
+  f16v total = {};
+  int64_t j = 0;
+  for (; j + 16 <= S; j += 16) {
+    const f16v e = exp16(load16(w + j) - top);
+    __builtin_memcpy(w + j, &e, sizeof e);
+    total += e;
+  }
+  if (j < S) {  // the last few: padded with -inf, whose exp is 0
+    float tail[16];
+    std::fill(tail, tail + 16, -std::numeric_limits<float>::infinity());
+    std::copy(w + j, w + S, tail);
+    const f16v e = exp16(load16(tail) - top);
+    __builtin_memcpy(tail, &e, sizeof e);
+    std::copy(tail, tail + (S - j), w + j);
+    total += e;
+  }
+  return sum16(total);
+}
+
 constexpr int64_t KEYS = 4;         // keys scored together: independent sums hide the multiply-add latency
 constexpr int64_t VALUE_ROWS = 64;  // value rows summed for every query head before the next rows (kept in L1)
 constexpr int64_t AHEAD = 4096;     // bytes: how far ahead of the rows being read the next are asked into the cache
@@ -214,12 +263,7 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
       std::fill(wg, wg + S, 0.f);
       continue;
     }
-    float sum = 0.f;
-    for (int64_t j = 0; j < S; ++j) {
-      wg[j] = std::exp(wg[j] - top);
-      sum += wg[j];
-    }
-    t.total[g] = sum;
+    t.total[g] = exp_sum(wg, S, top);
   }
   at = 0;
   for (size_t i = 0; i < values.size(); ++i) {
