@@ -18,6 +18,7 @@
 #include <numeric>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -135,29 +136,59 @@ struct Run {
   int64_t n;
 };
 
-// w[g * S + u] = q[g] . row u * scale, for the run's rows (w already offset to the run's first key)
-template <typename T, int D>
-void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float scale, float* w) {
+#ifdef __AVX512F__
+constexpr int GROUP = 4;  // query heads a key row is loaded for at once: 4 x KEYS sums and KEYS rows, 20 of 32 registers
+#else
+constexpr int GROUP = 1;  // 16 registers: one head at a time
+#endif
+
+// f(integral_constant<int, g>) for g = min(GROUP, left): a group's head count as a template argument (sums in registers)
+template <typename Fn>
+inline void by_group(int64_t left, Fn f) {
+  switch (std::min<int64_t>(left, GROUP)) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// w[g * S + u] = q[g] . row u * scale for GB query heads (q, w offset to the group's first head; w to the run's first
+// key), the run's rows: each key row loaded (bfloat16: widened) once for the group; each sum over the head size in order
+template <typename T, int D, int GB>
+void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w) {
   constexpr int C = D / 16;
   int64_t s = 0;
   for (; s + KEYS <= n; s += KEYS) {
     const T* k0 = p + s * stride;
     if (stride == D) rows_ahead(k0, KEYS, D, p + n * stride);
-    for (int64_t g = 0; g < G; ++g) {
-      f16v a[KEYS] = {};
-      for (int c = 0; c < C; ++c) {
+    f16v a[GB][KEYS] = {};
+    for (int c = 0; c < C; ++c) {
+      f16v k[KEYS];
+      for (int64_t u = 0; u < KEYS; ++u) k[u] = load16(k0 + u * stride + 16 * c);
+      for (int g = 0; g < GB; ++g) {
         const f16v x = load16(q + g * D + 16 * c);
-        for (int64_t u = 0; u < KEYS; ++u) a[u] += x * load16(k0 + u * stride + 16 * c);
+        for (int64_t u = 0; u < KEYS; ++u) a[g][u] += x * k[u];
       }
-      for (int64_t u = 0; u < KEYS; ++u) w[g * S + s + u] = sum16(a[u]) * scale;
+    }
+    for (int g = 0; g < GB; ++g) {
+      for (int64_t u = 0; u < KEYS; ++u) w[g * S + s + u] = sum16(a[g][u]) * scale;
     }
   }
   for (; s < n; ++s) {
-    for (int64_t g = 0; g < G; ++g) {
+    for (int g = 0; g < GB; ++g) {
       f16v a = {};
       for (int c = 0; c < C; ++c) a += load16(q + g * D + 16 * c) * load16(p + s * stride + 16 * c);
       w[g * S + s] = sum16(a) * scale;
     }
+  }
+}
+
+// w[g * S + u] = q[g] . row u * scale, for the G query heads and the run's rows (w already offset to the run's first key)
+template <typename T, int D>
+void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float scale, float* w) {
+  for (int64_t g0 = 0; g0 < G; g0 += GROUP) {
+    by_group(G - g0, [&](auto gb) { scores_group<T, D, decltype(gb)::value>(q + g0 * D, p, n, stride, S, scale, w + g0 * S); });
   }
 }
 
@@ -174,22 +205,43 @@ void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
   }
 }
 
+// acc[g] += sum_u w[g * S + u] * row u for GB query heads (w, acc offset to the group's first head; w to the run's first
+// key), rows j0 <= u < j1 of a run of n: each value row loaded once for the group, added in order; keys of weight 0 skipped
+template <typename T, int D, int GB>
+void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first) {
+  constexpr int C = D / 16;
+  f16v a[GB][C];
+  for (int g = 0; g < GB; ++g) {
+    for (int c = 0; c < C; ++c) a[g][c] = load16(acc + g * D + 16 * c);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    if (first && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);  // the first group reads them from memory
+    float wj[GB];
+    bool any = false;
+    for (int g = 0; g < GB; ++g) any |= (wj[g] = w[g * S + j]) != 0.f;
+    if (!any) continue;  // a masked key: its value row may hold anything
+    f16v v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(p + j * stride + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      if (wj[g] == 0.f) continue;
+      for (int c = 0; c < C; ++c) a[g][c] += wj[g] * v[c];
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    for (int c = 0; c < C; ++c) __builtin_memcpy(acc + g * D + 16 * c, &a[g][c], sizeof a[g][c]);
+  }
+}
+
 // acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped
 template <typename T, int D>
 void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc) {
-  constexpr int C = D / 16;
+  constexpr int64_t most = std::max(1, GROUP * 64 / D);  // heads whose sums fit in registers beside a row: 4 at D = 64, 2 at 128
   for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
     const int64_t j1 = std::min(n, j0 + VALUE_ROWS);
-    for (int64_t g = 0; g < G; ++g) {
-      f16v a[C];
-      for (int c = 0; c < C; ++c) a[c] = load16(acc + g * D + 16 * c);
-      for (int64_t j = j0; j < j1; ++j) {
-        if (g == 0 && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);  // the first head reads them from memory
-        const float wj = w[g * S + j];
-        if (wj == 0.f) continue;  // a masked key: its value row may hold anything
-        for (int c = 0; c < C; ++c) a[c] += wj * load16(p + j * stride + 16 * c);
-      }
-      for (int c = 0; c < C; ++c) __builtin_memcpy(acc + g * D + 16 * c, &a[c], sizeof a[c]);
+    for (int64_t g0 = 0; g0 < G; g0 += most) {
+      by_group(std::min(most, G - g0), [&](auto gb) {
+        context_group<T, D, decltype(gb)::value>(w + g0 * S, p, j0, j1, n, stride, S, acc + g0 * D, g0 == 0);
+      });
     }
   }
 }
