@@ -58,6 +58,25 @@ def test_padding_is_masked_and_a_row_without_keys_is_zeros(dtype):
     assert not out[2].any()
 
 
+def test_the_softmax_weights_over_a_wide_range_of_scores():
+    """The exponentials (16 lanes at a time, then a tail) over scores spread far below the row's largest: each softmax
+    weight within a few float32 ulps of float64's, and those below float32's normal range 0 or as small."""
+    g = torch.Generator().manual_seed(1)
+    S, D = 77, 128  # four vectors of scores and a tail of 13
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, S, D)
+    k[0, 0, :, 0] = torch.empty(S).uniform_(-110, 0, generator=g)  # the scores (scale 1)
+    k[0, 0, 5, 0] = 0.0
+    v = torch.eye(S, D).view(1, 1, S, D)  # one-hot rows: the output is the weights
+    got = torch.ops.headwise.decode_attention(q, k, v, None, 1.0)[0, 0, 0, :S].double()
+    scores = k[0, 0, :, 0].double()
+    want = torch.softmax(scores, 0)
+    normal = want > 1e-37
+    assert bool((((got - want).abs() / want)[normal] <= 1e-6).all())
+    assert bool(((got - want).abs()[~normal] <= 1e-37).all()) and int((~normal).sum()) > 5  # 0 or a subnormal
+
+
 def test_a_query_not_contiguous_and_a_scale_of_its_own():
     q, k, v = _qkv(S=33)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, 1, D), strides of (B, 1, H, D)

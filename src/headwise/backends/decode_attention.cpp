@@ -83,12 +83,11 @@ inline f16v exp16(f16v x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
-  i16v bits, scale;
+  i16v bits;
   __builtin_memcpy(&bits, &t, sizeof bits);
-  const i16v exponent = (bits - 0x4B400000 + 127) << 23;  // t's integer part n, as the exponent of 2^n
-  __builtin_memcpy(&scale, &exponent, sizeof scale);
+  const i16v exponent = (bits - 0x4B400000 + 127) << 23;  // t's low bits hold n: the float 2^n
   f16v two_n;
-  __builtin_memcpy(&two_n, &scale, sizeof two_n);
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
   const f16v e = p * two_n;
   return x < -87.33654f ? f16v{} : e;
 }
@@ -120,7 +119,7 @@ constexpr int64_t AHEAD = 4096;     // bytes: how far ahead of the rows being re
 
 // `rows` rows of n values from `row` on, AHEAD bytes further, asked into the cache where that is still inside the
 // run, which ends at `end` (rows side by side only): the hardware's prefetchers alone ran short of memory's rate on
-// these loops (most on bfloat16 rows), and a paged run's next block lies elsewhere (docs: decoding, the prefetch).
+// these loops (most on bfloat16 rows), and a paged run's next block lies elsewhere (docs: decoding, on a Zen 5 EPYC).
 template <typename T>
 inline void rows_ahead(const T* row, int64_t rows, int64_t n, const T* end) {
   const char* a = reinterpret_cast<const char*>(row) + AHEAD;
