@@ -229,3 +229,27 @@ def test_linear_names_operands_it_cannot_run(make):
     x, w, b = case(2, 40, 16, True)
     with pytest.raises(ValueError, match=r"panels.linear runs .* got x"):
         panels.linear(*make(x, w, b))
+
+
+@needs_int8
+def test_int8_layers_read_by_one_input_run_as_one_frozen_gemm():
+    """``project_many`` over ``Int8Linear`` layers in a graph whose weights inductor freezes: one ``panels_linear`` over
+    their weights concatenated (folded at compile with the packing), each layer's outputs bit for bit its own call's
+    in the same graph setting."""
+    from torch._inductor.utils import run_and_get_code
+
+    from headwise.quantize import Int8Linear
+
+    gen = torch.Generator().manual_seed(4)
+    layers = [Int8Linear(torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen)) for n in (64, 32, 32)]
+    x = torch.randn(3, 1, 96, generator=gen)  # (B, T=1, K)
+    torch._dynamo.reset()
+    together = torch.compile(lambda x: hl.project_many(layers, x), fullgraph=True, dynamic=True)
+    alone = torch.compile(lambda x: [layer(x) for layer in layers], fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(together, x)
+        want = alone(x)
+    code = "\n".join(code)
+    assert code.count("torch.ops.headwise.panels_linear.default(") == 1 and "pack_panels" not in code
+    assert [tuple(y.shape) for y in got] == [(3, 1, 64), (3, 1, 32), (3, 1, 32)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -248,6 +248,28 @@ class Int8Linear(nn.Module):
                       None if biases[0] is None else torch.cat(biases))  # (sum N,)
         return stacked.train(layers[0].training)
 
+    @staticmethod
+    def frozen_stack(layers: Sequence[Int8Linear], x: Tensor) -> Tensor | None:
+        """In a graph whose weights inductor freezes: (..., K) -> the layers' outputs side by side (..., sum N) as one
+        panels GEMM over their weights, scales and biases concatenated in the graph (constants inductor folds, with the
+        packing, when it compiles the step), each channel's arithmetic as in ``forward``; None where the panels would
+        not run each layer (``forward`` then runs them one by one)."""
+        first = layers[0]
+        if len({(layer.in_features, layer.activations, layer.bias is None) for layer in layers}) != 1:
+            return None
+        if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != first.in_features or not x.is_floating_point():
+            return None  # each layer's forward raises its error
+        if not first._decode_shaped(x):
+            return None
+        rows = x.reshape(-1, first.in_features).to(torch.bfloat16)  # (M, K)
+        weight = torch.cat([layer.weight for layer in layers])  # (sum N, K) int8
+        if not panels.takes(rows, weight, None):
+            return None
+        scales = torch.cat([layer.scales for layer in layers])  # (sum N,)
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])  # (sum N,)
+        y = _scaled(panels.linear(rows, weight), scales, bias, x.dtype)  # (M, sum N)
+        return y.view(*x.shape[:-1], weight.shape[0])  # (..., sum N)
+
     def _decode_shaped(self, x: Tensor) -> bool:
         """The rule before the kernel's guard: bf16 activations, CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
         if self.activations != "bf16" or not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:

@@ -141,7 +141,8 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     (..., sum N) tensor. Otherwise (or for inference tensors, which have no version, and tensor
     subclasses such as DTensor, which shard their own way) each layer runs alone. Layers of one
     class with a ``stack(layers)`` classmethod (``headwise.quantize.Int8Linear``), none hooked,
-    run the same way: one stacked layer, made once and remade when any of their tensors changes.
+    run the same way: one stacked layer, made once and remade when any of their tensors changes (in a graph whose
+    weights inductor freezes, the class's ``frozen_stack(layers, x)`` where it has one, else each layer).
 
     Args:
         layers: layers with weights (N_i, K).
@@ -290,8 +291,12 @@ def _stackable(layers: Sequence[nn.Module]) -> bool:
 def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     """``project_many`` for layers of a class with ``stack``: one stacked layer, made once and remade when any
     of their tensors changes (as the stacked ``nn.Linear`` weights are), then split (..., N_i)."""
-    if torch.compiler.is_compiling():  # each layer traced as it is (a stack made once cannot live in a graph)
-        return [layer(x) for layer in layers]
+    if torch.compiler.is_compiling():  # a stack made once cannot live in a graph: the class's frozen stack, or each layer
+        traced = getattr(type(layers[0]), "frozen_stack", None) if frozen() else None
+        y = traced(layers, x) if traced is not None else None  # (..., sum N) or None
+        if y is None:
+            return [layer(x) for layer in layers]
+        return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
     owners = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]  # their own tensors
     if not watchable() or not plain_tensors(x, *owners) or any(t.is_inference() for t in owners):
         return [layer(x) for layer in layers]
