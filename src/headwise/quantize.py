@@ -96,6 +96,11 @@ def _kernel_rows(x: Tensor) -> Tensor:
     return rows if rows.data_ptr() % ROWS_ALIGNMENT == 0 else rows.clone()
 
 
+def _joined(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors concatenated along dim 0; one tensor as it is (no copy in the graph)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
 def _scaled(y: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
     """(..., N) sums rounded to bfloat16 -> bias + sums * scale, computed in float32, as ``dtype``."""
     y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # (..., N) float32
@@ -262,11 +267,11 @@ class Int8Linear(nn.Module):
         if not first._decode_shaped(x):
             return None
         rows = x.reshape(-1, first.in_features).to(torch.bfloat16)  # (M, K)
-        weight = torch.cat([layer.weight for layer in layers])  # (sum N, K) int8
+        weight = _joined([layer.weight for layer in layers])  # (sum N, K) int8
         if not panels.takes(rows, weight, None):
             return None
-        scales = torch.cat([layer.scales for layer in layers])  # (sum N,)
-        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])  # (sum N,)
+        scales = _joined([layer.scales for layer in layers])  # (sum N,)
+        bias = None if first.bias is None else _joined([layer.bias for layer in layers])  # (sum N,)
         y = _scaled(panels.linear(rows, weight), scales, bias, x.dtype)  # (M, sum N)
         return y.view(*x.shape[:-1], weight.shape[0])  # (..., sum N)
 
@@ -297,9 +302,8 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (M, K)
         if not torch.compiler.is_compiling():
             y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
-        elif projection.frozen() and panels.takes(bf16 := rows.to(torch.bfloat16), self.weight, None):
-            # the weights frozen into the graph: the panels' GEMM, its packing folded at compile; the same sums
-            y = _scaled(panels.linear(bf16, self.weight), self.scales, self.bias, x.dtype)  # (M, N)
+        elif projection.frozen() and (y := self.frozen_stack([self], rows)) is not None:
+            pass  # the weights frozen into the graph: the panels' GEMM, its packing folded at compile; the same sums
         elif projection.frozen() and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
             # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;
             # the rows a new buffer of inductor's (64-byte aligned); the same arithmetic, the sums in another order

@@ -190,12 +190,14 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #if defined(__x86_64__)
           using T = c10::BFloat16;
           const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
+          const auto by_panel = [&](const auto* panels_of_type) {  // int8 or bfloat16 weights, one loop
+            const auto* panel = panels_of_type + p * Kp * PANEL;
+            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+          };
           if (int8) {
-            const int8_t* panel = static_cast<const int8_t*>(pp) + p * Kp * PANEL;
-            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+            by_panel(static_cast<const int8_t*>(pp));
           } else {
-            const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
-            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+            by_panel(static_cast<const T*>(pp));
           }
           store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
 #endif
