@@ -323,7 +323,7 @@ def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear(
     if panels_on and not panels.available():
         pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
     if not panels_on:
-        monkeypatch.setattr(panels, "_dtypes", lambda: ())
+        monkeypatch.setattr(panels, "_operands", lambda: ())
     layer = torch.nn.Linear(K, N)
     x = decode_case(1, torch.float32)[0]  # (1, 1, K)
     traced: list[set[str]] = []

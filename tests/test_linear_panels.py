@@ -12,7 +12,7 @@ from headwise.machine import cpu
 
 needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
 DTYPES = [pytest.param(torch.float32, id="fp32"),
-          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(torch.bfloat16 not in panels.dtypes_on(cpu()),
+          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif((torch.bfloat16,) * 2 not in panels.operands_on(cpu()),
                                                                             reason="bfloat16 panels need AVX512-BF16"))]
 
 
@@ -121,14 +121,18 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
 
 
 
-@pytest.mark.parametrize("capability, flags, fp32, bf16", [("AVX512", ["avx512f", "avx512_bf16"], "panels", "panels"),
-                                                           ("AVX512", ["avx512f"], "panels", "inductor"),
-                                                           ("AVX2", ["avx2"], "inductor", "inductor")])
-def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16):
+@pytest.mark.parametrize("capability, flags, fp32, bf16, a8", [
+    ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "panels"),
+    ("AVX512", ["avx512f", "avx512_vnni"], "panels", "inductor", "panels"),
+    ("AVX512", ["avx512f"], "panels", "inductor", "int_mm"),
+    ("AVX512", ["amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "int_mm"),  # AMX: inductor's
+    ("AVX2", ["avx2"], "inductor", "inductor", "int_mm")])
+def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16, a8):
     machine("GenuineIntel", capability, flags)
     step = hl.describe()["compiled_step"]
-    assert set(step) == {"float32", "bfloat16", "int8"}
+    assert set(step) == {"float32", "bfloat16", "int8", "int8, int8 activations"}
     assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16 and step["int8"]["path"] == bf16
+    assert step["int8, int8 activations"]["path"] == a8
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
     for dtype in ("bfloat16", "int8"):
         assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step[dtype]["reason"])
@@ -140,10 +144,13 @@ def test_the_ops_refuse_what_they_cannot_read():
     packed = torch.ops.headwise.pack_panels(w)
     int8 = torch.ops.headwise.pack_panels(w.to(torch.int8))
     for bad, match in [(lambda: torch.ops.headwise.pack_panels(w.double()), "2-D float32, bfloat16 or int8"),
-                       (lambda: torch.ops.headwise.panels_linear(x, int8, None, 40), "or int8 for bfloat16 x"),
+                       (lambda: torch.ops.headwise.pack_panels(w, torch.int8), "x_dtype must be the weight's dtype"),
+                       (lambda: torch.ops.headwise.pack_panels(w.to(torch.int8), torch.float32), "Char and x_dtype Float"),
+                       (lambda: torch.ops.headwise.panels_linear(x, int8, None, 40), "int8 for bfloat16 x"),
+                       (lambda: torch.ops.headwise.panels_linear(x.to(torch.int8), int8, None, 40), "uint8 for int8 x"),
                        (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), int8, b.bfloat16(), 40), "int8 panels take no bias"),
-                       (lambda: torch.ops.headwise.panels_linear(x.double(), packed, None, 40), "float32 or bfloat16"),
-                       (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), packed, None, 40), "of its dtype"),
+                       (lambda: torch.ops.headwise.panels_linear(x.double(), packed, None, 40), "float32, bfloat16 or int8"),
+                       (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), packed, None, 40), "output for it"),
                        (lambda: torch.ops.headwise.panels_linear(x, packed, None, 70), "do not hold a weight of 70"),
                        (lambda: torch.ops.headwise.panels_linear(x[:, :15], packed, None, 40), "by 15"),
                        (lambda: torch.ops.headwise.panels_linear(x, packed, b[:3], 40), "bias must hold 40")]:
@@ -151,7 +158,7 @@ def test_the_ops_refuse_what_they_cannot_read():
             bad()
 
 
-needs_int8 = pytest.mark.skipif(torch.int8 not in panels.dtypes_on(cpu()) or not panels.available(),
+needs_int8 = pytest.mark.skipif((torch.bfloat16, torch.int8) not in panels.operands_on(cpu()) or not panels.available(),
                                 reason="int8 panels need AVX512-BF16 and the library built")
 
 
@@ -253,3 +260,100 @@ def test_int8_layers_read_by_one_input_run_as_one_frozen_gemm():
     assert code.count("torch.ops.headwise.panels_linear.default(") == 1 and "pack_panels" not in code
     assert [tuple(y.shape) for y in got] == [(3, 1, 64), (3, 1, 32), (3, 1, 32)]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+needs_a8 = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands_on(cpu()) or not panels.available(),
+                              reason="int8 x int8 panels need AVX512-VNNI (and no AMX int8 tiles) and the library built")
+
+
+def a8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-128, 128, (rows, k), generator=gen, dtype=torch.int8)  # (M, K): -128 too, which rows never hold
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)  # (N, K)
+    return x, w
+
+
+@needs_a8
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("n, k", [(1, 1), (33, 5), (100, 70), (65, 3071), (32, 3072), (45, 766)])
+def test_int8_by_int8_panels_give_the_exact_integer_sums(rows, n, k):
+    """int8 x and weights: int32 sums equal to the integers' (int64 reference), so to ``torch._int_mm``'s bits, at
+    every K (a multiple of 4 or not: the last quad padded with zeros)."""
+    x, w = a8_case(rows, n, k)
+    got = panels.linear(x, w)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().T)
+    if rows > 16 and k % 8 == 0:  # where torch's int8 GEMM takes the operands
+        assert torch.equal(got, torch._int_mm(x, w.T))
+
+
+@needs_a8
+def test_int8_by_int8_sums_at_the_extremes():
+    """Rows of -128 against weights of -127 and 127 at K = 8192: the sums of w + 128 wrap past int32 before 128 times
+    the row's sum is taken off, and the result is still the exact one."""
+    x = torch.full((3, 8192), -128, dtype=torch.int8)  # (M, K)
+    w = torch.stack([torch.full((8192,), -127), torch.full((8192,), 127), torch.arange(8192) % 255 - 127]).to(torch.int8)
+    assert torch.equal(panels.linear(x, w).long(), x.long() @ w.long().T)
+
+
+@needs_a8
+def test_int8_x_packing_is_quads_of_the_weight_plus_128():
+    w = torch.randint(-127, 128, (70, 9), dtype=torch.int8)  # (N, K)
+    packed = torch.ops.headwise.pack_panels(w, torch.int8)  # (3, 12, 32)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 12, 32)
+    unpacked = packed.view(3, 3, 32, 4).permute(0, 2, 1, 3).reshape(96, 12).long() - 128  # (P * 32, K')
+    assert torch.equal(unpacked[:70, :9], w.long()) and not unpacked[70:].any() and not unpacked[:, 9:].any()
+
+
+@needs_a8
+@pytest.mark.parametrize(
+    "make, takes",
+    [(lambda x, w: (x, w, None), True), (lambda x, w: (x, w.float(), None), False),
+     (lambda x, w: (x, w, torch.zeros(40, dtype=torch.int8)), False), (lambda x, w: (x.to(torch.uint8), w, None), False)],
+    ids=["int8 x", "float weight", "a bias", "uint8 x"],
+)
+def test_int8_x_takes_an_int8_weight_and_no_bias(make, takes):
+    x, w = a8_case(4, 40, 16)
+    assert panels.takes(*make(x, w)) == takes
+
+
+@needs_a8
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("k", [96, 90])
+def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
+    """``Int8Linear(activations="int8")`` in a graph whose weights inductor freezes: the rows rounded to int8, the panels'
+    integer GEMM over the weight packed at compile, then the scales and bias: the eager layer's numbers bit for bit
+    (integer sums have no order), with no ``int_mm`` left in the graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    from headwise.quantize import Int8Linear
+
+    gen = torch.Generator().manual_seed(6)
+    layer = Int8Linear(torch.randn(80, k, generator=gen), torch.randn(80, generator=gen), activations="int8")
+    x = torch.randn(rows, 1, k, generator=gen)  # (B, T=1, K)
+    torch._dynamo.reset()
+    run = torch.compile(layer, fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(run, x)
+    code = "\n".join(code)
+    assert "panels_linear" in code and "pack_panels" not in code and "int_mm" not in code
+    assert torch.equal(got, layer(x))
+
+
+@needs_a8
+def test_int8_activation_layers_read_by_one_input_run_as_one_frozen_gemm():
+    """``project_many`` over int8-activation layers under freezing: x rounded to int8 once, one ``panels_linear`` over the
+    weights concatenated, each layer's outputs bit for bit its eager call's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from headwise.quantize import Int8Linear
+
+    gen = torch.Generator().manual_seed(7)
+    layers = [Int8Linear(torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen), activations="int8") for n in (64, 32)]
+    x = torch.randn(3, 1, 96, generator=gen)  # (B, T=1, K)
+    torch._dynamo.reset()
+    together = torch.compile(lambda x: hl.project_many(layers, x), fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(together, x)
+    code = "\n".join(code)
+    assert code.count("torch.ops.headwise.panels_linear.default(") == 1 and "pack_panels" not in code
+    assert all(torch.equal(a, layer(x)) for a, layer in zip(got, layers, strict=True))

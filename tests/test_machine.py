@@ -10,7 +10,7 @@ def test_cpu_names_what_the_rules_read():
     facts = machine.cpu()
     assert set(facts) == {"vendor", "family", "model", "name", "flags", "capability"}
     assert facts["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(facts["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
+    assert set(facts["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"}
     assert machine.cpu() is facts  # read once
 
 

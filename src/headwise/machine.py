@@ -40,7 +40,7 @@ def cpu() -> dict:
                 if key == field:
                     facts[name] = value
             if key in ("flags", "Features"):
-                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"} & set(value.split()))
+                facts["flags"] = sorted({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"} & set(value.split()))
                 break
     facts["capability"] = torch.backends.cpu.get_cpu_capability()
     return facts

@@ -161,9 +161,15 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
         sums = int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
-    y = sums.float().mul_(row_scales).mul_(scales)  # (M, N): each exact sum rounded to float32, then scaled in place (written once)
+    return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
+
+
+def _int_scaled(sums: Tensor, row_scales: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """(M, N) exact integer sums -> each rounded to float32, times its row's (M, 1) scale, then its channel's (N,), plus
+    the bias, each a float32 rounding, as ``dtype``."""
+    y = sums.float().mul_(row_scales).mul_(scales)  # (M, N): scaled in place (written once)
     y = y if bias is None else y.add_(bias)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
+    return y.to(dtype)  # (M, N)
 
 
 @torch.library.custom_op("headwise::int_mm", mutates_args=())
@@ -257,29 +263,38 @@ class Int8Linear(nn.Module):
     def frozen_stack(layers: Sequence[Int8Linear], x: Tensor) -> Tensor | None:
         """In a graph whose weights inductor freezes: (..., K) -> the layers' outputs side by side (..., sum N) as one
         panels GEMM over their weights, scales and biases concatenated in the graph (constants inductor folds, with the
-        packing, when it compiles the step), each channel's arithmetic as in ``forward``; None where the panels would
-        not run each layer (``forward`` then runs them one by one)."""
+        packing, when it compiles the step), each channel's arithmetic as in ``forward`` (x rounded once, to bfloat16
+        or to int8 rows, for all of them); None where the panels would not run each layer (``forward`` then runs them
+        one by one)."""
         first = layers[0]
         if len({(layer.in_features, layer.activations, layer.bias is None) for layer in layers}) != 1:
             return None
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != first.in_features or not x.is_floating_point():
             return None  # each layer's forward raises its error
-        if not first._decode_shaped(x):
+        if not first._few_rows(x):
             return None
-        rows = x.reshape(-1, first.in_features).to(torch.bfloat16)  # (M, K)
+        flat = x.reshape(-1, first.in_features)  # (M, K)
+        if first.activations == "int8":
+            values, row_scales = _int8_rows(flat)  # (M, K) integer values, (M, 1)
+            rows = values.to(torch.int8)  # (M, K)
+        else:
+            rows = flat.to(torch.bfloat16)  # (M, K)
         weight = _joined([layer.weight for layer in layers])  # (sum N, K) int8
         if not panels.takes(rows, weight, None):
             return None
         scales = _joined([layer.scales for layer in layers])  # (sum N,)
         bias = None if first.bias is None else _joined([layer.bias for layer in layers])  # (sum N,)
-        y = _scaled(panels.linear(rows, weight), scales, bias, x.dtype)  # (M, sum N)
+        sums = panels.linear(rows, weight)  # (M, sum N): int32 for int8 rows, bfloat16 for bfloat16 ones
+        y = _int_scaled(sums, row_scales, scales, bias, x.dtype) if first.activations == "int8" else _scaled(sums, scales, bias, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])  # (..., sum N)
 
+    def _few_rows(self, x: Tensor) -> bool:
+        """CPU tensors, at most ``DECODE_ROWS`` rows, no autograd: a decode step's."""
+        return x.is_cpu and self.weight.is_cpu and x.numel() <= DECODE_ROWS * self.in_features and not recorded(x)
+
     def _decode_shaped(self, x: Tensor) -> bool:
-        """The rule before the kernel's guard: bf16 activations, CPU, at most ``DECODE_ROWS`` rows, no autograd, the kernel present."""
-        if self.activations != "bf16" or not (x.is_cpu and self.weight.is_cpu) or x.numel() > DECODE_ROWS * self.in_features:
-            return False
-        return not recorded(x) and _INT8_KERNEL
+        """The rule before the kernel's guard: bf16 activations, a decode step's rows (``_few_rows``), the kernel present."""
+        return self.activations == "bf16" and _INT8_KERNEL and self._few_rows(x)
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
@@ -296,6 +311,8 @@ class Int8Linear(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         if self.activations == "int8":
+            if torch.compiler.is_compiling() and projection.frozen() and (y := self.frozen_stack([self], x)) is not None:
+                return y  # (..., N): the weights frozen into the graph: the panels' integer GEMM, the same sums
             return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
             return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)

@@ -1,7 +1,7 @@
 // A GEMM for the few rows of a decode step: out (M, N) = x (M, K) . weight (N, K)^T + bias, over the
 // weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
 // memory once, a step of k at a time (one 128-byte line), while ROWS rows of x, broadcast one value
-// (or one pair) at a time, are multiplied into ROWS x 32 float32 sums held in registers; more rows
+// (or one pair, or four) at a time, are multiplied into ROWS x 32 sums held in registers; more rows
 // take the panel again from the core's cache. The panels are split between torch's threads.
 //
 // - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
@@ -11,9 +11,14 @@
 // - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
 //   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
 //   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them).
+// - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
+//   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
+//   ones); one vpdpbusd adds four products to each int32 sum, and 128 times the row's sum of x is taken
+//   off after: the exact integer sums (M, N), as torch._int_mm gives (int32 arithmetic wraps, so this
+//   holds wherever the true sums fit an int32; no bias: the caller scales them).
 // While a panel is read, the lines AHEAD bytes further on (the rest of it, then the thread's next panel) are asked
 // into the cache where a step's arithmetic outlasts the hardware prefetchers' pace: at 4 rows or more, and for int8
-// weights (widened in registers) at any. The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
+// weights at any. The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
 // own kernels use; the ops' schemas and checks live on the Python side (headwise.linear.panels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +28,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <optional>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -114,6 +122,28 @@ __attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t*
     _mm512_storeu_ps(sums + m * PANEL + 16, acc[m][1]);
   }
 }
+
+// 16 int32 sums: a vector type of its own, so GCC keeps each in one register (through __m512i, which it holds as
+// 8 int64, every vpdpbusd cost a register copy).
+typedef int32_t ivec __attribute__((vector_size(64)));
+
+// sums (M, PANEL) = x (M rows of `quads` int8 quads, each quad one int32) . panel (quads, PANEL, 4) of w + 128, int32
+template <int M>
+__attribute__((target("avx512f,avx512vnni"))) void quads_by_panel(const int32_t* x, int64_t quads, const uint8_t* panel, int32_t* sums) {
+  ivec acc[M][2] = {};
+  for (int64_t kk = 0; kk < quads; ++kk) {
+    const uint8_t* step = panel + kk * 4 * PANEL;
+    ahead<4 * PANEL>(step);
+    const __m512i w0 = _mm512_loadu_si512(step), w1 = _mm512_loadu_si512(step + 64);  // columns 0-15, 16-31
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xm = _mm512_set1_epi32(x[m * quads + kk]);
+      acc[m][0] = (ivec)_mm512_dpbusd_epi32((__m512i)acc[m][0], w0, xm);
+      acc[m][1] = (ivec)_mm512_dpbusd_epi32((__m512i)acc[m][1], w1, xm);
+    }
+  }
+  std::memcpy(sums, acc, sizeof acc);  // row m's 32 sums at sums + m * PANEL
+}
 #endif
 
 // One call per block of at most ROWS rows: the row count a template argument, so the sums stay in registers.
@@ -142,17 +172,31 @@ bool has_bf16_pairs() {
 #endif
 }
 
-// (N, K) -> (ceil(N / 32), K', 32): K' = K (float32), K + K % 2 (bfloat16, int8)
-at::Tensor pack_panels(const at::Tensor& weight) {
+// The CPU runs AVX512-VNNI's byte dot products (the int8 x path's one instruction).
+bool has_vnni() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// (N, K) -> (ceil(N / 32), K', 32) for x of x_dtype (by default the weight's, bfloat16 for an int8 weight):
+// K' = K (float32), K + K % 2 (bfloat16 x), K rounded up to 4 (int8 x: uint8 panels of w + 128)
+at::Tensor pack_panels(const at::Tensor& weight, std::optional<at::ScalarType> x_dtype) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(weight.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar),
               "pack_panels: weight must be a 2-D float32, bfloat16 or int8 tensor, got ", weight.dim(), "-D ", dtype);
-  const bool pairs = dtype != at::kFloat;
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL, Kp = pairs ? K + K % 2 : K;
+  const bool quads = x_dtype == at::kChar;
+  TORCH_CHECK(!x_dtype.has_value() || *x_dtype == (dtype == at::kChar && !quads ? at::kBFloat16 : dtype),
+              "pack_panels: x_dtype must be the weight's dtype (bfloat16 or int8 for an int8 weight), got weight ", dtype,
+              " and x_dtype ", *x_dtype);
+  const int64_t group = quads ? 4 : dtype == at::kFloat ? 1 : 2;  // k side by side in a step, for each column
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + PANEL - 1) / PANEL, Kp = (K + group - 1) / group * group;
   at::Tensor padded = at::zeros({P * PANEL, Kp}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  if (!pairs) return padded.view({P, PANEL, K}).transpose(1, 2).contiguous();  // panel p, k, column j
-  return padded.view({P, PANEL, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, Kp, PANEL});  // p, pair, j, 2
+  if (quads) padded = padded.view(at::kByte).bitwise_xor(128);  // w + 128 as uint8 (two's complement's top bit flipped)
+  return padded.view({P, PANEL, Kp / group, group}).permute({0, 2, 1, 3}).contiguous().view({P, Kp, PANEL});  // p, step, j, group
 }
 
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
@@ -167,25 +211,32 @@ void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, i
 }
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
-  const bool pairs = x_.scalar_type() == at::kBFloat16, int8 = panels.scalar_type() == at::kChar;
-  TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kFloat || pairs)
-              && (panels.scalar_type() == x_.scalar_type() || (pairs && int8))
+  const auto xt = x_.scalar_type(), pt = panels.scalar_type();
+  const bool pairs = xt == at::kBFloat16, quads = xt == at::kChar, int8 = pt == at::kChar || pt == at::kByte;
+  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || pairs || quads)
+              && ((pt == xt && !quads) || (pairs && pt == at::kChar) || (quads && pt == at::kByte))
               && panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
-              "panels_linear: x must be float32 or bfloat16 and panels pack_panels' output of its dtype (or int8 for "
-              "bfloat16 x), got x ", x_.scalar_type(), ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+              "panels_linear: x must be float32, bfloat16 or int8 and panels pack_panels' output for it (float32, bfloat16, "
+              "int8 for bfloat16 x, uint8 for int8 x), got x ", xt, ", panels ", pt, " of shape ", panels.sizes());
   TORCH_CHECK(!int8 || !bias_.has_value(), "panels_linear: int8 panels take no bias (their sums are scaled after)");
-  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
-  TORCH_CHECK(Kp == (pairs ? K + K % 2 : K) && N >= 0 && (N + PANEL - 1) / PANEL == P,
+  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1), group = quads ? 4 : pairs ? 2 : 1;
+  TORCH_CHECK(Kp == (K + group - 1) / group * group && N >= 0 && (N + PANEL - 1) / PANEL == P,
               "panels_linear: panels of shape ", panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
-  TORCH_CHECK(!bias_.has_value() || (bias_->scalar_type() == x_.scalar_type() && bias_->numel() == N),
+  TORCH_CHECK(!bias_.has_value() || (bias_->scalar_type() == xt && bias_->numel() == N),
               "panels_linear: bias must hold ", N, " values of x's dtype");
-  TORCH_CHECK(!pairs || has_bf16_pairs(), "panels_linear: bfloat16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(!pairs || has_bf16_pairs(), "panels_linear: bfloat16 x needs a CPU with AVX512-BF16");
+  TORCH_CHECK(!quads || has_vnni(), "panels_linear: int8 x needs a CPU with AVX512-VNNI");
   at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
-  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K + 1): a zero to pair with the last k
+  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K'): zeros to fill the last pair or quad
   const int64_t M = x.size(0);
   std::vector<int64_t> sizes = x_.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());  // (M, N)
+  at::Tensor out = at::empty({M, N}, x.options().dtype(quads ? at::kInt : xt));  // (M, N): int32 sums for int8 x
+  std::vector<uint32_t> offsets(quads ? M : 0);  // 128 times each row's sum: what the weights' offset added (mod 2^32)
+  for (int64_t i = 0; i < (quads ? M : 0); ++i) {
+    const int8_t* row = x.const_data_ptr<int8_t>() + i * Kp;
+    offsets[i] = 128u * static_cast<uint32_t>(std::accumulate(row, row + Kp, int64_t{0}));
+  }
   const at::Tensor bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));  // ~256 KB of float32 a task
   const void* xp = x.data_ptr();
@@ -193,7 +244,8 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-    float sums[ROWS * PANEL];
+    alignas(64) float sums[ROWS * PANEL];
+    alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
       for (int64_t r = 0; r < M; r += ROWS) {
@@ -212,6 +264,16 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             by_panel(static_cast<const T*>(pp));
           }
           store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
+#endif
+        } else if (quads) {
+#if defined(__x86_64__)
+          const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 4);  // four int8 as one int32
+          const uint8_t* panel = static_cast<const uint8_t*>(pp) + p * Kp * PANEL;
+          by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xr, Kp / 4, panel, isums); });
+          int32_t* o = static_cast<int32_t*>(op) + r * N + n0;
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < width; ++j) o[i * N + j] = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
+          }
 #endif
         } else {
           const float* xr = static_cast<const float*>(xp) + r * K;

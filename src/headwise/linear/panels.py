@@ -1,23 +1,27 @@
 """A compiled decode step's projections as one C++ GEMM over the weight packed in panels (``panels.cpp``).
 
-- ``headwise::pack_panels(weight)``: (N, K) -> (ceil(N / 32), K', 32), each panel 32 output columns
-  k-major, the last zero-padded: float32 K' = K; bfloat16 and int8 K' = K + K % 2, each step of the
-  panel a pair of k for every column. In a graph whose weights inductor freezes, its constant folding
-  packs each weight once, when the graph is compiled: the step itself never packs.
+- ``headwise::pack_panels(weight, x_dtype=None)``: (N, K) -> (ceil(N / 32), K', 32) for x of ``x_dtype``
+  (``OPERANDS``; by default the weight's, bfloat16 for int8), each panel 32 output columns k-major, the
+  last zero-padded: float32 K' = K; bfloat16 x K' = K + K % 2, each step of the panel a pair of k for
+  every column; int8 x K' = K rounded up to 4, four k a step, uint8 weights offset by 128. In a graph
+  whose weights inductor freezes, its constant folding packs each weight once, when the graph is
+  compiled: the step itself never packs.
 - ``headwise::panels_linear(x, panels, bias, n)``: (..., K) x panels (+ bias (n,)) -> (..., n) in x's dtype.
   float32: ``F.linear``'s numbers to float32 rounding (sums over k in order, in float32). bfloat16:
   each pair's two products (exact in float32) added to float32 sums by one AVX512-BF16 instruction,
   the sum plus the bias rounded to bfloat16 once, as oneDNN's bf16 GEMM does on the same CPUs.
   int8 panels with bfloat16 x (no bias): each step's int8 weights widened to bfloat16 in registers
   (exact), then the same instruction, the sums rounded to bfloat16 once: ``Int8Linear``'s sums
-  (``headwise.quantize``), which it then scales. Each panel is read once for every 8 rows of x,
+  (``headwise.quantize``), which it then scales. int8 panels with int8 x (no bias): one AVX512-VNNI
+  instruction adds four byte products to each int32 sum, the (..., n) exact integer sums that
+  torch's int8 GEMM gives (``Int8Linear``'s int8-activation arithmetic then scales them). Each panel is read once for every 8 rows of x,
   whose 8 x 32 sums stay in registers; the panels are split between torch's threads.
 
 At the few rows of a decode step the GEMM reads the weights at about the rate of a plain read of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
-kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 and int8 weights those
-with AVX512-BF16, where the library is built (``headwise.native``).
+kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 x those with AVX512-BF16,
+for int8 x those with AVX512-VNNI, where the library is built (``headwise.native``).
 """
 
 from __future__ import annotations
@@ -26,66 +30,73 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..machine import cpu
+from ..machine import amx_int8_on, cpu
 
 WIDTH = 32  # output columns per panel
-X_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.bfloat16}  # weight -> x dtype
+#: (x dtype, weight dtype) the GEMM multiplies -> the CPU flag it needs beyond AVX-512 (None: none)
+OPERANDS = {(torch.float32, torch.float32): None, (torch.bfloat16, torch.bfloat16): "avx512_bf16",
+            (torch.bfloat16, torch.int8): "avx512_bf16", (torch.int8, torch.int8): "avx512_vnni"}
+_GROUP = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 4}  # x dtype -> k side by side in a step of a panel
 
-torch.library.define("headwise::pack_panels", "(Tensor weight) -> Tensor")
+torch.library.define("headwise::pack_panels", "(Tensor weight, ScalarType? x_dtype=None) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
 
 
 @torch.library.register_fake("headwise::pack_panels")
-def _packed_shape(weight: Tensor) -> Tensor:
-    k = weight.shape[1] + (weight.shape[1] % 2 if weight.dtype != torch.float32 else 0)  # bfloat16, int8: k in pairs
-    return weight.new_empty(-(-weight.shape[0] // WIDTH), k, WIDTH)  # (ceil(N / 32), K', 32)
+def _packed_shape(weight: Tensor, x_dtype: torch.dtype | None = None) -> Tensor:
+    x_dtype = x_dtype or (torch.bfloat16 if weight.dtype == torch.int8 else weight.dtype)
+    group = _GROUP[x_dtype]
+    dtype = torch.uint8 if x_dtype == torch.int8 else weight.dtype
+    return weight.new_empty(-(-weight.shape[0] // WIDTH), -(-weight.shape[1] // group) * group, WIDTH, dtype=dtype)  # (ceil(N / 32), K', 32)
 
 
 @torch.library.register_fake("headwise::panels_linear")
 def _out_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    return x.new_empty(*x.shape[:-1], n)  # (..., n)
+    return x.new_empty(*x.shape[:-1], n, dtype=torch.int32 if x.dtype == torch.int8 else x.dtype)  # (..., n)
 
 
-def dtypes_on(facts: dict) -> tuple[torch.dtype, ...]:
-    """The weight dtypes whose compiled-step projections take the panels on a CPU with these facts (``machine.cpu()``):
-    float32 where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need
-    AVX-512's 32), and bfloat16 and int8 there too on CPUs with AVX512-BF16's pair dot products; none elsewhere."""
+def operands_on(facts: dict) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """The (x dtype, weight dtype) pairs whose compiled-step projections take the panels on a CPU with these facts
+    (``machine.cpu()``): where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums
+    need AVX-512's 32), each pair of ``OPERANDS`` whose flag the CPU has, but int8 x on CPUs with AMX's int8 tiles
+    (inductor's own int8 GEMM runs there); none elsewhere."""
     if facts["capability"] != "AVX512":
         return ()
-    return (torch.float32, torch.bfloat16, torch.int8) if "avx512_bf16" in facts["flags"] else (torch.float32,)
+    return tuple(pair for pair, flag in OPERANDS.items()
+                 if (flag is None or flag in facts["flags"]) and not (pair[0] == torch.int8 and amx_int8_on(facts)))
 
 
 @torch.compiler.assume_constant_result
-def _dtypes() -> tuple[torch.dtype, ...]:
-    """``dtypes_on`` this CPU where the library is built (built at the first call), else none: a constant in a compiled graph."""
-    dtypes = dtypes_on(cpu())
-    return dtypes if dtypes and native.built() else ()
+def _operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """``operands_on`` this CPU where the library is built (built at the first call), else none: a constant in a compiled graph."""
+    pairs = operands_on(cpu())
+    return pairs if pairs and native.built() else ()
 
 
 def available() -> bool:
-    """Whether ``linear`` runs here for some dtype: ``dtypes_on`` this CPU and the library built."""
-    return bool(_dtypes())
+    """Whether ``linear`` runs here for some operands: ``operands_on`` this CPU and the library built."""
+    return bool(_operands())
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether a frozen graph's ``F.linear(x, weight, bias)`` (for an int8 weight: ``Int8Linear``'s bfloat16 sums) runs as
-    ``linear``: CPU tensors, the weight's dtype one of ``_dtypes()`` and x of the dtype it multiplies (``X_DTYPES``),
-    x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for int8)."""
+    """Whether ``linear(x, weight, bias)`` runs here: CPU tensors whose (x dtype, weight dtype) is one of ``_operands()``,
+    x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for an int8 weight)."""
     return (
-        x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == X_DTYPES.get(weight.dtype)
+        x.device.type == "cpu" and weight.device.type == "cpu"
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
                               and tuple(bias.shape) == (weight.shape[0],)))
-        and weight.dtype in _dtypes()
+        and (x.dtype, weight.dtype) in _operands()
     )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for operands ``takes`` accepts: (..., K) x (N, K) (+ (N,)) -> (..., N); for an int8
-    weight, bfloat16 x and no bias, the (..., N) bfloat16 sums ``Int8Linear`` scales. The weight is packed on every
-    call: this is for graphs whose weights inductor freezes, where the packing is done once."""
+    weight and no bias, bfloat16 x: the (..., N) bfloat16 sums ``Int8Linear`` scales; int8 x: the (..., N) exact int32
+    sums (torch's int8 GEMM's). The weight is packed on every call: this is for graphs whose weights inductor freezes,
+    where the packing is done once."""
     if not takes(x, weight, bias):  # a check while tracing, not in the compiled graph
-        raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here (weight dtypes {list(_dtypes())}), "
-                         f"got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, bias "
-                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    return torch.ops.headwise.panels_linear(x, torch.ops.headwise.pack_panels(weight), bias, weight.shape[0])  # (..., N)
+        raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here ((x, weight) dtypes "
+                         f"{[(str(a), str(b)) for a, b in _operands()]}), got x {x.dtype} {tuple(x.shape)}, weight "
+                         f"{weight.dtype} {tuple(weight.shape)}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    return torch.ops.headwise.panels_linear(x, torch.ops.headwise.pack_panels(weight, x.dtype), bias, weight.shape[0])  # (..., N)

@@ -31,8 +31,9 @@ machine facts behind them. Nothing global is changed.
 
 A compiled decode step (``generate(..., compile=True)``, its weights frozen) follows none of the
 above: its float32 projections run ``panels`` (one C++ GEMM over the weight packed when the step is
-compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 ones of more than one row on those
-with AVX512-BF16 too, and inductor's GEMMs elsewhere (``describe()["compiled_step"]``).
+compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 and int8 ones (``Int8Linear``'s bfloat16
+sums) on those with AVX512-BF16 too, int8 with int8 activations on those with AVX512-VNNI, and
+inductor's GEMMs (torch's int8 GEMM for int8 activations) elsewhere (``describe()["compiled_step"]``).
 """
 
 from __future__ import annotations
@@ -181,25 +182,35 @@ def describe() -> dict:
             "torch": torch.__version__, "tested_torch": list(TESTED_TORCH)}
 
 
-# A compiled step's projections per weight dtype: the CPU flag the panels need beyond AVX-512, and what they do besides.
-_STEP_PANELS = {torch.float32: ("", ""), torch.bfloat16: ("avx512_bf16", ""),
-                torch.int8: ("avx512_bf16", ", int8 widened to bfloat16 in registers (Int8Linear's bfloat16 sums)")}
+# A compiled step's projections by their weights' dtype (and an int8 weight's activations): the operands the panels
+# multiply (``panels.OPERANDS``, whose flag the CPU needs beyond AVX-512), and what they do besides.
+_STEP_PANELS = {
+    "float32": ((torch.float32, torch.float32), ""),
+    "bfloat16": ((torch.bfloat16, torch.bfloat16), ""),
+    "int8": ((torch.bfloat16, torch.int8), ", int8 widened to bfloat16 in registers (Int8Linear's bfloat16 sums)"),
+    "int8, int8 activations": ((torch.int8, torch.int8), ", int8 by int8 in exact int32 sums (Int8Linear's activations='int8')"),
+}
 
 
 def _compiled_step(facts: dict) -> dict:
     """A compiled decode step's projections (weights frozen), per weight dtype: ``panels`` or inductor's GEMMs, and why."""
-    runs, isa = panels.dtypes_on(facts), facts["capability"]
+    runs, isa = panels.operands_on(facts), facts["capability"]
     step = {}
-    for dtype, (flag, note) in _STEP_PANELS.items():
-        if dtype in runs:
+    for name, (operands, note) in _STEP_PANELS.items():
+        flag = panels.OPERANDS[operands]
+        if operands in runs:
             needs = "torch's kernels run AVX-512" + (f", the CPU has {flag}" if flag else "")
             entry = {"path": "panels", "reason": f"{needs}: headwise's C++ GEMM over the weight packed in 32-column panels "
                                                  f"(where headwise's C++ library builds){note}"}
+        elif operands[0] == torch.int8:
+            lacks = f", no {flag}" if isa == "AVX512" else ""
+            entry = {"path": "int_mm", "reason": f"torch's kernels run {isa}{lacks}: torch's int8 GEMM as an opaque op, "
+                                                 "or inductor's with AMX's int8 tiles"}
         else:
             lacks = f", no {flag}" if isa == "AVX512" and flag else ""
             entry = {"path": "inductor", "reason": f"torch's kernels run {isa}{lacks}: inductor's GEMM over the weight it packs "
                                                    "when the step is compiled"}
-        step[str(dtype).removeprefix("torch.")] = entry
+        step[name] = entry
     return step
 
 
