@@ -38,9 +38,10 @@ each sum rounded to float32, multiplied by the row's scale, then by the channel'
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
 any rows (under ``torch.compile`` on a CPU without AMX's int8 tiles, through an opaque op: inductor's
-own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``), else (another device,
-autograd) a float64 GEMM of the same integers, exact, with the rounding's gradient passed straight
-through. A row's result never depends on the other rows, and
+own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``; where the graph freezes
+the weights, on a CPU with AVX512-VNNI, ``headwise.linear.panels``' integer GEMM over the weight
+packed at compile, which reads the weights at memory's rate), else (another device, autograd) a
+float64 GEMM of the same integers, exact, with the rounding's gradient passed straight through. A row's result never depends on the other rows, and
 the GEMM's time hardly grows with them: a decode step of 8 rows reads the weights in little more
 than one row's time, where the bfloat16-activation kernel's time grows with the rows.
 """

@@ -200,6 +200,23 @@ def test_the_decode_is_taken_within_each_turn_so_load_that_comes_and_goes_does_n
     assert hw.decode_ms == pytest.approx(2.0) and hw.prefill_ms == pytest.approx(30.0)
 
 
+def test_a_prompt_pass_slower_than_the_whole_generate_is_no_decode_time(root, monkeypatch):
+    """A turn whose 1-token call outlasts its 8-token call (a prompt pass far slower than the steps add): the row says
+    the decode was not measured, never a negative time."""
+    clock, slow = [0.0], iter([5, 1] * 4)  # (prefill, generate) of each turn: the prefill five times its usual time
+
+    def on_the_clock(directory, precision, threads):
+        def run(ids, new):
+            clock[0] += next(slow) * 0.010 + 0.001 * (new - 1)
+            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+
+        return run
+
+    on_a_fake_clock(monkeypatch, clock, on_the_clock)
+    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=3, warmup=1)
+    assert hw.decode_ms is None and hw.note.startswith("decode not measured: the 8-token generate took less than its prompt pass")
+
+
 def test_agreement_counts_leading_tokens_equal_in_every_row():
     a = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     assert generation._agree(a, a) == 4

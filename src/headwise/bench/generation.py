@@ -125,8 +125,14 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
     timed = {}
     for name, pairs in splits.items():
         pairs = pairs[warmup:]
-        if name not in failed:
-            timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * statistics.median(g - p for p, g in pairs) / (new_tokens - 1))
+        if name in failed:
+            continue
+        decode = statistics.median(g - p for p, g in pairs)
+        if decode <= 0:  # the prompt pass's own spread outweighed the steps: no decode time to report
+            failed[name] = (f"decode not measured: the {new_tokens}-token generate took less than its prompt pass alone "
+                            f"(their spread exceeds the steps' time); more rounds or new tokens")
+            continue
+        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * decode / (new_tokens - 1))
     return timed, statistics.median(times["sum"]), {n: t for n, t in outs.items() if n not in failed}, load, failed
 
 

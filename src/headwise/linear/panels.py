@@ -73,8 +73,13 @@ def _operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
     return pairs if pairs and native.built() else ()
 
 
+def operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """The (x dtype, weight dtype) pairs ``linear`` runs here: ``operands_on`` this CPU where the library builds."""
+    return _operands()
+
+
 def available() -> bool:
-    """Whether ``linear`` runs here for some operands: ``operands_on`` this CPU and the library built."""
+    """Whether ``linear`` runs here for some operands."""
     return bool(_operands())
 
 
