@@ -44,7 +44,8 @@ class GenerateSpeed:
         read_bytes: what a decode step reads (weights in the engine's format, K/V at the mean context).
         sum_gbps: the 512 MiB ``sum`` in the same rounds.
         agree: leading generated tokens equal to headwise's in every row (None for headwise itself).
-        note: why there are no numbers (a missing engine, a format it lacks); then the numbers are None.
+        note: why there are no numbers (a missing engine, a format it lacks; then the numbers are None), or no decode
+            time (``UNMEASURED``: then ``decode_ms`` and what follows from it are None).
     """
 
     model: str
@@ -127,13 +128,14 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
         pairs = pairs[warmup:]
         if name in failed:
             continue
-        decode = statistics.median(g - p for p, g in pairs)
-        if decode <= 0:  # the prompt pass's own spread outweighed the steps: no decode time to report
-            failed[name] = (f"decode not measured: the {new_tokens}-token generate took less than its prompt pass alone "
-                            f"(their spread exceeds the steps' time); more rounds or new tokens")
-            continue
-        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * decode / (new_tokens - 1))
+        decode = statistics.median(g - p for p, g in pairs)  # <= 0: the prompt pass's spread outweighed the steps
+        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * decode / (new_tokens - 1) if decode > 0 else None)
     return timed, statistics.median(times["sum"]), {n: t for n, t in outs.items() if n not in failed}, load, failed
+
+
+#: A row's note where a generate took less than its prompt pass alone: no decode time to report (never a negative one).
+UNMEASURED = ("decode not measured: the {new_tokens}-token generate took less than its prompt pass alone (their spread "
+              "exceeds the steps' time); more rounds or new tokens")
 
 
 def _last_line(error: Exception) -> str:
@@ -225,8 +227,9 @@ def generate_speeds(
                         continue
                     step_bytes = weights * engine.weight_bytes[precision] + kv * batch * context * engine.kv_bytes[precision]
                     agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
+                    note = "" if timed[name][1] is not None else UNMEASURED.format(new_tokens=new_tokens)
                     rows.append(GenerateSpeed(model, precision, batch, name, fmt, *timed[name], int(step_bytes), gbps, agree, prompt,
-                                              new_tokens, rounds, threads, load))
+                                              new_tokens, rounds, threads, load, note))
             for run in runners.values():
                 if isinstance(run, Isolated):
                     run.close()
