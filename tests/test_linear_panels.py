@@ -192,18 +192,6 @@ def test_int8_packing_is_the_bfloat16_layout():
 
 
 @needs_int8
-@pytest.mark.parametrize(
-    "make, takes",
-    [(lambda x, w: (x, w, None), True), (lambda x, w: (x.float(), w, None), False),
-     (lambda x, w: (x, w, torch.zeros(40, dtype=torch.bfloat16)), False), (lambda x, w: (x[:, :8], w[:, :8], None), True)],
-    ids=["bfloat16 x", "float32 x", "a bias", "K = 8"],
-)
-def test_int8_panels_take_bfloat16_x_and_no_bias(make, takes):
-    x, w = int8_case(4, 40, 16)
-    assert panels.takes(*make(x, w)) == takes
-
-
-@needs_int8
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("k", [96, 90, 95])
 def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
@@ -305,18 +293,6 @@ def test_int8_x_packing_is_quads_of_the_weight_plus_128():
 
 
 @needs_a8
-@pytest.mark.parametrize(
-    "make, takes",
-    [(lambda x, w: (x, w, None), True), (lambda x, w: (x, w.float(), None), False),
-     (lambda x, w: (x, w, torch.zeros(40, dtype=torch.int8)), False), (lambda x, w: (x.to(torch.uint8), w, None), False)],
-    ids=["int8 x", "float weight", "a bias", "uint8 x"],
-)
-def test_int8_x_takes_an_int8_weight_and_no_bias(make, takes):
-    x, w = a8_case(4, 40, 16)
-    assert panels.takes(*make(x, w)) == takes
-
-
-@needs_a8
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("k", [96, 90])
 def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
@@ -357,3 +333,22 @@ def test_int8_activation_layers_read_by_one_input_run_as_one_frozen_gemm():
     code = "\n".join(code)
     assert code.count("torch.ops.headwise.panels_linear.default(") == 1 and "pack_panels" not in code
     assert all(torch.equal(a, layer(x)) for a, layer in zip(got, layers, strict=True))
+
+
+def _takes_cases(make_case, needs, cases):
+    return [pytest.param(make_case, make, takes, id=name, marks=needs) for name, make, takes in cases]
+
+
+@pytest.mark.parametrize("make_case, make, takes", [
+    *_takes_cases(int8_case, needs_int8, [
+        ("bfloat16 x", lambda x, w: (x, w, None), True), ("float32 x", lambda x, w: (x.float(), w, None), False),
+        ("bfloat16 x, a bias", lambda x, w: (x, w, torch.zeros(40, dtype=torch.bfloat16)), False),
+        ("K = 8", lambda x, w: (x[:, :8], w[:, :8], None), True)]),
+    *_takes_cases(a8_case, needs_a8, [
+        ("int8 x", lambda x, w: (x, w, None), True), ("int8 x, float weight", lambda x, w: (x, w.float(), None), False),
+        ("int8 x, a bias", lambda x, w: (x, w, torch.zeros(40, dtype=torch.int8)), False),
+        ("uint8 x", lambda x, w: (x.to(torch.uint8), w, None), False)]),
+])
+def test_int8_weights_take_bfloat16_or_int8_x_and_no_bias(make_case, make, takes):
+    x, w = make_case(4, 40, 16)
+    assert panels.takes(*make(x, w)) == takes

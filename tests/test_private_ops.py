@@ -42,7 +42,7 @@ class PrivateOp:
 
 PRIVATE_OPS = {
     "torch.ops.aten._weight_int8pack_mm": PrivateOp(
-        ("quantize.py",), "headwise.quantize:int8_mm_takes",
+        ("quantize.py", "bench/panels.py"), "headwise.quantize:int8_mm_takes",
         "K not a multiple of 16 (reads past each row: SIGSEGV or values far off), rows or weight off their alignment (SIGSEGV)"),
     "torch.ops.mkldnn._linear_pointwise": PrivateOp(
         ("linear/onednn.py",), "headwise.linear.onednn:inner_product_takes",
@@ -54,7 +54,7 @@ PRIVATE_OPS = {
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": PrivateOp(
         ("backends/sdpa.py",), "headwise.backends.sdpa:flash_guard", "the forward's guard, for the same operands"),
     "torch._int_mm": PrivateOp(
-        ("quantize.py",), None,
+        ("quantize.py", "bench/panels.py"), None,
         "nothing: it checks its operands' dtypes and shapes, and gave exact sums on empty M, K or N and on operands at odd "
         "offsets (tests/test_quantize_int8_rows.py)"),
     "torch._dynamo": PrivateOp(

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import _argtypes
 from ..linear import panels
+from ..quantize import int8_mm_takes
 from .host import ReadProbe
 from .timing import interleaved
 
@@ -64,6 +65,8 @@ def _rows(case: str, rows: int, k: int, gen: torch.Generator) -> Tensor:
 def _theirs(case: str, x: Tensor, weight: Tensor, ones: Tensor) -> Tensor:
     """torch's kernel for the case's operands: (M, K) x (N, K) -> (M, N)."""
     if case == "int8":
+        if not int8_mm_takes(x, weight):  # its guard: the kernel reads past what it cannot take
+            raise ValueError(f"torch's int8 kernel cannot read x {tuple(x.shape)} by weight {tuple(weight.shape)}")
         return torch.ops.aten._weight_int8pack_mm(x, weight, ones)  # bfloat16 sums, unit scales
     if case == "int8-a8":
         return torch._int_mm(x, weight.t())  # int32
