@@ -35,6 +35,17 @@ def within_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch
     assert bool(((got.double() - want).abs() <= (k + 2) * 2**-24 * scale + last * want.abs() + 1e-30).all())
 
 
+def frozen_run(fn, x: torch.Tensor) -> tuple[object, str]:
+    """``fn(x)`` under ``torch.compile`` with the weights frozen into the graph: its output and the generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    run = torch.compile(fn, fullgraph=True, dynamic=True)
+    with torch.no_grad(), projection.freezing():
+        got, code = run_and_get_code(run, x)
+    return got, "\n".join(code)
+
+
 @needs_panels
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
@@ -199,18 +210,13 @@ def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
     (also at a K torch's int8 kernel cannot read), then the scales and the bias; the layer's numbers to the bound of
     its arithmetic (``reference.int8_linear``)."""
     from reference import int8_linear
-    from torch._inductor.utils import run_and_get_code
 
     from headwise.quantize import Int8Linear
 
     gen = torch.Generator().manual_seed(3)
     layer = Int8Linear(torch.randn(80, k, generator=gen), torch.randn(80, generator=gen))
     x = torch.randn(rows, 1, k, generator=gen)  # (B, T=1, K)
-    torch._dynamo.reset()
-    run = torch.compile(layer, fullgraph=True, dynamic=True)
-    with torch.no_grad(), projection.freezing():
-        got, code = run_and_get_code(run, x)
-    code = "\n".join(code)
+    got, code = frozen_run(layer, x)
     assert "panels_linear" in code and "pack_panels" not in code and "int8pack" not in code
     want, bound = int8_linear(x, layer.weight, layer.scales, layer.bias)
     assert got.dtype == x.dtype and bool(((got.double() - want).abs() <= bound).all())
@@ -299,18 +305,12 @@ def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
     """``Int8Linear(activations="int8")`` in a graph whose weights inductor freezes: the rows rounded to int8, the panels'
     integer GEMM over the weight packed at compile, then the scales and bias: the eager layer's numbers bit for bit
     (integer sums have no order), with no ``int_mm`` left in the graph."""
-    from torch._inductor.utils import run_and_get_code
-
     from headwise.quantize import Int8Linear
 
     gen = torch.Generator().manual_seed(6)
     layer = Int8Linear(torch.randn(80, k, generator=gen), torch.randn(80, generator=gen), activations="int8")
     x = torch.randn(rows, 1, k, generator=gen)  # (B, T=1, K)
-    torch._dynamo.reset()
-    run = torch.compile(layer, fullgraph=True, dynamic=True)
-    with torch.no_grad(), projection.freezing():
-        got, code = run_and_get_code(run, x)
-    code = "\n".join(code)
+    got, code = frozen_run(layer, x)
     assert "panels_linear" in code and "pack_panels" not in code and "int_mm" not in code
     assert torch.equal(got, layer(x))
 
@@ -319,18 +319,12 @@ def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
 def test_int8_activation_layers_read_by_one_input_run_as_one_frozen_gemm():
     """``project_many`` over int8-activation layers under freezing: x rounded to int8 once, one ``panels_linear`` over the
     weights concatenated, each layer's outputs bit for bit its eager call's."""
-    from torch._inductor.utils import run_and_get_code
-
     from headwise.quantize import Int8Linear
 
     gen = torch.Generator().manual_seed(7)
     layers = [Int8Linear(torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen), activations="int8") for n in (64, 32)]
     x = torch.randn(3, 1, 96, generator=gen)  # (B, T=1, K)
-    torch._dynamo.reset()
-    together = torch.compile(lambda x: hl.project_many(layers, x), fullgraph=True, dynamic=True)
-    with torch.no_grad(), projection.freezing():
-        got, code = run_and_get_code(together, x)
-    code = "\n".join(code)
+    got, code = frozen_run(lambda x: hl.project_many(layers, x), x)
     assert code.count("torch.ops.headwise.panels_linear.default(") == 1 and "pack_panels" not in code
     assert all(torch.equal(a, layer(x)) for a, layer in zip(got, layers, strict=True))
 
