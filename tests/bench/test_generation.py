@@ -2,7 +2,8 @@
 
 The harness is checked with the optional engines missing (monkeypatched) and with fake times;
 where CTranslate2 and llama.cpp are installed, a slow test checks that their first greedy tokens
-equal headwise's on the same random weights: evidence each conversion is the same model.
+equal headwise's on the same random weights (evidence each conversion is the same model), and each
+engine's runner is checked to time its first token within its call.
 """
 
 from __future__ import annotations
@@ -35,18 +36,19 @@ def tiny(root, **kw):
     return generation.generate_speeds(**(args | kw))
 
 
-def timed_or_said(row) -> bool:
-    """A row with a decode time, or the note saying why a real tiny model's steps (a millisecond) gave none: its
-    generate took less than its prompt pass alone."""
-    return (row.decode_ms is not None and row.note == "") or (row.decode_ms is None and row.note.startswith(UNMEASURED))
+def timed(row) -> bool:
+    """A row with a prefill and a decode time, both positive, and no note."""
+    return row.note == "" and row.prefill_ms > 0 and row.decode_ms > 0
 
 
-UNMEASURED = generation.UNMEASURED.split(":")[0] + ":"
+def made(ids, new, first_s=0.0, total_s=0.0):
+    """A fake engine's call: (B, new) zeros, timed as told."""
+    return engines.Generated(torch.zeros(ids.shape[0], new, dtype=torch.long), first_s, total_s)
 
 
-def on_a_fake_clock(monkeypatch, clock, load):
-    """headwise's engine loaded by ``load``, timed on ``clock`` (a one-item list of seconds); every round runs
-    each engine's turn once, in order, and the probe's 4 x 512 MiB takes 50 ms."""
+def on_a_fake_clock(monkeypatch, load):
+    """headwise's engine loaded by ``load`` (whose runner gives its own times); every round runs each engine's turn
+    once, in order, and the probe's 4 x 512 MiB takes 50 ms."""
 
     def fake_interleaved(steps, repeats, warmup):
         for _ in range(warmup + repeats):
@@ -55,7 +57,6 @@ def on_a_fake_clock(monkeypatch, clock, load):
                     step()
         return {"sum": [0.050] * repeats}
 
-    monkeypatch.setattr(generation, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(generation, "interleaved", fake_interleaved)
     monkeypatch.setitem(engines.ENGINES, "headwise", engines.ENGINES["headwise"].__class__(
         **{**engines.ENGINES["headwise"].__dict__, "load": load}))
@@ -68,7 +69,7 @@ def test_a_missing_engine_is_a_row_saying_so_not_a_failure(root, monkeypatch):
     assert len(rows) == 2 * 2 * 4
     for precision in ("fp32", "int8"):
         for batch in (1, 2):
-            assert timed_or_said(got[precision, batch, "headwise"])
+            assert timed(got[precision, batch, "headwise"])
             for name in ("CTranslate2", "llama.cpp"):
                 row = got[precision, batch, name]
                 assert row.decode_ms is None and row.note == f"{name} is not installed (pip install 'headwise[anchors]')"
@@ -86,7 +87,7 @@ def test_an_engine_that_fails_to_load_is_reported_in_its_row(root, monkeypatch):
     monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
         **{**engines.ENGINES["llama.cpp"].__dict__, "load": broken, "module": "", "limits": lambda precision: ""}))
     (hw, cpp) = tiny(root, engines=("headwise", "llama.cpp"))
-    assert timed_or_said(hw)
+    assert timed(hw)
     assert cpp.decode_ms is None and cpp.note == "failed: RuntimeError: the last line says why"
 
 
@@ -98,16 +99,16 @@ def test_an_engine_that_dies_while_running_is_reported_in_its_row_and_the_others
             calls.append(new)
             if len(calls) > 1:
                 raise RuntimeError("the engine's process ended\n(exit code -4)")
-            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+            return made(ids, new)
 
         return run
 
     monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
         **{**engines.ENGINES["llama.cpp"].__dict__, "load": dies_on_its_second_call, "module": "", "limits": lambda precision: ""}))
     (hw, cpp) = tiny(root, engines=("headwise", "llama.cpp"), rounds=3)
-    assert timed_or_said(hw)
+    assert timed(hw)
     assert cpp.decode_ms is None and cpp.note == "failed while running: RuntimeError: (exit code -4)"
-    assert calls == [1, 3]  # no turn after the one that failed
+    assert calls == [3, 3]  # three rounds: its second turn failed, no third
     assert "| gpt2 | fp32 | 1 | llama.cpp | f32 | failed while running: RuntimeError: (exit code -4) |" in generation.markdown([hw, cpp])
 
 
@@ -119,7 +120,7 @@ def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
 
         def run(ids, new):
             calls.append(ids.shape[0])
-            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+            return made(ids, new)
 
         return run
 
@@ -127,11 +128,11 @@ def test_one_sequence_engines_get_a_note_at_larger_batches(root, monkeypatch):
         **{**engines.ENGINES["llama.cpp"].__dict__, "load": one_at_a_time, "module": "", "limits": lambda precision: ""}))
     rows = tiny(root, engines=("headwise", "llama.cpp"), batches=(1, 3))
     assert set(calls) == {1} and loads == ["fp32"]
-    said = [(r.batch, r.engine, r.note) for r in rows if r.note and not r.note.startswith(UNMEASURED)]
+    said = [(r.batch, r.engine, r.note) for r in rows if r.note]
     assert said == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
     rows = tiny(root, engines=("headwise", "llama.cpp"), batches=(3,))
     assert loads == ["fp32"]  # not loaded where no batch can run
-    said = [(r.batch, r.engine, r.note) for r in rows if r.note and not r.note.startswith(UNMEASURED)]
+    said = [(r.batch, r.engine, r.note) for r in rows if r.note]
     assert said == [(3, "llama.cpp", "llama.cpp runs one sequence at a time here")]
 
 
@@ -141,7 +142,7 @@ def test_a_format_an_engine_already_ran_for_the_model_is_not_run_again(root, mon
 
     def recorded(directory, precision, threads):
         loads.append(precision)
-        return lambda ids, new: torch.zeros(ids.shape[0], new, dtype=torch.long)
+        return made
 
     monkeypatch.setitem(engines.ENGINES, "llama.cpp", engines.ENGINES["llama.cpp"].__class__(
         **{**engines.ENGINES["llama.cpp"].__dict__, "load": recorded, "module": "", "limits": lambda precision: ""}))
@@ -149,22 +150,13 @@ def test_a_format_an_engine_already_ran_for_the_model_is_not_run_again(root, mon
     assert loads == ["int8", "fp32"]
     got = {(r.precision, r.engine): r for r in rows}
     assert got["int8-a8", "llama.cpp"].decode_ms is None and got["int8-a8", "llama.cpp"].note == "the same q8_0 as its int8 row"
-    assert timed_or_said(got["int8-a8", "headwise"])  # its own format
+    assert timed(got["int8-a8", "headwise"])  # its own format
 
 
 def test_decode_per_step_bytes_and_share_come_from_the_times_measured(root, monkeypatch):
-    """A runner on a fake clock: the prompt pass 10 ms, each further token 2 ms; the probe's 4 x 512 MiB in 50 ms.
-    Then a step is 2 ms, whatever the rounds' order, and the bytes of a step are read in 2 ms."""
-    clock = [0.0]
-
-    def on_the_clock(directory, precision, threads):
-        def run(ids, new):
-            clock[0] += 0.010 + 0.002 * (new - 1)
-            return torch.zeros(ids.shape[0], new, dtype=torch.long)
-
-        return run
-
-    on_a_fake_clock(monkeypatch, clock, on_the_clock)
+    """A runner whose first token takes 10 ms and each further token 2 ms; the probe's 4 x 512 MiB in 50 ms.
+    Then a step is 2 ms, and the bytes of a step are read in 2 ms."""
+    on_a_fake_clock(monkeypatch, lambda directory, precision, threads: lambda ids, new: made(ids, new, 0.010, 0.010 + 0.002 * (new - 1)))
     (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=2, warmup=1)
     assert hw.prefill_ms == pytest.approx(10.0) and hw.decode_ms == pytest.approx(2.0)
     assert hw.sum_gbps == pytest.approx(4 * 512 * 2**20 / 0.050 / 1e9)
@@ -187,45 +179,44 @@ def test_headwise_over_bfloat16_caches_is_a_row_of_its_own_reading_two_bytes_a_k
     got = {(r.precision, r.engine): r for r in rows}
     assert set(asked) == {None, torch.bfloat16}
     plain, halved = got["fp32", "headwise"], got["fp32", "headwise bf16 cache"]
-    assert timed_or_said(halved) and halved.agree == 3  # tiny, std 0.2: no near-ties
+    assert timed(halved) and halved.agree == 3  # tiny, std 0.2: no near-ties
     kv = 2 * 2 * 64 * (8 + 3 // 2)  # K and V, 2 layers, C = 64, the mean context
     assert plain.read_bytes - halved.read_bytes == 2 * kv
     assert got["bf16", "headwise bf16 cache"].note == "headwise bf16 cache has no bf16 format on the CPU"
 
 
-def test_the_decode_is_taken_within_each_turn_so_load_that_comes_and_goes_does_not_skew_it(root, monkeypatch):
-    """Prefill 10 ms and 2 ms a token, but a load that triples the time of some calls: the second turn's
-    prefill, the whole third turn. Medians of the prefills and of the generates apart (30 and 24 ms) would
-    give a negative step; the median of each turn's own difference gives 2 ms."""
-    clock, slow = [0.0], iter([1, 1, 3, 1, 3, 3])  # (prefill, generate) of each turn
+def test_the_decode_is_taken_within_each_call_so_a_slow_prompt_pass_or_load_that_comes_and_goes_does_not_skew_it(root, monkeypatch):
+    """Prefill 10 ms and 2 ms a step, but the second turn's prompt pass five times as slow, and the whole third turn
+    three times: prefills of 10, 50 and 30 ms (median 30), and the median of each call's own steps 2 ms (the prompt
+    pass's spread never taken for steps: a 1-token call less an 8-token one could give a negative step)."""
+    slow = iter([(1, 1), (5, 1), (3, 3)])  # (prompt pass, steps) of each turn
 
     def on_the_clock(directory, precision, threads):
         def run(ids, new):
-            clock[0] += next(slow) * (0.010 + 0.002 * (new - 1))
-            return torch.zeros(ids.shape[0], new, dtype=torch.long)
+            first, steps = next(slow)
+            return made(ids, new, first * 0.010, first * 0.010 + steps * 0.002 * (new - 1))
 
         return run
 
-    on_a_fake_clock(monkeypatch, clock, on_the_clock)
+    on_a_fake_clock(monkeypatch, on_the_clock)
     (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=3, warmup=0)
     assert hw.decode_ms == pytest.approx(2.0) and hw.prefill_ms == pytest.approx(30.0)
 
 
-def test_a_prompt_pass_slower_than_the_whole_generate_is_no_decode_time(root, monkeypatch):
-    """A turn whose 1-token call outlasts its 8-token call (a prompt pass far slower than the steps add): the row says
-    the decode was not measured, never a negative time."""
-    clock, slow = [0.0], iter([5, 1] * 4)  # (prefill, generate) of each turn: the prefill five times its usual time
-
-    def on_the_clock(directory, precision, threads):
-        def run(ids, new):
-            clock[0] += next(slow) * 0.010 + 0.001 * (new - 1)
-            return torch.zeros(ids.shape[0], new, dtype=torch.long)
-
-        return run
-
-    on_a_fake_clock(monkeypatch, clock, on_the_clock)
-    (hw,) = tiny(root, engines=("headwise",), new_tokens=8, rounds=3, warmup=1)
-    assert hw.decode_ms is None and hw.note.startswith("decode not measured: the 8-token generate took less than its prompt pass")
+@pytest.mark.slow
+def test_each_engine_times_its_first_token_within_its_call(root):
+    """Every engine's runner, on a real tiny model: the first token's time is after the call's start and before its end,
+    and a one-token call's first token is its end."""
+    directory = checkpoint("gpt2", root, tiny=True, init_std=0.2)
+    ids = torch.randint(0, 319, (1, 8), generator=torch.Generator().manual_seed(2))  # (1, T)
+    names = [n for n in ("headwise", "transformers", "CTranslate2", "llama.cpp") if not engines.ENGINES[n].missing("fp32")]
+    assert "headwise" in names
+    for name in names:
+        run = engines.ENGINES[name].load(directory, "fp32", 1)
+        got = run(ids, 4)
+        assert got.tokens.shape == (1, 4) and 0 < got.first_s < got.total_s, name
+        one = run(ids, 1)
+        assert one.tokens.shape == (1, 1) and 0 < one.first_s <= one.total_s, name
 
 
 def test_agreement_counts_leading_tokens_equal_in_every_row():
@@ -263,8 +254,8 @@ def test_each_engine_generates_headwise_tokens_from_its_own_conversion(root, mod
         pytest.skip(missing)
     directory = checkpoint(model, root, tiny=True, init_std=0.2)
     ids = torch.randint(0, 319, (1, 12), generator=torch.Generator().manual_seed(1))  # (1, T)
-    want = engines.ENGINES["headwise"].load(directory, "fp32", 1)(ids, 6)
-    got = engines.ENGINES[engine].load(directory, "fp32", 1)(ids, 6)
+    want = engines.ENGINES["headwise"].load(directory, "fp32", 1)(ids, 6).tokens
+    got = engines.ENGINES[engine].load(directory, "fp32", 1)(ids, 6).tokens
     assert got.shape == (1, 6) and got[0, 0] == want[0, 0]
     assert got.tolist() == want.tolist()
 
@@ -279,13 +270,14 @@ def test_each_engine_runs_in_a_process_of_its_own(root):
         ids = torch.randint(0, 320, (2, 8), generator=torch.Generator().manual_seed(0))
         here = engines.ENGINES["headwise"].load(directory, "fp32", 1)(ids, 3)
         assert run.process.pid != os.getpid() and run.process.is_alive()
-        assert torch.equal(run(ids, 3), here)
+        there = run(ids, 3)
+        assert torch.equal(there.tokens, here.tokens) and 0 < there.first_s < there.total_s
     finally:
         run.close()
     assert not run.process.is_alive()
     (hw,) = generation.generate_speeds(("gpt2",), ("fp32",), (1,), engines=("headwise",), prompt=8, new_tokens=3, rounds=1, warmup=0,
                                        root=root, tiny=True, init_std=0.2)
-    assert timed_or_said(hw)
+    assert timed(hw)
 
 
 def test_an_engine_that_fails_in_its_process_is_reported_by_its_own_error(root):

@@ -84,6 +84,26 @@ def test_greedy_generate_with_eos_equals_transformers(model, hf_gpt2, padded_bat
     assert torch.equal(got, want)
 
 
+def test_on_token_streams_each_steps_tokens_before_the_next_step(model, padded_batch):
+    """Each call holds the (B,) tokens that step appended, in order, the first right after the prompt pass (before any
+    decode step); with an end-of-sequence token the calls stop where the generate does."""
+    ids, mask = padded_batch[0][:2], padded_batch[1][:2]
+    seen, steps = [], []
+    step = model.flat_step()
+    model.flat_step = lambda: lambda *a: steps.append(len(seen)) or step(*a)  # how many tokens were streamed before each step
+    try:
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, on_token=lambda t: seen.append(t.clone()))
+    finally:
+        del model.flat_step
+    assert torch.equal(torch.stack(seen, dim=1), got[:, ids.shape[1]:]) and steps == [1, 2, 3, 4]
+    eos = int(got[0, ids.shape[1] + 1])  # row 0's second token
+    seen.clear()
+    ended = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=5, eos_token_id=eos, on_token=seen.append)
+    assert torch.equal(torch.stack(seen, dim=1), ended[:, ids.shape[1]:]) and len(seen) == 2
+    with pytest.raises(TypeError, match=r"on_token must be a callable taking each step's \(B,\) tokens, or None, got list"):
+        model.generate(ids, max_new_tokens=2, on_token=[])
+
+
 def test_cached_generation_equals_recomputing_everything(model):
     ids = torch.randint(2, V, (2, 5), generator=torch.Generator().manual_seed(3))
     seq = ids

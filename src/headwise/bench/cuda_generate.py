@@ -6,7 +6,8 @@ library's own copy as a user loads it (``headwise.models.load``; transformers'
 ``AutoModelForCausalLM`` with SDPA attention), and times greedy generation from the same token ids
 at each batch size, the ways interleaved in rounds: prefill ms (a one-token ``generate``) and decode
 ms per step (a ``--new-tokens`` ``generate`` less the prefill, over the steps after the first),
-with the device synchronized before and after each call. ``agree`` counts the leading new tokens
+with the device synchronized before and after each call (a token's arrival on the host, which the
+CPU benchmark times within one call, is not when the device computed it). ``agree`` counts the leading new tokens
 every row shares with headwise's. On ``cuda`` headwise's ``generate(cuda_graph=True)`` runs too (its
 capture counted in each call's decode time); ``--compile`` adds headwise's ``generate(compile=True)``.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import _argtypes, _checks
-from .engines import _torch_runner
+from .engines import Runner, _torch_runner
 from .generation import _agree
 from .host import gpu, machine
 from .models import MODELS, checkpoint, headwise_model, transformers_model
@@ -31,23 +32,23 @@ from .models import MODELS, checkpoint, headwise_model, transformers_model
 PRECISIONS = ("fp32", "bf16")
 
 
-def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tuple[dict[str, Callable[[Tensor, int], Tensor]], int]:
-    """Each way's ``run(ids (B, T), new) -> (B, new)`` on ``device``, and the vocabulary's size."""
+def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tuple[dict[str, Runner], int]:
+    """Each way's ``run(ids (B, T), new) -> Generated`` on ``device`` (its tokens; its times unused here), and the vocabulary's size."""
     ours = headwise_model(directory, precision).to(device)
     theirs = transformers_model(directory, precision).to(device)
     runners = {
-        "headwise": lambda ids, new: ours.generate(ids, max_new_tokens=new),
-        "transformers": lambda ids, new: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+        "headwise": lambda ids, new, _: ours.generate(ids, max_new_tokens=new),
+        "transformers": lambda ids, new, _: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                                                          pad_token_id=0),
     }
     if torch.device(device).type == "cuda":
-        runners["headwise cuda_graph"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, cuda_graph=True)
+        runners["headwise cuda_graph"] = lambda ids, new, _: ours.generate(ids, max_new_tokens=new, cuda_graph=True)
     if compiled:
-        runners["headwise compiled"] = lambda ids, new: ours.generate(ids, max_new_tokens=new, compile=True)
+        runners["headwise compiled"] = lambda ids, new, _: ours.generate(ids, max_new_tokens=new, compile=True)
     return {name: _torch_runner(run) for name, run in runners.items()}, ours.vocab_size  # (B, new) tokens, no prompt
 
 
-def _timed(run: Callable[[Tensor, int], Tensor], ids: Tensor, new: int) -> tuple[float, float, Tensor]:
+def _timed(run: Runner, ids: Tensor, new: int) -> tuple[float, float, Tensor]:
     """(prefill ms, whole generate ms, (B, new) tokens), the device idle before and after each call."""
     sync = torch.cuda.synchronize if ids.is_cuda else lambda: None
     sync()
@@ -55,7 +56,7 @@ def _timed(run: Callable[[Tensor, int], Tensor], ids: Tensor, new: int) -> tuple
     run(ids, 1)
     sync()
     middle = perf_counter()
-    out = run(ids, new)
+    out = run(ids, new).tokens
     sync()
     return 1e3 * (middle - start), 1e3 * (perf_counter() - middle), out
 

@@ -2,17 +2,20 @@
 
 Every engine reads the same checkpoint directory (``bench.models.checkpoint``), converted by its
 own converter where it has one (``bench.conversions``), and generates greedily from token ids:
-``runner(ids (B, T), new) -> (B, new)`` token ids. None stops at an end-of-sequence token, so
-every engine does the same work, and the tokens can be compared.
+``runner(ids (B, T), new) -> Generated``: the (B, new) token ids, and the seconds from the call to
+its first token (the prompt pass and one token) and to its end, taken where the engine runs, each
+engine's first token seen through its own streaming hook. None stops at an end-of-sequence token,
+so every engine does the same work, and the tokens can be compared.
 
 - ``headwise``: ``headwise.models.load`` and ``generate``; ``headwise compiled``: ``generate(compile=True)``;
   ``headwise bf16 cache`` (and compiled): ``generate(cache_dtype=torch.bfloat16)`` for the precisions computed in
   float32, whose caches hold float32 otherwise (llama.cpp's f16 cache reads as many bytes);
-- ``transformers``: ``AutoModelForCausalLM`` (SDPA attention) and ``generate``; ``transformers
-  compiled``: the same with a static cache and its ``forward`` under ``torch.compile``;
+- ``transformers``: ``AutoModelForCausalLM`` (SDPA attention) and ``generate`` (a streamer sees the
+  first token); ``transformers compiled``: the same with a static cache and its ``forward`` under
+  ``torch.compile``;
 - ``CTranslate2``: the checkpoint converted by ``TransformersConverter`` (what
   ``ct2-transformers-converter`` runs), quantized when loaded (``compute_type``), and
-  ``Generator.generate_batch`` greedy (``sampling_topk=1``);
+  ``Generator.generate_batch`` greedy (``sampling_topk=1``; its ``callback`` sees the first token);
 - ``llama.cpp``: GGUF written by llama.cpp's ``convert_hf_to_gguf.py``, q8_0 by
   ``llama_model_quantize`` (what ``llama-quantize`` runs); ``llama_cpp.Llama`` evaluates the
   prompt, then one token at a time, the argmax of each step's logits. One sequence at a time.
@@ -31,6 +34,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 
 import torch
 from torch import Tensor
@@ -38,7 +42,39 @@ from torch import Tensor
 from . import conversions
 from .models import ACTIVATIONS, headwise_model, transformers_model
 
-Runner = Callable[[Tensor, int], Tensor]  # (ids (B, T), new tokens) -> (B, new)
+
+@dataclass(frozen=True)
+class Generated:
+    """What one generate call gave: its tokens, and its times taken where the engine ran it.
+
+    Attributes:
+        tokens: (B, new) the generated ids.
+        first_s: seconds from the call to its first token (the prompt pass and one token).
+        total_s: seconds from the call to its end; the ``new - 1`` steps after the first token took ``total_s - first_s``.
+    """
+
+    tokens: Tensor
+    first_s: float
+    total_s: float
+
+
+class Stopwatch:
+    """Started when made; ``first()`` notes the first token's time (later calls change nothing); ``done(tokens)``
+    gives the ``Generated``."""
+
+    def __init__(self) -> None:
+        self.start, self.first_at = perf_counter(), None
+
+    def first(self, *_: object) -> None:
+        if self.first_at is None:
+            self.first_at = perf_counter()
+
+    def done(self, tokens: Tensor) -> Generated:
+        end = perf_counter()
+        return Generated(tokens, (end if self.first_at is None else self.first_at) - self.start, end - self.start)
+
+
+Runner = Callable[[Tensor, int], Generated]  # (ids (B, T), new tokens) -> (B, new) tokens and their times
 NO_EXTRA = "pip install 'headwise[anchors]'"
 
 
@@ -70,10 +106,12 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _torch_runner(generate: Callable[[Tensor, int], Tensor]) -> Runner:
-    def run(ids: Tensor, new: int) -> Tensor:
+def _torch_runner(generate: Callable[[Tensor, int, Stopwatch], Tensor]) -> Runner:
+    def run(ids: Tensor, new: int) -> Generated:
+        clock = Stopwatch()
         with torch.inference_mode():
-            return generate(ids, new)[:, ids.shape[1]:]  # (B, new)
+            out = generate(ids, new, clock)[:, ids.shape[1]:]  # (B, new)
+        return clock.done(out)
 
     return run
 
@@ -81,7 +119,8 @@ def _torch_runner(generate: Callable[[Tensor, int], Tensor]) -> Runner:
 def _headwise(compile: bool, cache_dtype: torch.dtype | None = None) -> Callable[[Path, str, int], Runner]:
     def load(directory: Path, precision: str, threads: int) -> Runner:
         model = headwise_model(directory, precision)
-        return _torch_runner(lambda ids, new: model.generate(ids, max_new_tokens=new, compile=compile, cache_dtype=cache_dtype))
+        return _torch_runner(lambda ids, new, clock: model.generate(ids, max_new_tokens=new, compile=compile, cache_dtype=cache_dtype,
+                                                                    on_token=clock.first))
 
     return load
 
@@ -94,9 +133,25 @@ def _transformers(compile: bool) -> Callable[[Path, str, int], Runner]:
             model = copy.deepcopy(model)
             model.forward = torch.compile(model.forward, fullgraph=True)
             options["cache_implementation"] = "static"
-        return _torch_runner(lambda ids, new: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, **options))
+        return _torch_runner(lambda ids, new, clock: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                                                    streamer=_Streamer(clock), **options))
 
     return load
+
+
+class _Streamer:
+    """transformers' streamer protocol (``put``, ``end``): its first ``put`` holds the prompt, the second the first token."""
+
+    def __init__(self, clock: Stopwatch) -> None:
+        self.clock, self.puts = clock, 0
+
+    def put(self, value: Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.clock.first()
+
+    def end(self) -> None:
+        pass
 
 
 CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8_float32", "int8-bf16": "int8_bfloat16", "int8-a8": "int8_float32"}
@@ -116,10 +171,12 @@ def _ctranslate2(directory: Path, precision: str, threads: int) -> Runner:
     vocabulary = json.loads((converted / "vocabulary.json").read_text())
     generator = ctranslate2.Generator(str(converted), device="cpu", compute_type=CT2_TYPES[precision], intra_threads=threads, inter_threads=1)
 
-    def run(ids: Tensor, new: int) -> Tensor:
+    def run(ids: Tensor, new: int) -> Generated:
         prompts = [[vocabulary[i] for i in row] for row in ids.tolist()]
-        results = generator.generate_batch(prompts, max_length=new, sampling_topk=1, include_prompt_in_result=False, end_token=[])
-        return torch.tensor([r.sequences_ids[0] for r in results])  # (B, new)
+        clock = Stopwatch()
+        results = generator.generate_batch(prompts, max_length=new, sampling_topk=1, include_prompt_in_result=False, end_token=[],
+                                           callback=clock.first)  # called for each row's each token: the first marks the first step
+        return clock.done(torch.tensor([r.sequences_ids[0] for r in results]))  # (B, new)
 
     return run
 
@@ -143,18 +200,20 @@ def _llama_cpp(directory: Path, precision: str, threads: int) -> Runner:
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=positions, n_batch=512, n_threads=threads, n_threads_batch=threads, use_mmap=False,
                           verbose=False)
 
-    def run(ids: Tensor, new: int) -> Tensor:
+    def run(ids: Tensor, new: int) -> Generated:
         if ids.shape[0] != 1:
             raise ValueError(f"llama.cpp runs one sequence at a time here, got a batch of {ids.shape[0]}")
+        clock = Stopwatch()
         llm.reset()  # the next eval writes from position 0, dropping what the cache held after it
         llm.eval(ids[0].tolist())
         vocab, out = llm.n_vocab(), []
         for i in range(new):
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))  # (vocab,): the last token's
             out.append(int(np.argmax(logits)))
+            clock.first()
             if i < new - 1:
                 llm.eval(out[-1:])
-        return torch.tensor([out])  # (1, new)
+        return clock.done(torch.tensor([out]))  # (1, new)
 
     return run
 

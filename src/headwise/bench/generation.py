@@ -1,11 +1,12 @@
 """Prefill and greedy decode of whole models, every engine (``bench.engines``) on the same checkpoint, interleaved.
 
 For each model, precision and batch B: one seeded prompt of ``prompt`` token ids per row; each
-engine generates 1 token (``prefill``: the prompt pass and the first token), then at once
-``new_tokens`` tokens; every engine takes one such turn a round, the order rotated each round
-(``timing.interleaved``), medians kept. A decode step is ``(generate - prefill) / (new_tokens - 1)``
-within a turn. The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds. Each engine
-runs in a process of its own (``bench.isolated``), timed from this one.
+engine generates ``new_tokens`` tokens a turn, every engine one turn a round, the order rotated
+each round (``timing.interleaved``), medians kept. Each turn is timed where the engine runs it
+(``engines.Generated``): ``prefill`` from the call to its first token (the prompt pass and one
+token), a decode step the rest of the call over its ``new_tokens - 1`` steps, so the prompt pass's
+spread never lands on the steps. The 512 MiB ``sum`` (``host.ReadProbe``) runs in the same rounds.
+Each engine runs in a process of its own (``bench.isolated``).
 
 Bytes a step reads: every weight matrix once in the engine's format, and the cached keys and
 values at the mean context of the decode (``prompt + new_tokens / 2``) in its cache's type
@@ -21,7 +22,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from time import perf_counter, sleep
+from time import sleep
 
 import torch
 from torch import Tensor
@@ -44,8 +45,7 @@ class GenerateSpeed:
         read_bytes: what a decode step reads (weights in the engine's format, K/V at the mean context).
         sum_gbps: the 512 MiB ``sum`` in the same rounds.
         agree: leading generated tokens equal to headwise's in every row (None for headwise itself).
-        note: why there are no numbers (a missing engine, a format it lacks; then the numbers are None), or no decode
-            time (``UNMEASURED``: then ``decode_ms`` and what follows from it are None).
+        note: why there are no numbers (a missing engine, a format it lacks, an engine that failed; then they are None).
     """
 
     model: str
@@ -95,9 +95,9 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
     """Each runner's median prefill ms and decode ms per step, the probe's median seconds, each runner's tokens,
     the load, and why each runner that failed while running stopped.
 
-    A runner's turn in a round is its prefill call and, right after it, its generate call: the
-    decode is their difference taken within the turn, so that a change of load between rounds
-    does not land on one of the two only. A runner that raises (an engine's process that died
+    A runner's turn in a round is one generate call, which times its own first token and end: the
+    decode is their difference within the call, so that neither a change of load between rounds
+    nor the prompt pass's spread lands on it. A runner that raises (an engine's process that died
     in its native code, say) takes no more turns; the others go on.
     """
     outs: dict[str, Tensor] = {}
@@ -110,32 +110,20 @@ def _timed(runners: dict[str, Runner], ids: Tensor, new_tokens: int, probe: Read
                 return
             sleep(SETTLE_S)
             try:
-                start = perf_counter()
-                run(ids, 1)
-                middle = perf_counter()
-                outs[name] = run(ids, new_tokens)
+                got = run(ids, new_tokens)
             except Exception as e:
                 failed[name] = f"failed while running: {type(e).__name__}: {_last_line(e)}"
                 return
-            splits[name].append((middle - start, perf_counter() - middle))
+            outs[name] = got.tokens
+            splits[name].append((got.first_s, (got.total_s - got.first_s) / (new_tokens - 1)))
 
         return call
 
     steps: dict[str, Callable[[], object]] = {"sum": probe, **{name: turn(name, run) for name, run in runners.items()}}
     times, load = loaded(lambda: interleaved(steps, repeats=rounds, warmup=warmup))
-    timed = {}
-    for name, pairs in splits.items():
-        pairs = pairs[warmup:]
-        if name in failed:
-            continue
-        decode = statistics.median(g - p for p, g in pairs)  # <= 0: the prompt pass's spread outweighed the steps
-        timed[name] = (1e3 * statistics.median(p for p, _ in pairs), 1e3 * decode / (new_tokens - 1) if decode > 0 else None)
+    timed = {name: (1e3 * statistics.median(p for p, _ in pairs[warmup:]), 1e3 * statistics.median(d for _, d in pairs[warmup:]))
+             for name, pairs in splits.items() if name not in failed}
     return timed, statistics.median(times["sum"]), {n: t for n, t in outs.items() if n not in failed}, load, failed
-
-
-#: A row's note where a generate took less than its prompt pass alone: no decode time to report (never a negative one).
-UNMEASURED = ("decode not measured: the {new_tokens}-token generate took less than its prompt pass alone (their spread "
-              "exceeds the steps' time); more rounds or new tokens")
 
 
 def _last_line(error: Exception) -> str:
@@ -227,9 +215,8 @@ def generate_speeds(
                         continue
                     step_bytes = weights * engine.weight_bytes[precision] + kv * batch * context * engine.kv_bytes[precision]
                     agree = _agree(outs[name], outs["headwise"]) if "headwise" in outs and name != "headwise" else None
-                    note = "" if timed[name][1] is not None else UNMEASURED.format(new_tokens=new_tokens)
                     rows.append(GenerateSpeed(model, precision, batch, name, fmt, *timed[name], int(step_bytes), gbps, agree, prompt,
-                                              new_tokens, rounds, threads, load, note))
+                                              new_tokens, rounds, threads, load))
             for run in runners.values():
                 if isinstance(run, Isolated):
                     run.close()

@@ -78,6 +78,7 @@ class GenerationMixin:
         compile: bool = False,
         cuda_graph: bool = False,
         cache_dtype: torch.dtype | None = None,
+        on_token: Callable[[Tensor], object] | None = None,
     ) -> Tensor:
         """Continue each prompt, one token at a time, through a ``KVCache`` per layer.
 
@@ -107,6 +108,9 @@ class GenerationMixin:
                 float32 model halves the bytes each token keeps and each step reads (keys and values
                 rounded to bfloat16, attention in bfloat16, everything else in float32: the tokens
                 may differ from float32's where two logits are close).
+            on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
+                next step runs (streaming: print or send them); the first call comes right after
+                the prompt pass. Its return value is ignored.
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
@@ -118,6 +122,8 @@ class GenerationMixin:
         _inputs.check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
         _checks.boolean("compile", compile)
         _checks.boolean("cuda_graph", cuda_graph)
+        if on_token is not None and not callable(on_token):
+            raise TypeError(f"on_token must be a callable taking each step's (B,) tokens, or None, got {type(on_token).__name__}")
         check = not trusts(self)
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
@@ -137,6 +143,8 @@ class GenerationMixin:
                 token = token.masked_fill(finished, eos_token_id)
                 finished |= token == eos_token_id
             tokens.append(token[:, None])  # (B, 1)
+            if on_token is not None:
+                on_token(token)
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
