@@ -43,6 +43,8 @@ def test_model_decode_rows_count_bytes_and_agree_with_transformers(tmp_path):
         (m, d, b, n) for m in ("gpt2", "llama") for d in ("fp32", "int8") for b, n in [(1, 9), (3, 5)]]
     for r in rows:
         assert r.headwise_ms > 0 and r.sum_gbps > 0 and r.repeats == 1 and r.load is not None
+    for model in ("gpt2", "llama"):  # a model's rows are timed in the same rounds: one sum, one load
+        assert len({(r.sum_gbps, r.load) for r in rows if r.model == model}) == 1
         assert (r.transformers_ms is None) == (r.dtype == "int8") == (r.max_abs_diff is None)
         if r.max_abs_diff is not None:
             assert r.max_abs_diff < 1e-4  # same weights, same cached keys and values, same token
@@ -85,21 +87,44 @@ def test_the_generation_table_runs_headwise_over_each_cache_dtype_asked_for():
     assert generation_engines(names, False, False, ["bf16"]) == ["transformers", "llama.cpp", "headwise bf16 cache"]
 
 
-def test_batching_rows_say_the_gain_over_one_row_beside_the_bytes_ratio():
-    from headwise.bench.model_decode import DecodeSpeed, batch_gains, gains_markdown
+def row(model, dtype, batch, context, ms, read, compiled=None):
+    """A steps row: ``ms`` eager, ``compiled`` ms, ``read`` bytes a step."""
+    from headwise.bench.model_decode import DecodeSpeed
 
-    def row(model, dtype, batch, context, ms, read, compiled=None):
-        return DecodeSpeed(model, dtype, batch, context, ms, None, read, 20.0, None, 1, 2, compiled_ms=compiled)
+    return DecodeSpeed(model, dtype, batch, context, ms, None, read, 20.0, None, 1, 2, compiled_ms=compiled)
+
+
+def test_batching_rows_say_the_gain_over_one_row_beside_the_bytes_ratio():
+    from headwise.bench.model_decode import batch_gains, gains_markdown
 
     weights, kv = 1000, 10  # bytes: every weight once a step, each row's own keys and values
     rows = [row("gpt2", "int8", 1, 512, 10.0, weights + kv, compiled=5.0), row("gpt2", "int8", 8, 512, 20.0, weights + 8 * kv, compiled=16.0),
             row("gpt2", "int8, bf16 cache", 8, 512, 18.0, 2000),  # no B = 1 row of its own: left out
             row("gpt2", "int8", 8, 128, 18.0, 2000), row("llama", "int8", 4, 512, 30.0, 900)]  # no B = 1 row at 128, nor for llama
     (gain,) = batch_gains(rows)
-    assert (gain.model, gain.dtype, gain.batch, gain.context) == ("gpt2", "int8", 8, 512)
-    assert gain.eager == 8 * 10.0 / 20.0 and gain.compiled == 8 * 5.0 / 16.0 and gain.bytes_ratio == 8 * 1010 / 1080
-    assert gains_markdown([gain]).splitlines()[-1] == "| gpt2 | int8 | 8 | 512 | 4.00x | 2.50x | 7.48x |"
+    assert (gain.model, gain.dtype, gain.batch, gain.context, gain.over) == ("gpt2", "int8", 8, 512, "B = 1")
+    assert gain.eager == pytest.approx(8 * 10.0 / 20.0) and gain.compiled == pytest.approx(8 * 5.0 / 16.0)
+    assert gain.bytes_ratio == pytest.approx(8 * 1010 / 1080)
+    assert gains_markdown([gain]).splitlines()[-1] == "| gpt2 | int8 | 8 | 512 | B = 1 | 4.00x | 2.50x | 7.48x |"
     assert batch_gains([row("gpt2", "fp32", 1, 512, 10.0, 5), row("gpt2", "fp32", 8, 512, 20.0, 8)])[0].compiled is None
+
+
+def test_precision_rows_say_the_gain_over_fp32_at_the_same_shape_and_cache():
+    """Each precision over the fp32 row of its model, batch, context and cache dtype: times and bytes inverted."""
+    from headwise.bench.model_decode import gains_markdown, precision_gains
+
+    rows = [row("gpt2", "fp32", 1, 512, 12.0, 4000, compiled=10.0), row("gpt2", "int8", 1, 512, 4.0, 1100, compiled=3.0),
+            row("gpt2", "fp32", 8, 512, 16.0, 4800), row("gpt2", "int8-a8", 8, 512, 8.0, 1900, compiled=6.0),
+            row("gpt2", "fp32, bf16 cache", 1, 512, 11.0, 3900), row("gpt2", "int8, bf16 cache", 1, 512, 3.0, 1000),
+            row("gpt2", "int8", 1, 128, 3.0, 1000), row("llama", "int8", 1, 512, 3.0, 1000)]  # no fp32 row at 128, nor for llama
+    gains = precision_gains(rows)
+    assert [(g.model, g.dtype, g.batch, g.context, g.over) for g in gains] == [
+        ("gpt2", "int8", 1, 512, "fp32"), ("gpt2", "int8-a8", 8, 512, "fp32"), ("gpt2", "int8, bf16 cache", 1, 512, "fp32")]
+    one, eight, halved = gains
+    assert one.eager == pytest.approx(3.0) and one.compiled == pytest.approx(10.0 / 3.0) and one.bytes_ratio == pytest.approx(4000 / 1100)
+    assert eight.eager == pytest.approx(2.0) and eight.compiled is None  # no compiled fp32 row to compare with
+    assert halved.eager == pytest.approx(11.0 / 3.0) and halved.bytes_ratio == pytest.approx(3.9)
+    assert gains_markdown([one]).splitlines()[-1] == "| gpt2 | int8 | 1 | 512 | fp32 | 3.00x | 3.33x | 3.64x |"
 
 
 def test_model_decode_with_compile_times_generates_compiled_step(tmp_path):

@@ -13,18 +13,22 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
 - ``--cache-dtypes model,bf16``: also (or only) headwise's caches in bfloat16 under a float32 model
-  (``generate(..., cache_dtype=torch.bfloat16)``; the dtype column says so), each shape's rows back
-  to back; transformers' caches stay in the model's dtype;
+  (``generate(..., cache_dtype=torch.bfloat16)``; the dtype column says so); transformers' caches
+  stay in the model's dtype;
 - ``read_bytes``: every projection and LM-head weight as stored (int8 + scales for int8), plus
   keys and values of every layer at this context and batch; ``sum_gbps``: the machine's read
   bandwidth in the same interleaved rounds (``host.ReadProbe``), so that the share is taken
   under the same load; ``load``: the load average before and after.
 
+Every step of a model (each precision, batch, context and cache dtype asked for) is timed in the
+same interleaved rounds, so the ratios between its rows are taken under one load.
+
 Below it, **batching** (``batch_gains``): each B > 1 row's tokens per second over the B = 1 row of the
 same context, eager and compiled, beside the bytes' ratio (B times the bytes one row's step reads
 over the bytes the batch's step reads: the weights are read once for all rows, each row's keys and
 values for that row), the gain of two steps reading at the same rate: the most a B = 1 step at
-the bandwidth leaves room for.
+the bandwidth leaves room for. Then **precisions** (``precision_gains``): each row's tokens per
+second over the fp32 row of the same shape and cache dtype, beside the bytes' ratio.
 
 The caches hold the same random keys and values for both libraries (a step costs the same
 whatever they hold), so both libraries' logits can be compared (``max_abs_diff``).
@@ -50,6 +54,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -193,6 +198,19 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
 
 
 
+class _Case(NamedTuple):
+    """One row's step of a model: what it runs (``label``: the precision, ", bf16 cache" where the cache differs), the
+    model, its steps (``_steps``) and the largest |headwise - transformers| of their logits."""
+
+    label: str
+    batch: int
+    context: int
+    cache_dtype: torch.dtype | None
+    model: nn.Module
+    steps: dict[str, Callable[[], Tensor]]
+    diff: float | None
+
+
 def _rel(got: Tensor, want: Tensor) -> float:
     """||got - want|| / ||want|| in float32."""
     return float((got.float() - want.float()).norm() / want.float().norm())
@@ -237,6 +255,7 @@ def decode_speeds(
     rows = []
     for name in models:
         directory = checkpoint(name, root, tiny=tiny, seed=seed, positions=max(n for _, n in shapes))
+        cases: list[_Case] = []  # every step of this model, all timed in the same rounds
         for dtype in dtypes:
             ours = headwise_model(directory, dtype)  # as a user builds them
             theirs = transformers_model(directory, dtype) if hf else None
@@ -247,61 +266,82 @@ def decode_speeds(
                     if progress:
                         progress(f"{name} {label} B={batch} context {context}")
                     steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
-                    times, load = loaded(lambda steps=steps: interleaved({**steps, "sum": probe}, repeats=repeats, warmup=warmup))
-                    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+                    _check_steps(f"{name} {label}", outs, compile, dtype == "fp32" and cache_dtype is None)
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
-                    if not torch.equal(outs["headwise"], outs["checked"]):
-                        raise RuntimeError(f"{name} {dtype}: generate's unchecked step and the checked step gave different logits")
-                    if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if dtype == "fp32" and cache_dtype is None else 0.05):  # bf16 rounding differs in fused code
-                        raise RuntimeError(f"{name} {dtype}: the compiled step's logits are {_rel(outs['compiled'], outs['headwise']):.2g} from the eager step's")
-                    rows.append(DecodeSpeed(name, label, batch, context, med["headwise"], med.get("transformers"), read_bytes(ours, batch, context, cache_dtype),
-                                            probe.gbps(med["sum"] / 1e3), diff, repeats, torch.get_num_threads(), med["checked"],
-                                            med.get("compiled"), load))
-            del ours, theirs
+                    cases.append(_Case(label, batch, context, cache_dtype, ours, steps, diff))
+        if progress:
+            progress(f"{name}: {len(cases)} cases, timed in the same rounds")
+        timed = {f"{i} {kind}": run for i, case in enumerate(cases) for kind, run in case.steps.items()} | {"sum": probe}
+        with torch.inference_mode():
+            times, load = loaded(lambda timed=timed: interleaved(timed, repeats=repeats, warmup=warmup))
+        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        for i, c in enumerate(cases):
+            rows.append(DecodeSpeed(name, c.label, c.batch, c.context, med[f"{i} headwise"], med.get(f"{i} transformers"),
+                                    read_bytes(c.model, c.batch, c.context, c.cache_dtype), probe.gbps(med["sum"] / 1e3), c.diff, repeats,
+                                    torch.get_num_threads(), med[f"{i} checked"], med.get(f"{i} compiled"), load))
     return rows
 
 
+def _check_steps(what: str, outs: dict[str, Tensor], compile: bool, exact: bool) -> None:
+    """RuntimeError unless the unchecked step's logits equal the checked step's, and the compiled step's are near them
+    (``exact``: float32 throughout, 1e-4; else bf16 rounding that fused code does in another order, 0.05)."""
+    if not torch.equal(outs["headwise"], outs["checked"]):
+        raise RuntimeError(f"{what}: generate's unchecked step and the checked step gave different logits")
+    if compile and _rel(outs["compiled"], outs["headwise"]) > (1e-4 if exact else 0.05):
+        raise RuntimeError(f"{what}: the compiled step's logits are {_rel(outs['compiled'], outs['headwise']):.2g} from the eager step's")
+
+
 @dataclass(frozen=True)
-class BatchGain:
-    """What a batch of B rows gains over one row at the same context and cache dtype, in tokens per second.
+class Gain:
+    """What a row gains in tokens per second over another row of the same model, timed in the same rounds: a batch of
+    B rows over one row (``batch_gains``), or a precision over float32 (``precision_gains``).
 
     Attributes:
-        model, dtype, batch, context: as in ``DecodeSpeed``.
-        eager, compiled: B x (the B = 1 step's time) / (this step's time), eager and compiled (None when not timed).
-        bytes_ratio: B x (bytes a B = 1 step reads) / (bytes this step reads): the gain of steps that read at the
-            same rate at both sizes (the weights once for all rows, each row's own keys and values), so the most a
-            B = 1 step at the bandwidth leaves room for; a B = 1 step below it can gain more.
+        model, dtype, batch, context: the row, as in ``DecodeSpeed``.
+        over: the row it is compared with ("B = 1", or "fp32" for the same cache dtype).
+        eager, compiled: its tokens per second over the other row's, eager and compiled (None when not timed).
+        bytes_ratio: the same ratio for two steps that read at the same rate: the other row's bytes a token over this
+            row's. For a batch, the weights are read once for all rows and each row's keys and values for that row, so
+            it is the most a B = 1 step at the bandwidth leaves room for (a B = 1 step below it can gain more).
     """
 
     model: str
     dtype: str
     batch: int
     context: int
+    over: str
     eager: float
     compiled: float | None
     bytes_ratio: float
 
 
-def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[BatchGain]:
-    """Each row with B > 1 against the B = 1 row of the same model, dtype (cache dtype included) and context."""
+def _gain(row: DecodeSpeed, base: DecodeSpeed, over: str) -> Gain:
+    """``row``'s tokens per second over ``base``'s."""
+    rate = lambda ms, r: r.batch / ms  # noqa: E731  (tokens a millisecond)
+    compiled = None if row.compiled_ms is None or base.compiled_ms is None else rate(row.compiled_ms, row) / rate(base.compiled_ms, base)
+    return Gain(row.model, row.dtype, row.batch, row.context, over, rate(row.headwise_ms, row) / rate(base.headwise_ms, base), compiled,
+                (base.read_bytes / base.batch) / (row.read_bytes / row.batch))
+
+
+def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[Gain]:
+    """Each row with B > 1 over the B = 1 row of the same model, dtype (cache dtype included) and context."""
     one = {(r.model, r.dtype, r.context): r for r in speeds if r.batch == 1}
-    gains = []
-    for r in speeds:
-        base = one.get((r.model, r.dtype, r.context))
-        if r.batch == 1 or base is None:
-            continue
-        compiled = None if r.compiled_ms is None or base.compiled_ms is None else r.batch * base.compiled_ms / r.compiled_ms
-        gains.append(BatchGain(r.model, r.dtype, r.batch, r.context, r.batch * base.headwise_ms / r.headwise_ms, compiled,
-                               r.batch * base.read_bytes / r.read_bytes))
-    return gains
+    return [_gain(r, one[r.model, r.dtype, r.context], "B = 1") for r in speeds if r.batch > 1 and (r.model, r.dtype, r.context) in one]
 
 
-def gains_markdown(gains: Sequence[BatchGain]) -> str:
-    """The batching table: tokens per second over B = 1, measured, beside the bytes' ratio."""
-    out = ["| model | dtype | B | context | eager | compiled | bytes' ratio |", "|---|---|---:|---:|---:|---:|---:|"]
+def precision_gains(speeds: Sequence[DecodeSpeed]) -> list[Gain]:
+    """Each row of another precision over the fp32 row of the same model, batch, context and cache dtype."""
+    key = lambda r: (r.model, r.batch, r.context, r.dtype.partition(",")[2])  # noqa: E731  (", bf16 cache" or "")
+    fp32 = {key(r): r for r in speeds if r.dtype.partition(",")[0] == "fp32"}
+    return [_gain(r, fp32[key(r)], "fp32") for r in speeds if r.dtype.partition(",")[0] != "fp32" and key(r) in fp32]
+
+
+def gains_markdown(gains: Sequence[Gain]) -> str:
+    """A gains table: tokens per second over the other row, measured, beside the bytes' ratio."""
+    out = ["| model | dtype | B | context | over | eager | compiled | bytes' ratio |", "|---|---|---:|---:|---|---:|---:|---:|"]
     for g in gains:
         compiled = "—" if g.compiled is None else f"{g.compiled:.2f}x"
-        out.append(f"| {g.model} | {g.dtype} | {g.batch} | {g.context} | {g.eager:.2f}x | {compiled} | {g.bytes_ratio:.2f}x |")
+        out.append(f"| {g.model} | {g.dtype} | {g.batch} | {g.context} | {g.over} | {g.eager:.2f}x | {compiled} | {g.bytes_ratio:.2f}x |")
     return "\n".join(out)
 
 
@@ -380,10 +420,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             cache_dtypes = [CACHE_DTYPES[c] for c in args.cache_dtypes]
             speeds = decode_speeds(args.models, args.dtypes, shapes, repeats=args.repeats, compile=args.compile, cache_dtypes=cache_dtypes,
                                    root=root, progress=say)
-            gains = batch_gains(speeds)
             print(markdown(speeds) + "\n", flush=True)
-            if gains:
-                print("tokens per second over B = 1:\n\n" + gains_markdown(gains) + "\n", flush=True)
+            for what, gains in (("B = 1", batch_gains(speeds)), ("fp32", precision_gains(speeds))):
+                if gains:
+                    print(f"tokens per second over {what} (timed in the same rounds):\n\n" + gains_markdown(gains) + "\n", flush=True)
         if not args.no_generate:
             rows = generation.generate_speeds(args.models, args.dtypes, args.batches, engines=engines, prompt=args.prompt,
                                               new_tokens=args.new_tokens, rounds=args.rounds, root=root, progress=say,
