@@ -14,6 +14,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
 import headwise as hw
+from headwise.bench.models import cache_keyword
 from headwise.functional import merge_heads, split_heads
 
 # ----------------------------------------------------------------------------- GPT-2 shapes
@@ -95,7 +96,8 @@ def _hf_pair(n_embd=64, n_head=4, seed=17):
 def _hf_mask(config, x, attention_mask):
     """The 4-D additive mask GPT2Model itself builds (transformers.masking_utils)."""
     T = x.shape[1]
-    return create_causal_mask(config=config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=None, position_ids=torch.arange(T)[None])
+    no_cache = {cache_keyword(create_causal_mask): None}
+    return create_causal_mask(config=config, inputs_embeds=x, attention_mask=attention_mask, **no_cache, position_ids=torch.arange(T)[None])
 
 
 def test_loads_hf_attention_and_matches_without_padding():

@@ -31,6 +31,7 @@ from ..cache import KVCache
 from ..config import GPT2Config
 from ..fused import GPT2MultiHeadAttention
 from .host import Load, loaded
+from .models import cache_keyword
 from .timing import interleaved, keeping
 
 
@@ -118,14 +119,15 @@ def _steps(layers: nn.ModuleList, hf_layers: nn.ModuleList | None, prompt: Tenso
         from transformers import DynamicCache
 
         hf_cache = DynamicCache(config=hf_layers[0].config)
+        cached = {cache_keyword(hf_layers[0].forward): hf_cache}
         x = prompt
         for layer in hf_layers:
-            x = x + layer(x, past_key_values=hf_cache)[0]  # (B, P, C)
+            x = x + layer(x, **cached)[0]  # (B, P, C)
 
         def hf_cached() -> Tensor:
             y = token
             for layer in hf_layers:
-                y = y + layer(y, past_key_values=hf_cache)[0]  # (B, 1, C)
+                y = y + layer(y, **cached)[0]  # (B, 1, C)
             hf_cache.crop(-1)  # transformers 5: a negative count of tokens to drop
             return y
 

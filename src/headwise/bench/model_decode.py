@@ -65,7 +65,7 @@ from ..quantize import Int8Linear
 from . import generation
 from .engines import ENGINES
 from .host import Load, ReadProbe, add_busy_flag, busy, load_average, loaded, machine
-from .models import MODELS, PRECISIONS, check, checkpoint, headwise_model, transformers_model
+from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwise_model, transformers_model
 from .timing import interleaved
 
 #: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
@@ -187,7 +187,8 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
         **({"compiled": lambda: step(token, None, compiled_caches)} if compile else {}),
     }
     if theirs is not None:
-        steps["transformers"] = lambda: theirs(token, past_key_values=hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, vocab)
+        cached = {cache_keyword(theirs.forward): hf_cache}
+        steps["transformers"] = lambda: theirs(token, **cached, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, vocab)
     first = {name: run() for name, run in steps.items()}  # one step each on the same contents (and the compile), then back
     for caches in (mine, checked_caches, compiled_caches):
         for cache in caches:

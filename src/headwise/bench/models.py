@@ -20,7 +20,9 @@ int8-a8 (int8 weights and each row of activations rounded to int8, exact integer
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -158,3 +160,9 @@ def kv_elements(model: nn.Module) -> int:
     """Key and value elements one token adds to the cache over all layers."""
     caches = model.new_caches(1, 1)
     return sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches)
+
+
+def cache_keyword(function: Callable) -> str:
+    """The name a transformers ``function`` (a model's or a layer's ``forward``, ``create_causal_mask``) takes its cache by:
+    ``cache`` since transformers 5.24 (where ``past_key_values`` is deprecated, to be removed), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
