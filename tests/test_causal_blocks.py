@@ -37,11 +37,23 @@ def test_blocks_are_as_close_to_float64_as_one_kernel_call(t, dtype, monkeypatch
     monkeypatch.setattr(sdpa, "_kernel", lambda q, k, *a: calls.append((q.shape[2], k.shape[2])) or kernel(q, k, *a))
     with torch.no_grad():
         got, one = attention(q, k, v, causal=True), one_call(q, k, v)
-    assert calls == [(min(t, r0 + BLOCK) - r0, min(t, r0 + BLOCK)) for r0 in range(0, t, BLOCK)]  # (queries, keys) per call
+    rows = plan.causal_rows(t)
+    assert calls == [(min(t, r0 + rows) - r0, min(t, r0 + rows)) for r0 in range(0, t, rows)]  # (queries, keys) per call
     assert got.dtype == dtype and got.shape == one.shape
     assert error(got, q, k, v) <= 2 * error(one, q, k, v)
     if dtype == torch.float32:
         torch.testing.assert_close(got, one, atol=1e-6, rtol=1e-6)
+
+
+def test_a_blocked_prompt_takes_at_most_causal_calls_calls_of_at_least_causal_block_queries():
+    """Few calls, since each waits for its slowest thread (a core another process holds makes every call wait):
+    blocks of CAUSAL_BLOCK queries until that would take more than CAUSAL_CALLS calls, then T / CAUSAL_CALLS rounded up."""
+    for t in range(BLOCK + 1, plan.CAUSAL_BLOCKS_UP_TO + 1):
+        rows = plan.causal_rows(t)
+        calls = -(-t // rows)
+        assert rows >= BLOCK and calls <= plan.CAUSAL_CALLS, t
+        assert rows == BLOCK or -(-t // (rows - 1)) > plan.CAUSAL_CALLS, t  # no more queries a call than the bound asks
+    assert [plan.causal_rows(t) for t in (65, 256, 257, 300, 512)] == [64, 64, 65, 75, 128]
 
 
 @torch.no_grad()

@@ -35,12 +35,16 @@ FLOAT32_KEY_ELEMENTS = 1 << 20
 #: Score elements (B * H * rows * keys) one block of queries holds: the memory bound of every
 #: blocked runner (16 MiB of float32), not a tuned speed.
 BLOCK_ELEMENTS = 1 << 22
-#: Queries per kernel call of a blocked causal prompt: the size the causal-block timings used
-#: (480- and 1024-token prompts against one call, bench); other sizes not compared.
+#: The fewest queries a kernel call of a blocked causal prompt takes (the size the first causal-block
+#: timings used); a longer prompt takes ``ceil(T / CAUSAL_CALLS)`` a call (``causal_rows``).
 CAUSAL_BLOCK = 64
-#: Causal prompts up to this long run as blocks: the gain timed at 1024 tokens was the smallest
-#: (it shrinks as the kernel's masked share of each key block does); longer not timed.
-CAUSAL_BLOCKS_UP_TO = 1024
+#: The most kernel calls a blocked causal prompt makes: each call waits for its slowest thread, and with
+#: a core taken by another process every call waits on it (8 calls of 64 queries took 1.5-2x one call's
+#: time at 512 tokens, 4 calls 1.0-1.2x, while quiet 4 calls kept nearly all of 8 calls' gain: docs).
+CAUSAL_CALLS = 4
+#: Causal prompts up to this long run as blocks: at 1024 tokens one call was as fast as blocks on a
+#: quiet Zen 5 EPYC (blocks of 64 had gained ~1.1x on a Zen 4) and 1.5-2.3x faster with a core taken.
+CAUSAL_BLOCKS_UP_TO = 512
 #: Documents with fewer keys than this are stacked with others of their length into one call,
 #: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).
 SHORT_DOCUMENT = 128
@@ -80,7 +84,7 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    runner: str  # the name shown ({CAUSAL_BLOCK} filled in)
+    runner: str  # the name shown ({rows} filled in: the queries a call of that plan takes)
     backend: str  # whose way the runner is: "math" or "sdpa"
     serves: frozenset[str]  # the backends asked for that may take this rule
     when: Callable[[Call], bool]
@@ -180,6 +184,12 @@ def _math_only(c: Call) -> bool:
     return (c.spec.softcap is not None and not _capped(c)) or (c.spec.sinks is not None and not _sinks_fused(c))
 
 
+def causal_rows(T: int) -> int:
+    """Queries per kernel call of a blocked causal prompt of ``T`` tokens: ``CAUSAL_BLOCK``, or more where that would
+    take more than ``CAUSAL_CALLS`` calls."""
+    return max(CAUSAL_BLOCK, -(-T // CAUSAL_CALLS))
+
+
 def _causal_blocks(c: Call) -> bool:
     """Eager first: a compiled graph keeps T symbolic, and comparing it would add guards."""
     return (
@@ -254,10 +264,11 @@ RULES: tuple[Rule, ...] = (
          "ALiBi is an additive bias: folded into the fused kernel's mask a block of queries at a time, never (H, T, S) at once"),
     Rule("sdpa flash kernel, sink through its log-sum-exp", "sdpa", AUTO_SDPA, lambda c: c.spec.sinks is not None, lambda c: sdpa.fused,
          "a sink only rescales each row: the CPU flash kernel's log-sum-exp gives context * sigmoid(lse - sink)"),
-    Rule("sdpa causal blocks of {CAUSAL_BLOCK} queries", "sdpa", AUTO_SDPA, _causal_blocks,
-         lambda c: partial(sdpa.causal_blocks, rows=CAUSAL_BLOCK),
+    Rule("sdpa causal blocks of {rows} queries", "sdpa", AUTO_SDPA, _causal_blocks,
+         lambda c: partial(sdpa.causal_blocks, rows=causal_rows(c.spec.T)),
          "a causal prompt on the CPU where MKL runs no AVX-512 kernels: torch's flash kernel computes the masked half of each "
-         "key block; blocks over the keys each sees skip it (with MKL's AVX-512 GEMMs, on Intel CPUs, one call is the faster)"),
+         "key block; a few blocks over the keys each sees skip it (with MKL's AVX-512 GEMMs, on Intel CPUs, one call is the "
+         "faster)"),
     Rule("sdpa is_causal", "sdpa", AUTO_SDPA, lambda c: c.spec.plain_causal, lambda c: sdpa.fused,
          "causal over T == S keys with nothing else: the fused kernel's is_causal says it all, no mask"),
     Rule("sdpa", "sdpa", AUTO_SDPA, lambda c: True, lambda c: sdpa.fused,
@@ -307,7 +318,7 @@ def choose(call: Call) -> Plan:
     """The first rule that serves ``call.backend`` and matches ``call``, as a ``Plan`` whose ``run`` runs it."""
     for rule in RULES:
         if call.backend in rule.serves and rule.when(call):
-            name = rule.runner.format(CAUSAL_BLOCK=CAUSAL_BLOCK) if "{" in rule.runner else rule.runner
+            name = rule.runner.format(rows=causal_rows(call.spec.T)) if "{" in rule.runner else rule.runner
             return Plan(rule.backend, name, rule.why, rule.build(call))
     raise AssertionError(f"no rule serves backend {call.backend!r}")  # the last rules of each backend match every call
 

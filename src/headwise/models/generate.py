@@ -110,7 +110,8 @@ class GenerationMixin:
                 may differ from float32's where two logits are close).
             on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
                 next step runs (streaming: print or send them); the first call comes right after
-                the prompt pass. Its return value is ignored.
+                the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
+                it in place. Its return value is ignored.
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
