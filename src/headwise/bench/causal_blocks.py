@@ -1,0 +1,94 @@
+"""A causal prompt's attention on the CPU as blocks of queries, at several block sizes, against one ``is_causal`` call.
+
+One layer's attention (GPT-2 small's heads: H = 12, D = 64) over a causal prompt of T tokens,
+inference: ``sdpa.causal_blocks`` at each block size asked for (each block of queries over the keys
+it may see, one kernel call a block) and torch's fused kernel in one call, interleaved, medians.
+``auto`` names the block size the plan takes for T on this machine (``plan.causal_rows``, or one
+call). Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
+its slowest thread, so the number of calls is what contention charges. The outputs are compared
+with one call's before timing (float32 within 1e-5, bfloat16 within 2e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .. import _argtypes
+from ..backends import plan, sdpa
+from ..backends.spec import Spec
+from .host import add_busy_flag, busy, machine
+from .timing import interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt length and dtype: median ms of one call and of each block size, and what the plan takes."""
+
+    dtype: str
+    tokens: int
+    one_call_ms: float
+    blocks_ms: dict[int, float]
+    auto: str
+
+    def markdown(self, sizes: Sequence[int]) -> str:
+        cells = " | ".join(f"{self.blocks_ms[r]:.2f} ({self.blocks_ms[r] / self.one_call_ms:.2f}x)" for r in sizes)
+        return f"| {self.dtype} | {self.tokens} | {self.one_call_ms:.2f} | {cells} | {self.auto} |"
+
+
+@torch.inference_mode()
+def causal_prompt(dtype: torch.dtype, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0) -> Row:
+    """Time one layer's causal attention over ``tokens`` queries: one call, and blocks of each of ``sizes`` queries."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, 12, 64, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, D), strided as split heads
+    k, v = (torch.randn(batch, 12, tokens, 64, generator=g).to(dtype) for _ in range(2))  # (B, H, T, D)
+    spec = Spec(T=tokens, S=tokens, causal=True, scale=64**-0.5)
+    ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
+    ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
+    want = ways["one"]().float()
+    for rows in sizes:
+        error = float((ways[rows]().float() - want).abs().max())
+        if error > (1e-5 if dtype == torch.float32 else 2e-2):
+            raise RuntimeError(f"blocks of {rows} queries are {error:.2g} from one call ({dtype}, T = {tokens})")
+    times = interleaved({str(name): run for name, run in ways.items()}, repeats=repeats, warmup=2)
+    ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    blocked = plan.CAUSAL_BLOCK < tokens <= plan.CAUSAL_BLOCKS_UP_TO and not plan.mkl_avx512()
+    auto = f"blocks of {plan.causal_rows(tokens)}" if blocked else "one call"
+    return Row(next(k for k, v in DTYPES.items() if v == dtype), tokens, ms["one"], {r: ms[str(r)] for r in sizes}, auto)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m headwise.bench.causal_blocks``: one table, a row per dtype and prompt length."""
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.causal_blocks", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=list(DTYPES),
+                   help="comma-separated: fp32, bf16 (default both)")
+    p.add_argument("--tokens", type=_argtypes.listing(_argtypes.integer(2), "prompt lengths"), default=[256, 512, 1024],
+                   help="comma-separated prompt lengths (default 256,512,1024)")
+    p.add_argument("--rows", type=_argtypes.listing(_argtypes.integer(1), "block sizes"), default=[64, 128, 256],
+                   help="comma-separated queries per block (default 64,128,256)")
+    p.add_argument("--repeats", type=_argtypes.integer(1), default=9, help="timed rounds (default 9)")
+    add_busy_flag(p)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"A causal prompt's attention, B = 4, H = 12, D = 64, inference; {machine()}"
+          + (f"; {args.busy} busy processes beside it" if args.busy else "") + "; median ms (x one call's time)\n")
+    print("| dtype | T | one call | " + " | ".join(f"blocks of {r}" for r in args.rows) + " | the plan takes |")
+    print("|---|---:|---:|" + "---:|" * len(args.rows) + "---|")
+    with busy(args.busy):
+        for dtype in args.dtypes:
+            for tokens in args.tokens:
+                print(causal_prompt(DTYPES[dtype], tokens, args.rows, repeats=args.repeats).markdown(args.rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
