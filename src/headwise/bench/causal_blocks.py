@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from .. import _argtypes
 from ..backends import plan, sdpa
 from ..backends.spec import Spec
+from .cases import DTYPES
 from .host import add_busy_flag, busy, machine
 from .timing import interleaved
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

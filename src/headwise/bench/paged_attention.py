@@ -36,9 +36,8 @@ from .. import _argtypes
 from ..backends import decode_kernel
 from ..cache import PagedKVCache
 from ..functional import attention
+from .cases import DTYPES
 from .timing import interleaved
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def filled(lengths: Sequence[int], *, reserve: bool, heads: int = 12, head_dim: int = 64, block_size: int = 16,

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from .. import _argtypes
 from ..linear import onednn, uses_onednn
+from .cases import DTYPES
 from .timing import interleaved
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: GPT-2 small's projections as (N, K): Q/K/V stacked, attention output, MLP up and down, the tied LM head.
 SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768), "mlp.c_proj": (768, 3072), "lm_head": (50257, 768)}
 

@@ -46,9 +46,8 @@ from ..config import GPT2Config
 from ..models.batching import Batcher
 from ..models.generate import positions
 from ..models.gpt2 import GPT2LMHeadModel
+from .cases import DTYPES
 from .timing import interleaved
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
