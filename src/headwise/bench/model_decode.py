@@ -317,11 +317,12 @@ class Gain:
 
 
 def _gain(row: DecodeSpeed, base: DecodeSpeed, over: str) -> Gain:
-    """``row``'s tokens per second over ``base``'s."""
-    rate = lambda ms, r: r.batch / ms  # noqa: E731  (tokens a millisecond)
-    compiled = None if row.compiled_ms is None or base.compiled_ms is None else rate(row.compiled_ms, row) / rate(base.compiled_ms, base)
-    return Gain(row.model, row.dtype, row.batch, row.context, over, rate(row.headwise_ms, row) / rate(base.headwise_ms, base), compiled,
-                (base.read_bytes / base.batch) / (row.read_bytes / row.batch))
+    """``row``'s tokens per second over ``base``'s: each time (or bytes) of ``base``'s over ``row``'s, times the tokens a
+    step of ``row`` makes over a step of ``base``."""
+    tokens = row.batch / base.batch
+    compiled = None if row.compiled_ms is None or base.compiled_ms is None else tokens * base.compiled_ms / row.compiled_ms
+    return Gain(row.model, row.dtype, row.batch, row.context, over, tokens * base.headwise_ms / row.headwise_ms, compiled,
+                tokens * base.read_bytes / row.read_bytes)
 
 
 def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[Gain]:
