@@ -42,8 +42,9 @@ own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``; whe
 the weights, on a CPU with AVX512-VNNI, ``headwise.linear.panels``' integer GEMM over the weight
 packed at compile, which reads the weights at memory's rate), else (another device, autograd) a
 float64 GEMM of the same integers, exact, with the rounding's gradient passed straight through. A
-row's result never depends on the other rows, and the GEMM's time hardly grows with them: a decode step of 8 rows reads the weights in little more
-than one row's time, where the bfloat16-activation kernel's time grows with the rows.
+row's result never depends on the other rows, and the GEMM's time hardly grows with them: a decode
+step of 8 rows reads the weights in little more than one row's time, where the bfloat16-activation
+kernel's time grows with the rows.
 """
 
 from __future__ import annotations

@@ -9,19 +9,19 @@ from headwise.bench import causal_blocks as bench
 
 def test_each_block_size_is_timed_beside_one_call_and_the_plans_choice_is_named(monkeypatch):
     monkeypatch.setattr(plan, "mkl_avx512", lambda: False)  # blocks on any machine
-    r = bench.causal_prompt(torch.float32, 200, [64, 100], batch=1, repeats=1)
+    r = bench.causal_prompt("fp32", 200, [64, 100], batch=1, repeats=1)
     assert (r.dtype, r.tokens, sorted(r.blocks_ms)) == ("fp32", 200, [64, 100]) and r.one_call_ms > 0
-    assert r.auto == f"blocks of {plan.causal_rows(200)}"
+    assert r.auto == f"sdpa causal blocks of {plan.causal_rows(200)} queries"
     assert r.markdown([64, 100]).startswith("| fp32 | 200 | ") and r.markdown([64, 100]).endswith(f"| {r.auto} |")
     monkeypatch.setattr(plan, "mkl_avx512", lambda: True)
-    assert bench.causal_prompt(torch.bfloat16, 100, [64], batch=1, repeats=1).auto == "one call"
-    assert bench.causal_prompt(torch.float32, plan.CAUSAL_BLOCKS_UP_TO + 1, [256], batch=1, repeats=1).auto == "one call"
+    assert bench.causal_prompt("bf16", 100, [64], batch=1, repeats=1).auto == "sdpa is_causal"
+    assert bench.causal_prompt("fp32", plan.CAUSAL_BLOCKS_UP_TO + 1, [256], batch=1, repeats=1).auto == "sdpa is_causal"
 
 
 def test_blocks_that_disagree_with_one_call_are_an_error_not_a_row(monkeypatch):
     monkeypatch.setattr(sdpa, "causal_blocks", lambda q, k, v, spec, rows: torch.zeros_like(q))
-    with pytest.raises(RuntimeError, match=r"blocks of 64 queries are .* from one call \(torch.float32, T = 100\)"):
-        bench.causal_prompt(torch.float32, 100, [64], batch=1, repeats=1)
+    with pytest.raises(RuntimeError, match=r"blocks of 64 queries are .* from one call \(fp32, T = 100\)"):
+        bench.causal_prompt("fp32", 100, [64], batch=1, repeats=1)
 
 
 def test_main_prints_a_row_per_dtype_and_length_under_a_header_naming_the_cpu(capsys):
@@ -29,4 +29,4 @@ def test_main_prints_a_row_per_dtype_and_length_under_a_header_naming_the_cpu(ca
     out = capsys.readouterr().out
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
-    assert len(rows) == 4 and all(line.endswith(("| one call |", "| blocks of 64 |")) for line in rows)
+    assert len(rows) == 4 and all(line.endswith(("| sdpa is_causal |", "| sdpa causal blocks of 64 queries |")) for line in rows)

@@ -35,15 +35,15 @@ FLOAT32_KEY_ELEMENTS = 1 << 20
 #: Score elements (B * H * rows * keys) one block of queries holds: the memory bound of every
 #: blocked runner (16 MiB of float32), not a tuned speed.
 BLOCK_ELEMENTS = 1 << 22
-#: The fewest queries a kernel call of a blocked causal prompt takes (the size the first causal-block
-#: timings used); a longer prompt takes ``ceil(T / CAUSAL_CALLS)`` a call (``causal_rows``).
+#: The fewest queries a kernel call of a blocked causal prompt takes; a longer prompt takes
+#: ``ceil(T / CAUSAL_CALLS)`` a call (``causal_rows``). Measured: docs/performance/index.md.
 CAUSAL_BLOCK = 64
-#: The most kernel calls a blocked causal prompt makes: each call waits for its slowest thread, and with
-#: a core taken by another process every call waits on it (8 calls of 64 queries took 1.5-2x one call's
-#: time at 512 tokens, 4 calls 1.0-1.2x, while quiet 4 calls kept nearly all of 8 calls' gain: docs).
+#: The most kernel calls a blocked causal prompt makes: each call waits for its slowest thread, so
+#: a core taken by another process delays every call; few calls keep most of the blocks' saving
+#: (docs/performance/layers.md, a causal prompt under contention).
 CAUSAL_CALLS = 4
-#: Causal prompts up to this long run as blocks: at 1024 tokens one call was as fast as blocks on a
-#: quiet Zen 5 EPYC (blocks of 64 had gained ~1.1x on a Zen 4) and 1.5-2.3x faster with a core taken.
+#: Causal prompts up to this long run as blocks; longer ones as one call, whose masked work is then
+#: a smaller share of the kernel's key blocks (docs/performance/index.md).
 CAUSAL_BLOCKS_UP_TO = 512
 #: Documents with fewer keys than this are stacked with others of their length into one call,
 #: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).

@@ -3,8 +3,7 @@
 One layer's attention (GPT-2 small's heads: H = 12, D = 64) over a causal prompt of T tokens,
 inference: ``sdpa.causal_blocks`` at each block size asked for (each block of queries over the keys
 it may see, one kernel call a block) and torch's fused kernel in one call, interleaved, medians.
-``auto`` names the block size the plan takes for T on this machine (``plan.causal_rows``, or one
-call). Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
+``auto`` names the runner ``headwise.plan`` takes for the call on this machine. Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
 its slowest thread, so the number of calls is what contention charges. The outputs are compared
 with one call's before timing (float32 within 1e-5, bfloat16 within 2e-2).
 """
@@ -21,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _argtypes
-from ..backends import plan, sdpa
+from ..backends import sdpa
 from ..backends.spec import Spec
+from ..functional import plan as headwise_plan
 from .cases import DTYPES
 from .host import add_busy_flag, busy, machine
 from .timing import interleaved
@@ -44,24 +44,23 @@ class Row:
 
 
 @torch.inference_mode()
-def causal_prompt(dtype: torch.dtype, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0) -> Row:
-    """Time one layer's causal attention over ``tokens`` queries: one call, and blocks of each of ``sizes`` queries."""
+def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0) -> Row:
+    """Time one layer's causal attention over ``tokens`` queries (``dtype`` a key of ``DTYPES``): one call, and blocks of
+    each of ``sizes`` queries."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, tokens, 12, 64, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, D), strided as split heads
-    k, v = (torch.randn(batch, 12, tokens, 64, generator=g).to(dtype) for _ in range(2))  # (B, H, T, D)
+    q = torch.randn(batch, tokens, 12, 64, generator=g).to(DTYPES[dtype]).transpose(1, 2)  # (B, H, T, D), strided as split heads
+    k, v = (torch.randn(batch, 12, tokens, 64, generator=g).to(DTYPES[dtype]) for _ in range(2))  # (B, H, T, D)
     spec = Spec(T=tokens, S=tokens, causal=True, scale=64**-0.5)
     ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
     ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
     want = ways["one"]().float()
     for rows in sizes:
         error = float((ways[rows]().float() - want).abs().max())
-        if error > (1e-5 if dtype == torch.float32 else 2e-2):
+        if error > (1e-5 if dtype == "fp32" else 2e-2):
             raise RuntimeError(f"blocks of {rows} queries are {error:.2g} from one call ({dtype}, T = {tokens})")
     times = interleaved({str(name): run for name, run in ways.items()}, repeats=repeats, warmup=2)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    blocked = plan.CAUSAL_BLOCK < tokens <= plan.CAUSAL_BLOCKS_UP_TO and not plan.mkl_avx512()
-    auto = f"blocks of {plan.causal_rows(tokens)}" if blocked else "one call"
-    return Row(next(k for k, v in DTYPES.items() if v == dtype), tokens, ms["one"], {r: ms[str(r)] for r in sizes}, auto)
+    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -86,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with busy(args.busy):
         for dtype in args.dtypes:
             for tokens in args.tokens:
-                print(causal_prompt(DTYPES[dtype], tokens, args.rows, repeats=args.repeats).markdown(args.rows), flush=True)
+                print(causal_prompt(dtype, tokens, args.rows, repeats=args.repeats).markdown(args.rows), flush=True)
 
 
 if __name__ == "__main__":

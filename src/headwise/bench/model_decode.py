@@ -201,13 +201,12 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
 
 class _Case(NamedTuple):
     """One row's step of a model: what it runs (``label``: the precision, ", bf16 cache" where the cache differs), the
-    model, its steps (``_steps``) and the largest |headwise - transformers| of their logits."""
+    bytes it reads (``read_bytes``), its steps (``_steps``) and the largest |headwise - transformers| of their logits."""
 
     label: str
     batch: int
     context: int
-    cache_dtype: torch.dtype | None
-    model: nn.Module
+    read_bytes: int
     steps: dict[str, Callable[[], Tensor]]
     diff: float | None
 
@@ -269,7 +268,7 @@ def decode_speeds(
                     steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
                     _check_steps(f"{name} {label}", outs, compile, dtype == "fp32" and cache_dtype is None)
                     diff = None if theirs is None else float((outs["headwise"].float() - outs["transformers"].float()).abs().max())
-                    cases.append(_Case(label, batch, context, cache_dtype, ours, steps, diff))
+                    cases.append(_Case(label, batch, context, read_bytes(ours, batch, context, cache_dtype), steps, diff))
         if progress:
             progress(f"{name}: {len(cases)} cases, timed in the same rounds")
         timed = {f"{i} {kind}": run for i, case in enumerate(cases) for kind, run in case.steps.items()} | {"sum": probe}
@@ -278,7 +277,7 @@ def decode_speeds(
         med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         for i, c in enumerate(cases):
             rows.append(DecodeSpeed(name, c.label, c.batch, c.context, med[f"{i} headwise"], med.get(f"{i} transformers"),
-                                    read_bytes(c.model, c.batch, c.context, c.cache_dtype), probe.gbps(med["sum"] / 1e3), c.diff, repeats,
+                                    c.read_bytes, probe.gbps(med["sum"] / 1e3), c.diff, repeats,
                                     torch.get_num_threads(), med[f"{i} checked"], med.get(f"{i} compiled"), load))
     return rows
 
