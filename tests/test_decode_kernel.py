@@ -1,5 +1,5 @@
 """The C++ decode kernel (``backends.decode_kernel``): its dense op against the float64 reference, what the plan
-gives it under ``torch.compile``, the op inside an inductor graph, and a build that fails. (Its paged op:
+gives it (eager and under ``torch.compile``), the op inside an inductor graph, and a build that fails. (Its paged op:
 ``test_paged_rows.py``.)"""
 
 from __future__ import annotations
@@ -89,24 +89,26 @@ def _plan(q, k, v, **kwargs):
     return hw.plan(q, k, v, **kwargs).runner
 
 
-def test_the_plan_takes_it_for_a_traced_decode_step_it_computes(monkeypatch):
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_the_plan_takes_it_for_a_decode_step_it_computes(monkeypatch, traced):
     q, k, v = _qkv()
-    assert _plan(q, k, v, causal=True) != KERNEL  # eager
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    if traced:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _plan(q, k, v, causal=True) == KERNEL
     assert _plan(q, k, v, causal=True, backend="sdpa") == KERNEL
-    assert _plan(q, k, v, causal=True, backend="math") == SUMMED  # math's own way
+    assert _plan(q, k, v, causal=True, backend="math") == (SUMMED if traced else "math, every score at once")  # math's own way
     assert _plan(q, k, v, causal=True, attention_mask=torch.ones(2, 40, dtype=torch.bool)) == KERNEL
     assert _plan(*(t.bfloat16() for t in (q, k, v)), causal=True) == KERNEL
     for terms in ({"window": 8}, {"softcap": 5.0}, {"sinks": torch.zeros(6)}, {"alibi_slopes": torch.ones(6)},
                   {"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
-        assert _plan(q, k, v, causal=True, **terms) == SUMMED, terms
-    assert _plan(*(t.half() for t in (q, k, v)), causal=True) == SUMMED
+        runner = _plan(q, k, v, causal=True, **terms)
+        assert (runner == SUMMED) if traced else (runner != KERNEL), terms  # traced: math's sums; eager: the other rules
+    assert _plan(*(t.half() for t in (q, k, v)), causal=True) != KERNEL
     assert _plan(torch.randn(2, 6, 2, 64), k, v, causal=True) != KERNEL  # two queries per row: not a decode step
     with torch.enable_grad():
-        assert _plan(q.requires_grad_(), k, v, causal=True) != KERNEL
+        assert _plan(q.requires_grad_(), k, v, causal=True) != KERNEL  # no backward
     monkeypatch.setattr(decode_kernel, "available", lambda: False)
-    assert _plan(q.detach(), k, v, causal=True) == SUMMED
+    assert _plan(q.detach(), k, v, causal=True) == (SUMMED if traced else "sdpa")
 
 
 def test_inductor_calls_the_op_with_symbolic_lengths():
@@ -146,3 +148,24 @@ def test_a_build_that_fails_says_so_once_and_leaves_the_loops(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert decode_kernel.available()  # the cached build of this process stands
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["built", "loaded"])
+def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, cached):
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, *args, **kwargs: loads.append(name))
+
+    def folder(name, verbose):  # torch's extension cache: the library's folder, holding it when cached
+        (tmp_path / name).mkdir(exist_ok=True)
+        if cached:
+            (tmp_path / name / f"{name}.so").touch()
+        return str(tmp_path / name)
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", folder)
+    with caplog.at_level("WARNING", logger="headwise"):
+        assert native.built.__wrapped__() is True
+    assert len(loads) == 1
+    announced = [r.getMessage() for r in caplog.records if r.name == "headwise"]
+    assert (announced == []) if cached else ("building its C++ kernels" in announced[0] and len(announced) == 1)

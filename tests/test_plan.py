@@ -12,6 +12,7 @@ from reference import reference_attention
 
 import headwise as hw
 from headwise import machine
+from headwise.backends import decode_kernel
 from headwise.backends import plan as plan_table
 from headwise.masks import documents_from_cu_seqlens
 
@@ -44,6 +45,9 @@ def _cache(kind: str, dtype=torch.float32):
 #: it with the row twice, G >= 2 with a window or mask two float32 matmuls; and a causal prompt is one call, else blocks
 #: of queries.
 HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "math blocks, float32 matmuls"
+#: A decode step on the CPU (float32 or bfloat16, every key seen but padding, nothing but the scale, no autograd) runs the
+#: C++ decode kernel where it is built; where it could not be, the rules after it.
+KERNEL = plan_table.DECODE_KERNEL if decode_kernel.available() else None
 ONE_HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "sdpa, the row twice"
 PROMPT = "sdpa is_causal" if plan_table.mkl_avx512() else "sdpa causal blocks of 64 queries"
 
@@ -52,12 +56,14 @@ CASES = {
     "prompt": (dict(T=100), dict(causal=True), False, PROMPT),
     "prompt, training": (dict(T=100, grad=True), dict(causal=True), True, "sdpa is_causal"),
     "long prompt": (dict(B=1, H=2, Hkv=1, T=1100, D=8), dict(causal=True), False, "sdpa is_causal"),
-    "decode": (dict(T=1, S=50), dict(causal=True), False, "sdpa"),
-    "bf16 decode": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, "sdpa, each key head's query heads as rows"),
-    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, ONE_HEAD_ROWS),
+    "decode": (dict(T=1, S=50), dict(causal=True), False, KERNEL or "sdpa"),
+    "bf16 decode": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, KERNEL or "sdpa, each key head's query heads as rows"),
+    "bf16 decode, one query head per key head": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True), False, KERNEL or ONE_HEAD_ROWS),
     "bf16 decode, one query head per key head, padding": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16),
                                                           dict(causal=True, attention_mask=torch.arange(50).expand(2, 50) > 3), False,
-                                                          ONE_HEAD_ROWS),
+                                                          KERNEL or ONE_HEAD_ROWS),
+    "bf16 decode, one query head per key head, window": (dict(Hkv=4, T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16),
+                                                         False, ONE_HEAD_ROWS),
     "bf16 decode, window": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, window=16), False, HEAD_ROWS),
     "bf16 decode, softcap": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, softcap=30.0), False, "math blocks, float32 matmuls"),
     "bf16 decode, training": (dict(T=1, S=50, dtype=torch.bfloat16, grad=True), dict(causal=True), True,
@@ -77,10 +83,12 @@ CASES = {
     "T > S, causal": (dict(T=8, S=3), dict(causal=True), False, "sdpa"),
     "float64": (dict(T=100, dtype=torch.float64), dict(causal=True), False, PROMPT),
     "float64, plain": (dict(T=10, dtype=torch.float64), dict(), False, "sdpa"),
-    "cache": (dict(B=1, T=1), dict(causal=True, cache="kv"), False, "sdpa"),
-    "bf16 cache": (dict(B=1, T=1, dtype=torch.bfloat16), dict(causal=True, cache="kv"), False, "sdpa, each key head's query heads as rows"),
-    "ring cache": (dict(B=1, T=1), dict(causal=True, window=8, cache="ring"), False, "sdpa"),
-    "paged batch": (dict(B=1, T=4), dict(causal=True, cache="paged"), False, "sdpa"),
+    "cache": (dict(B=1, T=1), dict(causal=True, cache="kv"), False, KERNEL or "sdpa"),
+    "bf16 cache": (dict(B=1, T=1, dtype=torch.bfloat16), dict(causal=True, cache="kv"), False,
+                   KERNEL or "sdpa, each key head's query heads as rows"),
+    "ring cache": (dict(B=1, T=1), dict(causal=True, window=8, cache="ring"), False, KERNEL or "sdpa"),
+    "paged batch": (dict(B=1, T=4), dict(causal=True, cache="paged"), False,  # sequences of 1 and 3 new tokens
+                    f"per sequence: {KERNEL}; sdpa" if KERNEL else "sdpa"),
 }
 
 
@@ -110,7 +118,9 @@ def test_the_plan_names_the_runner_and_its_backend_reproduces_the_default_bit_fo
     with torch.set_grad_enabled(grad):
         plan = hw.plan(q, k, v, **plan_kw)
     assert plan.runner == CASES[case][3]
-    assert plan.backend in ("math", "sdpa") and plan.reason and "\n" not in str(plan)
+    mixed = plan.runner.startswith("per sequence: ")  # a paged batch's sequences on different runners: "auto" reruns them
+    assert plan.backend == "auto" if mixed else plan.backend in ("math", "sdpa")
+    assert plan.reason and "\n" not in str(plan)
     assert str(plan).startswith(plan.runner) and plan.reason in str(plan)
     if "cache" in kw:  # two caches with the same prefix: one for each call
         default = _attend(q, k, v, {**kw, "cache": _cache(CASES[case][1]["cache"], q.dtype)}, grad)
@@ -173,7 +183,7 @@ def test_a_module_plans_its_next_call():
         assert mha.plan(x).runner == PROMPT
         cache = hw.KVCache(1, 4, 256, 8)
         mha(x, cache=cache)
-        assert mha.plan(x[:, :1], cache=cache).runner == "sdpa" and len(cache) == 200
+        assert mha.plan(x[:, :1], cache=cache).runner == (KERNEL or "sdpa") and len(cache) == 200
     assert mha.plan(x).runner == "sdpa is_causal"  # with autograd: one kernel call
     bf16 = hw.MultiHeadAttention(32, 32, 512, 0.0, num_heads=4, softcap=30.0).eval().to(torch.bfloat16)
     assert "capped blocks" in str(bf16.plan(x.to(torch.bfloat16)))
@@ -207,8 +217,10 @@ PADDED = torch.arange(300).expand(3, 300) >= torch.tensor([[0], [120], [300]])  
                                            (2, {"window": 64, "attention_mask": PADDED})], ids=["G=1", "G=1 padded", "G=2 padded", "G=1 window",
                                                                                               "G=2 window padded"])
 def test_a_bf16_decode_step_takes_the_fused_kernel_where_its_gemms_are_mkls_or_with_the_row_twice(monkeypatch, on_mkl, Hkv, terms):
-    """Either way the step is as close to the float64 reference as the bf16 output allows."""
+    """Where the C++ decode kernel does not take the step (a window; or not built); either way the step is as close to
+    the float64 reference as the bf16 output allows."""
     monkeypatch.setattr(plan_table, "mkl_avx512", lambda: on_mkl)
+    monkeypatch.setattr(decode_kernel, "available", lambda: False)
     q, k, v = _qkv(B=3, H=4, Hkv=Hkv, T=1, S=300, D=64, dtype=torch.bfloat16)
     plan = hw.plan(q, k, v, causal=True, **terms)
     off_mkl = "sdpa, the row twice" if Hkv == 4 else "math blocks, float32 matmuls"  # G = 1: two equal rows of each head

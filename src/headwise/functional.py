@@ -151,8 +151,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     Example:
         >>> q = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
         >>> k = v = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16)  # two query heads per key head
-        >>> print(plan(q, k, v, causal=True).runner)
-        sdpa, each key head's query heads as rows
+        >>> print(plan(q, k, v, causal=True).runner)  # a decode step on the CPU: headwise's C++ kernel, where built
+        C++ decode kernel, each key head's queries in one pass
+        >>> print(plan(q, k, v, causal=True, softcap=30.0).runner)  # a term the kernel does not compute
+        math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)
     runs = arguments.sizes(args.cache, args.spec, k.shape[2])

@@ -4,9 +4,11 @@ compiled step (``linear/panels.cpp``, run by ``linear.panels``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
-loaded from torch's extension cache), at the first call that could use it: those calls come from
-``torch.compile`` or a paged batch made with ``compile=True``, which need a C++ compiler already.
-If it cannot be built, ``built()`` is False, with one warning, and the callers keep inductor's code.
+loaded from torch's extension cache), at the first call that could use it: a decode step's attention on
+the CPU (eager or compiled), a compiled step's projections, a paged batch made with ``compile=True``.
+A build (about a minute on two cores) is announced on the ``headwise`` logger; a load from the cache
+takes about a second. If it cannot be built, ``built()`` is False, with one warning, and the callers
+keep torch's kernels and inductor's code.
 The ops' schemas are defined on the Python side (each caller's module, whenever it is imported: the dispatcher
 takes a kernel before its schema), their CPU kernels in C++.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import warnings
@@ -53,13 +56,27 @@ def built() -> bool:
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
+    name = f"headwise_native_{digest}"
     try:
+        if not _in_cache(cpp_extension, name):
+            logging.getLogger("headwise").warning(
+                "headwise: building its C++ kernels for this machine and torch version (once, about a minute; later "
+                "processes load them from torch's extension cache)")
         cpp_extension.load(
-            f"headwise_native_{digest}", [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+            name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a failed build: inductor's code stays
-        warnings.warn(f"headwise: the C++ kernels could not be built ({type(e).__name__}: {e}); compiled steps keep "
-                      "inductor's code", stacklevel=3)
+        warnings.warn(f"headwise: the C++ kernels could not be built ({type(e).__name__}: {e}); decode steps keep "
+                      "torch's kernels and inductor's code", stacklevel=3)
         return False
     return True
+
+
+def _in_cache(cpp_extension: object, name: str) -> bool:
+    """Whether torch's extension cache already holds the library ``name`` (a load, not a build)."""
+    folder = getattr(cpp_extension, "_get_build_directory", None)  # a private helper of torch's: if it is gone or
+    try:  # changed, say nothing
+        return folder is None or (Path(folder(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:
+        return True

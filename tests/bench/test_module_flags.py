@@ -31,7 +31,7 @@ BAD = [
     ("projections", ["--names", "wte"], "--names: expected a comma list of names: expected one of c_attn, attn.c_proj, c_fc, mlp.c_proj, lm_head, got 'wte'"),
     ("decode_attention", ["--threads", "0"], "--threads: expected a positive int, got 0"),
     ("decode_attention", ["--contexts", "128,x"], "--contexts: expected a comma list of positive ints: expected a positive int, got 'x'"),
-    ("decode_attention", ["--dtypes", "fp32"], "--dtypes: expected a comma list of dtypes: expected one of bf16, fp16, got 'fp32'"),
+    ("decode_attention", ["--dtypes", "fp64"], "--dtypes: expected a comma list of dtypes: expected one of bf16, fp16, fp32, got 'fp64'"),
     ("variants", ["--repeats", "0"], "--repeats: expected a positive int, got 0"),
     ("variants", ["--warmup", "-1"], "--warmup: expected an int >= 0, got -1"),
 ]

@@ -49,8 +49,8 @@ CAUSAL_BLOCKS_UP_TO = 512
 #: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).
 SHORT_DOCUMENT = 128
 
-#: The runner name of a compiled decode step's attention in C++ (``decode_kernel``).
-DECODE_KERNEL = "C++ decode kernel, each key head's queries in one pass (compiled)"
+#: The runner name of a decode step's attention in C++ on the CPU (``decode_kernel``), eager or compiled.
+DECODE_KERNEL = "C++ decode kernel, each key head's queries in one pass"
 
 Runner = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
 
@@ -145,18 +145,24 @@ def _one_head_per_key_head_decode(c: Call) -> bool:
     return _kernel_decode(c) and c.q.shape[1] == c.k.shape[1] and not _trained_bias(c)
 
 
-def _compiled_decode(c: Call) -> bool:
-    """One query per row (a decode step) traced by ``torch.compile`` on the CPU, no dropout, nothing that wants a gradient."""
+def _cpu_decode(c: Call) -> bool:
+    """One query per row (a decode step) on the CPU, no dropout, nothing that wants a gradient."""
     return (
-        torch.compiler.is_compiling() and c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES
-        and c.spec.dropout_p == 0.0 and not _grad(c) and not _trained_bias(c)
+        c.q.device.type == "cpu" and c.spec.T == DECODE_QUERIES and c.spec.dropout_p == 0.0 and not _grad(c)
+        and not _trained_bias(c)
     )
 
 
-def _compiled_kernel(c: Call) -> bool:
-    """``_compiled_decode`` that the C++ decode kernel computes (``decode_kernel.takes``: float32 or bfloat16, every
-    key seen, nothing but the scale), where it is built (``decode_kernel.available``: built at the first such call)."""
-    return _compiled_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
+def _compiled_decode(c: Call) -> bool:
+    """``_cpu_decode`` traced by ``torch.compile``."""
+    return torch.compiler.is_compiling() and _cpu_decode(c)
+
+
+def _kernel(c: Call) -> bool:
+    """``_cpu_decode`` that the C++ decode kernel computes (``decode_kernel.takes``: float32 or bfloat16, every key
+    seen, nothing but the scale), where it is built (``decode_kernel.available``: built at the first such call, once
+    per machine and torch version, then loaded from torch's extension cache)."""
+    return _cpu_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
 
 
 def _split_documents(c: Call) -> bool:
@@ -231,10 +237,10 @@ AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "s
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
-    Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _compiled_kernel, lambda c: decode_kernel.run,
-         "one float32 or bfloat16 query per row under torch.compile on the CPU, every key seen and nothing but the scale: "
-         "one C++ pass per key head (scores, softmax, weighted sum on vectors, each key and value row read once for the "
-         "query heads sharing it) beats inductor's loops for the same products and sums (next rule) in a compiled step"),
+    Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _kernel, lambda c: decode_kernel.run,
+         "one float32 or bfloat16 query per row on the CPU, every key seen and nothing but the scale: one C++ pass per "
+         "key head (scores, softmax, weighted sum on vectors, each key and value row read once for the query heads sharing "
+         "it) beats torch's fused kernel and two matmuls eagerly, and inductor's loops for the same sums in a compiled step"),
     Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
          "one query per row under torch.compile on the CPU: products and sums, which inductor fuses into loops that read "
          "each key and value once in their own dtype, beat the fused kernel's call and the matmuls in a compiled step"),

@@ -1,4 +1,4 @@
-"""A half-precision decode step's attention on the CPU, six ways to run it, timed side by side.
+"""A decode step's attention on the CPU, seven ways to run it, timed side by side.
 
 One query per row (T = 1) over the first S keys of a preallocated (B, Hkv, L, D) cache (a slice:
 not contiguous across heads), S growing by one every step as in generation:
@@ -12,7 +12,9 @@ not contiguous across heads), S growing by one every step as in generation:
 - ``sdpa, grouped rows``: the fused kernel with each key head's G query heads as G rows
   (``backends.sdpa.grouped_rows``; the same call as ``sdpa`` when G = 1);
 - ``sdpa, row twice``: the fused kernel with each query row twice, the first kept (``backends.sdpa.row_twice``;
-  the plan's runner at G = 1 where MKL runs no AVX-512 kernels).
+  the plan's runner at G = 1 where MKL runs no AVX-512 kernels, when the next is not built);
+- ``C++ kernel``: headwise's decode kernel (``backends.decode_kernel``: one pass per key head, float32 sums; the
+  plan's runner wherever it is built), left out where it could not be built.
 
 The first three feed the same float32 softmax; the kernel keeps its own. A new S is a new shape every step, and oneDNN's
 bfloat16 matmul builds a kernel per shape: each way gets shapes no other way uses, and runs
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from .. import _argtypes
 from ..backends import math as math_backend
-from ..backends import plan, sdpa
+from ..backends import decode_kernel, plan, sdpa
 from ..backends.spec import Spec
 
 Way = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -82,9 +84,20 @@ def twice(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return sdpa.row_twice(q, k, v, _spec(q, k))
 
 
+def kernel(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """headwise's C++ decode kernel (the plan's runner wherever it is built)."""
+    return decode_kernel.run(q, k, v, _spec(q, k))
+
+
 WAYS: dict[str, Way] = {
     "half": half, "half, copied": copied, "float32": wide, "sdpa": fused, "sdpa, grouped rows": grouped, "sdpa, row twice": twice,
+    "C++ kernel": kernel,
 }
+
+
+def ways(dtype: torch.dtype) -> dict[str, Way]:
+    """``WAYS`` for operands of ``dtype``, less the C++ kernel where it could not be built or does not read them."""
+    return {name: way for name, way in WAYS.items() if way is not kernel or (dtype in decode_kernel.DTYPES and decode_kernel.available())}
 
 
 @dataclass(frozen=True)
@@ -104,14 +117,15 @@ def decode_attention(
     batch: int = 1, context: int = 512, *, group: int = 3, kv_heads: int = 4, head_dim: int = 64,
     dtype: torch.dtype = torch.bfloat16, steps: int = 24, rounds: int = 6, seed: int = 0,
 ) -> Result:
-    """Time ``WAYS`` on ``steps`` decode steps each, from ``context`` keys on: one new S per call, none shared.
+    """Time ``ways(dtype)`` on ``steps`` decode steps each, from ``context`` keys on: one new S per call, none shared.
 
     Args:
         batch: B. context: the first step's S. group: query heads per key head (H = group * kv_heads).
-        kv_heads: Hkv. head_dim: D. dtype: the half type. steps: timed steps per way.
+        kv_heads: Hkv. head_dim: D. dtype: float32 or a half type. steps: timed steps per way.
         rounds: consecutive steps a way runs before the next way's turn (the first one untimed).
     """
-    n = len(WAYS)
+    chosen = ways(dtype)
+    n = len(chosen)
     turns = -(-steps // (rounds - 1))  # runs per way
     g = torch.Generator().manual_seed(seed)
     L = context + n * turns * rounds + 1
@@ -119,10 +133,10 @@ def decode_attention(
     V = torch.randn(batch, kv_heads, L, head_dim, generator=g).to(dtype)
     q = torch.randn(batch, group * kv_heads, 1, head_dim, generator=g).to(dtype)  # (B, H, 1, D)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    times: dict[str, list[float]] = {name: [] for name in WAYS}
+    times: dict[str, list[float]] = {name: [] for name in chosen}
     S = context
     for turn in range(turns):
-        order = list(WAYS.items())[turn % n:] + list(WAYS.items())[: turn % n]  # who goes first rotates
+        order = list(chosen.items())[turn % n:] + list(chosen.items())[: turn % n]  # who goes first rotates
         for name, way in order:
             for r in range(rounds):
                 S += 1  # every call a length no call had before
@@ -143,15 +157,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=_argtypes.integer(1), default=24, help="timed steps per way and shape")
     p.add_argument("--contexts", type=_argtypes.listing(_argtypes.integer(1), "positive ints"), default=[128, 512, 2048])
     p.add_argument("--batches", type=_argtypes.listing(_argtypes.integer(1), "positive ints"), default=[1, 8])
-    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(("bf16", "fp16")), "dtypes"), default=["bf16"])
+    p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(("bf16", "fp16", "fp32")), "dtypes"), default=["bf16"])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = "thread CPU time" if args.threads == 1 else "wall time"
     print(f"A decode step's attention (T = 1) over a cache slice, Hkv = 4, median µs per step ({clock}); {machine()}\n")
+    types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     names = list(WAYS)
     print("| dtype | B | S | G | D | " + " | ".join(f"{n} (µs)" for n in names) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(names))
-    types = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for dtype in args.dtypes:
         for batch in args.batches:
             for context in args.contexts:
@@ -159,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for head_dim in (64, 128):
                         r = decode_attention(batch, context, group=group, head_dim=head_dim, dtype=types[dtype], steps=args.steps)
                         base = r.us["float32"]
-                        cells = " | ".join(f"{r.us[n]:.0f}" + ("" if n == "float32" else f" ({r.us[n] / base:.1f}x)") for n in names)
+                        cells = " | ".join(
+                            "—" if n not in r.us else f"{r.us[n]:.0f}" + ("" if n == "float32" else f" ({r.us[n] / base:.1f}x)") for n in names
+                        )
                         print(f"| {dtype} | {batch} | {context} | {group} | {head_dim} | {cells} |", flush=True)
 
 
