@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _argtypes
-from ..backends import math as math_backend
 from ..backends import decode_kernel, plan, sdpa
+from ..backends import math as math_backend
 from ..backends.spec import Spec
 
 Way = Callable[[Tensor, Tensor, Tensor], Tensor]
