@@ -1,4 +1,4 @@
-"""A compiled decode step's attention three ways, side by side: the C++ kernel, inductor's loops, neither.
+"""A decode step's attention, compiled three ways or eager two, side by side: the C++ kernel, inductor's loops, neither.
 
 ``generate(..., compile=True)`` traces its decode step with the plan's compiled-decode rules: the
 C++ decode kernel (``backends.decode_kernel``) where it computes the call, else "math, products
@@ -7,9 +7,11 @@ loops (``backends.math``, ``summed``). Here, for each model, precision and batch
 three compiled steps of one checkpoint are timed interleaved, each on caches of its own (as
 ``bench.model_decode`` times its compiled step): one traced with the plan's table as it is
 ("kernel"), one with the kernel's rule left out ("summed"), one with both left out ("without"),
-where the step's attention takes the rule an eager step takes (the fused kernel, its rows or the
-row twice, float32 matmuls). Each step runs under the table it was traced with, so a recompile
-reads the same rules.
+where the step's attention takes the rules after them (the fused kernel, its rows or the row twice,
+float32 matmuls). Each step runs under the table it was traced with, so a recompile reads the same
+rules. With ``eager``, ``generate``'s eager step (unchecked) two ways: the table as it is (the C++
+kernel takes the step's attention eagerly too) and without the kernel's rule ("neither": the rules
+an eager step took before it).
 """
 
 from __future__ import annotations
@@ -36,17 +38,18 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Row:
-    """Median ms of one compiled step each way, and how far apart the logits of the others are from the kernel's
-    (relative L2, the larger)."""
+    """Median ms of one step each way (``summed_ms`` None for an eager step: that rule is a compiled step's), and how
+    far apart the logits of the others are from the kernel's (relative L2, the larger)."""
 
     model: str
     dtype: str
     batch: int
     context: int
     kernel_ms: float
-    summed_ms: float
+    summed_ms: float | None
     without_ms: float
     logits_rel: float
+    compiled: bool = True
 
 
 def _under(rules: tuple, call: Callable[[], T]) -> Callable[[], T]:
@@ -65,19 +68,22 @@ def _under(rules: tuple, call: Callable[[], T]) -> Callable[[], T]:
 def compiled_attention(
     models: Sequence[str] = MODELS, dtypes: Sequence[str] = ("fp32", "bf16"), batches: Sequence[int] = (1, 8), *,
     context: int = 512, repeats: int = 10, warmup: int = 3, seed: int = 0, tiny: bool = False, root: Path | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, eager: bool = False,
 ) -> list[Row]:
-    """Time the compiled step with the plan's table, without the kernel's rule, and without the products-summed one too
-    (the module docstring).
+    """Time the compiled step with the plan's table, without the kernel's rule, and without the products-summed one too;
+    with ``eager``, the eager step with the table and without the kernel's rule (the module docstring).
 
-    Each case compiles three steps (inductor, weights frozen: a minute or more each on 2 cores). ``tiny``: the
-    models' two-layer shapes (``bench.models.checkpoint``).
+    Each compiled case compiles three steps (inductor, weights frozen: a minute or more each on 2 cores). ``tiny``:
+    the models' two-layer shapes (``bench.models.checkpoint``).
     """
     for name in models:
         for dtype in dtypes:
             check(name, dtype)
     rules = {"kernel": plan.RULES, "summed": tuple(r for r in plan.RULES if r.runner != plan.DECODE_KERNEL)}
     rules["without"] = tuple(r for r in rules["summed"] if r.runner != SUMMED)
+    if eager:  # the products-summed rule is a traced step's: eagerly the same table as "without"
+        del rules["summed"]
+    kind = "headwise" if eager else "compiled"  # _steps' name of generate's step
     rows = []
     for name in models:
         directory = checkpoint(name, root, tiny=tiny, seed=seed, positions=context)
@@ -90,21 +96,24 @@ def compiled_attention(
                 with torch.inference_mode():  # the models built outside it, as a user builds them: their steps freeze the weights
                     for way, table in rules.items():
                         gen = torch.Generator().manual_seed(seed)  # each way the same cache contents and token
-                        made, first = _under(table, partial(_steps, built[way], None, batch, context, repeats + warmup, gen, compile=True))()
-                        steps[way], firsts[way] = _under(table, made["compiled"]), first["compiled"]
+                        made, first = _under(table, partial(_steps, built[way], None, batch, context, repeats + warmup, gen,
+                                                            compile=not eager))()
+                        steps[way], firsts[way] = _under(table, made[kind]), first[kind]
                     times = interleaved(steps, repeats=repeats, warmup=warmup)
                 med = {way: 1e3 * statistics.median(ts) for way, ts in times.items()}
-                apart = max(_rel(firsts[way], firsts["kernel"]) for way in ("summed", "without"))
-                rows.append(Row(name, dtype, batch, context, med["kernel"], med["summed"], med["without"], apart))
+                apart = max(_rel(firsts[way], firsts["kernel"]) for way in rules if way != "kernel")
+                rows.append(Row(name, dtype, batch, context, med["kernel"], med.get("summed"), med["without"], apart, not eager))
     return rows
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    lines = ["| model | dtype | B | context | C++ kernel (ms) | products summed (ms) | neither (ms) | kernel / summed | "
-             "logits apart |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | dtype | B | context | step | C++ kernel (ms) | products summed (ms) | neither (ms) | kernel / summed | "
+             "kernel / neither | logits apart |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {r.kernel_ms:.2f} | {r.summed_ms:.2f} | "
-                     f"{r.without_ms:.2f} | {r.kernel_ms / r.summed_ms:.2f}x | {r.logits_rel:.1e} |")
+        summed = ("—", "—") if r.summed_ms is None else (f"{r.summed_ms:.2f}", f"{r.kernel_ms / r.summed_ms:.2f}x")
+        lines.append(f"| {r.model} | {r.dtype} | {r.batch} | {r.context} | {'compiled' if r.compiled else 'eager'} | "
+                     f"{r.kernel_ms:.2f} | {summed[0]} | {r.without_ms:.2f} | {summed[1]} | {r.kernel_ms / r.without_ms:.2f}x | "
+                     f"{r.logits_rel:.1e} |")
     return "\n".join(lines)
 
 
@@ -122,13 +131,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--context", type=_argtypes.integer(2), default=512)
     p.add_argument("--repeats", type=positive, default=20, help="timed rounds (default 20)")
     p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--eager", action="store_true", help="the eager step, with and without the C++ kernel's rule")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{machine()}; load average {load_average():.1f}\nCommand: python -m headwise.bench.compiled_attention "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}\n", flush=True)
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
-    rows = compiled_attention(args.models, args.dtypes, args.batches, context=args.context, repeats=args.repeats, progress=say)
+    rows = compiled_attention(args.models, args.dtypes, args.batches, context=args.context, repeats=args.repeats, progress=say,
+                              eager=args.eager)
     print(markdown(rows))
 
 
