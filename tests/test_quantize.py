@@ -15,6 +15,7 @@ from torch import nn
 
 from headwise import GPT2Config, quantize
 from headwise import linear as hl
+from headwise.linear import panels
 from headwise.models import GPT2LMHeadModel, LlamaForCausalLM
 from headwise.models.llama_config import LlamaConfig
 from headwise.quantize import Int8Linear, int8_errors, int8_weights
@@ -51,7 +52,7 @@ def test_quantization_is_per_channel_symmetric_int8():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("bf16_gemm", [True, False])  # torch's GEMM in bfloat16 (CPUs with bf16 dot products) or in float32
 def test_every_path_computes_the_kernels_arithmetic(rows, bias, bf16_gemm, monkeypatch):
-    """The kernel (decode rows) and torch's GEMM (a prompt's rows) both give bf16(x) @ q^T rounded once to
+    """The panels GEMM or the kernel (decode rows) and torch's GEMM (a prompt's rows) all give bf16(x) @ q^T rounded once to
     bfloat16, times the scale, plus the bias: within one rounding of the float64 product, the same for
     any x of the same bfloat16 values, the sums on bfloat16 values."""
     monkeypatch.setattr(quantize, "_BF16_GEMM", bf16_gemm)
@@ -63,7 +64,9 @@ def test_every_path_computes_the_kernels_arithmetic(rows, bias, bf16_gemm, monke
         got = lin(x)
         again = lin(x.bfloat16().float() + 2**-12 * x.abs() * (x.bfloat16().float() - x).sign())  # nearer the same bf16 values
     assert got.shape == (rows, 1, 96) and got.dtype == torch.float32
-    assert lin.uses_kernel(x) == (HAS_KERNEL and rows <= hl.DECODE_ROWS)
+    decode = HAS_KERNEL and rows <= hl.DECODE_ROWS  # a decode step's rows: the panels GEMM where it runs, else the kernel
+    assert lin.uses_panels(x) == (decode and panels.takes(x.reshape(-1, 64).bfloat16(), lin.weight, None))
+    assert lin.uses_kernel(x) == (decode and not lin.uses_panels(x))
     ref, slack = reference.int8_linear(x, lin.weight, lin.scales, lin.bias)
     assert bool(((got.double() - ref).abs() <= slack).all())
     assert torch.equal(again, got)  # x enters as its bfloat16 values
@@ -81,7 +84,8 @@ def test_a_prompt_and_a_decode_step_multiply_alike(dtype):
     x = torch.randn(1, 40, 96, generator=gen).to(dtype)  # (B, T, K): a prompt
     with torch.no_grad():
         prompt, step = lin(x)[0, -1], lin(x[:, -1:])[0, 0]  # (N,), (N,)
-    assert lin.uses_kernel(x[:, -1:]) == HAS_KERNEL and not lin.uses_kernel(x)
+    assert (lin.uses_kernel(x[:, -1:]) or lin.uses_panels(x[:, -1:])) == HAS_KERNEL
+    assert not lin.uses_kernel(x) and not lin.uses_panels(x)
     sums = [((y.double() - lin.bias.double()) / lin.scales.double()) for y in (prompt, step)]
     step_size = 2.0 ** (torch.floor(torch.log2(sums[0].abs())) - 7)  # (N,): a bfloat16 step at each sum
     assert bool(((sums[0] - sums[1]).abs() <= step_size * 1.01 + 1e-3).all())
@@ -329,3 +333,27 @@ def test_the_opaque_int8_op_passes_torch_library_checks(k, bias):
     torch.library.opcheck(torch.ops.headwise.int8_matmul, args)
     with torch.no_grad():
         torch.testing.assert_close(torch.ops.headwise.int8_matmul(*args), lin(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_eager_decode_rows_read_the_weight_packed_once_in_panels(activations, monkeypatch):
+    """Where the panels GEMM runs (AVX-512 with AVX512-BF16 / VNNI, the library built), an eager decode call packs the
+    weight once, keeps it while the weight is unchanged, and packs again after an in-place write; int8 rows give
+    torch's int8 GEMM's exact sums, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    lin = Int8Linear(torch.randn(80, 64, generator=gen), torch.randn(80, generator=gen), activations=activations)
+    x = torch.randn(3, 64, generator=gen)
+    if not lin.uses_panels(x):
+        pytest.skip("the panels GEMM does not run these operands on this machine")
+    packs = []
+    pack = torch.ops.headwise.pack_panels
+    monkeypatch.setattr(quantize.torch.ops.headwise, "pack_panels", lambda *a: packs.append(1) or pack(*a), raising=False)
+    with torch.no_grad():
+        first, second = lin(x), lin(x)
+        assert len(packs) == 1 and torch.equal(first, second)
+        if activations == "int8":
+            values, row_scales = quantize._int8_rows(x)
+            exact = quantize._int_scaled(torch._int_mm(values.to(torch.int8), lin.weight.t()), row_scales, lin.scales, lin.bias, x.dtype)
+            assert torch.equal(first, exact)
+        lin.weight.mul_(-1)  # an in-place write: the packed copy is stale
+        assert torch.allclose(lin(x), 2 * lin.bias - first, atol=1e-4) and len(packs) == 2

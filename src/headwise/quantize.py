@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
+from .linear.weight_cache import PANELS, cached, watchable
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -126,10 +127,24 @@ def _gemm(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Ten
     return _scaled(y, scales, bias, x.dtype)
 
 
+def panel_sums(rows: Tensor, weight: Tensor) -> Tensor | None:
+    """(M, K) bfloat16 or int8 rows x (N, K) int8 -> (M, N) sums by ``headwise.linear.panels``' GEMM over the weight
+    packed once for rows of that dtype (kept while the weight is unchanged: ``weight_cache.PANELS``), where
+    ``panels.takes`` the operands and a change to the weight can be seen (not an inference tensor, not under
+    torch.distributed); else None. bfloat16 rows: float32 sums rounded once to bfloat16; int8 rows: the
+    exact int32 sums."""
+    if not panels.takes(rows, weight, None) or weight.is_inference() or not watchable():  # a packed copy could go stale unseen
+        return None
+    packed = cached(PANELS.setdefault(rows.dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, rows.dtype))
+    return torch.ops.headwise.panels_linear(rows, packed, None, weight.shape[0])  # (M, N)
+
+
 def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
-    """(M, K) x (N, K) int8 with (N,) scales and bias -> (M, N) in x's dtype: the kernel when
-    ``int8_mm_takes`` its operands, else the same arithmetic through torch's GEMM."""
+    """(M, K) x (N, K) int8 with (N,) scales and bias -> (M, N) in x's dtype: the panels GEMM where it takes the
+    operands (``panel_sums``), else the kernel when ``int8_mm_takes`` them, else the same arithmetic through torch's GEMM."""
     rows = _kernel_rows(x)  # (M, K) bfloat16
+    if (sums := panel_sums(rows, weight)) is not None:
+        return _scaled(sums, scales, bias, x.dtype)  # (M, N)
     if not int8_mm_takes(rows, weight):
         return _gemm(x, weight, scales, bias)  # (M, N)
     return _kernel_sums(rows, weight, scales, bias, ones, x.dtype)  # (M, N)
@@ -158,7 +173,10 @@ def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """(..., K) x (N, K) int8 -> (..., N) in x's dtype by ``activations="int8"``'s arithmetic (the module docstring)."""
     rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
-    if rows.is_cpu and not rows.requires_grad:
+    few = rows.shape[0] <= DECODE_ROWS and not torch.compiler.is_compiling() and not rows.requires_grad  # a decode step's, eager
+    if few and (sums := panel_sums(rows.to(torch.int8), weight)) is not None:
+        pass  # (M, N) int32: the same exact sums, read by the panels GEMM
+    elif rows.is_cpu and not rows.requires_grad:
         int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
         sums = int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
@@ -257,8 +275,9 @@ class Int8Linear(nn.Module):
         stacked = cls.__new__(cls)
         nn.Module.__init__(stacked)
         stacked.activations = layers[0].activations
-        stacked._hold(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]),  # (sum N, K), (sum N,)
-                      None if biases[0] is None else torch.cat(biases))  # (sum N,)
+        with torch.inference_mode(False):  # made once, kept across calls (maybe in inference mode): tensors with versions
+            stacked._hold(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]),  # (sum N, K), (sum N,)
+                          None if biases[0] is None else torch.cat(biases))  # (sum N,)
         return stacked.train(layers[0].training)
 
     @staticmethod
@@ -300,7 +319,13 @@ class Int8Linear(nn.Module):
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
-        return self._decode_shaped(x) and int8_mm_takes(_kernel_rows(x), self.weight)
+        return self._decode_shaped(x) and not self.uses_panels(x) and int8_mm_takes(_kernel_rows(x), self.weight)
+
+    def uses_panels(self, x: Tensor) -> bool:
+        """True when ``self(x)``, eager, runs the panels GEMM over the weight packed once (the rule in the module docstring)."""
+        if self.activations == "int8":
+            return self._few_rows(x) and panels.takes(x.reshape(-1, self.in_features).to(torch.int8), self.weight, None)
+        return self._decode_shaped(x) and panels.takes(_kernel_rows(x), self.weight, None)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""

@@ -1,4 +1,4 @@
-"""Tensors made from weights (oneDNN's packed layout, Q/K/V stacked into one), kept until a weight changes.
+"""Tensors made from weights (oneDNN's packed layout, the panels GEMM's, Q/K/V stacked into one), kept until a weight changes.
 
 An entry is keyed by the ids of the tensors it was made from and remembers their state: storage
 pointer, ``_version`` (bumped by in-place writes: optimizer steps, ``load_state_dict``), shape,
@@ -18,6 +18,7 @@ from torch import Tensor
 
 PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight in oneDNN's blocked layout)
 STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, what was stacked from them)
+PANELS: dict[torch.dtype, dict] = {}  # rows' dtype -> {(id(weight),): (its state, the weight packed in panels for such rows)}
 READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path setting) -> projection.Ready, a decode call decided once
 
 
