@@ -14,9 +14,11 @@ int8 value are exact in float32, so the paths differ only in the order of their 
 fixed rule (nothing timed):
 
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
-  ``torch.ops.aten._weight_int8pack_mm`` and ``int8_mm_takes`` accepts the operands: that kernel
-  (a decode step), with bfloat16 activations (its only vectorised input dtype on x86, AVX2 and
-  AVX-512 alike; float32 input runs a scalar loop) and unit scales; under ``torch.compile`` an
+  ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
+  over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
+  bytes) where it takes the operands (AVX-512 with AVX512-BF16, the library built); else, where
+  ``int8_mm_takes`` accepts the operands, that kernel, with bfloat16 activations (its only vectorised
+  input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop) and unit scales; under ``torch.compile`` an
   opaque op, or, where the graph freezes the weights (``generate(..., compile=True)`` on the
   CPU), ``headwise.linear.panels``' GEMM over the int8 weight packed at compile where it takes the
   operands (AVX-512 with AVX512-BF16), else the kernel traced, which inductor may run as its own
@@ -36,7 +38,8 @@ one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded
 own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products summed exactly in int32,
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
-numbers, bit for bit: torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
+numbers, bit for bit: eagerly, a decode step's rows by the panels GEMM over the weight packed once
+where it takes them (AVX512-VNNI), else torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
 any rows (under ``torch.compile`` on a CPU without AMX's int8 tiles, through an opaque op: inductor's
 own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``; where the graph freezes
 the weights, on a CPU with AVX512-VNNI, ``headwise.linear.panels``' integer GEMM over the weight
