@@ -17,11 +17,11 @@ fixed rule (nothing timed):
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
   bytes) where it takes the operands (AVX-512 with AVX512-BF16, the library built); else, where
-  ``int8_mm_takes`` accepts the operands, that kernel, with bfloat16 activations (its only vectorised
-  input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop) and unit scales; under ``torch.compile`` an
-  opaque op, or, where the graph freezes the weights (``generate(..., compile=True)`` on the
-  CPU), ``headwise.linear.panels``' GEMM over the int8 weight packed at compile where it takes the
-  operands (AVX-512 with AVX512-BF16), else the kernel traced, which inductor may run as its own
+  ``int8_mm_takes`` accepts the operands, that kernel, with bfloat16 activations (its only
+  vectorised input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop) and
+  unit scales; under ``torch.compile`` an opaque op, or, where the graph freezes the weights
+  (``generate(..., compile=True)`` on the CPU), the panels GEMM over the int8 weight packed at
+  compile where it takes the operands, else the kernel traced, which inductor may run as its own
   packed int8 GEMM;
 - otherwise (a prompt, training, another device, no such op, a K the kernel cannot read) torch's
   GEMM of the same operands: the int8 weight converted to bfloat16 (exact) and a bfloat16
@@ -176,12 +176,12 @@ def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """(..., K) x (N, K) int8 -> (..., N) in x's dtype by ``activations="int8"``'s arithmetic (the module docstring)."""
     rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
-    few = rows.shape[0] <= DECODE_ROWS and not torch.compiler.is_compiling() and not rows.requires_grad  # a decode step's, eager
-    if few and (sums := panel_sums(rows.to(torch.int8), weight)) is not None:
-        pass  # (M, N) int32: the same exact sums, read by the panels GEMM
-    elif rows.is_cpu and not rows.requires_grad:
-        int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
-        sums = int_mm(rows.to(torch.int8), weight.t())  # (M, N) int32: exact
+    if rows.is_cpu and not rows.requires_grad:
+        ints = rows.to(torch.int8)  # (M, K)
+        few = rows.shape[0] <= DECODE_ROWS and not torch.compiler.is_compiling()  # a decode step's rows, eager
+        if (sums := panel_sums(ints, weight) if few else None) is None:  # else (M, N) int32 from the panels: the same sums
+            int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
+            sums = int_mm(ints, weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
     return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
