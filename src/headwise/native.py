@@ -6,8 +6,8 @@ compiled step (``linear/panels.cpp``, run by ``linear.panels``).
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
 loaded from torch's extension cache), at the first call that could use it: a decode step's attention on
 the CPU (eager or compiled), a compiled step's projections, a paged batch made with ``compile=True``.
-A build (about a minute on two cores) is announced on the ``headwise`` logger; a load from the cache
-takes about a second. If it cannot be built, ``built()`` is False, with one warning, and the callers
+A build (seconds to a minute) is announced on the ``headwise`` logger; a load from torch's cache takes
+about a second. If it cannot be built, ``built()`` is False, with one warning, and the callers
 keep torch's kernels and inductor's code.
 The ops' schemas are defined on the Python side (each caller's module, whenever it is imported: the dispatcher
 takes a kernel before its schema), their CPU kernels in C++.
@@ -60,7 +60,7 @@ def built() -> bool:
     try:
         if not _in_cache(cpp_extension, name):
             logging.getLogger("headwise").warning(
-                "headwise: building its C++ kernels for this machine and torch version (once, about a minute; later "
+                "headwise: building its C++ kernels for this machine and torch version (once, seconds to a minute; later "
                 "processes load them from torch's extension cache)")
         cpp_extension.load(
             name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
