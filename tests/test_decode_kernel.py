@@ -150,6 +150,15 @@ def test_a_build_that_fails_says_so_once_and_leaves_the_loops(monkeypatch):
         assert decode_kernel.available()  # the cached build of this process stands
 
 
+def test_no_builder_says_so_once_and_leaves_the_loops(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # as where setuptools is missing: the import fails
+    monkeypatch.delattr(torch.utils, "cpp_extension", raising=False)
+    with pytest.warns(UserWarning, match=r"C\+\+ kernels could not be built \((ModuleNotFound|Import)Error"):
+        assert native.built.__wrapped__() is False
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["built", "loaded"])
 def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, cached):
     from torch.utils import cpp_extension

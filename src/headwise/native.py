@@ -49,9 +49,12 @@ def _ninja_on_path() -> None:
 @functools.cache
 def built() -> bool:
     """Build (or load from torch's extension cache) the library once a process; False, with one warning, where it
-    cannot be built (no compiler, no ninja, a failed build)."""
-    from torch.utils import cpp_extension
-
+    cannot be built (no compiler, no ninja, no setuptools for torch's builder, a failed build)."""
+    try:
+        from torch.utils import cpp_extension  # imports setuptools, which a Python 3.12+ environment may lack
+    except ImportError as e:
+        _cannot_build(e)
+        return False
     _ninja_on_path()
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())
@@ -66,11 +69,15 @@ def built() -> bool:
             name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, a failed build: inductor's code stays
-        warnings.warn(f"headwise: the C++ kernels could not be built ({type(e).__name__}: {e}); decode steps keep "
-                      "torch's kernels and inductor's code", stacklevel=3)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels and inductor's code stay
+        _cannot_build(e)
         return False
     return True
+
+
+def _cannot_build(e: Exception) -> None:
+    warnings.warn(f"headwise: the C++ kernels could not be built ({type(e).__name__}: {e}); decode steps keep "
+                  "torch's kernels and inductor's code", stacklevel=4)
 
 
 def _in_cache(cpp_extension: object, name: str) -> bool:
