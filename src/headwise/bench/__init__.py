@@ -13,7 +13,8 @@ runs N spinning processes beside it.
 | what do packed documents, softcap, sinks and ALiBi cost, against the other ways? | ``headwise bench --variants`` | ``variants`` |
 | how fast is serving many requests (continuous batching vs alone vs a static batch)? | ``python -m headwise.bench.serving`` | ``serving``, ``paged_attention`` (the ways to read paged blocks) |
 | which path is faster for one projection at a given row count, F.linear or oneDNN's packed weight, and which does the rule take? | ``python -m headwise.bench.projections`` | ``projections`` |
-| which way should a half-precision decode step's attention run? | ``python -m headwise.bench.decode_attention`` | ``decode_attention`` |
+| which way should a decode step's attention run (torch's ways, headwise's C++ kernel)? | ``python -m headwise.bench.decode_attention`` | ``decode_attention`` |
+| what does the C++ kernel gain a whole decode step, compiled or eager (``--eager``)? | ``python -m headwise.bench.compiled_attention`` | ``compiled_attention`` |
 | how many calls should a causal prompt's attention take on the CPU, quiet or with a core busy? | ``python -m headwise.bench.causal_blocks`` | ``causal_blocks`` |
 | how fast does the compiled step's panels GEMM read the weights, against torch's kernel for the same operands? | ``python -m headwise.bench.panels`` | ``panels`` |
 | how fast does greedy pick its token (torch's argmax against ``greedy``)? | ``python -m headwise.bench.greedy`` | ``greedy`` |
