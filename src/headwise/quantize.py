@@ -136,10 +136,16 @@ def panel_sums(rows: Tensor, weight: Tensor) -> Tensor | None:
     ``panels.takes`` the operands and a change to the weight can be seen (not an inference tensor, not under
     torch.distributed); else None. bfloat16 rows: float32 sums rounded once to bfloat16; int8 rows: the
     exact int32 sums."""
-    if not panels.takes(rows, weight, None) or weight.is_inference() or not watchable():  # a packed copy could go stale unseen
+    if not _panels_take(rows, weight):
         return None
     packed = cached(PANELS.setdefault(rows.dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, rows.dtype))
     return torch.ops.headwise.panels_linear(rows, packed, None, weight.shape[0])  # (M, N)
+
+
+def _panels_take(rows: Tensor, weight: Tensor) -> bool:
+    """Whether ``panel_sums`` runs: ``panels.takes`` the operands and a change to the weight can be seen (a packed copy
+    of an inference tensor, or under torch.distributed, could go stale unseen)."""
+    return panels.takes(rows, weight, None) and not weight.is_inference() and watchable()
 
 
 def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
@@ -327,8 +333,8 @@ class Int8Linear(nn.Module):
     def uses_panels(self, x: Tensor) -> bool:
         """True when ``self(x)``, eager, runs the panels GEMM over the weight packed once (the rule in the module docstring)."""
         if self.activations == "int8":
-            return self._few_rows(x) and panels.takes(x.reshape(-1, self.in_features).to(torch.int8), self.weight, None)
-        return self._decode_shaped(x) and panels.takes(_kernel_rows(x), self.weight, None)
+            return self._few_rows(x) and _panels_take(x.reshape(-1, self.in_features).to(torch.int8), self.weight)
+        return self._decode_shaped(x) and _panels_take(_kernel_rows(x), self.weight)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
