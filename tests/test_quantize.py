@@ -15,7 +15,7 @@ from torch import nn
 
 from headwise import GPT2Config, quantize
 from headwise import linear as hl
-from headwise.linear import panels
+from headwise.linear import panels, weight_cache
 from headwise.models import GPT2LMHeadModel, LlamaForCausalLM
 from headwise.models.llama_config import LlamaConfig
 from headwise.quantize import Int8Linear, int8_errors, int8_weights
@@ -213,8 +213,9 @@ def test_misuse_is_named():
 @pytest.mark.parametrize("rows", [1, 8, 40])  # the kernel, the kernel at B = 8, the dequantized path
 @pytest.mark.parametrize("bias", [True, False])
 @torch.no_grad()
-def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
-    """Q/K/V (or gate/up) as int8 layers: one stacked layer, made once, each output as the layer's own."""
+def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias, monkeypatch):
+    """Q/K/V (or gate/up) as int8 layers: one stacked layer, made once, each output as the layer's own (where no decode
+    call is prepared: a prompt's rows, or a machine where the panels do not run; the prepared call: the test below)."""
     gen = torch.Generator().manual_seed(2)
     layers = [Int8Linear(torch.randn(n, 64, generator=gen), torch.randn(n, generator=gen) if bias else None) for n in (64, 32, 32)]
     x = torch.randn(rows, 1, 64, generator=gen)  # (B, 1, K)
@@ -223,6 +224,7 @@ def test_project_many_runs_int8_layers_as_one_stacked_layer(rows, bias):
     def counted(self, x):
         stacked.append(self.out_features)
         return original(self, x)
+    monkeypatch.setattr(Int8Linear, "decode_call", None)  # none prepared: the stacked layer
     Int8Linear.forward = counted
     try:
         got = hl.project_many(layers, x)
@@ -357,3 +359,87 @@ def test_eager_decode_rows_read_the_weight_packed_once_in_panels(activations, mo
             assert torch.equal(first, exact)
         lin.weight.mul_(-1)  # an in-place write: the packed copy is stale
         assert torch.allclose(lin(x), 2 * lin.bias - first, atol=1e-4) and len(packs) == 2
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_decode_call_of_int8_layers_is_prepared_once_and_follows_every_change(activations, bias, monkeypatch):
+    """``project`` / ``project_many`` keep what int8 layers run for a decode step's rows where the panels GEMM runs
+    (``Int8Linear.decode_call``): the layers' own numbers bit for bit, packed once, made again after any change to
+    their tensors; hooks, autograd, inference tensors and a subclass's forward take the full path."""
+    gen = torch.Generator().manual_seed(6)
+    layers = [Int8Linear(torch.randn(n, 64, generator=gen), torch.randn(n, generator=gen) if bias else None, activations=activations)
+              for n in (80, 32, 32)]
+    x = torch.randn(2, 1, 64, generator=gen)  # (B, 1, K)
+    if not layers[0].uses_panels(x):
+        pytest.skip("the panels GEMM does not run these operands on this machine")
+    with torch.inference_mode():
+        [layer(x) for layer in layers]  # each layer's own packed weight, which a layer's prepared call shares
+    packs = []
+    pack = torch.ops.headwise.pack_panels
+    monkeypatch.setattr(quantize.torch.ops.headwise, "pack_panels", lambda *a: packs.append(1) or pack(*a), raising=False)
+
+    def check():
+        with torch.inference_mode():
+            many, one = hl.project_many(layers, x), hl.project(layers[0], x)
+            want = [layer(x) for layer in layers]
+        for got, ref in zip([*many, one], [*want, want[0]], strict=True):
+            assert torch.equal(got, ref)  # the layer's own forward's numbers, bit for bit
+
+    check(), check()
+    kept = [entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key]
+    run = quantize._int8_panels if activations == "int8" else quantize._bf16_panels
+    assert len(kept) == 2 and all(entry.run is run for entry in kept)  # the stack of three and the first alone
+    assert len(packs) == 1  # the stack's, once; the first layer alone shares its forward's
+    with torch.no_grad():
+        layers[1].scales.mul_(0.5)  # in place: every tensor of the layers is watched
+    check()
+    assert len(packs) == 2
+    layers[2].bias = None if bias else torch.randn(32)  # a buffer replaced, the biases now mixed: each layer runs alone
+    check()
+    assert len(packs) == 2
+    layers[2].bias = torch.randn(32) if bias else None
+    layers[0].weight.copy_(torch.randint(-127, 128, (80, 64), dtype=torch.int8, generator=gen))
+    check()
+    assert len(packs) == 4  # the stack again, and the first layer's weight after its write
+    seen = []
+    handle = layers[2].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    check()
+    assert seen == [(2, 1, 32), (2, 1, 32)]  # a hooked layer runs as it is (in project_many, and in the reference)
+    handle.remove()
+    with torch.enable_grad():
+        xg = x.clone().requires_grad_(True)
+        assert all(torch.equal(got, layer(xg)) for got, layer in zip(hl.project_many(layers, xg), layers, strict=True))
+
+    class Doubled(Int8Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    twice = Doubled(torch.randn(16, 64, generator=gen), activations=activations)
+    with torch.inference_mode():
+        assert torch.equal(hl.project(twice, x), 2 * Int8Linear.forward(twice, x))  # its own forward, not the prepared call
+        frozen = Int8Linear(torch.randn(16, 64, generator=gen), activations=activations)  # inference tensors: no version
+        assert torch.equal(hl.project(frozen, x), frozen(x))
+    assert not [key for key in weight_cache.READY if id(twice) in key or id(frozen) in key]
+    keys = [key for key in weight_cache.READY if id(layers[0]) in key]
+    del layers[:]
+    assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"
+
+
+def test_an_int8_layers_arithmetic_is_fixed_when_it_is_made():
+    lin = Int8Linear(torch.randn(8, 16), activations="int8")
+    with pytest.raises(AttributeError, match="activations"):
+        lin.activations = "bf16"
+    assert lin.activations == "int8" and Int8Linear.stack([lin, lin]).activations == "int8"
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@torch.no_grad()
+def test_project_many_of_int8_layers_it_cannot_stack_runs_each(rows):
+    """Layers of one class that its ``stack`` refuses (a bias on some only, two arithmetics): each runs alone, not an error."""
+    gen = torch.Generator().manual_seed(7)
+    pairs = ([Int8Linear(torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)), Int8Linear(torch.randn(8, 16, generator=gen))],
+             [Int8Linear(torch.randn(8, 16, generator=gen), activations="int8"), Int8Linear(torch.randn(8, 16, generator=gen))])
+    x = torch.randn(rows, 16, generator=gen)
+    for layers in pairs:
+        assert all(torch.equal(got, layer(x)) for got, layer in zip(hl.project_many(layers, x), layers, strict=True))

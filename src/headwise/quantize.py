@@ -16,7 +16,9 @@ fixed rule (nothing timed):
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
-  bytes) where it takes the operands (AVX-512 with AVX512-BF16, the library built); else, where
+  bytes) where it takes the operands (AVX-512 with AVX512-BF16, the library built; through
+  ``headwise.linear.project`` and ``project_many``, the models' calls, that decision and the layers'
+  weights stacked and packed are kept while their tensors are unchanged: ``Int8Linear.decode_call``); else, where
   ``int8_mm_takes`` accepts the operands, that kernel, with bfloat16 activations (its only
   vectorised input dtype on x86, AVX2 and AVX-512 alike; float32 input runs a scalar loop) and
   unit scales; under ``torch.compile`` an opaque op, or, where the graph freezes the weights
@@ -52,7 +54,7 @@ kernel's time grows with the rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +140,27 @@ def panel_sums(rows: Tensor, weight: Tensor) -> Tensor | None:
     exact int32 sums."""
     if not _panels_take(rows, weight):
         return None
-    packed = cached(PANELS.setdefault(rows.dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, rows.dtype))
-    return torch.ops.headwise.panels_linear(rows, packed, None, weight.shape[0])  # (M, N)
+    return torch.ops.headwise.panels_linear(rows, _packed(weight, rows.dtype), None, weight.shape[0])  # (M, N)
+
+
+def _packed(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The (N, K) int8 weight packed in panels for rows of ``dtype``, once while it is unchanged (``weight_cache.PANELS``)."""
+    return cached(PANELS.setdefault(dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, dtype))
+
+
+def _bf16_panels(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """(..., K) -> (..., n) in x's dtype: ``panel_sums`` of x's rows rounded to bfloat16 over an int8 weight packed for
+    them, then the (n,) scales and bias: the eager decode path of ``Int8Linear.forward``, prepared."""
+    sums = torch.ops.headwise.panels_linear(_kernel_rows(x), packed, None, n)  # (M, n) bfloat16
+    return _scaled(sums, scales, bias, x.dtype).view(*x.shape[:-1], n)  # (..., n)
+
+
+def _int8_panels(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """(..., K) -> (..., n) in x's dtype: x's rows rounded to int8, their exact sums over an int8 weight packed for int8
+    rows, then the row and channel scales and the bias: ``activations="int8"``'s eager decode path, prepared."""
+    rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
+    sums = torch.ops.headwise.panels_linear(rows.to(torch.int8), packed, None, n)  # (M, n) int32
+    return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], n)  # (..., n)
 
 
 def _panels_take(rows: Tensor, weight: Tensor) -> bool:
@@ -248,7 +269,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, activations: str = "bf16") -> None:
         super().__init__()
-        self.activations = _activations(activations)
+        self._arithmetic = _activations(activations)
         if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
             got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
@@ -269,6 +290,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("_ones", torch.ones(weight.shape[0], dtype=torch.bfloat16, device=weight.device), persistent=False)  # (N,)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    @property
+    def activations(self) -> str:
+        """"bf16" or "int8": the arithmetic, fixed when the layer is made (what it runs is decided from it once)."""
+        return self._arithmetic
+
     @classmethod
     def stack(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
         """One ``Int8Linear`` whose output is the layers' outputs side by side: (..., K) -> (..., sum N).
@@ -283,7 +309,7 @@ class Int8Linear(nn.Module):
                              f"got {[layer.extra_repr() for layer in layers]}")
         stacked = cls.__new__(cls)
         nn.Module.__init__(stacked)
-        stacked.activations = layers[0].activations
+        stacked._arithmetic = layers[0].activations
         with torch.inference_mode(False):  # made once, kept across calls (maybe in inference mode): tensors with versions
             stacked._hold(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]),  # (sum N, K), (sum N,)
                           None if biases[0] is None else torch.cat(biases))  # (sum N,)
@@ -297,6 +323,8 @@ class Int8Linear(nn.Module):
         or to int8 rows, for all of them); None where the panels would not run each layer (``forward`` then runs them
         one by one)."""
         first = layers[0]
+        if type(first).forward is not Int8Linear.forward:
+            return None  # a subclass's own forward runs as it is
         if len({(layer.in_features, layer.activations, layer.bias is None) for layer in layers}) != 1:
             return None
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != first.in_features or not x.is_floating_point():
@@ -317,6 +345,32 @@ class Int8Linear(nn.Module):
         sums = panels.linear(rows, weight)  # (M, sum N): int32 for int8 rows, bfloat16 for bfloat16 ones
         y = _int_scaled(sums, row_scales, scales, bias, x.dtype) if first.activations == "int8" else _scaled(sums, scales, bias, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])  # (..., sum N)
+
+    @classmethod
+    def decode_call(cls, layers: Sequence[Int8Linear], x: Tensor) -> tuple[Callable, tuple] | None:
+        """What the layers' ``forward`` runs eagerly for x's few rows, decided and prepared once for
+        ``headwise.linear.project`` and ``project_many`` (which keep it while none of the layers' tensors changes):
+        (a function, its arguments after x): the panels GEMM over their int8 weights, stacked and packed once, then their
+        scales and biases, each output channel's numbers ``forward``'s, bit for bit; None where ``forward`` runs another
+        kernel (or raises)."""
+        first = layers[0]
+        if type(first).forward is not Int8Linear.forward:
+            return None  # a subclass's own forward runs as it is
+        if len({(layer.in_features, layer.activations, layer.bias is None) for layer in layers}) != 1:
+            return None
+        if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != first.in_features or not x.is_floating_point():
+            return None  # forward raises its error
+        int8 = first.activations == "int8"
+        if not (first._few_rows(x) if int8 else first._decode_shaped(x)):
+            return None
+        dtype = torch.int8 if int8 else torch.bfloat16
+        weights = [layer.weight for layer in layers]
+        if not all(_panels_take(x.new_empty(1, first.in_features, dtype=dtype), w) for w in weights):
+            return None
+        packed = _packed(weights[0], dtype) if len(layers) == 1 else torch.ops.headwise.pack_panels(torch.cat(weights), dtype)
+        scales = _joined([layer.scales for layer in layers])  # (sum N,)
+        bias = None if first.bias is None else _joined([layer.bias for layer in layers])  # (sum N,)
+        return _int8_panels if int8 else _bf16_panels, (packed, scales, bias, sum(w.shape[0] for w in weights))
 
     def _few_rows(self, x: Tensor) -> bool:
         """CPU tensors, at most ``DECODE_ROWS`` rows, no autograd: a decode step's."""

@@ -177,16 +177,17 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
 
 
 class Ready:
-    """A decode-shaped inference call of some layers, decided and prepared once: the function, the
-    (packed, stacked) weight and bias it runs, the output sizes; valid while ``state`` holds."""
+    """A decode-shaped inference call of some layers, decided and prepared once: the function, what it takes after x
+    (the packed, stacked weight and bias; for layers of a class with ``decode_call``, what that gives), the output
+    sizes; valid while ``state`` holds."""
 
-    __slots__ = ("bias", "k", "run", "sizes", "state", "weight")
+    __slots__ = ("args", "k", "run", "sizes", "state")
 
-    def __init__(self, state: tuple, run: Callable, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> None:
-        self.state, self.run, self.weight, self.bias, self.k, self.sizes = state, run, weight, bias, weight.shape[-1], sizes
+    def __init__(self, state: tuple, run: Callable, args: tuple, k: int, sizes: list[int]) -> None:
+        self.state, self.run, self.args, self.k, self.sizes = state, run, args, k, sizes
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.run(x.contiguous(), self.weight, self.bias)  # (..., sum N)
+        return self.run(x.contiguous(), *self.args)  # (..., sum N)
 
 
 def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
@@ -194,22 +195,38 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     prepared by the full path once and reused while nothing it was decided from changes; None when
     the call takes the full path.
 
-    The fast way serves plain, hook-free ``nn.Linear`` layers under no_grad / inference mode, eager,
-    a plain strided x of 1..``DECODE_ROWS`` rows. It is keyed by the layers, x's dtype and device,
-    whether x has at most ``GEMV_ROWS`` rows and the path setting, and remade when any weight or
-    bias changes (``weight_cache.state``); an inference-tensor weight, a changing world
-    (torch.distributed) or a weight that cannot be packed once never gets one. The numbers are the
-    full path's: the same function on the same prepared weight.
+    The fast way serves hook-free layers under no_grad / inference mode, eager, a plain strided x of
+    1..``DECODE_ROWS`` rows: plain ``nn.Linear`` layers, and layers of one class that offers
+    ``decode_call(layers, x)`` (``headwise.quantize.Int8Linear``): what its layers run for such an x,
+    prepared, as (a function, what it takes after x), or None. It is keyed by the layers, x's dtype and device, whether x has at most
+    ``GEMV_ROWS`` rows and the path setting, and remade when any of the layers' tensors changes
+    (``weight_cache.state``); an inference tensor, a changing world (torch.distributed) or a weight
+    that cannot be packed once never gets one. The numbers are the full path's: the same function on
+    the same prepared weight.
     """
     if not _decode_call(x) or _global_module_hooks():
         return None
-    weights, biases = [], []
-    for layer in layers:
-        if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
-            return None
-        weights.append(layer._parameters["weight"])
-        biases.append(layer._parameters["bias"])
-    return _kept(layers, weights, biases, x)
+    kind = type(layers[0])
+    if any(type(layer) is not kind or layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+        return None
+    if kind is nn.Linear:
+        weights = [layer._parameters["weight"] for layer in layers]
+        biases = [layer._parameters["bias"] for layer in layers]
+        return _kept(layers, [t for t in (*weights, *biases) if t is not None], x, lambda params: _prepare(weights, biases, x, params))
+    decide = getattr(kind, "decode_call", None)
+    if decide is None:
+        return None
+    owned = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]
+    return _kept(layers, owned, x, lambda params: _decided(decide, layers, x, params))
+
+
+def _decided(decide: Callable, layers: Sequence[nn.Module], x: Tensor, params: list[Tensor]) -> Ready | None:
+    """``decide(layers, x)``'s (function, its arguments after x) as a ``Ready``; None where it gives None."""
+    made = decide(layers, x) if plain_tensors(x, *params) else None
+    if made is None:
+        return None
+    run, args = made
+    return Ready(state(params), run, args, x.shape[-1], [layer.weight.shape[0] for layer in layers])
 
 
 def ready_for(weights: Sequence[Tensor], biases: Sequence[Tensor | None], x: Tensor) -> Ready | None:
@@ -217,7 +234,8 @@ def ready_for(weights: Sequence[Tensor], biases: Sequence[Tensor | None], x: Ten
     layers: the same decision, keyed by the weight and bias tensors, which must be ``nn.Parameter``s."""
     if not _decode_call(x):
         return None
-    return _kept([t for t in (*weights, *biases) if t is not None], list(weights), list(biases), x)
+    params = [t for t in (*weights, *biases) if t is not None]
+    return _kept(params, params, x, lambda params: _prepare(list(weights), list(biases), x, params))
 
 
 def _decode_call(x: Tensor) -> bool:
@@ -227,17 +245,17 @@ def _decode_call(x: Tensor) -> bool:
     return 0 < x.numel() <= DECODE_ROWS * x.shape[-1]
 
 
-def _kept(owners: Sequence[object], weights: list[Tensor], biases: list[Tensor | None], x: Tensor) -> Ready | None:
-    """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x, made when missing or stale."""
-    params = [t for t in (*weights, *biases) if t is not None]
+def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Callable[[list[Tensor]], Ready | None]) -> Ready | None:
+    """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x, made by ``prepare(params)``
+    when missing or stale (``params``: every tensor the call reads, whose ``state`` it holds)."""
     gemv = x.numel() <= GEMV_ROWS * x.shape[-1]  # the rule may decide 1..GEMV_ROWS rows apart from the rest
     key = (*map(id, owners), x.dtype, x.device, gemv, _path_setting(), torch.backends.mkldnn.enabled)
     entry = READY.get(key)
     if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
         return entry
-    if not watchable() or any(type(t) is not nn.Parameter or t.is_inference() for t in params):
+    if not watchable() or any(t.is_inference() for t in params):
         return None
-    made = _prepare(weights, biases, x, params)
+    made = prepare(params)
     if made is not None:
         if entry is None:
             for owner in owners:
@@ -248,19 +266,21 @@ def _kept(owners: Sequence[object], weights: list[Tensor], biases: list[Tensor |
 
 def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, params: list[Tensor]) -> Ready | None:
     """The full path's decision for this call, as a ``Ready``; None where it would not run one prepared GEMM."""
+    if any(type(t) is not nn.Parameter for t in params):
+        return None  # a subclass (DTensor, ...) dispatches its own way
     if any(w.ndim != 2 or w.shape[1] != x.shape[-1] for w in weights):
         return None  # the full path raises its own error; nothing is kept from a call that cannot run
     if len({b is None for b in biases}) != 1 or any(t.dtype != params[0].dtype or t.device != params[0].device for t in params):
         return None
     weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
-    sizes = [w.shape[0] for w in weights]
+    sizes, k = [w.shape[0] for w in weights], x.shape[-1]
     if not uses_onednn(x, weight, bias):
         # aliases, not the Parameters: an entry keyed by the weights themselves must not keep them alive
-        return Ready(state(params), F.linear, weight.detach(), None if bias is None else bias.detach(), sizes)
+        return Ready(state(params), F.linear, (weight.detach(), None if bias is None else bias.detach()), k, sizes)
     ready = onednn.packed(weight)
     if ready is weight:  # not packed once: nothing to keep
         return None
-    return Ready(state(params), onednn.inner_product, ready, None if bias is None else bias.detach().contiguous(), sizes)
+    return Ready(state(params), onednn.inner_product, (ready, None if bias is None else bias.detach().contiguous()), k, sizes)
 
 
 def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:
@@ -300,7 +320,10 @@ def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     owners = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]  # their own tensors
     if not watchable() or not plain_tensors(x, *owners) or any(t.is_inference() for t in owners):
         return [layer(x) for layer in layers]
-    stacked = cached(STACKED, owners, lambda: type(layers[0]).stack(layers))
+    try:
+        stacked = cached(STACKED, owners, lambda: type(layers[0]).stack(layers))
+    except ValueError:  # layers the class does not stack (other widths, biases or arithmetic): each runs alone
+        return [layer(x) for layer in layers]
     y = stacked(x)  # (..., sum N)
     return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
 
