@@ -1,6 +1,6 @@
-"""A paged batch's one-token rows in one call (``PagedKVCache.batch(..., compile=True)``, ``backends.paged``): against
-the float64 reference, beside the per-sequence path, in the plan, under the ``Batcher``, and what it refuses; in C++
-(``backends.decode_kernel``) and as inductor's loops where the kernel is not built (the ``decode_way`` fixture)."""
+"""A paged batch's one-token rows in one call (``backends.paged``): against the float64 reference, beside the
+per-sequence path, in the plan, under the ``Batcher``, and what it refuses; in C++ (``backends.decode_kernel``) and as
+inductor's loops where the kernel is not built and the batch is made with ``compile=True`` (the ``decode_way`` fixture)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def test_a_compiled_batch_attends_as_each_sequence_alone(dtype, stored, H, windo
         pool, keys, values = pool_of(lengths, dtype=stored, window=window)
         batch = pool.batch([0, 1, 2, 3], counts, compile=compile)
         runner = hw.plan(q, k, v, causal=True, window=window, cache=batch).runner
-        assert (ROWS_IN_ONE_CALL in runner) == (compile and (stored == torch.bfloat16 or decode_way))  # float32 loops: per sequence
-        assert ("C++ kernel" in runner) == (compile and decode_way)
+        assert (ROWS_IN_ONE_CALL in runner) == (decode_way or (compile and stored == torch.bfloat16))  # float32 loops: per sequence
+        assert ("C++ kernel" in runner) == decode_way
         outs[compile] = hw.attention(q, k, v, causal=True, window=window, cache=batch)  # (1, H, T, D)
         assert [pool.length(s) for s in range(4)] == [n + c for n, c in zip(lengths, counts, strict=True)]
     at = 0
@@ -119,7 +119,7 @@ def test_the_plan_takes_one_call_only_where_it_computes_every_term(decode_way):
     assert mixed.runner.startswith(f"per sequence: {runner}; ")
     for kw in ({"softcap": 30.0}, {"backend": "sdpa"}, {"backend": "math"}, {"alibi_slopes": torch.ones(2)}):
         assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
-    assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner
+    assert (ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner) == decode_way  # C++: any batch
     assert [pool.length(s) for s in (0, 1)] == [5, 9]  # a plan writes nothing
     float32_pool, _, _ = pool_of([5, 9])  # over float32 views the fused kernel per sequence beat inductor's loops, not the C++ kernel
     float32_plan = hw.plan(q, k, v, causal=True, cache=float32_pool.batch([0, 1], [1, 1], compile=True))
@@ -165,3 +165,22 @@ def test_append_rows_gives_the_one_token_rows_fewest_keys_first_and_the_longer_r
         blocks = pool.blocks(s)
         assert rows.tables[n, : len(blocks)].tolist() == blocks
     assert [run.rows for run in runs] == [slice(1, 4)] and runs[0].keys.shape == (1, Hkv, 5, D)  # sequence 1: 2 + 3 keys
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, stored):
+    """Each one-token row of the one C++ call equals the same query over its sequence's keys alone in a dense cache (the
+    kernel ``generate`` runs), bit for bit: the query in the pool's dtype, the same sums in the same order."""
+    if not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    lengths = [5, 17, 1, 9]
+    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=2, D=64)  # blocks of 4 interleaved: every run a block long
+    q, k, v = step_inputs([1, 1, 1, 1], H=6, Hkv=2, D=64, dtype=dtype)
+    batch = pool.batch([0, 1, 2, 3], [1, 1, 1, 1])
+    assert ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=batch).runner
+    got = hw.attention(q, k, v, causal=True, cache=batch)  # (1, H, 4, D)
+    for s in range(4):
+        ks = torch.cat([keys[s], k[:, :, s : s + 1].to(stored)], 2)  # (1, Hkv, n + 1, D): as the pool holds them
+        vs = torch.cat([values[s], v[:, :, s : s + 1].to(stored)], 2)
+        alone = decode_kernel.run(q[:, :, s : s + 1].to(stored), ks, vs, Spec(1, ks.shape[2], causal=True, scale=64**-0.5))
+        assert torch.equal(got[:, :, s : s + 1], alone.to(dtype))

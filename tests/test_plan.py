@@ -14,6 +14,7 @@ import headwise as hw
 from headwise import machine
 from headwise.backends import decode_kernel
 from headwise.backends import plan as plan_table
+from headwise.backends.plan import ROWS_IN_ONE_CALL
 from headwise.masks import documents_from_cu_seqlens
 
 
@@ -88,7 +89,7 @@ CASES = {
                    KERNEL or "sdpa, each key head's query heads as rows"),
     "ring cache": (dict(B=1, T=1), dict(causal=True, window=8, cache="ring"), False, KERNEL or "sdpa"),
     "paged batch": (dict(B=1, T=4), dict(causal=True, cache="paged"), False,  # sequences of 1 and 3 new tokens
-                    f"per sequence: {KERNEL}; sdpa" if KERNEL else "sdpa"),
+                    f"per sequence: {ROWS_IN_ONE_CALL} (C++ kernel); sdpa" if KERNEL else "sdpa"),
 }
 
 

@@ -421,6 +421,11 @@ def test_a_decode_call_of_int8_layers_is_prepared_once_and_follows_every_change(
         frozen = Int8Linear(torch.randn(16, 64, generator=gen), activations=activations)  # inference tensors: no version
         assert torch.equal(hl.project(frozen, x), frozen(x))
     assert not [key for key in weight_cache.READY if id(twice) in key or id(frozen) in key]
+    with torch.no_grad():  # a compiled step's stack (called here eagerly): the layers' own numbers, a subclass's forward alone
+        assert torch.equal(Int8Linear.frozen_stack(layers, x), torch.cat([layer(x) for layer in layers], dim=-1))
+        assert Doubled.frozen_stack([twice], x) is None
+        for rows in (x, torch.randn(40, 1, 64, generator=gen)):  # a decode step's rows, a prompt's (the stacked layer's path)
+            assert all(torch.equal(got, 2 * Int8Linear.forward(twice, rows)) for got in hl.project_many([twice, twice], rows))
     keys = [key for key in weight_cache.READY if id(layers[0]) in key]
     del layers[:]
     assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"

@@ -215,9 +215,9 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
 
 
 def _rows_in_one_call(args: Arguments) -> bool:
-    """A paged batch made with ``compile=True`` whose call the plan lets attend its one-token rows in one call."""
+    """A paged batch whose call the plan lets attend its one-token rows in one call."""
     cache = args.cache
-    return isinstance(cache, PagedBatch) and cache.compile and rows_in_one_call(args.q, args.spec, args.backend, cache.dtype)
+    return isinstance(cache, PagedBatch) and rows_in_one_call(args.q, args.spec, args.backend, cache.dtype, cache.compile)
 
 
 def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_rows: PoolRows) -> Tensor:
@@ -226,7 +226,9 @@ def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_
     q, spec = args.q, args.spec
     _, H, T, D = q.shape
     Hkv, _, Dv = pool_rows.keys.shape
-    one = q[0, :, pool_rows.rows].float()  # (H, N, D): each one-token sequence's query, widened once, not once a key
+    # (H, N, D): each one-token sequence's query in the pool's dtype, as every other path takes it (the numbers of the
+    # sequence alone), widened once, not once a key
+    one = q[0, :, pool_rows.rows].to(pool_rows.keys.dtype).float()
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
                        scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)

@@ -301,8 +301,11 @@ class Int8Linear(nn.Module):
 
         Their int8 weights, scales and biases concatenated (all with a bias or all without), so
         ``headwise.linear.project_many`` reads x once and runs one kernel call for, say, Q, K
-        and V; every output channel keeps its own weight row and scale.
+        and V; every output channel keeps its own weight row and scale. A subclass with a forward of its own is not
+        stacked (``ValueError``; ``project_many`` then runs each layer's forward).
         """
+        if cls.forward is not Int8Linear.forward:
+            raise ValueError(f"{cls.__name__} has a forward of its own: its layers are not stacked")
         biases = [layer.bias for layer in layers]
         if len({(layer.in_features, layer.activations) for layer in layers}) != 1 or len({b is None for b in biases}) != 1:
             raise ValueError("layers must share in_features and activations and all have a bias or none, "
@@ -321,10 +324,15 @@ class Int8Linear(nn.Module):
         panels GEMM over their weights, scales and biases concatenated in the graph (constants inductor folds, with the
         packing, when it compiles the step), each channel's arithmetic as in ``forward`` (x rounded once, to bfloat16
         or to int8 rows, for all of them); None where the panels would not run each layer (``forward`` then runs them
-        one by one)."""
+        one by one), or where the layers' class has a ``forward`` of its own (each runs it)."""
+        if type(layers[0]).forward is not Int8Linear.forward:
+            return None
+        return Int8Linear._frozen_panels(layers, x)
+
+    @staticmethod
+    def _frozen_panels(layers: Sequence[Int8Linear], x: Tensor) -> Tensor | None:
+        """``frozen_stack`` for layers whose forward is this class's (``forward`` itself calls it)."""
         first = layers[0]
-        if type(first).forward is not Int8Linear.forward:
-            return None  # a subclass's own forward runs as it is
         if len({(layer.in_features, layer.activations, layer.bias is None) for layer in layers}) != 1:
             return None
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != first.in_features or not x.is_floating_point():
@@ -401,7 +409,7 @@ class Int8Linear(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         if self.activations == "int8":
-            if torch.compiler.is_compiling() and projection.frozen() and (y := self.frozen_stack([self], x)) is not None:
+            if torch.compiler.is_compiling() and projection.frozen() and (y := Int8Linear._frozen_panels([self], x)) is not None:
                 return y  # (..., N): the weights frozen into the graph: the panels' integer GEMM, the same sums
             return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
@@ -409,7 +417,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (M, K)
         if not torch.compiler.is_compiling():
             y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
-        elif projection.frozen() and (y := self.frozen_stack([self], rows)) is not None:
+        elif projection.frozen() and (y := Int8Linear._frozen_panels([self], rows)) is not None:
             pass  # the weights frozen into the graph: the panels' GEMM, its packing folded at compile; the same sums
         elif projection.frozen() and _INT8_KERNEL and self.in_features % K_MULTIPLE == 0:
             # the weights frozen into the graph: traced, so inductor runs the kernel or its own packed int8 GEMM;

@@ -40,7 +40,7 @@ def test_the_report_adds_up():
     text = markdown(r, "this machine")
     assert "| continuous batching, paged cache |" in text and "this machine" in text
     assert "Requests whose paged tokens (chunked or not) equal their one-at-a-time tokens: 3 of 3; with compile=True: 3 of 3." in text
-    assert "| the same, compile=True (one call per layer for the next tokens) |" in text
+    assert "| the same, compile=True (compiled one call where the C++ kernel is not built) |" in text
     assert (r.chunked.max_step_tokens, r.unchunked.max_step_tokens) == (3, 2048) and "| 3 |" in text
     for t in (r.chunked, r.unchunked):
         assert 0 < t.gap_median_ms <= t.gap_max_ms and t.longest_step_ms > 0

@@ -290,28 +290,28 @@ RULES: tuple[Rule, ...] = (
 ROW_GROUPS = 4
 #: Rows below which a group is not cut again (a call's fixed cost against its padding); not tuned.
 ROWS_PER_GROUP = 8
-#: How a paged batch made with ``compile=True`` runs its one-token rows when ``rows_in_one_call`` says so
-#: (``one_call_runner`` adds how: the C++ kernel or inductor's loops).
+#: How a paged batch runs its one-token rows when ``rows_in_one_call`` says so (``one_call_runner`` adds how: the C++
+#: kernel or inductor's loops).
 ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks"
 ROWS_IN_ONE_CALL_WHY = (
-    "a paged batch made with compile=True, its one-token rows (decode steps) on the CPU with no term but causal, a window "
-    "and the scale: every sequence's query over its own blocks of the pool, read in place, in one call per layer (the C++ "
-    "decode kernel; where it is not built, inductor's loops over a bfloat16 pool) beats one fused-kernel call per sequence"
+    "a paged batch's one-token rows (decode steps) on the CPU with no term but causal, a window and the scale: every "
+    "sequence's query over its own blocks of the pool, read in place, in one call per layer (the C++ decode kernel; where "
+    "it is not built, inductor's loops over a bfloat16 pool, for a batch made with compile=True) beats one call per sequence"
 )
 
 
-def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype) -> bool:
-    """Whether a paged batch made with ``compile=True`` attends its one-token rows in one call (``backends.paged``):
-    eager on the CPU over a pool (of ``stored``) that the C++ kernel reads (``paged.in_cpp``), or over a bfloat16 pool
-    (inductor's loops; over float32 views the fused kernel per sequence was the faster: bench.paged_attention),
-    ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and the scale (masks,
-    documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
+def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype, compile: bool) -> bool:
+    """Whether a paged batch attends its one-token rows in one call (``backends.paged``): eager on the CPU over a pool
+    (of ``stored``) that the C++ kernel reads (``paged.in_cpp``), or, for a batch made with ``compile=True``, over a
+    bfloat16 pool (inductor's loops; over float32 views the fused kernel per sequence was the faster:
+    bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and
+    the scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
     s = spec
     return (
         backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and q.requires_grad) and s.mask is None
         and s.documents is None and not s.changes_scores and s.sinks is None
-        and (stored == torch.bfloat16 or paged.in_cpp(q.device, torch.float32, stored))
+        and (paged.in_cpp(q.device, torch.float32, stored) or (compile and stored == torch.bfloat16))
     )
 
 

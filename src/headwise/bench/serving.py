@@ -22,8 +22,9 @@ every key and value read).
 
 ``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole),
 again with ``chunk`` (256): a long prompt fed in chunks over several steps, and ``compiled``: the
-default with ``Batcher(compile=True)`` (the running requests' next tokens in one call per layer over
-their blocks; its kernels compiled before the timed runs, on a small mix of the same model). For each, the
+default with ``Batcher(compile=True)`` (where headwise's C++ decode kernel is not built, the running
+requests' next tokens in one compiled call per layer over their blocks, compiled before the timed runs
+on a small mix of the same model; where it is built, the same C++ call as the default). For each, the
 longest step and the running requests' time between two of their tokens (median and worst)
 say how long a joining prompt stalls the others.
 """
@@ -277,7 +278,7 @@ def markdown(r: ServingReport, machine: str = "") -> str:
              f"{r.dtype}" + (f" with {r.cache_dtype} caches" if r.cache_dtype != r.dtype else "") + f", block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
     strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
-                  ("the same, compile=True (one call per layer for the next tokens)", r.compiled_s),
+                  ("the same, compile=True (compiled one call where the C++ kernel is not built)", r.compiled_s),
                   ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
     for name, s in strategies:
         lines.append(f"| {name} | {s:.1f} | {r.tokens_per_s(s):.0f} | {s / r.paged_s:.2f} |")

@@ -106,8 +106,9 @@ class PagedKVCache(Owned):
     def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> PagedBatch:
         """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order.
 
-        ``compile=True``: the sequences with one new token (a decode step's) may attend in one call over their
-        blocks, read in place, compiled by ``torch.compile`` at its first use (``headwise.plan`` says when they do).
+        The sequences with one new token (a decode step's) attend in one call over their blocks, read in place,
+        where headwise's C++ decode kernel is built (``headwise.plan`` says when they do); where it is not,
+        ``compile=True`` lets that call over a bfloat16 pool be compiled by ``torch.compile`` at its first use.
         """
         return PagedBatch(self, seq_ids, new_tokens, compile=compile)
 

@@ -4,9 +4,10 @@ The queries, keys and values hold the new tokens of ``seq_ids`` in one row, (1, 
 T = sum(new_tokens), in that order (as flash-attn's varlen ``cu_seqlens``). Each sequence's
 queries attend over its own tokens only, from its ``first_held`` on (ragged: no padding).
 
-Made with ``compile=True``, a batch offers ``append_rows``: the sequences with one new token (a decode
-step's) are answered together as ``PoolRows`` (their block tables over the pool, read in place by
-one compiled call: ``backends.paged``), the others as ``Attended`` runs.
+A batch offers ``append_rows``: the sequences with one new token (a decode step's) are answered
+together as ``PoolRows`` (their block tables over the pool, read in place by one call: ``backends.paged``,
+in C++, or compiled by ``torch.compile`` for a batch made with ``compile=True`` where the kernel is
+not built), the others as ``Attended`` runs.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class PagedBatch:
         for n in new_tokens:
             _checks.positive_int("new_tokens (each count)", n)
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
-        self.compile = _checks.boolean("compile", compile)  # attention may take its one-token rows in one call (append_rows)
+        self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         bounds = [0, *itertools.accumulate(new_tokens)]
         self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self._done = False

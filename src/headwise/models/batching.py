@@ -64,10 +64,11 @@ class Batcher:
         cache_dtype: what the pools hold, as ``model.generate``'s: None = the model's dtype;
             ``torch.bfloat16`` for a float32 model (half the bytes a token keeps; a request's tokens then
             equal ``generate(..., cache_dtype=torch.bfloat16)``'s).
-        compile: every layer attends the running requests' next tokens in one call over their blocks
-            (``PagedKVCache.batch(..., compile=True)``), compiled by ``torch.compile`` at the first steps
-            (seconds, once per process and kind of layer); the per-sequence fused-kernel calls otherwise.
-            Its logits differ from the per-sequence calls' by rounding only.
+        compile: where headwise's C++ decode kernel is not built, every layer attends the running
+            requests' next tokens over a bfloat16 pool in one call compiled by ``torch.compile`` at the
+            first steps (seconds, once per process and kind of layer; ``PagedKVCache.batch(...,
+            compile=True)``), not in one call per request. Where the kernel is built, that one call runs
+            in C++ either way.
 
     Example:
         >>> import headwise as hw
