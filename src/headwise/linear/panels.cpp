@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -287,9 +288,66 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   return out.view(sizes);
 }
 
+// Int8Linear's decode call in one op (bfloat16 x's arithmetic): x (..., K) float32 or bfloat16 rounded to bfloat16, times
+// int8 panels packed for bfloat16 x, each float32 sum rounded to bfloat16 once, then sum * scale (+ bias, one fused
+// multiply-add: torch's addcmul on CPUs with AVX-512) in float32, in x's dtype: headwise.quantize's numbers, bit for bit.
+at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& bias_, int64_t N) {
+  const auto xt = x_.scalar_type();
+  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || xt == at::kBFloat16) && panels.scalar_type() == at::kChar && panels.dim() == 3
+              && panels.size(2) == PANEL && panels.is_contiguous(),
+              "panels_int8_scaled: x must be float32 or bfloat16 and panels pack_panels' int8 output for bfloat16 x, got x ", xt,
+              ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
+  TORCH_CHECK(Kp == K + K % 2 && N >= 0 && (N + PANEL - 1) / PANEL == P, "panels_int8_scaled: panels of shape ", panels.sizes(),
+              " do not hold a weight of ", N, " rows by ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N && (!bias_.has_value() || (bias_->scalar_type() == at::kFloat
+              && bias_->numel() == N)), "panels_int8_scaled: scales (and bias) must hold ", N, " float32 values");
+  TORCH_CHECK(has_bf16_pairs(), "panels_int8_scaled: needs a CPU with AVX512-BF16");
+  at::Tensor x = x_.reshape({-1, K}).to(at::kBFloat16).contiguous();  // (M, K): torch's rounding
+  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K'): a zero to fill the last pair
+  const int64_t M = x.size(0);
+  std::vector<int64_t> sizes = x_.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
+  const at::Tensor sc = scales.contiguous(), bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
+  const float* sp = sc.const_data_ptr<float>();
+  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  const int32_t* xp = static_cast<const int32_t*>(x.const_data_ptr());  // a pair of bfloat16 as one int32
+  const int8_t* pp = panels.const_data_ptr<int8_t>();
+  void* op = out.data_ptr();
+  const bool to_bf16 = xt == at::kBFloat16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    alignas(64) float sums[ROWS * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
+      for (int64_t r = 0; r < M; r += ROWS) {
+        const int64_t m = std::min<int64_t>(ROWS, M - r);
+        by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xp + r * (Kp / 2), Kp / 2, pp + p * Kp * PANEL, sums); });
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < width; ++j) {
+            const float y = static_cast<float>(c10::BFloat16(sums[i * PANEL + j]));  // the sum rounded once
+            const float o = bp != nullptr ? std::fma(y, sp[n0 + j], bp[n0 + j]) : y * sp[n0 + j];
+            if (to_bf16) {
+              static_cast<c10::BFloat16*>(op)[(r + i) * N + n0 + j] = c10::BFloat16(o);
+            } else {
+              static_cast<float*>(op)[(r + i) * N + n0 + j] = o;
+            }
+          }
+        }
+      }
+    }
+#endif
+  });
+  return out.view(sizes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panels_linear", &panels_linear);
+  m.impl("panels_int8_scaled", &panels_int8_scaled);
 }

@@ -16,6 +16,9 @@
   instruction adds four byte products to each int32 sum, the (..., n) exact integer sums that
   torch's int8 GEMM gives (``Int8Linear``'s int8-activation arithmetic then scales them). Each panel is read once for every 8 rows of x,
   whose 8 x 32 sums stay in registers; the panels are split between torch's threads.
+- ``headwise::panels_int8_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s whole decode call over int8 panels
+  packed for bfloat16 x: x (..., K) float32 or bfloat16 rounded to bfloat16, the sums rounded once, then times the (n,)
+  float32 scales plus the (n,) float32 bias (one fused multiply-add, as torch's ``addcmul`` on AVX-512), in x's dtype.
 
 At the few rows of a decode step the GEMM reads the weights at about the rate of a plain read of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
@@ -40,6 +43,7 @@ _GROUP = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 4}  # x dtype -> k si
 
 torch.library.define("headwise::pack_panels", "(Tensor weight, ScalarType? x_dtype=None) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
+torch.library.define("headwise::panels_int8_scaled", "(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor")
 
 
 @torch.library.register_fake("headwise::pack_panels")
@@ -53,6 +57,11 @@ def _packed_shape(weight: Tensor, x_dtype: torch.dtype | None = None) -> Tensor:
 @torch.library.register_fake("headwise::panels_linear")
 def _out_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], n, dtype=torch.int32 if x.dtype == torch.int8 else x.dtype)  # (..., n)
+
+
+@torch.library.register_fake("headwise::panels_int8_scaled")
+def _scaled_shape(x: Tensor, panels: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], n)  # (..., n) in x's dtype
 
 
 def operands_on(facts: dict) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
