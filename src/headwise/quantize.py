@@ -374,7 +374,7 @@ class Int8Linear(nn.Module):
         int8 = first.activations == "int8"
         if not (first._few_rows(x) if int8 else first._decode_shaped(x)):
             return None
-        if not int8 and not _whole_call(x, first):
+        if not int8 and not all(_whole_call(x, layer) for layer in layers):
             return None
         dtype = torch.int8 if int8 else torch.bfloat16
         weights = [layer.weight for layer in layers]

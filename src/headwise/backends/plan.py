@@ -296,7 +296,7 @@ ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks"
 ROWS_IN_ONE_CALL_WHY = (
     "a paged batch's one-token rows (decode steps) on the CPU with no term but causal, a window and the scale: every "
     "sequence's query over its own blocks of the pool, read in place, in one call per layer (the C++ decode kernel; where "
-    "it is not built, inductor's loops over a bfloat16 pool, for a batch made with compile=True) beats one call per sequence"
+    "it is not built, inductor's loops over a bfloat16 pool, for a batch made with compile=True), not one call per sequence"
 )
 
 
