@@ -388,7 +388,7 @@ def test_a_decode_call_of_int8_layers_is_prepared_once_and_follows_every_change(
 
     check(), check()
     kept = [entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key]
-    run = quantize._int8_panels if activations == "int8" else torch.ops.headwise.panels_int8_scaled  # bfloat16 rows: all in C++
+    run = torch.ops.headwise.panels_int8_rows_scaled if activations == "int8" else torch.ops.headwise.panels_int8_scaled  # all in C++
     assert len(kept) == 2 and all(entry.run is run for entry in kept)  # the stack of three and the first alone
     assert len(packs) == 1  # the stack's, once; the first layer alone shares its forward's
     with torch.no_grad():
@@ -450,23 +450,28 @@ def test_project_many_of_int8_layers_it_cannot_stack_runs_each(rows):
         assert all(torch.equal(got, layer(x)) for got, layer in zip(hl.project_many(layers, x), layers, strict=True))
 
 
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_the_whole_decode_call_in_cpp_gives_the_layers_numbers_bit_for_bit(x_dtype, bias_dtype):
-    """``headwise::panels_int8_scaled`` (the prepared call's op for bfloat16 activations): rows, widths and K (odd too)
-    of every kind, equal to ``Int8Linear``'s forward (its rounding, the sums rounded once, scale and bias) bit for bit."""
+def test_the_whole_decode_call_in_cpp_gives_the_layers_numbers_bit_for_bit(activations, x_dtype, bias_dtype):
+    """The prepared call's one op (``headwise::panels_int8_scaled`` for bfloat16 activations, ``panels_int8_rows_scaled``
+    for int8 ones): rows, widths and K (odd too) of every kind, rows of very different sizes and a row of zeros, equal to
+    ``Int8Linear``'s forward (its roundings, sums, scales and bias) bit for bit."""
     gen = torch.Generator().manual_seed(8)
-    probe = Int8Linear(torch.randn(32, 64, generator=gen))
+    probe = Int8Linear(torch.randn(32, 64, generator=gen), activations=activations)
     if not probe.uses_panels(torch.randn(1, 64)):
         pytest.skip("the panels GEMM does not run these operands on this machine")
+    op = torch.ops.headwise.panels_int8_rows_scaled if activations == "int8" else torch.ops.headwise.panels_int8_scaled
+    rows_dtype = torch.int8 if activations == "int8" else torch.bfloat16
     for m, n, k in ((1, 80, 64), (3, 33, 95), (8, 256, 768), (16, 7, 2), (9, 100, 131)):
         bias = None if bias_dtype is None else (torch.randn(n, generator=gen) * 3).to(bias_dtype)
-        lin = Int8Linear(torch.randn(n, k, generator=gen), bias)
-        x = (torch.randn(m, 1, k, generator=gen) * 4).to(x_dtype)
+        lin = Int8Linear(torch.randn(n, k, generator=gen), bias, activations=activations)
+        x = (torch.randn(m, 1, k, generator=gen) * torch.logspace(-3, 3, m)[:, None, None]).to(x_dtype)  # rows far apart in size
+        x[-1] = 0.0 if m > 1 else x[-1]  # a row of zeros: its scale float32's tiny
         with torch.inference_mode():
-            packed = torch.ops.headwise.pack_panels(lin.weight, torch.bfloat16)
-            got = torch.ops.headwise.panels_int8_scaled(x, packed, lin.scales, None if bias is None else lin.bias.float(), n)
+            packed = torch.ops.headwise.pack_panels(lin.weight, rows_dtype)
+            got = op(x, packed, lin.scales, None if bias is None else lin.bias.float(), n)
             assert got.shape == (m, 1, n) and got.dtype == x_dtype
             assert torch.equal(got, lin(x)), (m, n, k)
         if m == 1:
-            torch.library.opcheck(torch.ops.headwise.panels_int8_scaled, (x, packed, lin.scales, None if bias is None else lin.bias.float(), n))
+            torch.library.opcheck(op, (x, packed, lin.scales, None if bias is None else lin.bias.float(), n))

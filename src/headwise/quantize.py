@@ -148,18 +148,11 @@ def _packed(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return cached(PANELS.setdefault(dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, dtype))
 
 
-def _int8_panels(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    """(..., K) -> (..., n) in x's dtype: x's rows rounded to int8, their exact sums over an int8 weight packed for int8
-    rows, then the row and channel scales and the bias: ``activations="int8"``'s eager decode path, prepared."""
-    rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
-    sums = torch.ops.headwise.panels_linear(rows.to(torch.int8), packed, None, n)  # (M, n) int32
-    return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], n)  # (..., n)
-
-
 def _whole_call(x: Tensor, layer: Int8Linear) -> bool:
-    """Whether ``headwise::panels_int8_scaled`` computes a bfloat16-activation call of ``layer`` (or its stack) on x,
-    where the panels take its operands: x float32 or bfloat16, float32 scales, a bias whose float32 copy is exact. (A
-    compiled step keeps the op and torch's scaling, which inductor fuses: the one op gave it nothing, docs: decoding.)"""
+    """Whether one C++ op computes a decode call of ``layer`` (or its stack) on x where the panels take its operands
+    (``headwise::panels_int8_scaled``, or ``panels_int8_rows_scaled`` for int8 activations): x float32 or bfloat16,
+    float32 scales, a bias whose float32 copy is exact. (A compiled step keeps the panels GEMM and torch's scaling,
+    which inductor fuses: the one op gave it nothing, docs: decoding.)"""
     bias = layer.bias
     return (x.dtype in (torch.float32, torch.bfloat16) and layer.scales.dtype == torch.float32
             and (bias is None or bias.dtype in (torch.float32, torch.bfloat16, torch.float16)))
@@ -361,9 +354,9 @@ class Int8Linear(nn.Module):
         """What the layers' ``forward`` runs eagerly for x's few rows, decided and prepared once for
         ``headwise.linear.project`` and ``project_many`` (which keep it while none of the layers' tensors changes):
         (a function, its arguments after x): the panels GEMM over their int8 weights, stacked and packed once, then their
-        scales and biases (for bfloat16 rows all of it one C++ op, ``headwise::panels_int8_scaled``, for float32 or
-        bfloat16 x), each output channel's numbers ``forward``'s, bit for bit; None where ``forward`` runs another kernel
-        (or raises), or for other dtypes."""
+        scales and biases, all of it one C++ op (``headwise::panels_int8_scaled``, or ``panels_int8_rows_scaled`` for int8
+        activations) for float32 or bfloat16 x, each output channel's numbers ``forward``'s, bit for bit (int8
+        activations: for finite x); None where ``forward`` runs another kernel (or raises), or for other dtypes."""
         first = layers[0]
         if type(first).forward is not Int8Linear.forward:
             return None  # a subclass's own forward runs as it is
@@ -374,7 +367,7 @@ class Int8Linear(nn.Module):
         int8 = first.activations == "int8"
         if not (first._few_rows(x) if int8 else first._decode_shaped(x)):
             return None
-        if not int8 and not all(_whole_call(x, layer) for layer in layers):
+        if not all(_whole_call(x, layer) for layer in layers):
             return None
         dtype = torch.int8 if int8 else torch.bfloat16
         weights = [layer.weight for layer in layers]
@@ -384,9 +377,8 @@ class Int8Linear(nn.Module):
         scales = _joined([layer.scales for layer in layers])  # (sum N,)
         bias = None if first.bias is None else _joined([layer.bias for layer in layers])  # (sum N,)
         n = sum(w.shape[0] for w in weights)
-        if int8:
-            return _int8_panels, (packed, scales, bias, n)
-        return torch.ops.headwise.panels_int8_scaled, (packed, scales, None if bias is None else bias.float(), n)
+        op = torch.ops.headwise.panels_int8_rows_scaled if int8 else torch.ops.headwise.panels_int8_scaled
+        return op, (packed, scales, None if bias is None else bias.float(), n)
 
     def _few_rows(self, x: Tensor) -> bool:
         """CPU tensors, at most ``DECODE_ROWS`` rows, no autograd: a decode step's."""

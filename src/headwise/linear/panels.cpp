@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <vector>
@@ -344,10 +345,103 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
   return out.view(sizes);
 }
 
+#if defined(__x86_64__)
+// Row i of x (K float32) rounded to int8 as headwise.quantize's _int8_rows does: its scale max|x| times float32's 1/127
+// (at least float32's tiny), each value divided by it and rounded half to even; the int8 values (Kp, a zero past K) into
+// q, the scale returned. Finite x: torch's numbers, bit for bit.
+__attribute__((target("avx512f,avx512bw"))) float int8_row(const float* x, int64_t K, int64_t Kp, int8_t* q) {
+  __m512 top = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  float amax = _mm512_reduce_max_ps(top);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = std::max(amax * static_cast<float>(1.0 / 127), std::numeric_limits<float>::min());
+  const __m512 s = _mm512_set1_ps(scale);
+  for (k = 0; k + 16 <= K; k += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+  for (; k < K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] / scale));
+  for (; k < Kp; ++k) q[k] = 0;
+  return scale;
+}
+#endif
+
+// Int8Linear's decode call with int8 activations in one op: each row of x (float32 or bfloat16, widened) rounded to int8
+// by its own scale (int8_row), the exact int32 sums over uint8 quad panels, then each sum as float32 times the row's
+// scale, times the channel's, plus the bias, each a float32 rounding (no fused multiply-add: torch's in-place ops), in
+// x's dtype: headwise.quantize's numbers, bit for bit, for finite x.
+at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& bias_, int64_t N) {
+  const auto xt = x_.scalar_type();
+  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || xt == at::kBFloat16) && panels.scalar_type() == at::kByte && panels.dim() == 3
+              && panels.size(2) == PANEL && panels.is_contiguous(),
+              "panels_int8_rows_scaled: x must be float32 or bfloat16 and panels pack_panels' output for int8 x, got x ", xt,
+              ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
+  TORCH_CHECK(Kp == (K + 3) / 4 * 4 && N >= 0 && (N + PANEL - 1) / PANEL == P, "panels_int8_rows_scaled: panels of shape ",
+              panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N && (!bias_.has_value() || (bias_->scalar_type() == at::kFloat
+              && bias_->numel() == N)), "panels_int8_rows_scaled: scales (and bias) must hold ", N, " float32 values");
+  TORCH_CHECK(has_vnni(), "panels_int8_rows_scaled: needs a CPU with AVX512-VNNI");
+  const at::Tensor x = x_.reshape({-1, K}).to(at::kFloat).contiguous();  // (M, K)
+  const int64_t M = x.size(0);
+  std::vector<int64_t> sizes = x_.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
+  std::vector<int8_t> q(M * Kp);
+  std::vector<float> row_scales(M);
+  std::vector<uint32_t> offsets(M);  // 128 times each row's sum: what the weights' offset added (mod 2^32)
+#if defined(__x86_64__)
+  for (int64_t i = 0; i < M; ++i) {
+    row_scales[i] = int8_row(x.const_data_ptr<float>() + i * K, K, Kp, q.data() + i * Kp);
+    offsets[i] = 128u * static_cast<uint32_t>(std::accumulate(q.data() + i * Kp, q.data() + (i + 1) * Kp, int64_t{0}));
+  }
+#endif
+  const at::Tensor sc = scales.contiguous(), bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
+  const float* sp = sc.const_data_ptr<float>();
+  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
+  const uint8_t* pp = panels.const_data_ptr<uint8_t>();
+  void* op = out.data_ptr();
+  const bool to_bf16 = xt == at::kBFloat16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    alignas(64) int32_t isums[ROWS * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
+      for (int64_t r = 0; r < M; r += ROWS) {
+        const int64_t m = std::min<int64_t>(ROWS, M - r);
+        by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, isums); });
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < width; ++j) {
+            const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
+            float o = static_cast<float>(exact) * row_scales[r + i];
+            o = o * sp[n0 + j];
+            if (bp != nullptr) {
+              asm("" : "+x"(o));  // the product rounded before the sum: no fused multiply-add
+              o = o + bp[n0 + j];
+            }
+            if (to_bf16) {
+              static_cast<c10::BFloat16*>(op)[(r + i) * N + n0 + j] = c10::BFloat16(o);
+            } else {
+              static_cast<float*>(op)[(r + i) * N + n0 + j] = o;
+            }
+          }
+        }
+      }
+    }
+#endif
+  });
+  return out.view(sizes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panels_linear", &panels_linear);
   m.impl("panels_int8_scaled", &panels_int8_scaled);
+  m.impl("panels_int8_rows_scaled", &panels_int8_rows_scaled);
 }

@@ -19,6 +19,9 @@
 - ``headwise::panels_int8_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s whole decode call over int8 panels
   packed for bfloat16 x: x (..., K) float32 or bfloat16 rounded to bfloat16, the sums rounded once, then times the (n,)
   float32 scales plus the (n,) float32 bias (one fused multiply-add, as torch's ``addcmul`` on AVX-512), in x's dtype.
+- ``headwise::panels_int8_rows_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s decode call with int8
+  activations over uint8 panels packed for int8 x: each row of x (float32 or bfloat16) rounded to int8 by its own scale,
+  the exact integer sums, then times the row's scale, the channel's, plus the bias (each a float32 rounding), in x's dtype.
 
 At the few rows of a decode step the GEMM reads the weights at about the rate of a plain read of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
@@ -44,6 +47,7 @@ _GROUP = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 4}  # x dtype -> k si
 torch.library.define("headwise::pack_panels", "(Tensor weight, ScalarType? x_dtype=None) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
 torch.library.define("headwise::panels_int8_scaled", "(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor")
+torch.library.define("headwise::panels_int8_rows_scaled", "(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor")
 
 
 @torch.library.register_fake("headwise::pack_panels")
@@ -59,9 +63,12 @@ def _out_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor
     return x.new_empty(*x.shape[:-1], n, dtype=torch.int32 if x.dtype == torch.int8 else x.dtype)  # (..., n)
 
 
-@torch.library.register_fake("headwise::panels_int8_scaled")
 def _scaled_shape(x: Tensor, panels: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], n)  # (..., n) in x's dtype
+
+
+torch.library.register_fake("headwise::panels_int8_scaled", _scaled_shape)
+torch.library.register_fake("headwise::panels_int8_rows_scaled", _scaled_shape)
 
 
 def operands_on(facts: dict) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
