@@ -289,6 +289,36 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   return out.view(sizes);
 }
 
+// out (M, N) of an Int8Linear call's whole epilogue: for each panel p and block of rows from r, block(m, r, p, sums) fills
+// the block's PANEL sums of each row (float32 or int32), then out[r + i, n] = value(r + i, n, sum) in float32, stored in
+// out's dtype (float32 or bfloat16); the panels split between torch's threads.
+template <typename S, typename Block, typename Value>
+void scaled_panels(int64_t M, int64_t N, int64_t P, int64_t Kp, at::Tensor& out, Block block, Value value) {
+  void* op = out.data_ptr();
+  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) S sums[ROWS * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
+      for (int64_t r = 0; r < M; r += ROWS) {
+        const int64_t m = std::min<int64_t>(ROWS, M - r);
+        block(m, r, p, sums);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < width; ++j) {
+            const float o = value(r + i, n0 + j, sums[i * PANEL + j]);
+            if (to_bf16) {
+              static_cast<c10::BFloat16*>(op)[(r + i) * N + n0 + j] = c10::BFloat16(o);
+            } else {
+              static_cast<float*>(op)[(r + i) * N + n0 + j] = o;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 // Int8Linear's decode call in one op (bfloat16 x's arithmetic): x (..., K) float32 or bfloat16 rounded to bfloat16, times
 // int8 panels packed for bfloat16 x, each float32 sum rounded to bfloat16 once, then sum * scale (+ bias, one fused
 // multiply-add: torch's addcmul on CPUs with AVX-512) in float32, in x's dtype: headwise.quantize's numbers, bit for bit.
@@ -316,32 +346,14 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
   const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   const int32_t* xp = static_cast<const int32_t*>(x.const_data_ptr());  // a pair of bfloat16 as one int32
   const int8_t* pp = panels.const_data_ptr<int8_t>();
-  void* op = out.data_ptr();
-  const bool to_bf16 = xt == at::kBFloat16;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
-  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
-    alignas(64) float sums[ROWS * PANEL];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t r = 0; r < M; r += ROWS) {
-        const int64_t m = std::min<int64_t>(ROWS, M - r);
-        by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xp + r * (Kp / 2), Kp / 2, pp + p * Kp * PANEL, sums); });
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t j = 0; j < width; ++j) {
-            const float y = static_cast<float>(c10::BFloat16(sums[i * PANEL + j]));  // the sum rounded once
-            const float o = bp != nullptr ? std::fma(y, sp[n0 + j], bp[n0 + j]) : y * sp[n0 + j];
-            if (to_bf16) {
-              static_cast<c10::BFloat16*>(op)[(r + i) * N + n0 + j] = c10::BFloat16(o);
-            } else {
-              static_cast<float*>(op)[(r + i) * N + n0 + j] = o;
-            }
-          }
-        }
-      }
-    }
-#endif
+  scaled_panels<float>(M, N, P, Kp, out, [&](int64_t m, int64_t r, int64_t p, float* sums) {
+    by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xp + r * (Kp / 2), Kp / 2, pp + p * Kp * PANEL, sums); });
+  }, [&](int64_t, int64_t n, float sum) {
+    const float y = static_cast<float>(c10::BFloat16(sum));  // the sum rounded once
+    return bp != nullptr ? std::fma(y, sp[n], bp[n]) : y * sp[n];
   });
+#endif
   return out.view(sizes);
 }
 
@@ -403,37 +415,20 @@ at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panel
   const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
   const uint8_t* pp = panels.const_data_ptr<uint8_t>();
-  void* op = out.data_ptr();
-  const bool to_bf16 = xt == at::kBFloat16;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
-  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
-    alignas(64) int32_t isums[ROWS * PANEL];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t r = 0; r < M; r += ROWS) {
-        const int64_t m = std::min<int64_t>(ROWS, M - r);
-        by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, isums); });
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t j = 0; j < width; ++j) {
-            const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
-            float o = static_cast<float>(exact) * row_scales[r + i];
-            o = o * sp[n0 + j];
-            if (bp != nullptr) {
-              asm("" : "+x"(o));  // the product rounded before the sum: no fused multiply-add
-              o = o + bp[n0 + j];
-            }
-            if (to_bf16) {
-              static_cast<c10::BFloat16*>(op)[(r + i) * N + n0 + j] = c10::BFloat16(o);
-            } else {
-              static_cast<float*>(op)[(r + i) * N + n0 + j] = o;
-            }
-          }
-        }
-      }
+  scaled_panels<int32_t>(M, N, P, Kp, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums) {
+    by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, sums); });
+  }, [&](int64_t i, int64_t n, int32_t sum) {
+    const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(sum) - offsets[i]);
+    float o = static_cast<float>(exact) * row_scales[i];
+    o = o * sp[n];
+    if (bp != nullptr) {
+      asm("" : "+x"(o));  // the product rounded before the sum: no fused multiply-add
+      o = o + bp[n];
     }
-#endif
+    return o;
   });
+#endif
   return out.view(sizes);
 }
 
