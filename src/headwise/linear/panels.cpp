@@ -319,42 +319,57 @@ void scaled_panels(int64_t M, int64_t N, int64_t P, int64_t Kp, at::Tensor& out,
   });
 }
 
+// What both whole-call ops check and read: x (..., K) float32 or bfloat16, panels of `panel` dtype packed for `group`
+// k a step (pack_panels' output for that x), N float32 scales and an optional float32 bias, the CPU flag the panels need.
+struct WholeCall {
+  int64_t K, P, Kp;
+  std::vector<int64_t> sizes;  // the output's: x's, N last
+  at::Tensor scales, bias;     // contiguous
+  const float* sp;
+  const float* bp;             // nullptr: no bias
+};
+
+WholeCall whole_call(const char* op, const at::Tensor& x, const at::Tensor& panels, at::ScalarType panel, int64_t group,
+                     const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t N, bool flag, const char* needs) {
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.dim() >= 1 && (xt == at::kFloat || xt == at::kBFloat16) && panels.scalar_type() == panel && panels.dim() == 3
+              && panels.size(2) == PANEL && panels.is_contiguous(), op, ": x must be float32 or bfloat16 and panels pack_panels' ",
+              panel, " output for it, got x ", xt, ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
+  const int64_t K = x.size(-1), P = panels.size(0), Kp = panels.size(1);
+  TORCH_CHECK(Kp == (K + group - 1) / group * group && N >= 0 && (N + PANEL - 1) / PANEL == P, op, ": panels of shape ",
+              panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N && (!bias.has_value() || (bias->scalar_type() == at::kFloat
+              && bias->numel() == N)), op, ": scales (and bias) must hold ", N, " float32 values");
+  TORCH_CHECK(flag, op, ": needs a CPU with ", needs);
+  WholeCall c{K, P, Kp, x.sizes().vec(), scales.contiguous(), bias.has_value() ? bias->contiguous() : at::Tensor(), nullptr, nullptr};
+  c.sizes.back() = N;
+  c.sp = c.scales.const_data_ptr<float>();
+  c.bp = c.bias.defined() ? c.bias.const_data_ptr<float>() : nullptr;
+  return c;
+}
+
 // Int8Linear's decode call in one op (bfloat16 x's arithmetic): x (..., K) float32 or bfloat16 rounded to bfloat16, times
 // int8 panels packed for bfloat16 x, each float32 sum rounded to bfloat16 once, then sum * scale (+ bias, one fused
 // multiply-add: torch's addcmul on CPUs with AVX-512) in float32, in x's dtype: headwise.quantize's numbers, bit for bit.
 at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias_, int64_t N) {
-  const auto xt = x_.scalar_type();
-  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || xt == at::kBFloat16) && panels.scalar_type() == at::kChar && panels.dim() == 3
-              && panels.size(2) == PANEL && panels.is_contiguous(),
-              "panels_int8_scaled: x must be float32 or bfloat16 and panels pack_panels' int8 output for bfloat16 x, got x ", xt,
-              ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
-  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
-  TORCH_CHECK(Kp == K + K % 2 && N >= 0 && (N + PANEL - 1) / PANEL == P, "panels_int8_scaled: panels of shape ", panels.sizes(),
-              " do not hold a weight of ", N, " rows by ", K);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N && (!bias_.has_value() || (bias_->scalar_type() == at::kFloat
-              && bias_->numel() == N)), "panels_int8_scaled: scales (and bias) must hold ", N, " float32 values");
-  TORCH_CHECK(has_bf16_pairs(), "panels_int8_scaled: needs a CPU with AVX512-BF16");
-  at::Tensor x = x_.reshape({-1, K}).to(at::kBFloat16).contiguous();  // (M, K): torch's rounding
-  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K'): a zero to fill the last pair
+  const WholeCall c = whole_call("panels_int8_scaled", x_, panels, at::kChar, 2, scales, bias_, N, has_bf16_pairs(), "AVX512-BF16");
+  const int64_t Kp = c.Kp;
+  at::Tensor x = x_.reshape({-1, c.K}).to(at::kBFloat16).contiguous();  // (M, K): torch's rounding
+  if (Kp != c.K) x = at::constant_pad_nd(x, {0, Kp - c.K});  // (M, K'): a zero to fill the last pair
   const int64_t M = x.size(0);
-  std::vector<int64_t> sizes = x_.sizes().vec();
-  sizes.back() = N;
   at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
-  const at::Tensor sc = scales.contiguous(), bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
-  const float* sp = sc.const_data_ptr<float>();
-  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   const int32_t* xp = static_cast<const int32_t*>(x.const_data_ptr());  // a pair of bfloat16 as one int32
   const int8_t* pp = panels.const_data_ptr<int8_t>();
 #if defined(__x86_64__)
-  scaled_panels<float>(M, N, P, Kp, out, [&](int64_t m, int64_t r, int64_t p, float* sums) {
+  scaled_panels<float>(M, N, c.P, Kp, out, [&](int64_t m, int64_t r, int64_t p, float* sums) {
     by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xp + r * (Kp / 2), Kp / 2, pp + p * Kp * PANEL, sums); });
   }, [&](int64_t, int64_t n, float sum) {
     const float y = static_cast<float>(c10::BFloat16(sum));  // the sum rounded once
-    return bp != nullptr ? std::fma(y, sp[n], bp[n]) : y * sp[n];
+    return c.bp != nullptr ? std::fma(y, c.sp[n], c.bp[n]) : y * c.sp[n];
   });
 #endif
-  return out.view(sizes);
+  return out.view(c.sizes);
 }
 
 #if defined(__x86_64__)
@@ -385,21 +400,10 @@ __attribute__((target("avx512f,avx512bw"))) float int8_row(const float* x, int64
 // x's dtype: headwise.quantize's numbers, bit for bit, for finite x.
 at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& bias_, int64_t N) {
-  const auto xt = x_.scalar_type();
-  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || xt == at::kBFloat16) && panels.scalar_type() == at::kByte && panels.dim() == 3
-              && panels.size(2) == PANEL && panels.is_contiguous(),
-              "panels_int8_rows_scaled: x must be float32 or bfloat16 and panels pack_panels' output for int8 x, got x ", xt,
-              ", panels ", panels.scalar_type(), " of shape ", panels.sizes());
-  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1);
-  TORCH_CHECK(Kp == (K + 3) / 4 * 4 && N >= 0 && (N + PANEL - 1) / PANEL == P, "panels_int8_rows_scaled: panels of shape ",
-              panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N && (!bias_.has_value() || (bias_->scalar_type() == at::kFloat
-              && bias_->numel() == N)), "panels_int8_rows_scaled: scales (and bias) must hold ", N, " float32 values");
-  TORCH_CHECK(has_vnni(), "panels_int8_rows_scaled: needs a CPU with AVX512-VNNI");
+  const WholeCall c = whole_call("panels_int8_rows_scaled", x_, panels, at::kByte, 4, scales, bias_, N, has_vnni(), "AVX512-VNNI");
+  const int64_t K = c.K, Kp = c.Kp;
   const at::Tensor x = x_.reshape({-1, K}).to(at::kFloat).contiguous();  // (M, K)
   const int64_t M = x.size(0);
-  std::vector<int64_t> sizes = x_.sizes().vec();
-  sizes.back() = N;
   at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
   std::vector<int8_t> q(M * Kp);
   std::vector<float> row_scales(M);
@@ -409,27 +413,22 @@ at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panel
     row_scales[i] = int8_row(x.const_data_ptr<float>() + i * K, K, Kp, q.data() + i * Kp);
     offsets[i] = 128u * static_cast<uint32_t>(std::accumulate(q.data() + i * Kp, q.data() + (i + 1) * Kp, int64_t{0}));
   }
-#endif
-  const at::Tensor sc = scales.contiguous(), bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
-  const float* sp = sc.const_data_ptr<float>();
-  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
   const uint8_t* pp = panels.const_data_ptr<uint8_t>();
-#if defined(__x86_64__)
-  scaled_panels<int32_t>(M, N, P, Kp, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums) {
+  scaled_panels<int32_t>(M, N, c.P, Kp, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums) {
     by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, sums); });
   }, [&](int64_t i, int64_t n, int32_t sum) {
     const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(sum) - offsets[i]);
     float o = static_cast<float>(exact) * row_scales[i];
-    o = o * sp[n];
-    if (bp != nullptr) {
+    o = o * c.sp[n];
+    if (c.bp != nullptr) {
       asm("" : "+x"(o));  // the product rounded before the sum: no fused multiply-add
-      o = o + bp[n];
+      o = o + c.bp[n];
     }
     return o;
   });
 #endif
-  return out.view(sizes);
+  return out.view(c.sizes);
 }
 
 }  // namespace
