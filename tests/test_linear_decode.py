@@ -218,7 +218,7 @@ def test_a_kept_decode_call_follows_the_rows_band(machine):
         for rows, run in ((1, F.linear), (8, onednn.inner_product), (hl.GEMV_ROWS, F.linear), (hl.GEMV_ROWS + 1, onednn.inner_product)):
             x = decode_case(rows, torch.float32)[0]  # (rows, 1, K)
             out = hl.project(lin, x)
-            kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key and key[-3] == (rows <= hl.GEMV_ROWS)]
+            kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key and key[-4] == (rows <= hl.GEMV_ROWS)]
             assert len(kept) == 1 and kept[0].run is run, rows
             assert ((out.double() - ref_linear(x, lin.weight, lin.bias)).norm() / out.double().norm()).item() < 1e-6
 

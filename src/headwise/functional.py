@@ -228,7 +228,7 @@ def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_
     Hkv, _, Dv = pool_rows.keys.shape
     # (H, N, D): each one-token sequence's query in the pool's dtype, as every other path takes it (the numbers of the
     # sequence alone), widened once, not once a key
-    one = q[0, :, pool_rows.rows].to(pool_rows.keys.dtype).float()
+    one = q[0].index_select(1, pool_rows.rows).to(pool_rows.keys.dtype).float()
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
                        scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)

@@ -396,10 +396,16 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
     const int64_t j0 = fp[n], j1 = sp[n];  // keys j0 <= j < j1 of the table
     t.keys.clear();
     t.values.clear();
-    for (int64_t j = j0; j < j1;) {
-      const int64_t block = tp[n * nb + j / bs], slot = j % bs, count = std::min(bs - slot, j1 - j);
-      t.keys.push_back({kp + h * P * D + (block * bs + slot) * D, count});
-      t.values.push_back({vp + h * P * Dv + (block * bs + slot) * Dv, count});
+    for (int64_t j = j0, after = -1; j < j1;) {  // after: the pool slot just past the last run
+      const int64_t block = tp[n * nb + j / bs], slot = block * bs + j % bs, count = std::min(bs - j % bs, j1 - j);
+      if (slot == after) {  // the next block of the pool: the same run, read as one stream
+        t.keys.back().n += count;
+        t.values.back().n += count;
+      } else {
+        t.keys.push_back({kp + h * P * D + slot * D, count});
+        t.values.push_back({vp + h * P * Dv + slot * Dv, count});
+      }
+      after = slot + count;
       j += count;
     }
     attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,

@@ -246,16 +246,20 @@ class PagedKVCache(Owned):
 
     def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
-        needed = sum(sum(self._growth(s, n)) for s, n in zip(seq_ids, counts, strict=True))
+        growth = [self._growth(s, n) for s, n in zip(seq_ids, counts, strict=True)]
+        needed = sum(grow + copy for grow, copy in growth)
         if needed > self.free_blocks:
             raise ValueError(
                 f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "
                 f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
                 "or make the pool bigger. Nothing was written"
             )
-        for seq_id, n in zip(seq_ids, counts, strict=True):
+        for seq_id, n, (grow, copy) in zip(seq_ids, counts, growth, strict=True):
+            if not grow and not copy:
+                continue
             table, bs = self._tables[seq_id], self.block_size
-            grow, copy = self._growth(seq_id, n)  # after the sequences before it: a block one copied may be no longer shared
+            if copy:  # asked again after the sequences before it: a block one copied may be no longer shared
+                grow, copy = self._growth(seq_id, n)
             if copy:  # the last block, shared and partly filled, is swapped for a copy of it
                 old = table.pop()
                 self._refs[old] -= 1

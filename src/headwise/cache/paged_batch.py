@@ -114,16 +114,17 @@ class PagedBatch:
             return runs, None
         held = {i: cache._lens[self.seq_ids[i]] - cache.first_held(self.seq_ids[i]) for i in one}  # the keys each holds
         one.sort(key=held.__getitem__)  # fewest keys first: the order the one call groups them in
-        tables = [cache._tables[self.seq_ids[i]] for i in one]
-        width = max(len(t) for t in tables)
-        device = cache.k.device
-        seen_to = [held[i] for i in one]
-        rows = PoolRows(
-            torch.tensor([self._rows[i].start for i in one], device=device),  # (N,)
-            torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),  # (N, nb)
-            torch.tensor(seen_to, device=device), cache.k, cache.v, cache.block_size,  # (N,), (Hkv, P, D) x2
-        )
-        return runs, rows
+        ids = [self.seq_ids[i] for i in one]
+        lengths = [len(cache._tables[s]) for s in ids]
+        rows, seen_to, firsts, counts = torch.tensor(
+            [[self._rows[i].start for i in one], [held[i] for i in one], [cache._tables[s][0] for s in ids], lengths], device=cache.k.device,
+        )  # (N,) each: one tensor made from the step's lists, not one a list
+        j = torch.arange(max(lengths), device=cache.k.device)  # (nb,)
+        tables = torch.where(j < counts[:, None], firsts[:, None] + j, 0)  # (N, nb): a run of consecutive blocks from its first, padded with block 0
+        for n, s in enumerate(ids):
+            if not cache._run[s]:  # blocks not consecutive: its own table
+                tables[n, : len(cache._tables[s])] = torch.tensor(cache._tables[s], device=cache.k.device)
+        return runs, PoolRows(rows, tables, seen_to, cache.k, cache.v, cache.block_size)
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, check: bool) -> None:
         """Check (unless told not to), take the blocks, write the keys and values and the new lengths."""
@@ -144,9 +145,13 @@ class PagedBatch:
         cache, bs = self.cache, self.cache.block_size
         starts = [a - cache._gone[s] * bs for s, a in zip(self.seq_ids, self.starts, strict=True)]  # counted from first_held
         pairs = list(zip(self.seq_ids, starts, self.new_tokens, strict=True))
-        if all(cache._run[s] for s in self.seq_ids):  # slot = first slot + position: no tensor per sequence
-            where = [slot for s, a, n in pairs for slot in range(cache._tables[s][0] * bs + a, cache._tables[s][0] * bs + a + n)]
-            return torch.tensor(where, dtype=torch.long, device=cache.k.device)  # (T,)
+        if all(cache._run[s] for s in self.seq_ids):  # slot = first slot + position: no tensor per sequence, no list per token
+            first = [cache._tables[s][0] * bs + a for s, a, _ in pairs]  # each sequence's first new slot
+            if all(n == 1 for n in self.new_tokens):
+                return torch.tensor(first, dtype=torch.long, device=cache.k.device)  # (T,)
+            T, device = sum(self.new_tokens), cache.k.device
+            from_row = torch.tensor([f - rows.start for f, rows in zip(first, self._rows, strict=True)], device=device)  # (n_seq,) slot - row
+            return torch.repeat_interleave(from_row, torch.tensor(self.new_tokens, device=device), output_size=T) + torch.arange(T, device=device)  # (T,)
         return torch.cat([cache._slots[s][a : a + n] for s, a, n in pairs])  # (T,)
 
     def _read(self, seq_id: int) -> tuple[Tensor, Tensor]:

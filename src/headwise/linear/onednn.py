@@ -45,6 +45,12 @@ def inner_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def inner_product_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
+    """``F.gelu(inner_product(x, weight, bias), approximate=approximate)`` in one pass: the GELU ("none" or "tanh")
+    applied by the GEMM to its float32 sums before they are stored (a bfloat16 output is rounded once, not twice)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], approximate)
+
+
 def reorder(weight: Tensor) -> Tensor:
     """(N, K) -> the same weight in oneDNN's blocked layout, which ``inner_product`` reads as (N, K)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -138,8 +144,13 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def run(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)`` on oneDNN, for operands ``rule.uses_onednn`` sent here: (..., K) -> (..., N)."""
+def run(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` on oneDNN, for operands ``rule.uses_onednn`` sent here: (..., K) -> (..., N);
+    with ``gelu`` ("none" or "tanh", GELU's ``approximate``) its GELU, inside the GEMM where autograd records nothing."""
     if recorded(x, weight, bias):
-        return OneDNNLinear.apply(x, weight, bias)  # (..., N)
-    return inner_product(x.contiguous(), packed(weight), None if bias is None else bias.detach().contiguous())  # (..., N)
+        y = OneDNNLinear.apply(x, weight, bias)  # (..., N)
+        return y if gelu is None else F.gelu(y, approximate=gelu)
+    bias = None if bias is None else bias.detach().contiguous()
+    if gelu is None:
+        return inner_product(x.contiguous(), packed(weight), bias)  # (..., N)
+    return inner_product_gelu(x.contiguous(), packed(weight), bias, gelu)  # (..., N)

@@ -73,13 +73,15 @@ def _template_over_mkl(choices: list) -> list:
     return [c for c in choices if getattr(getattr(c, "choice", None), "cpp_kernel_name", None) != "mkl::_mkl_linear"]
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str | None = None) -> Tensor:
     """``F.linear`` with the same numbers (to float32 rounding), on the path ``choose`` picks.
 
     Args:
         x: (..., K) input, e.g. (B, T, C).
         weight: (N, K), PyTorch's ``nn.Linear`` layout.
         bias: (N,) or None.
+        gelu: None, or GELU's ``approximate`` ("none", "tanh") to return ``F.gelu`` of the result: on oneDNN's
+            path (without autograd) computed by the GEMM on its float32 sums, one pass over the output, not two.
 
     Returns:
         (..., N).
@@ -92,13 +94,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.compiler.is_compiling():
         if frozen():
             if panels.takes(x, weight, bias):
-                return panels.linear(x, weight, bias)  # (..., N): the weight packed once, when the graph is compiled
-            return F.linear(x, weight, bias)  # (..., N): inductor packs the frozen weight for its own GEMM
+                return _then(panels.linear(x, weight, bias), gelu)  # (..., N): the weight packed once, when the graph is compiled
+            return _then(F.linear(x, weight, bias), gelu)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
-            return torch.ops.headwise.linear(x, weight, bias)  # (..., N): this function, run when the graph runs
+            return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
     if not uses_onednn(x, weight, bias):
-        return F.linear(x, weight, bias)
-    return onednn.run(x, weight, bias)  # (..., N)
+        return _then(F.linear(x, weight, bias), gelu)
+    return onednn.run(x, weight, bias, gelu)  # (..., N)
+
+
+def _then(y: Tensor, gelu: str | None) -> Tensor:
+    """``linear``'s result off oneDNN's eager path, with its GELU when asked (a graph's: inductor fuses it as it likes)."""
+    return y if gelu is None else F.gelu(y, approximate=gelu)
 
 
 def runs_as_op(x: Tensor, *params: Tensor | None) -> bool:
@@ -110,24 +117,35 @@ def runs_as_op(x: Tensor, *params: Tensor | None) -> bool:
     return not recorded(*tensors)
 
 
-def project(layer: nn.Module, x: Tensor) -> Tensor:
-    """``layer(x)`` for a projection layer, through ``linear`` when the layer is a plain ``nn.Linear``.
+def project(layer: nn.Module, x: Tensor, act: nn.Module | None = None) -> Tensor:
+    """``layer(x)`` for a projection layer, through ``linear`` when the layer is a plain ``nn.Linear``;
+    ``act(layer(x))`` when given an activation module.
 
     A subclass, a replaced module (LoRA, quantised) or one with hooks is called as it is, so
-    whatever it adds still happens.
+    whatever it adds still happens. A plain ``nn.GELU`` without hooks after a plain ``nn.Linear``
+    is ``linear``'s ``gelu``: inside the GEMM on oneDNN's path, at every row count alike.
 
     Args:
         layer: usually an ``nn.Linear`` with weight (N, K).
         x: (..., K).
+        act: None, or the activation applied to the result (GPT-2's and BERT's MLP pass their GELU).
 
     Returns:
         (..., N).
     """
-    if (ready := _ready((layer,), x)) is not None:
+    gelu = _gelu(act) if act is not None and _plain(layer) else None
+    if act is not None and gelu is None:
+        return act(project(layer, x))  # (..., N)
+    if (ready := _ready((layer,), x, gelu)) is not None:
         return ready(x)  # (..., N)
     if not _plain(layer):
         return layer(x)
-    return linear(x, layer.weight, layer.bias)  # (..., N)
+    return linear(x, layer.weight, layer.bias, gelu=gelu)  # (..., N)
+
+
+def _gelu(act: nn.Module) -> str | None:
+    """GELU's ``approximate`` when ``act`` is a plain ``nn.GELU`` without hooks (``linear`` computes it), else None."""
+    return act.approximate if type(act) is nn.GELU and _hookless(act) and act.approximate in ("none", "tanh") else None
 
 
 def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
@@ -190,7 +208,7 @@ class Ready:
         return self.run(x.contiguous(), *self.args)  # (..., sum N)
 
 
-def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
+def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> Ready | None:
     """What ``project_many(layers, x)`` (or ``project``) computes for a decode-shaped inference call,
     prepared by the full path once and reused while nothing it was decided from changes; None when
     the call takes the full path.
@@ -202,7 +220,7 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     ``GEMV_ROWS`` rows and the path setting, and remade when any of the layers' tensors changes
     (``weight_cache.state``); an inference tensor, a changing world (torch.distributed) or a weight
     that cannot be packed once never gets one. The numbers are the full path's: the same function on
-    the same prepared weight.
+    the same prepared weight (with ``gelu``, a plain ``nn.Linear``'s: the full path's GELU, kept apart from the plain call).
     """
     if not _decode_call(x) or _global_module_hooks():
         return None
@@ -212,7 +230,8 @@ def _ready(layers: Sequence[nn.Module], x: Tensor) -> Ready | None:
     if kind is nn.Linear:
         weights = [layer._parameters["weight"] for layer in layers]
         biases = [layer._parameters["bias"] for layer in layers]
-        return _kept(layers, [t for t in (*weights, *biases) if t is not None], x, lambda params: _prepare(weights, biases, x, params))
+        return _kept(layers, [t for t in (*weights, *biases) if t is not None], x, lambda params: _prepare(weights, biases, x, params, gelu),
+                     gelu)
     decide = getattr(kind, "decode_call", None)
     if decide is None:
         return None
@@ -245,11 +264,12 @@ def _decode_call(x: Tensor) -> bool:
     return 0 < x.numel() <= DECODE_ROWS * x.shape[-1]
 
 
-def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Callable[[list[Tensor]], Ready | None]) -> Ready | None:
-    """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x, made by ``prepare(params)``
-    when missing or stale (``params``: every tensor the call reads, whose ``state`` it holds)."""
+def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Callable[[list[Tensor]], Ready | None],
+          gelu: str | None = None) -> Ready | None:
+    """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x (and ``gelu``), made by
+    ``prepare(params)`` when missing or stale (``params``: every tensor the call reads, whose ``state`` it holds)."""
     gemv = x.numel() <= GEMV_ROWS * x.shape[-1]  # the rule may decide 1..GEMV_ROWS rows apart from the rest
-    key = (*map(id, owners), x.dtype, x.device, gemv, _path_setting(), torch.backends.mkldnn.enabled)
+    key = (*map(id, owners), x.dtype, x.device, gemv, _path_setting(), torch.backends.mkldnn.enabled, gelu)
     entry = READY.get(key)
     if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
         return entry
@@ -264,8 +284,9 @@ def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Ca
     return made
 
 
-def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, params: list[Tensor]) -> Ready | None:
-    """The full path's decision for this call, as a ``Ready``; None where it would not run one prepared GEMM."""
+def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, params: list[Tensor], gelu: str | None = None) -> Ready | None:
+    """The full path's decision for this call (with ``gelu``, ``linear``'s), as a ``Ready``; None where it would not
+    run one prepared GEMM."""
     if any(type(t) is not nn.Parameter for t in params):
         return None  # a subclass (DTensor, ...) dispatches its own way
     if any(w.ndim != 2 or w.shape[1] != x.shape[-1] for w in weights):
@@ -276,11 +297,20 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
     sizes, k = [w.shape[0] for w in weights], x.shape[-1]
     if not uses_onednn(x, weight, bias):
         # aliases, not the Parameters: an entry keyed by the weights themselves must not keep them alive
-        return Ready(state(params), F.linear, (weight.detach(), None if bias is None else bias.detach()), k, sizes)
+        args = (weight.detach(), None if bias is None else bias.detach())
+        return Ready(state(params), F.linear, args, k, sizes) if gelu is None else Ready(state(params), _linear_gelu, (*args, gelu), k, sizes)
     ready = onednn.packed(weight)
     if ready is weight:  # not packed once: nothing to keep
         return None
-    return Ready(state(params), onednn.inner_product, (ready, None if bias is None else bias.detach().contiguous()), k, sizes)
+    args = (ready, None if bias is None else bias.detach().contiguous())
+    if gelu is None:
+        return Ready(state(params), onednn.inner_product, args, k, sizes)
+    return Ready(state(params), onednn.inner_product_gelu, (*args, gelu), k, sizes)
+
+
+def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
+    """``F.gelu(F.linear(x, weight, bias))``: ``linear``'s ``gelu`` off oneDNN's path."""
+    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
 def stacked_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:

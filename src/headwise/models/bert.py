@@ -97,7 +97,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask=attention_mask)))  # (B, T, C)
-        return self.output_norm(x + self.dropout(project(self.output, self.act(project(self.intermediate, x)))))  # (B, T, I) inside, (B, T, C) out
+        return self.output_norm(x + self.dropout(project(self.output, project(self.intermediate, x, self.act))))  # (B, T, I) inside, (B, T, C) out
 
 
 class BertEmbeddings(nn.Module):

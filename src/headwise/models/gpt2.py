@@ -38,7 +38,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(project(self.c_proj, self.act(project(self.c_fc, x))))  # (B, T, 4C) inside, (B, T, C) out
+        return self.dropout(project(self.c_proj, project(self.c_fc, x, self.act)))  # (B, T, 4C) inside (its GELU in the GEMM), (B, T, C) out
 
 
 class Block(nn.Module):
