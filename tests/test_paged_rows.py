@@ -167,14 +167,36 @@ def test_append_rows_gives_the_one_token_rows_fewest_keys_first_and_the_longer_r
     assert [run.rows for run in runs] == [slice(1, 4)] and runs[0].keys.shape == (1, Hkv, 5, D)  # sequence 1: 2 + 3 keys
 
 
+def test_the_tables_of_runs_and_of_scattered_blocks_in_one_batch():
+    """Sequences whose blocks are consecutive (their tables made from the first block) and sequences whose blocks are
+    not (their own lists) in one batch: each row's table is its blocks, padded with block 0, and its keys land in them."""
+    pool = hw.PagedKVCache(40, 4, 2, 8)
+    for s, reserve in enumerate([0, 20, 0, 12]):  # 0 and 2 take blocks as they come (interleaved), 1 and 3 a run each
+        pool.add(s, reserve=reserve)
+    for counts in ([3, 5, 2, 4], [4, 6, 3, 4], [1, 1, 1, 1]):
+        k, v = (torch.randn(1, 2, sum(counts), 8) for _ in range(2))
+        _, rows = pool.batch([0, 1, 2, 3], counts).append_rows(k, v)
+    assert [pool.blocks(s) == list(range(pool.blocks(s)[0], pool.blocks(s)[0] + len(pool.blocks(s)))) for s in range(4)] == [False, True, False, True]
+    order = [2, 0, 3, 1]  # fewest keys first: 6, 8, 9, 12
+    assert rows.seen_to.tolist() == [pool.length(s) for s in order] and rows.rows.tolist() == [2, 0, 3, 1]
+    width = max(len(pool.blocks(s)) for s in order)
+    assert rows.tables.tolist() == [pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in order]
+    for n, s in enumerate(order):  # the token just written sits at the slot its table gives its position
+        j = pool.length(s) - 1
+        slot = rows.tables[n, j // 4].item() * 4 + j % 4
+        assert torch.equal(pool.k[:, slot], k[0, :, rows.rows[n]]) and torch.equal(pool.v[:, slot], v[0, :, rows.rows[n]])
+
+
+@pytest.mark.parametrize("scattered", [True, False])
 @pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
-def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, stored):
+def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, stored, scattered):
     """Each one-token row of the one C++ call equals the same query over its sequence's keys alone in a dense cache (the
-    kernel ``generate`` runs), bit for bit: the query in the pool's dtype, the same sums in the same order."""
+    kernel ``generate`` runs), bit for bit: the query in the pool's dtype, the same sums in the same order, whether its
+    blocks lie apart (a run a block) or in one run (read as one)."""
     if not decode_kernel.available():
         pytest.skip("the C++ decode kernel could not be built here")
     lengths = [5, 17, 1, 9]
-    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=2, D=64)  # blocks of 4 interleaved: every run a block long
+    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=2, D=64, scattered=scattered)
     q, k, v = step_inputs([1, 1, 1, 1], H=6, Hkv=2, D=64, dtype=dtype)
     batch = pool.batch([0, 1, 2, 3], [1, 1, 1, 1])
     assert ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=batch).runner
