@@ -1,5 +1,6 @@
 """headwise's C++ ops, built at run time into one library: the decode step's attention
-(``backends/decode_attention.cpp``, run by ``backends.decode_kernel``) and the few-row GEMM of a
+(``backends/decode_attention.cpp``, run by ``backends.decode_kernel``), a prompt's attention
+(``backends/prefill_attention.cpp``, run by ``backends.prefill_kernel``) and the few-row GEMM of a
 compiled step (``linear/panels.cpp``, run by ``linear.panels``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
@@ -28,7 +29,9 @@ import torch
 
 _HERE = Path(__file__).parent
 #: The C++ sources of the library, one file per op family.
-SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "linear" / "panels.cpp")
+SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "prefill_attention.cpp", _HERE / "linear" / "panels.cpp")
+#: Headers the sources include: hashed with them (a changed header is a new library).
+HEADERS = (_HERE / "backends" / "vectors.h",)
 #: Compiler flags per torch CPU capability: the kernels' vector code is the instruction set torch's own kernels use.
 ISA_FLAGS = {
     "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
@@ -58,7 +61,7 @@ def built() -> bool:
     _ninja_on_path()
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
     name = f"headwise_native_{digest}"
     try:
         if not _in_cache(cpp_extension, name):

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
-from . import decode_kernel, packed, paged, sdpa, softcap
+from . import decode_kernel, packed, paged, prefill_kernel, sdpa, softcap
 from . import math as math_runner
 from .spec import Spec
 
@@ -51,6 +51,8 @@ SHORT_DOCUMENT = 128
 
 #: The runner name of a decode step's attention in C++ on the CPU (``decode_kernel``), eager or compiled.
 DECODE_KERNEL = "C++ decode kernel, each key head's queries in one pass"
+#: The runner name of a prompt's attention in C++ on the CPU (``prefill_kernel``).
+PREFILL_KERNEL = "C++ prefill kernel, blocks of 64 queries over blocks of 64 keys"
 
 Runner = Callable[[Tensor, Tensor, Tensor, Spec], Tensor]
 
@@ -165,6 +167,12 @@ def _kernel(c: Call) -> bool:
     return _cpu_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
 
 
+def _prefill_kernel(c: Call) -> bool:
+    """Two or more query rows that the C++ prefill kernel computes on this machine (``prefill_kernel.takes``), where
+    it is built."""
+    return prefill_kernel.takes(c.q, c.k, c.v, c.spec) and prefill_kernel.available()
+
+
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
     if c.spec.documents is None or torch.compiler.is_compiling():
@@ -255,6 +263,10 @@ RULES: tuple[Rule, ...] = (
          "head per key head: as two equal rows of each head its GEMMs beat one row's, and two float32 matmuls"),
     Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
+    Rule(PREFILL_KERNEL, "sdpa", AUTO_SDPA, _prefill_kernel, lambda c: prefill_kernel.run,
+         "a prompt's rows on an AMD-style CPU (torch's kernels on AVX-512, MKL's GEMMs not), every key seen or causal and "
+         "nothing but the scale, no autograd: one C++ pass a block of queries, float32 sums in registers, a causal block "
+         "reading only the keys its queries see, beats torch's flash kernel, whose block GEMMs run slowly there"),
     Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),
          "packed documents attend within themselves: one call per document costs sum(T_i * S_i), not T * S"),
     Rule("per document, each on math's rules", "math", frozenset({"math"}), _split_documents, _per_document("math"),

@@ -1,0 +1,73 @@
+"""A prompt's attention in C++ on the CPU: every query row of a head over its keys, a block of keys at a time.
+
+``headwise::prefill_attention(q, k, v, causal, scale)`` (``prefill_attention.cpp``): (B, H, T, D)
+queries over (B, Hkv, S, D) keys and values, H a multiple of Hkv (GQA), every key seen or causal with
+the queries at positions S - T .. S - 1 (a prompt, or its next chunk after S - T cached keys), the
+scores, the softmax carried block by block and the weighted sums all in float32, the context in the
+queries' dtype. Each item is one head's block of 64 queries: each block of 64 keys is widened once for
+them and every 4 queries take it with their sums in registers; a causal block reads only the keys its
+queries see.
+
+Taken by the plan (``plan.RULES``) on CPUs whose torch kernels run AVX-512 where MKL's GEMMs do not
+(AMD's EPYC and Ryzen: there torch's flash kernel runs its blocks' GEMMs at a fraction of the cores'
+rate; docs: performance, layers) and, for bfloat16, no AMX tiles (where torch's kernel multiplies in
+them). Built with headwise's other C++ ops (``headwise.native``) at the first call that could use it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import native
+from ..machine import cpu, mkl_avx512_on
+from .spec import Spec
+
+#: What the kernel reads and writes (sums in float32).
+DTYPES = (torch.float32, torch.bfloat16)
+#: Head sizes it computes (queries, keys and values alike).
+HEAD_SIZES = (64, 128)
+
+torch.library.define("headwise::prefill_attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor")
+
+
+@torch.library.register_fake("headwise::prefill_attention")
+def _shape(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    return q.new_empty(*q.shape[:3], v.shape[3])  # (B, H, T, Dv)
+
+
+def _machine_takes() -> bool:
+    """AVX-512 kernels in torch, MKL's GEMMs not on AVX-512 (not an Intel CPU's MKL), read once."""
+    facts = cpu()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and not mkl_avx512_on(facts, torch.backends.mkl.is_available())
+
+
+_MACHINE = _machine_takes()
+_AMX = {"amx_tile", "amx_bf16"} <= set(cpu()["flags"])
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
+    """Whether ``prefill_attention`` computes this call here: a CPU this kernel is for (see the module), two or more
+    query rows, float32 or bfloat16 operands of one dtype (bfloat16 not on a CPU with AMX tiles), one head size of
+    64 or 128, rows contiguous, every key seen or causal over S >= T keys, nothing else (no window, mask, padding,
+    documents, softcap, ALiBi, sinks or dropout), no autograd, not traced by ``torch.compile``."""
+    s = spec
+    return (
+        _MACHINE and q.device.type == "cpu" and s.T >= 2 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        and not (q.dtype == torch.bfloat16 and _AMX) and q.shape[-1] in HEAD_SIZES and k.shape[-1] == q.shape[-1]
+        and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and s.S > 0 and q.shape[1] % k.shape[1] == 0
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and (not s.causal or s.S >= s.T)
+        and s.window is None and s.mask is None and s.attention_mask is None and s.documents is None
+        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0 and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    )
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded on this machine (built at the first call)."""
+    return native.built()
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """(B, H, T, D) x (B, Hkv, S, D) x (B, Hkv, S, D) -> (B, H, T, D): the runner of a call ``takes`` accepts."""
+    return torch.ops.headwise.prefill_attention(q, k, v, spec.causal, spec.scale)

@@ -1,0 +1,100 @@
+// Vectors of 16 floats and what headwise's attention kernels share: loads that widen bfloat16, a horizontal sum,
+// exp of 16 scores, and the items of a call spread over torch's threads. Included by decode_attention.cpp and
+// prefill_attention.cpp (headwise.native builds them into one library and hashes this header with them).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace headwise_vectors {
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+typedef unsigned short u16x16 __attribute__((vector_size(32)));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+
+inline f16v load16(const float* p) {
+  f16v x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline f16v load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half: widen, shift
+#ifdef __AVX512F__  // one widening load (GCC's vector extensions split it into two halves and a shuffle)
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<f16v>(_mm512_castsi512_ps(wide));
+#else
+  u16x16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
+  f16v x;
+  __builtin_memcpy(&x, &wide, sizeof x);
+  return x;
+#endif
+}
+
+inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
+  f8v lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const f8v y = lo + hi;
+  f4v a, b;
+  __builtin_memcpy(&a, &y, sizeof a);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&y) + sizeof a, sizeof b);
+  const f4v z = a + b;
+  return (z[0] + z[1]) + (z[2] + z[3]);
+}
+
+typedef int i16v __attribute__((vector_size(64)));
+
+// exp(x) of 16 floats, x <= 0 (a score minus its row's largest), within a few float32 ulps of std::exp: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, times 2^n put into the exponent. Below -87.3 (where
+// exp leaves float32's normal range) it returns 0, so a masked key's -inf gives an exact 0; NaN stays NaN.
+inline f16v exp16(f16v x) {
+  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer held in the low bits
+  const f16v clamped = x < -88.f ? f16v{} - 88.f : x;
+  const f16v t = clamped * 1.44269504088896341f + magic;
+  const f16v n = t - magic;  // round(x / ln2)
+  const f16v r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, ln2 in two parts
+  f16v p = f16v{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  i16v bits;
+  __builtin_memcpy(&bits, &t, sizeof bits);
+  const i16v exponent = (bits - 0x4B400000 + 127) << 23;  // t's low bits hold n: the float 2^n
+  f16v two_n;
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
+  const f16v e = p * two_n;
+  return x < -87.33654f ? f16v{} : e;
+}
+
+// fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
+// item when it is done with one: rows of different lengths (a paged batch) share the threads evenly.
+template <typename Scratch, typename Fn>
+void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  if (!cost.empty()) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch t;
+    for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
+  });
+}
+
+}  // namespace headwise_vectors

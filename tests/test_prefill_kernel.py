@@ -1,0 +1,119 @@
+"""The C++ prefill kernel (``backends.prefill_kernel``): its op against the float64 reference over the shapes a prompt
+takes (GQA, causal over a cache's earlier keys, tails of query and key blocks, strided views), the calls it takes and
+refuses, and what the plan gives it on machines it is for and not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference_variants import variant_attention
+
+import headwise as hw
+from headwise.backends import plan, prefill_kernel
+from headwise.backends.spec import Spec
+
+pytestmark = pytest.mark.skipif(not prefill_kernel.available(), reason="the C++ kernels could not be built here")
+
+
+def _qkv(B, H, Hkv, T, S, D, dtype, seed=0):
+    """q (B, H, T, D) a transposed view (as split heads are), k and v views of a cache with room for 5 more keys."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S + 5, D, generator=g).to(dtype)[:, :, :S]
+    v = torch.randn(B, Hkv, S + 5, D, generator=g).to(dtype)[:, :, :S]
+    return q, k, v
+
+
+def _error(got, want):
+    return float((got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B,H,Hkv,T,S,D,causal",
+    [(1, 12, 12, 300, 300, 64, True), (2, 8, 2, 65, 65, 128, True), (1, 4, 1, 37, 200, 64, True), (1, 3, 3, 2, 2, 64, True),
+     (2, 6, 3, 130, 71, 64, False), (1, 2, 2, 64, 64, 128, False), (1, 4, 4, 7, 1000, 128, True)],
+    ids=["GPT-2 heads, a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "two rows",
+         "every key, S < T", "one block exactly", "a short chunk after a long cache"],
+)
+def test_the_op_gives_the_references_numbers(dtype, B, H, Hkv, T, S, D, causal):
+    """As close to float64 as torch's own fused kernel gets on the same call (in float32: float32 sums; in bfloat16: the
+    one rounding of the context), bottom-right causal as headwise's caches place queries."""
+    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype)
+    out = prefill_kernel.run(q, k, v, Spec(T=T, S=S, causal=causal, scale=D**-0.5))
+    want = variant_attention(q, k, v, causal=causal)  # (B, H, T, D) float64
+    assert out.shape == (B, H, T, D) and out.dtype == dtype and out.is_contiguous()
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None
+    G = H // Hkv
+    torchs = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
+    assert _error(out, want) <= max(1.5 * _error(torchs, want), 2e-6 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_row_reads_nothing_past_its_own_position(dtype):
+    """Keys and values from position 42 on hold NaN: rows 0..41 (in the same blocks and tiles of queries and keys as the NaN
+    rows) are the same as over finite keys there, bit for bit; the later rows see NaN."""
+    q, k, v = _qkv(1, 2, 2, 70, 70, 64, dtype)
+    spec = Spec(T=70, S=70, causal=True, scale=0.125)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, 42:], v_nan[:, :, 42:] = float("nan"), float("nan")
+    clean, dirty = prefill_kernel.run(q, k, v, spec), prefill_kernel.run(q, k_nan, v_nan, spec)
+    assert torch.equal(dirty[:, :, :42], clean[:, :, :42]) and not clean.isnan().any()
+    assert dirty[:, :, 42:].isnan().all()
+
+
+def test_what_it_takes_and_refuses(monkeypatch):
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", True)
+    monkeypatch.setattr(prefill_kernel, "_AMX", False)
+    q, k, v = _qkv(1, 4, 2, 16, 16, 64, torch.float32)
+    spec = Spec(T=16, S=16, causal=True, scale=0.125)
+    assert prefill_kernel.takes(q, k, v, spec)
+    assert prefill_kernel.takes(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec)
+    refused = {
+        "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
+        "float16": (q.half(), k.half(), v.half(), spec),
+        "mixed dtypes": (q, k.bfloat16(), v.bfloat16(), spec),
+        "D = 80": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
+        "a window": (q, k, v, Spec(T=16, S=16, causal=True, window=4)),
+        "padding": (q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool))),
+        "softcap": (q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0)),
+        "dropout": (q, k, v, Spec(T=16, S=16, causal=True, dropout_p=0.1)),
+        "causal over fewer keys than queries": (q, k[:, :, :8], v[:, :, :8], Spec(T=16, S=8, causal=True)),
+        "strided rows": (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, spec),
+        "autograd": (q.clone().requires_grad_(True), k, v, spec),
+    }
+    for name, (q_, k_, v_, s_) in refused.items():
+        assert not prefill_kernel.takes(q_, k_, v_, s_), name
+    monkeypatch.setattr(prefill_kernel, "_AMX", True)  # torch's kernel multiplies bfloat16 in AMX tiles there
+    assert prefill_kernel.takes(q, k, v, spec) and not prefill_kernel.takes(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec)
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", False)  # an Intel CPU (MKL's AVX-512 GEMMs), or AVX2 kernels
+    assert not prefill_kernel.takes(q, k, v, spec)
+
+
+@pytest.mark.parametrize("machine", [True, False])
+def test_the_plan_gives_a_prompt_to_it_only_on_a_machine_it_is_for(monkeypatch, machine):
+    """Where it takes the call, ``attention`` and ``plan`` run it (the same numbers, bit for bit); elsewhere torch's."""
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", machine)
+    q, k, v = _qkv(1, 12, 12, 200, 200, 64, torch.float32)
+    chosen = hw.plan(q, k, v, causal=True)
+    assert (chosen.runner == plan.PREFILL_KERNEL) == machine
+    got = hw.attention(q, k, v, causal=True)
+    assert torch.equal(got, chosen.run(q, k, v, Spec(T=200, S=200, causal=True, scale=0.125)))
+    if machine:
+        assert torch.equal(got, prefill_kernel.run(q, k, v, Spec(T=200, S=200, causal=True, scale=0.125)))
+    with torch.enable_grad():  # a gradient to keep: torch's kernels, whose backward exists
+        assert hw.plan(q.clone().requires_grad_(True), k, v, causal=True).runner != plan.PREFILL_KERNEL
+
+
+def test_a_models_prompt_and_generation_through_it(monkeypatch):
+    """A GPT-2's prompt logits and greedy tokens with the kernel equal those with torch's kernels, to float32 rounding."""
+    model = hw.models.GPT2LMHeadModel(hw.GPT2Config(vocab_size=101, n_positions=160, n_embd=128, n_layer=2, n_head=2)).eval()
+    ids = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        monkeypatch.setattr(prefill_kernel, "_MACHINE", True)
+        ours, tokens = model(ids), model.generate(ids[:1, :90], max_new_tokens=8)
+        monkeypatch.setattr(prefill_kernel, "_MACHINE", False)
+        torchs, tokens_torch = model(ids), model.generate(ids[:1, :90], max_new_tokens=8)
+    torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, tokens_torch)
