@@ -1,10 +1,11 @@
 // A prompt's attention: T query rows per head over S keys, every key or causal (queries at positions S - T .. S - 1,
 // each seeing the keys up to its own), in float32 throughout, a block of keys at a time with the softmax carried
-// along (flash attention's online rescaling). Each item is one head's block of QUERY_ROWS queries: a key block
-// is widened once into the item's scratch (keys transposed, values as rows), then every tile of ROWS queries
-// takes it: scores as ROWS x KEY_BLOCK sums in registers over the head size, the running max and sum, the
-// context as ROWS x 64 sums in registers over the block's keys. A causal item reads only the keys its rows see,
-// and a tile skips a block its rows do not reach. Built by headwise.backends.prefill_kernel's first call.
+// along (flash attention's online rescaling). Each item is one head's block of QUERY_ROWS queries, held transposed
+// (16 queries to a vector); each key block is widened once into the item's scratch. Scores: 32 queries x 8 keys of
+// sums in registers, a key's value broadcast against 16 queries' values at a time (no transposed keys); the softmax
+// of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
+// block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach.
+// Built by headwise.backends.prefill_kernel's first call.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -19,16 +20,18 @@ namespace {
 using namespace headwise_vectors;
 
 constexpr int64_t QUERY_ROWS = 64;  // queries an item takes: each key block widened once for them
-constexpr int64_t KEY_BLOCK = 64;   // keys a block: K^T and V of 64 keys in float32 stay in L1/L2 at D = 64 or 128
+constexpr int64_t KEY_BLOCK = 64;   // keys a block: keys and values of 64 keys in float32 stay in L1/L2 at D = 64 or 128
+constexpr int64_t LANES = 16;       // queries a vector of scores holds
+constexpr int KEYS = 8;             // keys a score tile sums at once (x 2 vectors of queries: 16 sums in registers)
 #ifdef __AVX512F__
-constexpr int ROWS = 4;  // queries a tile: 4 x 4 score vectors, or 4 x 4 context vectors, + 4 loaded: 20 of 32 registers
+constexpr int ROWS = 4;  // queries a context tile: 4 x 4 vectors of sums + 4 loaded, of 32 registers
 #else
 constexpr int ROWS = 1;  // 16 registers: one query at a time
 #endif
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
-  std::vector<float> q, kt, v, w, acc, top, total, alpha;
+  std::vector<float> qt, k, v, w, acc, top, total, alpha;
 };
 
 template <typename T>
@@ -39,28 +42,62 @@ inline void widen_row(const T* p, int64_t n, float* out) {  // n a multiple of 1
   }
 }
 
-// w[r * KEY_BLOCK + j] = scale * q[r] . key j for the tile's R rows and the block's 64 keys, kt the keys transposed (D, 64)
-template <int R, int D>
-inline void scores_tile(const float* q, const float* kt, float scale, float* w) {
-  f16v s[R][4] = {};
+inline void store16(float* p, f16v x) { __builtin_memcpy(p, &x, sizeof x); }
+
+inline f16v lane_index() {
+  f16v x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(i);
+  return x;
+}
+
+// w[j * QUERY_ROWS + r] = scale * q[r] . key j for 2 vectors of queries (qt: the item's queries transposed, offset to
+// the first; w offset likewise) and KEYS keys from k (rows of D)
+template <int D>
+inline void scores_tile(const float* qt, const float* k, float scale, float* w) {
+  f16v s[2][KEYS] = {};
   for (int d = 0; d < D; ++d) {
-    f16v k[4];
-    for (int c = 0; c < 4; ++c) k[c] = load16(kt + d * KEY_BLOCK + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const float x = q[r * D + d];
-      for (int c = 0; c < 4; ++c) s[r][c] += x * k[c];
+    const f16v a = load16(qt + d * QUERY_ROWS), b = load16(qt + d * QUERY_ROWS + LANES);
+    for (int j = 0; j < KEYS; ++j) {
+      const float x = k[j * D + d];
+      s[0][j] += a * x;
+      s[1][j] += b * x;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) {
-      const f16v y = s[r][c] * scale;
-      __builtin_memcpy(w + r * KEY_BLOCK + 16 * c, &y, sizeof y);
-    }
+  for (int j = 0; j < KEYS; ++j) {
+    store16(w + j * QUERY_ROWS, s[0][j] * scale);
+    store16(w + j * QUERY_ROWS + LANES, s[1][j] * scale);
   }
 }
 
-// acc[r] = acc[r] * alpha[r] + sum_j w[r * KEY_BLOCK + j] * v[j] for the tile's R rows, keys j < n, 64 values at a time;
-// a key of weight 0 (one a row does not see) is skipped: its value row may hold anything
+// The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
+// by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position). Scores become the weights
+// exp(score - new max), 0 where not seen; top, total their running max and sum; alpha the old sums' factor.
+inline void carry(float* w, int64_t n, bool causal, int64_t c0, int64_t pos, float* top, float* total, float* alpha) {
+  const f16v lanes = lane_index(), ninf = f16v{} + NEG_INF;
+  const f16v old = load16(top);
+  f16v m = old;
+  for (int64_t j = 0; j < n; ++j) {
+    f16v x = load16(w + j * QUERY_ROWS);
+    if (causal) x = lanes >= static_cast<float>(c0 + j - pos) ? x : ninf;  // lane i sees key c0 + j from position c0 + j on
+    store16(w + j * QUERY_ROWS, x);
+    m = m > x ? m : x;  // (a NaN score stays in x: NaN through to the context, as any kernel gives)
+  }
+  const f16v none = m == ninf ? f16v{} + 1.f : f16v{};  // lanes that have seen no key yet: nothing to add
+  const f16v a = none != 0.f ? f16v{} + 1.f : exp16(old - m);
+  f16v sum = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const f16v x = load16(w + j * QUERY_ROWS);
+    const f16v e = x == ninf ? f16v{} : exp16(x - m);
+    store16(w + j * QUERY_ROWS, e);
+    sum += e;
+  }
+  store16(total, load16(total) * a + sum);
+  store16(top, m);
+  store16(alpha, a);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j w[j * QUERY_ROWS + r] * v[j] for R queries (w, alpha, acc offset to the first),
+// keys j < n, 64 values at a time; a key of weight 0 (one a query does not see) is skipped: its value may hold anything
 template <int R>
 inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, const float* alpha, float* acc) {
   for (int64_t h = 0; h < D; h += 64) {
@@ -72,73 +109,54 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
       f16v x[4];
       for (int c = 0; c < 4; ++c) x[c] = load16(v + j * D + h + 16 * c);
       for (int r = 0; r < R; ++r) {
-        const float p = w[r * KEY_BLOCK + j];
+        const float p = w[j * QUERY_ROWS + r];
         if (p == 0.f) continue;
         for (int c = 0; c < 4; ++c) a[r][c] += p * x[c];
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) __builtin_memcpy(acc + r * D + h + 16 * c, &a[r][c], sizeof a[r][c]);
+      for (int c = 0; c < 4; ++c) store16(acc + r * D + h + 16 * c, a[r][c]);
     }
   }
-}
-
-// The softmax carried over one more block for row r of a tile: keys j < seen of w's row are its scores (the others
-// -inf); top and total the row's running max and sum; w's row becomes exp(score - new max); alpha the old sums' factor.
-inline void carry(float* w, int64_t seen, float& top, float& total, float& alpha) {
-  for (int64_t j = std::max<int64_t>(seen, 0); j < KEY_BLOCK; ++j) w[j] = NEG_INF;
-  float m = top;
-  for (int64_t j = 0; j < seen; ++j) m = std::max(m, w[j]);
-  if (m == NEG_INF) {  // no key seen yet: nothing to add
-    alpha = 1.f;
-    std::fill(w, w + KEY_BLOCK, 0.f);
-    return;
-  }
-  alpha = top == NEG_INF ? 0.f : std::exp(top - m);
-  f16v sum = {};
-  for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
-    const f16v e = exp16(load16(w + j) - m);
-    __builtin_memcpy(w + j, &e, sizeof e);
-    sum += e;
-  }
-  total = total * alpha + sum16(sum);
-  top = m;
 }
 
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
           int64_t first, int64_t keys, bool causal, float scale, Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; keys: the keys it reads (0 .. keys - 1)
-  const int64_t padded = (rows + ROWS - 1) / ROWS * ROWS;
-  t.q.assign(padded * D, 0.f);
-  t.acc.assign(padded * D, 0.f);
-  t.top.assign(padded, NEG_INF);
-  t.total.assign(padded, 0.f);
-  t.alpha.resize(ROWS);
-  t.kt.resize(D * KEY_BLOCK);
+  t.qt.assign(D * QUERY_ROWS, 0.f);
+  t.acc.assign(QUERY_ROWS * D, 0.f);
+  t.top.assign(QUERY_ROWS, NEG_INF);
+  t.total.assign(QUERY_ROWS, 0.f);
+  t.alpha.assign(QUERY_ROWS, 1.f);
+  t.k.assign(KEY_BLOCK * D, 0.f);
   t.v.resize(KEY_BLOCK * D);
-  t.w.resize(ROWS * KEY_BLOCK);
-  for (int64_t r = 0; r < rows; ++r) widen_row(q + r * qs, D, t.q.data() + r * D);
+  t.w.resize(KEY_BLOCK * QUERY_ROWS);
+  for (int64_t r = 0; r < rows; ++r) {  // the queries transposed once: (D, QUERY_ROWS)
+    for (int64_t d = 0; d < D; ++d) t.qt[d * QUERY_ROWS + r] = static_cast<float>(q[r * qs + d]);
+  }
   for (int64_t c0 = 0; c0 < keys; c0 += KEY_BLOCK) {
     const int64_t n = std::min(KEY_BLOCK, keys - c0);
-    for (int64_t j = 0; j < n; ++j) {  // the block widened: keys transposed (D, 64), values as rows (64, D)
-      const T* kr = k + (c0 + j) * ks;
-      for (int64_t d = 0; d < D; ++d) t.kt[d * KEY_BLOCK + j] = static_cast<float>(kr[d]);
+    for (int64_t j = 0; j < n; ++j) {  // the block widened, keys and values as rows
+      widen_row(k + (c0 + j) * ks, D, t.k.data() + j * D);
       widen_row(v + (c0 + j) * vs, D, t.v.data() + j * D);
     }
-    for (int64_t j = n; j < KEY_BLOCK; ++j) {
-      for (int64_t d = 0; d < D; ++d) t.kt[d * KEY_BLOCK + j] = 0.f;  // scores of no key: masked below
-    }
-    for (int64_t i0 = 0; i0 < padded; i0 += ROWS) {
-      const int64_t last = first + std::min(i0 + ROWS, rows) - 1;  // the tile's last real query's position
-      if (causal && c0 > last) continue;  // the block lies past every key the tile's rows see (a later tile's may not)
-      scores_tile<ROWS, D>(t.q.data() + i0 * D, t.kt.data(), scale, t.w.data());
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t seen = causal ? std::min(n, first + i0 + r - c0 + 1) : n;  // keys of the block row r sees
-        carry(t.w.data() + r * KEY_BLOCK, seen, t.top[i0 + r], t.total[i0 + r], t.alpha[r]);
+    for (int64_t r0 = 0; r0 < rows; r0 += 2 * LANES) {  // scores, 32 queries x KEYS keys a tile
+      const int64_t last = first + std::min(r0 + 2 * LANES, rows) - 1;  // the tile's last real query's position
+      for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+        if (causal && c0 + j0 > last) break;  // these keys and the rest of the block lie past the tile's queries
+        scores_tile<D>(t.qt.data() + r0, t.k.data() + j0 * D, scale, t.w.data() + j0 * QUERY_ROWS + r0);
       }
-      const int64_t most = causal ? std::min(n, last - c0 + 1) : n;  // keys of the block the tile's last real row sees
-      context_tile<ROWS>(t.w.data(), t.v.data(), most, D, t.alpha.data(), t.acc.data() + i0 * D);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += LANES) {  // the softmax, 16 queries at a time
+      const int64_t seen = causal ? std::min(n, first + std::min(r0 + LANES, rows) - c0) : n;  // keys any of them sees
+      carry(t.w.data() + r0, std::max<int64_t>(seen, 0), causal, c0, first + r0, t.top.data() + r0, t.total.data() + r0,
+            t.alpha.data() + r0);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {  // the context, ROWS queries at a time
+      const int64_t most = causal ? std::min(n, first + std::min(r0 + ROWS, rows) - c0) : n;  // keys its last query sees
+      context_tile<ROWS>(t.w.data() + r0, t.v.data(), std::max<int64_t>(most, 0), D, t.alpha.data() + r0,
+                         t.acc.data() + r0 * D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
