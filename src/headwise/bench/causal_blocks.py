@@ -1,9 +1,11 @@
-"""A causal prompt's attention on the CPU as blocks of queries, at several block sizes, against one ``is_causal`` call.
+"""A causal prompt's attention on the CPU: torch's one ``is_causal`` call, blocks of queries, headwise's C++ prefill kernel.
 
 One layer's attention (GPT-2 small's heads: H = 12, D = 64) over a causal prompt of T tokens,
 inference: ``sdpa.causal_blocks`` at each block size asked for (each block of queries over the keys
-it may see, one kernel call a block) and torch's fused kernel in one call, interleaved, medians.
-``auto`` names the runner ``headwise.plan`` takes for the call on this machine. Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
+it may see, one kernel call a block), torch's fused kernel in one call, and headwise's C++ prefill
+kernel (``backends.prefill_kernel``, where it is built, whether or not the plan takes it on this
+machine), interleaved, medians. ``auto`` names the runner ``headwise.plan`` takes for the call on
+this machine. Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
 its slowest thread, so the number of calls is what contention charges. The outputs are compared
 with one call's before timing (float32 within 1e-5, bfloat16 within 2e-2).
 """
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _argtypes
-from ..backends import sdpa
+from ..backends import prefill_kernel, sdpa
 from ..backends.spec import Spec
 from ..functional import plan as headwise_plan
 from .cases import DTYPES
@@ -30,16 +32,19 @@ from .timing import interleaved
 
 @dataclass(frozen=True)
 class Row:
-    """One prompt length and dtype: median ms of one call and of each block size, and what the plan takes."""
+    """One prompt length and dtype: median ms of one call, of each block size and of the C++ kernel (None where it is
+    not built), and what the plan takes."""
 
     dtype: str
     tokens: int
     one_call_ms: float
     blocks_ms: dict[int, float]
     auto: str
+    kernel_ms: float | None = None
 
     def markdown(self, sizes: Sequence[int]) -> str:
-        cells = " | ".join(f"{self.blocks_ms[r]:.2f} ({self.blocks_ms[r] / self.one_call_ms:.2f}x)" for r in sizes)
+        times = [self.blocks_ms[r] for r in sizes] + [self.kernel_ms]
+        cells = " | ".join("not built" if t is None else f"{t:.2f} ({t / self.one_call_ms:.2f}x)" for t in times)
         return f"| {self.dtype} | {self.tokens} | {self.one_call_ms:.2f} | {cells} | {self.auto} |"
 
 
@@ -53,14 +58,17 @@ def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int =
     spec = Spec(T=tokens, S=tokens, causal=True, scale=64**-0.5)
     ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
     ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
+    if prefill_kernel.available():
+        ways["kernel"] = partial(prefill_kernel.run, q, k, v, spec)
     want = ways["one"]().float()
-    for rows in sizes:
-        error = float((ways[rows]().float() - want).abs().max())
+    for name in [*sizes, "kernel"][: len(ways) - 1]:
+        error = float((ways[name]().float() - want).abs().max())
         if error > (1e-5 if dtype == "fp32" else 2e-2):
-            raise RuntimeError(f"blocks of {rows} queries are {error:.2g} from one call ({dtype}, T = {tokens})")
+            what = "the C++ prefill kernel is" if name == "kernel" else f"blocks of {name} queries are"
+            raise RuntimeError(f"{what} {error:.2g} from one call ({dtype}, T = {tokens})")
     times = interleaved({str(name): run for name, run in ways.items()}, repeats=repeats, warmup=2)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner)
+    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner, ms.get("kernel"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -80,8 +88,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print(f"A causal prompt's attention, B = 4, H = 12, D = 64, inference; {machine()}"
           + (f"; {args.busy} busy processes beside it" if args.busy else "") + "; median ms (x one call's time)\n")
-    print("| dtype | T | one call | " + " | ".join(f"blocks of {r}" for r in args.rows) + " | the plan takes |")
-    print("|---|---:|---:|" + "---:|" * len(args.rows) + "---|")
+    print("| dtype | T | one call | " + " | ".join(f"blocks of {r}" for r in args.rows) + " | C++ prefill kernel | the plan takes |")
+    print("|---|---:|---:|" + "---:|" * (len(args.rows) + 1) + "---|")
     with busy(args.busy):
         for dtype in args.dtypes:
             for tokens in args.tokens:
