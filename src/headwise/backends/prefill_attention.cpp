@@ -165,7 +165,7 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
   }
 }
 
-// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D) contiguous
+// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
@@ -184,18 +184,19 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const T* qi = qp + b * q.stride(0) + h * q.stride(1) + r0 * q.stride(2);
     const T* ki = kp + b * k.stride(0) + hk * k.stride(1);
     const T* vi = vp + b * v.stride(0) + hk * v.stride(1);
-    T* oi = op + ((b * H + h) * Tq + r0) * D;
+    T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
     const int64_t keys = causal ? std::min(S, off + r0 + rows) : S;
     if (D == 64) {
-      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, D, rows, off + r0, keys, causal, scale, t);
+      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, keys, causal, scale, t);
     } else {
-      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, D, rows, off + r0, keys, causal, scale, t);
+      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, keys, causal, scale, t);
     }
   });
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());  // (B, H, T, Dv)
+  // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
     prefill<c10::BFloat16>(q, k, v, causal, static_cast<float>(scale), out);
   } else {
