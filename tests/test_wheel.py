@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from headwise import native
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
@@ -92,8 +94,9 @@ def run(venv: Path, *args: str) -> str:
 def test_the_wheel_holds_the_package_the_heads_pages_files_and_the_kernels_source(venv):
     (wheel,) = venv.parent.glob("dist/headwise-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    kernels = {f"headwise/{path.relative_to(Path(native.__file__).parent).as_posix()}" for path in (*native.SOURCES, *native.HEADERS)}
     assert {"headwise/__init__.py", "headwise/grade/__init__.py", "headwise/viz/page.html", "headwise/viz/page.css", "headwise/viz/page.js",
-            "headwise/backends/decode_attention.cpp"} <= set(names)
+            "headwise/backends/decode_attention.cpp", "headwise/backends/vectors.h", *kernels} <= set(names)  # every C++ file the build reads
     assert not any(n.startswith(("tests/", "docs/")) for n in names)
     requires = [line for line in zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode().splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line]
@@ -138,7 +141,7 @@ def test_headwise_demo_prints_the_books_numbers(venv):
     assert "skipped:" in out and "pip install" in out  # the sentence encoder's weights are not installed: said, not a traceback
 
 
-def test_the_installed_kernels_source_builds_and_runs(venv):
+def test_the_installed_kernels_sources_build_and_run(venv):
     code = textwrap.dedent("""
         import torch
         from headwise.backends import decode_kernel
@@ -148,5 +151,9 @@ def test_the_installed_kernels_source_builds_and_runs(venv):
         q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
         print(torch.allclose(decode_kernel.run(q, k, v, Spec(1, 9, causal=True, scale=0.125)), want, atol=1e-6))
+        from headwise.backends import prefill_kernel  # the prompt's kernel, from the same library
+        q, k, v = torch.randn(1, 4, 70, 64), torch.randn(1, 2, 70, 64), torch.randn(1, 2, 70, 64)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        print(torch.allclose(prefill_kernel.run(q, k, v, Spec(70, 70, causal=True, scale=0.125)), want, atol=1e-5))
     """)
-    assert run(venv, str(venv / "bin" / "python"), "-c", code).splitlines() == ["True True", "True"]
+    assert run(venv, str(venv / "bin" / "python"), "-c", code).splitlines() == ["True True", "True", "True"]
