@@ -70,8 +70,11 @@ def test_what_it_takes_and_refuses(monkeypatch):
     spec = Spec(T=16, S=16, causal=True, scale=0.125)
     assert prefill_kernel.takes(q, k, v, spec)
     assert prefill_kernel.takes(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec)
+    rows = prefill_kernel.FEWEST_ROWS
+    assert prefill_kernel.takes(q[:, :, :rows], k, v, Spec(T=rows, S=16, causal=True))
     refused = {
         "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
+        "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
         "float16": (q.half(), k.half(), v.half(), spec),
         "mixed dtypes": (q, k.bfloat16(), v.bfloat16(), spec),
         "D = 80": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),

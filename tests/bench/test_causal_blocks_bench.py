@@ -15,7 +15,7 @@ def test_each_block_size_is_timed_beside_one_call_and_the_plans_choice_is_named(
     assert r.auto == f"sdpa causal blocks of {plan.causal_rows(200)} queries"
     assert r.markdown([64, 100]).startswith("| fp32 | 200 | ") and r.markdown([64, 100]).endswith(f"| {r.auto} |")
     assert (r.kernel_ms is not None) == prefill_kernel.available()  # timed wherever it is built
-    assert r.markdown([64, 100]).count(" | ") == 6 and ("not built" in r.markdown([64, 100])) != prefill_kernel.available()
+    assert r.markdown([64, 100]).count(" | ") == 6 and ("—" in r.markdown([64, 100])) != prefill_kernel.available()
     monkeypatch.setattr(prefill_kernel, "_MACHINE", True)
     if prefill_kernel.available():
         assert bench.causal_prompt("fp32", 200, [64], batch=1, repeats=1).auto == plan.PREFILL_KERNEL
@@ -45,3 +45,12 @@ def test_main_prints_a_row_per_dtype_and_length_under_a_header_naming_the_cpu(ca
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
     runners = ("| sdpa is_causal |", "| sdpa causal blocks of 64 queries |", f"| {plan.PREFILL_KERNEL} |")
     assert len(rows) == 4 and all(line.endswith(runners) for line in rows)
+
+
+def test_a_chunk_after_cached_keys_is_timed_as_one_masked_call_and_the_kernel(monkeypatch):
+    """With keys before the prompt there are no blocks: one call with the bottom-right mask, and the kernel where built."""
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", False)
+    r = bench.causal_prompt("fp32", 8, [64], batch=1, repeats=1, cached=100)
+    assert r.blocks_ms == {} and r.cached == 100 and r.one_call_ms > 0 and r.auto == "sdpa"
+    assert r.markdown([64]).startswith("| fp32 | 8 | ") and "| — |" in r.markdown([64])
+    assert (r.kernel_ms is not None) == prefill_kernel.available()

@@ -168,8 +168,8 @@ def _kernel(c: Call) -> bool:
 
 
 def _prefill_kernel(c: Call) -> bool:
-    """Two or more query rows that the C++ prefill kernel computes on this machine (``prefill_kernel.takes``), where
-    it is built."""
+    """A prompt's query rows (``prefill_kernel.FEWEST_ROWS`` or more) that the C++ prefill kernel computes on this
+    machine (``prefill_kernel.takes``), where it is built."""
     return prefill_kernel.takes(c.q, c.k, c.v, c.spec) and prefill_kernel.available()
 
 

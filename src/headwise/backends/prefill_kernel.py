@@ -27,6 +27,9 @@ from .spec import Spec
 DTYPES = (torch.float32, torch.bfloat16)
 #: Head sizes it computes (queries, keys and values alike).
 HEAD_SIZES = (64, 128)
+#: The fewest query rows a call the plan gives it has: from 8 the kernel was the faster at every size timed, at 2-4
+#: rows level with torch's kernel or slower (it scores 32 queries at a time; docs: performance, layers).
+FEWEST_ROWS = 8
 
 torch.library.define("headwise::prefill_attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor")
 
@@ -47,13 +50,13 @@ _AMX = {"amx_tile", "amx_bf16"} <= set(cpu()["flags"])
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
-    """Whether ``prefill_attention`` computes this call here: a CPU this kernel is for (see the module), two or more
-    query rows, float32 or bfloat16 operands of one dtype (bfloat16 not on a CPU with AMX tiles), one head size of
+    """Whether ``prefill_attention`` computes this call here: a CPU this kernel is for (see the module), ``FEWEST_ROWS``
+    or more query rows, float32 or bfloat16 operands of one dtype (bfloat16 not on a CPU with AMX tiles), one head size of
     64 or 128, rows contiguous, every key seen or causal over S >= T keys, nothing else (no window, mask, padding,
     documents, softcap, ALiBi, sinks or dropout), no autograd, not traced by ``torch.compile``."""
     s = spec
     return (
-        _MACHINE and q.device.type == "cpu" and s.T >= 2 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        _MACHINE and q.device.type == "cpu" and s.T >= FEWEST_ROWS and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and not (q.dtype == torch.bfloat16 and _AMX) and q.shape[-1] in HEAD_SIZES and k.shape[-1] == q.shape[-1]
         and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and s.S > 0 and q.shape[1] % k.shape[1] == 0
         and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and (not s.causal or s.S >= s.T)

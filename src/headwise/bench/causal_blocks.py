@@ -6,8 +6,10 @@ it may see, one kernel call a block), torch's fused kernel in one call, and head
 kernel (``backends.prefill_kernel``, where it is built, whether or not the plan takes it on this
 machine), interleaved, medians. ``auto`` names the runner ``headwise.plan`` takes for the call on
 this machine. Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
-its slowest thread, so the number of calls is what contention charges. The outputs are compared
-with one call's before timing (float32 within 1e-5, bfloat16 within 2e-2).
+its slowest thread, so the number of calls is what contention charges. ``--cached N`` puts N keys
+before the prompt (a chunk after a cache: one call then takes the bottom-right causal mask, and there
+are no blocks). The outputs are compared with one call's before timing (float32 within 1e-5,
+bfloat16 within 2e-2).
 """
 
 from __future__ import annotations
@@ -41,22 +43,29 @@ class Row:
     blocks_ms: dict[int, float]
     auto: str
     kernel_ms: float | None = None
+    cached: int = 0  # keys before the prompt
 
     def markdown(self, sizes: Sequence[int]) -> str:
-        times = [self.blocks_ms[r] for r in sizes] + [self.kernel_ms]
-        cells = " | ".join("not built" if t is None else f"{t:.2f} ({t / self.one_call_ms:.2f}x)" for t in times)
+        times = [self.blocks_ms.get(r) for r in sizes] + [self.kernel_ms]
+        cells = " | ".join("—" if t is None else f"{t:.2f} ({t / self.one_call_ms:.2f}x)" for t in times)
         return f"| {self.dtype} | {self.tokens} | {self.one_call_ms:.2f} | {cells} | {self.auto} |"
 
 
 @torch.inference_mode()
-def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0) -> Row:
-    """Time one layer's causal attention over ``tokens`` queries (``dtype`` a key of ``DTYPES``): one call, and blocks of
-    each of ``sizes`` queries."""
+def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0, cached: int = 0) -> Row:
+    """Time one layer's causal attention over ``tokens`` queries (``dtype`` a key of ``DTYPES``) after ``cached`` keys:
+    one call, blocks of each of ``sizes`` queries (none after cached keys) and the C++ prefill kernel."""
     g = torch.Generator().manual_seed(seed)
+    S = cached + tokens
     q = torch.randn(batch, tokens, 12, 64, generator=g).to(DTYPES[dtype]).transpose(1, 2)  # (B, H, T, D), strided as split heads
-    k, v = (torch.randn(batch, 12, tokens, 64, generator=g).to(DTYPES[dtype]) for _ in range(2))  # (B, H, T, D)
-    spec = Spec(T=tokens, S=tokens, causal=True, scale=64**-0.5)
-    ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
+    k, v = (torch.randn(batch, 12, S, 64, generator=g).to(DTYPES[dtype]) for _ in range(2))  # (B, H, S, D)
+    spec = Spec(T=tokens, S=S, causal=True, scale=64**-0.5)
+    if cached:
+        mask = torch.ones(tokens, S, dtype=torch.bool).tril(cached)  # (T, S): query i at position cached + i
+        ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}  # (B, H, T, D)
+        sizes = []
+    else:
+        ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
     ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
     if prefill_kernel.available():
         ways["kernel"] = partial(prefill_kernel.run, q, k, v, spec)
@@ -68,7 +77,7 @@ def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int =
             raise RuntimeError(f"{what} {error:.2g} from one call ({dtype}, T = {tokens})")
     times = interleaved({str(name): run for name, run in ways.items()}, repeats=repeats, warmup=2)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner, ms.get("kernel"))
+    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner, ms.get("kernel"), cached)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -82,18 +91,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rows", type=_argtypes.listing(_argtypes.integer(1), "block sizes"), default=[64, 128, 256],
                    help="comma-separated queries per block (default 64,128,256)")
     p.add_argument("--repeats", type=_argtypes.integer(1), default=9, help="timed rounds (default 9)")
+    p.add_argument("--cached", type=_argtypes.integer(0), default=0, help="keys before the prompt (default 0; then no blocks)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"A causal prompt's attention, B = 4, H = 12, D = 64, inference; {machine()}"
+    print("A causal prompt's attention, B = 4, H = 12, D = 64, inference" + (f", after {args.cached} cached keys" if args.cached else "")
+          + f"; {machine()}"
           + (f"; {args.busy} busy processes beside it" if args.busy else "") + "; median ms (x one call's time)\n")
     print("| dtype | T | one call | " + " | ".join(f"blocks of {r}" for r in args.rows) + " | C++ prefill kernel | the plan takes |")
     print("|---|---:|---:|" + "---:|" * (len(args.rows) + 1) + "---|")
     with busy(args.busy):
         for dtype in args.dtypes:
             for tokens in args.tokens:
-                print(causal_prompt(dtype, tokens, args.rows, repeats=args.repeats).markdown(args.rows), flush=True)
+                print(causal_prompt(dtype, tokens, args.rows, repeats=args.repeats, cached=args.cached).markdown(args.rows), flush=True)
 
 
 if __name__ == "__main__":
