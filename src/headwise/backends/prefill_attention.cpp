@@ -51,21 +51,30 @@ inline f16v lane_index() {
 }
 
 // w[j * QUERY_ROWS + r] = scale * q[r] . key j for 2 vectors of queries (qt: the item's queries transposed, offset to
-// the first; w offset likewise) and KEYS keys from k (rows of D)
+// the first; w offset likewise) and KEYS keys from k (rows of D): each sum taken over SPAN elements of the head size
+// in registers, the spans' sums added in order (a chain of D / SPAN + SPAN roundings, not D: float32 error as a
+// blocked GEMM's, where the head is wide and the scores large)
+constexpr int SPAN = 32;
 template <int D>
 inline void scores_tile(const float* qt, const float* k, float scale, float* w) {
-  f16v s[2][KEYS] = {};
-  for (int d = 0; d < D; ++d) {
-    const f16v a = load16(qt + d * QUERY_ROWS), b = load16(qt + d * QUERY_ROWS + LANES);
-    for (int j = 0; j < KEYS; ++j) {
-      const float x = k[j * D + d];
-      s[0][j] += a * x;
-      s[1][j] += b * x;
+  static_assert(D % SPAN == 0, "head sizes are multiples of SPAN");
+  for (int d0 = 0; d0 < D; d0 += SPAN) {
+    f16v s[2][KEYS] = {};
+    for (int d = d0; d < d0 + SPAN; ++d) {
+      const f16v a = load16(qt + d * QUERY_ROWS), b = load16(qt + d * QUERY_ROWS + LANES);
+      for (int j = 0; j < KEYS; ++j) {
+        const float x = k[j * D + d];
+        s[0][j] += a * x;
+        s[1][j] += b * x;
+      }
     }
-  }
-  for (int j = 0; j < KEYS; ++j) {
-    store16(w + j * QUERY_ROWS, s[0][j] * scale);
-    store16(w + j * QUERY_ROWS + LANES, s[1][j] * scale);
+    for (int j = 0; j < KEYS; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        float* out = w + j * QUERY_ROWS + h * LANES;
+        const f16v sum = d0 == 0 ? s[h][j] : load16(out) + s[h][j];
+        store16(out, d0 + SPAN == D ? sum * scale : sum);
+      }
+    }
   }
 }
 
