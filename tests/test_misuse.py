@@ -13,6 +13,7 @@ A case that raised something else, or returned something the reference disagrees
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -149,13 +150,15 @@ def ids(*shape, dtype=torch.long, high=11):
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
+_DIRS = tempfile.TemporaryDirectory(prefix="headwise-misuse-")  # every model directory below, removed at exit
+
+
 def write_dir(config_changes: dict, files: dict[str, bytes | str]):
     """A fresh GPT-2 model directory (a tiny config.json with ``config_changes``, plus ``files``)."""
     import json
-    import tempfile
     from pathlib import Path
 
-    d = Path(tempfile.mkdtemp(prefix="headwise-misuse-"))
+    d = Path(tempfile.mkdtemp(dir=_DIRS.name))
     config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
     config.update(config_changes)
     (d / "config.json").write_text(json.dumps(config))

@@ -15,6 +15,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -233,10 +234,11 @@ def index_dir(tmp: Path, names: dict[str, dict]) -> Path:
 INDEX = "model.safetensors.index.json"
 
 
-def tmpdir(name: str) -> Path:
-    import tempfile
+_DIRS = tempfile.TemporaryDirectory(prefix="headwise-newer-")  # every model directory below, removed at exit
 
-    return Path(tempfile.mkdtemp(prefix="headwise-newer-")) / name
+
+def tmpdir(name: str) -> Path:
+    return Path(tempfile.mkdtemp(dir=_DIRS.name)) / name
 
 
 LOADING: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
