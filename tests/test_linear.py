@@ -406,3 +406,21 @@ def test_the_opaque_ops_pass_torch_library_checks(linear_path, bias):
     got = torch.ops.headwise.linear_many(x, [w, w2], [b, b2] if bias else [])  # (B, T, 72 + 24)
     torch.testing.assert_close(got, torch.cat([F.linear(x, w, b), F.linear(x, w2, b2)], -1), rtol=1e-5, atol=1e-5)
 
+
+
+def test_owns_output_only_for_layers_whose_result_nothing_else_holds():
+    """A plain nn.Linear's result and an Int8Linear's are new tensors; a hook may keep one, and a subclass may
+    return something it keeps, so neither is the caller's to overwrite."""
+    from headwise.quantize import Int8Linear
+
+    class Kept(torch.nn.Linear):
+        pass
+
+    class KeptInt8(Int8Linear):
+        pass
+
+    plain, hooked = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    hooked.register_forward_hook(lambda *args: None)
+    int8 = Int8Linear(torch.randn(3, 4))
+    assert hl.owns_output(plain) and hl.owns_output(int8)
+    assert not hl.owns_output(hooked) and not hl.owns_output(Kept(4, 3)) and not hl.owns_output(KeptInt8(torch.randn(3, 4)))

@@ -262,6 +262,8 @@ class Int8Linear(nn.Module):
         (torch.Size([2, 1, 32]), True)
     """
 
+    fresh_output = True  # forward returns a new tensor each call (``headwise.linear.owns_output``)
+
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, activations: str = "bf16") -> None:
         super().__init__()
         self._arithmetic = _activations(activations)

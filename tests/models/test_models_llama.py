@@ -333,6 +333,44 @@ def test_projections_are_one_gemm_for_decode_rows_only(rows, monkeypatch):
         assert out.is_contiguous() or rows <= hl.DECODE_ROWS
 
 
+def tiny_mlp(dtype: torch.dtype = torch.float32) -> llama.MLP:
+    torch.manual_seed(0)
+    cfg = hm.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    return llama.MLP(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, 40])
+def test_mlp_without_autograd_gives_the_recorded_calls_numbers_bit_for_bit(rows, dtype):
+    """Without autograd the MLP writes silu(gate) * up over its own gate tensor: the numbers of the call autograd
+    records (a new tensor for each op), and within the float64 SwiGLU's reach."""
+    mlp = tiny_mlp(dtype)
+    x = torch.randn(1, rows, 64).to(dtype)
+    with torch.no_grad():
+        got = mlp(x)
+    recorded = mlp(x)
+    assert recorded.requires_grad and torch.equal(got, recorded.detach())
+    w = {name: layer.weight.double() for name, layer in mlp.named_children()}
+    x64 = x.double()
+    want = (F.silu(x64 @ w["gate_proj"].T) * (x64 @ w["up_proj"].T)) @ w["down_proj"].T
+    torch.testing.assert_close(got.double(), want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}))
+
+
+def test_mlp_leaves_a_gate_output_a_hook_kept_as_it_was():
+    """A forward hook on gate_proj may keep its output: the MLP then makes new tensors rather than write over it."""
+    mlp = tiny_mlp()
+    kept = []
+    mlp.gate_proj.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = torch.randn(1, 40, 64)
+    with torch.no_grad():
+        got = mlp(x)
+        gate = F.linear(x, mlp.gate_proj.weight)
+    torch.testing.assert_close(kept[0], gate, atol=1e-6, rtol=1e-6)  # still gate_proj(x), not silu(gate) * up
+    assert not hl.owns_output(mlp.gate_proj)
+    assert torch.equal(got, tiny_mlp()(x).detach())  # the same numbers as the unhooked MLP's
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 768), (3, 17, 64), (2, 5, 4096)])
 def test_rmsnorm_in_float32_is_weight_times_the_normed_input_bit_for_bit(shape):
     """The float32 norm runs as one op with the weight inside; HuggingFace multiplies the weight after: the same bits."""

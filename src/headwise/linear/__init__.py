@@ -16,7 +16,7 @@ performance docs). Which path a call takes follows a fixed rule, nothing timed:
 """
 
 from . import custom_ops  # noqa: F401  (registers headwise::linear and headwise::linear_many)
-from .projection import linear, project, project_many
+from .projection import linear, owns_output, project, project_many
 from .rule import (
     DECODE_ROWS,
     ENV,
@@ -36,5 +36,5 @@ from .rule import (
 
 __all__ = [
     "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
-    "describe", "linear", "project", "project_many", "set_path", "use_path", "uses_onednn",
+    "describe", "linear", "owns_output", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

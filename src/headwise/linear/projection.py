@@ -358,6 +358,14 @@ def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
 
 
+def owns_output(layer: nn.Module) -> bool:
+    """Whether ``project`` and ``project_many`` give for ``layer`` a new tensor that nothing else holds, which the caller
+    may overwrite: a hook-free ``nn.Linear``'s (its GEMM's output, or a view of the stacked GEMM's), or a hook-free
+    layer whose own class (not a subclass) sets ``fresh_output = True`` (``headwise.quantize.Int8Linear``). A hook may
+    keep the output, so a hooked layer's never is."""
+    return _hookless(layer) and (type(layer) is nn.Linear or vars(type(layer)).get("fresh_output", False) is True)
+
+
 def _plain(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear and _hookless(layer)
 

@@ -23,7 +23,7 @@ from ..cache import Cache
 from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
-from ..linear import DECODE_ROWS, project, project_many
+from ..linear import DECODE_ROWS, owns_output, project, project_many
 from ..observe import report
 from ..rope import RotaryEmbedding, rotate
 from . import loading
@@ -144,7 +144,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = projections((self.gate_proj, self.up_proj), x)  # (B, T, I) each, one GEMM for a decode step
-        return project(self.down_proj, F.silu(gate) * up)  # (B, T, C)
+        if torch.compiler.is_compiling() or gate.requires_grad or gate.shape != up.shape or gate.dtype != up.dtype \
+                or not owns_output(self.gate_proj):
+            return project(self.down_proj, F.silu(gate) * up)  # (B, T, C)
+        # gate is this call's own tensor and autograd keeps nothing of it: the product overwrites it, the same numbers
+        # without two more (B, T, I) tensors (for a prompt, new memory the allocator may fault in page by page)
+        return project(self.down_proj, F.silu(gate, inplace=True).mul_(up))  # (B, T, C)
 
 
 class DecoderLayer(nn.Module):
