@@ -103,7 +103,7 @@ def test_bf16_is_rotated_in_float32_and_rounded_once():
     assert ours_err <= 2 * plain_err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, None), (32, 8), (12, None)])
 @pytest.mark.parametrize("per_row", [False, True], ids=["start", "position-ids"])
 def test_rotate_half_in_place_equals_the_swapped_copy_bit_for_bit(dtype, head_dim, rotary_dim, per_row):
@@ -117,6 +117,19 @@ def test_rotate_half_in_place_equals_the_swapped_copy_bit_for_bit(dtype, head_di
     copied = torch.addcmul(part * cos, part.roll(r // 2, dims=-1), sin)  # (B, H, T, R): the swap as a copy
     want = torch.cat((copied, x.float()[..., r:]), dim=-1).to(dtype)  # (B, H, T, D)
     assert torch.equal(rotate(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gradient_is_the_float32_gradient_rounded_once(dtype):
+    """Under autograd a half x's gradient is summed in float32 and rounded once (the float32 rotation's, rounded)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 9, 64, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(2, 4, 9, 64, generator=g).to(dtype)
+    cos, sin = RotaryEmbedding(64).at(5, 9, x.device)  # (T, R)
+    rotate(x, cos, sin).backward(grad)
+    wide = x.detach().float().requires_grad_()
+    rotate(wide, cos, sin).backward(grad.float())
+    assert torch.equal(x.grad, wide.grad.to(dtype))
 
 
 def test_rotate_keeps_float64():

@@ -106,6 +106,16 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
         x's shape and dtype.
     """
     r = cos.shape[-1]
+    if x.dtype in _HALF and layout == "rotate_half" and not (x.requires_grad and torch.is_grad_enabled()):
+        # one float32 copy rotated in place, each half's partner read from x itself (exactly its float32 value): the same
+        # numbers as below with one (..., T, D) float32 tensor, not two (a prompt's two, freed together, could make the
+        # allocator hand their pages back to the system, to be faulted in again by the next layer). Not under autograd:
+        # x's gradient would come in two parts, each rounded to x's dtype, where below it is summed in float32 first
+        h = r // 2
+        work = x.float()  # (..., T, D): dims past R pass unchanged
+        work[..., :h].mul_(cos[..., :h]).addcmul_(x[..., h:r], sin[..., :h])  # x1·cos - x2·sin
+        work[..., h:r].mul_(cos[..., h:]).addcmul_(x[..., :h], sin[..., h:])  # x2·cos + x1·sin
+        return work.to(x.dtype)
     work = x.float() if x.dtype in _HALF else x
     part = work[..., :r] if r < x.shape[-1] else work  # (..., T, R)
     if layout == "interleaved":
