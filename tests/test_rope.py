@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import headwise.rope as rope_module
 from headwise.rope import RotaryEmbedding, inverse_frequencies, rotate
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -106,8 +107,11 @@ def test_bf16_is_rotated_in_float32_and_rounded_once():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, None), (32, 8), (12, None)])
 @pytest.mark.parametrize("per_row", [False, True], ids=["start", "position-ids"])
-def test_rotate_half_in_place_equals_the_swapped_copy_bit_for_bit(dtype, head_dim, rotary_dim, per_row):
-    """Each half adding the other half's product in place gives x·cos + swap(x)·sin with a swapped copy, exactly."""
+@pytest.mark.parametrize("one_copy", [False, True], ids=["two-copies", "one-copy"])
+def test_rotate_half_in_place_equals_the_swapped_copy_bit_for_bit(dtype, head_dim, rotary_dim, per_row, one_copy, monkeypatch):
+    """Each half adding the other half's product in place gives x·cos + swap(x)·sin with a swapped copy, exactly; so
+    does a half x turned in one float32 copy (a prompt's, from ``ONE_COPY`` elements on: here from any size, or none)."""
+    monkeypatch.setattr(rope_module, "ONE_COPY", 1 if one_copy else 1 << 62)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 5, 7, 3, head_dim, generator=g).to(dtype)[..., 0, :].transpose(1, 2)  # (B, H, T, D), strided as split heads
     rope = RotaryEmbedding(head_dim, rotary_dim=rotary_dim)

@@ -41,6 +41,7 @@ SCALINGS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _HALF = (torch.float16, torch.bfloat16)
+ONE_COPY = 1 << 16  # elements of a half x from which ``rotate`` keeps one float32 copy (a prompt's); below, fewer ops
 _MAX_TABLE = 1 << 17  # positions kept in a table (128K: Llama 3.1's context); past it an int start gets its own angles
 
 
@@ -106,16 +107,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
         x's shape and dtype.
     """
     r = cos.shape[-1]
-    if x.dtype in _HALF and layout == "rotate_half" and not (x.requires_grad and torch.is_grad_enabled()):
-        # one float32 copy rotated in place, each half's partner read from x itself (exactly its float32 value): the same
-        # numbers as below with one (..., T, D) float32 tensor, not two (a prompt's two, freed together, could make the
-        # allocator hand their pages back to the system, to be faulted in again by the next layer). Not under autograd:
-        # x's gradient would come in two parts, each rounded to x's dtype, where below it is summed in float32 first
-        h = r // 2
-        work = x.float()  # (..., T, D): dims past R pass unchanged
-        work[..., :h].mul_(cos[..., :h]).addcmul_(x[..., h:r], sin[..., :h])  # x1·cos - x2·sin
-        work[..., h:r].mul_(cos[..., h:]).addcmul_(x[..., :h], sin[..., h:])  # x2·cos + x1·sin
-        return work.to(x.dtype)
+    if x.dtype in _HALF and layout == "rotate_half" and x.numel() >= ONE_COPY and not (x.requires_grad and torch.is_grad_enabled()):
+        return _rotate_half_in_one_copy(x, cos, sin)
     work = x.float() if x.dtype in _HALF else x
     part = work[..., :r] if r < x.shape[-1] else work  # (..., T, R)
     if layout == "interleaved":
@@ -128,6 +121,20 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
     if r < x.shape[-1]:
         out = torch.cat((out, work[..., r:]), dim=-1)  # (..., T, D)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _rotate_half_in_one_copy(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rotate`` for a half-precision x in the "rotate_half" layout, the same numbers bit for bit, in one float32 copy of
+    x turned in place and a float32 copy of one half at a time (the partner each half reads), where ``rotate`` below
+    makes two whole float32 tensors: a long prompt's two, freed together, could make glibc hand their pages back to
+    the system, to be faulted in again by the next layer."""
+    h = cos.shape[-1] // 2
+    work = x.float()  # (..., T, D): dims past R pass unchanged
+    partner = x[..., h:2 * h].float()  # (..., T, R/2): x2
+    work[..., :h].mul_(cos[..., :h]).addcmul_(partner, sin[..., :h])  # x1·cos - x2·sin
+    partner.copy_(x[..., :h])  # x1
+    work[..., h:2 * h].mul_(cos[..., h:]).addcmul_(partner, sin[..., h:])  # x2·cos + x1·sin
+    return work.to(x.dtype)
 
 
 def _count(name: str, value: object) -> None:
