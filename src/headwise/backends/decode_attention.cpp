@@ -13,9 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <numeric>
 #include <limits>
 #include <optional>
 #include <type_traits>
