@@ -51,3 +51,23 @@ def test_nan_or_plus_inf_in_an_additive_mask(bad):
 def test_conversions_name_the_module_type_they_need(convert, module, match):
     with pytest.raises(TypeError, match=match):
         convert(module())  # AttributeError ('heads', 'config', 'd_out') before
+
+
+@pytest.mark.parametrize(
+    ("name", "ours"),
+    [("is_causal", "causal"), ("attn_mask", "mask"), ("key_padding_mask", "attention_mask"), ("softmax_scale", "scale"), ("enable_gqa", "grouped-query")],
+)
+def test_another_librarys_keyword_names_headwises(name, ours):
+    q = torch.randn(1, 2, 3, 4)
+    for call in (hw.attention, hw.plan):
+        with pytest.raises(TypeError, match=rf"{call.__name__}\(\) got unexpected keyword argument\(s\) '{name}' \(headwise's: [^)]*{ours}"):
+            call(q, q, q, **{name: True})  # Python's bare "unexpected keyword argument" before
+    with pytest.raises(TypeError, match=rf"attention_weights\(\) got unexpected keyword argument\(s\) '{name}' \(headwise's: [^)]*{ours}.*; it takes causal, window"):
+        hw.attention_weights(q, q, **{name: True})
+
+
+def test_an_unknown_keyword_is_named_beside_the_ones_taken():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"attention\(\) got unexpected keyword argument\(s\) 'causl'; it takes q, k, v, causal, window, mask"):
+        hw.attention(q, q, q, causl=True)
+    assert torch.equal(hw.attention(q=q, k=q, v=q, causal=True), hw.attention(q, q, q, causal=True))  # q, k, v by name still

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,35 @@ from .backends.spec import Spec
 from .cache import Cache, KVCache
 
 BACKENDS = ("auto", "math", "sdpa")
+
+# Other libraries' keywords for what ``attention`` names otherwise (torch's SDPA and nn.MultiheadAttention,
+# flash-attn, transformers), and headwise's name for each: a call that uses one is told which.
+OTHER_NAMES = {
+    "is_causal": "causal (bottom-right aligned)",
+    "attn_mask": "mask",
+    "attn_bias": "mask (an additive float mask)",
+    "key_padding_mask": "attention_mask (1/True = real token: torch's key_padding_mask marks padding with True)",
+    "enable_gqa": "none: keys with fewer heads than the queries are grouped-query attention",
+    "sliding_window": "window",
+    "window_size": "window (with causal: the keys a query sees, itself included)",
+    "softcapping": "softcap",
+    "logit_softcapping": "softcap",
+    "attn_logit_softcapping": "softcap",
+    "softmax_scale": "scale",
+    "s_aux": "sinks",
+    "dropout": "dropout_p",
+    "past_key_value": "cache",
+    "past_key_values": "cache",
+}
+
+
+def known_keywords(function: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """Raise TypeError naming every keyword in ``given`` that ``function`` does not take (``known``),
+    with headwise's name for another library's (``OTHER_NAMES``)."""
+    other = [name for name in given if name not in known]
+    if other:
+        named = [f"{name!r} (headwise's: {OTHER_NAMES[name]})" if name in OTHER_NAMES else repr(name) for name in other]
+        raise TypeError(f"{function}() got unexpected keyword argument(s) {', '.join(named)}; it takes {', '.join(known)}")
 
 
 class Arguments(NamedTuple):

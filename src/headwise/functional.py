@@ -23,9 +23,11 @@ takes the plan's first rule that matches, whichever backend's it is.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -43,9 +45,26 @@ from .cache import Attended, Cache, KVCache, PagedBatch
 from .cache.paged_batch import PoolRows
 from .observe import report
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _keywords_named(function: Callable[P, R]) -> Callable[P, R]:
+    """``function``, where a keyword it does not take (torch's ``is_causal``, say) is a TypeError naming headwise's."""
+    known = list(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        arguments.known_keywords(function.__name__, kwargs, known)
+        return function(*args, **kwargs)
+
+    return checked
+
+
 __all__ = ["WEIGHT_TERMS", "Plan", "attention", "attention_unchecked", "attention_weights", "check_backend", "merge_heads", "plan", "split_heads"]
 
 
+@_keywords_named
 def attention(
     q: Tensor,
     k: Tensor,
@@ -96,6 +115,9 @@ def attention(
         scale: multiplies the scores; default 1 / sqrt(D).
         backend: "auto", "math" or "sdpa" (see the module docstring); ``plan(...)`` says what
             runs for a call, and why.
+
+    Another library's keyword (``is_causal``, ``attn_mask``, ``key_padding_mask``, ``softmax_scale``, ...)
+    is a TypeError that names headwise's.
 
     Returns:
         (B, H, T, Dv) context vectors; zeros for a query that may see no key.
@@ -175,6 +197,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
 
 def _checked_as_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Arguments:
     """``arguments.checked`` of ``attention(q, k, v, **kwargs)``: its keywords only, its defaults for the rest."""
+    arguments.known_keywords("plan", kwargs, inspect.signature(attention).parameters)
     call = inspect.signature(attention).bind(q, k, v, **kwargs)
     call.apply_defaults()
     return arguments.checked(**call.arguments)
@@ -254,9 +277,7 @@ def attention_weights(q: Tensor, k: Tensor, **terms: Any) -> Tensor:
         (B, H, T, S) weights in q's dtype; each row sums to 1 (1 minus the sink's share with
         ``sinks``), or is all zeros for a query that may see no key.
     """
-    other = sorted(set(terms) - set(WEIGHT_TERMS))
-    if other:
-        raise TypeError(f"attention_weights() takes the keywords {list(WEIGHT_TERMS)}, got {other}")
+    arguments.known_keywords("attention_weights", terms, WEIGHT_TERMS)
     arguments.qkv(q, k, k)
     padding = _checks.attention_mask(terms.pop("attention_mask", None), k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
     args = _checked_as_attention(q, k, k, attention_mask=padding, **terms)
