@@ -259,6 +259,7 @@ REFUSED = {  # attention arguments refused only once the cache's keys would be k
     "alibi": ({"alibi_slopes": torch.randn(5)}, r"alibi_slopes must have shape"),
     "mask": ({"mask": torch.ones(7, 7, dtype=torch.bool)}, r"mask must broadcast to"),
     "bad keys": ({"k": torch.randn(1, 2, 3, 4, dtype=torch.float64)}, r"q, k and v must share one dtype"),
+    "kept keys' mask": ({"mask": torch.ones(4, dtype=torch.bool)}, r"mask must broadcast to \(B, H, T, cached \+ T_kv\) = \(1, 2, 3, 6\)"),
 }
 
 

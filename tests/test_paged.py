@@ -240,6 +240,8 @@ def test_bad_batches():
     with pytest.raises(ValueError, match=r"new_tokens \(each count\) must be"):
         paged.batch([0, 1], [3, 0])
     with pytest.raises(ValueError, match=r"takes k of shape \(1, Hkv=1, T=4, D=8\), got \(1, 1, 3, 8\)"):
+        hw.attention(torch.randn(1, 2, 4, D), kv, kv, cache=paged.batch([0, 1], [2, 2]))
+    with pytest.raises(ValueError, match=r"a paged batch of 4 new tokens takes q of shape \(1, H, T=4, D\) \(its queries are the new tokens\), got \(1, 2, 3, 8\)"):
         hw.attention(q, kv, kv, cache=paged.batch([0, 1], [2, 2]))
     with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.float64"):
         hw.attention(q.double(), kv.double(), kv.double(), cache=paged.batch([0, 1], [2, 1]))

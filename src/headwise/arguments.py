@@ -132,8 +132,8 @@ def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | N
 
 
 def in_order(spec: Spec) -> bool:
-    """ALiBi and documents read key positions: a sliding cache hands them its keys in time order."""
-    return spec.documents is not None or spec.alibi is not None
+    """ALiBi, documents and a mask read key positions: a sliding cache hands them its keys in time order."""
+    return spec.documents is not None or spec.alibi is not None or spec.mask is not None
 
 
 def sizes(cache: Cache | None, spec: Spec, t: int) -> list[tuple[slice, int]]:
@@ -150,9 +150,10 @@ def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: b
     c0 = visible(T, S, spec.causal, spec.window, 0, T)[0]  # (the last query sees up to key S - 1)
     kept = S - c0
     documents = None if spec.documents is None else spec.documents[:, spec.documents.shape[1] - kept :]  # (B, kept)
+    mask = spec.mask if spec.mask is None or spec.mask.shape[-1] == 1 else spec.mask[..., spec.mask.shape[-1] - kept :]  # (B?, H?, T?, kept)
     window = None if spec.window is not None and spec.window >= kept else spec.window
     padding = None if attention_mask is None else attention_mask[:, c0:]  # (B, kept)
-    fields = (spec.causal, window, spec.mask, padding, documents, spec.softcap, spec.sinks, spec.alibi, spec.dropout_p, spec.scale)
+    fields = (spec.causal, window, mask, padding, documents, spec.softcap, spec.sinks, spec.alibi, spec.dropout_p, spec.scale)
     return Spec(T, kept, *fields), c0  # built field by field: no dataclasses.replace (introspection) at every decode step
 
 
@@ -188,22 +189,31 @@ def checked(
         )
     if paged and mask is not None:
         raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
+    if isinstance(cache, caches.PagedBatch) and T != sum(cache.new_tokens):
+        n = sum(cache.new_tokens)
+        raise ValueError(f"a paged batch of {n} new tokens takes q of shape (1, H, T={n}, D) (its queries are the new tokens), got {tuple(q.shape)}")
+    if isinstance(cache, KVCache) and cache.window is not None and T > k.shape[2]:
+        raise ValueError(
+            f"a sliding cache keeps only the keys its newest tokens see: q may hold at most the T_kv = {k.shape[2]} new tokens "
+            f"of k and v, got T = {T} queries"
+        )
     given = "(B, T_kv)" if cache is not None else "(B, S)"
     attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], given, device=("k and v are", k.device))
     held = len(cache) if isinstance(cache, KVCache) else 0
-    documents = _checks.documents(documents, B, held + k.shape[2], "(B, cached + T_kv)" if cache is not None else "(B, S)", q.device)
+    keys = "(B, cached + T_kv)" if cache is not None else "(B, S)"
+    documents = _checks.documents(documents, B, held + k.shape[2], keys, q.device)
     user_mask = _mask(mask, q.device, q.dtype)
+    if user_mask is not None:  # numbered over every key, as documents are; each run takes the columns of the keys it sees
+        _checks.broadcasts("mask", user_mask, (B, H, T, held + k.shape[2]), f"(B, H, T, {keys[4:-1]})", tuple(mask.shape))
     spec = Spec(
         T=T, S=k.shape[2], causal=causal, window=window, mask=user_mask, attention_mask=attention_mask, documents=documents,
         softcap=_checks.softcap(softcap), sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head"),
         alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True), dropout_p=dropout_p, scale=scale,
     )
-    runs = [] if user_mask is None and documents is None else sizes(cache, spec, k.shape[2])
-    for rows, S in runs:  # the terms that number the keys, against the keys each run of queries will see
+    runs = [] if documents is None else sizes(cache, spec, k.shape[2])
+    for rows, S in runs:  # documents against the keys each run of queries will see
         run, _ = for_run(spec, T if rows == slice(None) else rows.stop - rows.start, S, None, cache is not None)  # (a symbolic T: no range)
-        if user_mask is not None:
-            _checks.broadcasts("mask", user_mask, (B, H, run.T, run.S), "(B, H, T, S)", tuple(mask.shape))
-        if documents is not None and run.T > run.S:
+        if run.T > run.S:
             raise ValueError(f"documents need T <= S (the queries are the last T keys' positions), got T={run.T} queries over S={run.S} keys")
     if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
         k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2

@@ -94,7 +94,9 @@ def attention(
         v: (B, Hkv, T_kv, Dv) values.
         causal: query i sees keys j <= i + S - T (bottom-right aligned).
         window: with ``causal``, query i also sees only the last ``window`` keys up to itself.
-        mask: bool (True = may attend) or additive float mask, broadcastable to (B, H, T, S).
+        mask: bool (True = may attend) or additive float mask, broadcastable to (B, H, T, S); with a
+            ``KVCache`` numbered over every key, S = cached + T_kv, as ``documents`` are (the columns of
+            keys a window or a ring no longer shows are read by no query).
         attention_mask: (B, T_kv) padding mask of the given keys, 1/True = real token,
             0/False = padding (bools or 0/1 ints).
         documents: (B, S) integer document ids of the keys (packed rows); the T queries are
@@ -108,9 +110,11 @@ def attention(
         alibi_slopes: (H,) or (B, H): adds ``-slope * |i + S - T - j|`` to the scores (ALiBi).
         cache: a ``KVCache``: k and v (and their padding) are appended to it first, and the
             queries attend over everything it holds (S = cached + T_kv keys); else S = T_kv.
+            A sliding cache (``KVCache.sliding``) takes at most T_kv queries: the ring no longer
+            holds the keys of older ones.
             Or ``paged.batch(seq_ids, new_tokens)`` of a ``PagedKVCache``: q, k, v pack the new
-            tokens of several sequences in one row (B = 1), and each sequence's queries attend
-            over its own cached and new tokens only (ragged, no padding).
+            tokens of several sequences in one row (B = 1, T = T_kv = sum(new_tokens)), and each
+            sequence's queries attend over its own cached and new tokens only (ragged, no padding).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: multiplies the scores; default 1 / sqrt(D).
         backend: "auto", "math" or "sdpa" (see the module docstring); ``plan(...)`` says what

@@ -176,10 +176,10 @@ class AttentionLayer(nn.Module):
         self, x: Tensor, cache: Cache | None, attention_mask: Tensor | None, position_ids: Tensor | None, watched: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, d_in) -> queries (B, H, T, D), keys and values (B, Hkv, T, D), position-encoded after the cache's tokens."""
-        start = 0 if cache is None else cache.start(x.shape[1])  # an int, or (1, T) positions of a paged batch
+        start = 0 if cache is None else cache.start(x.shape[1], attention_mask)  # an int, or positions: (B, T) after padding, (1, T) paged
         packed = not isinstance(start, int)
         if position_ids is None and packed:
-            position_ids = start  # (1, T): each sequence's tokens continue from its own length
+            position_ids = start  # each row's (each sequence's) tokens continue from its own real tokens
         queries, keys, values = self.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         if watched:
             for name, t in (("x", x), ("queries", queries), ("keys", keys), ("values", values)):

@@ -9,6 +9,8 @@ Every write is checked whole before any block changes hands; the pool is for inf
 
 from __future__ import annotations
 
+import collections
+
 import math
 from collections.abc import Sequence
 
@@ -247,7 +249,9 @@ class PagedKVCache(Owned):
     def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
         growth = [self._growth(s, n) for s, n in zip(seq_ids, counts, strict=True)]
-        needed = sum(grow + copy for grow, copy in growth)
+        writers = collections.Counter(self._tables[s][-1] for s, (_, copy) in zip(seq_ids, growth, strict=True) if copy)
+        # a shared block's writers copy it while another holds it: the last of all its holders writes in place
+        needed = sum(grow for grow, _ in growth) + sum(min(n, self._refs[block] - 1) for block, n in writers.items())
         if needed > self.free_blocks:
             raise ValueError(
                 f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "

@@ -68,8 +68,9 @@ class PagedBatch:
         """What the pool holds (the cache protocol)."""
         return self.cache.dtype
 
-    def start(self, t: int) -> Tensor:
-        """(1, T) positions of the packed new tokens: each sequence continues from its own length."""
+    def start(self, t: int, attention_mask: Tensor | None = None) -> Tensor:
+        """(1, T) positions of the packed new tokens: each sequence continues from its own length (no padding: a
+        mask is refused where the keys are written)."""
         total = sum(self.new_tokens)
         if t != total:
             raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")

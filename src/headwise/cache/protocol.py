@@ -1,7 +1,8 @@
 """What the core reads from a cache, whatever its kind (``Cache``), and what ``append`` answers (``Attended``).
 
-- ``start(t)``: where the ``t`` new tokens sit: one int for every row (the static cache), or
-  (1, T) position ids when the row packs tokens of several sequences (a paged batch);
+- ``start(t, attention_mask)``: where the ``t`` new tokens sit: one int for every row (the static
+  cache), or position ids: (B, T) once padding was written (each row's real tokens counted), (1, T)
+  when the row packs tokens of several sequences (a paged batch);
 - ``check_owner(owner)`` / ``bind(owner)``: a cache belongs to one attention module (``owner.py``);
 - ``sizes(t)``: ``[(rows, S)]``, what ``append`` of t tokens will answer with, before anything is
   written: the core checks every term against them first, so that a refused call changes nothing;
@@ -42,7 +43,7 @@ class Cache(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def start(self, t: int) -> int | Tensor: ...
+    def start(self, t: int, attention_mask: Tensor | None = None) -> int | Tensor: ...
 
     def check_owner(self, owner: object) -> None: ...
 

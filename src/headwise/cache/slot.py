@@ -34,6 +34,7 @@ class SlotCache(KVCache):
         self.count = count  # (1,)
         self.slots = torch.arange(cache.k.shape[2], device=cache.k.device)  # (L,)
         self._padded, self._len, self._graph = True, len(cache), None  # every answer carries its mask
+        self._pads = None  # positions: the caller's (``start`` is the count of steps it was made at)
 
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
         return [(slice(None), self.k.shape[2])]  # every query over the whole buffer, masked

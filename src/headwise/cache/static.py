@@ -1,10 +1,11 @@
 """``KVCache``: preallocated (B, Hkv, max_len, D) key and value buffers written in place, nothing
 grows; ``KVCache.sliding(B, Hkv, window, D)``, a ring of ``window`` slots whose memory stays bounded.
 
-``len(cache)`` counts the tokens written (the next token's position; a ring keeps counting).
-Padding: once any write came with an ``attention_mask``, the cache hands its (B, S) record of
-real tokens on with every read (``padded``), so decode steps after a left-padded prefill need
-no mask; a cache never given one hands on None. It never reads a mask's values on the host.
+``len(cache)`` counts the tokens written (a ring keeps counting). Padding: once any write came
+with an ``attention_mask``, the cache hands its (B, S) record of real tokens on with every read
+(``padded``), so decode steps after a left-padded prefill need no mask, and the next tokens'
+positions count each row's real tokens only (``start``); a cache never given one hands on None,
+and the next position is ``len(cache)``. It never reads a mask's values on the host.
 
 Training through a cache: while autograd records, attention gets the stored keys concatenated
 with the new ones (gradients reach every step's keys and values, as in one forward over the
@@ -52,6 +53,7 @@ class KVCache(Owned):
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
         self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
         self._padded = False  # did any stored position come with a padding mask?
+        self._pads: Tensor | None = None  # (B,) padding tokens written to each row; None while no write had any mask
         self._len = 0
         self._graph: tuple[int, Tensor, Tensor] | None = None  # (first position, keys, values) that autograd recorded
 
@@ -85,6 +87,7 @@ class KVCache(Owned):
         """Forget every stored token (the buffers are reused, not reallocated); the cache stays bound to its module."""
         self._len = 0
         self._padded = False
+        self._pads = None
         self._graph = None
         self.is_token.fill_(True)
 
@@ -101,12 +104,14 @@ class KVCache(Owned):
             raise ValueError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
         if self._padded:  # forget the dropped positions' padding (never padded: all True already)
             self.is_token[:, length : self._len] = True
+            self._pads = (~self.is_token[:, :length]).sum(-1)  # (B,)
         self._len = length
         if self._graph is not None:
             first, gk, gv = self._graph
             self._graph = None if length <= first else (first, gk[:, :, : length - first], gv[:, :, : length - first])
         if length == 0:
             self._padded = False
+            self._pads = None
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor | None:
         B, Hkv, L, D = self.k.shape
@@ -158,9 +163,16 @@ class KVCache(Owned):
         (part,) = self.append(k, v, attention_mask, in_order=in_order)
         return part.keys, part.values, part.attention_mask
 
-    def start(self, t: int) -> int:
-        """Where the ``t`` new tokens of every row start: the tokens written so far (the cache protocol)."""
-        return self._len
+    def start(self, t: int, attention_mask: Tensor | None = None) -> int | Tensor:
+        """Where the ``t`` new tokens sit (the cache protocol): the tokens written so far, one int for every row; once
+        a write had padding, (B, T) positions: each row's real tokens so far, then its new real tokens counted
+        (``attention_mask`` (B, T) bool, their padding, or None), as HuggingFace's ``generate`` numbers them."""
+        if self._pads is None:
+            return self._len
+        real = self._len - self._pads[:, None]  # (B, 1)
+        if attention_mask is None:
+            return real + torch.arange(t, device=real.device)  # (B, T)
+        return (attention_mask.long().cumsum(-1) - 1).masked_fill(~attention_mask, 0) + real  # (B, T): a pad at its row's next
 
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True
@@ -175,6 +187,8 @@ class KVCache(Owned):
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
         if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
             self._padded = True
+            pads = (~attention_mask).sum(-1)  # (B,)
+            self._pads = pads if self._pads is None else self._pads + pads
         recording = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None)
         T, start = k.shape[2], self._len
         if not recording and self.window is None:  # views of the buffers, nothing copied

@@ -26,16 +26,22 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
     if input_ids.dtype not in (torch.int64, torch.int32):
         kind = "integer token ids" if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool else "int64 or int32 token ids (embeddings take no other)"
         raise TypeError(f"{name} must hold {kind}, got dtype {input_ids.dtype}; convert with {name}.long()")
-    if not _checks.has_values(input_ids):
-        return input_ids.shape[0], input_ids.shape[1]
-    expected = f"{name} must hold ids in [0, vocab_size={vocab_size})"
-    if torch.compiler.is_compiling():  # no host read inside a graph: an assert in it
-        _checks.holds(((input_ids >= 0) & (input_ids < vocab_size)).all(), expected)
-        return input_ids.shape[0], input_ids.shape[1]
-    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host read (a device sync on a GPU)
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"{expected}, got ids from {low} to {high}")
+    in_range(input_ids, vocab_size, f"{name} must hold ids in [0, vocab_size={vocab_size})", "ids")
     return input_ids.shape[0], input_ids.shape[1]
+
+
+def in_range(t: Tensor, end: int, expected: str, what: str = "values") -> None:
+    """Raise ValueError(``expected``, and the values given) unless every value of the integer tensor ``t`` lies in
+    [0, end): one host read eagerly (on a GPU an index out of range would end in a device-side assert inside an
+    embedding), an assert in the graph under ``torch.compile``, nothing for a meta tensor."""
+    if not _checks.has_values(t) or t.numel() == 0:
+        return
+    if torch.compiler.is_compiling():  # no host read inside a graph: an assert in it
+        _checks.holds(((t >= 0) & (t < end)).all(), expected)
+        return
+    low, high = torch.stack([t.min(), t.max()]).tolist()  # one host read (a device sync on a GPU)
+    if low < 0 or high >= end:
+        raise ValueError(f"{expected}, got {what} from {low} to {high}")
 
 
 def attention_mask(mask: object, shape: tuple[int, int], name: str = "attention_mask", *, device: torch.device | None = None) -> Tensor:

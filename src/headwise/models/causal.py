@@ -97,10 +97,12 @@ class CausalModel(GenerationMixin, nn.Module):
             _, t, attention_mask, logits_to_keep = _inputs.model_call(
                 self, input_ids, attention_mask, positions, cache, logits_to_keep, self.embed_tokens.weight, len(self.blocks)
             )
-            start = 0 if cache is None else cache[0].start(t)  # an int, or (1, T) positions of a paged batch
+            held = 0 if cache is None else len(cache[0]) if isinstance(cache[0], KVCache) else None  # a paged batch: its sequences'
             name, limit = self.context_limit()
-            if positions is None and isinstance(start, int) and limit is not None and start + t > limit:
-                cached = f" after {start} cached" if start else ""
+            if positions is not None and limit is not None:
+                _inputs.in_range(positions, limit, f"positions must lie in [0, {name}={limit})")
+            elif held is not None and limit is not None and held + t > limit:
+                cached = f" after {held} cached" if held else ""
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
         x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
         for i, block in enumerate(self.blocks):

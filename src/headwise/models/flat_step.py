@@ -71,7 +71,7 @@ def _attend(attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tenso
     """``attn(x, cache=cache, position_ids=position_ids, check=False)``: (B, T, C) -> (B, T, C), nobody observing."""
     B, T, _ = x.shape
     D = attn.head_dim
-    start = cache.start(T)
+    start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
     queries, keys, values = attn.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
     queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
     keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)

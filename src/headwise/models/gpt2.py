@@ -145,7 +145,7 @@ class GPT2LMHeadModel(CausalModel):
         t = self.transformer
         if positions is None:
             b, n = input_ids.shape
-            start = 0 if cache is None else cache[0].start(n)  # an int, or (1, T) positions of a paged batch
+            start = 0 if cache is None else cache[0].start(n, attention_mask)  # an int, or positions: (B, T) after padding, (1, T) paged
             positions = start if isinstance(start, Tensor) else _positions(attention_mask, b, n, input_ids.device, start=start)  # (B, T)
         return t.drop(t.wte(input_ids) + t.wpe(positions))  # (B, T, C)
 
