@@ -189,10 +189,10 @@ def checked(
         )
     if paged and mask is not None:
         raise ValueError("mask cannot go with a paged batch (each sequence attends over its own keys): pass mask=None, with causal and window")
-    if isinstance(cache, caches.PagedBatch) and T != sum(cache.new_tokens):
+    if isinstance(cache, caches.PagedBatch) and sum(cache.new_tokens) != T:
         n = sum(cache.new_tokens)
         raise ValueError(f"a paged batch of {n} new tokens takes q of shape (1, H, T={n}, D) (its queries are the new tokens), got {tuple(q.shape)}")
-    if isinstance(cache, KVCache) and cache.window is not None and T > k.shape[2]:
+    if isinstance(cache, KVCache) and cache.window is not None and k.shape[2] < T:
         raise ValueError(
             f"a sliding cache keeps only the keys its newest tokens see: q may hold at most the T_kv = {k.shape[2]} new tokens "
             f"of k and v, got T = {T} queries"

@@ -10,7 +10,6 @@ Every write is checked whole before any block changes hands; the pool is for inf
 from __future__ import annotations
 
 import collections
-
 import math
 from collections.abc import Sequence
 
