@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from . import _checks
 from .cache import Cache, ContextCache, KVCache, checked
 from .functional import Plan, attention, attention_unchecked, merge_heads, plan, split_heads
+from .linear import weight_cache
 from .masks import inert_padding
 from .observe import observing, report
 
@@ -137,6 +138,7 @@ class AttentionLayer(nn.Module):
             return self._cross(x, context, context_mask, attention_mask, cache, position_ids)
         if check:
             x, attention_mask = self._checked(x, attention_mask, cache, position_ids)  # (B, T, d_in), (B, T) bool or None
+            weight_cache.verify()  # a write through .data since the projections' copies were made (once, in a model's forward)
         watched = observing()  # the steps below go to an observer only (one question, not one per step)
         queries, keys, values = self._heads(x, cache, attention_mask, position_ids, watched)  # (B, H, T, D), (B, Hkv, T, D) x2
         terms = {"causal": self.causal, "window": self.window, "backend": self.backend, **self.score_terms()}

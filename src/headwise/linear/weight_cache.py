@@ -2,15 +2,26 @@
 
 An entry is keyed by the ids of the tensors it was made from and remembers their state: storage
 pointer, ``_version`` (bumped by in-place writes: optimizer steps, ``load_state_dict``), shape,
-strides and dtype. A lookup that finds another state makes the entry again; the entry dies with
-its tensors. Under ``torch.distributed`` nothing is kept: FSDP2 refills its unsharded weights in
+strides, dtype and ``epoch``. A lookup that finds another state makes the entry again; the entry dies
+with its tensors. Under ``torch.distributed`` nothing is kept: FSDP2 refills its unsharded weights in
 place, at the same address, without bumping ``_version``.
+
+A write through ``p.data`` (an EMA's ``p.data.mul_``, a loader's ``p.data.copy_``) goes to a tensor
+with a version counter of its own: ``_version`` does not see it. So each tensor a kept copy was made
+from is watched (``watch``): a sample of its bytes is kept (a CPU tensor's first and last 64, read in
+place; elsewhere its first and last element), and ``verify``, which every checked forward and every
+``generate`` call runs before its projections, compares the samples and moves the ``epoch`` of a tensor
+whose sample changed. A ``.data`` write that leaves both ends as they were (a few middle rows changed)
+is not seen: write under ``torch.no_grad()`` instead, which bumps ``_version``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +31,10 @@ PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight 
 STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, what was stacked from them)
 PANELS: dict[torch.dtype, dict] = {}  # rows' dtype -> {(id(weight),): (its state, the weight packed in panels for such rows)}
 READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path setting) -> projection.Ready, a decode call decided once
+WATCHED: dict[int, tuple] = {}  # id(tensor) -> (a weak reference to it, its storage pointer, its bytes or None, its sample)
+EPOCH: dict[int, int] = {}  # id(tensor) -> how many times ``verify`` found its sample changed
+SPAN = 64  # bytes sampled at each end of a tensor
+_scope = threading.local()  # .on: inside ``verified()``, where ``verify`` was run once already
 
 
 def watchable() -> bool:
@@ -28,8 +43,74 @@ def watchable() -> bool:
 
 
 def state(tensors: Sequence[Tensor]) -> tuple:
-    """What changes when any of ``tensors`` is written or replaced."""
-    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype) for t in tensors])
+    """What changes when any of ``tensors`` is written or replaced (through ``.data`` too, once ``verify`` saw it)."""
+    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0)) for t in tensors])
+
+
+def _sample(t: Tensor) -> tuple[int | None, bytes | tuple]:
+    """(bytes, a sample of ``t``'s contents): a contiguous CPU tensor's byte count and its first and last ``SPAN``
+    bytes, read in place (``_ends``); another's None and its first and last element, by bits (two host reads)."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        size = t.numel() * t.element_size()
+        return size, _ends(t.data_ptr(), size)
+    flat = t.detach().flatten()
+    flat = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() and flat.element_size() in _BITS else flat  # NaN = NaN
+    return None, tuple(flat[[0, -1]].tolist()) if flat.numel() else ()
+
+
+def _ends(address: int, size: int) -> bytes:
+    n = min(size, SPAN)
+    return ctypes.string_at(address, n) + ctypes.string_at(address + size - n, n)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's size -> the integer dtype of its bits
+
+
+def watch(tensors: Sequence[Tensor]) -> None:
+    """Keep a sample of each of ``tensors`` for ``verify`` (again where its storage moved); dropped with the tensor."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        key, known = id(t), WATCHED.get(id(t))
+        if t.is_meta or (known is not None and known[1] == t.data_ptr()):
+            continue
+        if known is None:
+            weakref.finalize(t, _forget, key)
+        WATCHED[key] = (weakref.ref(t), t.data_ptr(), *_sample(t))
+
+
+def _forget(key: int) -> None:
+    WATCHED.pop(key, None)
+    EPOCH.pop(key, None)
+
+
+def verify() -> None:
+    """Compare every watched tensor with its sample: a changed one's ``epoch`` moves, so each copy made from it is made
+    again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
+    if not WATCHED or getattr(_scope, "on", False) or torch.compiler.is_compiling():
+        return
+    for key, (ref, address, size, sample) in list(WATCHED.items()):
+        t = ref()
+        if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
+            continue
+        now = _ends(address, size) if size is not None else _sample(t)[1]
+        if now != sample:
+            WATCHED[key] = (ref, address, size, now)
+            EPOCH[key] = EPOCH.get(key, 0) + 1
+
+
+@contextmanager
+def verified() -> Iterator[None]:
+    """``verify()`` once, then the block, where the calls of its own are skipped (a model's layers, in its forward)."""
+    if getattr(_scope, "on", False):
+        yield
+        return
+    verify()
+    _scope.on = True
+    try:
+        yield
+    finally:
+        _scope.on = False
 
 
 def cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) -> Any:
@@ -42,5 +123,6 @@ def cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) ->
         for t in owners:
             weakref.finalize(t, cache.pop, ids, None)
     if entry is None or entry[0] != now:
+        watch(owners)
         entry = cache[ids] = (now, make())
     return entry[1]

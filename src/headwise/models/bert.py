@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..config import FromDict
 from ..convert import load_checked
-from ..linear import project
+from ..linear import project, weight_cache
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
 
@@ -180,9 +180,10 @@ class BertModel(nn.Module):
             _inputs.on_model(token_type_ids, self.embeddings.word_embeddings.weight, "token_type_ids")
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
         attention_mask = _inputs.padding_only(is_token)
-        x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
-        for layer in self.encoder["layer"]:
-            x = layer(x, attention_mask=attention_mask)  # (B, T, C)
+        with weight_cache.verified():  # a write through .data since the projections' copies were made: looked for once
+            x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
+            for layer in self.encoder["layer"]:
+                x = layer(x, attention_mask=attention_mask)  # (B, T, C)
         return x
 
 

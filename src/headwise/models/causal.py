@@ -14,6 +14,7 @@ It checks its arguments first, unless ``check=False``: then nothing is checked a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..cache import Cache, KVCache, PagedKVCache
 from ..layer import AttentionLayer
-from ..linear import linear, project
+from ..linear import linear, project, weight_cache
 from . import _inputs
 from .generate import GenerationMixin
 
@@ -104,11 +105,13 @@ class CausalModel(GenerationMixin, nn.Module):
             elif held is not None and limit is not None and held + t > limit:
                 cached = f" after {held} cached" if held else ""
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
-        x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
-        for i, block in enumerate(self.blocks):
-            x = block(x, attention_mask=attention_mask, cache=None if cache is None else cache[i], position_ids=positions, check=check)
-        x = self.final_norm(_inputs.kept(x, logits_to_keep))  # (B, T or k or N, C): the LM head only where logits are wanted
-        return linear(x, self.embed_tokens.weight) if self.lm_head is None else project(self.lm_head, x)  # (B, T or k or N, vocab)
+        # checked: a write through .data since the projections' copies were made is looked for once, here
+        with weight_cache.verified() if check else contextlib.nullcontext():
+            x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
+            for i, block in enumerate(self.blocks):
+                x = block(x, attention_mask=attention_mask, cache=None if cache is None else cache[i], position_ids=positions, check=check)
+            x = self.final_norm(_inputs.kept(x, logits_to_keep))  # (B, T or k or N, C): the LM head only where logits are wanted
+            return linear(x, self.embed_tokens.weight) if self.lm_head is None else project(self.lm_head, x)  # (B, T or k or N, vocab)
 
     def flat_step(self) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor] | None:
         """``generate``'s unchecked decode step written out flat (``flat_step.FlatStep``: the same logits with

@@ -24,6 +24,7 @@ from torch.nn.modules import module as _module  # the global hook registries
 
 from .. import _checks
 from ..cache import KVCache
+from ..linear import weight_cache
 from ..observe import observing
 from . import _inputs
 from .compiled_step import compiled_step
@@ -126,6 +127,7 @@ class GenerationMixin:
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be a callable taking each step's (B,) tokens, or None, got {type(on_token).__name__}")
         check = not trusts(self)
+        weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
         name, limit = self.context_limit()

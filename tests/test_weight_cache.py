@@ -1,0 +1,90 @@
+"""Copies made from weights (stacked Q/K/V, oneDNN's packed layout, a compiled step's frozen constants) follow a write
+through ``.data``, which a weight's ``_version`` does not see: the model's numbers are a fresh copy's, bit for bit.
+
+Oracle: ``copy.deepcopy`` of the model after the write (a copy starts with no kept copies of its own).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import headwise as hw
+from headwise.linear import weight_cache
+from headwise.models import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(hw.GPT2Config(vocab_size=100, n_positions=64, n_embd=256, n_layer=1, n_head=4)).eval()  # 2^17+ weights
+
+
+WRITES = {
+    "mul_": lambda p: p.data.mul_(2),
+    "copy_": lambda p: p.data.copy_(torch.randn_like(p)),
+    "ema": lambda p: p.data.mul_(0.9).add_(torch.randn_like(p), alpha=0.1),
+}
+WEIGHTS = {
+    "llama q_proj (stacked)": (llama, lambda m: m.model["layers"][0].self_attn.q_proj.weight),
+    "llama up_proj (stacked)": (llama, lambda m: m.model["layers"][1].mlp.up_proj.weight),
+    "gpt2 c_attn (packed)": (gpt2, lambda m: m.transformer.h[0].attn.c_attn.weight),
+    "gpt2 tied head": (gpt2, lambda m: m.transformer.wte.weight),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_a_write_through_data_reaches_every_forward_and_generate(weight, write):
+    make, pick = WEIGHTS[weight]
+    model = make()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        before = model(ids), model.generate(ids, max_new_tokens=4)  # the kept copies made
+        WRITES[write](pick(model))
+        fresh = copy.deepcopy(model)
+        assert torch.equal(model(ids), fresh(ids))
+        assert not torch.equal(model(ids), before[0])
+        assert torch.equal(model.generate(ids, max_new_tokens=4), fresh.generate(ids, max_new_tokens=4))
+
+
+def test_a_standalone_layer_follows_a_write_through_data():
+    torch.manual_seed(0)
+    mha = hw.MultiHeadAttention(512, 512, 64, 0.0, num_heads=8).eval()  # 2^18 weights a projection
+    x = torch.randn(1, 1, 512)
+    with torch.no_grad():
+        mha(x)
+        mha.out_proj.weight.data.mul_(2)
+        assert torch.equal(mha(x), copy.deepcopy(mha)(x))
+
+
+def test_an_unchanged_weight_keeps_its_copies():
+    model = llama()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model(ids)
+        q = model.model["layers"][0].self_attn.q_proj.weight
+        q.data[0, 0] = torch.nan  # a NaN compares equal by its bits: no copy made again every call
+        model(ids)
+        epochs = dict(weight_cache.EPOCH)
+        model(ids), model.generate(ids, max_new_tokens=2)
+        assert epochs == weight_cache.EPOCH
+
+
+def test_the_compiled_step_follows_a_write_through_data():
+    model = llama()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, compile=True)
+        for p in model.parameters():
+            p.data.copy_(torch.randn_like(p) * 0.5)
+        want = copy.deepcopy(model).generate(ids, max_new_tokens=3)
+        assert torch.equal(model.generate(ids, max_new_tokens=3, compile=True), want)
