@@ -180,6 +180,9 @@ def test_bad_requests():
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], [1, 2, 3])
     with pytest.raises(ValueError, match=r"prompts must hold at least one"):
         generate_many(model, [], 3)
+    for bad in (None, 3.0, True):  # "'NoneType' object is not iterable" before
+        with pytest.raises(TypeError, match=rf"max_new_tokens must be an int or a list of ints, one per prompt \(2\), got {type(bad).__name__}"):
+            generate_many(model, [torch.tensor([1]), torch.tensor([2])], bad)
     with pytest.raises(ValueError, match=r"prompt \(2 tokens\) \+ max_new_tokens \(100000000\) exceeds n_positions=96"):
         generate_many(model, [torch.tensor([1, 2])], 10**8)  # refused before a pool is allocated for it
     with pytest.raises(ValueError, match=r"seed \(or None; request i samples with seed \+ i, 2 requests\) must be an int in \[0, 18446744073709551614\]"):

@@ -139,6 +139,22 @@ def test_random_bert_checkpoint_with_prefix_and_pooler(tmp_path):
         torch.testing.assert_close(BertModel.from_pretrained(tmp_path)(ids, mask)[real], want[real], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification", "BertForQuestionAnswering"])
+def test_a_checkpoint_with_a_task_head_loads_its_encoder(tmp_path, head):
+    """bert-base-uncased and its kind are saved with their heads: the encoder under ``bert.`` loads, the head is left out."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=40)
+    hf = getattr(transformers, head)(config).eval()
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(1, 97, (2, 9))
+    with torch.no_grad():
+        want = hf.bert(ids).last_hidden_state
+        got = BertModel.from_pretrained(tmp_path)(ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

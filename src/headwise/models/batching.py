@@ -310,7 +310,12 @@ def generate_many(
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must hold at least one 1-D tensor of token ids, got none")
-    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else list(max_new_tokens)
+    if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
+        counts = list(max_new_tokens)
+    elif isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+        counts = [max_new_tokens] * len(prompts)
+    else:  # each count's own type and range: check_request below
+        raise TypeError(f"max_new_tokens must be an int or a list of ints, one per prompt ({len(prompts)}), got {type(max_new_tokens).__name__}")
     if len(counts) != len(prompts):
         raise ValueError(f"max_new_tokens must be an int or one int per prompt ({len(prompts)}), got {len(counts)} values")
     for name, value in [("block_size", block_size), ("max_step_tokens", max_step_tokens)]:

@@ -200,7 +200,14 @@ def hf_bert_key(key: str) -> str:
     return key
 
 
+#: The task heads of transformers' BertFor* checkpoints (masked LM and next sentence, classifiers, question answering):
+#: the encoder under them is a BertModel's, under ``bert.``.
+TASK_HEADS = ("cls.", "classifier.", "qa_outputs.")
+
+
 def _skipped(key: str) -> bool:
+    if key.startswith(TASK_HEADS):
+        return True
     key = key.removeprefix("bert.")
     return key == "embeddings.position_ids" or key.startswith("pooler.")
 
