@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linear import projection
-from ..linear.weight_cache import state, watch, watchable
+from ..linear.weight_cache import state, verify, watch, watchable
 
 
 def config_per_thread() -> bool:
@@ -79,8 +79,9 @@ def compiled_step(model: nn.Module, key: object, step: partial, trusted: bool = 
     freeze = watchable() and bool(tensors) and all(t.device.type == "cpu" and not t.is_inference() for t in tensors)
     kept = steps.get(key)
     tracked = trusted and (kept is None or (kept[0] is not None and kept[0][1] is not None))
-    if freeze:
-        watch(tensors)  # the frozen graph's weights: a write through .data is seen by ``verify``, as any copy's
+    if freeze:  # the frozen graph's weights: a write through .data since the last look moves their epochs first
+        verify()
+        watch(tensors)
     now = (state(tensors), structure(model) if tracked else None) if freeze else None
     if kept is None or kept[0] != now:
         if now is not None and now[1] is not None and kept is not None and kept[0] is not None and kept[0][0] == now[0]:
