@@ -88,3 +88,29 @@ def test_the_compiled_step_follows_a_write_through_data():
             p.data.copy_(torch.randn_like(p) * 0.5)
         want = copy.deepcopy(model).generate(ids, max_new_tokens=3)
         assert torch.equal(model.generate(ids, max_new_tokens=3, compile=True), want)
+
+
+def test_a_batcher_follows_a_write_through_data_between_steps():
+    from headwise.models import Batcher
+
+    model = llama()
+    prompt = torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        batcher = Batcher(model, num_blocks=8, block_size=4)
+        batcher.submit(prompt, 4)
+        (_, first), = batcher.step()  # the prompt: the stacked copies made
+        up = model.model["layers"][-1].mlp.up_proj.weight  # the last layer's MLP: no cached key or value depends on it
+        up.data.copy_(torch.randn_like(up) * 3)
+        rest = [token for _ in range(3) for _, token in batcher.step()]
+        assert rest == _continued(copy.deepcopy(model), [*prompt.tolist(), first], 3)
+        up.data.copy_(torch.randn_like(up) * 3)  # and the test can tell: the old weights' tokens were others
+        assert rest != _continued(copy.deepcopy(model), [*prompt.tolist(), first], 3)
+
+
+def _continued(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after ids, one full forward each (no cache)."""
+    out = []
+    for _ in range(n):
+        token = int(model(torch.tensor([ids]))[0, -1].argmax())
+        ids, out = [*ids, token], [*out, token]
+    return out

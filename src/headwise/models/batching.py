@@ -38,6 +38,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..cache import PagedKVCache
+from ..linear import weight_cache
 from ._inputs import SEED_HIGH, check_request
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
@@ -198,6 +199,7 @@ class Batcher:
                 f"the model now computes in {weight.dtype} on {weight.device}, but this Batcher's caches were made for "
                 f"{self._computes[0]} on {self._computes[1]}: make a new Batcher after changing the model's dtype or device"
             )
+        weight_cache.verify()  # weights written through .data between steps: their kept copies made again
         feeds, joins = schedule(self._running, self._waiting, max_step_tokens=self.max_step_tokens, num_blocks=self.caches[0].num_blocks)
         if not feeds:
             return []
