@@ -164,6 +164,44 @@ def test_project_calls_hooked_or_replaced_layers_as_they_are(linear_path):
     torch.testing.assert_close(hl.project(dbl, x), 2 * F.linear(x, dbl.weight, dbl.bias))
 
 
+@pytest.mark.parametrize("rows", [1, 48])
+@pytest.mark.parametrize("kind", ["linear", "int8", "int8-a8"])
+def test_a_forward_set_on_the_instance_runs(linear_path, kind, rows):
+    """accelerate's hooks and offloading replace a module's forward on the instance: it runs, at every row count."""
+    from headwise.quantize import Int8Linear
+
+    torch.manual_seed(0)
+    w = torch.randn(72 * 32, 80)  # 2^17+ weights: a decode call's packed or panels path where the CPU has one
+    layers = [torch.nn.Linear(80, 72 * 32) if kind == "linear" else Int8Linear(w, activations="int8" if kind == "int8-a8" else "bf16")
+              for _ in range(2)]
+    x = torch.randn(1, rows, 80)
+    with torch.no_grad():
+        for layer in layers:
+            hl.project(layer, x), hl.project_many(layers, x)  # the kept copies made first
+        own = layers[0].forward
+        layers[0].forward = lambda t: own(t) * 0
+        assert hl.project(layers[0], x).abs().max() == 0
+        first, second = hl.project_many(layers, x)
+        assert first.abs().max() == 0
+        torch.testing.assert_close(second, layers[1](x), rtol=1e-5, atol=1e-5)  # its own path: F.linear to rounding
+
+
+def test_backward_hooks_fire_through_every_module():
+    mha = hw.MultiHeadAttention(64, 64, 32, 0.0, num_heads=4)
+    calls = []
+    mha.out_proj.register_full_backward_hook(lambda m, gi, go: calls.append("own"))
+    mha.W_query.register_full_backward_pre_hook(lambda m, go: calls.append("pre"))
+    mha(torch.randn(2, 8, 64, requires_grad=True)).sum().backward()
+    assert sorted(calls) == ["own", "pre"]
+    everyone = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: calls.append(type(m).__name__))
+    try:
+        calls.clear()
+        mha(torch.randn(2, 8, 64, requires_grad=True)).sum().backward()
+        assert calls.count("Linear") == 4
+    finally:
+        everyone.remove()
+
+
 # ----------------------------------------------------------------------------- project_many: one GEMM on both paths
 
 

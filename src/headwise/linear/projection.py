@@ -225,7 +225,7 @@ def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> R
     if not _decode_call(x) or _global_module_hooks():
         return None
     kind = type(layers[0])
-    if any(type(layer) is not kind or layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+    if any(type(layer) is not kind or not _unhooked(layer) for layer in layers):
         return None
     if kind is nn.Linear:
         weights = [layer._parameters["weight"] for layer in layers]
@@ -375,9 +375,12 @@ def _hookless(layer: nn.Module) -> bool:
 
 
 def _unhooked(layer: nn.Module) -> bool:
-    """No forward hooks of the layer's own (the global ones are ``_global_module_hooks``)."""
-    return not layer._forward_hooks and not layer._forward_pre_hooks
+    """No hooks of the layer's own, forward or backward (the global ones are ``_global_module_hooks``), and no
+    ``forward`` set on the instance (what accelerate's hooks and offloading do): else the layer is called as it is."""
+    return not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks) \
+        and "forward" not in layer.__dict__
 
 
 def _global_module_hooks() -> bool:
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
