@@ -171,3 +171,17 @@ def test_an_unknown_arithmetic_is_refused_by_name():
         int8_weights(model, activations="int4")
     assert type(model[0]) is nn.Linear, "nothing converted"
     assert "activations=int8" in repr(Int8Linear(torch.randn(4, 4), activations="int8"))
+
+
+@pytest.mark.parametrize("where", [3, 64, 70])  # in a vector of 16, in the last full one, in the tail
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_nan_in_a_row_gives_that_row_nan_on_every_path(where, rows):
+    """A max instruction drops a NaN: the decode kernel looks for it apart, so its row's outputs are NaN as forward's."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(48, 71), activations="int8")
+    x = torch.randn(rows, 71)
+    x[0, where] = float("nan")
+    with torch.no_grad():
+        want, got = layer(x), hl.project(layer, x)
+    assert want[0].isnan().all() and got[0].isnan().all()
+    assert torch.equal(got[1:], want[1:])  # the other rows as they were

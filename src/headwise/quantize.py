@@ -358,7 +358,7 @@ class Int8Linear(nn.Module):
         (a function, its arguments after x): the panels GEMM over their int8 weights, stacked and packed once, then their
         scales and biases, all of it one C++ op (``headwise::panels_int8_scaled``, or ``panels_int8_rows_scaled`` for int8
         activations) for float32 or bfloat16 x, each output channel's numbers ``forward``'s, bit for bit (int8
-        activations: for finite x); None where ``forward`` runs another kernel (or raises), or for other dtypes."""
+        activations: a NaN in a row makes that row's outputs NaN, as ``forward``'s); None where ``forward`` runs another kernel (or raises), or for other dtypes."""
         first = layers[0]
         if type(first).forward is not Int8Linear.forward:
             return None  # a subclass's own forward runs as it is

@@ -375,13 +375,19 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
 #if defined(__x86_64__)
 // Row i of x (K float32) rounded to int8 as headwise.quantize's _int8_rows does: its scale max|x| times float32's 1/127
 // (at least float32's tiny), each value divided by it and rounded half to even; the int8 values (Kp, a zero past K) into
-// q, the scale returned. Finite x: torch's numbers, bit for bit.
+// q, the scale returned. Finite x: torch's numbers, bit for bit; a NaN in the row makes its scale NaN, as torch's amax
+// does (max instructions drop a NaN: it is looked for apart), so the row's outputs are NaN.
 __attribute__((target("avx512f,avx512bw"))) float int8_row(const float* x, int64_t K, int64_t Kp, int8_t* q) {
   __m512 top = _mm512_setzero_ps();
+  __mmask16 nan = 0;
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  float amax = _mm512_reduce_max_ps(top);
-  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  }
+  float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(top);
+  for (; k < K; ++k) amax = std::isnan(x[k]) ? x[k] : std::isnan(amax) ? amax : std::max(amax, std::fabs(x[k]));
   const float scale = std::max(amax * static_cast<float>(1.0 / 127), std::numeric_limits<float>::min());
   const __m512 s = _mm512_set1_ps(scale);
   for (k = 0; k + 16 <= K; k += 16) {
