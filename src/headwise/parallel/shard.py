@@ -56,7 +56,7 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
         ValueError: a mesh of more than one dimension; heads or KV heads (or an MLP's width)
             not divisible by the mesh size; a sharded layer with forward/backward hooks (they
             would see per-rank shards instead of the tensors they were written for); a module
-            already parallelized; parameters on another device type than the mesh; nothing
+            with sinks or ALiBi slopes (one value per head, not sharded yet); a module already parallelized; parameters on another device type than the mesh; nothing
             to shard.
     """
     _check_mesh(device_mesh)
@@ -109,11 +109,21 @@ def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
             raise ValueError(f"{name} is on {t.device.type} but device_mesh is a {mesh.device_type} mesh: move the model to the rank's device first")
 
 
+#: A module's terms with one value per query head, which no plan shards: a module holding one is refused.
+PER_HEAD_TERMS = ("sinks", "alibi_slopes")
+
+
 def _check(where: str, owner: nn.Module, plan: Plan, n: int) -> None:
     if isinstance(owner, AttentionLayer) and (owner.num_heads % n or owner.num_kv_heads % n):
         raise ValueError(
             f"{where}: num_heads ({owner.num_heads}) and num_kv_heads ({owner.num_kv_heads}) must both be divisible "
             f"by the mesh size ({n}): each rank holds whole query and key/value heads"
+        )
+    terms = [name for name in PER_HEAD_TERMS if getattr(owner, name, None) is not None]
+    if terms:
+        raise ValueError(
+            f"{where} has {' and '.join(terms)} (one value per query head): tensor parallelism does not shard them yet, "
+            "so each rank would attend with every head's values; parallelize a module without sinks or ALiBi"
         )
     for name, make in plan.items():
         if not name:
