@@ -120,6 +120,27 @@ def test_a_context_cache_projects_the_context_once(monkeypatch):
     assert len(cache) == 0
 
 
+@pytest.mark.parametrize("write", ["no_grad", "data", "load_state_dict"])
+@pytest.mark.parametrize("again", [True, False], ids=["context-again", "cache-only"])
+def test_a_context_cache_projects_the_kept_context_again_once_the_weights_changed(write, again):
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 1, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    cache = ContextCache()
+    m(x, context=memory, cache=cache)
+    changed = {k: v * 2 for k, v in m.state_dict().items()}
+    if write == "no_grad":  # an optimizer step
+        with torch.no_grad():
+            m.W_key.weight.mul_(2)
+            m.W_value.weight.mul_(2)
+    elif write == "data":  # a write autograd does not count
+        m.W_key.weight.data.mul_(2)
+        m.W_value.weight.data.mul_(2)
+    else:
+        m.load_state_dict(changed)
+    got = m(x, context=memory if again else None, cache=cache)
+    torch.testing.assert_close(got, m(x, context=memory), atol=1e-12, rtol=1e-12)  # the new weights' keys, not the kept ones
+
+
 def test_a_context_cache_belongs_to_one_layer():
     first, second = _module(causal=False, kv_dim=7), _module(seed=1, causal=False, kv_dim=7)
     x, memory = torch.randn(2, 1, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)

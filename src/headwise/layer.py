@@ -225,6 +225,7 @@ class AttentionLayer(nn.Module):
         if position_ids is not None:
             raise ValueError("position_ids place x's tokens for a position encoding; cross-attention uses none: pass position_ids=None")
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T)
+        weight_cache.verify()  # a write through .data since a ContextCache's (or a projection's) copies were made
         if cache is not None:
             cache.check_owner(self)
         if context is None and (cache is None or not len(cache)):
@@ -242,25 +243,30 @@ class AttentionLayer(nn.Module):
                 "(it is projected again), or leave context_mask out"
             )
         report("x", x)
-        queries, keys, values, context_mask, fresh = self._cross_heads(x, context, context_mask, cache)
+        queries, keys, values, context_mask, projected = self._cross_heads(x, context, context_mask, cache)
         out = attention(
             queries, keys, values, attention_mask=context_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
         )  # (B, H, T, D)
-        if fresh and cache is not None:
-            cache.store(self, context, keys, values, context_mask)  # after attention took them: a refused call changes nothing
+        if projected is not None and cache is not None:
+            cache.store(self, projected, keys, values, context_mask)  # after attention took them: a refused call changes nothing
         out = self.project_out(merge_heads(out))  # (B, T, C)
         report("output", out)
         return out
 
     def _cross_heads(
         self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, cache: ContextCache | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
         """Queries (B, H, T, D) of x; keys and values (B, Hkv, S, D) and padding (B, S) or None of ``context``, or the
-        ``ContextCache``'s where it holds them; and whether they were projected now."""
+        ``ContextCache``'s where it holds them for these weights; and the context they were projected from now, or None."""
         queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        if context is None or (cache is not None and cache.holds(context, context_mask)):
-            return queries, cache.k, cache.v, cache.context_mask, False
+        reusable = cache is not None and cache.made_with(list(self.parameters()))
+        if context is None and reusable:
+            return queries, cache.k, cache.v, cache.context_mask, None
+        if context is None:  # the weights changed since: the kept context projected again
+            context, context_mask = cache.context, cache.context_mask
+        elif reusable and cache.holds(context, context_mask):
+            return queries, cache.k, cache.v, cache.context_mask, None
         keys, values = self.project_kv(inert_padding(context, context_mask))  # (B, S, Hkv*D) x2
         keys = split_heads(keys, self.head_dim, "keys")  # (B, Hkv, S, D)
         values = split_heads(values, self.head_dim, "values")  # (B, Hkv, S, D)
-        return queries, keys, values, context_mask, True
+        return queries, keys, values, context_mask, context

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..linear import weight_cache
 from .owner import Owned
 
 
@@ -17,7 +18,8 @@ class ContextCache(Owned):
 
     The first forward given a ``context`` projects and stores them; later forwards reuse them,
     with or without the context passed again; another context (other values, or another
-    ``context_mask``) is projected and replaces them. It belongs to the module that filled it
+    ``context_mask``) is projected and replaces them, and so is the kept context once the
+    module's weights changed (``headwise.linear.weight_cache.state``). It belongs to the module that filled it
     (another module's projections are other numbers): another module given it gets a ValueError.
 
     Example:
@@ -38,13 +40,23 @@ class ContextCache(Owned):
         self.context_mask: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
         self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
         self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
+        self._weights: tuple | None = None  # the state of the owner's parameters then (``weight_cache.state``)
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
     def reset(self) -> None:
         """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
-        self.k = self.v = self.context_mask = self._context = self._version = None
+        self.k = self.v = self.context_mask = self._context = self._version = self._weights = None
+
+    @property
+    def context(self) -> Tensor | None:
+        """(B, S, kv_dim) the context the stored keys and values were projected from, or None."""
+        return self._context
+
+    def made_with(self, params: list[Tensor]) -> bool:
+        """Whether the stored keys and values were projected with these parameters, unchanged since."""
+        return self._weights is not None and self._weights == weight_cache.state(params)
 
     def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
         """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
@@ -61,6 +73,9 @@ class ContextCache(Owned):
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
         self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
+        params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
+        weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
+        self._weights = weight_cache.state(params)
         self.bind(owner)
 
 
