@@ -21,7 +21,7 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ def _forget(key: int) -> None:
 def verify() -> None:
     """Compare every watched tensor with its sample: a changed one's ``epoch`` moves, so each copy made from it is made
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
-    if not WATCHED or getattr(_scope, "on", False) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not WATCHED or getattr(_scope, "on", False):  # (a graph must not read the dict)
         return
     for key, (ref, address, size, sample) in list(WATCHED.items()):
         t = ref()
@@ -99,9 +99,15 @@ def verify() -> None:
             EPOCH[key] = EPOCH.get(key, 0) + 1
 
 
+def checking(check: bool) -> AbstractContextManager:
+    """``verified()`` for a checked eager forward; otherwise (unchecked, or traced by ``torch.compile``) nothing."""
+    return verified() if check and not torch.compiler.is_compiling() else nullcontext()
+
+
 @contextmanager
 def verified() -> Iterator[None]:
-    """``verify()`` once, then the block, where the calls of its own are skipped (a model's layers, in its forward)."""
+    """``verify()`` once, then the block, where the calls of its own are skipped (a model's layers, in its forward).
+    Eager only: a traced forward uses ``contextlib.nullcontext()`` instead (``checking``)."""
     if getattr(_scope, "on", False):
         yield
         return

@@ -180,7 +180,7 @@ class BertModel(nn.Module):
             _inputs.on_model(token_type_ids, self.embeddings.word_embeddings.weight, "token_type_ids")
             _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
         attention_mask = _inputs.padding_only(is_token)
-        with weight_cache.verified():  # a write through .data since the projections' copies were made: looked for once
+        with weight_cache.checking(True):  # a write through .data since the projections' copies were made: looked for once
             x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
             for layer in self.encoder["layer"]:
                 x = layer(x, attention_mask=attention_mask)  # (B, T, C)

@@ -14,7 +14,6 @@ It checks its arguments first, unless ``check=False``: then nothing is checked a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -106,7 +105,7 @@ class CausalModel(GenerationMixin, nn.Module):
                 cached = f" after {held} cached" if held else ""
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
         # checked: a write through .data since the projections' copies were made is looked for once, here
-        with weight_cache.verified() if check else contextlib.nullcontext():
+        with weight_cache.checking(check):
             x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
             for i, block in enumerate(self.blocks):
                 x = block(x, attention_mask=attention_mask, cache=None if cache is None else cache[i], position_ids=positions, check=check)
