@@ -132,11 +132,12 @@ class ReorderedHead(nn.Module):
         self.k_proj = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.q_proj = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.scale = d_out**-0.5
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         t = x.shape[1]
         scores = (self.q_proj(x) @ self.k_proj(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
-        return torch.softmax(scores * self.scale, dim=-1) @ self.v_proj(x)
+        return self.drop(torch.softmax(scores * self.scale, dim=-1)) @ self.v_proj(x)
 
 
 def test_weights_go_in_by_name_not_by_creation_order():
@@ -240,3 +241,56 @@ def test_a_hint_another_failing_configuration_does_not_show_is_not_given():
     assert _verdict("MultiHeadAttention", "MultiHeadAttention", outcomes).hint == H.MERGE_TRANSPOSE_23
     outcomes = [Outcome(first, "merged", [H.MERGE_NO_TRANSPOSE]), Outcome(second, "merged", [])]
     assert _verdict("MultiHeadAttention", "MultiHeadAttention", outcomes).hint is None
+
+
+class DropoutAlwaysOn(nn.Module):
+    """The book's head with F.dropout(weights, p): training=True by default, so it drops in eval() too."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__()
+        self.W_query, self.W_key, self.W_value = (nn.Linear(d_in, d_out, bias=qkv_bias) for _ in range(3))
+        self.p = dropout
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.nn.functional.dropout(torch.softmax(scores / self.W_key.out_features**0.5, dim=-1), self.p) @ self.W_value(x)
+
+
+class NoDropout(DropoutAlwaysOn):
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.softmax(scores / self.W_key.out_features**0.5, dim=-1) @ self.W_value(x)
+
+
+class ChangedAfter(NoDropout):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.dropout = nn.Dropout(args[3])
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.tanh(self.dropout(torch.softmax(scores / self.W_key.out_features**0.5, dim=-1)) @ self.W_value(x))
+
+
+@pytest.mark.parametrize(("cls", "step", "hint"), [
+    (DropoutAlwaysOn, "dropout", "the output changes in eval() mode"),
+    (NoDropout, "dropout", "dropout is never applied"),
+    (ChangedAfter, "output", "the right output was computed, then changed before forward returned it"),
+])
+def test_dropout_and_a_changed_output_are_told_apart(cls, step, hint):
+    result = grade_class(cls, "CausalAttention")
+    assert not result.passed and result.step == step and hint in result.hint
+    if step == "dropout":
+        assert "CausalAttention(3, 2, 6, 0.5, False)" in result.config
+
+
+def test_a_bias_the_book_lacks_is_named():
+    class Biased(ReorderedHead):
+        def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+            super().__init__(d_in, d_out, context_length, dropout, True)  # bias=qkv_bias forgotten
+
+    result = grade_class(Biased, "CausalAttention")
+    assert not result.passed and "proj.bias is a bias the book's W_" in result.error and "does not have here (qkv_bias=False)" in result.error

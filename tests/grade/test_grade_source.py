@@ -17,13 +17,14 @@ class CausalAttention(nn.Module):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = nn.Dropout(dropout)
         self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
 
     def forward(self, x):
         b, num_tokens, d_in = x.shape
         scores = self.W_query(x) @ self.W_key(x).transpose(1, 2)
         scores = scores.masked_fill(self.mask.bool()[:num_tokens, :num_tokens], NEG)
-        return torch.softmax(scale(scores, self.W_key.out_features), dim=-1) @ self.W_value(x)
+        return self.dropout(torch.softmax(scale(scores, self.W_key.out_features), dim=-1)) @ self.W_value(x)
 '''
 
 WRAPPER = '''

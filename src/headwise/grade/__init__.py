@@ -4,7 +4,8 @@
 the classes named like the book's (``CausalAttention``, ``MultiHeadAttentionWrapper``,
 ``MultiHeadAttention``), builds each with the book's positional signature and weights, runs
 the book's batch and a few random configurations in eval mode, and records every tensor the
-learner's forward computes. A class passes when its output matches the book's class; else
+learner's forward computes; then, built with dropout, it must give the book's output in eval mode and
+another in train mode (dropout in training only). A class passes when its output matches the book's class; else
 the report names the first step of the book's forward it never produced, what was expected
 and what came closest, and a hint when its numbers match a known mistake's; code that raised
 or ran too long is shown at its line.

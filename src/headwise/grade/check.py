@@ -48,7 +48,35 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
         raised = where(e, file)
         return Result(name, "unknown", False, "error", error=raised.error, line=raised.line, code=raised.code)
     outcomes = [_try(cls, kind, config, file) for config in CONFIGS[kind]]
+    if all(o.step is None for o in outcomes):  # the numbers are the book's: then its dropout, where the numbers tell
+        outcomes.append(_dropout(cls, kind, CONFIGS[kind][0], file))
     return _verdict(name, kind, outcomes)
+
+
+DROPOUT = 0.5  # the rate the dropout check builds with: half the weights dropped in training
+
+
+def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
+    """Built with dropout, in eval() mode the output must be the book's (no dropout there); in train() mode it must
+    change (dropout acts). Which weights are dropped is the RNG's, so train() is not compared number by number."""
+    ref = reference(kind, config)
+    try:
+        module = build(cls, kind, config, ref.state, DROPOUT)
+        x = ref.x.float()  # (B, T, d_in)
+        with torch.no_grad():
+            evaluated = module(x)
+            module.train()
+            trained = [module(x) for _ in range(2)]  # two draws: all-kept twice is (1/2)^(weights) unlikely
+    except (Exception, SystemExit) as e:
+        raised = where(e, file)
+        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"with dropout={DROPOUT}: {raised.error}"))
+    want = ref.output
+    if not (isinstance(evaluated, Tensor) and evaluated.shape == want.shape and torch.allclose(evaluated.double(), want, rtol=1e-4, atol=1e-5)):
+        expected, got = _show([evaluated.detach()] if isinstance(evaluated, Tensor) else [], want, False)
+        return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got)
+    if all(isinstance(t, Tensor) and t.shape == want.shape and torch.allclose(t.double(), want, rtol=1e-4, atol=1e-5) for t in trained):
+        return Outcome(config, "dropout", [H.DROPOUT_NEVER], _row(want, 0), _row(trained[0].detach(), 0))
+    return Outcome(config)
 
 
 def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
@@ -72,6 +100,9 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
     status = step_status(records, ref.steps)
     step = next((name for name, s in status.items() if s == "missing"), None)
+    if step is None and isinstance(out, Tensor) and out.shape == want.shape:  # the right output computed, then changed
+        expected, got = _show([out.detach()], want, False)
+        return Outcome(config, "output", [H.CHANGED_AFTER], expected, got, steps=status)
     if step is None:  # every step is there, the output too: only what forward returns is off
         return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want), steps=status)
     matched = matching_probes(records, out, H.probes(kind, ref, config), step)
@@ -92,7 +123,7 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
     """Pass when every configuration matched; else the first failure, with the hints every failure at that step shares."""
     failed = [o for o in outcomes if o.step is not None]
     if not failed:
-        return Result(name, kind, True, configs=len(outcomes))
+        return Result(name, kind, True, configs=len(CONFIGS[kind]))
     first = failed[0]
     if first.step == "error":  # not cutting the mask raises exactly when num_tokens < context_length
         short = [o for o in outcomes if o.config.num_tokens < o.config.context_length]
@@ -101,8 +132,8 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
         shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
         hint = "; or ".join(shared) or None  # a mistake whose tensor another failing configuration does not show is not it
     line, code, error = (first.raised.line, first.raised.code, first.raised.error) if first.raised else (None, None, None)
-    return Result(name, kind, False, first.step, hint, first.config.describe(name, kind), first.expected, first.got, error, len(outcomes),
-                  first.steps, line, code)
+    described = first.config.describe(name, kind, DROPOUT if first.step == "dropout" else 0.0)
+    return Result(name, kind, False, first.step, hint, described, first.expected, first.got, error, len(CONFIGS[kind]), first.steps, line, code)
 
 
 def _show(records: list[Tensor], want: Tensor, scale_free: bool) -> tuple[str, str]:

@@ -33,6 +33,12 @@ MERGE_TRANSPOSE_23 = ("the heads are merged after transpose(2, 3), which swaps t
                       "back before the heads: context_vec.transpose(1, 2).contiguous().view(b, num_tokens, d_out)")
 NO_OUT_PROJ = "the output is the merged heads as they are: apply self.out_proj to them last"
 WRONG_SHAPE = "right numbers, wrong shape: every step matches the book's, but forward returns them in another shape; return (b, num_tokens, d_out)"
+DROPOUT_IN_EVAL = ("with dropout=0.5 the output changes in eval() mode: dropout must act in training only; use an "
+                   "nn.Dropout module (self.dropout = nn.Dropout(dropout)), or F.dropout(..., training=self.training)")
+DROPOUT_NEVER = ("with dropout=0.5 the output in train() mode is the eval() output: dropout is never applied; "
+                 "apply self.dropout to the attention weights after the softmax")
+CHANGED_AFTER = ("the right output was computed, then changed before forward returned it: every step matches the book's, "
+                 "the last one too; return what the last step (self.out_proj, or the concatenated heads) gives, as it is")
 CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
 
 

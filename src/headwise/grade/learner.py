@@ -97,9 +97,9 @@ def kind_of(name: str, cls: type) -> str:
     return "MultiHeadAttentionWrapper" if isinstance(getattr(probe, "heads", None), nn.ModuleList) else "MultiHeadAttention"
 
 
-def build(cls: type, kind: str, config: Config, state: dict[str, Tensor]) -> nn.Module:
+def build(cls: type, kind: str, config: Config, state: dict[str, Tensor], dropout: float = 0.0) -> nn.Module:
     """``cls(*book's positional args)`` in eval mode, holding the reference's weights."""
-    module = cls(*config.args(kind))
+    module = cls(*config.args(kind, dropout))
     if not isinstance(module, nn.Module):
         raise SetupError(f"{cls.__name__}(...) gave a {type(module).__name__}, not an nn.Module")
     copy_weights(module, state)
@@ -111,6 +111,11 @@ def copy_weights(module: nn.Module, state: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters(remove_duplicate=False):
             p.copy_(_source(name, tuple(p.shape), state).to(p.dtype))
+
+
+def _layers(state: dict[str, Tensor]) -> str:
+    """The book module's layers, e.g. ``heads.0.W_query, heads.0.W_key, ...``."""
+    return ", ".join(dict.fromkeys(key.rsplit(".", 1)[0] for key in state))
 
 
 def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
@@ -127,6 +132,13 @@ def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
                 if tuple(want.shape) == shape:
                     return want
                 raise SetupError(f"parameter {name} has shape {shape}; the book's {prefix}{canon} has {tuple(want.shape)}")
+            if leaf == "bias" and f"{prefix}{canon}.weight" in state:  # the layer is the book's, its bias is not there
+                raise SetupError(
+                    f"parameter {name} is a bias the book's {prefix}{canon} does not have here (qkv_bias=False): "
+                    "build the layer with nn.Linear(d_in, d_out, bias=qkv_bias)"
+                )
+            if not any(key.startswith(f"{prefix}{canon}.") for key in state):
+                raise SetupError(f"parameter {name}: the book's class has no {prefix}{canon} layer; it holds {_layers(state)}")
     if layer.lower() in FUSED and leaf != "T":
         parts = [state.get(f"{prefix}{c}.{leaf}") for c in ("W_query", "W_key", "W_value")]
         if all(p is not None for p in parts) and tuple(torch.cat(parts).shape) == shape:

@@ -48,9 +48,13 @@ class Recorder(TorchFunctionMode):
             self.tensors.append(out.detach().clone())
 
 
-def _sdpa_steps(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-                is_causal: bool = False, scale: float | None = None, **_: Any) -> list[Tensor]:
-    """The book's scores, masked scores and weights for an SDPA call: (.., T, S) each."""
+def _sdpa_steps(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> list[Tensor]:
+    """The book's scores, masked scores and weights for an SDPA call (torch's parameter names: given by keyword or
+    not, the same steps): (.., T, S) each."""
+    q, k = query, key
+    if enable_gqa and k.ndim >= 3 and k.shape[-3] != q.shape[-3]:  # each key head serves H / Hkv query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scores = q @ k.transpose(-2, -1)  # (.., T, S)
     steps = [scores]
     if is_causal:

@@ -40,16 +40,16 @@ class Config:
     qkv_bias: bool
     seed: int | None = None
 
-    def args(self, kind: str) -> tuple:
-        """The book's positional constructor arguments (dropout 0.0)."""
+    def args(self, kind: str, dropout: float = 0.0) -> tuple:
+        """The book's positional constructor arguments (dropout 0.0 unless given)."""
         if kind == "CausalAttention":
-            return (self.d_in, self.d_out, self.context_length, 0.0, self.qkv_bias)
-        return (self.d_in, self.d_out, self.context_length, 0.0, self.num_heads, self.qkv_bias)
+            return (self.d_in, self.d_out, self.context_length, dropout, self.qkv_bias)
+        return (self.d_in, self.d_out, self.context_length, dropout, self.num_heads, self.qkv_bias)
 
-    def describe(self, name: str, kind: str) -> str:
+    def describe(self, name: str, kind: str, dropout: float = 0.0) -> str:
         """E.g. ``MultiHeadAttention(3, 2, 6, 0.0, 2, False) on x of shape (2, 6, 3)``."""
         where = "the book's batch" if self.seed is None else "x"
-        return f"{name}{self.args(kind)} on {where} of shape {(self.batch, self.num_tokens, self.d_in)}"
+        return f"{name}{self.args(kind, dropout)} on {where} of shape {(self.batch, self.num_tokens, self.d_in)}"
 
 
 # Sizes kept distinct (d_in, d_out, num_heads, head_dim, tokens) so that each known mistake

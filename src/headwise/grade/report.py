@@ -86,7 +86,7 @@ class Report:
         for r in self.results:
             lines.append("")
             if r.passed:
-                lines.append(f"{r.name}: PASS (same output as the book's {r.kind} in all {r.configs} configurations)")
+                lines.append(f"{r.name}: PASS (same output as the book's {r.kind} in all {r.configs} configurations, dropout in training only)")
                 continue
             lines.append(f"{r.name}: FAIL {_where_it_failed(r)}")
             for label, value in (("checked with", r.config), ("code", r.code), ("error", r.error), ("expected", r.expected), ("got", r.got),
@@ -112,7 +112,7 @@ class Report:
 def _result_html(r: Result) -> str:
     verdict = "pass" if r.passed else "fail"
     if r.passed:
-        badge, note = "PASS", f"same output as the book's <code>{escape(r.kind)}</code> in all {r.configs} configurations"
+        badge, note = "PASS", f"same output as the book's <code>{escape(r.kind)}</code> in all {r.configs} configurations, dropout in training only"
     else:
         badge, note = "FAIL", escape(_where_it_failed(r)).replace("`", "<code>", 1).replace("`", "</code>", 1)
     parts = [f'<h4>{escape(r.name)} <span class="hw-badge">{badge}</span> <span class="hw-note">{note}</span></h4>']

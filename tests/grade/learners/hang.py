@@ -22,9 +22,10 @@ class CausalAttention(nn.Module):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         t = x.shape[1]
         scores = self.W_query(x) @ self.W_key(x).transpose(1, 2)
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        return torch.softmax(scores / self.W_key.out_features ** 0.5, dim=-1) @ self.W_value(x)
+        return self.dropout(torch.softmax(scores / self.W_key.out_features ** 0.5, dim=-1)) @ self.W_value(x)
