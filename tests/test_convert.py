@@ -186,3 +186,44 @@ def test_two_keys_for_one_parameter_are_refused_naming_both():
             {"transformer.h.0.attn.c_attn.bias": torch.zeros(3), "h.0.attn.c_attn.bias": torch.ones(3)}, {"h.0.attn.c_attn.bias": (3,)},
             rename=lambda k: k.removeprefix("transformer."),
         )
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_conversions_keep_the_mode_and_in_it_the_function(training):
+    torch.manual_seed(0)
+    wrapper = hw.MultiHeadAttentionWrapper(4, 3, 8, 0.3, 2).train(training)
+    gpt2 = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8, attn_pdrop=0.3, resid_pdrop=0.0)).train(training)
+    x4, x8 = torch.randn(2, 5, 4), torch.randn(2, 5, 8)
+    for source, convert, x in ((wrapper, hw.wrapper_to_mha, x4), (gpt2, hw.gpt2_to_mha, x8), (hw.gpt2_to_mha(gpt2), hw.mha_to_gpt2, x8)):
+        target = convert(source)
+        assert target.training == training
+        if not training:  # (in training each draws its own dropout)
+            torch.testing.assert_close(target(x), source(x), atol=1e-6, rtol=1e-6)
+
+
+def test_gpt2_to_mha_refuses_to_drop_the_residual_dropout_in_training():
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8))  # resid_pdrop 0.1, training mode
+    with pytest.raises(ValueError, match=r"would drop GPT-2's resid_pdrop=0\.1; convert it in eval mode"):
+        hw.gpt2_to_mha(attn)
+    assert not hw.gpt2_to_mha(attn.eval()).training
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda w: setattr(w.heads[1], "causal", False), "causal=False"),
+    (lambda w: w.heads.__setitem__(1, hw.CausalAttention(4, 3, 8, 0.0, qkv_bias=True)), "qkv_bias=True"),
+    (lambda w: w.heads.__setitem__(1, hw.CausalAttention(4, 5, 8, 0.0)), "d_out=5"),
+    (lambda w: w.heads.__setitem__(1, torch.nn.Identity()), "must be one, got Identity"),
+])
+def test_wrapper_to_mha_needs_alike_heads(change, named):
+    wrapper = hw.MultiHeadAttentionWrapper(4, 3, 8, 0.0, 3)
+    change(wrapper)
+    with pytest.raises((ValueError, TypeError), match=rf"heads\[1\].*{named}"):
+        hw.wrapper_to_mha(wrapper)
+
+
+def test_gpt2_attention_from_hf_names_its_arguments():
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8))
+    with pytest.raises(TypeError, match=r"gpt2_attention_from_hf converts a GPT2MultiHeadAttention: module must be one, got NoneType"):
+        hw.gpt2_attention_from_hf(None, {})
+    with pytest.raises(TypeError, match=r"state must be a mapping of names to tensors \(a state dict\), got NoneType"):
+        hw.gpt2_attention_from_hf(attn, None)

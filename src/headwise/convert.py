@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .config import GPT2Config
 from .fused import GPT2MultiHeadAttention
-from .teaching import MultiHeadAttention, MultiHeadAttentionWrapper
+from .teaching import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper
 
 #: HuggingFace GPT-2 stores these as Conv1D weights, (in, out): transposed on the way in.
 HF_GPT2_TRANSPOSED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
@@ -172,6 +172,9 @@ def gpt2_attention_from_hf(module: GPT2MultiHeadAttention, state: Mapping[str, T
     Keys may carry a prefix ending in ``attn.`` (``h.0.attn.c_attn.weight``) or none
     (``c_attn.weight``); the legacy ``bias`` / ``masked_bias`` buffers are ignored.
     """
+    _module("module", module, GPT2MultiHeadAttention, "gpt2_attention_from_hf")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to tensors (a state dict), got {type(state).__name__}")
     return load_checked(module, state, rename=_after_attn, transposed=HF_GPT2_TRANSPOSED, ignore=is_legacy_gpt2_buffer)
 
 
@@ -181,9 +184,16 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
 
     Head i's W_query rows become rows [i*d, (i+1)*d) of W_query (the same for keys and
     values); out_proj is the identity with zero bias, since the wrapper just concatenates.
+    The heads must be alike (a head changed by hand is a ValueError naming it); the result is
+    in the wrapper's mode (``training``).
     """
     _module("wrapper", wrapper, MultiHeadAttentionWrapper, "wrapper_to_mha")
     first = wrapper.heads[0]
+    for i, head in enumerate(wrapper.heads):
+        _module(f"wrapper.heads[{i}]", head, CausalAttention, "wrapper_to_mha")
+        for field, value in _head_fields(head).items():
+            if value != _head_fields(first)[field]:
+                raise ValueError(f"wrapper_to_mha needs alike heads: heads[{i}] has {field}={value}, heads[0] has {_head_fields(first)[field]}")
     h, d = len(wrapper.heads), first.d_out
     mha = MultiHeadAttention(
         first.d_in, h * d, first.context_length, first.dropout.p, h, first.W_query.bias is not None,
@@ -196,7 +206,14 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
             target.bias.copy_(torch.cat([getattr(head, name).bias for head in wrapper.heads]))  # (C,)
     mha.out_proj.weight.copy_(torch.eye(h * d, dtype=mha.out_proj.weight.dtype, device=mha.out_proj.weight.device))
     mha.out_proj.bias.zero_()
-    return mha
+    return mha.train(wrapper.training)
+
+
+def _head_fields(head: CausalAttention) -> dict[str, object]:
+    """What one head of a wrapper must share with the others for one MultiHeadAttention to compute them all."""
+    w = head.W_query.weight
+    return {"d_in": head.d_in, "d_out": head.d_out, "context_length": head.context_length, "dropout": head.dropout.p,
+            "qkv_bias": head.W_query.bias is not None, "causal": head.causal, "backend": head.backend, "dtype": w.dtype, "device": w.device}
 
 
 @torch.no_grad()
@@ -220,14 +237,23 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
     attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
     attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]))
     attn.c_proj.load_state_dict(mha.out_proj.state_dict())
-    return attn
+    return attn.train(mha.training)
 
 
 @torch.no_grad()
 def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
-    """The MultiHeadAttention (qkv_bias=True) computing exactly what ``attn`` computes."""
+    """The MultiHeadAttention (qkv_bias=True) computing exactly what ``attn`` computes, in its mode (``training``).
+
+    GPT-2's ``resid_pdrop`` (dropout after c_proj) has no place in MultiHeadAttention: converted in
+    training mode with ``resid_pdrop > 0`` it is refused (a ValueError) rather than dropped; in eval
+    mode it acts nowhere, and the result computes the same (switched to training, without it)."""
     _module("attn", attn, GPT2MultiHeadAttention, "gpt2_to_mha")
     c = attn.config
+    if attn.training and c.resid_pdrop > 0:
+        raise ValueError(
+            f"MultiHeadAttention has no dropout after out_proj: gpt2_to_mha of a module in training mode would drop GPT-2's "
+            f"resid_pdrop={c.resid_pdrop}; convert it in eval mode (attn.eval()), or with resid_pdrop=0"
+        )
     mha = MultiHeadAttention(
         c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
         window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend, causal=attn.causal,
@@ -240,4 +266,4 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
         layer.weight.copy_(w)
         layer.bias.copy_(b)
     mha.out_proj.load_state_dict(attn.c_proj.state_dict())
-    return mha
+    return mha.train(attn.training)
