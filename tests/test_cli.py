@@ -190,3 +190,10 @@ def test_explain_says_how_the_call_runs(flags, runner, capsys):
             result.module.backend = backend
             assert torch.equal(result.module(x), default)
             torch.testing.assert_close(default, result.steps[9].tensors["output"])  # what explain showed, watched on math
+
+
+def test_python_dash_m_headwise_is_the_command():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "headwise", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: headwise")

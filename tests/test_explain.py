@@ -269,3 +269,14 @@ def test_nonfinite_names_the_first_bad_tensor_and_allows_the_mask():
     bad = torch.tensor([[0.0, math.nan], [math.inf, 1.0]])
     assert nonfinite([Step(3, "t", "c", {"ok": torch.ones(2)}), Step(4, "t", "c", {"w": bad})]) == "step 4's w holds NaN and inf (2 of 4 values)"
     assert nonfinite([Step(9, "t", "c", {"weights": torch.tensor([-math.inf])})]) == "step 9's weights holds inf (1 of 1 values)"
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"batch_size": 0}, ValueError, r"batch_size must be a positive int, got 0"),
+    ({"batch_size": 2.0}, ValueError, r"batch_size must be a positive int, got 2\.0"),
+    ({"seed": 1.5}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got 1\.5"),
+    ({"documents": [3.5, 2.5]}, TypeError, r"documents must be a list of ints \(each document's length\), got \[3\.5, 2\.5\]"),
+])
+def test_explains_arguments_are_checked_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):  # torch's own errors (or an IndexError in to_text for batch_size=0) before
+        explain(**kwargs)

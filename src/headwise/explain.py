@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import _html, _text
+from . import _checks, _html, _text
 from .observe import observe
 from .teaching import MultiHeadAttention
 
@@ -236,12 +236,16 @@ def explain(
         >>> steps[9].tensors["output"][0, 0]                        # the book's first context vector
         tensor([0.3190, 0.4858])
     """
+    _checks.positive_int("batch_size", batch_size)
+    _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal, softcap=softcap, sinks=sinks, alibi=alibi)
     if sinks:
         torch.nn.init.ones_(mha.sinks)  # a visible share (zeros would be a learned start, not a lesson)
     ids = None
     if documents is not None:
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in documents):
+            raise TypeError(f"documents must be a list of ints (each document's length), got {documents!r}")
         if sum(documents) != num_tokens or any(n < 1 for n in documents):
             raise ValueError(f"documents must be positive lengths adding up to num_tokens={num_tokens}, got {documents}")
         ids = torch.repeat_interleave(torch.arange(len(documents)), torch.tensor(documents))[None].expand(batch_size, -1)  # (B, T)

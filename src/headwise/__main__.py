@@ -1,0 +1,5 @@
+"""``python -m headwise``: the ``headwise`` command (``headwise.cli``)."""
+
+from headwise.cli import main
+
+main()
