@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"teaching", "fused"},  # the book's classes, GPT-2's layout
     {"convert", "explain", "models", "hf"},  # conversions and loading, explaining, whole models, the transformers adapter
     {"explain_rope", "viz", "grade", "bench", "parallel"},  # features built on models
-    {"demo", "cli", "__init__"},  # entry points
+    {"demo", "cli", "__init__", "__main__"},  # entry points
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: The same rule one level down, inside a package: its modules, lowest first.
