@@ -90,9 +90,10 @@ class AttentionLayer(nn.Module):
 
     def score_terms(self) -> dict:
         """The module's score terms for ``attention``: softcap, sinks, ALiBi slopes (None where absent)."""
+        sinks = getattr(self, "sinks", None)
         return {
             "softcap": getattr(self, "softcap", None),
-            "sinks": getattr(self, "sinks", None),
+            "sinks": sinks.to_local() if hasattr(sinks, "to_local") else sinks,  # tensor parallel: a DTensor, this rank's heads
             "alibi_slopes": getattr(self, "alibi_slopes", None),
         }
 

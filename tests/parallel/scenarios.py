@@ -119,6 +119,37 @@ def mha(rank: int, world: int) -> dict:
     }
 
 
+def per_head_terms(rank: int, world: int) -> dict:
+    """Sinks (a learned logit per query head) and ALiBi slopes: each rank its heads' slice, the numbers and the
+    sinks' gradient the single process's; the state dict whole, and a single-process one loads."""
+    out = {}
+    for terms in ({"sinks": True}, {"alibi": True}, {"sinks": True, "alibi": True}):
+        torch.manual_seed(0)
+        ref = MultiHeadAttention(32, 48, 16, 0.0, num_heads=4, **terms)
+        if "sinks" in terms:
+            with torch.no_grad():
+                ref.sinks.copy_(torch.randn(4))  # a share the heads differ in
+        tp = parallelize(copy.deepcopy(ref), mesh(world))
+        x = torch.randn(2, 10, 32)
+        weight = torch.randn(2, 10, 48)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        outs = [m(xi) for m, xi in zip((tp, ref), xs, strict=True)]
+        for o in outs:
+            (o * weight).sum().backward()
+        name = "+".join(terms)
+        out[name] = {"out": max_diff(*outs), "x_grad": max_diff(xs[0].grad, xs[1].grad), "grads": grad_diffs(tp, ref)}
+        if "sinks" in terms:
+            state = {k: v.clone() for k, v in ref.state_dict().items()}
+            state["sinks"] = torch.randn(4)
+            tp.load_state_dict(state)
+            ref.load_state_dict(state)
+            out[name]["loaded"] = max_diff(full(tp.sinks), ref.sinks) + max_diff(tp(x), ref(x))
+            out[name]["local_sinks"] = tuple(tp.sinks.to_local().shape)
+        if "alibi" in terms:
+            out[name]["local_slopes"] = tp.alibi_slopes.tolist() == ref.alibi_slopes[rank * 2 : rank * 2 + 2].tolist()
+    return out
+
+
 def gqa(rank: int, world: int) -> dict:
     """12 query / 4 key-value heads on 2 ranks: forward, gradients, cached decoding with a local-Hkv cache."""
     torch.manual_seed(1)
@@ -360,7 +391,7 @@ def demo(rank: int, world: int) -> dict:
     return {"printed": printed.getvalue(), "tokens": tokens, "expected": expected}
 
 
-CHECKS = {f.__name__: f for f in (demo, mha, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2)}
+CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2)}
 
 
 def run_all(rank: int, world: int) -> dict:

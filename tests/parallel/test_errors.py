@@ -68,15 +68,6 @@ def test_hooks_the_plan_would_hand_shards_to_are_refused_before_anything_changes
         parallelize(m, mesh)
 
 
-@pytest.mark.parametrize(("flag", "names"), [("sinks", "sinks"), ("alibi", "alibi_slopes")])
-def test_per_head_terms_are_refused_by_name_before_anything_changes(mesh, flag, names):
-    torch.manual_seed(0)
-    m = MultiHeadAttention(16, 16, 8, 0.0, num_heads=4, **{flag: True})  # on 2 ranks: every forward failed inside
-    with pytest.raises(ValueError, match=rf"MultiHeadAttention has {names} \(one value per query head\): tensor parallelism does not shard"):
-        parallelize(m, mesh)
-    assert not sharded(m)
-
-
 def test_hooks_on_the_attention_module_itself_see_full_tensors(mesh):
     m = mha()
     seen = []

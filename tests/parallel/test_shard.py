@@ -46,6 +46,17 @@ def test_multi_head_attention_forward_and_gradients(ranks):
         assert r["local_W_key"] == (24, 32)  # 2 heads of 12 rows each
 
 
+def test_sinks_and_alibi_slopes_split_with_the_heads(ranks):
+    for r in result(ranks, "per_head_terms"):
+        for terms, checks in r.items():
+            assert checks["out"] < TOL and checks["x_grad"] < TOL, terms
+            assert max(checks["grads"].values()) < TOL, (terms, checks["grads"])
+            if "sinks" in terms:
+                assert checks["loaded"] < TOL and checks["local_sinks"] == (2,)
+            if "alibi" in terms:
+                assert checks["local_slopes"]
+
+
 def test_gqa_12_query_4_kv_heads_forward_gradients_and_cached_decoding(ranks):
     for r in result(ranks, "gqa"):
         assert r["out"] < TOL and r["x_grad"] < TOL and r["decoded"] < TOL

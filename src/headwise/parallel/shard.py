@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..layer import AttentionLayer
@@ -56,7 +56,7 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
         ValueError: a mesh of more than one dimension; heads or KV heads (or an MLP's width)
             not divisible by the mesh size; a sharded layer with forward/backward hooks (they
             would see per-rank shards instead of the tensors they were written for); a module
-            with sinks or ALiBi slopes (one value per head, not sharded yet); a module already parallelized; parameters on another device type than the mesh; nothing
+            already parallelized; parameters on another device type than the mesh; nothing
             to shard.
     """
     _check_mesh(device_mesh)
@@ -81,7 +81,26 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
             for p in shared.parameters() if shared is not None else ():
                 p.register_hook(functools.partial(_summed_over, group=device_mesh.get_group()))
     _broadcast_replicated(module, device_mesh)
+    for _, sub, _ in found:
+        if isinstance(sub, AttentionLayer):
+            _shard_per_head_terms(sub, device_mesh)
     return module
+
+
+def _shard_per_head_terms(layer: AttentionLayer, mesh: DeviceMesh) -> None:
+    """A module's terms of one value per query head, split as its query heads are (whole, contiguous blocks): each
+    rank's slice of the ALiBi slopes (a buffer outside the state dict, the same on every rank), and the sink logits as
+    a DTensor sharded on the heads (``score_terms`` hands attention the local part; the state dict and the gradient
+    stay whole)."""
+    rank, n = mesh.get_local_rank(), mesh.size()
+    slopes = getattr(layer, "alibi_slopes", None)
+    if slopes is not None:
+        local = slopes.shape[0] // n
+        layer.alibi_slopes = slopes[rank * local : (rank + 1) * local].clone()  # (H/n,)
+    sinks = getattr(layer, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
+        layer.sinks = nn.Parameter(distribute_tensor(sinks.detach(), mesh, [Shard(0)]), requires_grad=sinks.requires_grad)  # (H,) of H/n a rank
+        layer.register_load_state_dict_pre_hook(_distribute_loaded)
 
 
 def _summed_over(grad: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
@@ -109,21 +128,11 @@ def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
             raise ValueError(f"{name} is on {t.device.type} but device_mesh is a {mesh.device_type} mesh: move the model to the rank's device first")
 
 
-#: A module's terms with one value per query head, which no plan shards: a module holding one is refused.
-PER_HEAD_TERMS = ("sinks", "alibi_slopes")
-
-
 def _check(where: str, owner: nn.Module, plan: Plan, n: int) -> None:
     if isinstance(owner, AttentionLayer) and (owner.num_heads % n or owner.num_kv_heads % n):
         raise ValueError(
             f"{where}: num_heads ({owner.num_heads}) and num_kv_heads ({owner.num_kv_heads}) must both be divisible "
             f"by the mesh size ({n}): each rank holds whole query and key/value heads"
-        )
-    terms = [name for name in PER_HEAD_TERMS if getattr(owner, name, None) is not None]
-    if terms:
-        raise ValueError(
-            f"{where} has {' and '.join(terms)} (one value per query head): tensor parallelism does not shard them yet, "
-            "so each rank would attend with every head's values; parallelize a module without sinks or ALiBi"
         )
     for name, make in plan.items():
         if not name:
