@@ -87,3 +87,9 @@ def text(what: str) -> Callable[[str], str]:
         return value
 
     return parse
+
+
+#: ``--threads``: torch.set_num_threads takes a C int, and a machine has fewer cores than this.
+threads = integer(1, 4096)
+#: ``--busy``: processes spinning beside a benchmark.
+busy = integer(0, 256)

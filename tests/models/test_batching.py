@@ -288,3 +288,57 @@ def test_a_cancelled_request_stops_and_the_others_go_on():
 
 def greedy_alone_with(name: str, seed: int) -> list[list[int]]:
     return list(greedy_alone(name, seed))
+
+
+# ----------------------------------------------------------------------------- cancel while a step runs
+
+
+@pytest.mark.parametrize("which", ["joining", "running"])
+def test_a_cancel_made_while_a_step_runs_takes_effect_when_it_ends(which):
+    """A hook (or a callback) cancels a request in the middle of a step: the step ends as it would have, the request is
+    then cancelled, and every other request's tokens are those it gets alone; no block is kept."""
+    model = model_named("gpt2")
+    ps = prompts(3)[:4]
+    batcher = Batcher(model, num_blocks=12, block_size=4)
+    ids = [batcher.submit(p, 5) for p in ps]
+    got: dict[int, list[int]] = {}
+    if which == "running":
+        collect(batcher.step(), got)  # every request running from the next step on
+    fired = []
+
+    def hook(module, args, out):
+        if not fired:
+            fired.append(True)
+            batcher.cancel(ids[1])
+
+    handle = model.attention_layers()[0].register_forward_hook(hook)
+    try:
+        step = batcher.step()
+    finally:
+        handle.remove()
+    assert ids[1] not in [i for i, _ in step]
+    collect(step, got)
+    collect(list(batcher.stream()), got)
+    for i in (0, 2, 3):
+        assert got[ids[i]] == alone(model, ps[i], 5)
+    assert batcher.pending == 0 and batcher.caches[0].free_blocks == 12
+    with pytest.raises(ValueError, match=r"request 1 is not pending"):
+        batcher.cancel(ids[1])
+
+
+def test_cancel_takes_an_id_not_a_bool():
+    batcher = Batcher(model_named("gpt2"), num_blocks=4, block_size=4)
+    batcher.submit(torch.tensor([1, 2]), 2)
+    batcher.submit(torch.tensor([3, 4]), 2)
+    with pytest.raises(TypeError, match=r"request must be a request id \(an int from submit\), got bool True"):
+        batcher.cancel(True)  # request 1 was cancelled before
+    assert batcher.pending == 2
+
+
+def test_unseeded_sampling_repeats_under_torch_manual_seed():
+    model = model_named("gpt2")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(generate_many(model, prompts(1)[:3], 6, temperature=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

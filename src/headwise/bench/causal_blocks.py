@@ -83,7 +83,7 @@ def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int =
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.causal_blocks``: one table, a row per dtype and prompt length."""
     p = argparse.ArgumentParser(prog="python -m headwise.bench.causal_blocks", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=list(DTYPES),
                    help="comma-separated: fp32, bf16 (default both)")
     p.add_argument("--tokens", type=_argtypes.listing(_argtypes.integer(2), "prompt lengths"), default=[256, 512, 1024],

@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8])
     p.add_argument("--context", type=_argtypes.integer(2), default=512)
     p.add_argument("--repeats", type=positive, default=20, help="timed rounds (default 20)")
-    p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--eager", action="store_true", help="the eager step, with and without the C++ kernel's rule")
     args = p.parse_args(argv)
     if args.threads:

@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.decode_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=1, help="torch threads (default 1: thread CPU time)")
+    p.add_argument("--threads", type=_argtypes.threads, default=1, help="torch threads (default 1: thread CPU time)")
     p.add_argument("--steps", type=_argtypes.integer(1), default=24, help="timed steps per way and shape")
     p.add_argument("--contexts", type=_argtypes.listing(_argtypes.integer(1), "positive ints"), default=[128, 512, 2048])
     p.add_argument("--batches", type=_argtypes.listing(_argtypes.integer(1), "positive ints"), default=[1, 8])

@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.greedy", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=_argtypes.integer(1), default=200, help="timed calls of each (default 200)")
     p.add_argument("--vocabs", type=_argtypes.listing(_argtypes.integer(2), "ints >= 2"), default=[50257, 32000, 151936])
     p.add_argument("--batches", type=_argtypes.listing(_argtypes.integer(1), "positive ints"), default=[1, 8, 32])

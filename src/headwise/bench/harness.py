@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import GPT2Config
 from ..linear import describe
 from .cases import DTYPES, MODES, PRESETS, Case, Progress, Report
 from .compile import compile_case
@@ -60,6 +61,8 @@ def run(
         raise ValueError("device='cuda' needs a GPU that torch can see; torch.cuda.is_available() is False here")
     if device == "cuda" and "decode" in modes:
         raise ValueError("mode 'decode' runs on the CPU only (the decode benchmark is a CPU latency study), got device='cuda'")
+    if "decode" in modes and any(t < 2 or t > GPT2Config().n_positions for t in tokens):  # before anything is measured
+        raise ValueError(f"mode 'decode' takes contexts in [2, {GPT2Config().n_positions}] (GPT-2's n_positions), got {list(tokens)}")
     chosen = select(impls)
     report = Report(machine() if device == "cpu" else f"{machine()}; {gpu()}", linear=describe())
     if ceiling:

@@ -96,7 +96,7 @@ def busy(processes: int) -> Iterator[None]:
 
 def add_busy_flag(parser: argparse.ArgumentParser) -> None:
     """``--busy N``: the command runs with N spinning processes beside it (``busy``)."""
-    parser.add_argument("--busy", type=_argtypes.integer(0), default=0,
+    parser.add_argument("--busy", type=_argtypes.busy, default=0,
                         help="run with N processes spinning beside the benchmark, a background load (default 0)")
 
 

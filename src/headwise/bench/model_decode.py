@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(PRECISIONS), "dtypes"), default=list(PRECISIONS),
                    help="comma list (default fp32,bf16,int8,int8-bf16,int8-a8)")
     p.add_argument("--batches", type=_argtypes.listing(positive, "positive ints"), default=[1, 8], help="comma list (default 1,8)")
-    p.add_argument("--contexts", type=_argtypes.listing(positive, "positive ints"), default=[128, 512, 1024],
+    p.add_argument("--contexts", type=_argtypes.listing(_argtypes.integer(2), "ints >= 2"), default=[128, 512, 1024],
                    help="steps: comma list (default 128,512,1024)")
     p.add_argument("--long", action="store_true", help="steps: also contexts 2048 and 4096 (B=1)")
     p.add_argument("--repeats", type=positive, default=10, help="steps: timed rounds (default 10)")
@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--cache-dtypes", type=_argtypes.listing(_argtypes.choice(CACHE_DTYPES), "cache dtypes"), default=["model"],
                    help="comma list of what headwise's caches hold: model (the model's dtype, the default), bf16 (fp32, int8, int8-a8); "
                         "generation: bf16 adds headwise's rows over bfloat16 caches")
-    p.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
     p.add_argument("--root", type=_argtypes.text("a directory"), default=None,
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
     p.add_argument("--llama-cpp", type=_argtypes.text("a directory"), default=None,

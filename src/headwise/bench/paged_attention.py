@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=["fp32"], help="comma-separated: fp32, bf16 (default fp32)")
     args = p.parse_args(argv)
     if args.threads:

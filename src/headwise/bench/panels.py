@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.panels", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cases", type=_argtypes.listing(_argtypes.choice(tuple(CASES)), "cases"), default=list(CASES),
                    help="comma-separated: fp32, bf16, int8 (bf16 x), int8-a8 (int8 x) (default all)")
     p.add_argument("--rows", type=_argtypes.listing(_argtypes.integer(1), "rows"), default=[1, 2, 4, 8, 16],

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .host import machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.projections", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_argtypes.integer(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=["bf16"], help="comma-separated: fp32, bf16 (default bf16)")
     p.add_argument("--rows", type=_argtypes.listing(_argtypes.integer(1), "rows"), default=[1, 8, 16, 17, 32, 64, 256, 1024],
                    help="comma-separated row counts (default 1,8,16,17,32,64,256,1024)")

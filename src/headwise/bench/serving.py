@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--requests", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=1)
     p.add_argument("--chunk", type=positive, default=256, help="max_step_tokens of the chunked paged run")
-    p.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's and its caches' (default fp32)")
     p.add_argument("--cache-dtype", choices=("bf16",), default=None, help="the caches' under an fp32 model (default: the model's)")
     add_busy_flag(p)

@@ -11,7 +11,8 @@ A step is all or nothing: it computes every token first, then commits them. A st
 (a changed model, a hook that fails, an interrupt) leaves every cache and request as they were
 before it (the keys some layers wrote are taken back, the joining requests wait again, a prompt
 being prefilled keeps its earlier chunks), so the next step carries on as if it had not run. A
-request is always pending (waiting or running), finished, or cancelled (``cancel``): never lost.
+request is always pending (waiting or running), finished, or cancelled (``cancel``): never lost. A
+``cancel`` made while a step runs (from a hook, a callback) takes effect when the step ends.
 Tokens a step computed reach ``stream()`` even when the loop over it stopped between two of them.
 
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
@@ -99,6 +100,8 @@ class Batcher:
         self._running: list[Request] = []  # in the order they joined
         self._unread: deque[tuple[int, int]] = deque()  # tokens steps computed that stream() has not yielded yet
         self._next_id = 0
+        self._stepping = False  # a step is running: a cancel waits for its end (``_cancelled``)
+        self._cancelled: list[int] = []
 
     @property
     def _weight(self) -> Tensor:
@@ -127,7 +130,8 @@ class Batcher:
         Args:
             prompt: (T,) token ids, T >= 1 (any length the model takes: a long one is fed in chunks).
             max_new_tokens, eos_token_id, temperature, top_k: as ``model.generate``.
-            seed: the seed of this request's own ``torch.Generator`` (sampling only).
+            seed: the seed of this request's own ``torch.Generator`` (sampling only); None: one drawn from torch's
+                global generator, so that ``torch.manual_seed`` makes a run repeat.
         """
         check_request(self.model, prompt, max_new_tokens, eos_token_id, temperature, top_k, seed)
         blocks = worst_blocks(len(prompt), max_new_tokens, block_size=self.block_size, max_step_tokens=self.max_step_tokens, window=self.window)
@@ -139,10 +143,7 @@ class Batcher:
         generator = None
         if temperature > 0:
             generator = torch.Generator(self._weight.device)
-            if seed is not None:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()
+            generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
         request = Request(self._next_id, prompt.tolist(), max_new_tokens, eos_token_id, float(temperature), top_k, generator, blocks)
         self._waiting.append(request)
         self._next_id += 1
@@ -150,16 +151,23 @@ class Batcher:
 
     def cancel(self, request: int) -> None:
         """Stop a pending request: it produces no more tokens (``stream()`` yields none of its unread ones) and its
-        blocks go back (a prompt being prefilled's too).
+        blocks go back (a prompt being prefilled's too). Called while a step runs (from a hook or a callback), it takes
+        effect when the step ends, whether the step commits or is rolled back; the step's token for it is dropped.
 
         Raises:
+            TypeError: ``request`` is not an int.
             ValueError: ``request`` is not pending (finished, cancelled already, or never submitted).
         """
+        if isinstance(request, bool) or not isinstance(request, int):
+            raise TypeError(f"request must be a request id (an int from submit), got {type(request).__name__} {request!r}")
         waiting = [r for r in self._waiting if r.id == request]
         running = [r for r in self._running if r.id == request]
-        if not waiting and not running:
-            pending = sorted(r.id for r in [*self._waiting, *self._running])
+        if (not waiting and not running) or request in self._cancelled:
+            pending = sorted(r.id for r in [*self._waiting, *self._running] if r.id not in self._cancelled)
             raise ValueError(f"request {request!r} is not pending (finished, cancelled or never submitted); pending: {pending}")
+        if self._stepping:  # the step holds its requests: cancelled when it ends (``step``)
+            self._cancelled.append(request)
+            return
         if waiting:
             self._waiting.remove(waiting[0])
         else:
@@ -193,6 +201,19 @@ class Batcher:
         Raises:
             TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
         """
+        self._stepping = True
+        try:
+            tokens = self._step()
+        finally:
+            self._stepping = False
+            cancelled, self._cancelled = self._cancelled, []
+            for request in cancelled:  # those cancelled while the step ran (still pending: it may have finished them)
+                if any(r.id == request for r in [*self._waiting, *self._running]):
+                    self.cancel(request)
+        return [pair for pair in tokens if pair[0] not in cancelled]
+
+    def _step(self) -> list[tuple[int, int]]:
+        """``step``'s forward pass and commit (or roll back), its requests held as they are."""
         weight = self._weight
         if (weight.dtype, weight.device) != self._computes:
             raise TypeError(
