@@ -469,7 +469,7 @@ BAD_COMMAND_LINES = [
     (["bench", "--modes", "model-decode", "--batch", "8"], r"--batch applies to --modes forward,backward,memory,decode,hf,compile only, not to --modes model-decode"),
     (["bench", "--list", "--batch", "2"], r"--list lists the implementations and runs nothing: it takes no other flags, got --batch"),
     (["bench", "--impls", "nothing-like-this", "--no-ceiling", "--plot", "", "--tokens", "8", "--preset", "tiny"], r"impls \['nothing-like-this'\] match no implementation"),
-    (["bench", "--modes", "decode", "--tokens", "2000", "--no-ceiling", "--plot", ""], r"contexts \(in \(2000,\)\) must be an int in \[2, 1024\], got 2000"),
+    (["bench", "--modes", "decode", "--tokens", "2000", "--no-ceiling", "--plot", ""], r"mode 'decode' takes contexts in \[2, 1024\] \(GPT-2's n_positions\), got \[2000\]"),
 ]
 
 
