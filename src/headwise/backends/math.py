@@ -81,7 +81,7 @@ def scores(q: Tensor, k: Tensor, float32_keys: int | None = None, summed: bool =
         rows = realized(q).to(wide).unsqueeze(3)  # (B, Hkv, G*T, 1, D): q computed once, not once per key
         return (rows * k.to(wide).unsqueeze(2)).sum(-1).view(B, H, T, S)  # (B, Hkv, G*T, S, D) summed -> (B, H, T, S)
     if float32_keys is None and q.dtype == torch.float16:
-        float32_keys = k[0, 0].numel() * k.shape[0] * k.shape[1]  # every key at once
+        float32_keys = max(1, k.numel())  # every key at once
     if float32_keys is not None:
         q = q.float()
         parts = [q @ k[:, :, c0:c1].float().transpose(-2, -1) for c0, c1 in _key_blocks(k, float32_keys)]  # (B, Hkv, G*T, s) each
