@@ -128,3 +128,14 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
     ids = torch.arange(lengths.numel(), device=cu_seqlens.device)  # (N,)
     return ids.repeat_interleave(lengths)[None]  # (1, total)
+
+
+def positions(is_token: Tensor | None, b: int, t: int, device: torch.device, start: int | Tensor = 0) -> Tensor:
+    """(B, T) position ids of T new tokens: start .. start+T-1, or with padding ``is_token`` (B, T) bool start + the
+    count of real tokens before (a pad: start), as HuggingFace's ``generate`` numbers them; ``start`` one int for
+    every row, or (B, 1) each row's own (a padded cache's real tokens)."""
+    if is_token is None:
+        if isinstance(start, int):
+            return torch.arange(start, start + t, device=device).expand(b, t)  # (B, T)
+        return start + torch.arange(t, device=device)  # (B, T)
+    return (is_token.long().cumsum(-1) - 1).masked_fill(~is_token, 0) + start  # (B, T)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from ..masks import positions
 from .owner import Owned
 from .protocol import Attended
 
@@ -170,9 +171,7 @@ class KVCache(Owned):
         if self._pads is None:
             return self._len
         real = self._len - self._pads[:, None]  # (B, 1)
-        if attention_mask is None:
-            return real + torch.arange(t, device=real.device)  # (B, T)
-        return (attention_mask.long().cumsum(-1) - 1).masked_fill(~attention_mask, 0) + real  # (B, T): a pad at its row's next
+        return positions(attention_mask, real.shape[0], t, real.device, start=real)  # (B, T)
 
     def append(
         self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None, *, in_order: bool = False, check: bool = True

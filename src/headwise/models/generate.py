@@ -25,6 +25,7 @@ from torch.nn.modules import module as _module  # the global hook registries
 from .. import _checks
 from ..cache import KVCache
 from ..linear import weight_cache
+from ..masks import positions
 from ..observe import observing
 from . import _inputs
 from .compiled_step import compiled_step
@@ -223,13 +224,6 @@ def prompt_padding(is_token: Tensor | None) -> Tensor | None:
             "pad prompts on the left (tokenizer.padding_side = 'left')"
         )
     return None if all_real else is_token
-
-
-def positions(is_token: Tensor | None, b: int, t: int, device: torch.device, start: int = 0) -> Tensor:
-    """(B, T) position ids: start .. start+T-1, or with padding start + the count of real tokens before (pads: start)."""
-    if is_token is None:
-        return torch.arange(start, start + t, device=device).expand(b, t)  # (B, T)
-    return (is_token.long().cumsum(-1) - 1).masked_fill(~is_token, 0) + start  # (B, T), as HuggingFace's generate
 
 
 @cache

@@ -19,9 +19,9 @@ from ..config import GPT2Config
 from ..convert import HF_GPT2_TRANSPOSED, is_legacy_gpt2_buffer, load_checked
 from ..fused import GPT2MultiHeadAttention
 from ..linear import project
+from ..masks import positions as _positions
 from . import loading
 from .causal import CausalModel
-from .generate import positions as _positions
 
 #: HuggingFace ``activation_function`` values that are the tanh approximation of GELU.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")

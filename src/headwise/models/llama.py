@@ -24,11 +24,11 @@ from ..convert import check_state, load_checked
 from ..functional import check_backend
 from ..layer import AttentionLayer
 from ..linear import DECODE_ROWS, owns_output, project, project_many
+from ..masks import positions
 from ..observe import report
 from ..rope import RotaryEmbedding, rotate
 from . import loading
 from .causal import CausalModel
-from .generate import positions
 from .llama_config import LlamaConfig, llama_config
 
 
