@@ -24,28 +24,32 @@ def device(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["torch", "onednn"])
+@pytest.fixture(params=["torch", "onednn", "panels"])
 def linear_path(request):
     """Run the test once per projection path of headwise.linear, forced, whatever the rule picks here."""
     import torch
 
-    from headwise.linear import onednn
+    from headwise.linear import onednn, panels
     from headwise.linear import rule as hl
 
     if request.param == "onednn" and onednn.ops_error(torch.float32) is not None:
         pytest.skip(f"oneDNN's private ops do not work here: {onednn.ops_error(torch.float32)}")
+    if request.param == "panels" and not panels.available():
+        pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 and headwise's library builds")
     with hl.use_path(request.param):
         yield request.param
 
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Pretend to be another machine for ``headwise.linear``'s rule: ``machine(vendor, capability, flags, version=...)``."""
+    """Pretend to be another machine for ``headwise.linear``'s rule: ``machine(vendor, capability, flags, version=...,
+    library=...)`` (``library``: whether headwise's C++ library, the panels GEMM's, builds there; by default not)."""
     import headwise.linear.rule as hl
 
-    def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu"):
+    def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu", library=False):
         facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}
         monkeypatch.setattr(hl, "cpu", lambda: facts)
+        monkeypatch.setattr(hl, "_library_built", lambda: library)  # headwise's C++ library (the panels GEMM) built or not
         monkeypatch.setattr(hl.torch, "__version__", version)
         monkeypatch.delenv(hl.ENV, raising=False)
         hl._auto.cache_clear()

@@ -56,7 +56,7 @@ def test_forward_is_float32_exact_for_every_input_layout(linear_path, layout, bi
     x, w, b = make(bias=bias)
     x = LAYOUTS[layout](x)
     w.requires_grad_(grad)
-    assert hl.uses_onednn(x, w, b) == (linear_path == "onednn")
+    assert hl.path_for(x, w, b) == ("torch" if linear_path == "panels" and grad else linear_path)  # the panels: inference only
     ref = ref_linear(x, w.detach(), b)  # (B, T, N) float64
     got = hl.linear(x, w, b)
     assert got.dtype == torch.float32 and got.shape == ref.shape
@@ -295,12 +295,12 @@ def test_forcing_overrides_the_rule_by_env_and_by_function(machine, monkeypatch)
         assert hl.describe()["float32"] == {"path": "torch", "reason": "forced by set_path"}
     assert hl.choose()[0] == "onednn"
     monkeypatch.setenv(hl.ENV, "fast")
-    with pytest.raises(ValueError, match=r"HEADWISE_LINEAR must be one of \('auto', 'onednn', 'torch'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"HEADWISE_LINEAR must be one of \('auto', 'onednn', 'panels', 'torch'\), got 'fast'"):
         hl.linear(*make())
 
 
 def test_set_path_rejects_unknown_paths():
-    with pytest.raises(ValueError, match=r"path must be one of \('auto', 'onednn', 'torch'\) or None, got 'mkl'"):
+    with pytest.raises(ValueError, match=r"path must be one of \('auto', 'onednn', 'panels', 'torch'\) or None, got 'mkl'"):
         hl.set_path("mkl")
 
 

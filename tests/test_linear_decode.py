@@ -11,7 +11,7 @@ from reference import linear as ref_linear
 
 from headwise import GPT2Config
 from headwise import linear as hl
-from headwise.linear import onednn, weight_cache
+from headwise.linear import onednn, panels, weight_cache
 from headwise.models import GPT2LMHeadModel
 
 N, K = 512, 256  # N*K = MIN_DECODE_WEIGHT: the smallest weight the few-rows rule covers
@@ -94,6 +94,47 @@ def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_ca
         w.requires_grad_(False)
 
 
+@pytest.mark.parametrize("vendor, flags, fp32, bf16", [
+    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "panels", "panels"),
+    ("GenuineIntel", ["avx512f", "amx_bf16", "amx_tile"], "panels", "onednn"),  # AMX without AVX512-BF16: oneDNN's bf16
+    ("AuthenticAMD", ["avx512f"], "panels", "torch"),  # Zen 3-style: no native bf16 dot products
+])
+def test_where_the_library_builds_few_rows_of_inference_take_the_panels(machine, vendor, flags, fp32, bf16):
+    """On a CPU whose torch kernels run AVX-512, with headwise's C++ library built, a decode-shaped inference call of
+    float32 (and of bfloat16 with AVX512-BF16) takes the panels GEMM; a call autograd records and many rows keep their
+    own rule; an AVX2 CPU, or one where the library does not build, never takes it."""
+    machine(vendor, "AVX512", flags, library=True)
+    assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == fp32
+    assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose_few_rows(torch.bfloat16, 1)[0] == bf16
+    assert hl.describe()["few_rows"]["float32"]["reason"].startswith("float32 inference, 1-16 rows, AVX-512 kernels: headwise's C++ GEMM")
+    assert "panels" not in (hl.choose(torch.float32)[0], hl.choose(torch.bfloat16)[0])  # many rows: their own rule
+    x, w, b = decode_case(4, torch.float32)
+    want = "panels" if (torch.float32, torch.float32) in panels.operands() else "torch"  # what this machine's library runs
+    assert hl.path_for(x, w, b) == want
+    assert hl.path_for(x, w.requires_grad_(True), b) != "panels"  # autograd records it: no backward in the panels
+    with torch.no_grad():
+        assert hl.path_for(x, w, b) == want
+    with torch.inference_mode():
+        assert hl.path_for(x, torch.randn(N, K), b) == "torch"  # an inference tensor: its change unseen, nothing kept
+    machine(vendor, "AVX512", flags, library=False)
+    assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0])
+    machine(vendor, "AVX2", ["avx2"], library=True)
+    assert hl.choose_few_rows(torch.float32)[0] == "torch"
+
+
+def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):
+    machine("GenuineIntel", "AVX512", ["avx512f", "avx512_bf16"], library=True)
+    with hl.use_path("panels"):
+        assert hl.choose(torch.float32) == hl.choose_few_rows(torch.bfloat16) == ("panels", "forced by set_path")
+        assert hl.choose(torch.float32, recorded=True)[0] == "torch"
+        assert hl.choose(torch.float64)[0] == "torch"
+        if (torch.float32, torch.float32) in panels.operands():
+            x, w, b = decode_case(64, torch.float32)  # 64 rows: many, forced all the same
+            assert hl.path_for(x, w, b) == "panels"
+            torch.testing.assert_close(hl.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert hl.path_for(x[:2, :, :128], w[:128, :128].contiguous(), b[:128]) == "torch"  # few rows of a small weight
+
+
 def test_forcing_decides_decode_shapes_too(machine, monkeypatch):
     machine("GenuineIntel", "AVX512", [])
     with hl.use_path("onednn"):
@@ -128,7 +169,9 @@ def test_each_path_matches_the_float64_reference_at_decode_shapes(linear_path, d
     if linear_path == "onednn" and onednn.ops_error(dtype) is not None:
         pytest.skip(f"oneDNN's private ops fail for {dtype} here")
     x, w, b = decode_case(rows, dtype, n=shape[0], k=shape[1])
-    assert hl.uses_onednn(x, w, b) == (linear_path == "onednn")
+    if linear_path == "panels" and (dtype, dtype) not in panels.operands():
+        pytest.skip(f"the panels do not multiply {dtype} here")
+    assert hl.path_for(x, w, b) == linear_path
     ref = ref_linear(x, w, b)  # (rows, 1, N) float64 of the rounded operands
     with torch.inference_mode():
         got = hl.linear(x, w, b)
@@ -151,13 +194,15 @@ def test_a_models_decode_step_agrees_on_both_paths(dtype):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=2, n_head=4)).eval().to(dtype)
     ids = torch.randint(0, 1024, (2, 5), generator=torch.Generator().manual_seed(1))
     logits = {}
-    for path in ("torch", "onednn"):
+    for path in ("torch", "onednn", "panels") if (dtype, dtype) in panels.operands() else ("torch", "onednn"):
         with hl.use_path(path):
             caches = model.new_caches(2, 8)
             model(ids, cache=caches, logits_to_keep=1)
             logits[path] = model(ids[:, :1], cache=caches)[:, 0].float()  # (B, vocab): one row per sequence
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=tol, atol=tol)
+    if "panels" in logits:
+        torch.testing.assert_close(logits["panels"], logits["torch"], rtol=tol, atol=tol)
 
 
 # ----------------------------------------------------------------------------- decode calls decided once
@@ -196,10 +241,10 @@ def test_a_decode_call_is_prepared_once_and_follows_every_change(linear_path, bi
     check()
     assert seen == [torch.Size([2, 1, 256])]  # a hooked layer runs as it is
     handle.remove()
-    other = "torch" if linear_path == "onednn" else "onednn"
-    if onednn.ops_error(torch.float32) is None:
-        with hl.use_path(other):
-            check()
+    for other in {"torch", "onednn", "panels"} - {linear_path}:
+        if (other != "onednn" or onednn.ops_error(torch.float32) is None) and (other != "panels" or panels.available()):
+            with hl.use_path(other):
+                check()
     outs = hl.project_many(layers, x.requires_grad_(True))  # autograd: the full path, every weight its gradient
     sum(o.sum() for o in outs).backward()
     assert all(layer.weight.grad is not None for layer in layers)
@@ -250,8 +295,10 @@ def test_a_decode_call_under_inference_mode_is_kept_on_the_packed_stack():
         outs = hl.project_many(layers, x)
     kept = [entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key]
     assert kept, "the stack made under inference mode is a plain tensor: packed and kept"
-    if hl.uses_onednn(x, torch.cat([layer.weight for layer in layers]), None):
-        assert kept[0].run is onednn.inner_product  # oneDNN on the packed stack
+    with torch.no_grad():
+        path = hl.path_for(x, torch.cat([layer.weight for layer in layers]), None)  # the rule's path for this call
+    if path != "torch":
+        assert kept[0].run is {"onednn": onednn.inner_product, "panels": torch.ops.headwise.panels_linear}[path]  # on the packed stack
     for out, layer in zip(outs, layers, strict=True):
         torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 

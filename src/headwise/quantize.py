@@ -63,7 +63,6 @@ from torch import Tensor, nn
 
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
-from .linear.weight_cache import PANELS, cached, watchable
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -140,12 +139,7 @@ def panel_sums(rows: Tensor, weight: Tensor) -> Tensor | None:
     exact int32 sums."""
     if not _panels_take(rows, weight):
         return None
-    return torch.ops.headwise.panels_linear(rows, _packed(weight, rows.dtype), None, weight.shape[0])  # (M, N)
-
-
-def _packed(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """The (N, K) int8 weight packed in panels for rows of ``dtype``, once while it is unchanged (``weight_cache.PANELS``)."""
-    return cached(PANELS.setdefault(dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight, dtype))
+    return torch.ops.headwise.panels_linear(rows, panels.packed(weight, rows.dtype), None, weight.shape[0])  # (M, N)
 
 
 def _whole_call(x: Tensor, layer: Int8Linear) -> bool:
@@ -161,7 +155,7 @@ def _whole_call(x: Tensor, layer: Int8Linear) -> bool:
 def _panels_take(rows: Tensor, weight: Tensor) -> bool:
     """Whether ``panel_sums`` runs: ``panels.takes`` the operands and a change to the weight can be seen (a packed copy
     of an inference tensor, or under torch.distributed, could go stale unseen)."""
-    return panels.takes(rows, weight, None) and not weight.is_inference() and watchable()
+    return panels.takes(rows, weight, None) and panels.keeps(weight)
 
 
 def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tensor) -> Tensor:
@@ -375,7 +369,7 @@ class Int8Linear(nn.Module):
         weights = [layer.weight for layer in layers]
         if not all(_panels_take(x.new_empty(1, first.in_features, dtype=dtype), w) for w in weights):
             return None
-        packed = _packed(weights[0], dtype) if len(layers) == 1 else torch.ops.headwise.pack_panels(torch.cat(weights), dtype)
+        packed = panels.packed(weights[0], dtype) if len(layers) == 1 else torch.ops.headwise.pack_panels(torch.cat(weights), dtype)
         scales = _joined([layer.scales for layer in layers])  # (sum N,)
         bias = None if first.bias is None else _joined([layer.bias for layer in layers])  # (sum N,)
         n = sum(w.shape[0] for w in weights)

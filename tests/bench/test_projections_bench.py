@@ -1,14 +1,17 @@
-"""``headwise.bench.projections``: both paths timed, the rule's choice named, and the module runs tiny."""
+"""``headwise.bench.projections``: each path timed, the rule's choice named, and the module runs tiny."""
 
 import torch
 
 from headwise.bench import projections as bench
+from headwise.linear import panels
 
 
-def test_a_tiny_projection_is_timed_on_both_paths():
+def test_a_tiny_projection_is_timed_on_each_path():
     r = bench.projection("tiny", 3, torch.float32, shape=(64, 32), repeats=2)
     assert (r.name, r.rows) == ("tiny", 3) and r.torch_ms > 0 and r.onednn_ms > 0
-    assert r.ratio == r.onednn_ms / r.torch_ms and r.auto in ("torch", "onednn")
+    assert r.ratio == r.onednn_ms / r.torch_ms and r.auto == "torch"  # a small weight's few rows: F.linear
+    assert (r.panels_ms is not None) == ((torch.float32, torch.float32) in panels.operands())
+    assert r.panels_ms is None or r.panels_ms > 0
 
 
 def test_main_prints_one_row_per_projection_and_row_count_under_a_header_naming_the_cpu(capsys):
@@ -16,4 +19,4 @@ def test_main_prints_one_row_per_projection_and_row_count_under_a_header_naming_
     out = capsys.readouterr().out
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
-    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |")) for line in rows)
+    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |")) for line in rows)

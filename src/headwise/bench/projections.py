@@ -1,10 +1,11 @@
-"""One projection's GEMM on both paths ``headwise.linear`` chooses between, at the rows a prompt, a decode step and a serving step give it.
+"""One projection's GEMM on each path ``headwise.linear`` chooses between, at the rows a prompt, a decode step and a serving step give it.
 
 For GPT-2 small's projections (C = 768) and its tied LM head (50,257 x 768), inference, each row
 count times ``F.linear`` (torch's own GEMM: MKL for float32, oneDNN for bfloat16, packing the plain
-weight on each call) and oneDNN's inner product on the weight packed once (``headwise.linear.onednn``),
+weight on each call), oneDNN's inner product on the weight packed once (``headwise.linear.onednn``)
+and, where they run, the panels GEMM on the weight packed once (``headwise.linear.panels``),
 interleaved, medians; ``auto`` names the path the rule takes for that call on this machine
-(``headwise.linear.uses_onednn``). Nothing here decides anything: the rule reads CPU facts only.
+(``headwise.linear.path_for``). Nothing here decides anything: the rule reads CPU facts only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _argtypes
-from ..linear import onednn, uses_onednn
+from ..linear import onednn, panels, path_for
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -27,13 +28,15 @@ SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
 
 @dataclass(frozen=True)
 class Row:
-    """One projection at one row count: median ms on each path and the path the rule takes."""
+    """One projection at one row count: median ms on each path (``panels_ms`` None where they do not run) and the path
+    the rule takes."""
 
     name: str
     rows: int
     torch_ms: float
     onednn_ms: float
     auto: str
+    panels_ms: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -43,17 +46,19 @@ class Row:
 
 @torch.no_grad()
 def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, int] | None = None, repeats: int = 15, seed: int = 0) -> Row:
-    """Time ``rows`` rows through projection ``name`` (``shape`` (N, K) overrides ``SHAPES``) on both paths."""
+    """Time ``rows`` rows through projection ``name`` (``shape`` (N, K) overrides ``SHAPES``) on each path."""
     N, K = shape or SHAPES[name]
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)  # (N, K)
     bias = None if name == "lm_head" else torch.randn(N, generator=g).to(dtype)  # (N,)
     x = torch.randn(1, rows, K, generator=g).to(dtype)  # (1, rows, K)
     packed = onednn.packed(weight)
-    times = interleaved({"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn.inner_product(x, packed, bias)},
-                        repeats=repeats, warmup=1)
+    ways = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn.inner_product(x, packed, bias)}
+    if panels.takes(x, weight, bias):
+        ways["panels"] = lambda: panels.run(x, weight, bias)  # the weight packed at the first call, kept
+    times = interleaved(ways, repeats=repeats, warmup=1)
     ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
-    return Row(name, rows, ms["torch"], ms["onednn"], "onednn" if uses_onednn(x, weight, bias) else "torch")
+    return Row(name, rows, ms["torch"], ms["onednn"], path_for(x, weight, bias), ms.get("panels"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -71,13 +76,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"One projection's GEMM, inference, GPT-2 small's shapes; {machine()}; median ms\n")
-    print("| dtype | projection | rows | F.linear | oneDNN, packed once | packed / F.linear | the rule takes |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| dtype | projection | rows | F.linear | oneDNN, packed once | packed / F.linear | panels, packed once | panels / F.linear "
+          "| the rule takes |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for dtype in args.dtypes:
         for name in args.names:
             for rows in args.rows:
                 r = projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
-                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {r.onednn_ms:.3f} | {r.ratio:.2f}x | {r.auto} |", flush=True)
+                ours = f"{r.panels_ms:.3f} | {r.panels_ms / r.torch_ms:.2f}x" if r.panels_ms is not None else "— | —"
+                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {r.onednn_ms:.3f} | {r.ratio:.2f}x | {ours} | {r.auto} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def fastest_peer(report: Report, mode: str, case: Case) -> Row | None:
     peers = [r for r in report.rows if r.peer and r.mode == mode and r.case == case and getattr(r, key) is not None]
     return min(peers, key=lambda r: getattr(r, key), default=None)
 
-_CEILING_PATH = {"onednn": "oneDNN inner product", "torch": "F.linear"}  # linear path -> its row in the ceilings
+_CEILING_PATH = {"onednn": "oneDNN inner product", "torch": "F.linear"}  # linear path -> its row in the ceilings (the panels: none)
 
 
 def linear_paths(report: Report) -> list[str]:
@@ -26,7 +26,7 @@ def linear_paths(report: Report) -> list[str]:
         info = report.linear.get(str(name).removeprefix("torch."))
         if not info:
             continue
-        rate = next((c.gflops for c in report.ceilings if c.dtype == dtype and c.path == _CEILING_PATH[info["path"]]), None)
+        rate = next((c.gflops for c in report.ceilings if c.dtype == dtype and c.path == _CEILING_PATH.get(info["path"])), None)
         share = f"; its 2048³ GEMM: {rate:.0f} GFLOP/s, {100 * rate / report.ceiling(dtype):.0f}% of the ceiling" if rate else ""
         lines.append(f"Linear path {dtype}: {info['path']} ({info['reason']}{share})  ")
     return [*lines, ""] if lines else []

@@ -6,7 +6,7 @@ float32 GEMMs faster than MKL does on the same cores, with the same float32 accu
 packed weight reads a decode step's weights faster than MKL's gemv (the timings: the
 performance docs). Which path a call takes follows a fixed rule, nothing timed:
 
-- ``rule``: the rule (``choose``, ``choose_few_rows``, ``uses_onednn``, ``describe``,
+- ``rule``: the rule (``choose``, ``choose_few_rows``, ``path_for``, ``uses_onednn``, ``describe``,
   ``set_path`` / ``use_path`` / ``HEADWISE_LINEAR``) over the CPU facts of ``headwise.machine``;
 - ``onednn``: oneDNN's private ops behind their guards, their one-time self-test, the autograd
   Function whose backward GEMMs run on oneDNN too, the packed weight;
@@ -29,6 +29,7 @@ from .rule import (
     choose_few_rows,
     cpu,
     describe,
+    path_for,
     set_path,
     use_path,
     uses_onednn,
@@ -36,5 +37,5 @@ from .rule import (
 
 __all__ = [
     "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
-    "describe", "linear", "owns_output", "project", "project_many", "set_path", "use_path", "uses_onednn",
+    "describe", "linear", "owns_output", "path_for", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .. import native
 from ..machine import amx_int8_on, cpu
+from .weight_cache import PANELS, cached, watchable
 
 WIDTH = 32  # output columns per panel
 #: (x dtype, weight dtype) the GEMM multiplies -> the CPU flag it needs beyond AVX-512 (None: none)
@@ -109,6 +110,25 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
                               and tuple(bias.shape) == (weight.shape[0],)))
         and (x.dtype, weight.dtype) in _operands()
     )
+
+
+def keeps(weight: Tensor) -> bool:
+    """Whether a packed copy of ``weight`` can be kept while it is unchanged: a change to it can be seen (not an
+    inference tensor, which has no ``_version``; not under torch.distributed, which refills weights in place)."""
+    return not weight.is_inference() and watchable()
+
+
+def packed(weight: Tensor, x_dtype: torch.dtype) -> Tensor:
+    """(N, K) -> the weight packed in panels for rows of ``x_dtype`` (``pack_panels``), made once and again whenever the
+    weight changed (``weight_cache.PANELS``); for a weight ``keeps`` accepts."""
+    return cached(PANELS.setdefault(x_dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight.detach(), x_dtype))
+
+
+def run(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` eagerly over the weight packed once (``packed``), for operands ``takes`` accepts and
+    a weight ``keeps`` accepts: (..., K) -> (..., N)."""
+    bias = None if bias is None else bias.detach().contiguous()
+    return torch.ops.headwise.panels_linear(x.contiguous(), packed(weight, x.dtype), bias, weight.shape[0])  # (..., N)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

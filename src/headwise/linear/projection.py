@@ -23,7 +23,7 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 
 from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
-from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, uses_onednn
+from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for
 from .weight_cache import READY, STACKED, cached, state, watchable
 
 _frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
@@ -98,7 +98,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
             return _then(F.linear(x, weight, bias), gelu)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
             return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
-    if not uses_onednn(x, weight, bias):
+    path = path_for(x, weight, bias)
+    if path == "panels":
+        return _then(panels.run(x, weight, bias), gelu)  # (..., N): the weight packed once, kept while unchanged
+    if path == "torch":
         return _then(F.linear(x, weight, bias), gelu)
     return onednn.run(x, weight, bias, gelu)  # (..., N)
 
@@ -295,7 +298,13 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
         return None
     weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
     sizes, k = [w.shape[0] for w in weights], x.shape[-1]
-    if not uses_onednn(x, weight, bias):
+    path = path_for(x, weight, bias)
+    if path == "panels":
+        args = (panels.packed(weight, x.dtype), None if bias is None else bias.detach().contiguous(), weight.shape[0])
+        if gelu is None:
+            return Ready(state(params), torch.ops.headwise.panels_linear, args, k, sizes)
+        return Ready(state(params), _panels_gelu, (*args, gelu), k, sizes)
+    if path == "torch":
         # aliases, not the Parameters: an entry keyed by the weights themselves must not keep them alive
         args = (weight.detach(), None if bias is None else bias.detach())
         return Ready(state(params), F.linear, args, k, sizes) if gelu is None else Ready(state(params), _linear_gelu, (*args, gelu), k, sizes)
@@ -306,6 +315,11 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
     if gelu is None:
         return Ready(state(params), onednn.inner_product, args, k, sizes)
     return Ready(state(params), onednn.inner_product_gelu, (*args, gelu), k, sizes)
+
+
+def _panels_gelu(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, approximate: str) -> Tensor:
+    """``F.gelu`` of the panels GEMM over a packed weight: ``linear``'s ``gelu`` on the panels' path."""
+    return F.gelu(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate=approximate)
 
 
 def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:

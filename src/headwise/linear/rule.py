@@ -46,11 +46,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .. import native
 from ..machine import BF16_FLAGS, bf16_flags_on, cpu
 from . import onednn, panels
 
 TESTED_TORCH = ("2.13",)  # torch major.minor the oneDNN path was tested with (pyproject.toml [tool.headwise] says the same)
-PATHS = ("auto", "onednn", "torch")
+PATHS = ("auto", "onednn", "panels", "torch")
 ENV = "HEADWISE_LINEAR"
 # Bounds found by timing both paths' GEMMs at decode and prompt shapes on an AMD EPYC (the timings: the performance docs):
 MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT: F.linear's lower per-call overhead wins
@@ -101,19 +102,35 @@ def _path_setting() -> str:
     return value
 
 
+def _panels_run(dtype: torch.dtype, facts: dict) -> bool:
+    """Whether the panels GEMM multiplies ``dtype`` rows by ``dtype`` weights (float32, bfloat16) on a CPU of ``facts``,
+    where the library builds (``_library_built``)."""
+    return dtype in onednn.DTYPES and (dtype, dtype) in panels.operands_on(facts) and _library_built()
+
+
+def _library_built() -> bool:
+    """Whether headwise's C++ library (the panels GEMM's) is built here: built at the first call (``native.built``)."""
+    return native.built()
+
+
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it)."""
     facts = cpu()
+    if few_rows and not recorded and _panels_run(dtype, facts):
+        flag = panels.OPERANDS[(dtype, dtype)]
+        return "panels", (f"{str(dtype).removeprefix('torch.')} inference, 1-{DECODE_ROWS} rows, AVX-512 kernels"
+                          + (f" and {flag}" if flag else "") + ": headwise's C++ GEMM over the weight packed once in "
+                          "32-column panels, which reads it at about memory's rate")
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
     if dtype == torch.bfloat16 and (few_rows or not recorded):
-        native = bf16_flags_on(facts)
-        if not native:
+        flags = bf16_flags_on(facts)
+        if not flags:
             return "torch", f"bfloat16 on a CPU without {' or '.join(BF16_FLAGS)}: torch's own GEMM"
-        return untested or ("onednn", f"bfloat16 with {', '.join(native)}: oneDNN's packed weight, read once per call"
+        return untested or ("onednn", f"bfloat16 with {', '.join(flags)}: oneDNN's packed weight, read once per call"
                                       + ("" if few_rows else " (a call autograd records keeps F.linear)"))
     if dtype == torch.bfloat16:
         return "torch", "bfloat16, recorded by autograd: torch's own GEMM (on oneDNN too) and its backward"
@@ -150,6 +167,10 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
+    if setting == "panels":
+        if recorded or not _panels_run(dtype, cpu()):
+            return "torch", f"forced by {_setting()[1]} to the panels, which do not take this call: F.linear"
+        return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
     path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded)
@@ -214,22 +235,31 @@ def _compiled_step(facts: dict) -> dict:
     return step
 
 
-def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """True when ``linear(x, weight, bias)`` takes the oneDNN path (rule step 5)."""
+def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
+    """The path ``linear(x, weight, bias)`` takes: "onednn", "panels" or "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
-        return False  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
+        return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
     big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
     if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
-        return False
-    if not onednn.inner_product_takes(x, weight, bias) or not weight.is_contiguous():
-        return False  # a sliced weight (row stride != K) takes oneDNN's slow strided path
-    if not torch.backends.mkldnn.enabled:
-        return False
-    dtype, k = x.dtype, x.shape[-1]
+        return "torch"
     setting = _path_setting()
-    if setting != "auto":  # forced: no reason to word
-        return setting == "onednn" and onednn.ops_error(dtype) is None
-    few, recorded = big and size <= DECODE_ROWS * k, onednn.recorded(x, weight, bias)
+    if setting == "torch":
+        return "torch"
+    k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
+    few = big and size <= k * DECODE_ROWS
+    if (setting == "panels" or few) and _decision(x.dtype, few, setting, recorded=recorded)[0] == "panels":
+        takes = onednn.plain_tensors(x, weight, bias) and panels.takes(x, weight, bias) and panels.keeps(weight)
+        return "panels" if takes and x.numel() else "torch"  # else F.linear: nothing kept for a weight whose change is unseen
+    if not onednn.inner_product_takes(x, weight, bias) or not weight.is_contiguous():
+        return "torch"  # a sliced weight (row stride != K) takes oneDNN's slow strided path
+    if not torch.backends.mkldnn.enabled:
+        return "torch"
+    if setting == "onednn":  # forced: no reason to word
+        return "onednn" if onednn.ops_error(x.dtype) is None else "torch"
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    return _decision(dtype, few, setting, gemv, recorded)[0] == "onednn"
+    return _decision(x.dtype, few, setting, gemv, recorded)[0]
 
+
+def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """True when ``linear(x, weight, bias)`` takes the oneDNN path (``path_for``)."""
+    return path_for(x, weight, bias) == "onednn"
