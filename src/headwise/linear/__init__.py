@@ -1,15 +1,18 @@
-"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs, the LM head): ``F.linear`` or oneDNN, by one fixed rule.
+"""The projections (Q/K/V, ``c_attn``, ``out_proj``, the MLPs, the LM head): ``F.linear``, oneDNN or the panels GEMM, by one fixed rule.
 
 ``F.linear`` on a CPU goes to the BLAS torch was built with (MKL in the official wheels). On AMD
 CPUs with AVX-512, oneDNN's own inner product (``mkldnn._linear_pointwise``) runs
-float32 GEMMs faster than MKL does on the same cores, with the same float32 accuracy, and its
-packed weight reads a decode step's weights faster than MKL's gemv (the timings: the
-performance docs). Which path a call takes follows a fixed rule, nothing timed:
+float32 GEMMs faster than MKL does on the same cores, with the same float32 accuracy. A decode
+step's few rows read each weight once: on CPUs whose torch kernels run AVX-512 headwise's own GEMM
+over the weight packed once in panels (``panels.cpp``) reads them at about memory's rate, faster
+than either (the timings: the performance docs). Which path a call takes follows a fixed rule,
+nothing timed:
 
 - ``rule``: the rule (``choose``, ``choose_few_rows``, ``path_for``, ``uses_onednn``, ``describe``,
   ``set_path`` / ``use_path`` / ``HEADWISE_LINEAR``) over the CPU facts of ``headwise.machine``;
 - ``onednn``: oneDNN's private ops behind their guards, their one-time self-test, the autograd
   Function whose backward GEMMs run on oneDNN too, the packed weight;
+- ``panels``: the panels GEMM, its packing, the weight packed once (eager) or when a graph is compiled;
 - ``weight_cache``: what is made from weights (packed, stacked), kept until a weight changes;
 - ``projection``: ``linear``, ``project``, ``project_many``, the entry points the layers call;
 - ``custom_ops``: the opaque ops a compiled inference call runs them as.

@@ -1,6 +1,6 @@
 """``linear``, ``project`` and ``project_many``: the projections' entry points, on the path ``rule`` picks.
 
-``linear`` is ``F.linear`` with the same numbers (to float32 rounding). ``project`` runs a layer
+``linear`` is ``F.linear`` with the same numbers (to float32 rounding), on the path ``rule.path_for`` names. ``project`` runs a layer
 through it when the layer is a plain ``nn.Linear``; ``project_many`` runs several layers that
 read one input as one GEMM over their stacked weights. While ``torch.compile`` traces an
 inference call (no autograd), both become opaque ops (``custom_ops``) that decide their path and
@@ -74,14 +74,15 @@ def _template_over_mkl(choices: list) -> list:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str | None = None) -> Tensor:
-    """``F.linear`` with the same numbers (to float32 rounding), on the path ``choose`` picks.
+    """``F.linear`` with the same numbers (to float32 rounding), on the path ``path_for`` names.
 
     Args:
         x: (..., K) input, e.g. (B, T, C).
         weight: (N, K), PyTorch's ``nn.Linear`` layout.
         bias: (N,) or None.
         gelu: None, or GELU's ``approximate`` ("none", "tanh") to return ``F.gelu`` of the result: on oneDNN's
-            path (without autograd) computed by the GEMM on its float32 sums, one pass over the output, not two.
+            path (without autograd) computed by the GEMM on its float32 sums, one pass over the output, not two;
+            elsewhere ``F.gelu`` after the GEMM.
 
     Returns:
         (..., N).

@@ -1,17 +1,20 @@
-"""The rule that picks a projection's path, ``F.linear`` ("torch") or oneDNN ("onednn"), from fixed facts.
+"""The rule that picks a projection's path, ``F.linear`` ("torch"), oneDNN ("onednn") or the panels GEMM ("panels"), from fixed facts.
 
 Nothing is timed. A call's path follows, in order:
 
-1. ``set_path("onednn" | "torch")`` (or ``use_path``) if called, else ``HEADWISE_LINEAR`` =
-   ``auto`` (default), ``onednn`` or ``torch``, read at each call;
+1. ``set_path("onednn" | "panels" | "torch")`` (or ``use_path``) if called, else ``HEADWISE_LINEAR`` =
+   ``auto`` (default), ``onednn``, ``panels`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
    everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``;
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
-   ``choose_few_rows``: float32 as in 2, except that on any CPU whose torch kernels run AVX-512
-   an inference call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM
-   behind ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows
+   ``choose_few_rows``: an inference call (autograd records nothing) of float32 on a CPU whose torch
+   kernels run AVX-512, or of bfloat16 on one with AVX512-BF16 too, takes the panels GEMM over the
+   weight packed once (``panels``: a decode step's weights read at about memory's rate, where the
+   library builds: ``native``); otherwise float32 as in 2, except that on any CPU whose torch kernels
+   run AVX-512 an inference call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's
+   GEMM behind ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows
    it runs a GEMV that reads it once; a call autograd records keeps ``F.linear``, whose backward
    was the faster at so few rows); bfloat16 on oneDNN's packed weight on any CPU whose flags name
    ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16 matmul re-reads
@@ -19,12 +22,15 @@ Nothing is timed. A call's path follows, in order:
    rows that autograd does not record (the same oneDNN kernels as torch's bf16 GEMM, without
    packing the plain weight again on every call); a recorded one keeps ``F.linear``;
 4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
-   they fail, ``torch`` and one warning;
-5. per call (``uses_onednn``), a oneDNN decision still falls back to ``F.linear`` for operands
-   the oneDNN ops do not take (``onednn.inner_product_takes``: tensor subclasses such as DTensor,
-   other dtypes, empty sizes, a bias not (N,)), a weight that is not contiguous, few rows
-   (fewer than ``MIN_ROWS`` with a weight under ``MIN_DECODE_WEIGHT`` elements),
-   ``torch.backends.mkldnn.enabled`` False, or ``torch.compile`` tracing.
+   they fail, ``torch`` and one warning; ``panels`` forced takes every inference call the panels
+   multiply here, at any row count;
+5. per call (``path_for``), a decision still falls back to ``F.linear`` for operands the op does not
+   take (oneDNN: ``onednn.inner_product_takes``: tensor subclasses such as DTensor, other dtypes,
+   empty sizes, a bias not (N,), a weight that is not contiguous; the panels: ``panels.takes``, and a
+   weight whose change could not be seen, an inference tensor or one under torch.distributed, since
+   nothing packed from it could be kept), few rows (fewer than ``MIN_ROWS`` with a weight under
+   ``MIN_DECODE_WEIGHT`` elements), ``torch.backends.mkldnn.enabled`` False (oneDNN), or
+   ``torch.compile`` tracing.
 
 ``describe()`` returns the decisions (many rows and few rows, per dtype; a compiled step's) and the
 machine facts behind them. Nothing global is changed.
@@ -150,7 +156,7 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, record
 
 
 def choose(dtype: torch.dtype = torch.float32, *, recorded: bool = False) -> tuple[str, str]:
-    """The path ("onednn" or "torch") for ``dtype`` and why, before the per-call checks (see the module docstring);
+    """The path ("onednn", "torch"; "panels" when forced) for ``dtype`` and why, before the per-call checks (see the module docstring);
     ``recorded``: for a call autograd records."""
     return _decision(dtype, few_rows=False, recorded=recorded)
 
