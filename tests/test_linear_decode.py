@@ -94,32 +94,38 @@ def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_ca
         w.requires_grad_(False)
 
 
-@pytest.mark.parametrize("vendor, flags, fp32, bf16", [
-    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "panels", "panels"),
-    ("GenuineIntel", ["avx512f", "amx_bf16", "amx_tile"], "panels", "onednn"),  # AMX without AVX512-BF16: oneDNN's bf16
-    ("AuthenticAMD", ["avx512f"], "panels", "torch"),  # Zen 3-style: no native bf16 dot products
+@pytest.mark.parametrize("vendor, flags, fp32, bf16, fp32_many, bf16_many", [
+    ("AuthenticAMD", ["avx512f", "avx512_bf16"], "panels", "panels", "panels", "panels"),
+    ("GenuineIntel", ["avx512f", "avx512_bf16"], "panels", "panels", "torch", "panels"),  # MKL's float32 GEMM for many rows
+    ("GenuineIntel", ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"], "panels", "onednn", "torch", "onednn"),  # AMX: oneDNN's bf16
+    ("AuthenticAMD", ["avx512f"], "panels", "torch", "panels", "torch"),  # Zen 3-style: no native bf16 dot products
 ])
-def test_where_the_library_builds_few_rows_of_inference_take_the_panels(machine, vendor, flags, fp32, bf16):
+def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, flags, fp32, bf16, fp32_many, bf16_many):
     """On a CPU whose torch kernels run AVX-512, with headwise's C++ library built, a decode-shaped inference call of
-    float32 (and of bfloat16 with AVX512-BF16) takes the panels GEMM; a call autograd records and many rows keep their
-    own rule; an AVX2 CPU, or one where the library does not build, never takes it."""
+    float32 (and of bfloat16 with AVX512-BF16 but no AMX tiles) takes the panels GEMM, and so does every inference call
+    where oneDNN's packed weight would run it otherwise (float32 on AMD, bfloat16 without AMX: one packed copy); a call
+    autograd records keeps its own rule; an AVX2 CPU, or one where the library does not build, never takes them."""
     machine(vendor, "AVX512", flags, library=True)
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == fp32
     assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose_few_rows(torch.bfloat16, 1)[0] == bf16
+    assert (hl.choose(torch.float32)[0], hl.choose(torch.bfloat16)[0]) == (fp32_many, bf16_many)
+    assert "panels" not in (hl.choose(torch.float32, recorded=True)[0], hl.choose(torch.bfloat16, recorded=True)[0])
     assert hl.describe()["few_rows"]["float32"]["reason"].startswith("float32 inference, 1-16 rows, AVX-512 kernels: headwise's C++ GEMM")
-    assert "panels" not in (hl.choose(torch.float32)[0], hl.choose(torch.bfloat16)[0])  # many rows: their own rule
-    x, w, b = decode_case(4, torch.float32)
-    want = "panels" if (torch.float32, torch.float32) in panels.operands() else "torch"  # what this machine's library runs
-    assert hl.path_for(x, w, b) == want
-    assert hl.path_for(x, w.requires_grad_(True), b) != "panels"  # autograd records it: no backward in the panels
-    with torch.no_grad():
-        assert hl.path_for(x, w, b) == want
-    with torch.inference_mode():
-        assert hl.path_for(x, torch.randn(N, K), b) == "torch"  # an inference tensor: its change unseen, nothing kept
+    here = (torch.float32, torch.float32) in panels.operands()  # what this machine's library runs
+    for rows, path in ((4, fp32), (64, fp32_many)):
+        x, w, b = decode_case(rows, torch.float32)
+        want = path if path != "panels" or here else "torch"
+        assert hl.path_for(x, w, b) == want, rows
+        with torch.no_grad():
+            assert hl.path_for(x, w.requires_grad_(True), b) == want, rows
+        assert hl.path_for(x, w, b) != "panels", rows  # autograd records it: no backward in the panels
+        with torch.inference_mode():
+            wanted = "onednn" if vendor == "AuthenticAMD" or rows <= hl.DECODE_ROWS else "torch"  # the rule without the panels
+            assert hl.path_for(x, torch.randn(N, K), b) == wanted, rows  # an inference tensor: nothing packed is kept
     machine(vendor, "AVX512", flags, library=False)
-    assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0])
+    assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0], hl.choose(torch.float32)[0])
     machine(vendor, "AVX2", ["avx2"], library=True)
-    assert hl.choose_few_rows(torch.float32)[0] == "torch"
+    assert hl.choose_few_rows(torch.float32)[0] == hl.choose(torch.float32)[0] == "torch"
 
 
 def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):

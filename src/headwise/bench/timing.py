@@ -163,7 +163,9 @@ def time_case(
 
 
 def _ceiling_paths(dtype: str, size: int, device: str) -> dict[str, Callable[[], Tensor]]:
-    """The GEMMs a ceiling is measured with: ``F.linear`` (torch's BLAS; cuBLAS on CUDA) and, on the CPU, oneDNN's inner product."""
+    """The GEMMs a ceiling is measured with: ``F.linear`` (torch's BLAS; cuBLAS on CUDA) and, on the CPU, oneDNN's inner
+    product and, where they run, headwise's panels GEMM (over the weight packed once)."""
+    from ..linear import panels
     from ..linear.onednn import inner_product, ops_error
 
     t = DTYPES[dtype]
@@ -173,6 +175,8 @@ def _ceiling_paths(dtype: str, size: int, device: str) -> dict[str, Callable[[],
     paths: dict[str, Callable[[], Tensor]] = {"F.linear": lambda: F.linear(a, b)}
     if torch.device(device).type == "cpu" and ops_error(t) is None:
         paths["oneDNN inner product"] = lambda: inner_product(a, b, None)
+    if torch.device(device).type == "cpu" and panels.takes(a, b, None):
+        paths["panels GEMM"] = lambda: panels.run(a, b)
     return paths
 
 

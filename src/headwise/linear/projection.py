@@ -101,7 +101,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
             return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
     path = path_for(x, weight, bias)
     if path == "panels":
-        return _then(panels.run(x, weight, bias), gelu)  # (..., N): the weight packed once, kept while unchanged
+        y = panels.run(x, weight, bias)  # (..., N): the weight packed once, kept while unchanged
+        return y if gelu is None else torch.ops.aten.gelu_(y, approximate=gelu)  # in place: y is the GEMM's own output
     if path == "torch":
         return _then(F.linear(x, weight, bias), gelu)
     return onednn.run(x, weight, bias, gelu)  # (..., N)
@@ -320,7 +321,7 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
 
 def _panels_gelu(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, approximate: str) -> Tensor:
     """``F.gelu`` of the panels GEMM over a packed weight: ``linear``'s ``gelu`` on the panels' path."""
-    return F.gelu(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate=approximate)
+    return torch.ops.aten.gelu_(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate=approximate)  # (..., N), in place
 
 
 def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:

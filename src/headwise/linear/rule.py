@@ -119,16 +119,33 @@ def _library_built() -> bool:
     return native.built()
 
 
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict) -> tuple[str, str] | None:
+    """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
+    another path keeps it: bfloat16 on a CPU with AMX tiles (oneDNN's bfloat16 GEMM runs a prompt on them, and its
+    one packed copy serves the decode steps too), and float32 of more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
+    over the plain weight, nothing packed)."""
+    name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
+    kernels = "AVX-512 kernels" + (f" and {flag}" if flag else "")
+    if dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]:
+        return None
+    if few_rows:
+        return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
+                          "in 32-column panels, which reads a decode step's weights at about memory's rate")
+    if dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD":
+        return "panels", (f"{name} inference, {kernels}" + (", AMD" if dtype == torch.float32 else "") + ": headwise's C++ "
+                          "GEMM over the weight packed once in 32-column panels, level with oneDNN's packed weight at a "
+                          "prompt's rows and one packed copy for prompts and decode steps alike")
+    return None
+
+
 @functools.cache
-def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False) -> tuple[str, str]:
+def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
-    decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it)."""
+    decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
+    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take)."""
     facts = cpu()
-    if few_rows and not recorded and _panels_run(dtype, facts):
-        flag = panels.OPERANDS[(dtype, dtype)]
-        return "panels", (f"{str(dtype).removeprefix('torch.')} inference, 1-{DECODE_ROWS} rows, AVX-512 kernels"
-                          + (f" and {flag}" if flag else "") + ": headwise's C++ GEMM over the weight packed once in "
-                          "32-column panels, which reads it at about memory's rate")
+    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts)):
+        return path
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
@@ -167,9 +184,11 @@ def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS)
     return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS)
 
 
-def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False) -> tuple[str, str]:
+def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
+              kept: bool = True) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
-    ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call); ``setting`` read when not given."""
+    ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
+    packed from the weight can be kept); ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
@@ -179,7 +198,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
         return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -253,17 +272,19 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
         return "torch"
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
-    if (setting == "panels" or few) and _decision(x.dtype, few, setting, recorded=recorded)[0] == "panels":
-        takes = onednn.plain_tensors(x, weight, bias) and panels.takes(x, weight, bias) and panels.keeps(weight)
-        return "panels" if takes and x.numel() else "torch"  # else F.linear: nothing kept for a weight whose change is unseen
-    if not onednn.inner_product_takes(x, weight, bias) or not weight.is_contiguous():
-        return "torch"  # a sliced weight (row stride != K) takes oneDNN's slow strided path
-    if not torch.backends.mkldnn.enabled:
-        return "torch"
-    if setting == "onednn":  # forced: no reason to word
-        return "onednn" if onednn.ops_error(x.dtype) is None else "torch"
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    return _decision(x.dtype, few, setting, gemv, recorded)[0]
+    path = _decision(x.dtype, few, setting, gemv, recorded)[0]
+    if path == "panels":
+        if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
+            return "torch"
+        if panels.keeps(weight):
+            return "panels"
+        if setting == "panels":
+            return "torch"
+        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False)[0]  # nothing packed could be kept: the rule without the panels
+    if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
+        return "onednn"
+    return "torch"  # (a sliced weight, row stride != K, would take oneDNN's slow strided path)
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
