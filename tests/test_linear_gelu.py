@@ -1,5 +1,6 @@
-"""``project(layer, x, act)``: an MLP's GELU inside the GEMM on oneDNN's path, the activation applied on every other,
-the numbers against float64 at every row count, the kept decode calls with and without it apart."""
+"""``project(layer, x, act)``: an MLP's GELU inside the GEMM on oneDNN's path, the activation applied on every other
+(in place on the panels' output), the numbers against float64 at every row count, the kept decode calls with and
+without it apart."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 
 from headwise import GPT2Config
 from headwise import linear as hl
-from headwise.linear import onednn, weight_cache
+from headwise.linear import onednn, panels, weight_cache
 from headwise.models import GPT2LMHeadModel
 
 
@@ -59,6 +60,20 @@ def test_the_gelu_runs_inside_the_gemm_on_onednns_path(monkeypatch):
             kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key]
             assert [entry.run for entry in kept] == ([onednn.inner_product_gelu] if rows <= hl.DECODE_ROWS else []), rows
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_panels_path_the_gelu_is_torchs_on_the_gemms_output(dtype):
+    """The panels GEMM has no GELU of its own: F.gelu's numbers on its output, bit for bit (applied in place), for kept
+    decode calls and the full path alike."""
+    if (dtype, dtype) not in panels.operands():
+        pytest.skip(f"the panels do not multiply {dtype} here")
+    with hl.use_path("panels"), torch.no_grad():
+        for rows in (1, 8, 40):
+            x, lin = case(rows, dtype)
+            for _ in range(2):  # made, then kept
+                out = hl.project(lin, x, nn.GELU(approximate="tanh"))
+                assert torch.equal(out, F.gelu(panels.run(x, lin.weight, lin.bias), approximate="tanh")), rows
 
 
 def test_a_layer_called_with_and_without_its_gelu_keeps_two_calls():

@@ -212,7 +212,7 @@ def describe() -> dict:
     Example:
         >>> list(describe())
         ['cpu', 'float32', 'bfloat16', 'few_rows', 'compiled_step', 'setting', 'mkldnn_enabled', 'torch', 'tested_torch']
-        >>> describe()["float32"]["path"] in ("onednn", "torch"), describe()["few_rows"]["rows"]
+        >>> describe()["float32"]["path"] in ("onednn", "panels", "torch"), describe()["few_rows"]["rows"]
         (True, 16)
     """
     setting, source = _setting()
