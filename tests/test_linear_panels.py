@@ -1,6 +1,6 @@
-"""headwise.linear.panels: the compiled step's few-row GEMM over panels of the weight (float32, bfloat16, int8), against the float64
-reference at every row count, width and depth its loops branch on, its packing, what it takes, and its place in a
-graph whose weights inductor freezes (the packing folded into a constant, done once)."""
+"""headwise.linear.panels: the GEMM over panels of the weight (float32, bfloat16, int8), against the float64 reference at
+every row count, width and depth its loops branch on (a prompt's rows a chunk at a time), its packing, what it takes,
+and its place in a graph whose weights inductor freezes (the packing folded into a constant, done once)."""
 
 import pytest
 import torch
@@ -62,6 +62,19 @@ def test_every_row_count_and_width_matches_the_reference(rows, n, bias, dtype):
 def test_every_depth_matches_the_reference(k, dtype):
     x, w, b = case(8, 65, k, True, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
+
+
+@needs_panels
+@pytest.mark.parametrize("k, rows", [(3072, 1), (3072, 41), (3072, 97), (1000, 700), (4096, 129)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompts_rows_in_chunks_match_the_reference(k, rows, dtype):
+    """Many rows run a chunk at a time (about half a megabyte of x each, a multiple of 8 rows): counts that end a chunk
+    part-way, a chunk of one block of 8, and one row, all against float64; int8 by int8 gives the exact sums."""
+    x, w, b = case(rows, 70, k, True, dtype)
+    within_float32(panels.linear(x, w, b), x, w, b)
+    if (torch.int8, torch.int8) in panels.operands() and dtype == torch.float32:
+        xi, wi = a8_case(rows, 70, k)
+        assert torch.equal(panels.linear(xi, wi), xi.int() @ wi.int().T)
 
 
 @needs_panels

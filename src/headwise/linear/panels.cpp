@@ -1,8 +1,9 @@
-// A GEMM for the few rows of a decode step: out (M, N) = x (M, K) . weight (N, K)^T + bias, over the
-// weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
+// A GEMM for the few rows of a decode step (and a prompt's many): out (M, N) = x (M, K) . weight (N, K)^T + bias, over
+// the weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
 // memory once, a step of k at a time (one 128-byte line), while ROWS rows of x, broadcast one value
 // (or one pair, or four) at a time, are multiplied into ROWS x 32 sums held in registers; more rows
-// take the panel again from the core's cache. The panels are split between torch's threads.
+// take the panel again from the core's cache, a chunk of rows (CHUNK_BYTES of x) at a time for a
+// prompt. The panels are split between torch's threads.
 //
 // - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
 // - bfloat16 (CPUs with AVX512-BF16 only): panels (ceil(N/32), K + K % 2, 32), each step a pair of k
@@ -201,6 +202,13 @@ at::Tensor pack_panels(const at::Tensor& weight, std::optional<at::ScalarType> x
   return padded.view({P, PANEL, Kp / group, group}).permute({0, 2, 1, 3}).contiguous().view({P, Kp, PANEL});  // p, step, j, group
 }
 
+// The rows of x one pass over the panels takes: about CHUNK_BYTES of them (rows of row_bytes), a multiple of ROWS. A
+// prompt's rows would otherwise stream from memory again for every panel; a chunk stays in the core's cache.
+constexpr int64_t CHUNK_BYTES = int64_t{1} << 19;
+inline int64_t chunk_rows(int64_t row_bytes) {
+  return std::max<int64_t>(ROWS, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / ROWS * ROWS);
+}
+
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
 template <typename T>
 void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, int64_t N) {
@@ -245,47 +253,51 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* pp = panels.data_ptr();
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
-  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[ROWS * PANEL];
-    alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t r = 0; r < M; r += ROWS) {
-        const int64_t m = std::min<int64_t>(ROWS, M - r);
-        if (pairs) {
+  const int64_t chunk = chunk_rows(Kp * x.element_size());
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
+    const int64_t r1 = std::min(M, r0 + chunk);
+    at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float sums[ROWS * PANEL];
+      alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
+        for (int64_t r = r0; r < r1; r += ROWS) {
+          const int64_t m = std::min<int64_t>(ROWS, r1 - r);
+          if (pairs) {
 #if defined(__x86_64__)
-          using T = c10::BFloat16;
-          const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
-          const auto by_panel = [&](const auto* panels_of_type) {  // int8 or bfloat16 weights, one loop
-            const auto* panel = panels_of_type + p * Kp * PANEL;
-            by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
-          };
-          if (int8) {
-            by_panel(static_cast<const int8_t*>(pp));
+            using T = c10::BFloat16;
+            const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
+            const auto by_panel = [&](const auto* panels_of_type) {  // int8 or bfloat16 weights, one loop
+              const auto* panel = panels_of_type + p * Kp * PANEL;
+              by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
+            };
+            if (int8) {
+              by_panel(static_cast<const int8_t*>(pp));
+            } else {
+              by_panel(static_cast<const T*>(pp));
+            }
+            store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
+#endif
+          } else if (quads) {
+#if defined(__x86_64__)
+            const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 4);  // four int8 as one int32
+            const uint8_t* panel = static_cast<const uint8_t*>(pp) + p * Kp * PANEL;
+            by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xr, Kp / 4, panel, isums); });
+            int32_t* o = static_cast<int32_t*>(op) + r * N + n0;
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < width; ++j) o[i * N + j] = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
+            }
+#endif
           } else {
-            by_panel(static_cast<const T*>(pp));
+            const float* xr = static_cast<const float*>(xp) + r * K;
+            const float* panel = static_cast<const float*>(pp) + p * K * PANEL;
+            by_rows(m, [&](auto rows) { rows_by_panel<decltype(rows)::value>(xr, K, panel, sums); });
+            store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
           }
-          store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
-#endif
-        } else if (quads) {
-#if defined(__x86_64__)
-          const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 4);  // four int8 as one int32
-          const uint8_t* panel = static_cast<const uint8_t*>(pp) + p * Kp * PANEL;
-          by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xr, Kp / 4, panel, isums); });
-          int32_t* o = static_cast<int32_t*>(op) + r * N + n0;
-          for (int64_t i = 0; i < m; ++i) {
-            for (int64_t j = 0; j < width; ++j) o[i * N + j] = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
-          }
-#endif
-        } else {
-          const float* xr = static_cast<const float*>(xp) + r * K;
-          const float* panel = static_cast<const float*>(pp) + p * K * PANEL;
-          by_rows(m, [&](auto rows) { rows_by_panel<decltype(rows)::value>(xr, K, panel, sums); });
-          store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
         }
       }
-    }
-  });
+    });
+  }
   return out.view(sizes);
 }
 

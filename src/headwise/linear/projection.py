@@ -99,7 +99,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
             return _then(F.linear(x, weight, bias), gelu)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
             return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
-    path = path_for(x, weight, bias)
+    path = path_for(x, weight, bias, gelu=gelu is not None)
     if path == "panels":
         y = panels.run(x, weight, bias)  # (..., N): the weight packed once, kept while unchanged
         return y if gelu is None else torch.ops.aten.gelu_(y, approximate=gelu)  # in place: y is the GEMM's own output
@@ -300,7 +300,7 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
         return None
     weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
     sizes, k = [w.shape[0] for w in weights], x.shape[-1]
-    path = path_for(x, weight, bias)
+    path = path_for(x, weight, bias, gelu=gelu is not None)
     if path == "panels":
         args = (panels.packed(weight, x.dtype), None if bias is None else bias.detach().contiguous(), weight.shape[0])
         if gelu is None:

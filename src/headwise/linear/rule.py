@@ -6,29 +6,33 @@ Nothing is timed. A call's path follows, in order:
    ``auto`` (default), ``onednn``, ``panels`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
-   everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``;
+   everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``; where the library builds
+   (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
+   there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
+   a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
+   (``linear``'s ``gelu``: oneDNN computes it inside its GEMM) and bfloat16 on a CPU with AMX tiles;
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
-   ``choose_few_rows``: an inference call (autograd records nothing) of float32 on a CPU whose torch
-   kernels run AVX-512, or of bfloat16 on one with AVX512-BF16 too, takes the panels GEMM over the
-   weight packed once (``panels``: a decode step's weights read at about memory's rate, where the
-   library builds: ``native``); otherwise float32 as in 2, except that on any CPU whose torch kernels
-   run AVX-512 an inference call of more than ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's
-   GEMM behind ``F.linear`` packs the plain weight again on every such call; up to ``GEMV_ROWS`` rows
-   it runs a GEMV that reads it once; a call autograd records keeps ``F.linear``, whose backward
-   was the faster at so few rows); bfloat16 on oneDNN's packed weight on any CPU whose flags name
-   ``avx512_bf16`` or ``amx_bf16`` (native bf16 dot products, where torch's bf16 matmul re-reads
-   the plain (N, K) weight each call), on the tested torch versions; so are bfloat16 calls of more
-   rows that autograd does not record (the same oneDNN kernels as torch's bf16 GEMM, without
-   packing the plain weight again on every call); a recorded one keeps ``F.linear``;
+   ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
+   of bfloat16 on one with AVX512-BF16 too and no AMX tiles, takes the panels GEMM (a decode step's
+   weights read at about memory's rate, where the library builds); otherwise float32 as in 2,
+   except that on any CPU whose torch kernels run AVX-512 an inference call of more than
+   ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
+   weight again on every such call; up to ``GEMV_ROWS`` rows it runs a GEMV that reads it once; a
+   call autograd records keeps ``F.linear``, whose backward was the faster at so few rows);
+   bfloat16 on oneDNN's packed weight on any CPU whose flags name ``avx512_bf16`` or ``amx_bf16``
+   (native bf16 dot products, where torch's bf16 matmul re-reads the plain (N, K) weight each
+   call), on the tested torch versions; so are bfloat16 calls of more rows that autograd does not
+   record (the same oneDNN kernels as torch's bf16 GEMM, without packing the plain weight again on
+   every call; the panels as in 2 where they take them); a recorded one keeps ``F.linear``;
 4. ``onednn`` (chosen or forced) needs the private ops to work (``onednn.ops_error``): where
    they fail, ``torch`` and one warning; ``panels`` forced takes every inference call the panels
    multiply here, at any row count;
 5. per call (``path_for``), a decision still falls back to ``F.linear`` for operands the op does not
    take (oneDNN: ``onednn.inner_product_takes``: tensor subclasses such as DTensor, other dtypes,
-   empty sizes, a bias not (N,), a weight that is not contiguous; the panels: ``panels.takes``, and a
-   weight whose change could not be seen, an inference tensor or one under torch.distributed, since
-   nothing packed from it could be kept), few rows (fewer than ``MIN_ROWS`` with a weight under
+   empty sizes, a bias not (N,), a weight that is not contiguous; the panels: ``panels.takes``; and a
+   weight whose change could not be seen, an inference tensor or one under torch.distributed, takes
+   the rule without the panels, since nothing packed from it could be kept), few rows (fewer than ``MIN_ROWS`` with a weight under
    ``MIN_DECODE_WEIGHT`` elements), ``torch.backends.mkldnn.enabled`` False (oneDNN), or
    ``torch.compile`` tracing.
 
@@ -119,11 +123,12 @@ def _library_built() -> bool:
     return native.built()
 
 
-def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict) -> tuple[str, str] | None:
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 on a CPU with AMX tiles (oneDNN's bfloat16 GEMM runs a prompt on them, and its
-    one packed copy serves the decode steps too), and float32 of more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
-    over the plain weight, nothing packed)."""
+    one packed copy serves the decode steps too), float32 of more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
+    over the plain weight, nothing packed), and more than ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's
+    GEMM computes it inside, where torch's GELU after the panels took 1.1-1.3x the time)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     kernels = "AVX-512 kernels" + (f" and {flag}" if flag else "")
     if dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]:
@@ -131,20 +136,23 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict) -> tuple[str, 
     if few_rows:
         return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
-    if dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD":
+    if not gelu and (dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD"):
         return "panels", (f"{name} inference, {kernels}" + (", AMD" if dtype == torch.float32 else "") + ": headwise's C++ "
                           "GEMM over the weight packed once in 32-column panels, level with oneDNN's packed weight at a "
-                          "prompt's rows and one packed copy for prompts and decode steps alike")
+                          "prompt's rows and one packed copy for prompts and decode steps alike (a call with a GELU after "
+                          "keeps oneDNN's, which computes it inside)")
     return None
 
 
 @functools.cache
-def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True) -> tuple[str, str]:
+def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True,
+          gelu: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
-    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take)."""
+    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
+    follows, ``linear``'s ``gelu``)."""
     facts = cpu()
-    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts)):
+    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu)):
         return path
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -185,10 +193,10 @@ def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
-              kept: bool = True) -> tuple[str, str]:
+              kept: bool = True, gelu: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
-    packed from the weight can be kept); ``setting`` read when not given."""
+    packed from the weight can be kept; ``gelu``: a GELU follows); ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
@@ -198,7 +206,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
         return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -260,8 +268,9 @@ def _compiled_step(facts: dict) -> dict:
     return step
 
 
-def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
-    """The path ``linear(x, weight, bias)`` takes: "onednn", "panels" or "torch" (``F.linear``); rule step 5."""
+def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: bool = False) -> str:
+    """The path ``linear(x, weight, bias)`` takes (with ``gelu``: ``linear``'s GELU after it): "onednn", "panels" or
+    "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
     big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
@@ -273,7 +282,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    path = _decision(x.dtype, few, setting, gemv, recorded)[0]
+    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
             return "torch"
@@ -281,7 +290,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
             return "panels"
         if setting == "panels":
             return "torch"
-        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False)[0]  # nothing packed could be kept: the rule without the panels
+        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu)[0]  # nothing packed could be kept: the rule without the panels
     if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
         return "onednn"
     return "torch"  # (a sliced weight, row stride != K, would take oneDNN's slow strided path)
