@@ -462,3 +462,27 @@ def test_owns_output_only_for_layers_whose_result_nothing_else_holds():
     int8 = Int8Linear(torch.randn(3, 4))
     assert hl.owns_output(plain) and hl.owns_output(int8)
     assert not hl.owns_output(hooked) and not hl.owns_output(Kept(4, 3)) and not hl.owns_output(KeptInt8(torch.randn(3, 4)))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_under_autocast_every_path_gives_what_autocast_gives_f_linear(linear_path, rows):
+    """Autocast casts F.linear's operands (bfloat16 on the CPU here); the panels and oneDNN's packed weight would
+    compute in x's own dtype, so under autocast every call takes F.linear: nn.Linear's dtype and numbers, bit for bit."""
+    lin, layers = torch.nn.Linear(768, 2304), [torch.nn.Linear(768, 512) for _ in range(3)]
+    x = torch.randn(rows, 1, 768)  # (B, T, C)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert hl.path_for(x, lin.weight, lin.bias) == "torch"
+        for _ in range(2):  # a decode call is never kept under autocast either
+            assert torch.equal(hl.project(lin, x), lin(x)) and hl.project(lin, x).dtype == torch.bfloat16
+            assert all(torch.equal(got, layer(x)) for got, layer in zip(hl.project_many(layers, x), layers, strict=True))
+    with torch.no_grad():
+        assert hl.project(lin, x).dtype == torch.float32  # outside it, x's dtype again
+
+
+def test_onednns_self_test_is_not_fooled_by_the_callers_autocast():
+    """The one-time check of oneDNN's ops computes its reference in float32 whatever autocast the first caller runs
+    (a bfloat16 reference once failed it, and oneDNN stayed off for the whole process)."""
+    if onednn.ops_error(torch.float32) is not None:
+        pytest.skip("oneDNN's private ops fail here")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert onednn.ops_error.__wrapped__(torch.float32) is None

@@ -97,9 +97,9 @@ def ops_error(dtype: torch.dtype) -> str | None:
         gen = torch.Generator().manual_seed(0)
         x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)  # (M, K) (N, K) (N,)
         lo = [t.to(dtype) for t in (x, w, b)]
-        with torch.no_grad():  # plain, packed, and the backward's transposed operands
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # plain, packed, the backward's transposed operands
             got = [inner_product(*lo), inner_product(lo[0], reorder(lo[1]), lo[2]), inner_product(lo[0] @ lo[1].t(), lo[1].t(), None)]
-        want = [F.linear(x, w, b), F.linear(x, w, b), x @ w.t() @ w]
+            want = [F.linear(x, w, b), F.linear(x, w, b), x @ w.t() @ w]  # float32, whatever autocast the caller runs
         for g, r in zip(got, want, strict=True):
             if g.shape != r.shape or not torch.allclose(g.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item()):
                 raise RuntimeError("results differ from F.linear")

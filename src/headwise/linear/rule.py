@@ -33,8 +33,8 @@ Nothing is timed. A call's path follows, in order:
    empty sizes, a bias not (N,), a weight that is not contiguous; the panels: ``panels.takes``; and a
    weight whose change could not be seen, an inference tensor or one under torch.distributed, takes
    the rule without the panels, since nothing packed from it could be kept), few rows (fewer than ``MIN_ROWS`` with a weight under
-   ``MIN_DECODE_WEIGHT`` elements), ``torch.backends.mkldnn.enabled`` False (oneDNN), or
-   ``torch.compile`` tracing.
+   ``MIN_DECODE_WEIGHT`` elements), ``torch.backends.mkldnn.enabled`` False (oneDNN), autocast on
+   for x's device (it casts ``F.linear``'s operands), or ``torch.compile`` tracing.
 
 ``describe()`` returns the decisions (many rows and few rows, per dtype; a compiled step's) and the
 machine facts behind them. Nothing global is changed.
@@ -273,6 +273,8 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
+    if torch.is_autocast_enabled(x.device.type):
+        return "torch"  # autocast casts F.linear's operands; the other paths would compute in x's own dtype
     big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
     if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
         return "torch"
