@@ -1,6 +1,6 @@
-"""A decode step's projections as one C++ GEMM over the weight packed in panels (``panels.cpp``): eagerly over the
-weight packed once and kept while it is unchanged (``packed``, ``run``: the rule's "panels" path), in a compiled step
-over the weight packed when the graph is compiled (``linear``).
+"""Projections as one C++ GEMM over the weight packed in panels (``panels.cpp``), for a decode step's few rows and, on
+some CPUs, a prompt's many: eagerly over the weight packed once and kept while it is unchanged (``packed``, ``run``: the
+rule's "panels" path), in a compiled step over the weight packed when the graph is compiled (``linear``).
 
 - ``headwise::pack_panels(weight, x_dtype=None)``: (N, K) -> (ceil(N / 32), K', 32) for x of ``x_dtype``
   (``OPERANDS``; by default the weight's, bfloat16 for int8), each panel 32 output columns k-major, the

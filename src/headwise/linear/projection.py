@@ -263,11 +263,11 @@ def ready_for(weights: Sequence[Tensor], biases: Sequence[Tensor | None], x: Ten
 
 
 def _decode_call(x: Tensor) -> bool:
-    """An eager inference call of 1..``DECODE_ROWS`` rows of a plain strided x, outside autocast (which casts the full
-    path's operands)."""
+    """An eager inference call of 1..``DECODE_ROWS`` rows of a plain strided x, outside the CPU's autocast (which casts
+    the full path's operands, where a kept call's packed weight would not)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
         return False
-    if torch.is_autocast_enabled(x.device.type):
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         return False
     return 0 < x.numel() <= DECODE_ROWS * x.shape[-1]
 

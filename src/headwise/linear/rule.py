@@ -273,8 +273,8 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
-    if torch.is_autocast_enabled(x.device.type):
-        return "torch"  # autocast casts F.linear's operands; the other paths would compute in x's own dtype
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return "torch"  # autocast casts F.linear's operands; the CPU's other paths would compute in x's own dtype
     big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
     if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
         return "torch"
