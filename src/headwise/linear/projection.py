@@ -101,8 +101,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
             return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
     path = path_for(x, weight, bias, gelu=gelu is not None)
     if path == "panels":
-        y = panels.run(x, weight, bias)  # (..., N): the weight packed once, kept while unchanged
-        return y if gelu is None else torch.ops.aten.gelu_(y, approximate=gelu)  # in place: y is the GEMM's own output
+        return _gelu_in_place(panels.run(x, weight, bias), gelu)  # (..., N): the weight packed once, kept while unchanged
     if path == "torch":
         return _then(F.linear(x, weight, bias), gelu)
     return onednn.run(x, weight, bias, gelu)  # (..., N)
@@ -324,7 +323,12 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
 
 def _panels_gelu(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, approximate: str) -> Tensor:
     """``F.gelu`` of the panels GEMM over a packed weight: ``linear``'s ``gelu`` on the panels' path."""
-    return torch.ops.aten.gelu_(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate=approximate)  # (..., N), in place
+    return _gelu_in_place(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate)  # (..., N)
+
+
+def _gelu_in_place(y: Tensor, approximate: str | None) -> Tensor:
+    """``F.gelu(y)``'s numbers written over y, a GEMM's own output (None: y as it is)."""
+    return y if approximate is None else torch.ops.aten.gelu_(y, approximate=approximate)
 
 
 def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:

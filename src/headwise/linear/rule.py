@@ -279,8 +279,6 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
         return "torch"
     setting = _path_setting()
-    if setting == "torch":
-        return "torch"
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
