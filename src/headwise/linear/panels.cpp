@@ -18,8 +18,8 @@
 //   off after: the exact integer sums (M, N), as torch._int_mm gives (int32 arithmetic wraps, so this
 //   holds wherever the true sums fit an int32; no bias: the caller scales them).
 // While a panel is read, the lines AHEAD bytes further on (the rest of it, then the thread's next panel) are asked
-// into the cache where a step's arithmetic outlasts the hardware prefetchers' pace: at 4 rows or more, and for int8
-// weights at any. The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
+// into the cache: a step's arithmetic at many rows outlasts the hardware prefetchers' pace, and at one to three rows
+// Intel's prefetchers alone fell behind too. The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
 // own kernels use; the ops' schemas and checks live on the Python side (headwise.linear.panels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,7 +52,6 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 constexpr int64_t PANEL = 32;           // output columns per panel
 constexpr int VECS = PANEL / LANES;     // registers per row of a panel
 constexpr int64_t AHEAD = 8192;         // bytes: how far ahead of the step being read the next are asked into the cache
-constexpr int PREFETCH_ROWS = 4;        // from this many rows on, float weights are prefetched too
 
 // The step of `bytes` bytes at p, AHEAD bytes further on, asked into the cache (past the last panel: a hint, no fault).
 template <int64_t bytes>
@@ -71,7 +70,7 @@ template <int M>
 void rows_by_panel(const float* x, int64_t K, const float* panel, float* sums) {
   vec acc[M][VECS] = {};
   for (int64_t k = 0; k < K; ++k) {
-    if (M >= PREFETCH_ROWS) ahead<PANEL * sizeof(float)>(panel + k * PANEL);
+    ahead<PANEL * sizeof(float)>(panel + k * PANEL);
     vec w[VECS];
 #pragma GCC unroll 4
     for (int j = 0; j < VECS; ++j) w[j] = load(panel + k * PANEL + j * LANES);
@@ -110,7 +109,7 @@ __attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t*
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    if (M >= PREFETCH_ROWS || sizeof(W) == 1) ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
+    ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
     __m512bh w0, w1;
     pair_step(panel + kk * 2 * PANEL, w0, w1);
 #pragma GCC unroll 8

@@ -256,10 +256,12 @@ def _compiled_step(facts: dict) -> dict:
             needs = "torch's kernels run AVX-512" + (f", the CPU has {flag}" if flag else "")
             entry = {"path": "panels", "reason": f"{needs}: headwise's C++ GEMM over the weight packed in 32-column panels "
                                                  f"(where headwise's C++ library builds){note}"}
+        elif operands[0] == torch.int8 and panels.amx_int8_on(facts):
+            entry = {"path": "inductor", "reason": "the CPU multiplies int8 by int8 in AMX tiles: inductor's int8 GEMM "
+                                                   "over the weight it packs when the step is compiled"}
         elif operands[0] == torch.int8:
             lacks = f", no {flag}" if isa == "AVX512" else ""
-            entry = {"path": "int_mm", "reason": f"torch's kernels run {isa}{lacks}: torch's int8 GEMM as an opaque op, "
-                                                 "or inductor's with AMX's int8 tiles"}
+            entry = {"path": "int_mm", "reason": f"torch's kernels run {isa}{lacks}: torch's int8 GEMM as an opaque op"}
         else:
             lacks = f", no {flag}" if isa == "AVX512" and flag else ""
             entry = {"path": "inductor", "reason": f"torch's kernels run {isa}{lacks}: inductor's GEMM over the weight it packs "
