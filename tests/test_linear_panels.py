@@ -7,7 +7,7 @@ import torch
 from reference import linear as ref_linear
 
 from headwise import linear as hl
-from headwise.linear import panels, projection
+from headwise.linear import onednn, panels, projection
 from headwise.machine import cpu
 
 needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
@@ -47,7 +47,7 @@ def frozen_run(fn, x: torch.Tensor) -> tuple[object, str]:
 
 
 @needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 32, 33])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -90,6 +90,18 @@ def test_leading_dimensions_and_a_strided_input(dtype):
     within_float32(panels.linear(strided, w, b), strided, w, b)
     empty = panels.linear(torch.randn(0, 95).to(dtype), w, b)  # no rows
     assert empty.shape == (0, 40)
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_panels_and_onednn_take_turns_in_one_thread(dtype):
+    """On a CPU with AMX the bfloat16 panels load their own tile configuration (4 rows or more) and release it; oneDNN's
+    AMX kernels, run before and after in the same threads, configure theirs again: every call stays exact."""
+    x, w, b = case(40, 96, 3072, True, dtype)
+    packed = onednn.packed(w)
+    for rows in (1, 8, 40, 8):
+        within_float32(panels.linear(x[:rows], w, b), x[:rows], w, b)
+        within_float32(onednn.inner_product(x[:rows], packed, b), x[:rows], w, b)
 
 
 @needs_panels

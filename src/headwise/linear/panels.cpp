@@ -37,6 +37,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -125,6 +127,66 @@ __attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t*
   }
 }
 
+// AMX: whether the CPU has bfloat16 tiles and Linux lets this process use them (asked once: arch_prctl).
+bool has_bf16_tiles() {
+  static const bool ok = [] {
+    constexpr long REQ_XCOMP_PERM = 0x1023, XTILEDATA = 18;  // arch_prctl's request, the tiles' state component
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, REQ_XCOMP_PERM, XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// The tiles tiles_by_panel uses for m rows: 0 = x (m rows of 32 bfloat16), 1 and 2 = the panel's 16 steps for columns
+// 0-15 and 16-31 (16 rows of 16 pairs), 3 and 4 = their sums (m rows of 16 float32).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void load_tiles(int64_t m) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = t == 1 || t == 2 ? 16 : static_cast<uint8_t>(m);
+  }
+  asm volatile("ldtilecfg %0" : : "m"(c));  // (GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of c only)
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// sums (m, PANEL) = x (m <= TILE_BLOCK rows of Kp bfloat16) . panel (Kp / 2, PANEL, 2) of bfloat16, with the tiles loaded
+// for m (load_tiles): 32 k a step in AMX tiles (one tdpbf16ps per 16 columns), the last Kp % 32 by vdpbf16ps
+__attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) void tiles_by_panel(const c10::BFloat16* x, int64_t Kp, int64_t m,
+                                                                                   const c10::BFloat16* panel, float* sums) {
+  const int64_t steps = Kp / 32, pairs = Kp / 2;
+  const char* w = reinterpret_cast<const char*>(panel);
+  _tile_zero(3);
+  _tile_zero(4);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(0, x + s * 32, Kp * 2);
+    _tile_loadd(1, w + s * 16 * 128, 128);  // 16 steps of 128 bytes: 32 columns' pairs
+    _tile_loadd(2, w + s * 16 * 128 + 64, 128);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_dpbf16ps(4, 0, 2);
+  }
+  _tile_stored(3, sums, PANEL * sizeof(float));
+  _tile_stored(4, sums + 16, PANEL * sizeof(float));
+  const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
+  for (int64_t i = 0; i < m && steps * 16 < pairs; ++i) {
+    __m512 a0 = _mm512_loadu_ps(sums + i * PANEL), a1 = _mm512_loadu_ps(sums + i * PANEL + 16);
+    for (int64_t kk = steps * 16; kk < pairs; ++kk) {
+      __m512bh w0, w1;
+      pair_step(panel + kk * 2 * PANEL, w0, w1);
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(xi[i * pairs + kk]);
+      a0 = _mm512_dpbf16_ps(a0, xm, w0);
+      a1 = _mm512_dpbf16_ps(a1, xm, w1);
+    }
+    _mm512_storeu_ps(sums + i * PANEL, a0);
+    _mm512_storeu_ps(sums + i * PANEL + 16, a1);
+  }
+}
+
 // 16 int32 sums: a vector type of its own, so GCC keeps each in one register (through __m512i, which it holds as
 // 8 int64, every vpdpbusd cost a register copy).
 typedef int32_t ivec __attribute__((vector_size(64)));
@@ -204,9 +266,14 @@ at::Tensor pack_panels(const at::Tensor& weight, std::optional<at::ScalarType> x
 // The rows of x one pass over the panels takes: about CHUNK_BYTES of them (rows of row_bytes), a multiple of ROWS. A
 // prompt's rows would otherwise stream from memory again for every panel; a chunk stays in the core's cache.
 constexpr int64_t CHUNK_BYTES = int64_t{1} << 19;
-inline int64_t chunk_rows(int64_t row_bytes) {
-  return std::max<int64_t>(ROWS, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / ROWS * ROWS);
+inline int64_t chunk_rows(int64_t row_bytes, int64_t block) {
+  return std::max<int64_t>(block, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / block * block);
 }
+
+// bfloat16 x by bfloat16 panels on a CPU with AMX's bfloat16 tiles: calls of TILE_ROWS rows or more run in tiles, blocks
+// of TILE_BLOCK rows (the tiles' most); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
+constexpr int64_t TILE_BLOCK = 16;
+constexpr int64_t TILE_ROWS = 4;
 
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
 template <typename T>
@@ -252,16 +319,22 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* pp = panels.data_ptr();
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
-  const int64_t chunk = chunk_rows(Kp * x.element_size());
+#if defined(__x86_64__)
+  const bool tiles = pairs && !int8 && M >= TILE_ROWS && has_bf16_tiles();
+#else
+  const bool tiles = false;
+#endif
+  const int64_t block = tiles ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float sums[ROWS * PANEL];
+      alignas(64) float sums[TILE_BLOCK * PANEL];
       alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
+      int64_t loaded = 0;  // the rows the tiles are loaded for (0: not loaded by this task)
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-        for (int64_t r = r0; r < r1; r += ROWS) {
-          const int64_t m = std::min<int64_t>(ROWS, r1 - r);
+        for (int64_t r = r0; r < r1; r += block) {
+          const int64_t m = std::min<int64_t>(block, r1 - r);
           if (pairs) {
 #if defined(__x86_64__)
             using T = c10::BFloat16;
@@ -270,7 +343,10 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
               const auto* panel = panels_of_type + p * Kp * PANEL;
               by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
             };
-            if (int8) {
+            if (tiles) {
+              if (m != loaded) load_tiles(loaded = m);
+              tiles_by_panel(static_cast<const T*>(xp) + r * Kp, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums);
+            } else if (int8) {
               by_panel(static_cast<const int8_t*>(pp));
             } else {
               by_panel(static_cast<const T*>(pp));
@@ -295,6 +371,9 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
           }
         }
       }
+#if defined(__x86_64__)
+      if (loaded) release_tiles();
+#endif
     });
   }
   return out.view(sizes);
