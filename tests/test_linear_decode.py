@@ -97,13 +97,13 @@ def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_ca
 @pytest.mark.parametrize("vendor, flags, fp32, bf16, fp32_many, bf16_many", [
     ("AuthenticAMD", ["avx512f", "avx512_bf16"], "panels", "panels", "panels", "panels"),
     ("GenuineIntel", ["avx512f", "avx512_bf16"], "panels", "panels", "torch", "panels"),  # MKL's float32 GEMM for many rows
-    ("GenuineIntel", ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"], "panels", "panels", "torch", "panels"),  # AMX: tiles in the panels
+    ("GenuineIntel", ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"], "panels", "panels", "torch", "onednn"),  # AMX: oneDNN's for prompts
     ("AuthenticAMD", ["avx512f"], "panels", "torch", "panels", "torch"),  # Zen 3-style: no native bf16 dot products
 ])
 def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, flags, fp32, bf16, fp32_many, bf16_many):
     """On a CPU whose torch kernels run AVX-512, with headwise's C++ library built, a decode-shaped inference call of
     float32 (and of bfloat16 with AVX512-BF16, AMX tiles or not) takes the panels GEMM, and so does every inference call
-    where oneDNN's packed weight would run it otherwise (float32 on AMD, bfloat16: one packed copy); a call
+    where oneDNN's packed weight would run it otherwise (float32 on AMD, bfloat16 without AMX: one packed copy); a call
     autograd records keeps its own rule; an AVX2 CPU, or one where the library does not build, never takes them."""
     machine(vendor, "AVX512", flags, library=True)
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == fp32

@@ -136,42 +136,59 @@ bool has_bf16_tiles() {
   return ok;
 }
 
-// The tiles tiles_by_panel uses for m rows: 0 = x (m rows of 32 bfloat16), 1 and 2 = the panel's 16 steps for columns
-// 0-15 and 16-31 (16 rows of 16 pairs), 3 and 4 = their sums (m rows of 16 float32).
+// The tiles tiles_by_panel uses for rows in two blocks, m0 <= 16 and m1 <= 16 (m1 = 0: one block, its tiles left
+// unconfigured): 0 and 1 = x's rows (32 bfloat16 each), 2 and 3 = the panel's next 16 steps for columns 0-15 and 16-31
+// (16 rows of 16 pairs), 4 and 5 = the first block's sums for those columns, 6 and 7 = the second's (float32).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-__attribute__((target("amx-tile"))) void load_tiles(int64_t m) {
+__attribute__((target("amx-tile"))) void load_tiles(int64_t m0, int64_t m1) {
   TileConfig c;
-  for (int t = 0; t < 5; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = t == 1 || t == 2 ? 16 : static_cast<uint8_t>(m);
+  const int64_t rows[8] = {m0, m1, 16, 16, m0, m0, m1, m1};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t]);
+    c.colsb[t] = rows[t] ? 64 : 0;
   }
   asm volatile("ldtilecfg %0" : : "m"(c));  // (GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of c only)
 }
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-// sums (m, PANEL) = x (m <= TILE_BLOCK rows of Kp bfloat16) . panel (Kp / 2, PANEL, 2) of bfloat16, with the tiles loaded
-// for m (load_tiles): 32 k a step in AMX tiles (one tdpbf16ps per 16 columns), the last Kp % 32 by vdpbf16ps
+// sums (m0 + m1, PANEL) = x (m0 + m1 rows of Kp bfloat16) . panel (Kp / 2, PANEL, 2) of bfloat16, with the tiles loaded
+// for m0 and m1 (load_tiles; TWO: m1 > 0): 32 k a step in AMX tiles (one tdpbf16ps per block and 16 columns, each step
+// of the panel loaded once for both blocks), the last Kp % 32 by vdpbf16ps
+template <bool TWO>
 __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) void tiles_by_panel(const c10::BFloat16* x, int64_t Kp, int64_t m,
                                                                                    const c10::BFloat16* panel, float* sums) {
   const int64_t steps = Kp / 32, pairs = Kp / 2;
   const char* w = reinterpret_cast<const char*>(panel);
-  _tile_zero(3);
   _tile_zero(4);
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(0, x + s * 32, Kp * 2);
-    _tile_loadd(1, w + s * 16 * 128, 128);  // 16 steps of 128 bytes: 32 columns' pairs
-    _tile_loadd(2, w + s * 16 * 128 + 64, 128);
-    _tile_dpbf16ps(3, 0, 1);
-    _tile_dpbf16ps(4, 0, 2);
+  _tile_zero(5);
+  if constexpr (TWO) {
+    _tile_zero(6);
+    _tile_zero(7);
   }
-  _tile_stored(3, sums, PANEL * sizeof(float));
-  _tile_stored(4, sums + 16, PANEL * sizeof(float));
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(2, w + s * 16 * 128, 128);  // 16 steps of 128 bytes: 32 columns' pairs
+    _tile_loadd(3, w + s * 16 * 128 + 64, 128);
+    _tile_loadd(0, x + s * 32, Kp * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if constexpr (TWO) {
+      _tile_loadd(1, x + 16 * Kp + s * 32, Kp * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, sums, PANEL * sizeof(float));
+  _tile_stored(5, sums + 16, PANEL * sizeof(float));
+  if constexpr (TWO) {
+    _tile_stored(6, sums + 16 * PANEL, PANEL * sizeof(float));
+    _tile_stored(7, sums + 16 * PANEL + 16, PANEL * sizeof(float));
+  }
   const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
   for (int64_t i = 0; i < m && steps * 16 < pairs; ++i) {
     __m512 a0 = _mm512_loadu_ps(sums + i * PANEL), a1 = _mm512_loadu_ps(sums + i * PANEL + 16);
@@ -271,8 +288,8 @@ inline int64_t chunk_rows(int64_t row_bytes, int64_t block) {
 }
 
 // bfloat16 x by bfloat16 panels on a CPU with AMX's bfloat16 tiles: calls of TILE_ROWS rows or more run in tiles, blocks
-// of TILE_BLOCK rows (the tiles' most); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
-constexpr int64_t TILE_BLOCK = 16;
+// of TILE_BLOCK rows (two tiles of 16); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
+constexpr int64_t TILE_BLOCK = 32;
 constexpr int64_t TILE_ROWS = 4;
 
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
@@ -285,6 +302,27 @@ void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, i
     }
   }
 }
+
+#if defined(__x86_64__)
+// store's bfloat16 output, 16 columns at a time: the bias widened to float32 and added, each sum rounded to nearest even
+// by vcvtneps2bf16 (as c10::BFloat16 rounds, but that a float32 sum under 2^-126 rounds to zero)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void store(const float* sums, int64_t m, int64_t width, const c10::BFloat16* bias,
+                                                                  c10::BFloat16* out, int64_t N) {
+  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  const __mmask16 lo = mask(width), hi = mask(width - 16);
+  const auto widened = [&](__mmask16 k, const c10::BFloat16* p) {  // (16,) bfloat16 -> float32, zeros where k is off
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+  };
+  const __m512 b0 = bias != nullptr ? widened(lo, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? widened(hi, bias + 16) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < m; ++i) {
+    const __m512 s0 = _mm512_loadu_ps(sums + i * PANEL), s1 = _mm512_loadu_ps(sums + i * PANEL + 16);
+    const __m512 v0 = bias != nullptr ? _mm512_add_ps(s0, b0) : s0, v1 = bias != nullptr ? _mm512_add_ps(s1, b1) : s1;
+    _mm256_mask_storeu_epi16(out + i * N, lo, (__m256i)_mm512_cvtneps_pbh(v0));
+    _mm256_mask_storeu_epi16(out + i * N + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
+  }
+}
+#endif
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
   const auto xt = x_.scalar_type(), pt = panels.scalar_type();
@@ -344,8 +382,15 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
               by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
             };
             if (tiles) {
-              if (m != loaded) load_tiles(loaded = m);
-              tiles_by_panel(static_cast<const T*>(xp) + r * Kp, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums);
+              const int64_t m0 = std::min<int64_t>(16, m);
+              if (m != loaded) load_tiles(m0, (loaded = m) - m0);
+              const T* xb = static_cast<const T*>(xp) + r * Kp;
+              const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
+              if (m > 16) {
+                tiles_by_panel<true>(xb, Kp, m, panel, sums);
+              } else {
+                tiles_by_panel<false>(xb, Kp, m, panel, sums);
+              }
             } else if (int8) {
               by_panel(static_cast<const int8_t*>(pp));
             } else {

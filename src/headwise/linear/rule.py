@@ -9,14 +9,15 @@ Nothing is timed. A call's path follows, in order:
    everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``; where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
-   a prompt's rows, and one packed copy serves prompts and decode steps; bfloat16 on a CPU with AMX
-   tiles multiplies four rows or more in them), but one with a GELU after (``linear``'s ``gelu``:
-   oneDNN computes it inside its GEMM);
+   a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
+   (``linear``'s ``gelu``: oneDNN computes it inside its GEMM) and bfloat16 on a CPU with AMX tiles
+   (oneDNN's AMX GEMM runs a prompt's rows faster than the panels' tiles);
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
-   of bfloat16 on one with AVX512-BF16 too, takes the panels GEMM (a decode step's
-   weights read at about memory's rate, where the library builds); otherwise float32 as in 2,
+   of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), takes
+   the panels GEMM (a decode step's weights read at about memory's rate, where the library builds);
+   otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
    weight again on every such call; up to ``GEMV_ROWS`` rows it runs a GEMV that reads it once; a
@@ -126,11 +127,15 @@ def _library_built() -> bool:
 
 def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
-    another path keeps it: float32 of more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
+    another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
+    faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
+    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
     over the plain weight, nothing packed), and more than ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's
     GEMM computes it inside, where torch's GELU after the panels took 1.1-1.3x the time)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
+    if tiles and not few_rows:
+        return None
     kernels = "AVX-512 kernels" + (f"{',' if tiles else ' and'} {flag}" if flag else "") + (" and AMX tiles (4 rows or more)" if tiles else "")
     if few_rows:
         return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
