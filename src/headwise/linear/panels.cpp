@@ -9,6 +9,9 @@
 // - bfloat16 (CPUs with AVX512-BF16 only): panels (ceil(N/32), K + K % 2, 32), each step a pair of k
 //   for every column ((k, k+1) side by side, K padded with a zero); one vdpbf16ps adds a pair's two
 //   products (exact in float32) to each float32 sum; the sum plus the bias is rounded to bfloat16 once.
+//   On a CPU with AMX's bfloat16 tiles a call of TILE_ROWS rows or more runs in them instead: 16 steps
+//   of a panel are a tile of the weight as tdpbf16ps wants it (loaded with a 128-byte stride), 16 rows
+//   by 32 k of x another, two blocks of 16 rows at a time (tiles_by_panel).
 // - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
 //   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
 //   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them).
@@ -19,8 +22,9 @@
 //   holds wherever the true sums fit an int32; no bias: the caller scales them).
 // While a panel is read, the lines AHEAD bytes further on (the rest of it, then the thread's next panel) are asked
 // into the cache: a step's arithmetic at many rows outlasts the hardware prefetchers' pace, and at one to three rows
-// Intel's prefetchers alone fell behind too. The last panel is zero-padded. Built at run time by headwise.native with the instruction set torch's
-// own kernels use; the ops' schemas and checks live on the Python side (headwise.linear.panels).
+// Intel's prefetchers alone fell behind too. The last panel is zero-padded. Built at run time by headwise.native with
+// the instruction set torch's own kernels use; the ops' schemas and checks live on the Python side
+// (headwise.linear.panels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -10,8 +10,9 @@ rule's "panels" path), in a compiled step over the weight packed when the graph 
   compiled: the step itself never packs.
 - ``headwise::panels_linear(x, panels, bias, n)``: (..., K) x panels (+ bias (n,)) -> (..., n) in x's dtype.
   float32: ``F.linear``'s numbers to float32 rounding (sums over k in order, in float32). bfloat16:
-  each pair's two products (exact in float32) added to float32 sums by one AVX512-BF16 instruction,
-  the sum plus the bias rounded to bfloat16 once, as oneDNN's bf16 GEMM does on the same CPUs.
+  each pair's two products (exact in float32) added to float32 sums by one AVX512-BF16 instruction
+  (calls of 4 rows or more on a CPU with AMX tiles: by ``tdpbf16ps``, 16 steps at a time), the sum
+  plus the bias rounded to bfloat16 once, as oneDNN's bf16 GEMM does on the same CPUs.
   int8 panels with bfloat16 x (no bias): each step's int8 weights widened to bfloat16 in registers
   (exact), then the same instruction, the sums rounded to bfloat16 once: ``Int8Linear``'s sums
   (``headwise.quantize``), which it then scales. int8 panels with int8 x (no bias): one AVX512-VNNI
