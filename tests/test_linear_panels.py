@@ -72,7 +72,7 @@ def test_a_prompts_rows_in_chunks_match_the_reference(k, rows, dtype):
     part-way, a chunk of one block of 8, and one row, all against float64; int8 by int8 gives the exact sums."""
     x, w, b = case(rows, 70, k, True, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
-    if (torch.int8, torch.int8) in panels.operands() and dtype == torch.float32:
+    if (torch.int8, torch.int8) in panels.operands(compiled=False) and dtype == torch.float32:
         xi, wi = a8_case(rows, 70, k)
         assert torch.equal(panels.linear(xi, wi), xi.int() @ wi.int().T)
 
@@ -175,6 +175,19 @@ def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32
     a8_reason = step["int8, int8 activations"]["reason"]
     assert ("AMX tiles" in a8_reason) == ("amx_int8" in flags)  # never "no avx512_vnni" where the CPU has it
     assert ("no avx512_vnni" in a8_reason) == (capability == "AVX512" and "avx512_vnni" not in flags)
+
+
+@pytest.mark.parametrize("flags, eager, compiled", [
+    (["avx512f", "avx512_bf16", "avx512_vnni"], True, True),
+    (["avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8"], True, False),  # compiled: inductor's AMX int8 GEMM
+    (["avx512f", "avx512_bf16"], False, False)])
+def test_int8_rows_take_the_panels_eagerly_wherever_the_cpu_has_vnni(flags, eager, compiled):
+    """int8 x int8 panels need AVX512-VNNI; on a CPU with AMX's int8 tiles a compiled step leaves them to inductor's
+    AMX GEMM, while eager decode calls keep them (torch's _int_mm took 1.7-2x their step time there)."""
+    facts = {"capability": "AVX512", "flags": flags}
+    assert ((torch.int8, torch.int8) in panels.operands_on(facts, compiled=False)) is eager
+    assert ((torch.int8, torch.int8) in panels.operands_on(facts)) is compiled
+    assert (torch.float32, torch.float32) in panels.operands_on(facts) and (torch.float32, torch.float32) in panels.operands_on(facts, compiled=False)
 
 
 @needs_panels
@@ -284,8 +297,10 @@ def test_int8_layers_read_by_one_input_run_as_one_frozen_gemm():
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-needs_a8 = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands_on(cpu()) or not panels.available(),
-                              reason="int8 x int8 panels need AVX512-VNNI (and no AMX int8 tiles) and the library built")
+needs_a8 = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands(compiled=False),
+                              reason="int8 x int8 panels need AVX512-VNNI and the library built")
+needs_a8_compiled = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands(),
+                                       reason="a compiled step's int8 x int8 panels need AVX512-VNNI, no AMX int8 tiles, the library built")
 
 
 def a8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +341,7 @@ def test_int8_x_packing_is_quads_of_the_weight_plus_128():
     assert torch.equal(unpacked[:70, :9], w.long()) and not unpacked[70:].any() and not unpacked[:, 9:].any()
 
 
-@needs_a8
+@needs_a8_compiled
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("k", [96, 90])
 def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
@@ -343,7 +358,7 @@ def test_a_frozen_int8_activation_layer_runs_the_panels_bit_for_bit(rows, k):
     assert torch.equal(got, layer(x))
 
 
-@needs_a8
+@needs_a8_compiled
 def test_int8_activation_layers_read_by_one_input_run_as_one_frozen_gemm():
     """``project_many`` over int8-activation layers under freezing: x rounded to int8 once, one ``panels_linear`` over the
     weights concatenated, each layer's outputs bit for bit its eager call's."""

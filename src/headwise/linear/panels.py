@@ -75,27 +75,36 @@ torch.library.register_fake("headwise::panels_int8_scaled", _scaled_shape)
 torch.library.register_fake("headwise::panels_int8_rows_scaled", _scaled_shape)
 
 
-def operands_on(facts: dict) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
-    """The (x dtype, weight dtype) pairs whose compiled-step projections take the panels on a CPU with these facts
-    (``machine.cpu()``): where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums
-    need AVX-512's 32), each pair of ``OPERANDS`` whose flag the CPU has, but int8 x on CPUs with AMX's int8 tiles
-    (inductor's own int8 GEMM runs there); none elsewhere."""
+def operands_on(facts: dict, *, compiled: bool = True) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """The (x dtype, weight dtype) pairs whose projections take the panels on a CPU with these facts (``machine.cpu()``):
+    where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need AVX-512's 32), each
+    pair of ``OPERANDS`` whose flag the CPU has, but, in a compiled step (``compiled``), int8 x on CPUs with AMX's int8
+    tiles (inductor's own int8 GEMM runs there; eagerly the panels' VNNI sums were the faster, docs: decoding); none
+    elsewhere."""
     if facts["capability"] != "AVX512":
         return ()
     return tuple(pair for pair, flag in OPERANDS.items()
-                 if (flag is None or flag in facts["flags"]) and not (pair[0] == torch.int8 and amx_int8_on(facts)))
+                 if (flag is None or flag in facts["flags"]) and not (compiled and pair[0] == torch.int8 and amx_int8_on(facts)))
 
 
 @torch.compiler.assume_constant_result
 def _operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
-    """``operands_on`` this CPU where the library is built (built at the first call), else none: a constant in a compiled graph."""
+    """``operands_on`` this CPU for a compiled step where the library is built (built at the first call), else none: a
+    constant in a compiled graph."""
     pairs = operands_on(cpu())
     return pairs if pairs and native.built() else ()
 
 
-def operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
-    """The (x dtype, weight dtype) pairs ``linear`` runs here: ``operands_on`` this CPU where the library builds."""
-    return _operands()
+def _eager_operands() -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """``operands_on`` this CPU for eager calls where the library is built, else none."""
+    pairs = operands_on(cpu(), compiled=False)
+    return pairs if pairs and native.built() else ()
+
+
+def operands(*, compiled: bool = True) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """The (x dtype, weight dtype) pairs ``linear`` runs here, in a compiled step or (``compiled=False``) eagerly:
+    ``operands_on`` this CPU where the library builds."""
+    return _operands() if compiled else _eager_operands()
 
 
 def available() -> bool:
@@ -104,14 +113,15 @@ def available() -> bool:
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether ``linear(x, weight, bias)`` runs here: CPU tensors whose (x dtype, weight dtype) is one of ``_operands()``,
+    """Whether ``linear(x, weight, bias)`` runs here: CPU tensors whose (x dtype, weight dtype) is one of ``operands``
+    (a compiled step's while ``torch.compile`` traces, else the eager ones),
     x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for an int8 weight)."""
     return (
         x.device.type == "cpu" and weight.device.type == "cpu"
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
                               and tuple(bias.shape) == (weight.shape[0],)))
-        and (x.dtype, weight.dtype) in _operands()
+        and (x.dtype, weight.dtype) in (_operands() if torch.compiler.is_compiling() else _eager_operands())
     )
 
 
@@ -141,6 +151,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     where the packing is done once."""
     if not takes(x, weight, bias):  # a check while tracing, not in the compiled graph
         raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here ((x, weight) dtypes "
-                         f"{[(str(a), str(b)) for a, b in _operands()]}), got x {x.dtype} {tuple(x.shape)}, weight "
+                         f"{[(str(a), str(b)) for a, b in operands(compiled=torch.compiler.is_compiling())]}), got x {x.dtype} {tuple(x.shape)}, weight "
                          f"{weight.dtype} {tuple(weight.shape)}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
     return torch.ops.headwise.panels_linear(x, torch.ops.headwise.pack_panels(weight, x.dtype), bias, weight.shape[0])  # (..., N)
