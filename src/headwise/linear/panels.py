@@ -150,7 +150,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     sums (torch's int8 GEMM's). The weight is packed on every call: this is for graphs whose weights inductor freezes,
     where the packing is done once."""
     if not takes(x, weight, bias):  # a check while tracing, not in the compiled graph
+        pairs = [(str(a), str(b)) for a, b in operands(compiled=torch.compiler.is_compiling())]
         raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here ((x, weight) dtypes "
-                         f"{[(str(a), str(b)) for a, b in operands(compiled=torch.compiler.is_compiling())]}), got x {x.dtype} {tuple(x.shape)}, weight "
+                         f"{pairs}), got x {x.dtype} {tuple(x.shape)}, weight "
                          f"{weight.dtype} {tuple(weight.shape)}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
     return torch.ops.headwise.panels_linear(x, torch.ops.headwise.pack_panels(weight, x.dtype), bias, weight.shape[0])  # (..., N)

@@ -129,14 +129,16 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
-    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM
-    over the plain weight, nothing packed), and more than ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's
-    GEMM computes it inside, where torch's GELU after the panels took 1.1-1.3x the time)."""
+    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
+    ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
+    panels took 1.1-1.3x the time)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
     if tiles and not few_rows:
         return None
-    kernels = "AVX-512 kernels" + (f"{',' if tiles else ' and'} {flag}" if flag else "") + (" and AMX tiles (4 rows or more)" if tiles else "")
+    kernels = "AVX-512 kernels" + (f" and {flag}" if flag else "")
+    if tiles:
+        kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)"
     if few_rows:
         return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
