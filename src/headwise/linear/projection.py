@@ -23,7 +23,7 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 
 from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
-from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for
+from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
 from .weight_cache import READY, STACKED, cached, state, watchable
 
 _frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
@@ -266,7 +266,7 @@ def _decode_call(x: Tensor) -> bool:
     the full path's operands, where a kept call's packed weight would not)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
         return False
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if under_cpu_autocast(x):
         return False
     return 0 < x.numel() <= DECODE_ROWS * x.shape[-1]
 

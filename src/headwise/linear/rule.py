@@ -276,12 +276,19 @@ def _compiled_step(facts: dict) -> dict:
     return step
 
 
+def under_cpu_autocast(x: Tensor) -> bool:
+    """Whether x is a CPU tensor inside ``torch.autocast("cpu")``, which casts ``F.linear``'s operands: only
+    ``F.linear`` then gives autocast's dtype (oneDNN's and the panels' paths, and a kept call's packed weight, compute
+    in x's own)."""
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: bool = False) -> str:
     """The path ``linear(x, weight, bias)`` takes (with ``gelu``: ``linear``'s GELU after it): "onednn", "panels" or
     "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if under_cpu_autocast(x):
         return "torch"  # autocast casts F.linear's operands; the CPU's other paths would compute in x's own dtype
     big, size = weight.numel() >= MIN_DECODE_WEIGHT, x.numel()
     if not big and x.ndim and size < MIN_ROWS * x.shape[-1]:  # few rows and a small weight (asked first: the cheapest question)
