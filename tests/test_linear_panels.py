@@ -222,7 +222,7 @@ def int8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, t
 
 
 @needs_int8
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 8, 9, 17, 32, 33])  # from 4 rows in AMX tiles where the CPU has them
 @pytest.mark.parametrize("n, k", [(1, 1), (33, 5), (100, 70), (65, 3071), (32, 3072)])
 def test_int8_panels_sum_like_the_reference_and_torchs_kernel(rows, n, k):
     """int8 weights with bfloat16 x: the exact products' float32 sums rounded to bfloat16 once, within the float32

@@ -14,7 +14,8 @@
 //   by 32 k of x another, two blocks of 16 rows at a time (tiles_by_panel).
 // - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
 //   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
-//   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them).
+//   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles
+//   (TILE_ROWS rows or more, as above) each tile's 16 steps are widened so into a 2 KB buffer first.
 // - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
 //   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
 //   ones); one vpdpbusd adds four products to each int32 sum, and 128 times the row's sum of x is taken
@@ -37,6 +38,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -161,14 +163,16 @@ __attribute__((target("amx-tile"))) void load_tiles(int64_t m0, int64_t m1) {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-// sums (m0 + m1, PANEL) = x (m0 + m1 rows of Kp bfloat16) . panel (Kp / 2, PANEL, 2) of bfloat16, with the tiles loaded
-// for m0 and m1 (load_tiles; TWO: m1 > 0): 32 k a step in AMX tiles (one tdpbf16ps per block and 16 columns, each step
-// of the panel loaded once for both blocks), the last Kp % 32 by vdpbf16ps
-template <bool TWO>
+// sums (m0 + m1, PANEL) = x (m0 + m1 rows of Kp bfloat16) . panel (Kp / 2, PANEL, 2) of bfloat16 or int8, with the tiles
+// loaded for m0 and m1 (load_tiles; TWO: m1 > 0): 32 k a step in AMX tiles (one tdpbf16ps per block and 16 columns, each
+// step of the panel loaded once for both blocks; an int8 step widened to bfloat16 first, exactly), the last Kp % 32 by
+// vdpbf16ps
+template <bool TWO, typename W>
 __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) void tiles_by_panel(const c10::BFloat16* x, int64_t Kp, int64_t m,
-                                                                                   const c10::BFloat16* panel, float* sums) {
+                                                                                   const W* panel, float* sums) {
+  constexpr int64_t STEP = 16 * 2 * PANEL;  // a tile's 16 steps of the panel: 16 pairs of k for its 32 columns
   const int64_t steps = Kp / 32, pairs = Kp / 2;
-  const char* w = reinterpret_cast<const char*>(panel);
+  alignas(64) c10::BFloat16 widened_step[std::is_same_v<W, int8_t> ? STEP : 1];  // int8 panels: one step in bfloat16
   _tile_zero(4);
   _tile_zero(5);
   if constexpr (TWO) {
@@ -176,8 +180,20 @@ __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) void tiles_by_pa
     _tile_zero(7);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(2, w + s * 16 * 128, 128);  // 16 steps of 128 bytes: 32 columns' pairs
-    _tile_loadd(3, w + s * 16 * 128 + 64, 128);
+    const W* step = panel + s * STEP;
+    const char* w = reinterpret_cast<const char*>(step);  // 16 steps of 128 bytes: 32 columns' pairs
+    if constexpr (std::is_same_v<W, int8_t>) {
+      for (int64_t j = 0; j < 16; ++j) {
+        ahead<2 * PANEL>(step + j * 2 * PANEL);
+        __m512bh w0, w1;
+        pair_step(step + j * 2 * PANEL, w0, w1);
+        _mm512_store_si512(widened_step + j * 2 * PANEL, (__m512i)w0);
+        _mm512_store_si512(widened_step + j * 2 * PANEL + PANEL, (__m512i)w1);
+      }
+      w = reinterpret_cast<const char*>(widened_step);
+    }
+    _tile_loadd(2, w, 128);
+    _tile_loadd(3, w + 64, 128);
     _tile_loadd(0, x + s * 32, Kp * 2);
     _tile_dpbf16ps(4, 0, 2);
     _tile_dpbf16ps(5, 0, 3);
@@ -248,6 +264,41 @@ void by_rows(int64_t m, Rows rows) {
   }
 }
 
+// The AMX tiles one task of parallel_for has configured (for `rows` rows; 0: none), released when the task ends.
+struct Tiles {
+  int64_t rows = 0;
+  Tiles() = default;
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  ~Tiles() {
+#if defined(__x86_64__)
+    if (rows) release_tiles();
+#endif
+  }
+};
+
+#if defined(__x86_64__)
+// sums (m, PANEL) = m rows of bfloat16 x (row stride Kp) . a panel of W (bfloat16 or int8): in AMX tiles where `tiles`
+// is given (configured for m rows first where they are not yet), else by vdpbf16ps
+template <typename W>
+void pair_sums(const c10::BFloat16* x, int64_t Kp, int64_t m, const W* panel, float* sums, Tiles* tiles) {
+  if (tiles == nullptr) {
+    const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
+    return by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xi, Kp / 2, panel, sums); });
+  }
+  if (m != tiles->rows) {
+    const int64_t m0 = std::min<int64_t>(16, m);
+    load_tiles(m0, m - m0);
+    tiles->rows = m;
+  }
+  if (m > 16) {
+    tiles_by_panel<true>(x, Kp, m, panel, sums);
+  } else {
+    tiles_by_panel<false>(x, Kp, m, panel, sums);
+  }
+}
+#endif
+
 // The CPU runs AVX512-BF16's pair dot products (the bfloat16 path's one instruction).
 bool has_bf16_pairs() {
 #if defined(__x86_64__)
@@ -291,8 +342,8 @@ inline int64_t chunk_rows(int64_t row_bytes, int64_t block) {
   return std::max<int64_t>(block, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / block * block);
 }
 
-// bfloat16 x by bfloat16 panels on a CPU with AMX's bfloat16 tiles: calls of TILE_ROWS rows or more run in tiles, blocks
-// of TILE_BLOCK rows (two tiles of 16); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
+// bfloat16 x by bfloat16 or int8 panels on a CPU with AMX's bfloat16 tiles: calls of TILE_ROWS rows or more run in tiles,
+// blocks of TILE_BLOCK rows (two tiles of 16); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
 constexpr int64_t TILE_BLOCK = 32;
 constexpr int64_t TILE_ROWS = 4;
 
@@ -362,7 +413,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
 #if defined(__x86_64__)
-  const bool tiles = pairs && !int8 && M >= TILE_ROWS && has_bf16_tiles();
+  const bool tiles = pairs && M >= TILE_ROWS && has_bf16_tiles();
 #else
   const bool tiles = false;
 #endif
@@ -372,7 +423,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
       alignas(64) float sums[TILE_BLOCK * PANEL];
       alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
-      int64_t loaded = 0;  // the rows the tiles are loaded for (0: not loaded by this task)
+      Tiles task_tiles;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
         for (int64_t r = r0; r < r1; r += block) {
@@ -380,25 +431,11 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
           if (pairs) {
 #if defined(__x86_64__)
             using T = c10::BFloat16;
-            const int32_t* xr = static_cast<const int32_t*>(xp) + r * (Kp / 2);  // a pair of bfloat16 as one int32
-            const auto by_panel = [&](const auto* panels_of_type) {  // int8 or bfloat16 weights, one loop
-              const auto* panel = panels_of_type + p * Kp * PANEL;
-              by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xr, Kp / 2, panel, sums); });
-            };
-            if (tiles) {
-              const int64_t m0 = std::min<int64_t>(16, m);
-              if (m != loaded) load_tiles(m0, (loaded = m) - m0);
-              const T* xb = static_cast<const T*>(xp) + r * Kp;
-              const T* panel = static_cast<const T*>(pp) + p * Kp * PANEL;
-              if (m > 16) {
-                tiles_by_panel<true>(xb, Kp, m, panel, sums);
-              } else {
-                tiles_by_panel<false>(xb, Kp, m, panel, sums);
-              }
-            } else if (int8) {
-              by_panel(static_cast<const int8_t*>(pp));
+            const T* xr = static_cast<const T*>(xp) + r * Kp;
+            if (int8) {
+              pair_sums(xr, Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr);
             } else {
-              by_panel(static_cast<const T*>(pp));
+              pair_sums(xr, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr);
             }
             store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
 #endif
@@ -420,29 +457,28 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
           }
         }
       }
-#if defined(__x86_64__)
-      if (loaded) release_tiles();
-#endif
     });
   }
   return out.view(sizes);
 }
 
-// out (M, N) of an Int8Linear call's whole epilogue: for each panel p and block of rows from r, block(m, r, p, sums) fills
-// the block's PANEL sums of each row (float32 or int32), then out[r + i, n] = value(r + i, n, sum) in float32, stored in
-// out's dtype (float32 or bfloat16); the panels split between torch's threads.
+// out (M, N) of an Int8Linear call's whole epilogue: for each panel p and block of at most `rows` rows from r,
+// block(m, r, p, sums, tiles) fills the block's PANEL sums of each row (float32 or int32; tiles: the task's AMX tiles),
+// then out[r + i, n] = value(r + i, n, sum) in float32, stored in out's dtype (float32 or bfloat16); the panels split
+// between torch's threads.
 template <typename S, typename Block, typename Value>
-void scaled_panels(int64_t M, int64_t N, int64_t P, int64_t Kp, at::Tensor& out, Block block, Value value) {
+void scaled_panels(int64_t M, int64_t N, int64_t P, int64_t Kp, int64_t rows, at::Tensor& out, Block block, Value value) {
   void* op = out.data_ptr();
   const bool to_bf16 = out.scalar_type() == at::kBFloat16;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) S sums[ROWS * PANEL];
+    alignas(64) S sums[TILE_BLOCK * PANEL];
+    Tiles tiles;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t r = 0; r < M; r += ROWS) {
-        const int64_t m = std::min<int64_t>(ROWS, M - r);
-        block(m, r, p, sums);
+      for (int64_t r = 0; r < M; r += rows) {
+        const int64_t m = std::min<int64_t>(rows, M - r);
+        block(m, r, p, sums, tiles);
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = 0; j < width; ++j) {
             const float o = value(r + i, n0 + j, sums[i * PANEL + j]);
@@ -498,11 +534,12 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
   if (Kp != c.K) x = at::constant_pad_nd(x, {0, Kp - c.K});  // (M, K'): a zero to fill the last pair
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
-  const int32_t* xp = static_cast<const int32_t*>(x.const_data_ptr());  // a pair of bfloat16 as one int32
+  const c10::BFloat16* xp = x.const_data_ptr<c10::BFloat16>();
   const int8_t* pp = panels.const_data_ptr<int8_t>();
 #if defined(__x86_64__)
-  scaled_panels<float>(M, N, c.P, Kp, out, [&](int64_t m, int64_t r, int64_t p, float* sums) {
-    by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xp + r * (Kp / 2), Kp / 2, pp + p * Kp * PANEL, sums); });
+  const bool tiles = M >= TILE_ROWS && has_bf16_tiles();  // as panels_linear decides: the same sums
+  scaled_panels<float>(M, N, c.P, Kp, tiles ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, float* sums, Tiles& t) {
+    pair_sums(xp + r * Kp, Kp, m, pp + p * Kp * PANEL, sums, tiles ? &t : nullptr);
   }, [&](int64_t, int64_t n, float sum) {
     const float y = static_cast<float>(c10::BFloat16(sum));  // the sum rounded once
     return c.bp != nullptr ? std::fma(y, c.sp[n], c.bp[n]) : y * c.sp[n];
@@ -560,7 +597,7 @@ at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panel
   }
   const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
   const uint8_t* pp = panels.const_data_ptr<uint8_t>();
-  scaled_panels<int32_t>(M, N, c.P, Kp, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums) {
+  scaled_panels<int32_t>(M, N, c.P, Kp, ROWS, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums, Tiles&) {
     by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, sums); });
   }, [&](int64_t i, int64_t n, int32_t sum) {
     const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(sum) - offsets[i]);
