@@ -161,7 +161,7 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
     ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "panels"),
     ("AVX512", ["avx512f", "avx512_vnni"], "panels", "inductor", "panels"),
     ("AVX512", ["avx512f"], "panels", "inductor", "int_mm"),
-    ("AVX512", ["amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "inductor"),  # AMX's int8 tiles
+    ("AVX512", ["amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "inductor"),  # AMX
     ("AVX2", ["avx2"], "inductor", "inductor", "int_mm")])
 def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16, a8):
     machine("GenuineIntel", capability, flags)
@@ -172,6 +172,7 @@ def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
     for dtype in ("bfloat16", "int8"):
         assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step[dtype]["reason"])
+        assert ("AMX tiles from 4 rows" in step[dtype]["reason"]) == ("amx_bf16" in flags)
     a8_reason = step["int8, int8 activations"]["reason"]
     assert ("AMX tiles" in a8_reason) == ("amx_int8" in flags)  # never "no avx512_vnni" where the CPU has it
     assert ("no avx512_vnni" in a8_reason) == (capability == "AVX512" and "avx512_vnni" not in flags)
