@@ -172,7 +172,7 @@ def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32
     assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
     for dtype in ("bfloat16", "int8"):
         assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step[dtype]["reason"])
-        assert ("AMX tiles from 4 rows" in step[dtype]["reason"]) == ("amx_bf16" in flags)
+        assert ("AMX tiles from" in step[dtype]["reason"]) == ("amx_bf16" in flags)
     a8_reason = step["int8, int8 activations"]["reason"]
     assert ("AMX tiles" in a8_reason) == ("amx_int8" in flags)  # never "no avx512_vnni" where the CPU has it
     assert ("no avx512_vnni" in a8_reason) == (capability == "AVX512" and "avx512_vnni" not in flags)
@@ -223,7 +223,7 @@ def int8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, t
 
 
 @needs_int8
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 8, 9, 17, 32, 33])  # from 4 rows in AMX tiles where the CPU has them
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 17, 32, 33])  # from 2 rows in AMX tiles where the CPU has them
 @pytest.mark.parametrize("n, k", [(1, 1), (33, 5), (100, 70), (65, 3071), (32, 3072)])
 def test_int8_panels_sum_like_the_reference_and_torchs_kernel(rows, n, k):
     """int8 weights with bfloat16 x: the exact products' float32 sums rounded to bfloat16 once, within the float32

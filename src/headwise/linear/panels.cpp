@@ -15,7 +15,7 @@
 // - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
 //   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
 //   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles
-//   (TILE_ROWS rows or more, as above) each tile's 16 steps are widened so into a 2 KB buffer first.
+//   (INT8_TILE_ROWS rows or more) each tile's 16 steps are widened so into a 2 KB buffer first.
 // - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
 //   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
 //   ones); one vpdpbusd adds four products to each int32 sum, and 128 times the row's sum of x is taken
@@ -344,8 +344,11 @@ inline int64_t chunk_rows(int64_t row_bytes, int64_t block) {
 
 // bfloat16 x by bfloat16 or int8 panels on a CPU with AMX's bfloat16 tiles: calls of TILE_ROWS rows or more run in tiles,
 // blocks of TILE_BLOCK rows (two tiles of 16); fewer rows keep vdpbf16ps (as fast there, and faster on a panel in the cache).
+// int8 panels from INT8_TILE_ROWS: their vdpbf16ps path widens each step again for every block of rows (at one row the
+// tiles were no faster).
 constexpr int64_t TILE_BLOCK = 32;
 constexpr int64_t TILE_ROWS = 4;
+constexpr int64_t INT8_TILE_ROWS = 2;
 
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
 template <typename T>
@@ -413,7 +416,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
 #if defined(__x86_64__)
-  const bool tiles = pairs && M >= TILE_ROWS && has_bf16_tiles();
+  const bool tiles = pairs && M >= (int8 ? INT8_TILE_ROWS : TILE_ROWS) && has_bf16_tiles();
 #else
   const bool tiles = false;
 #endif
@@ -537,7 +540,7 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
   const c10::BFloat16* xp = x.const_data_ptr<c10::BFloat16>();
   const int8_t* pp = panels.const_data_ptr<int8_t>();
 #if defined(__x86_64__)
-  const bool tiles = M >= TILE_ROWS && has_bf16_tiles();  // as panels_linear decides: the same sums
+  const bool tiles = M >= INT8_TILE_ROWS && has_bf16_tiles();  // as panels_linear decides: the same sums
   scaled_panels<float>(M, N, c.P, Kp, tiles ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, float* sums, Tiles& t) {
     pair_sums(xp + r * Kp, Kp, m, pp + p * Kp * PANEL, sums, tiles ? &t : nullptr);
   }, [&](int64_t, int64_t n, float sum) {

@@ -260,7 +260,8 @@ def _compiled_step(facts: dict) -> dict:
         flag = panels.OPERANDS[operands]
         if operands in runs:
             needs = "torch's kernels run AVX-512" + (f", the CPU has {flag}" if flag else "")
-            tiles = ", in AMX tiles from 4 rows" if operands[0] == torch.bfloat16 and "amx_bf16" in facts["flags"] else ""
+            fewest = 2 if name == "int8" else 4  # rows: panels.cpp's INT8_TILE_ROWS, TILE_ROWS
+            tiles = f", in AMX tiles from {fewest} rows" if operands[0] == torch.bfloat16 and "amx_bf16" in facts["flags"] else ""
             entry = {"path": "panels", "reason": f"{needs}: headwise's C++ GEMM over the weight packed in 32-column panels "
                                                  f"(where headwise's C++ library builds){note}{tiles}"}
         elif operands[0] == torch.int8 and panels.amx_int8_on(facts):
