@@ -6,8 +6,10 @@ library's own copy as a user loads it (``headwise.models.load``; transformers'
 ``AutoModelForCausalLM`` with SDPA attention), and times greedy generation from the same token ids
 at each batch size, the ways interleaved in rounds: prefill ms (a one-token ``generate``) and decode
 ms per step (a ``--new-tokens`` ``generate`` less the prefill, over the steps after the first),
-with the device synchronized before and after each call (a token's arrival on the host, which the
-CPU benchmark times within one call, is not when the device computed it). ``agree`` counts the leading new tokens
+with the device synchronized before and after each call (a token's arrival on the host is not when
+the device computed it). On the CPU both times come from one call, as in ``bench.model_decode``:
+the first token's arrival and the call's end (two calls' difference can be below zero for small
+models on a busy host). ``agree`` counts the leading new tokens
 every row shares with headwise's. On ``cuda`` headwise's ``generate(cuda_graph=True)`` runs too (its
 capture counted in each call's decode time); ``--compile`` adds headwise's ``generate(compile=True)``.
 """
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import _argtypes, _checks
-from .engines import Runner, _torch_runner
+from .engines import Runner, _Streamer, _torch_runner
 from .generation import _agree
 from .host import gpu, machine
 from .models import MODELS, checkpoint, headwise_model, transformers_model
@@ -33,31 +35,35 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def _runners(directory: Path, precision: str, compiled: bool, device: str) -> tuple[dict[str, Runner], int]:
-    """Each way's ``run(ids (B, T), new) -> Generated`` on ``device`` (its tokens; its times unused here), and the vocabulary's size."""
+    """Each way's ``run(ids (B, T), new) -> Generated`` on ``device`` (its tokens and, on the CPU, its times), and the vocabulary's size."""
     ours = headwise_model(directory, precision).to(device)
     theirs = transformers_model(directory, precision).to(device)
     runners = {
-        "headwise": lambda ids, new, _: ours.generate(ids, max_new_tokens=new),
-        "transformers": lambda ids, new, _: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                                         pad_token_id=0),
+        "headwise": lambda ids, new, clock: ours.generate(ids, max_new_tokens=new, on_token=clock.first),
+        "transformers": lambda ids, new, clock: theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                                             do_sample=False, pad_token_id=0, streamer=_Streamer(clock)),
     }
     if torch.device(device).type == "cuda":
-        runners["headwise cuda_graph"] = lambda ids, new, _: ours.generate(ids, max_new_tokens=new, cuda_graph=True)
+        runners["headwise cuda_graph"] = lambda ids, new, clock: ours.generate(ids, max_new_tokens=new, cuda_graph=True,
+                                                                              on_token=clock.first)
     if compiled:
-        runners["headwise compiled"] = lambda ids, new, _: ours.generate(ids, max_new_tokens=new, compile=True)
+        runners["headwise compiled"] = lambda ids, new, clock: ours.generate(ids, max_new_tokens=new, compile=True, on_token=clock.first)
     return {name: _torch_runner(run) for name, run in runners.items()}, ours.vocab_size  # (B, new) tokens, no prompt
 
 
 def _timed(run: Runner, ids: Tensor, new: int) -> tuple[float, float, Tensor]:
-    """(prefill ms, whole generate ms, (B, new) tokens), the device idle before and after each call."""
-    sync = torch.cuda.synchronize if ids.is_cuda else lambda: None
-    sync()
+    """(prefill ms, whole generate ms, (B, new) tokens): on a GPU two calls (one token, then ``new``), the device
+    idle before and after each; on the CPU one call, the first token's arrival and its end."""
+    if not ids.is_cuda:
+        out = run(ids, new)
+        return 1e3 * out.first_s, 1e3 * out.total_s, out.tokens
+    torch.cuda.synchronize()
     start = perf_counter()
     run(ids, 1)
-    sync()
+    torch.cuda.synchronize()
     middle = perf_counter()
     out = run(ids, new).tokens
-    sync()
+    torch.cuda.synchronize()
     return 1e3 * (middle - start), 1e3 * (perf_counter() - middle), out
 
 
