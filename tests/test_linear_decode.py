@@ -261,6 +261,41 @@ def test_a_decode_call_is_prepared_once_and_follows_every_change(linear_path, bi
     assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"
 
 
+def test_a_planned_loop_decides_each_call_once_and_follows_every_weight_change(linear_path, monkeypatch):
+    """Inside ``planned`` (generate's flat step) a layer group's decision is made at its first call and asked only
+    of its tensors' state after that: a weight written, loaded, set through ``.data`` or replaced is seen."""
+    from headwise.linear import projection
+
+    layers = [torch.nn.Linear(K, n) for n in (N, 256)]
+    x = decode_case(2, torch.float32)[0]  # (2, 1, K)
+    decided = []
+    decide = projection._decide
+    monkeypatch.setattr(projection, "_decide", lambda *args: decided.append(1) or decide(*args))
+    kept: dict = {}
+
+    def check():
+        with torch.no_grad(), projection.planned(kept):
+            outs = [*hl.project_many(layers, x), hl.project(layers[1], x)]
+        for out, layer in zip(outs, [*layers, layers[1]], strict=True):
+            assert ((out.double() - ref_linear(x, layer.weight, layer.bias)).norm() / out.double().norm()).item() < 1e-6
+
+    check()
+    assert len(decided) == 2 and len(kept) == 2  # the group and the lone layer, each decided once
+    check(), check()
+    assert len(decided) == 2, "later calls ask nothing but the weights' state"
+    with torch.no_grad():
+        layers[1].weight.mul_(-2.0)  # in place: _version moves
+    check()
+    assert len(decided) == 4  # both entries read layers[1]
+    layers[0].load_state_dict(torch.nn.Linear(K, N).state_dict())
+    check()
+    layers[0].weight.data = torch.randn(N, K)  # a new tensor under the same Parameter
+    check()
+    layers[1].bias = torch.nn.Parameter(torch.randn(256))  # a new Parameter
+    check()
+    assert getattr(projection._steps, "kept", None) is None  # outside the loop, every call decides again
+
+
 def test_a_kept_decode_call_follows_the_rows_band(machine):
     """Where the rule sends 1..GEMV_ROWS rows and GEMV_ROWS + 1..DECODE_ROWS rows apart (float32 on an
     Intel CPU with AVX-512), a layer kept for one batch size runs the other's own decision."""

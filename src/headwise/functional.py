@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import _checks, arguments
 from .arguments import Arguments, check_backend, for_run
+from .backends import decode_kernel
 from .backends import math as math_backend
 from .backends.blocks import joined
 from .backends.paged import attend as attend_rows
@@ -153,12 +154,44 @@ def attention_unchecked(
     Returns:
         (B, H, T, D).
     """
+    spec = _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes)
+    return _run(Arguments(q, k, v, spec, cache, backend), check_cache=False)  # (B, H, T, D)
+
+
+def _unchecked_spec(q: Tensor, k: Tensor, causal: bool, window: int | None, softcap: float | None, sinks: Tensor | None,
+                    alibi_slopes: Tensor | None) -> Spec:
+    """The terms of ``attention_unchecked``'s call: q (B, H, T, D) over its k (B, Hkv, T_kv, D), the default scale."""
     H, T, D = q.shape[1:]
-    spec = Spec(
+    return Spec(
         T=T, S=k.shape[2], causal=causal, window=window, softcap=softcap, sinks=sinks,
         alibi=None if alibi_slopes is None else alibi_slopes.view(-1, H), scale=1.0 / math.sqrt(D),
     )
-    return _run(Arguments(q, k, v, spec, cache, backend), check_cache=False)  # (B, H, T, D)
+
+
+def decode_kernel_call(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
+    softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
+) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+    """``attention_unchecked(q, k, v, cache, ...)`` decided once for the decode steps that follow, where that call's plan
+    is the C++ decode kernel over a whole (not sliding) ``KVCache``: then a function of each step's q (B, H, 1, D), k
+    and v (B, Hkv, 1, D) that writes the cache and runs the kernel over it, the same ops ``attention_unchecked`` runs,
+    nothing asked again -> (B, H, 1, D). The kernel's rule reads nothing that a step changes (the key count grows,
+    dtypes, shapes and terms stay). None for any other call, which then runs ``attention_unchecked`` each step. Nothing
+    is written here. Called by ``generate``'s flat step (``models.flat_step``) before its step's attention, without grad."""
+    if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or k.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
+        return None
+    stored, S = cache.dtype, len(cache) + 1
+    run_spec, _ = for_run(_unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), 1, S, None, True)
+    keys, values = cache.k[:, :, :S], cache.v[:, :, :S]  # (B, Hkv, S, D) x2: what the step's write hands the queries
+    if plan_runner(q.to(stored), keys, values, run_spec, backend).run is not decode_kernel.run:
+        return None
+    scale = run_spec.scale
+
+    def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values, real = cache.update_unchecked(k.to(stored), v.to(stored))  # (B, Hkv, S, D) x2, (B, S) bool or None
+        return decode_kernel.dense(q.to(stored), keys, values, real, scale).to(q.dtype)  # (B, H, 1, D)
+
+    return step
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:

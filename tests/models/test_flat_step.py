@@ -113,6 +113,44 @@ def test_generate_takes_the_flat_step_only_unchecked_and_eager_with_the_checked_
     assert torch.equal(tokens, torch.cat(want, dim=1))
 
 
+@pytest.mark.parametrize("case", ["llama gqa fp32", "llama gqa bf16", "gpt2 fp32", "mistral sliding window (ring caches)"])
+def test_each_layers_attention_is_decided_at_its_first_step(case):
+    """Where the plan of a layer's step is the C++ decode kernel over a whole cache, the flat step keeps that call for
+    the steps after (a ring cache keeps the full path); the logits stay the forward's (above)."""
+    from headwise.backends import decode_kernel
+
+    cls, kw, dtype = CASES[case]
+    model = model_of(cls, kw, dtype)
+    *_, flat_caches, _ = list(steps_both_ways(model, 2, steps=2))[-1]
+    step = flat_step(model)
+    with torch.no_grad():
+        step(torch.zeros(2, 1, dtype=torch.long), None, flat_caches)
+    kernel = decode_kernel.available() and "sliding" not in case
+    assert [cache is c and (call is not None) == kernel for (cache, call), c in zip(step.kernel_calls, flat_caches, strict=True)] \
+        == [True] * len(flat_caches)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_weights_changed_between_steps_are_seen(cls):
+    """The step's kept decisions follow a weight written in place or replaced between two steps (an ``on_token``
+    callback could do either): its logits are the forward's with the new weights."""
+    model = model_of(cls, {}, torch.float32)
+    ids = torch.randint(0, model.vocab_size, (1, 5))
+    with torch.no_grad():
+        caches = model.new_caches(1, 16)
+        model(ids, cache=caches, logits_to_keep=1, check=False)
+        plain = copy.deepcopy(caches)
+        step = flat_step(model)
+        step(ids[:, -1:], None, caches), model(ids[:, -1:], cache=plain, logits_to_keep=1, check=False)
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features == 64)
+        first.weight.mul_(-1.5)  # in place
+        got, want = step(ids[:, -2:-1], None, caches), model(ids[:, -2:-1], cache=plain, logits_to_keep=1, check=False)[:, 0]
+        assert torch.equal(got, want)
+        first.weight = torch.nn.Parameter(torch.randn_like(first.weight))  # replaced
+        got, want = step(ids[:, -3:-2], None, caches), model(ids[:, -3:-2], cache=plain, logits_to_keep=1, check=False)[:, 0]
+        assert torch.equal(got, want)
+
+
 def test_a_block_that_does_not_name_its_parts_keeps_the_forward():
     """``flat_parts`` counts on the class that declares it: a subclass (which may change forward) must name its own."""
     model = model_of(GPT2LMHeadModel, {}, torch.float32)

@@ -63,7 +63,13 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
 
 def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv) -> (B, H, 1, Dv): the runner of a call ``takes`` accepts."""
-    return torch.ops.headwise.decode_attention(q, k, v, spec.attention_mask, spec.scale)
+    return dense(q, k, v, spec.attention_mask, spec.scale)
+
+
+def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
+    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv), ``real`` (B, S) bool or None -> (B, H, 1, Dv): ``run``'s op, for a
+    decode step whose plan was made once (``functional.decode_kernel_call``)."""
+    return torch.ops.headwise.decode_attention(q, k, v, real, scale)
 
 
 def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,

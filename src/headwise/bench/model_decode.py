@@ -5,7 +5,7 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
 
 **Steps** (``decode_speeds``), per model, precision, batch B and context:
 
-- ``headwise_ms``: one step as ``generate`` runs it (``forward(..., check=False)``: B new tokens
+- ``headwise_ms``: one step as ``generate`` runs it (its flat step, ``forward(..., check=False)`` written out: B new tokens
   through a ``KVCache`` per layer; each repeat appends its token, so the steps see
   ``context - repeats`` .. ``context`` keys, one more each time, as ``generate``'s do), median of
   interleaved repeats; ``checked_ms``: the same step through ``forward`` with its checks, every argument
@@ -181,8 +181,9 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
     (mine, checked_caches, compiled_caches), hf_cache = _fill(ours, theirs, batch, past - 1, past + rounds, gen, 3, cache_dtype)
     token = torch.randint(0, ours.vocab_size, (batch, 1), generator=gen)  # (B, 1)
     step = decode_step(ours, compile=True) if compile else None  # generate(..., compile=True)'s step
+    eager = decode_step(ours, compile=False, check=False)  # generate's eager step: the flat step, its decisions kept across calls
     steps = {
-        "headwise": lambda: ours(token, cache=mine, logits_to_keep=1, check=False)[:, 0],  # (B, vocab): generate's step
+        "headwise": lambda: eager(token, None, mine),  # (B, vocab)
         "checked": lambda: ours(token, cache=checked_caches, logits_to_keep=1)[:, 0],  # every argument checked in every layer
         **({"compiled": lambda: step(token, None, compiled_caches)} if compile else {}),
     }

@@ -182,6 +182,11 @@ class KVCache(Owned):
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
 
+    def update_unchecked(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``update(k, v)`` with nothing checked, for a decode loop that checked once (keys and values of this cache's
+        kind with room, no padding among them, autograd off): (B, Hkv, S, D) keys and values, (B, S) padding or None."""
+        return self._write(k, v, None, False)
+
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
         if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync

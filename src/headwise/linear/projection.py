@@ -212,7 +212,50 @@ class Ready:
         return self.run(x.contiguous(), *self.args)  # (..., sum N)
 
 
+_steps = threading.local()  # .kept: the decisions of a decode loop's steps in this thread (``planned``)
+
+
+@contextmanager
+def planned(kept: dict) -> Iterator[None]:
+    """Inside the block, each decode-shaped call of a layer group (``_ready``) asks ``kept`` first: the decision its
+    first call made (a ``Ready``, or None for the full path), made once and valid while the group's tensors have the
+    ``state`` it was made from (a weight written or replaced between steps: decided again), so the steps after the
+    first ask nothing else. For a loop whose every step is the same call, as ``generate``'s flat step
+    (``models.flat_step``) runs them: without autograd, eager, outside autocast, hooks and the path setting as they
+    were at its first step (``generate`` decides such things once a call: ``models.generate.trusts``). ``kept``
+    belongs to one loop."""
+    before = getattr(_steps, "kept", None)
+    _steps.kept = kept
+    try:
+        yield
+    finally:
+        _steps.kept = before
+
+
 def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> Ready | None:
+    """``_decide`` for this call, kept by ``planned``'s loop where one runs."""
+    kept = getattr(_steps, "kept", None)
+    if kept is None:
+        return _decide(layers, x, gelu)
+    key = (*map(id, layers), gelu, type(x), x.dtype, x.shape)
+    if key in kept:
+        ready = kept[key]
+        if ready is None or ready.state == state(_read(layers)):
+            return ready
+    kept[key] = ready = _decide(layers, x, gelu)
+    return ready
+
+
+def _read(layers: Sequence[nn.Module]) -> list[Tensor]:
+    """Every tensor a kept call of ``layers`` reads, in ``state``'s order: plain ``nn.Linear`` layers' weights, then
+    their biases; another class's own parameters and buffers, layer by layer."""
+    if type(layers[0]) is nn.Linear:
+        weights = [layer._parameters["weight"] for layer in layers]
+        return [t for t in (*weights, *(layer._parameters["bias"] for layer in layers)) if t is not None]
+    return [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]
+
+
+def _decide(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> Ready | None:
     """What ``project_many(layers, x)`` (or ``project``) computes for a decode-shaped inference call,
     prepared by the full path once and reused while nothing it was decided from changes; None when
     the call takes the full path.
@@ -234,13 +277,11 @@ def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> R
     if kind is nn.Linear:
         weights = [layer._parameters["weight"] for layer in layers]
         biases = [layer._parameters["bias"] for layer in layers]
-        return _kept(layers, [t for t in (*weights, *biases) if t is not None], x, lambda params: _prepare(weights, biases, x, params, gelu),
-                     gelu)
+        return _kept(layers, _read(layers), x, lambda params: _prepare(weights, biases, x, params, gelu), gelu)
     decide = getattr(kind, "decode_call", None)
     if decide is None:
         return None
-    owned = [t for layer in layers for own in (layer._parameters, layer._buffers) for t in own.values() if t is not None]
-    return _kept(layers, owned, x, lambda params: _decided(decide, layers, x, params))
+    return _kept(layers, _read(layers), x, lambda params: _decided(decide, layers, x, params))
 
 
 def _decided(decide: Callable, layers: Sequence[nn.Module], x: Tensor, params: list[Tensor]) -> Ready | None:

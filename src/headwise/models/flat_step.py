@@ -10,20 +10,29 @@ block ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``, the attention as
 functions on the same tensors in the same order: the logits and the caches are the unchecked
 forward's bit for bit (tests/models/test_flat_step.py).
 
+Without autograd a step also asks each question once per ``generate`` call, not once per step: its
+projections' decisions are kept for the loop (``linear.projection.planned``: asked again only of
+their weights' state), and each layer's attention, where its plan is the C++ decode kernel over a
+whole cache, writes the cache and runs the kernel with nothing decided again
+(``functional.decode_kernel_call``).
+
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
+import torch
 from torch import Tensor
 
 from ..cache import KVCache
-from ..functional import attention_unchecked
+from ..functional import attention_unchecked, decode_kernel_call
 from ..layer import AttentionLayer
 from ..linear import linear, project
+from ..linear.projection import planned
 from ..observe import observing
 from .causal import CausalModel
 
@@ -53,30 +62,42 @@ class FlatStep:
     def __init__(self, model: CausalModel) -> None:
         self.model = model
         self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
+        self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``)
+        self.kernel_calls: list[tuple[KVCache, Callable | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         model = self.model
         if observing() or len(caches) != len(self.blocks) or not all(isinstance(c, KVCache) for c in caches):
             return model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=False)[:, 0]  # (B, vocab)
-        x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
-        for (norm1, attn, norm2, mlp), cache in zip(self.blocks, caches, strict=True):
-            x = x + _attend(attn, norm1.forward(x), cache, position_ids)  # (B, T, C)
-            x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
-        x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
-        logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
+        once = not torch.is_grad_enabled()  # decisions kept across steps (autograd would make each step another call)
+        with planned(self.kept) if once else nullcontext():
+            x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
+            for i, ((norm1, attn, norm2, mlp), cache) in enumerate(zip(self.blocks, caches, strict=True)):
+                x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once)  # (B, T, C)
+                x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
+            x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
+            logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
         return logits[:, 0]  # (B, vocab)
 
-
-def _attend(attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor:
-    """``attn(x, cache=cache, position_ids=position_ids, check=False)``: (B, T, C) -> (B, T, C), nobody observing."""
-    B, T, _ = x.shape
-    D = attn.head_dim
-    start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
-    queries, keys, values = attn.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
-    queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
-    keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-    values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-    queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
-    terms = attn.score_terms()
-    context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
-    return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)
+    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool) -> Tensor:
+        """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody
+        observing; with ``once``, the kernel's call decided at the layer's first step on this cache."""
+        B, T, _ = x.shape
+        D = attn.head_dim
+        start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
+        queries, keys, values = attn.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
+        queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
+        values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
+        queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+        known = self.kernel_calls[i] if once else None
+        if once and (known is None or known[0] is not cache):
+            terms = attn.score_terms()
+            call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
+            self.kernel_calls[i] = known = (cache, call)
+        if known is not None and known[1] is not None:
+            context = known[1](queries, keys, values)  # (B, H, T, D)
+        else:
+            terms = attn.score_terms()
+            context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
+        return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)
