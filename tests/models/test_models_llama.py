@@ -383,6 +383,38 @@ def test_rmsnorm_in_float32_is_weight_times_the_normed_input_bit_for_bit(shape):
         assert torch.equal(norm(x), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_without_autograd_runs_the_cpp_op_with_torchs_bits(dtype, monkeypatch):
+    """Eager CPU rows without autograd run headwise's C++ op (where built), whose sums repeat torch's order: the bits
+    of ``F.rms_norm`` at every width (below a vector, between, long), every scale; under autograd torch's op runs and
+    gives the gradients."""
+    from headwise import native
+    from headwise.models import llama
+
+    if not native.built():
+        pytest.skip("headwise's C++ ops are not built here")
+    calls = []
+    op = torch.ops.headwise.rms_norm
+    monkeypatch.setattr(llama.torch.ops.headwise, "rms_norm", lambda *a: calls.append(1) or op(*a), raising=False)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 5, 8, 9, 63, 64, 100, 768, 1025, 4096, 16383):
+        norm = RMSNorm(n, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=gen))
+            for rows, scale in (((1, 1), 1.0), ((3, 7), 1e-3), ((2, 5), 40.0)):
+                x = (scale * torch.randn(*rows, n, generator=gen)).to(dtype)
+                before = len(calls)
+                got = norm(x)
+                assert len(calls) == before + 1, "the C++ op ran"
+                want = F.rms_norm(x, (n,), norm.weight, 1e-5) if dtype == torch.float32 else norm.weight * F.rms_norm(x, (n,), eps=1e-5)
+                assert torch.equal(got, want), (n, rows, scale)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    norm = RMSNorm(64, 1e-5)
+    before = len(calls)
+    norm(x).sum().backward()
+    assert len(calls) == before and x.grad is not None and norm.weight.grad is not None  # torch's op, differentiable
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 768), (3, 17, 64), (2, 5, 4096), (4, 2, 1000)])
 def test_rmsnorm_in_half_is_the_float32_norm_rounded_back_once(shape, dtype):

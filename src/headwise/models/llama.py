@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _checks
+from .. import _checks, native
 from ..cache import Cache
 from ..convert import check_state, load_checked
 from ..functional import check_backend
@@ -31,9 +31,16 @@ from . import loading
 from .causal import CausalModel
 from .llama_config import LlamaConfig, llama_config
 
+torch.library.define("headwise::rms_norm", "(Tensor x, Tensor? weight, float eps) -> Tensor")
+
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) * weight over the last dim, computed in float32: (..., N) -> (..., N)."""
+    """x / sqrt(mean(x²) + eps) * weight over the last dim, computed in float32: (..., N) -> (..., N).
+
+    Where autograd records nothing, eagerly on the CPU, float32 and bfloat16 rows (of fewer than ``NATIVE_WIDTH``
+    elements) run headwise's C++ op (``models/rms_norm.cpp``): one pass a row where torch's CPU ``rms_norm`` is six ops
+    (eight in bfloat16), its sums added in the order of torch's, so the bits are ``F.rms_norm``'s.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -41,10 +48,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # nothing to convert: one op, the weight's product inside
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # (..., N): (x * rsqrt) * weight, as weight * normed
+        weight = self.weight
+        fused = x.dtype == torch.float32 and weight.dtype == torch.float32  # nothing to convert: one op, the weight's product inside
+        if _native_rows(x, weight):
+            if fused:
+                return torch.ops.headwise.rms_norm(x, weight, self.eps)  # (..., N)
+            return weight * torch.ops.headwise.rms_norm(x, None, self.eps)  # (..., N): rounded back once, then weighted
+        if fused:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # (..., N): (x * rsqrt) * weight, as weight * normed
         normed = F.rms_norm(x, (x.shape[-1],), eps=self.eps)  # (..., N): computed in float32, rounded back once as HuggingFace does
-        return self.weight * normed
+        return weight * normed
+
+
+#: Rows below ATen's grain (elements a reduction sums in one thread): torch sums each such row whole, in the order the
+#: C++ op repeats (a longer row alone may be summed in parts by several threads).
+NATIVE_WIDTH = 32768
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_rows(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``RMSNorm`` runs x through headwise's C++ op: float32 or bfloat16 CPU rows of fewer than ``NATIVE_WIDTH``
+    elements and weight, eager, nothing for autograd to record, a plain tensor, the op built (``native.built``)."""
+    return (
+        x.is_cpu and weight.is_cpu and type(x) is Tensor and x.dtype in _NATIVE_DTYPES and weight.dtype in _NATIVE_DTYPES
+        and 0 < x.shape[-1] < NATIVE_WIDTH and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.compiler.is_compiling() and native.built()
+    )
 
 
 def projections(layers: tuple[nn.Module, ...], x: Tensor) -> list[Tensor]:
