@@ -133,7 +133,7 @@ def test_each_layers_attention_is_decided_at_its_first_step(case):
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 def test_weights_changed_between_steps_are_seen(cls):
     """The step's kept decisions follow a weight written in place or replaced between two steps (an ``on_token``
-    callback could do either): its logits are the forward's with the new weights."""
+    callback could do either), and a step of two tokens after them: its logits are the forward's."""
     model = model_of(cls, {}, torch.float32)
     ids = torch.randint(0, model.vocab_size, (1, 5))
     with torch.no_grad():
@@ -149,6 +149,8 @@ def test_weights_changed_between_steps_are_seen(cls):
         first.weight = torch.nn.Parameter(torch.randn_like(first.weight))  # replaced
         got, want = step(ids[:, -3:-2], None, caches), model(ids[:, -3:-2], cache=plain, logits_to_keep=1, check=False)[:, 0]
         assert torch.equal(got, want)
+        got, want = step(ids[:, :2], None, caches), model(ids[:, :2], cache=plain, logits_to_keep=1, check=False)[:, 0]
+        assert torch.equal(got, want), "two tokens after one-token steps: not the kernel's one-query call"
 
 
 def test_a_block_that_does_not_name_its_parts_keeps_the_forward():

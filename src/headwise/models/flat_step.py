@@ -81,7 +81,7 @@ class FlatStep:
 
     def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool) -> Tensor:
         """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody
-        observing; with ``once``, the kernel's call decided at the layer's first step on this cache."""
+        observing; with ``once``, the kernel's call decided at the layer's first one-token step on this cache."""
         B, T, _ = x.shape
         D = attn.head_dim
         start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
@@ -90,8 +90,8 @@ class FlatStep:
         keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
-        known = self.kernel_calls[i] if once else None
-        if once and (known is None or known[0] is not cache):
+        known = self.kernel_calls[i] if once and T == 1 else None  # the kernel's call takes one query a row
+        if once and T == 1 and (known is None or known[0] is not cache):
             terms = attn.score_terms()
             call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
             self.kernel_calls[i] = known = (cache, call)
