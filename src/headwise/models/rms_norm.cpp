@@ -1,10 +1,11 @@
 // RMSNorm's rows in one op, bit for bit torch's rms_norm on the CPU (a composite of six ops, eight in bfloat16, each a
 // dispatch): the squares x² rounded to float32, summed in the order of ATen's float sum over a contiguous row (its
-// cascade: vectors of the ISA's width in four interleaved partial sums, a level every 16 steps; the lanes and the
-// leftover elements then added one by one), divided by N, plus eps, r = 1 / sqrt of that; then x * r rounded to x's
-// dtype (float32 or bfloat16), or with a float32 weight (float32 rows only) (x * r) * w. Built at run time with
-// headwise's other ops (headwise.native); the schema and the checks of what it is given live in headwise.models.llama, which sends it rows of fewer
-// elements than ATen's grain (32768) so that torch too sums each row whole, in one thread.
+// cascade: 8-float vectors in four interleaved partial sums, each adding a level every 16 steps; the leftover
+// elements and the lanes then added one by one), divided by N, plus eps, r = 1 / sqrt of that; then x * r rounded
+// to x's dtype (float32 or bfloat16), or with a float32 weight (float32 rows only) (x * r) * w. Built at run time
+// with headwise's other ops (headwise.native); the schema and the checks of what it is given live in
+// headwise.models.llama, which sends it rows of fewer elements than ATen's grain (32768), so that torch too sums
+// each row whole, in one thread.
 #pragma GCC optimize("fp-contract=off")  // a square is rounded before it is added, as torch's pow then sum
 
 #include <ATen/ATen.h>
