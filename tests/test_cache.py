@@ -63,6 +63,22 @@ def test_full_cache_and_bad_writes_are_clear_errors():
         hw.KVCache(1.5, 2, 4, 3)
 
 
+def test_a_step_that_writes_the_cache_itself_gets_the_slot_and_a_full_cache_is_an_error_first():
+    cache = hw.KVCache(2, 2, 4, 3)
+    cache.update(torch.randn(2, 2, 3, 3), torch.randn(2, 2, 3, 3))
+    seen = []
+    out = cache.write_one_unchecked(lambda k, v, real, slot: seen.append((k, v, real, slot)) or torch.ones(1))
+    assert torch.equal(out, torch.ones(1)) and len(cache) == 4
+    assert seen[0][0] is cache.k and seen[0][1] is cache.v and seen[0][2] is None and seen[0][3] == 3
+    with pytest.raises(ValueError, match=r"cache is full: it holds 4 of max_len=4 tokens and cannot take 1 more"):
+        cache.write_one_unchecked(lambda *args: seen.append(args))
+    assert len(seen) == 1 and len(cache) == 4  # the op never ran
+    padded = hw.KVCache(2, 2, 4, 3)
+    padded.update(torch.randn(2, 2, 2, 3), torch.randn(2, 2, 2, 3), torch.tensor([[False, True], [True, True]]))
+    padded.write_one_unchecked(lambda k, v, real, slot: seen.append((real, slot)))
+    assert seen[-1][0] is padded.is_token and seen[-1][1] == 2 and len(padded) == 3
+
+
 def test_crop_rewinds():
     cache = hw.KVCache(1, 1, 6, 2)
     k = torch.randn(1, 1, 5, 2)

@@ -178,3 +178,37 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
     assert len(loads) == 1
     announced = [r.getMessage() for r in caplog.records if r.name == "headwise"]
     assert (announced == []) if cached else ("building its C++ kernels" in announced[0] and len(announced) == 1)
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("tables", ["none", "shared", "per row"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtype, stored, tables, padded):
+    """``decode_kernel.step`` against the Python ops it stands for: ``rope.rotate`` of q and k together, the cache's
+    write at the slot, ``dense`` over the slots so far, the heads merged."""
+    from headwise.rope import RotaryEmbedding, rotate
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, L, start = 3, 6, 2, 64, 50, 37
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D, generator=g).to(dtype)  # one projection's output, as the step gets it
+    q, k, v = (t.view(B, 1, -1, D).transpose(1, 2) for t in qkv.split((H * D, Hkv * D, Hkv * D), -1))  # (B, H|Hkv, 1, D) views
+    rotary = RotaryEmbedding(D, theta=500.0)
+    cos = sin = None
+    if tables != "none":
+        where = start if tables == "shared" else torch.tensor([[start], [start - 5], [3]])  # an int start or (B, 1) positions
+        cos, sin = rotary.at(where, 1, torch.device("cpu"))  # (1, D) or (B, 1, 1, D)
+    k_cache = torch.randn(B, Hkv, L, D, generator=g).to(stored)
+    v_cache = torch.randn(B, Hkv, L, D, generator=g).to(stored)
+    real = (torch.arange(L).expand(B, L) >= torch.tensor([[0], [9], [30]])) if padded else None  # (B, L)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    qr, kr = (q, k) if cos is None else rotate(torch.cat((q, k), 1), cos, sin).split((H, Hkv), 1)
+    k_want[:, :, start:start + 1] = kr.to(stored)
+    v_want[:, :, start:start + 1] = v.to(stored)
+    seen = None if real is None else real[:, :start + 1]
+    context = decode_kernel.dense(qr.to(stored), k_want[:, :, :start + 1], v_want[:, :, :start + 1], seen, D**-0.5).to(dtype)
+    want = context.transpose(1, 2).reshape(B, 1, -1)  # (B, 1, H*D)
+    with torch.inference_mode():
+        got = decode_kernel.step(q, k, v, cos, sin, k_cache, v_cache, real, start, D**-0.5)
+    assert got.shape == (B, 1, H * D) and got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)

@@ -171,14 +171,20 @@ def _unchecked_spec(q: Tensor, k: Tensor, causal: bool, window: int | None, soft
 def decode_kernel_call(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
     softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
-) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+) -> Callable[..., Tensor] | None:
     """``attention_unchecked(q, k, v, cache, ...)`` decided once for the decode steps that follow, where that call's plan
-    is the C++ decode kernel over a whole (not sliding) ``KVCache``: then a function of each step's q (B, H, 1, D), k
-    and v (B, Hkv, 1, D) that writes the cache and runs the kernel over it, the same ops ``attention_unchecked`` runs,
-    nothing asked again -> (B, H, 1, D). The kernel's rule reads nothing that a step changes (the key count grows,
-    dtypes, shapes and terms stay). None for any other call, which then runs ``attention_unchecked`` each step. Nothing
-    is written here. Called by ``generate``'s flat step (``models.flat_step``) before its step's attention, without grad."""
-    if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or k.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
+    is the C++ decode kernel over a whole (not sliding) ``KVCache``; None for any other call, which then runs
+    ``attention_unchecked`` each step. The kernel's rule reads nothing that a step changes (the key count grows, dtypes,
+    shapes and terms stay). Nothing is written here. Called by ``generate``'s flat step (``models.flat_step``) before
+    its step's attention, without grad.
+
+    Returns:
+        ``step(q, k, v, cos=None, sin=None)``: a step's q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), turned
+        first by ``rope.rotate``'s "rotate_half" tables (cos, sin) of all D dims where given, the cache written and
+        the kernel run over it -> (B, 1, H * Dv), the heads merged: ``rotate``, ``attention_unchecked`` and the merge
+        bit for bit, in one op (``decode_kernel.step``).
+    """
+    if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
     stored, S = cache.dtype, len(cache) + 1
     run_spec, _ = for_run(_unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), 1, S, None, True)
@@ -187,9 +193,8 @@ def decode_kernel_call(
         return None
     scale = run_spec.scale
 
-    def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values, real = cache.update_unchecked(k.to(stored), v.to(stored))  # (B, Hkv, S, D) x2, (B, S) bool or None
-        return decode_kernel.dense(q.to(stored), keys, values, real, scale).to(q.dtype)  # (B, H, 1, D)
+    def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+        return cache.write_one_unchecked(lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale))
 
     return step
 

@@ -33,6 +33,7 @@ from .functional import Plan, attention, attention_unchecked, merge_heads, plan,
 from .linear import weight_cache
 from .masks import inert_padding
 from .observe import observing, report
+from .rope import RotaryEmbedding
 
 
 def checked_input(
@@ -75,6 +76,11 @@ class AttentionLayer(nn.Module):
         """Position-encode q (B, H, T, D) and k (B, Hkv, T, D) of tokens ``start`` .. ``start + T - 1``
         (or at ``position_ids`` (B, T) when the caller gave them)."""
         return q, k
+
+    def rotation(self) -> RotaryEmbedding | None:
+        """The ``RotaryEmbedding`` whose "rotate_half" turn of every dim of q and k is all ``position`` does without a
+        mask (a decode loop may then turn them in one op with the attention: ``models.flat_step``), else None."""
+        return None
 
     def project_out(self, context: Tensor) -> Tensor:
         """(B, T, H·D) merged context -> (B, T, C)."""

@@ -363,9 +363,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   return out;
 }
 
+// A decode step's attention after its projections, in one call: q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv)
+// (views of the projections' output), turned by (cos, sin) where given (rope.rotate's "rotate_half" of all D dims),
+// written at slot `start` of the caches (B, Hkv, L, D) and (B, Hkv, L, Dv) in their dtype, then the kernel over slots
+// 0 .. start, `real` (B, L) marking the tokens where the cache holds padding -> (B, 1, H * Dv), the heads merged. The
+// same ATen ops in the same order as the Python steps it replaces (headwise.functional.decode_kernel_call), so the
+// same bits; one call where they were some twenty.
+at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
+                       const std::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
+                       const std::optional<at::Tensor>& real, int64_t start, double scale) {
+  at::Tensor queries = q, keys = k;
+  if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
+    const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
+    const bool half = qk.scalar_type() == at::kBFloat16 || qk.scalar_type() == at::kHalf;
+    const at::Tensor work = half ? qk.to(at::kFloat) : qk;  // (B, H + Hkv, 1, D) float32
+    const int64_t h = cos->size(-1) / 2;
+    at::Tensor out = work * *cos;
+    out.slice(-1, 0, h).addcmul_(work.slice(-1, h, 2 * h), sin->slice(-1, 0, h));  // x1·cos - x2·sin
+    out.slice(-1, h, 2 * h).addcmul_(work.slice(-1, 0, h), sin->slice(-1, h, 2 * h));  // x2·cos + x1·sin
+    if (half) out = out.to(qk.scalar_type());
+    queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
+    keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
+  }
+  const auto stored = k_cache.scalar_type();
+  const int64_t end = start + 1;
+  k_cache.slice(2, start, end).copy_(keys.to(stored));
+  v_cache.slice(2, start, end).copy_(v.to(stored));
+  std::optional<at::Tensor> seen;
+  if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
+  const at::Tensor context = decode_attention(queries.to(stored), k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
+                                 .to(queries.scalar_type());  // (B, H, 1, Dv)
+  return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
+  m.impl("decode_step", &decode_step);
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

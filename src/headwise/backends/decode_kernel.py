@@ -28,6 +28,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 torch.library.define("headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale) -> Tensor")
 torch.library.define(
+    "headwise::decode_step",
+    "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, "
+    "float scale) -> Tensor",
+)
+torch.library.define(
     "headwise::paged_decode_attention",
     "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seen_from, Tensor seen_to, int block_size, float scale) -> Tensor",
 )
@@ -70,6 +75,16 @@ def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) ->
     """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv), ``real`` (B, S) bool or None -> (B, H, 1, Dv): ``run``'s op, for a
     decode step whose plan was made once (``functional.decode_kernel_call``)."""
     return torch.ops.headwise.decode_attention(q, k, v, real, scale)
+
+
+def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
+         real: Tensor | None, start: int, scale: float) -> Tensor:
+    """A decode step's attention in one op, for a step whose plan was made once (``functional.decode_kernel_call``):
+    q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), q and k turned by ``rope.rotate``'s "rotate_half" tables
+    cos and sin ((1, D) or (B, 1, 1, D) float32) where given, k and v written at slot ``start`` of the caches
+    (B, Hkv, L, D) and (B, Hkv, L, Dv), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv),
+    the heads merged. The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
+    return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
 
 
 def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,

@@ -14,6 +14,8 @@ whole sequence); the buffers only ever get plain copies, so a ``reset`` starts c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -182,10 +184,17 @@ class KVCache(Owned):
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
 
-    def update_unchecked(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``update(k, v)`` with nothing checked, for a decode loop that checked once (keys and values of this cache's
-        kind with room, no padding among them, autograd off): (B, Hkv, S, D) keys and values, (B, S) padding or None."""
-        return self._write(k, v, None, False)
+    def write_one_unchecked(self, run: Callable[[Tensor, Tensor, Tensor | None, int], Tensor]) -> Tensor:
+        """A one-token step whose op writes this (whole, not sliding) cache itself, for a decode loop that checked the
+        rest once (``functional.decode_kernel_call``): ``run(k, v, is_token, slot)`` gets the buffers (B, Hkv, L, D),
+        the (B, L) padding marks where any write had padding (else None) and the slot the token takes; then the cache
+        holds one token more. Returns what ``run`` returns. A full cache is a ValueError, before anything is written."""
+        start = self._len
+        if start >= self.k.shape[2]:
+            raise ValueError(f"cache is full: it holds {start} of max_len={self.k.shape[2]} tokens and cannot take 1 more")
+        out = run(self.k, self.v, self.is_token if self._padded else None, start)
+        self._len = start + 1
+        return out
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""

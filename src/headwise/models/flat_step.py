@@ -89,15 +89,19 @@ class FlatStep:
         queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         known = self.kernel_calls[i] if once and T == 1 else None  # the kernel's call takes one query a row
         if once and T == 1 and (known is None or known[0] is not cache):
-            terms = attn.score_terms()
-            call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
+            call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
+                                      **attn.score_terms())
             self.kernel_calls[i] = known = (cache, call)
-        if known is not None and known[1] is not None:
-            context = known[1](queries, keys, values)  # (B, H, T, D)
-        else:
-            terms = attn.score_terms()
-            context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **terms)
+        if known is not None and known[1] is not None:  # the rotation, the cache's write, the kernel and the merge in one op
+            rotary = attn.rotation()
+            if rotary is not None:
+                cos, sin = rotary.at(start if position_ids is None else position_ids, T, x.device)  # (T, R) or (B, 1, T, R)
+                return attn.project_out(known[1](queries, keys, values, cos, sin))  # (B, T, H*D) -> (B, T, C)
+            queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+            return attn.project_out(known[1](queries, keys, values))  # (B, T, H*D) -> (B, T, C)
+        queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
+        context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
+                                      **attn.score_terms())  # (B, H, T, D)
         return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)

@@ -157,6 +157,12 @@ class LlamaAttention(AttentionLayer):
         report("keys.rotated", k)
         return q, k
 
+    def rotation(self) -> RotaryEmbedding | None:
+        """The rotary tables where ``position`` is only their "rotate_half" turn of every dim (no QK-norm)."""
+        rotary = self.rotary
+        plain = self.q_norm is None and rotary.layout == "rotate_half" and rotary.rotary_dim == rotary.head_dim == self.head_dim
+        return rotary if plain else None
+
     def project_out(self, context: Tensor) -> Tensor:
         """(B, T, H*D) -> o_proj(context) (B, T, C)."""
         return project(self.o_proj, context)
