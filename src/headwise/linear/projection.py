@@ -174,7 +174,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
         one (..., N_i) tensor per layer.
     """
     if (ready := _ready(layers, x)) is not None:
-        return list(ready(x).split(ready.sizes, dim=-1))  # (..., N_i) each
+        return list(ready(x).split_with_sizes(ready.sizes, -1))  # (..., N_i) each (Tensor.split, less its Python)
     if len(layers) > 1 and _stackable(layers):
         return _project_stacked(layers, x)
     if len(layers) < 2 or _global_module_hooks() or not all(type(layer) is nn.Linear and _unhooked(layer) for layer in layers):
