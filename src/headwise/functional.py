@@ -171,7 +171,7 @@ def _unchecked_spec(q: Tensor, k: Tensor, causal: bool, window: int | None, soft
 def decode_kernel_call(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
     softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
-) -> Callable[..., Tensor] | None:
+) -> KernelCall | None:
     """``attention_unchecked(q, k, v, cache, ...)`` decided once for the decode steps that follow, where that call's plan
     is the C++ decode kernel over a whole (not sliding) ``KVCache``; None for any other call, which then runs
     ``attention_unchecked`` each step. The kernel's rule reads nothing that a step changes (the key count grows, dtypes,
@@ -179,7 +179,7 @@ def decode_kernel_call(
     its step's attention, without grad.
 
     Returns:
-        ``step(q, k, v, cos=None, sin=None)``: a step's q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), turned
+        a ``KernelCall``, ``call(q, k, v, cos=None, sin=None)``: a step's q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), turned
         first by ``rope.rotate``'s "rotate_half" tables (cos, sin) of all D dims where given, the cache written and
         the kernel run over it -> (B, 1, H * Dv), the heads merged: ``rotate``, ``attention_unchecked`` and the merge
         bit for bit, in one op (``decode_kernel.step``).
@@ -191,12 +191,21 @@ def decode_kernel_call(
     keys, values = cache.k[:, :, :S], cache.v[:, :, :S]  # (B, Hkv, S, D) x2: what the step's write hands the queries
     if plan_runner(q.to(stored), keys, values, run_spec, backend).run is not decode_kernel.run:
         return None
-    scale = run_spec.scale
+    return KernelCall(cache, run_spec.scale)
 
-    def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
-        return cache.write_one_unchecked(lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale))
 
-    return step
+class KernelCall:
+    """``decode_kernel_call``'s answer: the call's cache and scale, called once a step."""
+
+    __slots__ = ("cache", "scale")
+
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        self.cache, self.scale = cache, scale
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+        """(B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv), the rotation's tables or None -> (B, 1, H * Dv)."""
+        scale = self.scale
+        return self.cache.write_one_unchecked(lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale))
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:

@@ -1,8 +1,9 @@
 """headwise's C++ ops, built at run time into one library: the decode step's attention
 (``backends/decode_attention.cpp``, run by ``backends.decode_kernel``), a prompt's attention
 (``backends/prefill_attention.cpp``, run by ``backends.prefill_kernel``), the few-row GEMM of a
-compiled step (``linear/panels.cpp``, run by ``linear.panels``) and RMSNorm's rows
-(``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``).
+compiled step (``linear/panels.cpp``, run by ``linear.panels``), RMSNorm's rows
+(``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``) and a Llama-family layer's decode step
+(``models/decoder_layer.cpp``, run by ``models.native_layer``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
@@ -31,7 +32,7 @@ import torch
 _HERE = Path(__file__).parent
 #: The C++ sources of the library, one file per op family.
 SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "prefill_attention.cpp", _HERE / "linear" / "panels.cpp",
-           _HERE / "models" / "rms_norm.cpp")
+           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp")
 #: Headers the sources include: hashed with them (a changed header is a new library).
 HEADERS = (_HERE / "backends" / "vectors.h",)
 #: Compiler flags per torch CPU capability: the kernels' vector code is the instruction set torch's own kernels use.

@@ -22,19 +22,20 @@ on its own class (a subclass that changes ``forward`` does not inherit it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from ..cache import KVCache
-from ..functional import attention_unchecked, decode_kernel_call
+from ..functional import KernelCall, attention_unchecked, decode_kernel_call
 from ..layer import AttentionLayer
 from ..linear import linear, project
 from ..linear.projection import planned
 from ..observe import observing
 from .causal import CausalModel
+from .native_layer import NativeLayer, native_layer
 
 
 def flat_step(model: CausalModel) -> FlatStep | None:
@@ -63,7 +64,8 @@ class FlatStep:
         self.model = model
         self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
         self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``)
-        self.kernel_calls: list[tuple[KVCache, Callable | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
+        self.kernel_calls: list[tuple[KVCache, KernelCall | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
+        self.natives: list[tuple[KVCache, NativeLayer | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its op)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         model = self.model
@@ -72,12 +74,29 @@ class FlatStep:
         once = not torch.is_grad_enabled()  # decisions kept across steps (autograd would make each step another call)
         with planned(self.kept) if once else nullcontext():
             x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
-            for i, ((norm1, attn, norm2, mlp), cache) in enumerate(zip(self.blocks, caches, strict=True)):
+            for i, (parts, cache) in enumerate(zip(self.blocks, caches, strict=True)):
+                layer = self._native(i, parts, cache, x) if once and x.shape[1] == 1 else None
+                if layer is not None and (y := layer(x, cache, position_ids)) is not None:
+                    x = y  # (B, 1, C): the layer in one op
+                    continue
+                norm1, attn, norm2, mlp = parts
                 x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once)  # (B, T, C)
                 x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
             x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
             logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
         return logits[:, 0]  # (B, vocab)
+
+    def _native(self, i: int, parts: tuple, cache: KVCache, x: Tensor) -> NativeLayer | None:
+        """Layer ``i``'s step in one op (``native_layer``), decided once its kernel call on this cache is (at its first
+        one-token step, which runs in Python); None before that, or where it does not apply."""
+        known = self.natives[i]
+        if known is not None and known[0] is cache:
+            return known[1]
+        call = self.kernel_calls[i]
+        if call is None or call[0] is not cache:
+            return None
+        self.natives[i] = (cache, native_layer(parts, call[1], x))
+        return self.natives[i][1]
 
     def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool) -> Tensor:
         """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody

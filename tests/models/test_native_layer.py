@@ -1,0 +1,93 @@
+"""A Llama-family layer's decode step in one C++ op (``models/native_layer.py``): where it runs, the flat step's logits and
+caches are the unchecked forward's bit for bit; it runs at every one-token step after a layer's first where each part
+takes its op, and the layer runs in Python where one does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_flat_step import model_of, steps_both_ways
+
+from headwise.linear import panels
+from headwise.linear.projection import _ready
+from headwise.models import native_layer
+from headwise.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from headwise.quantize import int8_weights
+
+pytestmark = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and headwise's library builds")
+
+WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)  # every projection on the panels
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The steps the op ran (``NativeLayer`` answered a tensor), counted."""
+    runs = []
+    call = native_layer.NativeLayer.__call__
+
+    def counted(self, *args):
+        out = call(self, *args)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayer, "__call__", counted)
+    return runs
+
+
+def _takes_panels(model, batch: int) -> bool:
+    """Whether every projection group of the first layer keeps a panels op for a step of ``batch`` rows."""
+    layer = model.model.layers[0]
+    dtype = layer.input_layernorm.weight.dtype
+    x = torch.zeros(batch, 1, layer.self_attn.d_in, dtype=dtype)
+    inner = torch.zeros(batch, 1, layer.mlp.down_proj.in_features, dtype=dtype)
+    with torch.no_grad():
+        readies = [_ready(group, like) for group, like in [
+            ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), x), ((layer.self_attn.o_proj,), x),
+            ((layer.mlp.gate_proj, layer.mlp.up_proj), x), ((layer.mlp.down_proj,), inner)]]
+    return native_layer._panel_args(readies) is not None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int8 activations"])
+@pytest.mark.parametrize("batch,padded", [(1, False), (3, False), (3, True)])
+def test_the_layer_in_one_op_gives_the_forwards_logits_and_caches_bit_for_bit(precision, batch, padded, ran):
+    model = model_of(LlamaForCausalLM, WIDE, torch.bfloat16 if precision == "bf16" else torch.float32)
+    if precision.startswith("int8"):
+        model = int8_weights(model, activations="int8" if precision == "int8 activations" else "bf16")
+    for got, want, flat_caches, plain_caches in steps_both_ways(model, batch, steps=5, padded=padded):
+        assert torch.equal(got, want)
+        for a, b in zip(flat_caches, plain_caches, strict=True):
+            assert len(a) == len(b) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    expected = _takes_panels(model, batch)
+    assert expected or precision.startswith("int8"), "float layers of these sizes take the panels wherever they run"
+    assert ran == [True] * (4 * 2) if expected else not any(ran)  # steps 2-5, two layers
+
+
+def test_where_a_part_takes_no_op_the_layer_runs_in_python(ran, monkeypatch):
+    """QK-norm and a partial rotation have no op; a projection forced off the panels (``HEADWISE_LINEAR=torch``) is
+    asked again every step: each runs the layer in Python, with the same logits."""
+    from headwise.linear import rule
+
+    for cls, kw in [(Qwen3ForCausalLM, dict(qk_norm=True, head_dim=32)), (LlamaForCausalLM, dict(partial_rotary_factor=0.5))]:
+        for got, want, _, _ in steps_both_ways(model_of(cls, {**WIDE, **kw}, torch.float32), 2, steps=3):
+            assert torch.equal(got, want)
+    assert ran == []  # no layer was given the op
+    with rule.use_path("torch"):
+        for got, want, _, _ in steps_both_ways(model_of(LlamaForCausalLM, WIDE, torch.float32), 2, steps=3):
+            assert torch.equal(got, want)
+    assert ran == [False] * (2 * 2)  # the op was kept, but asked, each step said no
+
+
+def test_weights_changed_between_steps_are_seen_by_the_op(ran):
+    """A projection's weight written in place, a norm's weight written and a projection replaced between steps: the
+    op runs on what the layers hold now (the kept calls asked again), the forward's logits."""
+    model = model_of(LlamaForCausalLM, WIDE, torch.float32)
+    gen = steps_both_ways(model, 2, steps=5)
+    layer = model.model.layers[1]
+    edits = [lambda: layer.mlp.down_proj.weight.mul_(-1.5), lambda: layer.post_attention_layernorm.weight.add_(0.25),
+             lambda: setattr(layer.self_attn.o_proj, "weight", torch.nn.Parameter(torch.randn_like(layer.self_attn.o_proj.weight)))]
+    for i, (got, want, _, _) in enumerate(gen):
+        assert torch.equal(got, want)
+        if 1 <= i <= len(edits):
+            with torch.no_grad():
+                edits[i - 1]()
+    assert ran == [True] * (4 * 2)
