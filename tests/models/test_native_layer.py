@@ -11,12 +11,14 @@ from test_flat_step import model_of, steps_both_ways
 from headwise.linear import panels
 from headwise.linear.projection import _ready
 from headwise.models import native_layer
+from headwise.models.gpt2 import GPT2LMHeadModel
 from headwise.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from headwise.quantize import int8_weights
 
 pytestmark = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and headwise's library builds")
 
 WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)  # every projection on the panels
+GPT2_WIDE = dict(n_embd=512, n_head=8)
 
 
 @pytest.fixture
@@ -36,21 +38,22 @@ def ran(monkeypatch):
 
 def _takes_panels(model, batch: int) -> bool:
     """Whether every projection group of the first layer keeps a panels op for a step of ``batch`` rows."""
-    layer = model.model.layers[0]
-    dtype = layer.input_layernorm.weight.dtype
-    x = torch.zeros(batch, 1, layer.self_attn.d_in, dtype=dtype)
-    inner = torch.zeros(batch, 1, layer.mlp.down_proj.in_features, dtype=dtype)
+    from headwise.functional import KernelCall
+
+    block = model.blocks[0]
+    parts = tuple(getattr(block, name) for name in type(block).flat_parts)
+    x = torch.zeros(batch, 1, parts[1].d_in, dtype=parts[0].weight.dtype)
+    layer = native_layer.native_layer(parts, KernelCall(None, 1.0), x)
     with torch.no_grad():
-        readies = [_ready(group, like) for group, like in [
-            ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), x), ((layer.self_attn.o_proj,), x),
-            ((layer.mlp.gate_proj, layer.mlp.up_proj), x), ((layer.mlp.down_proj,), inner)]]
-    return native_layer._panel_args(readies) is not None
+        return layer._panel_args([_ready(group, like, gelu) for group, like, gelu in layer.groups]) is not None
 
 
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int8 activations"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, False), (3, True)])
-def test_the_layer_in_one_op_gives_the_forwards_logits_and_caches_bit_for_bit(precision, batch, padded, ran):
-    model = model_of(LlamaForCausalLM, WIDE, torch.bfloat16 if precision == "bf16" else torch.float32)
+def test_the_layer_in_one_op_gives_the_forwards_logits_and_caches_bit_for_bit(cls, precision, batch, padded, ran):
+    wide = WIDE if cls is LlamaForCausalLM else GPT2_WIDE
+    model = model_of(cls, wide, torch.bfloat16 if precision == "bf16" else torch.float32)
     if precision.startswith("int8"):
         model = int8_weights(model, activations="int8" if precision == "int8 activations" else "bf16")
     for got, want, flat_caches, plain_caches in steps_both_ways(model, batch, steps=5, padded=padded):

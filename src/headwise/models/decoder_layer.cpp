@@ -1,10 +1,10 @@
-// A Llama-family decoder layer's one-token decode step in one call: RMSNorm, the stacked q/k/v projection, the
-// rotation, the cache's write and the decode kernel (headwise::decode_step), o_proj and the residual, RMSNorm, the
-// stacked gate/up projection, SiLU(gate) * up, down_proj and the residual. Each step is the op the Python step
-// (headwise.models.flat_step) calls, in its order, on the same tensors, so the bits are the same; what goes is
-// the Python between them. Built with headwise's other ops by headwise.native; the schema lives in
-// headwise.models.native_layer, which decides where it runs (every projection on the panels GEMM, the norms on
-// headwise's op, the attention on the decode kernel).
+// A pre-norm decoder layer's one-token decode step in one call (the Llama family's and GPT-2's): the norm, the
+// stacked q/k/v projection, the rotation (where the layer has one), the cache's write and the decode kernel
+// (headwise::decode_step), the output projection and the residual, the norm, the MLP (SwiGLU, or GELU between two
+// projections), the residual. Each step is the op the Python step (headwise.models.flat_step) calls, in its order, on
+// the same tensors, so the bits are the same; what goes is the Python between them. Built with headwise's other ops
+// by headwise.native; the schema lives in headwise.models.native_layer, which decides where it runs (every projection
+// on the panels GEMM, RMSNorm on headwise's op, the attention on the decode kernel).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -16,13 +16,15 @@ namespace {
 
 using Maybe = std::optional<at::Tensor>;
 
-// RMSNorm.forward's native rows: float32 x and weight in one op, else the weight times the rows rounded back.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("headwise::rms_norm", "")
-                             .typed<at::Tensor(const at::Tensor&, const Maybe&, double)>();
-  if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat) return op.call(x, weight, eps);
-  return weight * op.call(x, std::nullopt, eps);
+// The block's norm: RMSNorm.forward's native rows (float32 x and weight in one op, else the weight times the rows
+// rounded back) without a bias, nn.LayerNorm's F.layer_norm with one.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const Maybe& bias, double eps, bool layer_norm) {
+  static const auto rms = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("headwise::rms_norm", "")
+                              .typed<at::Tensor(const at::Tensor&, const Maybe&, double)>();
+  if (layer_norm) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat) return rms.call(x, weight, eps);
+  return weight * rms.call(x, std::nullopt, eps);
 }
 
 // A kept projection call (headwise.linear.projection.Ready): x made contiguous, then its panels op with its arguments.
@@ -40,31 +42,39 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& panels, 
   return (kind == 1 ? int8 : rows).call(xc, panels, *scales, bias, n);
 }
 
-// x (B, 1, C) -> (B, 1, C). Projections in order q/k/v, o, gate/up, down: kinds, panels, scales, biases and ns (their
-// output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the rotation's tables or None; the
-// caches (B, Hkv, L, D) written at slot `start`, `real` (B, L) their padding marks or None.
-at::Tensor llama_decode_layer(const at::Tensor& x, const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
-                              at::IntArrayRef kinds, at::TensorList panels, const c10::List<Maybe>& scales,
-                              const c10::List<Maybe>& biases, at::IntArrayRef ns, at::IntArrayRef qkv_sizes, int64_t head_dim,
-                              const Maybe& cos, const Maybe& sin, at::Tensor k_cache, at::Tensor v_cache, const Maybe& real,
-                              int64_t start, double scale) {
+// x (B, 1, C) -> (B, 1, C). The norms' weights, biases (LayerNorm's) and eps; `layer_norm` whether they are LayerNorms
+// (else RMSNorms). Projections in order q/k/v, o, the MLP's up (gate/up stacked for SwiGLU), down: kinds, panels,
+// scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
+// rotation's tables or None; the caches (B, Hkv, L, D) written at slot `start`, `real` (B, L) their padding marks or
+// None; `mlp` "swiglu" (SiLU(gate) * up) or GELU's approximation ("tanh" or "none") after the up projection.
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Maybe& norm1_bias, const at::Tensor& norm2,
+                        const Maybe& norm2_bias, double eps1, double eps2, bool layer_norm, at::IntArrayRef kinds,
+                        at::TensorList panels, const c10::List<Maybe>& scales, const c10::List<Maybe>& biases, at::IntArrayRef ns,
+                        at::IntArrayRef qkv_sizes, int64_t head_dim, const Maybe& cos, const Maybe& sin, at::Tensor k_cache,
+                        at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp) {
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                           at::Tensor, const Maybe&, int64_t, double);
   static const auto step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::decode_step", "").typed<Step>();
   const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], panels[i], scales.get(i), biases.get(i), ns[i]); };
   const int64_t B = x.size(0);
-  const std::vector<at::Tensor> qkv = proj(rms_norm(x, norm1, eps1), 0).split_with_sizes(qkv_sizes, -1);  // (B, 1, H*D), (B, 1, Hkv*D) x2
-  const at::Tensor q = qkv[0].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, H, 1, D)
-  const at::Tensor k = qkv[1].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, D)
-  const at::Tensor v = qkv[2].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, Dv)
+  const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, 1, H*D + 2*Hkv*D)
+  const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, 1, H*D), (B, 1, Hkv*D) x2
+  const at::Tensor q = parts[0].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, H, 1, D)
+  const at::Tensor k = parts[1].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, D)
+  const at::Tensor v = parts[2].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, Dv)
   const at::Tensor context = step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale);  // (B, 1, H*Dv)
   const at::Tensor h = x + proj(context, 1);  // (B, 1, C)
-  const at::Tensor gate_up = proj(rms_norm(h, norm2, eps2), 2);  // (B, 1, 2I)
-  const int64_t I = gate_up.size(-1) / 2;
-  at::Tensor gate = gate_up.slice(-1, 0, I), up = gate_up.slice(-1, I, 2 * I);  // (B, 1, I) views
-  return h + proj(at::silu_(gate).mul_(up), 3);  // (B, 1, C)
+  at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, 1, 2I) for SwiGLU, else (B, 1, I)
+  if (mlp == "swiglu") {
+    const int64_t I = up.size(-1) / 2;
+    at::Tensor gate = up.slice(-1, 0, I);  // (B, 1, I) views
+    up = at::silu_(gate).mul_(up.slice(-1, I, 2 * I));
+  } else {
+    up = at::gelu_(up, mlp);
+  }
+  return h + proj(up, 3);  // (B, 1, C)
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headwise, CPU, m) { m.impl("llama_decode_layer", &llama_decode_layer); }
+TORCH_LIBRARY_IMPL(headwise, CPU, m) { m.impl("decode_layer", &decode_layer); }

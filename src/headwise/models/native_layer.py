@@ -1,17 +1,18 @@
-"""A Llama-family decoder layer's one-token decode step in one C++ op (``models/decoder_layer.cpp``).
+"""A pre-norm decoder layer's one-token decode step in one C++ op (``models/decoder_layer.cpp``): the Llama family's
+and GPT-2's.
 
-``generate``'s flat step (``models.flat_step``) runs a block as some forty calls from Python: RMSNorm, the stacked
-q/k/v projection and its split, the heads' views, the rotation's tables, the attention op, o_proj, the residual,
-RMSNorm again, the gate/up projection, SiLU times up, down_proj, the residual. At B = 1 the Python between those
-calls costs more than most of them. Where every part of a layer runs on headwise's own ops — both norms on
-RMSNorm's C++ op (``llama._native_rows``), each projection group's kept call on the panels GEMM (a
-``projection.Ready`` whose function is a panels op), the attention on the C++ decode kernel over a whole cache
-(``functional.decode_kernel_call``) after a plain rotation (``LlamaAttention.rotation``) — ``llama_decode_layer``
+``generate``'s flat step (``models.flat_step``) runs a block as some forty calls from Python: the norm, the stacked
+q/k/v projection and its split, the heads' views, the rotation's tables, the attention op, the output projection,
+the residual, the norm again, the MLP's projections and activation, the residual. At B = 1 the Python between those
+calls costs more than most of them. Where every part of a layer runs on ops the C++ side can call — each projection
+group's kept call on the panels GEMM (a ``projection.Ready`` whose function is a panels op), RMSNorm on its C++ op
+(``llama._native_rows``) or LayerNorm on torch's, the attention on the C++ decode kernel over a whole cache
+(``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
 
 Each step still asks what the Python step asks: each projection group's kept call (``projection._ready``, valid
-while the group's tensors keep their ``state``) and whether the norms take the op; any other answer runs the
-layer in Python for that step.
+while the group's tensors keep their ``state``), whether the norms take their op, whether dropout is off; any other
+answer runs the layer in Python for that step.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from torch import Tensor, nn
 from ..backends import decode_kernel  # noqa: F401  (defines headwise::decode_step, which the op calls)
 from ..cache import KVCache
 from ..functional import KernelCall
+from ..fused import GPT2MultiHeadAttention
+from ..layer import AttentionLayer
 from ..linear import panels  # noqa: F401  (defines the panels ops the op calls)
-from ..linear.projection import Ready, _ready
-from .llama import MLP, LlamaAttention, RMSNorm, _native_rows
+from ..linear.projection import Ready, _gelu, _panels_gelu, _plain, _ready
+from . import gpt2, llama
 
 torch.library.define(
-    "headwise::llama_decode_layer",
-    "(Tensor x, Tensor norm1, Tensor norm2, float eps1, float eps2, int[] kinds, Tensor[] panels, Tensor?[] scales, "
-    "Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, "
-    "Tensor(b!) v_cache, Tensor? real, int start, float scale) -> Tensor",
+    "headwise::decode_layer",
+    "(Tensor x, Tensor norm1, Tensor? norm1_bias, Tensor norm2, Tensor? norm2_bias, float eps1, float eps2, bool layer_norm, "
+    "int[] kinds, Tensor[] panels, Tensor?[] scales, Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, "
+    "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp) -> Tensor",
 )
 
 #: The kept calls' functions the op runs, by its code for each.
@@ -43,59 +46,94 @@ _KINDS = {
 
 def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tensor) -> NativeLayer | None:
     """A ``NativeLayer`` for a block's (norm1, attention, norm2, mlp) whose attention's steps take the decode kernel
-    (``call``) and whose parts are exactly the Llama family's, for steps of x's shape (B, 1, C); else None."""
+    (``call``) and whose parts are exactly the Llama family's or GPT-2's, for steps of x's shape (B, 1, C); else None."""
     norm1, attn, norm2, mlp = parts
-    if call is None or type(norm1) is not RMSNorm or type(norm2) is not RMSNorm or type(mlp) is not MLP:
+    if call is None or type(norm1) is not type(norm2):
         return None
-    if type(attn) is not LlamaAttention or attn.rotation() is None or not _native_rows(x, norm1.weight):
-        return None
-    return NativeLayer(norm1, attn, norm2, mlp, call, x)
+    if type(attn) is llama.LlamaAttention and type(norm1) is llama.RMSNorm and type(mlp) is llama.MLP:
+        if attn.rotation() is None:
+            return None
+        return NativeLayer(parts, call, x, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, "swiglu")
+    if type(attn) is GPT2MultiHeadAttention and type(norm1) is nn.LayerNorm and type(mlp) is gpt2.MLP:
+        if type(mlp.act) is not nn.GELU or mlp.act.approximate not in ("tanh", "none") or mlp.act._forward_hooks or mlp.act._forward_pre_hooks:
+            return None
+        return NativeLayer(parts, call, x, (mlp.c_fc,), mlp.c_proj, mlp.act.approximate)
+    return None
 
 
 class NativeLayer:
-    """One layer's one-token step in ``llama_decode_layer``: (B, 1, C) -> (B, 1, C), or None where a part does not take
-    its op this step (then the caller runs the layer in Python)."""
+    """One layer's one-token step in ``decode_layer``: (B, 1, C) -> (B, 1, C), or None where a part does not take its op
+    this step (then the caller runs the layer in Python)."""
 
-    def __init__(self, norm1: RMSNorm, attn: LlamaAttention, norm2: RMSNorm, mlp: MLP, call: KernelCall, x: Tensor) -> None:
+    def __init__(self, parts: tuple[nn.Module, ...], call: KernelCall, x: Tensor, up: tuple[nn.Linear, ...], down: nn.Module,
+                 mlp: str) -> None:
         B, _, C = x.shape
-        self.norm1, self.attn, self.norm2, self.call = norm1, attn, norm2, call
+        self.norm1, self.attn, self.norm2, self.mlp_module = parts
+        self.call, self.mlp = call, mlp
+        self.layer_norm = type(self.norm1) is nn.LayerNorm
+        attn: AttentionLayer = self.attn
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if isinstance(attn, llama.LlamaAttention) else (attn.c_attn,)
+        out = attn.o_proj if isinstance(attn, llama.LlamaAttention) else attn.c_proj
+        # GPT-2's GELU: inside the kept call of a plain nn.Linear (project's ``gelu``), after it for another layer
+        self.gelu = _gelu(self.mlp_module.act) if mlp != "swiglu" and _plain(up[0]) else None
         width = attn.num_heads * attn.head_dim
-        inter = mlp.gate_proj.out_features
-        # each projection group and an x of the shape it gets (what its kept call is looked up by)
+        # each projection group, an x of the shape it gets (what its kept call is looked up by) and its GELU
         self.groups = (
-            ((attn.q_proj, attn.k_proj, attn.v_proj), x.new_empty(B, 1, C)),
-            ((attn.o_proj,), x.new_empty(B, 1, width)),
-            ((mlp.gate_proj, mlp.up_proj), x.new_empty(B, 1, C)),
-            ((mlp.down_proj,), x.new_empty(B, 1, inter)),
+            (qkv, x.new_empty(B, 1, C), None),
+            ((out,), x.new_empty(B, 1, width), None),
+            (up, x.new_empty(B, 1, C), self.gelu),
+            ((down,), x.new_empty(B, 1, down.in_features), None),
         )
+        kv = attn.num_kv_heads * attn.head_dim
+        self.sizes = [width, kv, kv]
 
     def __call__(self, x: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor | None:
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
-        if not (_native_rows(x, norm1.weight) and _native_rows(x, norm2.weight)):
+        if not self._norms_take(x) or self._dropping():
             return None
-        readies = [_ready(layers, like) for layers, like in self.groups]
-        args = _panel_args(readies)
+        args = self._panel_args([_ready(layers, like, gelu) for layers, like, gelu in self.groups])
         if args is None:
             return None
         kinds, packed, scales, biases, ns = args
-        cos, sin = attn.rotary.at(cache.start(1) if position_ids is None else position_ids, 1, x.device)  # (1, R) or (B, 1, 1, R)
-        sizes, D, scale = readies[0].sizes, attn.head_dim, self.call.scale
-        return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.llama_decode_layer(
-            x, norm1.weight, norm2.weight, norm1.eps, norm2.eps, kinds, packed, scales, biases, ns, sizes, D, cos, sin, k, v,
-            real, slot, scale))  # (B, 1, C)
+        cos = sin = None
+        rotary = attn.rotation()
+        if rotary is not None:
+            cos, sin = rotary.at(cache.start(1) if position_ids is None else position_ids, 1, x.device)  # (1, R) or (B, 1, 1, R)
+        b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
+        sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
+        return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
+            x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, packed, scales, biases, ns,
+            sizes, D, cos, sin, k, v, real, slot, scale, mlp))  # (B, 1, C)
 
+    def _norms_take(self, x: Tensor) -> bool:
+        """RMSNorms on their C++ op (as ``RMSNorm.forward`` decides); LayerNorms as they are (``F.layer_norm``)."""
+        if self.layer_norm:
+            return True
+        return llama._native_rows(x, self.norm1.weight) and llama._native_rows(x, self.norm2.weight)
 
-def _panel_args(readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
-    """The kept calls' (kinds, panels, scales, biases, widths) for the op, or None where one is not a panels op."""
-    kinds, packed, scales, biases, ns = [], [], [], [], []
-    for ready in readies:
-        kind = None if ready is None else _KINDS.get(ready.run)
-        if kind is None:
-            return None
-        args = ready.args  # (panels, bias, n) or (panels, scales, bias, n)
-        kinds.append(kind)
-        packed.append(args[0])
-        scales.append(None if kind == 0 else args[1])
-        biases.append(args[-2])
-        ns.append(args[-1])
-    return kinds, packed, scales, biases, ns
+    def _dropping(self) -> bool:
+        """Whether a dropout after a projection would drop (a module in training mode, p > 0): the op has none."""
+        drops = (self.attn.resid_dropout, self.mlp_module.dropout) if self.layer_norm else ()
+        return any(d.training and d.p > 0 for d in drops)
+
+    def _panel_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
+        """The kept calls' (kinds, panels, scales, biases, widths) for the op, or None where one is not a panels op."""
+        kinds, packed, scales, biases, ns = [], [], [], [], []
+        for i, ready in enumerate(readies):
+            if ready is None:
+                return None
+            if self.gelu is not None and i == 2:  # the GELU inside: the panels GEMM, then GELU over its output
+                if ready.run is not _panels_gelu:
+                    return None
+                args, kind = ready.args[:-1], 0  # (panels, bias, n)
+            else:
+                kind = _KINDS.get(ready.run)
+                if kind is None:
+                    return None
+                args = ready.args  # (panels, bias, n) or (panels, scales, bias, n)
+            kinds.append(kind)
+            packed.append(args[0])
+            scales.append(None if kind == 0 else args[1])
+            biases.append(args[-2])
+            ns.append(args[-1])
+        return kinds, packed, scales, biases, ns
