@@ -13,8 +13,9 @@ forward's bit for bit (tests/models/test_flat_step.py).
 Without autograd a step also asks each question once per ``generate`` call, not once per step: its
 projections' decisions are kept for the loop (``linear.projection.planned``: asked again only of
 their weights' state), and each layer's attention, where its plan is the C++ decode kernel over a
-whole cache, writes the cache and runs the kernel with nothing decided again
-(``functional.decode_kernel_call``).
+whole cache, runs the rotation, the cache's write, the kernel and the heads' merge in one op with nothing decided
+again (``functional.decode_kernel_call``). From a layer's second one-token step on, where every part of a Llama-family
+or GPT-2 layer takes its op, the whole layer runs in one C++ op (``native_layer``): the same ops, called from C++.
 
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
