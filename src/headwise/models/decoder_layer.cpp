@@ -4,7 +4,7 @@
 // projections), the residual. Each step is the op the Python step (headwise.models.flat_step) calls, in its order, on
 // the same tensors, so the bits are the same; what goes is the Python between them. Built with headwise's other ops
 // by headwise.native; the schema lives in headwise.models.native_layer, which decides where it runs (every projection
-// on the panels GEMM, RMSNorm on headwise's op, the attention on the decode kernel).
+// on the panels GEMM or torch's linear, RMSNorm on headwise's op, the attention on the decode kernel).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -27,10 +27,10 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const Maybe& bias
   return weight * rms.call(x, std::nullopt, eps);
 }
 
-// A kept projection call (headwise.linear.projection.Ready): x made contiguous, then its panels op with its arguments.
+// A kept projection call (headwise.linear.projection.Ready): x made contiguous, then its function with its arguments.
 // kind 0: panels_linear(x, panels, bias, n); 1: panels_int8_scaled and 2: panels_int8_rows_scaled(x, panels, scales,
-// bias, n).
-at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& panels, const Maybe& scales, const Maybe& bias,
+// bias, n), `weight` holding the panels; 3: F.linear(x, weight, bias).
+at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const Maybe& scales, const Maybe& bias,
                    int64_t n) {
   using Plain = at::Tensor(const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
   using Scaled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
@@ -38,24 +38,25 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& panels, 
   static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_int8_scaled", "").typed<Scaled>();
   static const auto rows = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_int8_rows_scaled", "").typed<Scaled>();
   const at::Tensor xc = x.contiguous();
-  if (kind == 0) return plain.call(xc, panels, bias, n);
-  return (kind == 1 ? int8 : rows).call(xc, panels, *scales, bias, n);
+  if (kind == 3) return at::linear(xc, weight, bias);
+  if (kind == 0) return plain.call(xc, weight, bias, n);
+  return (kind == 1 ? int8 : rows).call(xc, weight, *scales, bias, n);
 }
 
 // x (B, 1, C) -> (B, 1, C). The norms' weights, biases (LayerNorm's) and eps; `layer_norm` whether they are LayerNorms
-// (else RMSNorms). Projections in order q/k/v, o, the MLP's up (gate/up stacked for SwiGLU), down: kinds, panels,
-// scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
+// (else RMSNorms). Projections in order q/k/v, o, the MLP's up (gate/up stacked for SwiGLU), down: kinds, weights
+// (panels or plain), scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
 // rotation's tables or None; the caches (B, Hkv, L, D) written at slot `start`, `real` (B, L) their padding marks or
 // None; `mlp` "swiglu" (SiLU(gate) * up) or GELU's approximation ("tanh" or "none") after the up projection.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Maybe& norm1_bias, const at::Tensor& norm2,
                         const Maybe& norm2_bias, double eps1, double eps2, bool layer_norm, at::IntArrayRef kinds,
-                        at::TensorList panels, const c10::List<Maybe>& scales, const c10::List<Maybe>& biases, at::IntArrayRef ns,
+                        at::TensorList weights, const c10::List<Maybe>& scales, const c10::List<Maybe>& biases, at::IntArrayRef ns,
                         at::IntArrayRef qkv_sizes, int64_t head_dim, const Maybe& cos, const Maybe& sin, at::Tensor k_cache,
                         at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp) {
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                           at::Tensor, const Maybe&, int64_t, double);
   static const auto step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::decode_step", "").typed<Step>();
-  const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], panels[i], scales.get(i), biases.get(i), ns[i]); };
+  const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], weights[i], scales.get(i), biases.get(i), ns[i]); };
   const int64_t B = x.size(0);
   const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, 1, H*D + 2*Hkv*D)
   const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, 1, H*D), (B, 1, Hkv*D) x2

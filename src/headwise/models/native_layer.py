@@ -5,7 +5,8 @@ and GPT-2's.
 q/k/v projection and its split, the heads' views, the rotation's tables, the attention op, the output projection,
 the residual, the norm again, the MLP's projections and activation, the residual. At B = 1 the Python between those
 calls costs more than most of them. Where every part of a layer runs on ops the C++ side can call — each projection
-group's kept call on the panels GEMM (a ``projection.Ready`` whose function is a panels op), RMSNorm on its C++ op
+group's kept call on the panels GEMM or torch's linear (a ``projection.Ready`` whose function is a panels op or
+``F.linear``), RMSNorm on its C++ op
 (``llama._native_rows``) or LayerNorm on torch's, the attention on the C++ decode kernel over a whole cache
 (``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
@@ -18,6 +19,7 @@ answer runs the layer in Python for that step.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends import decode_kernel  # noqa: F401  (defines headwise::decode_step, which the op calls)
@@ -26,13 +28,13 @@ from ..functional import KernelCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
 from ..linear import panels  # noqa: F401  (defines the panels ops the op calls)
-from ..linear.projection import Ready, _gelu, _panels_gelu, _plain, _ready
+from ..linear.projection import Ready, _gelu, _linear_gelu, _panels_gelu, _plain, _ready
 from . import gpt2, llama
 
 torch.library.define(
     "headwise::decode_layer",
     "(Tensor x, Tensor norm1, Tensor? norm1_bias, Tensor norm2, Tensor? norm2_bias, float eps1, float eps2, bool layer_norm, "
-    "int[] kinds, Tensor[] panels, Tensor?[] scales, Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, "
+    "int[] kinds, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, "
     "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp) -> Tensor",
 )
 
@@ -41,7 +43,10 @@ _KINDS = {
     torch.ops.headwise.panels_linear: 0,
     torch.ops.headwise.panels_int8_scaled: 1,
     torch.ops.headwise.panels_int8_rows_scaled: 2,
+    F.linear: 3,
 }
+#: A kept call with its GELU inside (``project``'s ``gelu``), by the same call without it (the op adds the GELU after).
+_WITHOUT_GELU = {_panels_gelu: torch.ops.headwise.panels_linear, _linear_gelu: F.linear}
 
 
 def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tensor) -> NativeLayer | None:
@@ -94,7 +99,7 @@ class NativeLayer:
         args = self._panel_args([_ready(layers, like, gelu) for layers, like, gelu in self.groups])
         if args is None:
             return None
-        kinds, packed, scales, biases, ns = args
+        kinds, weights, scales, biases, ns = args
         cos = sin = None
         rotary = attn.rotation()
         if rotary is not None:
@@ -102,7 +107,7 @@ class NativeLayer:
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
         sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
         return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
-            x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, packed, scales, biases, ns,
+            x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
             sizes, D, cos, sin, k, v, real, slot, scale, mlp))  # (B, 1, C)
 
     def _norms_take(self, x: Tensor) -> bool:
@@ -117,23 +122,21 @@ class NativeLayer:
         return any(d.training and d.p > 0 for d in drops)
 
     def _panel_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
-        """The kept calls' (kinds, panels, scales, biases, widths) for the op, or None where one is not a panels op."""
-        kinds, packed, scales, biases, ns = [], [], [], [], []
+        """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where one's function is not one it
+        runs (oneDNN's, a layer's own)."""
+        kinds, weights, scales, biases, ns = [], [], [], [], []
         for i, ready in enumerate(readies):
             if ready is None:
                 return None
-            if self.gelu is not None and i == 2:  # the GELU inside: the panels GEMM, then GELU over its output
-                if ready.run is not _panels_gelu:
-                    return None
-                args, kind = ready.args[:-1], 0  # (panels, bias, n)
-            else:
-                kind = _KINDS.get(ready.run)
-                if kind is None:
-                    return None
-                args = ready.args  # (panels, bias, n) or (panels, scales, bias, n)
+            run, args = ready.run, ready.args
+            if self.gelu is not None and i == 2:  # the GELU inside: the GEMM, then GELU over its output
+                run, args = _WITHOUT_GELU.get(run), args[:-1]
+            kind = _KINDS.get(run)
+            if kind is None:
+                return None
             kinds.append(kind)
-            packed.append(args[0])
-            scales.append(None if kind == 0 else args[1])
-            biases.append(args[-2])
-            ns.append(args[-1])
-        return kinds, packed, scales, biases, ns
+            weights.append(args[0])  # the panels, or F.linear's weight
+            scales.append(args[1] if kind in (1, 2) else None)
+            biases.append(args[1] if kind == 3 else args[-2])  # (weight, bias); (panels, bias, n); (panels, scales, bias, n)
+            ns.append(args[0].shape[0] if kind == 3 else args[-1])
+        return kinds, weights, scales, biases, ns
