@@ -67,9 +67,8 @@ def test_the_layer_in_one_op_gives_the_forwards_logits_and_caches_bit_for_bit(cl
 
 
 def test_where_a_part_takes_no_op_the_layer_runs_in_python(ran):
-    """QK-norm and a partial rotation have no op; projections forced onto oneDNN's path (``HEADWISE_LINEAR=onednn``)
-    are asked again every step and say no: each runs the layer in Python, with the same logits. Forced onto torch's
-    ``F.linear``, the op runs them."""
+    """QK-norm and a partial rotation have no op: those layers run in Python, with the same logits. Projections forced
+    onto torch's ``F.linear`` or oneDNN's packed weights: the op runs them too."""
     from headwise.linear import rule
 
     for cls, kw in [(Qwen3ForCausalLM, dict(qk_norm=True, head_dim=32)), (LlamaForCausalLM, dict(partial_rotary_factor=0.5))]:
@@ -81,11 +80,12 @@ def test_where_a_part_takes_no_op_the_layer_runs_in_python(ran):
             assert torch.equal(got, want)
     assert ran == [True] * (2 * 2)  # steps 2 and 3, two layers
     if onednn.ops_error(torch.float32) is None:
-        ran.clear()
-        with rule.use_path("onednn"):
-            for got, want, _, _ in steps_both_ways(model_of(LlamaForCausalLM, WIDE, torch.float32), 2, steps=3):
-                assert torch.equal(got, want)
-        assert ran == [False] * (2 * 2)  # the op was kept, but asked, each step said no
+        for cls, wide in [(LlamaForCausalLM, WIDE), (GPT2LMHeadModel, GPT2_WIDE)]:  # GPT-2's GELU inside oneDNN's GEMM
+            ran.clear()
+            with rule.use_path("onednn"):
+                for got, want, _, _ in steps_both_ways(model_of(cls, wide, torch.float32), 2, steps=3):
+                    assert torch.equal(got, want)
+            assert ran == [True] * (2 * 2)
 
 
 def test_weights_changed_between_steps_are_seen_by_the_op(ran):

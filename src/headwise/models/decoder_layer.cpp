@@ -4,12 +4,14 @@
 // projections), the residual. Each step is the op the Python step (headwise.models.flat_step) calls, in its order, on
 // the same tensors, so the bits are the same; what goes is the Python between them. Built with headwise's other ops
 // by headwise.native; the schema lives in headwise.models.native_layer, which decides where it runs (every projection
-// on the panels GEMM or torch's linear, RMSNorm on headwise's op, the attention on the decode kernel).
+// on the panels GEMM, torch's linear or oneDNN's, RMSNorm on headwise's op, the attention on the decode kernel).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -27,11 +29,22 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const Maybe& bias
   return weight * rms.call(x, std::nullopt, eps);
 }
 
+// oneDNN's inner product over its packed weight (headwise.linear.onednn): `attr` "none", or "gelu" with GELU's
+// approximation applied by the GEMM to its sums.
+at::Tensor onednn(const at::Tensor& x, const at::Tensor& weight, const Maybe& bias, const std::string& attr,
+                  const std::string& approximate) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, bias, attr, c10::List<std::optional<c10::Scalar>>(), approximate};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // A kept projection call (headwise.linear.projection.Ready): x made contiguous, then its function with its arguments.
 // kind 0: panels_linear(x, panels, bias, n); 1: panels_int8_scaled and 2: panels_int8_rows_scaled(x, panels, scales,
-// bias, n), `weight` holding the panels; 3: F.linear(x, weight, bias).
+// bias, n), `weight` holding the panels; 3: F.linear(x, weight, bias); 4: oneDNN's inner_product(x, packed, bias);
+// 5: its inner_product_gelu with GELU's `approximate` inside.
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const Maybe& scales, const Maybe& bias,
-                   int64_t n) {
+                   int64_t n, const std::string& approximate) {
   using Plain = at::Tensor(const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
   using Scaled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
   static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_linear", "").typed<Plain>();
@@ -39,6 +52,8 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& weight, 
   static const auto rows = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_int8_rows_scaled", "").typed<Scaled>();
   const at::Tensor xc = x.contiguous();
   if (kind == 3) return at::linear(xc, weight, bias);
+  if (kind == 4) return onednn(xc, weight, bias, "none", "");
+  if (kind == 5) return onednn(xc, weight, bias, "gelu", approximate);
   if (kind == 0) return plain.call(xc, weight, bias, n);
   return (kind == 1 ? int8 : rows).call(xc, weight, *scales, bias, n);
 }
@@ -56,7 +71,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                           at::Tensor, const Maybe&, int64_t, double);
   static const auto step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::decode_step", "").typed<Step>();
-  const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], weights[i], scales.get(i), biases.get(i), ns[i]); };
+  const std::string approximate(mlp);  // GELU's, where the MLP has one
+  const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], weights[i], scales.get(i), biases.get(i), ns[i], approximate); };
   const int64_t B = x.size(0);
   const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, 1, H*D + 2*Hkv*D)
   const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, 1, H*D), (B, 1, Hkv*D) x2
@@ -70,7 +86,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
     const int64_t I = up.size(-1) / 2;
     at::Tensor gate = up.slice(-1, 0, I);  // (B, 1, I) views
     up = at::silu_(gate).mul_(up.slice(-1, I, 2 * I));
-  } else {
+  } else if (kinds[2] != 5) {  // (kind 5 applied it inside the GEMM)
     up = at::gelu_(up, mlp);
   }
   return h + proj(up, 3);  // (B, 1, C)
@@ -79,3 +95,5 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headwise, CPU, m) { m.impl("decode_layer", &decode_layer); }
+// oneDNN's packed weights are MkldnnCPU tensors: a call that holds one dispatches there (the same function).
+TORCH_LIBRARY_IMPL(headwise, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }

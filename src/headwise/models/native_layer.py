@@ -5,8 +5,8 @@ and GPT-2's.
 q/k/v projection and its split, the heads' views, the rotation's tables, the attention op, the output projection,
 the residual, the norm again, the MLP's projections and activation, the residual. At B = 1 the Python between those
 calls costs more than most of them. Where every part of a layer runs on ops the C++ side can call — each projection
-group's kept call on the panels GEMM or torch's linear (a ``projection.Ready`` whose function is a panels op or
-``F.linear``), RMSNorm on its C++ op
+group's kept call on the panels GEMM, torch's linear or oneDNN's (a ``projection.Ready`` whose function is a panels
+op, ``F.linear`` or ``onednn.inner_product``), RMSNorm on its C++ op
 (``llama._native_rows``) or LayerNorm on torch's, the attention on the C++ decode kernel over a whole cache
 (``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
@@ -27,7 +27,7 @@ from ..cache import KVCache
 from ..functional import KernelCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
-from ..linear import panels  # noqa: F401  (defines the panels ops the op calls)
+from ..linear import onednn, panels  # noqa: F401  (panels defines the ops the op calls)
 from ..linear.projection import Ready, _gelu, _linear_gelu, _panels_gelu, _plain, _ready
 from . import gpt2, llama
 
@@ -44,8 +44,10 @@ _KINDS = {
     torch.ops.headwise.panels_int8_scaled: 1,
     torch.ops.headwise.panels_int8_rows_scaled: 2,
     F.linear: 3,
+    onednn.inner_product: 4,
+    onednn.inner_product_gelu: 5,  # GELU inside the GEMM (the op adds none after)
 }
-#: A kept call with its GELU inside (``project``'s ``gelu``), by the same call without it (the op adds the GELU after).
+#: A kept call with its GELU after the GEMM (``project``'s ``gelu``), by the same call without it (the op adds it after).
 _WITHOUT_GELU = {_panels_gelu: torch.ops.headwise.panels_linear, _linear_gelu: F.linear}
 
 
@@ -123,13 +125,13 @@ class NativeLayer:
 
     def _panel_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
         """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where one's function is not one it
-        runs (oneDNN's, a layer's own)."""
+        runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels)."""
         kinds, weights, scales, biases, ns = [], [], [], [], []
         for i, ready in enumerate(readies):
             if ready is None:
                 return None
             run, args = ready.run, ready.args
-            if self.gelu is not None and i == 2:  # the GELU inside: the GEMM, then GELU over its output
+            if self.gelu is not None and i == 2 and run is not onednn.inner_product_gelu:  # the GEMM, then GELU over its output
                 run, args = _WITHOUT_GELU.get(run), args[:-1]
             kind = _KINDS.get(run)
             if kind is None:
@@ -137,6 +139,7 @@ class NativeLayer:
             kinds.append(kind)
             weights.append(args[0])  # the panels, or F.linear's weight
             scales.append(args[1] if kind in (1, 2) else None)
-            biases.append(args[1] if kind == 3 else args[-2])  # (weight, bias); (panels, bias, n); (panels, scales, bias, n)
-            ns.append(args[0].shape[0] if kind == 3 else args[-1])
+            plain = kind >= 3  # (weight, bias[, approximate]); the panels': (panels, bias, n), (panels, scales, bias, n)
+            biases.append(args[1] if plain else args[-2])
+            ns.append(0 if plain else args[-1])
         return kinds, weights, scales, biases, ns
