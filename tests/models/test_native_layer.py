@@ -10,7 +10,7 @@ from test_flat_step import model_of, steps_both_ways
 
 from headwise.backends import decode_kernel
 from headwise.linear import onednn, panels
-from headwise.linear.projection import _ready
+from headwise.linear.projection import kept_call
 from headwise.models import native_layer
 from headwise.models.gpt2 import GPT2LMHeadModel
 from headwise.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
@@ -46,7 +46,7 @@ def _takes_op(model, batch: int) -> bool:
     x = torch.zeros(batch, 1, parts[1].d_in, dtype=parts[0].weight.dtype)
     layer = native_layer.native_layer(parts, KernelCall(None, 1.0), x)
     with torch.no_grad():
-        return layer._panel_args([_ready(group, like, gelu) for group, like, gelu in layer.groups]) is not None
+        return layer._call_args([kept_call(group, like, act) for group, like, act in layer.groups]) is not None
 
 
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
@@ -102,3 +102,35 @@ def test_weights_changed_between_steps_are_seen_by_the_op(ran):
             with torch.no_grad():
                 edits[i - 1]()
     assert ran == [True] * (4 * 2)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_a_projection_module_replaced_between_steps_runs_its_layer_in_python(cls, ran):
+    """A layer's projection swapped for another module (a LoRA wrapper, a new ``nn.Linear``) between steps: the op was made
+    from the old one, so that layer runs in Python from then on, on the new module: the forward's logits."""
+    model = model_of(cls, WIDE if cls is LlamaForCausalLM else GPT2_WIDE, torch.float32)
+    mlp = model.blocks[1].mlp
+    name = "down_proj" if cls is LlamaForCausalLM else "c_proj"
+    old = getattr(mlp, name)
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    for i, (got, want, _, _) in enumerate(steps_both_ways(model, 2, steps=5)):
+        assert torch.equal(got, want)
+        if i == 2:
+            setattr(mlp, name, new)  # after step 3
+    assert ran == [True] * 4 + [True, False] * 2  # steps 2-3 both layers in the op; steps 4-5 the second in Python
+
+
+def test_the_rotary_tables_are_made_once_a_step_for_the_layers_that_share_them(monkeypatch):
+    """The Llama's layers share one ``RotaryEmbedding``: a flat step asks it for its tables once, not once a layer."""
+    from headwise import rope
+
+    model = model_of(LlamaForCausalLM, WIDE, torch.float32)
+    calls = []
+    at = rope.RotaryEmbedding.at
+    monkeypatch.setattr(rope.RotaryEmbedding, "at", lambda self, *a: calls.append(a[0]) or at(self, *a))
+    for padded in (False, True):
+        calls.clear()
+        for got, want, _, _ in steps_both_ways(model, 2, steps=3, padded=padded):
+            assert torch.equal(got, want)
+        # the prompt's forward: one a layer; then each step one from the flat step, one a layer from the forward it is held against
+        assert len(calls) == len(model.blocks) + 3 * (1 + len(model.blocks))

@@ -211,6 +211,15 @@ class Ready:
     def __call__(self, x: Tensor) -> Tensor:
         return self.run(x.contiguous(), *self.args)  # (..., sum N)
 
+    def gemm(self) -> tuple[Callable, tuple]:
+        """The GEMM's function and what it takes after x, without a GELU run over its output after it (``linear``'s
+        ``gelu`` on the panels' or torch's path); oneDNN's GELU inside its GEMM stays."""
+        if self.run is _panels_gelu:
+            return torch.ops.headwise.panels_linear, self.args[:-1]
+        if self.run is _linear_gelu:
+            return F.linear, self.args[:-1]
+        return self.run, self.args
+
 
 _steps = threading.local()  # .kept: the decisions of a decode loop's steps in this thread (``planned``)
 
@@ -244,6 +253,13 @@ def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> R
             return ready
     kept[key] = ready = _decide(layers, x, gelu)
     return ready
+
+
+def kept_call(layers: Sequence[nn.Module], x: Tensor, act: nn.Module | None = None) -> Ready | None:
+    """The call ``project_many(layers, x)`` (one layer: ``project(layer, x, act)``, with its GELU where ``project`` puts
+    it inside) keeps for this x in a decode loop, valid while its ``state`` holds; None where it takes the full path."""
+    gelu = _gelu(act) if act is not None and _plain(layers[0]) else None
+    return _ready(layers, x, gelu)
 
 
 def _read(layers: Sequence[nn.Module]) -> list[Tensor]:

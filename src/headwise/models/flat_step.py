@@ -35,6 +35,7 @@ from ..layer import AttentionLayer
 from ..linear import linear, project
 from ..linear.projection import planned
 from ..observe import observing
+from ..rope import RotaryEmbedding
 from .causal import CausalModel
 from .native_layer import NativeLayer, native_layer
 
@@ -75,13 +76,16 @@ class FlatStep:
         once = not torch.is_grad_enabled()  # decisions kept across steps (autograd would make each step another call)
         with planned(self.kept) if once else nullcontext():
             x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
+            tables: dict = {}  # this step's rotary tables, once for the layers that share them
             for i, (parts, cache) in enumerate(zip(self.blocks, caches, strict=True)):
                 layer = self._native(i, parts, cache, x) if once and x.shape[1] == 1 else None
-                if layer is not None and (y := layer(x, cache, position_ids)) is not None:
-                    x = y  # (B, 1, C): the layer in one op
-                    continue
+                if layer is not None:
+                    cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, 1, position_ids, x.device)
+                    if (y := layer(x, cache, cos, sin)) is not None:
+                        x = y  # (B, 1, C): the layer in one op
+                        continue
                 norm1, attn, norm2, mlp = parts
-                x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once)  # (B, T, C)
+                x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once, tables)  # (B, T, C)
                 x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
             x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
             logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
@@ -99,9 +103,11 @@ class FlatStep:
         self.natives[i] = (cache, native_layer(parts, call[1], x))
         return self.natives[i][1]
 
-    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool) -> Tensor:
+    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool,
+                tables: dict) -> Tensor:
         """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody
-        observing; with ``once``, the kernel's call decided at the layer's first one-token step on this cache."""
+        observing; with ``once``, the kernel's call decided at the layer's first one-token step on this cache. ``tables``:
+        the step's rotary tables so far (``_tables``)."""
         B, T, _ = x.shape
         D = attn.head_dim
         start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
@@ -117,7 +123,7 @@ class FlatStep:
         if known is not None and known[1] is not None:  # the rotation, the cache's write, the kernel and the merge in one op
             rotary = attn.rotation()
             if rotary is not None:
-                cos, sin = rotary.at(start if position_ids is None else position_ids, T, x.device)  # (T, R) or (B, 1, T, R)
+                cos, sin = _tables(tables, rotary, cache, T, position_ids, x.device)  # (T, R) or (B, 1, T, R)
                 return attn.project_out(known[1](queries, keys, values, cos, sin))  # (B, T, H*D) -> (B, T, C)
             queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
             return attn.project_out(known[1](queries, keys, values))  # (B, T, H*D) -> (B, T, C)
@@ -125,3 +131,14 @@ class FlatStep:
         context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
                                       **attn.score_terms())  # (B, H, T, D)
         return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)
+
+
+def _tables(tables: dict, rotary: RotaryEmbedding, cache: KVCache, t: int, position_ids: Tensor | None,
+            device: torch.device) -> tuple[Tensor, Tensor]:
+    """``rotary.at`` for a layer's t new tokens: at the cache's next positions, or at ``position_ids`` (B, t) where given
+    -> (t, R) or (B, 1, t, R) each; kept in ``tables`` for the step's other layers with the same tables and positions."""
+    where = cache.start(t) if position_ids is None else position_ids
+    key = (rotary, t, where if isinstance(where, int) else id(where))  # (position_ids lives through the step: its id is its own)
+    if key not in tables:
+        tables[key] = rotary.at(where, t, device)
+    return tables[key]

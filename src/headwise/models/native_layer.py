@@ -11,7 +11,7 @@ op, ``F.linear`` or ``onednn.inner_product``), RMSNorm on its C++ op
 (``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
 
-Each step still asks what the Python step asks: each projection group's kept call (``projection._ready``, valid
+Each step still asks what the Python step asks: each projection group's kept call (``projection.kept_call``, valid
 while the group's tensors keep their ``state``), whether the norms take their op, whether dropout is off; any other
 answer runs the layer in Python for that step.
 """
@@ -28,7 +28,7 @@ from ..functional import KernelCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
 from ..linear import onednn, panels  # noqa: F401  (panels defines the ops the op calls)
-from ..linear.projection import Ready, _gelu, _linear_gelu, _panels_gelu, _plain, _ready
+from ..linear.projection import Ready, kept_call
 from . import gpt2, llama
 
 torch.library.define(
@@ -38,7 +38,7 @@ torch.library.define(
     "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp) -> Tensor",
 )
 
-#: The kept calls' functions the op runs, by its code for each.
+#: The kept calls' GEMM functions the op runs, by its code for each.
 _KINDS = {
     torch.ops.headwise.panels_linear: 0,
     torch.ops.headwise.panels_int8_scaled: 1,
@@ -47,8 +47,6 @@ _KINDS = {
     onednn.inner_product: 4,
     onednn.inner_product_gelu: 5,  # GELU inside the GEMM (the op adds none after)
 }
-#: A kept call with its GELU after the GEMM (``project``'s ``gelu``), by the same call without it (the op adds it after).
-_WITHOUT_GELU = {_panels_gelu: torch.ops.headwise.panels_linear, _linear_gelu: F.linear}
 
 
 def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tensor) -> NativeLayer | None:
@@ -60,52 +58,57 @@ def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tenso
     if type(attn) is llama.LlamaAttention and type(norm1) is llama.RMSNorm and type(mlp) is llama.MLP:
         if attn.rotation() is None:
             return None
-        return NativeLayer(parts, call, x, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, "swiglu")
+        names = ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")))
+        return NativeLayer(parts, call, x, names, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, "swiglu", None, ())
     if type(attn) is GPT2MultiHeadAttention and type(norm1) is nn.LayerNorm and type(mlp) is gpt2.MLP:
         if type(mlp.act) is not nn.GELU or mlp.act.approximate not in ("tanh", "none") or mlp.act._forward_hooks or mlp.act._forward_pre_hooks:
             return None
-        return NativeLayer(parts, call, x, (mlp.c_fc,), mlp.c_proj, mlp.act.approximate)
+        names = ((attn, ("c_attn", "c_proj", "resid_dropout")), (mlp, ("c_fc", "act", "c_proj", "dropout")))
+        return NativeLayer(parts, call, x, names, (mlp.c_fc,), mlp.c_proj, mlp.act.approximate, mlp.act, (attn.resid_dropout, mlp.dropout))
     return None
 
 
 class NativeLayer:
     """One layer's one-token step in ``decode_layer``: (B, 1, C) -> (B, 1, C), or None where a part does not take its op
-    this step (then the caller runs the layer in Python)."""
+    this step (then the caller runs the layer in Python). ``rotary``: the tables the layer's rotation reads, or None."""
 
-    def __init__(self, parts: tuple[nn.Module, ...], call: KernelCall, x: Tensor, up: tuple[nn.Linear, ...], down: nn.Module,
-                 mlp: str) -> None:
+    def __init__(self, parts: tuple[nn.Module, ...], call: KernelCall, x: Tensor, names: tuple[tuple[nn.Module, tuple[str, ...]], ...],
+                 up: tuple[nn.Linear, ...], down: nn.Module, mlp: str, act: nn.Module | None, drops: tuple[nn.Dropout, ...]) -> None:
         B, _, C = x.shape
-        self.norm1, self.attn, self.norm2, self.mlp_module = parts
-        self.call, self.mlp = call, mlp
+        # the submodules the op was made from, by their owners' names (one replaced: the layer runs in Python)
+        self.owned = [(owner, name, getattr(owner, name)) for owner, group in names for name in group]
+        self.norm1, self.attn, self.norm2, _ = parts
+        self.call, self.mlp, self.drops = call, mlp, drops
         self.layer_norm = type(self.norm1) is nn.LayerNorm
         attn: AttentionLayer = self.attn
+        self.rotary = attn.rotation()
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if isinstance(attn, llama.LlamaAttention) else (attn.c_attn,)
         out = attn.o_proj if isinstance(attn, llama.LlamaAttention) else attn.c_proj
-        # GPT-2's GELU: inside the kept call of a plain nn.Linear (project's ``gelu``), after it for another layer
-        self.gelu = _gelu(self.mlp_module.act) if mlp != "swiglu" and _plain(up[0]) else None
         width = attn.num_heads * attn.head_dim
-        # each projection group, an x of the shape it gets (what its kept call is looked up by) and its GELU
+        # each projection group, an x of the shape it gets (what its kept call is looked up by) and its activation
         self.groups = (
             (qkv, x.new_empty(B, 1, C), None),
             ((out,), x.new_empty(B, 1, width), None),
-            (up, x.new_empty(B, 1, C), self.gelu),
+            (up, x.new_empty(B, 1, C), act),
             ((down,), x.new_empty(B, 1, down.in_features), None),
         )
         kv = attn.num_kv_heads * attn.head_dim
         self.sizes = [width, kv, kv]
+        self.readies: list[Ready | None] = []  # the kept calls the op's arguments were last made from
+        self.args: tuple[list, list, list, list, list] | None = None
 
-    def __call__(self, x: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor | None:
+    def __call__(self, x: Tensor, cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor | None:
+        """x (B, 1, C); cos and sin the rotation's tables at this step's positions ((1, R) or (B, 1, 1, R)), None
+        without ``rotary``."""
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
-        if not self._norms_take(x) or self._dropping():
+        if not self._norms_take(x) or any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
             return None
-        args = self._panel_args([_ready(layers, like, gelu) for layers, like, gelu in self.groups])
+        if any(getattr(owner, name) is not module for owner, name, module in self.owned):
+            return None
+        args = self._call_args([kept_call(layers, like, act) for layers, like, act in self.groups])
         if args is None:
             return None
         kinds, weights, scales, biases, ns = args
-        cos = sin = None
-        rotary = attn.rotation()
-        if rotary is not None:
-            cos, sin = rotary.at(cache.start(1) if position_ids is None else position_ids, 1, x.device)  # (1, R) or (B, 1, 1, R)
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
         sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
         return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
@@ -118,21 +121,18 @@ class NativeLayer:
             return True
         return llama._native_rows(x, self.norm1.weight) and llama._native_rows(x, self.norm2.weight)
 
-    def _dropping(self) -> bool:
-        """Whether a dropout after a projection would drop (a module in training mode, p > 0): the op has none."""
-        drops = (self.attn.resid_dropout, self.mlp_module.dropout) if self.layer_norm else ()
-        return any(d.training and d.p > 0 for d in drops)
-
-    def _panel_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
-        """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where one's function is not one it
-        runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels)."""
+    def _call_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
+        """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where one's GEMM is not one it
+        runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels); made again only when a kept call
+        is another than last step's."""
+        if len(readies) == len(self.readies) and all(a is b for a, b in zip(readies, self.readies, strict=True)):
+            return self.args
+        self.readies, self.args = readies, None
         kinds, weights, scales, biases, ns = [], [], [], [], []
-        for i, ready in enumerate(readies):
+        for ready in readies:
             if ready is None:
                 return None
-            run, args = ready.run, ready.args
-            if self.gelu is not None and i == 2 and run is not onednn.inner_product_gelu:  # the GEMM, then GELU over its output
-                run, args = _WITHOUT_GELU.get(run), args[:-1]
+            run, args = ready.gemm()  # (a GELU the kept call runs after its GEMM: the op runs it after the op's GEMM)
             kind = _KINDS.get(run)
             if kind is None:
                 return None
@@ -142,4 +142,5 @@ class NativeLayer:
             plain = kind >= 3  # (weight, bias[, approximate]); the panels': (panels, bias, n), (panels, scales, bias, n)
             biases.append(args[1] if plain else args[-2])
             ns.append(0 if plain else args[-1])
-        return kinds, weights, scales, biases, ns
+        self.args = kinds, weights, scales, biases, ns
+        return self.args
