@@ -28,7 +28,8 @@ from ..functional import KernelCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
 from ..linear import onednn, panels  # noqa: F401  (panels defines the ops the op calls)
-from ..linear.projection import Ready, kept_call
+from ..linear.projection import kept_call, kept_state
+from ..linear.weight_cache import state
 from . import gpt2, llama
 
 torch.library.define(
@@ -94,26 +95,33 @@ class NativeLayer:
         )
         kv = attn.num_kv_heads * attn.head_dim
         self.sizes = [width, kv, kv]
-        self.readies: list[Ready | None] = []  # the kept calls the op's arguments were last made from
+        self.seen: tuple | None = None  # what the op's arguments were last made for (``_made_for``)
         self.args: tuple[list, list, list, list, list] | None = None
 
     def __call__(self, x: Tensor, cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor | None:
         """x (B, 1, C); cos and sin the rotation's tables at this step's positions ((1, R) or (B, 1, 1, R)), None
         without ``rotary``."""
+        if any(owner._modules.get(name) is not module for owner, name, module in self.owned):
+            return None
+        if any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
+            return None
+        if (seen := self._made_for(x)) != self.seen:
+            self.seen, self.args = seen, self._call_args(x)
+        if self.args is None:
+            return None
+        kinds, weights, scales, biases, ns = self.args
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
-        if not self._norms_take(x) or any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
-            return None
-        if any(getattr(owner, name) is not module for owner, name, module in self.owned):
-            return None
-        args = self._call_args([kept_call(layers, like, act) for layers, like, act in self.groups])
-        if args is None:
-            return None
-        kinds, weights, scales, biases, ns = args
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
         sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
         return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
             x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
             sizes, D, cos, sin, k, v, real, slot, scale, mlp))  # (B, 1, C)
+
+    def _made_for(self, x: Tensor) -> tuple:
+        """Everything the op's arguments and the norms' answer (``_call_args``) follow from: x's kind, autograd's mode
+        and the ``state`` of every tensor the norms and the kept calls read. While it holds they are what they were."""
+        norms = [t for norm in (self.norm1, self.norm2) for t in norm._parameters.values() if t is not None]
+        return type(x), x.dtype, x.shape, torch.is_grad_enabled(), state(norms), kept_state([layers for layers, _, _ in self.groups])
 
     def _norms_take(self, x: Tensor) -> bool:
         """RMSNorms on their C++ op (as ``RMSNorm.forward`` decides); LayerNorms as they are (``F.layer_norm``)."""
@@ -121,15 +129,15 @@ class NativeLayer:
             return True
         return llama._native_rows(x, self.norm1.weight) and llama._native_rows(x, self.norm2.weight)
 
-    def _call_args(self, readies: list[Ready | None]) -> tuple[list, list, list, list, list] | None:
-        """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where one's GEMM is not one it
-        runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels); made again only when a kept call
-        is another than last step's."""
-        if len(readies) == len(self.readies) and all(a is b for a, b in zip(readies, self.readies, strict=True)):
-            return self.args
-        self.readies, self.args = readies, None
+    def _call_args(self, x: Tensor) -> tuple[list, list, list, list, list] | None:
+        """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where a norm does not take its op
+        or a kept call's GEMM is not one the op runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels)."""
+        like = self.groups[0][1]
+        if x.dtype != like.dtype or x.shape != like.shape or not self._norms_take(x):  # (the kept calls are asked for such an x)
+            return None
         kinds, weights, scales, biases, ns = [], [], [], [], []
-        for ready in readies:
+        for layers, like, act in self.groups:
+            ready = kept_call(layers, like, act)
             if ready is None:
                 return None
             run, args = ready.gemm()  # (a GELU the kept call runs after its GEMM: the op runs it after the op's GEMM)
@@ -142,5 +150,4 @@ class NativeLayer:
             plain = kind >= 3  # (weight, bias[, approximate]); the panels': (panels, bias, n), (panels, scales, bias, n)
             biases.append(args[1] if plain else args[-2])
             ns.append(0 if plain else args[-1])
-        self.args = kinds, weights, scales, biases, ns
-        return self.args
+        return kinds, weights, scales, biases, ns
