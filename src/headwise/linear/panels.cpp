@@ -364,13 +364,15 @@ void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, i
 #if defined(__x86_64__)
 // store's bfloat16 output, 16 columns at a time: the bias widened to float32 and added, each sum rounded to nearest even
 // by vcvtneps2bf16 (as c10::BFloat16 rounds, but that a float32 sum under 2^-126 rounds to zero)
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void store(const float* sums, int64_t m, int64_t width, const c10::BFloat16* bias,
+// (16,) bfloat16 at p -> float32, zeros where k is off (a function of its own: a lambda would not get the target)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widened(__mmask16 k, const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void store(const float* sums, int64_t m, int64_t width, const c10::BFloat16* bias,
                                                                   c10::BFloat16* out, int64_t N) {
   const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
   const __mmask16 lo = mask(width), hi = mask(width - 16);
-  const auto widened = [&](__mmask16 k, const c10::BFloat16* p) {  // (16,) bfloat16 -> float32, zeros where k is off
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-  };
   const __m512 b0 = bias != nullptr ? widened(lo, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias != nullptr ? widened(hi, bias + 16) : _mm512_setzero_ps();
   for (int64_t i = 0; i < m; ++i) {
