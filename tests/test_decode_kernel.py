@@ -181,11 +181,12 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
 
 
 @pytest.mark.parametrize("dtype,stored", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("tables", ["none", "shared", "per row"])
+@pytest.mark.parametrize("tables", ["none", "shared", "per row", "per row, strided"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtype, stored, tables, padded):
     """``decode_kernel.step`` against the Python ops it stands for: ``rope.rotate`` of q and k together, the cache's
-    write at the slot, ``dense`` over the slots so far, the heads merged."""
+    write at the slot, ``dense`` over the slots so far, the heads merged. Strided tables take the op's ATen ops rather
+    than its loop."""
     from headwise.rope import RotaryEmbedding, rotate
 
     g = torch.Generator().manual_seed(3)
@@ -197,6 +198,8 @@ def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtyp
     if tables != "none":
         where = start if tables == "shared" else torch.tensor([[start], [start - 5], [3]])  # an int start or (B, 1) positions
         cos, sin = rotary.at(where, 1, torch.device("cpu"))  # (1, D) or (B, 1, 1, D)
+        if tables.endswith("strided"):
+            cos, sin = (torch.stack((t, t), -1).flatten(-2)[..., ::2] for t in (cos, sin))  # the same values, every other float
     k_cache = torch.randn(B, Hkv, L, D, generator=g).to(stored)
     v_cache = torch.randn(B, Hkv, L, D, generator=g).to(stored)
     real = (torch.arange(L).expand(B, L) >= torch.tensor([[0], [9], [30]])) if padded else None  # (B, L)
@@ -212,3 +215,38 @@ def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtyp
     assert got.shape == (B, 1, H * D) and got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+def test_the_step_rounds_its_rotation_as_addcmul_does_on_this_machine():
+    """The step's own rotation loop rounds ``x·cos + partner·sin`` once or twice as torch's ``addcmul_`` does for this
+    CPU capability (its AVX2 and AVX-512 kernels fuse the multiply-add, its plain one does not): what ``addcmul_`` gives
+    here, told apart in float64, is what the op found."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(4, 8, 1, 80, generator=g) for _ in range(3))
+    got = a.clone().addcmul_(b, c)
+    once = (a.double() + b.double() * c.double()).float()  # b·c is exact in float64: one rounding, to float32
+    twice = a + b * c  # two roundings
+    assert not torch.equal(once, twice)  # values where the two differ
+    want = "once" if torch.equal(got, once) else "twice" if torch.equal(got, twice) else "neither"
+    assert decode_kernel.rotation_rounding() == want
+
+
+@pytest.mark.parametrize("capability,rounding", [("avx2", "once"), ("default", "twice")])
+def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_they_do(capability, rounding):
+    """Under torch's AVX2 kernels and its plain ones (``ATEN_CPU_CAPABILITY``; the C++ kernels are built with the flags
+    of the capability torch runs, so each gets a build of its own): the kernels build, and the step's loop rounds as that
+    capability's ``addcmul_`` does (the AVX2 kernel fuses, the plain one does not): the step test's cases, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pytest, torch; from headwise.backends import decode_kernel; "
+        f"assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}, torch.backends.cpu.get_cpu_capability(); "
+        "assert decode_kernel.available(); "
+        f"assert decode_kernel.rotation_rounding() == {rounding!r}, decode_kernel.rotation_rounding(); "
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', __file__ + '::test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit']))"
+    ).replace("__file__", repr(__file__))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

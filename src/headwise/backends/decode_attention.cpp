@@ -363,15 +363,147 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   return out;
 }
 
+// How at::addcmul_ rounds x + a * b in torch's kernels for this machine's CPU capability: once (a fused multiply-add:
+// the AVX2 and AVX-512 kernels, as GCC builds them) or twice (the product, then the sum). Asked once of the op itself,
+// on values where the two differ, in rope.rotate's layouts: a run of vectors and a scalar tail, a table shared by the
+// rows and one per row. kNeither where it gave neither everywhere (then decode_step keeps the ATen ops).
+enum class Rounding { kNeither, kOnce, kTwice };
+
+Rounding addcmul_rounding() {
+  static const Rounding answer = [] {
+    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+    bool once = true, twice = true;
+    for (const int64_t rows : {1, 2}) {  // (1, R): one table for all rows; (B, 1, 1, R): a table per row
+      const int64_t R = 80, h = R / 2, n = rows * 5 * R;  // h = 40: vectors, then a tail (as a head size of 80 would)
+      const at::Tensor x = at::arange(n, f32).mul_(0.7373).sin_().mul_(3.f).view({rows, 5, 1, R});
+      const at::Tensor table = at::arange(rows * R, f32).mul_(1.618).cos_().view(rows == 1 ? at::IntArrayRef{1, R} : at::IntArrayRef{rows, 1, 1, R});
+      at::Tensor out = x * table;
+      const at::Tensor before = out.clone();
+      out.slice(-1, 0, h).addcmul_(x.slice(-1, h, R), table.slice(-1, 0, h));
+      const at::Tensor o = out.contiguous(), b = before.contiguous(), t = table.expand_as(x).contiguous();
+      for (int64_t i = 0; i < n; ++i) {
+        if (i % R >= h) continue;
+        const float a = b.data_ptr<float>()[i], p = x.data_ptr<float>()[i + h], c = t.data_ptr<float>()[i], got = o.data_ptr<float>()[i];
+        volatile float product = p * c;  // (volatile: rounded on its own, not fused into the sum)
+        once &= got == std::fma(p, c, a);
+        twice &= got == a + product;
+      }
+    }
+    return once ? Rounding::kOnce : twice ? Rounding::kTwice : Rounding::kNeither;
+  }();
+  return answer;
+}
+
+// x·cos + partner·sin, rounded as at::addcmul_ rounds (its product x·cos rounded first, as `work * cos` is)
+template <Rounding mode>
+inline float turn(float x, float c, float partner, float s) {
+  if constexpr (mode == Rounding::kOnce) {
+    return std::fma(partner, s, x * c);
+  } else {
+    volatile float first = x * c, product = partner * s;  // (volatile: each rounded on its own, neither fused into the sum)
+    return first + product;
+  }
+}
+
+// decode_step's rotation and write where its ATen ops would give these bits: q (B, H, 1, D) and k (B, Hkv, 1, D) in T,
+// turned (where `c` is given) by float32 tables c and s ((1, D) or (B, 1, 1, D), rows contiguous, `row` apart) in
+// float32 and rounded to T, then to the cache's S: the queries (B, H, 1, D) S for the kernel, the keys and v written
+// at slot `start`.
+template <typename T, typename S, Rounding mode>
+void turn_and_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* c, const float* s, int64_t row,
+                    at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, at::Tensor& queries) {
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(3), Dv = v.size(3), h = D / 2;
+  S* qo = queries.data_ptr<S>();
+  S* kc = k_cache.data_ptr<S>();
+  S* vc = v_cache.data_ptr<S>();
+  const auto at_slot = [&](S* cache, const at::Tensor& t, int64_t b, int64_t i) { return cache + b * t.stride(0) + i * t.stride(1) + start * t.stride(2); };
+  for (int64_t b = 0; b < B; ++b) {
+    const float* cb = c + b * row;
+    const float* sb = s + b * row;
+    const auto turned = [&](const T* x, S* out) {  // one head's D values
+      if (c == nullptr) {
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<S>(x[d]);
+        return;
+      }
+      for (int64_t d = 0; d < h; ++d) {
+        const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + h]);
+        out[d] = static_cast<S>(static_cast<T>(turn<mode>(x1, cb[d], x2, sb[d])));
+        out[d + h] = static_cast<S>(static_cast<T>(turn<mode>(x2, cb[d + h], x1, sb[d + h])));
+      }
+    };
+    for (int64_t i = 0; i < H; ++i) turned(q.data_ptr<T>() + b * q.stride(0) + i * q.stride(1), qo + (b * H + i) * D);
+    for (int64_t i = 0; i < Hkv; ++i) {
+      turned(k.data_ptr<T>() + b * k.stride(0) + i * k.stride(1), at_slot(kc, k_cache, b, i));
+      const T* vr = v.data_ptr<T>() + b * v.stride(0) + i * v.stride(1);
+      S* vw = at_slot(vc, v_cache, b, i);
+      for (int64_t d = 0; d < Dv; ++d) vw[d] = static_cast<S>(vr[d]);
+    }
+  }
+}
+
+// The queries in the cache's dtype after turn_and_write, or None where its conditions do not hold (then the ATen ops):
+// float32 or bfloat16 q, k, v and caches, rows contiguous; where tables are given, a whole-head rotation by float32
+// tables of one row or one per row, and an addcmul_ whose rounding is known.
+std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
+                                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  const auto T = q.scalar_type(), S = k_cache.scalar_type();
+  const auto ok = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; };
+  const int64_t B = q.size(0), D = q.size(3);
+  if (!ok(T) || !ok(S) || k.scalar_type() != T || v.scalar_type() != T || v_cache.scalar_type() != S || k.size(3) != D
+      || q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || k_cache.stride(3) != 1 || v_cache.stride(3) != 1) {
+    return std::nullopt;
+  }
+  const Rounding mode = cos.has_value() ? addcmul_rounding() : Rounding::kOnce;  // (no tables: no rounding to match)
+  const float *c = nullptr, *s = nullptr;
+  int64_t row = 0;
+  if (cos.has_value()) {
+    const at::Tensor &ct = *cos, &st = *sin;
+    const bool shared = ct.dim() == 2 && ct.size(0) == 1, per_row = ct.dim() == 4 && ct.size(0) == B && ct.size(2) == 1;
+    if (mode == Rounding::kNeither || D % 2 != 0 || ct.scalar_type() != at::kFloat || st.scalar_type() != at::kFloat
+        || ct.sizes() != st.sizes() || ct.size(-1) != D || !ct.is_contiguous() || !st.is_contiguous() || !(shared || per_row)) {
+      return std::nullopt;
+    }
+    c = ct.data_ptr<float>();
+    s = st.data_ptr<float>();
+    row = per_row ? D : 0;
+  }
+  at::Tensor queries = at::empty({B, q.size(1), 1, D}, q.options().dtype(S));  // (B, H, 1, D)
+  const auto run = [&](auto t, auto s_) {
+    using TT = decltype(t);
+    using SS = decltype(s_);
+    if (mode == Rounding::kOnce) {
+      turn_and_write<TT, SS, Rounding::kOnce>(q, k, v, c, s, row, k_cache, v_cache, start, queries);
+    } else {
+      turn_and_write<TT, SS, Rounding::kTwice>(q, k, v, c, s, row, k_cache, v_cache, start, queries);
+    }
+  };
+  const bool tf = T == at::kFloat, sf = S == at::kFloat;
+  if (tf && sf) run(float{}, float{});
+  else if (tf) run(float{}, c10::BFloat16{});
+  else if (sf) run(c10::BFloat16{}, float{});
+  else run(c10::BFloat16{}, c10::BFloat16{});
+  return queries;
+}
+
 // A decode step's attention after its projections, in one call: q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv)
 // (views of the projections' output), turned by (cos, sin) where given (rope.rotate's "rotate_half" of all D dims),
 // written at slot `start` of the caches (B, Hkv, L, D) and (B, Hkv, L, Dv) in their dtype, then the kernel over slots
 // 0 .. start, `real` (B, L) marking the tokens where the cache holds padding -> (B, 1, H * Dv), the heads merged. The
-// same ATen ops in the same order as the Python steps it replaces (headwise.functional.decode_kernel_call), so the
-// same bits; one call where they were some twenty.
+// same bits as the Python steps it replaces (headwise.functional.decode_kernel_call): the rotation and the write in
+// one loop that rounds as their ATen ops do (turned_and_written), else those ops in their order; one call where they
+// were some twenty.
 at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
                        const std::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
                        const std::optional<at::Tensor>& real, int64_t start, double scale) {
+  const auto stored = k_cache.scalar_type();
+  const int64_t end = start + 1;
+  std::optional<at::Tensor> seen;
+  if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
+  if (const auto turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, start)) {  // the rotation and the write in
+    const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)  // one pass
+                                   .to(q.scalar_type());  // (B, H, 1, Dv)
+    return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
+  }
   at::Tensor queries = q, keys = k;
   if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
     const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
@@ -385,18 +517,19 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
     keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
   }
-  const auto stored = k_cache.scalar_type();
-  const int64_t end = start + 1;
   k_cache.slice(2, start, end).copy_(keys.to(stored));
   v_cache.slice(2, start, end).copy_(v.to(stored));
-  std::optional<at::Tensor> seen;
-  if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
   const at::Tensor context = decode_attention(queries.to(stored), k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
                                  .to(queries.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }
 
 }  // namespace
+
+// addcmul_rounding's answer as a number (0 neither, 1 once, 2 twice), for the tests.
+int64_t rotation_rounding() { return static_cast<int64_t>(addcmul_rounding()); }
+
+TORCH_LIBRARY_IMPL(headwise, CompositeExplicitAutograd, m) { m.impl("rotation_rounding", &rotation_rounding); }
 
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("decode_step", &decode_step);

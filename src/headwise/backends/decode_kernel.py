@@ -32,6 +32,7 @@ torch.library.define(
     "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, "
     "float scale) -> Tensor",
 )
+torch.library.define("headwise::rotation_rounding", "() -> int")  # how decode_step's rotation rounds (``rotation_rounding``)
 torch.library.define(
     "headwise::paged_decode_attention",
     "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seen_from, Tensor seen_to, int block_size, float scale) -> Tensor",
@@ -85,6 +86,13 @@ def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None
     (B, Hkv, L, D) and (B, Hkv, L, Dv), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv),
     the heads merged. The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
     return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
+
+
+def rotation_rounding() -> str:
+    """How ``step`` rounds its rotation's ``x1·cos - x2·sin`` in its own loop: as torch's ``addcmul_`` does on this
+    machine's CPU capability, which it asked once: "once" (a fused multiply-add), "twice" (the product, then the sum),
+    or "neither" (``addcmul_`` gave neither everywhere, or the kernels are not built: ``step`` runs ``rotate``'s ATen ops)."""
+    return ("neither", "once", "twice")[torch.ops.headwise.rotation_rounding()] if available() else "neither"
 
 
 def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
