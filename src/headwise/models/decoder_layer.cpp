@@ -58,6 +58,11 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& weight, 
   return (kind == 1 ? int8 : rows).call(xc, weight, *scales, bias, n);
 }
 
+// x + y, written over y (a projection's own output) where that gives x + y's tensor: the same sums (a + b is b + a)
+at::Tensor residual(const at::Tensor& x, at::Tensor y) {
+  return y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes() ? y.add_(x) : x + y;
+}
+
 // x (B, 1, C) -> (B, 1, C). The norms' weights, biases (LayerNorm's) and eps; `layer_norm` whether they are LayerNorms
 // (else RMSNorms). Projections in order q/k/v, o, the MLP's up (gate/up stacked for SwiGLU), down: kinds, weights
 // (panels or plain), scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
@@ -80,7 +85,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   const at::Tensor k = parts[1].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, D)
   const at::Tensor v = parts[2].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, Dv)
   const at::Tensor context = step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale);  // (B, 1, H*Dv)
-  const at::Tensor h = x + proj(context, 1);  // (B, 1, C)
+  const at::Tensor h = residual(x, proj(context, 1));  // (B, 1, C)
   at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, 1, 2I) for SwiGLU, else (B, 1, I)
   if (mlp == "swiglu") {
     const int64_t I = up.size(-1) / 2;
@@ -89,7 +94,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   } else if (kinds[2] != 5) {  // (kind 5 applied it inside the GEMM)
     up = at::gelu_(up, mlp);
   }
-  return h + proj(up, 3);  // (B, 1, C)
+  return residual(h, proj(up, 3));  // (B, 1, C)
 }
 
 }  // namespace
