@@ -11,9 +11,10 @@ op, ``F.linear`` or ``onednn.inner_product``), RMSNorm on its C++ op
 (``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
 
-Each step still asks what the Python step asks: each projection group's kept call (``projection.kept_call``, valid
-while the group's tensors keep their ``state``), whether the norms take their op, whether dropout is off; any other
-answer runs the layer in Python for that step.
+Each step asks whether anything the op's arguments follow from changed since they were made (x's kind, autograd's
+mode, the ``state`` of every tensor the norms and the kept calls read), and only then what the Python step asks: each
+projection group's kept call (``projection.kept_call``), whether the norms take their op. A dropout that would drop,
+a submodule replaced since the op was made, or any other answer runs the layer in Python for that step.
 """
 
 from __future__ import annotations
