@@ -240,6 +240,8 @@ def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_
     import subprocess
     import sys
 
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2: torch runs its plain kernels whatever it is asked")
     code = (
         "import sys, pytest, torch; from headwise.backends import decode_kernel; "
         f"assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}, torch.backends.cpu.get_cpu_capability(); "
