@@ -133,3 +133,14 @@ def test_the_rotary_tables_are_made_once_a_step_for_the_layers_that_share_them(m
             assert torch.equal(got, want)
         # the prompt's forward: one a layer; then each step one from the flat step, one a layer from the forward it is held against
         assert len(calls) == len(model.blocks) + 3 * (1 + len(model.blocks))
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+def test_a_model_made_in_inference_mode_steps_in_python(cls, ran):
+    """Weights made under ``torch.inference_mode`` have no version counter to watch: no kept call, so the layers run in
+    Python every step (no op, no error), the forward's logits."""
+    with torch.inference_mode():
+        model = model_of(cls, WIDE if cls is LlamaForCausalLM else GPT2_WIDE, torch.float32)
+        for got, want, _, _ in steps_both_ways(model, 2, steps=3):
+            assert torch.equal(got, want)
+    assert not any(ran)

@@ -122,7 +122,10 @@ class NativeLayer:
         """Everything the op's arguments and the norms' answer (``_call_args``) follow from: x's kind, autograd's mode
         and the ``state`` of every tensor the norms and the kept calls read. While it holds they are what they were."""
         norms = [t for norm in (self.norm1, self.norm2) for t in norm._parameters.values() if t is not None]
-        return type(x), x.dtype, x.shape, torch.is_grad_enabled(), state(norms), kept_state([layers for layers, _, _ in self.groups])
+        try:
+            return type(x), x.dtype, x.shape, torch.is_grad_enabled(), state(norms), kept_state([layers for layers, _, _ in self.groups])
+        except RuntimeError:  # an inference tensor has no version counter: never the same, asked afresh (its kept call: none)
+            return (object(),)
 
     def _norms_take(self, x: Tensor) -> bool:
         """RMSNorms on their C++ op (as ``RMSNorm.forward`` decides); LayerNorms as they are (``F.layer_norm``)."""
