@@ -499,28 +499,27 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t end = start + 1;
   std::optional<at::Tensor> seen;
   if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
-  if (const auto turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, start)) {  // the rotation and the write in
-    const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)  // one pass
-                                   .to(q.scalar_type());  // (B, H, 1, Dv)
-    return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
+  std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, start);  // in one pass, or:
+  if (!turned.has_value()) {
+    at::Tensor queries = q, keys = k;
+    if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
+      const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
+      const bool half = qk.scalar_type() == at::kBFloat16 || qk.scalar_type() == at::kHalf;
+      const at::Tensor work = half ? qk.to(at::kFloat) : qk;  // (B, H + Hkv, 1, D) float32
+      const int64_t h = cos->size(-1) / 2;
+      at::Tensor out = work * *cos;
+      out.slice(-1, 0, h).addcmul_(work.slice(-1, h, 2 * h), sin->slice(-1, 0, h));  // x1·cos - x2·sin
+      out.slice(-1, h, 2 * h).addcmul_(work.slice(-1, 0, h), sin->slice(-1, h, 2 * h));  // x2·cos + x1·sin
+      if (half) out = out.to(qk.scalar_type());
+      queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
+      keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
+    }
+    k_cache.slice(2, start, end).copy_(keys.to(stored));
+    v_cache.slice(2, start, end).copy_(v.to(stored));
+    turned = queries.to(stored);
   }
-  at::Tensor queries = q, keys = k;
-  if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
-    const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
-    const bool half = qk.scalar_type() == at::kBFloat16 || qk.scalar_type() == at::kHalf;
-    const at::Tensor work = half ? qk.to(at::kFloat) : qk;  // (B, H + Hkv, 1, D) float32
-    const int64_t h = cos->size(-1) / 2;
-    at::Tensor out = work * *cos;
-    out.slice(-1, 0, h).addcmul_(work.slice(-1, h, 2 * h), sin->slice(-1, 0, h));  // x1·cos - x2·sin
-    out.slice(-1, h, 2 * h).addcmul_(work.slice(-1, 0, h), sin->slice(-1, h, 2 * h));  // x2·cos + x1·sin
-    if (half) out = out.to(qk.scalar_type());
-    queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
-    keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
-  }
-  k_cache.slice(2, start, end).copy_(keys.to(stored));
-  v_cache.slice(2, start, end).copy_(v.to(stored));
-  const at::Tensor context = decode_attention(queries.to(stored), k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
-                                 .to(queries.scalar_type());  // (B, H, 1, Dv)
+  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
+                                 .to(q.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }
 
