@@ -43,13 +43,16 @@ def linear_path(request):
 @pytest.fixture
 def machine(monkeypatch):
     """Pretend to be another machine for ``headwise.linear``'s rule: ``machine(vendor, capability, flags, version=...,
-    library=...)`` (``library``: whether headwise's C++ library, the panels GEMM's, builds there; by default not)."""
+    library=...)`` (``library``: whether headwise's C++ library, the panels GEMM's, builds there; by default not). oneDNN's
+    private ops work there in every dtype (on a CPU without AVX-512 this one's refuse bfloat16: ``onednn.ops_error``), so
+    that the rule's decision is the pretended machine's; a test that runs them checks ``ops_error`` itself."""
     import headwise.linear.rule as hl
 
     def pretend(vendor="AuthenticAMD", capability="AVX512", flags=(), version="2.13.0+cpu", library=False):
         facts = {"vendor": vendor, "family": "26", "model": "2", "name": "test CPU", "flags": sorted(flags), "capability": capability}
         monkeypatch.setattr(hl, "cpu", lambda: facts)
         monkeypatch.setattr(hl, "_library_built", lambda: library)  # headwise's C++ library (the panels GEMM) built or not
+        monkeypatch.setattr(hl.onednn, "ops_error", lambda dtype: None)  # the private ops work there
         monkeypatch.setattr(hl.torch, "__version__", version)
         monkeypatch.delenv(hl.ENV, raising=False)
         hl._auto.cache_clear()

@@ -3,13 +3,13 @@
 import torch
 
 from headwise.bench import projections as bench
-from headwise.linear import panels
+from headwise.linear import onednn, panels
 
 
 def test_a_tiny_projection_is_timed_on_each_path():
     r = bench.projection("tiny", 3, torch.float32, shape=(64, 32), repeats=2)
-    assert (r.name, r.rows) == ("tiny", 3) and r.torch_ms > 0 and r.onednn_ms > 0
-    assert r.ratio == r.onednn_ms / r.torch_ms and r.auto == "torch"  # a small weight's few rows: F.linear
+    assert (r.name, r.rows) == ("tiny", 3) and r.torch_ms > 0 and (r.onednn_ms is None) == (onednn.ops_error(torch.float32) is not None)
+    assert (r.ratio is None or r.ratio == r.onednn_ms / r.torch_ms) and r.auto == "torch"  # a small weight's few rows: F.linear
     assert (r.panels_ms is not None) == ((torch.float32, torch.float32) in panels.operands())
     assert r.panels_ms is None or r.panels_ms > 0
 
@@ -20,3 +20,10 @@ def test_main_prints_one_row_per_projection_and_row_count_under_a_header_naming_
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
     assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |")) for line in rows)
+
+
+def test_onednn_is_left_out_where_its_private_ops_fail(monkeypatch):
+    """A dtype oneDNN's private ops refuse here (bfloat16 on a CPU without AVX-512) is timed on the other paths only."""
+    monkeypatch.setattr(onednn, "ops_error", lambda dtype: "RuntimeError: refused")
+    r = bench.projection("tiny", 3, torch.float32, shape=(64, 32), repeats=2)
+    assert r.torch_ms > 0 and r.onednn_ms is None and r.ratio is None

@@ -4,7 +4,8 @@ For GPT-2 small's projections (C = 768) and its tied LM head (50,257 x 768), inf
 count times ``F.linear`` (torch's own GEMM: MKL for float32, oneDNN for bfloat16, packing the plain
 weight on each call), oneDNN's inner product on the weight packed once (``headwise.linear.onednn``)
 and, where they run, the panels GEMM on the weight packed once (``headwise.linear.panels``),
-interleaved, medians; ``auto`` names the path the rule takes for that call on this machine
+interleaved, medians (oneDNN's only where its private ops work in that dtype: ``onednn.ops_error``; on CPUs without
+AVX-512 they refuse bfloat16); ``auto`` names the path the rule takes for that call on this machine
 (``headwise.linear.path_for``). Nothing here decides anything: the rule reads CPU facts only.
 """
 
@@ -28,20 +29,20 @@ SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
 
 @dataclass(frozen=True)
 class Row:
-    """One projection at one row count: median ms on each path (``panels_ms`` None where they do not run) and the path
-    the rule takes."""
+    """One projection at one row count: median ms on each path (``onednn_ms``, ``panels_ms`` None where they do not
+    run) and the path the rule takes."""
 
     name: str
     rows: int
     torch_ms: float
-    onednn_ms: float
+    onednn_ms: float | None
     auto: str
     panels_ms: float | None = None
 
     @property
-    def ratio(self) -> float:
-        """oneDNN's packed weight over F.linear's time (< 1: the packed weight is the faster)."""
-        return self.onednn_ms / self.torch_ms
+    def ratio(self) -> float | None:
+        """oneDNN's packed weight over F.linear's time (< 1: the packed weight is the faster); None where it does not run."""
+        return None if self.onednn_ms is None else self.onednn_ms / self.torch_ms
 
 
 @torch.no_grad()
@@ -52,13 +53,15 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
     weight = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)  # (N, K)
     bias = None if name == "lm_head" else torch.randn(N, generator=g).to(dtype)  # (N,)
     x = torch.randn(1, rows, K, generator=g).to(dtype)  # (1, rows, K)
-    packed = onednn.packed(weight)
-    ways = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn.inner_product(x, packed, bias)}
+    ways = {"torch": lambda: F.linear(x, weight, bias)}
+    if onednn.ops_error(dtype) is None:
+        packed = onednn.packed(weight)
+        ways["onednn"] = lambda: onednn.inner_product(x, packed, bias)
     if panels.takes(x, weight, bias):
         ways["panels"] = lambda: panels.run(x, weight, bias)  # the weight packed at the first call, kept
     times = interleaved(ways, repeats=repeats, warmup=1)
     ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
-    return Row(name, rows, ms["torch"], ms["onednn"], path_for(x, weight, bias), ms.get("panels"))
+    return Row(name, rows, ms["torch"], ms.get("onednn"), path_for(x, weight, bias), ms.get("panels"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -83,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in args.names:
             for rows in args.rows:
                 r = projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
+                theirs = f"{r.onednn_ms:.3f} | {r.ratio:.2f}x" if r.onednn_ms is not None else "— | —"
                 ours = f"{r.panels_ms:.3f} | {r.panels_ms / r.torch_ms:.2f}x" if r.panels_ms is not None else "— | —"
-                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {r.onednn_ms:.3f} | {r.ratio:.2f}x | {ours} | {r.auto} |", flush=True)
+                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {theirs} | {ours} | {r.auto} |", flush=True)
 
 
 if __name__ == "__main__":
