@@ -35,7 +35,7 @@ def linear_path(request):
     if request.param == "onednn" and onednn.ops_error(torch.float32) is not None:
         pytest.skip(f"oneDNN's private ops do not work here: {onednn.ops_error(torch.float32)}")
     if request.param == "panels" and not panels.available():
-        pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 and headwise's library builds")
+        pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 or AVX2 and headwise's library builds")
     with hl.use_path(request.param):
         yield request.param
 

@@ -104,14 +104,15 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
     """On a CPU whose torch kernels run AVX-512, with headwise's C++ library built, a decode-shaped inference call of
     float32 (and of bfloat16 with AVX512-BF16, AMX tiles or not) takes the panels GEMM, and so does every inference call
     where oneDNN's packed weight would run it otherwise (float32 on AMD, bfloat16 without AMX: one packed copy); a call
-    autograd records keeps its own rule; an AVX2 CPU, or one where the library does not build, never takes them."""
+    autograd records keeps its own rule; one where the library does not build never takes them, an AVX2 CPU only for
+    float32 calls of decode shape."""
     machine(vendor, "AVX512", flags, library=True)
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == fp32
     assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose_few_rows(torch.bfloat16, 1)[0] == bf16
     assert (hl.choose(torch.float32)[0], hl.choose(torch.bfloat16)[0]) == (fp32_many, bf16_many)
     assert "panels" not in (hl.choose(torch.float32, recorded=True)[0], hl.choose(torch.bfloat16, recorded=True)[0])
     assert hl.describe()["few_rows"]["float32"]["reason"].startswith("float32 inference, 1-16 rows, AVX-512 kernels: headwise's C++ GEMM")
-    here = (torch.float32, torch.float32) in panels.operands()  # what this machine's library runs
+    here = (torch.float32, torch.float32) in panels.operands(compiled=False)  # what this machine's library runs eagerly
     for rows, path in ((4, fp32), (64, fp32_many)):
         x, w, b = decode_case(rows, torch.float32)
         want = path if path != "panels" or here else "torch"
@@ -128,8 +129,11 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
         assert gelu == (want if rows <= hl.DECODE_ROWS or vendor != "AuthenticAMD" else "onednn"), rows
     machine(vendor, "AVX512", flags, library=False)
     assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0], hl.choose(torch.float32)[0])
-    machine(vendor, "AVX2", ["avx2"], library=True)
-    assert hl.choose_few_rows(torch.float32)[0] == hl.choose(torch.float32)[0] == "torch"
+    machine(vendor, "AVX2", ["avx2"], library=True)  # float32 decode-shaped calls only: torch's GEMM from 64 rows
+    assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == "panels"
+    assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose(torch.float32)[0] == hl.choose(torch.bfloat16)[0] == "torch"
+    assert hl.choose_few_rows(torch.float32)[1].startswith("float32 inference, 1-16 rows, AVX2 kernels")
+    assert hl.describe()["compiled_step"]["float32"]["path"] == "inductor"  # a compiled step's: not measured with AVX2
 
 
 def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):
@@ -138,7 +142,7 @@ def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):
         assert hl.choose(torch.float32) == hl.choose_few_rows(torch.bfloat16) == ("panels", "forced by set_path")
         assert hl.choose(torch.float32, recorded=True)[0] == "torch"
         assert hl.choose(torch.float64)[0] == "torch"
-        if (torch.float32, torch.float32) in panels.operands():
+        if (torch.float32, torch.float32) in panels.operands(compiled=False):
             x, w, b = decode_case(64, torch.float32)  # 64 rows: many, forced all the same
             assert hl.path_for(x, w, b) == "panels"
             torch.testing.assert_close(hl.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -179,7 +183,7 @@ def test_each_path_matches_the_float64_reference_at_decode_shapes(linear_path, d
     if linear_path == "onednn" and onednn.ops_error(dtype) is not None:
         pytest.skip(f"oneDNN's private ops fail for {dtype} here")
     x, w, b = decode_case(rows, dtype, n=shape[0], k=shape[1])
-    if linear_path == "panels" and (dtype, dtype) not in panels.operands():
+    if linear_path == "panels" and (dtype, dtype) not in panels.operands(compiled=False):
         pytest.skip(f"the panels do not multiply {dtype} here")
     assert hl.path_for(x, w, b) == linear_path
     ref = ref_linear(x, w, b)  # (rows, 1, N) float64 of the rounded operands
@@ -204,7 +208,7 @@ def test_a_models_decode_step_agrees_on_both_paths(dtype):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=2, n_head=4)).eval().to(dtype)
     ids = torch.randint(0, 1024, (2, 5), generator=torch.Generator().manual_seed(1))
     logits = {}
-    for path in ("torch", "onednn", "panels") if (dtype, dtype) in panels.operands() else ("torch", "onednn"):
+    for path in ("torch", "onednn", "panels") if (dtype, dtype) in panels.operands(compiled=False) else ("torch", "onednn"):
         with hl.use_path(path):
             caches = model.new_caches(2, 8)
             model(ids, cache=caches, logits_to_keep=1)
@@ -412,8 +416,8 @@ def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear(
     other way."""
     from headwise.linear import panels, projection
 
-    if panels_on and not panels.available():
-        pytest.skip("the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+    if panels_on and not panels.operands():
+        pytest.skip("a compiled step's panels run where torch's kernels are AVX-512 and the library builds")
     if not panels_on:
         monkeypatch.setattr(panels, "_operands", lambda: ())
     layer = torch.nn.Linear(K, N)

@@ -10,7 +10,8 @@ from headwise import linear as hl
 from headwise.linear import onednn, panels, projection
 from headwise.machine import cpu
 
-needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 and the library builds")
+needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 or AVX2 and the library builds")
+needs_compiled_panels = pytest.mark.skipif(not panels.operands(), reason="a compiled step's panels run where torch's kernels are AVX-512 and the library builds")
 DTYPES = [pytest.param(torch.float32, id="fp32"),
           pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif((torch.bfloat16,) * 2 not in panels.operands_on(cpu()),
                                                                             reason="bfloat16 panels need AVX512-BF16"))]
@@ -138,7 +139,7 @@ def test_it_takes_operands_of_one_dtype_and_shape_only(make):
     assert not panels.takes(*make(x, w, b))
 
 
-@needs_panels
+@needs_compiled_panels
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):

@@ -30,7 +30,8 @@ At the few rows of a decode step the GEMM reads the weights at about the rate of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
 kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 x those with AVX512-BF16,
-for int8 x those with AVX512-VNNI, where the library is built (``headwise.native``).
+for int8 x those with AVX512-VNNI; float32 eagerly on those whose torch kernels run AVX2 (16 registers: 2 rows x 4 of
+sums); where the library is built (``headwise.native``).
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def operands_on(facts: dict, *, compiled: bool = True) -> tuple[tuple[torch.dtyp
     """The (x dtype, weight dtype) pairs whose projections take the panels on a CPU with these facts (``machine.cpu()``):
     where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need AVX-512's 32), each
     pair of ``OPERANDS`` whose flag the CPU has, but, in a compiled step (``compiled``), int8 x on CPUs with AMX's int8
-    tiles (inductor's own int8 GEMM runs there; eagerly the panels' VNNI sums were the faster, docs: decoding); none
-    elsewhere."""
+    tiles (inductor's own int8 GEMM runs there; eagerly the panels' VNNI sums were the faster, docs: decoding); where
+    they run AVX2, float32 eagerly (2 rows x 4 registers of sums; the rule gives them decode-shaped calls only, docs:
+    decoding); none elsewhere."""
+    if facts["capability"] == "AVX2":
+        return () if compiled else ((torch.float32, torch.float32),)
     if facts["capability"] != "AVX512":
         return ()
     return tuple(pair for pair, flag in OPERANDS.items()
@@ -108,8 +112,8 @@ def operands(*, compiled: bool = True) -> tuple[tuple[torch.dtype, torch.dtype],
 
 
 def available() -> bool:
-    """Whether ``linear`` runs here for some operands."""
-    return bool(_operands())
+    """Whether the panels run here for some operands, eagerly (``run``) or in a compiled step (``linear``)."""
+    return bool(_operands() or _eager_operands())
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

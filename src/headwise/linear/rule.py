@@ -15,8 +15,10 @@ Nothing is timed. A call's path follows, in order:
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
-   of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), takes
-   the panels GEMM (a decode step's weights read at about memory's rate, where the library builds);
+   of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), and of
+   float32 on a CPU whose torch kernels run AVX2, takes the panels GEMM (a decode step's weights read at
+   about memory's rate, where the library builds; on AMD's AVX2 CPUs MKL's GEMV read them at a third to a
+   half of that, and its GEMM of 4-16 rows at a tenth);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
@@ -117,7 +119,7 @@ def _path_setting() -> str:
 def _panels_run(dtype: torch.dtype, facts: dict) -> bool:
     """Whether the panels GEMM multiplies ``dtype`` rows by ``dtype`` weights (float32, bfloat16) on a CPU of ``facts``,
     where the library builds (``_library_built``)."""
-    return dtype in onednn.DTYPES and (dtype, dtype) in panels.operands_on(facts) and _library_built()
+    return dtype in onednn.DTYPES and (dtype, dtype) in panels.operands_on(facts, compiled=False) and _library_built()
 
 
 def _library_built() -> bool:
@@ -131,12 +133,14 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took 1.1-1.3x the time)."""
+    panels took 1.1-1.3x the time), and more than ``DECODE_ROWS`` rows where torch's kernels run AVX2 (the panels' 2
+    rows of sums a read of the weight: torch's GEMM was the faster from 64 rows)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
-    if tiles and not few_rows:
+    avx2 = facts["capability"] == "AVX2"
+    if (tiles or avx2) and not few_rows:
         return None
-    kernels = "AVX-512 kernels" + (f" and {flag}" if flag else "")
+    kernels = "AVX2 kernels" if avx2 else "AVX-512 kernels" + (f" and {flag}" if flag else "")
     if tiles:
         kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)"
     if few_rows:
