@@ -261,7 +261,8 @@ def test_project_many_with_mixed_biases_runs_each_layer():
     "vendor, capability, version, dtype, path",
     [
         ("AuthenticAMD", "AVX512", "2.13.0+cpu", torch.float32, "onednn"),
-        ("AuthenticAMD", "AVX512", "2.13.0+cpu", torch.bfloat16, "torch"),
+        ("AuthenticAMD", "AVX512", "2.13.0+cpu", torch.bfloat16, "widened"),  # no native bf16 dot products: float32's GEMM
+        ("AuthenticAMD", "AVX2", "2.13.0+cpu", torch.bfloat16, "widened"),
         ("AuthenticAMD", "AVX2", "2.13.0+cpu", torch.float32, "torch"),
         ("GenuineIntel", "AVX512", "2.13.0+cpu", torch.float32, "torch"),
         ("AuthenticAMD", "AVX512", "2.14.0+cpu", torch.float32, "torch"),  # untested torch: off unless forced
@@ -311,7 +312,8 @@ def test_describe_reports_the_machine_and_the_decision(machine, vendor, capabili
     info = hl.describe()
     assert info["cpu"]["vendor"] == vendor and info["cpu"]["capability"] == capability
     assert info["torch"] == torch.__version__ and info["tested_torch"] == ["2.13"]
-    assert info["float32"]["path"] == fp32 and info["bfloat16"]["path"] == "torch"  # no native bf16 flags pretended
+    assert info["float32"]["path"] == fp32 and info["bfloat16"]["path"] == "widened"  # no native bf16 flags pretended
+    assert info["few_rows"]["bfloat16"]["path"] == "torch"  # a decode step's rows: widening the weight would triple its bytes
     assert info["float32"]["reason"].startswith("AMD family 26" if fp32 == "onednn" else vendor) and info["setting"] == "auto (default)"
 
 

@@ -34,7 +34,7 @@ def decode_case(rows, dtype, *, n=N, k=K, seed=0):
         ("GenuineIntel", "AVX512", ["avx512f", "amx_bf16"], "2.13.0", torch.float32, "torch", "onednn", "torch"),  # MKL's GEMV up to 3 rows
         ("GenuineIntel", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch", "torch"),
         ("GenuineIntel", "AVX512", ["avx512f"], "2.14.0", torch.float32, "torch", "torch", "torch"),  # untested torch
-        ("AuthenticAMD", "AVX512", ["avx512f"], "2.13.0", torch.bfloat16, "torch", "torch", "torch"),  # Zen 3-style: no native bf16
+        ("AuthenticAMD", "AVX512", ["avx512f"], "2.13.0", torch.bfloat16, "torch", "torch", "widened"),  # no native bf16 dot products
         ("AuthenticAMD", "AVX2", ["avx2"], "2.13.0", torch.float32, "torch", "torch", "torch"),
         ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.14.0", torch.bfloat16, "torch", "torch", "torch"),  # untested torch
         ("AuthenticAMD", "AVX512", ["avx512f", "avx512_bf16"], "2.13.0", torch.float16, "torch", "torch", "torch"),
@@ -84,7 +84,7 @@ def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_ca
     GEMM runs oneDNN too, packing the plain weight again each call); one autograd records keeps F.linear from
     DECODE_ROWS + 1 rows on (its backward)."""
     machine("AuthenticAMD", "AVX512", flags)
-    assert hl.choose(torch.bfloat16)[0] == path and hl.choose(torch.bfloat16, recorded=True)[0] == "torch"
+    assert hl.choose(torch.bfloat16)[0] == (path if path == "onednn" else "widened") and hl.choose(torch.bfloat16, recorded=True)[0] == "torch"
     w = torch.randn(N, K, dtype=torch.bfloat16)
     for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, 256, 2048):
         x = torch.randn(rows, K, dtype=torch.bfloat16)
@@ -98,7 +98,7 @@ def test_bf16_takes_the_packed_weight_at_any_rows_unless_autograd_records_the_ca
     ("AuthenticAMD", ["avx512f", "avx512_bf16"], "panels", "panels", "panels", "panels"),
     ("GenuineIntel", ["avx512f", "avx512_bf16"], "panels", "panels", "torch", "panels"),  # MKL's float32 GEMM for many rows
     ("GenuineIntel", ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"], "panels", "panels", "torch", "onednn"),  # AMX: oneDNN's for prompts
-    ("AuthenticAMD", ["avx512f"], "panels", "torch", "panels", "torch"),  # Zen 3-style: no native bf16 dot products
+    ("AuthenticAMD", ["avx512f"], "panels", "torch", "panels", "widened"),  # no native bf16 dot products
 ])
 def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, flags, fp32, bf16, fp32_many, bf16_many):
     """On a CPU whose torch kernels run AVX-512, with headwise's C++ library built, a decode-shaped inference call of
@@ -131,7 +131,8 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
     assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0], hl.choose(torch.float32)[0])
     machine(vendor, "AVX2", ["avx2"], library=True)  # float32 decode-shaped calls only: torch's GEMM from 64 rows
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == "panels"
-    assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose(torch.float32)[0] == hl.choose(torch.bfloat16)[0] == "torch"
+    assert hl.choose_few_rows(torch.bfloat16)[0] == hl.choose(torch.float32)[0] == "torch"
+    assert hl.choose(torch.bfloat16)[0] == "widened"
     assert hl.choose_few_rows(torch.float32)[1].startswith("float32 inference, 1-16 rows, AVX2 kernels")
     assert hl.describe()["compiled_step"]["float32"]["path"] == "inductor"  # a compiled step's: not measured with AVX2
 
@@ -443,3 +444,25 @@ def test_a_graph_traced_with_the_weights_frozen_runs_the_projection_as_f_linear(
     want = ref_linear(x, layer.weight, layer.bias)
     for got in (frozen, plain):
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("vendor, capability", [("AuthenticAMD", "AVX2"), ("GenuineIntel", "AVX512")])
+def test_bf16_prompts_without_native_dot_products_take_float32s_gemm(machine, vendor, capability):
+    """Without avx512_bf16 or amx_bf16 a bfloat16 inference call of more than DECODE_ROWS rows runs as a float32 GEMM
+    of its operands widened, rounded once: the error of torch's bfloat16 GEMM against float64; decode rows and calls
+    autograd records keep F.linear."""
+    machine(vendor, capability, ["avx2"] if capability == "AVX2" else ["avx512f"])
+    x, w, b = decode_case(hl.DECODE_ROWS + 1, torch.bfloat16, n=2304, k=768)
+    assert hl.path_for(x, w, b) == "widened" and hl.path_for(x[:hl.DECODE_ROWS], w, b) == "torch"
+    assert hl.path_for(x, w.float(), b) == "torch"  # operands of two dtypes: F.linear's own error
+    with torch.enable_grad():
+        assert hl.path_for(x, w.requires_grad_(True), b) == "torch"
+    w.requires_grad_(False)
+    ref = ref_linear(x, w, b)  # float64 of the rounded operands
+    got = hl.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (hl.DECODE_ROWS + 1, 1, 2304)
+    assert (got.double() - ref).norm() / ref.norm() <= 1.01 * plain_error(x, w, b, ref) + 1e-6
+    # the sums rounded once to bfloat16: each output within half a bfloat16 step of the float64 sum, but for sum order
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3).all()
+    machine(vendor, capability, ["avx512f", "avx512_bf16"])
+    assert hl.path_for(x, w, b) != "widened"  # native bf16 dot products: oneDNN's GEMM

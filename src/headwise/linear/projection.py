@@ -104,7 +104,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
         return _gelu_in_place(panels.run(x, weight, bias), gelu)  # (..., N): the weight packed once, kept while unchanged
     if path == "torch":
         return _then(F.linear(x, weight, bias), gelu)
+    if path == "widened":
+        return _then(widened(x, weight, bias), gelu)  # (..., N)
     return onednn.run(x, weight, bias, gelu)  # (..., N)
+
+
+def widened(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` of bfloat16 operands as a float32 GEMM of them widened (the products exact), the sums plus the bias
+    rounded once to x's dtype, as torch's bfloat16 GEMM rounds them: (..., K) x (N, K) (+ (N,)) -> (..., N)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)  # (..., N)
 
 
 def _then(y: Tensor, gelu: str | None) -> Tensor:
@@ -366,6 +374,8 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
     weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
     sizes, k = [w.shape[0] for w in weights], x.shape[-1]
     path = path_for(x, weight, bias, gelu=gelu is not None)
+    if path == "widened":
+        return None  # many rows only: nothing to prepare
     if path == "panels":
         args = (panels.packed(weight, x.dtype), None if bias is None else bias.detach().contiguous(), weight.shape[0])
         if gelu is None:

@@ -6,7 +6,11 @@ Nothing is timed. A call's path follows, in order:
    ``auto`` (default), ``onednn``, ``panels`` or ``torch``, read at each call;
 2. ``auto`` chooses oneDNN only for float32, only on an AMD CPU whose torch kernels run AVX-512
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
-   everything else (Intel, ARM; bfloat16 but as in 3) is ``torch``; where the library builds
+   everything else (Intel, ARM; bfloat16 but as in 3 and below) is ``torch``; bfloat16 inference calls of more than
+   ``DECODE_ROWS`` rows on a CPU without native bfloat16 dot products (no ``avx512_bf16`` or ``amx_bf16``: AVX2
+   CPUs among them) take ``widened``: ``F.linear`` of the operands widened to float32 (products exact), the sums
+   rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM ran
+   a 512-row call 6-7x slower there); where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
    a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
@@ -169,6 +173,11 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, record
         untested = "torch", f"torch {torch.__version__}: the oneDNN path was tested with torch {', '.join(TESTED_TORCH)} only"
     if dtype == torch.bfloat16 and (few_rows or not recorded):
         flags = bf16_flags_on(facts)
+        if not flags and not few_rows:
+            return "widened", (f"bfloat16 inference of more than {DECODE_ROWS} rows on a CPU without {' or '.join(BF16_FLAGS)}: a "
+                               "float32 GEMM of the operands widened (exact), its sums rounded once to bfloat16, as torch's "
+                               "bfloat16 GEMM rounds them (which, without native bfloat16 dot products, runs at a fraction "
+                               "of float32's rate)")
         if not flags:
             return "torch", f"bfloat16 on a CPU without {' or '.join(BF16_FLAGS)}: torch's own GEMM"
         return untested or ("onednn", f"bfloat16 with {', '.join(flags)}: oneDNN's packed weight, read once per call"
@@ -290,8 +299,8 @@ def under_cpu_autocast(x: Tensor) -> bool:
 
 
 def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: bool = False) -> str:
-    """The path ``linear(x, weight, bias)`` takes (with ``gelu``: ``linear``'s GELU after it): "onednn", "panels" or
-    "torch" (``F.linear``); rule step 5."""
+    """The path ``linear(x, weight, bias)`` takes (with ``gelu``: ``linear``'s GELU after it): "onednn", "panels",
+    "widened" (``F.linear`` of bfloat16 operands widened to float32, rounded once) or "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
     if under_cpu_autocast(x):
@@ -314,6 +323,8 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
         path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu)[0]  # nothing packed could be kept: the rule without the panels
     if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
         return "onednn"
+    if path == "widened" and x.device.type == "cpu" and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        return "widened"
     return "torch"  # (a sliced weight, row stride != K, would take oneDNN's slow strided path)
 
 
