@@ -9,8 +9,8 @@ Nothing is timed. A call's path follows, in order:
    everything else (Intel, ARM; bfloat16 but as in 3 and below) is ``torch``; bfloat16 inference calls of more than
    ``DECODE_ROWS`` rows on a CPU without native bfloat16 dot products (no ``avx512_bf16`` or ``amx_bf16``: AVX2
    CPUs among them) take ``widened``: ``F.linear`` of the operands widened to float32 (products exact), the sums
-   rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM ran
-   a 512-row call 6-7x slower there); where the library builds
+   rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs
+   at a fraction of it there; docs: decoding); where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
    a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
@@ -21,8 +21,8 @@ Nothing is timed. A call's path follows, in order:
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
    of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), and of
    float32 on a CPU whose torch kernels run AVX2, takes the panels GEMM (a decode step's weights read at
-   about memory's rate, where the library builds; on AMD's AVX2 CPUs MKL's GEMV read them at a third to a
-   half of that, and its GEMM of 4-16 rows at a tenth);
+   about memory's rate, where the library builds; on AMD's AVX2 CPUs MKL's GEMV and its GEMM of 4-16 rows read
+   them far slower: docs, decoding);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
