@@ -19,7 +19,7 @@ def test_main_prints_one_row_per_projection_and_row_count_under_a_header_naming_
     out = capsys.readouterr().out
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
-    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |")) for line in rows)
+    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |")) or "| widened: " in line for line in rows)
 
 
 def test_onednn_is_left_out_where_its_private_ops_fail(monkeypatch):
@@ -27,3 +27,11 @@ def test_onednn_is_left_out_where_its_private_ops_fail(monkeypatch):
     monkeypatch.setattr(onednn, "ops_error", lambda dtype: "RuntimeError: refused")
     r = bench.projection("tiny", 3, torch.float32, shape=(64, 32), repeats=2)
     assert r.torch_ms > 0 and r.onednn_ms is None and r.ratio is None
+
+
+def test_the_widened_way_is_timed_where_the_rule_takes_it(machine, monkeypatch):
+    """bfloat16 rows on a CPU without its dot products: the rule's ``widened`` is timed beside F.linear."""
+    machine("AuthenticAMD", "AVX2", ["avx2"])
+    monkeypatch.setattr(onednn, "ops_error", lambda dtype: "refused")  # as on such a CPU: oneDNN is not timed
+    r = bench.projection("tiny", 64, torch.bfloat16, shape=(2304, 64), repeats=2)
+    assert r.auto == "widened" and r.widened_ms is not None and r.widened_ms > 0

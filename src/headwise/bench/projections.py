@@ -6,7 +6,8 @@ weight on each call), oneDNN's inner product on the weight packed once (``headwi
 and, where they run, the panels GEMM on the weight packed once (``headwise.linear.panels``),
 interleaved, medians (oneDNN's only where its private ops work in that dtype: ``onednn.ops_error``; on CPUs without
 AVX-512 they refuse bfloat16); ``auto`` names the path the rule takes for that call on this machine
-(``headwise.linear.path_for``). Nothing here decides anything: the rule reads CPU facts only.
+(``headwise.linear.path_for``; where it is ``widened``, the float32 GEMM of the widened operands is timed too and the
+column gives its ms and its ratio to ``F.linear``). Nothing here decides anything: the rule reads CPU facts only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from .. import _argtypes
 from ..linear import onednn, panels, path_for
+from ..linear.projection import widened
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -38,6 +40,7 @@ class Row:
     onednn_ms: float | None
     auto: str
     panels_ms: float | None = None
+    widened_ms: float | None = None  # where the rule takes ``widened`` (bfloat16 on a CPU without its dot products)
 
     @property
     def ratio(self) -> float | None:
@@ -59,9 +62,12 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
         ways["onednn"] = lambda: onednn.inner_product(x, packed, bias)
     if panels.takes(x, weight, bias):
         ways["panels"] = lambda: panels.run(x, weight, bias)  # the weight packed at the first call, kept
+    auto = path_for(x, weight, bias)
+    if auto == "widened":
+        ways["widened"] = lambda: widened(x, weight, bias)
     times = interleaved(ways, repeats=repeats, warmup=1)
     ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
-    return Row(name, rows, ms["torch"], ms.get("onednn"), path_for(x, weight, bias), ms.get("panels"))
+    return Row(name, rows, ms["torch"], ms.get("onednn"), auto, ms.get("panels"), ms.get("widened"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -88,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 r = projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
                 theirs = f"{r.onednn_ms:.3f} | {r.ratio:.2f}x" if r.onednn_ms is not None else "— | —"
                 ours = f"{r.panels_ms:.3f} | {r.panels_ms / r.torch_ms:.2f}x" if r.panels_ms is not None else "— | —"
-                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {theirs} | {ours} | {r.auto} |", flush=True)
+                auto = r.auto if r.widened_ms is None else f"widened: {r.widened_ms:.3f}, {r.widened_ms / r.torch_ms:.2f}x"
+                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {theirs} | {ours} | {auto} |", flush=True)
 
 
 if __name__ == "__main__":
