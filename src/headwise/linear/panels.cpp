@@ -6,15 +6,17 @@
 // prompt. The panels are split between torch's threads.
 //
 // - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
-// - bfloat16 (CPUs with AVX512-BF16 only): panels (ceil(N/32), K + K % 2, 32), each step a pair of k
-//   for every column ((k, k+1) side by side, K padded with a zero); one vdpbf16ps adds a pair's two
-//   products (exact in float32) to each float32 sum; the sum plus the bias is rounded to bfloat16 once.
+// - bfloat16: panels (ceil(N/32), K + K % 2, 32), each step a pair of k for every column ((k, k+1) side by
+//   side, K padded with a zero); one vdpbf16ps adds a pair's two products (exact in float32) to each float32
+//   sum; the sum plus the bias is rounded to bfloat16 once. On a CPU without AVX512-BF16 each step is widened
+//   to float32 in registers (the even k's and the odd k's), its two products added as vdpbf16ps adds them.
 //   On a CPU with AMX's bfloat16 tiles a call of TILE_ROWS rows or more runs in them instead: 16 steps
 //   of a panel are a tile of the weight as tdpbf16ps wants it (loaded with a 128-byte stride), 16 rows
 //   by 32 k of x another, two blocks of 16 rows at a time (tiles_by_panel).
-// - int8 weights, bfloat16 x (AVX512-BF16 only): int8 panels in the bfloat16 layout, a quarter of the
-//   bytes; each step's 64 values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant
-//   bits), then the same vdpbf16ps; the sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles
+// - int8 weights, bfloat16 x: int8 panels in the bfloat16 layout, a quarter of the bytes; each step's 64
+//   values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant bits), then the same
+//   vdpbf16ps (without AVX512-BF16: widened to float32, as above); the sums rounded to bfloat16 (no bias: the
+//   caller scales them). In AMX tiles
 //   (INT8_TILE_ROWS rows or more) each tile's 16 steps are widened so into a 2 KB buffer first.
 // - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
 //   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
@@ -109,6 +111,61 @@ __attribute__((target("avx512f,avx512bf16"))) inline __m512 widened(const int8_t
 __attribute__((target("avx512f,avx512bf16"))) inline void pair_step(const int8_t* p, __m512bh& w0, __m512bh& w1) {
   w0 = _mm512_cvtne2ps_pbh(widened(p + 16), widened(p));       // the second argument fills lanes 0-15
   w1 = _mm512_cvtne2ps_pbh(widened(p + 48), widened(p + 32));
+}
+
+// One step of a panel's LANES columns (LANES pairs of k) widened to two float32 vectors, without AVX512-BF16: the even k's
+// and the odd k's. A bfloat16 is the top half of its float32; an int8 pair is one int16, sign-extended, then each byte.
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef int32_t svec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef int16_t hvec __attribute__((vector_size(LANES * sizeof(int16_t))));
+
+inline void widened_pairs(const c10::BFloat16* p, vec& even, vec& odd) {
+  uvec u;
+  std::memcpy(&u, p, sizeof u);
+  even = (vec)(u << 16);
+  odd = (vec)(u & 0xFFFF0000u);
+}
+
+inline void widened_pairs(const int8_t* p, vec& even, vec& odd) {
+  hvec h;
+  std::memcpy(&h, p, sizeof h);
+  const svec s = __builtin_convertvector(h, svec);  // (odd << 8 | even byte), sign-extended
+  even = __builtin_convertvector((svec)((uvec)s << 24) >> 24, vec);
+  odd = __builtin_convertvector(s >> 8, vec);
+}
+
+inline float high_half(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// pairs_by_panel's sums on a CPU without AVX512-BF16: each pair's two products (exact in float32) added to the float32
+// sums as vdpbf16ps adds them, the odd k's first, on the compiler's vectors of torch's instruction set
+template <int M, typename W>
+void widened_pairs_by_panel(const uint32_t* x, int64_t pairs, const W* panel, float* sums) {
+  vec acc[M][VECS] = {};
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
+    float even_x[M], odd_x[M];
+    for (int m = 0; m < M; ++m) {
+      even_x[m] = high_half(x[m * pairs + kk] << 16);
+      odd_x[m] = high_half(x[m * pairs + kk] & 0xFFFF0000u);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < VECS; ++j) {
+      vec even, odd;
+      widened_pairs(panel + kk * 2 * PANEL + j * 2 * LANES, even, odd);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        acc[m][j] += odd_x[m] * odd;
+        acc[m][j] += even_x[m] * even;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < VECS; ++j) std::memcpy(sums + m * PANEL + j * LANES, &acc[m][j], sizeof(vec));
+  }
 }
 
 // sums (M, PANEL) = x (M rows of `pairs` bfloat16 pairs, each pair one int32) . panel (pairs, PANEL, 2) of bfloat16 or int8
@@ -247,21 +304,13 @@ __attribute__((target("avx512f,avx512vnni"))) void quads_by_panel(const int32_t*
 }
 #endif
 
-// One call per block of at most ROWS rows: the row count a template argument, so the sums stay in registers.
-template <typename Rows>
+// One call per block of at most MAX rows: the row count a template argument, so the sums stay in registers.
+template <int MAX = ROWS, typename Rows>
 void by_rows(int64_t m, Rows rows) {
-  switch (m) {
-    case 1: return rows(std::integral_constant<int, 1>{});
-#if defined(__AVX512F__)
-    case 2: return rows(std::integral_constant<int, 2>{});
-    case 3: return rows(std::integral_constant<int, 3>{});
-    case 4: return rows(std::integral_constant<int, 4>{});
-    case 5: return rows(std::integral_constant<int, 5>{});
-    case 6: return rows(std::integral_constant<int, 6>{});
-    case 7: return rows(std::integral_constant<int, 7>{});
-#endif
-    default: return rows(std::integral_constant<int, ROWS>{});
+  if constexpr (MAX > 1) {
+    if (m < MAX) return by_rows<MAX - 1>(m, rows);
   }
+  return rows(std::integral_constant<int, MAX>{});
 }
 
 // The AMX tiles one task of parallel_for has configured (for `rows` rows; 0: none), released when the task ends.
@@ -279,9 +328,14 @@ struct Tiles {
 
 #if defined(__x86_64__)
 // sums (m, PANEL) = m rows of bfloat16 x (row stride Kp) . a panel of W (bfloat16 or int8): in AMX tiles where `tiles`
-// is given (configured for m rows first where they are not yet), else by vdpbf16ps
+// is given (configured for m rows first where they are not yet), else by vdpbf16ps where the CPU has it (`native`),
+// else widened to float32
 template <typename W>
-void pair_sums(const c10::BFloat16* x, int64_t Kp, int64_t m, const W* panel, float* sums, Tiles* tiles) {
+void pair_sums(const c10::BFloat16* x, int64_t Kp, int64_t m, const W* panel, float* sums, Tiles* tiles, bool native) {
+  if (!native) {
+    const uint32_t* xu = reinterpret_cast<const uint32_t*>(x);
+    return by_rows(m, [&](auto rows) { widened_pairs_by_panel<decltype(rows)::value>(xu, Kp / 2, panel, sums); });
+  }
   if (tiles == nullptr) {
     const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
     return by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xi, Kp / 2, panel, sums); });
@@ -299,6 +353,15 @@ void pair_sums(const c10::BFloat16* x, int64_t Kp, int64_t m, const W* panel, fl
 }
 #endif
 
+// The bfloat16 x paths are built (x86: vdpbf16ps where the CPU has it, else the pairs widened to float32).
+constexpr bool x86() {
+#if defined(__x86_64__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The CPU runs AVX512-BF16's pair dot products (the bfloat16 path's one instruction).
 bool has_bf16_pairs() {
 #if defined(__x86_64__)
@@ -307,6 +370,10 @@ bool has_bf16_pairs() {
   return false;
 #endif
 }
+
+// bfloat16 x by vdpbf16ps (and AVX-512's bfloat16 store): the library built for AVX-512 (torch's kernels run it) on a CPU
+// with AVX512-BF16; else the pairs widened to float32 (where torch's kernels run AVX2, whatever the CPU has).
+bool native_pairs() { return LANES == 16 && has_bf16_pairs(); }
 
 // The CPU runs AVX512-VNNI's byte dot products (the int8 x path's one instruction).
 bool has_vnni() {
@@ -398,7 +465,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
               "panels_linear: panels of shape ", panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
   TORCH_CHECK(!bias_.has_value() || (bias_->scalar_type() == xt && bias_->numel() == N),
               "panels_linear: bias must hold ", N, " values of x's dtype");
-  TORCH_CHECK(!pairs || has_bf16_pairs(), "panels_linear: bfloat16 x needs a CPU with AVX512-BF16");
+  TORCH_CHECK(!pairs || x86(), "panels_linear: bfloat16 x needs an x86 CPU");
   TORCH_CHECK(!quads || has_vnni(), "panels_linear: int8 x needs a CPU with AVX512-VNNI");
   at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
   if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K'): zeros to fill the last pair or quad
@@ -418,7 +485,8 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const void* bp = bias.defined() ? bias.data_ptr() : nullptr;
   void* op = out.data_ptr();
 #if defined(__x86_64__)
-  const bool tiles = pairs && M >= (int8 ? INT8_TILE_ROWS : TILE_ROWS) && has_bf16_tiles();
+  const bool native = pairs && native_pairs();
+  const bool tiles = native && M >= (int8 ? INT8_TILE_ROWS : TILE_ROWS) && has_bf16_tiles();
 #else
   const bool tiles = false;
 #endif
@@ -438,11 +506,13 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             using T = c10::BFloat16;
             const T* xr = static_cast<const T*>(xp) + r * Kp;
             if (int8) {
-              pair_sums(xr, Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr);
+              pair_sums(xr, Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr, native);
             } else {
-              pair_sums(xr, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr);
+              pair_sums(xr, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr, native);
             }
-            store(sums, m, width, bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr, static_cast<T*>(op) + r * N + n0, N);
+            const T* b = bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr;
+            T* o = static_cast<T*>(op) + r * N + n0;
+            native ? store(sums, m, width, b, o, N) : store<T>(sums, m, width, b, o, N);
 #endif
           } else if (quads) {
 #if defined(__x86_64__)
@@ -533,7 +603,7 @@ WholeCall whole_call(const char* op, const at::Tensor& x, const at::Tensor& pane
 // multiply-add: torch's addcmul on CPUs with AVX-512) in float32, in x's dtype: headwise.quantize's numbers, bit for bit.
 at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias_, int64_t N) {
-  const WholeCall c = whole_call("panels_int8_scaled", x_, panels, at::kChar, 2, scales, bias_, N, has_bf16_pairs(), "AVX512-BF16");
+  const WholeCall c = whole_call("panels_int8_scaled", x_, panels, at::kChar, 2, scales, bias_, N, x86(), "an x86 CPU");
   const int64_t Kp = c.Kp;
   at::Tensor x = x_.reshape({-1, c.K}).to(at::kBFloat16).contiguous();  // (M, K): torch's rounding
   if (Kp != c.K) x = at::constant_pad_nd(x, {0, Kp - c.K});  // (M, K'): a zero to fill the last pair
@@ -542,9 +612,10 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
   const c10::BFloat16* xp = x.const_data_ptr<c10::BFloat16>();
   const int8_t* pp = panels.const_data_ptr<int8_t>();
 #if defined(__x86_64__)
-  const bool tiles = M >= INT8_TILE_ROWS && has_bf16_tiles();  // as panels_linear decides: the same sums
+  const bool native = native_pairs();  // as panels_linear decides: the same sums
+  const bool tiles = native && M >= INT8_TILE_ROWS && has_bf16_tiles();
   scaled_panels<float>(M, N, c.P, Kp, tiles ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, float* sums, Tiles& t) {
-    pair_sums(xp + r * Kp, Kp, m, pp + p * Kp * PANEL, sums, tiles ? &t : nullptr);
+    pair_sums(xp + r * Kp, Kp, m, pp + p * Kp * PANEL, sums, tiles ? &t : nullptr, native);
   }, [&](int64_t, int64_t n, float sum) {
     const float y = static_cast<float>(c10::BFloat16(sum));  // the sum rounded once
     return c.bp != nullptr ? std::fma(y, c.sp[n], c.bp[n]) : y * c.sp[n];

@@ -20,9 +20,9 @@ Nothing is timed. A call's path follows, in order:
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
    of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), and of
-   float32 on a CPU whose torch kernels run AVX2, takes the panels GEMM (a decode step's weights read at
-   about memory's rate, where the library builds; on AMD's AVX2 CPUs MKL's GEMV and its GEMM of 4-16 rows read
-   them far slower: docs, decoding);
+   float32 or bfloat16 on a CPU whose torch kernels run AVX2 (bfloat16 widened to float32 in registers), takes
+   the panels GEMM (a decode step's weights read at about memory's rate, where the library builds; on AMD's AVX2
+   CPUs MKL's float32 GEMV, its GEMM of 4-16 rows and torch's bfloat16 GEMV read them far slower: docs, decoding);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
@@ -76,6 +76,8 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
+AVX2_BF16_ROWS = 8  # rows up to which bfloat16 takes the panels where torch's kernels run AVX2: each pair widened in registers,
+#                     the arithmetic binds from about 8 rows, where torch's bfloat16 GEMV was level
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -131,24 +133,29 @@ def _library_built() -> bool:
     return native.built()
 
 
-def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False) -> tuple[str, str] | None:
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
     panels took 1.1-1.3x the time), and more than ``DECODE_ROWS`` rows where torch's kernels run AVX2 (the panels' 2
-    rows of sums a read of the weight: torch's GEMM was the faster from 64 rows)."""
+    rows of sums a read of the weight: torch's GEMM was the faster from 64 rows), and bfloat16 of more than
+    ``AVX2_BF16_ROWS`` rows there (``avx2_bf16_rows`` False: each pair is widened in registers, and from about 8 rows the
+    arithmetic binds)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
     avx2 = facts["capability"] == "AVX2"
-    if (tiles or avx2) and not few_rows:
+    if ((tiles or avx2) and not few_rows) or (avx2 and dtype == torch.bfloat16 and not avx2_bf16_rows):
         return None
     kernels = "AVX2 kernels" if avx2 else "AVX-512 kernels" + (f" and {flag}" if flag else "")
     if tiles:
         kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)"
+    rows = DECODE_ROWS
+    if avx2 and dtype == torch.bfloat16:
+        kernels, rows = "AVX2 kernels, each pair widened to float32 in registers", AVX2_BF16_ROWS
     if few_rows:
-        return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
+        return "panels", (f"{name} inference, 1-{rows} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
     if not gelu and (dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD"):
         return "panels", (f"{name} inference, {kernels}" + (", AMD" if dtype == torch.float32 else "") + ": headwise's C++ "
@@ -160,13 +167,13 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
 
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True,
-          gelu: bool = False) -> tuple[str, str]:
+          gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
     ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
-    follows, ``linear``'s ``gelu``)."""
+    follows, ``linear``'s ``gelu``; ``avx2_bf16_rows``: at most ``AVX2_BF16_ROWS`` rows)."""
     facts = cpu()
-    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu)):
+    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu, avx2_bf16_rows)):
         return path
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -208,14 +215,15 @@ def choose(dtype: torch.dtype = torch.float32, *, recorded: bool = False) -> tup
 def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS) -> tuple[str, str]:
     """The path for ``dtype`` and why when a call has ``rows`` <= ``DECODE_ROWS`` rows and a weight of at
     least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
-    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS)
+    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS, avx2_bf16_rows=rows <= AVX2_BF16_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
-              kept: bool = True, gelu: bool = False) -> tuple[str, str]:
+              kept: bool = True, gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
-    packed from the weight can be kept; ``gelu``: a GELU follows); ``setting`` read when not given."""
+    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_bf16_rows``: at most ``AVX2_BF16_ROWS`` rows);
+    ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
         return "torch", f"forced by {_setting()[1]}"
@@ -225,7 +233,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
         return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu, avx2_bf16_rows)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -312,7 +320,8 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu)[0]
+    avx2_bf16_rows = size <= AVX2_BF16_ROWS * k
+    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_bf16_rows=avx2_bf16_rows)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
             return "torch"
@@ -320,7 +329,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
             return "panels"
         if setting == "panels":
             return "torch"
-        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu)[0]  # nothing packed could be kept: the rule without the panels
+        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu, avx2_bf16_rows=avx2_bf16_rows)[0]  # nothing packed could be kept: the rule without the panels
     if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
         return "onednn"
     if path == "widened" and x.device.type == "cpu" and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
