@@ -8,13 +8,12 @@ from reference import linear as ref_linear
 
 from headwise import linear as hl
 from headwise.linear import onednn, panels, projection
-from headwise.machine import cpu
 
 needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 or AVX2 and the library builds")
 needs_compiled_panels = pytest.mark.skipif(not panels.operands(), reason="a compiled step's panels run where torch's kernels are AVX-512 and the library builds")
 DTYPES = [pytest.param(torch.float32, id="fp32"),
-          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif((torch.bfloat16,) * 2 not in panels.operands_on(cpu()),
-                                                                            reason="bfloat16 panels need AVX512-BF16"))]
+          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif((torch.bfloat16,) * 2 not in panels.operands(compiled=False),
+                                                                            reason="bfloat16 panels need AVX512-BF16 or AVX2 kernels"))]
 
 
 def case(rows: int, n: int, k: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -212,8 +211,10 @@ def test_the_ops_refuse_what_they_cannot_read():
             bad()
 
 
-needs_int8 = pytest.mark.skipif((torch.bfloat16, torch.int8) not in panels.operands_on(cpu()) or not panels.available(),
-                                reason="int8 panels need AVX512-BF16 and the library built")
+needs_int8 = pytest.mark.skipif((torch.bfloat16, torch.int8) not in panels.operands(compiled=False),
+                                reason="int8 panels need AVX512-BF16 or AVX2 kernels, and the library built")
+needs_frozen_int8 = pytest.mark.skipif((torch.bfloat16, torch.int8) not in panels.operands(),
+                                       reason="a compiled step's int8 panels need AVX512-BF16 and the library built")
 
 
 def int8_case(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +246,7 @@ def test_int8_packing_is_the_bfloat16_layout():
     assert torch.equal(packed.float(), torch.ops.headwise.pack_panels(w.bfloat16()).float())  # int8 values are exact in bfloat16
 
 
-@needs_int8
+@needs_frozen_int8
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("k", [96, 90, 95])
 def test_a_frozen_int8_layer_runs_the_panels_with_its_own_arithmetic(rows, k):
@@ -275,7 +276,7 @@ def test_linear_names_operands_it_cannot_run(make):
         panels.linear(*make(x, w, b))
 
 
-@needs_int8
+@needs_frozen_int8
 def test_int8_layers_read_by_one_input_run_as_one_frozen_gemm():
     """``project_many`` over ``Int8Linear`` layers in a graph whose weights inductor freezes: one ``panels_linear`` over
     their weights concatenated (folded at compile with the packing), each layer's outputs bit for bit its own call's

@@ -13,7 +13,8 @@ rule's "panels" path), in a compiled step over the weight packed when the graph 
   each pair's two products (exact in float32) added to float32 sums by one AVX512-BF16 instruction
   (calls of 4 rows or more on a CPU with AMX tiles: by ``tdpbf16ps``, 16 steps at a time), the sum
   plus the bias rounded to bfloat16 once, as oneDNN's bf16 GEMM does on the same CPUs. Where torch's kernels run
-  AVX2 each pair is widened to float32 in registers and its two products added in the same order: the same bits.
+  AVX2 each pair (of bfloat16 or int8 weights) is widened to float32 in registers and its two products added in the
+  same order: the same bits.
   int8 panels with bfloat16 x (no bias): each step's int8 weights widened to bfloat16 in registers
   (exact), then the same instruction, the sums rounded to bfloat16 once: ``Int8Linear``'s sums
   (``headwise.quantize``), which it then scales. int8 panels with int8 x (no bias): one AVX512-VNNI
@@ -31,8 +32,8 @@ At the few rows of a decode step the GEMM reads the weights at about the rate of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
 kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 x those with AVX512-BF16,
-for int8 x those with AVX512-VNNI; float32 and bfloat16 eagerly on those whose torch kernels run AVX2 (16 registers:
-2 rows x 4 of sums); where the library is built (``headwise.native``).
+for int8 x those with AVX512-VNNI; float32, bfloat16 and int8 weights by bfloat16 x eagerly on those whose torch
+kernels run AVX2 (16 registers: 2 rows x 4 of sums); where the library is built (``headwise.native``).
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def operands_on(facts: dict, *, compiled: bool = True) -> tuple[tuple[torch.dtyp
     where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need AVX-512's 32), each
     pair of ``OPERANDS`` whose flag the CPU has, but, in a compiled step (``compiled``), int8 x on CPUs with AMX's int8
     tiles (inductor's own int8 GEMM runs there; eagerly the panels' VNNI sums were the faster, docs: decoding); where
-    they run AVX2, float32 and bfloat16 eagerly (2 rows x 4 registers of sums, bfloat16 widened to float32 in
-    registers; the rule gives them decode-shaped calls only, docs: decoding); none elsewhere."""
+    they run AVX2, float32, bfloat16 and int8 weights by bfloat16 x eagerly (2 rows x 4 registers of sums, bfloat16 and
+    int8 widened to float32 in registers; the rule gives them decode-shaped calls only, docs: decoding); none elsewhere."""
     if facts["capability"] == "AVX2":
-        return () if compiled else ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16))
+        return () if compiled else ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8))
     if facts["capability"] != "AVX512":
         return ()
     return tuple(pair for pair, flag in OPERANDS.items()
