@@ -16,7 +16,7 @@ fixed rule (nothing timed):
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
-  bytes) where it takes the operands (AVX-512 with AVX512-BF16, the library built; through
+  bytes) where it takes the operands (AVX-512 with AVX512-BF16, or torch's AVX2 kernels, the library built; through
   ``headwise.linear.project`` and ``project_many``, the models' calls, that decision and the layers'
   weights stacked and packed are kept while their tensors are unchanged: ``Int8Linear.decode_call``); else, where
   ``int8_mm_takes`` accepts the operands, that kernel, with bfloat16 activations (its only

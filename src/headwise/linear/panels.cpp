@@ -8,8 +8,9 @@
 // - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
 // - bfloat16: panels (ceil(N/32), K + K % 2, 32), each step a pair of k for every column ((k, k+1) side by
 //   side, K padded with a zero); one vdpbf16ps adds a pair's two products (exact in float32) to each float32
-//   sum; the sum plus the bias is rounded to bfloat16 once. On a CPU without AVX512-BF16 each step is widened
-//   to float32 in registers (the even k's and the odd k's), its two products added as vdpbf16ps adds them.
+//   sum; the sum plus the bias is rounded to bfloat16 once. Without vdpbf16ps (built for torch's AVX2 kernels,
+//   or a CPU without AVX512-BF16) each step is widened to float32 in registers (the even k's and the odd k's),
+//   its two products added as vdpbf16ps adds them: the same sums.
 //   On a CPU with AMX's bfloat16 tiles a call of TILE_ROWS rows or more runs in them instead: 16 steps
 //   of a panel are a tile of the weight as tdpbf16ps wants it (loaded with a 128-byte stride), 16 rows
 //   by 32 k of x another, two blocks of 16 rows at a time (tiles_by_panel).
@@ -113,7 +114,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void pair_step(const int8_t
   w1 = _mm512_cvtne2ps_pbh(widened(p + 48), widened(p + 32));
 }
 
-// One step of a panel's LANES columns (LANES pairs of k) widened to two float32 vectors, without AVX512-BF16: the even k's
+// One step of a panel's LANES columns (LANES pairs of k) widened to two float32 vectors, without vdpbf16ps: the even k's
 // and the odd k's. A bfloat16 is the top half of its float32; an int8 pair is one int16, sign-extended, then each byte.
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef int32_t svec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -140,7 +141,7 @@ inline float high_half(uint32_t bits) {
   return f;
 }
 
-// pairs_by_panel's sums on a CPU without AVX512-BF16: each pair's two products (exact in float32) added to the float32
+// pairs_by_panel's sums without vdpbf16ps: each pair's two products (exact in float32) added to the float32
 // sums as vdpbf16ps adds them, the odd k's first, on the compiler's vectors of torch's instruction set
 template <int M, typename W>
 void widened_pairs_by_panel(const uint32_t* x, int64_t pairs, const W* panel, float* sums) {
