@@ -392,3 +392,46 @@ def _takes_cases(make_case, needs, cases):
 def test_int8_weights_take_bfloat16_or_int8_x_and_no_bias(make_case, make, takes):
     x, w = make_case(4, 40, 16)
     assert panels.takes(*make(x, w)) == takes
+
+
+def pair_outputs() -> dict[str, torch.Tensor]:
+    """The panels' bfloat16 x by bfloat16 and int8 weights (``panels_linear``, ``panels_int8_scaled``) on seeded cases:
+    every row count a block of sums takes (1-8, 17, 40), widths and depths off the panel and pair boundaries."""
+    out = {}
+    for n, k in [(100, 70), (33, 1), (64, 2), (2304, 768)]:
+        for rows in (1, 2, 3, 5, 8, 17, 40):
+            x, w, b = case(rows, n, k, True, torch.bfloat16, seed=rows)
+            wi = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(rows), dtype=torch.int8)
+            scales = torch.rand(n, generator=torch.Generator().manual_seed(n))
+            bf16, int8 = torch.ops.headwise.pack_panels(w), torch.ops.headwise.pack_panels(wi)
+            out[f"{n}x{k} {rows} rows, bfloat16"] = torch.ops.headwise.panels_linear(x, bf16, b, n)
+            out[f"{n}x{k} {rows} rows, bfloat16, no bias"] = torch.ops.headwise.panels_linear(x, bf16, None, n)
+            out[f"{n}x{k} {rows} rows, int8 sums"] = torch.ops.headwise.panels_linear(x, int8, None, n)
+            out[f"{n}x{k} {rows} rows, int8 scaled"] = torch.ops.headwise.panels_int8_scaled(x.float(), int8, scales, b.float(), n)
+    return out
+
+
+@needs_panels
+def test_the_widened_pairs_under_avx2_give_this_builds_bits(tmp_path):
+    """Under torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``: the library built with AVX2's flags) bfloat16 and int8
+    weights by bfloat16 x run each pair widened to float32 in registers, its two products added as vdpbf16ps adds them:
+    the same bits as this process's build (vdpbf16ps where the CPU has AVX512-BF16), case by case."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2: torch runs its plain kernels whatever it is asked")
+    saved = tmp_path / "avx2.pt"
+    code = (
+        "import sys, torch; sys.path.insert(0, TESTS); import test_linear_panels as t; "
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability(); "
+        "assert t.panels.available(); torch.save(t.pair_outputs(), SAVED)"
+    ).replace("TESTS", repr(str(Path(__file__).parent))).replace("SAVED", repr(str(saved)))
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs, ours = torch.load(saved, weights_only=True), pair_outputs()
+    assert list(theirs) == list(ours)
+    assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
