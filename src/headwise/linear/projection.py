@@ -23,7 +23,7 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 
 from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
-from .rule import AVX2_BF16_ROWS, DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
+from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
 from .weight_cache import READY, STACKED, cached, state, watchable
 
 _frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
@@ -294,7 +294,7 @@ def _decide(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> 
     1..``DECODE_ROWS`` rows: plain ``nn.Linear`` layers, and layers of one class that offers
     ``decode_call(layers, x)`` (``headwise.quantize.Int8Linear``): what its layers run for such an x,
     prepared, as (a function, what it takes after x), or None. It is keyed by the layers, x's dtype and device, whether x has at most
-    ``GEMV_ROWS`` rows and at most ``AVX2_BF16_ROWS``, the path setting, and remade when any of the layers' tensors changes
+    ``GEMV_ROWS`` rows, the path setting, and remade when any of the layers' tensors changes
     (``weight_cache.state``); an inference tensor, a changing world (torch.distributed) or a weight
     that cannot be packed once never gets one. The numbers are the full path's: the same function on
     the same prepared weight (with ``gelu``, a plain ``nn.Linear``'s: the full path's GELU, kept apart from the plain call).
@@ -346,8 +346,8 @@ def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Ca
           gelu: str | None = None) -> Ready | None:
     """The ``Ready`` kept for ``owners`` (the layers, or the tensors themselves) and this x (and ``gelu``), made by
     ``prepare(params)`` when missing or stale (``params``: every tensor the call reads, whose ``state`` it holds)."""
-    rows = x.numel() // x.shape[-1]  # the rule may decide 1..GEMV_ROWS and 1..AVX2_BF16_ROWS rows apart from the rest
-    key = (*map(id, owners), x.dtype, x.device, rows <= GEMV_ROWS, rows <= AVX2_BF16_ROWS, _path_setting(), torch.backends.mkldnn.enabled, gelu)
+    rows = x.numel() // x.shape[-1]  # the rule may decide 1..GEMV_ROWS rows apart from the rest
+    key = (*map(id, owners), x.dtype, x.device, rows <= GEMV_ROWS, _path_setting(), torch.backends.mkldnn.enabled, gelu)
     entry = READY.get(key)
     if entry is not None and entry.state == state(params) and entry.k == x.shape[-1]:
         return entry

@@ -8,8 +8,8 @@ Nothing is timed. A call's path follows, in order:
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
    everything else (Intel, ARM; bfloat16 but as in 3 and below) is ``torch``; bfloat16 inference calls of more than
    ``DECODE_ROWS`` rows on a CPU without native bfloat16 dot products (no ``avx512_bf16`` or ``amx_bf16``: AVX2
-   CPUs among them) take ``widened``: ``F.linear`` of the operands widened to float32 (products exact), the sums
-   rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs
+   CPUs among them; there, more than ``AVX2_BF16_ROWS`` where the panels take them, as in 3) take ``widened``:
+   ``F.linear`` of the operands widened to float32 (products exact), the sums rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs
    at a fraction of it there; docs: decoding); where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
@@ -20,8 +20,8 @@ Nothing is timed. A call's path follows, in order:
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
    of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), and of
-   float32 or bfloat16 on a CPU whose torch kernels run AVX2 (bfloat16 widened to float32 in registers), takes
-   the panels GEMM (a decode step's weights read at about memory's rate, where the library builds; on AMD's AVX2
+   float32 or bfloat16 on a CPU whose torch kernels run AVX2 (bfloat16 widened to float32 in registers, and up to
+   ``AVX2_BF16_ROWS`` rows, not ``DECODE_ROWS``), takes the panels GEMM (a decode step's weights read at about memory's rate, where the library builds; on AMD's AVX2
    CPUs MKL's float32 GEMV, its GEMM of 4-16 rows and torch's bfloat16 GEMV read them far slower: docs, decoding);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
@@ -76,8 +76,9 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
-AVX2_BF16_ROWS = 8  # rows up to which bfloat16 takes the panels where torch's kernels run AVX2: each pair widened in registers,
-#                     the arithmetic binds from about 8 rows, where torch's bfloat16 GEMV was level
+AVX2_BF16_ROWS = 64  # rows up to which bfloat16 takes the panels where torch's kernels run AVX2 (each pair widened in
+#                      registers; torch's own bfloat16 GEMM has no dot products there): from about 128 rows a float32 GEMM of
+#                      the operands widened once in memory (``widened``) is level, then faster
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -133,29 +134,29 @@ def _library_built() -> bool:
     return native.built()
 
 
-def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str] | None:
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took 1.1-1.3x the time), and more than ``DECODE_ROWS`` rows where torch's kernels run AVX2 (the panels' 2
-    rows of sums a read of the weight: torch's GEMM was the faster from 64 rows), and bfloat16 of more than
-    ``AVX2_BF16_ROWS`` rows there (``avx2_bf16_rows`` False: each pair is widened in registers, and from about 8 rows the
-    arithmetic binds)."""
+    panels took 1.1-1.3x the time), and float32 of more than ``DECODE_ROWS`` rows where torch's kernels run AVX2 (the
+    panels' 2 rows of sums a read of the weight: torch's GEMM was level from 64 rows); bfloat16 there takes them at
+    1-``AVX2_BF16_ROWS`` rows (``avx2_bf16_rows``), each pair widened in registers."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
     avx2 = facts["capability"] == "AVX2"
-    if ((tiles or avx2) and not few_rows) or (avx2 and dtype == torch.bfloat16 and not avx2_bf16_rows):
+    if avx2 and dtype == torch.bfloat16:
+        return ("panels", f"bfloat16 inference, 1-{AVX2_BF16_ROWS} rows, AVX2 kernels, each pair widened to float32 in "
+                          "registers: headwise's C++ GEMM over the weight packed once in 32-column panels (torch's own "
+                          "bfloat16 GEMM, without dot products, reads the weight 4-6x slower)") if avx2_bf16_rows else None
+    if (tiles or avx2) and not few_rows:
         return None
     kernels = "AVX2 kernels" if avx2 else "AVX-512 kernels" + (f" and {flag}" if flag else "")
     if tiles:
         kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)"
-    rows = DECODE_ROWS
-    if avx2 and dtype == torch.bfloat16:
-        kernels, rows = "AVX2 kernels, each pair widened to float32 in registers", AVX2_BF16_ROWS
     if few_rows:
-        return "panels", (f"{name} inference, 1-{rows} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
+        return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
     if not gelu and (dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD"):
         return "panels", (f"{name} inference, {kernels}" + (", AMD" if dtype == torch.float32 else "") + ": headwise's C++ "
@@ -167,7 +168,7 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
 
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True,
-          gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str]:
+          gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
     ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
@@ -181,7 +182,7 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, record
     if dtype == torch.bfloat16 and (few_rows or not recorded):
         flags = bf16_flags_on(facts)
         if not flags and not few_rows:
-            return "widened", (f"bfloat16 inference of more than {DECODE_ROWS} rows on a CPU without {' or '.join(BF16_FLAGS)}: a "
+            return "widened", (f"bfloat16 inference of many rows on a CPU without {' or '.join(BF16_FLAGS)}: a "
                                "float32 GEMM of the operands widened (exact), its sums rounded once to bfloat16, as torch's "
                                "bfloat16 GEMM rounds them (which, without native bfloat16 dot products, runs at a fraction "
                                "of float32's rate)")
@@ -219,7 +220,7 @@ def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
-              kept: bool = True, gelu: bool = False, avx2_bf16_rows: bool = True) -> tuple[str, str]:
+              kept: bool = True, gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
     packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_bf16_rows``: at most ``AVX2_BF16_ROWS`` rows);
