@@ -129,13 +129,13 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
         assert gelu == (want if rows <= hl.DECODE_ROWS or vendor != "AuthenticAMD" else "onednn"), rows
     machine(vendor, "AVX512", flags, library=False)
     assert "panels" not in (hl.choose_few_rows(torch.float32)[0], hl.choose_few_rows(torch.bfloat16)[0], hl.choose(torch.float32)[0])
-    machine(vendor, "AVX2", ["avx2"], library=True)  # float32 decode-shaped calls; bfloat16 up to AVX2_BF16_ROWS rows
+    machine(vendor, "AVX2", ["avx2"], library=True)  # up to AVX2_ROWS rows, decode-shaped or not
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == "panels"
     assert hl.choose(torch.float32)[0] == "torch"
-    assert hl.choose(torch.bfloat16)[0] == "widened"  # many rows: beyond AVX2_BF16_ROWS
-    assert hl.choose_few_rows(torch.float32)[1].startswith("float32 inference, 1-16 rows, AVX2 kernels")
+    assert hl.choose(torch.bfloat16)[0] == "widened"  # many rows: beyond AVX2_ROWS
+    assert hl.choose_few_rows(torch.float32)[1].startswith(f"float32 inference, 1-{hl.AVX2_ROWS} rows, AVX2 kernels:")
     assert hl.choose_few_rows(torch.bfloat16, 1)[0] == hl.choose_few_rows(torch.bfloat16)[0] == "panels"
-    assert hl.choose_few_rows(torch.bfloat16)[1].startswith(f"bfloat16 inference, 1-{hl.AVX2_BF16_ROWS} rows, AVX2 kernels, each pair widened")
+    assert hl.choose_few_rows(torch.bfloat16)[1].startswith(f"bfloat16 inference, 1-{hl.AVX2_ROWS} rows, AVX2 kernels, each pair widened")
     assert hl.describe()["compiled_step"]["float32"]["path"] == "inductor"  # a compiled step's: not measured with AVX2
 
 
@@ -320,24 +320,28 @@ def test_a_kept_decode_call_follows_the_rows_band(machine):
             assert ((out.double() - ref_linear(x, lin.weight, lin.bias)).norm() / out.double().norm()).item() < 1e-6
 
 
-def test_bf16_rows_on_avx2_take_the_panels_up_to_their_bound(machine):
-    """Where torch's kernels run AVX2, a bfloat16 inference call of 1..AVX2_BF16_ROWS rows takes the panels (each pair
-    widened to float32 in registers; a decode-shaped one kept) and one of more rows ``widened``, each output within
-    half a bfloat16 step of the float64 sum (but for the sums' order)."""
+@pytest.mark.parametrize("dtype, beyond", [(torch.float32, "torch"), (torch.bfloat16, "widened")])
+def test_rows_on_avx2_take_the_panels_up_to_their_bound(machine, dtype, beyond):
+    """Where torch's kernels run AVX2, a float32 or bfloat16 inference call of 1..AVX2_ROWS rows takes the panels
+    (bfloat16: each pair widened to float32 in registers; a decode-shaped call kept) and one of more rows F.linear
+    (bfloat16: ``widened``), as do those of a small weight; each output within float32's or half a bfloat16 step's rounding of the float64 sum."""
     machine("AuthenticAMD", "AVX2", ["avx2"], library=True)
-    if (torch.bfloat16, torch.bfloat16) not in panels.operands(compiled=False):
-        pytest.skip("the panels do not multiply bfloat16 here")
-    lin = torch.nn.Linear(K, N).to(torch.bfloat16)
+    if (dtype, dtype) not in panels.operands(compiled=False):
+        pytest.skip(f"the panels do not multiply {dtype} here")
+    lin = torch.nn.Linear(K, N).to(dtype)
     with torch.no_grad():
-        for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, hl.AVX2_BF16_ROWS, hl.AVX2_BF16_ROWS + 1):
-            x = decode_case(rows, torch.bfloat16)[0]  # (rows, 1, K)
-            assert hl.path_for(x, lin.weight, lin.bias) == ("panels" if rows <= hl.AVX2_BF16_ROWS else "widened"), rows
+        for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, hl.AVX2_ROWS, hl.AVX2_ROWS + 1):
+            x = decode_case(rows, dtype)[0]  # (rows, 1, K)
+            assert hl.path_for(x, lin.weight, lin.bias) == ("panels" if rows <= hl.AVX2_ROWS else beyond), rows
             out = hl.project(lin, x)
             if rows <= hl.DECODE_ROWS:
                 kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key and key[-4] == (rows <= hl.GEMV_ROWS)]
                 assert len(kept) == 1 and kept[0].run is torch.ops.headwise.panels_linear, rows
             ref = ref_linear(x, lin.weight, lin.bias)  # float64 of the rounded operands
-            assert out.dtype == torch.bfloat16 and ((out.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3).all(), rows
+            step = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+            assert out.dtype == dtype and ((out.double() - ref).abs() <= ref.abs() * step + step).all(), rows
+        small = torch.nn.Linear(256, 256).to(dtype)  # under MIN_DECODE_WEIGHT: its rows run faster in MKL's GEMM
+        assert hl.path_for(torch.randn(hl.MIN_ROWS, 256).to(dtype), small.weight, small.bias) == beyond
 
 
 def test_a_decode_call_of_inference_tensors_is_not_kept():

@@ -2,6 +2,7 @@
 
 import torch
 
+import headwise.linear as hl
 from headwise.bench import projections as bench
 from headwise.linear import onednn, panels
 
@@ -19,7 +20,7 @@ def test_main_prints_one_row_per_projection_and_row_count_under_a_header_naming_
     out = capsys.readouterr().out
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
-    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |")) or "| widened: " in line for line in rows)
+    assert len(rows) == 4 and all(line.endswith(("| torch |", "| onednn |", "| panels |", "| widened |")) for line in rows)
 
 
 def test_onednn_is_left_out_where_its_private_ops_fail(monkeypatch):
@@ -29,9 +30,13 @@ def test_onednn_is_left_out_where_its_private_ops_fail(monkeypatch):
     assert r.torch_ms > 0 and r.onednn_ms is None and r.ratio is None
 
 
-def test_the_widened_way_is_timed_where_the_rule_takes_it(machine, monkeypatch):
-    """bfloat16 rows on a CPU without its dot products: the rule's ``widened`` is timed beside F.linear."""
+def test_the_widened_way_is_timed_for_bfloat16_on_a_cpu_without_its_dot_products(machine, monkeypatch):
+    """bfloat16 rows on a CPU without its dot products: ``widened`` is timed beside F.linear at every row count,
+    whichever path the rule takes; a float32 call's is not."""
     machine("AuthenticAMD", "AVX2", ["avx2"])
     monkeypatch.setattr(onednn, "ops_error", lambda dtype: "refused")  # as on such a CPU: oneDNN is not timed
-    r = bench.projection("tiny", 64, torch.bfloat16, shape=(2304, 64), repeats=2)
-    assert r.auto == "widened" and r.widened_ms is not None and r.widened_ms > 0
+    for rows in (1, hl.AVX2_ROWS + 1):
+        r = bench.projection("tiny", rows, torch.bfloat16, shape=(2304, 64), repeats=2)
+        assert r.widened_ms is not None and r.widened_ms > 0, rows
+    assert r.auto == "widened"  # more rows than the panels take there
+    assert bench.projection("tiny", 1, torch.float32, shape=(2304, 64), repeats=2).widened_ms is None

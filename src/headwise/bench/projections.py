@@ -6,8 +6,8 @@ weight on each call), oneDNN's inner product on the weight packed once (``headwi
 and, where they run, the panels GEMM on the weight packed once (``headwise.linear.panels``),
 interleaved, medians (oneDNN's only where its private ops work in that dtype: ``onednn.ops_error``; on CPUs without
 AVX-512 they refuse bfloat16); ``auto`` names the path the rule takes for that call on this machine
-(``headwise.linear.path_for``; where it is ``widened``, the float32 GEMM of the widened operands is timed too and the
-column gives its ms and its ratio to ``F.linear``). Nothing here decides anything: the rule reads CPU facts only.
+(``headwise.linear.path_for``); for bfloat16 on a CPU without native bfloat16 dot products the float32 GEMM of the
+operands widened (``widened``) is timed too. Nothing here decides anything: the rule reads CPU facts only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .. import _argtypes
 from ..linear import onednn, panels, path_for
 from ..linear.projection import widened
+from ..machine import bf16_flags_on, cpu
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -40,7 +41,7 @@ class Row:
     onednn_ms: float | None
     auto: str
     panels_ms: float | None = None
-    widened_ms: float | None = None  # where the rule takes ``widened`` (bfloat16 on a CPU without its dot products)
+    widened_ms: float | None = None  # bfloat16 on a CPU without its dot products: ``widened``
 
     @property
     def ratio(self) -> float | None:
@@ -63,7 +64,7 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
     if panels.takes(x, weight, bias):
         ways["panels"] = lambda: panels.run(x, weight, bias)  # the weight packed at the first call, kept
     auto = path_for(x, weight, bias)
-    if auto == "widened":
+    if dtype == torch.bfloat16 and not bf16_flags_on(cpu()):
         ways["widened"] = lambda: widened(x, weight, bias)
     times = interleaved(ways, repeats=repeats, warmup=1)
     ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
@@ -86,16 +87,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print(f"One projection's GEMM, inference, GPT-2 small's shapes; {machine()}; median ms\n")
     print("| dtype | projection | rows | F.linear | oneDNN, packed once | packed / F.linear | panels, packed once | panels / F.linear "
-          "| the rule takes |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+          "| widened | widened / F.linear | the rule takes |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for dtype in args.dtypes:
         for name in args.names:
             for rows in args.rows:
                 r = projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
                 theirs = f"{r.onednn_ms:.3f} | {r.ratio:.2f}x" if r.onednn_ms is not None else "— | —"
                 ours = f"{r.panels_ms:.3f} | {r.panels_ms / r.torch_ms:.2f}x" if r.panels_ms is not None else "— | —"
-                auto = r.auto if r.widened_ms is None else f"widened: {r.widened_ms:.3f}, {r.widened_ms / r.torch_ms:.2f}x"
-                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {theirs} | {ours} | {auto} |", flush=True)
+                wide = f"{r.widened_ms:.3f} | {r.widened_ms / r.torch_ms:.2f}x" if r.widened_ms is not None else "— | —"
+                print(f"| {dtype} | {name} | {rows} | {r.torch_ms:.3f} | {theirs} | {ours} | {wide} | {r.auto} |", flush=True)
 
 
 if __name__ == "__main__":

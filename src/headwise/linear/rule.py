@@ -8,9 +8,10 @@ Nothing is timed. A call's path follows, in order:
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
    everything else (Intel, ARM; bfloat16 but as in 3 and below) is ``torch``; bfloat16 inference calls of more than
    ``DECODE_ROWS`` rows on a CPU without native bfloat16 dot products (no ``avx512_bf16`` or ``amx_bf16``: AVX2
-   CPUs among them; there, more than ``AVX2_BF16_ROWS`` where the panels take them, as in 3) take ``widened``:
-   ``F.linear`` of the operands widened to float32 (products exact), the sums rounded once to bfloat16, as torch's bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs
-   at a fraction of it there; docs: decoding); where the library builds
+   CPUs among them; there, more than ``AVX2_ROWS`` where the panels take bfloat16, as in 3) take ``widened``:
+   ``F.linear`` of the operands widened to float32 (products exact), the sums rounded once to bfloat16, as torch's
+   bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs at a fraction of it there; docs:
+   decoding); where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
    a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
@@ -19,10 +20,11 @@ Nothing is timed. A call's path follows, in order:
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
-   of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), and of
-   float32 or bfloat16 on a CPU whose torch kernels run AVX2 (bfloat16 widened to float32 in registers, and up to
-   ``AVX2_BF16_ROWS`` rows, not ``DECODE_ROWS``), takes the panels GEMM (a decode step's weights read at about memory's rate, where the library builds; on AMD's AVX2
-   CPUs MKL's float32 GEMV, its GEMM of 4-16 rows and torch's bfloat16 GEMV read them far slower: docs, decoding);
+   of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), takes the panels GEMM
+   (a decode step's weights read at about memory's rate, where the library builds); on a CPU whose torch kernels
+   run AVX2, so does an inference call of float32 or bfloat16 (widened to float32 in registers) of up to
+   ``AVX2_ROWS`` rows and a weight of at least ``MIN_DECODE_WEIGHT`` elements, decode-shaped or not (MKL's float32 GEMV and GEMM of few rows on AMD's AVX2 CPUs, and torch's
+   bfloat16 GEMM, read the weights far slower: docs, decoding);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
@@ -76,9 +78,9 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
-AVX2_BF16_ROWS = 64  # rows up to which bfloat16 takes the panels where torch's kernels run AVX2 (each pair widened in
-#                      registers; torch's own bfloat16 GEMM has no dot products there): from about 128 rows a float32 GEMM of
-#                      the operands widened once in memory (``widened``) is level, then faster
+AVX2_ROWS = 64  # rows up to which an inference call takes the panels where torch's kernels run AVX2 (float32, and
+#                 bfloat16 widened in registers): from 64 rows MKL's float32 GEMM is level, and from about 128 a float32 GEMM
+#                 of bfloat16 operands widened once in memory (``widened``)
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -134,27 +136,26 @@ def _library_built() -> bool:
     return native.built()
 
 
-def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str] | None:
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took 1.1-1.3x the time), and float32 of more than ``DECODE_ROWS`` rows where torch's kernels run AVX2 (the
-    panels' 2 rows of sums a read of the weight: torch's GEMM was level from 64 rows); bfloat16 there takes them at
-    1-``AVX2_BF16_ROWS`` rows (``avx2_bf16_rows``), each pair widened in registers."""
+    panels took 1.1-1.3x the time). Where torch's kernels run AVX2 the panels take calls of 1-``AVX2_ROWS`` rows
+    of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
+    (the panels' 2 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
+    fast or faster)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
+    if facts["capability"] == "AVX2":
+        widening = ", each pair widened to float32 in registers" if dtype == torch.bfloat16 else ""
+        return ("panels", f"{name} inference, 1-{AVX2_ROWS} rows, AVX2 kernels{widening}: headwise's C++ GEMM over the "
+                          "weight packed once in 32-column panels (on AMD's AVX2 CPUs MKL's float32 GEMV and its GEMM of few "
+                          "rows, and torch's bfloat16 GEMM without dot products, read the weight far slower)") if avx2_rows else None
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
-    avx2 = facts["capability"] == "AVX2"
-    if avx2 and dtype == torch.bfloat16:
-        return ("panels", f"bfloat16 inference, 1-{AVX2_BF16_ROWS} rows, AVX2 kernels, each pair widened to float32 in "
-                          "registers: headwise's C++ GEMM over the weight packed once in 32-column panels (torch's own "
-                          "bfloat16 GEMM, without dot products, reads the weight 4-6x slower)") if avx2_bf16_rows else None
-    if (tiles or avx2) and not few_rows:
+    if tiles and not few_rows:
         return None
-    kernels = "AVX2 kernels" if avx2 else "AVX-512 kernels" + (f" and {flag}" if flag else "")
-    if tiles:
-        kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)"
+    kernels = f"AVX-512 kernels, {flag} and AMX tiles (4 rows or more)" if tiles else "AVX-512 kernels" + (f" and {flag}" if flag else "")
     if few_rows:
         return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
@@ -168,13 +169,13 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
 
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True,
-          gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str]:
+          gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
     ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
-    follows, ``linear``'s ``gelu``; ``avx2_bf16_rows``: at most ``AVX2_BF16_ROWS`` rows)."""
+    follows, ``linear``'s ``gelu``; ``avx2_rows``: at most ``AVX2_ROWS`` rows of a weight of ``MIN_DECODE_WEIGHT`` or more)."""
     facts = cpu()
-    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu, avx2_bf16_rows)):
+    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu, avx2_rows)):
         return path
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -216,14 +217,14 @@ def choose(dtype: torch.dtype = torch.float32, *, recorded: bool = False) -> tup
 def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS) -> tuple[str, str]:
     """The path for ``dtype`` and why when a call has ``rows`` <= ``DECODE_ROWS`` rows and a weight of at
     least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
-    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS, avx2_bf16_rows=rows <= AVX2_BF16_ROWS)
+    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS, avx2_rows=rows <= AVX2_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
-              kept: bool = True, gelu: bool = False, avx2_bf16_rows: bool = False) -> tuple[str, str]:
+              kept: bool = True, gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
-    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_bf16_rows``: at most ``AVX2_BF16_ROWS`` rows);
+    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_rows``: at most ``AVX2_ROWS`` rows of a big weight);
     ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
@@ -234,7 +235,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
         return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu, avx2_bf16_rows)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu, avx2_rows)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -321,8 +322,8 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    avx2_bf16_rows = size <= AVX2_BF16_ROWS * k
-    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_bf16_rows=avx2_bf16_rows)[0]
+    avx2_rows = big and size <= AVX2_ROWS * k  # (a small weight's rows run faster in MKL's float32 GEMM)
+    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_rows=avx2_rows)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
             return "torch"
@@ -330,7 +331,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
             return "panels"
         if setting == "panels":
             return "torch"
-        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu, avx2_bf16_rows=avx2_bf16_rows)[0]  # nothing packed could be kept: the rule without the panels
+        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu, avx2_rows=avx2_rows)[0]  # nothing packed could be kept: the rule without the panels
     if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
         return "onednn"
     if path == "widened" and x.device.type == "cpu" and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
