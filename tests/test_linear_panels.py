@@ -98,10 +98,11 @@ def test_the_panels_and_onednn_take_turns_in_one_thread(dtype):
     """On a CPU with AMX the bfloat16 panels load their own tile configuration (4 rows or more) and release it; oneDNN's
     AMX kernels, run before and after in the same threads, configure theirs again: every call stays exact."""
     x, w, b = case(40, 96, 3072, True, dtype)
-    packed = onednn.packed(w)
+    packed = onednn.packed(w) if onednn.ops_error(dtype) is None else None  # (oneDNN refuses bfloat16 without AVX-512)
     for rows in (1, 8, 40, 8):
         within_float32(panels.linear(x[:rows], w, b), x[:rows], w, b)
-        within_float32(onednn.inner_product(x[:rows], packed, b), x[:rows], w, b)
+        if packed is not None:
+            within_float32(onednn.inner_product(x[:rows], packed, b), x[:rows], w, b)
 
 
 @needs_panels
