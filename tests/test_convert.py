@@ -68,20 +68,24 @@ def test_mha_to_gpt2_and_back_keep_the_function(kv_heads, group, head_dim, token
 @pytest.mark.parametrize(
     ("d", "heads", "kv_heads", "tokens"), [(4, 2, 2, 3), (24, 4, 2, 9), (64, 8, 1, 16), (768, 12, 12, 32), (768, 12, 4, 8)]
 )
-def test_outputs_agree_to_1e_6_in_float32(d, heads, kv_heads, tokens):
+def test_outputs_agree_in_float32(d, heads, kv_heads, tokens):
+    """The three layouts of one attention give the same float32 outputs but for the rounding of their sums: each
+    form's projections may run another kernel (MKL's blocked sums, the panels' k in turn), and a sum of d products
+    rounds differently by about sqrt(d) ulps; 1e-6 up to d = 64."""
     torch.manual_seed(19)
     x = torch.randn(2, tokens, d)
+    tol = 1e-6 * max(1.0, (d / 64) ** 0.5)
     if kv_heads == heads:  # the wrapper has no GQA form
         wrapper = _randomise(hw.MultiHeadAttentionWrapper(d, d // heads, 32, 0.0, heads, True))
         mha = hw.wrapper_to_mha(wrapper)
         with torch.no_grad():
-            torch.testing.assert_close(mha(x), wrapper(x), atol=1e-6, rtol=0)
+            torch.testing.assert_close(mha(x), wrapper(x), atol=tol, rtol=0)
     mha = _randomise(hw.MultiHeadAttention(d, d, 32, 0.0, heads, True, num_kv_heads=kv_heads))
     gpt2 = hw.mha_to_gpt2(mha)
     with torch.no_grad():
         y = mha(x)
-        torch.testing.assert_close(gpt2(x), y, atol=1e-6, rtol=0)
-        torch.testing.assert_close(hw.gpt2_to_mha(gpt2)(x), y, atol=1e-6, rtol=0)
+        torch.testing.assert_close(gpt2(x), y, atol=tol, rtol=0)
+        torch.testing.assert_close(hw.gpt2_to_mha(gpt2)(x), y, atol=tol, rtol=0)
 
 
 def test_conversions_keep_dtype():
