@@ -13,7 +13,8 @@ the bias applied in float32, the result in the input's dtype. The products of a 
 int8 value are exact in float32, so the paths differ only in the order of their sums. How, by one
 fixed rule (nothing timed):
 
-- on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input, no autograd, torch has
+- on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input (eagerly where torch's kernels run AVX2, up to
+  ``AVX2_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take), no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
   bytes) where it takes the operands (AVX-512 with AVX512-BF16, or torch's AVX2 kernels, the library built; through
@@ -61,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import DECODE_ROWS, panels, projection
+from .linear import AVX2_ROWS, DECODE_ROWS, MIN_DECODE_WEIGHT, panels, projection
 from .linear.onednn import recorded
 from .machine import amx_int8_on, bf16_flags, cpu
 
@@ -377,8 +378,16 @@ class Int8Linear(nn.Module):
         return op, (packed, scales, None if bias is None else bias.float(), n)
 
     def _few_rows(self, x: Tensor) -> bool:
-        """CPU tensors, at most ``DECODE_ROWS`` rows, no autograd: a decode step's."""
-        return x.is_cpu and self.weight.is_cpu and x.numel() <= DECODE_ROWS * self.in_features and not recorded(x)
+        """CPU tensors, no autograd, at most ``DECODE_ROWS`` rows (a decode step's), or, eagerly where torch's kernels
+        run AVX2, at most ``AVX2_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take (there
+        they beat the float32 GEMM of the weight widened on every call, as the rule's float32 and bfloat16 calls do)."""
+        if not (x.is_cpu and self.weight.is_cpu and not recorded(x)):
+            return False
+        size, k = x.numel(), self.in_features
+        if size <= DECODE_ROWS * k:
+            return True
+        return (size <= AVX2_ROWS * k and self.weight.numel() >= MIN_DECODE_WEIGHT and cpu()["capability"] == "AVX2"
+                and not torch.compiler.is_compiling() and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
     def _decode_shaped(self, x: Tensor) -> bool:
         """The rule before the kernel's guard: bf16 activations, a decode step's rows (``_few_rows``), the kernel present."""
