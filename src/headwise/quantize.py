@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import AVX2_ROWS, DECODE_ROWS, MIN_DECODE_WEIGHT, panels, projection
+from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
+from .linear.rule import avx2_band
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -386,8 +387,8 @@ class Int8Linear(nn.Module):
         size, k = x.numel(), self.in_features
         if size <= DECODE_ROWS * k:
             return True
-        return (size <= AVX2_ROWS * k and self.weight.numel() >= MIN_DECODE_WEIGHT and cpu()["capability"] == "AVX2"
-                and not torch.compiler.is_compiling() and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
+        return (avx2_band(size, k, self.weight.numel()) and cpu()["capability"] == "AVX2" and not torch.compiler.is_compiling()
+                and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
     def _decode_shaped(self, x: Tensor) -> bool:
         """The rule before the kernel's guard: bf16 activations, a decode step's rows (``_few_rows``), the kernel present."""

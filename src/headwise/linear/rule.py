@@ -23,8 +23,9 @@ Nothing is timed. A call's path follows, in order:
    of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), takes the panels GEMM
    (a decode step's weights read at about memory's rate, where the library builds); on a CPU whose torch kernels
    run AVX2, so does an inference call of float32 or bfloat16 (widened to float32 in registers) of up to
-   ``AVX2_ROWS`` rows and a weight of at least ``MIN_DECODE_WEIGHT`` elements, decode-shaped or not (MKL's float32 GEMV and GEMM of few rows on AMD's AVX2 CPUs, and torch's
-   bfloat16 GEMM, read the weights far slower: docs, decoding);
+   ``AVX2_ROWS`` rows and a weight of at least ``MIN_DECODE_WEIGHT`` elements, decode-shaped or not (``avx2_band``:
+   MKL's float32 GEMV and GEMM of few rows on AMD's AVX2 CPUs, and torch's bfloat16 GEMM, read the weights far
+   slower: docs, decoding);
    otherwise float32 as in 2,
    except that on any CPU whose torch kernels run AVX-512 an inference call of more than
    ``GEMV_ROWS`` rows takes oneDNN's packed weight (MKL's GEMM behind ``F.linear`` packs the plain
@@ -131,6 +132,13 @@ def _panels_run(dtype: torch.dtype, facts: dict) -> bool:
     return dtype in onednn.DTYPES and (dtype, dtype) in panels.operands_on(facts, compiled=False) and _library_built()
 
 
+def avx2_band(size: int, k: int, weight_size: int) -> bool:
+    """Whether a call of ``size`` input elements, rows of ``k``, by a weight of ``weight_size`` elements lies in the band
+    the panels take where torch's kernels run AVX2 (step 3; ``Int8Linear``'s calls too): at most ``AVX2_ROWS`` rows of
+    a weight of ``MIN_DECODE_WEIGHT`` elements or more (a small weight's rows run faster in MKL's float32 GEMM)."""
+    return weight_size >= MIN_DECODE_WEIGHT and size <= AVX2_ROWS * k
+
+
 def _library_built() -> bool:
     """Whether headwise's C++ library (the panels GEMM's) is built here: built at the first call (``native.built``)."""
     return native.built()
@@ -217,7 +225,7 @@ def choose(dtype: torch.dtype = torch.float32, *, recorded: bool = False) -> tup
 def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS) -> tuple[str, str]:
     """The path for ``dtype`` and why when a call has ``rows`` <= ``DECODE_ROWS`` rows and a weight of at
     least ``MIN_DECODE_WEIGHT`` elements (a decode step's projections and LM head; rule step 3)."""
-    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS, avx2_rows=rows <= AVX2_ROWS)
+    return _decision(dtype, few_rows=True, gemv=rows <= GEMV_ROWS, avx2_rows=True)  # (DECODE_ROWS <= AVX2_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
@@ -322,7 +330,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    avx2_rows = big and size <= AVX2_ROWS * k  # (a small weight's rows run faster in MKL's float32 GEMM)
+    avx2_rows = avx2_band(size, k, weight.numel())
     path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_rows=avx2_rows)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
