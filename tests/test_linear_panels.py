@@ -395,12 +395,32 @@ def test_int8_weights_take_bfloat16_or_int8_x_and_no_bias(make_case, make, takes
     assert panels.takes(*make(x, w)) == takes
 
 
+@needs_panels
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(weights):
+    """Each row's outputs are the bits a call of that row alone gives, at every row count the blocks of sums branch on
+    (the rows of sums a pass, a panel widened once for many rows of bfloat16 x by int8 weights on AVX2): each sum over k
+    is the same additions in the same order. (Not where AMX tiles run bfloat16 x: they add 32 k a step.)"""
+    operands = (torch.bfloat16, torch.int8 if weights == "int8" else torch.bfloat16)
+    if weights != "fp32" and (operands not in panels.operands(compiled=False) or "amx_bf16" in hl.cpu()["flags"]):
+        pytest.skip("bfloat16 x runs vdpbf16ps or its widening here only where torch's kernels are AVX2 or AVX512-BF16 without AMX")
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    n, k = 100, 770
+    x, w, b = case(129, n, k, weights != "int8", dtype)
+    if weights == "int8":
+        w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int8)  # (N, K)
+    packed = torch.ops.headwise.pack_panels(w)
+    alone = torch.cat([torch.ops.headwise.panels_linear(x[i:i + 1], packed, b, n) for i in range(len(x))])  # (129, N)
+    for rows in (2, 3, 4, 15, 16, 17, 35, 48, 129):
+        assert torch.equal(torch.ops.headwise.panels_linear(x[:rows], packed, b, n), alone[:rows]), rows
+
+
 def pair_outputs() -> dict[str, torch.Tensor]:
     """The panels' bfloat16 x by bfloat16 and int8 weights (``panels_linear``, ``panels_int8_scaled``) on seeded cases:
-    every row count a block of sums takes (1-8, 17, 40), widths and depths off the panel and pair boundaries."""
+    every row count a block of sums takes (1-8, 15-17, 35-48), widths and depths off the panel and pair boundaries."""
     out = {}
     for n, k in [(100, 70), (33, 1), (64, 2), (2304, 768)]:
-        for rows in (1, 2, 3, 5, 8, 17, 40):
+        for rows in (1, 2, 3, 5, 8, 15, 16, 17, 35, 40, 48):  # (AVX2: an int8 panel widened once from 16 rows)
             x, w, b = case(rows, n, k, True, torch.bfloat16, seed=rows)
             wi = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(rows), dtype=torch.int8)
             scales = torch.rand(n, generator=torch.Generator().manual_seed(n))

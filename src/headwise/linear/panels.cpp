@@ -9,16 +9,17 @@
 // - bfloat16: panels (ceil(N/32), K + K % 2, 32), each step a pair of k for every column ((k, k+1) side by
 //   side, K padded with a zero); one vdpbf16ps adds a pair's two products (exact in float32) to each float32
 //   sum; the sum plus the bias is rounded to bfloat16 once. Without vdpbf16ps (built for torch's AVX2 kernels,
-//   or a CPU without AVX512-BF16) each step is widened to float32 in registers (the even k's and the odd k's),
-//   its two products added as vdpbf16ps adds them: the same sums.
+//   or a CPU without AVX512-BF16) x is widened to float32 once a call and each step of the panel in registers (the
+//   even k's and the odd k's), its two products added as vdpbf16ps adds them: the same sums.
 //   On a CPU with AMX's bfloat16 tiles a call of TILE_ROWS rows or more runs in them instead: 16 steps
 //   of a panel are a tile of the weight as tdpbf16ps wants it (loaded with a 128-byte stride), 16 rows
 //   by 32 k of x another, two blocks of 16 rows at a time (tiles_by_panel).
 // - int8 weights, bfloat16 x: int8 panels in the bfloat16 layout, a quarter of the bytes; each step's 64
 //   values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant bits), then the same
-//   vdpbf16ps (without AVX512-BF16: widened to float32, as above); the sums rounded to bfloat16 (no bias: the
-//   caller scales them). In AMX tiles
-//   (INT8_TILE_ROWS rows or more) each tile's 16 steps are widened so into a 2 KB buffer first.
+//   vdpbf16ps (without AVX512-BF16: widened to float32, as above; on the AVX2 build, from WIDEN_ROWS rows, the
+//   whole panel widened once into a float32 panel, its pairs' odd k first, taken as float32's: the same sums); the
+//   sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles (INT8_TILE_ROWS rows or more) each
+//   tile's 16 steps are widened so into a 2 KB buffer first.
 // - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
 //   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
 //   ones); one vpdpbusd adds four products to each int32 sum, and 128 times the row's sum of x is taken
@@ -57,8 +58,11 @@ constexpr int LANES = 16;   // floats per register
 constexpr int ROWS = 8;     // 8 rows x 2 registers of sums: 16 of the 32 registers
 #else
 constexpr int LANES = 8;    // AVX2 (or the compiler's own split of 8-float vectors)
-constexpr int ROWS = 2;     // 2 rows x 4 registers of sums: 8 of the 16 registers
+constexpr int ROWS = 3;     // 3 rows x 4 registers of sums: 12 of the 16 registers
 #endif
+// bfloat16 or int8 panels without vdpbf16ps: each step widened in registers (the even k's and the odd k's, a mask), two
+// broadcasts of x a row, so on AVX2 only 2 rows' sums fit in the 16 registers (3 spill theirs to memory)
+constexpr int WIDE_ROWS = LANES == 8 ? 2 : ROWS;
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 constexpr int64_t PANEL = 32;           // output columns per panel
 constexpr int VECS = PANEL / LANES;     // registers per row of a panel
@@ -142,37 +146,42 @@ inline void widened_pairs(const int8_t* p, vec& even, vec& odd) {
 #endif
 }
 
-inline float high_half(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// pairs_by_panel's sums without vdpbf16ps: each pair's two products (exact in float32) added to the float32
-// sums as vdpbf16ps adds them, the odd k's first, on the compiler's vectors of torch's instruction set
+// pairs_by_panel's sums without vdpbf16ps, for x (M rows of Kp, row stride Kp) widened to float32 once for the call, each
+// pair's odd k first (`swapped`): each pair's two products (exact in float32) added to the float32 sums as vdpbf16ps
+// adds them, the odd k's first, on the compiler's vectors of torch's instruction set
 template <int M, typename W>
-void widened_pairs_by_panel(const uint32_t* x, int64_t pairs, const W* panel, float* sums) {
+void widened_pairs_by_panel(const float* x, int64_t Kp, const W* panel, float* sums) {
   vec acc[M][VECS] = {};
-  for (int64_t kk = 0; kk < pairs; ++kk) {
+  for (int64_t kk = 0; kk < Kp / 2; ++kk) {
     ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
-    float even_x[M], odd_x[M];
-    for (int m = 0; m < M; ++m) {
-      even_x[m] = high_half(x[m * pairs + kk] << 16);
-      odd_x[m] = high_half(x[m * pairs + kk] & 0xFFFF0000u);
-    }
 #pragma GCC unroll 4
     for (int j = 0; j < VECS; ++j) {
       vec even, odd;
       widened_pairs(panel + kk * 2 * PANEL + j * 2 * LANES, even, odd);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        acc[m][j] += odd_x[m] * odd;
-        acc[m][j] += even_x[m] * even;
+        acc[m][j] += x[m * Kp + 2 * kk] * odd;
+        acc[m][j] += x[m * Kp + 2 * kk + 1] * even;
       }
     }
   }
   for (int m = 0; m < M; ++m) {
     for (int j = 0; j < VECS; ++j) std::memcpy(sums + m * PANEL + j * LANES, &acc[m][j], sizeof(vec));
+  }
+}
+
+// A panel of `pairs` steps of bfloat16 or int8 pairs widened into float32 panels' steps (Kp, PANEL), each pair's odd k
+// first: rows_by_panel over it, with x's pairs swapped alike, adds the products widened_pairs_by_panel adds, in its
+// order (the same bits), the widening done once for many rows rather than again for every WIDE_ROWS of them.
+template <typename W>
+void widen_panel(const W* panel, int64_t pairs, float* out) {
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    for (int j = 0; j < VECS; ++j) {
+      vec even, odd;
+      widened_pairs(panel + kk * 2 * PANEL + j * 2 * LANES, even, odd);
+      std::memcpy(out + 2 * kk * PANEL + j * LANES, &odd, sizeof odd);
+      std::memcpy(out + (2 * kk + 1) * PANEL + j * LANES, &even, sizeof even);
+    }
   }
 }
 
@@ -321,37 +330,62 @@ void by_rows(int64_t m, Rows rows) {
   return rows(std::integral_constant<int, MAX>{});
 }
 
-// The AMX tiles one task of parallel_for has configured (for `rows` rows; 0: none), released when the task ends.
-struct Tiles {
-  int64_t rows = 0;
-  Tiles() = default;
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-  ~Tiles() {
+// What one task of parallel_for keeps between its blocks: the AMX tiles it has configured (for `tile_rows` rows; 0: none),
+// released when the task ends, and the panel it last widened to float32 (`widened_from`, into `widened`).
+struct Task {
+  int64_t tile_rows = 0;
+  const void* widened_from = nullptr;
+  std::vector<float> widened;
+  Task() = default;
+  Task(const Task&) = delete;
+  Task& operator=(const Task&) = delete;
+  ~Task() {
 #if defined(__x86_64__)
-    if (rows) release_tiles();
+    if (tile_rows) release_tiles();
 #endif
   }
 };
 
 #if defined(__x86_64__)
 // sums (m, PANEL) = m rows of bfloat16 x (row stride Kp) . a panel of W (bfloat16 or int8): in AMX tiles where `tiles`
-// is given (configured for m rows first where they are not yet), else by vdpbf16ps where the CPU has it (`native`),
-// else widened to float32
+// (configured for m rows first where they are not yet), else by vdpbf16ps where the CPU has it (`wide` null), else
+// widened to float32 (`wide`: the same rows of x widened to float32, each pair swapped): each step of the panel in
+// registers for every WIDE_ROWS rows, but on the AVX2 build an int8 panel's for WIDEN_ROWS rows or more (an int8 step
+// takes 6 instructions to widen, a bfloat16 one 2, for 2 rows' 16 FMAs): that panel is widened once into the task's
+// float32 panel and taken ROWS rows at a time.
+constexpr int64_t WIDEN_ROWS = LANES == 8 ? 16 : std::numeric_limits<int64_t>::max();
+
 template <typename W>
-void pair_sums(const c10::BFloat16* x, int64_t Kp, int64_t m, const W* panel, float* sums, Tiles* tiles, bool native) {
-  if (!native) {
-    const uint32_t* xu = reinterpret_cast<const uint32_t*>(x);
-    return by_rows(m, [&](auto rows) { widened_pairs_by_panel<decltype(rows)::value>(xu, Kp / 2, panel, sums); });
+void pair_sums(const c10::BFloat16* x, const float* wide, int64_t Kp, int64_t m, const W* panel, float* sums, Task& task, bool tiles) {
+  if (wide != nullptr && std::is_same_v<W, int8_t> && (m >= WIDEN_ROWS || task.widened_from == panel)) {
+    if (task.widened_from != panel) {
+      task.widened.resize(Kp * PANEL);
+      widen_panel(panel, Kp / 2, task.widened.data());
+      task.widened_from = panel;
+    }
+    for (int64_t i = 0; i < m; i += ROWS) {
+      by_rows(std::min<int64_t>(ROWS, m - i), [&](auto rows) {
+        rows_by_panel<decltype(rows)::value>(wide + i * Kp, Kp, task.widened.data(), sums + i * PANEL);
+      });
+    }
+    return;
   }
-  if (tiles == nullptr) {
+  if (wide != nullptr) {
+    for (int64_t i = 0; i < m; i += WIDE_ROWS) {
+      by_rows<WIDE_ROWS>(std::min<int64_t>(WIDE_ROWS, m - i), [&](auto rows) {
+        widened_pairs_by_panel<decltype(rows)::value>(wide + i * Kp, Kp, panel, sums + i * PANEL);
+      });
+    }
+    return;
+  }
+  if (!tiles) {
     const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
     return by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xi, Kp / 2, panel, sums); });
   }
-  if (m != tiles->rows) {
+  if (m != task.tile_rows) {
     const int64_t m0 = std::min<int64_t>(16, m);
     load_tiles(m0, m - m0);
-    tiles->rows = m;
+    task.tile_rows = m;
   }
   if (m > 16) {
     tiles_by_panel<true>(x, Kp, m, panel, sums);
@@ -459,6 +493,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void store(const
 }
 #endif
 
+// bfloat16 x (M, Kp) widened to float32 for the paths without vdpbf16ps, once a call, each pair's two k swapped (the odd
+// k first, the order vdpbf16ps adds their products in): (M, Kp) float32
+at::Tensor swapped_pairs(const at::Tensor& x) {
+  return x.view({x.size(0), x.size(1) / 2, 2}).flip(-1).to(at::kFloat).view({x.size(0), x.size(1)});
+}
+
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
   const auto xt = x_.scalar_type(), pt = panels.scalar_type();
   const bool pairs = xt == at::kBFloat16, quads = xt == at::kChar, int8 = pt == at::kChar || pt == at::kByte;
@@ -496,15 +536,17 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
   const bool native = pairs && native_pairs();
   const bool tiles = native && M >= (int8 ? INT8_TILE_ROWS : TILE_ROWS) && has_bf16_tiles();
 #else
-  const bool tiles = false;
+  const bool native = false, tiles = false;
 #endif
-  const int64_t block = tiles ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
+  const at::Tensor wide = pairs && !native ? swapped_pairs(x) : at::Tensor();  // (M, K')
+  const float* wp = wide.defined() ? wide.const_data_ptr<float>() : nullptr;
+  const int64_t block = tiles || wp != nullptr ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
       alignas(64) float sums[TILE_BLOCK * PANEL];
       alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
-      Tiles task_tiles;
+      Task task;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
         for (int64_t r = r0; r < r1; r += block) {
@@ -514,9 +556,9 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             using T = c10::BFloat16;
             const T* xr = static_cast<const T*>(xp) + r * Kp;
             if (int8) {
-              pair_sums(xr, Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr, native);
+              pair_sums(xr, wp != nullptr ? wp + r * Kp : nullptr, Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums, task, tiles);
             } else {
-              pair_sums(xr, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums, tiles ? &task_tiles : nullptr, native);
+              pair_sums(xr, wp != nullptr ? wp + r * Kp : nullptr, Kp, m, static_cast<const T*>(pp) + p * Kp * PANEL, sums, task, tiles);
             }
             const T* b = bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr;
             T* o = static_cast<T*>(op) + r * N + n0;
@@ -546,7 +588,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 }
 
 // out (M, N) of an Int8Linear call's whole epilogue: for each panel p and block of at most `rows` rows from r,
-// block(m, r, p, sums, tiles) fills the block's PANEL sums of each row (float32 or int32; tiles: the task's AMX tiles),
+// block(m, r, p, sums, task) fills the block's PANEL sums of each row (float32 or int32; task: what the task keeps),
 // then out[r + i, n] = value(r + i, n, sum) in float32, stored in out's dtype (float32 or bfloat16); the panels split
 // between torch's threads.
 template <typename S, typename Block, typename Value>
@@ -556,12 +598,12 @@ void scaled_panels(int64_t M, int64_t N, int64_t P, int64_t Kp, int64_t rows, at
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, Kp * PANEL));
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     alignas(64) S sums[TILE_BLOCK * PANEL];
-    Tiles tiles;
+    Task task;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
       for (int64_t r = 0; r < M; r += rows) {
         const int64_t m = std::min<int64_t>(rows, M - r);
-        block(m, r, p, sums, tiles);
+        block(m, r, p, sums, task);
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = 0; j < width; ++j) {
             const float o = value(r + i, n0 + j, sums[i * PANEL + j]);
@@ -622,8 +664,10 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
 #if defined(__x86_64__)
   const bool native = native_pairs();  // as panels_linear decides: the same sums
   const bool tiles = native && M >= INT8_TILE_ROWS && has_bf16_tiles();
-  scaled_panels<float>(M, N, c.P, Kp, tiles ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, float* sums, Tiles& t) {
-    pair_sums(xp + r * Kp, Kp, m, pp + p * Kp * PANEL, sums, tiles ? &t : nullptr, native);
+  const at::Tensor wide = native ? at::Tensor() : swapped_pairs(x);  // (M, K')
+  const float* wp = wide.defined() ? wide.const_data_ptr<float>() : nullptr;
+  scaled_panels<float>(M, N, c.P, Kp, tiles || wp != nullptr ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, float* sums, Task& t) {
+    pair_sums(xp + r * Kp, wp != nullptr ? wp + r * Kp : nullptr, Kp, m, pp + p * Kp * PANEL, sums, t, tiles);
   }, [&](int64_t, int64_t n, float sum) {
     const float y = static_cast<float>(c10::BFloat16(sum));  // the sum rounded once
     return c.bp != nullptr ? std::fma(y, c.sp[n], c.bp[n]) : y * c.sp[n];
@@ -681,7 +725,7 @@ at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panel
   }
   const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
   const uint8_t* pp = panels.const_data_ptr<uint8_t>();
-  scaled_panels<int32_t>(M, N, c.P, Kp, ROWS, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums, Tiles&) {
+  scaled_panels<int32_t>(M, N, c.P, Kp, ROWS, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums, Task&) {
     by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, sums); });
   }, [&](int64_t i, int64_t n, int32_t sum) {
     const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(sum) - offsets[i]);

@@ -79,9 +79,9 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
-AVX2_ROWS = 64  # rows up to which an inference call takes the panels where torch's kernels run AVX2 (float32, and
-#                 bfloat16 widened in registers): from 64 rows MKL's float32 GEMM is level, and from about 128 a float32 GEMM
-#                 of bfloat16 operands widened once in memory (``widened``)
+AVX2_ROWS = 128  # rows up to which an inference call takes the panels where torch's kernels run AVX2 (float32, and
+#                  bfloat16 and int8 widened in registers): from about 256 rows MKL's float32 GEMM is level, as is a float32
+#                  GEMM of bfloat16 operands widened once in memory (``widened``)
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -152,7 +152,7 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
     panels took 1.1-1.3x the time). Where torch's kernels run AVX2 the panels take calls of 1-``AVX2_ROWS`` rows
     of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
-    (the panels' 2 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
+    (the panels' 2-3 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
     fast or faster)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     if facts["capability"] == "AVX2":
