@@ -4,6 +4,7 @@ gives it (eager and under ``torch.compile``), the op inside an inductor graph, a
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -252,3 +253,42 @@ def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def attention_outputs() -> dict[str, torch.Tensor]:
+    """The dense op on seeded cases: head sizes 64 and 128 (the vector loops; other sizes' plain loops leave their sums'
+    order to the compiler's vector width), one and three query heads a key head, float32 and bfloat16 caches, with and
+    without padding masked."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for H, Hkv, S, D in ((4, 4, 300, 64), (6, 2, 77, 128), (3, 1, 1000, 64), (2, 2, 5, 128)):
+            q, k, v = _qkv(B=2, H=H, Hkv=Hkv, S=S, D=D, dtype=dtype, seed=S)
+            real = torch.rand(2, S, generator=torch.Generator().manual_seed(S)) > 0.2  # (B, S)
+            name = f"{dtype}, {H} heads over {Hkv}, S={S}, D={D}"
+            out[name] = decode_kernel.dense(q, k, v, None, D**-0.5)
+            out[name + ", masked"] = decode_kernel.dense(q, k, v, real, D**-0.5)
+    return out
+
+
+def test_the_avx2_build_gives_this_builds_bits(tmp_path):
+    """Under torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``: the library built with AVX2's flags, whose loops run on
+    8-float registers) the dense op gives this process's AVX-512 build's numbers bit for bit, case by case: the same
+    multiply-adds and sums in the same order."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("torch runs its AVX-512 kernels only on a CPU with AVX-512: here both builds are the same")
+    saved = tmp_path / "avx2.pt"
+    code = (
+        "import sys, torch; sys.path.insert(0, TESTS); import test_decode_kernel as t; "
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability(); "
+        "assert t.decode_kernel.available(); torch.save(t.attention_outputs(), SAVED)"
+    ).replace("TESTS", repr(str(Path(__file__).parent))).replace("SAVED", repr(str(saved)))
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs, ours = torch.load(saved, weights_only=True), attention_outputs()
+    assert list(theirs) == list(ours)
+    assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []

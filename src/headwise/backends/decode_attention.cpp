@@ -26,6 +26,37 @@ namespace {
 using namespace headwise_vectors;
 
 // w[j] = exp(w[j] - top) for j < S (the softmax's numerators), and their sum.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// On AVX2's 8-float registers (GCC kept 16-float vectors, and a broadcast of top, in memory there): the two halves of
+// each 16 and of the sums side by side, so the same additions in the same order as below.
+inline float exp_sum(float* w, int64_t S, float top) {
+  const f8v t = {top, top, top, top, top, top, top, top};
+  f8v lo = {}, hi = {};
+  int64_t j = 0;
+  float tail[16];
+  for (; j < S; j += 16) {
+    float* p = w + j;
+    if (j + 16 > S) {  // the last few: padded with -inf, whose exp is 0
+      std::fill(tail, tail + 16, -std::numeric_limits<float>::infinity());
+      std::copy(w + j, w + S, tail);
+      p = tail;
+    }
+    f8v a, b;
+    __builtin_memcpy(&a, p, sizeof a);
+    __builtin_memcpy(&b, p + 8, sizeof b);
+    a = exp8(a - t);
+    b = exp8(b - t);
+    __builtin_memcpy(p, &a, sizeof a);
+    __builtin_memcpy(p + 8, &b, sizeof b);
+    lo += a;
+    hi += b;
+    if (p == tail) std::copy(tail, tail + (S - j), w + j);
+  }
+  const f8v y = lo + hi;
+  const f4v z = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
+  return (z[0] + z[1]) + (z[2] + z[3]);
+}
+#else
 inline float exp_sum(float* w, int64_t S, float top) {
   f16v total = {};
   int64_t j = 0;
@@ -45,6 +76,7 @@ inline float exp_sum(float* w, int64_t S, float top) {
   }
   return sum16(total);
 }
+#endif
 
 constexpr int64_t KEYS = 4;         // keys scored together: independent sums hide the multiply-add latency
 constexpr int64_t VALUE_ROWS = 64;  // value rows summed for every query head before the next rows (kept in L1)
@@ -137,6 +169,34 @@ void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// context_group on AVX2's 8-float registers: there GCC kept the 16-float vectors' sums in memory and built each key's
+// weight, broadcast, from 16 scalar stores (a store-forwarding stall a key). 64 columns at a time (8 registers of sums),
+// the same multiply-adds in the same order.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's top half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+template <typename T, int D, int GB>
+void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first) {
+  static_assert(D % 64 == 0, "AVX2: 64 columns a pass");
+  for (int g = 0; g < GB; ++g) {  // (GROUP is 1 here: GB > 1 is never called)
+    for (int c0 = 0; c0 < D; c0 += 64) {
+      __m256 a[8];
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        if (first && g == 0 && c0 == 0 && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);
+        const float wj = w[g * S + j];
+        if (wj == 0.f) continue;  // a masked key: its value row may hold anything
+        const __m256 wv = _mm256_set1_ps(wj);
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(wv, load8(p + j * stride + c0 + 8 * c), a[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + g * D + c0 + 8 * c, a[c]);
+    }
+  }
+}
+#else
 // acc[g] += sum_u w[g * S + u] * row u for GB query heads (w, acc offset to the group's first head; w to the run's first
 // key), rows j0 <= u < j1 of a run of n: each value row loaded once for the group, added in order; keys of weight 0 skipped
 template <typename T, int D, int GB>
@@ -163,6 +223,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
     for (int c = 0; c < C; ++c) __builtin_memcpy(acc + g * D + 16 * c, &a[g][c], sizeof a[g][c]);
   }
 }
+#endif
 
 // acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped
 template <typename T, int D>

@@ -52,44 +52,47 @@ inline f16v load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half:
 #endif
 }
 
-inline float sum16(f16v x) {  // halves added, 16 -> 8 -> 4 -> 1
-  f8v lo, hi;
-  __builtin_memcpy(&lo, &x, sizeof lo);
-  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
-  const f8v y = lo + hi;
-  f4v a, b;
-  __builtin_memcpy(&a, &y, sizeof a);
-  __builtin_memcpy(&b, reinterpret_cast<const char*>(&y) + sizeof a, sizeof b);
-  const f4v z = a + b;
+// Halves added, 16 -> 8 -> 4 -> 1. The halves taken by shuffles, which stay in registers: taken by memcpy, GCC stored
+// the vector and read its halves back through general registers (under AVX2, loads spanning two stores, each a
+// store-forwarding stall: twice a key's dot product time).
+inline float sum16(f16v x) {
+  const f8v y = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4v z = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
   return (z[0] + z[1]) + (z[2] + z[3]);
 }
 
 typedef int i16v __attribute__((vector_size(64)));
+typedef int i8v __attribute__((vector_size(32)));
 
-// exp(x) of 16 floats, x <= 0 (a score minus its row's largest), within a few float32 ulps of std::exp: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, times 2^n put into the exponent. Below -87.3 (where
-// exp leaves float32's normal range) it returns 0, so a masked key's -inf gives an exact 0; NaN stays NaN.
-inline f16v exp16(f16v x) {
-  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer held in the low bits
-  const f16v clamped = x < -88.f ? f16v{} - 88.f : x;
-  const f16v t = clamped * 1.44269504088896341f + magic;
-  const f16v n = t - magic;  // round(x / ln2)
-  const f16v r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, ln2 in two parts
-  f16v p = f16v{} + 1.9875691500e-4f;
+// exp(x) of a vector V of floats (I: ints of the same size), x <= 0 (a score minus its row's largest), within a few
+// float32 ulps of std::exp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, times 2^n put into the
+// exponent. Below -87.3 (where exp leaves float32's normal range) it returns 0, so a masked key's -inf gives an exact 0;
+// NaN stays NaN. Each lane's arithmetic is its own: exp8 on two halves is exp16's bits.
+template <typename V, typename I>
+inline V exp_of(V x) {
+  const V magic = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer held in the low bits
+  const V clamped = x < -88.f ? V{} - 88.f : x;
+  const V t = clamped * 1.44269504088896341f + magic;
+  const V n = t - magic;  // round(x / ln2)
+  const V r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, ln2 in two parts
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
-  i16v bits;
+  I bits;
   __builtin_memcpy(&bits, &t, sizeof bits);
-  const i16v exponent = (bits - 0x4B400000 + 127) << 23;  // t's low bits hold n: the float 2^n
-  f16v two_n;
+  const I exponent = (bits - 0x4B400000 + 127) << 23;  // t's low bits hold n: the float 2^n
+  V two_n;
   __builtin_memcpy(&two_n, &exponent, sizeof two_n);
-  const f16v e = p * two_n;
-  return x < -87.33654f ? f16v{} : e;
+  const V e = p * two_n;
+  return x < -87.33654f ? V{} : e;
 }
+
+inline f16v exp16(f16v x) { return exp_of<f16v, i16v>(x); }
+inline f8v exp8(f8v x) { return exp_of<f8v, i8v>(x); }  // on AVX2's registers (GCC kept 16-float vectors in memory there)
 
 // fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
 // item when it is done with one: rows of different lengths (a paged batch) share the threads evenly.
