@@ -100,10 +100,30 @@ struct Run {
   int64_t n;
 };
 
-#ifdef __AVX512F__
-constexpr int GROUP = 4;  // query heads a key row is loaded for at once: 4 x KEYS sums and KEYS rows, 20 of 32 registers
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int GROUP = 4;  // query heads a key row is loaded for at once (AVX-512: 4 x KEYS sums and KEYS rows, 20 of 32 registers)
 #else
-constexpr int GROUP = 1;  // 16 registers: one head at a time
+constexpr int GROUP = 1;  // one head at a time
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The AVX2 build's loops on 8-float registers: there GCC kept arrays of the 16-float vectors in memory and built a
+// broadcast weight from 16 scalar stores (a store-forwarding stall each). Each 16-float sum of the other builds is two
+// registers, its lanes 0-7 and 8-15, added at the end as sum16 adds them: the same arithmetic, the same bits.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's top half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float sum16(__m256 lo, __m256 hi) {  // sum16 of the 16 floats lo, hi
+  const __m256 y = _mm256_add_ps(lo, hi);
+  const f4v z = (f4v)_mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  return (z[0] + z[1]) + (z[2] + z[3]);
+}
+
+// Keys scored a pass for GB query heads: GB x keys x 2 registers of sums and a key's two halves within the 16.
+template <int GB>
+constexpr int keys_for() { return GB == 1 ? 4 : GB == 2 ? 3 : GB == 3 ? 2 : 1; }
 #endif
 
 // f(integral_constant<int, g>) for g = min(GROUP, left): a group's head count as a template argument (sums in registers)
@@ -117,6 +137,44 @@ inline void by_group(int64_t left, Fn f) {
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// scores_group (below) on AVX2's registers: keys_for<GB>() keys a pass, each loaded (bfloat16: widened) once for the group
+template <typename T, int D, int GB>
+void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w) {
+  constexpr int C = D / 16, K = keys_for<GB>();
+  int64_t s = 0;
+  for (; s + K <= n; s += K) {
+    const T* k0 = p + s * stride;
+    if (stride == D) rows_ahead(k0, K, D, p + n * stride);
+    __m256 lo[GB][K], hi[GB][K];
+    for (int g = 0; g < GB; ++g) {
+      for (int u = 0; u < K; ++u) lo[g][u] = hi[g][u] = _mm256_setzero_ps();
+    }
+    for (int c = 0; c < C; ++c) {
+      for (int u = 0; u < K; ++u) {
+        const __m256 kl = load8(k0 + u * stride + 16 * c), kh = load8(k0 + u * stride + 16 * c + 8);
+        for (int g = 0; g < GB; ++g) {
+          lo[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c), kl, lo[g][u]);
+          hi[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c + 8), kh, hi[g][u]);
+        }
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      for (int u = 0; u < K; ++u) w[g * S + s + u] = sum16(lo[g][u], hi[g][u]) * scale;
+    }
+  }
+  for (; s < n; ++s) {
+    for (int g = 0; g < GB; ++g) {
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c), load8(p + s * stride + 16 * c), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c + 8), load8(p + s * stride + 16 * c + 8), hi);
+      }
+      w[g * S + s] = sum16(lo, hi) * scale;
+    }
+  }
+}
+#else
 // w[g * S + u] = q[g] . row u * scale for GB query heads (q, w offset to the group's first head; w to the run's first
 // key), the run's rows: each key row loaded (bfloat16: widened) once for the group; each sum over the head size in order
 template <typename T, int D, int GB>
@@ -147,6 +205,7 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
     }
   }
 }
+#endif
 
 // w[g * S + u] = q[g] . row u * scale, for the G query heads and the run's rows (w already offset to the run's first key)
 template <typename T, int D>
@@ -170,18 +229,13 @@ void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// context_group on AVX2's 8-float registers: there GCC kept the 16-float vectors' sums in memory and built each key's
-// weight, broadcast, from 16 scalar stores (a store-forwarding stall a key). 64 columns at a time (8 registers of sums),
-// the same multiply-adds in the same order.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's top half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+// context_group (below) on AVX2's registers: 64 columns a pass (8 registers of sums), one head at a time, the same
+// multiply-adds in the same order.
 
 template <typename T, int D, int GB>
 void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first) {
   static_assert(D % 64 == 0, "AVX2: 64 columns a pass");
-  for (int g = 0; g < GB; ++g) {  // (GROUP is 1 here: GB > 1 is never called)
+  for (int g = 0; g < GB; ++g) {
     for (int c0 = 0; c0 < D; c0 += 64) {
       __m256 a[8];
       for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
