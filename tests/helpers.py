@@ -202,3 +202,23 @@ def equals_transformers_on(device: str | torch.device, model: torch.nn.Module, h
     ids, mask = ids[:2], mask[:2]  # generation pads on the left
     want = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10), want)
+
+
+def outputs_under_avx2(test_module: str, outputs: str, tmp_path) -> dict[str, torch.Tensor]:
+    """``test_module.outputs()`` computed in a process whose torch runs its AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``:
+    headwise's C++ library built with AVX2's flags), loaded back here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    saved = tmp_path / "avx2.pt"
+    code = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {test_module} as t; "
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability(); "
+        f"torch.save(t.{outputs}(), {str(saved)!r})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(saved, weights_only=True)

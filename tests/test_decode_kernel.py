@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import outputs_under_avx2
 from reference_variants import variant_attention
 
 import headwise as hw
@@ -237,7 +238,6 @@ def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_
     """Under torch's AVX2 kernels and its plain ones (``ATEN_CPU_CAPABILITY``; the C++ kernels are built with the flags
     of the capability torch runs, so each gets a build of its own): the kernels build, and the step's loop rounds as that
     capability's ``addcmul_`` does (the AVX2 kernel fuses, the plain one does not): the step test's cases, bit for bit."""
-    import os
     import subprocess
     import sys
 
@@ -274,21 +274,8 @@ def test_the_avx2_build_gives_this_builds_bits(tmp_path):
     """Under torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``: the library built with AVX2's flags, whose loops run on
     8-float registers) the dense op gives this process's AVX-512 build's numbers bit for bit, case by case: the same
     multiply-adds and sums in the same order."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("torch runs its AVX-512 kernels only on a CPU with AVX-512: here both builds are the same")
-    saved = tmp_path / "avx2.pt"
-    code = (
-        "import sys, torch; sys.path.insert(0, TESTS); import test_decode_kernel as t; "
-        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability(); "
-        "assert t.decode_kernel.available(); torch.save(t.attention_outputs(), SAVED)"
-    ).replace("TESTS", repr(str(Path(__file__).parent))).replace("SAVED", repr(str(saved)))
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    theirs, ours = torch.load(saved, weights_only=True), attention_outputs()
+    theirs, ours = outputs_under_avx2("test_decode_kernel", "attention_outputs", tmp_path), attention_outputs()
     assert list(theirs) == list(ours)
     assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []

@@ -4,6 +4,7 @@ and its place in a graph whose weights inductor freezes (the packing folded into
 
 import pytest
 import torch
+from helpers import outputs_under_avx2
 from reference import linear as ref_linear
 
 from headwise import linear as hl
@@ -437,22 +438,8 @@ def test_the_widened_pairs_under_avx2_give_this_builds_bits(tmp_path):
     """Under torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``: the library built with AVX2's flags) bfloat16 and int8
     weights by bfloat16 x run each pair widened to float32 in registers, its two products added as vdpbf16ps adds them:
     the same bits as this process's build (vdpbf16ps where the CPU has AVX512-BF16), case by case."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no AVX2: torch runs its plain kernels whatever it is asked")
-    saved = tmp_path / "avx2.pt"
-    code = (
-        "import sys, torch; sys.path.insert(0, TESTS); import test_linear_panels as t; "
-        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability(); "
-        "assert t.panels.available(); torch.save(t.pair_outputs(), SAVED)"
-    ).replace("TESTS", repr(str(Path(__file__).parent))).replace("SAVED", repr(str(saved)))
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    theirs, ours = torch.load(saved, weights_only=True), pair_outputs()
+    theirs, ours = outputs_under_avx2("test_linear_panels", "pair_outputs", tmp_path), pair_outputs()
     assert list(theirs) == list(ours)
     assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
