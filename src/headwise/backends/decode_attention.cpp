@@ -52,9 +52,7 @@ inline float exp_sum(float* w, int64_t S, float top) {
     hi += b;
     if (p == tail) std::copy(tail, tail + (S - j), w + j);
   }
-  const f8v y = lo + hi;
-  const f4v z = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
-  return (z[0] + z[1]) + (z[2] + z[3]);
+  return sum16((__m256)lo, (__m256)hi);
 }
 #else
 inline float exp_sum(float* w, int64_t S, float top) {
@@ -107,20 +105,6 @@ constexpr int GROUP = 1;  // one head at a time
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// The AVX2 build's loops on 8-float registers: there GCC kept arrays of the 16-float vectors in memory and built a
-// broadcast weight from 16 scalar stores (a store-forwarding stall each). Each 16-float sum of the other builds is two
-// registers, its lanes 0-7 and 8-15, added at the end as sum16 adds them: the same arithmetic, the same bits.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's top half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-inline float sum16(__m256 lo, __m256 hi) {  // sum16 of the 16 floats lo, hi
-  const __m256 y = _mm256_add_ps(lo, hi);
-  const f4v z = (f4v)_mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-  return (z[0] + z[1]) + (z[2] + z[3]);
-}
-
 // Keys scored a pass for GB query heads: GB x keys x 2 registers of sums and a key's two halves within the 16.
 template <int GB>
 constexpr int keys_for() { return GB == 1 ? 4 : GB == 2 ? 3 : GB == 3 ? 2 : 1; }
