@@ -400,7 +400,8 @@ def test_int8_weights_take_bfloat16_or_int8_x_and_no_bias(make_case, make, takes
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(weights):
     """Each row's outputs are the bits a call of that row alone gives, at every row count the blocks of sums branch on
-    (the rows of sums a pass, a panel widened once for many rows of bfloat16 x by int8 weights on AVX2): each sum over k
+    (the rows of sums a pass, 4 rows as 2 + 2 and a panel widened once for many rows of bfloat16 x by int8 weights on
+    AVX2): each sum over k
     is the same additions in the same order. (Not where AMX tiles run bfloat16 x: they add 32 k a step.)"""
     operands = (torch.bfloat16, torch.int8 if weights == "int8" else torch.bfloat16)
     if weights != "fp32" and (operands not in panels.operands(compiled=False) or "amx_bf16" in hl.cpu()["flags"]):
@@ -412,7 +413,7 @@ def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(weights):
         w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int8)  # (N, K)
     packed = torch.ops.headwise.pack_panels(w)
     alone = torch.cat([torch.ops.headwise.panels_linear(x[i:i + 1], packed, b, n) for i in range(len(x))])  # (129, N)
-    for rows in (2, 3, 4, 15, 16, 17, 35, 48, 129):
+    for rows in (2, 3, 4, 5, 7, 15, 16, 17, 35, 48, 129):
         assert torch.equal(torch.ops.headwise.panels_linear(x[:rows], packed, b, n), alone[:rows]), rows
 
 
