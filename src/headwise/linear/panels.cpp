@@ -17,7 +17,7 @@
 // - int8 weights, bfloat16 x: int8 panels in the bfloat16 layout, a quarter of the bytes; each step's 64
 //   values widened in registers to bfloat16 (exact: |w| <= 128 has 8 significant bits), then the same
 //   vdpbf16ps (without AVX512-BF16: widened to float32, as above; on the AVX2 build, from WIDEN_ROWS rows, the
-//   whole panel widened once into a float32 panel, its pairs' odd k first, taken as float32's: the same sums); the
+//   whole panel widened once into a bfloat16 panel, taken as bfloat16's: the same sums); the
 //   sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles (INT8_TILE_ROWS rows or more) each
 //   tile's 16 steps are widened so into a 2 KB buffer first.
 // - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
@@ -200,9 +200,9 @@ alignas(32) constexpr uint32_t HIGH_HALVES[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFF
   HW_HALF(M, 0, "0", HW_ODD) HW_HALF(M, 1, "32", HW_ODD) HW_HALF(M, 2, "64", HW_ODD) HW_HALF(M, 3, "96", HW_ODD) \
   HW_BROADCAST##M("4")                                                                              \
   HW_HALF(M, 0, "0", HW_EVEN) HW_HALF(M, 1, "32", HW_EVEN) HW_HALF(M, 2, "64", HW_EVEN) HW_HALF(M, 3, "96", HW_EVEN)
-#define HW_SUMS1 [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3])
-#define HW_SUMS2 HW_SUMS1, [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3])
-#define HW_SUMS3 HW_SUMS2, [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a22] "+x"(a[2][2]), [a23] "+x"(a[2][3])
+#define HW_SUMS1 [a00] "+x"(a00), [a01] "+x"(a01), [a02] "+x"(a02), [a03] "+x"(a03)
+#define HW_SUMS2 HW_SUMS1, [a10] "+x"(a10), [a11] "+x"(a11), [a12] "+x"(a12), [a13] "+x"(a13)
+#define HW_SUMS3 HW_SUMS2, [a20] "+x"(a20), [a21] "+x"(a21), [a22] "+x"(a22), [a23] "+x"(a23)
 #define HW_READS                                                                                    \
   : [w] "r"(w), [x] "r"(x + k), [row] "r"(Kp * sizeof(float)),                                       \
     [high] "m"(*reinterpret_cast<const __m256i*>(HIGH_HALVES)), [ahead] "i"(AHEAD)                    \
@@ -211,10 +211,9 @@ alignas(32) constexpr uint32_t HIGH_HALVES[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFF
 template <int M>
 void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, float* sums) {
   static_assert(M >= 1 && M <= 3);
-  __m256 a[3][VECS];
-  for (int m = 0; m < 3; ++m) {
-    for (int j = 0; j < VECS; ++j) a[m][j] = _mm256_setzero_ps();
-  }
+  // 12 variables, not an array: GCC kept an array of them in memory where the function was not inlined (1.4x slower)
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+         a20 = a00, a21 = a00, a22 = a00, a23 = a00;
   const char* w = reinterpret_cast<const char*>(panel);
   for (int64_t k = 0; k < Kp; k += 2, w += 2 * PANEL * sizeof(c10::BFloat16)) {
     if constexpr (M == 3) {
@@ -225,6 +224,7 @@ void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, flo
       asm(HW_STEP(1) : HW_SUMS1 HW_READS);
     }
   }
+  const __m256 a[3][VECS] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
   for (int m = 0; m < M; ++m) {
     for (int j = 0; j < VECS; ++j) _mm256_storeu_ps(sums + m * PANEL + j * LANES, a[m][j]);
   }
@@ -249,20 +249,19 @@ void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, flo
 #undef HW_B0
 #endif
 
-// A panel of `pairs` steps of bfloat16 or int8 pairs widened into float32 panels' steps (Kp, PANEL), each pair's odd k
-// first: rows_by_panel over it, with x's pairs swapped alike, adds the products widened_pairs_by_panel adds, in its
-// order (the same bits), the widening done once for many rows rather than again for every WIDE_ROWS of them.
-template <typename W>
-void widen_panel(const W* panel, int64_t pairs, float* out) {
-  for (int64_t kk = 0; kk < pairs; ++kk) {
-    for (int j = 0; j < VECS; ++j) {
-      vec even, odd;
-      widened_pairs(panel + kk * 2 * PANEL + j * 2 * LANES, even, odd);
-      std::memcpy(out + 2 * kk * PANEL + j * LANES, &odd, sizeof odd);
-      std::memcpy(out + (2 * kk + 1) * PANEL + j * LANES, &even, sizeof even);
-    }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// An int8 panel of `pairs` steps widened into a bfloat16 panel's (pairs, PANEL, 2), 16 values at a time: each int8
+// exactly, as a bfloat16 (8 significant bits): the sums over it are the int8 panel's, the widening done once for many rows.
+void widen_panel(const int8_t* panel, int64_t pairs, c10::BFloat16* out) {
+  const auto top = [](const int8_t* p) {  // 8 int8 -> the top halves of their float32s, one per int32
+    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))), 16);
+  };
+  for (int64_t i = 0; i < pairs * 2 * PANEL; i += 16) {
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(top(panel + i), top(panel + i + 8)), 0xD8);  // (16,) in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
   }
 }
+#endif
 
 // sums (M, PANEL) = x (M rows of `pairs` bfloat16 pairs, each pair one int32) . panel (pairs, PANEL, 2) of bfloat16 or int8
 template <int M, typename W>
@@ -410,11 +409,17 @@ void by_rows(int64_t m, Rows rows) {
 }
 
 // What one task of parallel_for keeps between its blocks: the AMX tiles it has configured (for `tile_rows` rows; 0: none),
-// released when the task ends, and the panel it last widened to float32 (`widened_from`, into `widened`).
+// released when the task ends, and the int8 panel it last widened to bfloat16 (`widened_from`, into `widened`).
 struct Task {
   int64_t tile_rows = 0;
   const void* widened_from = nullptr;
-  std::vector<float> widened;
+  std::vector<c10::BFloat16> widened;
+  // room for `size` values at a 64-byte boundary, as torch's tensors start (a step of 128 bytes in two cache lines, not
+  // three: from 16-byte boundaries the kernels' loads split lines and ran 1.5x slower)
+  c10::BFloat16* widened_panel(int64_t size) {
+    widened.resize(size + 32);
+    return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
+  }
   Task() = default;
   Task(const Task&) = delete;
   Task& operator=(const Task&) = delete;
@@ -429,29 +434,23 @@ struct Task {
 // sums (m, PANEL) = m rows of bfloat16 x (row stride Kp) . a panel of W (bfloat16 or int8): in AMX tiles where `tiles`
 // (configured for m rows first where they are not yet), else by vdpbf16ps where the CPU has it (`wide` null), else
 // widened to float32 (`wide`: the same rows of x widened to float32, each pair swapped): each step of the panel in
-// registers for every WIDE_ROWS rows, but on the AVX2 build an int8 panel's for WIDEN_ROWS rows or more (an int8 step
-// takes 6 instructions to widen, a bfloat16 one 2, for 2 rows' 16 FMAs): that panel is widened once into the task's
-// float32 panel and taken ROWS rows at a time.
-constexpr int64_t WIDEN_ROWS = LANES == 8 ? 16 : std::numeric_limits<int64_t>::max();
+// registers for every WIDE_ROWS rows; on the AVX2 build halves_by_panel's 3 rows at a time over a bfloat16 panel, and
+// over an int8 panel widened once into the task's bfloat16 panel from WIDEN_ROWS rows (an int8 step takes 6
+// instructions to widen in registers, a bfloat16 one 2: below it, widened_pairs_by_panel).
+constexpr int64_t WIDEN_ROWS = 6;
 
 template <typename W>
 void pair_sums(const c10::BFloat16* x, const float* wide, int64_t Kp, int64_t m, const W* panel, float* sums, Task& task, bool tiles) {
-  if (wide != nullptr && std::is_same_v<W, int8_t> && (m >= WIDEN_ROWS || task.widened_from == panel)) {
-    if (task.widened_from != panel) {
-      task.widened.resize(Kp * PANEL);
-      widen_panel(panel, Kp / 2, task.widened.data());
-      task.widened_from = panel;
-    }
-    for (int64_t i = 0; i < m; i += ROWS) {
-      by_rows(std::min<int64_t>(ROWS, m - i), [&](auto rows) {
-        rows_by_panel<decltype(rows)::value>(wide + i * Kp, Kp, task.widened.data(), sums + i * PANEL);
-      });
-    }
-    return;
-  }
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (wide != nullptr && std::is_same_v<W, c10::BFloat16>) {
-    const auto* p = reinterpret_cast<const c10::BFloat16*>(panel);
+  if (wide != nullptr && (std::is_same_v<W, c10::BFloat16> || m >= WIDEN_ROWS || task.widened_from == panel)) {
+    const c10::BFloat16* p = reinterpret_cast<const c10::BFloat16*>(panel);
+    if constexpr (std::is_same_v<W, int8_t>) {
+      if (task.widened_from != panel) {
+        widen_panel(panel, Kp / 2, task.widened_panel(Kp * PANEL));
+        task.widened_from = panel;
+      }
+      p = task.widened_panel(Kp * PANEL);
+    }
     for (int64_t i = 0, rows; i < m; i += rows) {
       rows = m - i == 4 ? 2 : std::min<int64_t>(3, m - i);  // 4 rows: 2 + 2 (a pass of 1 row costs about one of 2)
       by_rows<3>(rows, [&](auto r) { halves_by_panel<decltype(r)::value>(wide + i * Kp, Kp, p, sums + i * PANEL); });
