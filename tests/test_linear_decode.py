@@ -132,10 +132,10 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
     machine(vendor, "AVX2", ["avx2"], library=True)  # up to AVX2_ROWS rows, decode-shaped or not
     assert hl.choose_few_rows(torch.float32)[0] == hl.choose_few_rows(torch.float32, 1)[0] == "panels"
     assert hl.choose(torch.float32)[0] == "torch"
-    assert hl.choose(torch.bfloat16)[0] == "widened"  # many rows: beyond AVX2_ROWS
+    assert hl.choose(torch.bfloat16)[0] == "widened"  # many rows: beyond AVX2_WIDE_ROWS
     assert hl.choose_few_rows(torch.float32)[1].startswith(f"float32 inference, 1-{hl.AVX2_ROWS} rows, AVX2 kernels:")
     assert hl.choose_few_rows(torch.bfloat16, 1)[0] == hl.choose_few_rows(torch.bfloat16)[0] == "panels"
-    assert hl.choose_few_rows(torch.bfloat16)[1].startswith(f"bfloat16 inference, 1-{hl.AVX2_ROWS} rows, AVX2 kernels, each pair widened")
+    assert hl.choose_few_rows(torch.bfloat16)[1].startswith(f"bfloat16 inference, 1-{hl.AVX2_WIDE_ROWS} rows, AVX2 kernels, each pair widened")
     assert hl.describe()["compiled_step"]["float32"]["path"] == "inductor"  # a compiled step's: not measured with AVX2
 
 
@@ -322,7 +322,7 @@ def test_a_kept_decode_call_follows_the_rows_band(machine):
 
 @pytest.mark.parametrize("dtype, beyond", [(torch.float32, "torch"), (torch.bfloat16, "widened")])
 def test_rows_on_avx2_take_the_panels_up_to_their_bound(machine, dtype, beyond):
-    """Where torch's kernels run AVX2, a float32 or bfloat16 inference call of 1..AVX2_ROWS rows takes the panels
+    """Where torch's kernels run AVX2, a float32 inference call of 1..AVX2_ROWS rows (bfloat16: AVX2_WIDE_ROWS) takes the panels
     (bfloat16: each pair widened to float32 in registers; a decode-shaped call kept) and one of more rows F.linear
     (bfloat16: ``widened``), as do those of a small weight; each output within float32's or half a bfloat16 step's rounding of the float64 sum."""
     machine("AuthenticAMD", "AVX2", ["avx2"], library=True)
@@ -330,9 +330,10 @@ def test_rows_on_avx2_take_the_panels_up_to_their_bound(machine, dtype, beyond):
         pytest.skip(f"the panels do not multiply {dtype} here")
     lin = torch.nn.Linear(K, N).to(dtype)
     with torch.no_grad():
-        for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, hl.AVX2_ROWS, hl.AVX2_ROWS + 1):
+        top = hl.AVX2_ROWS if dtype == torch.float32 else hl.AVX2_WIDE_ROWS
+        for rows in (1, hl.DECODE_ROWS, hl.DECODE_ROWS + 1, hl.AVX2_ROWS, hl.AVX2_ROWS + 1, top, top + 1):
             x = decode_case(rows, dtype)[0]  # (rows, 1, K)
-            assert hl.path_for(x, lin.weight, lin.bias) == ("panels" if rows <= hl.AVX2_ROWS else beyond), rows
+            assert hl.path_for(x, lin.weight, lin.bias) == ("panels" if rows <= top else beyond), rows
             out = hl.project(lin, x)
             if rows <= hl.DECODE_ROWS:
                 kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key and key[-4] == (rows <= hl.GEMV_ROWS)]

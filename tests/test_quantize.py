@@ -76,8 +76,8 @@ def test_every_path_computes_the_kernels_arithmetic(rows, bias, bf16_gemm, monke
 
 
 def test_on_avx2_calls_of_up_to_avx2_rows_of_a_big_weight_take_the_panels(monkeypatch):
-    """Where torch's kernels run AVX2, an eager call of up to AVX2_ROWS rows of a weight of MIN_DECODE_WEIGHT elements
-    or more takes the panels (the rule's float32 and bfloat16 band), one of more rows or of a small weight torch's GEMM:
+    """Where torch's kernels run AVX2, an eager call of up to AVX2_WIDE_ROWS rows of a weight of MIN_DECODE_WEIGHT
+    elements or more takes the panels (the rule's bfloat16 band), one of more rows or of a small weight torch's GEMM:
     each within one rounding of the float64 product."""
     facts = {**quantize.cpu(), "capability": "AVX2"}
     monkeypatch.setattr(quantize, "cpu", lambda: facts)
@@ -85,9 +85,9 @@ def test_on_avx2_calls_of_up_to_avx2_rows_of_a_big_weight_take_the_panels(monkey
     lin = Int8Linear(torch.randn(512, 256, generator=gen), torch.randn(512, generator=gen))  # 2^17 weights
     if not panels.takes(torch.zeros(1, 256, dtype=torch.bfloat16), lin.weight, None):
         pytest.skip("the panels do not multiply int8 weights by bfloat16 rows here")
-    for rows in (hl.DECODE_ROWS + 1, hl.AVX2_ROWS, hl.AVX2_ROWS + 1):
+    for rows in (hl.DECODE_ROWS + 1, hl.AVX2_WIDE_ROWS, hl.AVX2_WIDE_ROWS + 1):
         x = torch.randn(rows, 1, 256, generator=gen)  # (B, 1, K)
-        assert lin.uses_panels(x) == (rows <= hl.AVX2_ROWS) and not lin.uses_kernel(x), rows
+        assert lin.uses_panels(x) == (rows <= hl.AVX2_WIDE_ROWS) and not lin.uses_kernel(x), rows
         with torch.no_grad():
             got = lin(x)
         ref, slack = reference.int8_linear(x, lin.weight, lin.scales, lin.bias)

@@ -14,7 +14,7 @@ int8 value are exact in float32, so the paths differ only in the order of their 
 fixed rule (nothing timed):
 
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input (eagerly where torch's kernels run AVX2, up to
-  ``AVX2_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take), no autograd, torch has
+  ``AVX2_WIDE_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take), no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
   bytes) where it takes the operands (AVX-512 with AVX512-BF16, or torch's AVX2 kernels, the library built; through
@@ -380,14 +380,14 @@ class Int8Linear(nn.Module):
 
     def _few_rows(self, x: Tensor) -> bool:
         """CPU tensors, no autograd, at most ``DECODE_ROWS`` rows (a decode step's), or, eagerly where torch's kernels
-        run AVX2, at most ``AVX2_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take (there
-        they beat the float32 GEMM of the weight widened on every call, as the rule's float32 and bfloat16 calls do)."""
+        run AVX2, at most ``AVX2_WIDE_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take
+        (there they beat the float32 GEMM of the weight widened on every call, as the rule's bfloat16 calls do)."""
         if not (x.is_cpu and self.weight.is_cpu and not recorded(x)):
             return False
         size, k = x.numel(), self.in_features
         if size <= DECODE_ROWS * k:
             return True
-        return (avx2_band(size, k, self.weight.numel()) and cpu()["capability"] == "AVX2" and not torch.compiler.is_compiling()
+        return (avx2_band(size, k, self.weight.numel(), torch.bfloat16) and cpu()["capability"] == "AVX2" and not torch.compiler.is_compiling()
                 and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
     def _decode_shaped(self, x: Tensor) -> bool:

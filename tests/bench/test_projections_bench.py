@@ -35,7 +35,7 @@ def test_the_widened_way_is_timed_for_bfloat16_on_a_cpu_without_its_dot_products
     whichever path the rule takes; a float32 call's is not."""
     machine("AuthenticAMD", "AVX2", ["avx2"])
     monkeypatch.setattr(onednn, "ops_error", lambda dtype: "refused")  # as on such a CPU: oneDNN is not timed
-    for rows in (1, hl.AVX2_ROWS + 1):
+    for rows in (1, hl.AVX2_WIDE_ROWS + 1):
         r = bench.projection("tiny", rows, torch.bfloat16, shape=(2304, 64), repeats=2)
         assert r.widened_ms is not None and r.widened_ms > 0, rows
     assert r.auto == "widened"  # more rows than the panels take there

@@ -22,6 +22,7 @@ from . import custom_ops  # noqa: F401  (registers headwise::linear and headwise
 from .projection import linear, owns_output, project, project_many
 from .rule import (
     AVX2_ROWS,
+    AVX2_WIDE_ROWS,
     DECODE_ROWS,
     ENV,
     GEMV_ROWS,
@@ -40,6 +41,6 @@ from .rule import (
 )
 
 __all__ = [
-    "AVX2_ROWS", "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
+    "AVX2_ROWS", "AVX2_WIDE_ROWS", "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
     "describe", "linear", "owns_output", "path_for", "project", "project_many", "set_path", "use_path", "uses_onednn",
 ]

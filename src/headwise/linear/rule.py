@@ -8,7 +8,7 @@ Nothing is timed. A call's path follows, in order:
    (``torch.backends.cpu.get_cpu_capability()``), only on the torch versions in ``TESTED_TORCH``;
    everything else (Intel, ARM; bfloat16 but as in 3 and below) is ``torch``; bfloat16 inference calls of more than
    ``DECODE_ROWS`` rows on a CPU without native bfloat16 dot products (no ``avx512_bf16`` or ``amx_bf16``: AVX2
-   CPUs among them; there, more than ``AVX2_ROWS`` where the panels take bfloat16, as in 3) take ``widened``:
+   CPUs among them; there, more than ``AVX2_WIDE_ROWS`` where the panels take bfloat16, as in 3) take ``widened``:
    ``F.linear`` of the operands widened to float32 (products exact), the sums rounded once to bfloat16, as torch's
    bfloat16 GEMM rounds them, at float32's rate (torch's own bfloat16 GEMM runs at a fraction of it there; docs:
    decoding); where the library builds
@@ -22,8 +22,9 @@ Nothing is timed. A call's path follows, in order:
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
    of bfloat16 on one with AVX512-BF16 too (in AMX tiles from 4 rows where the CPU has them), takes the panels GEMM
    (a decode step's weights read at about memory's rate, where the library builds); on a CPU whose torch kernels
-   run AVX2, so does an inference call of float32 or bfloat16 (widened to float32 in registers) of up to
-   ``AVX2_ROWS`` rows and a weight of at least ``MIN_DECODE_WEIGHT`` elements, decode-shaped or not (``avx2_band``:
+   run AVX2, so does an inference call of float32 of up to ``AVX2_ROWS`` rows, or of bfloat16 (widened to float32
+   in registers) of up to ``AVX2_WIDE_ROWS``, and a weight of at least ``MIN_DECODE_WEIGHT`` elements, decode-shaped
+   or not (``avx2_band``:
    MKL's float32 GEMV and GEMM of few rows on AMD's AVX2 CPUs, and torch's bfloat16 GEMM, read the weights far
    slower: docs, decoding);
    otherwise float32 as in 2,
@@ -79,9 +80,10 @@ MIN_ROWS = 32  # fewer rows (B*T) than this and a weight under MIN_DECODE_WEIGHT
 MIN_DECODE_WEIGHT = 2**17  # weight elements from which a few rows read oneDNN's packed weight faster than MKL's gemv
 DECODE_ROWS = 16  # rows (B*T) up to which a call with a weight of MIN_DECODE_WEIGHT or more follows choose_few_rows
 GEMV_ROWS = 3  # rows up to which MKL's F.linear reads a float32 weight once (a GEMV); from 4 rows it packs the weight every call
-AVX2_ROWS = 128  # rows up to which an inference call takes the panels where torch's kernels run AVX2 (float32, and
-#                  bfloat16 and int8 widened in registers): from about 256 rows MKL's float32 GEMM is level, as is a float32
-#                  GEMM of bfloat16 operands widened once in memory (``widened``)
+AVX2_ROWS = 128  # rows up to which a float32 inference call takes the panels where torch's kernels run AVX2: from about
+#                  256 rows MKL's float32 GEMM is level
+AVX2_WIDE_ROWS = 256  # the same for bfloat16 (and Int8Linear's int8) weights, widened in the panels' registers: from about
+#                       512 rows a float32 GEMM of the operands widened once in memory (``widened``) is level
 _forced: str | None = None  # set_path's value; None = the environment decides
 
 
@@ -132,11 +134,18 @@ def _panels_run(dtype: torch.dtype, facts: dict) -> bool:
     return dtype in onednn.DTYPES and (dtype, dtype) in panels.operands_on(facts, compiled=False) and _library_built()
 
 
-def avx2_band(size: int, k: int, weight_size: int) -> bool:
-    """Whether a call of ``size`` input elements, rows of ``k``, by a weight of ``weight_size`` elements lies in the band
-    the panels take where torch's kernels run AVX2 (step 3; ``Int8Linear``'s calls too): at most ``AVX2_ROWS`` rows of
-    a weight of ``MIN_DECODE_WEIGHT`` elements or more (a small weight's rows run faster in MKL's float32 GEMM)."""
-    return weight_size >= MIN_DECODE_WEIGHT and size <= AVX2_ROWS * k
+def avx2_rows_for(dtype: torch.dtype) -> int:
+    """The most rows of a call the panels take where torch's kernels run AVX2: ``AVX2_ROWS`` for a float32 weight,
+    ``AVX2_WIDE_ROWS`` for one widened in registers (bfloat16; ``Int8Linear``'s int8)."""
+    return AVX2_ROWS if dtype == torch.float32 else AVX2_WIDE_ROWS
+
+
+def avx2_band(size: int, k: int, weight_size: int, dtype: torch.dtype) -> bool:
+    """Whether a call of ``size`` input elements, rows of ``k``, by a ``dtype`` weight of ``weight_size`` elements lies
+    in the band the panels take where torch's kernels run AVX2 (step 3; ``Int8Linear``'s calls too): at most
+    ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` elements or more (a small weight's rows run faster in
+    MKL's float32 GEMM)."""
+    return weight_size >= MIN_DECODE_WEIGHT and size <= avx2_rows_for(dtype) * k
 
 
 def _library_built() -> bool:
@@ -150,14 +159,14 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took 1.1-1.3x the time). Where torch's kernels run AVX2 the panels take calls of 1-``AVX2_ROWS`` rows
+    panels took 1.1-1.3x the time). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
     of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
     (the panels' 2-3 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
     fast or faster)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
     if facts["capability"] == "AVX2":
         widening = ", each pair widened to float32 in registers" if dtype == torch.bfloat16 else ""
-        return ("panels", f"{name} inference, 1-{AVX2_ROWS} rows, AVX2 kernels{widening}: headwise's C++ GEMM over the "
+        return ("panels", f"{name} inference, 1-{avx2_rows_for(dtype)} rows, AVX2 kernels{widening}: headwise's C++ GEMM over the "
                           "weight packed once in 32-column panels (on AMD's AVX2 CPUs MKL's float32 GEMV and its GEMM of few "
                           "rows, and torch's bfloat16 GEMM without dot products, read the weight far slower)") if avx2_rows else None
     tiles = dtype == torch.bfloat16 and "amx_bf16" in facts["flags"]
@@ -181,7 +190,8 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, record
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
     ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
-    follows, ``linear``'s ``gelu``; ``avx2_rows``: at most ``AVX2_ROWS`` rows of a weight of ``MIN_DECODE_WEIGHT`` or more)."""
+    follows, ``linear``'s ``gelu``; ``avx2_rows``: at most ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` or
+    more)."""
     facts = cpu()
     if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu, avx2_rows)):
         return path
@@ -232,7 +242,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
               kept: bool = True, gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
-    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_rows``: at most ``AVX2_ROWS`` rows of a big weight);
+    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_rows``: within ``avx2_band``);
     ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
@@ -330,7 +340,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     k, recorded = x.shape[-1] if x.ndim else 0, onednn.recorded(x, weight, bias)
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
-    avx2_rows = avx2_band(size, k, weight.numel())
+    avx2_rows = avx2_band(size, k, weight.numel(), x.dtype)
     path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_rows=avx2_rows)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
