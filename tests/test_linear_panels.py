@@ -401,8 +401,8 @@ def test_int8_weights_take_bfloat16_or_int8_x_and_no_bias(make_case, make, takes
 def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(weights):
     """Each row's outputs are the bits a call of that row alone gives, at every row count the blocks of sums branch on
     (the rows of sums a pass, 4 rows as 2 + 2 and a panel widened once for many rows of bfloat16 x by int8 weights on
-    AVX2): each sum over k
-    is the same additions in the same order. (Not where AMX tiles run bfloat16 x: they add 32 k a step.)"""
+    AVX2), where more than one pass takes the panel's k's a block at a time (770 k: blocks of 64, 128 or 256 and a
+    short last one) and one pass takes them all at once: each sum over k is the same additions in the same order. (Not where AMX tiles run bfloat16 x: they add 32 k a step.)"""
     operands = (torch.bfloat16, torch.int8 if weights == "int8" else torch.bfloat16)
     if weights != "fp32" and (operands not in panels.operands(compiled=False) or "amx_bf16" in hl.cpu()["flags"]):
         pytest.skip("bfloat16 x runs vdpbf16ps or its widening here only where torch's kernels are AVX2 or AVX512-BF16 without AMX")

@@ -2,7 +2,8 @@
 // the weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
 // memory once, a step of k at a time (one 128-byte line), while ROWS rows of x, broadcast one value
 // (or one pair, or four) at a time, are multiplied into ROWS x 32 sums held in registers; more rows
-// take the panel again from the core's cache, a chunk of rows (CHUNK_BYTES of x) at a time for a
+// take the panel again from the core's cache (float32 and widened panels: KBLOCK_BYTES of it at a time, each block
+// read by every pass of rows before the next), a chunk of rows (CHUNK_BYTES of x) at a time for a
 // prompt. The panels are split between torch's threads.
 //
 // - float32: panels (ceil(N/32), K, 32); sums over k in order, in float32.
@@ -80,11 +81,16 @@ inline vec load(const float* p) {
   return v;
 }
 
-// sums (M, PANEL) = x (M rows, row stride K) . panel (K, PANEL), float32
+// sums (M, PANEL) (+)= x (M rows, row stride K) . panel (steps, PANEL), float32: from the sums already there where `resume`
 template <int M>
-void rows_by_panel(const float* x, int64_t K, const float* panel, float* sums) {
+void rows_by_panel(const float* x, int64_t K, const float* panel, int64_t steps, float* sums, bool resume) {
   vec acc[M][VECS] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  if (resume) {
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < VECS; ++j) acc[m][j] = load(sums + m * PANEL + j * LANES);
+    }
+  }
+  for (int64_t k = 0; k < steps; ++k) {
     ahead<PANEL * sizeof(float)>(panel + k * PANEL);
     vec w[VECS];
 #pragma GCC unroll 4
@@ -150,9 +156,14 @@ inline void widened_pairs(const int8_t* p, vec& even, vec& odd) {
 // pair's odd k first (`swapped`): each pair's two products (exact in float32) added to the float32 sums as vdpbf16ps
 // adds them, the odd k's first, on the compiler's vectors of torch's instruction set
 template <int M, typename W>
-void widened_pairs_by_panel(const float* x, int64_t Kp, const W* panel, float* sums) {
+void widened_pairs_by_panel(const float* x, int64_t Kp, const W* panel, int64_t steps, float* sums, bool resume) {
   vec acc[M][VECS] = {};
-  for (int64_t kk = 0; kk < Kp / 2; ++kk) {
+  if (resume) {
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < VECS; ++j) acc[m][j] = load(sums + m * PANEL + j * LANES);
+    }
+  }
+  for (int64_t kk = 0; kk < steps / 2; ++kk) {
     ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
 #pragma GCC unroll 4
     for (int j = 0; j < VECS; ++j) {
@@ -209,13 +220,14 @@ alignas(32) constexpr uint32_t HIGH_HALVES[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFF
   : "xmm12", "xmm13", "xmm14", "xmm15", "memory"
 
 template <int M>
-void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, float* sums) {
+void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, int64_t steps, float* sums, bool resume) {
   static_assert(M >= 1 && M <= 3);
   // 12 variables, not an array: GCC kept an array of them in memory where the function was not inlined (1.4x slower)
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
-         a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+  const auto start = [&](int m, int j) { return resume && m < M ? _mm256_loadu_ps(sums + m * PANEL + j * LANES) : _mm256_setzero_ps(); };
+  __m256 a00 = start(0, 0), a01 = start(0, 1), a02 = start(0, 2), a03 = start(0, 3), a10 = start(1, 0), a11 = start(1, 1),
+         a12 = start(1, 2), a13 = start(1, 3), a20 = start(2, 0), a21 = start(2, 1), a22 = start(2, 2), a23 = start(2, 3);
   const char* w = reinterpret_cast<const char*>(panel);
-  for (int64_t k = 0; k < Kp; k += 2, w += 2 * PANEL * sizeof(c10::BFloat16)) {
+  for (int64_t k = 0; k < steps; k += 2, w += 2 * PANEL * sizeof(c10::BFloat16)) {
     if constexpr (M == 3) {
       asm(HW_STEP(3) : HW_SUMS3 HW_READS);
     } else if constexpr (M == 2) {
@@ -408,6 +420,26 @@ void by_rows(int64_t m, Rows rows) {
   return rows(std::integral_constant<int, MAX>{});
 }
 
+// A pass over a panel reads KBLOCK_BYTES of it before the next rows' pass reads the same: each pass but the first finds
+// them in the first-level cache (32 KB or more on x86 CPUs), where passes over the whole panel read it from the second
+// level (or memory) again, with no memory read under their multiply-adds. The sums wait in memory between blocks, exact:
+// each still adds the same products in the same order (the same bits).
+constexpr int64_t KBLOCK_BYTES = 8192;
+
+// The block's m rows in passes of size(rows left) rows, at most R, over the panel's K k's kblock at a time (all at once
+// where one pass takes every row): pass(rows, i, k0, kb) for the rows from i (rows an integral_constant), k's k0..k0+kb.
+template <int R, typename Size, typename Pass>
+void passes(int64_t m, int64_t K, int64_t kblock, Size size, Pass pass) {
+  if (m <= R) kblock = K;
+  for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+    const int64_t kb = std::min(kblock, K - k0);
+    for (int64_t i = 0, r; i < m; i += r) {
+      r = size(m - i);
+      by_rows<R>(r, [&](auto rows) { pass(rows, i, k0, kb); });
+    }
+  }
+}
+
 // What one task of parallel_for keeps between its blocks: the AMX tiles it has configured (for `tile_rows` rows; 0: none),
 // released when the task ends, and the int8 panel it last widened to bfloat16 (`widened_from`, into `widened`).
 struct Task {
@@ -452,19 +484,19 @@ void pair_sums(const c10::BFloat16* x, const float* wide, int64_t Kp, int64_t m,
       }
       p = widened;
     }
-    for (int64_t i = 0, rows; i < m; i += rows) {
-      rows = m - i == 4 ? 2 : std::min<int64_t>(3, m - i);  // 4 rows: 2 + 2 (a pass of 1 row costs about one of 2)
-      by_rows<3>(rows, [&](auto r) { halves_by_panel<decltype(r)::value>(wide + i * Kp, Kp, p, sums + i * PANEL); });
-    }
+    // 4 rows: 2 + 2 (a pass of 1 row costs about one of 2)
+    const auto size = [](int64_t left) { return left == 4 ? 2 : std::min<int64_t>(3, left); };
+    passes<3>(m, Kp, KBLOCK_BYTES / (PANEL * sizeof(c10::BFloat16)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
+      halves_by_panel<decltype(rows)::value>(wide + i * Kp + k0, Kp, p + k0 * PANEL, kb, sums + i * PANEL, k0 > 0);
+    });
     return;
   }
 #endif
   if (wide != nullptr) {
-    for (int64_t i = 0; i < m; i += WIDE_ROWS) {
-      by_rows<WIDE_ROWS>(std::min<int64_t>(WIDE_ROWS, m - i), [&](auto rows) {
-        widened_pairs_by_panel<decltype(rows)::value>(wide + i * Kp, Kp, panel, sums + i * PANEL);
-      });
-    }
+    const auto size = [](int64_t left) { return std::min<int64_t>(WIDE_ROWS, left); };
+    passes<WIDE_ROWS>(m, Kp, KBLOCK_BYTES / (PANEL * sizeof(W)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
+      widened_pairs_by_panel<decltype(rows)::value>(wide + i * Kp + k0, Kp, panel + k0 * PANEL, kb, sums + i * PANEL, k0 > 0);
+    });
     return;
   }
   if (!tiles) {
@@ -629,7 +661,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #endif
   const at::Tensor wide = pairs && !native ? swapped_pairs(x) : at::Tensor();  // (M, K')
   const float* wp = wide.defined() ? wide.const_data_ptr<float>() : nullptr;
-  const int64_t block = tiles || wp != nullptr ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
+  const int64_t block = tiles || wp != nullptr || (!pairs && !quads) ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
@@ -666,7 +698,10 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
           } else {
             const float* xr = static_cast<const float*>(xp) + r * K;
             const float* panel = static_cast<const float*>(pp) + p * K * PANEL;
-            by_rows(m, [&](auto rows) { rows_by_panel<decltype(rows)::value>(xr, K, panel, sums); });
+            const auto size = [](int64_t left) { return std::min<int64_t>(ROWS, left); };
+            passes<ROWS>(m, K, KBLOCK_BYTES / (PANEL * sizeof(float)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
+              rows_by_panel<decltype(rows)::value>(xr + i * K + k0, K, panel + k0 * PANEL, kb, sums + i * PANEL, k0 > 0);
+            });
             store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
           }
         }
