@@ -59,9 +59,11 @@ def test_every_row_count_and_width_matches_the_reference(rows, n, bias, dtype):
 
 @needs_panels
 @pytest.mark.parametrize("k", [1, 2, 5, 64, 3071, 3072])
+@pytest.mark.parametrize("rows", [1, 9])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_depth_matches_the_reference(k, dtype):
-    x, w, b = case(8, 65, k, True, dtype)
+def test_every_depth_matches_the_reference(k, rows, dtype):
+    """Depths on and off the blocks of k the passes take, in one pass of rows and in several."""
+    x, w, b = case(rows, 65, k, True, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
 
 

@@ -431,12 +431,13 @@ constexpr int64_t KBLOCK_BYTES = 8192;
 template <int R, typename Size, typename Pass>
 void passes(int64_t m, int64_t K, int64_t kblock, Size size, Pass pass) {
   if (m <= R) kblock = K;
-  for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+  for (int64_t k0 = 0;; k0 += kblock) {  // (K = 0: one block of none, the sums zero)
     const int64_t kb = std::min(kblock, K - k0);
     for (int64_t i = 0, r; i < m; i += r) {
       r = size(m - i);
       by_rows<R>(r, [&](auto rows) { pass(rows, i, k0, kb); });
     }
+    if (k0 + kb >= K) break;
   }
 }
 
