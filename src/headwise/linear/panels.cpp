@@ -81,15 +81,19 @@ inline vec load(const float* p) {
   return v;
 }
 
+// M rows' sums as a pass left them in sums (M, PANEL), for the next block of the panel's k's (inlined: the sums stay in registers)
+template <int M>
+__attribute__((always_inline)) inline void resumed(vec (&acc)[M][VECS], const float* sums) {
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < VECS; ++j) acc[m][j] = load(sums + m * PANEL + j * LANES);
+  }
+}
+
 // sums (M, PANEL) (+)= x (M rows, row stride K) . panel (steps, PANEL), float32: from the sums already there where `resume`
 template <int M>
 void rows_by_panel(const float* x, int64_t K, const float* panel, int64_t steps, float* sums, bool resume) {
   vec acc[M][VECS] = {};
-  if (resume) {
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < VECS; ++j) acc[m][j] = load(sums + m * PANEL + j * LANES);
-    }
-  }
+  if (resume) resumed(acc, sums);
   for (int64_t k = 0; k < steps; ++k) {
     ahead<PANEL * sizeof(float)>(panel + k * PANEL);
     vec w[VECS];
@@ -158,11 +162,7 @@ inline void widened_pairs(const int8_t* p, vec& even, vec& odd) {
 template <int M, typename W>
 void widened_pairs_by_panel(const float* x, int64_t Kp, const W* panel, int64_t steps, float* sums, bool resume) {
   vec acc[M][VECS] = {};
-  if (resume) {
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < VECS; ++j) acc[m][j] = load(sums + m * PANEL + j * LANES);
-    }
-  }
+  if (resume) resumed(acc, sums);
   for (int64_t kk = 0; kk < steps / 2; ++kk) {
     ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
 #pragma GCC unroll 4
