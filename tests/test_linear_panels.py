@@ -182,17 +182,21 @@ def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32
     assert ("no avx512_vnni" in a8_reason) == (capability == "AVX512" and "avx512_vnni" not in flags)
 
 
-@pytest.mark.parametrize("flags, eager, compiled", [
-    (["avx512f", "avx512_bf16", "avx512_vnni"], True, True),
-    (["avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8"], True, False),  # compiled: inductor's AMX int8 GEMM
-    (["avx512f", "avx512_bf16"], False, False)])
-def test_int8_rows_take_the_panels_eagerly_wherever_the_cpu_has_vnni(flags, eager, compiled):
-    """int8 x int8 panels need AVX512-VNNI; on a CPU with AMX's int8 tiles a compiled step leaves them to inductor's
-    AMX GEMM, while eager decode calls keep them (torch's _int_mm took 1.7-2x their step time there)."""
-    facts = {"capability": "AVX512", "flags": flags}
-    assert ((torch.int8, torch.int8) in panels.operands_on(facts, compiled=False)) is eager
+@pytest.mark.parametrize("capability, flags, compiled", [
+    ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni"], True),
+    ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8"], False),  # compiled: inductor's AMX int8 GEMM
+    ("AVX512", ["avx512f", "avx512_bf16"], False),  # eager: the AVX2 words
+    ("AVX2", ["avx2"], False)])
+def test_int8_rows_take_the_panels_eagerly_on_every_x86_cpu_they_build_for(capability, flags, compiled):
+    """int8 x int8 panels run eagerly wherever the panels do (AVX512-VNNI's byte dot products, else AVX2's word ones:
+    torch's _int_mm is a scalar loop there); a compiled step takes them with AVX512-VNNI, but on a CPU with AMX's int8
+    tiles leaves them to inductor's AMX GEMM (eager decode calls keep them: torch's _int_mm took 1.7-2x their step
+    time there)."""
+    facts = {"capability": capability, "flags": flags}
+    assert (torch.int8, torch.int8) in panels.operands_on(facts, compiled=False)
     assert ((torch.int8, torch.int8) in panels.operands_on(facts)) is compiled
-    assert (torch.float32, torch.float32) in panels.operands_on(facts) and (torch.float32, torch.float32) in panels.operands_on(facts, compiled=False)
+    assert (torch.float32, torch.float32) in panels.operands_on(facts, compiled=False)
+    assert ((torch.float32, torch.float32) in panels.operands_on(facts)) is (capability == "AVX512")
 
 
 @needs_panels
@@ -204,7 +208,7 @@ def test_the_ops_refuse_what_they_cannot_read():
                        (lambda: torch.ops.headwise.pack_panels(w, torch.int8), "x_dtype must be the weight's dtype"),
                        (lambda: torch.ops.headwise.pack_panels(w.to(torch.int8), torch.float32), "Char and x_dtype Float"),
                        (lambda: torch.ops.headwise.panels_linear(x, int8, None, 40), "int8 for bfloat16 x"),
-                       (lambda: torch.ops.headwise.panels_linear(x.to(torch.int8), int8, None, 40), "uint8 for int8 x"),
+                       (lambda: torch.ops.headwise.panels_linear(x.to(torch.int8), packed, None, 40), "uint8 or int8 for int8 x"),
                        (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), int8, b.bfloat16(), 40), "int8 panels take no bias"),
                        (lambda: torch.ops.headwise.panels_linear(x.double(), packed, None, 40), "float32, bfloat16 or int8"),
                        (lambda: torch.ops.headwise.panels_linear(x.bfloat16(), packed, None, 40), "output for it"),
@@ -305,7 +309,8 @@ def test_int8_layers_read_by_one_input_run_as_one_frozen_gemm():
 
 
 needs_a8 = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands(compiled=False),
-                              reason="int8 x int8 panels need AVX512-VNNI and the library built")
+                              reason="int8 x int8 panels need AVX2 or AVX-512 kernels and the library built")
+VNNI = "avx512_vnni" in hl.cpu()["flags"]  # int8 x: uint8 quads for vpdpbusd, else int8 pairs for vpmaddwd
 needs_a8_compiled = pytest.mark.skipif((torch.int8, torch.int8) not in panels.operands(),
                                        reason="a compiled step's int8 x int8 panels need AVX512-VNNI, no AMX int8 tiles, the library built")
 
@@ -340,11 +345,13 @@ def test_int8_by_int8_sums_at_the_extremes():
 
 
 @needs_a8
-def test_int8_x_packing_is_quads_of_the_weight_plus_128():
-    w = torch.randint(-127, 128, (70, 9), dtype=torch.int8)  # (N, K)
-    packed = torch.ops.headwise.pack_panels(w, torch.int8)  # (3, 12, 32)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 12, 32)
-    unpacked = packed.view(3, 3, 32, 4).permute(0, 2, 1, 3).reshape(96, 12).long() - 128  # (P * 32, K')
+def test_int8_x_packing_is_quads_of_the_weight_plus_128_with_vnni_else_pairs():
+    w = torch.randint(-128, 128, (70, 9), dtype=torch.int8)  # (N, K)
+    packed = torch.ops.headwise.pack_panels(w, torch.int8)  # (3, 12, 32) quads, (3, 10, 32) pairs
+    group, kp = (4, 12) if VNNI else (2, 10)
+    assert packed.dtype == (torch.uint8 if VNNI else torch.int8) and tuple(packed.shape) == (3, kp, 32)
+    assert packed.shape == torch.ops.headwise.pack_panels(w.to("meta"), torch.int8).shape  # the fake's shape
+    unpacked = packed.view(3, kp // group, 32, group).permute(0, 2, 1, 3).reshape(96, kp).long() - (128 if VNNI else 0)  # (P * 32, K')
     assert torch.equal(unpacked[:70, :9], w.long()) and not unpacked[70:].any() and not unpacked[:, 9:].any()
 
 

@@ -70,6 +70,7 @@ from .machine import amx_int8_on, bf16_flags, cpu
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
 _AMX_INT8 = amx_int8_on(cpu())  # int8 x int8 in AMX tiles: inductor's frozen int8-activation GEMMs are fast (read once)
+_VECTOR_INT_MM = "avx512_vnni" in cpu()["flags"]  # torch's int8 GEMM runs oneDNN's vector kernels (else a scalar loop, 30-100x slower)
 K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
 ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
 ACTIVATIONS = ("bf16", "int8")  # Int8Linear's two arithmetics (the module docstring)
@@ -196,8 +197,9 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
     rows, row_scales = _int8_rows(x.reshape(-1, x.shape[-1]))  # (M, K) integer values, (M, 1)
     if rows.is_cpu and not rows.requires_grad:
         ints = rows.to(torch.int8)  # (M, K)
-        few = rows.shape[0] <= DECODE_ROWS and not torch.compiler.is_compiling()  # a decode step's rows, eager
-        if (sums := panel_sums(ints, weight) if few else None) is None:  # else (M, N) int32 from the panels: the same sums
+        # eager: a decode step's rows, or any where torch's int8 GEMM is a scalar loop (the panels chunk a prompt's rows)
+        panel_rows = (rows.shape[0] <= DECODE_ROWS or not _VECTOR_INT_MM) and not torch.compiler.is_compiling()
+        if (sums := panel_sums(ints, weight) if panel_rows else None) is None:  # else (M, N) int32 from the panels: the same sums
             int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
             sums = int_mm(ints, weight.t())  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)

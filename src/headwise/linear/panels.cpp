@@ -411,6 +411,40 @@ __attribute__((target("avx512f,avx512vnni"))) void quads_by_panel(const int32_t*
 }
 #endif
 
+#if defined(__x86_64__)
+// The int8 x path on a CPU without AVX512-VNNI (any with AVX2): rows of WORD_ROWS at most a pass (4 x 8 int32 sums a row
+// in 16 registers).
+constexpr int WORD_ROWS = 2;
+constexpr int VECS_I = PANEL / 8;  // registers of 8 int32 sums a row of a panel
+
+// sums (M, PANEL) (+)= x (M rows of int8 pairs widened to int16, each pair one int32; row stride `stride` pairs) . panel
+// (pairs, PANEL, 2) of int8, int32, from the sums already there where `resume`: each step's 8 columns' pairs widened to
+// int16 in a register, one vpmaddwd adds a pair's two products (exact: |w x| <= 2^14) for each column, a vpaddd adds them
+// to its sum (int32 arithmetic wraps, as vpdpbusd's: the exact sums wherever they fit an int32).
+template <int M>
+__attribute__((target("avx2"))) void words_by_panel(const int32_t* x, int64_t stride, const int8_t* panel, int64_t pairs, int32_t* sums, bool resume) {
+  __m256i acc[M][VECS_I];
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < VECS_I; ++j) {
+      acc[m][j] = resume ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + m * PANEL + j * 8)) : _mm256_setzero_si256();
+    }
+  }
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const int8_t* step = panel + kk * 2 * PANEL;
+    ahead<2 * PANEL>(step);
+#pragma GCC unroll 4
+    for (int j = 0; j < VECS_I; ++j) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + j * 16)));  // 8 columns' pairs
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(w, _mm256_set1_epi32(x[m * stride + kk])));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < VECS_I; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + m * PANEL + j * 8), acc[m][j]);
+  }
+}
+#endif
+
 // One call per block of at most MAX rows: the row count a template argument, so the sums stay in registers.
 template <int MAX = ROWS, typename Rows>
 void by_rows(int64_t m, Rows rows) {
@@ -517,6 +551,17 @@ void pair_sums(const c10::BFloat16* x, const float* wide, int64_t Kp, int64_t m,
 }
 #endif
 
+#if defined(__x86_64__)
+// sums (m, PANEL) = m rows of int8 x widened to int16 pairs (row stride Kp / 2 pairs) . an int8 pair panel (Kp / 2, PANEL,
+// 2): words_by_panel's exact int32 sums, WORD_ROWS rows a pass, KBLOCK_BYTES of the panel at a time
+void word_sums(const int32_t* x, int64_t Kp, int64_t m, const int8_t* panel, int32_t* sums) {
+  const auto size = [](int64_t left) { return std::min<int64_t>(WORD_ROWS, left); };
+  passes<WORD_ROWS>(m, Kp / 2, KBLOCK_BYTES / (2 * PANEL), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
+    words_by_panel<decltype(rows)::value>(x + i * (Kp / 2) + k0, Kp / 2, panel + k0 * 2 * PANEL, kb, sums + i * PANEL, k0 > 0);
+  });
+}
+#endif
+
 // The bfloat16 x paths are built (x86: vdpbf16ps where the CPU has it, else the pairs widened to float32).
 constexpr bool x86() {
 #if defined(__x86_64__)
@@ -548,14 +593,24 @@ bool has_vnni() {
 #endif
 }
 
+// The CPU runs AVX2 (the int8 x path's words_by_panel, where it has no AVX512-VNNI).
+bool has_avx2() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
 // (N, K) -> (ceil(N / 32), K', 32) for x of x_dtype (by default the weight's, bfloat16 for an int8 weight):
-// K' = K (float32), K + K % 2 (bfloat16 x), K rounded up to 4 (int8 x: uint8 panels of w + 128)
+// K' = K (float32), K + K % 2 (bfloat16 x; int8 x on a CPU without AVX512-VNNI: int8 pairs, words_by_panel's), K
+// rounded up to 4 (int8 x with AVX512-VNNI: uint8 panels of w + 128)
 at::Tensor pack_panels(const at::Tensor& weight, std::optional<at::ScalarType> x_dtype) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(weight.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar),
               "pack_panels: weight must be a 2-D float32, bfloat16 or int8 tensor, got ", weight.dim(), "-D ", dtype);
-  const bool quads = x_dtype == at::kChar;
-  TORCH_CHECK(!x_dtype.has_value() || *x_dtype == (dtype == at::kChar && !quads ? at::kBFloat16 : dtype),
+  const bool int8_x = x_dtype == at::kChar, quads = int8_x && has_vnni();
+  TORCH_CHECK(!x_dtype.has_value() || *x_dtype == (dtype == at::kChar && !int8_x ? at::kBFloat16 : dtype),
               "pack_panels: x_dtype must be the weight's dtype (bfloat16 or int8 for an int8 weight), got weight ", dtype,
               " and x_dtype ", *x_dtype);
   const int64_t group = quads ? 4 : dtype == at::kFloat ? 1 : 2;  // k side by side in a step, for each column
@@ -623,26 +678,30 @@ at::Tensor swapped_pairs(const at::Tensor& x) {
 
 at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
   const auto xt = x_.scalar_type(), pt = panels.scalar_type();
-  const bool pairs = xt == at::kBFloat16, quads = xt == at::kChar, int8 = pt == at::kChar || pt == at::kByte;
-  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || pairs || quads)
-              && ((pt == xt && !quads) || (pairs && pt == at::kChar) || (quads && pt == at::kByte))
+  // int8 x: quads (uint8 panels, AVX512-VNNI) or words (int8 pair panels, AVX2)
+  const bool pairs = xt == at::kBFloat16, quads = xt == at::kChar && pt == at::kByte, words = xt == at::kChar && pt == at::kChar;
+  const bool int8 = pt == at::kChar || pt == at::kByte;
+  TORCH_CHECK(x_.dim() >= 1 && (xt == at::kFloat || pairs || quads || words)
+              && ((pt == xt && xt != at::kChar) || (pairs && pt == at::kChar) || quads || words)
               && panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
               "panels_linear: x must be float32, bfloat16 or int8 and panels pack_panels' output for it (float32, bfloat16, "
-              "int8 for bfloat16 x, uint8 for int8 x), got x ", xt, ", panels ", pt, " of shape ", panels.sizes());
+              "int8 for bfloat16 x, uint8 or int8 for int8 x), got x ", xt, ", panels ", pt, " of shape ", panels.sizes());
   TORCH_CHECK(!int8 || !bias_.has_value(), "panels_linear: int8 panels take no bias (their sums are scaled after)");
-  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1), group = quads ? 4 : pairs ? 2 : 1;
+  const int64_t K = x_.size(-1), P = panels.size(0), Kp = panels.size(1), group = quads ? 4 : pairs || words ? 2 : 1;
   TORCH_CHECK(Kp == (K + group - 1) / group * group && N >= 0 && (N + PANEL - 1) / PANEL == P,
               "panels_linear: panels of shape ", panels.sizes(), " do not hold a weight of ", N, " rows by ", K);
   TORCH_CHECK(!bias_.has_value() || (bias_->scalar_type() == xt && bias_->numel() == N),
               "panels_linear: bias must hold ", N, " values of x's dtype");
   TORCH_CHECK(!pairs || x86(), "panels_linear: bfloat16 x needs an x86 CPU");
-  TORCH_CHECK(!quads || has_vnni(), "panels_linear: int8 x needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(!quads || has_vnni(), "panels_linear: int8 x by uint8 panels needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(!words || has_avx2(), "panels_linear: int8 x by int8 panels needs a CPU with AVX2");
   at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
   if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});  // (M, K'): zeros to fill the last pair or quad
   const int64_t M = x.size(0);
   std::vector<int64_t> sizes = x_.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options().dtype(quads ? at::kInt : xt));  // (M, N): int32 sums for int8 x
+  at::Tensor out = at::empty({M, N}, x.options().dtype(xt == at::kChar ? at::kInt : xt));  // (M, N): int32 sums for int8 x
+  if (words) x = x.to(at::kShort);  // (M, K'): each pair of int16 one int32 (words_by_panel's broadcast)
   std::vector<uint32_t> offsets(quads ? M : 0);  // 128 times each row's sum: what the weights' offset added (mod 2^32)
   for (int64_t i = 0; i < (quads ? M : 0); ++i) {
     const int8_t* row = x.const_data_ptr<int8_t>() + i * Kp;
@@ -662,12 +721,13 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #endif
   const at::Tensor wide = pairs && !native ? swapped_pairs(x) : at::Tensor();  // (M, K')
   const float* wp = wide.defined() ? wide.const_data_ptr<float>() : nullptr;
-  const int64_t block = tiles || wp != nullptr || (!pairs && !quads) ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
+  const int64_t block = tiles || wp != nullptr || words || (!pairs && !quads) ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
       alignas(64) float sums[TILE_BLOCK * PANEL];
-      alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's
+      alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's (quads)
+      alignas(64) int32_t wsums[TILE_BLOCK * PANEL];  // int8 x's (words)
       Task task;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
@@ -695,6 +755,12 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             for (int64_t i = 0; i < m; ++i) {
               for (int64_t j = 0; j < width; ++j) o[i * N + j] = static_cast<int32_t>(static_cast<uint32_t>(isums[i * PANEL + j]) - offsets[r + i]);
             }
+#endif
+          } else if (words) {
+#if defined(__x86_64__)
+            word_sums(static_cast<const int32_t*>(xp) + r * (Kp / 2), Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, wsums);
+            int32_t* o = static_cast<int32_t*>(op) + r * N + n0;
+            for (int64_t i = 0; i < m; ++i) std::memcpy(o + i * N, wsums + i * PANEL, width * sizeof(int32_t));
 #endif
           } else {
             const float* xr = static_cast<const float*>(xp) + r * K;
@@ -806,22 +872,26 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
 // (at least float32's tiny), each value divided by it and rounded half to even; the int8 values (Kp, a zero past K) into
 // q, the scale returned. Finite x: torch's numbers, bit for bit; a NaN in the row makes its scale NaN, as torch's amax
 // does (max instructions drop a NaN: it is looked for apart), so the row's outputs are NaN.
-__attribute__((target("avx512f,avx512bw"))) float int8_row(const float* x, int64_t K, int64_t Kp, int8_t* q) {
-  __m512 top = _mm512_setzero_ps();
-  __mmask16 nan = 0;
+__attribute__((target("avx2"))) float int8_row(const float* x, int64_t K, int64_t Kp, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();  // nan: all ones in a lane that met one
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 v = _mm512_loadu_ps(x + k);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
   }
-  float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(top);
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top);
+  float amax = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : *std::max_element(tops, tops + 8);
   for (; k < K; ++k) amax = std::isnan(x[k]) ? x[k] : std::isnan(amax) ? amax : std::max(amax, std::fabs(x[k]));
   const float scale = std::max(amax * static_cast<float>(1.0 / 127), std::numeric_limits<float>::min());
-  const __m512 s = _mm512_set1_ps(scale);
-  for (k = 0; k + 16 <= K; k += 16) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+  const __m256 s = _mm256_set1_ps(scale);
+  for (k = 0; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i i = _mm256_cvtps_epi32(r);  // (8,) in [-127, 127]
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // (8,) int16
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(h, h));  // (8,) int8
   }
   for (; k < K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] / scale));
   for (; k < Kp; ++k) q[k] = 0;
@@ -830,28 +900,34 @@ __attribute__((target("avx512f,avx512bw"))) float int8_row(const float* x, int64
 #endif
 
 // Int8Linear's decode call with int8 activations in one op: each row of x (float32 or bfloat16, widened) rounded to int8
-// by its own scale (int8_row), the exact int32 sums over uint8 quad panels, then each sum as float32 times the row's
+// by its own scale (int8_row), the exact int32 sums over uint8 quad panels (AVX512-VNNI) or int8 pair panels (AVX2),
+// then each sum as float32 times the row's
 // scale, times the channel's, plus the bias, each a float32 rounding (no fused multiply-add: torch's in-place ops), in
 // x's dtype: headwise.quantize's numbers, bit for bit, for finite x.
 at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& bias_, int64_t N) {
-  const WholeCall c = whole_call("panels_int8_rows_scaled", x_, panels, at::kByte, 4, scales, bias_, N, has_vnni(), "AVX512-VNNI");
+  const bool words = panels.scalar_type() == at::kChar;  // else quads
+  const WholeCall c = whole_call("panels_int8_rows_scaled", x_, panels, words ? at::kChar : at::kByte, words ? 2 : 4, scales, bias_, N,
+                                 words ? has_avx2() : has_vnni(), words ? "AVX2" : "AVX512-VNNI");
   const int64_t K = c.K, Kp = c.Kp;
   const at::Tensor x = x_.reshape({-1, K}).to(at::kFloat).contiguous();  // (M, K)
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
   std::vector<int8_t> q(M * Kp);
   std::vector<float> row_scales(M);
-  std::vector<uint32_t> offsets(M);  // 128 times each row's sum: what the weights' offset added (mod 2^32)
+  std::vector<uint32_t> offsets(M);  // quads: 128 times each row's sum, what the weights' offset added (mod 2^32)
 #if defined(__x86_64__)
   for (int64_t i = 0; i < M; ++i) {
     row_scales[i] = int8_row(x.const_data_ptr<float>() + i * K, K, Kp, q.data() + i * Kp);
-    offsets[i] = 128u * static_cast<uint32_t>(std::accumulate(q.data() + i * Kp, q.data() + (i + 1) * Kp, int64_t{0}));
+    offsets[i] = words ? 0 : 128u * static_cast<uint32_t>(std::accumulate(q.data() + i * Kp, q.data() + (i + 1) * Kp, int64_t{0}));
   }
-  const int32_t* xp = reinterpret_cast<const int32_t*>(q.data());  // four int8 as one int32
-  const uint8_t* pp = panels.const_data_ptr<uint8_t>();
-  scaled_panels<int32_t>(M, N, c.P, Kp, ROWS, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums, Task&) {
-    by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, pp + p * Kp * PANEL, sums); });
+  const std::vector<int16_t> wide(words ? q.begin() : q.end(), q.end());  // words: (M, K') int16, each pair one int32
+  const int32_t* xp = reinterpret_cast<const int32_t*>(words ? static_cast<const void*>(wide.data()) : q.data());  // a pair or a quad
+  const void* pp = panels.const_data_ptr();
+  scaled_panels<int32_t>(M, N, c.P, Kp, words ? TILE_BLOCK : ROWS, out, [&](int64_t m, int64_t r, int64_t p, int32_t* sums, Task&) {
+    if (words) return word_sums(xp + r * (Kp / 2), Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, sums);
+    const uint8_t* panel = static_cast<const uint8_t*>(pp) + p * Kp * PANEL;
+    by_rows(m, [&](auto rows) { quads_by_panel<decltype(rows)::value>(xp + r * (Kp / 4), Kp / 4, panel, sums); });
   }, [&](int64_t i, int64_t n, int32_t sum) {
     const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(sum) - offsets[i]);
     float o = static_cast<float>(exact) * row_scales[i];

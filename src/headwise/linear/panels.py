@@ -49,7 +49,8 @@ WIDTH = 32  # output columns per panel
 #: (x dtype, weight dtype) the GEMM multiplies -> the CPU flag it needs beyond AVX-512 (None: none)
 OPERANDS = {(torch.float32, torch.float32): None, (torch.bfloat16, torch.bfloat16): "avx512_bf16",
             (torch.bfloat16, torch.int8): "avx512_bf16", (torch.int8, torch.int8): "avx512_vnni"}
-_GROUP = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 4}  # x dtype -> k side by side in a step of a panel
+_GROUP = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 4}  # x dtype -> k side by side in a step of a panel (int8: with VNNI)
+INT8_BY_INT8 = (torch.int8, torch.int8)
 
 torch.library.define("headwise::pack_panels", "(Tensor weight, ScalarType? x_dtype=None) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
@@ -60,8 +61,9 @@ torch.library.define("headwise::panels_int8_rows_scaled", "(Tensor x, Tensor pan
 @torch.library.register_fake("headwise::pack_panels")
 def _packed_shape(weight: Tensor, x_dtype: torch.dtype | None = None) -> Tensor:
     x_dtype = x_dtype or (torch.bfloat16 if weight.dtype == torch.int8 else weight.dtype)
-    group = _GROUP[x_dtype]
-    dtype = torch.uint8 if x_dtype == torch.int8 else weight.dtype
+    quads = x_dtype == torch.int8 and "avx512_vnni" in cpu()["flags"]  # else int8 x takes the bfloat16 layout (AVX2)
+    group = _GROUP[x_dtype] if quads or x_dtype != torch.int8 else 2
+    dtype = torch.uint8 if quads else weight.dtype
     return weight.new_empty(-(-weight.shape[0] // WIDTH), -(-weight.shape[1] // group) * group, WIDTH, dtype=dtype)  # (ceil(N / 32), K', 32)
 
 
@@ -86,11 +88,12 @@ def operands_on(facts: dict, *, compiled: bool = True) -> tuple[tuple[torch.dtyp
     they run AVX2, float32, bfloat16 and int8 weights by bfloat16 x eagerly (2 rows x 4 registers of sums, bfloat16 and
     int8 widened to float32 in registers; the rule gives them decode-shaped calls only, docs: decoding); none elsewhere."""
     if facts["capability"] == "AVX2":
-        return () if compiled else ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8))
+        return () if compiled else tuple(OPERANDS)
     if facts["capability"] != "AVX512":
         return ()
     return tuple(pair for pair, flag in OPERANDS.items()
-                 if (flag is None or flag in facts["flags"]) and not (compiled and pair[0] == torch.int8 and amx_int8_on(facts)))
+                 if (flag is None or flag in facts["flags"] or (pair == INT8_BY_INT8 and not compiled))
+                 and not (compiled and pair == INT8_BY_INT8 and amx_int8_on(facts)))
 
 
 @torch.compiler.assume_constant_result
