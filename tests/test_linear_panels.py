@@ -11,7 +11,7 @@ from headwise import linear as hl
 from headwise.linear import onednn, panels, projection
 
 needs_panels = pytest.mark.skipif(not panels.available(), reason="the panels GEMM runs where torch's kernels are AVX-512 or AVX2 and the library builds")
-needs_compiled_panels = pytest.mark.skipif(not panels.operands(), reason="a compiled step's panels run where torch's kernels are AVX-512 and the library builds")
+needs_compiled_panels = pytest.mark.skipif((torch.float32,) * 2 not in panels.operands(), reason="a compiled step's panels run where torch's kernels are AVX-512 and the library builds")
 DTYPES = [pytest.param(torch.float32, id="fp32"),
           pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif((torch.bfloat16,) * 2 not in panels.operands(compiled=False),
                                                                             reason="bfloat16 panels need AVX512-BF16 or AVX2 kernels"))]
@@ -164,34 +164,35 @@ def test_a_frozen_graph_packs_each_weight_once_and_runs_the_panels(rows, dtype):
 @pytest.mark.parametrize("capability, flags, fp32, bf16, a8", [
     ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "panels"),
     ("AVX512", ["avx512f", "avx512_vnni"], "panels", "inductor", "panels"),
-    ("AVX512", ["avx512f"], "panels", "inductor", "int_mm"),
+    ("AVX512", ["avx512f"], "panels", "inductor", "panels"),  # int8 x int8: AVX2's word products
     ("AVX512", ["amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni"], "panels", "panels", "inductor"),  # AMX
-    ("AVX2", ["avx2"], "inductor", "inductor", "int_mm")])
+    ("AVX2", ["avx2"], "inductor", "inductor", "panels"),
+    ("DEFAULT", [], "inductor", "inductor", "int_mm")])
 def test_describe_names_the_compiled_steps_gemm(machine, capability, flags, fp32, bf16, a8):
     machine("GenuineIntel", capability, flags)
     step = hl.describe()["compiled_step"]
     assert set(step) == {"float32", "bfloat16", "int8", "int8, int8 activations"}
     assert step["float32"]["path"] == fp32 and step["bfloat16"]["path"] == bf16 and step["int8"]["path"] == bf16
     assert step["int8, int8 activations"]["path"] == a8
-    assert {"AVX512": "AVX-512", "AVX2": "AVX2"}[capability] in step["float32"]["reason"]
+    assert {"AVX512": "AVX-512", "AVX2": "AVX2", "DEFAULT": "DEFAULT"}[capability] in step["float32"]["reason"]
     for dtype in ("bfloat16", "int8"):
         assert (bf16 == "inductor" and capability == "AVX512") == ("no avx512_bf16" in step[dtype]["reason"])
         assert ("AMX tiles from" in step[dtype]["reason"]) == ("amx_bf16" in flags)
     a8_reason = step["int8, int8 activations"]["reason"]
     assert ("AMX tiles" in a8_reason) == ("amx_int8" in flags)  # never "no avx512_vnni" where the CPU has it
     assert ("no avx512_vnni" in a8_reason) == (capability == "AVX512" and "avx512_vnni" not in flags)
+    assert ("word products" in a8_reason) == (capability in ("AVX512", "AVX2") and "avx512_vnni" not in flags)
 
 
 @pytest.mark.parametrize("capability, flags, compiled", [
     ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni"], True),
     ("AVX512", ["avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8"], False),  # compiled: inductor's AMX int8 GEMM
-    ("AVX512", ["avx512f", "avx512_bf16"], False),  # eager: the AVX2 words
-    ("AVX2", ["avx2"], False)])
-def test_int8_rows_take_the_panels_eagerly_on_every_x86_cpu_they_build_for(capability, flags, compiled):
-    """int8 x int8 panels run eagerly wherever the panels do (AVX512-VNNI's byte dot products, else AVX2's word ones:
-    torch's _int_mm is a scalar loop there); a compiled step takes them with AVX512-VNNI, but on a CPU with AMX's int8
-    tiles leaves them to inductor's AMX GEMM (eager decode calls keep them: torch's _int_mm took 1.7-2x their step
-    time there)."""
+    ("AVX512", ["avx512f", "avx512_bf16"], True),  # AVX2's word products
+    ("AVX2", ["avx2"], True)])
+def test_int8_rows_take_the_panels_on_every_x86_cpu_they_build_for(capability, flags, compiled):
+    """int8 x int8 panels run wherever the panels do (AVX512-VNNI's byte dot products, else AVX2's word ones: torch's
+    _int_mm is a scalar loop there), but a compiled step on a CPU with AMX's int8 tiles leaves them to inductor's AMX
+    GEMM (eager decode calls keep them: torch's _int_mm took 1.7-2x their step time there)."""
     facts = {"capability": capability, "flags": flags}
     assert (torch.int8, torch.int8) in panels.operands_on(facts, compiled=False)
     assert ((torch.int8, torch.int8) in panels.operands_on(facts)) is compiled

@@ -80,6 +80,22 @@ def test_under_compile_the_int8_gemm_is_out_of_inductors_sight_off_amx(monkeypat
     assert (opaque, traced) == (not amx, amx), seen
 
 
+def test_without_vnni_a_prompts_rows_take_the_panels_not_torchs_scalar_int8_gemm(monkeypatch):
+    """Where torch's int8 GEMM is a scalar loop (a CPU without AVX512-VNNI: 30-100x the panels' time), every row count
+    runs the panels' integer GEMM (AVX2's word products): a prompt's 600 rows in chunks, the written-out arithmetic bit
+    for bit. (Runs on such CPUs only.)"""
+    from headwise import quantize
+    from headwise.linear import panels
+
+    if (torch.int8, torch.int8) not in panels.operands(compiled=False) or quantize._VECTOR_INT_MM:
+        pytest.skip("the panels' int8 x int8 path for every row count runs on x86 CPUs without AVX512-VNNI")
+    monkeypatch.setattr(torch, "_int_mm", lambda *args: pytest.fail("torch._int_mm ran"))
+    g = torch.Generator().manual_seed(8)
+    lin = Int8Linear(torch.randn(80, 771, generator=g), torch.randn(80, generator=g), activations="int8")
+    x = torch.randn(2, 300, 771, generator=g)  # (B, T, K): K odd, the last pair padded
+    assert torch.equal(lin(x), written_out(x, lin))
+
+
 def test_on_each_device_the_cpus_numbers_bit_for_bit(device):
     """Off the CPU (cuda where torch sees one) the float64 GEMM of the same integers: the CPU's int32 sums, the same bits.
     (Its first run on a GPU found the row scales differing: they were a division by 127, which CUDA runs as a product

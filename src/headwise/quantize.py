@@ -221,7 +221,10 @@ def _int_mm_op(a: Tensor, b: Tensor) -> Tensor:
 
     Where the weights are frozen, inductor rewrites a traced ``_int_mm`` and its scales into its own quantized
     linear, whose kernels for signed int8 activations are AMX's alone (``machine.amx_int8_on``): elsewhere it runs
-    a scalar one. So a compiled int8-activation projection calls torch's kernel through this op off AMX."""
+    a scalar one. So a compiled int8-activation projection calls torch's kernel through this op off AMX; where that
+    kernel is a scalar loop too (no AVX512-VNNI), the panels' integer GEMM over the weight packed for the call."""
+    if not _VECTOR_INT_MM and panels.takes(a, b.t(), None):
+        return torch.ops.headwise.panels_linear(a, torch.ops.headwise.pack_panels(b.t(), torch.int8), None, b.shape[1])  # (M, N): the same sums
     return torch._int_mm(a, b)
 
 

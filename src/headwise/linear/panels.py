@@ -83,17 +83,18 @@ torch.library.register_fake("headwise::panels_int8_rows_scaled", _scaled_shape)
 def operands_on(facts: dict, *, compiled: bool = True) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
     """The (x dtype, weight dtype) pairs whose projections take the panels on a CPU with these facts (``machine.cpu()``):
     where torch's kernels run AVX-512, where the GEMM was measured (its 8 x 2 registers of sums need AVX-512's 32), each
-    pair of ``OPERANDS`` whose flag the CPU has, but, in a compiled step (``compiled``), int8 x on CPUs with AMX's int8
-    tiles (inductor's own int8 GEMM runs there; eagerly the panels' VNNI sums were the faster, docs: decoding); where
-    they run AVX2, float32, bfloat16 and int8 weights by bfloat16 x eagerly (2 rows x 4 registers of sums, bfloat16 and
-    int8 widened to float32 in registers; the rule gives them decode-shaped calls only, docs: decoding); none elsewhere."""
-    if facts["capability"] == "AVX2":
-        return () if compiled else tuple(OPERANDS)
-    if facts["capability"] != "AVX512":
+    pair of ``OPERANDS`` whose flag the CPU has; where they run AVX2, float32, bfloat16 and int8 weights by bfloat16 x
+    eagerly (2 rows x 4 registers of sums, bfloat16 and int8 widened to float32 in registers; the rule gives them
+    decode-shaped calls only, docs: decoding); none elsewhere. int8 x int8 wherever torch's kernels run AVX2 or AVX-512,
+    eagerly and in a compiled step (without AVX512-VNNI by AVX2's word products: torch's int8 GEMM is a scalar loop
+    there), but not in a compiled step on CPUs with AMX's int8 tiles (inductor's own int8 GEMM runs there; eagerly the
+    panels' VNNI sums were the faster, docs: decoding)."""
+    if facts["capability"] not in ("AVX2", "AVX512"):
         return ()
-    return tuple(pair for pair, flag in OPERANDS.items()
-                 if (flag is None or flag in facts["flags"] or (pair == INT8_BY_INT8 and not compiled))
-                 and not (compiled and pair == INT8_BY_INT8 and amx_int8_on(facts)))
+    int8 = () if compiled and amx_int8_on(facts) else (INT8_BY_INT8,)
+    if facts["capability"] == "AVX2":
+        return int8 if compiled else tuple(pair for pair in OPERANDS if pair != INT8_BY_INT8) + int8
+    return tuple(pair for pair, flag in OPERANDS.items() if pair != INT8_BY_INT8 and (flag is None or flag in facts["flags"])) + int8
 
 
 @torch.compiler.assume_constant_result

@@ -54,7 +54,8 @@ machine facts behind them. Nothing global is changed.
 A compiled decode step (``generate(..., compile=True)``, its weights frozen) follows none of the
 above: its float32 projections run ``panels`` (one C++ GEMM over the weight packed when the step is
 compiled) on CPUs whose torch kernels run AVX-512, its bfloat16 and int8 ones (``Int8Linear``'s bfloat16
-sums) on those with AVX512-BF16 too, int8 with int8 activations on those with AVX512-VNNI, and
+sums) on those with AVX512-BF16 too, int8 with int8 activations wherever torch's kernels run AVX2 or
+AVX-512 except on CPUs with AMX's int8 tiles (AVX512-VNNI's byte products, else AVX2's word products), and
 inductor's GEMMs (torch's int8 GEMM for int8 activations) elsewhere (``describe()["compiled_step"]``).
 """
 
@@ -300,7 +301,9 @@ def _compiled_step(facts: dict) -> dict:
     for name, (operands, note) in _STEP_PANELS.items():
         flag = panels.OPERANDS[operands]
         if operands in runs:
-            needs = "torch's kernels run AVX-512" + (f", the CPU has {flag}" if flag else "")
+            has = flag is None or flag in facts["flags"]  # else int8 x int8 by AVX2's word products
+            needs = f"torch's kernels run {'AVX-512' if isa == 'AVX512' else isa}" + (f", the CPU has {flag}" if flag and has else "")
+            note = note if has else f"{note} by AVX2's word products" + (f" (no {flag})" if isa == "AVX512" else "")
             fewest = 2 if name == "int8" else 4  # rows: panels.cpp's INT8_TILE_ROWS, TILE_ROWS
             tiles = f", in AMX tiles from {fewest} rows" if operands[0] == torch.bfloat16 and "amx_bf16" in facts["flags"] else ""
             entry = {"path": "panels", "reason": f"{needs}: headwise's C++ GEMM over the weight packed in 32-column panels "
@@ -309,8 +312,7 @@ def _compiled_step(facts: dict) -> dict:
             entry = {"path": "inductor", "reason": "the CPU multiplies int8 by int8 in AMX tiles: inductor's int8 GEMM "
                                                    "over the weight it packs when the step is compiled"}
         elif operands[0] == torch.int8:
-            lacks = f", no {flag}" if isa == "AVX512" else ""
-            entry = {"path": "int_mm", "reason": f"torch's kernels run {isa}{lacks}: torch's int8 GEMM as an opaque op"}
+            entry = {"path": "int_mm", "reason": f"torch's kernels run {isa}: torch's int8 GEMM as an opaque op"}
         else:
             lacks = f", no {flag}" if isa == "AVX512" and flag else ""
             entry = {"path": "inductor", "reason": f"torch's kernels run {isa}{lacks}: inductor's GEMM over the weight it packs "
