@@ -42,11 +42,13 @@ own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products sum
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: eagerly, a decode step's rows by the panels GEMM over the weight packed once
-where it takes them (AVX512-VNNI), else torch's int8 GEMM (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for
-any rows (under ``torch.compile`` on a CPU without AMX's int8 tiles, through an opaque op: inductor's
-own int8 GEMMs for frozen weights are scalar there, ``machine.amx_int8_on``; where the graph freezes
-the weights, on a CPU with AVX512-VNNI, ``headwise.linear.panels``' integer GEMM over the weight
-packed at compile, which reads the weights at memory's rate), else (another device, autograd) a
+where it takes them (AVX512-VNNI's byte products, else AVX2's word products), a prompt's too on a CPU without
+AVX512-VNNI (torch's int8 GEMM is a scalar loop there, 30-100x the panels' time), else torch's int8 GEMM
+(``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for any rows (under ``torch.compile`` on a CPU without AMX's
+int8 tiles, through an opaque op: inductor's own int8 GEMMs for frozen weights are scalar there,
+``machine.amx_int8_on``; the op runs the panels where torch's GEMM is scalar; where the graph freezes the weights,
+on every CPU the panels take but those with AMX's int8 tiles, ``headwise.linear.panels``' integer GEMM over the
+weight packed at compile, which reads the weights at memory's rate), else (another device, autograd) a
 float64 GEMM of the same integers, exact, with the rounding's gradient passed straight through. A
 row's result never depends on the other rows, and the GEMM's time hardly grows with them: a decode
 step of 8 rows reads the weights in little more than one row's time, where the bfloat16-activation

@@ -3,6 +3,7 @@ a decode step's attention the same outputs (against the float64 reference); the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from reference import reference_attention
 
@@ -58,6 +59,26 @@ def test_a_float32_model_serves_with_bf16_caches_when_asked():
                 cache_dtype=torch.bfloat16)
     assert (r.dtype, r.cache_dtype) == ("float32", "bfloat16") and 0 <= r.same_tokens <= 2 and min(r.paged_s, r.one_at_a_time_s) > 0
     assert "new tokens, greedy), float32 with bfloat16 caches, block_size=4" in markdown(r)
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_a_model_with_int8_weights_serves_through_its_int8_head(activations):
+    r = serving(requests=2, prompt=(4, 12), new=(2, 4), config=TINY, block_size=4, chunk=3, decode_context=8, decode_repeats=1,
+                int8=activations)
+    assert r.int8 == activations and 0 <= r.same_tokens <= 2 and min(r.paged_s, r.one_at_a_time_s, r.static_s) > 0
+    assert f"new tokens, greedy), float32, int8 weights with {activations} activations, block_size=4" in markdown(r)
+
+
+def test_the_static_baselines_logits_come_from_the_models_own_head():
+    """With int8 weights the model's head is an ``Int8Linear`` (``lm_head``), not the tied float embedding: the static
+    batch and the one-at-a-time baseline take their logits from it, as the batcher does."""
+    from headwise.quantize import int8_weights
+
+    torch.manual_seed(1)
+    model = int8_weights(GPT2LMHeadModel(TINY).eval(), activations="int8")
+    prompts, new = request_mix(3, prompt=(2, 12), new=(1, 6), vocab=TINY.vocab_size, seed=4)
+    alone = [static_generate(model, [p], [n])[0] for p, n in zip(prompts, new, strict=True)]
+    assert alone == [model.generate(p[None], max_new_tokens=n)[0, len(p):].tolist() for p, n in zip(prompts, new, strict=True)]
 
 
 def consecutive(blocks: list[int]) -> bool:

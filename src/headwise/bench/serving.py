@@ -3,7 +3,8 @@
 A fixed seeded mix of requests (default 32, prompts 16..1024 tokens, 16..256 new tokens, greedy,
 no EOS so every strategy does the same work) through one model (default GPT-2 small's shapes
 with n_positions = 1024 + 256, random weights, fp32; ``--dtype bf16`` for a bf16 model and caches,
-``--cache-dtype bf16`` for bf16 caches under the fp32 model)
+``--cache-dtype bf16`` for bf16 caches under the fp32 model, ``--int8 bf16`` or ``--int8 int8`` for its
+projections and LM head as ``Int8Linear``s with those activations, ``headwise.quantize.int8_weights``)
 three ways, timed interleaved in one run:
 
 - ``paged``: ``headwise.models.Batcher``, a ``PagedKVCache`` per layer, requests leaving and
@@ -47,6 +48,7 @@ from ..config import GPT2Config
 from ..models.batching import Batcher
 from ..models.generate import positions
 from ..models.gpt2 import GPT2LMHeadModel
+from ..quantize import ACTIVATIONS, int8_weights
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -104,6 +106,7 @@ class ServingReport:
     threads: int
     dtype: str = "float32"  # the model's
     cache_dtype: str = "float32"  # its caches'
+    int8: str | None = None  # int8 weights' activations ("bf16" or "int8"); None: the model's weights
 
     def tokens_per_s(self, seconds: float) -> float:
         return self.new_tokens / seconds
@@ -123,7 +126,8 @@ def _last_logits(model: GPT2LMHeadModel, ids: Tensor, position_ids: Tensor, mask
     x = t.drop(t.wte(ids) + t.wpe(position_ids))  # (B, T, C)
     for block, cache in zip(t.h, caches, strict=True):
         x = block(x, attention_mask=mask, cache=cache)  # (B, T, C)
-    return F.linear(t.ln_f(x[:, -1]), t.wte.weight)  # (B, vocab)
+    last = t.ln_f(x[:, -1])  # (B, C)
+    return F.linear(last, t.wte.weight) if model.lm_head is None else model.lm_head(last)  # (B, vocab): an int8 head where there is one
 
 
 @torch.no_grad()
@@ -217,15 +221,19 @@ def serving(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     cache_dtype: torch.dtype | None = None,
+    int8: str | None = None,
 ) -> ServingReport:
     """Run the mix through the three strategies (interleaved) and time the decode steps; see the module docstring.
 
     ``dtype``: the model's and so its caches' (float32 by default; bfloat16 halves the keys and values read);
-    ``cache_dtype``: the caches' where not the model's (bfloat16 under a float32 model).
+    ``cache_dtype``: the caches' where not the model's (bfloat16 under a float32 model); ``int8``: "bf16" or "int8",
+    the projections and the LM head as ``Int8Linear``s with those activations (``int8_weights``); None: as they are.
     """
     config = config or GPT2Config(n_positions=prompt[1] + new[1])  # GPT-2 small, with room for the longest request
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).to(dtype).eval()
+    if int8 is not None:
+        int8_weights(model, activations=int8)
     prompts, max_new = request_mix(requests, prompt=prompt, new=new, vocab=config.vocab_size, seed=seed)
     results: dict[str, list[list[int]]] = {}
     watch: list[tuple[int, int]] = []
@@ -268,14 +276,15 @@ def serving(
         compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)),
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
-        cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."),
+        cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."), int8=int8,
     )
 
 
 def markdown(r: ServingReport, machine: str = "") -> str:
     """The report as Markdown tables (the CLI prints this)."""
     lines = [f"Serving {r.requests} requests ({r.prompt_tokens} prompt tokens, {r.new_tokens} new tokens, greedy), "
-             f"{r.dtype}" + (f" with {r.cache_dtype} caches" if r.cache_dtype != r.dtype else "") + f", block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
+             f"{r.dtype}" + (f" with {r.cache_dtype} caches" if r.cache_dtype != r.dtype else "")
+             + (f", int8 weights with {r.int8} activations" if r.int8 else "") + f", block_size={r.block_size}, {r.threads} threads" + (f"; {machine}" if machine else ""), "",
              "| strategy | seconds | new tokens/s | paged is x faster |", "|---|---:|---:|---:|"]
     strategies = (("continuous batching, paged cache", r.paged_s), (f"the same, prompts in chunks of {r.chunked.max_step_tokens}", r.chunked_s),
                   ("the same, compile=True (compiled one call where the C++ kernel is not built)", r.compiled_s),
@@ -308,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's and its caches' (default fp32)")
     p.add_argument("--cache-dtype", choices=("bf16",), default=None, help="the caches' under an fp32 model (default: the model's)")
+    p.add_argument("--int8", choices=ACTIVATIONS, default=None, help="int8 weights (int8_weights) with these activations (default: none)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -315,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     with busy(args.busy):
         report, load = loaded(lambda: serving(requests=args.requests, repeats=args.repeats, chunk=args.chunk,
-                                                    dtype=DTYPES[args.dtype], cache_dtype=DTYPES.get(args.cache_dtype)))
+                                                    dtype=DTYPES[args.dtype], cache_dtype=DTYPES.get(args.cache_dtype), int8=args.int8))
     print(markdown(report, f"{machine()}; load average {load}" + (f" with {args.busy} busy processes beside it" if args.busy else "")))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 

@@ -21,7 +21,10 @@
 //   whole panel widened once into a bfloat16 panel, taken as bfloat16's: the same sums); the
 //   sums rounded to bfloat16 (no bias: the caller scales them). In AMX tiles (INT8_TILE_ROWS rows or more) each
 //   tile's 16 steps are widened so into a 2 KB buffer first.
-// - int8 weights, int8 x (AVX512-VNNI only): uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
+// - int8 weights, int8 x, on a CPU without AVX512-VNNI (any with AVX2): int8 panels in the bfloat16 layout, each
+//   step's pairs widened to int16 in registers and x's pairs too (once a call); one vpmaddwd adds a pair's two products
+//   (exact) for 8 columns, a vpaddd adds them to the int32 sums (words_by_panel, WORD_ROWS rows a pass).
+// - int8 weights, int8 x, with AVX512-VNNI: uint8 panels (ceil(N/32), K rounded up to 4, 32), each step
 //   four k for every column, each weight stored as w + 128 (vpdpbusd multiplies unsigned bytes by signed
 //   ones); one vpdpbusd adds four products to each int32 sum, and 128 times the row's sum of x is taken
 //   off after: the exact integer sums (M, N), as torch._int_mm gives (int32 arithmetic wraps, so this

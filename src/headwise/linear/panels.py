@@ -5,7 +5,8 @@ rule's "panels" path), in a compiled step over the weight packed when the graph 
 - ``headwise::pack_panels(weight, x_dtype=None)``: (N, K) -> (ceil(N / 32), K', 32) for x of ``x_dtype``
   (``OPERANDS``; by default the weight's, bfloat16 for int8), each panel 32 output columns k-major, the
   last zero-padded: float32 K' = K; bfloat16 x K' = K + K % 2, each step of the panel a pair of k for
-  every column; int8 x K' = K rounded up to 4, four k a step, uint8 weights offset by 128. In a graph
+  every column; int8 x K' = K rounded up to 4, four k a step, uint8 weights offset by 128 on a CPU with
+  AVX512-VNNI, else (int8 pairs) bfloat16 x's layout. In a graph
   whose weights inductor freezes, its constant folding packs each weight once, when the graph is
   compiled: the step itself never packs.
 - ``headwise::panels_linear(x, panels, bias, n)``: (..., K) x panels (+ bias (n,)) -> (..., n) in x's dtype.
@@ -18,22 +19,23 @@ rule's "panels" path), in a compiled step over the weight packed when the graph 
   int8 panels with bfloat16 x (no bias): each step's int8 weights widened to bfloat16 in registers
   (exact), then the same instruction, the sums rounded to bfloat16 once: ``Int8Linear``'s sums
   (``headwise.quantize``), which it then scales. int8 panels with int8 x (no bias): one AVX512-VNNI
-  instruction adds four byte products to each int32 sum, the (..., n) exact integer sums that
+  instruction adds four byte products to each int32 sum (without VNNI, on any CPU with AVX2: each step's pairs
+  widened to int16, one vpmaddwd adds a pair's two products, a vpaddd the sum), the (..., n) exact integer sums that
   torch's int8 GEMM gives (``Int8Linear``'s int8-activation arithmetic then scales them). Each panel is read once for every 8 rows of x,
   whose 8 x 32 sums stay in registers; the panels are split between torch's threads.
 - ``headwise::panels_int8_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s whole decode call over int8 panels
   packed for bfloat16 x: x (..., K) float32 or bfloat16 rounded to bfloat16, the sums rounded once, then times the (n,)
   float32 scales plus the (n,) float32 bias (one fused multiply-add, as torch's ``addcmul`` on AVX-512), in x's dtype.
 - ``headwise::panels_int8_rows_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s decode call with int8
-  activations over uint8 panels packed for int8 x: each row of x (float32 or bfloat16) rounded to int8 by its own scale,
+  activations over the panels packed for int8 x: each row of x (float32 or bfloat16) rounded to int8 by its own scale,
   the exact integer sums, then times the row's scale, the channel's, plus the bias (each a float32 rounding), in x's dtype.
 
 At the few rows of a decode step the GEMM reads the weights at about the rate of a plain read of
 memory, where oneDNN's kernels (inductor's choice at 2 to 8 rows) run short of it; the decoding
 performance page has the measurements. ``takes`` holds it to what was measured: CPUs whose torch
-kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 x those with AVX512-BF16,
-for int8 x those with AVX512-VNNI; float32, bfloat16 and int8 weights by bfloat16 x eagerly on those whose torch
-kernels run AVX2 (16 registers: 2 rows x 4 of sums); where the library is built (``headwise.native``).
+kernels run AVX-512 (32 vector registers: 8 rows x 2 of sums), for bfloat16 x those with AVX512-BF16;
+float32, bfloat16 and int8 weights by bfloat16 x eagerly on those whose torch kernels run AVX2 (16 registers: 2-3
+rows x 4 of sums); int8 x on both (``operands_on``); where the library is built (``headwise.native``).
 """
 
 from __future__ import annotations
