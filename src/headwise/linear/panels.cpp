@@ -415,8 +415,9 @@ __attribute__((target("avx512f,avx512vnni"))) void quads_by_panel(const int32_t*
 #endif
 
 #if defined(__x86_64__)
-// The int8 x path on a CPU without AVX512-VNNI (any with AVX2): rows of WORD_ROWS at most a pass (4 x 8 int32 sums a row
-// in 16 registers).
+// The int8 x path on a CPU without AVX512-VNNI (any with AVX2): WORD_ROWS rows a pass, each 4 registers of 8 int32 sums
+// (a third row's sums, its broadcast, the widened step and a product would need 17 of the 16 registers: GCC spilled a
+// sum, and 3 rows a pass took 1.1-1.3x the time of 2 from 8 rows)
 constexpr int WORD_ROWS = 2;
 constexpr int VECS_I = PANEL / 8;  // registers of 8 int32 sums a row of a panel
 
@@ -904,9 +905,8 @@ __attribute__((target("avx2"))) float int8_row(const float* x, int64_t K, int64_
 
 // Int8Linear's decode call with int8 activations in one op: each row of x (float32 or bfloat16, widened) rounded to int8
 // by its own scale (int8_row), the exact int32 sums over uint8 quad panels (AVX512-VNNI) or int8 pair panels (AVX2),
-// then each sum as float32 times the row's
-// scale, times the channel's, plus the bias, each a float32 rounding (no fused multiply-add: torch's in-place ops), in
-// x's dtype: headwise.quantize's numbers, bit for bit, for finite x.
+// then each sum as float32 times the row's scale, times the channel's, plus the bias, each a float32 rounding (no fused
+// multiply-add: torch's in-place ops), in x's dtype: headwise.quantize's numbers, bit for bit, for finite x.
 at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& bias_, int64_t N) {
   const bool words = panels.scalar_type() == at::kChar;  // else quads
