@@ -114,3 +114,32 @@ def _continued(model, ids: list[int], n: int) -> list[int]:
         token = int(model(torch.tensor([ids]))[0, -1].argmax())
         ids, out = [*ids, token], [*out, token]
     return out
+
+
+def test_a_tensor_freed_while_verify_reads_the_samples_does_not_stop_it(monkeypatch):
+    """A collection started by ``verify``'s own copy of the watched entries can free a watched tensor, whose finalizer
+    drops its entry mid-copy ("dictionary changed size during iteration", seen once in a forward): the copy is taken
+    again. Here the entries' view drops one the first time it is read, as such a finalizer would; a write through
+    ``.data`` to a live tensor is still seen."""
+    kept, dropped = torch.zeros(16), torch.zeros(16)
+    weight_cache.watch([kept, dropped])
+
+    class Dropping(dict):
+        reads = 0
+
+        def items(self):
+            Dropping.reads += 1
+            if Dropping.reads == 1:
+                def dropping():
+                    for i, item in enumerate(dict.items(self)):
+                        if i == 0:
+                            self.pop(id(dropped))  # as _forget would, from a finalizer
+                        yield item
+                return dropping()
+            return dict.items(self)
+
+    monkeypatch.setattr(weight_cache, "WATCHED", Dropping(weight_cache.WATCHED))
+    before = weight_cache.EPOCH.get(id(kept), 0)
+    kept.data[0] = 1.0  # a write autograd's version does not see
+    weight_cache.verify()
+    assert Dropping.reads == 2 and weight_cache.EPOCH.get(id(kept), 0) == before + 1

@@ -89,7 +89,7 @@ def verify() -> None:
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
     if torch.compiler.is_compiling() or not WATCHED or getattr(_scope, "on", False):  # (a graph must not read the dict)
         return
-    for key, (ref, address, size, sample) in list(WATCHED.items()):
+    for key, (ref, address, size, sample) in _entries(WATCHED):
         t = ref()
         if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
             continue
@@ -97,6 +97,16 @@ def verify() -> None:
         if now != sample:
             WATCHED[key] = (ref, address, size, now)
             EPOCH[key] = EPOCH.get(key, 0) + 1
+
+
+def _entries(table: dict) -> list:
+    """``list(table.items())``, taken again where the dict changed while it was read: a collection that the copy's own
+    allocations started can free a watched tensor, whose finalizer (``_forget``) drops its entry mid-copy."""
+    while True:
+        try:
+            return list(table.items())
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
 
 
 def checking(check: bool) -> AbstractContextManager:
