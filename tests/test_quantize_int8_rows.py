@@ -81,7 +81,7 @@ def test_under_compile_the_int8_gemm_is_out_of_inductors_sight_off_amx(monkeypat
 
 
 def test_without_vnni_a_prompts_rows_take_the_panels_not_torchs_scalar_int8_gemm(monkeypatch):
-    """Where torch's int8 GEMM is a scalar loop (a CPU without AVX512-VNNI: 30-100x the panels' time), every row count
+    """Where torch's int8 GEMM is a scalar loop (a CPU without AVX512-VNNI), every row count
     runs the panels' integer GEMM (AVX2's word products): a prompt's 600 rows in chunks, the written-out arithmetic bit
     for bit. (Runs on such CPUs only.)"""
     from headwise import quantize

@@ -43,7 +43,7 @@ each sum rounded to float32, multiplied by the row's scale, then by the channel'
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: eagerly, a decode step's rows by the panels GEMM over the weight packed once
 where it takes them (AVX512-VNNI's byte products, else AVX2's word products), a prompt's too on a CPU without
-AVX512-VNNI (torch's int8 GEMM is a scalar loop there, 30-100x the panels' time), else torch's int8 GEMM
+AVX512-VNNI (torch's int8 GEMM is a scalar loop there, docs: decoding), else torch's int8 GEMM
 (``torch._int_mm``, oneDNN with VNNI / AMX) on the CPU for any rows (under ``torch.compile`` on a CPU without AMX's
 int8 tiles, through an opaque op: inductor's own int8 GEMMs for frozen weights are scalar there,
 ``machine.amx_int8_on``; the op runs the panels where torch's GEMM is scalar; where the graph freezes the weights,
@@ -72,7 +72,7 @@ from .machine import amx_int8_on, bf16_flags, cpu
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default if _INT8_KERNEL else None  # (M, K) bf16 x (N, K) int8, (N,) bf16 scales -> (M, N)
 _AMX_INT8 = amx_int8_on(cpu())  # int8 x int8 in AMX tiles: inductor's frozen int8-activation GEMMs are fast (read once)
-_VECTOR_INT_MM = "avx512_vnni" in cpu()["flags"]  # torch's int8 GEMM runs oneDNN's vector kernels (else a scalar loop, 30-100x slower)
+_VECTOR_INT_MM = "avx512_vnni" in cpu()["flags"]  # torch's int8 GEMM runs oneDNN's vector kernels here (elsewhere a scalar loop)
 K_MULTIPLE = 16  # the kernel's vector loop reads K in steps of 16 bfloat16 values (8 on AVX2 and NEON)
 ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of a row of activations and of weights
 ACTIVATIONS = ("bf16", "int8")  # Int8Linear's two arithmetics (the module docstring)

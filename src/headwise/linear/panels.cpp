@@ -416,8 +416,8 @@ __attribute__((target("avx512f,avx512vnni"))) void quads_by_panel(const int32_t*
 
 #if defined(__x86_64__)
 // The int8 x path on a CPU without AVX512-VNNI (any with AVX2): WORD_ROWS rows a pass, each 4 registers of 8 int32 sums
-// (a third row's sums, its broadcast, the widened step and a product would need 17 of the 16 registers: GCC spilled a
-// sum, and 3 rows a pass took 1.1-1.3x the time of 2 from 8 rows)
+// (a third row's sums, its broadcast, the widened step and a product would need 17 of the 16 registers: GCC spills a
+// sum, and 3 rows a pass ran slower than 2; docs: decoding)
 constexpr int WORD_ROWS = 2;
 constexpr int VECS_I = PANEL / 8;  // registers of 8 int32 sums a row of a panel
 
