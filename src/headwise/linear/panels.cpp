@@ -189,7 +189,7 @@ void widened_pairs_by_panel(const float* x, int64_t Kp, const W* panel, int64_t 
 // first-level cache), its odd k's widened for each register of columns and added to every row's sums, then its even
 // k's, so that one broadcast a row is live rather than two: 3 rows' 12 sums, 3 broadcasts and the widened register fill
 // the 16. Each sum adds the same products in the same order (the same bits). Written in assembly: GCC, given this loop
-// in intrinsics, kept the mask in a register and spilled sums to the stack (1.2-1.8x slower than 2 rows a pass), and
+// in intrinsics, kept the mask in a register and spilled sums to the stack (slower than 2 rows a pass; docs/performance/decode.md), and
 // its 1- and 2-row code moved between builds. The broadcasts sit in ymm12-14, the widened step in ymm15.
 alignas(32) constexpr uint32_t HIGH_HALVES[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
                                                  0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};  // a pair's odd k
@@ -225,7 +225,7 @@ alignas(32) constexpr uint32_t HIGH_HALVES[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFF
 template <int M>
 void halves_by_panel(const float* x, int64_t Kp, const c10::BFloat16* panel, int64_t steps, float* sums, bool resume) {
   static_assert(M >= 1 && M <= 3);
-  // 12 variables, not an array: GCC kept an array of them in memory where the function was not inlined (1.4x slower)
+  // 12 variables, not an array: GCC kept an array of them in memory where the function was not inlined (slower)
   const auto start = [&](int m, int j) { return resume && m < M ? _mm256_loadu_ps(sums + m * PANEL + j * LANES) : _mm256_setzero_ps(); };
   __m256 a00 = start(0, 0), a01 = start(0, 1), a02 = start(0, 2), a03 = start(0, 3), a10 = start(1, 0), a11 = start(1, 1),
          a12 = start(1, 2), a13 = start(1, 3), a20 = start(2, 0), a21 = start(2, 1), a22 = start(2, 2), a23 = start(2, 3);
@@ -486,7 +486,7 @@ struct Task {
   const void* widened_from = nullptr;
   std::vector<c10::BFloat16> widened;
   // room for `size` values at a 64-byte boundary, as torch's tensors start (a step of 128 bytes in two cache lines, not
-  // three: from 16-byte boundaries the kernels' loads split lines and ran 1.4x slower)
+  // three: from 16-byte boundaries the kernels' loads split lines and ran slower)
   c10::BFloat16* widened_panel(int64_t size) {
     widened.resize(size + 32);
     return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
@@ -575,36 +575,25 @@ constexpr bool x86() {
 #endif
 }
 
-// The CPU runs AVX512-BF16's pair dot products (the bfloat16 path's one instruction).
-bool has_bf16_pairs() {
+// What the CPU runs (asked of the CPU, not of the build): false off x86.
 #if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512bf16");
+#define CPU_HAS(feature) __builtin_cpu_supports(feature)
 #else
-  return false;
+#define CPU_HAS(feature) false
 #endif
-}
+
+// The CPU runs AVX512-BF16's pair dot products (the bfloat16 path's one instruction).
+bool has_bf16_pairs() { return CPU_HAS("avx512bf16"); }
 
 // bfloat16 x by vdpbf16ps (and AVX-512's bfloat16 store): the library built for AVX-512 (torch's kernels run it) on a CPU
 // with AVX512-BF16; else the pairs widened to float32 (where torch's kernels run AVX2, whatever the CPU has).
 bool native_pairs() { return LANES == 16 && has_bf16_pairs(); }
 
 // The CPU runs AVX512-VNNI's byte dot products (the int8 x path's one instruction).
-bool has_vnni() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
+bool has_vnni() { return CPU_HAS("avx512vnni"); }
 
 // The CPU runs AVX2 (the int8 x path's words_by_panel, where it has no AVX512-VNNI).
-bool has_avx2() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
+bool has_avx2() { return CPU_HAS("avx2"); }
 
 // (N, K) -> (ceil(N / 32), K', 32) for x of x_dtype (by default the weight's, bfloat16 for an int8 weight):
 // K' = K (float32), K + K % 2 (bfloat16 x; int8 x on a CPU without AVX512-VNNI: int8 pairs, words_by_panel's), K
@@ -730,8 +719,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
       alignas(64) float sums[TILE_BLOCK * PANEL];
-      alignas(64) int32_t isums[ROWS * PANEL];  // int8 x's (quads)
-      alignas(64) int32_t wsums[TILE_BLOCK * PANEL];  // int8 x's (words)
+      alignas(64) int32_t isums[TILE_BLOCK * PANEL];  // int8 x's: ROWS (quads) or TILE_BLOCK (words) rows
       Task task;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
@@ -762,9 +750,9 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #endif
           } else if (words) {
 #if defined(__x86_64__)
-            word_sums(static_cast<const int32_t*>(xp) + r * (Kp / 2), Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, wsums);
+            word_sums(static_cast<const int32_t*>(xp) + r * (Kp / 2), Kp, m, static_cast<const int8_t*>(pp) + p * Kp * PANEL, isums);
             int32_t* o = static_cast<int32_t*>(op) + r * N + n0;
-            for (int64_t i = 0; i < m; ++i) std::memcpy(o + i * N, wsums + i * PANEL, width * sizeof(int32_t));
+            for (int64_t i = 0; i < m; ++i) std::memcpy(o + i * N, isums + i * PANEL, width * sizeof(int32_t));
 #endif
           } else {
             const float* xr = static_cast<const float*>(xp) + r * K;

@@ -160,7 +160,7 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
     more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
     ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took 1.1-1.3x the time). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
+    panels took longer). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
     of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
     (the panels' 2-3 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
     fast or faster)."""
