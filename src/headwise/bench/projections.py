@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _argtypes
-from ..linear import onednn, panels, path_for
+from ..linear import onednn, panels, path_for, rule
 from ..linear.projection import widened
-from ..machine import bf16_flags_on, cpu
+from ..machine import bf16_flags_on
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -64,7 +64,7 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
     if panels.takes(x, weight, bias):
         ways["panels"] = lambda: panels.run(x, weight, bias)  # the weight packed at the first call, kept
     auto = path_for(x, weight, bias)
-    if dtype == torch.bfloat16 and not bf16_flags_on(cpu()):
+    if dtype == torch.bfloat16 and not bf16_flags_on(rule.cpu()):  # the facts the rule reads
         ways["widened"] = lambda: widened(x, weight, bias)
     times = interleaved(ways, repeats=repeats, warmup=1)
     ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
