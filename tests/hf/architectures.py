@@ -30,6 +30,7 @@ class Arch:
     config: object  # a callable returning the transformers config
     packs: bool = True  # transformers detects packed rows (position_ids restarting at 0) for it
     model: object = None  # the transformers class to build, when not the kind's Auto class (compared on last_hidden_state)
+    weights: bool = True  # its layers pass output_attentions down to the attention function (Falcon's keep it: None, as under sdpa)
 
 
 ARCHS = [
@@ -55,6 +56,10 @@ ARCHS = [
                                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                                        image_size=32, patch_size=8, projection_dim=32)),
          model=lambda: tf.PaliGemmaModel),
+    Arch("falcon", "multi-query attention (one key/value head), rotary positions, attention and MLP in parallel", "decoder",
+         lambda: tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=None),
+         weights=False),
     Arch("gpt2", "full multi-head attention, learned positions, attention weights recorded by hooks", "decoder",
          lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=None)),
     Arch("bert", "a bidirectional encoder with right padding", "encoder",

@@ -20,7 +20,8 @@ from headwise.hf import routing
 
 NAME = headwise.hf.register()
 BLOOM = dict(hidden_size=32, n_layer=2, n_head=4, vocab_size=100)
-FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+GPT_NEO = dict(hidden_size=32, num_layers=2, num_heads=4, vocab_size=100, attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+               bos_token_id=1, eos_token_id=None)  # fmt: skip
 
 
 def test_an_architecture_that_never_calls_the_interface_is_refused_at_its_first_forward():
@@ -40,9 +41,9 @@ def test_never_routed_names_the_classes_of_such_an_architecture_and_none_of_one_
 
 
 def test_load_names_an_architecture_that_looks_its_attention_class_up_in_a_table_of_its_own():
-    with pytest.raises(TypeError, match=r"FalconDecoderLayer \(transformers.models.falcon.modeling_falcon\) picks its attention class from a "
+    with pytest.raises(TypeError, match=r"GPTNeoAttention \(transformers.models.gpt_neo.modeling_gpt_neo\) picks its attention class from a "
                                         r"table of its own, .* no entry for 'headwise', so this architecture cannot run on headwise"):  # fmt: skip
-        headwise.hf.load(tf.AutoModelForCausalLM, tf.FalconConfig(**FALCON))
+        headwise.hf.load(tf.AutoModelForCausalLM, tf.GPTNeoConfig(**GPT_NEO))
 
 
 class _Raises:

@@ -80,8 +80,8 @@ def register(name: str = "headwise") -> str:
       BigBird, RoFormer, MPNet, ...): its first forward raises a TypeError naming it;
     - a whole architecture that builds its masks itself (DeBERTa, OpenAI GPT, FSMT, Funnel,
       ProphetNet, ...): headwise sees nothing; the model runs as it would on eager;
-    - an architecture that picks its attention class from a table of its own (Falcon, GPT-Neo,
-      Bark, GIT, SAM): transformers raises ``KeyError: 'headwise'`` while building it, which
+    - an architecture that picks its attention class from a table of its own (GPT-Neo, Bark,
+      GIT, SAM): transformers raises ``KeyError: 'headwise'`` while building it, which
       ``headwise.hf.load`` turns into a TypeError naming the class;
     - some layers of a model whose others call it (CLAP's audio tower, Gemma 3n's and 4's
       audio towers, BigBird-Pegasus' encoder, DETR-style deformable attention): nothing fails;

@@ -88,7 +88,7 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), **kwar
 
     Raises:
         TypeError: the model cannot run on headwise (see ``check``), including architectures that
-            pick their attention class from a table of their own (Falcon, Bark, GIT), which
+            pick their attention class from a table of their own (GPT-Neo, Bark, GIT), which
             transformers reports as a bare ``KeyError: 'headwise'``.
 
     Example:
