@@ -454,3 +454,23 @@ def test_the_widened_pairs_under_avx2_give_this_builds_bits(tmp_path):
     theirs, ours = outputs_under_avx2("test_linear_panels", "pair_outputs", tmp_path), pair_outputs()
     assert list(theirs) == list(ours)
     assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 5, 16, 100])
+def test_int8_scaled_rounds_float32_x_as_torch_rounds_it_to_bfloat16(rows):
+    """``panels_int8_scaled`` rounds float32 x to bfloat16 itself: the same outputs as for x rounded by torch first, bit
+    for bit, at odd K, at halfway values, and with infinities and a NaN."""
+    n, k = 40, 701
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 65504.0, float("inf"), -float("inf"), 3.0])  # ties, a subnormal
+    x[-1, 5] = float("nan")
+    wi = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales, bias = torch.rand(n, generator=gen), torch.randn(n, generator=gen)
+    packed = torch.ops.headwise.pack_panels(wi)
+    got = torch.ops.headwise.panels_int8_scaled(x, packed, scales, bias, n)  # (rows, n) float32
+    want = torch.ops.headwise.panels_int8_scaled(x.to(torch.bfloat16).float(), packed, scales, bias, n)  # exact in bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[-1].isnan().all()  # (row 0's infinities of both signs make its sums NaN too)
+    assert not got[1:-1].isnan().any()
