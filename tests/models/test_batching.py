@@ -165,6 +165,8 @@ def test_bad_requests():
         batcher.submit(torch.tensor([[1, 2, 3]]), 2)
     with pytest.raises(ValueError, match=r"prompt must hold ids in \[0, vocab_size=61\), got ids from 1 to 99"):
         batcher.submit(torch.tensor([1, 99]), 2)
+    with pytest.raises(ValueError, match=r"prompt must hold at least one token id, got an empty tensor of shape \(0,\)"):
+        batcher.submit(torch.tensor([], dtype=torch.long), 2)
     with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int"):
         batcher.submit(torch.tensor([1, 2]), 0)
     with pytest.raises(ValueError, match=r"needs 5 blocks of 4, more than the pool's num_blocks=4"):
@@ -183,8 +185,12 @@ def test_bad_requests():
     for bad in (None, 3.0, True):  # "'NoneType' object is not iterable" before
         with pytest.raises(TypeError, match=rf"max_new_tokens must be an int or a list of ints, one per prompt \(2\), got {type(bad).__name__}"):
             generate_many(model, [torch.tensor([1]), torch.tensor([2])], bad)
-    with pytest.raises(ValueError, match=r"prompt \(2 tokens\) \+ max_new_tokens \(100000000\) exceeds n_positions=96"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt \(2 tokens\) \+ max_new_tokens \(100000000\) exceeds n_positions=96"):
         generate_many(model, [torch.tensor([1, 2])], 10**8)  # refused before a pool is allocated for it
+    with pytest.raises(ValueError, match=r"prompts\[2\]: prompt must hold at least one token id, got an empty tensor of shape \(0,\)"):
+        generate_many(model, [torch.tensor([1]), torch.tensor([2]), torch.tensor([], dtype=torch.long)], 2)  # the one at fault named
+    with pytest.raises(TypeError, match=r"prompts\[1\]: prompt must hold integer token ids"):
+        generate_many(model, [torch.tensor([1]), torch.tensor([2.0])], 2)
     with pytest.raises(ValueError, match=r"seed \(or None; request i samples with seed \+ i, 2 requests\) must be an int in \[0, 18446744073709551614\]"):
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, temperature=1.0, seed=2**64 - 1)
     with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with new_paged_caches"):

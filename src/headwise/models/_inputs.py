@@ -152,6 +152,8 @@ def check_request(
     if not isinstance(prompt, Tensor) or prompt.ndim != 1:
         shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
         raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
+    if len(prompt) == 0:
+        raise ValueError("prompt must hold at least one token id, got an empty tensor of shape (0,)")
     vocab = model.vocab_size
     on_model(prompt, next(model.parameters()), "prompt")
     token_ids(prompt[None], vocab, "prompt")

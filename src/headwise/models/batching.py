@@ -345,8 +345,11 @@ def generate_many(
         _checks.positive_int(name, value)
     if seed is not None:
         _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
-    for prompt, n in zip(prompts, counts, strict=True):  # every request checked before a pool is allocated for them
-        check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
+    for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):  # every request checked before a pool is allocated for them
+        try:
+            check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompts[{i}]: {e}") from None
     if num_blocks is None:
         window = sliding_window(attn.window for attn in model.attention_layers())
         num_blocks = sum(
