@@ -164,6 +164,23 @@ def test_int8_weights_converts_every_projection_and_the_lm_head(name):
     assert int8_bytes == sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear) + (0 if name == "llama-untied" else head.numel())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_weight_that_is_not_finite_is_refused_by_name_and_the_model_is_unchanged(bad):
+    """A NaN or infinity would make its row's scale, and every output of that row, NaN: refused where it is rounded, and
+    ``int8_weights`` makes every layer before it sets any, so the model is left as it was."""
+    with pytest.raises(ValueError, match=r"weight must be finite to round to int8, got 1 NaN or infinite value\(s\), the first at \[1, 2\]"):
+        Int8Linear(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, bad]]))
+    model = llama(tied=True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[5, 9] = bad  # the last of the layers to be rounded but the head
+    kinds = [(name, type(m)) for name, m in model.named_modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.down_proj: weight must be finite .* the first at \[5, 9\]; the model is unchanged"):
+        int8_weights(model)
+    assert [(name, type(m)) for name, m in model.named_modules()] == kinds and model.lm_head is None
+    assert all(torch.equal(v, state[k]) or (v.isnan() == state[k].isnan()).all() for k, v in model.state_dict().items())
+
+
 def teacher_forced(model, quantized, ids, steps):
     """Both models fed the float model's greedy tokens, one decode step at a time (the int8 kernel's calls):
     per step, the two (B, vocab) logits."""

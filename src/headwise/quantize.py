@@ -279,6 +279,10 @@ class Int8Linear(nn.Module):
             got = f"{type(bias).__name__}" if not isinstance(bias, Tensor) else f"{bias.dtype} of shape {tuple(bias.shape)}"
             raise ValueError(f"bias must be None or a floating-point tensor of shape (N,) = ({weight.shape[0]},), got {got}")
         w = weight.detach().float()  # (N, K)
+        if not (finite := torch.isfinite(w)).all():  # a NaN or infinity would make its row's scale, and every output of it, NaN
+            bad = (~finite).nonzero()  # (count, 2)
+            raise ValueError(f"weight must be finite to round to int8, got {len(bad)} NaN or infinite value(s), the first at "
+                             f"[{bad[0, 0].item()}, {bad[0, 1].item()}]")  # fmt: skip
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,): a zero row keeps scale > 0
         self._hold((w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales, None if bias is None else bias.detach().clone())
 
@@ -476,12 +480,24 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _activations(activations)
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight, child.bias, activations=activations).train(child.training))  # an eval model stays all eval
+    names = {id(module): name for name, module in model.named_modules()}
+    # (parent, attribute, module whose weight it rounds, its bias, training): every nn.Linear, and a tied head
+    targets = [(parent, name, child, child.bias, child.training)
+               for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]  # fmt: skip
     tied = getattr(type(model), "tied_embedding", None)
     if tied is not None and getattr(model, "lm_head", 0) is None:
-        model.lm_head = Int8Linear(model.get_submodule(tied).weight, activations=activations).train(model.training)
+        targets.append((model, "lm_head", model.get_submodule(tied), None, model.training))
+
+    def made(child: nn.Module, bias: Tensor | None) -> Int8Linear:
+        try:
+            return Int8Linear(child.weight, bias, activations=activations)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{names[id(child)]}: {e}; the model is unchanged") from None
+
+    # every layer made before any is set: a weight that cannot be rounded leaves the model as it was
+    replacements = [(parent, name, made(child, bias).train(training)) for parent, name, child, bias, training in targets]
+    for parent, name, layer in replacements:
+        setattr(parent, name, layer)  # an eval model stays all eval
     return model
 
 
