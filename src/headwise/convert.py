@@ -123,6 +123,19 @@ def check_state(
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source))
 
 
+class StateDictError(ValueError, RuntimeError):
+    """A state dict that does not fit its module, every problem named, nothing loaded: a ValueError, as headwise's loaders
+    raise, and a RuntimeError, as ``torch.nn.Module.load_state_dict`` raises."""
+
+
+def check_loadable(module: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """``check_state`` for ``module.load_state_dict(state)``: raises ``StateDictError`` naming every problem; loads nothing."""
+    try:
+        check_state(module, state, source=f"this state dict into {type(module).__name__}")
+    except ValueError as e:
+        raise StateDictError(str(e)) from None
+
+
 def load_checked(
     module: nn.Module,
     state: Mapping[str, Tensor],
