@@ -187,10 +187,29 @@ def test_mask_is_not_stored_but_matches_the_books_buffer():
 
 
 def test_a_mask_of_the_wrong_context_length_is_refused():
+    """The book's state dict of another context length: refused whole (its weights fit, and are not copied)."""
     ours = hw.MultiHeadAttention(3, 2, 6, 0.0, 2)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
     state = book.MultiHeadAttention(3, 2, 4, 0.0, 2).state_dict()
-    with pytest.raises(RuntimeError, match=r"size mismatch for mask: expected \(6, 6\) for context_length=6, got \(4, 4\)"):
+    with pytest.raises(RuntimeError, match=r"nothing was loaded:\n  wrong shape: mask: expected \(6, 6\), got \(4, 4\)$"):
         ours.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
+@pytest.mark.parametrize("make", [lambda: hw.CausalAttention(3, 2, 6, 0.0), lambda: hw.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2),
+                                  lambda: hw.MultiHeadAttention(3, 4, 6, 0.0, 2)], ids=["CausalAttention", "Wrapper", "MultiHeadAttention"])  # fmt: skip
+def test_the_books_classes_load_all_or_nothing(make):
+    """A state dict with one weight of the wrong shape changes none of the others (torch's own load copies those)."""
+    ours, other = make(), make()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    state = other.state_dict()
+    last = [k for k in state if k.endswith("weight")][-1]
+    state[last] = state[last][:1]
+    with pytest.raises(RuntimeError, match=rf"wrong shape: {last}"):
+        ours.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+    ours.load_state_dict(other.state_dict())  # and a fitting one loads, the book's mask with it
+    assert all(torch.equal(v, w) for v, w in zip(ours.state_dict().values(), other.state_dict().values(), strict=True))
 
 
 # ----------------------------------------------------------------------------- the float64 reference

@@ -31,6 +31,7 @@ from . import _checks
 from .cache import Cache, ContextCache, KVCache, checked
 from .functional import Plan, attention, attention_unchecked, merge_heads, plan, split_heads
 from .linear import weight_cache
+from .loadable import AllOrNothing
 from .masks import inert_padding
 from .observe import observing, report
 from .rope import RotaryEmbedding
@@ -50,7 +51,7 @@ def checked_input(
     return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
 
 
-class AttentionLayer(nn.Module):
+class AttentionLayer(AllOrNothing, nn.Module):
     """Base of the multi-head modules: ``forward(x, *, attention_mask=None, cache=None)``."""
 
     d_in: int

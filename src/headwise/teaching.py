@@ -27,6 +27,7 @@ from . import _checks
 from .functional import attention, check_backend
 from .layer import AttentionLayer, checked_input
 from .linear import project, project_many
+from .loadable import AllOrNothing, keeps_keys
 from .scores import alibi_slopes
 
 
@@ -68,6 +69,7 @@ def _emit_book_mask(module: _BookMask, state_dict: dict, prefix: str, local_meta
         state_dict[key] = state_dict.pop(key)  # the book's key order: its own buffer before its layers' weights
 
 
+@keeps_keys
 def _accept_book_mask(module: _BookMask, state_dict: dict, prefix: str, *args: object) -> None:
     mask = state_dict.pop(prefix + "mask", None)
     error_msgs = args[-1]
@@ -76,7 +78,7 @@ def _accept_book_mask(module: _BookMask, state_dict: dict, prefix: str, *args: o
         error_msgs.append(f"size mismatch for {prefix}mask: expected ({ctx}, {ctx}) for context_length={ctx}, got {tuple(mask.shape)}")
 
 
-class CausalAttention(_BookMask, nn.Module):
+class CausalAttention(_BookMask, AllOrNothing, nn.Module):
     """One attention head (the book's listing 3.3): (B, T, d_in) -> (B, T, d_out).
 
     Args:
@@ -122,7 +124,7 @@ class CausalAttention(_BookMask, nn.Module):
         return context.squeeze(1)  # (B, T, d_out)
 
 
-class MultiHeadAttentionWrapper(nn.Module):
+class MultiHeadAttentionWrapper(AllOrNothing, nn.Module):
     """``num_heads`` CausalAttention heads run one by one, outputs concatenated (listing 3.4).
 
     Note ``d_out`` is the size of *each* head here, so the output is (B, T, num_heads * d_out);

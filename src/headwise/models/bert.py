@@ -27,6 +27,7 @@ from .. import _checks
 from ..config import FromDict
 from ..convert import load_checked
 from ..linear import project, weight_cache
+from ..loadable import AllOrNothing
 from ..teaching import MultiHeadAttention
 from . import _inputs, loading
 
@@ -117,7 +118,7 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(x))
 
 
-class BertModel(nn.Module):
+class BertModel(AllOrNothing, nn.Module):
     """A BERT encoder: (B, T) token ids -> (B, T, C) hidden states of the last layer.
 
     Args:
@@ -241,7 +242,7 @@ def _probe(tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
     return encoding.tokens, encoding.ids
 
 
-class SentenceEncoder(nn.Module):
+class SentenceEncoder(AllOrNothing, nn.Module):
     """Sentence embeddings: tokenize, run a ``BertModel``, mean-pool the real tokens, L2-normalise.
 
     Args:

@@ -14,22 +14,21 @@ It checks its arguments first, unless ``check=False``: then nothing is checked a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .. import _checks
 from ..cache import Cache, KVCache, PagedKVCache
-from ..convert import check_loadable
 from ..layer import AttentionLayer
 from ..linear import linear, project, weight_cache
+from ..loadable import AllOrNothing
 from . import _inputs
 from .generate import GenerationMixin
 
 
-class CausalModel(GenerationMixin, nn.Module):
+class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
     """Base of headwise's causal LMs: one ``forward``, its caches, the LM head (tied or not).
 
     A model says what differs: ``embed_tokens``, ``blocks``, ``final_norm`` (modules), ``embed``
@@ -57,16 +56,6 @@ class CausalModel(GenerationMixin, nn.Module):
     embed_tokens: nn.Embedding
     blocks: nn.ModuleList
     final_norm: nn.Module
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """torch's ``load_state_dict``, all-or-nothing when ``strict``: the whole state dict is checked first (every key,
-        shape and floating-point dtype, ``headwise.convert.check_state``) and a ``StateDictError`` (a ValueError and a
-        RuntimeError, as torch raises) names every problem before any tensor is copied; torch's own load would have
-        copied the entries that fit. A model whose modules carry load hooks (a sharded one: ``headwise.parallel``)
-        turns the incoming entries into others, so it is loaded by torch's rules alone."""
-        if strict and not any(m._load_state_dict_pre_hooks for m in self.modules()):
-            check_loadable(self, state_dict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def embed(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None, cache: list[Cache] | None) -> Tensor:
         """(B, T) ids of the tokens at ``positions`` (None: after the cached ones) -> (B, T, C)."""
