@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headwise"
 
 #: Lowest first. A module may import from its own layer's modules and from any layer below.
 LAYERS: list[set[str]] = [
-    {"_checks", "_optional", "_html", "_text", "_argtypes", "machine", "native", "observe", "linear", "quantize"},  # no headwise imports, the machine facts, the C++ library, or the checkers (quantize: linear's bound)
+    {"_checks", "_optional", "_html", "_text", "_argtypes", "machine", "native", "observe", "linear", "quantize", "loadable"},  # no headwise imports, the machine facts, the C++ library, or the checkers (quantize: linear's bound)
     {"masks", "cache", "rope", "config", "scores"},  # data structures and small functions
     {"backends"},  # the runners behind attention(): math, sdpa, packed documents
     {"arguments", "functional"},  # the core: attention()'s arguments checked, then its one path (the cache, the plan)

@@ -1,7 +1,8 @@
 """Conversions that keep the function exactly, and loading that is all-or-nothing.
 
 State-dict conversions are pure ``dict -> dict`` functions; they raise one ValueError naming
-every missing, unexpected and mis-shaped key before anything is loaded.
+every missing, unexpected and mis-shaped key before anything is loaded (``remap`` and
+``check_state``, from ``headwise.loadable``, where every loader's check lives).
 
 Module conversions show the book's claim in code (the formulations compute one function):
 - ``wrapper_to_mha``: the stacked heads' weights, concatenated, are MultiHeadAttention's
@@ -12,13 +13,14 @@ Module conversions show the book's claim in code (the formulations compute one f
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
 from .fused import GPT2MultiHeadAttention
+from .loadable import StateDictError, check_loadable, check_state, remap
 from .teaching import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper
 
 #: HuggingFace GPT-2 stores these as Conv1D weights, (in, out): transposed on the way in.
@@ -29,111 +31,6 @@ def is_legacy_gpt2_buffer(key: str) -> bool:
     """Old GPT-2 checkpoints carry ``attn.bias`` (a causal tril) and ``attn.masked_bias``."""
     parts = key.split(".")
     return parts[-1] in ("bias", "masked_bias") and (len(parts) == 1 or parts[-2] == "attn")
-
-
-def remap(
-    state: Mapping[str, Tensor],
-    expected: Mapping[str, tuple[int, ...]],
-    *,
-    rename: Callable[[str], str] = lambda key: key,
-    transposed: tuple[str, ...] = (),
-    ignore: Callable[[str], bool] = lambda key: False,
-    optional: Mapping[str, tuple[int, ...]] | None = None,
-    floating: Collection[str] = (),
-    source: str = "state dict",
-) -> dict[str, Tensor]:
-    """Rename keys, transpose the named weights, check every key and shape; return a new dict.
-
-    Args:
-        state: the incoming tensors.
-        expected: target key -> shape; every one must be produced, nothing else.
-        rename: maps an incoming key to a target key.
-        transposed: incoming 2-D weights whose key ends with one of these are transposed.
-        ignore: incoming keys for which this is True are dropped.
-        optional: target key -> shape of entries that may come but need not (the book's
-            ``mask``, which its state dicts carry and headwise does not store).
-        floating: target keys that hold floating-point values: an integer or bool tensor
-            for one of them is refused rather than cast.
-        source: names the origin (a file, say) in the error message.
-
-    Raises:
-        ValueError: listing every missing, unexpected, duplicated, mis-shaped and
-            mis-typed key at once.
-    """
-    optional = optional or {}
-    out: dict[str, Tensor] = {}
-    origin: dict[str, str] = {}  # target key -> the incoming key that gave it
-    unexpected, duplicated, misshaped, mistyped = [], [], [], []
-    for key, tensor in state.items():
-        if ignore(key):
-            continue
-        name = rename(key)
-        if name not in expected and name not in optional:
-            unexpected.append(key)
-            continue
-        if name in origin:
-            duplicated.append(f"{origin[name]} and {key} both give {name}")
-            continue
-        origin[name] = key
-        if not isinstance(tensor, Tensor):
-            mistyped.append(f"{key}: expected a tensor, got {type(tensor).__name__}")
-            continue
-        if transposed and key.endswith(transposed) and tensor.ndim == 2:
-            tensor = tensor.t()
-        shape = expected[name] if name in expected else optional[name]
-        if tuple(tensor.shape) != tuple(shape):
-            misshaped.append(f"{key}: expected {tuple(shape)}, got {tuple(tensor.shape)}")
-            continue
-        if name in floating and not tensor.is_floating_point():
-            mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
-            continue
-        out[name] = tensor
-    missing = [k for k in expected if k not in origin]
-    if missing or unexpected or duplicated or misshaped or mistyped:
-        lines = [f"cannot load {source}; nothing was loaded:"]
-        lines += [f"  missing: {k}" for k in missing]
-        lines += [f"  unexpected: {k}" for k in unexpected]
-        lines += [f"  duplicate: {d}" for d in duplicated]
-        lines += [f"  wrong shape: {m}" for m in misshaped]
-        lines += [f"  wrong dtype: {m}" for m in mistyped]
-        raise ValueError("\n".join(lines))
-    return out
-
-
-def check_state(
-    module: nn.Module,
-    state: Mapping[str, Tensor],
-    *,
-    rename: Callable[[str], str] = lambda key: key,
-    transposed: tuple[str, ...] = (),
-    ignore: Callable[[str], bool] = lambda key: False,
-    source: str | os.PathLike[str] = "state dict",
-) -> dict[str, Tensor]:
-    """``state`` renamed and checked against ``module`` (via ``remap``); nothing is loaded.
-
-    Every parameter and persistent buffer must come, once, with its shape (a floating one as
-    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
-    book's ``mask``) may come. ``module`` may live on the meta device: only shapes are read.
-    """
-    stored = dict(module.named_parameters()) | dict(module.named_buffers())
-    emitted = module.state_dict()
-    expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
-    optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
-    floating = [name for name in expected if stored[name].is_floating_point()]
-    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source))
-
-
-class StateDictError(ValueError, RuntimeError):
-    """A state dict that does not fit its module, every problem named, nothing loaded: a ValueError, as headwise's loaders
-    raise, and a RuntimeError, as ``torch.nn.Module.load_state_dict`` raises."""
-
-
-def check_loadable(module: nn.Module, state: Mapping[str, Tensor]) -> None:
-    """``check_state`` for ``module.load_state_dict(state)``: raises ``StateDictError`` naming every problem; loads nothing."""
-    try:
-        check_state(module, state, source=f"this state dict into {type(module).__name__}")
-    except ValueError as e:
-        raise StateDictError(str(e)) from None
 
 
 def load_checked(
@@ -280,3 +177,7 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
         layer.bias.copy_(b)
     mha.out_proj.load_state_dict(attn.c_proj.state_dict())
     return mha.train(attn.training)
+
+
+__all__ = ["HF_GPT2_TRANSPOSED", "StateDictError", "check_loadable", "check_state", "gpt2_attention_from_hf", "gpt2_to_mha",
+           "is_legacy_gpt2_buffer", "load_checked", "mha_to_gpt2", "remap", "wrapper_to_mha"]  # fmt: skip

@@ -1,22 +1,130 @@
-"""``AllOrNothing``: the mixin that makes a module's strict ``load_state_dict`` all-or-nothing.
+"""All-or-nothing loading: the one key check every loader runs, and the mixin that gives headwise's modules a strict
+``load_state_dict`` that runs it first.
 
-torch's ``nn.Module.load_state_dict(state, strict=True)`` copies every entry that fits before it raises about the
-ones that do not, so a refused state dict leaves the module half loaded. headwise's modules (the book's classes,
-the attention layers, the models) check the whole state dict first (``headwise.convert.check_loadable``: every key,
-shape and integer-for-float, the book's ``mask`` accepted) and raise ``headwise.convert.StateDictError`` naming every
-problem before anything is copied. ``strict=False`` keeps torch's rules, and so does a module any of whose modules
-carries a load hook that may turn the incoming entries into others (a sharded model's: ``headwise.parallel``); hooks
-that only accept entries the check knows are marked with ``keeps_keys``.
+``remap`` renames, transposes and checks a whole state dict against the keys and shapes it must fill, and raises one
+ValueError naming every missing, unexpected, duplicated, mis-shaped and mis-typed entry; ``check_state`` asks it of a
+module. torch's ``nn.Module.load_state_dict(state, strict=True)`` copies every entry that fits before it raises about
+the ones that do not, so a refused state dict leaves the module half loaded: ``AllOrNothing`` (the book's classes, the
+attention layers, the models) checks first (``check_loadable``) and raises ``StateDictError`` naming every problem
+before anything is copied. ``strict=False`` keeps torch's rules, and so does a module any of whose modules carries a
+load hook that may turn the incoming entries into others (a sharded model's: ``headwise.parallel``); hooks that only
+accept entries the check knows are marked with ``keeps_keys`` (the book's ``mask``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 _KEY_KEEPING: set[Callable] = set()
+
+
+def remap(
+    state: Mapping[str, Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+    optional: Mapping[str, tuple[int, ...]] | None = None,
+    floating: Collection[str] = (),
+    source: str = "state dict",
+) -> dict[str, Tensor]:
+    """Rename keys, transpose the named weights, check every key and shape; return a new dict.
+
+    Args:
+        state: the incoming tensors.
+        expected: target key -> shape; every one must be produced, nothing else.
+        rename: maps an incoming key to a target key.
+        transposed: incoming 2-D weights whose key ends with one of these are transposed.
+        ignore: incoming keys for which this is True are dropped.
+        optional: target key -> shape of entries that may come but need not (the book's
+            ``mask``, which its state dicts carry and headwise does not store).
+        floating: target keys that hold floating-point values: an integer or bool tensor
+            for one of them is refused rather than cast.
+        source: names the origin (a file, say) in the error message.
+
+    Raises:
+        ValueError: listing every missing, unexpected, duplicated, mis-shaped and
+            mis-typed key at once.
+    """
+    optional = optional or {}
+    out: dict[str, Tensor] = {}
+    origin: dict[str, str] = {}  # target key -> the incoming key that gave it
+    unexpected, duplicated, misshaped, mistyped = [], [], [], []
+    for key, tensor in state.items():
+        if ignore(key):
+            continue
+        name = rename(key)
+        if name not in expected and name not in optional:
+            unexpected.append(key)
+            continue
+        if name in origin:
+            duplicated.append(f"{origin[name]} and {key} both give {name}")
+            continue
+        origin[name] = key
+        if not isinstance(tensor, Tensor):
+            mistyped.append(f"{key}: expected a tensor, got {type(tensor).__name__}")
+            continue
+        if transposed and key.endswith(transposed) and tensor.ndim == 2:
+            tensor = tensor.t()
+        shape = expected[name] if name in expected else optional[name]
+        if tuple(tensor.shape) != tuple(shape):
+            misshaped.append(f"{key}: expected {tuple(shape)}, got {tuple(tensor.shape)}")
+            continue
+        if name in floating and not tensor.is_floating_point():
+            mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
+            continue
+        out[name] = tensor
+    missing = [k for k in expected if k not in origin]
+    if missing or unexpected or duplicated or misshaped or mistyped:
+        lines = [f"cannot load {source}; nothing was loaded:"]
+        lines += [f"  missing: {k}" for k in missing]
+        lines += [f"  unexpected: {k}" for k in unexpected]
+        lines += [f"  duplicate: {d}" for d in duplicated]
+        lines += [f"  wrong shape: {m}" for m in misshaped]
+        lines += [f"  wrong dtype: {m}" for m in mistyped]
+        raise ValueError("\n".join(lines))
+    return out
+
+
+def check_state(
+    module: nn.Module,
+    state: Mapping[str, Tensor],
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    transposed: tuple[str, ...] = (),
+    ignore: Callable[[str], bool] = lambda key: False,
+    source: str | os.PathLike[str] = "state dict",
+) -> dict[str, Tensor]:
+    """``state`` renamed and checked against ``module`` (via ``remap``); nothing is loaded.
+
+    Every parameter and persistent buffer must come, once, with its shape (a floating one as
+    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
+    book's ``mask``) may come. ``module`` may live on the meta device: only shapes are read.
+    """
+    stored = dict(module.named_parameters()) | dict(module.named_buffers())
+    emitted = module.state_dict()
+    expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
+    optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
+    floating = [name for name in expected if stored[name].is_floating_point()]
+    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source))
+
+
+class StateDictError(ValueError, RuntimeError):
+    """A state dict that does not fit its module, every problem named, nothing loaded: a ValueError, as headwise's loaders
+    raise, and a RuntimeError, as ``torch.nn.Module.load_state_dict`` raises."""
+
+
+def check_loadable(module: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """``check_state`` for ``module.load_state_dict(state)``: raises ``StateDictError`` naming every problem; loads nothing."""
+    try:
+        check_state(module, state, source=f"this state dict into {type(module).__name__}")
+    except ValueError as e:
+        raise StateDictError(str(e)) from None
 
 
 def keeps_keys(hook: Callable) -> Callable:
@@ -34,11 +142,9 @@ class AllOrNothing:
     """Mixin for an ``nn.Module``: ``load_state_dict`` checks the whole state dict first when strict (module docstring)."""
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """torch's ``load_state_dict``, all-or-nothing when ``strict``: ``headwise.convert.StateDictError`` (a ValueError
-        and a RuntimeError, as torch raises) names every missing, unexpected, mis-shaped or integer-for-float entry
-        before any tensor is copied (torch's own load copies the entries that fit first)."""
+        """torch's ``load_state_dict``, all-or-nothing when ``strict``: ``StateDictError`` (a ValueError and a
+        RuntimeError, as torch raises) names every missing, unexpected, mis-shaped or integer-for-float entry before
+        any tensor is copied (torch's own load copies the entries that fit first)."""
         if strict and _checkable(self):
-            from .convert import check_loadable  # (convert imports the modules this serves)
-
             check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
