@@ -6,7 +6,7 @@
   refuses any pickled object that is not a tensor or a plain container.
 - Every problem raises one error that names the file and says what is wrong: a missing
   directory or file, JSON that does not parse, a truncated or corrupt weights file, and (via
-  ``headwise.convert.remap``) every missing, unexpected and mis-shaped tensor at once.
+  ``headwise.loadable.remap``) every missing, unexpected and mis-shaped tensor at once.
 - ``headwise.convert.load_checked`` checks the whole state dict before it copies a single tensor.
 """
 
