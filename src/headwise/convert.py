@@ -60,7 +60,7 @@ def load_checked(
         if volatile:  # to_empty would leave them uninitialised: nothing in the checkpoint fills them
             raise ValueError(f"cannot load into a module on the meta device with non-persistent buffers: {volatile}")
         module.to_empty(device="cpu")  # memory only now; load_state_dict fills every entry of it
-    module.load_state_dict(converted, strict=True)
+    nn.Module.load_state_dict(module, converted, strict=True)  # torch's copy: the whole state was checked above (not again by AllOrNothing)
     return module
 
 
