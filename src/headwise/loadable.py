@@ -7,14 +7,16 @@ module. torch's ``nn.Module.load_state_dict(state, strict=True)`` copies every e
 the ones that do not, so a refused state dict leaves the module half loaded: ``AllOrNothing`` (the book's classes, the
 attention layers, the models) checks first (``check_loadable``) and raises ``StateDictError`` naming every problem
 before anything is copied. ``strict=False`` keeps torch's rules, and so does a module any of whose modules carries a
-load hook that may turn the incoming entries into others (a sharded model's: ``headwise.parallel``); hooks that only
-accept entries the check knows are marked with ``keeps_keys`` (the book's ``mask``).
+load hook that may turn the incoming entries into others; hooks that keep every entry's key and shape are marked
+with ``keeps_keys`` (the book's ``mask``, accepted and dropped; a sharded model's, ``headwise.parallel``, which lay
+a full tensor out as the parameter's DTensor of the same global shape).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -128,14 +130,23 @@ def check_loadable(module: nn.Module, state: Mapping[str, Tensor]) -> None:
 
 
 def keeps_keys(hook: Callable) -> Callable:
-    """Mark a load_state_dict pre-hook that turns no entry into another (the book's ``mask``: accepted, dropped)."""
+    """Mark a load_state_dict pre-hook that keeps every entry's key and shape (it may drop an entry the check treats as
+    optional, or replace a tensor by one of the same shape): the check before the hook still says what loads."""
     _KEY_KEEPING.add(hook)
     return hook
 
 
 def _checkable(module: nn.Module) -> bool:
-    """Whether every load pre-hook of ``module`` and its modules is one ``keeps_keys`` marked."""
-    return all(getattr(h, "hook", h) in _KEY_KEEPING for m in module.modules() for h in m._load_state_dict_pre_hooks.values())
+    """Whether every load pre-hook of ``module`` and its modules is one ``keeps_keys`` marked (or a partial of one)."""
+    return all(_unwrapped(h) in _KEY_KEEPING for m in module.modules() for h in m._load_state_dict_pre_hooks.values())
+
+
+def _unwrapped(hook: Callable) -> Callable:
+    """The function behind torch's wrapper of a registered hook and any ``functools.partial`` around it."""
+    hook = getattr(hook, "hook", hook)
+    while isinstance(hook, partial):
+        hook = hook.func
+    return hook
 
 
 class AllOrNothing:

@@ -391,7 +391,37 @@ def demo(rank: int, world: int) -> dict:
     return {"printed": printed.getvalue(), "tokens": tokens, "expected": expected}
 
 
-CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2)}
+def refused_load(rank: int, world: int) -> dict:
+    """A strict load_state_dict of a state dict that does not fit a sharded model or layer: every problem named, no
+    tensor changed (torch's own load copies the entries that fit first); then the right one loads."""
+    from headwise.loadable import StateDictError
+
+    out = {}
+    torch.manual_seed(15)
+    for name, ref in (("gpt2", GPT2LMHeadModel(TINY_GPT2)), ("mha", MultiHeadAttention(32, 48, 16, 0.0, num_heads=4))):
+        tp = parallelize(copy.deepcopy(ref), mesh(world))
+        before = {k: full(v).clone() for k, v in tp.state_dict().items()}
+        state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in ref.state_dict().items()}  # new values
+        keys = [k for k, _ in ref.named_parameters()]  # (not MultiHeadAttention's optional book mask)
+        missing, misshaped, integer = keys[0], keys[1], keys[-1]
+        del state[missing]
+        state[misshaped] = torch.zeros(3, 3)
+        state[integer] = torch.ones(state[integer].shape, dtype=torch.int64)
+        try:
+            tp.load_state_dict(state)
+            message = None
+        except StateDictError as e:
+            message = str(e)
+        after = {k: full(v) for k, v in tp.state_dict().items()}
+        changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+        good = {k: torch.randn_like(v) if k in keys else v for k, v in ref.state_dict().items()}  # the book mask as it is
+        tp.load_state_dict(good)
+        loaded = max(max_diff(full(v), good[k]) for k, v in tp.state_dict().items())
+        out[name] = {"message": message, "named": [missing, misshaped, integer], "changed": changed, "loaded": loaded}
+    return out
+
+
+CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2, refused_load)}
 
 
 def run_all(rank: int, world: int) -> dict:

@@ -87,6 +87,16 @@ def test_gpt2_logits_gradients_and_generate(ranks):
         assert r["replicated_grads_agree"]  # replicated weights get bitwise-equal gradients on every rank
 
 
+def test_a_refused_load_names_every_problem_and_changes_no_shard(ranks):
+    for r in result(ranks, "refused_load"):
+        for model, checks in r.items():
+            assert checks["message"] is not None, model  # StateDictError raised
+            for key, kind in zip(checks["named"], ("missing", "wrong shape", "wrong dtype"), strict=True):
+                assert f"{kind}: {key}" in checks["message"], (model, kind, checks["message"])
+            assert checks["changed"] == [], model  # torch's own load had copied every entry that fit
+            assert checks["loaded"] == 0.0, model  # the right state dict then loads, whole
+
+
 def test_llama_family_logits_gradients_and_generate(ranks):
     for r in result(ranks, "llama"):
         assert r["local_heads"] == [(2, 1), (2, 1)]  # each rank computes H/2 query heads and Hkv/2 key/value heads

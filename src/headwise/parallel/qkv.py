@@ -27,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from ..loadable import keeps_keys
+
 
 def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, world: int) -> Tensor:
     """The order of c_attn's output rows whose i-th contiguous 1/world holds rank i's heads.
@@ -93,6 +95,7 @@ def _checkpoint_order(rows: Tensor, module: nn.Module, state_dict: dict, prefix:
             state_dict[key] = distribute_tensor(full, param.device_mesh, [Shard(0)], src_data_rank=None)
 
 
+@keeps_keys  # the same key and global shape, rows reordered: the all-or-nothing check runs first
 def _sharded_order(rows: Tensor, module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
     """load_state_dict pre-hook: a checkpoint-order tensor (full or DTensor) -> the sharded order."""
     for name, param in module.named_parameters(recurse=False):

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..layer import AttentionLayer
+from ..loadable import keeps_keys
 from ..teaching import CausalAttention, MultiHeadAttentionWrapper
 from .plan import PER_HEAD_SHARED, PLANS, Plan, rowwise
 from .qkv import FusedQKVParallel
@@ -162,6 +163,7 @@ def _nothing_to_shard(module: nn.Module) -> str:
     return f"{type(module).__name__} holds no module with a tensor-parallel plan; plans exist for {sorted(c.__name__ for c in PLANS)}"
 
 
+@keeps_keys  # the same key, a DTensor of the same global shape: the all-or-nothing check runs first
 def _distribute_loaded(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
     """load_state_dict pre-hook: a full (single-process) tensor -> a DTensor laid out like the parameter."""
     for name, param in module.named_parameters(recurse=False):
