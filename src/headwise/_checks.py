@@ -48,6 +48,20 @@ def floating_dtype(name: str, value: object) -> torch.dtype:
     return value
 
 
+def cache_storage(name: str, value: object, head_dim: int) -> torch.dtype:
+    """``value`` as what a ``KVCache`` may store: a floating-point dtype, or ``torch.int8`` (8-bit rows, each with a
+    float32 scale after its ``head_dim`` values: ``head_dim`` a multiple of 4)."""
+    if value is torch.int8:
+        if head_dim % 4:
+            raise ValueError(f"{name}=torch.int8 needs a head_dim that is a multiple of 4 (each row's float32 scale follows "
+                             f"its values, 4-byte aligned), got head_dim={head_dim}")
+        return value
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype (e.g. torch.float32, torch.bfloat16) or torch.int8 "
+                        f"(8-bit rows), got {value!r}")
+    return value
+
+
 def cache_dtype(name: str, held: torch.dtype, computed: torch.dtype) -> None:
     """Raise TypeError unless a cache holding ``held`` may serve keys and values computed in ``computed``: the same
     dtype, or bfloat16 for float32 (half the bytes; float32's exponent range, so no key overflows to inf)."""

@@ -189,6 +189,8 @@ def decode_kernel_call(
     stored, S = cache.dtype, len(cache) + 1
     run_spec, _ = for_run(_unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), 1, S, None, True)
     keys, values = cache.k[:, :, :S], cache.v[:, :, :S]  # (B, Hkv, S, D) x2: what the step's write hands the queries
+    if cache.rows8:  # the float32 rows the write hands the queries (the kernel reads the 8-bit ones in place, alike)
+        keys = values = keys.new_empty((*keys.shape[:2], 1, cache.head_dim), dtype=stored).expand(-1, -1, S, -1)  # (B, Hkv, S, D)
     if plan_runner(q.to(stored), keys, values, run_spec, backend).run is not decode_kernel.run:
         return None
     return KernelCall(cache, run_spec.scale)

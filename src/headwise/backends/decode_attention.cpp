@@ -1,6 +1,7 @@
 // One query row per head over its keys, the whole attention in one pass per key head: scores,
 // softmax, weighted sum, float32 throughout, each key and value row read once for all the query
-// heads that share it. Two ops over one core: a dense cache (decode_attention) and the blocks of a
+// heads that share it. Keys and values are float32, bfloat16 or 8-bit rows (an int8 KVCache's: a
+// row of D int8 values, then its float32 scale; value d is x[d] * scale). Two ops over one core: a dense cache (decode_attention) and the blocks of a
 // paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
 // instruction set torch runs its own kernels with; the ops' schemas live on the Python side, which
 // also checks what it passes (devices, dtypes, shapes, rows contiguous).
@@ -76,6 +77,56 @@ inline float exp_sum(float* w, int64_t S, float top) {
 }
 #endif
 
+// An 8-bit row's scale (the float32 after its D values; 1 for float32 and bfloat16 rows), and a row's values as
+// float32: an 8-bit row's each times its scale, the numbers headwise.cache.dequantize_rows reads back, so that the
+// loops below give the bits they give over those rows in float32. ROW_EXTRA: a row's elements beyond its D values.
+template <typename T>
+constexpr int64_t ROW_EXTRA = std::is_same_v<T, int8_t> ? 4 : 0;
+
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float s;
+    __builtin_memcpy(&s, row + D, sizeof s);
+    return s;
+  } else {
+    (void)row, (void)D;
+    return 1.f;
+  }
+}
+
+template <typename T>
+inline f16v values16(const T* p, float rs) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return load16(p) * rs;
+  } else {
+    (void)rs;
+    return load16(p);
+  }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+template <typename T>
+inline __m256 values8(const T* p, float rs) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm256_mul_ps(load8(p), _mm256_set1_ps(rs));
+  } else {
+    (void)rs;
+    return load8(p);
+  }
+}
+#endif
+
+template <typename T>
+inline float value(const T* p, int64_t d, float rs) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return static_cast<float>(p[d]) * rs;
+  } else {
+    (void)rs;
+    return static_cast<float>(p[d]);
+  }
+}
+
 constexpr int64_t KEYS = 4;         // keys scored together: independent sums hide the multiply-add latency
 constexpr int64_t VALUE_ROWS = 64;  // value rows summed for every query head before the next rows (kept in L1)
 constexpr int64_t AHEAD = 4096;     // bytes: how far ahead of the rows being read the next are asked into the cache
@@ -129,14 +180,16 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
   int64_t s = 0;
   for (; s + K <= n; s += K) {
     const T* k0 = p + s * stride;
-    if (stride == D) rows_ahead(k0, K, D, p + n * stride);
+    if (stride == D + ROW_EXTRA<T>) rows_ahead(k0, K, stride, p + n * stride);
     __m256 lo[GB][K], hi[GB][K];
     for (int g = 0; g < GB; ++g) {
       for (int u = 0; u < K; ++u) lo[g][u] = hi[g][u] = _mm256_setzero_ps();
     }
+    float rs[K];
+    for (int u = 0; u < K; ++u) rs[u] = row_scale(k0 + u * stride, D);
     for (int c = 0; c < C; ++c) {
       for (int u = 0; u < K; ++u) {
-        const __m256 kl = load8(k0 + u * stride + 16 * c), kh = load8(k0 + u * stride + 16 * c + 8);
+        const __m256 kl = values8(k0 + u * stride + 16 * c, rs[u]), kh = values8(k0 + u * stride + 16 * c + 8, rs[u]);
         for (int g = 0; g < GB; ++g) {
           lo[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c), kl, lo[g][u]);
           hi[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c + 8), kh, hi[g][u]);
@@ -150,9 +203,10 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
   for (; s < n; ++s) {
     for (int g = 0; g < GB; ++g) {
       __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      const float rs = row_scale(p + s * stride, D);
       for (int c = 0; c < C; ++c) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c), load8(p + s * stride + 16 * c), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c + 8), load8(p + s * stride + 16 * c + 8), hi);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c), values8(p + s * stride + 16 * c, rs), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 16 * c + 8), values8(p + s * stride + 16 * c + 8, rs), hi);
       }
       w[g * S + s] = sum16(lo, hi) * scale;
     }
@@ -167,11 +221,13 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
   int64_t s = 0;
   for (; s + KEYS <= n; s += KEYS) {
     const T* k0 = p + s * stride;
-    if (stride == D) rows_ahead(k0, KEYS, D, p + n * stride);
+    if (stride == D + ROW_EXTRA<T>) rows_ahead(k0, KEYS, stride, p + n * stride);
     f16v a[GB][KEYS] = {};
+    float rs[KEYS];
+    for (int64_t u = 0; u < KEYS; ++u) rs[u] = row_scale(k0 + u * stride, D);
     for (int c = 0; c < C; ++c) {
       f16v k[KEYS];
-      for (int64_t u = 0; u < KEYS; ++u) k[u] = load16(k0 + u * stride + 16 * c);
+      for (int64_t u = 0; u < KEYS; ++u) k[u] = values16(k0 + u * stride + 16 * c, rs[u]);
       for (int g = 0; g < GB; ++g) {
         const f16v x = load16(q + g * D + 16 * c);
         for (int64_t u = 0; u < KEYS; ++u) a[g][u] += x * k[u];
@@ -184,7 +240,8 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
   for (; s < n; ++s) {
     for (int g = 0; g < GB; ++g) {
       f16v a = {};
-      for (int c = 0; c < C; ++c) a += load16(q + g * D + 16 * c) * load16(p + s * stride + 16 * c);
+      const float rs = row_scale(p + s * stride, D);
+      for (int c = 0; c < C; ++c) a += load16(q + g * D + 16 * c) * values16(p + s * stride + 16 * c, rs);
       w[g * S + s] = sum16(a) * scale;
     }
   }
@@ -199,14 +256,16 @@ void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
   }
 }
 
+// (Head sizes other than 64 and 128: the compiler's vector loops, whose order of sums may follow the rows' alignment.)
 template <typename T>
 void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t D, float scale, float* w) {
   for (int64_t s = 0; s < n; ++s) {
     const T* k0 = p + s * stride;
+    const float rs = row_scale(k0, D);
     for (int64_t g = 0; g < G; ++g) {
       float a = 0.f;
 #pragma omp simd reduction(+ : a)
-      for (int64_t d = 0; d < D; ++d) a += q[g * D + d] * static_cast<float>(k0[d]);
+      for (int64_t d = 0; d < D; ++d) a += q[g * D + d] * value(k0, d, rs);
       w[g * S + s] = a * scale;
     }
   }
@@ -224,11 +283,12 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
       __m256 a[8];
       for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
       for (int64_t j = j0; j < j1; ++j) {
-        if (first && g == 0 && c0 == 0 && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);
+        if (first && g == 0 && c0 == 0 && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);
         const float wj = w[g * S + j];
         if (wj == 0.f) continue;  // a masked key: its value row may hold anything
         const __m256 wv = _mm256_set1_ps(wj);
-        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(wv, load8(p + j * stride + c0 + 8 * c), a[c]);
+        const float rs = row_scale(p + j * stride, D);
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(wv, values8(p + j * stride + c0 + 8 * c, rs), a[c]);
       }
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + g * D + c0 + 8 * c, a[c]);
     }
@@ -245,13 +305,14 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
     for (int c = 0; c < C; ++c) a[g][c] = load16(acc + g * D + 16 * c);
   }
   for (int64_t j = j0; j < j1; ++j) {
-    if (first && stride == D) rows_ahead(p + j * stride, 1, D, p + n * stride);  // the first group reads them from memory
+    if (first && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);  // the first group reads them from memory
     float wj[GB];
     bool any = false;
     for (int g = 0; g < GB; ++g) any |= (wj[g] = w[g * S + j]) != 0.f;
     if (!any) continue;  // a masked key: its value row may hold anything
+    const float rs = row_scale(p + j * stride, D);
     f16v v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(p + j * stride + 16 * c);
+    for (int c = 0; c < C; ++c) v[c] = values16(p + j * stride + 16 * c, rs);
     for (int g = 0; g < GB; ++g) {
       if (wj[g] == 0.f) continue;
       for (int c = 0; c < C; ++c) a[g][c] += wj[g] * v[c];
@@ -281,11 +342,12 @@ template <typename T>
 void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t Dv, float* acc) {
   for (int64_t j = 0; j < n; ++j) {
     const T* v0 = p + j * stride;
+    const float rs = row_scale(v0, Dv);
     for (int64_t g = 0; g < G; ++g) {
       const float wj = w[g * S + j];
       if (wj == 0.f) continue;
 #pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] += wj * static_cast<float>(v0[d]);
+      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] += wj * value(v0, d, rs);
     }
   }
 }
@@ -367,12 +429,13 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
   }
 }
 
-// q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous, real (B, S) bool or none
+// q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous (8-bit rows: D + 4 and Dv + 4
+// elements, the scale last), real (B, S) bool or none
 template <typename T, typename Q>
 void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
            float scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3), G = H / Hkv;
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
   const Q* qp = q.data_ptr<Q>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -434,10 +497,13 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
                             double scale) {
   const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3)}, q.options());  // (B, H, 1, Dv)
+  const bool rows8 = k.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
+  at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);
   if (k.scalar_type() == at::kBFloat16) {
     dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s);
+  } else if (rows8) {
+    dense<int8_t, float>(qc, k, v, real, out, s);
   } else {
     dense<float, float>(qc, k, v, real, out, s);
   }
@@ -504,51 +570,95 @@ inline float turn(float x, float c, float partner, float s) {
   }
 }
 
+// One row of D floats stored as the cache holds it: cast to S, or, for an 8-bit cache, rounded to int8 with the row's
+// scale (max |x| / 127, after the values): x / scale rounded to nearest, ties to even, as torch.round; a row of zeros,
+// or one holding inf or NaN, stored as zeros with its scale (0, inf or NaN: read back as 0 or NaN). The same bits as
+// headwise.cache.quantize_rows.
+template <typename S>
+inline void store_row(const float* x, int64_t D, S* out) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    float top = 0.f;
+    bool nan = false;
+    for (int64_t d = 0; d < D; ++d) {
+      nan |= std::isnan(x[d]);
+      top = std::max(top, std::fabs(x[d]));
+    }
+    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : top / 127.f;
+    const bool zeros = !(scale > 0.f) || std::isinf(scale);
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] = zeros ? int8_t{0} : static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.f, 127.f));
+    }
+    __builtin_memcpy(out + D, &scale, sizeof scale);
+  } else {
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<S>(x[d]);
+  }
+}
+
+// What the kernel's queries are for a cache of S: S itself, or float32 for an 8-bit cache.
+template <typename S>
+using QueryOf = std::conditional_t<std::is_same_v<S, int8_t>, float, S>;
+
 // decode_step's rotation and write where its ATen ops would give these bits: q (B, H, 1, D) and k (B, Hkv, 1, D) in T,
 // turned (where `c` is given) by float32 tables c and s ((1, D) or (B, 1, 1, D), rows contiguous, `row` apart) in
-// float32 and rounded to T, then to the cache's S: the queries (B, H, 1, D) S for the kernel, the keys and v written
-// at slot `start`.
+// float32 and rounded to T, then stored as the cache's S holds them: the queries (B, H, 1, D) for the kernel, the
+// keys and v written at slot `start`.
 template <typename T, typename S, Rounding mode>
 void turn_and_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* c, const float* s, int64_t row,
                     at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, at::Tensor& queries) {
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(3), Dv = v.size(3), h = D / 2;
-  S* qo = queries.data_ptr<S>();
+  QueryOf<S>* qo = queries.data_ptr<QueryOf<S>>();
   S* kc = k_cache.data_ptr<S>();
   S* vc = v_cache.data_ptr<S>();
   const auto at_slot = [&](S* cache, const at::Tensor& t, int64_t b, int64_t i) { return cache + b * t.stride(0) + i * t.stride(1) + start * t.stride(2); };
+  std::vector<float> work(std::max(D, Dv));
   for (int64_t b = 0; b < B; ++b) {
     const float* cb = c + b * row;
     const float* sb = s + b * row;
-    const auto turned = [&](const T* x, S* out) {  // one head's D values
+    const auto turned = [&](const T* x, float* out) {  // one head's D values, each rounded to T
       if (c == nullptr) {
-        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<S>(x[d]);
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(x[d]);
         return;
       }
       for (int64_t d = 0; d < h; ++d) {
         const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + h]);
-        out[d] = static_cast<S>(static_cast<T>(turn<mode>(x1, cb[d], x2, sb[d])));
-        out[d + h] = static_cast<S>(static_cast<T>(turn<mode>(x2, cb[d + h], x1, sb[d + h])));
+        out[d] = static_cast<float>(static_cast<T>(turn<mode>(x1, cb[d], x2, sb[d])));
+        out[d + h] = static_cast<float>(static_cast<T>(turn<mode>(x2, cb[d + h], x1, sb[d + h])));
       }
     };
-    for (int64_t i = 0; i < H; ++i) turned(q.data_ptr<T>() + b * q.stride(0) + i * q.stride(1), qo + (b * H + i) * D);
+    for (int64_t i = 0; i < H; ++i) {
+      turned(q.data_ptr<T>() + b * q.stride(0) + i * q.stride(1), work.data());
+      store_row(work.data(), D, qo + (b * H + i) * D);
+    }
     for (int64_t i = 0; i < Hkv; ++i) {
-      turned(k.data_ptr<T>() + b * k.stride(0) + i * k.stride(1), at_slot(kc, k_cache, b, i));
+      turned(k.data_ptr<T>() + b * k.stride(0) + i * k.stride(1), work.data());
+      store_row(work.data(), D, at_slot(kc, k_cache, b, i));
       const T* vr = v.data_ptr<T>() + b * v.stride(0) + i * v.stride(1);
-      S* vw = at_slot(vc, v_cache, b, i);
-      for (int64_t d = 0; d < Dv; ++d) vw[d] = static_cast<S>(vr[d]);
+      for (int64_t d = 0; d < Dv; ++d) work[d] = static_cast<float>(vr[d]);
+      store_row(work.data(), Dv, at_slot(vc, v_cache, b, i));
     }
   }
 }
 
-// The queries in the cache's dtype after turn_and_write, or None where its conditions do not hold (then the ATen ops):
-// float32 or bfloat16 q, k, v and caches, rows contiguous; where tables are given, a whole-head rotation by float32
+// k (B, Hkv, 1, D) float32, rows contiguous, stored at slot `start` of an 8-bit cache (B, Hkv, L, D + 4) (store_row).
+void store_rows8(const at::Tensor& k, at::Tensor& cache, int64_t start) {
+  const int64_t B = k.size(0), Hkv = k.size(1), D = k.size(3);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Hkv; ++i) {
+      store_row(k.data_ptr<float>() + b * k.stride(0) + i * k.stride(1),
+                D, cache.data_ptr<int8_t>() + b * cache.stride(0) + i * cache.stride(1) + start * cache.stride(2));
+    }
+  }
+}
+
+// The queries after turn_and_write (in the cache's dtype; float32 for an 8-bit cache), or None where its conditions do
+// not hold (then the ATen ops): float32 or bfloat16 q, k, v, and caches of either or 8-bit rows, rows contiguous; where tables are given, a whole-head rotation by float32
 // tables of one row or one per row, and an addcmul_ whose rounding is known.
 std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
                                              const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
   const auto T = q.scalar_type(), S = k_cache.scalar_type();
   const auto ok = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; };
   const int64_t B = q.size(0), D = q.size(3);
-  if (!ok(T) || !ok(S) || k.scalar_type() != T || v.scalar_type() != T || v_cache.scalar_type() != S || k.size(3) != D
+  if (!ok(T) || !(ok(S) || S == at::kChar) || k.scalar_type() != T || v.scalar_type() != T || v_cache.scalar_type() != S || k.size(3) != D
       || q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || k_cache.stride(3) != 1 || v_cache.stride(3) != 1) {
     return std::nullopt;
   }
@@ -566,7 +676,7 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
     s = st.data_ptr<float>();
     row = per_row ? D : 0;
   }
-  at::Tensor queries = at::empty({B, q.size(1), 1, D}, q.options().dtype(S));  // (B, H, 1, D)
+  at::Tensor queries = at::empty({B, q.size(1), 1, D}, q.options().dtype(S == at::kChar ? at::kFloat : S));  // (B, H, 1, D)
   const auto run = [&](auto t, auto s_) {
     using TT = decltype(t);
     using SS = decltype(s_);
@@ -577,7 +687,8 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
     }
   };
   const bool tf = T == at::kFloat, sf = S == at::kFloat;
-  if (tf && sf) run(float{}, float{});
+  if (S == at::kChar) tf ? run(float{}, int8_t{}) : run(c10::BFloat16{}, int8_t{});
+  else if (tf && sf) run(float{}, float{});
   else if (tf) run(float{}, c10::BFloat16{});
   else if (sf) run(c10::BFloat16{}, float{});
   else run(c10::BFloat16{}, c10::BFloat16{});
@@ -586,7 +697,8 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
 
 // A decode step's attention after its projections, in one call: q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv)
 // (views of the projections' output), turned by (cos, sin) where given (rope.rotate's "rotate_half" of all D dims),
-// written at slot `start` of the caches (B, Hkv, L, D) and (B, Hkv, L, Dv) in their dtype, then the kernel over slots
+// written at slot `start` of the caches (B, Hkv, L, D) and (B, Hkv, L, Dv) in their dtype (8-bit rows: D + 4 and
+// Dv + 4 int8, store_row), then the kernel over slots
 // 0 .. start, `real` (B, L) marking the tokens where the cache holds padding -> (B, 1, H * Dv), the heads merged. The
 // same bits as the Python steps it replaces (headwise.functional.decode_kernel_call): the rotation and the write in
 // one loop that rounds as their ATen ops do (turned_and_written), else those ops in their order; one call where they
@@ -613,9 +725,15 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
       keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
     }
-    k_cache.slice(2, start, end).copy_(keys.to(stored));
-    v_cache.slice(2, start, end).copy_(v.to(stored));
-    turned = queries.to(stored);
+    if (stored == at::kChar) {  // 8-bit rows: rounded as turn_and_write rounds them, the queries in float32
+      store_rows8(keys.to(at::kFloat).contiguous(), k_cache, start);
+      store_rows8(v.to(at::kFloat).contiguous(), v_cache, start);
+      turned = queries.to(at::kFloat);
+    } else {
+      k_cache.slice(2, start, end).copy_(keys.to(stored));
+      v_cache.slice(2, start, end).copy_(v.to(stored));
+      turned = queries.to(stored);
+    }
   }
   const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
                                  .to(q.scalar_type());  // (B, H, 1, Dv)

@@ -5,7 +5,10 @@ values together (scores, softmax and the weighted sum in float32, each row of ke
 read once), the context in the queries' dtype, zeros for a row that sees no key.
 
 - ``headwise::decode_attention(q, k, v, real, scale)``: (B, H, 1, D) queries over a dense cache's
-  (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), -> (B, H, 1, Dv).
+  (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), -> (B, H, 1, Dv);
+  or float32 queries over an 8-bit cache's rows (B, Hkv, S, D + 4) and (B, Hkv, S, Dv + 4) int8
+  (``headwise.cache.quantize_rows``), each value read as ``dequantize_rows`` reads it: the same bits
+  as the kernel over those rows read back in float32.
 - ``headwise::paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)``:
   ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place.
 
@@ -41,7 +44,7 @@ torch.library.define(
 
 @torch.library.register_fake("headwise::decode_attention")
 def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3])  # (B, H, 1, Dv)
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3] - (4 if v.dtype == torch.int8 else 0))  # (B, H, 1, Dv)
 
 
 @torch.library.register_fake("headwise::paged_decode_attention")
@@ -83,8 +86,9 @@ def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None
     """A decode step's attention in one op, for a step whose plan was made once (``functional.decode_kernel_call``):
     q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), q and k turned by ``rope.rotate``'s "rotate_half" tables
     cos and sin ((1, D) or (B, 1, 1, D) float32) where given, k and v written at slot ``start`` of the caches
-    (B, Hkv, L, D) and (B, Hkv, L, Dv), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv),
-    the heads merged. The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
+    (B, Hkv, L, D) and (B, Hkv, L, Dv) (an 8-bit cache's rows rounded as ``quantize_rows`` rounds them, the queries
+    in float32), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv), the heads merged.
+    The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
     return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
 
 

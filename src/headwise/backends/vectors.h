@@ -39,6 +39,10 @@ inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's top half
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+inline __m256 load8(const int8_t* p) {  // an 8-bit cache row's values: widened to int32, then to float
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline float sum16(__m256 lo, __m256 hi) {  // sum16 (below) of the 16 floats lo, hi: the same additions
   const __m256 y = _mm256_add_ps(lo, hi);
   const f4v z = (f4v)_mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
@@ -63,6 +67,17 @@ inline f16v load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half:
   f16v x;
   __builtin_memcpy(&x, &wide, sizeof x);
   return x;
+#endif
+}
+
+inline f16v load16(const int8_t* p) {  // an 8-bit cache row's values, widened (exact)
+#ifdef __AVX512F__
+  return reinterpret_cast<f16v>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  typedef int8_t i8x16 __attribute__((vector_size(16)));
+  i8x16 b;
+  __builtin_memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, f16v);
 #endif
 }
 

@@ -7,6 +7,12 @@ with an ``attention_mask``, the cache hands its (B, S) record of real tokens on 
 positions count each row's real tokens only (``start``); a cache never given one hands on None,
 and the next position is ``len(cache)``. It never reads a mask's values on the host.
 
+An 8-bit cache (``dtype=torch.int8``) keeps each (token, head) row of D float32 values as D int8 values and one
+float32 scale (``quantize_rows``): a quarter of float32's bytes and a little more, the layout of llama.cpp's q8_0
+rows. It takes float32 keys and values, and answers with the rows it holds read back in float32
+(``dequantize_rows``); ``generate``'s decode steps read them in place in the C++ decode kernel. Autograd cannot
+record through the rounding: such a write is refused.
+
 Training through a cache: while autograd records, attention gets the stored keys concatenated
 with the new ones (gradients reach every step's keys and values, as in one forward over the
 whole sequence); the buffers only ever get plain copies, so a ``reset`` starts clean.
@@ -24,6 +30,27 @@ from ..masks import positions
 from .owner import Owned
 from .protocol import Attended
 
+#: What an 8-bit row holds beyond its D values: its float32 scale, in 4 bytes.
+SCALE_BYTES = 4
+
+
+def quantize_rows(x: Tensor) -> Tensor:
+    """(..., D) float -> (..., D + 4) int8: each row's values rounded to int8 with the row's scale, max |x| / 127
+    (x / scale to nearest, ties to even), the scale's float32 bytes after them. A row of zeros, or one holding inf or
+    NaN, is stored as zeros with its scale (0, inf or NaN), so that it reads back as zeros, or NaN, never as a wrong
+    number. The C++ decode step rounds the rows it writes the same way, bit for bit."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1); NaN where a value is
+    rounded = torch.where(scale.isfinite() & (scale > 0), x / scale, 0.0).round().clamp(-127, 127)  # (..., D)
+    return torch.cat([rounded.to(torch.int8), scale.view(torch.int8)], dim=-1)  # (..., D + 4)
+
+
+def dequantize_rows(rows: Tensor) -> Tensor:
+    """(..., D + 4) int8 rows of ``quantize_rows`` -> (..., D) float32: each value times its row's scale."""
+    D = rows.shape[-1] - SCALE_BYTES
+    scale = rows[..., D:].contiguous().view(torch.float32)  # (..., 1)
+    return rows[..., :D].float() * scale  # (..., D)
+
 
 class KVCache(Owned):
     """Preallocated (B, Hkv, L, D) key/value buffers, L = max_len (or window when sliding).
@@ -34,7 +61,8 @@ class KVCache(Owned):
         max_len: the most tokens this cache can hold.
         head_dim: D.
         dtype, device: of the buffers; keys and values written must match them (``attention`` rounds float32
-            ones into a bfloat16 cache: half the bytes, attention in bfloat16).
+            ones into a bfloat16 cache: half the bytes, attention in bfloat16). ``torch.int8``: 8-bit rows of
+            float32 keys and values (module docstring), buffers (B, Hkv, L, D + 4); D a multiple of 4.
 
     Example:
         >>> import headwise as hw
@@ -50,10 +78,13 @@ class KVCache(Owned):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
-        _checks.floating_dtype("dtype", dtype)
+        _checks.cache_storage("dtype", dtype, head_dim)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # (B, Hkv, L, D)
-        self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D)
+        self.head_dim = head_dim
+        self.rows8 = dtype == torch.int8  # 8-bit rows: D int8 values and a float32 scale (quantize_rows)
+        row = head_dim + SCALE_BYTES if self.rows8 else head_dim
+        self.k = torch.zeros(batch_size, num_kv_heads, max_len, row, dtype=dtype, device=device)  # (B, Hkv, L, D) (+ 4 bytes)
+        self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D) (+ 4 bytes)
         self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
         self._padded = False  # did any stored position come with a padding mask?
         self._pads: Tensor | None = None  # (B,) padding tokens written to each row; None while no write had any mask
@@ -78,8 +109,9 @@ class KVCache(Owned):
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the buffers hold (the cache protocol)."""
-        return self.k.dtype
+        """The dtype of the keys and values it takes and answers with (the cache protocol): what the buffers hold, or
+        float32 for an 8-bit cache (its buffers' dtype is ``k.dtype``, int8)."""
+        return torch.float32 if self.rows8 else self.k.dtype
 
     @property
     def padded(self) -> bool:
@@ -117,15 +149,18 @@ class KVCache(Owned):
             self._pads = None
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-        B, Hkv, L, D = self.k.shape
+        (B, Hkv, L, _), D = self.k.shape, self.head_dim
         for name, t in [("k", k), ("v", v)]:
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor of shape (B={B}, Hkv={Hkv}, T, D={D}), got {type(t).__name__}")
             if t.ndim != 4 or t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D:
                 raise ValueError(f"cache holds (B={B}, Hkv={Hkv}, *, D={D}); {name} has shape {tuple(t.shape)}")
-            if t.dtype != self.k.dtype:
-                raise TypeError(f"cache holds {self.k.dtype}; {name} is {t.dtype}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"cache holds {self.k.dtype}; {name} is {t.dtype}" + (" (an 8-bit cache takes float32)" if self.rows8 else ""))
             _checks.same_device(name, t, "the cache is", self.k.device)
+            if self.rows8 and t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"{name} requires grad: an 8-bit cache rounds what it stores, and autograd cannot record "
+                                 "through that rounding; use a float32 or bfloat16 cache to train through one")
         if v.shape[2] != k.shape[2]:
             raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
         attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)", device=("the cache is", self.k.device))
@@ -204,14 +239,17 @@ class KVCache(Owned):
             self._pads = pads if self._pads is None else self._pads + pads
         recording = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None)
         T, start = k.shape[2], self._len
-        if not recording and self.window is None:  # views of the buffers, nothing copied
+        read = dequantize_rows if self.rows8 else _as_stored  # the buffers' rows as attention reads them
+        if self.rows8:  # the rows as stored; the new tokens then attend as the cache will answer later
+            k, v = quantize_rows(k), quantize_rows(v)  # (B, Hkv, T, D + 4) x2
+        if not recording and self.window is None:  # views of the buffers, nothing copied (an 8-bit cache's read back)
             end = start + T
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
             if attention_mask is not None:
                 self.is_token[:, start:end] = attention_mask
             self._len = end
-            return self.k[:, :, :end], self.v[:, :, :end], self.is_token[:, :end] if self._padded else None
+            return read(self.k[:, :, :end]), read(self.v[:, :, :end]), self.is_token[:, :end] if self._padded else None
         new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
         if not recording and T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
             slot = start % self.window  # written as a slice: an int index would make torch.compile specialise on the slot
@@ -220,11 +258,11 @@ class KVCache(Owned):
             self.is_token[:, slot : slot + 1] = new_is_token
             self._len = start + 1
             n = torch.sym_min(self._len, self.window)  # the stored slots (order does not matter for a single query); an int in eager
-            return self.k[:, :, :n], self.v[:, :, :n], self.is_token[:, :n] if self._padded else None
+            return read(self.k[:, :, :n]), read(self.v[:, :, :n]), self.is_token[:, :n] if self._padded else None
         # the past in time order, then the new tokens: the oldest new query may need keys the write overwrites
         first = 0 if self.window is None else max(0, start - self.window)  # the oldest position a new query may need
-        keys = torch.cat([self._past(self.k, 1, first, start), k], dim=2)  # (B, Hkv, S, D)
-        values = torch.cat([self._past(self.v, 2, first, start), v], dim=2)  # (B, Hkv, S, D)
+        keys = read(torch.cat([self._past(self.k, 1, first, start), k], dim=2))  # (B, Hkv, S, D)
+        values = read(torch.cat([self._past(self.v, 2, first, start), v], dim=2))  # (B, Hkv, S, D)
         is_token = torch.cat([self._stored(self.is_token, first, start), new_is_token], dim=1)  # (B, S)
         keep = T if self.window is None else min(T, self.window)  # a ring keeps the last W
         slots = self._slots(start + T - keep, start + T)  # (keep,)
@@ -258,3 +296,8 @@ class KVCache(Owned):
             return self._stored(buffer, first, end)
         parts = [self._stored(buffer, first, a), recorded[:, :, a - start : b - start], self._stored(buffer, b, end)]
         return torch.cat(parts, dim=2)
+
+
+def _as_stored(rows: Tensor) -> Tensor:
+    """A float cache's rows, as attention reads them: themselves."""
+    return rows

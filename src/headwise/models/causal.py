@@ -127,7 +127,7 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
     def new_caches(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """One empty ``KVCache`` per layer with room for ``max_len`` tokens; a ring of ``window`` slots for a
         sliding layer whose window is shorter (memory bounded however long decoding runs). ``dtype``: what they
-        hold, the model's (None) or bfloat16 for a float32 model."""
+        hold, the model's (None), or for a float32 model bfloat16 or ``torch.int8`` (8-bit rows, ``KVCache``)."""
         weight = self.embed_tokens.weight
         dtype = self.cache_dtype(dtype)
         caches = []
@@ -142,8 +142,12 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
 
     def new_paged_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a sliding
-        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it). ``dtype``: as ``new_caches``."""
+        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it). ``dtype``: as ``new_caches``,
+        but not ``torch.int8`` (a pool holds float32 or bfloat16 rows)."""
         weight, dtype = self.embed_tokens.weight, self.cache_dtype(dtype)
+        if dtype == torch.int8:
+            raise ValueError("cache_dtype=torch.int8: 8-bit rows are a KVCache's (generate); a paged pool holds the model's "
+                             "dtype or torch.bfloat16")
         return [
             PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=weight.device, window=attn.window)
             for attn in self.attention_layers()
@@ -151,10 +155,13 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
 
     def cache_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         """What this model's caches hold when asked for ``dtype``: the model's dtype for None; bfloat16 may serve a
-        float32 model (half the bytes a token keeps, attention in bfloat16). TypeError for anything else."""
+        float32 model (half the bytes a token keeps, attention in bfloat16), and so may ``torch.int8`` (8-bit rows,
+        a quarter of the bytes and a scale, attention in float32 over them: ``KVCache``). TypeError for anything else."""
         computed = self.embed_tokens.weight.dtype
         if dtype is None:
             return computed
+        if dtype == torch.int8 and computed == torch.float32:
+            return dtype
         _checks.floating_dtype("cache_dtype", dtype)
         _checks.cache_dtype("cache_dtype", dtype, computed)
         return dtype

@@ -109,7 +109,10 @@ class GenerationMixin:
             cache_dtype: what the ``KVCache`` holds: None = the model's dtype; ``torch.bfloat16`` for a
                 float32 model halves the bytes each token keeps and each step reads (keys and values
                 rounded to bfloat16, attention in bfloat16, everything else in float32: the tokens
-                may differ from float32's where two logits are close).
+                may differ from float32's where two logits are close); ``torch.int8`` for a float32
+                model keeps 8-bit rows (``KVCache``: a quarter of the bytes and a scale a row, attention
+                in float32 over the rows read back; the decode steps read them in place in the C++
+                decode kernel). Not with ``cuda_graph``.
             on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
                 next step runs (streaming: print or send them); the first call comes right after
                 the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
@@ -131,6 +134,8 @@ class GenerationMixin:
         weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
+            if cache_dtype == torch.int8:
+                raise ValueError("cache_dtype=torch.int8 with cuda_graph=True: the graph's step reads float32 or bfloat16 caches")
         name, limit = self.context_limit()
         if limit is not None and t + max_new_tokens > limit:
             raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
