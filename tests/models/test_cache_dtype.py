@@ -49,21 +49,25 @@ def test_a_bfloat16_cache_costs_a_float32_model_far_less_than_bfloat16_weights(n
     error = {
         "float32": decoded_logits(model, None),
         "bfloat16 cache": decoded_logits(model, torch.bfloat16),
+        "int8 cache": decoded_logits(model, torch.int8),
         "bfloat16 model": decoded_logits(copy.deepcopy(model).bfloat16(), None),
     }
     error = {k: ((v - want).norm() / want.norm()).item() for k, v in error.items()}
     assert error["float32"] < error["bfloat16 cache"] < error["bfloat16 model"] / 2, error  # the cache does hold bfloat16
+    # 8-bit rows, each with its own scale: about twice the bfloat16 cache's error, still far below a bfloat16 model's
+    assert error["bfloat16 cache"] < error["int8 cache"] < error["bfloat16 model"] / 2, error
     assert all(c.dtype == torch.bfloat16 for c in model.new_caches(1, 8, torch.bfloat16))
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_generate_decodes_through_bfloat16_caches_when_asked(name, monkeypatch):
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.int8])
+def test_generate_decodes_through_bfloat16_or_8_bit_caches_when_asked(name, held, monkeypatch):
     model = MODELS[name]()
     made, new_caches = [], model.new_caches
     monkeypatch.setattr(model, "new_caches", lambda *a: made.extend(new_caches(*a)) or made)
-    got = model.generate(IDS, max_new_tokens=8, cache_dtype=torch.bfloat16)  # (B, T + 8)
-    assert made and all(c.dtype == torch.bfloat16 and len(c) == IDS.shape[1] + 7 for c in made)
-    caches, ids = new_caches(2, 28, torch.bfloat16), IDS  # the same greedy loop through the checked forward
+    got = model.generate(IDS, max_new_tokens=8, cache_dtype=held)  # (B, T + 8)
+    assert made and all(c.k.dtype == held and len(c) == IDS.shape[1] + 7 for c in made)
+    caches, ids = new_caches(2, 28, held), IDS  # the same greedy loop through the checked forward
     with torch.no_grad():
         logits = model(ids, cache=caches)[:, -1]
         for _ in range(8):

@@ -12,7 +12,7 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   checked in every layer; ``compiled_ms``: the step ``generate(..., compile=True)`` runs;
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
-- ``--cache-dtypes model,bf16``: also (or only) headwise's caches in bfloat16 under a float32 model
+- ``--cache-dtypes model,bf16,int8``: also (or only) headwise's caches in bfloat16, or 8-bit rows, under a float32 model
   (``generate(..., cache_dtype=torch.bfloat16)``; the dtype column says so); transformers' caches
   stay in the model's dtype;
 - ``read_bytes``: every projection and LM-head weight as stored (int8 + scales for int8), plus
@@ -37,7 +37,8 @@ whatever they hold), so both libraries' logits can be compared (``max_abs_diff``
 transformers, CTranslate2 and llama.cpp (``bench.engines``), each on the same checkpoint converted
 by its own converter, interleaved: prefill ms, decode ms per step, GB/s and share of the read
 bandwidth, and how many tokens equal headwise's. ``--cache-dtypes model,bf16`` adds headwise's rows over
-bfloat16 caches (``headwise bf16 cache``: the bytes llama.cpp's f16 cache reads).
+bfloat16 caches (``headwise bf16 cache``: the bytes llama.cpp's f16 cache reads), ``int8`` over 8-bit ones
+(``headwise int8 cache``: the bytes of llama.cpp's q8_0 cache).
 
 The models (``bench.models``) are random checkpoints written by ``save_pretrained`` and read
 back as a user reads them (outside ``torch.inference_mode``: inference-mode parameters cannot be
@@ -69,7 +70,8 @@ from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwi
 from .timing import interleaved
 
 #: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
-CACHE_DTYPES = {"model": None, "bf16": torch.bfloat16}
+CACHE_DTYPES = {"model": None, "bf16": torch.bfloat16, "int8": torch.int8}
+_CACHE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}  # a row's label: "<precision>, <name> cache"
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,8 @@ def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room
     keys and values, and transformers' DynamicCache holding the same (in its model's dtype)."""
     kv = []
     for cache in ours.new_caches(batch, 1, cache_dtype):
-        _, hkv, _, d = cache.k.shape
-        kv.append(tuple(torch.randn(batch, hkv, past, d, generator=gen).to(cache.k.dtype) for _ in range(2)))  # (B, Hkv, past, D) each
+        hkv, d = cache.k.shape[1], cache.head_dim
+        kv.append(tuple(torch.randn(batch, hkv, past, d, generator=gen).to(cache.dtype) for _ in range(2)))  # (B, Hkv, past, D) each
     sets = []
     for _ in range(copies):
         caches = ours.new_caches(batch, room, cache_dtype)
@@ -201,7 +203,7 @@ def _steps(ours: nn.Module, theirs: nn.Module | None, batch: int, context: int, 
 
 
 class _Case(NamedTuple):
-    """One row's step of a model: what it runs (``label``: the precision, ", bf16 cache" where the cache differs), the
+    """One row's step of a model: what it runs (``label``: the precision, ", bf16 cache" or ", int8 cache" where the cache differs), the
     bytes it reads (``read_bytes``), its steps (``_steps``) and the largest |headwise - transformers| of their logits."""
 
     label: str
@@ -236,8 +238,8 @@ def decode_speeds(
     """Time one decode step of each model and precision at each (batch, context) of ``shapes`` (see the module docstring).
 
     With ``compile``, also the step ``generate(..., compile=True)`` runs (compiled during the warm-up rounds); with
-    ``cache_dtypes``, a row for each dtype headwise's caches hold (None: the model's; bfloat16 for the float32
-    models: fp32, int8, int8-a8).
+    ``cache_dtypes``, a row for each dtype headwise's caches hold (None: the model's; bfloat16 or int8, 8-bit rows, for
+    the float32 models: fp32, int8, int8-a8).
     Checkpoints are written under ``root`` once (``bench.models.default_root()``).
 
     Imports transformers (unless ``hf=False``). Nothing is printed (``progress`` is told what runs).
@@ -263,7 +265,7 @@ def decode_speeds(
             with torch.inference_mode():
                 held = dict.fromkeys(ours.cache_dtype(c) for c in cache_dtypes)  # a bf16 model's caches hold bf16 either way: one row
                 for (batch, context), cache_dtype in itertools.product(shapes, held):
-                    label = dtype if cache_dtype == ours.cache_dtype(None) else f"{dtype}, bf16 cache"  # cache_dtype: as the model resolves it
+                    label = dtype if cache_dtype == ours.cache_dtype(None) else f"{dtype}, {_CACHE_NAMES[cache_dtype]} cache"  # as the model resolves it
                     if progress:
                         progress(f"{name} {label} B={batch} context {context}")
                     steps, outs = _steps(ours, theirs, batch, context, repeats + warmup, gen, compile, cache_dtype)
@@ -333,7 +335,7 @@ def batch_gains(speeds: Sequence[DecodeSpeed]) -> list[Gain]:
 
 def precision_gains(speeds: Sequence[DecodeSpeed]) -> list[Gain]:
     """Each row of another precision over the fp32 row of the same model, batch, context and cache dtype."""
-    key = lambda r: (r.model, r.batch, r.context, r.dtype.partition(",")[2])  # noqa: E731  (", bf16 cache" or "")
+    key = lambda r: (r.model, r.batch, r.context, r.dtype.partition(",")[2])  # noqa: E731  (", bf16 cache", ", int8 cache" or "")
     fp32 = {key(r): r for r in speeds if r.dtype.partition(",")[0] == "fp32"}
     return [_gain(r, fp32[key(r)], "fp32") for r in speeds if r.dtype.partition(",")[0] != "fp32" and key(r) in fp32]
 
@@ -365,10 +367,13 @@ def markdown(speeds: Sequence[DecodeSpeed]) -> str:
 
 def generation_engines(names: Sequence[str], compile: bool, hf_compile: bool, cache_dtypes: Sequence[str]) -> list[str]:
     """The engines the generation table runs: ``names``, their compiled variants when asked for, and headwise's rows
-    over each cache dtype asked for (``model``: the model's dtype; ``bf16``: ``headwise bf16 cache``)."""
+    over each cache dtype asked for (``model``: the model's dtype; ``bf16``: ``headwise bf16 cache``; ``int8``: ``headwise
+    int8 cache``, eager: a compiled step attends over the rows read back, not in place)."""
     engines = [*names, *(["headwise compiled"] if compile else []), *(["transformers compiled"] if hf_compile else [])]
     ours = [e for e in engines if e.startswith("headwise")]
-    return [e for e in engines if e not in ours or "model" in cache_dtypes] + ([f"{e} bf16 cache" for e in ours] if "bf16" in cache_dtypes else [])
+    bf16 = [f"{e} bf16 cache" for e in ours] if "bf16" in cache_dtypes else []
+    int8 = ["headwise int8 cache"] if "int8" in cache_dtypes and "headwise" in ours else []
+    return [e for e in engines if e not in ours or "model" in cache_dtypes] + bf16 + int8
 
 
 def main(argv: Sequence[str] | None = None) -> None:

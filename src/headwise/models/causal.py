@@ -160,7 +160,9 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
         computed = self.embed_tokens.weight.dtype
         if dtype is None:
             return computed
-        if dtype == torch.int8 and computed == torch.float32:
+        if dtype == torch.int8:
+            if computed != torch.float32:
+                raise TypeError(f"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes {computed}")
             return dtype
         _checks.floating_dtype("cache_dtype", dtype)
         _checks.cache_dtype("cache_dtype", dtype, computed)

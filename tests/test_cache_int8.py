@@ -1,0 +1,193 @@
+"""The 8-bit KVCache (dtype=torch.int8): each (token, head) row stored as D int8 values and a float32 scale.
+
+What it stores is checked against a rounding written here with numpy (float32 scale max|x| / 127, x / scale rounded
+half to even); what attention answers against float64 attention over those stored rows read back; the C++ decode
+step's writes and reads against the Python path's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import BACKENDS
+from hypothesis import given
+from hypothesis import strategies as st
+from reference_variants import variant_attention
+
+import headwise as hw
+from headwise import GPT2Config
+from headwise.backends import decode_kernel
+from headwise.cache.static import dequantize_rows, quantize_rows
+from headwise.models import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from headwise.quantize import int8_weights as to_int8
+
+
+def rounded(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(..., D) float32 -> the int8 values and the float32 scale of every row, one row at a time in numpy."""
+    rows = x.detach().float().reshape(-1, x.shape[-1]).numpy()
+    values, scales = np.zeros(rows.shape, np.int8), np.zeros(len(rows), np.float32)
+    for i, row in enumerate(rows):
+        top = np.float32(np.nan) if np.isnan(row).any() else np.abs(row).max()
+        scale = np.float32(top / np.float32(127))
+        scales[i] = scale
+        if np.isfinite(scale) and scale > 0:
+            values[i] = np.clip(np.rint(row / scale), -127, 127).astype(np.int8)
+    return values.reshape(x.shape), scales.reshape(x.shape[:-1])
+
+
+def read_back(x: torch.Tensor) -> torch.Tensor:
+    """What an 8-bit cache answers for keys x: its stored values times their row's scale (a float32 product), as float64."""
+    values, scales = rounded(x)
+    return torch.from_numpy(values.astype(np.float32) * scales[..., None]).double()
+
+
+def test_rows_are_rounded_to_their_own_scale_and_read_back():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 7, 64) * torch.logspace(-3, 3, 7)[:, None]  # rows of very different sizes
+    x[0, 0, 0] = 0.0  # a row of zeros
+    x[0, 0, 1, 5] = 127.5 * x[0, 0, 1].abs().max() / 127  # (one value the largest)
+    rows = quantize_rows(x)
+    assert rows.shape == (3, 4, 7, 68) and rows.dtype == torch.int8
+    values, scales = rounded(x)
+    assert torch.equal(rows[..., :64], torch.from_numpy(values))
+    assert torch.equal(rows[..., 64:].contiguous().view(torch.float32)[..., 0], torch.from_numpy(scales))
+    back = dequantize_rows(rows)
+    assert back.dtype == torch.float32 and torch.equal(back.double(), read_back(x))
+    assert (back - x).abs().le(torch.from_numpy(scales)[..., None] / 2 * (1 + 1e-6)).all()  # half a step at most
+    assert torch.equal(back[0, 0, 0], torch.zeros(64))
+
+
+def test_a_row_with_inf_or_nan_reads_back_as_nan_never_as_a_number():
+    x = torch.randn(3, 64)
+    x[0, 3], x[1, 7] = float("inf"), float("nan")
+    back = dequantize_rows(quantize_rows(x))
+    assert back[0].isnan().all() and back[1].isnan().all()
+    assert torch.equal(back[2].double(), read_back(x[2:])[0])
+
+
+@pytest.mark.parametrize("D", [64, 128, 80])
+@pytest.mark.parametrize("H,Hkv", [(12, 12), (8, 2), (6, 1), (5, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_kernel_reads_8_bit_rows_as_the_rows_read_back(D, H, Hkv, padded):
+    if not decode_kernel.available():
+        pytest.skip("headwise's C++ kernels are not built here")
+    torch.manual_seed(D + H)
+    B, S = 2, 77
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    real = (torch.rand(B, S) > 0.3) if padded else None
+    k8, v8 = quantize_rows(k), quantize_rows(v)
+    got = decode_kernel.dense(q, k8, v8, real, D**-0.5)  # (B, H, 1, D)
+    over_floats = decode_kernel.dense(q, dequantize_rows(k8), dequantize_rows(v8), real, D**-0.5)
+    if D in (64, 128):  # the vector loops: each value read back as dequantize_rows does, then the same sums
+        assert torch.equal(got, over_floats)
+    want = variant_attention(q.double(), read_back(k), read_back(v), causal=False,
+                             attention_mask=real)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+TERMS = {
+    "plain": {},
+    "softcap": {"softcap": 2.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+}
+
+
+@pytest.mark.parametrize("terms", TERMS)
+@pytest.mark.parametrize("window", [None, 3], ids=["linear", "ring"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(schedule=st.lists(st.integers(1, 4), min_size=1, max_size=5), Hkv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_attention_over_an_8_bit_cache_is_attention_over_the_rows_it_holds(terms, window, backend, schedule, Hkv, seed):
+    torch.manual_seed(seed)
+    B, H, D, T = 2, 4, 8, sum(schedule)
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.int8) if window else hw.KVCache(B, Hkv, T, D, dtype=torch.int8)
+    outs, start = [], 0
+    for n in schedule:
+        part = slice(start, start + n)
+        outs.append(hw.attention(*(t[:, :, part] for t in (q, k, v)), causal=True, window=window, cache=cache, backend=backend, **TERMS[terms]))
+        start += n
+    got = torch.cat(outs, dim=2)  # (B, H, T, D)
+    assert got.dtype == torch.float32 and cache.dtype == torch.float32 and cache.k.dtype == torch.int8
+    if window is None:
+        assert torch.equal(dequantize_rows(cache.k).double(), read_back(k)) and torch.equal(dequantize_rows(cache.v).double(), read_back(v))
+    want = variant_attention(q.double(), read_back(k), read_back(v), causal=True, window=window, **TERMS[terms])
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)  # float32's tolerance: attention runs in float32
+
+
+def small_llama(head_dim: int = 64) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=96, hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+def small_gpt2(head_dim: int = 64) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=128, n_embd=4 * head_dim, n_layer=2, n_head=4)).eval()
+
+
+MODELS = {"gpt2": small_gpt2, "llama": small_llama}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("int8_weights", [False, True], ids=["fp32", "int8-weights"])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_generate_decode_steps_write_and_read_the_rows_as_the_forward_does(model, int8_weights, head_dim):
+    """The flat step (the C++ decode step: rotation, rounding to 8 bits, the kernel over the rows in place) against the
+    checked forward (the rows rounded in Python, attention over them read back): the same stored bytes, and the same
+    logits at head sizes 64 and 128 (the kernel's vector loops; at others the compiler's, whose sums may differ in order)."""
+    torch.manual_seed(1)
+    m = MODELS[model](head_dim)
+    if int8_weights:
+        to_int8(m)
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.inference_mode():
+        mine, theirs = m.new_caches(2, 20, torch.int8), m.new_caches(2, 20, torch.int8)
+        assert mine[0].k.dtype == torch.int8 and mine[0].k.shape[-1] == m.attention_layers()[0].head_dim + 4
+        token = m(ids, cache=mine, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        m(ids, cache=theirs, logits_to_keep=1)
+        flat = m.flat_step()
+        for _ in range(6):
+            got, want = flat(token, None, mine), m(token, cache=theirs)[:, -1]
+            if head_dim == 64:
+                assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+            token = got.argmax(-1, keepdim=True)
+            if head_dim != 64:
+                want_token = want.argmax(-1, keepdim=True)
+                token = token if torch.equal(token, want_token) else want_token  # (both sides fed the same token)
+        for a, b in zip(mine, theirs, strict=True):
+            assert len(a) == len(b) == 15
+            if head_dim == 64:
+                assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        tokens = m.generate(ids, max_new_tokens=6, cache_dtype=torch.int8)
+    assert tokens.shape == (2, 15)
+
+
+def test_an_8_bit_cache_is_a_quarter_of_float32s_bytes_and_a_scale():
+    m = small_gpt2(16)
+    f32, i8 = m.new_caches(1, 64), m.new_caches(1, 64, torch.int8)
+    nbytes = lambda caches: sum(c.k.nbytes + c.v.nbytes for c in caches)  # noqa: E731
+    assert nbytes(i8) * 64 == nbytes(f32) * 20  # D = 16: 16 bytes of values and 4 of scale a row, where float32 keeps 64
+
+
+def test_what_an_8_bit_cache_refuses_is_refused_before_anything_is_written():
+    with pytest.raises(ValueError, match=r"dtype=torch.int8 needs a head_dim that is a multiple of 4.*got head_dim=6"):
+        hw.KVCache(1, 2, 8, 6, dtype=torch.int8)
+    cache = hw.KVCache(1, 2, 8, 4, dtype=torch.int8)
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.bfloat16"):
+        hw.attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), causal=True, cache=cache)
+    k = torch.randn(1, 2, 3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"k requires grad: an 8-bit cache rounds what it stores"):
+        hw.attention(q, k, k.detach(), causal=True, cache=cache)
+    assert len(cache) == 0 and not cache.k.any()
+    bf16_model = small_gpt2(16).bfloat16()
+    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes torch.bfloat16"):
+        bf16_model.new_caches(1, 8, torch.int8)
+    with pytest.raises(ValueError, match=r"cache_dtype=torch.int8: 8-bit rows are a KVCache's"):
+        small_gpt2(16).new_paged_caches(4, 4, torch.int8)
+    from headwise.cache.slot import SlotCache
+
+    with pytest.raises(ValueError, match=r"a SlotCache .* reads float32 or bfloat16 rows"):
+        SlotCache(cache, torch.zeros(1, dtype=torch.long))
