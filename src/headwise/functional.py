@@ -182,7 +182,8 @@ def decode_kernel_call(
         a ``KernelCall``, ``call(q, k, v, cos=None, sin=None)``: a step's q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), turned
         first by ``rope.rotate``'s "rotate_half" tables (cos, sin) of all D dims where given, the cache written and
         the kernel run over it -> (B, 1, H * Dv), the heads merged: ``rotate``, ``attention_unchecked`` and the merge
-        bit for bit, in one op (``decode_kernel.step``).
+        bit for bit, in one op (``decode_kernel.step``; over an 8-bit cache, whose rows the op reads in place, bit for
+        bit at head sizes 64 and 128, the kernel's vector loops).
     """
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
