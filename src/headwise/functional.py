@@ -185,10 +185,15 @@ def decode_kernel_call(
         bit for bit, in one op (``decode_kernel.step``; over an 8-bit cache, whose rows the op reads in place, bit for
         bit at head sizes 64 and 128, the kernel's vector loops).
     """
+    return _kernel_call(q, cache, _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), backend)
+
+
+def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCall | None:
+    """``decode_kernel_call`` of a call's terms ``spec`` (its T = S = 1: the step's new token)."""
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
     stored, S = cache.dtype, len(cache) + 1
-    run_spec, _ = for_run(_unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), 1, S, None, True)
+    run_spec, _ = for_run(spec, 1, S, None, True)
     keys, values = cache.k[:, :, :S], cache.v[:, :, :S]  # (B, Hkv, S, D) x2: what the step's write hands the queries
     if cache.rows8:  # the float32 rows the write hands the queries (the kernel reads the 8-bit ones in place, alike)
         keys = values = keys.new_empty((*keys.shape[:2], 1, cache.head_dim), dtype=stored).expand(-1, -1, S, -1)  # (B, Hkv, S, D)
@@ -257,6 +262,18 @@ def _checked_as_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Arg
     return arguments.checked(**call.arguments)
 
 
+def _rows_in_place(args: Arguments) -> KernelCall | None:
+    """The C++ decode step for a one-token step over an 8-bit ``KVCache`` whose plan is the decode kernel (no padding
+    given with the token, eager, nothing that wants a gradient): the same numbers as the kernel over the rows read
+    back, which would read every row back in float32 first (``decode_kernel.step``)."""
+    q, k, v, spec, cache, backend = args
+    if type(cache) is not KVCache or not cache.rows8 or spec.attention_mask is not None or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return _kernel_call(q, cache, spec, backend)
+
+
 def _for_run(
     args: Arguments, rows: slice, S: int, keys: Tensor, values: Tensor, padding: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Spec, Plan]:
@@ -273,6 +290,13 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says.
     A bfloat16 cache under float32 keys stores them rounded; attention then runs in bfloat16, the context back in float32."""
     q, k, v, spec, cache, _ = args
+    call = _rows_in_place(args)
+    if call is not None:  # an 8-bit cache's one-token step: its rows read in place, not read back whole
+        if check_cache:
+            cache.check_write(k, v)
+        context = call(q, k, v).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
+        report("context", context)
+        return context
     pool_rows = None
     if cache is None:
         runs = [Attended(slice(None), k, v, spec.attention_mask)]  # every query over every key

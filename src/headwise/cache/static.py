@@ -219,6 +219,11 @@ class KVCache(Owned):
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
 
+    def check_write(self, k: Tensor, v: Tensor) -> None:
+        """What ``append`` checks of one new token's keys and values (B, Hkv, 1, D) without padding, for a step whose op
+        writes the cache itself (``write_one_unchecked``): TypeError or ValueError naming the problem; nothing written."""
+        self._check(k, v, None)
+
     def write_one_unchecked(self, run: Callable[[Tensor, Tensor, Tensor | None, int], Tensor]) -> Tensor:
         """A one-token step whose op writes this (whole, not sliding) cache itself, for a decode loop that checked the
         rest once (``functional.decode_kernel_call``): ``run(k, v, is_token, slot)`` gets the buffers (B, Hkv, L, D),
