@@ -217,3 +217,41 @@ def test_a_one_token_step_reads_the_rows_in_place_as_the_rows_read_back(Hkv, mon
     assert torch.equal(in_place.k, read.k) and torch.equal(in_place.v, read.v) and len(in_place) == T
     with pytest.raises(ValueError, match=r"cache is full: it holds 9 of max_len=9 tokens"):
         hw.attention(*step, causal=True, cache=in_place)
+
+
+def outputs() -> dict[str, torch.Tensor]:
+    """The kernel over 8-bit rows and over the rows read back, and the rows the decode step writes, for a few shapes
+    (run here and in a process on torch's AVX2 kernels: headwise's C++ built for AVX2)."""
+    decode_kernel.available()
+    out = {}
+    for D, H, Hkv in ((64, 8, 2), (128, 4, 4), (80, 6, 1)):
+        g = torch.Generator().manual_seed(D)
+        q, k, v = torch.randn(2, H, 1, D, generator=g), torch.randn(2, Hkv, 41, D, generator=g), torch.randn(2, Hkv, 41, D, generator=g)
+        k8, v8 = quantize_rows(k), quantize_rows(v)
+        out[f"{D} rows"] = decode_kernel.dense(q, k8, v8, None, D**-0.5)
+        out[f"{D} read back"] = decode_kernel.dense(q, dequantize_rows(k8), dequantize_rows(v8), None, D**-0.5)
+        caches = torch.zeros(2, Hkv, 42, D + 4, dtype=torch.int8), torch.zeros(2, Hkv, 42, D + 4, dtype=torch.int8)
+        caches[0][:, :, :41], caches[1][:, :, :41] = k8, v8
+        new = torch.randn(2, Hkv, 1, D, generator=g), torch.randn(2, Hkv, 1, D, generator=g)
+        out[f"{D} step"] = decode_kernel.step(q, *new, None, None, *caches, None, 41, D**-0.5)  # (2, 1, H * D)
+        out[f"{D} written"] = torch.stack([caches[0][:, :, 41:], caches[1][:, :, 41:]])
+        out[f"{D} rounded"] = torch.stack([quantize_rows(new[0]), quantize_rows(new[1])])
+        out[f"{D} want"] = variant_attention(q.double(), dequantize_rows(k8).double(), dequantize_rows(v8).double(), causal=False)
+    return out
+
+
+@pytest.mark.slow  # a build of headwise's C++ for AVX2 (once a machine), in a process of its own
+def test_the_avx2_build_reads_and_writes_8_bit_rows_as_the_avx512_build(tmp_path):
+    if not decode_kernel.available():
+        pytest.skip("headwise's C++ kernels are not built here")
+    from helpers import outputs_under_avx2
+
+    here, avx2 = outputs(), outputs_under_avx2("test_cache_int8", "outputs", tmp_path)
+    for D in (64, 128, 80):
+        for got in (here, avx2):
+            assert torch.equal(got[f"{D} written"], got[f"{D} rounded"])  # the step rounds as quantize_rows
+            if D != 80:
+                assert torch.equal(got[f"{D} rows"], got[f"{D} read back"])
+            torch.testing.assert_close(got[f"{D} rows"].double(), got[f"{D} want"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(avx2[f"{D} rows"], here[f"{D} rows"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(avx2[f"{D} step"], here[f"{D} step"], atol=1e-5, rtol=1e-5)
