@@ -13,8 +13,9 @@
   with its slots in ring order; ``in_order=True`` (what ALiBi and documents need) asks for time order;
 - ``padded``: whether its answers carry a padding mask (any write came with one);
 - ``window``: the window the stored keys were kept for (a ring buffer), or None;
-- ``dtype``: what it stores: the keys' dtype, or bfloat16 under float32 keys (``attention`` rounds them and
-  attends in bfloat16, the context back in float32).
+- ``dtype``: what it takes and answers: the keys' dtype, or bfloat16 under float32 keys (``attention`` rounds them and
+  attends in bfloat16, the context back in float32); an 8-bit ``KVCache`` says float32 (it stores 8-bit rows and
+  answers with them read back).
 """
 
 from __future__ import annotations
