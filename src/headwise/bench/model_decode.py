@@ -71,7 +71,7 @@ from .timing import interleaved
 
 #: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
 CACHE_DTYPES = {"model": None, "bf16": torch.bfloat16, "int8": torch.int8}
-_CACHE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}  # a row's label: "<precision>, <name> cache"
+_CACHE_NAMES = {dtype: name for name, dtype in CACHE_DTYPES.items() if dtype is not None}  # a row's label: "<precision>, <name> cache"
 
 
 @dataclass(frozen=True)

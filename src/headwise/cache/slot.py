@@ -33,7 +33,6 @@ class SlotCache(KVCache):
         if cache.rows8:
             raise ValueError("a SlotCache (generate's cuda_graph step) reads float32 or bfloat16 rows; this cache holds "
                              "8-bit rows (dtype=torch.int8)")
-        self.head_dim, self.rows8 = cache.head_dim, False
         self.k, self.v, self.is_token, self.window = cache.k, cache.v, cache.is_token, cache.window  # (B, Hkv, L, D) x2, (B, L)
         self.count = count  # (1,)
         self.slots = torch.arange(cache.k.shape[2], device=cache.k.device)  # (L,)

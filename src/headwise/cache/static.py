@@ -80,9 +80,7 @@ class KVCache(Owned):
             _checks.positive_int(name, value)
         _checks.cache_storage("dtype", dtype, head_dim)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
-        self.head_dim = head_dim
-        self.rows8 = dtype == torch.int8  # 8-bit rows: D int8 values and a float32 scale (quantize_rows)
-        row = head_dim + SCALE_BYTES if self.rows8 else head_dim
+        row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim  # 8-bit rows: D int8 values and a float32 scale
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, row, dtype=dtype, device=device)  # (B, Hkv, L, D) (+ 4 bytes)
         self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D) (+ 4 bytes)
         self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
@@ -106,6 +104,16 @@ class KVCache(Owned):
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def rows8(self) -> bool:
+        """Whether the buffers hold 8-bit rows (``quantize_rows``: D int8 values and a float32 scale a row)."""
+        return self.k.dtype == torch.int8
+
+    @property
+    def head_dim(self) -> int:
+        """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
+        return self.k.shape[3] - (SCALE_BYTES if self.rows8 else 0)
 
     @property
     def dtype(self) -> torch.dtype:
