@@ -120,6 +120,48 @@ def test_a_context_cache_projects_the_context_once(monkeypatch):
     assert len(cache) == 0
 
 
+def _grads(m, out):
+    m.zero_grad()
+    out.pow(2).sum().backward()
+    return {name: p.grad.clone() for name, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("first", ["backward", "no_grad"])
+def test_a_context_cache_serves_every_backward(first):
+    """Keys a backward has gone through (autograd freed their graph), or kept without autograd, are projected again
+    for a forward that records: each backward reaches the key and value projections, as without the cache."""
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    cache = ContextCache()
+    if first == "backward":
+        _grads(m, m(x, context=memory, cache=cache))
+    else:
+        with torch.no_grad():
+            m(x, context=memory, cache=cache)
+    for _ in range(2):
+        got = _grads(m, m(x, cache=cache))
+        want = _grads(m, m(x, context=memory))
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_context_cache_keeps_its_keys_for_one_backward_over_many_steps(monkeypatch):
+    """Steps that reuse the keys before any backward share them (one projection), and one backward through all of them
+    gives the gradients of the steps each given the context."""
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    calls = []
+    project_kv = m.project_kv
+    monkeypatch.setattr(m, "project_kv", lambda c: calls.append(c.shape) or project_kv(c))
+    cache = ContextCache()
+    got = _grads(m, torch.cat([m(x[:, i : i + 1], context=memory if i == 0 else None, cache=cache) for i in range(3)], 1))
+    assert len(calls) == 1
+    want = _grads(m, torch.cat([m(x[:, i : i + 1], context=memory) for i in range(3)], 1))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("write", ["no_grad", "data", "load_state_dict"])
 @pytest.mark.parametrize("again", [True, False], ids=["context-again", "cache-only"])
 def test_a_context_cache_projects_the_kept_context_again_once_the_weights_changed(write, again):

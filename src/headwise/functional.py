@@ -215,6 +215,14 @@ class KernelCall:
         scale = self.scale
         return self.cache.write_one_unchecked(lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale))
 
+    def after_write(self, q: Tensor, k: Tensor, v: Tensor, check: bool) -> Tensor:
+        """(B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv) -> (B, H, 1, Dv): the cache's write in torch's ops
+        (``append_stored``; ``check``: its checks), then the kernel over the rows as stored, an 8-bit cache's read in
+        place. A compiled step's way (the op of ``__call__`` writes its arguments: the compiler does not call it);
+        the same numbers."""
+        keys, values, real = self.cache.append_stored(k, v, check=check)  # (B, Hkv, S, D + 4) x2, (B, S) or None
+        return decode_kernel.dense(q, keys, values, real, self.scale)
+
 
 def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     """What ``attention(q, k, v, **kwargs)`` would run, and why; nothing is computed or written.
@@ -264,10 +272,10 @@ def _checked_as_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Arg
 
 def _rows_in_place(args: Arguments) -> KernelCall | None:
     """The C++ decode step for a one-token step over an 8-bit ``KVCache`` whose plan is the decode kernel (no padding
-    given with the token, eager, nothing that wants a gradient): the same numbers as the kernel over the rows read
-    back, which would read every row back in float32 first (``decode_kernel.step``)."""
+    given with the token, nothing that wants a gradient): the same numbers as the kernel over the rows read back,
+    which would read every row back in float32 first (``decode_kernel.step``; compiled, ``KernelCall.after_write``)."""
     q, k, v, spec, cache, backend = args
-    if type(cache) is not KVCache or not cache.rows8 or spec.attention_mask is not None or torch.compiler.is_compiling():
+    if type(cache) is not KVCache or not cache.rows8 or spec.attention_mask is not None:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
@@ -292,9 +300,12 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     q, k, v, spec, cache, _ = args
     call = _rows_in_place(args)
     if call is not None:  # an 8-bit cache's one-token step: its rows read in place, not read back whole
-        if check_cache:
-            cache.check_write(k, v)
-        context = call(q, k, v).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
+        if torch.compiler.is_compiling():  # the compiler does not call the op that writes its arguments
+            context = call.after_write(q, k, v, check_cache)  # (B, H, 1, Dv)
+        else:  # the write and the attention in one op
+            if check_cache:
+                cache.check_write(k, v)
+            context = call(q, k, v).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
         report("context", context)
         return context
     pool_rows = None

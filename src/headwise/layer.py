@@ -267,10 +267,10 @@ class AttentionLayer(AllOrNothing, nn.Module):
         """Queries (B, H, T, D) of x; keys and values (B, Hkv, S, D) and padding (B, S) or None of ``context``, or the
         ``ContextCache``'s where it holds them for these weights; and the context they were projected from now, or None."""
         queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        reusable = cache is not None and cache.made_with(list(self.parameters()))
+        reusable = cache is not None and cache.serves(list(self.parameters()))
         if context is None and reusable:
             return queries, cache.k, cache.v, cache.context_mask, None
-        if context is None:  # the weights changed since: the kept context projected again
+        if context is None:  # the weights changed since, or autograd needs keys of its own: the kept context projected again
             context, context_mask = cache.context, cache.context_mask
         elif reusable and cache.holds(context, context_mask):
             return queries, cache.k, cache.v, cache.context_mask, None

@@ -18,6 +18,7 @@ from functools import partial
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 from headwise import GPT2Config
@@ -129,6 +130,31 @@ def test_compiled_steps_give_the_eager_logits(aot_eager, name, padded):
 @pytest.mark.parametrize("name", ["gpt2", "mistral-window"])
 def test_compiled_steps_over_bfloat16_caches_give_the_eager_logits(aot_eager, name):
     assert_as_close_as_eager(compiled_step_errors(MODELS[name](), IDS, MASK, cache_dtype=torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-int8"])
+def test_compiled_steps_over_8bit_caches_read_the_rows_in_place(monkeypatch, name):
+    """The compiled step writes the token's 8-bit rows in torch's ops and hands the C++ kernel the rows as stored: its
+    graph's attention takes the int8 buffers, not a float32 copy of them a step; its logits as close as the eager
+    step's (whose op writes and reads the rows in place) to the float64 model's over the unquantized keys."""
+    graphs = []
+    compile = torch.compile
+
+    def capturing(*args, options=None, **kwargs):
+        kept = {k: v for k, v in (options or {}).items() if k == "guard_filter_fn"}
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        return compile(*args, **{**kwargs, "backend": backend, "options": kept or None})
+
+    monkeypatch.setattr(torch, "compile", capturing)
+    errors = compiled_step_errors(MODELS[name](), IDS, MASK, cache_dtype=torch.int8)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and "decode_attention" in str(n.target)]
+    assert calls and all(n.args[1].meta["example_value"].dtype == torch.int8 for n in calls)  # the keys' rows as stored
+    for eager, compiled in errors:  # both over the same 8-bit rows: the 8-bit rounding dominates both errors
+        assert compiled <= 1.5 * eager + 1e-6, (eager, compiled)
 
 
 def test_inductor_compiled_int8_steps_give_the_eager_logits():

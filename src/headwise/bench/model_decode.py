@@ -368,7 +368,7 @@ def markdown(speeds: Sequence[DecodeSpeed]) -> str:
 def generation_engines(names: Sequence[str], compile: bool, hf_compile: bool, cache_dtypes: Sequence[str]) -> list[str]:
     """The engines the generation table runs: ``names``, their compiled variants when asked for, and headwise's rows
     over each cache dtype asked for (``model``: the model's dtype; ``bf16``: ``headwise bf16 cache``; ``int8``: ``headwise
-    int8 cache``, eager: a compiled step attends over the rows read back, not in place)."""
+    int8 cache``, the eager step)."""
     engines = [*names, *(["headwise compiled"] if compile else []), *(["transformers compiled"] if hf_compile else [])]
     ours = [e for e in engines if e.startswith("headwise")]
     bf16 = [f"{e} bf16 cache" for e in ours] if "bf16" in cache_dtypes else []

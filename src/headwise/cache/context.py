@@ -6,6 +6,9 @@ never does (cross-attention passes its keys to ``attention`` directly).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -41,6 +44,8 @@ class ContextCache(Owned):
         self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
         self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
         self._weights: tuple | None = None  # the state of the owner's parameters then (``weight_cache.state``)
+        self._stored = 0  # how many times keys were stored: a backward marks the keys it went through, by this count
+        self._spent = False  # a backward has gone through the stored keys (autograd freed their graph)
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
@@ -48,15 +53,23 @@ class ContextCache(Owned):
     def reset(self) -> None:
         """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
         self.k = self.v = self.context_mask = self._context = self._version = self._weights = None
+        self._spent = False
 
     @property
     def context(self) -> Tensor | None:
         """(B, S, kv_dim) the context the stored keys and values were projected from, or None."""
         return self._context
 
-    def made_with(self, params: list[Tensor]) -> bool:
-        """Whether the stored keys and values were projected with these parameters, unchanged since."""
-        return self._weights is not None and self._weights == weight_cache.state(params)
+    def serves(self, params: list[Tensor]) -> bool:
+        """Whether the stored keys and values serve a forward of the module with these parameters: projected with
+        them, unchanged since, and, where this forward records for autograd (grad on, a parameter that wants one),
+        recorded too and not yet gone through by a backward (which frees their graph). Otherwise the layer projects
+        the context again: every backward reaches the key and value projections, as without the cache."""
+        if self._weights is None or self._weights != weight_cache.state(params):
+            return False
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return self.k.requires_grad and not self._spent
+        return True
 
     def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
         """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
@@ -73,6 +86,10 @@ class ContextCache(Owned):
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
         self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
+        self._stored, self._spent = self._stored + 1, False
+        for t in (keys, values):
+            if t.grad_fn is not None:
+                t.grad_fn.register_hook(_spent_by_backward(weakref.ref(self), self._stored))
         params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
         weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
         self._weights = weight_cache.state(params)
@@ -85,3 +102,16 @@ def _version(t: Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def _spent_by_backward(cache: weakref.ref[ContextCache], stored: int) -> Callable[..., None]:
+    """A hook on the autograd node of stored keys or values: a backward through it marks the cache's keys spent,
+    if they are still the ones stored then (the cache held weakly: the graph does not keep it alive)."""
+
+    def hook(*_: object) -> None:
+        c = cache()
+        if c is not None and c._stored == stored:
+            c._spent = True
+
+    return hook
+

@@ -232,6 +232,15 @@ class KVCache(Owned):
         writes the cache itself (``write_one_unchecked``): TypeError or ValueError naming the problem; nothing written."""
         self._check(k, v, None)
 
+    def append_stored(self, k: Tensor, v: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``append`` of one token's keys and values (B, Hkv, 1, D) without padding, answered with the rows as the
+        buffers hold them (an 8-bit cache's int8 rows and their scales, (B, Hkv, S, D + 4), not read back), for a step
+        whose kernel reads them in place (``functional.KernelCall.after_write``); and the (B, S) padding marks where any
+        write had padding, else None."""
+        if check:
+            self._check(k, v, None)
+        return self._write(k, v, None, False, stored=True)
+
     def write_one_unchecked(self, run: Callable[[Tensor, Tensor, Tensor | None, int], Tensor]) -> Tensor:
         """A one-token step whose op writes this (whole, not sliding) cache itself, for a decode loop that checked the
         rest once (``functional.decode_kernel_call``): ``run(k, v, is_token, slot)`` gets the buffers (B, Hkv, L, D),
@@ -244,15 +253,18 @@ class KVCache(Owned):
         self._len = start + 1
         return out
 
-    def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Store checked keys, values and padding; return what the queries attend over (``update``'s answer)."""
+    def _write(
+        self, k: Tensor, v: Tensor, attention_mask: Tensor | None, in_order: bool, stored: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store checked keys, values and padding; return what the queries attend over (``update``'s answer; with
+        ``stored``, an 8-bit cache's rows as stored)."""
         if attention_mask is not None:  # not asking whether it holds any padding: that would be a host sync
             self._padded = True
             pads = (~attention_mask).sum(-1)  # (B,)
             self._pads = pads if self._pads is None else self._pads + pads
         recording = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self._graph is not None)
         T, start = k.shape[2], self._len
-        read = dequantize_rows if self.rows8 else _as_stored  # the buffers' rows as attention reads them
+        read = dequantize_rows if self.rows8 and not stored else _as_stored  # the buffers' rows as attention reads them
         if self.rows8:  # the rows as stored; the new tokens then attend as the cache will answer later
             k, v = quantize_rows(k), quantize_rows(v)  # (B, Hkv, T, D + 4) x2
         if not recording and self.window is None:  # views of the buffers, nothing copied (an 8-bit cache's read back)

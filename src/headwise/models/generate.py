@@ -111,9 +111,8 @@ class GenerationMixin:
                 rounded to bfloat16, attention in bfloat16, everything else in float32: the tokens
                 may differ from float32's where two logits are close); ``torch.int8`` for a float32
                 model keeps 8-bit rows (``KVCache``: a quarter of the bytes and a scale a row, attention
-                in float32 over the rows read back; the decode steps read them in place in the C++
-                decode kernel; a step under ``compile=True`` attends over them read back, slower than the
-                eager step here). Not with ``cuda_graph``.
+                in float32 over the rows read back; the decode steps, eager or under ``compile=True``, read
+                them in place in the C++ decode kernel). Not with ``cuda_graph``.
             on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
                 next step runs (streaming: print or send them); the first call comes right after
                 the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
