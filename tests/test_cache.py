@@ -250,6 +250,38 @@ def test_training_through_a_cache_gives_the_full_forwards_gradients(kind, window
     assert cache.k.grad_fn is None and not cache.k.requires_grad  # the buffers never join a graph
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_after_a_backward_a_recording_step_is_refused_until_detach(window):
+    """A backward frees the graph of the keys the cache recorded: the next forward that records is refused by name
+    (before it writes: torch's own error would come in its backward); ``detach()`` goes on from the tokens' values,
+    with the gradients of a step whose earlier tokens were cached without autograd; no_grad steps go on as they are."""
+    m = make("mha", Hkv=2, ctx=32, window=window, dtype=torch.float64, seed=5).train()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+
+    def new():
+        return hw.KVCache(2, 2, 16, 4, dtype=torch.float64) if window is None else hw.KVCache.sliding(2, 2, window, 4, dtype=torch.float64)
+
+    cache = new()
+    m(x[:, :5], cache=cache).sum().backward()
+    with pytest.raises(ValueError, match=r"a backward has gone through .* call cache.detach\(\) to go on from their values"):
+        m(x[:, 5:], cache=cache)
+    assert len(cache) == 5  # nothing written
+    with torch.no_grad():
+        m(x[:, 5:], cache=cache)  # evaluation needs no graph
+    cache.detach()
+    m.zero_grad()
+    m(x[:, 5:], cache=cache).pow(2).sum().backward()
+    got = [p.grad.clone() for p in m.parameters()]
+    plain = new()
+    with torch.no_grad():
+        m(x[:, :5], cache=plain)
+        m(x[:, 5:], cache=plain)
+    m.zero_grad()
+    m(x[:, 5:], cache=plain).pow(2).sum().backward()
+    for a, b in zip(got, [p.grad for p in m.parameters()], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_update_refuses_what_is_not_a_tensor():
     cache = hw.KVCache(1, 2, 8, 3)
     with pytest.raises(TypeError, match=r"k must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=3\), got list"):

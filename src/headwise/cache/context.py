@@ -6,17 +6,15 @@ never does (cross-attention passes its keys to ``attention`` directly).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from ..linear import weight_cache
 from .owner import Owned
+from .spent import Spendable
 
 
-class ContextCache(Owned):
+class ContextCache(Owned, Spendable):
     """The context's keys and values (B, Hkv, S, D), projected once, and its padding (B, S).
 
     The first forward given a ``context`` projects and stores them; later forwards reuse them,
@@ -44,8 +42,6 @@ class ContextCache(Owned):
         self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
         self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
         self._weights: tuple | None = None  # the state of the owner's parameters then (``weight_cache.state``)
-        self._stored = 0  # how many times keys were stored: a backward marks the keys it went through, by this count
-        self._spent = False  # a backward has gone through the stored keys (autograd freed their graph)
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
@@ -53,7 +49,7 @@ class ContextCache(Owned):
     def reset(self) -> None:
         """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
         self.k = self.v = self.context_mask = self._context = self._version = self._weights = None
-        self._spent = False
+        self.forget_recorded()
 
     @property
     def context(self) -> Tensor | None:
@@ -86,10 +82,8 @@ class ContextCache(Owned):
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
         self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
-        self._stored, self._spent = self._stored + 1, False
-        for t in (keys, values):
-            if t.grad_fn is not None:
-                t.grad_fn.register_hook(_spent_by_backward(weakref.ref(self), self._stored))
+        self.forget_recorded()
+        self.mark_on_backward((keys, values))
         params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
         weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
         self._weights = weight_cache.state(params)
@@ -102,16 +96,4 @@ def _version(t: Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
-
-
-def _spent_by_backward(cache: weakref.ref[ContextCache], stored: int) -> Callable[..., None]:
-    """A hook on the autograd node of stored keys or values: a backward through it marks the cache's keys spent,
-    if they are still the ones stored then (the cache held weakly: the graph does not keep it alive)."""
-
-    def hook(*_: object) -> None:
-        c = cache()
-        if c is not None and c._stored == stored:
-            c._spent = True
-
-    return hook
 

@@ -29,6 +29,7 @@ from .. import _checks
 from ..masks import positions
 from .owner import Owned
 from .protocol import Attended
+from .spent import Spendable
 
 #: What an 8-bit row holds beyond its D values: its float32 scale, in 4 bytes.
 SCALE_BYTES = 4
@@ -52,7 +53,7 @@ def dequantize_rows(rows: Tensor) -> Tensor:
     return rows[..., :D].float() * scale  # (..., D)
 
 
-class KVCache(Owned):
+class KVCache(Owned, Spendable):
     """Preallocated (B, Hkv, L, D) key/value buffers, L = max_len (or window when sliding).
 
     Args:
@@ -132,7 +133,15 @@ class KVCache(Owned):
         self._padded = False
         self._pads = None
         self._graph = None
+        self.forget_recorded()
         self.is_token.fill_(True)
+
+    def detach(self) -> None:
+        """Keep the stored tokens as values only: later gradients stop at them (backpropagation through time cut here,
+        as an RNN's state is detached). For training a step at a time after a backward has gone through the tokens'
+        recorded keys and values (autograd freed their graph), which a forward that records then refuses."""
+        self._graph = None
+        self.forget_recorded()
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (e.g. to rewind after a rejected draft).
@@ -171,6 +180,12 @@ class KVCache(Owned):
                                  "through that rounding; use a float32 or bfloat16 cache to train through one")
         if v.shape[2] != k.shape[2]:
             raise ValueError(f"k and v must hold the same tokens, got T={k.shape[2]} keys and T={v.shape[2]} values")
+        if self._spent and self._graph is not None and torch.is_grad_enabled():
+            raise ValueError(
+                "a backward has gone through the keys and values autograd recorded in this cache, and freed their graph: "
+                "call cache.detach() to go on from their values (gradients stop there), cache.reset() to start again, or "
+                "sum the steps' losses and call backward once"
+            )
         attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)", device=("the cache is", self.k.device))
         if self.window is None and self._len + k.shape[2] > L:
             raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
@@ -299,6 +314,7 @@ class KVCache(Owned):
         if recording:
             held = keys.shape[2] if self.window is None else min(keys.shape[2], self.window)
             self._graph = (start + T - held, keys[:, :, -held:], values[:, :, -held:])
+            self.mark_on_backward((keys, values))  # a backward through them frees the graph the next steps would extend
         return keys, values, is_token if self._padded else None
 
     def _slots(self, first: int, end: int) -> Tensor:
