@@ -234,7 +234,12 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
       }
     }
     for (int g = 0; g < GB; ++g) {
+#ifdef __AVX512F__  // the four keys' sums in one pass of shuffles (sum16's additions, in its order)
+      static_assert(KEYS == 4, "sum16x4 sums four keys");
+      _mm_storeu_ps(w + g * S + s, _mm_mul_ps(sum16x4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(scale)));
+#else
       for (int64_t u = 0; u < KEYS; ++u) w[g * S + s + u] = sum16(a[g][u]) * scale;
+#endif
     }
   }
   for (; s < n; ++s) {
