@@ -183,7 +183,7 @@ def decode_kernel_call(
         first by ``rope.rotate``'s "rotate_half" tables (cos, sin) of all D dims where given, the cache written and
         the kernel run over it -> (B, 1, H * Dv), the heads merged: ``rotate``, ``attention_unchecked`` and the merge
         bit for bit, in one op (``decode_kernel.step``; over an 8-bit cache, whose rows the op reads in place, bit for
-        bit at head sizes 64 and 128, the kernel's vector loops).
+        bit too).
     """
     return _kernel_call(q, cache, _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), backend)
 

@@ -7,7 +7,8 @@
 // also checks what it passes (devices, dtypes, shapes, rows contiguous).
 //
 // Head sizes 64 and 128 run on 16-float vectors (GCC/Clang vector extensions: the compiler maps
-// them to AVX-512, or to two AVX2 registers), other sizes on plain loops.
+// them to AVX-512, or to two AVX2 registers), several keys and query heads a pass; other sizes one
+// key and head at a time, 16 values at once and the rest one by one, in the same order for every row type.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -261,17 +262,21 @@ void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
   }
 }
 
-// (Head sizes other than 64 and 128: the compiler's vector loops, whose order of sums may follow the rows' alignment.)
+// Head sizes other than 64 and 128: each dot product over 16 values at a time, then the last D % 16 one by one, each
+// a fused multiply-add (std::fma: left to itself the compiler fused them for one row type and not another), in an
+// order that depends on nothing but D: 8-bit rows read in place give the bits of the rows read back.
 template <typename T>
 void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t D, float scale, float* w) {
+  const int64_t D16 = D - D % 16;
   for (int64_t s = 0; s < n; ++s) {
     const T* k0 = p + s * stride;
     const float rs = row_scale(k0, D);
     for (int64_t g = 0; g < G; ++g) {
-      float a = 0.f;
-#pragma omp simd reduction(+ : a)
-      for (int64_t d = 0; d < D; ++d) a += q[g * D + d] * value(k0, d, rs);
-      w[g * S + s] = a * scale;
+      f16v a = {};
+      for (int64_t d = 0; d < D16; d += 16) a += load16(q + g * D + d) * values16(k0 + d, rs);
+      float rest = 0.f;
+      for (int64_t d = D16; d < D; ++d) rest = std::fma(q[g * D + d], value(k0, d, rs), rest);
+      w[g * S + s] = (sum16(a) + rest) * scale;
     }
   }
 }
@@ -343,16 +348,22 @@ void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t 
   }
 }
 
+// (Head sizes other than 64 and 128: 16 values at a time, then the last Dv % 16, as scores_any.)
 template <typename T>
 void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t Dv, float* acc) {
+  const int64_t D16 = Dv - Dv % 16;
   for (int64_t j = 0; j < n; ++j) {
     const T* v0 = p + j * stride;
     const float rs = row_scale(v0, Dv);
     for (int64_t g = 0; g < G; ++g) {
       const float wj = w[g * S + j];
       if (wj == 0.f) continue;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] += wj * value(v0, d, rs);
+      float* a = acc + g * Dv;
+      for (int64_t d = 0; d < D16; d += 16) {
+        const f16v x = load16(a + d) + wj * values16(v0 + d, rs);
+        __builtin_memcpy(a + d, &x, sizeof x);
+      }
+      for (int64_t d = D16; d < Dv; ++d) a[d] = std::fma(wj, value(v0, d, rs), a[d]);
     }
   }
 }
