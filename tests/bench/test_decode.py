@@ -85,6 +85,7 @@ def test_the_generation_table_runs_headwise_over_each_cache_dtype_asked_for():
     assert generation_engines(names, True, True, ["model", "bf16"]) == [
         *names, "headwise compiled", "transformers compiled", "headwise bf16 cache", "headwise compiled bf16 cache"]
     assert generation_engines(names, False, False, ["bf16"]) == ["transformers", "llama.cpp", "headwise bf16 cache"]
+    assert generation_engines(names, True, False, ["int8"]) == ["transformers", "llama.cpp", "headwise int8 cache", "headwise compiled int8 cache"]
 
 
 def row(model, dtype, batch, context, ms, read, compiled=None):

@@ -9,8 +9,8 @@ so every engine does the same work, and the tokens can be compared.
 
 - ``headwise``: ``headwise.models.load`` and ``generate``; ``headwise compiled``: ``generate(compile=True)``;
   ``headwise bf16 cache`` (and compiled): ``generate(cache_dtype=torch.bfloat16)`` for the precisions computed in
-  float32, whose caches hold float32 otherwise (llama.cpp's f16 cache reads as many bytes); ``headwise int8 cache``:
-  ``generate(cache_dtype=torch.int8)``, 8-bit rows (llama.cpp's q8_0 cache, ``type_k``/``type_v``, reads as many);
+  float32, whose caches hold float32 otherwise (llama.cpp's f16 cache reads as many bytes); ``headwise int8 cache``
+  (and compiled): ``generate(cache_dtype=torch.int8)``, 8-bit rows (llama.cpp's q8_0 cache, ``type_k``/``type_v``, reads as many);
 - ``transformers``: ``AutoModelForCausalLM`` (SDPA attention) and ``generate`` (a streamer sees the
   first token); ``transformers compiled``: the same with a static cache and its ``forward`` under
   ``torch.compile``;
@@ -241,5 +241,7 @@ ENGINES: dict[str, Engine] = {
                variant=True),
         Engine("headwise int8 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 68 / 64), _headwise(False, torch.int8),
                variant=True),  # 68 / 64: a row of 64 int8 values and its float32 scale
+        Engine("headwise compiled int8 cache", _FLOAT32_KV, _TORCH_WEIGHT, dict.fromkeys(_FLOAT32_KV, 68 / 64),
+               _headwise(True, torch.int8), variant=True),
     )
 }

@@ -368,11 +368,11 @@ def markdown(speeds: Sequence[DecodeSpeed]) -> str:
 def generation_engines(names: Sequence[str], compile: bool, hf_compile: bool, cache_dtypes: Sequence[str]) -> list[str]:
     """The engines the generation table runs: ``names``, their compiled variants when asked for, and headwise's rows
     over each cache dtype asked for (``model``: the model's dtype; ``bf16``: ``headwise bf16 cache``; ``int8``: ``headwise
-    int8 cache``, the eager step)."""
+    int8 cache`` and its compiled variant)."""
     engines = [*names, *(["headwise compiled"] if compile else []), *(["transformers compiled"] if hf_compile else [])]
     ours = [e for e in engines if e.startswith("headwise")]
     bf16 = [f"{e} bf16 cache" for e in ours] if "bf16" in cache_dtypes else []
-    int8 = ["headwise int8 cache"] if "int8" in cache_dtypes and "headwise" in ours else []
+    int8 = [f"{e} int8 cache" for e in ours] if "int8" in cache_dtypes else []
     return [e for e in engines if e not in ours or "model" in cache_dtypes] + bf16 + int8
 
 
