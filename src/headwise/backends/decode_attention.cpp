@@ -143,6 +143,16 @@ inline void rows_ahead(const T* row, int64_t rows, int64_t n, const T* end) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off);
 }
 
+// `rows` value rows from `row` on asked into L2 while the keys at the same positions are scored (L2, not L1: a float32
+// head's values outgrow L1), so that the values' pass after the softmax finds them there instead of starting a stream
+// of its own from memory (docs: decoding, the compiled step over an 8-bit cache).
+template <typename T>
+inline void values_into_l2(const T* row, int64_t rows, int64_t stride) {
+  const char* a = reinterpret_cast<const char*>(row);
+  const int64_t bytes = rows * stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
+}
+
 // A run of n consecutive keys (or values): row u at p + u * stride.
 template <typename T>
 struct Run {
@@ -176,12 +186,13 @@ inline void by_group(int64_t left, Fn f) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // scores_group (below) on AVX2's registers: keys_for<GB>() keys a pass, each loaded (bfloat16: widened) once for the group
 template <typename T, int D, int GB>
-void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w) {
+void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w, const T* v, int64_t vs) {
   constexpr int C = D / 16, K = keys_for<GB>();
   int64_t s = 0;
   for (; s + K <= n; s += K) {
     const T* k0 = p + s * stride;
     if (stride == D + ROW_EXTRA<T>) rows_ahead(k0, K, stride, p + n * stride);
+    if (v != nullptr) values_into_l2(v + s * vs, K, vs);
     __m256 lo[GB][K], hi[GB][K];
     for (int g = 0; g < GB; ++g) {
       for (int u = 0; u < K; ++u) lo[g][u] = hi[g][u] = _mm256_setzero_ps();
@@ -215,14 +226,16 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
 }
 #else
 // w[g * S + u] = q[g] . row u * scale for GB query heads (q, w offset to the group's first head; w to the run's first
-// key), the run's rows: each key row loaded (bfloat16: widened) once for the group; each sum over the head size in order
+// key), the run's rows: each key row loaded (bfloat16: widened) once for the group; each sum over the head size in order.
+// v: the run's value rows (stride vs) to ask into L2 as their keys are scored, or nullptr.
 template <typename T, int D, int GB>
-void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w) {
+void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t S, float scale, float* w, const T* v, int64_t vs) {
   constexpr int C = D / 16;
   int64_t s = 0;
   for (; s + KEYS <= n; s += KEYS) {
     const T* k0 = p + s * stride;
     if (stride == D + ROW_EXTRA<T>) rows_ahead(k0, KEYS, stride, p + n * stride);
+    if (v != nullptr) values_into_l2(v + s * vs, KEYS, vs);
     f16v a[GB][KEYS] = {};
     float rs[KEYS];
     for (int64_t u = 0; u < KEYS; ++u) rs[u] = row_scale(k0 + u * stride, D);
@@ -254,11 +267,14 @@ void scores_group(const float* q, const T* p, int64_t n, int64_t stride, int64_t
 }
 #endif
 
-// w[g * S + u] = q[g] . row u * scale, for the G query heads and the run's rows (w already offset to the run's first key)
+// w[g * S + u] = q[g] . row u * scale, for the G query heads and the run's rows (w already offset to the run's first key);
+// the first group asks the run's value rows v (stride vs) into L2
 template <typename T, int D>
-void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float scale, float* w) {
+void scores_vec(const float* q, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float scale, float* w, const T* v, int64_t vs) {
   for (int64_t g0 = 0; g0 < G; g0 += GROUP) {
-    by_group(G - g0, [&](auto gb) { scores_group<T, D, decltype(gb)::value>(q + g0 * D, p, n, stride, S, scale, w + g0 * S); });
+    by_group(G - g0, [&](auto gb) {
+      scores_group<T, D, decltype(gb)::value>(q + g0 * D, p, n, stride, S, scale, w + g0 * S, g0 == 0 ? v : nullptr, vs);
+    });
   }
 }
 
@@ -405,9 +421,9 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     const Run<T>& r = keys[i];
     if (i + 1 < keys.size()) ahead(keys[i + 1], ks);
     if (D == 64) {
-      scores_vec<T, 64>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at);
+      scores_vec<T, 64>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at, values[i].p, vs);
     } else if (D == 128) {
-      scores_vec<T, 128>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at);
+      scores_vec<T, 128>(t.q.data(), r.p, r.n, ks, G, S, scale, t.w.data() + at, values[i].p, vs);
     } else {
       scores_any<T>(t.q.data(), r.p, r.n, ks, G, S, D, scale, t.w.data() + at);
     }
