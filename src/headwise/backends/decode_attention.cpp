@@ -135,12 +135,19 @@ constexpr int64_t AHEAD = 4096;     // bytes: how far ahead of the rows being re
 // `rows` rows of n values from `row` on, AHEAD bytes further, asked into the cache where that is still inside the
 // run, which ends at `end` (rows side by side only): the hardware's prefetchers alone ran short of memory's rate on
 // these loops (most on bfloat16 rows), and a paged run's next block lies elsewhere (docs: decoding, on a Zen 5 EPYC).
+// The cache lines of `rows` rows of `stride` elements from `row` on, asked into the cache: L1 (LEVEL 3) or L2 (LEVEL 2).
+template <int LEVEL = 3, typename T>
+inline void rows_in(const T* row, int64_t rows, int64_t stride) {
+  const char* a = reinterpret_cast<const char*>(row);
+  const int64_t bytes = rows * stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, LEVEL);
+}
+
 template <typename T>
 inline void rows_ahead(const T* row, int64_t rows, int64_t n, const T* end) {
-  const char* a = reinterpret_cast<const char*>(row) + AHEAD;
-  const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(T));
-  if (a + bytes > reinterpret_cast<const char*>(end)) return;
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off);
+  const T* a = row + AHEAD / static_cast<int64_t>(sizeof(T));
+  if (a + rows * n > end) return;
+  rows_in(a, rows, n);
 }
 
 // `rows` value rows from `row` on asked into L2 while the keys at the same positions are scored (L2, not L1: a float32
@@ -148,9 +155,7 @@ inline void rows_ahead(const T* row, int64_t rows, int64_t n, const T* end) {
 // of its own from memory (docs: decoding, the compiled step over an 8-bit cache).
 template <typename T>
 inline void values_into_l2(const T* row, int64_t rows, int64_t stride) {
-  const char* a = reinterpret_cast<const char*>(row);
-  const int64_t bytes = rows * stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
+  rows_in<2>(row, rows, stride);
 }
 
 // A run of n consecutive keys (or values): row u at p + u * stride.
@@ -391,10 +396,7 @@ constexpr int64_t PAGE = 4096;
 
 template <typename T>
 inline void ahead(const Run<T>& r, int64_t stride) {
-  const int64_t bytes = r.n * stride * static_cast<int64_t>(sizeof(T));
-  if (bytes >= PAGE) return;
-  const char* p = reinterpret_cast<const char*>(r.p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  if (r.n * stride * static_cast<int64_t>(sizeof(T)) < PAGE) rows_in(r.p, r.n, stride);
 }
 
 // Scratch of one thread: the query rows in float32, the scores (G, S), the sums (G, Dv), a row's padding, its runs.
