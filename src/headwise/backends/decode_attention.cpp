@@ -158,6 +158,14 @@ inline void values_into_l2(const T* row, int64_t rows, int64_t stride) {
   rows_in<2>(row, rows, stride);
 }
 
+// The thread's next item's key row at the same position asked into L2 while this item's values are summed (they came
+// into L2 with its keys): the memory's stream goes on into the next item's keys instead of stopping at each item's end
+// (docs: decoding, the next item's keys).
+template <typename T>
+inline void keys_into_l2(const T* row, int64_t stride) {
+  rows_in<2>(row, 1, stride);
+}
+
 // A run of n consecutive keys (or values): row u at p + u * stride.
 template <typename T>
 struct Run {
@@ -307,7 +315,8 @@ void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
 // multiply-adds in the same order.
 
 template <typename T, int D, int GB>
-void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first) {
+void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first,
+                   const T* next, int64_t ns) {
   static_assert(D % 64 == 0, "AVX2: 64 columns a pass");
   for (int g = 0; g < GB; ++g) {
     for (int c0 = 0; c0 < D; c0 += 64) {
@@ -315,6 +324,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
       for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
       for (int64_t j = j0; j < j1; ++j) {
         if (first && g == 0 && c0 == 0 && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);
+        if (first && g == 0 && c0 == 0 && next != nullptr) keys_into_l2(next + j * ns, ns);
         const float wj = w[g * S + j];
         if (wj == 0.f) continue;  // a masked key: its value row may hold anything
         const __m256 wv = _mm256_set1_ps(wj);
@@ -329,7 +339,8 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
 // acc[g] += sum_u w[g * S + u] * row u for GB query heads (w, acc offset to the group's first head; w to the run's first
 // key), rows j0 <= u < j1 of a run of n: each value row loaded once for the group, added in order; keys of weight 0 skipped
 template <typename T, int D, int GB>
-void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first) {
+void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first,
+                   const T* next, int64_t ns) {
   constexpr int C = D / 16;
   f16v a[GB][C];
   for (int g = 0; g < GB; ++g) {
@@ -337,6 +348,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
   }
   for (int64_t j = j0; j < j1; ++j) {
     if (first && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);  // the first group reads them from memory
+    if (first && next != nullptr) keys_into_l2(next + j * ns, ns);
     float wj[GB];
     bool any = false;
     for (int g = 0; g < GB; ++g) any |= (wj[g] = w[g * S + j]) != 0.f;
@@ -355,15 +367,16 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
 }
 #endif
 
-// acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped
+// acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped;
+// the first group asks row u of `next` (stride ns) into L2 beside value row u, where given
 template <typename T, int D>
-void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc) {
+void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc, const T* next, int64_t ns) {
   constexpr int64_t most = std::max(1, GROUP * 64 / D);  // heads whose sums fit in registers beside a row: 4 at D = 64, 2 at 128
   for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
     const int64_t j1 = std::min(n, j0 + VALUE_ROWS);
     for (int64_t g0 = 0; g0 < G; g0 += most) {
       by_group(std::min(most, G - g0), [&](auto gb) {
-        context_group<T, D, decltype(gb)::value>(w + g0 * S, p, j0, j1, n, stride, S, acc + g0 * D, g0 == 0);
+        context_group<T, D, decltype(gb)::value>(w + g0 * S, p, j0, j1, n, stride, S, acc + g0 * D, g0 == 0, next, ns);
       });
     }
   }
@@ -409,10 +422,12 @@ struct Scratch {
 
 // The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
 // rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real):
-// out (G, Dv) in O, zeros for a row that sees no key.
+// out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's key rows (stride ks), asked into L2
+// as this item's values are summed (one run: row j beside value row j), or nullptr.
 template <typename T, typename Q, typename O>
 void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
-                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch<T>& t) {
+                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch<T>& t,
+                 const T* next = nullptr) {
   t.q.resize(G * D);
   t.w.resize(G * S);
   t.acc.assign(G * Dv, 0.f);
@@ -445,13 +460,14 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     t.total[g] = exp_sum(wg, S, top);
   }
   at = 0;
+  const T* following = values.size() == 1 ? next : nullptr;  // (a run's row j: key j, where there is one run)
   for (size_t i = 0; i < values.size(); ++i) {
     const Run<T>& r = values[i];
     if (i + 1 < values.size()) ahead(values[i + 1], vs);
     if (Dv == 64) {
-      context_vec<T, 64>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data());
+      context_vec<T, 64>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data(), following, ks);
     } else if (Dv == 128) {
-      context_vec<T, 128>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data());
+      context_vec<T, 128>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data(), following, ks);
     } else {
       context_any<T>(t.w.data() + at, r.p, r.n, vs, G, S, Dv, t.acc.data());
     }
@@ -476,8 +492,9 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   const bool* rp = real ? real->data_ptr<bool>() : nullptr;
   const int64_t rb = real ? real->stride(0) : 0, rs = real ? real->stride(1) : 0;
   Q* op = out.data_ptr<Q>();
-  each_item<Scratch<T>>(B * Hkv, {}, [&](int64_t i, Scratch<T>& t) {  // every item reads S keys: no order needed
+  each_item<Scratch<T>>(B * Hkv, {}, [&](int64_t i, int64_t after, Scratch<T>& t) {  // every item reads S keys: no order needed; `after` runs next
     const int64_t b = i / Hkv, h = i % Hkv;
+    const T* next = after < 0 ? nullptr : kp + (after / Hkv) * k.stride(0) + (after % Hkv) * k.stride(1);  // its keys
     t.keys.assign(1, {kp + b * k.stride(0) + h * k.stride(1), S});  // one run each: the scratch's, no allocation per item
     t.values.assign(1, {vp + b * v.stride(0) + h * v.stride(1), S});
     const bool* r = nullptr;
@@ -487,7 +504,7 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
     attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
-                         op + (b * H + h * G) * Dv, t);
+                         op + (b * H + h * G) * Dv, t, next);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <numeric>
 #include <vector>
 
@@ -139,7 +140,8 @@ inline f16v exp16(f16v x) { return exp_of<f16v, i16v>(x); }
 inline f8v exp8(f8v x) { return exp_of<f8v, i8v>(x); }  // on AVX2's registers (GCC kept 16-float vectors in memory there)
 
 // fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
-// item when it is done with one: rows of different lengths (a paged batch) share the threads evenly.
+// item when it is done with one: rows of different lengths (a paged batch) share the threads evenly. An fn that takes
+// fn(i, next, scratch) is told the item its thread runs next (-1: none), taken one ahead.
 template <typename Scratch, typename Fn>
 void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
   std::vector<int64_t> order(n);
@@ -148,7 +150,14 @@ void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch t;
-    for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
+    if constexpr (std::is_invocable_v<Fn, int64_t, int64_t, Scratch&>) {  // fn(i, the thread's next item or -1, scratch)
+      for (int64_t j = next++, after; j < n; j = after) {
+        after = next++;  // taken before this one runs, so that its rows can be asked in while this one is computed
+        fn(order[j], after < n ? order[after] : -1, t);
+      }
+    } else {
+      for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
+    }
   });
 }
 
