@@ -10,8 +10,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
