@@ -141,19 +141,30 @@ inline f8v exp8(f8v x) { return exp_of<f8v, i8v>(x); }  // on AVX2's registers (
 
 // fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
 // item when it is done with one: rows of different lengths (a paged batch) share the threads evenly. An fn that takes
-// fn(i, next, scratch) is told the item its thread runs next (-1: none), taken one ahead.
+// fn(i, next, scratch) is told the item its thread runs next (-1: none), taken one ahead where there are AHEAD_ITEMS
+// items or more a thread.
+constexpr int64_t AHEAD_ITEMS = 8;
+
 template <typename Scratch, typename Fn>
 void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   if (!cost.empty()) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
+  // one ahead only where every thread has AHEAD_ITEMS items or more: with fewer, a thread's second pick would often be
+  // another's first, and the items a thread holds unstarted unbalance the threads at the end (docs: decoding, the
+  // next item's keys)
+  const bool one_ahead = n >= AHEAD_ITEMS * at::get_num_threads();
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch t;
     if constexpr (std::is_invocable_v<Fn, int64_t, int64_t, Scratch&>) {  // fn(i, the thread's next item or -1, scratch)
-      for (int64_t j = next++, after; j < n; j = after) {
-        after = next++;  // taken before this one runs, so that its rows can be asked in while this one is computed
-        fn(order[j], after < n ? order[after] : -1, t);
+      const int64_t threads = at::get_num_threads();
+      for (int64_t j = next++; j < n;) {
+        // the next item taken before this one runs (so that its rows can be asked in while this one is computed), but
+        // for the last items, which go to whichever thread is free first
+        const int64_t after = one_ahead && next.load(std::memory_order_relaxed) + threads < n ? next++ : -1;
+        fn(order[j], after >= 0 && after < n ? order[after] : -1, t);
+        j = after >= 0 ? after : next++;
       }
     } else {
       for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
