@@ -151,23 +151,24 @@ void each_item(int64_t n, const std::vector<int64_t>& cost, Fn fn) {
   std::iota(order.begin(), order.end(), 0);
   if (!cost.empty()) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
+  constexpr bool told = std::is_invocable_v<Fn, int64_t, int64_t, Scratch&>;  // fn(i, the thread's next item or -1, scratch)
+  const int64_t threads = at::get_num_threads();
   // one ahead only where every thread has AHEAD_ITEMS items or more: with fewer, a thread's second pick would often be
   // another's first, and the items a thread holds unstarted unbalance the threads at the end (docs: decoding, the
   // next item's keys)
-  const bool one_ahead = n >= AHEAD_ITEMS * at::get_num_threads();
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  const bool one_ahead = told && n >= AHEAD_ITEMS * threads;
+  at::parallel_for(0, std::min<int64_t>(n, threads), 1, [&](int64_t, int64_t) {
     Scratch t;
-    if constexpr (std::is_invocable_v<Fn, int64_t, int64_t, Scratch&>) {  // fn(i, the thread's next item or -1, scratch)
-      const int64_t threads = at::get_num_threads();
-      for (int64_t j = next++; j < n;) {
-        // the next item taken before this one runs (so that its rows can be asked in while this one is computed), but
-        // for the last items, which go to whichever thread is free first
-        const int64_t after = one_ahead && next.load(std::memory_order_relaxed) + threads < n ? next++ : -1;
+    for (int64_t j = next++; j < n;) {
+      // the next item taken before this one runs (so that its rows can be asked in while this one is computed), but
+      // for the last items, which go to whichever thread is free first
+      const int64_t after = one_ahead && next.load(std::memory_order_relaxed) + threads < n ? next++ : -1;
+      if constexpr (told) {
         fn(order[j], after >= 0 && after < n ? order[after] : -1, t);
-        j = after >= 0 ? after : next++;
+      } else {
+        fn(order[j], t);
       }
-    } else {
-      for (int64_t j = next++; j < n; j = next++) fn(order[j], t);
+      j = after >= 0 ? after : next++;
     }
   });
 }
