@@ -220,6 +220,14 @@ def _rel(got: Tensor, want: Tensor) -> float:
 
 
 
+def _held(model: nn.Module, cache_dtypes: Sequence[torch.dtype | None]) -> list[torch.dtype]:
+    """What ``model``'s caches hold for each of ``cache_dtypes``, each once (a bf16 model's caches hold bf16 for None and
+    for bfloat16: one row, not two alike); 8-bit rows are a float32 model's, so a model computing in bfloat16 has no
+    int8 row (``cache_dtype`` refuses it)."""
+    computed = model.cache_dtype(None)
+    return list(dict.fromkeys(model.cache_dtype(c) for c in cache_dtypes if c != torch.int8 or computed == torch.float32))
+
+
 def decode_speeds(
     models: Sequence[str] = MODELS,
     dtypes: Sequence[str] = PRECISIONS,
@@ -263,8 +271,7 @@ def decode_speeds(
             ours = headwise_model(directory, dtype)  # as a user builds them
             theirs = transformers_model(directory, dtype) if hf else None
             with torch.inference_mode():
-                held = dict.fromkeys(ours.cache_dtype(c) for c in cache_dtypes)  # a bf16 model's caches hold bf16 either way: one row
-                for (batch, context), cache_dtype in itertools.product(shapes, held):
+                for (batch, context), cache_dtype in itertools.product(shapes, _held(ours, cache_dtypes)):
                     label = dtype if cache_dtype == ours.cache_dtype(None) else f"{dtype}, {_CACHE_NAMES[cache_dtype]} cache"  # as the model resolves it
                     if progress:
                         progress(f"{name} {label} B={batch} context {context}")
