@@ -38,8 +38,10 @@ def _bound(dtype, want):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "H,Hkv,S,D,Dv",
-    [(12, 12, 513, 64, 64), (6, 2, 70, 128, 128), (8, 1, 3, 64, 64), (4, 4, 1, 128, 128), (6, 3, 19, 80, 48), (2, 2, 65, 32, 32)],
-    ids=["G=1 S=513 D=64", "G=3 S=70 D=128", "G=8 S=3", "one key", "D=80 Dv=48 (plain loops)", "S=65 D=32"],
+    [(12, 12, 513, 64, 64), (6, 2, 70, 128, 128), (8, 1, 3, 64, 64), (4, 4, 1, 128, 128), (6, 3, 19, 80, 48), (2, 2, 65, 32, 32),
+     (32, 16, 90, 80, 80)],
+    ids=["G=1 S=513 D=64", "G=3 S=70 D=128", "G=8 S=3", "one key", "D=80 Dv=48 (plain loops)", "S=65 D=32",
+         "32 items D=80 (each thread's next item, plain loops)"],
 )
 def test_the_dense_op_gives_the_references_numbers(dtype, H, Hkv, S, D, Dv):
     q, k, v = _qkv(H=H, Hkv=Hkv, S=S, D=D, Dv=Dv, dtype=dtype)

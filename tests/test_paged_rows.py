@@ -189,20 +189,28 @@ def test_the_tables_of_runs_and_of_scattered_blocks_in_one_batch():
 
 @pytest.mark.parametrize("scattered", [True, False])
 @pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
-def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, stored, scattered):
+@pytest.mark.parametrize("lengths,D", [([5, 17, 1, 9], 64), ([5, 17, 1, 9, 30, 2, 44, 12, 8, 25, 3, 19], 64), ([30, 2, 44, 12, 8, 25, 3, 19], 80)],
+                         ids=["4 sequences", "12 sequences (each thread's next item)", "8 sequences, D=80"])
+def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, stored, scattered, lengths, D):
     """Each one-token row of the one C++ call equals the same query over its sequence's keys alone in a dense cache (the
     kernel ``generate`` runs), bit for bit: the query in the pool's dtype, the same sums in the same order, whether its
-    blocks lie apart (a run a block) or in one run (read as one)."""
+    blocks lie apart (a run a block) or in one run (read as one). With 8 items or more a thread (2 threads here), each
+    thread takes its next (sequence, key head) ahead and asks that item's first run of keys in: the same bits."""
     if not decode_kernel.available():
         pytest.skip("the C++ decode kernel could not be built here")
-    lengths = [5, 17, 1, 9]
-    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=2, D=64, scattered=scattered)
-    q, k, v = step_inputs([1, 1, 1, 1], H=6, Hkv=2, D=64, dtype=dtype)
-    batch = pool.batch([0, 1, 2, 3], [1, 1, 1, 1])
+    N = len(lengths)
+    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=2, D=D, scattered=scattered)
+    q, k, v = step_inputs([1] * N, H=6, Hkv=2, D=D, dtype=dtype)
+    batch = pool.batch(list(range(N)), [1] * N)
     assert ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=batch).runner
-    got = hw.attention(q, k, v, causal=True, cache=batch)  # (1, H, 4, D)
-    for s in range(4):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2 N items: taken ahead from 8 sequences on
+    try:
+        got = hw.attention(q, k, v, causal=True, cache=batch)  # (1, H, N, D)
+    finally:
+        torch.set_num_threads(threads)
+    for s in range(N):
         ks = torch.cat([keys[s], k[:, :, s : s + 1].to(stored)], 2)  # (1, Hkv, n + 1, D): as the pool holds them
         vs = torch.cat([values[s], v[:, :, s : s + 1].to(stored)], 2)
-        alone = decode_kernel.run(q[:, :, s : s + 1].to(stored), ks, vs, Spec(1, ks.shape[2], causal=True, scale=64**-0.5))
+        alone = decode_kernel.run(q[:, :, s : s + 1].to(stored), ks, vs, Spec(1, ks.shape[2], causal=True, scale=D**-0.5))
         assert torch.equal(got[:, :, s : s + 1], alone.to(dtype))

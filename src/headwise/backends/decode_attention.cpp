@@ -316,7 +316,7 @@ void scores_any(const float* q, const T* p, int64_t n, int64_t stride, int64_t G
 
 template <typename T, int D, int GB>
 void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first,
-                   const T* next, int64_t ns) {
+                   Run<T> next, int64_t ns) {
   static_assert(D % 64 == 0, "AVX2: 64 columns a pass");
   for (int g = 0; g < GB; ++g) {
     for (int c0 = 0; c0 < D; c0 += 64) {
@@ -324,7 +324,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
       for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
       for (int64_t j = j0; j < j1; ++j) {
         if (first && g == 0 && c0 == 0 && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);
-        if (first && g == 0 && c0 == 0 && next != nullptr) keys_into_l2(next + j * ns, ns);
+        if (first && g == 0 && c0 == 0 && j < next.n) keys_into_l2(next.p + j * ns, ns);
         const float wj = w[g * S + j];
         if (wj == 0.f) continue;  // a masked key: its value row may hold anything
         const __m256 wv = _mm256_set1_ps(wj);
@@ -340,7 +340,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
 // key), rows j0 <= u < j1 of a run of n: each value row loaded once for the group, added in order; keys of weight 0 skipped
 template <typename T, int D, int GB>
 void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n, int64_t stride, int64_t S, float* acc, bool first,
-                   const T* next, int64_t ns) {
+                   Run<T> next, int64_t ns) {
   constexpr int C = D / 16;
   f16v a[GB][C];
   for (int g = 0; g < GB; ++g) {
@@ -348,7 +348,7 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
   }
   for (int64_t j = j0; j < j1; ++j) {
     if (first && stride == D + ROW_EXTRA<T>) rows_ahead(p + j * stride, 1, stride, p + n * stride);  // the first group reads them from memory
-    if (first && next != nullptr) keys_into_l2(next + j * ns, ns);
+    if (first && j < next.n) keys_into_l2(next.p + j * ns, ns);
     float wj[GB];
     bool any = false;
     for (int g = 0; g < GB; ++g) any |= (wj[g] = w[g * S + j]) != 0.f;
@@ -368,9 +368,9 @@ void context_group(const float* w, const T* p, int64_t j0, int64_t j1, int64_t n
 #endif
 
 // acc[g] += sum_u w[g * S + u] * row u, for the run's rows (w offset to the run's first key); keys of weight 0 skipped;
-// the first group asks row u of `next` (stride ns) into L2 beside value row u, where given
+// the first group asks row u of the run `next` (stride ns) into L2 beside value row u, where it has one
 template <typename T, int D>
-void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc, const T* next, int64_t ns) {
+void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, float* acc, Run<T> next, int64_t ns) {
   constexpr int64_t most = std::max(1, GROUP * 64 / D);  // heads whose sums fit in registers beside a row: 4 at D = 64, 2 at 128
   for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
     const int64_t j1 = std::min(n, j0 + VALUE_ROWS);
@@ -384,9 +384,11 @@ void context_vec(const float* w, const T* p, int64_t n, int64_t stride, int64_t 
 
 // (Head sizes other than 64 and 128: 16 values at a time, then the last Dv % 16, as scores_any.)
 template <typename T>
-void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t Dv, float* acc) {
+void context_any(const float* w, const T* p, int64_t n, int64_t stride, int64_t G, int64_t S, int64_t Dv, float* acc, Run<T> next,
+                 int64_t ns) {
   const int64_t D16 = Dv - Dv % 16;
   for (int64_t j = 0; j < n; ++j) {
+    if (j < next.n) keys_into_l2(next.p + j * ns, ns);
     const T* v0 = p + j * stride;
     const float rs = row_scale(v0, Dv);
     for (int64_t g = 0; g < G; ++g) {
@@ -422,12 +424,12 @@ struct Scratch {
 
 // The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
 // rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real):
-// out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's key rows (stride ks), asked into L2
-// as this item's values are summed (one run: row j beside value row j), or nullptr.
+// out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's first run of key rows (stride ks),
+// asked into L2 as this item's values are summed (its row j beside this item's value row j), or none (n = 0).
 template <typename T, typename Q, typename O>
 void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
                  const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch<T>& t,
-                 const T* next = nullptr) {
+                 Run<T> next = {nullptr, 0}) {
   t.q.resize(G * D);
   t.w.resize(G * S);
   t.acc.assign(G * Dv, 0.f);
@@ -460,16 +462,16 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     t.total[g] = exp_sum(wg, S, top);
   }
   at = 0;
-  const T* following = values.size() == 1 ? next : nullptr;  // (a run's row j: key j, where there is one run)
   for (size_t i = 0; i < values.size(); ++i) {
     const Run<T>& r = values[i];
     if (i + 1 < values.size()) ahead(values[i + 1], vs);
+    const Run<T> following = at < next.n ? Run<T>{next.p + at * ks, next.n - at} : Run<T>{nullptr, 0};  // beside key `at` on
     if (Dv == 64) {
       context_vec<T, 64>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data(), following, ks);
     } else if (Dv == 128) {
       context_vec<T, 128>(t.w.data() + at, r.p, r.n, vs, G, S, t.acc.data(), following, ks);
     } else {
-      context_any<T>(t.w.data() + at, r.p, r.n, vs, G, S, Dv, t.acc.data());
+      context_any<T>(t.w.data() + at, r.p, r.n, vs, G, S, Dv, t.acc.data(), following, ks);
     }
     at += r.n;
   }
@@ -494,7 +496,7 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   Q* op = out.data_ptr<Q>();
   each_item<Scratch<T>>(B * Hkv, {}, [&](int64_t i, int64_t after, Scratch<T>& t) {  // every item reads S keys: no order needed; `after` runs next
     const int64_t b = i / Hkv, h = i % Hkv;
-    const T* next = after < 0 ? nullptr : kp + (after / Hkv) * k.stride(0) + (after % Hkv) * k.stride(1);  // its keys
+    const Run<T> next = after < 0 ? Run<T>{nullptr, 0} : Run<T>{kp + (after / Hkv) * k.stride(0) + (after % Hkv) * k.stride(1), S};  // its keys
     t.keys.assign(1, {kp + b * k.stride(0) + h * k.stride(1), S});  // one run each: the scratch's, no allocation per item
     t.values.assign(1, {vp + b * v.stride(0) + h * v.stride(1), S});
     const bool* r = nullptr;
@@ -523,25 +525,43 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
   Q* op = out.data_ptr<Q>();
   std::vector<int64_t> cost(N * Hkv);
   for (int64_t i = 0; i < N * Hkv; ++i) cost[i] = sp[i / Hkv] - fp[i / Hkv];  // keys read
-  each_item<Scratch<T>>(N * Hkv, cost, [&](int64_t i, Scratch<T>& t) {
+  // fn(slot, count, joined) for each block's share of sequence n's keys, in order (count keys from pool slot `slot`;
+  // joined: it follows the last share in the pool, the same run), until fn returns false
+  const auto shares = [&](int64_t n, auto fn) {
+    for (int64_t j = fp[n], end = -1; j < sp[n];) {  // keys fp[n] <= j < sp[n] of the table; end: the slot past the last share
+      const int64_t slot = tp[n * nb + j / bs] * bs + j % bs, count = std::min(bs - j % bs, sp[n] - j);
+      if (!fn(slot, count, slot == end)) return;
+      end = slot + count;
+      j += count;
+    }
+  };
+  const auto first_run = [&](int64_t i) {  // item i's first run of key rows
+    Run<T> r{nullptr, 0};
+    shares(i / Hkv, [&](int64_t slot, int64_t count, bool joined) {
+      if (r.n > 0 && !joined) return false;
+      if (r.n == 0) r.p = kp + (i % Hkv) * P * D + slot * D;
+      r.n += count;
+      return true;
+    });
+    return r;
+  };
+  each_item<Scratch<T>>(N * Hkv, cost, [&](int64_t i, int64_t after, Scratch<T>& t) {  // `after` runs next
     const int64_t n = i / Hkv, h = i % Hkv;
     const int64_t j0 = fp[n], j1 = sp[n];  // keys j0 <= j < j1 of the table
     t.keys.clear();
     t.values.clear();
-    for (int64_t j = j0, after = -1; j < j1;) {  // after: the pool slot just past the last run
-      const int64_t block = tp[n * nb + j / bs], slot = block * bs + j % bs, count = std::min(bs - j % bs, j1 - j);
-      if (slot == after) {  // the next block of the pool: the same run, read as one stream
+    shares(n, [&](int64_t slot, int64_t count, bool joined) {
+      if (joined) {  // the next block of the pool: the same run, read as one stream
         t.keys.back().n += count;
         t.values.back().n += count;
       } else {
         t.keys.push_back({kp + h * P * D + slot * D, count});
         t.values.push_back({vp + h * P * Dv + slot * Dv, count});
       }
-      after = slot + count;
-      j += count;
-    }
+      return true;
+    });
     attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
-                         op + i * G * Dv, t);
+                         op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
 
