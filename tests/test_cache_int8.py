@@ -94,14 +94,16 @@ TERMS = {
 
 
 @pytest.mark.parametrize("terms", TERMS)
-@pytest.mark.parametrize("window", [None, 3], ids=["linear", "ring"])
+@pytest.mark.parametrize("window,ring", [(None, False), (3, True), (3, False)], ids=["linear", "ring", "window over a linear cache"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(schedule=st.lists(st.integers(1, 4), min_size=1, max_size=5), Hkv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
-def test_attention_over_an_8_bit_cache_is_attention_over_the_rows_it_holds(terms, window, backend, schedule, Hkv, seed):
+def test_attention_over_an_8_bit_cache_is_attention_over_the_rows_it_holds(terms, window, ring, backend, schedule, Hkv, seed):
+    """Each step (one token or a few) against float64 attention over the rows the cache holds; a window over a linear
+    cache drops the keys before it once the cache holds more (a one-token step included)."""
     torch.manual_seed(seed)
     B, H, D, T = 2, 4, 8, sum(schedule)
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.int8) if window else hw.KVCache(B, Hkv, T, D, dtype=torch.int8)
+    cache = hw.KVCache.sliding(B, Hkv, window, D, dtype=torch.int8) if ring else hw.KVCache(B, Hkv, T, D, dtype=torch.int8)
     outs, start = [], 0
     for n in schedule:
         part = slice(start, start + n)
@@ -109,7 +111,7 @@ def test_attention_over_an_8_bit_cache_is_attention_over_the_rows_it_holds(terms
         start += n
     got = torch.cat(outs, dim=2)  # (B, H, T, D)
     assert got.dtype == torch.float32 and cache.dtype == torch.float32 and cache.k.dtype == torch.int8
-    if window is None:
+    if not ring:
         assert torch.equal(dequantize_rows(cache.k).double(), read_back(k)) and torch.equal(dequantize_rows(cache.v).double(), read_back(v))
     want = variant_attention(q.double(), read_back(k), read_back(v), causal=True, window=window, **TERMS[terms])
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)  # float32's tolerance: attention runs in float32

@@ -189,8 +189,12 @@ def decode_kernel_call(
 
 
 def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCall | None:
-    """``decode_kernel_call`` of a call's terms ``spec`` (its T = S = 1: the step's new token)."""
+    """``decode_kernel_call`` of a call's terms ``spec`` (its T = S = 1: the step's new token). The kernel reads every
+    key from the first, so a causal window shorter than the cache's room (one that drops keys once the cache holds more
+    than it, at this step or a later one) is not its call: such a step runs ``_run``'s cut (``arguments.for_run``)."""
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
+        return None
+    if spec.window is not None and spec.window < cache.k.shape[2]:
         return None
     stored, S = cache.dtype, len(cache) + 1
     run_spec, _ = for_run(spec, 1, S, None, True)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from headwise.cache import KVCache
 from headwise.config import GPT2Config
 from headwise.models.flat_step import FlatStep, flat_step
 from headwise.models.generate import decode_step
@@ -47,16 +48,18 @@ def model_of(cls: type, kw: dict, dtype: torch.dtype):
     return model
 
 
-def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False):
+def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False, linear: bool = False):
     """The prompt once, then the same tokens through the flat step and through the unchecked forward, each on its own
-    caches; with ``padded``, as generate runs a left-padded batch (position ids every step)."""
+    caches; with ``padded``, as generate runs a left-padded batch (position ids every step); with ``linear``, caches made
+    by hand, linear whatever the layers' windows (``new_caches`` makes rings under a window)."""
     ids = torch.randint(0, model.vocab_size, (batch, 7))
     mask = torch.ones(batch, 7, dtype=torch.bool)
     if padded:
         mask[0, :3] = False
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     with torch.no_grad():
-        flat_caches = model.new_caches(batch, 32)
+        flat_caches = [KVCache(batch, a.num_kv_heads, 32, a.head_dim, dtype=model.cache_dtype(None)) for a in model.attention_layers()] \
+            if linear else model.new_caches(batch, 32)
         model(ids, mask if padded else None, positions=positions if padded else None, cache=flat_caches, logits_to_keep=1, check=False)
         plain_caches = copy.deepcopy(flat_caches)
         step = flat_step(model)
@@ -85,6 +88,15 @@ def test_the_flat_step_gives_the_forwards_logits_bit_for_bit(case, batch):
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 def test_a_padded_batch_steps_flat_at_its_position_ids(cls):
     for got, want, _, _ in steps_both_ways(model_of(cls, {}, torch.float32), 3, padded=True):
+        assert torch.equal(got, want)
+
+
+def test_a_window_over_linear_caches_steps_flat_as_the_forward():
+    """Caches made by hand, linear under sliding-window layers: the flat step's attention, decided at its first step,
+    drops the keys before the window at every step after, as the forward does (the C++ kernel reads every key from the
+    first, so it is not that call's)."""
+    model = model_of(MistralForCausalLM, dict(windows=(4, 4)), torch.float32)
+    for got, want, _, _ in steps_both_ways(model, 2, steps=8, linear=True):  # a 7-token prompt: past the window at once
         assert torch.equal(got, want)
 
 
