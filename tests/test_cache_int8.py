@@ -167,6 +167,19 @@ def test_an_8_bit_cache_is_a_quarter_of_float32s_bytes_and_a_scale():
     assert nbytes(i8) * 64 == nbytes(f32) * 20  # D = 16: 16 bytes of values and 4 of scale a row, where float32 keeps 64
 
 
+@pytest.mark.parametrize("held", [0, 3])
+def test_a_call_of_no_new_token_answers_an_empty_context_and_writes_nothing(held):
+    cache, f32 = hw.KVCache(1, 2, 8, 16, dtype=torch.int8), hw.KVCache(1, 2, 8, 16)
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    for c in (cache, f32):
+        hw.attention(q[:, :, :held], k[:, :, :held], v[:, :, :held], causal=True, cache=c)
+    stored = cache.k.clone()
+    for c in (cache, f32):
+        out = hw.attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], causal=True, cache=c)
+        assert out.shape == (1, 4, 0, 16) and len(c) == held
+    assert torch.equal(cache.k, stored) and quantize_rows(torch.randn(2, 0, 16)).shape == (2, 0, 20)
+
+
 def test_what_an_8_bit_cache_refuses_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match=r"dtype=torch.int8 needs a head_dim that is a multiple of 4.*got head_dim=6"):
         hw.KVCache(1, 2, 8, 6, dtype=torch.int8)

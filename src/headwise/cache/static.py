@@ -41,6 +41,8 @@ def quantize_rows(x: Tensor) -> Tensor:
     NaN, is stored as zeros with its scale (0, inf or NaN), so that it reads back as zeros, or NaN, never as a wrong
     number. The C++ decode step rounds the rows it writes the same way, bit for bit."""
     x = x.float()
+    if x.numel() == 0:  # no row (a call of no new token): an (..., 1) scale of none cannot be viewed as bytes
+        return x.new_empty((*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=torch.int8)  # (..., D + 4)
     scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1); NaN where a value is
     rounded = torch.where(scale.isfinite() & (scale > 0), x / scale, 0.0).round().clamp(-127, 127)  # (..., D)
     return torch.cat([rounded.to(torch.int8), scale.view(torch.int8)], dim=-1)  # (..., D + 4)
