@@ -578,6 +578,9 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("load a config bigger than the file", lambda: GPT2LMHeadModel.from_pretrained(write_dir({"n_embd": 4096, "n_layer": 64, "n_head": 32}, {"pytorch_model.bin": saved_state(gpt2_state())})),
      Raises(ValueError, r"wrong shape: transformer.wte.weight: expected \(11, 4096\), got \(11, 8\)")),
     ("load bad JSON", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {"config.json": "{"})), Raises(ValueError, r"config.json: not valid JSON")),
+    ("load a Conv1D weight in nn.Linear's layout", lambda: GPT2LMHeadModel.from_pretrained(write_dir({}, {"pytorch_model.bin": saved_state(
+        {k: v.t() if k.endswith(("c_fc.weight", "c_proj.weight")) else v for k, v in gpt2_state().items()})})),  # HF's layout but c_attn's
+     Raises(ValueError, r"wrong shape: transformer.h.0.attn.c_attn.weight: expected \(8, 24\), got \(24, 8\) \(stored transposed: \(in, out\)\)")),
 ]
 
 

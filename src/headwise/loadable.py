@@ -71,12 +71,14 @@ def remap(
         if not isinstance(tensor, Tensor):
             mistyped.append(f"{key}: expected a tensor, got {type(tensor).__name__}")
             continue
-        if transposed and key.endswith(transposed) and tensor.ndim == 2:
-            tensor = tensor.t()
-        shape = expected[name] if name in expected else optional[name]
-        if tuple(tensor.shape) != tuple(shape):
-            misshaped.append(f"{key}: expected {tuple(shape)}, got {tuple(tensor.shape)}")
+        flip = bool(transposed) and key.endswith(transposed) and tensor.ndim == 2
+        shape = tuple(expected[name] if name in expected else optional[name])
+        if tuple(tensor.t().shape if flip else tensor.shape) != shape:  # both in the incoming layout in the message
+            misshaped.append(f"{key}: expected {shape[::-1] if flip else shape}, got {tuple(tensor.shape)}"
+                             + (" (stored transposed: (in, out))" if flip else ""))
             continue
+        if flip:
+            tensor = tensor.t()
         if name in floating and not tensor.is_floating_point():
             mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
             continue
