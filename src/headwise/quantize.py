@@ -203,10 +203,16 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
         panel_rows = (rows.shape[0] <= DECODE_ROWS or not _VECTOR_INT_MM) and not torch.compiler.is_compiling()
         if (sums := panel_sums(ints, weight) if panel_rows else None) is None:  # else (M, N) int32 from the panels: the same sums
             int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
-            sums = int_mm(ints, weight.t())  # (M, N) int32: exact
+            sums = int_mm(ints, _k_by_n(weight))  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
     return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
+
+
+def _k_by_n(weight: Tensor) -> Tensor:
+    """(N, K) int8 -> the (K, N) matrix ``torch._int_mm`` takes: the transpose, but row-major where K = 1 (the
+    transpose's strides are then (1, 1), and torch's CPU kernel reads other numbers than the weight's there)."""
+    return weight.reshape(1, -1) if weight.shape[1] == 1 else weight.t()  # (K, N)
 
 
 def _int_scaled(sums: Tensor, row_scales: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
