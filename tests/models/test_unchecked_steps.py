@@ -126,6 +126,41 @@ def test_decode_equals_forward_with_every_score_term(terms, sliding):
     assert len(checked) == len(unchecked) == 13 and torch.equal(checked.k, unchecked.k) and torch.equal(checked.v, unchecked.v)
 
 
+@torch.no_grad()
+def test_caches_that_disagree_are_refused_before_any_layer_writes():
+    """Each layer checks its own cache as it writes: the model checks them all first, so that a later layer's refusal
+    leaves no earlier layer's cache written, and caches of different contents never attend apart."""
+    from headwise import KVCache
+
+    model = llama()
+    ids = torch.randint(0, 97, (2, 5))
+
+    def state(caches):
+        return [(len(c), c.k.clone()) for c in caches] if isinstance(caches[0], KVCache) else \
+            [(c.length(0), c.free_blocks, c.k.clone()) for c in caches]
+
+    def refused(caches, match, make=lambda c: c, tokens=ids):
+        before = state(caches)
+        with pytest.raises(ValueError, match=match):
+            model(tokens, cache=[make(c) for c in caches])
+        after = state(caches)
+        assert all(a[:-1] == b[:-1] and torch.equal(a[-1], b[-1]) for a, b in zip(after, before, strict=True))
+
+    short = [KVCache(2, 2, 10, 8), KVCache(2, 2, 6, 8)]  # layer 1 has less room
+    model(ids, cache=short)
+    refused(short, r"cache\[1\] is full: it holds 5 of max_len=6 tokens and cannot take 5 more")
+    apart = model.new_caches(2, 16)
+    model(ids, cache=apart)
+    apart[1].crop(3)
+    refused(apart, r"cache\[1\] holds 3 tokens \(torch.float32, padded: False\), cache\[0\] 5 .*each given the same tokens")
+    refused([KVCache(2, 2, 10, 8), KVCache(1, 2, 10, 8)], r"cache\[1\] holds \(B, Hkv, D\) = \(1, 2, 8\); layer 1 writes \(2, 2, 8\)")
+    pools = [model.new_paged_caches(8, 4)[0], model.new_paged_caches(2, 4)[1]]  # layer 1's pool too small
+    for pool in pools:
+        pool.add(0)
+    refused(pools, r"the PagedKVCache pool is exhausted: writing 12 tokens needs 3 free blocks, 2 of 2 are free",
+            lambda p: p.batch([0], [12]), torch.randint(0, 97, (1, 12)))
+
+
 def test_a_models_forward_refuses_caches_it_cannot_run():
     model, paged = gpt2(), gpt2().new_paged_caches(4, 4)
     for pool in paged:

@@ -245,8 +245,9 @@ class PagedKVCache(Owned):
         grow = -(-(n + new_tokens) // self.block_size) - self._gone[seq_id] - len(table)
         return grow, n % self.block_size != 0 and new_tokens > 0 and self._refs[table[-1]] > 1
 
-    def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
-        """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
+    def check_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
+        """A ValueError unless the pool has the blocks that writing ``counts[i]`` new tokens of each ``seq_ids[i]`` takes
+        (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``)."""
         growth = [self._growth(s, n) for s, n in zip(seq_ids, counts, strict=True)]
         writers = collections.Counter(self._tables[s][-1] for s, (_, copy) in zip(seq_ids, growth, strict=True) if copy)
         # a shared block's writers copy it while another holds it: the last of all its holders writes in place
@@ -257,6 +258,11 @@ class PagedKVCache(Owned):
                 f"{self.free_blocks} of {self.num_blocks} are free (block_size={self.block_size}); free finished sequences "
                 "or make the pool bigger. Nothing was written"
             )
+        return growth
+
+    def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
+        growth = self.check_room(seq_ids, counts)
         for seq_id, n, (grow, copy) in zip(seq_ids, counts, growth, strict=True):
             if not grow and not copy:
                 continue
