@@ -155,7 +155,9 @@ CONFIGS: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("config rope_parameters' theta wins over the top level", field("llama", "rope_theta", 500000.0, rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), None),
     ("config rope_scaling's theta wins over rope_parameters'", field("llama", "rope_theta", 250000.0, rope_scaling={"rope_type": "default", "rope_theta": 250000.0}, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), None),
     ("config top-level theta fills what rope_parameters lacks", field("llama", "rope_theta", 40000.0, rope_theta=40000.0, rope_parameters={"rope_type": "default"}), None),
-    ("config rope_parameters' partial factor wins", field("llama", "partial_rotary_factor", 0.5, partial_rotary_factor=1.0, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), None),
+    ("config partial factor unread under the default rope", field("llama", "partial_rotary_factor", 1.0, partial_rotary_factor=1.0, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), None),
+    ("config partial factor with a scaled rope", cfg(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+     Raises(ValueError, r"config.json: unsupported llama settings: partial_rotary_factor=0.5 with rope_type 'linear' \(transformers' llama rotates every dimension of a head\)")),
     ("config factor Infinity", cfg(rope_scaling={"rope_type": "linear", "factor": math.inf}), Raises(ValueError, r"config.json: unsupported llama settings: rope_scaling\['factor'\] must be a number in \(0, inf\), got inf")),
     ("config theta Infinity at the top", cfg(rope_theta=math.inf), Raises(ValueError, r"config.json: invalid llama config: rope_theta must be a number in \(0, inf\), got inf")),
     ("config theta Infinity in rope_parameters", cfg(rope_parameters={"rope_type": "default", "rope_theta": math.inf}), Raises(ValueError, r"rope_theta must be a number in \(0, inf\), got inf")),
@@ -178,7 +180,7 @@ CONFIGS: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("config heads 0", cfg(num_attention_heads=0), Raises(ValueError, r"num_attention_heads must be a positive int, got 0")),
     ("config rms_norm_eps negative", cfg(rms_norm_eps=-1e-6), Raises(ValueError, r"rms_norm_eps must be a number in \(0, inf\), got -1e-06")),
     ("config tie_word_embeddings a string", cfg(tie_word_embeddings="yes"), Raises(ValueError, r"tie_word_embeddings must be true or false, got 'yes'")),
-    ("config odd rotary dims", cfg(partial_rotary_factor=0.25, head_dim=4), Raises(ValueError, r"head_dim \* partial_rotary_factor must give an even number of rotary dims, got 1")),
+    ("config odd rotary dims", lambda: LlamaConfig(**BASE, partial_rotary_factor=0.25, head_dim=4), Raises(ValueError, r"head_dim \* partial_rotary_factor must give an even number of rotary dims, got 1")),
 ]
 
 

@@ -40,6 +40,8 @@ LLAMA_CONFIGS = {
     "llama-linear-scaled": ("llama", {"num_key_value_heads": 4, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     "mistral-window": ("mistral", {"num_key_value_heads": 2, "sliding_window": 5}),
     "qwen3-qknorm-tied": ("qwen3", {"num_key_value_heads": 4, "head_dim": 16, "tie_word_embeddings": True}),
+    # a partial_rotary_factor transformers' llama-family models do not read under the default rope: every dim rotates
+    "qwen3-partial-factor-unread": ("qwen3", {"num_key_value_heads": 4, "head_dim": 16, "partial_rotary_factor": 0.5}),
 }
 
 

@@ -110,6 +110,11 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
         check_scaling(scaling)
     except (TypeError, ValueError) as e:
         unsupported.append(str(e))
+    if partial != 1.0:  # transformers 5's llama, mistral and qwen3 read the factor for a scaled rope only
+        if scaling is not None:  # (their tables then cover part of each head and the rotation all of it: they fail)
+            unsupported.append(f"partial_rotary_factor={partial!r} with rope_type {scaling.get('rope_type', scaling.get('type'))!r} "
+                               f"(transformers' {model_type} rotates every dimension of a head)")
+        partial = 1.0  # the default rope: every dimension rotates, the factor unread, as transformers runs the file
     if nested := [key for key in rope if key in LAYER_TYPES]:
         unsupported.append(f"rotary settings per layer type ({nested}); supported: one set for every layer")
     if model_type == "qwen3":
