@@ -102,6 +102,9 @@ def test_on_token_streams_each_steps_tokens_before_the_next_step(model, padded_b
     assert torch.equal(torch.stack(seen, dim=1), ended[:, ids.shape[1]:]) and len(seen) == 2
     with pytest.raises(TypeError, match=r"on_token must be a callable taking each step's \(B,\) tokens, or None, got list"):
         model.generate(ids, max_new_tokens=2, on_token=[])
+    for temperature in (0.0, 1.0):  # checked before the prompt pass, greedy or not
+        with pytest.raises(TypeError, match=r"generator must be a torch.Generator \(sampling's random numbers\) or None, got int"):
+            model.generate(ids, max_new_tokens=2, temperature=temperature, generator=123)
 
 
 def test_cached_generation_equals_recomputing_everything(model):

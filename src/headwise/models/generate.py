@@ -130,6 +130,8 @@ class GenerationMixin:
         _checks.boolean("cuda_graph", cuda_graph)
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be a callable taking each step's (B,) tokens, or None, got {type(on_token).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator (sampling's random numbers) or None, got {type(generator).__name__}")
         check = not trusts(self)
         weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
