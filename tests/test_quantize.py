@@ -472,6 +472,19 @@ def test_a_decode_call_of_int8_layers_is_prepared_once_and_follows_every_change(
     assert not [key for key in keys if key in weight_cache.READY], "kept calls die with their layers"
 
 
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_a_cast_of_the_model_keeps_the_scales_float32(activations):
+    """``model.to(torch.bfloat16)`` after ``int8_weights`` casts the floating buffers; the scales stay float32 (and the
+    kernel's unit scales bfloat16): the cast layer gives the layer's own numbers for bfloat16 inputs, where scales
+    rounded to bfloat16 moved every channel."""
+    lin = Int8Linear(torch.randn(48, 64) * torch.logspace(-2, 1, 48)[:, None], activations=activations)
+    cast = copy.deepcopy(lin).to(torch.bfloat16)
+    assert cast.scales.dtype == torch.float32 and torch.equal(cast.scales, lin.scales) and cast._ones.dtype == torch.bfloat16
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(cast(x), lin(x))
+    assert copy.deepcopy(lin).double().scales.dtype == torch.float32
+
+
 def test_an_int8_layers_arithmetic_is_fixed_when_it_is_made():
     lin = Int8Linear(torch.randn(8, 16), activations="int8")
     with pytest.raises(AttributeError, match="activations"):

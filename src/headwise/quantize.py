@@ -300,6 +300,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("_ones", torch.ones(weight.shape[0], dtype=torch.bfloat16, device=weight.device), persistent=False)  # (N,)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Int8Linear:
+        """``module.to(dtype)`` (``.bfloat16()``, ``.double()``) casts floating buffers; the scales stay float32 and the
+        unit scales bfloat16, the arithmetic's own (rounded to bfloat16, the scales would move every output channel by
+        up to 2**-9), wherever ``fn`` moves them."""
+        scales, ones = self.scales, self._ones
+        super()._apply(fn, recurse)
+        if self.scales.dtype != scales.dtype:
+            self.scales = scales.to(self.scales.device)
+        if self._ones.dtype != ones.dtype:
+            self._ones = ones.to(self._ones.device)
+        return self
+
     @property
     def activations(self) -> str:
         """"bf16" or "int8": the arithmetic, fixed when the layer is made (what it runs is decided from it once)."""
