@@ -237,6 +237,9 @@ def test_int8_minilm_embeddings_keep_their_direction(encoder):
 def test_misuse_is_named():
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str"):
         int8_weights("gpt2")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match=r"input_ids must have shape \(batch, tokens\) with at least one row and one token, got \(7,\)"):
+        int8_errors(gpt2, int8_weights(copy.deepcopy(gpt2)), torch.randint(0, 11, (7,)), max_new_tokens=2)
     with pytest.raises(TypeError, match=r"weight must be a floating-point \(N, K\) tensor, got torch.int64 of shape \(3,\)"):
         Int8Linear(torch.arange(3))
     with pytest.raises(ValueError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got \(2, 8\)"):

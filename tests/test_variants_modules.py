@@ -183,6 +183,38 @@ def test_a_context_cache_projects_the_kept_context_again_once_the_weights_change
     torch.testing.assert_close(got, m(x, context=memory), atol=1e-12, rtol=1e-12)  # the new weights' keys, not the kept ones
 
 
+@pytest.mark.parametrize("write", ["load_state_dict", "scales in place"])
+@pytest.mark.parametrize("again", [True, False], ids=["context-again", "cache-only"])
+def test_an_int8_layers_context_cache_follows_its_weights_held_as_buffers(write, again):
+    """``int8_weights`` holds the projections' int8 weights, scales and biases as buffers: a change to them projects the
+    kept context again, as a float layer's parameters do."""
+    from headwise.quantize import int8_weights
+
+    torch.manual_seed(0)
+    m, other = (int8_weights(hw.MultiHeadAttention(16, 16, 32, 0.0, num_heads=4, causal=False, kv_dim=8).eval()) for _ in range(2))
+    x, memory, cache = torch.randn(2, 1, 16), torch.randn(2, 5, 8), ContextCache()
+    with torch.no_grad():
+        m(x, context=memory, cache=cache)
+        if write == "load_state_dict":
+            m.load_state_dict(other.state_dict())
+        else:
+            m.W_key.scales.mul_(3)
+        want = m(x, context=memory)  # no cache: the new weights' keys
+        assert torch.equal(m(x, context=memory if again else None, cache=cache), want)
+
+
+def test_a_context_cache_filled_in_another_dtype_is_refused_by_name():
+    m = _module(causal=False, kv_dim=7)
+    x, memory, cache = torch.randn(2, 1, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64), ContextCache()
+    m(x, context=memory, cache=cache)
+    m.float()
+    with pytest.raises(TypeError, match=r"this ContextCache was filled with a torch.float64 context on cpu; MultiHeadAttention's "
+                                        r"parameters are now torch.float32 on cpu: pass context= again \(it is projected again\), or cache.reset\(\)"):
+        m(x.float(), cache=cache)
+    assert len(cache) == 6 and cache.context is not None  # refused: the cache as it was
+    torch.testing.assert_close(m(x.float(), context=memory.float(), cache=cache), m(x.float(), context=memory.float()))
+
+
 def test_a_context_cache_belongs_to_one_layer():
     first, second = _module(causal=False, kv_dim=7), _module(seed=1, causal=False, kv_dim=7)
     x, memory = torch.randn(2, 1, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)

@@ -244,6 +244,10 @@ class AttentionLayer(AllOrNothing, nn.Module):
             raise ValueError(f"context must have the batch size of x ({x.shape[0]}), got (B, S) = {(b, s)}{held}")
         if context is not None:
             _checks.module_input(self, context, "context")
+        elif (p := next(self.parameters(), None)) is not None and (cache.context.dtype, cache.context.device) != (p.dtype, p.device):
+            raise TypeError(f"this ContextCache was filled with a {cache.context.dtype} context on {cache.context.device}; "
+                            f"{type(self).__name__}'s parameters are now {p.dtype} on {p.device}: pass context= again (it is "
+                            "projected again), or cache.reset()")
         context_mask = _checks.attention_mask(context_mask, b, s, "(B, S)", "context_mask", device=("the context is", x.device))  # (B, S)
         if context is None and context_mask is not None and not (cache.context_mask is not None and torch.equal(cache.context_mask, context_mask)):
             raise ValueError(
@@ -267,7 +271,7 @@ class AttentionLayer(AllOrNothing, nn.Module):
         """Queries (B, H, T, D) of x; keys and values (B, Hkv, S, D) and padding (B, S) or None of ``context``, or the
         ``ContextCache``'s where it holds them for these weights; and the context they were projected from now, or None."""
         queries = split_heads(self.project_q(x), self.head_dim, "queries")  # (B, H, T, D)
-        reusable = cache is not None and cache.serves(list(self.parameters()))
+        reusable = cache is not None and cache.serves(self)
         if context is None and reusable:
             return queries, cache.k, cache.v, cache.context_mask, None
         if context is None:  # the weights changed since, or autograd needs keys of its own: the kept context projected again

@@ -547,9 +547,12 @@ def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *,
         input_ids: (B, T) prompt.
         max_new_tokens: greedy tokens to generate with each.
     """
+    from .models._inputs import token_ids
+
+    b, t = token_ids(input_ids, original.vocab_size)  # a ValueError naming input_ids before any cache is made
     logits = []
     for model in (original, quantized):
-        caches = model.new_caches(input_ids.shape[0], input_ids.shape[1])
+        caches = model.new_caches(b, t)
         logits.append(model(input_ids, cache=caches, logits_to_keep=1)[:, 0].double())  # (B, vocab)
     diff = logits[1] - logits[0]
     a = original.generate(input_ids, max_new_tokens=max_new_tokens)[:, input_ids.shape[1] :]  # (B, n)

@@ -56,11 +56,12 @@ class ContextCache(Owned, Spendable):
         """(B, S, kv_dim) the context the stored keys and values were projected from, or None."""
         return self._context
 
-    def serves(self, params: list[Tensor]) -> bool:
-        """Whether the stored keys and values serve a forward of the module with these parameters: projected with
+    def serves(self, owner: torch.nn.Module) -> bool:
+        """Whether the stored keys and values serve a forward of ``owner`` as its weights are now: projected with
         them, unchanged since, and, where this forward records for autograd (grad on, a parameter that wants one),
         recorded too and not yet gone through by a backward (which frees their graph). Otherwise the layer projects
         the context again: every backward reaches the key and value projections, as without the cache."""
+        params = _weights_of(owner)
         if self._weights is None or self._weights != weight_cache.state(params):
             return False
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
@@ -84,10 +85,16 @@ class ContextCache(Owned, Spendable):
         self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
         self.forget_recorded()
         self.mark_on_backward((keys, values))
-        params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
+        params = _weights_of(owner) if isinstance(owner, torch.nn.Module) else []
         weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
         self._weights = weight_cache.state(params)
         self.bind(owner)
+
+
+def _weights_of(module: torch.nn.Module) -> list[Tensor]:
+    """What a module's projections read: its parameters and its buffers (an ``Int8Linear`` holds its int8 weight,
+    scales and bias as buffers)."""
+    return [*module.parameters(), *module.buffers()]
 
 
 def _version(t: Tensor) -> int | None:
