@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, help="a HuggingFace directory (config.json, weights, tokenizer.json) instead of training")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:  # before the training, not after it
+        parser.error(f"--max-new-tokens must be a positive int, got {args.max_new_tokens}")
     if args.model is None:
         start = time.perf_counter()
         text = zen()
