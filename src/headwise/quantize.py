@@ -547,9 +547,10 @@ def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *,
         input_ids: (B, T) prompt.
         max_new_tokens: greedy tokens to generate with each.
     """
-    from .models._inputs import token_ids
-
-    b, t = token_ids(input_ids, original.vocab_size)  # a ValueError naming input_ids before any cache is made
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or 0 in input_ids.shape:  # (the models check the ids' values)
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must have shape (batch, tokens) with at least one row and one token, got {got}")
+    b, t = input_ids.shape
     logits = []
     for model in (original, quantized):
         caches = model.new_caches(b, t)
