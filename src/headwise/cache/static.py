@@ -168,7 +168,7 @@ class KVCache(Owned, Spendable):
             self._pads = None
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-        (B, Hkv, L, _), D = self.k.shape, self.head_dim
+        (B, Hkv, _, _), D = self.k.shape, self.head_dim
         for name, t in [("k", k), ("v", v)]:
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor of shape (B={B}, Hkv={Hkv}, T, D={D}), got {type(t).__name__}")
@@ -189,9 +189,13 @@ class KVCache(Owned, Spendable):
                 "sum the steps' losses and call backward once"
             )
         attention_mask = _checks.attention_mask(attention_mask, B, k.shape[2], "(B, T)", device=("the cache is", self.k.device))
-        if self.window is None and self._len + k.shape[2] > L:
-            raise ValueError(f"cache is full: it holds {self._len} of max_len={L} tokens and cannot take {k.shape[2]} more")
+        self.check_room(k.shape[2])
         return attention_mask
+
+    def check_room(self, t: int, name: str = "cache") -> None:
+        """A ValueError (``name`` "is full") unless this cache takes ``t`` more tokens (a sliding one takes any)."""
+        if self.window is None and self._len + t > self.k.shape[2]:
+            raise ValueError(f"{name} is full: it holds {self._len} of max_len={self.k.shape[2]} tokens and cannot take {t} more")
 
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
         """What ``append`` of ``t`` new tokens will answer with, before anything is written:
@@ -264,8 +268,7 @@ class KVCache(Owned, Spendable):
         the (B, L) padding marks where any write had padding (else None) and the slot the token takes; then the cache
         holds one token more. Returns what ``run`` returns. A full cache is a ValueError, before anything is written."""
         start = self._len
-        if start >= self.k.shape[2]:
-            raise ValueError(f"cache is full: it holds {start} of max_len={self.k.shape[2]} tokens and cannot take 1 more")
+        self.check_room(1)
         out = run(self.k, self.v, self.is_token if self._padded else None, start)
         self._len = start + 1
         return out

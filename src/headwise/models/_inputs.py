@@ -131,8 +131,7 @@ def caches_agree(model: object, cache: list, b: int, t: int) -> None:
         if (len(c), c.padded, c.dtype) != (len(first), first.padded, first.dtype):
             raise ValueError(f"cache[{i}] holds {len(c)} tokens ({c.dtype}, padded: {c.padded}), cache[0] {len(first)} ({first.dtype}, "
                              f"padded: {first.padded}): one cache per layer, each given the same tokens (model.new_caches)")
-        if c.window is None and len(c) + t > c.max_len:
-            raise ValueError(f"cache[{i}] is full: it holds {len(c)} of max_len={c.max_len} tokens and cannot take {t} more")
+        c.check_room(t, f"cache[{i}]")
 
 
 def logits_kept(logits_to_keep: object, t: int) -> int | Tensor:
