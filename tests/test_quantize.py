@@ -96,6 +96,27 @@ def test_on_avx2_calls_of_up_to_avx2_rows_of_a_big_weight_take_the_panels(monkey
     assert not small.uses_panels(torch.randn(hl.DECODE_ROWS + 1, 1, 64, generator=gen))
 
 
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_avx512_bf16_and_no_amx_a_batchs_rows_of_a_big_weight_take_the_panels(wide, dtype, monkeypatch):
+    """On a CPU with AVX512-BF16 and no AMX tiles, an eager call of up to WIDE_ROWS rows of a weight of MIN_DECODE_WEIGHT
+    elements or more (a batch of sequences' next tokens) takes the panels, where torch's GEMM would widen the whole
+    weight in memory on every call; more rows, or another CPU, torch's GEMM: each within one rounding of the float64 product."""
+    monkeypatch.setattr(quantize, "_WIDE_PANELS", wide)
+    gen = torch.Generator().manual_seed(6)
+    lin = Int8Linear(torch.randn(512, 256, generator=gen), torch.randn(512, generator=gen))  # 2^17 weights
+    takes = panels.takes(torch.zeros(1, 256, dtype=torch.bfloat16), lin.weight, None)
+    for rows in (hl.DECODE_ROWS + 1, quantize.WIDE_ROWS, quantize.WIDE_ROWS + 1):
+        x = torch.randn(rows, 1, 256, generator=gen).to(dtype)  # (B, 1, K)
+        assert lin.uses_panels(x) == (takes and (lin._few_rows(x) or wide and rows <= quantize.WIDE_ROWS)), rows
+        assert not lin.uses_panels(x.detach().requires_grad_())  # autograd records: torch's GEMM
+        with torch.no_grad():
+            got = lin(x)
+        ref, slack = reference.int8_linear(x, lin.weight, lin.scales, lin.bias)
+        slack = slack if dtype == torch.float32 else slack + ref.abs() * 2**-8  # the output rounded to bfloat16 too
+        assert got.dtype == dtype and bool(((got.double() - ref).abs() <= slack).all()), rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_and_a_decode_step_multiply_alike(dtype):
     """A row through the kernel and the same row among a prompt's through torch's GEMM: at most one bfloat16

@@ -14,7 +14,8 @@ int8 value are exact in float32, so the paths differ only in the order of their 
 fixed rule (nothing timed):
 
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input (eagerly where torch's kernels run AVX2, up to
-  ``AVX2_WIDE_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take), no autograd, torch has
+  ``AVX2_WIDE_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take; eagerly on a CPU with
+  AVX512-BF16 and no AMX tiles, up to ``WIDE_ROWS`` of such a weight: a batch's next tokens), no autograd, torch has
   ``torch.ops.aten._weight_int8pack_mm`` (a decode step): eagerly, ``headwise.linear.panels``' GEMM
   over the weight packed once (``panel_sums``: kept while the weight is unchanged, a copy of its
   bytes) where it takes the operands (AVX-512 with AVX512-BF16, or torch's AVX2 kernels, the library built; through
@@ -66,7 +67,7 @@ from torch import Tensor, nn
 
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
-from .linear.rule import avx2_band
+from .linear.rule import MIN_DECODE_WEIGHT, avx2_band
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -78,6 +79,8 @@ ROWS_ALIGNMENT, WEIGHT_ALIGNMENT = 32, 16  # bytes: its aligned vector loads of 
 ACTIVATIONS = ("bf16", "int8")  # Int8Linear's two arithmetics (the module docstring)
 _TINY = torch.finfo(torch.float32).tiny
 _BF16_GEMM = bool(bf16_flags())  # this CPU has bf16 dot products: torch's bf16 GEMM runs them (read once: a compiled graph reads no /proc)
+_WIDE_PANELS = bf16_flags() == ["avx512_bf16"]  # AVX512-BF16 without AMX tiles: the panels take bf16 x int8 up to WIDE_ROWS
+WIDE_ROWS = 64  # rows up to which the panels take Int8Linear's bfloat16-activation calls there (docs: decoding)
 
 
 def int8_mm_takes(rows: Tensor, weight: Tensor) -> bool:
@@ -419,9 +422,21 @@ class Int8Linear(nn.Module):
         return (avx2_band(size, k, self.weight.numel(), torch.bfloat16) and cpu()["capability"] == "AVX2" and not torch.compiler.is_compiling()
                 and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
+    def _batch_rows(self, x: Tensor) -> bool:
+        """Eagerly, on a CPU with AVX512-BF16 and no AMX tiles, CPU tensors, no autograd, at most ``WIDE_ROWS`` rows (a
+        batch of sequences' next tokens, a short prompt or chunk) of a weight of ``MIN_DECODE_WEIGHT`` elements or more
+        that the panels take. torch's GEMM would first widen the whole weight to bfloat16 in memory on every call, five
+        bytes moved a weight element against the panels' one, widened in registers; from a few hundred rows its
+        arithmetic, not the widening, sets the time, and it is as fast or faster (docs: decoding)."""
+        k = self.in_features
+        return (_WIDE_PANELS and x.numel() <= WIDE_ROWS * k and x.is_cpu and self.weight.is_cpu and not recorded(x)
+                and not torch.compiler.is_compiling() and self.weight.numel() >= MIN_DECODE_WEIGHT
+                and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
+
     def _decode_shaped(self, x: Tensor) -> bool:
-        """The rule before the kernel's guard: bf16 activations, a decode step's rows (``_few_rows``), the kernel present."""
-        return self.activations == "bf16" and _INT8_KERNEL and self._few_rows(x)
+        """The rule before the kernel's guard: bf16 activations, a decode step's rows (``_few_rows``) or a batch's the
+        panels take (``_batch_rows``), the kernel present."""
+        return self.activations == "bf16" and _INT8_KERNEL and (self._few_rows(x) or self._batch_rows(x))
 
     def uses_kernel(self, x: Tensor) -> bool:
         """True when ``self(x)`` runs torch's int8 kernel (the rule in the module docstring)."""
