@@ -9,9 +9,10 @@ three ways, timed interleaved in one run:
 
 - ``paged``: ``headwise.models.Batcher``, a ``PagedKVCache`` per layer, requests leaving and
   joining at every step, the tokens of a step packed in one row;
-- ``one_at_a_time``: each request alone, a ``KVCache`` of its own length;
-- ``static``: all requests in one left-padded batch with a ``KVCache`` of B × (longest prompt
-  + most new tokens), run until the longest request is done.
+- ``one_at_a_time``: each request alone through ``model.generate`` (a ``KVCache`` of its own length, the
+  decode steps as ``generate`` runs them: unchecked, decided once, each layer's step one C++ op where built);
+- ``static``: all requests in one left-padded batch through ``model.generate``, a ``KVCache`` of
+  B × (longest prompt + most new tokens), run until the longest request is done.
 
 Both baselines compute the LM head at the last position only (as the batcher does), so the
 comparison is of the batching, not of wasted logits. Memory is the keys/values slots held:
@@ -39,14 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _argtypes
-from ..cache import KVCache, PagedKVCache
+from ..cache import PagedKVCache
 from ..config import GPT2Config
 from ..models.batching import Batcher
-from ..models.generate import positions
 from ..models.gpt2 import GPT2LMHeadModel
 from ..quantize import ACTIVATIONS, int8_weights
 from .cases import DTYPES
@@ -120,37 +119,18 @@ def request_mix(requests: int = 32, *, prompt: tuple[int, int] = (16, 1024), new
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths], news
 
 
-def _last_logits(model: GPT2LMHeadModel, ids: Tensor, position_ids: Tensor, mask: Tensor | None, caches: list[KVCache]) -> Tensor:
-    """(B, T) ids through the static caches -> (B, vocab) logits at the last position only (the LM head on B rows)."""
-    t = model.transformer
-    x = t.drop(t.wte(ids) + t.wpe(position_ids))  # (B, T, C)
-    for block, cache in zip(t.h, caches, strict=True):
-        x = block(x, attention_mask=mask, cache=cache)  # (B, T, C)
-    last = t.ln_f(x[:, -1])  # (B, C)
-    return F.linear(last, t.wte.weight) if model.lm_head is None else model.lm_head(last)  # (B, vocab): an int8 head where there is one
-
-
 @torch.no_grad()
 def static_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], cache_dtype: torch.dtype | None = None) -> list[list[int]]:
-    """Greedy generation of all prompts as one left-padded batch through ``KVCache``s of ``cache_dtype`` (B = 1: one request alone)."""
-    b, t, steps = len(prompts), max(len(p) for p in prompts), max(max_new)
+    """Greedy generation of all prompts as one left-padded batch by ``model.generate``, through ``KVCache``s of
+    ``cache_dtype`` (B = 1: one request alone, as a user runs it), each row cut to its own number of new tokens."""
+    b, t = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, t, dtype=torch.long)
     real = torch.zeros(b, t, dtype=torch.bool)
     for i, p in enumerate(prompts):
         ids[i, t - len(p) :], real[i, t - len(p) :] = p, True
     mask = None if bool(real.all()) else real
-    caches = model.new_caches(b, t + steps, cache_dtype)
-    position = positions(mask, b, t, ids.device)  # (B, T)
-    logits = _last_logits(model, ids, position, mask, caches)  # (B, vocab)
-    out = []
-    for step in range(steps):
-        token = logits.argmax(-1)  # (B,)
-        out.append(token)
-        if step < steps - 1:
-            position = position[:, -1:] + 1  # (B, 1)
-            logits = _last_logits(model, token[:, None], position, None, caches)
-    tokens = torch.stack(out, 1).tolist()  # (B, steps)
-    return [row[:n] for row, n in zip(tokens, max_new, strict=True)]
+    out = model.generate(ids, max_new_tokens=max(max_new), attention_mask=mask, cache_dtype=cache_dtype)  # (B, T + steps)
+    return [row[t : t + n] for row, n in zip(out.tolist(), max_new, strict=True)]
 
 
 def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], block_size: int, watch: list | None = None,
@@ -182,8 +162,8 @@ def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_d
     prompt = torch.randint(0, model.config.vocab_size, (1, context - 1), generator=g)
     steps: dict[str, Callable[[], None]] = {}
     static = model.new_caches(1, context + 64, cache_dtype)
-    _last_logits(model, prompt, positions(None, 1, context - 1, prompt.device), None, static)
-    steps["static"] = lambda: _last_logits(model, prompt[:, -1:], torch.tensor([[len(static[0])]]), None, static)
+    model(prompt, cache=static, logits_to_keep=1)
+    steps["static"] = lambda: model(prompt[:, -1:], positions=torch.tensor([[len(static[0])]]), cache=static, logits_to_keep=1)
     for name, scatter in (("paged_view", False), ("paged_gather", True)):
         blocks = 2 * math.ceil((context + 64) / block_size) + 2
         caches = model.new_paged_caches(blocks, block_size, cache_dtype)
