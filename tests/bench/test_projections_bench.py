@@ -40,3 +40,19 @@ def test_the_widened_way_is_timed_for_bfloat16_on_a_cpu_without_its_dot_products
         assert r.widened_ms is not None and r.widened_ms > 0, rows
     assert r.auto == "widened"  # more rows than the panels take there
     assert bench.projection("tiny", 1, torch.float32, shape=(2304, 64), repeats=2).widened_ms is None
+
+
+def test_int8_prints_the_widened_weight_against_the_panels_and_what_the_layer_takes(capsys):
+    """``--int8``: one row per projection and row count, both ways timed where the panels take the int8 weight, and the
+    layer's own choice named: the panels at up to WIDE_ROWS rows where ``Int8Linear`` says so."""
+    from headwise import quantize
+
+    wide, ours, takes = bench.int8_projection("attn.c_proj", 17, torch.float32, repeats=2)
+    probe = quantize.Int8Linear(torch.randn(768, 768))
+    assert wide > 0 and (ours is None) == (quantize.panel_sums(torch.zeros(1, 768, dtype=torch.bfloat16), probe.weight) is None)
+    assert takes == probe.uses_panels(torch.randn(17, 768))
+    bench.main(["--int8", "--names", "attn.c_proj", "--rows", "1,17", "--dtypes", "fp32"])
+    out = capsys.readouterr().out
+    assert "family" in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if line.startswith("| fp32 | attn.c_proj |")]
+    assert len(rows) == 2 and all(line.endswith(("| panels |", "| widened |")) for line in rows)

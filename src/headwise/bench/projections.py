@@ -7,7 +7,9 @@ and, where they run, the panels GEMM on the weight packed once (``headwise.linea
 interleaved, medians (oneDNN's only where its private ops work in that dtype: ``onednn.ops_error``; on CPUs without
 AVX-512 they refuse bfloat16); ``auto`` names the path the rule takes for that call on this machine
 (``headwise.linear.path_for``); for bfloat16 on a CPU without native bfloat16 dot products the float32 GEMM of the
-operands widened (``widened``) is timed too. Nothing here decides anything: the rule reads CPU facts only.
+operands widened (``widened``) is timed too. ``--int8``: each projection as an ``Int8Linear`` with bfloat16
+activations, its weight widened to bfloat16 on each call (torch's GEMM) against the panels over the int8 weight. Nothing
+here decides anything: the rule reads CPU facts only.
 """
 
 from __future__ import annotations
@@ -71,6 +73,27 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
     return Row(name, rows, ms["torch"], ms.get("onednn"), auto, ms.get("panels"), ms.get("widened"))
 
 
+@torch.no_grad()
+def int8_projection(name: str, rows: int, dtype: torch.dtype, *, repeats: int = 15, seed: int = 0) -> tuple[float, float | None, bool]:
+    """``rows`` rows of ``dtype`` through projection ``name`` as an ``Int8Linear`` with bfloat16 activations, two ways:
+    torch's GEMM of the weight widened to bfloat16 on each call (``quantize._gemm``) and the panels GEMM over the int8
+    weight packed once (None where they do not take it), the same arithmetic. Returns (widened ms, panels ms, whether
+    the layer's own rule takes the panels for this call)."""
+    from .. import quantize
+
+    N, K = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    layer = quantize.Int8Linear(torch.randn(N, K, generator=g) / K**0.5, None if name == "lm_head" else torch.randn(N, generator=g))
+    layer.bias = None if layer.bias is None else layer.bias.to(dtype)
+    x = torch.randn(rows, K, generator=g).to(dtype)  # (rows, K)
+    ways = {"widened": lambda: quantize._gemm(x, layer.weight, layer.scales, layer.bias)}
+    if quantize.panel_sums(quantize._kernel_rows(x), layer.weight) is not None:
+        ways["panels"] = lambda: quantize._scaled(quantize.panel_sums(quantize._kernel_rows(x), layer.weight), layer.scales, layer.bias, dtype)
+    times = interleaved(ways, repeats=repeats, warmup=1)
+    ms = {way: 1000 * sorted(ts)[len(ts) // 2] for way, ts in times.items()}
+    return ms["widened"], ms.get("panels"), layer.uses_panels(x)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.projections``: a table per dtype, one row per projection and row count."""
     from .host import machine
@@ -82,9 +105,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma-separated row counts (default 1,8,16,17,32,64,256,1024)")
     p.add_argument("--names", type=_argtypes.listing(_argtypes.choice(tuple(SHAPES)), "names"), default=list(SHAPES),
                    help=f"comma-separated projections (default all: {', '.join(SHAPES)})")
+    p.add_argument("--int8", action="store_true", help="Int8Linear's bfloat16-activation calls instead: the weight widened on each call against the panels")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.int8:
+        print(f"One Int8Linear projection (bfloat16 activations), inference, GPT-2 small's shapes; {machine()}; median ms\n")
+        print("| activations | projection | rows | weight widened each call | panels, packed once | panels / widened | Int8Linear takes |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for dtype in args.dtypes:
+            for name in args.names:
+                for rows in args.rows:
+                    wide, ours, takes = int8_projection(name, rows, DTYPES[dtype], repeats=5 if name == "lm_head" else 15)
+                    cells = f"{ours:.3f} | {ours / wide:.2f}x" if ours is not None else "— | —"
+                    print(f"| {dtype} | {name} | {rows} | {wide:.3f} | {cells} | {'panels' if takes else 'widened'} |", flush=True)
+        return
     print(f"One projection's GEMM, inference, GPT-2 small's shapes; {machine()}; median ms\n")
     print("| dtype | projection | rows | F.linear | oneDNN, packed once | packed / F.linear | panels, packed once | panels / F.linear "
           "| widened | widened / F.linear | the rule takes |")
