@@ -165,6 +165,14 @@ def attention_mask(
     return mask != 0
 
 
+def transformed(*tensors: Tensor | None) -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) wraps any of these tensors: then only
+    torch's own ops run (the library's autograd Functions, C++ ops and packed weights do not take wrapped tensors)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
 def has_values(t: Tensor) -> bool:
     """False for a meta tensor (shapes and dtypes only, nothing to read); True otherwise."""
     return t.device.type != "meta"

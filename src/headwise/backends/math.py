@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._checks import transformed
 from ..observe import report
 from ..scores import softcap
 from .blocks import joined, query_blocks, rows_per_block
@@ -102,7 +103,8 @@ def weights(
     are all zeros for a query that may see no key.
     """
     record = report if steps else _silent
-    inplace = not steps and not _needs_grad(q, k, spec)  # no graph to keep: rewrite one buffer instead of allocating one per step
+    # no graph to keep: rewrite one buffer instead of allocating one per step (a torch.func transform takes no out=)
+    inplace = not steps and not _needs_grad(q, k, spec) and not transformed(q, k)
     raw = scores(q, k, float32_keys, summed)  # (B, H, t, s)
     record("scores", raw)
     edge = seen_by_all(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from .._checks import transformed
 from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
 from . import decode_kernel, packed, paged, prefill_kernel, sdpa, softcap
@@ -245,6 +246,9 @@ AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "s
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
+    Rule("math blocks under torch.func", "math", EVERY, lambda c: transformed(c.q, c.k, c.v), _math_blocks,
+         "a torch.func transform (grad, vmap, jacrev) wraps the inputs: torch's own ops only, which it transforms "
+         "(the C++ kernels and the flash-style autograd Functions do not run under it)"),
     Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _kernel, lambda c: decode_kernel.run,
          "one float32 or bfloat16 query per row on the CPU, every key seen and nothing but the scale: one C++ pass per "
          "key head (scores, softmax, weighted sum on vectors, each key and value row read once for the query heads sharing "

@@ -25,14 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from .._checks import transformed
 from .weight_cache import PACKED, cached, watchable
 
 DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's inner product runs on any x86 CPU (float16 needs CPU flags)
 
 
 def plain_tensors(*tensors: Tensor | None) -> bool:
-    """Plain tensors or parameters: no subclass (DTensor, ...) that dispatches its own way."""
-    return all(type(t) in (Tensor, nn.Parameter) for t in tensors if t is not None)
+    """Plain tensors or parameters: no subclass (DTensor, ...) that dispatches its own way, none a ``torch.func``
+    transform wraps (``_checks.transformed``)."""
+    return all(type(t) in (Tensor, nn.Parameter) for t in tensors if t is not None) and not transformed(*tensors)
 
 
 def recorded(*tensors: Tensor | None) -> bool:
@@ -94,10 +96,12 @@ def ops_error(dtype: torch.dtype) -> str | None:
     try:
         if not torch.backends.mkldnn.is_available():
             raise RuntimeError("torch was built without oneDNN")
-        gen = torch.Generator().manual_seed(0)
-        x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)  # (M, K) (N, K) (N,)
-        lo = [t.to(dtype) for t in (x, w, b)]
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # plain, packed, the backward's transposed operands
+        # whatever the caller runs in (a torch.func transform, another default dtype, autocast): the probe's own float32
+        with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            gen = torch.Generator().manual_seed(0)
+            x, w, b = (torch.randn(*shape, generator=gen, dtype=torch.float32) for shape in ((5, 8), (6, 8), (6,)))  # (M, K) (N, K) (N,)
+            lo = [t.to(dtype) for t in (x, w, b)]
+            # plain, packed, the backward's transposed operands
             got = [inner_product(*lo), inner_product(lo[0], reorder(lo[1]), lo[2]), inner_product(lo[0] @ lo[1].t(), lo[1].t(), None)]
             want = [F.linear(x, w, b), F.linear(x, w, b), x @ w.t() @ w]  # float32, whatever autocast the caller runs
         for g, r in zip(got, want, strict=True):

@@ -1,0 +1,84 @@
+"""torch.func's transforms (grad, vmap, functional_call ensembles) over the layers and the core: torch's own ops run
+under them (the C++ kernels, packed weights and the library's autograd Functions step aside), the same numbers as
+autograd and as each call alone; and oneDNN's one-time probe is not fooled by the caller's transform or default dtype."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+import headwise as hw
+from headwise.linear import onednn, path_for
+
+
+def _mha(d=512, seed=0):
+    torch.manual_seed(seed)
+    return hw.MultiHeadAttention(d, d, context_length=16, dropout=0.0, num_heads=8).eval()
+
+
+def test_grad_of_a_layer_equals_autograds():
+    m = _mha()
+    x = torch.randn(2, 7, 512)
+    got = grad(lambda t: m(t).square().sum())(x)
+    xr = x.clone().requires_grad_()
+    m(xr).square().sum().backward()
+    torch.testing.assert_close(got, xr.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_of_a_layer_equals_each_call_alone():
+    m = _mha()
+    x = torch.randn(3, 2, 7, 512)
+    with torch.no_grad():
+        got = vmap(m)(x)
+        want = torch.stack([m(xi) for xi in x])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("terms", [{"softcap": 5.0}, {"sinks": "sinks"}])
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_grad_through_softcap_and_sinks_equals_the_math_backends_autograd(terms, backend):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    kw = {"sinks": torch.randn(4, generator=g, dtype=torch.float64)} if "sinks" in terms else terms
+    got = grad(lambda t: hw.attention(t, k, v, causal=True, backend=backend, **kw).sum())(q)
+    qr = q.clone().requires_grad_()
+    hw.attention(qr, k, v, causal=True, backend="math", **kw).sum().backward()
+    torch.testing.assert_close(got, qr.grad)
+
+
+def test_an_ensemble_by_stack_module_state_and_vmap_equals_each_model():
+    models = [_mha(64, seed=s) for s in range(3)]
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(3, 2, 7, 64)
+    with torch.no_grad():
+        got = vmap(lambda p, b, xx: functional_call(base, (p, b), (xx,)))(params, buffers, x)
+        want = torch.stack([m(xi) for m, xi in zip(models, x, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["vmap", "float64 default"])
+def test_onednns_probe_runs_in_its_own_float32_whatever_the_caller_runs(where):
+    """The probe, run once at the first float32 call that asks it, gives the machine's answer from inside a vmap or under
+    another default dtype (it used to fail there, and turn oneDNN off for the whole process)."""
+    answer = onednn.ops_error(torch.float32)  # this machine's, from a plain context
+    onednn.ops_error.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if answer is None else "ignore")
+            if where == "vmap":
+                vmap(lambda t: t * float(onednn.ops_error(torch.float32) is None))(torch.ones(2))
+            else:
+                previous = torch.get_default_dtype()
+                torch.set_default_dtype(torch.float64)
+                try:
+                    onednn.ops_error(torch.float32)
+                finally:
+                    torch.set_default_dtype(previous)
+        assert onednn.ops_error(torch.float32) == answer
+    finally:
+        onednn.ops_error.cache_clear()
+    x, w = torch.randn(4, 512), torch.randn(512, 512)
+    assert path_for(x, w) == path_for(x.clone(), w)  # the rule answers as before
