@@ -145,6 +145,27 @@ def test_load_checked_changes_nothing_on_error_and_loads_on_success():
     assert torch.equal(mha.W_key.weight, good["W_key.weight"])
 
 
+def test_a_meta_tensor_is_refused_by_name_before_anything_is_copied():
+    """A meta tensor has the right shape and no values: the check names it (torch's copy failed at it, after copying the
+    entries before it); a module on the meta device still takes one by assignment (only shapes are read there)."""
+    mha = hw.MultiHeadAttention(8, 8, 3, 0.0, 2)
+    before = {k: v.clone() for k, v in mha.state_dict().items()}
+    state = {k: torch.randn_like(v) for k, v in mha.state_dict().items()}
+    state["out_proj.bias"] = torch.empty(8, device="meta")
+    for load in (mha.load_state_dict, lambda s: load_checked(mha, s)):
+        with pytest.raises(ValueError, match=r"no values: out_proj.bias \(a meta tensor"):
+            load(state)
+        assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())
+    gpt2 = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8))
+    hf = {"c_attn.weight": torch.randn(8, 24), "c_attn.bias": torch.randn(24), "c_proj.weight": torch.randn(8, 8),
+          "c_proj.bias": torch.empty(8, device="meta")}
+    kept = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    with pytest.raises(ValueError, match=r"no values: c_proj.bias"):
+        hw.convert.gpt2_attention_from_hf(gpt2, hf)
+    assert all(torch.equal(kept[k], v) for k, v in gpt2.state_dict().items())
+    hw.MultiHeadAttention(8, 8, 3, 0.0, 2).to("meta").load_state_dict(state, assign=True)
+
+
 @pytest.mark.parametrize(
     ("key", "legacy"),
     [("h.0.attn.bias", True), ("h.0.attn.masked_bias", True), ("bias", True), ("masked_bias", True),

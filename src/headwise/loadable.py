@@ -33,6 +33,7 @@ def remap(
     ignore: Callable[[str], bool] = lambda key: False,
     optional: Mapping[str, tuple[int, ...]] | None = None,
     floating: Collection[str] = (),
+    valued: Collection[str] = (),
     source: str = "state dict",
 ) -> dict[str, Tensor]:
     """Rename keys, transpose the named weights, check every key and shape; return a new dict.
@@ -47,16 +48,18 @@ def remap(
             ``mask``, which its state dicts carry and headwise does not store).
         floating: target keys that hold floating-point values: an integer or bool tensor
             for one of them is refused rather than cast.
+        valued: target keys whose tensors hold values: a meta tensor (a shape, no values) for
+            one of them is refused (torch's copy would fail there, after the entries before it).
         source: names the origin (a file, say) in the error message.
 
     Raises:
-        ValueError: listing every missing, unexpected, duplicated, mis-shaped and
+        ValueError: listing every missing, unexpected, duplicated, mis-shaped, valueless and
             mis-typed key at once.
     """
     optional = optional or {}
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}  # target key -> the incoming key that gave it
-    unexpected, duplicated, misshaped, mistyped = [], [], [], []
+    unexpected, duplicated, misshaped, mistyped, valueless = [], [], [], [], []
     for key, tensor in state.items():
         if ignore(key):
             continue
@@ -82,15 +85,19 @@ def remap(
         if name in floating and not tensor.is_floating_point():
             mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
             continue
+        if name in valued and tensor.is_meta:
+            valueless.append(key)
+            continue
         out[name] = tensor
     missing = [k for k in expected if k not in origin]
-    if missing or unexpected or duplicated or misshaped or mistyped:
+    if missing or unexpected or duplicated or misshaped or mistyped or valueless:
         lines = [f"cannot load {source}; nothing was loaded:"]
         lines += [f"  missing: {k}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
         lines += [f"  duplicate: {d}" for d in duplicated]
         lines += [f"  wrong shape: {m}" for m in misshaped]
         lines += [f"  wrong dtype: {m}" for m in mistyped]
+        lines += [f"  no values: {k} (a meta tensor: a shape without values)" for k in valueless]
         raise ValueError("\n".join(lines))
     return out
 
@@ -115,7 +122,9 @@ def check_state(
     expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
     optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
     floating = [name for name in expected if stored[name].is_floating_point()]
-    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating, source=str(source))
+    valued = {name for name in expected if not stored[name].is_meta}
+    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating,
+                 valued=valued, source=str(source))
 
 
 class StateDictError(ValueError, RuntimeError):
