@@ -348,3 +348,49 @@ def test_unseeded_sampling_repeats_under_torch_manual_seed():
         torch.manual_seed(5)
         runs.append(generate_many(model, prompts(1)[:3], 6, temperature=1.0))
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_a_step_called_inside_a_step_is_refused_and_the_requests_go_on_as_alone():
+    """``step`` from a hook inside a step: a RuntimeError, the outer step rolled back; the tokens are still each
+    request's own (an inner step that ran used to commit under the outer one, whose roll-back then cut the caches
+    under it: later tokens silently wrong)."""
+    model = model_named("llama-gqa")
+    batcher = Batcher(model, num_blocks=16, block_size=4)
+    for p, n in zip(prompts()[:2], NEW[:2], strict=True):
+        batcher.submit(p, n)
+    out: dict[int, list[int]] = {}
+    for request, token in batcher.step():
+        out.setdefault(request, []).append(token)
+    inner = []
+    hook = model.attention_layers()[0].register_forward_pre_hook(lambda module, args: inner.append(batcher.step()) if not inner else None)
+    try:
+        with pytest.raises(RuntimeError, match="while a step is running"):
+            batcher.step()
+    finally:
+        hook.remove()
+    assert all(batcher.caches[0].length(r.id) == r.fed for r in batcher._running)
+    for request, token in batcher.stream():
+        out.setdefault(request, []).append(token)
+    assert [out[i] for i in range(2)] == list(greedy_alone("llama-gqa", 0)[:2])
+
+
+def test_blocks_and_tokens_held_are_the_fullest_layers():
+    """A model whose layers slide by different windows: the pools hold different counts; the Batcher reports the
+    fullest (it read layer 0's)."""
+    model = llama(windows=(3, 12))
+    batcher = Batcher(model, num_blocks=32, block_size=2)
+    batcher.submit(torch.arange(1, 20), 10)
+    batcher.step()
+    blocks = [c.num_blocks - c.free_blocks for c in batcher.caches]
+    tokens = [c.length(0) - c.first_held(0) for c in batcher.caches]
+    assert blocks[0] < blocks[1] and (batcher.blocks_held, batcher.tokens_held) == (max(blocks), max(tokens))
+
+
+def test_a_batcher_made_under_inference_mode_serves_outside_it():
+    """Pools made under ``torch.inference_mode`` (a server's start-up, another thread) take the steps' writes outside it
+    (torch refused an in-place write to an inference tensor there)."""
+    model = model_named("gpt2")
+    with torch.inference_mode():
+        batcher = Batcher(model, num_blocks=16, block_size=4)
+    batcher.submit(prompts()[0], NEW[0])
+    assert [token for _, token in batcher.stream()] == greedy_alone("gpt2", 0)[0]

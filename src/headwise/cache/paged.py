@@ -51,8 +51,9 @@ class PagedKVCache(Owned):
             _checks.positive_int(name, value)
         _checks.floating_dtype("dtype", dtype)
         self.block_size, self.window = block_size, _checks.window(window, causal=True)
-        self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
-        self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
+        with torch.inference_mode(False):  # made under inference_mode too, the pools take writes outside it (another thread's)
+            self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
+            self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
         self._k1, self._v1 = self.k[None], self.v[None]  # (1, Hkv, N*Bs, D) views: what a read slices
         self._free = list(range(num_blocks - 1, -1, -1))  # free blocks set aside for no one; pop() hands out the lowest first
         self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)

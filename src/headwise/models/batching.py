@@ -115,13 +115,13 @@ class Batcher:
 
     @property
     def blocks_held(self) -> int:
-        """Blocks the running requests hold in each layer's pool."""
-        return self.caches[0].num_blocks - self.caches[0].free_blocks
+        """Blocks the running requests hold in a layer's pool: the most any layer holds (a sliding layer's fewer)."""
+        return max(c.num_blocks - c.free_blocks for c in self.caches)
 
     @property
     def tokens_held(self) -> int:
-        """Tokens whose keys and values each layer's pool holds."""
-        return sum(self.caches[0].length(r.id) - self.caches[0].first_held(r.id) for r in self._running)
+        """Tokens whose keys and values a layer's pool holds: the most any layer holds (a sliding layer's fewer)."""
+        return max(sum(c.length(r.id) - c.first_held(r.id) for r in self._running) for c in self.caches)
 
     def submit(self, prompt: Tensor, max_new_tokens: int, *, eos_token_id: int | None = None, temperature: float = 0.0,
                top_k: int | None = None, seed: int | None = None) -> int:
@@ -200,7 +200,12 @@ class Batcher:
 
         Raises:
             TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
+            RuntimeError: a step is running already (``step`` called from a hook or callback inside one); nothing
+                changes.
         """
+        if self._stepping:
+            raise RuntimeError("step() was called while a step is running (from a hook or callback inside it): a step "
+                               "is not reentrant; submit() and cancel() may be called there, and take effect at the next step")
         self._stepping = True
         try:
             tokens = self._step()
