@@ -419,3 +419,24 @@ def test_a_cache_takes_its_own_dtype_or_float32_into_bfloat16_only(held, given):
         with pytest.raises(TypeError, match=rf"the cache is {held}, but the keys and values are {given}: a cache holds their dtype, or torch.bfloat16 for float32"):
             hw.attention(q, k, v, causal=True, cache=c)
     assert len(cache) == 0 and pool.length(0) == 0  # refused before anything was written
+
+
+def test_a_written_cache_pickles_and_a_deepcopied_module_and_cache_go_on_together():
+    """A cache a module wrote pickles (without its owner: the loaded one belongs to the first module that writes it) and
+    ``copy.deepcopy((module, cache))`` gives a pair that goes on as the original does (the copy belonged to the
+    original module, and its module was refused)."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    m = hw.MultiHeadAttention(32, 32, context_length=40, dropout=0.0, num_heads=4).eval()
+    cache, x = hw.KVCache(1, 4, 40, 8), torch.randn(1, 6, 32)
+    with torch.no_grad():
+        m(x[:, :4], cache=cache)
+        m2, cache2 = copy.deepcopy((m, cache))
+        loaded = pickle.loads(pickle.dumps(cache))  # our own bytes, in this process
+        want = m(x[:, 4:6], cache=cache)
+        assert torch.equal(m2(x[:, 4:6], cache=cache2), want)
+        with pytest.raises(ValueError, match="belongs to"):
+            m(x[:, 4:5], cache=cache2)  # the copy is the copied module's
+        assert torch.equal(m2(x[:, 4:6], cache=loaded), want)  # nobody's until written

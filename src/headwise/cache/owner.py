@@ -6,6 +6,7 @@ another layer's projections of the context (a ``ContextCache``): numbers that ru
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 
@@ -33,6 +34,25 @@ class Owned:
         self.check_owner(owner)
         if self._owner is None or self._owner() is None:
             self._owner = weakref.ref(owner)
+
+    def __getstate__(self) -> dict:
+        """Pickled without its owner (a module is not saved with its cache): the loaded cache belongs to the first module
+        that writes it."""
+        state = self.__dict__.copy()
+        state.pop("_owner", None)
+        return state
+
+    def __deepcopy__(self, memo: dict) -> Owned:
+        """A copy of the contents; it belongs to the copy of its owner where the same ``deepcopy`` copied that module
+        (``copy.deepcopy((model, caches))``), else to the first module that writes it."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__getstate__().items():
+            object.__setattr__(new, name, copy.deepcopy(value, memo))
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and id(owner) in memo:
+            new._owner = weakref.ref(memo[id(owner)])
+        return new
 
 
 def _describe(module: object) -> str:
