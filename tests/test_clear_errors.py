@@ -71,3 +71,13 @@ def test_an_unknown_keyword_is_named_beside_the_ones_taken():
     with pytest.raises(TypeError, match=r"attention\(\) got unexpected keyword argument\(s\) 'causl'; it takes q, k, v, causal, window, mask"):
         hw.attention(q, q, q, causl=True)
     assert torch.equal(hw.attention(q=q, k=q, v=q, causal=True), hw.attention(q, q, q, causal=True))  # q, k, v by name still
+
+
+def test_a_float64_input_under_cpu_autocast_is_named():
+    """autocast casts float32 and the half dtypes, not float64: a float64 x into a float32 layer is the same TypeError
+    as outside it (it failed inside torch's matmul); a float32 x under autocast still runs."""
+    m = hw.MultiHeadAttention(32, 32, context_length=40, dropout=0.0, num_heads=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match=r"x has dtype torch.float64 but MultiHeadAttention's parameters are torch.float32"):
+            m(torch.randn(2, 5, 32, dtype=torch.float64))
+        assert m(torch.randn(2, 5, 32)).dtype == torch.bfloat16

@@ -220,13 +220,15 @@ def same_device(name: str, t: Tensor, what: str, device: torch.device) -> None:
 
 
 def module_input(module: torch.nn.Module, x: Tensor, name: str) -> None:
-    """``x`` must be on the device of ``module``'s parameters and (outside autocast) of their dtype."""
+    """``x`` must be on the device of ``module``'s parameters and of their dtype (under autocast, which casts the other
+    floating dtypes, neither of them float64, which it leaves as it is)."""
     p = next(module.parameters(), None)
     if p is None:
         return
     owner = f"{type(module).__name__}'s parameters are"
     same_device(name, x, owner, p.device)
-    if x.dtype != p.dtype and not torch.is_autocast_enabled(x.device.type):
+    cast = torch.is_autocast_enabled(x.device.type) and torch.float64 not in (x.dtype, p.dtype)
+    if x.dtype != p.dtype and not cast:
         raise TypeError(f"{name} has dtype {x.dtype} but {owner} {p.dtype}: convert one (module.to({x.dtype}) or {name}.to({p.dtype}))")
 
 
