@@ -227,8 +227,7 @@ def module_input(module: torch.nn.Module, x: Tensor, name: str) -> None:
         return
     owner = f"{type(module).__name__}'s parameters are"
     same_device(name, x, owner, p.device)
-    cast = torch.is_autocast_enabled(x.device.type) and torch.float64 not in (x.dtype, p.dtype)
-    if x.dtype != p.dtype and not cast:
+    if x.dtype != p.dtype and (torch.float64 in (x.dtype, p.dtype) or not torch.is_autocast_enabled(x.device.type)):
         raise TypeError(f"{name} has dtype {x.dtype} but {owner} {p.dtype}: convert one (module.to({x.dtype}) or {name}.to({p.dtype}))")
 
 
