@@ -85,7 +85,13 @@ def main(argv: list[str] | None = None) -> None:
               f"({len(tokenizer.encode(text).ids)} tokens) in {time.perf_counter() - start:.0f} s")
     else:
         tokenizers = require("tokenizers", "models", "the text generation example")
-        model, tokenizer = load(args.model).eval(), tokenizers.Tokenizer.from_file(str(args.model / "tokenizer.json"))
+        if not (args.model / "tokenizer.json").is_file():
+            parser.error(f"--model must be a HuggingFace directory with config.json, weights and tokenizer.json, got {args.model}")
+        try:
+            model = load(args.model).eval()
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--model {args.model}: {e}")
+        tokenizer = tokenizers.Tokenizer.from_file(str(args.model / "tokenizer.json"))
     for prompt, continuation in zip(PROMPTS, generate_text(model, tokenizer, PROMPTS, max_new_tokens=args.max_new_tokens), strict=True):
         print(f"\n{prompt!r} ->\n{prompt}{continuation}")
 

@@ -108,7 +108,7 @@ def test_with_avx512_bf16_and_no_amx_a_batchs_rows_of_a_big_weight_take_the_pane
     takes = panels.takes(torch.zeros(1, 256, dtype=torch.bfloat16), lin.weight, None)
     for rows in (hl.DECODE_ROWS + 1, quantize.WIDE_ROWS, quantize.WIDE_ROWS + 1):
         x = torch.randn(rows, 1, 256, generator=gen).to(dtype)  # (B, 1, K)
-        assert lin.uses_panels(x) == (takes and (lin._few_rows(x) or wide and rows <= quantize.WIDE_ROWS)), rows
+        assert lin.uses_panels(x) == (takes and (lin._few_rows(x) or (wide and rows <= quantize.WIDE_ROWS))), rows
         assert not lin.uses_panels(x.detach().requires_grad_())  # autograd records: torch's GEMM
         with torch.no_grad():
             got = lin(x)

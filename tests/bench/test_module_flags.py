@@ -9,7 +9,8 @@ import pytest
 
 BAD = [
     ("hf", ["--batch", "0"], "--batch: expected a positive int, got 0"),
-    ("hf", ["--tokens", "-3"], "--tokens: expected a positive int, got -3"),
+    ("hf", ["--tokens", "-3"], "--tokens: expected an int >= 2, got -3"),
+    ("hf", ["--tokens", "1"], "--tokens: expected an int >= 2, got 1"),
     ("hf", ["--models", "llama,bert"], "--models: expected a comma list of models: expected one of llama, gemma2, gpt_oss, got 'bert'"),
     ("hf", ["--models", ""], "--models: expected a comma list of models with no empty entries, got ''"),
     ("hf", ["--repeats", "2.5"], "--repeats: expected a positive int, got '2.5'"),

@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--models", type=_argtypes.listing(_argtypes.choice(list(MODELS)), "models"), default=list(MODELS),
                    help=f"comma list of {list(MODELS)} (default: all)")
     p.add_argument("--batch", type=positive, default=4)
-    p.add_argument("--tokens", type=positive, default=1024)
+    p.add_argument("--tokens", type=_argtypes.integer(2), default=1024, help="T (at least 2; default 1024)")
     p.add_argument("--layers", type=positive, default=2)
     p.add_argument("--repeats", type=positive, default=3)
     args = p.parse_args(argv)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from .. import _argtypes
 from ..config import GPT2Config
 from ..models import loading
 from ..models.gpt2 import GPT2LMHeadModel
@@ -33,11 +34,18 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="a HuggingFace GPT-2 directory (default: GPT-2 small's shape, random weights)")
     p.add_argument("--prompt", default="Heads are independent until the output projection, so", help="prompt text (needs --model with tokenizer.json)")
     p.add_argument("--ids", default="464, 2068, 7586, 21831", help="prompt token ids, comma-separated (used without a tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="weights (without --model) and the sampling generator")
-    return p.parse_args(argv)
+    p.add_argument("--max-new-tokens", type=_argtypes.integer(1), default=12)
+    p.add_argument("--temperature", type=_argtypes.number(0.0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=_argtypes.integer(1), default=None)
+    p.add_argument("--seed", type=_argtypes.integer(0), default=0, help="weights (without --model) and the sampling generator")
+    args = p.parse_args(argv)
+    try:
+        args.ids = [int(i) for i in args.ids.split(",")]
+    except ValueError:
+        p.error(f"--ids must be comma-separated token ids, got {args.ids!r}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model must be a HuggingFace GPT-2 directory with config.json, got {args.model}")
+    return args
 
 
 def _tokenizer(model_dir: Path | None):
@@ -54,10 +62,10 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def run(argv: list[str] | None = None) -> list[int]:
+def run(argv: list[str] | argparse.Namespace | None = None) -> list[int]:
     """The demo on an initialised process group: shard, generate, print; returns this rank's tokens. The model goes
     where the group's collectives run: this rank's GPU under nccl, the CPU under gloo."""
-    args = _args(argv)
+    args = argv if isinstance(argv, argparse.Namespace) else _args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.model is not None:
@@ -72,7 +80,7 @@ def run(argv: list[str] | None = None) -> list[int]:
     model = parallelize(model.to(device), init_device_mesh(device.type, (world,)))
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     tokenizer = _tokenizer(args.model)
-    ids = tokenizer.encode(args.prompt).ids if tokenizer else [int(i) for i in args.ids.split(",")]
+    ids = tokenizer.encode(args.prompt).ids if tokenizer else args.ids
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.temperature > 0 else None
     out = model.generate(
         torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
@@ -90,13 +98,14 @@ def run(argv: list[str] | None = None) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``torchrun`` entry: join the process group (nccl on GPUs, gloo on CPUs), run, leave."""
+    """``torchrun`` entry: the arguments checked, then join the process group (nccl on GPUs, gloo on CPUs), run, leave."""
+    args = _args(argv)
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        run(argv)
+        run(args)
     finally:
         dist.destroy_process_group()
 
