@@ -470,6 +470,10 @@ BAD_COMMAND_LINES = [
     (["bench", "--modes", "serving", "--tokens", "64"], r"--tokens applies to --modes forward,backward,memory,decode,hf,compile only, not to --modes serving"),
     (["bench", "--modes", "model-decode", "--batch", "8"], r"--batch applies to --modes forward,backward,memory,decode,hf,compile only, not to --modes model-decode"),
     (["bench", "--list", "--batch", "2"], r"--list lists the implementations and runs nothing: it takes no other flags, got --batch"),
+    (["bench", "--modes", "hf", "--markdown", "t.md"], r"--markdown applies to --modes forward,backward,memory,decode,compile only, not to --modes hf"),
+    (["bench", "--modes", "serving", "--json", "r.json"], r"--json applies to --modes forward,backward,memory,decode,compile only, not to --modes serving"),
+    (["bench", "--modes", "model-decode", "--plot", "p.png"], r"--plot applies to --modes forward,backward,memory,decode,compile only, not to --modes model-decode"),
+    (["bench", "--modes", "hf", "--no-ceiling"], r"--no-ceiling applies to --modes forward,backward,memory,decode,compile only, not to --modes hf"),
     (["bench", "--impls", "nothing-like-this", "--no-ceiling", "--plot", "", "--tokens", "8", "--preset", "tiny"], r"impls \['nothing-like-this'\] match no implementation"),
     (["bench", "--modes", "decode", "--tokens", "2000", "--no-ceiling", "--plot", ""], r"mode 'decode' takes contexts in \[2, 1024\] \(GPT-2's n_positions\), got \[2000\]"),
 ]

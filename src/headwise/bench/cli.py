@@ -39,7 +39,12 @@ USES = {
     "max_scores_gib": ("forward", "backward", "memory"),
     "warmup": ("forward", "backward", "decode", "hf", "compile"),
     "repeats": ("forward", "backward", "decode", "hf", "compile"),
+    "markdown": MODES,  # the layer table's files and its GEMM ceiling: hf, serving and model-decode print their own
+    "json": MODES,
+    "plot": MODES,
+    "no_ceiling": MODES,
 }
+PLOT = "headwise-bench.png"  # --plot's default
 DEFAULTS = {"preset": ["small"], "tokens": [1024], "batch": 4, "dtype": ["fp32"], "modes": ["forward", "backward"], "repeats": 5,
             "warmup": 2, "max_scores_gib": 8.0}
 
@@ -47,6 +52,7 @@ DEFAULTS = {"preset": ["small"], "tokens": [1024], "batch": 4, "dtype": ["fp32"]
 def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Refuse flags that the chosen modes (or --list) would ignore; fill in the defaults of those not given."""
     given = [dest for dest in vars(args) if dest not in ("_memory_child", "device", "plot") and getattr(args, dest) not in (None, False)]
+    given += ["plot"] if args.plot not in (PLOT, "") else []  # a plot asked for by name
     if args.list and given != ["list"]:
         p.error(f"--list lists the implementations and runs nothing: it takes no other flags, got {', '.join(_flag(d) for d in given if d != 'list')}")
     if args.variants and set(given) - {"variants", "repeats", "warmup", "busy"}:
@@ -94,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GEMM ceiling measured there, CUDA memory)")
     p.add_argument("--markdown", type=path, help="also write the table to this file")
-    p.add_argument("--plot", default="headwise-bench.png", help="PNG path ('' for none; default headwise-bench.png)")
+    p.add_argument("--plot", default=PLOT, help=f"PNG path ('' for none; default {PLOT})")
     p.add_argument("--json", type=path, help="write the raw report here")
     p.add_argument("--list", action="store_true", help="list the implementations and exit")
     p.add_argument("--variants", action="store_true", help="packed documents, softcap, sinks, ALiBi against the other ways (headwise.bench.variants)")
