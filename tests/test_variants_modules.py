@@ -90,6 +90,19 @@ def test_alibi_slopes_follow_the_standard_rule():
     assert torch.equal(_module(alibi=True).alibi_slopes, alibi_slopes(4).double())
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_alibi_slopes_of_a_module_built_on_meta_are_refilled(assign):
+    """The slopes stay out of the state dict, so a load never reaches them: ``to_empty`` refills them."""
+    m = _module(alibi=True)
+    with torch.device("meta"):
+        skeleton = hw.MultiHeadAttention(12, 12, 32, 0.0, num_heads=4, qkv_bias=True, alibi=True).double()
+    assert skeleton.alibi_slopes.is_meta
+    skeleton.to_empty(device="cpu").load_state_dict(m.state_dict(), assign=assign)
+    assert torch.equal(skeleton.alibi_slopes, m.alibi_slopes)
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    assert torch.equal(skeleton.eval()(x), m(x))
+
+
 # ----------------------------------------------------------------------------- cross-attention
 
 

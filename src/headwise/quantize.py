@@ -306,13 +306,13 @@ class Int8Linear(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Int8Linear:
         """``module.to(dtype)`` (``.bfloat16()``, ``.double()``) casts floating buffers; the scales stay float32 and the
         unit scales bfloat16, the arithmetic's own (rounded to bfloat16, the scales would move every output channel by
-        up to 2**-9), wherever ``fn`` moves them."""
-        scales, ones = self.scales, self._ones
+        up to 2**-9), wherever ``fn`` moves them. The unit scales are made anew there: they stay out of the state dict, so
+        after ``to_empty`` no load would give them values."""
+        scales = self.scales
         super()._apply(fn, recurse)
         if self.scales.dtype != scales.dtype:
             self.scales = scales.to(self.scales.device)
-        if self._ones.dtype != ones.dtype:
-            self._ones = ones.to(self._ones.device)
+        self._ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self._ones.device)  # (N,)
         return self
 
     @property

@@ -68,7 +68,8 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> Tensor:
-    """The R/2 angular speeds, ``theta ** (-2i / R)``, scaled as ``scaling`` says; float64.
+    """The R/2 angular speeds, ``theta ** (-2i / R)``, scaled as ``scaling`` says; float64 on the CPU
+    (made there whatever the default device: a model built on "meta" keeps real frequencies).
 
     Example:
         >>> inverse_frequencies(4, theta=100.0)
@@ -78,7 +79,7 @@ def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Map
         raise ValueError(f"rotary_dim must be even (dims rotate in pairs), got {rotary_dim}")
     theta = _checks.number("theta", theta, low=1.0, low_open=True, high_open=True)
     scaling = check_scaling(scaling)
-    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)  # (R/2,)
+    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)  # (R/2,)
     kind = "default" if scaling is None else scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -184,9 +185,8 @@ class RotaryEmbedding:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
         self.layout = layout
-        self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64
-        # the same numbers as constants, for torch.compile (see ``at``); a meta skeleton has none
-        self._inv_freq_values = None if self.inv_freq.is_meta else tuple(self.inv_freq.tolist())
+        self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64, on the CPU
+        self._inv_freq_values = tuple(self.inv_freq.tolist())  # the same numbers as constants, for torch.compile (see ``at``)
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._freqs: dict[torch.device, Tensor] = {}
 
@@ -237,8 +237,7 @@ class RotaryEmbedding:
             if isinstance(positions, Tensor):
                 _checks.position_table("positions", positions, t)
             ids = positions if isinstance(positions, Tensor) else torch.arange(positions, positions + t, device=device)  # (B, T) or (T,)
-            values = self._inv_freq_values
-            inv_freq = self.inv_freq.to(device) if values is None else torch.tensor(values, dtype=torch.float64, device=device)  # (R/2,)
+            inv_freq = torch.tensor(self._inv_freq_values, dtype=torch.float64, device=device)  # (R/2,)
             cos, sin = self._cos_sin(ids.to(torch.float64)[..., None] * inv_freq)  # (B, T, R) or (T, R) each
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if isinstance(positions, Tensor) else (cos, sin)  # (B, 1, T, R) or (T, R)
         if isinstance(positions, Tensor):

@@ -20,6 +20,8 @@ and ``load_state_dict`` accepts one, and ``module.mask`` builds it on demand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -230,7 +232,19 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         if sinks:  # after the book's layers: same seed, same weights as the book
             self.sinks = nn.Parameter(torch.zeros(num_heads))  # (H,)
         if alibi:
+            self._alibi_of = (num_heads, 0)  # the slopes of heads start .. start + num_heads - 1 of this many (sharding moves start)
             self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> MultiHeadAttention:
+        """``to``, ``to_empty``, ``half`` ... and then the ALiBi slopes refilled from their formula: they stay out of
+        the state dict, so after ``to_empty`` (a model built on "meta") no load would give them values."""
+        super()._apply(fn, recurse)
+        slopes = self._buffers.get("alibi_slopes")
+        if slopes is not None and not slopes.is_meta:
+            total, start = self._alibi_of
+            with torch.no_grad(), torch.device("cpu"):  # the formula's numbers, whatever the default device
+                slopes.copy_(alibi_slopes(total)[start : start + slopes.shape[0]])  # (H,)
+        return self
 
     @property
     def attn_dropout_p(self) -> float:

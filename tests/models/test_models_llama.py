@@ -431,3 +431,23 @@ def test_rmsnorm_in_half_is_the_float32_norm_rounded_back_once(shape, dtype):
             wide = x.float()
             hf = norm.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # as HuggingFace writes it
             torch.testing.assert_close(got, hf)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_model_built_on_meta_loads_and_rotates_as_one_built_on_the_cpu(assign):
+    """The rotary frequencies are no state: made on the CPU whatever the default device, they survive a meta build."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    config = hm.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rope_scaling=scaling,
+    )
+    torch.manual_seed(0)
+    model = hm.LlamaForCausalLM(config).eval()
+    with torch.device("meta"):
+        skeleton = hm.LlamaForCausalLM(config).eval()
+    if not assign:
+        skeleton.to_empty(device="cpu")
+    skeleton.load_state_dict(model.state_dict(), assign=assign)
+    ids = torch.randint(0, 50, (2, 9))
+    assert torch.equal(skeleton(ids), model(ids))
+    assert torch.equal(skeleton.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))

@@ -54,7 +54,7 @@ def test_sinks_and_alibi_slopes_split_with_the_heads(ranks):
             if "sinks" in terms:
                 assert checks["loaded"] < TOL and checks["local_sinks"] == (2,)
             if "alibi" in terms:
-                assert checks["local_slopes"]
+                assert checks["local_slopes"] and checks["refilled"]
 
 
 def test_gqa_12_query_4_kv_heads_forward_gradients_and_cached_decoding(ranks):

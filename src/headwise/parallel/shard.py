@@ -98,6 +98,7 @@ def _shard_per_head_terms(layer: AttentionLayer, mesh: DeviceMesh) -> None:
     if slopes is not None:
         local = slopes.shape[0] // n
         layer.alibi_slopes = slopes[rank * local : (rank + 1) * local].clone()  # (H/n,)
+        layer._alibi_of = (slopes.shape[0], rank * local)  # what a later ``to_empty`` refills
     sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
         layer.sinks = nn.Parameter(distribute_tensor(sinks.detach(), mesh, [Shard(0)]), requires_grad=sinks.requires_grad)  # (H,) of H/n a rank
