@@ -40,6 +40,28 @@ def test_preallocated_and_written_in_place():
     torch.testing.assert_close(keys, k2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["plain", "sliding", "int8"])
+def test_a_cache_made_under_inference_mode_takes_writes_outside_it(kind):
+    """A cache made at a server's start-up (often under ``torch.inference_mode``) decodes in ``no_grad`` later: torch
+    refuses in-place writes to inference tensors outside that mode, so the buffers are made as ordinary ones."""
+    torch.manual_seed(0)
+    m = hw.MultiHeadAttention(16, 16, 32, 0.0, num_heads=4, window=3 if kind == "sliding" else None).eval()
+    x = torch.randn(1, 6, 16)
+
+    def new():
+        if kind == "sliding":
+            return hw.KVCache.sliding(1, 4, 3, 4)
+        return hw.KVCache(1, 4, 16, 4, dtype=torch.int8 if kind == "int8" else torch.float32)
+
+    with torch.inference_mode():
+        made_there = new()
+    here = new()
+    with torch.no_grad():
+        for cache in (made_there, here):
+            m(x[:, :4], cache=cache)
+        assert torch.equal(m(x[:, 4:], cache=made_there), m(x[:, 4:], cache=here))
+
+
 def test_full_cache_and_bad_writes_are_clear_errors():
     cache = hw.KVCache(1, 2, 4, 3)
     cache.update(torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3))

@@ -394,3 +394,7 @@ def test_a_batcher_made_under_inference_mode_serves_outside_it():
         batcher = Batcher(model, num_blocks=16, block_size=4)
     batcher.submit(prompts()[0], NEW[0])
     assert [token for _, token in batcher.stream()] == greedy_alone("gpt2", 0)[0]
+    with torch.inference_mode():  # a request taken there (17 tokens: slot maps of 32): its slot maps are written outside it
+        batcher.submit(prompts()[1], NEW[1])
+        batcher.step()
+    assert [token for _, token in batcher.stream()] == greedy_alone("gpt2", 0)[1][1:]

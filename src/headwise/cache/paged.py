@@ -128,7 +128,8 @@ class PagedKVCache(Owned):
             raise ValueError(f"seq_id {seq_id} is already in the cache: free it first, or pick another id")
         _checks.integer("reserve", reserve, low=0)
         self._tables[seq_id], self._lens[seq_id], self._run[seq_id], self._gone[seq_id] = [], 0, True, 0
-        self._slots[seq_id] = torch.empty(0, dtype=torch.long, device=self.k.device)
+        with torch.inference_mode(False):  # a slot map grows in place, in or out of inference_mode
+            self._slots[seq_id] = torch.empty(0, dtype=torch.long, device=self.k.device)
         want = math.ceil(reserve / self.block_size)
         first = self._find_run(want) if want else None
         if first is not None:  # set the run aside: out of the shared free list, into this sequence's plan
@@ -290,8 +291,9 @@ class PagedKVCache(Owned):
         self._refs[block] += 1
         slots = self._slots[seq_id]
         if slots.numel() < len(table) * bs:  # grow the slot map by doubling: one copy per doubling, not per block
-            grown = torch.empty(max(2 * slots.numel(), len(table) * bs), dtype=torch.long, device=slots.device)
-            grown[: slots.numel()] = slots
+            with torch.inference_mode(False):
+                grown = torch.empty(max(2 * slots.numel(), len(table) * bs), dtype=torch.long, device=slots.device)
+                grown[: slots.numel()] = slots
             self._slots[seq_id] = slots = grown
         slots[index * bs : (index + 1) * bs] = torch.arange(block * bs, (block + 1) * bs, device=slots.device)
         return block

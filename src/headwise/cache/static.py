@@ -84,9 +84,10 @@ class KVCache(Owned, Spendable):
         _checks.cache_storage("dtype", dtype, head_dim)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
         row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim  # 8-bit rows: D int8 values and a float32 scale
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, row, dtype=dtype, device=device)  # (B, Hkv, L, D) (+ 4 bytes)
-        self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D) (+ 4 bytes)
-        self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
+        with torch.inference_mode(False):  # made under inference_mode too, the buffers take writes outside it
+            self.k = torch.zeros(batch_size, num_kv_heads, max_len, row, dtype=dtype, device=device)  # (B, Hkv, L, D) (+ 4 bytes)
+            self.v = torch.zeros_like(self.k)  # (B, Hkv, L, D) (+ 4 bytes)
+            self.is_token = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) True = real token
         self._padded = False  # did any stored position come with a padding mask?
         self._pads: Tensor | None = None  # (B,) padding tokens written to each row; None while no write had any mask
         self._len = 0
