@@ -129,12 +129,18 @@ def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for dest, value in EXPLAIN_DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)
+    if args.rope and args.head_dim % 2:
+        ex.error(f"--head-dim must be even with --rope (dimensions rotate in pairs), got {args.head_dim}")
+    if not args.rope and args.d_out % args.heads:
+        ex.error(f"--d-out must be a multiple of --heads (d_out = heads * head_dim), got --d-out {args.d_out} and --heads {args.heads}")
+    if not args.rope and args.documents is not None and sum(args.documents) != args.tokens:
+        ex.error(f"--documents must add up to --tokens ({args.tokens}), got {','.join(map(str, args.documents))} (sum {sum(args.documents)})")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="headwise", description="Multi-head attention, explained and fast.")
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("demo", help="the book's walkthrough end to end (~20 s)")
+    demo = sub.add_parser("demo", help="the book's walkthrough end to end (~20 s)")
     ex = sub.add_parser(
         "explain", help="Steps 1-10 of multi-head attention, read off a real forward pass",
         description="Build MultiHeadAttention(d_in, d_out, context_length=tokens, dropout=0.0, num_heads) under a seed, "
@@ -181,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "bench":
             _bench(args, rest)
-        elif rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        elif rest:  # the command's own usage, not the top level's
+            {"demo": demo, "explain": ex, "heads": hd, "grade": gr}[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
         elif args.command == "demo":
             _demo(args)
         elif args.command == "heads":
