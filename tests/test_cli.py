@@ -202,3 +202,25 @@ def test_python_dash_m_headwise_is_the_command():
 
     done = subprocess.run([sys.executable, "-m", "headwise", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage: headwise")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["heads", "--out", "{missing}/h.html"], "argument --out: expected a file name in a folder that exists, got '{missing}/h.html'"),
+    (["heads", "--png", "{tmp}"], "argument --png: expected a file name, got the folder '{tmp}'"),
+    (["bench", "--markdown", "{missing}/t.md"], "argument --markdown: expected a file name in a folder that exists"),
+    (["bench", "--json", "{tmp}"], "argument --json: expected a file name, got the folder '{tmp}'"),
+    (["bench", "--plot", "{missing}/p.png"], "argument --plot: expected a PNG file name in a folder that exists"),
+])
+def test_a_file_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    """An output path is checked when the flags are read: a long run does not end in 'cannot write'."""
+    import headwise.bench.cli as bench_cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench_cli, "run", never)
+    where = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(**where) for arg in argv])
+    assert exit_info.value.code == 2
+    assert message.format(**where) in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Sequence
 
 
@@ -84,6 +85,27 @@ def text(what: str) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(
                 f"expected {what} in UTF-8, got bytes that are not UTF-8 ({bad!r} at character {e.start})"
             ) from None
+        return value
+
+    return parse
+
+
+def output(what: str, *, none: str | None = None) -> Callable[[str], str]:
+    """A file to write later, checked now (before any work): its folder exists and is writable, and it is not a folder.
+    ``none``: the value that asks for no file (returned as it is)."""
+    name = text(what)
+
+    def parse(value: str) -> str:
+        if none is not None and value == none:
+            return value
+        value = name(value)
+        folder = os.path.dirname(os.path.abspath(value))
+        if os.path.isdir(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got the folder {value!r}")
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"expected {what} in a folder that exists, got {value!r} ({folder} does not exist)")
+        if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"expected {what} that can be written, got {value!r} (no permission)")
         return value
 
     return parse

@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
                     "on headwise (default: the packaged all-MiniLM-L6-v2)")
     hd.add_argument("--text", default=None, type=_argtypes.text("a sentence"),
                     help="the sentence (default: the book's 'Your journey starts with one step.')")
-    hd.add_argument("--out", default="heads.html", type=_argtypes.text("a file name"), help="the page to write (default: heads.html)")
-    hd.add_argument("--png", metavar="FILE", type=_argtypes.text("a file name"), help="also draw the grid as a PNG picture (matplotlib)")
+    hd.add_argument("--out", default="heads.html", type=_argtypes.output("a file name"), help="the page to write (default: heads.html)")
+    hd.add_argument("--png", metavar="FILE", type=_argtypes.output("a file name"), help="also draw the grid as a PNG picture (matplotlib)")
     gr = sub.add_parser("grade", help="check your own attention classes against the book's, step by step")
     gr.add_argument("path", type=_argtypes.text("a .py file or a module path"), help="your .py file or .ipynb notebook, or a module path")
     gr.add_argument("--class", dest="classes", action="append", metavar="NAME", type=_argtypes.text("a class name"),

@@ -33,6 +33,11 @@ def test_forward_and_backward_rows_for_every_implementation():
     assert "| vs fastest peer | load |" in text and f"| {report.rows[0].load} |" in text
 
 
+def test_the_summary_is_empty_without_a_peer():
+    """Only headwise modules timed: no ratio to show, so no table (its header alone read as a failed run)."""
+    assert bench.summary(tiny(modes=("forward",), impls=("headwise GPT2MultiHeadAttention",))) == ""
+
+
 def counted_flops(case, *, backward: bool, out_proj: bool = True) -> float:
     """FLOPs torch's own counter sees in a plain layer of the case's shape, written with explicit matmuls,
     the attention matmuls (q k^T and weights v, forward and backward) counted at half: causal."""

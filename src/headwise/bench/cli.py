@@ -81,7 +81,7 @@ def _transformers_table(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """``headwise bench``: parse, run, print the Markdown table, write the plot (and JSON)."""
     p = argparse.ArgumentParser(prog="headwise bench", description="Benchmarks: headwise against the peers, side by side, on this machine.")
-    positive, path = _argtypes.integer(1), _argtypes.text("a file name")
+    positive, path = _argtypes.integer(1), _argtypes.output("a file name")
     p.add_argument("--preset", type=_argtypes.listing(_argtypes.choice(list(PRESETS)), "presets"), help=f"comma list of {list(PRESETS)} (default small)")
     p.add_argument("--tokens", type=_argtypes.listing(positive, "positive ints"),
                    help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default; wall clock) or cuda (CUDA events, TFLOP/s against the GEMM ceiling measured there, CUDA memory)")
     p.add_argument("--markdown", type=path, help="also write the table to this file")
-    p.add_argument("--plot", default=PLOT, help=f"PNG path ('' for none; default {PLOT})")
+    p.add_argument("--plot", default=PLOT, type=_argtypes.output("a PNG file name", none=""), help=f"PNG path ('' for none; default {PLOT})")
     p.add_argument("--json", type=path, help="write the raw report here")
     p.add_argument("--list", action="store_true", help="list the implementations and exit")
     p.add_argument("--variants", action="store_true", help="packed documents, softcap, sinks, ALiBi against the other ways (headwise.bench.variants)")
@@ -160,9 +160,9 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[st
         sys.stderr.write("\n")  # end the redrawn line
     report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(report)
-    if report.rows:
+    if report.rows and (ratios := summary(report)):
         text += "\nSummary (time or memory of each headwise module / the fastest peer's; memory: / the fused reference's):\n\n"
-        text += summary(report) + "\n"
+        text += ratios + "\n"
     print(text)
     try:
         _write(args, report, text)

@@ -82,7 +82,7 @@ def markdown(report: Report) -> str:
 
 
 def summary(report: Report) -> str:
-    """One line per (mode, case): each headwise module against the fastest peer, as a ratio."""
+    """One line per (mode, case): each headwise module against the fastest peer, as a ratio; "" when no case had a peer."""
     ours = [name for name in dict.fromkeys(r.impl for r in report.rows if not r.peer) if "(" not in name]  # default backends
     out = ["| mode | case | fastest peer | its value | " + " | ".join(f"{n}" for n in ours) + " |",
            "|---|---|---|---:|" + "---:|" * len(ours)]
@@ -103,7 +103,7 @@ def summary(report: Report) -> str:
                 cells.append(f"{value / getattr(best, key):.2f}x" if value is not None else "")
             unit = f"{best.peak_mib:.0f} MiB" if mode == "memory" else f"{seconds(best.median_s)} s"
             out.append(f"| {mode} | {case.label} | {best.impl} | {unit} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return "\n".join(out) if len(out) > 2 else ""
 
 
 def plot(report: Report, path: str) -> bool:
