@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "steps against transformers and generation beside transformers, CTranslate2 and llama.cpp, bench/model_decode.py with its defaults)")
     p.add_argument("--impls", type=_argtypes.listing(str, "name substrings"), help="comma list of name substrings (default: all but torch.compile)")
     p.add_argument("--repeats", type=positive, help="timed calls per implementation and case (default 5)")
-    p.add_argument("--warmup", type=_argtypes.integer(0), help="untimed calls first (default 2)")
+    p.add_argument("--warmup", type=_argtypes.integer(0), help="untimed calls first (default 2; with 0 the timed calls include one-time costs: packing weights, compiling)")
     p.add_argument("--max-scores-gib", type=_argtypes.number(0.0, low_open=True),
                    help="skip classes whose (B, H, T, T) scores need more (default 8)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the GEMM ceiling")
