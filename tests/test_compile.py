@@ -188,11 +188,12 @@ def test_backward_equals_eager(case: Case):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids_of(CASES))
 def test_one_graph_for_three_lengths(case: Case):
-    """``dynamic=True``: T = 16, 24, 31 run through one graph."""
+    """``dynamic=True``: T = 16, 24, 31 and 7 (fewer rows than the CPU prefill kernel takes, more than any window here)
+    run through one graph."""
     module = case.module()
     counter = CompileCounter()
     compiled = torch.compile(module, backend=counter, dynamic=True)
-    for t in LENGTHS:
+    for t in (*LENGTHS, 7):
         args, kwargs = case.inputs(t)
         compiled(*args, **kwargs)
     assert counter.frame_count == 1
@@ -308,6 +309,28 @@ def test_inductor_model_equals_eager():
     ids, mask = _ids(12), _padding(12, torch.long)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, fullgraph=True)(ids, attention_mask=mask), model(ids, attention_mask=mask), rtol=1e-4, atol=1e-4)
+
+
+def test_inductor_steps_over_a_ring_cache_keep_one_graph_as_it_wraps():
+    """Decode steps over ``KVCache.sliding``, compiled by inductor with ``dynamic=True`` (prompts eager): one graph for
+    every slot of the ring and for a second sequence, the same numbers as eager (the slot is a tensor index: a slice at
+    a symbolic offset made inductor guard on ``len % window``)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    counters.clear()
+    module = hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, window=4).eval()
+    step = torch.compile(module, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for prompt in (6, 9):
+            compiled, eager = hw.KVCache.sliding(B, 4, 4, 16), hw.KVCache.sliding(B, 4, 4, 16)
+            x = torch.randn(B, prompt, C, generator=g)
+            module(x, cache=compiled), module(x, cache=eager)
+            for _ in range(6):
+                x = torch.randn(B, 1, C, generator=g)
+                assert torch.equal(step(x, cache=compiled), module(x, cache=eager))
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 # ----------------------------------------------------------------------------- observers and checks under compile

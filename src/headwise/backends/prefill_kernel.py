@@ -56,12 +56,13 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     documents, softcap, ALiBi, sinks or dropout), no autograd, not traced by ``torch.compile``."""
     s = spec
     return (
-        _MACHINE and q.device.type == "cpu" and s.T >= FEWEST_ROWS and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        not torch.compiler.is_compiling()  # first: a traced call guards on every comparison after it (T's would split graphs)
+        and _MACHINE and q.device.type == "cpu" and s.T >= FEWEST_ROWS and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and not (q.dtype == torch.bfloat16 and _AMX) and q.shape[-1] in HEAD_SIZES and k.shape[-1] == q.shape[-1]
         and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and s.S > 0 and q.shape[1] % k.shape[1] == 0
         and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and (not s.causal or s.S >= s.T)
         and s.window is None and s.mask is None and s.attention_mask is None and s.documents is None
-        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0 and not torch.compiler.is_compiling()
+        and not s.changes_scores and s.sinks is None and s.dropout_p == 0.0
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     )
 
