@@ -529,6 +529,29 @@ def test_an_int8_model_moved_to_meta_and_back_loads_its_numbers(activations):
     assert torch.equal(moved.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
 
 
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+@pytest.mark.parametrize("what", ["weight", "scales"])
+def test_a_write_through_data_after_generate_is_seen_by_the_kept_decode_calls(activations, what):
+    """A loader's ``p.data.copy_`` bumps no version: the kept decode calls (Llama's stacked q/k/v and gate/up, their
+    scales joined) watch the bytes of every tensor they read, so the next steps use the new numbers."""
+
+    def build(seed):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                             num_key_value_heads=4, max_position_embeddings=64)
+        return int8_weights(LlamaForCausalLM(config).eval(), activations=activations)
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model, other = build(0), build(7)
+    model.generate(ids, max_new_tokens=4)  # the decode calls are kept
+    for mine, theirs in zip(model.modules(), other.modules(), strict=True):
+        if isinstance(mine, Int8Linear):
+            getattr(mine, what).data.copy_(getattr(theirs, what))
+    fresh = build(123)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(model.generate(ids, max_new_tokens=6), fresh.generate(ids, max_new_tokens=6))
+
+
 def test_an_int8_layers_arithmetic_is_fixed_when_it_is_made():
     lin = Int8Linear(torch.randn(8, 16), activations="int8")
     with pytest.raises(AttributeError, match="activations"):

@@ -24,7 +24,7 @@ from torch.nn.modules import module as _module  # its global hook registries, re
 from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
-from .weight_cache import READY, STACKED, cached, state, watchable
+from .weight_cache import READY, STACKED, cached, state, watch, watchable
 
 _frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
 
@@ -355,6 +355,7 @@ def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Ca
         return None
     made = prepare(params)
     if made is not None:
+        watch(params)  # every tensor the kept call read (an int8 layer's scales and bias, stacked copies): a write through .data is seen too
         if entry is None:
             for owner in owners:
                 weakref.finalize(owner, READY.pop, key, None)
