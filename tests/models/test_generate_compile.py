@@ -391,3 +391,18 @@ def test_a_hooked_model_compiles_its_checked_step(aot_eager):
 def test_compile_must_be_a_bool(bad):
     with pytest.raises(TypeError, match=r"compile must be True or False, got"):
         gpt2().generate(IDS[:1], max_new_tokens=2, compile=bad)
+
+
+def test_a_model_that_compiled_its_steps_pickles_and_copies_without_them(aot_eager):
+    """``torch.save(model)`` and ``pickle`` failed on the kept compiled steps; a copy compiles its own."""
+    import copy
+    import io
+    import pickle
+
+    model = gpt2()
+    want = model.generate(IDS[:1], max_new_tokens=4, compile=True)
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert "_compiled_steps" not in vars(copied)
+        assert torch.equal(copied.generate(IDS[:1], max_new_tokens=4, compile=True), want)
+    torch.save(model, io.BytesIO())
+    assert "_compiled_steps" in vars(model)  # the model keeps its own

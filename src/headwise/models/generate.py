@@ -66,6 +66,13 @@ class GenerationMixin:
     """``model.generate(...)``, the one method GPT-2 and the Llama family share; the model offers
     the ``CausalLM`` methods it calls."""
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(model)``, ``copy.deepcopy``) without the compiled decode steps ``compile=True`` kept:
+        a graph does not pickle, and a copy compiles its own."""
+        state = super().__getstate__()  # nn.Module's: a copy of the instance's attributes
+        state.pop("_compiled_steps", None)
+        return state
+
     @torch.no_grad()
     def generate(
         self,
