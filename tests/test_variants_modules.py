@@ -103,6 +103,14 @@ def test_alibi_slopes_of_a_module_built_on_meta_are_refilled(assign):
     assert torch.equal(skeleton.eval()(x), m(x))
 
 
+def test_alibi_slopes_a_move_carries_are_kept():
+    """Slopes set by hand survive a cast or a copy (the move carried them); only uninitialised ones are made again."""
+    m = _module(alibi=True)
+    with torch.no_grad():
+        m.alibi_slopes.mul_(0.5)
+    assert torch.equal(m.to("cpu").float().alibi_slopes, alibi_slopes(4) * 0.5)
+
+
 # ----------------------------------------------------------------------------- cross-attention
 
 

@@ -236,13 +236,18 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
             self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> MultiHeadAttention:
-        """``to``, ``to_empty``, ``half`` ... and then the ALiBi slopes refilled from their formula: they stay out of
-        the state dict, so after ``to_empty`` (a model built on "meta") no load would give them values."""
+        """``to``, ``to_empty``, ``half`` ... and then the ALiBi slopes, where the move did not carry their values
+        (``to_empty``; from "meta"), made again from their formula: they stay out of the state dict, so no load would."""
+        before = self._buffers.get("alibi_slopes")
         super()._apply(fn, recurse)
         slopes = self._buffers.get("alibi_slopes")
-        if slopes is not None and not slopes.is_meta:
+        if slopes is None or slopes.is_meta:
+            return self
+        with torch.no_grad():
+            if not before.is_meta and torch.equal(slopes, before.to(slopes.device, slopes.dtype)):
+                return self  # carried (a cast or a copy): the module's own slopes, edited or not
             total, start = self._alibi_of
-            with torch.no_grad(), torch.device("cpu"):  # the formula's numbers, whatever the default device
+            with torch.device("cpu"):  # the formula's numbers, whatever the default device
                 slopes.copy_(alibi_slopes(total)[start : start + slopes.shape[0]])  # (H,)
         return self
 

@@ -147,8 +147,9 @@ def per_head_terms(rank: int, world: int) -> dict:
             out[name]["local_sinks"] = tuple(tp.sinks.to_local().shape)
         if "alibi" in terms:
             out[name]["local_slopes"] = tp.alibi_slopes.tolist() == ref.alibi_slopes[rank * 2 : rank * 2 + 2].tolist()
-            tp.alibi_slopes.zero_()  # what ``to_empty`` may leave: a move refills the rank's own slopes
-            out[name]["refilled"] = tp.float().alibi_slopes.tolist() == ref.alibi_slopes[rank * 2 : rank * 2 + 2].tolist()
+            slopes = tp.alibi_slopes  # a move that leaves them uninitialised (as ``to_empty`` does) refills the rank's own
+            tp._apply(lambda t, slopes=slopes: torch.full_like(t, float("nan")) if t is slopes else t)
+            out[name]["refilled"] = tp.alibi_slopes.tolist() == ref.alibi_slopes[rank * 2 : rank * 2 + 2].tolist()
     return out
 
 
