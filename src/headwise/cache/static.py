@@ -299,10 +299,16 @@ class KVCache(Owned, Spendable):
             return read(self.k[:, :, :end]), read(self.v[:, :, :end]), self.is_token[:, :end] if self._padded else None
         new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
         if not recording and T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
-            slot = self._slots(start, start + 1)  # (1,): a tensor index (an int would make torch.compile specialise on the slot,
-            self.k.index_copy_(2, slot, k)  # and a slice at a symbolic offset makes inductor guard on it)
-            self.v.index_copy_(2, slot, v)
-            self.is_token.index_copy_(1, slot, new_is_token)
+            if torch.compiler.is_compiling():  # a tensor index: an int would make Dynamo specialise on the slot, a slice at
+                slot = self._slots(start, start + 1)  # a symbolic offset makes inductor guard on it; (1,)
+                self.k.index_copy_(2, slot, k)
+                self.v.index_copy_(2, slot, v)
+                self.is_token.index_copy_(1, slot, new_is_token)
+            else:  # eager: slices, ~2 µs a layer cheaper than the index
+                slot = start % self.window
+                self.k[:, :, slot : slot + 1] = k
+                self.v[:, :, slot : slot + 1] = v
+                self.is_token[:, slot : slot + 1] = new_is_token
             self._len = start + 1
             n = torch.sym_min(self._len, self.window)  # the stored slots (order does not matter for a single query); an int in eager
             return read(self.k[:, :, :n]), read(self.v[:, :, :n]), self.is_token[:, :n] if self._padded else None
