@@ -304,7 +304,7 @@ class KVCache(Owned, Spendable):
                 self.k.index_copy_(2, slot, k)
                 self.v.index_copy_(2, slot, v)
                 self.is_token.index_copy_(1, slot, new_is_token)
-            else:  # eager: slices, ~2 µs a layer cheaper than the index
+            else:  # eager: slices, no index tensor made each step
                 slot = start % self.window
                 self.k[:, :, slot : slot + 1] = k
                 self.v[:, :, slot : slot + 1] = v
