@@ -308,6 +308,28 @@ def test_low_precision_weights_within_k_times_plain_error(dtype):
     assert our_err <= ERROR_RATIO * plain_err + rounding, (our_err, plain_err, rounding)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [10.0, 100.0])
+def test_bfloat16_scores_are_not_rounded_before_the_scale(backend, causal, scale):
+    """A bfloat16 score rounded before a large scale moves its logit by up to scale * |score| * 2**-9: every backend
+    keeps the scores in float32 and lands within twice the rounding of the exact answer to bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 96, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    want = reference_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale)  # float64 of the same values
+    rounding = (want.bfloat16().double() - want).abs().max().item()
+    ours = hw.attention(q, k, v, causal=causal, scale=scale, backend=backend)
+    assert (ours.double() - want).abs().max().item() <= 2 * rounding
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_no_query_heads_with_alibi_gives_an_empty_answer(backend):
+    """H = 0 is accepted (an empty answer); with its (0,) ALiBi slopes too."""
+    q, k, v = torch.randn(2, 0, 3, 8), torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8)
+    out = hw.attention(q, k, v, causal=True, alibi_slopes=torch.zeros(0), backend=backend)
+    assert out.shape == (2, 0, 3, 8)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -325,6 +347,7 @@ def _qkv(B=1, H=2, T=3, S=3, D=4, Hkv=None):
         (lambda q, k, v: (q, k[..., :3], v), ValueError, r"k must have shape \(B=1, Hkv, S, D=4\)"),
         (lambda q, k, v: (q, k, v[:, :, :2]), ValueError, r"v must have shape \(B, Hkv, S, Dv\)"),
         (lambda q, k, v: (torch.randn(1, 3, 3, 4), k, v), ValueError, r"q's heads H=3 must be a multiple of k/v's heads Hkv=2"),
+        (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, r"k and v must have at least one head \(Hkv >= 1\), got k of shape \(1, 0, 3, 4\)"),
     ],
 )
 def test_bad_tensors(change, error, match):

@@ -280,7 +280,7 @@ def per_head(
         bad = (t.isnan() | (t == math.inf)) if minus_inf is not None else ~t.isfinite()
         expected = f"finite numbers or -inf ({minus_inf})" if minus_inf is not None else "finite numbers"
         holds(~bad.any(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
-    return t.view(-1, h) if batched else t
+    return (t.unsqueeze(0) if t.ndim == 1 else t) if batched else t  # (1, H) or (B, H); H may be 0
 
 
 def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Tensor | None:

@@ -97,6 +97,8 @@ def qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k must have shape (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must have shape (B, Hkv, S, Dv) = {tuple(k.shape[:3])} + (Dv,) like k, got {tuple(v.shape)}")
+    if k.shape[1] == 0:
+        raise ValueError(f"k and v must have at least one head (Hkv >= 1), got k of shape {tuple(k.shape)}")
     if H % k.shape[1]:
         raise ValueError(f"q's heads H={H} must be a multiple of k/v's heads Hkv={k.shape[1]}")
 

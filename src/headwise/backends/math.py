@@ -67,8 +67,9 @@ def realized(x: Tensor) -> Tensor:
 def scores(q: Tensor, k: Tensor, float32_keys: int | None = None, summed: bool = False) -> Tensor:
     """Raw scores q·k for every head; query head h uses key head h // (H // Hkv).
 
-    (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype but float32 for float16 (whose
-    range a product of two moderate vectors overflows before any scale); float32 with ``float32_keys``
+    (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, S), in q's dtype but float32 for half inputs: float16's
+    range a product of two moderate vectors overflows before any scale, and a bfloat16 score rounded
+    before the scale moves its logit by up to scale * |score| * 2**-9; float32 with ``float32_keys``
     (keys converted that many elements at a time); with ``summed``, products and a sum over D in
     float32 (or wider), for a compiled graph (the module docstring).
     """
@@ -81,7 +82,7 @@ def scores(q: Tensor, k: Tensor, float32_keys: int | None = None, summed: bool =
         wide = _wide(q.dtype)
         rows = realized(q).to(wide).unsqueeze(3)  # (B, Hkv, G*T, 1, D): q computed once, not once per key
         return (rows * k.to(wide).unsqueeze(2)).sum(-1).view(B, H, T, S)  # (B, Hkv, G*T, S, D) summed -> (B, H, T, S)
-    if float32_keys is None and q.dtype == torch.float16:
+    if float32_keys is None and q.dtype in _HALF:
         float32_keys = max(1, k.numel())  # every key at once
     if float32_keys is not None:
         q = q.float()
