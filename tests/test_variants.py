@@ -147,6 +147,30 @@ def test_gradients_match_the_reference(backend, blocks, case):
         torch.testing.assert_close(grad, w, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("strided", ["q", "k", "v"])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_sinks_on_inputs_whose_rows_are_strided(strided, alibi):
+    """The sink's runners call torch's private CPU flash op, which reads a strided last dimension wrong (q's garbage
+    reached 1e33): such an input is copied first; the answer and its gradients are the reference's."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q": (2, 4, 9, 8), "k": (2, 2, 9, 8), "v": (2, 2, 9, 8)}
+    qkv = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+    qkv[strided] = qkv[strided].mT.contiguous().mT  # the same values, the last dimension strided
+    qkv = {n: t.requires_grad_() for n, t in qkv.items()}
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    kw = {"causal": True, "sinks": sinks} | ({"alibi_slopes": alibi_slopes(4)} if alibi else {})
+    out = hw.attention(qkv["q"], qkv["k"], qkv["v"], **kw)
+    wide = {n: t.detach().double().requires_grad_() for n, t in qkv.items()}
+    sinks64 = sinks.detach().double().requires_grad_()
+    want = variant_attention(wide["q"], wide["k"], wide["v"], **(kw | {"sinks": sinks64}))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, [*qkv.values(), sinks], grad)
+    expected = torch.autograd.grad(want, [*wide.values(), sinks64], grad.double())
+    for name, a, b in zip(["q", "k", "v", "sinks"], got, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ----------------------------------------------------------------------------- packed documents
 
 

@@ -27,7 +27,9 @@ def flash_guard(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
 
     What the op takes (torch 2.13, probed in subprocesses by ``tests/test_flash_guard.py``):
     q (B, H, T, D), k and v (B, Hkv, S, D) of one dtype, one batch B, one head size D (Dv == D),
-    H a multiple of Hkv, any strides, and a float mask of q's dtype broadcastable to (B, H, T, S).
+    H a multiple of Hkv, any strides but the last dimension's (rows of D elements one after another:
+    given another stride it reads the wrong elements without a word, so ``_rows`` copies such a
+    tensor first), and a float mask of q's dtype broadcastable to (B, H, T, S).
     It divides by zero (SIGFPE, the interpreter dies) when H, T or S is 0, or B and T are: no
     empty call reaches it, the caller answers it (False here). It reads another batch or an H that
     Hkv does not divide without a word: those raise ValueError here.
@@ -41,10 +43,15 @@ def flash_guard(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     return B * H * T * S > 0
 
 
+def _rows(*tensors: Tensor) -> list[Tensor]:
+    """Each tensor with its last dimension contiguous (the flash op's one demand on strides), copied only where not."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """(B, H, T, Dv) context and (B, H, T) log-sum-exp; no keys: zeros and -inf, without the op."""
     if flash_guard(q, k, v, mask):
-        return _flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, T, Dv), (B, H, T)
+        return _flash(*_rows(q, k, v), 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, T, Dv), (B, H, T)
     B, H, T, _ = q.shape
     lse = torch.full((B, H, T), -math.inf, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # (B, H, T)
     return q.new_zeros(B, H, T, v.shape[3]), lse
@@ -53,7 +60,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_caus
 def _flash_grads(g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple:
     """The op's backward: (dq, dk, dv); zeros for an empty call, without the op."""
     if flash_guard(q, k, v, mask):
-        return _flash_backward(g, q, k, v, o, lse, 0.0, is_causal, attn_mask=mask, scale=scale)[:3]
+        return _flash_backward(*_rows(g, q, k, v, o), lse, 0.0, is_causal, attn_mask=mask, scale=scale)[:3]
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
