@@ -3,6 +3,7 @@ models converted (tied heads too), and what int8 costs: logits, greedy tokens, r
 
 import copy
 import importlib.util
+import math
 import textwrap
 from pathlib import Path
 
@@ -550,6 +551,20 @@ def test_a_write_through_data_after_generate_is_seen_by_the_kept_decode_calls(ac
     fresh = build(123)
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(model.generate(ids, max_new_tokens=6), fresh.generate(ids, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 65])
+def test_int8_activations_give_nan_for_a_row_holding_an_infinity_on_every_path(rows):
+    """A row's scale is max|x|: an infinite one makes that row's outputs NaN, in the module and in the decode call alike
+    (the panels rounded the row's NaN quotients to -128: infinities of reversed sign); the other rows keep their numbers."""
+    g = torch.Generator().manual_seed(0)
+    lin = Int8Linear(torch.randn(96, 64, generator=g), torch.randn(96, generator=g), activations="int8")
+    x = torch.randn(rows, 64, generator=g)
+    clean = lin(x)
+    x[0, 3] = -math.inf
+    with torch.no_grad():
+        for out in (lin(x), hl.project(lin, x), hl.project_many([lin, lin], x)[1]):
+            assert bool(out[0].isnan().all()) and torch.equal(out[1:], clean[1:])
 
 
 def test_an_int8_layers_arithmetic_is_fixed_when_it_is_made():

@@ -58,6 +58,7 @@ kernel's time grows with the rows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -185,12 +186,13 @@ def _kernel_sums(rows: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | No
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """(M, K) -> (M, K) integer values in [-127, 127] and their (M, 1) float32 scales: each row over max|x_row| * (1/127),
-    rounded (a row of zeros: scale float32's tiny, values 0). Under autograd the rounding passes the gradient
-    straight through and the scales are constants."""
+    rounded (a row of zeros: scale float32's tiny, values 0; a row holding an infinity or a NaN: scale NaN, so its
+    outputs are NaN). Under autograd the rounding passes the gradient straight through and the scales are constants."""
     rows = x.float()  # (M, K)
     # (M, 1): max|x_row| times float32's 1/127, a product on every device (a CUDA division by a host scalar multiplies
     # by its reciprocal, the CPU's divides: 4.5% of quotients would differ in their last bit)
     scales = rows.detach().abs().amax(dim=1, keepdim=True).mul_(1 / 127).clamp_min_(_TINY)
+    scales = scales.where(scales != math.inf, math.nan)  # an infinite row: NaN, not infinities of any sign
     scaled = rows / scales  # (M, K)
     if rows.requires_grad:
         return scaled + (scaled.round() - scaled).detach(), scales

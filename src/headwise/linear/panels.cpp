@@ -863,7 +863,8 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
 // Row i of x (K float32) rounded to int8 as headwise.quantize's _int8_rows does: its scale max|x| times float32's 1/127
 // (at least float32's tiny), each value divided by it and rounded half to even; the int8 values (Kp, a zero past K) into
 // q, the scale returned. Finite x: torch's numbers, bit for bit; a NaN in the row makes its scale NaN, as torch's amax
-// does (max instructions drop a NaN: it is looked for apart), so the row's outputs are NaN.
+// does (max instructions drop a NaN: it is looked for apart), and so does an infinity (_int8_rows too: its scale would
+// be infinite and its values NaN, rounded to whatever int8), so the row's outputs are NaN.
 __attribute__((target("avx2"))) float int8_row(const float* x, int64_t K, int64_t Kp, int8_t* q) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();  // nan: all ones in a lane that met one
@@ -877,6 +878,7 @@ __attribute__((target("avx2"))) float int8_row(const float* x, int64_t K, int64_
   _mm256_store_ps(tops, top);
   float amax = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : *std::max_element(tops, tops + 8);
   for (; k < K; ++k) amax = std::isnan(x[k]) ? x[k] : std::isnan(amax) ? amax : std::max(amax, std::fabs(x[k]));
+  if (std::isinf(amax)) amax = std::numeric_limits<float>::quiet_NaN();
   const float scale = std::max(amax * static_cast<float>(1.0 / 127), std::numeric_limits<float>::min());
   const __m256 s = _mm256_set1_ps(scale);
   for (k = 0; k + 8 <= K; k += 8) {
