@@ -51,7 +51,7 @@ def quantize_rows(x: Tensor) -> Tensor:
 def dequantize_rows(rows: Tensor) -> Tensor:
     """(..., D + 4) int8 rows of ``quantize_rows`` -> (..., D) float32: each value times its row's scale."""
     D = rows.shape[-1] - SCALE_BYTES
-    scale = rows[..., D:].contiguous().view(torch.float32)  # (..., 1)
+    scale = rows[..., D:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # (..., 1): a copy of its own, 4-byte aligned
     return rows[..., :D].float() * scale  # (..., D)
 
 
