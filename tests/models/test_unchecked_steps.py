@@ -159,6 +159,15 @@ def test_caches_that_disagree_are_refused_before_any_layer_writes():
         pool.add(0)
     refused(pools, r"the PagedKVCache pool is exhausted: writing 12 tokens needs 3 free blocks, 2 of 2 are free",
             lambda p: p.batch([0], [12]), torch.randint(0, 97, (1, 12)))
+    one = model.new_caches(2, 16)[0]  # one cache given to both layers: layer 0 wrote it before layer 1 refused it
+    refused([one, one], r"cache\[1\] is cache\[0\]: give every layer a cache of its own")
+    pool = model.new_paged_caches(8, 4)[0]
+    pool.add(0)
+    refused([pool, pool], r"cache\[1\] is cache\[0\]", lambda p: p.batch([0], [5]), torch.randint(0, 97, (1, 5)))
+    theirs = llama().new_caches(2, 16)
+    llama_other = llama()
+    llama_other(ids, cache=theirs)  # bound to another model's layers
+    refused(theirs, r"this KVCache belongs to LlamaAttention at 0x[0-9a-f]+, not to LlamaAttention")
 
 
 def test_a_models_forward_refuses_caches_it_cannot_run():

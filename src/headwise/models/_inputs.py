@@ -115,8 +115,14 @@ def caches_agree(model: object, cache: list, b: int, t: int) -> None:
     writes, so a later layer's refusal would leave the earlier layers' caches written (and caches holding different
     tokens would attend apart, at the first one's positions). ``KVCache``s: the batch, key heads and head size of their
     layer, one length, room for t tokens (a ring has room for any), one padding state; paged batches: the same sequences
-    after the same lengths, and the blocks for them in every pool."""
-    first = cache[0]
+    after the same lengths, and the blocks for them in every pool; and each cache its own layer's (none given twice,
+    none another module's)."""
+    first, held = cache[0], {}
+    for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):
+        pool = c.cache if isinstance(c, PagedBatch) else c
+        if (j := held.setdefault(id(pool), i)) != i:
+            raise ValueError(f"cache[{i}] is cache[{j}]: give every layer a cache of its own (a shared cache mixes their keys and values)")
+        pool.check_owner(attn)
     if isinstance(first, PagedBatch):
         for i, c in enumerate(cache):
             if (c.seq_ids, c.new_tokens, c.starts) != (first.seq_ids, first.new_tokens, first.starts):
