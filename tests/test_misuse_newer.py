@@ -159,10 +159,10 @@ CONFIGS: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("config partial factor with a scaled rope", cfg(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
      Raises(ValueError, r"config.json: unsupported llama settings: partial_rotary_factor=0.5 with rope_type 'linear' \(transformers' llama rotates every dimension of a head\)")),
     ("config factor Infinity", cfg(rope_scaling={"rope_type": "linear", "factor": math.inf}), Raises(ValueError, r"config.json: unsupported llama settings: rope_scaling\['factor'\] must be a number in \(0, inf\), got inf")),
-    ("config theta Infinity at the top", cfg(rope_theta=math.inf), Raises(ValueError, r"config.json: invalid llama config: rope_theta must be a number in \(0, inf\), got inf")),
-    ("config theta Infinity in rope_parameters", cfg(rope_parameters={"rope_type": "default", "rope_theta": math.inf}), Raises(ValueError, r"rope_theta must be a number in \(0, inf\), got inf")),
-    ("config theta NaN", cfg(rope_theta=math.nan), Raises(ValueError, r"rope_theta must be a number in \(0, inf\), got nan")),
-    ("config theta a string", cfg(rope_theta="10000"), Raises(ValueError, r"rope_theta must be a number in \(0, inf\), got '10000'")),
+    ("config theta Infinity at the top", cfg(rope_theta=math.inf), Raises(ValueError, r"config.json: invalid llama config: rope_theta must be a number in \(1, inf\), got inf")),
+    ("config theta Infinity in rope_parameters", cfg(rope_parameters={"rope_type": "default", "rope_theta": math.inf}), Raises(ValueError, r"rope_theta must be a number in \(1, inf\), got inf")),
+    ("config theta NaN", cfg(rope_theta=math.nan), Raises(ValueError, r"rope_theta must be a number in \(1, inf\), got nan")),
+    ("config theta a string", cfg(rope_theta="10000"), Raises(ValueError, r"rope_theta must be a number in \(1, inf\), got '10000'")),
     ("config rope per layer type", cfg(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}),
      Raises(ValueError, r"unsupported llama settings: rotary settings per layer type \(\['full_attention', 'sliding_attention'\]\)")),
     ("config rope_type yarn", cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}), Raises(ValueError, r"unsupported llama settings: rope_scaling's rope_type must be one of")),
@@ -398,7 +398,49 @@ def hw_parallelize():
     return parallelize
 
 
-CASES = ROPE + CONFIGS + LOADING + ENCODER + GENERATE + EMPTY + PARALLEL
+# ---------------------------------------------------------------------------------------------- arguments at their edges
+def _paged_batch(seq_ids, new_tokens):
+    pool = hw.PagedKVCache(4, 4, 2, 4)
+    pool.add(0)
+    return pool.batch(seq_ids, new_tokens)
+
+
+def _many(prompts):
+    from headwise.models.batching import generate_many
+
+    return generate_many(tiny_llama(), prompts, max_new_tokens=2)
+
+
+EDGES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
+    ("KVCache on a GPU torch cannot see", lambda: hw.KVCache(1, 2, 8, 4, device="cuda") if not torch.cuda.is_available() else hw.KVCache(1, 2, 8, 4, device="nope"),
+     Raises(ValueError, r"device=.*(needs a GPU that torch can see|must be a torch.device or a device string)")),
+    ("PagedKVCache device not a device", lambda: hw.PagedKVCache(4, 4, 2, 4, device="nope"), Raises(ValueError, r"device must be a torch.device or a device string such as 'cpu', got 'nope'")),
+    ("causal_mask device not a device", lambda: hw.causal_mask(3, 3, device="nope"), Raises(ValueError, r"device must be a torch.device or a device string")),
+    ("KVCache batch_size past 64 bits", lambda: hw.KVCache(2**63, 2, 8, 4), Raises(ValueError, r"batch_size must be a positive int below 2\*\*63, got 9223372036854775808")),
+    ("config size past 64 bits", lambda: hw.GPT2Config(n_layer=2**63), Raises(ValueError, r"n_layer must be a positive int below 2\*\*63")),
+    ("llama windows an int", lambda: LlamaConfig(**BASE, windows=5), Raises(TypeError, r"windows must be a tuple of one window \(an int, or None\) per layer, or None, got int")),
+    ("llama rope_theta below 1", lambda: LlamaConfig(**BASE, rope_theta=0.5), Raises(ValueError, r"rope_theta must be a number in \(1, inf\), got 0.5")),
+    ("llama rope_scaling without its type", lambda: LlamaConfig(**BASE, rope_scaling={"factor": 2.0}),
+     Raises(ValueError, r"rope_scaling needs a 'rope_type' \(or 'type'\) key to say how to scale by \['factor'\]")),
+    ("llama more heads than width", lambda: LlamaConfig(**(BASE | {"num_attention_heads": 32})),
+     Raises(ValueError, r"num_attention_heads \(32\) must be at most hidden_size \(16\) when head_dim is not set")),
+    ("paged batch of an int", lambda: _paged_batch(0, [1]), Raises(TypeError, r"seq_ids must be a list of ints \(one a sequence\), got int")),
+    ("generate_many of None", lambda: _many(None), Raises(TypeError, r"prompts must be a list of 1-D tensors of token ids, got NoneType")),
+    ("preset a list", lambda: hw.GPT2Config.from_preset(["gpt2"]), Raises(ValueError, r"unknown preset \['gpt2'\]")),
+    ("load_state_dict of None", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2).load_state_dict(None),
+     Raises(TypeError, r"state_dict must be a mapping of names to tensors \(module.state_dict\(\)\), got NoneType")),
+    ("plan of a list", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2).plan([[0.0] * 8]), Raises(TypeError, r"x must be a torch.Tensor of shape \(batch, tokens, 8\), got list")),
+    ("observe a non-callable", lambda: hw.observe(5).__enter__(), Raises(TypeError, r"fn must be a callable \(name, tensor\) -> None, got int")),
+    ("mha causal 1", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=1), Raises(TypeError, r"causal must be True or False, got int 1")),
+    ("mha qkv_bias a str", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, qkv_bias="yes"), Raises(TypeError, r"qkv_bias must be True or False, got str 'yes'")),
+    ("cache update in_order a str", lambda: hw.KVCache(1, 2, 8, 4).update(rnd(1, 2, 1, 4), rnd(1, 2, 1, 4), in_order="yes"),
+     Raises(TypeError, r"in_order must be True or False, got str 'yes'")),
+    ("model check a str", lambda: tiny_llama()(torch.tensor([[1, 2]]), check="no"), Raises(TypeError, r"check must be True or False, got str 'no'")),
+    ("int8 dequantized to int64", lambda: __import__("headwise.quantize", fromlist=["Int8Linear"]).Int8Linear(rnd(4, 8)).dequantized(torch.long),
+     Raises(TypeError, r"dtype must be a floating-point torch.dtype .*got torch.int64")),
+]
+
+CASES = ROPE + CONFIGS + LOADING + ENCODER + GENERATE + EMPTY + PARALLEL + EDGES
 
 
 @pytest.mark.parametrize(("call", "expect"), [(c, e) for _, c, e in CASES], ids=[name for name, _, _ in CASES])

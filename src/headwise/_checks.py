@@ -23,11 +23,29 @@ from torch import Tensor
 
 
 def integer(name: str, value: object, *, low: int = 1, high: int | None = None) -> int:
-    """``value`` as an int in [low, high] (bools refused: ``True`` is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    """``value`` as an int in [low, high] (bools refused: ``True`` is not a count); without ``high``, below 2**63 (torch's
+    sizes are 64-bit: a larger one fails deep inside torch, or a loop over it never ends)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or value > (_INT64_MAX if high is None else high):
         expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        below = " below 2**63" if high is None and isinstance(value, int) and value > _INT64_MAX else ""
+        raise ValueError(f"{name} must be {expected}{below}, got {value!r}")
     return value
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def device(name: str, value: object) -> torch.device | None:
+    """None, or ``value`` (a torch.device, a device string or index) as a torch.device this process can use."""
+    if value is None:
+        return None
+    try:
+        d = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu', got {value!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={value!r} needs a GPU that torch can see (torch.cuda.is_available() is False)")
+    return d
 
 
 def positive_int(name: str, value: object) -> int:

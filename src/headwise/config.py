@@ -65,7 +65,7 @@ class GPT2Config(FromDict):
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> GPT2Config:
         """``GPT2Config.from_preset("gpt2-medium")``; overrides replace fields."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 

@@ -173,6 +173,7 @@ class AttentionLayer(AllOrNothing, nn.Module):
         The projections run (the plan reads q, k and v: shapes, dtype, device, autograd); nothing
         is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
         """
+        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T): forward's check
         terms = {"dropout_p": self.attn_dropout_p, "backend": self.backend, **self.score_terms()}
         if context is not None or isinstance(cache, ContextCache):  # cross-attention: keys of the context (or the cache's)
             queries, keys, values, context_mask, _ = self._cross_heads(x, context, None, cache)

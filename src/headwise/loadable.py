@@ -167,6 +167,8 @@ class AllOrNothing:
         """torch's ``load_state_dict``, all-or-nothing when ``strict``: ``StateDictError`` (a ValueError and a
         RuntimeError, as torch raises) names every missing, unexpected, mis-shaped or integer-for-float entry before
         any tensor is copied (torch's own load copies the entries that fit first)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of names to tensors (module.state_dict()), got {type(state_dict).__name__}")
         if strict and _checkable(self):
             check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

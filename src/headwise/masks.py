@@ -50,6 +50,7 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
                 [ True,  True,  True,  True]])
     """
     _checks.integer("t", t, low=0)
+    device = _checks.device("device", device)
     _checks.integer("s", s, low=0)
     if window is not None:
         _checks.positive_int("window", window)

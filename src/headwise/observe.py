@@ -56,6 +56,8 @@ def observe(fn: Observer) -> Iterator[None]:
         >>> steps[:4], steps[-1]
         (['x', 'queries', 'keys', 'values'], 'output')
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable (name, tensor) -> None, got {type(fn).__name__}")
     token = _OBSERVER.set(fn)
     try:
         yield

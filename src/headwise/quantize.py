@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _checks
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
 from .linear.rule import MIN_DECODE_WEIGHT, avx2_band
@@ -452,6 +453,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as (N, K) floats of ``dtype``: int8 times its channel's scale."""
+        _checks.floating_dtype("dtype", dtype)
         return (self.weight.float() * self.scales[:, None]).to(dtype)  # (N, K)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -54,6 +54,8 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     if not isinstance(scaling, Mapping):
         raise TypeError(f"rope_scaling must be a dict with a 'rope_type' or None, got {type(scaling).__name__}")
+    if "rope_type" not in scaling and "type" not in scaling and (keys := sorted(set(scaling) & {k for ks in SCALINGS.values() for k in ks})):
+        raise ValueError(f"rope_scaling needs a 'rope_type' (or 'type') key to say how to scale by {keys}, got {dict(scaling)!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in SCALINGS:
         raise ValueError(f"rope_scaling's rope_type must be one of {list(SCALINGS)}, got {kind!r}")

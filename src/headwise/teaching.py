@@ -47,7 +47,8 @@ class _BookMask:
         self.d_in = _checks.positive_int("d_in", d_in)
         self.d_out = _checks.positive_int("d_out", d_out)
         self.context_length = _checks.positive_int("context_length", context_length)
-        self.causal = causal
+        self.causal = _checks.boolean("causal", causal)
+        _checks.boolean("qkv_bias", qkv_bias)
         self.backend = check_backend(backend)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(kv_in or d_in, kv_width, bias=qkv_bias)

@@ -50,6 +50,7 @@ class PagedKVCache(Owned):
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
         _checks.floating_dtype("dtype", dtype)
+        device = _checks.device("device", device)
         self.block_size, self.window = block_size, _checks.window(window, causal=True)
         with torch.inference_mode(False):  # made under inference_mode too, the pools take writes outside it (another thread's)
             self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)

@@ -49,6 +49,9 @@ class PagedBatch:
     padded = False  # it packs real tokens only
 
     def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> None:
+        for name, value in (("seq_ids", seq_ids), ("new_tokens", new_tokens)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a list of ints (one a sequence), got {type(value).__name__}")
         seq_ids, new_tokens = list(seq_ids), list(new_tokens)
         self.starts = [cache.length(s) for s in seq_ids]  # each sequence's length before this step
         if len(set(seq_ids)) != len(seq_ids):

@@ -82,6 +82,7 @@ class KVCache(Owned, Spendable):
         for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
             _checks.positive_int(name, value)
         _checks.cache_storage("dtype", dtype, head_dim)
+        device = _checks.device("device", device)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
         row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim  # 8-bit rows: D int8 values and a float32 scale
         with torch.inference_mode(False):  # made under inference_mode too, the buffers take writes outside it
@@ -229,7 +230,7 @@ class KVCache(Owned, Spendable):
             TypeError, ValueError: keys, values or padding that do not fit this cache, or more
                 tokens than it has room for; nothing is written then.
         """
-        (part,) = self.append(k, v, attention_mask, in_order=in_order)
+        (part,) = self.append(k, v, attention_mask, in_order=_checks.boolean("in_order", in_order))
         return part.keys, part.values, part.attention_mask
 
     def start(self, t: int, attention_mask: Tensor | None = None) -> int | Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -335,6 +335,8 @@ def generate_many(
         >>> [len(o) for o in outs]
         [4, 2]
     """
+    if isinstance(prompts, (Tensor, str, bytes)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a list of 1-D tensors of token ids, got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must hold at least one 1-D tensor of token ids, got none")

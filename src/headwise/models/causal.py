@@ -94,7 +94,7 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             TypeError, ValueError: ids, mask, positions, caches or ``logits_to_keep`` the model
                 cannot take; more tokens than ``context_limit()`` allows.
         """
-        if check:
+        if _checks.boolean("check", check):
             _, t, attention_mask, logits_to_keep = _inputs.model_call(
                 self, input_ids, attention_mask, positions, cache, logits_to_keep, self.embed_tokens.weight, len(self.blocks)
             )

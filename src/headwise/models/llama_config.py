@@ -56,12 +56,15 @@ class LlamaConfig:
         if self.head_dim is not None:
             _checks.positive_int("head_dim", self.head_dim)
         _checks.positive_int("num_attention_heads", self.num_attention_heads)
+        if self.head_dim is None and self.num_attention_heads > self.hidden_size:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be at most hidden_size ({self.hidden_size}) when "
+                             "head_dim is not set: head_dim = hidden_size // num_attention_heads would be 0")
         _checks.heads(
             "num_attention_heads * head_dim", self.num_attention_heads * self.head_size, self.num_attention_heads, self.num_key_value_heads,
             names=("num_attention_heads", "num_key_value_heads"),
         )
         _checks.epsilon("rms_norm_eps", self.rms_norm_eps)
-        _checks.number("rope_theta", self.rope_theta, low=0.0, high=math.inf, low_open=True, high_open=True)
+        _checks.number("rope_theta", self.rope_theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # the rotation's base
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -71,6 +74,8 @@ class LlamaConfig:
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim * partial_rotary_factor must give an even number of rotary dims, got {self.rotary_dim}")
         if self.windows is not None:
+            if not isinstance(self.windows, (tuple, list)):
+                raise TypeError(f"windows must be a tuple of one window (an int, or None) per layer, or None, got {type(self.windows).__name__}")
             if len(self.windows) != self.num_hidden_layers:
                 raise ValueError(f"windows must give one window per layer ({self.num_hidden_layers}), got {len(self.windows)}")
             for w in self.windows:
