@@ -436,6 +436,10 @@ EDGES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("cache update in_order a str", lambda: hw.KVCache(1, 2, 8, 4).update(rnd(1, 2, 1, 4), rnd(1, 2, 1, 4), in_order="yes"),
      Raises(TypeError, r"in_order must be True or False, got str 'yes'")),
     ("model check a str", lambda: tiny_llama()(torch.tensor([[1, 2]]), check="no"), Raises(TypeError, r"check must be True or False, got str 'no'")),
+    ("int8 stack of a Linear", lambda: __import__("headwise.quantize", fromlist=["Int8Linear"]).Int8Linear.stack([torch.nn.Linear(8, 4)]),
+     Raises(TypeError, r"layers must be one or more Int8Linear layers, got \['Linear'\]")),
+    ("int8_errors of a Linear", lambda: __import__("headwise.quantize", fromlist=["int8_errors"]).int8_errors(torch.nn.Linear(2, 2), tiny_llama(), torch.tensor([[1, 2]])),
+     Raises(TypeError, r"original must be a causal LM of headwise.models \(new_caches, generate\), got Linear")),
     ("int8 dequantized to int64", lambda: __import__("headwise.quantize", fromlist=["Int8Linear"]).Int8Linear(rnd(4, 8)).dequantized(torch.long),
      Raises(TypeError, r"dtype must be a floating-point torch.dtype .*got torch.int64")),
 ]

@@ -334,6 +334,8 @@ class Int8Linear(nn.Module):
         """
         if cls.forward is not Int8Linear.forward:
             raise ValueError(f"{cls.__name__} has a forward of its own: its layers are not stacked")
+        if not layers or not all(isinstance(layer, Int8Linear) for layer in layers):
+            raise TypeError(f"layers must be one or more Int8Linear layers, got {[type(layer).__name__ for layer in layers]}")
         biases = [layer.bias for layer in layers]
         if len({(layer.in_features, layer.activations) for layer in layers}) != 1 or len({b is None for b in biases}) != 1:
             raise ValueError("layers must share in_features and activations and all have a bias or none, "
@@ -569,6 +571,12 @@ def int8_errors(original: nn.Module, quantized: nn.Module, input_ids: Tensor, *,
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or 0 in input_ids.shape:  # (the models check the ids' values)
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must have shape (batch, tokens) with at least one row and one token, got {got}")
+    for name, model in (("original", original), ("quantized", quantized)):
+        if not all(callable(getattr(model, attr, None)) for attr in ("new_caches", "generate")):
+            raise TypeError(f"{name} must be a causal LM of headwise.models (new_caches, generate), got {type(model).__name__}")
+    sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (original, quantized)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"original and quantized must share a vocabulary, got vocab_size {sizes[0]} and {sizes[1]}")
     b, t = input_ids.shape
     logits = []
     for model in (original, quantized):
