@@ -66,8 +66,8 @@ def test_from_dict_is_shared_and_takes_only_dicts():
     [
         ("rms_norm_eps", -1e-6, r"rms_norm_eps must be a number in \(0, inf\), got -1e-06"),
         ("rms_norm_eps", math.inf, r"rms_norm_eps must be a number in \(0, inf\), got inf"),
-        ("rope_theta", math.nan, r"rope_theta must be a number in \(0, inf\), got nan"),
-        ("rope_theta", 0.0, r"rope_theta must be a number in \(0, inf\), got 0.0"),
+        ("rope_theta", math.nan, r"rope_theta must be a number in \(1, inf\), got nan"),
+        ("rope_theta", 0.0, r"rope_theta must be a number in \(1, inf\), got 0.0"),
         ("attention_bias", "yes", r"attention_bias must be true or false, got 'yes'"),
         ("head_dim", 0, r"head_dim must be a positive int, got 0"),
         ("num_attention_heads", 0, r"num_attention_heads must be a positive int, got 0"),

@@ -117,12 +117,9 @@ def caches_agree(model: object, cache: list, b: int, t: int) -> None:
     layer, one length, room for t tokens (a ring has room for any), one padding state; paged batches: the same sequences
     after the same lengths, and the blocks for them in every pool; and each cache its own layer's (none given twice,
     none another module's)."""
-    first, held = cache[0], {}
-    for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):
-        pool = c.cache if isinstance(c, PagedBatch) else c
-        if (j := held.setdefault(id(pool), i)) != i:
-            raise ValueError(f"cache[{i}] is cache[{j}]: give every layer a cache of its own (a shared cache mixes their keys and values)")
-        pool.check_owner(attn)
+    if not torch.compiler.is_compiling():  # a traced id() is a guard on the object; generate's compiled step makes its own caches
+        _each_layers_own(model, cache)
+    first = cache[0]
     if isinstance(first, PagedBatch):
         for i, c in enumerate(cache):
             if (c.seq_ids, c.new_tokens, c.starts) != (first.seq_ids, first.new_tokens, first.starts):
@@ -138,6 +135,16 @@ def caches_agree(model: object, cache: list, b: int, t: int) -> None:
             raise ValueError(f"cache[{i}] holds {len(c)} tokens ({c.dtype}, padded: {c.padded}), cache[0] {len(first)} ({first.dtype}, "
                              f"padded: {first.padded}): one cache per layer, each given the same tokens (model.new_caches)")
         c.check_room(t, f"cache[{i}]")
+
+
+def _each_layers_own(model: object, cache: list) -> None:
+    """A ValueError unless every cache (a paged batch's pool) is given once and belongs to no other module than its layer."""
+    held: dict[int, int] = {}
+    for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):
+        pool = c.cache if isinstance(c, PagedBatch) else c
+        if (j := held.setdefault(id(pool), i)) != i:
+            raise ValueError(f"cache[{i}] is cache[{j}]: give every layer a cache of its own (a shared cache mixes their keys and values)")
+        pool.check_owner(attn)
 
 
 def logits_kept(logits_to_keep: object, t: int) -> int | Tensor:
