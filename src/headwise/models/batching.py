@@ -335,7 +335,7 @@ def generate_many(
         >>> [len(o) for o in outs]
         [4, 2]
     """
-    if isinstance(prompts, (Tensor, str, bytes)) or not isinstance(prompts, Iterable):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):  # (a 2-D tensor: its rows)
         raise TypeError(f"prompts must be a list of 1-D tensors of token ids, got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
