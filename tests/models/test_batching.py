@@ -163,6 +163,8 @@ def test_bad_requests():
     batcher = Batcher(model, num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match=r"prompt must be a 1-D tensor of token ids \(T,\), got \(1, 3\)"):
         batcher.submit(torch.tensor([[1, 2, 3]]), 2)
+    with pytest.raises(TypeError, match=r"prompt must be a 1-D tensor of token ids \(T,\), got list"):
+        batcher.submit([1, 2, 3], 2)
     with pytest.raises(ValueError, match=r"prompt must hold ids in \[0, vocab_size=61\), got ids from 1 to 99"):
         batcher.submit(torch.tensor([1, 99]), 2)
     with pytest.raises(ValueError, match=r"prompt must hold at least one token id, got an empty tensor of shape \(0,\)"):

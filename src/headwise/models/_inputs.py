@@ -187,9 +187,10 @@ def check_request(
     model: object, prompt: object, max_new_tokens: object, eos_token_id: object, temperature: object, top_k: object, seed: object
 ) -> None:
     """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated)."""
-    if not isinstance(prompt, Tensor) or prompt.ndim != 1:
-        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
-        raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {shape}")
+    if not isinstance(prompt, Tensor):  # the type is wrong (generate says so the same way)
+        raise TypeError(f"prompt must be a 1-D tensor of token ids (T,), got {type(prompt).__name__}")
+    if prompt.ndim != 1:
+        raise ValueError(f"prompt must be a 1-D tensor of token ids (T,), got {tuple(prompt.shape)}")
     if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token id, got an empty tensor of shape (0,)")
     vocab = model.vocab_size
