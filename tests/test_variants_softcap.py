@@ -131,3 +131,15 @@ def test_the_caps_at_both_ends_give_finite_numbers(cap, dtype):
     for backend in ("math", "sdpa"):
         out = hw.attention(q, k, v, causal=True, softcap=cap, backend=backend)
         assert out.isfinite().all(), backend
+
+
+def test_the_sinks_gradient_keeps_its_precision_where_the_share_is_small():
+    """The sink's share read from the softmax, not as ``1 - sum(P)``: in float32 that sum cancels where
+    the share is near 1e-6 of a row of 512 keys (the gradient was off by 0.66 relative)."""
+    q, k, v, g = _problem(B=1, H=2, Hkv=2, T=512, S=512, D=8, Dv=8, dtype=torch.float32)
+    sinks = torch.tensor([-8.0, -6.0])
+    grad_out = torch.randn(1, 2, 512, 8, generator=g)
+    got = _grads(lambda *a, **k_: hw.attention(*a, backend="sdpa", **k_), q, k, v, sinks, grad_out, causal=False, softcap=30.0)
+    want = _grads(variant_attention, *(t.double() for t in (q, k, v, sinks, grad_out)), causal=False, softcap=30.0)
+    relative = error(got[4], want[4]) / float(want[4].abs().max())
+    assert relative < 1e-5, relative

@@ -133,9 +133,9 @@ def weights(
     if bias is not None:  # softmax(q k^T * scale + bias): a bias is not scaled
         logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
     half = torch.float32 if q.dtype in _HALF else None
-    w = softmax(logits, spec, allowed, edge, rows, cols, dtype=half, inplace=inplace)  # (B, H, t, s)
-    if spec.sinks is not None:
-        record("sink_share", 1 - w.sum(-1))  # (B, H, t): each row's mass the sink took
+    w, share = softmax(logits, spec, allowed, edge, rows, cols, dtype=half, inplace=inplace)  # (B, H, t, s), (B, H, t) or None
+    if share is not None:
+        record("sink_share", share)  # (B, H, t): each row's mass the sink took
     record("weights", w)
     return w
 
@@ -143,9 +143,11 @@ def weights(
 def softmax(
     logits: Tensor, spec: Spec, allowed: Tensor | None, edge: int, rows: tuple[int, int], cols: tuple[int, int], *,
     dtype: torch.dtype | None, inplace: bool,
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
     """Softmax of (B, H, t, s) masked ``logits`` over the keys and the sink (in ``dtype``), rows that see no key zeroed.
 
+    Returns the weights (B, H, t, s) and, with sinks, the sink's share of each row (B, H, t), read from the
+    softmax itself (``1 - sum`` of the weights cancels where the share is small); a row that sees no key gives it all.
     ``allowed`` masks keys ``edge`` onwards (``seen_by_all``); ``inplace`` rewrites ``logits`` where nothing keeps them.
     """
     live = None if edge else rows_seeing_keys(spec, allowed, rows, cols)  # (B?, H?, t, 1) or None; with an edge every row sees a key
@@ -154,13 +156,16 @@ def softmax(
     if spec.sinks is not None:  # the sink joins each row's softmax and is dropped after: no value behind it
         B, H, t, _ = logits.shape
         sink = spec.sinks.to(logits.dtype)[None, :, None, None].expand(B, H, t, 1)  # (B, H, t, 1)
-        w = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=dtype)[..., :-1]  # (B, H, t, s)
+        full = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=dtype)  # (B, H, t, s + 1)
+        w, share = full[..., :-1], full[..., -1]  # (B, H, t, s), (B, H, t)
     else:
         out = logits if inplace and (dtype is None or logits.dtype == dtype) else None  # in place where nothing keeps the logits
         w = torch.softmax(logits, dim=-1, dtype=dtype, out=out) if out is not None else torch.softmax(logits, dim=-1, dtype=dtype)
+        share = None
     if live is not None:
         w = w.masked_fill_(~live, 0.0) if inplace else w.masked_fill(~live, 0.0)
-    return w
+        share = None if share is None else share.masked_fill(~live[..., 0], 1.0)  # (B, H, t)
+    return w, share
 
 
 def masked(x: Tensor, allowed: Tensor, edge: int, inplace: bool) -> Tensor:

@@ -41,8 +41,8 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 
 def _probs(
     qs: Tensor, k: Tensor, spec: Spec, rows: tuple[int, int], cols: tuple[int, int], keep: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, and (``keep``) the tanh values behind them.
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, (``keep``) the tanh values behind them, and the sink's share (B, H, t) or None.
 
     ``qs`` holds q * 2 scale / cap (float32 for half inputs): th = tanh(scale q.k / cap), the
     logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place.
@@ -58,8 +58,8 @@ def _probs(
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
     if allowed is not None:
         math_backend.masked(logits, allowed, edge, inplace=True)
-    p = math_backend.softmax(logits, spec, allowed, edge, rows, cols, dtype=None, inplace=True)  # (B, H, t, s)
-    return p.contiguous(), th
+    p, share = math_backend.softmax(logits, spec, allowed, edge, rows, cols, dtype=None, inplace=True)  # (B, H, t, s), (B, H, t)
+    return p.contiguous(), th, share
 
 
 def _scaled_q(q: Tensor, spec: Spec) -> Tensor:
@@ -78,7 +78,7 @@ class CappedAttention(torch.autograd.Function):
         qs, kw = _scaled_q(q, spec), k.to(wide)  # (B, H, T, D), (B, Hkv, S, D)
         out = q.new_zeros(B, H, T, v.shape[3])  # (B, H, T, Dv): rows that see no key stay zero
         for (r0, r1), (c0, c1) in _blocks(spec, B, H, block_elements):
-            p, _ = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1))  # (B, H, t, s)
+            p, _, _ = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1))  # (B, H, t, s)
             ctx_blk = _grouped(p.to(v.dtype), Hkv) @ v[:, :, c0:c1]  # (B, Hkv, G*t, Dv)
             out[:, :, r0:r1] = ctx_blk.view(B, H, r1 - r0, v.shape[3])
         ctx.save_for_backward(q, k, v, sinks, out)
@@ -100,11 +100,11 @@ class CappedAttention(torch.autograd.Function):
         dsinks = None if sinks is None else torch.zeros(B, H, T, dtype=wide, device=q.device)  # (B, H, T)
         for (r0, r1), (c0, c1) in _blocks(spec, B, H, ctx.block_elements):
             t = r1 - r0
-            p, th = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2
+            p, th, share = _probs(qs[:, :, r0:r1], kw[:, :, c0:c1], spec, (r0, r1), (c0, c1), keep=True)  # (B, H, t, s) x2, (B, H, t)
             g_blk = _grouped(g[:, :, r0:r1], Hkv)  # (B, Hkv, G*t, Dv)
             dv[:, :, c0:c1] += _grouped(p, Hkv).transpose(-2, -1) @ g_blk  # (B, Hkv, s, Dv)
-            if dsinks is not None:  # the sink's weight is 1 - sum(P); its logit's gradient is -share * rowsum(dO * O)
-                dsinks[:, :, r0:r1] = -(1.0 - p.sum(-1)) * delta[:, :, r0:r1, 0]
+            if dsinks is not None:  # the sink's logit's gradient is -share * rowsum(dO * O)
+                dsinks[:, :, r0:r1] = -share * delta[:, :, r0:r1, 0]
             ds = (g_blk @ vw[:, :, c0:c1].transpose(-2, -1)).view(B, H, t, c1 - c0)  # (B, H, t, s): dP
             ds.sub_(delta[:, :, r0:r1]).mul_(p)  # dS = P (dP - rowsum(dO O)) w.r.t. the capped logits
             ds.mul_(torch.addcmul(th.new_ones(()), th, th, value=-1.0))  # times 1 - tanh^2: w.r.t. scale * q.k
