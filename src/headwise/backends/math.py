@@ -250,6 +250,8 @@ def run_chunked(
     each block keeps its weights for the backward.
     """
     B, H = q.shape[:2]
+    if q.dtype in _HALF and float32_keys is None and not summed:
+        k = k.float()  # (B, Hkv, S, D): scores take float32 keys (``scores``); converted once, not once a block
     contexts = []
     for (r0, r1), (c0, c1) in query_blocks(spec, rows_per_block(spec.T, B * H * spec.S, block_elements)):
         w = weights(q[:, :, r0:r1], k[:, :, c0:c1], spec, (r0, r1), (c0, c1), steps=False, float32_keys=float32_keys, summed=summed)  # (B, H, t, s)
