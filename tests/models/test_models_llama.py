@@ -222,6 +222,45 @@ def test_config_this_model_cannot_run(tmp_path):
         hm.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.int64)
 
 
+@pytest.mark.parametrize(("model_type", "left_out"), [
+    ("mistral", "sliding_window"), ("mistral", "num_key_value_heads"), ("mistral", "max_position_embeddings"),
+    ("mistral", "intermediate_size"), ("qwen3", "head_dim"), ("qwen3", "max_position_embeddings"), ("qwen3", "vocab_size"),
+    ("qwen3", "num_key_value_heads"), ("llama", "max_position_embeddings"), ("llama", "num_key_value_heads"),
+])
+def test_a_key_config_json_leaves_out_takes_the_model_types_default(model_type, left_out):
+    """As transformers' config class of that model type fills it (Mistral's window 4096, Qwen3's head_dim 128, ...)."""
+    import transformers
+
+    from headwise.models.llama_config import llama_config
+
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[model_type]
+    d = {**LLAMA_SIZES, "num_attention_heads": 32, "hidden_size": 4096, "num_key_value_heads": 8, "head_dim": 128,
+         "sliding_window": 7 if model_type == "mistral" else None, "model_type": model_type}
+    del d[left_out]
+    theirs, ours = config_class.from_dict(d), llama_config(d, model_type, "config.json")
+    assert (ours.vocab_size, ours.intermediate_size, ours.kv_heads, ours.head_size, ours.max_position_embeddings) == (
+        theirs.vocab_size, theirs.intermediate_size, theirs.num_key_value_heads, theirs.head_dim, theirs.max_position_embeddings)
+    assert ours.window(0) == (theirs.sliding_window if model_type == "mistral" else None)
+
+
+@pytest.mark.parametrize(("name", "keys"), [("mistral-window", {"attention_bias": True, "mlp_bias": True}), ("qwen3-qknorm-tied", {"mlp_bias": True})])
+def test_bias_switches_the_model_type_never_reads_are_ignored_as_in_transformers(name, keys, tmp_path, padded_batch):
+    """Mistral's projections and Qwen3's MLP have no bias whatever config.json says: the checkpoint loads, the same logits."""
+    import transformers
+
+    save_hf_llama(name, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **keys}))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = hm.load(tmp_path)
+    ids, mask = padded_batch
+    real = mask.bool()
+    with torch.no_grad():
+        want = theirs(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+        got = ours(ids, attention_mask=mask)
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+
+
 def test_tied_config_with_a_different_head_is_refused(tmp_path):
     hf = make_hf_llama("llama-mha-untied")
     hf.save_pretrained(tmp_path)

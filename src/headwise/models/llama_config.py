@@ -20,6 +20,17 @@ from ..rope import check_scaling
 MODEL_TYPES = ("llama", "mistral", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds of layer_types this family runs
 
+#: What transformers' config class of each model type gives a key config.json leaves out, where
+#: ``LlamaConfig``'s default differs (a key present, even as null, is read as it is).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128,
+              "max_position_embeddings": 32768, "sliding_window": 4096},
+}
+#: Keys a model type's transformers modules never read (Mistral's projections have no bias, nor Qwen3's MLP).
+IGNORED: dict[str, tuple[str, ...]] = {"llama": (), "mistral": ("attention_bias", "mlp_bias"), "qwen3": ("mlp_bias",)}
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -102,7 +113,11 @@ class LlamaConfig:
 
 
 def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> LlamaConfig:
-    """A ``LlamaConfig`` from a HuggingFace config dict of ``model_type``; what cannot run here is an error naming ``file``."""
+    """A ``LlamaConfig`` from a HuggingFace config dict of ``model_type``; what cannot run here is an error naming ``file``.
+
+    Keys left out take ``model_type``'s defaults (``DEFAULTS``), keys its modules never read are dropped (``IGNORED``): as transformers runs the file.
+    """
+    d = {**DEFAULTS[model_type], **{key: value for key, value in d.items() if key not in IGNORED[model_type]}}
     unsupported = []
     if d.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={d['hidden_act']!r} (supported: 'silu')")
