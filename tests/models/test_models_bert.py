@@ -220,6 +220,10 @@ def test_bert_config_that_disagrees_with_the_tensors(minilm_copy):
     (minilm_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config.json: position_embedding_type='relative_key' is not supported"):
         BertModel.from_pretrained(minilm_copy)
+    for switch in ("is_decoder", "add_cross_attention"):  # transformers' BERT would attend causally / to an encoder
+        (minilm_copy / "config.json").write_text(json.dumps({**config, "position_embedding_type": "absolute", switch: True}))
+        with pytest.raises(ValueError, match=rf"config.json: {switch}=True is not supported: this BertModel is an encoder"):
+            BertModel.from_pretrained(minilm_copy)
 
 
 def test_truncated_minilm_weights(minilm_copy):

@@ -218,6 +218,10 @@ def bert_config(d: dict, file: os.PathLike[str]) -> BertConfig:
     kind = d.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise ValueError(f"{file}: position_embedding_type={kind!r} is not supported (only 'absolute')")
+    for switch in ("is_decoder", "add_cross_attention"):  # transformers' BERT then attends causally / to an encoder: not this encoder
+        if d.get(switch, False):
+            raise ValueError(f"{file}: {switch}={d[switch]!r} is not supported: this BertModel is an encoder (bidirectional, "
+                             "no cross-attention)")
     try:
         return BertConfig.from_dict(d)
     except (TypeError, ValueError) as e:
