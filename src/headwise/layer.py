@@ -210,7 +210,8 @@ class AttentionLayer(AllOrNothing, nn.Module):
             raise ValueError(f"this module's keys come from a context of width kv_dim={self.kv_dim} (cross-attention): pass context=")
         cache = checked(cache)
         past = len(cache) if isinstance(cache, KVCache) else 0
-        sliding = cache is not None and (cache.window is not None or not isinstance(cache, KVCache))  # paged: each sequence's bound is the caller's
+        # a window bounds what each query sees, not the length (a windowed cache or none); paged: each sequence's bound is the caller's
+        sliding = self.window is not None or (cache is not None and (cache.window is not None or not isinstance(cache, KVCache)))
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
         if cache is not None:
             cache.check_owner(self)  # one cache, one layer

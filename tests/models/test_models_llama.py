@@ -324,6 +324,22 @@ def tiny_llama(device) -> hm.Qwen3ForCausalLM:
     return hm.Qwen3ForCausalLM(config).to(device).eval()
 
 
+def test_a_model_whose_layers_all_slide_runs_a_forward_past_max_position_embeddings():
+    """As generate does (and transformers' Mistral): a window bounds what each query sees, not the length."""
+    config = hm.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=16, windows=(4, 4))
+    torch.manual_seed(0)
+    model = hm.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(ids)  # (1, 21, 50), no cache
+        cached = model(ids, cache=model.new_caches(1, 21))  # through the ring caches
+    torch.testing.assert_close(whole, cached, atol=1e-5, rtol=0)
+    mixed = tiny_llama("cpu")  # one full layer: the limit stands, named as the config names it
+    with pytest.raises(ValueError, match=r"33 tokens, more than max_position_embeddings=32"):
+        mixed(torch.zeros(1, 33, dtype=torch.long))
+
+
 def test_llama_makes_nothing_off_its_device():
     from helpers import OffDevice
 
