@@ -544,7 +544,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("generate temperature nan", lambda: tiny_gpt2().generate(ids(1, 2), max_new_tokens=1, temperature=math.nan), Raises(ValueError, r"got nan")),
     ("generate top_k 0", lambda: tiny_gpt2().generate(ids(1, 2), max_new_tokens=1, temperature=1.0, top_k=0), Raises(ValueError, r"top_k \(or None\) must be a positive int, got 0")),
     ("generate eos past the vocabulary", lambda: tiny_gpt2().generate(ids(1, 2), max_new_tokens=1, eos_token_id=11), Raises(ValueError, r"eos_token_id \(or None\) must be an int in \[0, 10\], got 11")),
-    ("generate past n_positions", lambda: tiny_gpt2().generate(ids(1, 4), max_new_tokens=5), Raises(ValueError, r"prompt \(4 tokens\) \+ max_new_tokens \(5\) exceeds n_positions=8")),
+    ("generate past n_positions", lambda: tiny_gpt2().generate(ids(1, 4), max_new_tokens=6), Raises(ValueError, r"prompt \(4 tokens\) \+ max_new_tokens \(6\) exceeds n_positions=8 by 1")),
     ("generate right-padded prompt", lambda: tiny_gpt2().generate(ids(2, 3), max_new_tokens=1, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])),
      Raises(ValueError, r"attention_mask marks it as padding in rows \[1\]: pad prompts on the left")),
     ("generate tiny temperature = greedy", generate_tiny_temperature_agrees(), None),

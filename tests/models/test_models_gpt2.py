@@ -190,8 +190,23 @@ def test_bad_generate_arguments(model):
         model.generate(ids, max_new_tokens=2, temperature=1.0, top_k=0)
     with pytest.raises(ValueError, match=rf"eos_token_id \(or None\) must be an int in \[0, {V - 1}\], got {V}"):
         model.generate(ids, max_new_tokens=2, eos_token_id=V)
-    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(46\) exceeds n_positions=48"):
-        model.generate(ids, max_new_tokens=46)
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(47\) exceeds n_positions=48 by 1 \(the last new token takes no position"):
+        model.generate(ids, max_new_tokens=47)
+
+
+def test_generate_reaches_the_last_position(model):
+    """The last new token is never fed back: a prompt of n_positions tokens still gets one, as from a full forward;
+    left padding takes no position, so a short row in a wide batch gets as many as it would alone."""
+    limit = model.config.n_positions
+    ids = torch.randint(0, V, (1, limit), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids)[:, -1].argmax(-1)  # (1,): the full forward over every position
+    torch.testing.assert_close(model.generate(ids, max_new_tokens=1)[:, -1], want, atol=0, rtol=0)
+    short = ids[:, :2]
+    padded = torch.cat([torch.zeros(1, 10, dtype=torch.long), short], dim=1)  # (1, 12), 2 real tokens
+    mask = torch.cat([torch.zeros(1, 10, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)], dim=1)
+    alone = model.generate(short, max_new_tokens=limit - 1)  # 2 + 47 - 1 = 48 positions
+    torch.testing.assert_close(model.generate(padded, attention_mask=mask, max_new_tokens=limit - 1)[:, 10:], alone, atol=0, rtol=0)
 
 
 def test_generate_refuses_right_padded_prompts(model, padded_batch):

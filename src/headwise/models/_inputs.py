@@ -199,6 +199,18 @@ def check_request(
     check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
     if seed is not None:
         _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
+    check_length(model, len(prompt), max_new_tokens)
+
+
+def check_length(model: object, t: int, max_new_tokens: int, is_token: Tensor | None = None) -> None:
+    """Refuse a prompt of ``t`` tokens and ``max_new_tokens`` that would take positions past the model's limit.
+
+    The last new token is chosen, never fed back: positions 0 .. t + max_new_tokens - 2 are taken. Left
+    padding (``is_token`` (B, t) False) takes none: the longest row's real tokens count, read only where t would not fit.
+    """
     name, limit = model.context_limit()
-    if limit is not None and len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+    if limit is not None and t + max_new_tokens - 1 > limit and is_token is not None:
+        t = int(is_token.sum(-1).max())  # the one host read, on this path only
+    if limit is not None and t + max_new_tokens - 1 > limit:
+        raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit} by "
+                         f"{t + max_new_tokens - 1 - limit} (the last new token takes no position: it is never fed back)")

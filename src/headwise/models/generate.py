@@ -93,7 +93,8 @@ class GenerationMixin:
 
         Args:
             input_ids: (B, T) prompts; pad batches on the left, with ``attention_mask``.
-            max_new_tokens: the most tokens to add.
+            max_new_tokens: the most tokens to add. The prompt's longest row (left padding not counted) and all
+                new tokens but the last (never fed back) must fit the model's positions (``context_limit``).
             attention_mask: (B, T), 1/True = real token (ints or bools).
             temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
             top_k: sample only among the k likeliest tokens (with temperature > 0).
@@ -145,9 +146,7 @@ class GenerationMixin:
             graph_allowed(input_ids.device, compile, check)
             if cache_dtype == torch.int8:
                 raise ValueError("cache_dtype=torch.int8 with cuda_graph=True: the graph's step reads float32 or bfloat16 caches")
-        name, limit = self.context_limit()
-        if limit is not None and t + max_new_tokens > limit:
-            raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit}")
+        _inputs.check_length(self, t, max_new_tokens, is_token)
         is_token = prompt_padding(is_token)  # None when nothing is padding; refuses prompts that end in padding
         caches = self.new_caches(b, t + max_new_tokens, cache_dtype)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
