@@ -35,7 +35,7 @@ demo: $(STAMP)
 
 # The whole suite, as CI runs it.
 test: $(STAMP)
-	@echo "make test: ruff, then every test: about 20-30 minutes on a 2-core machine (longer when it is busy); make test-fast leaves out the slow ones"
+	@echo "make test: ruff, then every test: about 15-20 minutes on a quiet 2-core machine (longer when it is busy); make test-fast leaves out the slow ones"
 	.venv/bin/ruff check .
 	.venv/bin/pytest -q
 
