@@ -197,6 +197,11 @@ def test_bad_requests():
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, temperature=1.0, seed=2**64 - 1)
     with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with new_paged_caches"):
         Batcher(torch.nn.Linear(2, 2), num_blocks=4)
+    with pytest.raises(TypeError, match=r"model must be a causal LM of headwise.models with new_paged_caches"):
+        generate_many(torch.nn.Linear(2, 2), [torch.tensor([1])], 2)  # an AttributeError on vocab_size before
+    for kw, message in [({"temperature": -1}, r"^temperature \(0 = greedy\) must be"), ({"eos_token_id": 10**6}, r"^eos_token_id \(or None\) must be")]:
+        with pytest.raises(ValueError, match=message):  # every request's: not blamed on prompts[0]
+            generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, **kw)
     with pytest.raises(ValueError, match=r"num_blocks must be a positive int"):
         Batcher(model, num_blocks=0)
 

@@ -172,6 +172,11 @@ def kept(x: Tensor, logits_to_keep: int | Tensor) -> Tensor:
 def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
     """ValueError naming the first of generate's arguments that is out of range."""
     _checks.positive_int("max_new_tokens", max_new_tokens)
+    check_choice(temperature, top_k, eos_token_id, vocab_size)
+
+
+def check_choice(temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
+    """ValueError naming the first of the arguments that choose and stop tokens (``check_sampling`` less the count)."""
     _checks.number("temperature (0 = greedy)", temperature, low=0.0, high=math.inf, high_open=True)
     if top_k is not None:
         _checks.positive_int("top_k (or None)", top_k)

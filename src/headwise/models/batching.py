@@ -40,7 +40,7 @@ from torch import Tensor
 from .. import _checks
 from ..cache import PagedKVCache
 from ..linear import weight_cache
-from ._inputs import SEED_HIGH, check_request
+from ._inputs import SEED_HIGH, check_choice, check_request
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
@@ -89,8 +89,7 @@ class Batcher:
     ) -> None:
         for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
             _checks.positive_int(name, value)
-        if not hasattr(model, "new_paged_caches"):
-            raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
+        paged_model(model)
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.compile = _checks.boolean("compile", compile)
         self.caches = model.new_paged_caches(num_blocks, block_size, cache_dtype)
@@ -352,6 +351,8 @@ def generate_many(
         _checks.positive_int(name, value)
     if seed is not None:
         _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
+    paged_model(model)
+    check_choice(temperature, top_k, eos_token_id, model.vocab_size)  # shared by every request: named once, not as prompts[0]'s
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):  # every request checked before a pool is allocated for them
         try:
             check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
@@ -370,3 +371,9 @@ def generate_many(
     for request, token in batcher.stream():
         out[request].append(token)
     return [torch.tensor(tokens, dtype=torch.long, device=batcher._weight.device) for tokens in out]
+
+
+def paged_model(model: object) -> None:
+    """TypeError unless ``model`` is a causal LM of ``headwise.models`` that makes paged caches."""
+    if not hasattr(model, "new_paged_caches"):
+        raise TypeError(f"model must be a causal LM of headwise.models with new_paged_caches (GPT-2, Llama), got {type(model).__name__}")
