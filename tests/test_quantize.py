@@ -611,3 +611,28 @@ def test_the_whole_decode_call_in_cpp_gives_the_layers_numbers_bit_for_bit(activ
             assert torch.equal(got, lin(x)), (m, n, k)
         if m == 1:
             torch.library.opcheck(op, (x, packed, lin.scales, None if bias is None else lin.bias.float(), n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_an_int8_weight_takes_int8_only_from_a_state_dict(dtype):
+    """A float (a dequantized export) would be truncated to zeros, a wider int (values past 127) wrapped: both refused by
+    name, on a bare layer and in a model, and nothing is loaded."""
+    layer = Int8Linear(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    state = layer.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+    with pytest.raises(ValueError, match=rf"wrong dtype: weight: expected torch.int8, got {dtype} \(not cast silently\)"):
+        layer.load_state_dict({**state, "weight": state["weight"].to(dtype) * 3})
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    model = int8_weights(llama(tied=True))
+    state = model.state_dict()
+    key = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=rf"wrong dtype: {key}: expected torch.int8, got {dtype}"):
+        model.load_state_dict({**state, key: state[key].to(dtype)})
+
+
+def test_quantizing_again_with_other_activations_is_refused_by_name():
+    """Its int8 layers would stay on their first arithmetic without a word; the same activations again is a no-op."""
+    model = int8_weights(llama(tied=True))
+    assert int8_weights(model) is model
+    with pytest.raises(ValueError, match=r"model already holds Int8Linear layers with another activations= \(model\.layers\.0\.self_attn\.\w+: 'bf16'; \d+ in all\), not 'int8'"):
+        int8_weights(model, activations="int8")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 _KEY_KEEPING: set[Callable] = set()
@@ -33,6 +34,7 @@ def remap(
     ignore: Callable[[str], bool] = lambda key: False,
     optional: Mapping[str, tuple[int, ...]] | None = None,
     floating: Collection[str] = (),
+    integral: Mapping[str, torch.dtype] | None = None,
     valued: Collection[str] = (),
     source: str = "state dict",
 ) -> dict[str, Tensor]:
@@ -48,6 +50,8 @@ def remap(
             ``mask``, which its state dicts carry and headwise does not store).
         floating: target keys that hold floating-point values: an integer or bool tensor
             for one of them is refused rather than cast.
+        integral: target key -> dtype of keys that hold integers (int8 weights): a tensor of any
+            other dtype is refused rather than cast (a float truncated, a wider int wrapped).
         valued: target keys whose tensors hold values: a meta tensor (a shape, no values) for
             one of them is refused (torch's copy would fail there, after the entries before it).
         source: names the origin (a file, say) in the error message.
@@ -56,7 +60,7 @@ def remap(
         ValueError: listing every missing, unexpected, duplicated, mis-shaped, valueless and
             mis-typed key at once.
     """
-    optional = optional or {}
+    optional, integral = optional or {}, integral or {}
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}  # target key -> the incoming key that gave it
     unexpected, duplicated, misshaped, mistyped, valueless = [], [], [], [], []
@@ -84,6 +88,9 @@ def remap(
             tensor = tensor.t()
         if name in floating and not tensor.is_floating_point():
             mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
+            continue
+        if name in integral and tensor.dtype != integral[name]:
+            mistyped.append(f"{key}: expected {integral[name]}, got {tensor.dtype} (not cast silently)")
             continue
         if name in valued and tensor.is_meta:
             valueless.append(key)
@@ -114,7 +121,7 @@ def check_state(
     """``state`` renamed and checked against ``module`` (via ``remap``); nothing is loaded.
 
     Every parameter and persistent buffer must come, once, with its shape (a floating one as
-    a floating-point tensor); entries that ``state_dict`` adds without storing them (the
+    a floating-point tensor, an integer one in its own dtype); entries that ``state_dict`` adds without storing them (the
     book's ``mask``) may come. ``module`` may live on the meta device: only shapes are read.
     """
     stored = dict(module.named_parameters()) | dict(module.named_buffers())
@@ -122,9 +129,10 @@ def check_state(
     expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
     optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
     floating = [name for name in expected if stored[name].is_floating_point()]
+    integral = {name: stored[name].dtype for name in expected if not stored[name].is_floating_point()}
     valued = {name for name in expected if not stored[name].is_meta}
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating,
-                 valued=valued, source=str(source))
+                 integral=integral, valued=valued, source=str(source))
 
 
 class StateDictError(ValueError, RuntimeError):
@@ -165,7 +173,8 @@ class AllOrNothing:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """torch's ``load_state_dict``, all-or-nothing when ``strict``: ``StateDictError`` (a ValueError and a
-        RuntimeError, as torch raises) names every missing, unexpected, mis-shaped or integer-for-float entry before
+        RuntimeError, as torch raises) names every missing, unexpected, mis-shaped or mis-typed entry (an integer for a
+        float, anything but its own dtype for an integer one) before
         any tensor is copied (torch's own load copies the entries that fit first)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of names to tensors (module.state_dict()), got {type(state_dict).__name__}")

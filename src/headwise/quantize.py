@@ -70,6 +70,7 @@ from . import _checks
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
 from .linear.rule import MIN_DECODE_WEIGHT, avx2_band
+from .loadable import AllOrNothing
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -258,7 +259,7 @@ def _(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tens
     return x.new_empty((x.shape[0], weight.shape[0]))  # (M, N)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(AllOrNothing, nn.Module):
     """``nn.Linear`` with an int8 weight and a float32 scale per output channel: (..., K) -> (..., N).
 
     Args:
@@ -520,6 +521,11 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _activations(activations)
     names = {id(module): name for name, module in model.named_modules()}
+    other = [names[id(m)] for m in model.modules() if isinstance(m, Int8Linear) and m.activations != activations]
+    if other:  # their weights are int8 already: they would stay as they are, silently on the other arithmetic
+        raise ValueError(f"model already holds Int8Linear layers with another activations= ({other[0]}: "
+                         f"{model.get_submodule(other[0]).activations!r}; {len(other)} in all), not {activations!r}: "
+                         "call int8_weights on the float model")
     # (parent, attribute, module whose weight it rounds, its bias, training): every nn.Linear, and a tied head
     targets = [(parent, name, child, child.bias, child.training)
                for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]  # fmt: skip
