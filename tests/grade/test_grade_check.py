@@ -275,9 +275,39 @@ class ChangedAfter(NoDropout):
         return torch.tanh(self.dropout(torch.softmax(scores / self.W_key.out_features**0.5, dim=-1)) @ self.W_value(x))
 
 
+class DropoutBeforeSoftmax(ChangedAfter):
+    """Dropout on the masked scores: -inf * 0 gives NaN rows in train() mode."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return torch.softmax(self.dropout(scores) / self.W_key.out_features**0.5, dim=-1) @ self.W_value(x)
+
+
+class DropoutOnOutput(ChangedAfter):
+    def forward(self, x):
+        return self.dropout(NoDropout.forward(self, x))
+
+
+class DropoutAtItsOwnRate(ChangedAfter):
+    """nn.Dropout(0.1) where the book builds nn.Dropout(dropout)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+        return self.dropout(torch.softmax(scores / self.W_key.out_features**0.5, dim=-1)) @ self.W_value(x)
+
+
 @pytest.mark.parametrize(("cls", "step", "hint"), [
     (DropoutAlwaysOn, "dropout", "the output changes in eval() mode"),
     (NoDropout, "dropout", "dropout is never applied"),
+    (DropoutBeforeSoftmax, "dropout", "dropout is applied somewhere else or at another rate"),
+    (DropoutOnOutput, "dropout", "dropout is applied somewhere else or at another rate"),
+    (DropoutAtItsOwnRate, "dropout", "dropout is applied somewhere else or at another rate"),
     (ChangedAfter, "output", "the right output was computed, then changed before forward returned it"),
 ])
 def test_dropout_and_a_changed_output_are_told_apart(cls, step, hint):

@@ -11,7 +11,7 @@ from . import hints as H
 from .learner import Raised, SetupError, build, kind_of, where
 from .match import closest, is_scores, matching_probes, step_status
 from .record import Recorder
-from .reference import CONFIGS, Config, reference
+from .reference import BOOK_CLASSES, CONFIGS, Config, reference
 from .report import Result
 
 
@@ -54,29 +54,46 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
 
 
 DROPOUT = 0.5  # the rate the dropout check builds with: half the weights dropped in training
+DROPOUT_SEED = 7  # the seed both train() passes draw their masks under
 
 
 def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
-    """Built with dropout, in eval() mode the output must be the book's (no dropout there); in train() mode it must
-    change (dropout acts). Which weights are dropped is the RNG's, so train() is not compared number by number."""
+    """Built with dropout, in eval() mode the output must be the book's (no dropout there); in train() mode, under the
+    same seed, the book's own (its nn.Dropout on the attention weights draws the same mask as the learner's there)."""
     ref = reference(kind, config)
     try:
         module = build(cls, kind, config, ref.state, DROPOUT)
         x = ref.x.float()  # (B, T, d_in)
         with torch.no_grad():
             evaluated = module(x)
-            module.train()
-            trained = [module(x) for _ in range(2)]  # two draws: all-kept twice is (1/2)^(weights) unlikely
+            trained = _seeded(module.train(), x)
     except (Exception, SystemExit) as e:
         raised = where(e, file)
         return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"with dropout={DROPOUT}: {raised.error}"))
     want = ref.output
-    if not (isinstance(evaluated, Tensor) and evaluated.shape == want.shape and torch.allclose(evaluated.double(), want, rtol=1e-4, atol=1e-5)):
+    if not _same(evaluated, want):
         expected, got = _show([evaluated.detach()] if isinstance(evaluated, Tensor) else [], want, False)
         return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got)
-    if all(isinstance(t, Tensor) and t.shape == want.shape and torch.allclose(t.double(), want, rtol=1e-4, atol=1e-5) for t in trained):
-        return Outcome(config, "dropout", [H.DROPOUT_NEVER], _row(want, 0), _row(trained[0].detach(), 0))
-    return Outcome(config)
+    book = BOOK_CLASSES[kind](*config.args(kind, DROPOUT), backend="math")  # float32, as the learner's x
+    book.load_state_dict({k: v.float() for k, v in ref.state.items()})
+    with torch.no_grad():
+        want_trained = _seeded(book.train(), x).double()
+    if _same(trained, want_trained):
+        return Outcome(config)
+    hint = H.DROPOUT_NEVER if _same(trained, want) else H.DROPOUT_ELSEWHERE
+    return Outcome(config, "dropout", [hint], _row(want_trained, 0), _row(trained.detach(), 0) if isinstance(trained, Tensor) else None)
+
+
+def _seeded(module: torch.nn.Module, x: Tensor) -> object:
+    """``module(x)`` under a fixed seed, the global RNG left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(DROPOUT_SEED)
+        return module(x)
+
+
+def _same(out: object, want: Tensor) -> bool:
+    """``out`` a tensor of ``want``'s shape and numbers (float32's rounding); NaN never equal."""
+    return isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:

@@ -37,6 +37,9 @@ DROPOUT_IN_EVAL = ("with dropout=0.5 the output changes in eval() mode: dropout 
                    "nn.Dropout module (self.dropout = nn.Dropout(dropout)), or F.dropout(..., training=self.training)")
 DROPOUT_NEVER = ("with dropout=0.5 the output in train() mode is the eval() output: dropout is never applied; "
                  "apply self.dropout to the attention weights after the softmax")
+DROPOUT_ELSEWHERE = ("with dropout=0.5 in train() mode, under the same seed, the output is not the book's: dropout is applied "
+                     "somewhere else or at another rate; apply self.dropout = nn.Dropout(dropout) to the attention weights "
+                     "after the softmax, and nowhere else")
 CHANGED_AFTER = ("the right output was computed, then changed before forward returned it: every step matches the book's, "
                  "the last one too; return what the last step (self.out_proj, or the concatenated heads) gives, as it is")
 CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
