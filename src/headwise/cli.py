@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # the library's clear errors, shown without a traceback
         print(f"headwise {args.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ModuleNotFoundError as e:  # an extra not installed (``_optional.require`` names it): one line too
+        if "pip install 'headwise[" not in str(e):
+            raise
+        print(f"headwise {args.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks
+from .._optional import require
 from ..cache import KVCache
 from ..config import GPT2Config
 from ..fused import GPT2MultiHeadAttention
@@ -72,6 +73,7 @@ class DecodeRow:
 
 def _hf_stack(layers: nn.ModuleList, config: GPT2Config) -> nn.ModuleList:
     """transformers GPT2Attention layers holding the same weights (their Conv1D stores (in, out))."""
+    require("transformers", "hf", "timing transformers' GPT-2 attention beside headwise's (hf=True)")
     from transformers import GPT2Config as HFConfig
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
