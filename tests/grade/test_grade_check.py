@@ -52,6 +52,7 @@ MISTAKES = {
     "causal_softmax_dim": ("CausalAttention", "weights", H.SOFTMAX_DIM.format(what="the queries", dim=1, layout="(b, num_tokens, num_tokens)")),
     "mask_missing": ("MultiHeadAttention", "masked_scores", H.NO_MASK),
     "mask_after_softmax": ("MultiHeadAttention", "masked_scores", H.MASK_AFTER),
+    "mask_discarded": ("MultiHeadAttention", "weights", H.MASK_DISCARDED),
     "mask_not_cut": ("MultiHeadAttention", "error", H.MASK_NOT_CUT),
     "view_no_transpose": ("MultiHeadAttention", "queries.transpose", H.NO_TRANSPOSE.format(name="queries")),
     "swapped_qk": ("MultiHeadAttention", "scores", H.SWAPPED),

@@ -19,6 +19,8 @@ from .reference import Config, Reference
 SHARED_QK = "{got} equal the {other}: W_query and W_key are one layer, or both are computed with the same one; give each its own nn.Linear"
 SWAPPED = "keys and queries are swapped: the scores are keys @ queries.T; compute queries @ keys.transpose(-2, -1)"
 NO_MASK = "the causal mask is missing: fill the scores above the diagonal with -inf (masked_fill) before the softmax"
+MASK_DISCARDED = ("the causal mask never reaches the softmax: masked_fill returns a new tensor and leaves the scores as they "
+                  "were; keep its result (scores = scores.masked_fill(...)) or fill in place with masked_fill_")
 MASK_ZERO = ("the scores above the diagonal are set to 0, not -inf: the softmax still gives them weight (e^0 = 1); "
              "fill them with -torch.inf (masked_fill) so that no token attends to a later one")
 MASK_AFTER = "the mask is applied after the softmax: mask the scores with -inf first, then take the softmax, so each row still sums to 1"
@@ -97,6 +99,7 @@ def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str,
         Probe(prefix + "masked_scores", NO_MASK, unmasked, same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, 0.0), same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, -math.inf), same_kind=False),
+        Probe(prefix + "weights", MASK_DISCARDED, unmasked),  # a masked step computed, then the unmasked scores used
         Probe(prefix + "weights", NO_SCALE, torch.softmax(masked, dim=-1)),
         Probe(prefix + "weights", NOT_SQRT, torch.softmax(masked / head_size, dim=-1)),
     ]
