@@ -325,3 +325,16 @@ def test_a_bias_the_book_lacks_is_named():
 
     result = grade_class(Biased, "CausalAttention")
     assert not result.passed and "proj.bias is a bias the book's W_" in result.error and "does not have here (qkv_bias=False)" in result.error
+
+
+def test_a_class_built_as_the_kind_its_signature_gave_says_so():
+    """A renamed multi-head class whose head count is not called num_heads is taken for a single head: the report says why."""
+
+    class MyAttn(nn.Module):
+        def __init__(self, d_in, d_out, context_length, dropout, n_heads):
+            super().__init__()
+            self.head_dim = d_out // n_heads
+
+    result = grade_class(MyAttn)
+    assert not result.passed and result.kind == "CausalAttention"
+    assert "while building it as the book's CausalAttention is built (its kind read from its signature: no num_heads, 5 positional arguments)" in result.error

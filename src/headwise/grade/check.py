@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import hints as H
-from .learner import Raised, SetupError, build, kind_of, where
+from .learner import Raised, SetupError, build, kind_of, positional, where
 from .match import closest, is_scores, matching_probes, step_status
 from .record import Recorder
 from .reference import BOOK_CLASSES, CONFIGS, Config, reference
@@ -84,6 +84,11 @@ def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     return Outcome(config, "dropout", [hint], _row(want_trained, 0), _row(trained.detach(), 0) if isinstance(trained, Tensor) else None)
 
 
+def _guessed(cls: type, kind: str) -> str:
+    """Where the kind came from, when the class's name is not the book's: its signature."""
+    return "" if cls.__name__ == kind else f" (its kind read from its signature: {'a num_heads argument or ' if kind != 'CausalAttention' else 'no num_heads, '}{len(positional(cls))} positional arguments)"
+
+
 def _seeded(module: torch.nn.Module, x: Tensor) -> object:
     """``module(x)`` under a fixed seed, the global RNG left as it was."""
     with torch.random.fork_rng():
@@ -104,7 +109,7 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
         return Outcome(config, "error", raised=Raised(None, None, str(e)))
     except (Exception, SystemExit) as e:
         raised = where(e, file)
-        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it: {raised.error}"))
+        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it as the book's {kind} is built{_guessed(cls, kind)}: {raised.error}"))
     x = ref.x.float()  # (B, T, d_in)
     try:
         with torch.no_grad(), Recorder() as rec:

@@ -86,15 +86,19 @@ def kind_of(name: str, cls: type) -> str:
     """The book class to grade against: by name, else by signature (``num_heads``) and a ``heads`` list."""
     if name in BOOK_CLASSES:
         return name
-    params = inspect.signature(cls.__init__).parameters
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after self
-    if "num_heads" not in params and len(positional) < 6:  # (d_in, d_out, context_length, dropout[, qkv_bias])
+    if "num_heads" not in inspect.signature(cls.__init__).parameters and len(positional(cls)) < 6:  # (d_in, d_out, context_length, dropout[, qkv_bias])
         return "CausalAttention"
     try:
         probe = cls(3, 2, 6, 0.0, 2)
     except Exception:
         return "MultiHeadAttention"
     return "MultiHeadAttentionWrapper" if isinstance(getattr(probe, "heads", None), nn.ModuleList) else "MultiHeadAttention"
+
+
+def positional(cls: type) -> list[inspect.Parameter]:
+    """The positional parameters of ``cls.__init__`` after self."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
 
 
 def build(cls: type, kind: str, config: Config, state: dict[str, Tensor], dropout: float = 0.0) -> nn.Module:
