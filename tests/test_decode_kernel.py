@@ -172,7 +172,8 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
 
     def folder(name, verbose):  # torch's extension cache: the library's folder, holding it when cached
         (tmp_path / name).mkdir(exist_ok=True)
-        if cached:
+        if cached:  # built from these sources' paths, after they were written
+            (tmp_path / name / "build.ninja").write_text("\n".join(str(s) for s in native.SOURCES))
             (tmp_path / name / f"{name}.so").touch()
         return str(tmp_path / name)
 

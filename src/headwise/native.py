@@ -87,9 +87,18 @@ def _cannot_build(e: Exception) -> None:
 
 
 def _in_cache(cpp_extension: object, name: str) -> bool:
-    """Whether torch's extension cache already holds the library ``name`` (a load, not a build)."""
+    """Whether torch's extension cache holds the library ``name`` as ninja would keep it (a load, not a build): built
+    after the sources were last written, from these sources' paths (a reinstall or another environment's copy of
+    the same sources is rebuilt)."""
     folder = getattr(cpp_extension, "_get_build_directory", None)  # a private helper of torch's: if it is gone or
     try:  # changed, say nothing
-        return folder is None or (Path(folder(name, verbose=False)) / f"{name}.so").is_file()
+        if folder is None:
+            return True
+        directory = Path(folder(name, verbose=False))
+        library, script = directory / f"{name}.so", directory / "build.ninja"
+        if not (library.is_file() and script.is_file()):
+            return False
+        newest = max(s.stat().st_mtime for s in (*SOURCES, *HEADERS))
+        return library.stat().st_mtime >= newest and all(str(s) in script.read_text() for s in SOURCES)
     except Exception:
         return True
