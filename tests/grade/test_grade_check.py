@@ -337,4 +337,6 @@ def test_a_class_built_as_the_kind_its_signature_gave_says_so():
 
     result = grade_class(MyAttn)
     assert not result.passed and result.kind == "CausalAttention"
-    assert "while building it as the book's CausalAttention is built (its kind read from its signature: no num_heads, 5 positional arguments)" in result.error
+    assert "while building it as the book's CausalAttention is built (the kind read from its signature: 5 positional arguments, no num_heads)" in result.error
+    named = grade_class(MyAttn, "CausalAttention")  # a book name fixes the kind: nothing read from the signature
+    assert "while building it as the book's CausalAttention is built: " in named.error

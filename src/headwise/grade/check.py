@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,8 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
     except (Exception, SystemExit) as e:
         raised = where(e, file)
         return Result(name, "unknown", False, "error", error=raised.error, line=raised.line, code=raised.code)
-    outcomes = [_try(cls, kind, config, file) for config in CONFIGS[kind]]
+    guessed = name not in BOOK_CLASSES  # the kind read from the signature (kind_of): the report says so where it matters
+    outcomes = [_try(cls, kind, config, file, guessed) for config in CONFIGS[kind]]
     if all(o.step is None for o in outcomes):  # the numbers are the book's: then its dropout, where the numbers tell
         outcomes.append(_dropout(cls, kind, CONFIGS[kind][0], file))
     return _verdict(name, kind, outcomes)
@@ -84,9 +86,10 @@ def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     return Outcome(config, "dropout", [hint], _row(want_trained, 0), _row(trained.detach(), 0) if isinstance(trained, Tensor) else None)
 
 
-def _guessed(cls: type, kind: str) -> str:
-    """Where the kind came from, when the class's name is not the book's: its signature."""
-    return "" if cls.__name__ == kind else f" (its kind read from its signature: {'a num_heads argument or ' if kind != 'CausalAttention' else 'no num_heads, '}{len(positional(cls))} positional arguments)"
+def _guessed(cls: type) -> str:
+    """What the kind was read from, for a class whose name is not the book's: its signature."""
+    heads = "a" if "num_heads" in inspect.signature(cls.__init__).parameters else "no"
+    return f" (the kind read from its signature: {len(positional(cls))} positional arguments, {heads} num_heads)"
 
 
 def _seeded(module: torch.nn.Module, x: Tensor) -> object:
@@ -101,7 +104,7 @@ def _same(out: object, want: Tensor) -> bool:
     return isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5)
 
 
-def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
+def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool = False) -> Outcome:
     ref = reference(kind, config)
     try:
         module = build(cls, kind, config, ref.state)
@@ -109,7 +112,7 @@ def _try(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
         return Outcome(config, "error", raised=Raised(None, None, str(e)))
     except (Exception, SystemExit) as e:
         raised = where(e, file)
-        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it as the book's {kind} is built{_guessed(cls, kind)}: {raised.error}"))
+        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it as the book's {kind} is built{_guessed(cls) if guessed else ''}: {raised.error}"))
     x = ref.x.float()  # (B, T, d_in)
     try:
         with torch.no_grad(), Recorder() as rec:
