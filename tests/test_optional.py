@@ -64,3 +64,4 @@ def test_a_command_missing_an_extra_says_so_in_one_line(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and "pip install 'headwise[" in out.stderr, out.stderr
+    assert not (tmp_path / "h.html").exists()  # checked before any work: no page without its picture

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from . import _argtypes
+from ._optional import require
 
 
 def _print_steps(steps: list, tokens: list[str], facts: str = "") -> None:
@@ -69,6 +70,8 @@ def _heads(args: argparse.Namespace) -> None:
 
     from .viz import head_maps, heads_figure, heads_page
 
+    if args.png:  # before any work: no page written for a picture that cannot be drawn
+        require("matplotlib", "bench", "drawing the heads as a picture")
     start = time.perf_counter()
     try:
         maps = head_maps(args.model, **({} if args.text is None else {"text": args.text}))
