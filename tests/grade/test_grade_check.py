@@ -53,6 +53,10 @@ MISTAKES = {
     "mask_missing": ("MultiHeadAttention", "masked_scores", H.NO_MASK),
     "mask_after_softmax": ("MultiHeadAttention", "masked_scores", H.MASK_AFTER),
     "mask_discarded": ("MultiHeadAttention", "weights", H.MASK_DISCARDED),
+    "mask_diagonal": ("MultiHeadAttention", "masked_scores", H.MASK_DIAGONAL),
+    "mask_tril": ("MultiHeadAttention", "masked_scores", H.MASK_PAST),
+    "scale_num_tokens": ("MultiHeadAttention", "weights", H.WRONG_SCALE.format(size="num_tokens")),
+    "causal_scale_num_tokens": ("CausalAttention", "weights", H.WRONG_SCALE.format(size="num_tokens")),
     "mask_not_cut": ("MultiHeadAttention", "error", H.MASK_NOT_CUT),
     "view_no_transpose": ("MultiHeadAttention", "queries.transpose", H.NO_TRANSPOSE.format(name="queries")),
     "swapped_qk": ("MultiHeadAttention", "scores", H.SWAPPED),
@@ -82,7 +86,8 @@ def test_a_mistake_in_one_class_leaves_the_others_passing():
 
 
 def test_the_hints_tell_every_mistake_apart():
-    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 1  # two files share NO_SCALE: MHA and a wrapper's head
+    # two pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head)
+    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 2
 
 
 def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuration():

@@ -21,6 +21,10 @@ SWAPPED = "keys and queries are swapped: the scores are keys @ queries.T; comput
 NO_MASK = "the causal mask is missing: fill the scores above the diagonal with -inf (masked_fill) before the softmax"
 MASK_DISCARDED = ("the causal mask never reaches the softmax: masked_fill returns a new tensor and leaves the scores as they "
                   "were; keep its result (scores = scores.masked_fill(...)) or fill in place with masked_fill_")
+MASK_DIAGONAL = ("the mask hides the diagonal too (triu with diagonal=0): each token must see itself, or its first row sees "
+                 "nothing; mask only the later tokens: torch.triu(torch.ones(context_length, context_length), diagonal=1)")
+MASK_PAST = ("the mask hides the earlier tokens and each token itself (tril where the book takes triu): mask the later "
+             "tokens, above the diagonal: torch.triu(torch.ones(context_length, context_length), diagonal=1)")
 MASK_ZERO = ("the scores above the diagonal are set to 0, not -inf: the softmax still gives them weight (e^0 = 1); "
              "fill them with -torch.inf (masked_fill) so that no token attends to a later one")
 MASK_AFTER = "the mask is applied after the softmax: mask the scores with -inf first, then take the softmax, so each row still sums to 1"
@@ -73,13 +77,13 @@ def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
     """Every known mistake's tensor for ``kind`` under ``config``, skipping those equal to the right one."""
     s = ref.steps
     if kind == "CausalAttention":
-        found = _attention(s, "", ref.scale, {"d_in": config.d_in})
+        found = _attention(s, "", ref.scale, {"d_in": config.d_in, "num_tokens": config.num_tokens})
     elif kind == "MultiHeadAttentionWrapper":
-        found = [p for i in range(config.num_heads) for p in _attention(s, f"heads.{i}.", ref.scale, {"d_in": config.d_in})]
+        found = [p for i in range(config.num_heads) for p in _attention(s, f"heads.{i}.", ref.scale, {"d_in": config.d_in, "num_tokens": config.num_tokens})]
         heads = [s[f"heads.{i}.context"] for i in range(config.num_heads)]  # (B, T, d_out) each
         found += [Probe("output", CAT_DIM.format(dim=d, what=w), torch.cat(heads, dim=d), returned=True) for d, w in ((0, "the batch"), (1, "the tokens"))]
     else:
-        sizes = {"d_in": config.d_in, "d_out": config.d_out, "num_heads": config.num_heads}
+        sizes = {"d_in": config.d_in, "d_out": config.d_out, "num_heads": config.num_heads, "num_tokens": config.num_tokens}
         found = _attention(s, "", ref.scale, sizes) + _heads(s)
     return [p for p in found if p.tensor.shape != s[p.step].shape or not torch.equal(p.tensor, s[p.step])]
 
@@ -96,6 +100,8 @@ def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str,
         Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"]),
         Probe(prefix + "scores", SWAPPED, scores.transpose(-2, -1), scale_free=True),
         Probe(prefix + "masked_scores", MASK_ZERO, scores.masked_fill(future, 0.0), scale_free=True),
+        Probe(prefix + "masked_scores", MASK_DIAGONAL, scores.masked_fill(future | torch.eye(T, dtype=torch.bool), -math.inf), scale_free=True),
+        Probe(prefix + "masked_scores", MASK_PAST, scores.masked_fill(~future, -math.inf), scale_free=True),
         Probe(prefix + "masked_scores", NO_MASK, unmasked, same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, 0.0), same_kind=False),
         Probe(prefix + "masked_scores", MASK_AFTER, unmasked.masked_fill(future, -math.inf), same_kind=False),
