@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..scores import sink_share
 from .blocks import joined, query_blocks, rows_per_block
+from .once import first_order
 from .spec import Spec
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -79,13 +80,19 @@ class SinkAttention(torch.autograd.Function):
         o, lse = _flash_forward(q, k, v, mask, is_causal, scale)  # (B, H, T, Dv), (B, H, T)
         w = sink_share(lse, sinks).unsqueeze(-1)  # (B, H, T, 1) float32
         y = (o * w).to(o.dtype)  # (B, H, T, Dv)
-        ctx.save_for_backward(q, k, v, o, lse, w, y, mask)
+        ctx.save_for_backward(q, k, v, o, lse, w, y, mask, sinks)
         ctx.is_causal, ctx.scale, ctx.sinks_dtype = is_causal, scale, sinks.dtype
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple:
-        q, k, v, o, lse, w, y, mask = ctx.saved_tensors
+        with torch.no_grad():
+            grads = SinkAttention._grads(ctx, g)
+        return first_order(grads, ctx.saved_tensors[:3] + ctx.saved_tensors[-2:], "with sinks on the CPU flash kernel")
+
+    @staticmethod
+    def _grads(ctx, g: Tensor) -> tuple:
+        q, k, v, o, lse, w, y, mask, _ = ctx.saved_tensors
         go = (g * w).to(g.dtype).contiguous()  # (B, H, T, Dv)
         dq, dk, dv = _flash_grads(go, q, k, v, y, lse, mask, ctx.is_causal, ctx.scale)
         share = (g.to(w.dtype) * o.to(w.dtype)).sum(-1) * (w * (1 - w)).squeeze(-1)  # (B, H, T), float32 or wider

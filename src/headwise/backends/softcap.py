@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import math as math_backend
 from .blocks import Block, query_blocks, rows_per_block
+from .once import first_order
 from .spec import Spec
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -87,6 +88,12 @@ class CappedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple:
+        with torch.no_grad():
+            grads = CappedAttention._grads(ctx, g)
+        return first_order(grads, ctx.saved_tensors[:4], "with a softcap, over blocks of queries")
+
+    @staticmethod
+    def _grads(ctx, g: Tensor) -> tuple:
         q, k, v, sinks, out = ctx.saved_tensors
         spec = ctx.spec
         B, H, T, _ = q.shape
