@@ -9,6 +9,7 @@ the install instead of being fetched.
 
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from headwise import native
 
@@ -101,6 +103,28 @@ def test_the_wheel_holds_the_package_the_heads_pages_files_and_the_kernels_sourc
     requires = [line for line in zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode().splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert requires == ["Requires-Dist: torch>=2.5"]
+
+
+def test_the_wheels_metadata_carries_the_classifiers(venv):
+    (wheel,) = venv.parent.glob("dist/headwise-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        meta = email.message_from_bytes(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))))
+    classifiers = meta.get_all("Classifier") or []
+    assert {
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Intended Audience :: Science/Research",
+        "Intended Audience :: Education",
+        "Intended Audience :: Developers",
+        "Programming Language :: Python :: 3 :: Only",
+    } <= set(classifiers)
+    assert sum(c.startswith("Development Status :: ") for c in classifiers) == 1
+    assert any(c.startswith("Operating System :: ") for c in classifiers)
+    assert meta["License-Expression"] == "MIT" and not any(c.startswith("License ::") for c in classifiers)  # the SPDX field alone
+    # every Python version named is one requires-python admits, the oldest admitted one among them
+    versions = [c.rsplit(" :: ", 1)[1] for c in classifiers if c.startswith("Programming Language :: Python :: 3.")]
+    allowed = SpecifierSet(meta["Requires-Python"])
+    assert versions and all(allowed.contains(f"{v}.0") for v in versions)
+    assert min(versions, key=lambda v: tuple(map(int, v.split(".")))) == str(allowed).removeprefix(">=")
 
 
 def test_the_environment_holds_torch_and_no_optional_package(venv):
