@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -201,4 +202,8 @@ def test_busy_runs_the_cases_beside_that_many_spinning_processes(monkeypatch, ca
     monkeypatch.setattr(cli, "run", lambda **kw: seen.append("run") or Report("m"))
     cli.main(["--preset", "tiny", "--tokens", "8", "--batch", "1", "--busy", "2", "--plot", "", "--no-ceiling"])
     assert seen == [("start", 2), "run", ("end", 2)]
-    assert "Command: `headwise bench --preset tiny --tokens 8 --batch 1 --busy 2 --plot  --no-ceiling`" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Command: `headwise bench --preset tiny --tokens 8 --batch 1 --busy 2 --plot '' --no-ceiling`" in out  # pastes back: '' is the empty --plot
+    (line,) = [line for line in out.splitlines() if line.startswith("Command: ")]
+    assert shlex.split(line.removeprefix("Command: ").strip("`"))[2:] == ["--preset", "tiny", "--tokens", "8", "--batch", "1", "--busy", "2",
+                                                                          "--plot", "", "--no-ceiling"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 import pytest
@@ -68,3 +69,14 @@ def test_read_probe_bandwidth_is_bytes_over_seconds():
 def test_machine_names_the_cpu_and_torch():
     text = host.machine()
     assert "cores" in text and "torch" in text and "threads" in text
+
+
+@pytest.mark.parametrize("args", [["--plot", ""], ["--out", "my runs/a.json", "--tokens", "8"], ["--impls", "a,b", "--note", "it's $HOME"], []])
+def test_command_quotes_each_argument_so_it_splits_back(args):
+    line = host.command("python -m headwise.bench.model_decode", args)
+    assert shlex.split(line) == ["python", "-m", "headwise.bench.model_decode", *args]
+
+
+def test_command_shows_an_empty_argument_as_two_quotes_and_reads_sys_argv_by_default(monkeypatch):
+    monkeypatch.setattr(host.sys, "argv", ["headwise", "--plot", "", "--no-ceiling"])
+    assert host.command("headwise bench") == "headwise bench --plot '' --no-ceiling"

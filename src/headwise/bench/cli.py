@@ -14,7 +14,7 @@ from .. import _argtypes
 from .._optional import require
 from .cases import DTYPES, MODES, PRESETS, Case
 from .harness import run
-from .host import add_busy_flag, busy, machine
+from .host import add_busy_flag, busy, command, machine
 from .memory import memory_child
 from .peers import IMPLS
 from .report import markdown, plot, summary
@@ -158,7 +158,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[st
         p.error(str(e))
     if sys.stderr.isatty():
         sys.stderr.write("\n")  # end the redrawn line
-    report.command = "headwise bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    report.command = command("headwise bench", argv)
     text = markdown(report)
     if report.rows and (ratios := summary(report)):
         text += "\nSummary (time or memory of each headwise module / the fastest peer's; memory: / the fused reference's):\n\n"

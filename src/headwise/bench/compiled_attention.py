@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.compiled_attention``: the table, the machine first."""
     import sys
 
-    from .host import load_average, machine
+    from .host import command, load_average, machine
 
     p = argparse.ArgumentParser(prog="python -m headwise.bench.compiled_attention", description=__doc__.splitlines()[0])
     positive = _argtypes.integer(1)
@@ -135,8 +135,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{machine()}; load average {load_average():.1f}\nCommand: python -m headwise.bench.compiled_attention "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}\n", flush=True)
+    print(f"{machine()}; load average {load_average():.1f}\nCommand: {command('python -m headwise.bench.compiled_attention', argv)}\n",
+          flush=True)
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
     rows = compiled_attention(args.models, args.dtypes, args.batches, context=args.context, repeats=args.repeats, progress=say,
                               eager=args.eager)

@@ -2,6 +2,7 @@
 
 - ``machine()``: the CPU (name, vendor, family/model, the flags that matter), cores, torch and
   its threads, Python; ``gpu()`` the GPU a CUDA run uses;
+- ``command(prog, argv)``: the command line a report prints, quoted so that it pastes back into a shell;
 - ``Load`` / ``loaded(fn)``: the 1-minute load average (``os.getloadavg``) just before and just
   after a measurement, so that a table says how busy the machine was while each row was taken;
 - ``busy(n)``: ``n`` processes spinning on a core each while a block runs (``--busy N``): a
@@ -15,9 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -45,6 +47,20 @@ def gpu() -> str:
     """``"GPU NVIDIA H100 80GB HBM3 (79 GiB, sm_90), CUDA 12.8"`` for the current device."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}), CUDA {torch.version.cuda}"
+
+
+def command(prog: str, argv: Sequence[str] | None = None) -> str:
+    """``prog`` and its arguments (``sys.argv[1:]`` when ``argv`` is None), each quoted for a POSIX shell.
+
+    An empty argument prints as ``''`` and one with a space inside quotes, so that ``shlex.split``
+    of what follows ``prog`` gives the arguments back. ``prog`` (``"headwise bench"``) is written as is.
+
+    Example:
+        >>> command("headwise bench", ["--plot", "", "--out", "my runs/a.json"])
+        "headwise bench --plot '' --out 'my runs/a.json'"
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join([prog, *map(shlex.quote, args)])
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from ..models.generate import decode_step
 from ..quantize import Int8Linear
 from . import generation
 from .engines import ENGINES
-from .host import Load, ReadProbe, add_busy_flag, busy, load_average, loaded, machine
+from .host import Load, ReadProbe, add_busy_flag, busy, command, load_average, loaded, machine
 from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwise_model, transformers_model
 from .timing import interleaved
 
@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shapes += [(1, 2048), (1, 4096)] if args.long else []
     engines = generation_engines(args.engines, args.compile, args.compile and not args.no_hf_compile, args.cache_dtypes)
     print(f"{machine()}; load average {load_average():.1f}" + (f"; {args.busy} busy processes beside it" if args.busy else "")
-          + f"\nCommand: python -m headwise.bench.model_decode {' '.join(sys.argv[1:] if argv is None else argv)}\n")
+          + f"\nCommand: {command('python -m headwise.bench.model_decode', argv)}\n")
     with busy(args.busy):
         if not args.no_steps:
             cache_dtypes = [CACHE_DTYPES[c] for c in args.cache_dtypes]
