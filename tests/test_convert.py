@@ -199,6 +199,21 @@ def test_load_checked_refuses_integer_weights_instead_of_casting_them():
         load_checked(mha, state)
 
 
+def test_remap_dtypes_a_float_key_takes_any_float_and_another_key_its_own_dtype_alone():
+    dtypes = {"w": torch.float32, "q": torch.int8, "n": torch.int64}
+    ok = {"w": torch.zeros(2, dtype=torch.bfloat16), "q": torch.zeros(2, dtype=torch.int8), "n": torch.zeros(2, dtype=torch.int64),
+          "free": torch.zeros(2, dtype=torch.int32)}  # a key dtypes does not name takes any dtype
+    assert list(remap(ok, dict.fromkeys(ok, (2,)), dtypes=dtypes)) == list(ok)
+    bad = {"w": torch.zeros(2, dtype=torch.int32), "q": torch.zeros(2), "n": torch.zeros(2, dtype=torch.int32)}
+    with pytest.raises(ValueError, match=r"nothing was loaded") as err:
+        remap(bad, dict.fromkeys(bad, (2,)), dtypes=dtypes)
+    assert str(err.value).splitlines()[1:] == [
+        "  wrong dtype: w: expected a floating-point tensor, got torch.int32 (not cast silently)",
+        "  wrong dtype: q: expected torch.int8, got torch.float32 (not cast silently)",
+        "  wrong dtype: n: expected torch.int64, got torch.int32 (not cast silently)",
+    ]
+
+
 def test_two_keys_for_one_parameter_are_refused_naming_both():
     attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=4))
     hf = {k: v.T if k.endswith("weight") else v for k, v in attn.state_dict().items()}  # Conv1D layout

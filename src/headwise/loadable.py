@@ -33,8 +33,7 @@ def remap(
     transposed: tuple[str, ...] = (),
     ignore: Callable[[str], bool] = lambda key: False,
     optional: Mapping[str, tuple[int, ...]] | None = None,
-    floating: Collection[str] = (),
-    integral: Mapping[str, torch.dtype] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
     valued: Collection[str] = (),
     source: str = "state dict",
 ) -> dict[str, Tensor]:
@@ -48,10 +47,10 @@ def remap(
         ignore: incoming keys for which this is True are dropped.
         optional: target key -> shape of entries that may come but need not (the book's
             ``mask``, which its state dicts carry and headwise does not store).
-        floating: target keys that hold floating-point values: an integer or bool tensor
-            for one of them is refused rather than cast.
-        integral: target key -> dtype of keys that hold integers (int8 weights): a tensor of any
-            other dtype is refused rather than cast (a float truncated, a wider int wrapped).
+        dtypes: target key -> the dtype it holds. A floating-point key takes any floating-point
+            tensor (the copy casts between widths) and refuses an integer or bool one; any other
+            key (int8 weights, an integer buffer) takes its own dtype alone. Refused rather than
+            cast: a float truncated, a wider int wrapped. Keys not named here take any dtype.
         valued: target keys whose tensors hold values: a meta tensor (a shape, no values) for
             one of them is refused (torch's copy would fail there, after the entries before it).
         source: names the origin (a file, say) in the error message.
@@ -60,7 +59,7 @@ def remap(
         ValueError: listing every missing, unexpected, duplicated, mis-shaped, valueless and
             mis-typed key at once.
     """
-    optional, integral = optional or {}, integral or {}
+    optional, dtypes = optional or {}, dtypes or {}
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}  # target key -> the incoming key that gave it
     unexpected, duplicated, misshaped, mistyped, valueless = [], [], [], [], []
@@ -86,11 +85,9 @@ def remap(
             continue
         if flip:
             tensor = tensor.t()
-        if name in floating and not tensor.is_floating_point():
-            mistyped.append(f"{key}: expected a floating-point tensor, got {tensor.dtype} (not cast silently)")
-            continue
-        if name in integral and tensor.dtype != integral[name]:
-            mistyped.append(f"{key}: expected {integral[name]}, got {tensor.dtype} (not cast silently)")
+        if name in dtypes and not _takes(dtypes[name], tensor.dtype):
+            want = "a floating-point tensor" if dtypes[name].is_floating_point else str(dtypes[name])
+            mistyped.append(f"{key}: expected {want}, got {tensor.dtype} (not cast silently)")
             continue
         if name in valued and tensor.is_meta:
             valueless.append(key)
@@ -107,6 +104,11 @@ def remap(
         lines += [f"  no values: {k} (a meta tensor: a shape without values)" for k in valueless]
         raise ValueError("\n".join(lines))
     return out
+
+
+def _takes(target: torch.dtype, incoming: torch.dtype) -> bool:
+    """Whether a tensor of dtype ``incoming`` loads into one of dtype ``target`` (``remap``'s ``dtypes`` rule)."""
+    return incoming.is_floating_point if target.is_floating_point else incoming == target
 
 
 def check_state(
@@ -128,11 +130,10 @@ def check_state(
     emitted = module.state_dict()
     expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
     optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
-    floating = [name for name in expected if stored[name].is_floating_point()]
-    integral = {name: stored[name].dtype for name in expected if not stored[name].is_floating_point()}
+    dtypes = {name: stored[name].dtype for name in expected}
     valued = {name for name in expected if not stored[name].is_meta}
-    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, floating=floating,
-                 integral=integral, valued=valued, source=str(source))
+    return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, dtypes=dtypes,
+                 valued=valued, source=str(source))
 
 
 class StateDictError(ValueError, RuntimeError):
