@@ -34,7 +34,7 @@ REFUSED = {
     "mask values": ({"mask": torch.full((1, 1), math.nan)}, ValueError, r"mask"),
     "documents": ({"documents": torch.zeros(1, 30)}, (TypeError, ValueError), r"documents"),
     "attention_mask": ({"attention_mask": torch.full((1, 2), 2)}, ValueError, r"attention_mask|paged"),
-    "dropout_p": ({"dropout_p": 1.5}, ValueError, r"dropout_p must be a number in \[0, 1\)"),
+    "dropout_p": ({"dropout_p": 1.5}, ValueError, r"dropout_p must be a number in \[0, 1\]"),
     "scale": ({"scale": -1.0}, ValueError, r"scale must be a positive finite number"),
     "backend": ({"backend": "fast"}, ValueError, r"backend must be one of"),
     "causal": ({"causal": "yes"}, TypeError, r"causal must be True or False"),

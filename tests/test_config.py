@@ -26,8 +26,8 @@ from headwise.models.bert import BertConfig
         ("n_head", 5, r"n_embd \(768\) must be divisible by n_head \(5\)"),
         ("n_kv_head", 0, r"n_kv_head must be a positive int, got 0"),
         ("n_kv_head", 5, r"n_head \(12\) must be divisible by n_kv_head \(5\)"),
-        ("attn_pdrop", 1.5, r"attn_pdrop must be a number in \[0, 1\), got 1.5"),
-        ("embd_pdrop", True, r"embd_pdrop must be a number in \[0, 1\), got True"),
+        ("attn_pdrop", 1.5, r"attn_pdrop must be a number in \[0, 1\], got 1.5"),
+        ("embd_pdrop", True, r"embd_pdrop must be a number in \[0, 1\], got True"),
     ],
 )
 def test_gpt2_config_fields(field, value, match):
@@ -46,7 +46,7 @@ def test_gpt2_config_fields(field, value, match):
         ("num_attention_heads", 0, r"num_attention_heads must be a positive int, got 0"),
         ("num_attention_heads", 7, r"hidden_size \(768\) must be divisible by num_attention_heads \(7\)"),
         ("type_vocab_size", -2, r"type_vocab_size must be a positive int, got -2"),
-        ("hidden_dropout_prob", -0.1, r"hidden_dropout_prob must be a number in \[0, 1\), got -0.1"),
+        ("hidden_dropout_prob", -0.1, r"hidden_dropout_prob must be a number in \[0, 1\], got -0.1"),
     ],
 )
 def test_bert_config_fields(field, value, match):

@@ -247,6 +247,28 @@ def test_dropout_drops_weights_and_rescales(backend, p):
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "terms",
+    [{}, {"causal": True}, {"attention_mask": torch.tensor([[1, 1, 0, 1, 1], [0, 0, 0, 0, 0]])}, {"softcap": 5.0},
+     {"alibi_slopes": torch.tensor([0.5, 0.25])}, {"sinks": torch.tensor([0.0, 1.0])}],
+    ids=["plain", "causal", "padding", "softcap", "alibi", "sinks"],
+)
+def test_dropout_one_drops_every_weight(backend, dtype, terms):
+    """dropout_p=1 (nn.Dropout(1.0) in training): every weight dropped, so the context is zeros and
+    q, k and v get zero gradients, never the NaN of a 1 / (1 - p) rescale."""
+    torch.manual_seed(10)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = hw.attention(q, k, v, dropout_p=1.0, backend=backend, **terms)
+    assert out.shape == (2, 2, 5, 4) and out.dtype == dtype
+    assert torch.equal(out, torch.zeros_like(out))
+    out.backward(torch.randn_like(out))
+    for name, t in zip("qkv", (q, k, v), strict=True):
+        assert torch.equal(t.grad, torch.zeros_like(t)), name
+    assert "every weight dropped" in hw.plan(q, k, v, dropout_p=1.0, backend=backend, **terms).runner
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_dropout_is_unbiased_on_average(backend):
     """The mean over many draws tends to the undropped output (expectation preserved)."""
     torch.manual_seed(9)
@@ -359,8 +381,8 @@ def test_bad_tensors(change, error, match):
     ("kw", "error", "match"),
     [
         ({"backend": "flash"}, ValueError, r"backend must be one of \['auto', 'math', 'sdpa'\], got 'flash'"),
-        ({"dropout_p": 1.0}, ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
-        ({"dropout_p": -0.1}, ValueError, r"dropout_p must be a number in \[0, 1\), got -0.1"),
+        ({"dropout_p": 1.5}, ValueError, r"dropout_p must be a number in \[0, 1\], got 1.5"),
+        ({"dropout_p": -0.1}, ValueError, r"dropout_p must be a number in \[0, 1\], got -0.1"),
         ({"scale": 0.0}, ValueError, r"scale must be a positive finite number or None"),
         ({"scale": math.inf}, ValueError, r"scale must be a positive finite number"),
         ({"window": 2}, ValueError, r"window \(sliding-window attention\) needs causal=True"),

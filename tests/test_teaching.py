@@ -296,6 +296,37 @@ def test_padding_leaves_real_tokens_as_if_unpadded():
 # ----------------------------------------------------------------------------- dropout
 
 
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
+@pytest.mark.parametrize(
+    ("ours", "theirs", "heads"),
+    [
+        (hw.CausalAttention, book.CausalAttention, ()),
+        (hw.MultiHeadAttentionWrapper, book.MultiHeadAttentionWrapper, (2,)),
+        (hw.MultiHeadAttention, book.MultiHeadAttention, (2,)),
+    ],
+    ids=["CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention"],
+)
+def test_dropout_one_drops_every_weight_as_the_book(ours, theirs, heads, backend):
+    """nn.Dropout(1.0) zeroes every weight in training: zero context vectors (out_proj's bias after them),
+    zero gradients for W_query, W_key, W_value; in eval dropout does nothing."""
+    args = (3, 4, 6, 1.0, *heads, True)  # d_in, d_out, context_length, dropout, [num_heads,] qkv_bias
+    torch.manual_seed(5)
+    mine = ours(*args, backend=backend).train()
+    torch.manual_seed(5)
+    book_module = theirs(*args).train()
+    x = torch.rand(2, 6, 3)
+    out, expected = mine(x), book_module(x)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(mine.named_parameters(), book_module.parameters(), strict=True):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(mine.eval()(x), book_module.eval()(x), atol=1e-6, rtol=1e-5)
+
+
+
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_dropout_train_vs_eval(backend):
     torch.manual_seed(14)
@@ -318,10 +349,10 @@ def test_dropout_train_vs_eval(backend):
     ("make", "match"),
     [
         (lambda: hw.MultiHeadAttention(3, 5, 6, 0.0, num_heads=2), r"d_out \(5\) must be divisible by num_heads \(2\)"),
-        (lambda: hw.MultiHeadAttention(3, 4, 6, 1.0, num_heads=2), r"dropout must be a number in \[0, 1\), got 1.0"),
-        (lambda: hw.MultiHeadAttention(3, 4, 6, -0.1, num_heads=2), r"dropout must be a number in \[0, 1\), got -0.1"),
-        (lambda: hw.CausalAttention(3, 2, 6, 1.5), r"dropout must be a number in \[0, 1\), got 1.5"),
-        (lambda: hw.MultiHeadAttentionWrapper(3, 2, 6, 2, 2), r"dropout must be a number in \[0, 1\), got 2"),
+        (lambda: hw.MultiHeadAttention(3, 4, 6, 1.01, num_heads=2), r"dropout must be a number in \[0, 1\], got 1.01"),
+        (lambda: hw.MultiHeadAttention(3, 4, 6, -0.1, num_heads=2), r"dropout must be a number in \[0, 1\], got -0.1"),
+        (lambda: hw.CausalAttention(3, 2, 6, 1.5), r"dropout must be a number in \[0, 1\], got 1.5"),
+        (lambda: hw.MultiHeadAttentionWrapper(3, 2, 6, 2, 2), r"dropout must be a number in \[0, 1\], got 2"),
         (lambda: hw.MultiHeadAttention(3, 4, 6, 0.0, num_heads=0), r"num_heads must be a positive int, got 0"),
         (lambda: hw.MultiHeadAttention(3, 4, 6, 0.0, 4, num_kv_heads=3), r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
         (lambda: hw.MultiHeadAttention(3, 4, 6, 0.0, 2, causal=False, window=2), r"window .* needs causal=True"),

@@ -102,7 +102,8 @@ def number(name: str, value: object, *, low: float = -math.inf, high: float = ma
 
 
 def dropout(name: str, value: object) -> float:
-    return number(name, value, low=0.0, high=1.0, high_open=True)
+    """A dropout probability in [0, 1]: 1 drops everything in training, as ``nn.Dropout(1.0)`` does."""
+    return number(name, value, low=0.0, high=1.0)
 
 
 def epsilon(name: str, value: object) -> float:

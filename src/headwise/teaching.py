@@ -88,7 +88,7 @@ class CausalAttention(_BookMask, AllOrNothing, nn.Module):
         d_in: input width.
         d_out: output width, which is also the head size.
         context_length: the most tokens a forward pass may take.
-        dropout: dropout on the attention weights, in [0, 1).
+        dropout: dropout on the attention weights, in [0, 1] (1.0 drops every weight in training).
         qkv_bias: bias in W_query / W_key / W_value.
         causal: True (the book) = token i sees tokens <= i; False = every token.
         backend: "auto", "math" or "sdpa" (see ``headwise.functional``).
@@ -172,7 +172,7 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         d_in: input width.
         d_out: output width C = num_heads * head_dim (the total, unlike the wrapper).
         context_length: the most tokens a forward pass (plus a non-sliding cache) may hold.
-        dropout: dropout on the attention weights, in [0, 1).
+        dropout: dropout on the attention weights, in [0, 1] (1.0 drops every weight in training).
         num_heads: H; must divide d_out.
         qkv_bias: bias in W_query / W_key / W_value (out_proj always has one, as in the book).
         causal: True (the book) = token i sees tokens <= i; False = bidirectional.

@@ -249,6 +249,9 @@ RULES: tuple[Rule, ...] = (
     Rule("math blocks under torch.func", "math", EVERY, lambda c: transformed(c.q, c.k, c.v), _math_blocks,
          "a torch.func transform (grad, vmap, jacrev) wraps the inputs: torch's own ops only, which it transforms "
          "(the C++ kernels and the flash-style autograd Functions do not run under it)"),
+    Rule("math blocks, every weight dropped", "math", EVERY, lambda c: c.spec.dropout_p == 1.0, _math_blocks,
+         "dropout_p=1 drops every weight: torch's dropout multiplies the weights by zero (zero context, zero gradients), "
+         "where a fused kernel would scale the kept weights by 1 / (1 - p) = inf"),
     Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _kernel, lambda c: decode_kernel.run,
          "one float32 or bfloat16 query per row on the CPU, every key seen and nothing but the scale: one C++ pass per "
          "key head (scores, softmax, weighted sum on vectors, each key and value row read once for the query heads sharing "
