@@ -66,6 +66,8 @@ MISTAKES = {
     "wrapper_cat_dim": ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=1, what="the tokens")),
     "wrapper_no_scaling": ("MultiHeadAttentionWrapper", "heads.0.weights", H.NO_SCALE),
     "wrong_shape": ("MultiHeadAttention", "output", H.WRONG_SHAPE),
+    "wrapper_shared_head": ("MultiHeadAttentionWrapper", "heads.0.queries", H.SHARED_HEADS),
+    "out_proj_no_bias": ("MultiHeadAttention", "output", H.NO_OUT_PROJ_BIAS),
 }
 
 

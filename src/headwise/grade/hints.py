@@ -48,6 +48,10 @@ DROPOUT_ELSEWHERE = ("with dropout=0.5 in train() mode, under the same seed, the
                      "after the softmax, and nowhere else")
 CHANGED_AFTER = ("the right output was computed, then changed before forward returned it: every step matches the book's, "
                  "the last one too; return what the last step (self.out_proj, or the concatenated heads) gives, as it is")
+SHARED_HEADS = ("every head computes the same numbers: the heads are one CausalAttention listed num_heads times "
+                "([CausalAttention(...)] * num_heads repeats one module, so they share its weights); give each head its own: "
+                "nn.ModuleList([CausalAttention(...) for _ in range(num_heads)])")
+NO_OUT_PROJ_BIAS = "out_proj has no bias: the book's is nn.Linear(d_out, d_out), with one (bias=True, the default)"
 CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
 
 
@@ -68,9 +72,9 @@ IMPLIED = {MASK_AFTER: NO_MASK}
 
 
 def narrow(hints: list[str]) -> list[str]:
-    """The matched hints without those a more specific matched hint explains."""
+    """The matched hints, each once, without those a more specific matched hint explains."""
     implied = {IMPLIED[h] for h in hints if h in IMPLIED}
-    return [h for h in hints if h not in implied]
+    return [h for h in dict.fromkeys(hints) if h not in implied]  # each once: several probes may give one hint
 
 
 def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
@@ -81,10 +85,13 @@ def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
     elif kind == "MultiHeadAttentionWrapper":
         found = [p for i in range(config.num_heads) for p in _attention(s, f"heads.{i}.", ref.scale, {"d_in": config.d_in, "num_tokens": config.num_tokens})]
         heads = [s[f"heads.{i}.context"] for i in range(config.num_heads)]  # (B, T, d_out) each
+        found += [Probe(f"heads.{i}.queries", SHARED_HEADS, s[f"heads.{j}.queries"])  # one module's weights, copied in from head j
+                  for i in range(config.num_heads) for j in range(config.num_heads) if i != j]
         found += [Probe("output", CAT_DIM.format(dim=d, what=w), torch.cat(heads, dim=d), returned=True) for d, w in ((0, "the batch"), (1, "the tokens"))]
     else:
         sizes = {"d_in": config.d_in, "d_out": config.d_out, "num_heads": config.num_heads, "num_tokens": config.num_tokens}
         found = _attention(s, "", ref.scale, sizes) + _heads(s)
+        found.append(Probe("output", NO_OUT_PROJ_BIAS, s["output"] - ref.state["out_proj.bias"], returned=True))  # (B, T, d_out)
     return [p for p in found if p.tensor.shape != s[p.step].shape or not torch.equal(p.tensor, s[p.step])]
 
 
