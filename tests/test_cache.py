@@ -81,7 +81,7 @@ def test_full_cache_and_bad_writes_are_clear_errors():
     assert len(cache) == 3  # still nothing written
     with pytest.raises(ValueError, match=r"max_len must be a positive int, got 0"):
         hw.KVCache(1, 2, 0, 3)
-    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 1.5"):
+    with pytest.raises(TypeError, match=r"batch_size must be a positive int, got 1.5"):
         hw.KVCache(1.5, 2, 4, 3)
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
+import numpy as np
 import pytest
 
 from headwise import GPT2Config
 from headwise.config import FromDict
+from headwise.models import LlamaConfig
 from headwise.models.bert import BertConfig
 
 
@@ -19,10 +23,7 @@ from headwise.models.bert import BertConfig
         ("layer_norm_epsilon", 0.0, r"layer_norm_epsilon must be a number in \(0, inf\), got 0.0"),
         ("layer_norm_epsilon", math.inf, r"layer_norm_epsilon must be a number in \(0, inf\), got inf"),
         ("layer_norm_epsilon", "1e-5", r"layer_norm_epsilon must be a number in \(0, inf\), got '1e-5'"),
-        ("n_embd", 768.0, r"n_embd must be a positive int, got 768.0"),
         ("n_layer", 0, r"n_layer must be a positive int, got 0"),
-        ("vocab_size", None, r"vocab_size must be a positive int, got None"),
-        ("n_head", "12", r"n_head must be a positive int, got '12'"),
         ("n_head", 5, r"n_embd \(768\) must be divisible by n_head \(5\)"),
         ("n_kv_head", 0, r"n_kv_head must be a positive int, got 0"),
         ("n_kv_head", 5, r"n_head \(12\) must be divisible by n_kv_head \(5\)"),
@@ -34,6 +35,21 @@ def test_gpt2_config_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
         GPT2Config(**{field: value})
     with pytest.raises(ValueError, match=match):
+        GPT2Config.from_dict({field: value, "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("n_embd", 768.0, r"n_embd must be a positive int, got 768.0"),
+        ("vocab_size", None, r"vocab_size must be a positive int, got None"),
+        ("n_head", "12", r"n_head must be a positive int, got '12'"),
+    ],
+)
+def test_gpt2_config_int_fields_of_the_wrong_type(field, value, match):
+    with pytest.raises(TypeError, match=match):
+        GPT2Config(**{field: value})
+    with pytest.raises(TypeError, match=match):
         GPT2Config.from_dict({field: value, "architectures": ["GPT2LMHeadModel"]})
 
 
@@ -80,3 +96,25 @@ def test_llama_config_fields(field, value, match):
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4}
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**(base | {field: value}))
+
+
+@pytest.mark.parametrize(
+    ("cls", "ints"),
+    [
+        (GPT2Config, {"vocab_size": 100, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2}),
+        (LlamaConfig, {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 32}),
+        (BertConfig, {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+                      "max_position_embeddings": 32, "type_vocab_size": 2}),
+    ],
+)
+def test_a_config_built_from_numpy_ints_keeps_plain_ints_and_round_trips_through_json(cls, ints):
+    """Sizes read from a numpy array are taken, and kept as ints: the config writes to JSON and reads back equal."""
+    extra = {"windows": [np.int64(8), None]} if cls is LlamaConfig else {}
+    config = cls(**{name: np.int64(value) for name, value in ints.items()}, **extra)
+    fields = dataclasses.asdict(config)
+    assert all(type(fields[name]) is int for name in ints)
+    if extra:
+        assert config.windows == (8, None) and type(config.windows[0]) is int
+    again = cls(**json.loads(json.dumps(fields)))
+    assert again == config and again == cls(**ints, **({"windows": (8, None)} if extra else {}))

@@ -273,8 +273,8 @@ def test_nonfinite_names_the_first_bad_tensor_and_allows_the_mask():
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"batch_size": 0}, ValueError, r"batch_size must be a positive int, got 0"),
-    ({"batch_size": 2.0}, ValueError, r"batch_size must be a positive int, got 2\.0"),
-    ({"seed": 1.5}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got 1\.5"),
+    ({"batch_size": 2.0}, TypeError, r"batch_size must be a positive int, got 2\.0"),
+    ({"seed": 1.5}, TypeError, r"seed must be an int in \[0, 18446744073709551615\], got 1\.5"),
     ({"documents": [3.5, 2.5]}, TypeError, r"documents must be a list of ints \(each document's length\), got \[3\.5, 2\.5\]"),
 ])
 def test_explains_arguments_are_checked_by_name(kwargs, error, match):

@@ -46,9 +46,9 @@ def test_padding_mask_broadcasts_over_heads_and_queries():
 def test_causal_mask_refuses_what_is_not_a_window_or_a_count():
     with pytest.raises(ValueError, match=r"window must be a positive int, got 0"):
         causal_mask(3, 3, window=0)  # an all-False mask before
-    with pytest.raises(ValueError, match=r"window must be a positive int, got 1.5"):
+    with pytest.raises(TypeError, match=r"window must be a positive int, got 1.5"):
         causal_mask(3, 3, window=1.5)
     with pytest.raises(ValueError, match=r"s must be an int >= 0, got -1"):
         causal_mask(1, -1)
-    with pytest.raises(ValueError, match=r"t must be an int >= 0, got 2.0"):
+    with pytest.raises(TypeError, match=r"t must be an int >= 0, got 2.0"):
         causal_mask(2.0, 3)

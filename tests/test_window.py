@@ -29,7 +29,7 @@ def test_window_needs_causal_and_a_positive_int():
         hw.attention(q, q, q, window=3)
     with pytest.raises(ValueError, match=r"window must be a positive int or None, got 0"):
         hw.MultiHeadAttention(8, 8, 8, 0.0, 2, window=0)
-    with pytest.raises(ValueError, match=r"window must be a positive int or None, got 2.5"):
+    with pytest.raises(TypeError, match=r"window must be a positive int or None, got 2.5"):
         hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2), window=2.5)
 
 

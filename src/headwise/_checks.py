@@ -16,6 +16,7 @@ same message (on a GPU, a device-side assert).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import torch
@@ -23,13 +24,30 @@ from torch import Tensor
 
 
 def integer(name: str, value: object, *, low: int = 1, high: int | None = None) -> int:
-    """``value`` as an int in [low, high] (bools refused: ``True`` is not a count); without ``high``, below 2**63 (torch's
-    sizes are 64-bit: a larger one fails deep inside torch, or a loop over it never ends)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or value > (_INT64_MAX if high is None else high):
-        expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
-        below = " below 2**63" if high is None and isinstance(value, int) and value > _INT64_MAX else ""
+    """``value`` as a plain Python int in [low, high]; without ``high``, below 2**63 (torch's sizes are 64-bit: a larger
+    one fails deep inside torch, or a loop over it never ends).
+
+    Any integral that ``operator.index`` takes counts (an int, a numpy integer such as an id read from an array), and
+    comes back as an ``int``: what a caller stores (a config's field, written to JSON) is never a numpy scalar. Refused
+    with a TypeError: bools (``True`` is not a count) and tensors, even 0-d integer ones: reading one is a device sync on
+    a GPU and breaks a ``torch.compile`` graph, so the caller says where that read happens (``int(t)``). A value of the
+    right type out of range is a ValueError.
+    """
+    expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+    if not isinstance(value, int) or isinstance(value, bool):  # an int (or a SymInt while compiling) skips index()
+        if isinstance(value, Tensor):
+            hint = ": pass int(t), which reads it" if value.ndim == 0 else ""
+            raise TypeError(f"{name} must be {expected}, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}{hint}")
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            value = operator.index(value)  # numpy's bool has __index__ only to refuse it
+        except TypeError:
+            raise TypeError(f"{name} must be {expected}, got {value!r}") from None
+    if value < low or value > (_INT64_MAX if high is None else high):
+        below = " below 2**63" if high is None and value > _INT64_MAX else ""
         raise ValueError(f"{name} must be {expected}{below}, got {value!r}")
-    return value
+    return value  # an int as given (int() would pin a SymInt to its traced value), else index()'s plain int
 
 
 _INT64_MAX = 2**63 - 1
@@ -119,12 +137,12 @@ def heads(
     ``names`` are the two head counts' names in the caller's vocabulary (a config's fields, say).
     """
     heads_name, kv_name = names
-    positive_int(heads_name, num_heads)
+    num_heads = positive_int(heads_name, num_heads)
     if width % num_heads:
         raise ValueError(f"{width_name} ({width}) must be divisible by {heads_name} ({num_heads})")
     if num_kv_heads is None:
         return num_heads
-    positive_int(kv_name, num_kv_heads)
+    num_kv_heads = positive_int(kv_name, num_kv_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"{heads_name} ({num_heads}) must be divisible by {kv_name} ({num_kv_heads})")
     return num_kv_heads
@@ -134,9 +152,9 @@ def window(value: int | None, causal: bool) -> int | None:
     if value is None:
         return None
     try:
-        positive_int("window", value)
-    except ValueError:
-        raise ValueError(f"window must be a positive int or None, got {value!r}") from None
+        value = positive_int("window", value)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"window must be a positive int or None, got {value!r}") from None
     if not causal:
         raise ValueError("window (sliding-window attention) needs causal=True, got causal=False")
     return value

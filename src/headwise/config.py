@@ -28,6 +28,12 @@ class FromDict:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def store_int(config: object, name: str) -> None:
+    """Check the field ``name`` of a frozen config as a positive int and keep it as a plain ``int`` (a numpy integer
+    passes the check, but would not write to JSON)."""
+    object.__setattr__(config, name, _checks.positive_int(name, getattr(config, name)))
+
+
 @dataclass(frozen=True)
 class GPT2Config(FromDict):
     """GPT-2 hyper-parameters, named as in HuggingFace's ``config.json``.
@@ -47,8 +53,10 @@ class GPT2Config(FromDict):
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer"):
-            _checks.positive_int(name, getattr(self, name))
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            store_int(self, name)
+        if self.n_kv_head is not None:
+            store_int(self, "n_kv_head")
         _checks.heads("n_embd", self.n_embd, self.n_head, self.n_kv_head, names=("n_head", "n_kv_head"))
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             _checks.dropout(name, getattr(self, name))

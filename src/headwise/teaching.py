@@ -217,7 +217,8 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.num_kv_heads = _checks.heads("d_out", _checks.positive_int("d_out", d_out), num_heads, num_kv_heads)
+        d_out, num_heads = _checks.positive_int("d_out", d_out), _checks.positive_int("num_heads", num_heads)
+        self.num_kv_heads = _checks.heads("d_out", d_out, num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
         self.window = _checks.window(window, causal)

@@ -47,8 +47,10 @@ class PagedKVCache(Owned):
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, window: int | None = None) -> None:
-        for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
-            _checks.positive_int(name, value)
+        num_blocks, block_size, num_kv_heads, head_dim = (
+            _checks.positive_int(name, value) for name, value in
+            [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]
+        )
         _checks.floating_dtype("dtype", dtype)
         device = _checks.device("device", device)
         self.block_size, self.window = block_size, _checks.window(window, causal=True)

@@ -58,8 +58,7 @@ class PagedBatch:
             raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
         if len(new_tokens) != len(seq_ids) or not seq_ids:
             raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
-        for n in new_tokens:
-            _checks.positive_int("new_tokens (each count)", n)
+        new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
         self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         bounds = [0, *itertools.accumulate(new_tokens)]

@@ -79,8 +79,10 @@ class KVCache(Owned, Spendable):
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        for name, value in [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]:
-            _checks.positive_int(name, value)
+        batch_size, num_kv_heads, max_len, head_dim = (
+            _checks.positive_int(name, value) for name, value in
+            [("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_len", max_len), ("head_dim", head_dim)]
+        )
         _checks.cache_storage("dtype", dtype, head_dim)
         device = _checks.device("device", device)
         self.window: int | None = None  # set by ``sliding``: then the buffers are a ring
@@ -99,7 +101,7 @@ class KVCache(Owned, Spendable):
     def sliding(cls, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> KVCache:
         """A ring buffer of ``window`` positions for sliding-window attention (``window=W``)."""
-        _checks.positive_int("window", window)
+        window = _checks.positive_int("window", window)
         cache = cls(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device)
         cache.window = window
         return cache

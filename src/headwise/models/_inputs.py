@@ -169,19 +169,23 @@ def kept(x: Tensor, logits_to_keep: int | Tensor) -> Tensor:
     return x[:, -logits_to_keep:] if logits_to_keep else x  # (B, k or T, C)
 
 
-def check_sampling(max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
-    """ValueError naming the first of generate's arguments that is out of range."""
-    _checks.positive_int("max_new_tokens", max_new_tokens)
-    check_choice(temperature, top_k, eos_token_id, vocab_size)
+def check_sampling(
+    max_new_tokens: object, temperature: object, top_k: object, eos_token_id: object, vocab_size: int
+) -> tuple[int, int | None, int | None]:
+    """ValueError/TypeError naming the first of generate's arguments that is out of range or of the wrong type;
+    returns max_new_tokens, top_k and eos_token_id as plain ints (a numpy id becomes an int; None stays None)."""
+    max_new_tokens = _checks.positive_int("max_new_tokens", max_new_tokens)
+    return (max_new_tokens, *check_choice(temperature, top_k, eos_token_id, vocab_size))
 
 
-def check_choice(temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> None:
-    """ValueError naming the first of the arguments that choose and stop tokens (``check_sampling`` less the count)."""
+def check_choice(temperature: object, top_k: object, eos_token_id: object, vocab_size: int) -> tuple[int | None, int | None]:
+    """``check_sampling`` less the count: the arguments that choose and stop tokens; returns top_k and eos_token_id as ints."""
     _checks.number("temperature (0 = greedy)", temperature, low=0.0, high=math.inf, high_open=True)
     if top_k is not None:
-        _checks.positive_int("top_k (or None)", top_k)
+        top_k = _checks.positive_int("top_k (or None)", top_k)
     if eos_token_id is not None:
-        _checks.integer("eos_token_id (or None)", eos_token_id, low=0, high=vocab_size - 1)
+        eos_token_id = _checks.integer("eos_token_id (or None)", eos_token_id, low=0, high=vocab_size - 1)
+    return top_k, eos_token_id
 
 
 #: The largest seed a ``torch.Generator`` takes (an unsigned 64-bit int).
@@ -190,8 +194,9 @@ SEED_HIGH = 2**64 - 1
 
 def check_request(
     model: object, prompt: object, max_new_tokens: object, eos_token_id: object, temperature: object, top_k: object, seed: object
-) -> None:
-    """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated)."""
+) -> tuple[int, int | None, int | None, int | None]:
+    """ValueError/TypeError naming the first argument of a request that ``model`` cannot serve (nothing is allocated);
+    returns max_new_tokens, top_k, eos_token_id and seed as plain ints (None stays None)."""
     if not isinstance(prompt, Tensor):  # the type is wrong (generate says so the same way)
         raise TypeError(f"prompt must be a 1-D tensor of token ids (T,), got {type(prompt).__name__}")
     if prompt.ndim != 1:
@@ -201,10 +206,11 @@ def check_request(
     vocab = model.vocab_size
     on_model(prompt, next(model.parameters()), "prompt")
     token_ids(prompt[None], vocab, "prompt")
-    check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+    max_new_tokens, top_k, eos_token_id = check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
     if seed is not None:
-        _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
+        seed = _checks.integer("seed (or None)", seed, low=0, high=SEED_HIGH)
     check_length(model, len(prompt), max_new_tokens)
+    return max_new_tokens, top_k, eos_token_id, seed
 
 
 def check_length(model: object, t: int, max_new_tokens: int, is_token: Tensor | None = None) -> None:

@@ -30,6 +30,7 @@ tokens however long it generates.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
@@ -87,8 +88,9 @@ class Batcher:
         self, model: PagedLM, *, num_blocks: int, block_size: int = 16, max_step_tokens: int = 2048,
         cache_dtype: torch.dtype | None = None, compile: bool = False,
     ) -> None:
-        for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
-            _checks.positive_int(name, value)
+        num_blocks, block_size, max_step_tokens = (
+            _checks.positive_int(name, value) for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_step_tokens", max_step_tokens)]
+        )
         paged_model(model)
         self.model, self.block_size, self.max_step_tokens = model, block_size, max_step_tokens
         self.compile = _checks.boolean("compile", compile)
@@ -132,7 +134,7 @@ class Batcher:
             seed: the seed of this request's own ``torch.Generator`` (sampling only); None: one drawn from torch's
                 global generator, so that ``torch.manual_seed`` makes a run repeat.
         """
-        check_request(self.model, prompt, max_new_tokens, eos_token_id, temperature, top_k, seed)
+        max_new_tokens, top_k, eos_token_id, seed = check_request(self.model, prompt, max_new_tokens, eos_token_id, temperature, top_k, seed)
         blocks = worst_blocks(len(prompt), max_new_tokens, block_size=self.block_size, max_step_tokens=self.max_step_tokens, window=self.window)
         if blocks > self.caches[0].num_blocks:
             raise ValueError(
@@ -341,7 +343,7 @@ def generate_many(
         raise ValueError("prompts must hold at least one 1-D tensor of token ids, got none")
     if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
         counts = list(max_new_tokens)
-    elif isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+    elif isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool):  # an int or a numpy integer
         counts = [max_new_tokens] * len(prompts)
     else:  # each count's own type and range: check_request below
         raise TypeError(f"max_new_tokens must be an int or a list of ints, one per prompt ({len(prompts)}), got {type(max_new_tokens).__name__}")
@@ -350,9 +352,9 @@ def generate_many(
     for name, value in [("block_size", block_size), ("max_step_tokens", max_step_tokens)]:
         _checks.positive_int(name, value)
     if seed is not None:
-        _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
+        seed = _checks.integer(f"seed (or None; request i samples with seed + i, {len(prompts)} requests)", seed, low=0, high=SEED_HIGH + 1 - len(prompts))
     paged_model(model)
-    check_choice(temperature, top_k, eos_token_id, model.vocab_size)  # shared by every request: named once, not as prompts[0]'s
+    top_k, eos_token_id = check_choice(temperature, top_k, eos_token_id, model.vocab_size)  # shared by every request: named once, not as prompts[0]'s
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):  # every request checked before a pool is allocated for them
         try:
             check_request(model, prompt, n, eos_token_id, temperature, top_k, None)

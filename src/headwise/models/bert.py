@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import FromDict
+from ..config import FromDict, store_int
 from ..convert import load_checked
 from ..linear import project, weight_cache
 from ..loadable import AllOrNothing
@@ -69,8 +69,9 @@ class BertConfig(FromDict):
     layer_norm_eps: float = 1e-12
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size"):
-            _checks.positive_int(name, getattr(self, name))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size",
+                     "num_attention_heads"):
+            store_int(self, name)
         _checks.heads("hidden_size", self.hidden_size, self.num_attention_heads, None, names=("num_attention_heads", ""))
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             _checks.dropout(name, getattr(self, name))

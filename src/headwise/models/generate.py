@@ -133,7 +133,7 @@ class GenerationMixin:
         vocab = self.vocab_size
         weight = next(self.parameters(), None) if isinstance(self, torch.nn.Module) else None  # the ids must be on its device
         b, t, is_token = _inputs.ids_and_mask(input_ids, attention_mask, vocab, weight)  # (B, T) bool or None
-        _inputs.check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
+        max_new_tokens, top_k, eos_token_id = _inputs.check_sampling(max_new_tokens, temperature, top_k, eos_token_id, vocab)
         _checks.boolean("compile", compile)
         _checks.boolean("cuda_graph", cuda_graph)
         if on_token is not None and not callable(on_token):

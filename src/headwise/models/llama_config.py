@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import _checks
+from ..config import store_int
 from ..rope import check_scaling
 
 MODEL_TYPES = ("llama", "mistral", "qwen3")
@@ -62,11 +63,11 @@ class LlamaConfig:
     windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings"):
-            _checks.positive_int(name, getattr(self, name))
-        if self.head_dim is not None:
-            _checks.positive_int("head_dim", self.head_dim)
-        _checks.positive_int("num_attention_heads", self.num_attention_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads"):
+            store_int(self, name)
+        for name in ("head_dim", "num_key_value_heads"):
+            if getattr(self, name) is not None:
+                store_int(self, name)
         if self.head_dim is None and self.num_attention_heads > self.hidden_size:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be at most hidden_size ({self.hidden_size}) when "
                              "head_dim is not set: head_dim = hidden_size // num_attention_heads would be 0")
@@ -89,8 +90,7 @@ class LlamaConfig:
                 raise TypeError(f"windows must be a tuple of one window (an int, or None) per layer, or None, got {type(self.windows).__name__}")
             if len(self.windows) != self.num_hidden_layers:
                 raise ValueError(f"windows must give one window per layer ({self.num_hidden_layers}), got {len(self.windows)}")
-            for w in self.windows:
-                _checks.window(w, causal=True)
+            object.__setattr__(self, "windows", tuple(_checks.window(w, causal=True) for w in self.windows))
 
     @property
     def kv_heads(self) -> int:
