@@ -1,4 +1,4 @@
-"""``models._inputs``: generate's arguments as numpy integers."""
+"""``models._inputs``: generate's arguments as numpy integers, and the context check on a meta model."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def test_generate_refuses_a_count_or_id_of_the_wrong_type_with_a_type_error(name
     with pytest.raises(TypeError, match=rf"{name}.* must be a"):
         tiny_gpt2().generate(torch.tensor([[3, 4, 5]]), **{"max_new_tokens": 2, name: value})
 
+
+def test_the_context_check_on_a_meta_model_counts_the_padding_it_cannot_read():
+    """A meta mask has no values: where the padded width would not fit, the refusal says so (no failed host read)."""
+    model = tiny_gpt2("meta")
+    ids = torch.zeros(2, 6, dtype=torch.long, device="meta")
+    real = torch.ones(2, 6, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_new_tokens \(4\) exceeds n_positions=8 by 1 .*"
+                                         r"a meta attention_mask has no values to read the real lengths from"):
+        model.generate(ids, max_new_tokens=4, attention_mask=real)
+    assert model.generate(ids, max_new_tokens=3, attention_mask=real).shape == (2, 9)  # fits: nothing to read

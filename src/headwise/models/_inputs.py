@@ -218,10 +218,15 @@ def check_length(model: object, t: int, max_new_tokens: int, is_token: Tensor | 
 
     The last new token is chosen, never fed back: positions 0 .. t + max_new_tokens - 2 are taken. Left
     padding (``is_token`` (B, t) False) takes none: the longest row's real tokens count, read only where t would not fit.
+    A meta mask has no values to read: there the padded width counts, and the message says so.
     """
     name, limit = model.context_limit()
+    padded = ""
     if limit is not None and t + max_new_tokens - 1 > limit and is_token is not None:
-        t = int(is_token.sum(-1).max())  # the one host read, on this path only
+        if _checks.has_values(is_token):
+            t = int(is_token.sum(-1).max())  # the one host read, on this path only
+        else:
+            padded = ", counting the left padding: a meta attention_mask has no values to read the real lengths from"
     if limit is not None and t + max_new_tokens - 1 > limit:
         raise ValueError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds {name}={limit} by "
-                         f"{t + max_new_tokens - 1 - limit} (the last new token takes no position: it is never fed back)")
+                         f"{t + max_new_tokens - 1 - limit} (the last new token takes no position: it is never fed back{padded})")
