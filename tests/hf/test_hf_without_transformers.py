@@ -13,6 +13,7 @@ CALLS = {
     "hw.hf.register()": "running transformers models on headwise",
     "hw.hf.check(None)": "checking a transformers model",
     "hw.hf.load(object, 'some/path')": "loading a transformers model on headwise",
+    "hw.hf.mask()": "building transformers' attention masks for headwise",
 }
 CHILD = "import sys\nsys.modules['transformers'] = None\nimport headwise as hw\nprint(sorted(hw.hf.__all__))\n" + "".join(
     f"try:\n    {call}\nexcept ImportError as e:\n    print(type(e).__name__, e)\n" for call in CALLS

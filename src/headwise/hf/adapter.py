@@ -128,8 +128,13 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
 
     Raises:
         TypeError: ``config`` (passed by transformers) is of an architecture headwise never runs.
+        ModuleNotFoundError: transformers is not installed (the message names the ``hf`` extra).
     """
-    from transformers.masking_utils import sdpa_mask
+    try:
+        from transformers.masking_utils import sdpa_mask
+    except ModuleNotFoundError:
+        require("transformers", "hf", "building transformers' attention masks for headwise")  # names the extra
+        raise  # transformers is there, its masking_utils is not (a release before 5)
 
     if not torch.compiler.is_compiling() and "config" in kwargs:
         refuse_never_routed(kwargs["config"])  # the layers that read this mask would never call attend

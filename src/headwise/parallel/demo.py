@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ from ..config import GPT2Config
 from ..models import loading
 from ..models.gpt2 import GPT2LMHeadModel
 from . import parallelize
+
+#: What torchrun sets for each rank and the process group's env:// rendezvous reads.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,6 +104,11 @@ def run(argv: list[str] | argparse.Namespace | None = None) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     """``torchrun`` entry: the arguments checked, then join the process group (nccl on GPUs, gloo on CPUs), run, leave."""
     args = _args(argv)
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:  # env:// rendezvous would fail deep inside torch.distributed, naming one variable
+        print(f"headwise.parallel.demo: error: run it under torchrun (torchrun --nproc-per-node 2 -m headwise.parallel.demo), "
+              f"which sets {', '.join(missing)}", file=sys.stderr)
+        raise SystemExit(2)
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
