@@ -35,6 +35,8 @@ SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "pr
            _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp")
 #: Headers the sources include: hashed with them (a changed header is a new library).
 HEADERS = (_HERE / "backends" / "vectors.h",)
+#: The extra that installs ninja, which torch's extension builder runs.
+NINJA_EXTRA = "headwise[models]"
 #: Compiler flags per torch CPU capability: the kernels' vector code is the instruction set torch's own kernels use.
 ISA_FLAGS = {
     "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
@@ -43,8 +45,8 @@ ISA_FLAGS = {
 
 
 def _ninja_on_path() -> None:
-    """torch's extension build runs ``ninja`` from PATH: where PATH has none, the PyPI package's (``pip install ninja``,
-    in ``[test]``), whose binary sits in its own folder when its environment's ``bin`` is not on PATH."""
+    """torch's extension build runs ``ninja`` from PATH: where PATH has none, the PyPI package's (``pip install ninja``, in
+    ``[models]``), whose binary sits in its own folder when its environment's ``bin`` is not on PATH."""
     if shutil.which("ninja") is None:
         with contextlib.suppress(ImportError):
             import ninja
@@ -59,9 +61,12 @@ def built() -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, which a Python 3.12+ environment may lack
     except ImportError as e:
-        _cannot_build(e)
+        _cannot_build(f"{type(e).__name__}: {e}")
         return False
     _ninja_on_path()
+    if shutil.which("ninja") is None:  # torch's builder runs it for a load from its cache too: say so before announcing a build
+        _cannot_build(f"ninja, which torch's builder runs, is not installed: pip install '{NINJA_EXTRA}' or pip install ninja")
+        return False
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
@@ -75,14 +80,14 @@ def built() -> bool:
             name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels and inductor's code stay
-        _cannot_build(e)
+    except Exception as e:  # no compiler, a failed build: torch's kernels and inductor's code stay
+        _cannot_build(f"{type(e).__name__}: {e}")
         return False
     return True
 
 
-def _cannot_build(e: Exception) -> None:
-    warnings.warn(f"headwise: the C++ kernels could not be built ({type(e).__name__}: {e}); decode steps keep "
+def _cannot_build(reason: str) -> None:
+    warnings.warn(f"headwise: the C++ kernels could not be built ({reason}); decode steps keep "
                   "torch's kernels and inductor's code", stacklevel=4)
 
 
@@ -99,6 +104,9 @@ def _in_cache(cpp_extension: object, name: str) -> bool:
         if not (library.is_file() and script.is_file()):
             return False
         newest = max(s.stat().st_mtime for s in (*SOURCES, *HEADERS))
-        return library.stat().st_mtime >= newest and all(str(s) in script.read_text() for s in SOURCES)
+        if library.stat().st_mtime < newest:
+            return False
+        text = script.read_text()
+        return all(str(s) in text for s in SOURCES)
     except Exception:
         return True
