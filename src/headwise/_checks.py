@@ -33,20 +33,22 @@ def integer(name: str, value: object, *, low: int = 1, high: int | None = None) 
     a GPU and breaks a ``torch.compile`` graph, so the caller says where that read happens (``int(t)``). A value of the
     right type out of range is a ValueError.
     """
-    expected = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
-    if not isinstance(value, int) or isinstance(value, bool):  # an int (or a SymInt while compiling) skips index()
-        if isinstance(value, Tensor):
-            hint = ": pass int(t), which reads it" if value.ndim == 0 else ""
-            raise TypeError(f"{name} must be {expected}, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}{hint}")
+    def expected() -> str:  # written only for an error: formatting a symbolic bound while compiling would pin its value
+        return f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+
+    if isinstance(value, Tensor):
+        hint = ": pass int(t), which reads it" if value.ndim == 0 else ""
+        raise TypeError(f"{name} must be {expected()}, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}{hint}")
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # numpy's bool has __index__ only to refuse it
+        raise TypeError(f"{name} must be {expected()}, got {value!r}")
+    if not isinstance(value, int):  # an int (or a SymInt while compiling) is kept as given
         try:
-            if isinstance(value, bool):
-                raise TypeError
-            value = operator.index(value)  # numpy's bool has __index__ only to refuse it
+            value = operator.index(value)
         except TypeError:
-            raise TypeError(f"{name} must be {expected}, got {value!r}") from None
+            raise TypeError(f"{name} must be {expected()}, got {value!r}") from None
     if value < low or value > (_INT64_MAX if high is None else high):
         below = " below 2**63" if high is None and value > _INT64_MAX else ""
-        raise ValueError(f"{name} must be {expected}{below}, got {value!r}")
+        raise ValueError(f"{name} must be {expected()}{below}, got {value!r}")
     return value  # an int as given (int() would pin a SymInt to its traced value), else index()'s plain int
 
 
