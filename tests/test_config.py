@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from headwise import GPT2Config
 from headwise.config import FromDict
@@ -22,13 +23,11 @@ from headwise.models.bert import BertConfig
         ("layer_norm_epsilon", math.nan, r"layer_norm_epsilon must be a number in \(0, inf\), got nan"),
         ("layer_norm_epsilon", 0.0, r"layer_norm_epsilon must be a number in \(0, inf\), got 0.0"),
         ("layer_norm_epsilon", math.inf, r"layer_norm_epsilon must be a number in \(0, inf\), got inf"),
-        ("layer_norm_epsilon", "1e-5", r"layer_norm_epsilon must be a number in \(0, inf\), got '1e-5'"),
         ("n_layer", 0, r"n_layer must be a positive int, got 0"),
         ("n_head", 5, r"n_embd \(768\) must be divisible by n_head \(5\)"),
         ("n_kv_head", 0, r"n_kv_head must be a positive int, got 0"),
         ("n_kv_head", 5, r"n_head \(12\) must be divisible by n_kv_head \(5\)"),
         ("attn_pdrop", 1.5, r"attn_pdrop must be a number in \[0, 1\], got 1.5"),
-        ("embd_pdrop", True, r"embd_pdrop must be a number in \[0, 1\], got True"),
     ],
 )
 def test_gpt2_config_fields(field, value, match):
@@ -44,9 +43,11 @@ def test_gpt2_config_fields(field, value, match):
         ("n_embd", 768.0, r"n_embd must be a positive int, got 768.0"),
         ("vocab_size", None, r"vocab_size must be a positive int, got None"),
         ("n_head", "12", r"n_head must be a positive int, got '12'"),
+        ("layer_norm_epsilon", "1e-5", r"layer_norm_epsilon must be a number in \(0, inf\), got '1e-5'"),
+        ("embd_pdrop", True, r"embd_pdrop must be a number in \[0, 1\], got True"),
     ],
 )
-def test_gpt2_config_int_fields_of_the_wrong_type(field, value, match):
+def test_gpt2_config_fields_of_the_wrong_type(field, value, match):
     with pytest.raises(TypeError, match=match):
         GPT2Config(**{field: value})
     with pytest.raises(TypeError, match=match):
@@ -118,3 +119,26 @@ def test_a_config_built_from_numpy_ints_keeps_plain_ints_and_round_trips_through
         assert config.windows == (8, None) and type(config.windows[0]) is int
     again = cls(**json.loads(json.dumps(fields)))
     assert again == config and again == cls(**ints, **({"windows": (8, None)} if extra else {}))
+
+
+@pytest.mark.parametrize(
+    ("cls", "floats"),
+    [
+        (GPT2Config, {"layer_norm_epsilon": 1e-5, "attn_pdrop": 0.25, "resid_pdrop": 0.5, "embd_pdrop": 0.125}),
+        (LlamaConfig, {"rms_norm_eps": 1e-6, "rope_theta": 500000.0, "partial_rotary_factor": 1.0, "attention_dropout": 0.25}),
+        (BertConfig, {"layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.25, "attention_probs_dropout_prob": 0.5}),
+    ],
+)
+def test_a_config_built_from_numpy_floats_keeps_plain_floats_and_round_trips_through_json(cls, floats):
+    """Rates and epsilons as numpy scalars (float32 ones too, not a subclass of float) are taken and kept as floats."""
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4} if cls is LlamaConfig else {}
+    config = cls(**base, **{name: np.float32(value) for name, value in floats.items()})
+    fields = dataclasses.asdict(config)
+    assert all(type(fields[name]) is float and fields[name] == float(np.float32(value)) for name, value in floats.items())
+    assert cls(**json.loads(json.dumps(fields))) == config
+
+
+@pytest.mark.parametrize("value", [torch.tensor(0.5), "0.5", None, [0.5]])
+def test_a_rate_of_the_wrong_type_is_a_type_error(value):
+    with pytest.raises(TypeError, match=r"attn_pdrop must be a number in \[0, 1\], got"):
+        GPT2Config(attn_pdrop=value)

@@ -381,7 +381,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("core dropout_p over 1", attend(dropout_p=1.5), Raises(ValueError, r"dropout_p must be a number in \[0, 1\], got 1.5")),
     ("core dropout_p negative", attend(dropout_p=-0.1), Raises(ValueError, r"dropout_p must be a number in \[0, 1\], got -0.1")),
     ("core dropout_p nan", attend(dropout_p=math.nan), Raises(ValueError, r"dropout_p must be a number in \[0, 1\], got nan")),
-    ("core dropout_p str", attend(dropout_p="0"), Raises(ValueError, r"dropout_p must be a number in \[0, 1\], got '0'")),
+    ("core dropout_p str", attend(dropout_p="0"), Raises(TypeError, r"dropout_p must be a number in \[0, 1\], got '0'")),
     ("core window 0", attend(causal=True, window=0), Raises(ValueError, r"window must be a positive int or None, got 0")),
     ("core window float", attend(causal=True, window=2.0), Raises(TypeError, r"window must be a positive int or None, got 2.0")),
     ("core window bool", attend(causal=True, window=True), Raises(TypeError, r"window must be a positive int or None, got True")),

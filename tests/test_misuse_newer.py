@@ -111,7 +111,7 @@ ROPE: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("rope scaling is an int", lambda: check_scaling(5), Raises(TypeError, r"rope_scaling must be a dict with a 'rope_type' or None, got int")),
     ("rope scaling factor inf", lambda: inverse_frequencies(8, scaling={"rope_type": "linear", "factor": math.inf}), Raises(ValueError, r"rope_scaling\['factor'\] must be a number in \(0, inf\), got inf")),
     ("rope scaling factor 0", lambda: check_scaling({"rope_type": "linear", "factor": 0}), Raises(ValueError, r"rope_scaling\['factor'\] must be a number in \(0, inf\), got 0")),
-    ("rope scaling factor True", lambda: check_scaling({"rope_type": "linear", "factor": True}), Raises(ValueError, r"got True")),
+    ("rope scaling factor True", lambda: check_scaling({"rope_type": "linear", "factor": True}), Raises(TypeError, r"got True")),
     ("rope scaling yarn", lambda: check_scaling({"rope_type": "yarn", "factor": 2.0}), Raises(ValueError, r"rope_scaling's rope_type must be one of \['default', 'linear', 'llama3'\], got 'yarn'")),
     ("rope llama3 missing keys", lambda: check_scaling({"rope_type": "llama3", "factor": 8.0}), Raises(ValueError, r"missing \['low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'\]")),
     ("rope llama3 inf original length", lambda: check_scaling({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": math.inf}), Raises(ValueError, r"original_max_position_embeddings'\] must be a number in \(0, inf\), got inf")),

@@ -16,6 +16,7 @@ same message (on a GPU, a device-side assert).
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable
 
@@ -111,13 +112,22 @@ def cache_dtype(name: str, held: torch.dtype, computed: torch.dtype) -> None:
 
 
 def number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> float:
-    """``value`` as a finite-or-bounded float in the interval given (bools refused)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)
+    """``value`` as a float in the interval given: an int, a float or another real number (a numpy scalar), returned as a
+    plain ``float``. Refused with a TypeError: bools, tensors (the caller says where a tensor is read: ``float(t)``) and
+    anything not a real number; a NaN or a value out of the interval with a ValueError."""
+
+    def interval() -> str:  # written only for an error (as ``integer``'s range)
+        return f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    if isinstance(value, (bool, Tensor)) or not isinstance(value, (int, float, numbers.Real)):
+        raise TypeError(f"{name} must be a number in {interval()}, got {value!r}")
+    if not isinstance(value, (int, float)):
+        value = float(value)  # a numpy scalar, a Fraction: a plain float from here on
+    ok = value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+        raise ValueError(f"{name} must be a number in {interval()}, got {value!r}")
     return float(value)
 
 

@@ -8,6 +8,7 @@ while the config is built, naming the field, and never as NaN logits later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
@@ -28,10 +29,10 @@ class FromDict:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def store_int(config: object, name: str) -> None:
-    """Check the field ``name`` of a frozen config as a positive int and keep it as a plain ``int`` (a numpy integer
-    passes the check, but would not write to JSON)."""
-    object.__setattr__(config, name, _checks.positive_int(name, getattr(config, name)))
+def store(config: object, name: str, check: Callable[[str, object], object] = _checks.positive_int) -> None:
+    """Check the field ``name`` of a frozen config with ``check`` (a positive int by default) and keep what it returns:
+    a plain ``int`` or ``float`` (a numpy scalar passes the check, but would not write to JSON)."""
+    object.__setattr__(config, name, check(name, getattr(config, name)))
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,13 @@ class GPT2Config(FromDict):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            store_int(self, name)
+            store(self, name)
         if self.n_kv_head is not None:
-            store_int(self, "n_kv_head")
+            store(self, "n_kv_head")
         _checks.heads("n_embd", self.n_embd, self.n_head, self.n_kv_head, names=("n_head", "n_kv_head"))
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
-            _checks.dropout(name, getattr(self, name))
-        _checks.epsilon("layer_norm_epsilon", self.layer_norm_epsilon)
+            store(self, name, _checks.dropout)
+        store(self, "layer_norm_epsilon", _checks.epsilon)
 
     @property
     def head_dim(self) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import FromDict, store_int
+from ..config import FromDict, store
 from ..convert import load_checked
 from ..linear import project, weight_cache
 from ..loadable import AllOrNothing
@@ -71,11 +71,11 @@ class BertConfig(FromDict):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size",
                      "num_attention_heads"):
-            store_int(self, name)
+            store(self, name)
         _checks.heads("hidden_size", self.hidden_size, self.num_attention_heads, None, names=("num_attention_heads", ""))
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            _checks.dropout(name, getattr(self, name))
-        _checks.epsilon("layer_norm_eps", self.layer_norm_eps)
+            store(self, name, _checks.dropout)
+        store(self, "layer_norm_eps", _checks.epsilon)
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
 
@@ -310,8 +310,8 @@ class SentenceEncoder(AllOrNothing, nn.Module):
         max_len = loading.read_json(st_config).get("max_seq_length", 512) if st_config.is_file() else 512
         try:
             return cls(model, tokenizer, max_seq_length=max_len)
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{file}: {e}") from None
 
     def tokenize(self, sentences: list[str]) -> tuple[Tensor, Tensor]:
         """sentences -> ``(input_ids, attention_mask)``, both (N, T), padded on the right; the mask is bool."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 from .. import _checks
-from ..config import store_int
+from ..config import store
 from ..rope import check_scaling
 
 MODEL_TYPES = ("llama", "mistral", "qwen3")
@@ -64,10 +65,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads"):
-            store_int(self, name)
+            store(self, name)
         for name in ("head_dim", "num_key_value_heads"):
             if getattr(self, name) is not None:
-                store_int(self, name)
+                store(self, name)
         if self.head_dim is None and self.num_attention_heads > self.hidden_size:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be at most hidden_size ({self.hidden_size}) when "
                              "head_dim is not set: head_dim = hidden_size // num_attention_heads would be 0")
@@ -75,13 +76,13 @@ class LlamaConfig:
             "num_attention_heads * head_dim", self.num_attention_heads * self.head_size, self.num_attention_heads, self.num_key_value_heads,
             names=("num_attention_heads", "num_key_value_heads"),
         )
-        _checks.epsilon("rms_norm_eps", self.rms_norm_eps)
-        _checks.number("rope_theta", self.rope_theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # the rotation's base
+        store(self, "rms_norm_eps", _checks.epsilon)
+        store(self, "rope_theta", partial(_checks.number, low=1.0, high=math.inf, low_open=True, high_open=True))  # the rotation's base
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _checks.number("partial_rotary_factor", self.partial_rotary_factor, low=0.0, high=1.0, low_open=True)
-        _checks.dropout("attention_dropout", self.attention_dropout)
+        store(self, "partial_rotary_factor", partial(_checks.number, low=0.0, high=1.0, low_open=True))
+        store(self, "attention_dropout", _checks.dropout)
         check_scaling(self.rope_scaling)
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim * partial_rotary_factor must give an even number of rotary dims, got {self.rotary_dim}")
