@@ -390,7 +390,7 @@ def test_low_precision_within_k_times_plain_error(dtype, backend, term):
         ({"softcap": 0.0}, ValueError, r"softcap must be a number in \[1e-06, 1e\+30\] .*, got 0.0"),
         ({"softcap": -1.0}, ValueError, r"softcap must be a number"),
         ({"softcap": float("nan")}, ValueError, r"softcap must be a number.*nan"),
-        ({"softcap": True}, ValueError, r"softcap must be a number.*True"),
+        ({"softcap": True}, TypeError, r"softcap must be a number.*True"),
         ({"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(H=4,\), one per query head, got \(3,\)"),
         ({"sinks": torch.zeros(4, dtype=torch.long)}, TypeError, r"sinks must be a float tensor .* got dtype torch.int64"),
         ({"sinks": [0.0] * 4}, TypeError, r"sinks must be a float tensor .* got list"),

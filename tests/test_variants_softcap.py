@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from reference_precise import error, precise_softcap_attention
@@ -115,13 +116,19 @@ def test_the_fast_path_is_as_exact_as_the_math_backend_at_every_cap(precise_answ
     assert error(fast, want) <= 2 * reference_error, f"{error(fast, want):.3g} > 2 x {reference_error:.3g}"
 
 
-@pytest.mark.parametrize("cap", [0.0, 9e-7, 1.1e30, 1e39, float("inf"), float("nan"), -1.0, True, "50"])
+@pytest.mark.parametrize("cap", [0.0, 9e-7, 1.1e30, 1e39, float("inf"), float("nan"), -1.0, np.float32(1e31), True, "50"])
 def test_a_cap_no_runner_computes_exactly_is_refused_by_name(cap):
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"softcap must be a number in \[1e-06, 1e\+30\] .* got"):
+    error = TypeError if isinstance(cap, (bool, str)) else ValueError  # the wrong type, or a number out of range
+    with pytest.raises(error, match=r"softcap must be a number in \[1e-06, 1e\+30\] .* got"):
         hw.attention(q, q, q, softcap=cap)
-    with pytest.raises(ValueError, match=r"softcap must be a number in \[1e-06, 1e\+30\]"):
+    with pytest.raises(error, match=r"softcap must be a number in \[1e-06, 1e\+30\]"):
         hw.MultiHeadAttention(4, 4, 8, 0.0, num_heads=2, softcap=cap)
+
+
+def test_a_numpy_cap_is_a_cap():
+    q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hw.attention(q, q, q, softcap=np.float32(30.0)), hw.attention(q, q, q, softcap=30.0), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cap", [1e-6, 1e30])

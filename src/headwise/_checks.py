@@ -119,16 +119,21 @@ def number(name: str, value: object, *, low: float = -math.inf, high: float = ma
     def interval() -> str:  # written only for an error (as ``integer``'s range)
         return f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
-    if isinstance(value, (bool, Tensor)) or not isinstance(value, (int, float, numbers.Real)):
-        raise TypeError(f"{name} must be a number in {interval()}, got {value!r}")
-    if not isinstance(value, (int, float)):
-        value = float(value)  # a numpy scalar, a Fraction: a plain float from here on
+    value = real(name, value, lambda: f"a number in {interval()}")
     ok = value == value  # NaN != NaN (math.isnan breaks a graph on a symbolic float)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         raise ValueError(f"{name} must be a number in {interval()}, got {value!r}")
     return float(value)
+
+
+def real(name: str, value: object, expected: Callable[[], str]) -> int | float:
+    """``value`` if an int or a float (symbolic ones too), another real number (a numpy scalar, a Fraction) as a float;
+    else a TypeError saying ``name`` must be ``expected()`` (bools and tensors refused)."""
+    if isinstance(value, (bool, Tensor)) or not isinstance(value, (int, float, numbers.Real)):
+        raise TypeError(f"{name} must be {expected()}, got {value!r}")
+    return value if isinstance(value, (int, float)) else float(value)
 
 
 def dropout(name: str, value: object) -> float:
@@ -298,12 +303,14 @@ def softcap(value: object) -> float | None:
     if value is None:
         return None
     low, high = SOFTCAP_RANGE
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value <= high  # False for NaN
-    if not ok:
-        raise ValueError(
-            f"softcap must be a number in [{low:g}, {high:g}] (scores become cap * tanh(scores / cap); a cap beyond {high:g} "
-            f"caps nothing: pass None), got {value!r}"
-        )
+
+    def expected() -> str:
+        return (f"a number in [{low:g}, {high:g}] (scores become cap * tanh(scores / cap); a cap beyond {high:g} caps nothing: "
+                f"pass None)")
+
+    value = real("softcap", value, expected)
+    if not low <= value <= high:  # False for NaN
+        raise ValueError(f"softcap must be {expected()}, got {value!r}")
     return float(value)
 
 

@@ -106,8 +106,10 @@ def qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 def _scale(value: float | None, d: int) -> float:
     if value is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ValueError(f"scale must be a positive finite number or None (1/sqrt(D)), got {value!r}")
+    expected = "a positive finite number or None (1/sqrt(D))"
+    value = _checks.real("scale", value, lambda: expected)
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"scale must be {expected}, got {value!r}")
     return float(value)
 
 
