@@ -59,3 +59,26 @@ def test_a_bidirectional_encoder_is_not_causal(tmp_path):
     maps = head_maps(_directory(tmp_path, transformers.RobertaModel(config).eval()), TEXT)
     assert not maps.causal and maps.weights.shape == (2, 4, 7, 7)
     torch.testing.assert_close(maps.weights.sum(-1), torch.ones(2, 4, 7))
+
+
+def test_a_text_past_the_positions_is_drawn_up_to_them(qwen3):
+    """A tokenizer without truncation: the tokens past max_position_embeddings (64) are cut and counted, never run past
+    the positions the model was made for."""
+    directory, model = qwen3
+    text = " ".join(["the cat sat on the mat ."] * 10)  # 70 tokens
+    maps = head_maps(directory, text)
+    assert maps.cut == 6 and len(maps.tokens) == 64 and maps.weights.shape == (2, 4, 64, 64)
+    ids = torch.tensor([[WORDS.index(w) + 2 for w in text.split()][:64]])
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = torch.cat(model(input_ids=ids, output_attentions=True).attentions)  # (L, H, 64, 64)
+    torch.testing.assert_close(maps.weights, want, rtol=0, atol=1e-5)
+
+
+def test_a_text_past_learned_positions_that_start_late_is_refused(tmp_path):
+    torch.manual_seed(1)
+    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=16, pad_token_id=0)  # fmt: skip
+    directory = _directory(tmp_path, transformers.RobertaModel(config).eval())
+    with pytest.raises(ValueError, match=r"could not run the text's 16 tokens .*max_position_embeddings \(16\); shorten the text"):
+        head_maps(directory, " ".join(["the cat sat on"] * 4))  # 16 tokens: RoBERTa's positions start at pad_token_id + 1

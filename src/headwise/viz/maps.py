@@ -186,11 +186,19 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     model = transformers.AutoModel.from_pretrained(directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
     encoding, cut = _encode(tokenizer, text)
-    input_ids = torch.tensor([encoding.ids])  # (1, T)
+    ids = encoding.ids
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and len(ids) > limit:  # a tokenizer without truncation: the model's positions end there
+        ids, cut = ids[:limit], cut + len(ids) - limit
+    input_ids = torch.tensor([ids])  # (1, T)
     weights: list[Tensor] = []  # one (1, H, T, T) per layer, reported by headwise's math backend
-    with observe(lambda step, t: weights.append(t.float()) if step == "weights" else None):
-        model.eval()(input_ids=input_ids, use_cache=False)
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in encoding.ids)
+    try:
+        with observe(lambda step, t: weights.append(t.float()) if step == "weights" else None):
+            model.eval()(input_ids=input_ids, use_cache=False)
+    except (IndexError, RuntimeError) as e:  # learned positions that start past 0 (RoBERTa's after its padding id) end early
+        raise ValueError(f"{name} could not run the text's {len(ids)} tokens ({type(e).__name__}: {e}): its positions may end "
+                         f"before max_position_embeddings ({limit}); shorten the text") from e
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
     special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
     real = torch.ones_like(special)  # (1, T)
