@@ -636,3 +636,21 @@ def test_quantizing_again_with_other_activations_is_refused_by_name():
     assert int8_weights(model) is model
     with pytest.raises(ValueError, match=r"model already holds Int8Linear layers with another activations= \(model\.layers\.0\.self_attn\.\w+: 'bf16'; \d+ in all\), not 'int8'"):
         int8_weights(model, activations="int8")
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_a_meta_model_takes_int8_weights_then_loads_them(activations):
+    """Built on meta (shapes only), made int8, then given storage and an int8 state dict: the model quantized with values."""
+    torch.manual_seed(0)
+
+    def build():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    want = int8_weights(build(), activations=activations)
+    with torch.device("meta"):
+        model = int8_weights(build(), activations=activations)
+    assert {k: (v.dtype, v.shape) for k, v in model.state_dict().items()} == {k: (v.dtype, v.shape) for k, v in want.state_dict().items()}
+    assert model(torch.empty(2, 8, device="meta")).shape == (2, 4)  # shapes through a meta forward
+    model.to_empty(device="cpu").load_state_dict(want.state_dict())
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), want(x), rtol=0, atol=0)
