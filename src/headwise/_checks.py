@@ -40,12 +40,12 @@ def integer(name: str, value: object, *, low: int = 1, high: int | None = None) 
     if isinstance(value, Tensor):
         hint = ": pass int(t), which reads it" if value.ndim == 0 else ""
         raise TypeError(f"{name} must be {expected()}, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}{hint}")
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # numpy's bool has __index__ only to refuse it
+    if isinstance(value, bool):
         raise TypeError(f"{name} must be {expected()}, got {value!r}")
     if not isinstance(value, int):  # an int (or a SymInt while compiling) is kept as given
         try:
             value = operator.index(value)
-        except TypeError:
+        except TypeError:  # a float, a string, None, numpy's bool (its __index__ refuses)
             raise TypeError(f"{name} must be {expected()}, got {value!r}") from None
     if value < low or value > (_INT64_MAX if high is None else high):
         below = " below 2**63" if high is None and value > _INT64_MAX else ""

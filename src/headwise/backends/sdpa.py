@@ -86,13 +86,14 @@ class SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple:
+        saved = ctx.saved_tensors  # unpacked once
         with torch.no_grad():
-            grads = SinkAttention._grads(ctx, g)
-        return first_order(grads, ctx.saved_tensors[:3] + ctx.saved_tensors[-2:], "with sinks on the CPU flash kernel")
+            grads = SinkAttention._grads(ctx, g, saved)
+        return first_order(grads, saved[:3] + saved[-2:], "with sinks on the CPU flash kernel")
 
     @staticmethod
-    def _grads(ctx, g: Tensor) -> tuple:
-        q, k, v, o, lse, w, y, mask, _ = ctx.saved_tensors
+    def _grads(ctx, g: Tensor, saved: tuple) -> tuple:
+        q, k, v, o, lse, w, y, mask, _ = saved
         go = (g * w).to(g.dtype).contiguous()  # (B, H, T, Dv)
         dq, dk, dv = _flash_grads(go, q, k, v, y, lse, mask, ctx.is_causal, ctx.scale)
         share = (g.to(w.dtype) * o.to(w.dtype)).sum(-1) * (w * (1 - w)).squeeze(-1)  # (B, H, T), float32 or wider

@@ -88,13 +88,14 @@ class CappedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple:
+        saved = ctx.saved_tensors  # unpacked once
         with torch.no_grad():
-            grads = CappedAttention._grads(ctx, g)
-        return first_order(grads, ctx.saved_tensors[:4], "with a softcap, over blocks of queries")
+            grads = CappedAttention._grads(ctx, g, saved)
+        return first_order(grads, saved[:4], "with a softcap, over blocks of queries")
 
     @staticmethod
-    def _grads(ctx, g: Tensor) -> tuple:
-        q, k, v, sinks, out = ctx.saved_tensors
+    def _grads(ctx, g: Tensor, saved: tuple) -> tuple:
+        q, k, v, sinks, out = saved
         spec = ctx.spec
         B, H, T, _ = q.shape
         Hkv = k.shape[1]
