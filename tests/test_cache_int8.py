@@ -202,8 +202,10 @@ def test_what_an_8_bit_cache_refuses_is_refused_before_anything_is_written():
     bf16_model = small_gpt2(16).bfloat16()
     with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes torch.bfloat16"):
         bf16_model.new_caches(1, 8, torch.int8)
-    with pytest.raises(ValueError, match=r"cache_dtype=torch.int8: 8-bit rows are a KVCache's"):
-        small_gpt2(16).new_paged_caches(4, 4, torch.int8)
+    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes torch.bfloat16"):
+        bf16_model.new_paged_caches(4, 4, torch.int8)
+    with pytest.raises(ValueError, match=r"dtype=torch.int8 needs a head_dim that is a multiple of 4.*got head_dim=6"):
+        hw.PagedKVCache(4, 4, 2, 6, dtype=torch.int8)
     from headwise.cache.slot import SlotCache
 
     with pytest.raises(ValueError, match=r"a SlotCache .* reads float32 or bfloat16 rows"):

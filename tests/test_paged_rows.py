@@ -13,6 +13,7 @@ from headwise.backends import decode_kernel
 from headwise.backends import paged as paged_runner
 from headwise.backends.plan import ROWS_IN_ONE_CALL
 from headwise.backends.spec import Spec
+from headwise.cache.static import dequantize_rows, quantize_rows
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -29,7 +30,7 @@ def pool_of(lengths, *, Hkv=2, D=8, block_size=4, dtype=torch.float32, scattered
     for start in range(0, max(lengths), block_size):
         ids = [s for s, n in enumerate(lengths) if n > start]
         counts = [min(block_size, lengths[s] - start) for s in ids]
-        k, v = (torch.randn(1, Hkv, sum(counts), D, generator=g).to(dtype) for _ in range(2))  # (1, Hkv, T, D)
+        k, v = (torch.randn(1, Hkv, sum(counts), D, generator=g).to(pool.dtype) for _ in range(2))  # (1, Hkv, T, D): an 8-bit pool takes float32
         pool.batch(ids, counts).append(k, v)
         at = 0
         for s, n in zip(ids, counts, strict=True):
@@ -214,3 +215,85 @@ def test_the_one_call_gives_each_sequence_its_numbers_alone_bit_for_bit(dtype, s
         vs = torch.cat([values[s], v[:, :, s : s + 1].to(stored)], 2)
         alone = decode_kernel.run(q[:, :, s : s + 1].to(stored), ks, vs, Spec(1, ks.shape[2], causal=True, scale=D**-0.5))
         assert torch.equal(got[:, :, s : s + 1], alone.to(dtype))
+
+
+def read_back(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values as an 8-bit pool holds them, read back in float32 (its rows' values times their scales)."""
+    return dequantize_rows(quantize_rows(x))
+
+
+@pytest.mark.parametrize("G,window", [(1, None), (3, None), (2, 5)])
+@pytest.mark.parametrize("D", [64, 80])
+def test_the_kernel_reads_an_8_bit_pool_as_its_rows_read_back(G, window, D):
+    """Float32 queries over a pool of 8-bit rows, read in place: against the float64 reference over the rows read back,
+    and bit for bit the kernel over the same rows of the float32 pool they read back as."""
+    if not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    lengths = [5, 17, 1, 9]
+    pool, keys, values = pool_of(lengths, dtype=torch.int8, D=D)
+    assert pool.k.dtype == torch.int8 and pool.k.shape[2] == D + 4 and pool.dtype == torch.float32 and pool.head_dim == D
+    width = max(len(pool.blocks(s)) for s in range(4))
+    tables = torch.tensor([pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in range(4)])  # (N, nb)
+    seen_to = torch.tensor(lengths)
+    seen_from = torch.zeros(4, dtype=torch.long) if window is None else (seen_to - window).clamp(min=0)
+    q = torch.randn(4, 2, G, D, generator=torch.Generator().manual_seed(1))  # (N, Hkv, G, D)
+    got = decode_kernel.paged(q, pool.k, pool.v, tables, seen_from, seen_to, pool.block_size, D**-0.5)
+    assert got.shape == (4, 2, G, D) and got.dtype == torch.float32
+    wide = decode_kernel.paged(q, dequantize_rows(pool.k), dequantize_rows(pool.v), tables, seen_from, seen_to, pool.block_size, D**-0.5)
+    assert torch.equal(got, wide)
+    for s in range(4):
+        want = reference_attention(q[s].reshape(1, 2 * G, 1, D).double(), read_back(keys[s]).double(), read_back(values[s]).double(),
+                                   causal=True, window=window)
+        torch.testing.assert_close(got[s].reshape(1, 2 * G, 1, D).double(), want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("scattered", [True, False])
+@pytest.mark.parametrize("counts", [[1, 1, 1, 1], [1, 3, 1, 1]], ids=["one-token rows", "and a run of three"])
+def test_a_batch_over_an_8_bit_pool_gives_each_sequence_its_8_bit_cache_numbers_bit_for_bit(scattered, counts, decode_way):
+    """Each sequence of a batch over 8-bit rows: the numbers of its tokens through a ``KVCache(dtype=torch.int8)``
+    holding the same keys, bit for bit (one-token rows in the one C++ call where it is built, else sequence by
+    sequence; a run of several tokens over its rows read back); what the pool stores is ``quantize_rows``'s rows."""
+    lengths, H, D = [5, 17, 1, 9], 4, 64
+    pool, keys, values = pool_of(lengths, dtype=torch.int8, D=D, scattered=scattered)
+    q, k, v = step_inputs(counts, H=H, Hkv=2, D=D, dtype=torch.float32)
+    batch = pool.batch([0, 1, 2, 3], counts)
+    assert (ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=batch).runner) == decode_way
+    got = hw.attention(q, k, v, causal=True, cache=batch)  # (1, H, T, D)
+    assert got.dtype == torch.float32
+    at = 0
+    for s, c in enumerate(counts):
+        cache = hw.KVCache(1, 2, 32, D, dtype=torch.int8)
+        hw.attention(torch.zeros(1, H, lengths[s], D), keys[s], values[s], causal=True, cache=cache)  # the same keys held
+        alone = hw.attention(q[:, :, at : at + c], k[:, :, at : at + c], v[:, :, at : at + c], causal=True, cache=cache)
+        assert torch.equal(got[:, :, at : at + c], alone)
+        slots = [pool.blocks(s)[j // 4] * 4 + j % 4 for j in range(pool.length(s))]
+        assert torch.equal(pool.k[:, slots], cache.k[0, :, : pool.length(s)]) and torch.equal(pool.v[:, slots], cache.v[0, :, : pool.length(s)])
+        at += c
+
+
+def test_an_8_bit_pool_refuses_what_it_cannot_hold_before_anything_is_written():
+    pool = hw.PagedKVCache(8, 4, 2, 8, dtype=torch.int8)
+    pool.add(0)
+    k = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match=r"the PagedKVCache holds torch.int8; k is torch.bfloat16 \(an 8-bit pool takes float32\)"):
+        pool.batch([0], [3]).append(k.bfloat16(), k.bfloat16())
+    with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.bfloat16"):
+        hw.attention(torch.randn(1, 2, 3, 8).bfloat16(), k.bfloat16(), k.bfloat16(), causal=True, cache=pool.batch([0], [3]))
+    with pytest.raises(ValueError, match=r"k requires grad, but a PagedKVCache serves inference only"):
+        pool.batch([0], [3]).append(k.requires_grad_(), k.detach())
+    assert pool.length(0) == 0 and not pool.k.any() and pool.free_blocks == 8
+    with pytest.raises(ValueError, match=r"8-bit rows in a paged pool are read in one call by the C\+\+ decode kernel only"):
+        paged_runner.attend(torch.randn(1, 2, 1, 8).bfloat16(), pool.k, pool.v, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                            block_size=4, scale=1.0, window=None, groups=1, rows_per_group=1)
+
+
+def test_forks_of_an_8_bit_pool_copy_the_rows_they_share_on_write():
+    """Copy-on-write copies a shared block's 8-bit rows whole (values and scales): each fork reads its own keys."""
+    pool, keys, _ = pool_of([6], dtype=torch.int8, D=8, scattered=False)
+    pool.fork(0, 1)
+    k0, k1 = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    pool.batch([0], [1]).append(k0, k0)
+    pool.batch([1], [1]).append(k1, k1)
+    for s, new in ((0, k0), (1, k1)):
+        held, _ = pool.batch([s], [1])._read(s)  # (1, Hkv, 7, D) read back
+        torch.testing.assert_close(held, read_back(torch.cat([keys[0], new], 2)), rtol=0, atol=0)

@@ -254,12 +254,12 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     padding = args.spec.attention_mask
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
-    stored = args.k.dtype if args.cache is None else args.cache.dtype
+    taken = args.k.dtype if args.cache is None else args.cache.dtype  # what the keys are attended in
     one_call = _rows_in_one_call(args)
-    plans = [_for_run(args, rows, S, args.k.to(stored), args.v.to(stored), padding)[4] for rows, S in runs
+    plans = [_for_run(args, rows, S, args.k.to(taken), args.v.to(taken), padding)[4] for rows, S in runs
              if not (one_call and rows.stop - rows.start == 1)]
     if len(plans) < len(runs):  # one-token rows in one call
-        plans.insert(0, Plan("auto", one_call_runner(q.device, stored), ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
+        plans.insert(0, Plan("auto", one_call_runner(q.device, args.cache.stored), ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
     if all(p.runner == plans[0].runner for p in plans):
         return plans[0]
     runners = "; ".join(dict.fromkeys(p.runner for p in plans))
@@ -333,22 +333,22 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
 def _rows_in_one_call(args: Arguments) -> bool:
     """A paged batch whose call the plan lets attend its one-token rows in one call."""
     cache = args.cache
-    return isinstance(cache, PagedBatch) and rows_in_one_call(args.q, args.spec, args.backend, cache.dtype, cache.compile)
+    return isinstance(cache, PagedBatch) and rows_in_one_call(args.q, args.spec, args.backend, cache.stored, cache.compile)
 
 
 def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_rows: PoolRows) -> Tensor:
     """The (1, H, T, Dv) context of a paged batch: the longer runs' ``contexts`` at their rows, the one-token rows'
-    from one call over their blocks (``backends.paged``), in the pool's dtype."""
-    q, spec = args.q, args.spec
+    from one call over their blocks (``backends.paged``), in the dtype the pool takes (float32 for 8-bit rows)."""
+    q, spec, taken = args.q, args.spec, args.cache.dtype
     _, H, T, D = q.shape
-    Hkv, _, Dv = pool_rows.keys.shape
+    Hkv = pool_rows.keys.shape[0]
     # (H, N, D): each one-token sequence's query in the pool's dtype, as every other path takes it (the numbers of the
     # sequence alone), widened once, not once a key
-    one = q[0].index_select(1, pool_rows.rows).to(pool_rows.keys.dtype).float()
+    one = q[0].index_select(1, pool_rows.rows).to(taken).float()
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
                        scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)
-    context = q.new_empty((1, H, T, Dv), dtype=pool_rows.keys.dtype)  # (1, H, T, Dv)
+    context = q.new_empty((1, H, T, rows.shape[-1]), dtype=taken)  # (1, H, T, Dv)
     context[0, :, pool_rows.rows] = rows.flatten(1, 2).transpose(0, 1).to(context.dtype)  # (H, N, Dv)
     for (part, *_), c in zip(runs, contexts, strict=True):
         context[:, :, part] = c  # (1, H, T_run, Dv)

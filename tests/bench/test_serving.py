@@ -54,11 +54,13 @@ def test_a_bf16_model_serves_with_bf16_caches():
     assert "new tokens, greedy), bfloat16, block_size=4" in markdown(r)
 
 
-def test_a_float32_model_serves_with_bf16_caches_when_asked():
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+def test_a_float32_model_serves_with_bf16_or_8_bit_caches_when_asked(cache_dtype):
     r = serving(requests=2, prompt=(4, 12), new=(2, 4), config=TINY, block_size=4, chunk=3, decode_context=8, decode_repeats=1,
-                cache_dtype=torch.bfloat16)
-    assert (r.dtype, r.cache_dtype) == ("float32", "bfloat16") and 0 <= r.same_tokens <= 2 and min(r.paged_s, r.one_at_a_time_s) > 0
-    assert "new tokens, greedy), float32 with bfloat16 caches, block_size=4" in markdown(r)
+                cache_dtype=cache_dtype)
+    name = str(cache_dtype).removeprefix("torch.")
+    assert (r.dtype, r.cache_dtype) == ("float32", name) and 0 <= r.same_tokens <= 2 and min(r.paged_s, r.one_at_a_time_s) > 0
+    assert f"new tokens, greedy), float32 with {name} caches, block_size=4" in markdown(r)
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])

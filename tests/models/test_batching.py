@@ -405,3 +405,22 @@ def test_a_batcher_made_under_inference_mode_serves_outside_it():
         batcher.submit(prompts()[1], NEW[1])
         batcher.step()
     assert [token for _, token in batcher.stream()] == greedy_alone("gpt2", 0)[1][1:]
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_float32_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_bit_cache(name, monkeypatch):
+    """Pools of 8-bit rows (``cache_dtype=torch.int8``): every request's tokens are those of ``generate`` over an 8-bit
+    ``KVCache``, whose rows round the same keys the same way; the running requests' next tokens in one call."""
+    import headwise.functional as functional
+
+    calls = []
+    monkeypatch.setattr(functional, "attend_rows", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
+    model = copy.deepcopy(model_named(name)).float()
+    got = generate_many(model, prompts(3), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.int8)
+    for out, prompt, n in zip(got, prompts(3), NEW, strict=True):
+        assert out.tolist() == alone(model, prompt, n, cache_dtype=torch.int8)
+    batcher = Batcher(model, num_blocks=4, cache_dtype=torch.int8)
+    assert batcher.caches[0].k.dtype == torch.int8 and batcher.caches[0].dtype == torch.float32
+    from headwise.backends import decode_kernel
+
+    assert not decode_kernel.available() or (calls and max(calls) >= 3)  # the one call ran, for several requests at once

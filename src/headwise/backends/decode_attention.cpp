@@ -510,11 +510,13 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   });
 }
 
-// q (N, Hkv, G, D) contiguous, pools (Hkv, P, D) and (Hkv, P, Dv) contiguous, tables (N, nb) long, seen_from/seen_to (N,)
+// q (N, Hkv, G, D) contiguous, pools (Hkv, P, D) and (Hkv, P, Dv) contiguous (8-bit rows: D + 4 and Dv + 4 elements, the
+// scale last; float32 queries), tables (N, nb) long, seen_from/seen_to (N,)
 template <typename T, typename Q>
 void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const at::Tensor& tables, const at::Tensor& from,
            const at::Tensor& to, int64_t bs, at::Tensor& out, float scale) {
-  const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = vp_.size(2), P = kp_.size(1);
+  const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = vp_.size(2) - ROW_EXTRA<T>, P = kp_.size(1);
+  const int64_t ks = D + ROW_EXTRA<T>, vs = Dv + ROW_EXTRA<T>;  // a pool row's elements (8-bit rows: the values, then the scale)
   const int64_t nb = tables.size(1);
   const Q* qp = q.data_ptr<Q>();
   const T* kp = kp_.data_ptr<T>();
@@ -539,7 +541,7 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
     Run<T> r{nullptr, 0};
     shares(i / Hkv, [&](int64_t slot, int64_t count, bool joined) {
       if (r.n > 0 && !joined) return false;
-      if (r.n == 0) r.p = kp + (i % Hkv) * P * D + slot * D;
+      if (r.n == 0) r.p = kp + (i % Hkv) * P * ks + slot * ks;
       r.n += count;
       return true;
     });
@@ -555,12 +557,12 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
         t.keys.back().n += count;
         t.values.back().n += count;
       } else {
-        t.keys.push_back({kp + h * P * D + slot * D, count});
-        t.values.push_back({vp + h * P * Dv + slot * Dv, count});
+        t.keys.push_back({kp + h * P * ks + slot * ks, count});
+        t.values.push_back({vp + h * P * vs + slot * vs, count});
       }
       return true;
     });
-    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, D, Dv, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
+    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
                          op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
@@ -584,10 +586,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
                                   const at::Tensor& seen_from, const at::Tensor& seen_to, int64_t block_size, double scale) {
   const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_pool.size(2)}, q.options());  // (N, Hkv, G, Dv)
+  const bool rows8 = k_pool.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_pool.size(2) - (rows8 ? 4 : 0)}, q.options());  // (N, Hkv, G, Dv)
   const float s = static_cast<float>(scale);
   const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16, bf16_q = q.scalar_type() == at::kBFloat16;
-  if (bf16_pool && bf16_q) {
+  if (rows8) {
+    paged<int8_t, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+  } else if (bf16_pool && bf16_q) {
     paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
   } else if (bf16_pool) {
     paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);

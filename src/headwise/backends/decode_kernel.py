@@ -10,7 +10,8 @@ read once), the context in the queries' dtype, zeros for a row that sees no key.
   (``headwise.cache.quantize_rows``), each value read as ``dequantize_rows`` reads it: the same bits
   as the kernel over those rows read back in float32.
 - ``headwise::paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)``:
-  ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place.
+  ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place (a float32,
+  bfloat16 or 8-bit pool).
 
 Inductor's loops for the same products and sums, and the same loops over a paged pool, read the
 keys and values more slowly (docs: decoding, serving). The kernel is built at run time with
@@ -50,7 +51,7 @@ def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: fl
 @torch.library.register_fake("headwise::paged_decode_attention")
 def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
                  scale: float) -> Tensor:
-    return q.new_empty(*q.shape[:3], v_pool.shape[-1])  # (N, Hkv, G, Dv)
+    return q.new_empty(*q.shape[:3], v_pool.shape[-1] - (4 if v_pool.dtype == torch.int8 else 0))  # (N, Hkv, G, Dv)
 
 
 @torch.compiler.assume_constant_result
@@ -102,6 +103,8 @@ def rotation_rounding() -> str:
 def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
           scale: float) -> Tensor:
     """``backends.paged.rows_over_blocks`` in C++: q (N, Hkv, G, D) float32 or bfloat16, contiguous pools (Hkv, P, D) and
-    (Hkv, P, Dv) of either, tables (N, nb) long, seen_from / seen_to (N,) long -> (N, Hkv, G, Dv) in q's dtype."""
+    (Hkv, P, Dv) of either (or, under float32 queries, 8-bit rows (Hkv, P, D + 4) and (Hkv, P, Dv + 4) int8, each value
+    read as ``dequantize_rows`` reads it), tables (N, nb) long, seen_from / seen_to (N,) long -> (N, Hkv, G, Dv) in q's
+    dtype."""
     tables, seen_from, seen_to = (t.contiguous() for t in (tables, seen_from, seen_to))  # read as plain arrays
     return torch.ops.headwise.paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)

@@ -76,6 +76,9 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
     seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)  # (N,)
     if in_cpp(q.device, q.dtype, k_pool.dtype) and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous():
         return decode_kernel.paged(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)  # (N, Hkv, G, Dv)
+    if k_pool.dtype == torch.int8:
+        raise ValueError("8-bit rows in a paged pool are read in one call by the C++ decode kernel only (float32 queries, "
+                         f"contiguous pools, the kernel built); got {q.dtype} queries on {q.device}")
     run = compiled(block_size, scale, (k_pool.dtype, k_pool.device, Hkv, G, q.shape[-1], v_pool.shape[-1]))
     count = max(1, min(groups, N // rows_per_group))
     if count == 1:
@@ -94,8 +97,10 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
 
 def in_cpp(device: torch.device, dtype: torch.dtype, stored: torch.dtype) -> bool:
     """Whether ``attend`` runs in C++ (``decode_kernel.paged``, over contiguous pools): queries of ``dtype`` on a CPU
-    ``device`` over a pool of ``stored``, each float32 or bfloat16, the kernel built (at the first such call)."""
-    return device.type == "cpu" and dtype in decode_kernel.DTYPES and stored in decode_kernel.DTYPES and decode_kernel.available()
+    ``device`` over a pool of ``stored``, each float32 or bfloat16, or float32 queries over 8-bit rows (torch.int8),
+    the kernel built (at the first such call)."""
+    kinds = (dtype in decode_kernel.DTYPES and stored in decode_kernel.DTYPES) or (dtype, stored) == (torch.float32, torch.int8)
+    return device.type == "cpu" and kinds and decode_kernel.available()
 
 
 #: The kernels' products and sums contracted into fused multiply-adds (inductor compiles without by default): one

@@ -5,6 +5,12 @@ sequence holds a block table (its blocks in order): memory follows the tokens he
 blocks; a shared, partly filled last block is copied when one of them writes (copy-on-write).
 A sequence whose blocks are consecutive is read as a view of the pool, any other is gathered.
 Every write is checked whole before any block changes hands; the pool is for inference.
+
+An 8-bit pool (``dtype=torch.int8``) holds a float32 model's keys and values as ``KVCache``'s 8-bit rows
+(``quantize_rows``: D int8 values and a float32 scale a row): a quarter of float32's bytes and a little more.
+It takes float32 keys and values; a run of several new tokens attends over its rows read back in float32
+(``dequantize_rows``), and a decode step's one-token rows are read in place by the C++ decode kernel, with
+the bits of those rows read back: a sequence's tokens equal ``generate(..., cache_dtype=torch.int8)``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import Tensor
 from .. import _checks
 from .owner import Owned
 from .paged_batch import PagedBatch
+from .static import SCALE_BYTES
 
 
 class PagedKVCache(Owned):
@@ -30,7 +37,8 @@ class PagedKVCache(Owned):
         num_kv_heads: Hkv.
         head_dim: D.
         dtype, device: of the pool; keys and values written must match them (``attention`` rounds float32
-            ones into a bfloat16 pool).
+            ones into a bfloat16 pool). ``torch.int8``: 8-bit rows of float32 keys and values (module docstring),
+            pools (Hkv, num_blocks * Bs, D + 4); D a multiple of 4.
         window: W for sliding-window attention (then ``slide`` may give blocks back), or None.
 
     Example:
@@ -51,12 +59,13 @@ class PagedKVCache(Owned):
             _checks.positive_int(name, value) for name, value in
             [("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]
         )
-        _checks.floating_dtype("dtype", dtype)
+        _checks.cache_storage("dtype", dtype, head_dim)
         device = _checks.device("device", device)
         self.block_size, self.window = block_size, _checks.window(window, causal=True)
+        row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim  # 8-bit rows: D int8 values and a float32 scale
         with torch.inference_mode(False):  # made under inference_mode too, the pools take writes outside it (another thread's)
-            self.k = torch.zeros(num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)  # (Hkv, N*Bs, D)
-            self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D)
+            self.k = torch.zeros(num_kv_heads, num_blocks * block_size, row, dtype=dtype, device=device)  # (Hkv, N*Bs, D) (+ 4 bytes)
+            self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D) (+ 4 bytes)
         self._k1, self._v1 = self.k[None], self.v[None]  # (1, Hkv, N*Bs, D) views: what a read slices
         self._free = list(range(num_blocks - 1, -1, -1))  # free blocks set aside for no one; pop() hands out the lowest first
         self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)
@@ -69,9 +78,20 @@ class PagedKVCache(Owned):
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
 
     @property
+    def rows8(self) -> bool:
+        """Whether the pool holds 8-bit rows (``quantize_rows``: D int8 values and a float32 scale a row)."""
+        return self.k.dtype == torch.int8
+
+    @property
+    def head_dim(self) -> int:
+        """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
+        return self.k.shape[2] - (SCALE_BYTES if self.rows8 else 0)
+
+    @property
     def dtype(self) -> torch.dtype:
-        """What the pool holds."""
-        return self.k.dtype
+        """The dtype of the keys and values it takes: what the pool holds, or float32 for an 8-bit pool (its
+        elements' dtype is ``k.dtype``, int8)."""
+        return torch.float32 if self.rows8 else self.k.dtype
 
     @property
     def num_blocks(self) -> int:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import _checks
 from .protocol import Attended
+from .static import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from .paged import PagedKVCache
@@ -30,7 +31,8 @@ class PoolRows(NamedTuple):
     """The one-token sequences of a paged batch, read in place, fewest keys first: query ``rows[n]`` (an index into T)
     attends over keys 0 .. seen_to[n] - 1 of its block table, key j at pool slot ``tables[n, j // block_size] * block_size + j % block_size``.
 
-    Shapes: rows, seen_to (N,) long; tables (N, nb) long (padded with block 0); keys, values (Hkv, P, D): the pool.
+    Shapes: rows, seen_to (N,) long; tables (N, nb) long (padded with block 0); keys, values (Hkv, P, D): the pool
+    (8-bit rows: (Hkv, P, D + 4) int8, ``PagedKVCache``).
     """
 
     rows: Tensor
@@ -67,8 +69,13 @@ class PagedBatch:
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the pool holds (the cache protocol)."""
+        """The dtype of the keys and values the pool takes (the cache protocol): float32 for an 8-bit pool."""
         return self.cache.dtype
+
+    @property
+    def stored(self) -> torch.dtype:
+        """What the pool's elements are: its ``dtype``, or torch.int8 for 8-bit rows."""
+        return self.cache.k.dtype
 
     def start(self, t: int, attention_mask: Tensor | None = None) -> Tensor:
         """(1, T) positions of the packed new tokens: each sequence continues from its own length (no padding: a
@@ -137,6 +144,8 @@ class PagedBatch:
         cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
         self._done = True
         where = self._where()  # (T,)
+        if cache.rows8:  # the rows as the pool holds them
+            k, v = quantize_rows(k), quantize_rows(v)  # (1, Hkv, T, D + 4) x2
         with torch.no_grad():
             cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
             cache.v.index_copy_(1, where, v[0])
@@ -158,18 +167,21 @@ class PagedBatch:
         return torch.cat([cache._slots[s][a : a + n] for s, a, n in pairs])  # (T,)
 
     def _read(self, seq_id: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1: views or gathers."""
+        """Keys and values (1, Hkv, S, D) of ``seq_id``, positions first_held .. length - 1: views or gathers (an 8-bit
+        pool's rows read back in float32)."""
         cache = self.cache
         S = cache._lens[seq_id] - cache._gone[seq_id] * cache.block_size  # the positions held
         if cache._run[seq_id]:  # consecutive blocks: consecutive slots
             first = cache._tables[seq_id][0] * cache.block_size
-            return cache._k1.narrow(2, first, S), cache._v1.narrow(2, first, S)  # (1, Hkv, S, D) each: views
-        slots = cache._slots[seq_id][:S]
-        return cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
+            k, v = cache._k1.narrow(2, first, S), cache._v1.narrow(2, first, S)  # (1, Hkv, S, D) each: views
+        else:
+            slots = cache._slots[seq_id][:S]
+            k, v = cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
+        return (dequantize_rows(k), dequantize_rows(v)) if cache.rows8 else (k, v)
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
-        Hkv, _, D = cache.k.shape
+        Hkv, D = cache.k.shape[0], cache.head_dim
         if self._done:
             raise ValueError("this PagedBatch was used already: make one per forward pass and layer with paged.batch(seq_ids, new_tokens)")
         if attention_mask is not None:
@@ -177,8 +189,8 @@ class PagedBatch:
         for name, t in [("k", k), ("v", v)]:
             if t.ndim != 4 or t.shape[0] != 1 or t.shape[1] != Hkv or t.shape[2] != T or t.shape[3] != D:
                 raise ValueError(f"a paged batch of {T} new tokens takes {name} of shape (1, Hkv={Hkv}, T={T}, D={D}), got {tuple(t.shape)}")
-            if t.dtype != cache.k.dtype:
-                raise TypeError(f"the PagedKVCache holds {cache.k.dtype}; {name} is {t.dtype}")
+            if t.dtype != cache.dtype:
+                raise TypeError(f"the PagedKVCache holds {cache.k.dtype}; {name} is {t.dtype}" + (" (an 8-bit pool takes float32)" if cache.rows8 else ""))
             _checks.same_device(name, t, "the cache is", cache.k.device)
             if torch.is_grad_enabled() and t.requires_grad:
                 raise ValueError(f"{name} requires grad, but a PagedKVCache serves inference only: run under torch.no_grad()")

@@ -142,12 +142,9 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
 
     def new_paged_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[PagedKVCache]:
         """One ``PagedKVCache`` of ``num_blocks`` blocks per layer (``headwise.models.batching``); a sliding
-        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it). ``dtype``: as ``new_caches``,
-        but not ``torch.int8`` (a pool holds float32 or bfloat16 rows)."""
+        layer's knows its window (``PagedKVCache.slide`` may give back the blocks before it). ``dtype``: as ``new_caches``
+        (``torch.int8``: 8-bit rows, ``PagedKVCache``)."""
         weight, dtype = self.embed_tokens.weight, self.cache_dtype(dtype)
-        if dtype == torch.int8:
-            raise ValueError("cache_dtype=torch.int8: 8-bit rows are a KVCache's (generate); a paged pool holds the model's "
-                             "dtype or torch.bfloat16")
         return [
             PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=weight.device, window=attn.window)
             for attn in self.attention_layers()
