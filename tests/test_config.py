@@ -142,3 +142,18 @@ def test_a_config_built_from_numpy_floats_keeps_plain_floats_and_round_trips_thr
 def test_a_rate_of_the_wrong_type_is_a_type_error(value):
     with pytest.raises(TypeError, match=r"attn_pdrop must be a number in \[0, 1\], got"):
         GPT2Config(attn_pdrop=value)
+
+
+def test_rope_scaling_numbers_given_as_numpy_scalars_are_kept_plain_and_round_trip_through_json():
+    """A ``rope_scaling`` read from numpy (a float32 factor, an int64 original length) keeps its keys and writes to JSON."""
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4}
+    given = {"rope_type": "llama3", "factor": np.float32(8.0), "low_freq_factor": np.float64(1.0), "high_freq_factor": np.float32(4.0),
+             "original_max_position_embeddings": np.int64(8192), "note": "kept"}
+    config = LlamaConfig(**base, rope_scaling=given)
+    scaling = config.rope_scaling
+    assert scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "note": "kept"}
+    assert [type(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")] == [float, float, float, int]
+    assert given["factor"].dtype == np.float32  # the caller's dict is not changed
+    fields = dataclasses.asdict(config)
+    assert LlamaConfig(**json.loads(json.dumps(fields))) == config

@@ -26,6 +26,7 @@ Half precision inputs are rotated in float32 and rounded once at the end.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +49,8 @@ _MAX_TABLE = 1 << 17  # positions kept in a table (128K: Llama 3.1's context); p
 def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A ``rope_scaling`` dict checked to name a supported ``rope_type`` with its keys (None = no scaling).
 
-    HuggingFace's older ``"type"`` key is read as ``"rope_type"``; other keys are ignored.
+    HuggingFace's older ``"type"`` key is read as ``"rope_type"``; other keys are ignored. The numbers come back as
+    plain ``int``s (an integer given) or ``float``s (any other real, numpy's too), which write to JSON.
     """
     if scaling is None:
         return None
@@ -62,11 +64,13 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     missing = [key for key in SCALINGS[kind] if key not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of rope_type {kind!r} needs {list(SCALINGS[kind])}, missing {missing}")
+    values = {}
     for key in SCALINGS[kind]:
-        _checks.number(f"rope_scaling[{key!r}]", scaling[key], low=0.0, low_open=True, high_open=True)
-    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ValueError(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
-    return {"rope_type": kind, **{key: scaling[key] for key in SCALINGS[kind]}}
+        value = _checks.number(f"rope_scaling[{key!r}]", scaling[key], low=0.0, low_open=True, high_open=True)
+        values[key] = int(scaling[key]) if isinstance(scaling[key], numbers.Integral) else value
+    if kind == "llama3" and not values["high_freq_factor"] > values["low_freq_factor"]:
+        raise ValueError(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {values['high_freq_factor']} and {values['low_freq_factor']}")
+    return {"rope_type": kind, **values}
 
 
 def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> Tensor:

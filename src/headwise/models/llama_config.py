@@ -83,7 +83,9 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         store(self, "partial_rotary_factor", partial(_checks.number, low=0.0, high=1.0, low_open=True))
         store(self, "attention_dropout", _checks.dropout)
-        check_scaling(self.rope_scaling)
+        scaling = check_scaling(self.rope_scaling)
+        if scaling is not None:  # its numbers as checked (plain ints and floats, for JSON); its other keys as given
+            object.__setattr__(self, "rope_scaling", {**self.rope_scaling, **{k: v for k, v in scaling.items() if k != "rope_type"}})
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim * partial_rotary_factor must give an even number of rotary dims, got {self.rotary_dim}")
         if self.windows is not None:
