@@ -25,10 +25,10 @@ from torch import Tensor
 from .. import _checks
 from .owner import Owned
 from .paged_batch import PagedBatch
-from .static import SCALE_BYTES
+from .static import SCALE_BYTES, Rows
 
 
-class PagedKVCache(Owned):
+class PagedKVCache(Owned, Rows):
     """One pool of key/value blocks for many sequences; one cache per attention layer.
 
     Args:
@@ -76,22 +76,6 @@ class PagedKVCache(Owned):
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
         self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position from first_held
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
-
-    @property
-    def rows8(self) -> bool:
-        """Whether the pool holds 8-bit rows (``quantize_rows``: D int8 values and a float32 scale a row)."""
-        return self.k.dtype == torch.int8
-
-    @property
-    def head_dim(self) -> int:
-        """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
-        return self.k.shape[2] - (SCALE_BYTES if self.rows8 else 0)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the keys and values it takes: what the pool holds, or float32 for an 8-bit pool (its
-        elements' dtype is ``k.dtype``, int8)."""
-        return torch.float32 if self.rows8 else self.k.dtype
 
     @property
     def num_blocks(self) -> int:

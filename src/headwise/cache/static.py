@@ -55,7 +55,30 @@ def dequantize_rows(rows: Tensor) -> Tensor:
     return rows[..., :D].float() * scale  # (..., D)
 
 
-class KVCache(Owned, Spendable):
+class Rows:
+    """What a cache's buffers ``k`` (and ``v``) hold, rows of D values last: float rows, or 8-bit ones (``quantize_rows``).
+    The base of ``KVCache`` and ``PagedKVCache``."""
+
+    k: Tensor
+
+    @property
+    def rows8(self) -> bool:
+        """Whether the buffers hold 8-bit rows (``quantize_rows``: D int8 values and a float32 scale a row)."""
+        return self.k.dtype == torch.int8
+
+    @property
+    def head_dim(self) -> int:
+        """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
+        return self.k.shape[-1] - (SCALE_BYTES if self.rows8 else 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the keys and values it takes and answers with (the cache protocol): what the buffers hold, or
+        float32 for 8-bit rows (the buffers' dtype is then ``k.dtype``, int8)."""
+        return torch.float32 if self.rows8 else self.k.dtype
+
+
+class KVCache(Owned, Spendable, Rows):
     """Preallocated (B, Hkv, L, D) key/value buffers, L = max_len (or window when sliding).
 
     Args:
@@ -112,22 +135,6 @@ class KVCache(Owned, Spendable):
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
-
-    @property
-    def rows8(self) -> bool:
-        """Whether the buffers hold 8-bit rows (``quantize_rows``: D int8 values and a float32 scale a row)."""
-        return self.k.dtype == torch.int8
-
-    @property
-    def head_dim(self) -> int:
-        """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
-        return self.k.shape[3] - (SCALE_BYTES if self.rows8 else 0)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the keys and values it takes and answers with (the cache protocol): what the buffers hold, or
-        float32 for an 8-bit cache (its buffers' dtype is ``k.dtype``, int8)."""
-        return torch.float32 if self.rows8 else self.k.dtype
 
     @property
     def padded(self) -> bool:
