@@ -22,8 +22,8 @@ def scramble(paged: PagedKVCache, rng: random.Random) -> None:
     for seq_id in ids:
         paged.add(seq_id)
     Hkv = paged.k.shape[0]
-    kv = torch.zeros(1, Hkv, len(ids), D, dtype=paged.k.dtype)
-    hw.attention(torch.zeros(1, Hkv, len(ids), D, dtype=paged.k.dtype), kv, kv, cache=paged.batch(ids, [1] * len(ids)))
+    kv = torch.zeros(1, Hkv, len(ids), D, dtype=paged.dtype)
+    hw.attention(torch.zeros(1, Hkv, len(ids), D, dtype=paged.dtype), kv, kv, cache=paged.batch(ids, [1] * len(ids)))
     rng.shuffle(ids)
     for seq_id in ids:
         paged.free(seq_id)
@@ -342,3 +342,34 @@ def test_bad_pool_arguments():
     with pytest.raises(ValueError, match=r"new_tokens must be an int >= 0, got -3"):
         paged.blocks_needed(0, -3)
     assert paged.blocks_needed(0, 0) == 0 and paged.blocks_needed(0, 5) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_batch_like_another_pools_takes_its_placement_only_where_the_blocks_agree(dtype):
+    # three pools driven by the same steps, as a model's layers are: B's blocks lie elsewhere (scrambled), C's where A's do
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    pools = {name: PagedKVCache(24, 4, 2, D, dtype=dtype) for name in "ABC"}
+    alone = {name: PagedKVCache(24, 4, 2, D, dtype=dtype) for name in "ABC"}  # the same, each batch made on its own
+    scramble(pools["B"], rng)
+    scramble(alone["B"], random.Random(3))
+    for step in SCHEDULE:
+        ids, counts = [s for s, _ in step], [n for _, n in step]
+        T = sum(counts)
+        q, k, v = (torch.randn(1, 4 if i == 0 else 2, T, D, generator=gen) for i in range(3))
+        first = None
+        for name in "ABC":
+            for cache in (pools[name], alone[name]):
+                for s in ids:
+                    if s not in cache.sequences:
+                        cache.add(s)
+            batch = pools[name].batch(ids, counts, like=first)
+            out = hw.attention(q, k, v, causal=True, cache=batch)  # (1, 4, T, D)
+            want = hw.attention(q, k, v, causal=True, cache=alone[name].batch(ids, counts))
+            torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same numbers, placed as its own pool holds them
+            shared = batch._where_at is first._where_at if first is not None else False
+            assert shared == (name == "C"), (name, step)  # made once where the blocks agree, made again where they do not
+            first = first or batch
+    for name in "ABC":
+        assert pools[name].blocks(2) == alone[name].blocks(2)
+    with pytest.raises(TypeError, match=r"like must be another pool's PagedBatch of the same forward pass, or None, got PagedKVCache"):
+        pools["A"].batch([0], [1], like=pools["B"])

@@ -112,14 +112,18 @@ class PagedKVCache(Owned, Rows):
         grow, copy = self._growth(seq_id, _checks.integer("new_tokens", new_tokens, low=0))
         return grow + copy
 
-    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> PagedBatch:
+    def batch(self, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False,
+              like: PagedBatch | None = None) -> PagedBatch:
         """What ``attention(..., cache=...)`` takes: the next ``new_tokens[i]`` tokens of ``seq_ids[i]``, packed in this order.
 
         The sequences with one new token (a decode step's) attend in one call over their blocks, read in place,
         where headwise's C++ decode kernel is built (``headwise.plan`` says when they do); where it is not,
         ``compile=True`` lets that call over a bfloat16 pool be compiled by ``torch.compile`` at its first use.
+        ``like``: another layer's batch of the same forward pass (the same sequences and counts, its pool written
+        first): where that pool holds the sequences in the same blocks as this one (pools driven alike, as a model's
+        layers' are), this batch takes its positions, slots and block tables instead of making them again.
         """
-        return PagedBatch(self, seq_ids, new_tokens, compile=compile)
+        return PagedBatch(self, seq_ids, new_tokens, compile=compile, like=like)
 
     def add(self, seq_id: int, *, reserve: int = 0) -> None:
         """Open an empty sequence ``seq_id`` (any int not open already).

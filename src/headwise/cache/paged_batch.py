@@ -50,7 +50,8 @@ class PagedBatch:
     window: int | None  # the pool's: attention must apply the window it gives blocks back for
     padded = False  # it packs real tokens only
 
-    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False) -> None:
+    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False,
+                 like: PagedBatch | None = None) -> None:
         for name, value in (("seq_ids", seq_ids), ("new_tokens", new_tokens)):
             if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
                 raise TypeError(f"{name} must be a list of ints (one a sequence), got {type(value).__name__}")
@@ -63,6 +64,13 @@ class PagedBatch:
         new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
         self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
+        if like is not None and not isinstance(like, PagedBatch):
+            raise TypeError(f"like must be another pool's PagedBatch of the same forward pass, or None, got {type(like).__name__}")
+        self.like = like
+        self._where_at: Tensor | None = None  # (T,) the slots written (``_write``)
+        self._rows_at: tuple[Tensor, Tensor, Tensor] | None = None  # the one-token rows' rows, tables, seen_to (``append_rows``)
+        self._placed_as: PagedBatch | None = None  # ``like``, where its slots and tables are this batch's (``_write``)
+        self._positions: Tensor | None = None  # (1, T) ``start``'s
         bounds = [0, *itertools.accumulate(new_tokens)]
         self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self._done = False
@@ -83,8 +91,13 @@ class PagedBatch:
         total = sum(self.new_tokens)
         if t != total:
             raise ValueError(f"the row holds {t} tokens, but this batch packs sum(new_tokens) = {total} ({self.new_tokens})")
-        positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
-        return torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
+        like = self.like
+        if like is not None and like._positions is not None and (like.starts, like.new_tokens) == (self.starts, self.new_tokens):
+            self._positions = like._positions  # the same positions: made once a forward pass, not once a layer
+        if self._positions is None:
+            positions = [p for s, n in zip(self.starts, self.new_tokens, strict=True) for p in range(s, s + n)]
+            self._positions = torch.tensor([positions], dtype=torch.long, device=self.cache.k.device)  # (1, T)
+        return self._positions  # (1, T)
 
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
         """What ``append`` will answer with, before anything is written: ``(rows, S_i)`` per sequence (the cache
@@ -122,6 +135,13 @@ class PagedBatch:
         runs = [Attended(self._rows[i], *self._read(self.seq_ids[i]), None) for i, n in enumerate(self.new_tokens) if n != 1]
         if not one:
             return runs, None
+        placed = self._placed_as
+        self._rows_at = placed._rows_at if placed is not None and placed._rows_at is not None else self._tables_of(one)
+        return runs, PoolRows(*self._rows_at, cache.k, cache.v, cache.block_size)
+
+    def _tables_of(self, one: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """``PoolRows``' rows, tables and seen_to of the sequences ``one`` (indices into seq_ids), after the write."""
+        cache = self.cache
         held = {i: cache._lens[self.seq_ids[i]] - cache.first_held(self.seq_ids[i]) for i in one}  # the keys each holds
         one.sort(key=held.__getitem__)  # fewest keys first: the order the one call groups them in
         ids = [self.seq_ids[i] for i in one]
@@ -134,7 +154,7 @@ class PagedBatch:
         for n, s in enumerate(ids):
             if not cache._run[s]:  # blocks not consecutive: its own table
                 tables[n, : len(cache._tables[s])] = torch.tensor(cache._tables[s], device=cache.k.device)
-        return runs, PoolRows(rows, tables, seen_to, cache.k, cache.v, cache.block_size)
+        return rows, tables, seen_to
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, check: bool) -> None:
         """Check (unless told not to), take the blocks, write the keys and values and the new lengths."""
@@ -143,7 +163,8 @@ class PagedBatch:
             self._check(k, v, attention_mask)
         cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
         self._done = True
-        where = self._where()  # (T,)
+        self._placed_as = placed = self._placed_like()
+        self._where_at = where = placed._where_at if placed is not None else self._where()  # (T,)
         if cache.rows8:  # the rows as the pool holds them
             k, v = quantize_rows(k), quantize_rows(v)  # (1, Hkv, T, D + 4) x2
         with torch.no_grad():
@@ -151,6 +172,20 @@ class PagedBatch:
             cache.v.index_copy_(1, where, v[0])
         for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
             cache._lens[seq_id] = a + n
+
+    def _placed_like(self) -> PagedBatch | None:
+        """``like``, where it was written already and its pool holds this batch's sequences in the same blocks as this
+        one's (both having taken their blocks for the new tokens): its slots and tables are then this batch's, made
+        once a forward pass, not once a layer. None otherwise."""
+        like, cache = self.like, self.cache
+        if like is None or like._where_at is None or like.cache.block_size != cache.block_size or like.cache.k.device != cache.k.device:
+            return None
+        if (like.seq_ids, like.new_tokens, like.starts) != (self.seq_ids, self.new_tokens, self.starts):
+            return None
+        theirs = like.cache
+        if any(cache._gone[s] != theirs._gone[s] or cache._tables[s] != theirs._tables[s] for s in self.seq_ids):
+            return None
+        return like
 
     def _where(self) -> Tensor:
         """(T,) the pool slots of the row's new tokens, packed in order."""

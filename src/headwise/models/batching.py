@@ -270,7 +270,9 @@ class Batcher:
         rows = torch.tensor([end - 1 for f, end in zip(feeds, ends, strict=True) if f.emits], dtype=torch.long, device=device)  # (N,)
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         position_ids = torch.tensor([positions], device=device)  # (1, T)
-        batches = [c.batch([f.request.id for f in feeds], counts, compile=self.compile) for c in self.caches]
+        seq_ids = [f.request.id for f in feeds]
+        first = self.caches[0].batch(seq_ids, counts, compile=self.compile)
+        batches = [first, *(c.batch(seq_ids, counts, compile=self.compile, like=first) for c in self.caches[1:])]  # placed once a step
         logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=not trusts(self.model))  # (1, N, vocab)
         return self._sample([f.request for f in feeds if f.emits], logits[0])
 
