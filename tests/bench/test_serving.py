@@ -8,9 +8,10 @@ import torch
 from reference import reference_attention
 
 from headwise.bench.paged_attention import filled, one_call, padded, paged_attention, per_sequence
-from headwise.bench.serving import markdown, paged_generate, request_mix, serving, static_generate
+from headwise.bench.serving import flops_per_token, gemm_floor, markdown, paged_generate, projections, request_mix, serving, static_generate
 from headwise.config import GPT2Config
 from headwise.models import GPT2LMHeadModel
+from headwise.quantize import int8_weights
 
 TINY = GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4)
 
@@ -45,6 +46,24 @@ def test_the_report_adds_up():
     assert (r.chunked.max_step_tokens, r.unchunked.max_step_tokens) == (3, 2048) and "| 3 |" in text
     for t in (r.chunked, r.unchunked):
         assert 0 < t.gap_median_ms <= t.gap_max_ms and t.longest_step_ms > 0
+    f = r.gemm_floor
+    assert f.seconds > 0 and f.rows == 2048
+    tokens = r.prompt_tokens + r.new_tokens - r.requests  # through the blocks; the new ones through the head
+    block_flops, head_flops = flops_per_token(GPT2LMHeadModel(TINY))
+    assert f.gflops * 1e9 * f.seconds == pytest.approx(tokens * block_flops + r.new_tokens * head_flops)
+    assert f"a floor under any strategy. One at a time over it: {r.one_at_a_time_s / f.seconds:.2f}x" in text
+
+
+def test_the_floor_counts_every_projection_and_the_head():
+    model = GPT2LMHeadModel(TINY).eval()
+    C, V, L = TINY.n_embd, TINY.vocab_size, TINY.n_layer
+    per_block = C * 3 * C + C * C + C * 4 * C + 4 * C * C  # c_attn, attention's c_proj, c_fc, the MLP's c_proj
+    assert len(projections(model)) == 4 * L
+    assert flops_per_token(model) == (2 * L * per_block, 2 * V * C)
+    int8_weights(model, activations="bf16")
+    assert len(projections(model)) == 4 * L and flops_per_token(model) == (2 * L * per_block, 2 * V * C)  # Int8Linear layers, the head's own
+    one, two = gemm_floor(model, 0, 1, rows=8, repeats=1), gemm_floor(model, 1, 0, rows=8, repeats=1)
+    assert one.seconds > 0 and two.seconds > 0
 
 
 def test_a_bf16_model_serves_with_bf16_caches():

@@ -22,6 +22,12 @@ whole model at one context through a ``KVCache``, through a ``PagedKVCache`` who
 consecutive (read as a view) and through one whose blocks are scattered (gathered: a copy of
 every key and value read).
 
+Beside them, the floor under any strategy: the mix's projections and LM head alone (``gemm_floor``): every
+token the blocks take (each prompt token, each new token but the last a request makes) through every block's
+projections and every new token through the LM head, at the rate the model's own projection calls reach on
+calls of 2048 rows (their most efficient here). One at a time over that floor is the most any way of batching the
+mix could gain on this machine; paged over it, how far the batcher is from it.
+
 ``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole),
 again with ``chunk`` (256): a long prompt fed in chunks over several steps, and ``compiled``: the
 default with ``Batcher(compile=True)`` (where headwise's C++ decode kernel is not built, the running
@@ -40,14 +46,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import _argtypes
 from ..cache import PagedKVCache
 from ..config import GPT2Config
+from ..linear import linear, project
 from ..models.batching import Batcher
 from ..models.gpt2 import GPT2LMHeadModel
-from ..quantize import ACTIVATIONS, int8_weights
+from ..quantize import ACTIVATIONS, Int8Linear, int8_weights
 from .cases import DTYPES
 from .timing import interleaved
 
@@ -77,6 +84,15 @@ class StepTimes:
 
 
 @dataclass(frozen=True)
+class GemmFloor:
+    """The mix's projections and LM head alone (``gemm_floor``): ``seconds`` at ``gflops`` GFLOP/s (calls of ``rows`` rows)."""
+
+    seconds: float
+    gflops: float
+    rows: int
+
+
+@dataclass(frozen=True)
 class ServingReport:
     """One interleaved run of the three strategies over one mix, and the decode-step timings.
 
@@ -100,6 +116,7 @@ class ServingReport:
     static_slots: int  # B x max_len
     same_tokens: int  # requests whose paged tokens equal their one-at-a-time tokens
     compiled_same_tokens: int  # requests whose Batcher(compile=True) tokens equal their one-at-a-time tokens
+    gemm_floor: GemmFloor
     decode_context: int
     decode_static_ms: float
     decode_paged_view_ms: float
@@ -157,6 +174,42 @@ def paged_generate(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: S
         if watch is not None and batcher.tokens_held:
             watch.append((batcher.blocks_held * block_size, batcher.tokens_held))
     return out
+
+
+def projections(model: GPT2LMHeadModel) -> list[nn.Module]:
+    """The blocks' projections (``nn.Linear``s, or ``Int8Linear``s after ``int8_weights``), in order."""
+    return [m for block in model.blocks for m in block.modules() if isinstance(m, (nn.Linear, Int8Linear))]
+
+
+def flops_per_token(model: GPT2LMHeadModel) -> tuple[int, int]:
+    """(through the blocks' projections, through the LM head): 2 x the weights' elements each."""
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return 2 * sum(m.weight.numel() for m in projections(model)), 2 * head.numel()
+
+
+@torch.no_grad()
+def gemm_floor(model: GPT2LMHeadModel, block_tokens: int, head_tokens: int, *, rows: int = 2048, repeats: int = 3) -> GemmFloor:
+    """Seconds the model's projections take for ``block_tokens`` tokens through every block and ``head_tokens`` through
+    the LM head, timed as the forward calls them (``linear.project``; the head tied or its own) on calls of ``rows``
+    rows, scaled to the tokens (median of ``repeats`` after one call to warm up). Only the GEMMs: no attention, norm
+    or activation; a floor under any strategy that computes every token's projections."""
+    weight = model.embed_tokens.weight
+    layers = projections(model)
+    inputs = {m.in_features: torch.randn(1, rows, m.in_features, dtype=weight.dtype, device=weight.device) for m in layers}
+
+    def blocks() -> None:
+        for m in layers:
+            project(m, inputs[m.in_features])  # (1, rows, out)
+
+    def head() -> None:
+        x = inputs[weight.shape[1]]  # (1, rows, C)
+        linear(x, weight) if model.lm_head is None else project(model.lm_head, x)  # (1, rows, vocab)
+
+    times = interleaved({"blocks": blocks, "head": head}, repeats=repeats, warmup=1)
+    per_row = {name: sorted(ts)[len(ts) // 2] / rows for name, ts in times.items()}
+    seconds = block_tokens * per_row["blocks"] + head_tokens * per_row["head"]
+    block_flops, head_flops = flops_per_token(model)
+    return GemmFloor(seconds, (block_tokens * block_flops + head_tokens * head_flops) / seconds / 1e9, rows)
 
 
 def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_dtype: torch.dtype | None) -> dict[str, Callable[[], None]]:
@@ -249,14 +302,16 @@ def serving(
     peak_slots, peak_tokens = max(watch)
     decode = interleaved(_decode_steps(model, decode_context, block_size, cache_dtype), repeats=decode_repeats, warmup=2)
     ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
+    prompt_tokens = sum(len(p) for p in prompts)
+    floor = gemm_floor(model, prompt_tokens + sum(max_new) - requests, sum(max_new))  # (a request's last token is never fed back)
     return ServingReport(
-        requests=requests, prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(max_new), block_size=block_size,
+        requests=requests, prompt_tokens=prompt_tokens, new_tokens=sum(max_new), block_size=block_size,
         paged_s=median["paged"], chunked_s=median["chunked"], compiled_s=median["compiled"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
         chunked=StepTimes.of(chunk, steps["chunked"]), unchunked=StepTimes.of(2048, steps["unchunked"]),
         paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
         same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
-        compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)),
+        compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)), gemm_floor=floor,
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
         cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."), int8=int8,
@@ -274,6 +329,10 @@ def markdown(r: ServingReport, machine: str = "") -> str:
                   ("one at a time", r.one_at_a_time_s), ("static padded batch", r.static_s))
     for name, s in strategies:
         lines.append(f"| {name} | {s:.1f} | {r.tokens_per_s(s):.0f} | {s / r.paged_s:.2f} |")
+    f = r.gemm_floor
+    lines += ["", f"The projections and LM head alone (every token's, at the rate of calls of {f.rows} rows: {f.gflops:.0f} GFLOP/s): "
+              f"{f.seconds:.1f} s, a floor under any strategy. One at a time over it: {r.one_at_a_time_s / f.seconds:.2f}x, the most "
+              f"any batching of this mix could gain here; paged over it: {r.paged_s / f.seconds:.2f}x."]
     lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
               f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
               f"| static batch, B x max_len | {r.static_slots} | {r.static_slots / r.paged_peak_tokens:.2f} |",
