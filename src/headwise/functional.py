@@ -143,13 +143,14 @@ def attention(
 
 
 def attention_unchecked(
-    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, *, causal: bool, window: int | None,
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache | PagedBatch, *, causal: bool, window: int | None,
     softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
 ) -> Tensor:
     """``attention(q, k, v, cache=cache, ...)`` with nothing checked, for ``generate``'s decode loop
-    (``AttentionLayer.forward(..., check=False)``): q (B, H, T, D), k and v (B, Hkv, T, D) of one
-    dtype and device, a ``KVCache`` of theirs (or bfloat16 under float32) with room for T more (its window ``window``), no
-    padding, mask, documents or dropout, the default scale. The path and the numbers are ``attention``'s.
+    (``AttentionLayer.forward(..., check=False)``) and the ``Batcher``'s decode steps: q (B, H, T, D), k and v (B, Hkv, T,
+    D) of one dtype and device, a ``KVCache`` of theirs (or bfloat16 under float32) with room for T more (its window
+    ``window``), or a fresh ``PagedKVCache.batch(...)`` packing T = sum(new_tokens) tokens (B = 1) whose pool has room for
+    them; no padding, mask, documents or dropout, the default scale. The path and the numbers are ``attention``'s.
 
     Returns:
         (B, H, T, D).

@@ -424,3 +424,68 @@ def test_float32_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_
     from headwise.backends import decode_kernel
 
     assert not decode_kernel.available() or (calls and max(calls) >= 3)  # the one call ran, for several requests at once
+
+
+def decode_only(batcher: Batcher) -> None:
+    """Step until every running request has its prompt in and none waits: the steps after feed one token a request."""
+    while batcher._waiting or any(r.prefilling for r in batcher._running):
+        batcher.step()
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_decode_steps_run_flat_with_the_tokens_of_each_request_alone(name, monkeypatch):
+    from headwise.models.flat_step import FlatStep
+
+    calls, logits = [], FlatStep.logits
+    monkeypatch.setattr(FlatStep, "logits", lambda self, *a: calls.append(a[0].shape) or logits(self, *a))
+    outs = generate_many(model_named(name), prompts(), NEW, block_size=8, num_blocks=12)
+    assert [out.tolist() for out in outs] == list(greedy_alone(name, 0))
+    assert calls and all(shape[0] == 1 for shape in calls)  # the decode steps took the flat step
+
+
+def test_a_flat_decode_step_that_raises_at_a_layer_changes_nothing():
+    model = gpt2()  # its own: a part is patched
+    batcher, got = Batcher(model, num_blocks=12, block_size=8), {}
+    for p, n in zip(prompts(5), NEW, strict=True):
+        batcher.submit(p, n)
+    decode_only(batcher)
+    collect(batcher.step(), got)
+    mlp = model.transformer.h[1].mlp
+
+    def fail(x):
+        raise RuntimeError("a failing part")
+
+    mlp.forward = fail  # no hook: the step runs flat, and the layer before has written its keys when this raises
+    before, pending = pool_state(batcher), batcher.pending
+    with pytest.raises(RuntimeError, match="a failing part"):
+        batcher.step()
+    assert pool_state(batcher) == before and batcher.pending == pending
+    del mlp.forward
+    assert not batcher._waiting  # (what decode_only gave: the remaining steps are decode steps, flat again)
+    collect(batcher.stream(), got)
+    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
+    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_a_part_replaced_between_decode_steps_is_used_from_the_next_step(name, monkeypatch):
+    """The flat step is made at each step: an MLP replaced mid-run gives the next steps the tokens the forward gives."""
+    runs = []
+    for flat in (True, False):
+        model = MAKERS[name]()
+        if not flat:
+            monkeypatch.setattr(Batcher, "_flat", lambda self: None)
+        batcher, got = Batcher(model, num_blocks=12, block_size=8), {}
+        for p, n in zip(prompts(5), NEW, strict=True):
+            batcher.submit(p, n)
+        decode_only(batcher)
+        collect(batcher.step(), got)
+        block = model.transformer.h[0] if name == "gpt2" else model.model["layers"][0]
+        new = copy.deepcopy(block.mlp)
+        with torch.no_grad():
+            for p in new.parameters():
+                p.mul_(-2.0)
+        block.mlp = new
+        collect(batcher.stream(), got)
+        runs.append(got)
+    assert runs[0] == runs[1]

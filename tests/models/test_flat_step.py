@@ -4,6 +4,8 @@ bit and its caches written the same, for GPT-2 and the Llama family; the forward
 from __future__ import annotations
 
 import copy
+import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -192,3 +194,42 @@ def test_an_observed_step_runs_the_forward():
         with observe(lambda name, tensor: seen.append(name)):
             step(ids[:, -1:], None, caches)
     assert "queries.rotated" in seen and "context" in seen, "the observer saw the layers' steps"
+
+
+PAGED_CASES = {  # (case, the pools' dtype: None = the model's)
+    "gpt2 fp32": None, "gpt2 fp32, bf16 pools": torch.bfloat16, "gpt2 fp32, 8-bit pools": torch.int8,
+    "llama gqa fp32": None, "llama gqa bf16": None, "llama gqa fp32, 8-bit pools": torch.int8,
+    "qwen3 qk-norm": None, "mistral sliding window (ring caches)": None, "gpt2 grouped-query": None,
+}
+
+
+@pytest.mark.parametrize("name", PAGED_CASES)
+def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(name):
+    """The ``Batcher``'s decode steps: packed rows of several sequences through one paged pool a layer, one token each
+    (and a step of several tokens for one of them), the logits of the rows asked for and the pools as the unchecked
+    forward's."""
+    case = name.split(",")[0]
+    cls, kw, dtype = CASES[case]
+    model = model_of(cls, kw, dtype)
+    lengths = [5, 9, 3]
+    with torch.no_grad():
+        pools = model.new_paged_caches(24, 4, PAGED_CASES[name])
+        for pool in pools:
+            for s in range(3):
+                pool.add(s)
+        ids = torch.randint(0, model.vocab_size, (1, sum(lengths)))
+        positions = torch.tensor([[p for n in lengths for p in range(n)]])
+        model(ids, positions=positions, cache=[p.batch([0, 1, 2], lengths) for p in pools], logits_to_keep=1)  # the prompts
+        plain = copy.deepcopy(pools)
+        step = flat_step(model)
+        for counts in ([1, 1, 1], [1, 1, 1], [1, 3, 1], [1, 1, 1]):
+            ids = torch.randint(0, model.vocab_size, (1, sum(counts)))
+            positions = torch.tensor([[p for n, c in zip(lengths, counts, strict=True) for p in range(n, n + c)]])
+            rows = torch.tensor(list(itertools.accumulate(counts))) - 1  # (3,): each sequence's last row
+            with mock.patch.object(type(model), "forward", side_effect=AssertionError("the forward ran, not the flat step")):
+                got = step.logits(ids, positions, [p.batch([0, 1, 2], counts) for p in pools], rows)  # (1, 3, vocab)
+            want = model(ids, positions=positions, cache=[p.batch([0, 1, 2], counts) for p in plain], logits_to_keep=rows, check=False)
+            assert got.shape == want.shape == (1, 3, model.vocab_size) and torch.equal(got, want)
+            lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
+        for a, b in zip(pools, plain, strict=True):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and [a.length(s) for s in range(3)] == [b.length(s) for s in range(3)]

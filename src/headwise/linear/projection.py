@@ -249,6 +249,13 @@ def planned(kept: dict) -> Iterator[None]:
         _steps.kept = before
 
 
+def planned_world() -> tuple:
+    """What a ``planned`` loop's kept decisions assume beside their layers' tensors: CPU autocast off or on, the path
+    setting (``set_path``, ``HEADWISE_LINEAR``) and oneDNN's switch. A loop that outlives one call (the ``Batcher``'s
+    decode steps) starts its ``kept`` afresh when this changes."""
+    return torch.is_autocast_enabled("cpu"), _path_setting(), torch.backends.mkldnn.enabled
+
+
 def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> Ready | None:
     """``_decide`` for this call, kept by ``planned``'s loop where one runs."""
     kept = getattr(_steps, "kept", None)

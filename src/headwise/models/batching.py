@@ -7,6 +7,9 @@ padding to the longest; what a step feeds and who joins: ``scheduling.py``). A r
 emits its ``eos_token_id`` or reaches its ``max_new_tokens`` leaves at once and gives its blocks
 back. ``stream()`` yields ``(request id, token)`` as tokens come; ``generate_many`` is the one-call form.
 
+A decode step (one token a running request) runs as ``generate``'s steps do when nothing outside the model can see
+or change a layer (``trusts``): unchecked and written out flat (``flat_step``), the same logits as the forward.
+
 A step is all or nothing: it computes every token first, then commits them. A step that raises
 (a changed model, a hook that fails, an interrupt) leaves every cache and request as they were
 before it (the keys some layers wrote are taken back, the joining requests wait again, a prompt
@@ -41,7 +44,10 @@ from torch import Tensor
 from .. import _checks
 from ..cache import PagedKVCache
 from ..linear import weight_cache
+from ..linear.projection import planned_world
 from ._inputs import SEED_HIGH, check_choice, check_request
+from .causal import CausalModel
+from .flat_step import FlatStep, flat_step
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
@@ -104,6 +110,7 @@ class Batcher:
         self._next_id = 0
         self._stepping = False  # a step is running: a cancel waits for its end (``_cancelled``)
         self._cancelled: list[int] = []
+        self._kept: tuple[tuple, dict] = ((), {})  # the decode steps' projection decisions, and what they were made under (``_flat``)
 
     @property
     def _weight(self) -> Tensor:
@@ -273,8 +280,26 @@ class Batcher:
         seq_ids = [f.request.id for f in feeds]
         first = self.caches[0].batch(seq_ids, counts, compile=self.compile)
         batches = [first, *(c.batch(seq_ids, counts, compile=self.compile, like=first) for c in self.caches[1:])]  # placed once a step
-        logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=not trusts(self.model))  # (1, N, vocab)
+        check = not trusts(self.model)
+        flat = None if check or any(f.count != 1 for f in feeds) else self._flat()  # a decode step: written out flat
+        if flat is not None:
+            logits = flat.logits(input_ids, position_ids, batches, rows)  # (1, N, vocab): the unchecked forward's, bit for bit
+        else:
+            logits = self.model(input_ids, positions=position_ids, cache=batches, logits_to_keep=rows, check=check)  # (1, N, vocab)
         return self._sample([f.request for f in feeds if f.emits], logits[0])
+
+    def _flat(self) -> FlatStep | None:
+        """``generate``'s flat step (``flat_step``) for a decode step, made at each step from the model as it is (a block
+        or a part replaced between steps is seen), its projections' decisions kept across steps while the layers and
+        the world they were decided in (``planned_world``) are the same; None where the model offers none."""
+        step = flat_step(self.model) if isinstance(self.model, CausalModel) else None
+        if step is None:
+            return None
+        made_under = (*(id(part) for parts in step.blocks for part in parts), *planned_world())
+        if made_under != self._kept[0]:
+            self._kept = (made_under, {})
+        step.kept = self._kept[1]
+        return step
 
     def _roll_back(self, lengths: dict[int, int], joining: list[Request], emitting: list[Request], states: list[Tensor | None]) -> None:
         """Undo what a failed step did: the running requests' keys cut back to ``lengths``, the joining ones' sequences

@@ -17,6 +17,12 @@ whole cache, runs the rotation, the cache's write, the kernel and the heads' mer
 again (``functional.decode_kernel_call``). From a layer's second one-token step on, where every part of a Llama-family
 or GPT-2 layer takes its op, the whole layer runs in one C++ op (``native_layer``): the same ops, called from C++.
 
+The ``Batcher``'s decode steps (every running request's next token, packed in one row) run the same written-out
+step over each layer's ``PagedKVCache.batch(...)`` (``FlatStep.logits``, the logits of the rows it keeps): the layers'
+attention ``attention_unchecked``'s, its one call over the pool as the forward makes it; the decisions of the
+projections kept across the batcher's steps (``projection.planned_world``), the step made anew at each (a part
+replaced between steps is used from the next).
+
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
 """
@@ -29,19 +35,21 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from ..cache import KVCache
+from ..cache import KVCache, PagedBatch
 from ..functional import KernelCall, attention_unchecked, decode_kernel_call
 from ..layer import AttentionLayer
 from ..linear import linear, project
 from ..linear.projection import planned
 from ..observe import observing
 from ..rope import RotaryEmbedding
+from . import _inputs
 from .causal import CausalModel
 from .native_layer import NativeLayer, native_layer
 
 
-def flat_step(model: CausalModel) -> FlatStep | None:
-    """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None."""
+def flat_step(model: CausalModel, kept: dict | None = None) -> FlatStep | None:
+    """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None. ``kept``: the
+    projections' decisions of the loop so far (``projection.planned``), for a loop that makes a step at each call."""
     if not isinstance(model, CausalModel) or type(model).forward is not CausalModel.forward:
         return None
     for block in model.blocks:
@@ -53,26 +61,32 @@ def flat_step(model: CausalModel) -> FlatStep | None:
             return None
         if attn.attn_dropout_p != 0.0 or getattr(attn, "kv_dim", attn.d_in) != attn.d_in:
             return None
-    return FlatStep(model)
+    return FlatStep(model, kept)
 
 
 class FlatStep:
     """``model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=False)[:, 0]``, written out.
 
-    Called as ``generate``'s step: (ids (B, T), position_ids (B, T) or None, caches) -> (B, vocab) logits.
+    Called as ``generate``'s step: (ids (B, T), position_ids (B, T) or None, caches) -> (B, vocab) logits. ``logits``
+    takes any ``logits_to_keep``, and each layer's ``PagedKVCache.batch(...)`` too (the ``Batcher``'s decode steps).
     """
 
-    def __init__(self, model: CausalModel) -> None:
+    def __init__(self, model: CausalModel, kept: dict | None = None) -> None:
         self.model = model
         self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
-        self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``)
+        self.kept: dict = {} if kept is None else kept  # the projections' decisions of this loop (``projection.planned``)
         self.kernel_calls: list[tuple[KVCache, KernelCall | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
         self.natives: list[tuple[KVCache, NativeLayer | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its op)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
+        return self.logits(ids, position_ids, caches, 1)[:, 0]  # (B, vocab)
+
+    def logits(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache | PagedBatch], keep: int | Tensor) -> Tensor:
+        """``model(ids, positions=position_ids, cache=caches, logits_to_keep=keep, check=False)``: (B, T) ids -> (B, k or N,
+        vocab) logits; ``caches`` one ``KVCache`` a layer, or one ``PagedKVCache.batch(...)`` a layer of a packed row (B = 1)."""
         model = self.model
-        if observing() or len(caches) != len(self.blocks) or not all(isinstance(c, KVCache) for c in caches):
-            return model(ids, positions=position_ids, cache=caches, logits_to_keep=1, check=False)[:, 0]  # (B, vocab)
+        if observing() or len(caches) != len(self.blocks) or not all(isinstance(c, (KVCache, PagedBatch)) for c in caches):
+            return model(ids, positions=position_ids, cache=caches, logits_to_keep=keep, check=False)  # (B, k or N, vocab)
         once = not torch.is_grad_enabled()  # decisions kept across steps (autograd would make each step another call)
         with planned(self.kept) if once else nullcontext():
             x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
@@ -87,9 +101,8 @@ class FlatStep:
                 norm1, attn, norm2, mlp = parts
                 x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once, tables)  # (B, T, C)
                 x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
-            x = model.final_norm.forward(x[:, -1:])  # (B, 1, C)
-            logits = linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, 1, vocab)
-        return logits[:, 0]  # (B, vocab)
+            x = model.final_norm.forward(_inputs.kept(x, keep))  # (B, k or N, C)
+            return linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, k or N, vocab)
 
     def _native(self, i: int, parts: tuple, cache: KVCache, x: Tensor) -> NativeLayer | None:
         """Layer ``i``'s step in one op (``native_layer``), decided once its kernel call on this cache is (at its first
@@ -103,20 +116,24 @@ class FlatStep:
         self.natives[i] = (cache, native_layer(parts, call[1], x))
         return self.natives[i][1]
 
-    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache, position_ids: Tensor | None, once: bool,
+    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache | PagedBatch, position_ids: Tensor | None, once: bool,
                 tables: dict) -> Tensor:
         """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody
         observing; with ``once``, the kernel's call decided at the layer's first one-token step on this cache. ``tables``:
         the step's rotary tables so far (``_tables``)."""
         B, T, _ = x.shape
         D = attn.head_dim
+        paged = isinstance(cache, PagedBatch)
+        if paged and position_ids is None:
+            position_ids = cache.start(T)  # (1, T): each sequence's tokens after its own
         start = cache.start(T) if position_ids is None else 0  # (given positions: the cache's own are not needed)
         queries, keys, values = attn.project_qkv(x)  # (B, T, H*D), (B, T, Hkv*D) x2
         queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        known = self.kernel_calls[i] if once and T == 1 else None  # the kernel's call takes one query a row
-        if once and T == 1 and (known is None or known[0] is not cache):
+        kernel = once and T == 1 and not paged  # the kernel's call takes one query a row of a KVCache
+        known = self.kernel_calls[i] if kernel else None
+        if kernel and (known is None or known[0] is not cache):
             call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
                                       **attn.score_terms())
             self.kernel_calls[i] = known = (cache, call)
