@@ -139,15 +139,17 @@ MODELS = {"gpt2": small_gpt2, "llama": small_llama}
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("int8_weights", [False, True], ids=["fp32", "int8-weights"])
+@pytest.mark.parametrize("int8_weights", [False, True, "bf16"], ids=["fp32", "int8-weights", "bf16-model"])
 @pytest.mark.parametrize("head_dim", [64, 16])
 def test_generate_decode_steps_write_and_read_the_rows_as_the_forward_does(model, int8_weights, head_dim):
-    """The flat step (the C++ decode step: rotation, rounding to 8 bits, the kernel over the rows in place) against the
-    checked forward (the rows rounded in Python, attention over them read back): the same stored bytes, and the same
-    logits."""
+    """The flat step (the C++ decode step: rotation, rounding to 8 bits, the kernel over the rows in place; a bfloat16
+    model's keys and values widened first) against the checked forward (the rows rounded in Python, attention over them
+    read back): the same stored bytes, and the same logits."""
     torch.manual_seed(1)
     m = MODELS[model](head_dim)
-    if int8_weights:
+    if int8_weights == "bf16":
+        m = m.bfloat16()
+    elif int8_weights:
         to_int8(m)
     ids = torch.randint(0, 96, (2, 9))
     with torch.inference_mode():
@@ -193,17 +195,17 @@ def test_what_an_8_bit_cache_refuses_is_refused_before_anything_is_written():
         hw.KVCache(1, 2, 8, 6, dtype=torch.int8)
     cache = hw.KVCache(1, 2, 8, 4, dtype=torch.int8)
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.bfloat16"):
-        hw.attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), causal=True, cache=cache)
+    with pytest.raises(TypeError, match=r"the cache holds 8-bit rows of float32 or bfloat16 keys and values; they are torch.float16"):
+        hw.attention(q.half(), q.half(), q.half(), causal=True, cache=cache)
     k = torch.randn(1, 2, 3, 4, requires_grad=True)
     with pytest.raises(ValueError, match=r"k requires grad: an 8-bit cache rounds what it stores"):
         hw.attention(q, k, k.detach(), causal=True, cache=cache)
     assert len(cache) == 0 and not cache.k.any()
-    bf16_model = small_gpt2(16).bfloat16()
-    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes torch.bfloat16"):
-        bf16_model.new_caches(1, 8, torch.int8)
-    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes torch.bfloat16"):
-        bf16_model.new_paged_caches(4, 4, torch.int8)
+    f16_model = small_gpt2(16).half()
+    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 holds 8-bit rows of float32 or bfloat16 keys and values; they are torch.float16"):
+        f16_model.new_caches(1, 8, torch.int8)
+    with pytest.raises(TypeError, match=r"cache_dtype=torch.int8 holds 8-bit rows of float32 or bfloat16 keys and values; they are torch.float16"):
+        f16_model.new_paged_caches(4, 4, torch.int8)
     with pytest.raises(ValueError, match=r"dtype=torch.int8 needs a head_dim that is a multiple of 4.*got head_dim=6"):
         hw.PagedKVCache(4, 4, 2, 6, dtype=torch.int8)
     from headwise.cache.slot import SlotCache
@@ -272,3 +274,30 @@ def test_the_avx2_build_reads_and_writes_8_bit_rows_as_the_avx512_build(tmp_path
             assert torch.equal(got[f"{D} rows"], got[f"{D} read back"])
             torch.testing.assert_close(got[f"{D} rows"].double(), got[f"{D} want"], atol=1e-5, rtol=1e-5)
         assert torch.equal(avx2[f"{D} rows"], here[f"{D} rows"]) and torch.equal(avx2[f"{D} step"], here[f"{D} step"])
+
+
+@pytest.mark.parametrize("schedule", [[5, 1, 1, 1], [1, 1, 3, 1], [2, 2]], ids=["prompt, then one token a step", "mixed", "runs"])
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_a_bfloat16_models_keys_are_the_rows_of_their_values_widened(schedule, paged):
+    """bfloat16 queries, keys and values over 8-bit rows: the rows and the context of the same values in float32,
+    bit for bit (rounded to bfloat16), whether a step reads the rows in place (one token) or back (several)."""
+    torch.manual_seed(4)
+    B, H, Hkv, D, T = 1, 8, 2, 64, sum(schedule)
+    q, k, v = (torch.randn(B, h, T, D).bfloat16() for h in (H, Hkv, Hkv))
+    if paged:
+        caches = [hw.PagedKVCache(8, 4, Hkv, D, dtype=torch.int8) for _ in range(2)]
+        for c in caches:
+            c.add(0)
+    else:
+        caches = [hw.KVCache(B, Hkv, T, D, dtype=torch.int8) for _ in range(2)]
+    start = 0
+    for n in schedule:
+        part = slice(start, start + n)
+        calls = [c.batch([0], [n]) for c in caches] if paged else caches
+        got = hw.attention(*(t[:, :, part] for t in (q, k, v)), causal=True, cache=calls[0])  # (B, H, n, D)
+        want = hw.attention(*(t[:, :, part].float() for t in (q, k, v)), causal=True, cache=calls[1])
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+        start += n
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    torch.testing.assert_close(dequantize_rows(caches[1].k[..., :T, :] if not paged else caches[1].k[:, :T]).double(),
+                               read_back(k.float() if not paged else k[0].float()), rtol=0, atol=0)

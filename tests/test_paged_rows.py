@@ -277,8 +277,8 @@ def test_an_8_bit_pool_refuses_what_it_cannot_hold_before_anything_is_written():
     k = torch.randn(1, 2, 3, 8)
     with pytest.raises(TypeError, match=r"the PagedKVCache holds torch.int8; k is torch.bfloat16 \(an 8-bit pool takes float32\)"):
         pool.batch([0], [3]).append(k.bfloat16(), k.bfloat16())
-    with pytest.raises(TypeError, match=r"the cache is torch.float32, but the keys and values are torch.bfloat16"):
-        hw.attention(torch.randn(1, 2, 3, 8).bfloat16(), k.bfloat16(), k.bfloat16(), causal=True, cache=pool.batch([0], [3]))
+    with pytest.raises(TypeError, match=r"the cache holds 8-bit rows of float32 or bfloat16 keys and values; they are torch.float16"):
+        hw.attention(torch.randn(1, 2, 3, 8).half(), k.half(), k.half(), causal=True, cache=pool.batch([0], [3]))
     with pytest.raises(ValueError, match=r"k requires grad, but a PagedKVCache serves inference only"):
         pool.batch([0], [3]).append(k.requires_grad_(), k.detach())
     assert pool.length(0) == 0 and not pool.k.any() and pool.free_blocks == 8

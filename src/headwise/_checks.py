@@ -101,9 +101,14 @@ def cache_storage(name: str, value: object, head_dim: int) -> torch.dtype:
     return value
 
 
-def cache_dtype(name: str, held: torch.dtype, computed: torch.dtype) -> None:
+def cache_dtype(name: str, held: torch.dtype, computed: torch.dtype, *, rows8: bool = False) -> None:
     """Raise TypeError unless a cache holding ``held`` may serve keys and values computed in ``computed``: the same
-    dtype, or bfloat16 for float32 (half the bytes; float32's exponent range, so no key overflows to inf)."""
+    dtype, or bfloat16 for float32 (half the bytes; float32's exponent range, so no key overflows to inf). 8-bit rows
+    (``rows8``; ``held`` float32, what they take) keep float32 keys and values, or bfloat16 ones widened exactly."""
+    if rows8:
+        if computed not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} holds 8-bit rows of float32 or bfloat16 keys and values; they are {computed}")
+        return
     if held != computed and (held, computed) != (torch.bfloat16, torch.float32):
         raise TypeError(
             f"{name} is {held}, but the keys and values are {computed}: a cache holds their dtype, "

@@ -182,7 +182,7 @@ def checked(
     check_backend(backend)
     cache = caches.checked(cache)
     if cache is not None:
-        _checks.cache_dtype("the cache", cache.dtype, k.dtype)
+        _checks.cache_dtype("the cache", cache.dtype, k.dtype, rows8=cache.stored == torch.int8)
     paged = cache is not None and not isinstance(cache, KVCache)
     if cache is not None and cache.window is not None and cache.window != window:
         raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")

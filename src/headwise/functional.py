@@ -186,6 +186,8 @@ def decode_kernel_call(
         bit for bit, in one op (``decode_kernel.step``; over an 8-bit cache, whose rows the op reads in place, bit for
         bit too).
     """
+    if cache.stored == torch.int8 and q.dtype != torch.float32:  # a bfloat16 model's step over 8-bit rows: widened by
+        return None  # ``attention_unchecked`` each step (the op's rotation would turn them in float32, not as the model does)
     return _kernel_call(q, cache, _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), backend)
 
 
@@ -305,12 +307,14 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     q, k, v, spec, cache, _ = args
     call = _rows_in_place(args)
     if call is not None:  # an 8-bit cache's one-token step: its rows read in place, not read back whole
+        wide = [t.float() for t in (q, k, v)]  # float32 (a bfloat16 model's widened exactly, as every other path widens them)
         if torch.compiler.is_compiling():  # the compiler does not call the op that writes its arguments
-            context = call.after_write(q, k, v, check_cache)  # (B, H, 1, Dv)
+            context = call.after_write(*wide, check_cache)  # (B, H, 1, Dv)
         else:  # the write and the attention in one op
             if check_cache:
-                cache.check_write(k, v)
-            context = call(q, k, v).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
+                cache.check_write(*wide[1:])
+            context = call(*wide).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
+        context = context.to(q.dtype)
         report("context", context)
         return context
     pool_rows = None

@@ -408,14 +408,16 @@ def test_a_batcher_made_under_inference_mode_serves_outside_it():
 
 
 @pytest.mark.parametrize("name", MAKERS)
-def test_float32_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_bit_cache(name, monkeypatch):
-    """Pools of 8-bit rows (``cache_dtype=torch.int8``): every request's tokens are those of ``generate`` over an 8-bit
-    ``KVCache``, whose rows round the same keys the same way; the running requests' next tokens in one call."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_bit_cache(name, dtype, monkeypatch):
+    """Pools of 8-bit rows (``cache_dtype=torch.int8``) under a float32 or a bfloat16 model: every request's tokens are
+    those of ``generate`` over an 8-bit ``KVCache``, whose rows round the same keys the same way; the running requests'
+    next tokens in one call."""
     import headwise.functional as functional
 
     calls = []
     monkeypatch.setattr(functional, "attend_rows", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
-    model = copy.deepcopy(model_named(name)).float()
+    model = copy.deepcopy(model_named(name)).to(dtype)
     got = generate_many(model, prompts(3), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.int8)
     for out, prompt, n in zip(got, prompts(3), NEW, strict=True):
         assert out.tolist() == alone(model, prompt, n, cache_dtype=torch.int8)

@@ -198,7 +198,7 @@ def test_an_observed_step_runs_the_forward():
 
 PAGED_CASES = {  # (case, the pools' dtype: None = the model's)
     "gpt2 fp32": None, "gpt2 fp32, bf16 pools": torch.bfloat16, "gpt2 fp32, 8-bit pools": torch.int8,
-    "llama gqa fp32": None, "llama gqa bf16": None, "llama gqa fp32, 8-bit pools": torch.int8,
+    "llama gqa fp32": None, "llama gqa bf16": None, "llama gqa fp32, 8-bit pools": torch.int8, "llama gqa bf16, 8-bit pools": torch.int8,
     "qwen3 qk-norm": None, "mistral sliding window (ring caches)": None, "gpt2 grouped-query": None,
 }
 

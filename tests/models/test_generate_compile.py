@@ -132,7 +132,7 @@ def test_compiled_steps_over_bfloat16_caches_give_the_eager_logits(aot_eager, na
     assert_as_close_as_eager(compiled_step_errors(MODELS[name](), IDS, MASK, cache_dtype=torch.bfloat16), torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-int8"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-int8", "llama-bf16"])
 def test_compiled_steps_over_8bit_caches_read_the_rows_in_place(monkeypatch, name):
     """The compiled step writes the token's 8-bit rows in torch's ops and hands the C++ kernel the rows as stored: its
     graph's attention takes the int8 buffers, not a float32 copy of them a step; its logits as close as the eager

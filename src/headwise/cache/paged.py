@@ -8,7 +8,7 @@ Every write is checked whole before any block changes hands; the pool is for inf
 
 An 8-bit pool (``dtype=torch.int8``) holds a float32 model's keys and values as ``KVCache``'s 8-bit rows
 (``quantize_rows``: D int8 values and a float32 scale a row): a quarter of float32's bytes and a little more.
-It takes float32 keys and values; a run of several new tokens attends over its rows read back in float32
+It takes float32 keys and values (``attention`` widens a bfloat16 model's, exactly); a run of several new tokens attends over its rows read back in float32
 (``dequantize_rows``), and a decode step's one-token rows are read in place by the C++ decode kernel, with
 the bits of those rows read back: a sequence's tokens equal ``generate(..., cache_dtype=torch.int8)``'s.
 """

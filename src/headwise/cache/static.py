@@ -67,6 +67,11 @@ class Rows:
         return self.k.dtype == torch.int8
 
     @property
+    def stored(self) -> torch.dtype:
+        """What the buffers' elements are: ``dtype``, or torch.int8 for 8-bit rows."""
+        return self.k.dtype
+
+    @property
     def head_dim(self) -> int:
         """D, the keys' and values' size a head (an 8-bit row holds its scale besides)."""
         return self.k.shape[-1] - (SCALE_BYTES if self.rows8 else 0)

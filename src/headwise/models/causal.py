@@ -152,14 +152,14 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
 
     def cache_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         """What this model's caches hold when asked for ``dtype``: the model's dtype for None; bfloat16 may serve a
-        float32 model (half the bytes a token keeps, attention in bfloat16), and so may ``torch.int8`` (8-bit rows,
-        a quarter of the bytes and a scale, attention in float32 over them: ``KVCache``). TypeError for anything else."""
+        float32 model (half the bytes a token keeps, attention in bfloat16), and ``torch.int8`` a float32 or bfloat16
+        model (8-bit rows: a quarter of float32's bytes and a scale, a little over half of bfloat16's; attention in
+        float32 over them, a bfloat16 model's keys and values widened first: ``KVCache``). TypeError for anything else."""
         computed = self.embed_tokens.weight.dtype
         if dtype is None:
             return computed
         if dtype == torch.int8:
-            if computed != torch.float32:
-                raise TypeError(f"cache_dtype=torch.int8 keeps float32 keys and values as 8-bit rows; this model computes {computed}")
+            _checks.cache_dtype("cache_dtype=torch.int8", torch.float32, computed, rows8=True)
             return dtype
         _checks.floating_dtype("cache_dtype", dtype)
         _checks.cache_dtype("cache_dtype", dtype, computed)

@@ -118,9 +118,10 @@ class GenerationMixin:
                 float32 model halves the bytes each token keeps and each step reads (keys and values
                 rounded to bfloat16, attention in bfloat16, everything else in float32: the tokens
                 may differ from float32's where two logits are close); ``torch.int8`` for a float32
-                model keeps 8-bit rows (``KVCache``: a quarter of the bytes and a scale a row, attention
-                in float32 over the rows read back; the decode steps, eager or under ``compile=True``, read
-                them in place in the C++ decode kernel). Not with ``cuda_graph``.
+                or bfloat16 model keeps 8-bit rows (``KVCache``: a quarter of float32's bytes and a scale a
+                row, a bfloat16 model's keys and values widened exactly first; attention in float32 over the
+                rows read back; the decode steps, eager or under ``compile=True``, read them in place in the
+                C++ decode kernel). Not with ``cuda_graph``.
             on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
                 next step runs (streaming: print or send them); the first call comes right after
                 the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
