@@ -186,8 +186,6 @@ def decode_kernel_call(
         bit for bit, in one op (``decode_kernel.step``; over an 8-bit cache, whose rows the op reads in place, bit for
         bit too).
     """
-    if cache.stored == torch.int8 and q.dtype != torch.float32:  # a bfloat16 model's step over 8-bit rows: widened by
-        return None  # ``attention_unchecked`` each step (the op's rotation would turn them in float32, not as the model does)
     return _kernel_call(q, cache, _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes), backend)
 
 

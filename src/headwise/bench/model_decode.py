@@ -12,7 +12,7 @@ memory bandwidth. ``python -m headwise.bench.model_decode`` prints two tables.
   checked in every layer; ``compiled_ms``: the step ``generate(..., compile=True)`` runs;
 - ``transformers_ms``: transformers' model of the same checkpoint, the same cache contents (a
   ``DynamicCache``), ``logits_to_keep=1``; None for int8 (transformers has no such CPU path);
-- ``--cache-dtypes model,bf16,int8``: also (or only) headwise's caches in bfloat16, or 8-bit rows, under a float32 model
+- ``--cache-dtypes model,bf16,int8``: also (or only) headwise's caches in bfloat16 under a float32 model, or 8-bit rows under a float32 or bfloat16 model
   (``generate(..., cache_dtype=torch.bfloat16)``; the dtype column says so); transformers' caches
   stay in the model's dtype;
 - ``read_bytes``: every projection and LM-head weight as stored (int8 + scales for int8), plus
@@ -222,10 +222,11 @@ def _rel(got: Tensor, want: Tensor) -> float:
 
 def _held(model: nn.Module, cache_dtypes: Sequence[torch.dtype | None]) -> list[torch.dtype]:
     """What ``model``'s caches hold for each of ``cache_dtypes``, each once (a bf16 model's caches hold bf16 for None and
-    for bfloat16: one row, not two alike); 8-bit rows are a float32 model's, so a model computing in bfloat16 has no
-    int8 row (``cache_dtype`` refuses it)."""
+    for bfloat16: one row, not two alike); 8-bit rows are a float32 or bfloat16 model's (``cache_dtype`` refuses them
+    for any other)."""
     computed = model.cache_dtype(None)
-    return list(dict.fromkeys(model.cache_dtype(c) for c in cache_dtypes if c != torch.int8 or computed == torch.float32))
+    wide = (torch.float32, torch.bfloat16)
+    return list(dict.fromkeys(model.cache_dtype(c) for c in cache_dtypes if c != torch.int8 or computed in wide))
 
 
 def decode_speeds(
