@@ -3,7 +3,7 @@
 A fixed seeded mix of requests (default 32, prompts 16..1024 tokens, 16..256 new tokens, greedy,
 no EOS so every strategy does the same work) through one model (default GPT-2 small's shapes
 with n_positions = 1024 + 256, random weights, fp32; ``--dtype bf16`` for a bf16 model and caches,
-``--cache-dtype bf16`` for bf16 caches under the fp32 model (``int8``: 8-bit rows, a ``KVCache``'s and the pools'), ``--int8 bf16`` or ``--int8 int8`` for its
+``--cache-dtype bf16`` for bf16 caches under the fp32 model (``int8``: 8-bit rows, a ``KVCache``'s and the pools', under either), ``--int8 bf16`` or ``--int8 int8`` for its
 projections and LM head as ``Int8Linear``s with those activations, ``headwise.quantize.int8_weights``)
 three ways, timed interleaved in one run:
 
@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's and its caches' (default fp32)")
     p.add_argument("--cache-dtype", choices=tuple(CACHE_DTYPES), default=None,
-                   help="the caches' under an fp32 model: bf16, or int8 (8-bit rows) (default: the model's)")
+                   help="the caches' where not the model's: bf16 under an fp32 model, or int8 (8-bit rows) under an fp32 or bf16 one (default: the model's)")
     p.add_argument("--int8", choices=ACTIVATIONS, default=None, help="int8 weights (int8_weights) with these activations (default: none)")
     add_busy_flag(p)
     args = p.parse_args(argv)
