@@ -47,9 +47,8 @@ from .causal import CausalModel
 from .native_layer import NativeLayer, native_layer
 
 
-def flat_step(model: CausalModel, kept: dict | None = None) -> FlatStep | None:
-    """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None. ``kept``: the
-    projections' decisions of the loop so far (``projection.planned``), for a loop that makes a step at each call."""
+def flat_step(model: CausalModel) -> FlatStep | None:
+    """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None."""
     if not isinstance(model, CausalModel) or type(model).forward is not CausalModel.forward:
         return None
     for block in model.blocks:
@@ -61,7 +60,7 @@ def flat_step(model: CausalModel, kept: dict | None = None) -> FlatStep | None:
             return None
         if attn.attn_dropout_p != 0.0 or getattr(attn, "kv_dim", attn.d_in) != attn.d_in:
             return None
-    return FlatStep(model, kept)
+    return FlatStep(model)
 
 
 class FlatStep:
@@ -71,10 +70,10 @@ class FlatStep:
     takes any ``logits_to_keep``, and each layer's ``PagedKVCache.batch(...)`` too (the ``Batcher``'s decode steps).
     """
 
-    def __init__(self, model: CausalModel, kept: dict | None = None) -> None:
+    def __init__(self, model: CausalModel) -> None:
         self.model = model
         self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
-        self.kept: dict = {} if kept is None else kept  # the projections' decisions of this loop (``projection.planned``)
+        self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``; a longer loop may hand its own)
         self.kernel_calls: list[tuple[KVCache, KernelCall | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
         self.natives: list[tuple[KVCache, NativeLayer | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its op)
 
