@@ -56,6 +56,7 @@ from ..models.batching import Batcher
 from ..models.gpt2 import GPT2LMHeadModel
 from ..quantize import ACTIVATIONS, Int8Linear, int8_weights
 from .cases import DTYPES
+from .models import matrix_elements
 from .timing import interleaved
 
 #: ``--cache-dtype``: what the caches hold under a float32 model.
@@ -182,9 +183,10 @@ def projections(model: GPT2LMHeadModel) -> list[nn.Module]:
 
 
 def flops_per_token(model: GPT2LMHeadModel) -> tuple[int, int]:
-    """(through the blocks' projections, through the LM head): 2 x the weights' elements each."""
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return 2 * sum(m.weight.numel() for m in projections(model)), 2 * head.numel()
+    """(through the blocks' projections, through the LM head): 2 x the weights' elements each (the head: what
+    ``matrix_elements`` counts beyond the blocks' projections)."""
+    blocks = sum(m.weight.numel() for m in projections(model))
+    return 2 * blocks, 2 * (matrix_elements(model) - blocks)
 
 
 @torch.no_grad()

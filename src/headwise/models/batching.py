@@ -46,7 +46,6 @@ from ..cache import PagedKVCache
 from ..linear import weight_cache
 from ..linear.projection import planned_world
 from ._inputs import SEED_HIGH, check_choice, check_request
-from .causal import CausalModel
 from .flat_step import FlatStep, flat_step
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
@@ -292,7 +291,7 @@ class Batcher:
         """``generate``'s flat step (``flat_step``) for a decode step, made at each step from the model as it is (a block
         or a part replaced between steps is seen), its projections' decisions kept across steps while the layers and
         the world they were decided in (``planned_world``) are the same; None where the model offers none."""
-        step = flat_step(self.model) if isinstance(self.model, CausalModel) else None
+        step = flat_step(self.model)  # (None for a model that is no CausalModel)
         if step is None:
             return None
         made_under = (*(id(part) for parts in step.blocks for part in parts), *planned_world())
