@@ -38,7 +38,7 @@ from .backends import decode_kernel
 from .backends import math as math_backend
 from .backends.blocks import joined
 from .backends.paged import attend as attend_rows
-from .backends.paged import rows_over_own_keys
+from .backends.paged import in_cpp, rows_over_own_keys
 from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, one_call_runner, rows_in_one_call
 from .backends.plan import plan as plan_runner
 from .backends.spec import Spec
@@ -227,6 +227,51 @@ class KernelCall:
         the same numbers."""
         keys, values, real = self.cache.append_stored(k, v, check=check)  # (B, Hkv, S, D + 4) x2, (B, S) or None
         return decode_kernel.dense(q, keys, values, real, self.scale)
+
+
+def paged_kernel_call(
+    q: Tensor, k: Tensor, v: Tensor, batch: PagedBatch, *, causal: bool, window: int | None,
+    softcap: float | None = None, sinks: Tensor | None = None, alibi_slopes: Tensor | None = None, backend: str = "auto",
+) -> PagedCall | None:
+    """``attention_unchecked(q, k, v, batch, ...)`` decided once for the decode steps over ``batch``'s pool that follow,
+    where every sequence of the batch feeds one token (``one_each``), q, k and v are float32 or bfloat16 of one dtype,
+    and the call's plan attends them in one call of the C++ kernel over the pool as it lies (``_rows_in_one_call``,
+    ``paged.in_cpp``, contiguous pools); None for any other call, which then runs ``attention_unchecked``. The rule reads
+    nothing a decode step changes (the sequences and their lengths do not enter it). Nothing is written here. Called by
+    the flat step (``models.flat_step``) for the ``Batcher``'s decode steps, without grad.
+
+    Returns:
+        a ``PagedCall``, ``call(batch, q, k, v, cos=None, sin=None)``: a later step's batch of the same pool (every
+        sequence one token), q (1, H, N, D), k (1, Hkv, N, D) and v (1, Hkv, N, Dv), turned first by ``rope.rotate``'s
+        "rotate_half" tables (cos, sin) (1, 1, N, D) where given, the pool written and its one call run -> (1, N, H * Dv),
+        the heads merged: ``rotate``, ``attention_unchecked`` and the merge bit for bit, in one op
+        (``decode_kernel.paged_step``).
+    """
+    spec = _unchecked_spec(q, k, causal, window, softcap, sinks, alibi_slopes)
+    pool = batch.cache
+    if not batch.one_each or q.dtype not in decode_kernel.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    if not (pool.k.is_contiguous() and pool.v.is_contiguous() and in_cpp(q.device, torch.float32, pool.k.dtype)):
+        return None
+    if not _rows_in_one_call(Arguments(q, k, v, spec, batch, backend)):
+        return None
+    return PagedCall(spec.scale, spec.window)
+
+
+class PagedCall:
+    """``paged_kernel_call``'s answer: the call's scale and window, called once a step with that step's batch."""
+
+    __slots__ = ("scale", "window")
+
+    def __init__(self, scale: float, window: int | None) -> None:
+        self.scale, self.window = scale, window
+
+    def __call__(self, batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+        """A batch whose every sequence feeds one token; (1, H, N, D), (1, Hkv, N, D), (1, Hkv, N, Dv), the rotation's
+        tables (1, 1, N, D) or None -> (1, N, H * Dv)."""
+        pool, scale, window = batch.cache, self.scale, self.window
+        return batch.write_rows_unchecked(lambda slots, rows, tables, seen_to: decode_kernel.paged_step(
+            q, k, v, cos, sin, pool.k, pool.v, slots, rows, tables, seen_to, window, pool.block_size, scale))
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:

@@ -10,13 +10,15 @@ from unittest import mock
 import pytest
 import torch
 
-from headwise.cache import KVCache
+from headwise.backends import decode_kernel
+from headwise.cache import KVCache, PagedBatch
 from headwise.config import GPT2Config
 from headwise.models.flat_step import FlatStep, flat_step
 from headwise.models.generate import decode_step
 from headwise.models.gpt2 import Block, GPT2LMHeadModel
 from headwise.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
 from headwise.models.llama_config import LlamaConfig
+from headwise.models.native_layer import NativeLayer
 from headwise.observe import observe
 from headwise.quantize import int8_weights
 
@@ -206,30 +208,54 @@ PAGED_CASES = {  # (case, the pools' dtype: None = the model's)
 @pytest.mark.parametrize("name", PAGED_CASES)
 def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(name):
     """The ``Batcher``'s decode steps: packed rows of several sequences through one paged pool a layer, one token each
-    (and a step of several tokens for one of them), the logits of the rows asked for and the pools as the unchecked
-    forward's."""
+    (and a step of several tokens for one of them, and one without a sequence), the logits of the rows asked for and
+    the pools as the unchecked forward's; where the C++ kernels are built, every step of one token a sequence written
+    and attended by one op a layer (``paged_kernel_call``), from the second on the whole layer in one (``decode_layer``)
+    but where the layer has no such op (qk-norm)."""
     case = name.split(",")[0]
     cls, kw, dtype = CASES[case]
     model = model_of(cls, kw, dtype)
-    lengths = [5, 9, 3]
+    lengths = {0: 5, 1: 9, 2: 3}
     with torch.no_grad():
         pools = model.new_paged_caches(24, 4, PAGED_CASES[name])
         for pool in pools:
             for s in range(3):
                 pool.add(s)
-        ids = torch.randint(0, model.vocab_size, (1, sum(lengths)))
-        positions = torch.tensor([[p for n in lengths for p in range(n)]])
-        model(ids, positions=positions, cache=[p.batch([0, 1, 2], lengths) for p in pools], logits_to_keep=1)  # the prompts
+        ids = torch.randint(0, model.vocab_size, (1, sum(lengths.values())))
+        positions = torch.tensor([[p for n in lengths.values() for p in range(n)]])
+        model(ids, positions=positions, cache=[p.batch([0, 1, 2], list(lengths.values())) for p in pools], logits_to_keep=1)  # the prompts
         plain = copy.deepcopy(pools)
         step = flat_step(model)
-        for counts in ([1, 1, 1], [1, 1, 1], [1, 3, 1], [1, 1, 1]):
+        by_op, native = [], []
+        write_rows, call_native = PagedBatch.write_rows_unchecked, NativeLayer.__call__
+
+        def counted_write(batch, run):
+            by_op.append(batch)
+            return write_rows(batch, run)
+
+        def counted_native(layer, *args):
+            native.append(out := call_native(layer, *args))
+            return out
+
+        steps = (([0, 1, 2], [1, 1, 1]), ([0, 1, 2], [1, 1, 1]), ([0, 1, 2], [1, 3, 1]), ([2, 0], [1, 1]), ([0, 1, 2], [1, 1, 1]))
+        for i, (seq_ids, counts) in enumerate(steps):
+            by_op.clear()
+            native.clear()
             ids = torch.randint(0, model.vocab_size, (1, sum(counts)))
-            positions = torch.tensor([[p for n, c in zip(lengths, counts, strict=True) for p in range(n, n + c)]])
-            rows = torch.tensor(list(itertools.accumulate(counts))) - 1  # (3,): each sequence's last row
-            with mock.patch.object(type(model), "forward", side_effect=AssertionError("the forward ran, not the flat step")):
-                got = step.logits(ids, positions, [p.batch([0, 1, 2], counts) for p in pools], rows)  # (1, 3, vocab)
-            want = model(ids, positions=positions, cache=[p.batch([0, 1, 2], counts) for p in plain], logits_to_keep=rows, check=False)
-            assert got.shape == want.shape == (1, 3, model.vocab_size) and torch.equal(got, want)
-            lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
+            positions = torch.tensor([[p for s, c in zip(seq_ids, counts, strict=True) for p in range(lengths[s], lengths[s] + c)]])
+            rows = torch.tensor(list(itertools.accumulate(counts))) - 1  # each sequence's last row
+            with (mock.patch.object(type(model), "forward", side_effect=AssertionError("the forward ran, not the flat step")),
+                  mock.patch.object(PagedBatch, "write_rows_unchecked", counted_write), mock.patch.object(NativeLayer, "__call__", counted_native)):
+                got = step.logits(ids, positions, [p.batch(seq_ids, counts) for p in pools], rows)  # (1, N, vocab)
+            want = model(ids, positions=positions, cache=[p.batch(seq_ids, counts) for p in plain], logits_to_keep=rows, check=False)
+            assert got.shape == want.shape == (1, len(seq_ids), model.vocab_size) and torch.equal(got, want)
+            one_each = set(counts) == {1} and decode_kernel.available()
+            assert len(by_op) == (len(pools) if one_each else 0)
+            if one_each and i > 0 and case != "qwen3 qk-norm":  # the layers' own ops, from the step after the first
+                assert len(native) == len(pools) and all(out is not None for out in native)
+            else:
+                assert not native
+            for s, c in zip(seq_ids, counts, strict=True):
+                lengths[s] += c
         for a, b in zip(pools, plain, strict=True):
             assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and [a.length(s) for s in range(3)] == [b.length(s) for s in range(3)]

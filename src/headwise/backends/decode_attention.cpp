@@ -674,18 +674,28 @@ inline void store_row(const float* x, int64_t D, S* out) {
 template <typename S>
 using QueryOf = std::conditional_t<std::is_same_v<S, int8_t>, float, S>;
 
+// Where row b's new token goes in a cache (B, Hkv, L, D): slot `start` of the row's own cache, or, for a paged pool
+// seen as (1, Hkv, P, D) and rows that are sequences, slot `slots[b]` of the pool. Head i's row lies i * stride(1) on.
+struct Slots {
+  const int64_t* slots;  // nullptr: slot `start` of row b
+  int64_t start;
+  int64_t at(const at::Tensor& cache, int64_t b) const {
+    return slots != nullptr ? slots[b] * cache.stride(2) : b * cache.stride(0) + start * cache.stride(2);
+  }
+};
+
 // decode_step's rotation and write where its ATen ops would give these bits: q (B, H, 1, D) and k (B, Hkv, 1, D) in T,
 // turned (where `c` is given) by float32 tables c and s ((1, D) or (B, 1, 1, D), rows contiguous, `row` apart) in
 // float32 and rounded to T, then stored as the cache's S holds them: the queries (B, H, 1, D) for the kernel, the
-// keys and v written at slot `start`.
+// keys and v written at `where`.
 template <typename T, typename S, Rounding mode>
 void turn_and_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* c, const float* s, int64_t row,
-                    at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, at::Tensor& queries) {
+                    at::Tensor& k_cache, at::Tensor& v_cache, const Slots& where, at::Tensor& queries) {
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(3), Dv = v.size(3), h = D / 2;
   QueryOf<S>* qo = queries.data_ptr<QueryOf<S>>();
   S* kc = k_cache.data_ptr<S>();
   S* vc = v_cache.data_ptr<S>();
-  const auto at_slot = [&](S* cache, const at::Tensor& t, int64_t b, int64_t i) { return cache + b * t.stride(0) + i * t.stride(1) + start * t.stride(2); };
+  const auto at_slot = [&](S* cache, const at::Tensor& t, int64_t b, int64_t i) { return cache + where.at(t, b) + i * t.stride(1); };
   std::vector<float> work(std::max(D, Dv));
   for (int64_t b = 0; b < B; ++b) {
     const float* cb = c + b * row;
@@ -715,13 +725,12 @@ void turn_and_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   }
 }
 
-// k (B, Hkv, 1, D) float32, rows contiguous, stored at slot `start` of an 8-bit cache (B, Hkv, L, D + 4) (store_row).
-void store_rows8(const at::Tensor& k, at::Tensor& cache, int64_t start) {
+// k (B, Hkv, 1, D) float32, rows contiguous, stored at `where` of an 8-bit cache (B, Hkv, L, D + 4) (store_row).
+void store_rows8(const at::Tensor& k, at::Tensor& cache, const Slots& where) {
   const int64_t B = k.size(0), Hkv = k.size(1), D = k.size(3);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Hkv; ++i) {
-      store_row(k.data_ptr<float>() + b * k.stride(0) + i * k.stride(1),
-                D, cache.data_ptr<int8_t>() + b * cache.stride(0) + i * cache.stride(1) + start * cache.stride(2));
+      store_row(k.data_ptr<float>() + b * k.stride(0) + i * k.stride(1), D, cache.data_ptr<int8_t>() + where.at(cache, b) + i * cache.stride(1));
     }
   }
 }
@@ -730,7 +739,7 @@ void store_rows8(const at::Tensor& k, at::Tensor& cache, int64_t start) {
 // not hold (then the ATen ops): float32 or bfloat16 q, k, v, and caches of either or 8-bit rows, rows contiguous; where tables are given, a whole-head rotation by float32
 // tables of one row or one per row, and an addcmul_ whose rounding is known.
 std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
-                                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+                                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, const Slots& where) {
   const auto T = q.scalar_type(), S = k_cache.scalar_type();
   const auto ok = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; };
   const int64_t B = q.size(0), D = q.size(3);
@@ -757,9 +766,9 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
     using TT = decltype(t);
     using SS = decltype(s_);
     if (mode == Rounding::kOnce) {
-      turn_and_write<TT, SS, Rounding::kOnce>(q, k, v, c, s, row, k_cache, v_cache, start, queries);
+      turn_and_write<TT, SS, Rounding::kOnce>(q, k, v, c, s, row, k_cache, v_cache, where, queries);
     } else {
-      turn_and_write<TT, SS, Rounding::kTwice>(q, k, v, c, s, row, k_cache, v_cache, start, queries);
+      turn_and_write<TT, SS, Rounding::kTwice>(q, k, v, c, s, row, k_cache, v_cache, where, queries);
     }
   };
   const bool tf = T == at::kFloat, sf = S == at::kFloat;
@@ -769,6 +778,41 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
   else if (sf) run(c10::BFloat16{}, float{});
   else run(c10::BFloat16{}, c10::BFloat16{});
   return queries;
+}
+
+// turned_and_written's work in ATen ops, in the order the Python step runs them (where its loop would not give their
+// bits): q and k turned as rope.rotate turns them, k and v written at `where` as the cache holds them (`slots` (B,):
+// the pool's slots, else `where.start`) -> the queries in the cache's dtype (float32 for 8-bit rows).
+at::Tensor turned_and_written_aten(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
+                                   const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, const Slots& where,
+                                   const std::optional<at::Tensor>& slots) {
+  const auto stored = k_cache.scalar_type();
+  at::Tensor queries = q, keys = k;
+  if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
+    const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
+    const bool half = qk.scalar_type() == at::kBFloat16 || qk.scalar_type() == at::kHalf;
+    const at::Tensor work = half ? qk.to(at::kFloat) : qk;  // (B, H + Hkv, 1, D) float32
+    const int64_t h = cos->size(-1) / 2;
+    at::Tensor out = work * *cos;
+    out.slice(-1, 0, h).addcmul_(work.slice(-1, h, 2 * h), sin->slice(-1, 0, h));  // x1·cos - x2·sin
+    out.slice(-1, h, 2 * h).addcmul_(work.slice(-1, 0, h), sin->slice(-1, h, 2 * h));  // x2·cos + x1·sin
+    if (half) out = out.to(qk.scalar_type());
+    queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
+    keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
+  }
+  if (stored == at::kChar) {  // 8-bit rows: rounded as turn_and_write rounds them, the queries in float32
+    store_rows8(keys.to(at::kFloat).contiguous(), k_cache, where);
+    store_rows8(v.to(at::kFloat).contiguous(), v_cache, where);
+    return queries.to(at::kFloat);
+  }
+  if (slots.has_value()) {  // the pool (1, Hkv, P, D): row b's token at slot slots[b], as PagedBatch's index_copy_
+    k_cache.select(0, 0).index_copy_(1, *slots, keys.select(2, 0).transpose(0, 1).to(stored));  // (Hkv, B, D)
+    v_cache.select(0, 0).index_copy_(1, *slots, v.select(2, 0).transpose(0, 1).to(stored));
+  } else {
+    k_cache.slice(2, where.start, where.start + 1).copy_(keys.to(stored));
+    v_cache.slice(2, where.start, where.start + 1).copy_(v.to(stored));
+  }
+  return queries.to(stored);
 }
 
 // A decode step's attention after its projections, in one call: q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv)
@@ -782,38 +826,50 @@ std::optional<at::Tensor> turned_and_written(const at::Tensor& q, const at::Tens
 at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
                        const std::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
                        const std::optional<at::Tensor>& real, int64_t start, double scale) {
-  const auto stored = k_cache.scalar_type();
   const int64_t end = start + 1;
   std::optional<at::Tensor> seen;
   if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
-  std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, start);  // in one pass, or:
-  if (!turned.has_value()) {
-    at::Tensor queries = q, keys = k;
-    if (cos.has_value()) {  // rope.rotate: x·cos, each half adding the other half's product in place
-      const at::Tensor qk = at::cat({q, k}, 1);  // (B, H + Hkv, 1, D)
-      const bool half = qk.scalar_type() == at::kBFloat16 || qk.scalar_type() == at::kHalf;
-      const at::Tensor work = half ? qk.to(at::kFloat) : qk;  // (B, H + Hkv, 1, D) float32
-      const int64_t h = cos->size(-1) / 2;
-      at::Tensor out = work * *cos;
-      out.slice(-1, 0, h).addcmul_(work.slice(-1, h, 2 * h), sin->slice(-1, 0, h));  // x1·cos - x2·sin
-      out.slice(-1, h, 2 * h).addcmul_(work.slice(-1, 0, h), sin->slice(-1, h, 2 * h));  // x2·cos + x1·sin
-      if (half) out = out.to(qk.scalar_type());
-      queries = out.slice(1, 0, q.size(1));  // (B, H, 1, D)
-      keys = out.slice(1, q.size(1), q.size(1) + k.size(1));  // (B, Hkv, 1, D)
-    }
-    if (stored == at::kChar) {  // 8-bit rows: rounded as turn_and_write rounds them, the queries in float32
-      store_rows8(keys.to(at::kFloat).contiguous(), k_cache, start);
-      store_rows8(v.to(at::kFloat).contiguous(), v_cache, start);
-      turned = queries.to(at::kFloat);
-    } else {
-      k_cache.slice(2, start, end).copy_(keys.to(stored));
-      v_cache.slice(2, start, end).copy_(v.to(stored));
-      turned = queries.to(stored);
-    }
-  }
+  const Slots where{nullptr, start};
+  std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, where);  // in one pass, or:
+  if (!turned.has_value()) turned = turned_and_written_aten(q, k, v, cos, sin, k_cache, v_cache, where, std::nullopt);
   const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
                                  .to(q.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
+}
+
+// A paged batch's decode step after its projections, in one call, every sequence feeding one token: q (1, H, N, D),
+// k (1, Hkv, N, D) and v (1, Hkv, N, Dv) (views of the projections' output, token n of sequence n), turned by (cos,
+// sin) (1, 1, N, D) where given, written at the pools' `slots` (N,) (Hkv, P, D) and (Hkv, P, Dv) (8-bit rows as
+// decode_step writes them), then the one call over the pool (paged_decode_attention): query `rows[n]` over its block
+// table `tables[n]`, keys seen_to[n] - window .. seen_to[n] - 1 (from 0 without a window) -> (1, N, H * Dv), the
+// heads merged. The same ops as the Python step (headwise.functional's paged batch path: PagedBatch's write, the
+// queries gathered by rows in the pool's dtype and widened, the call, the context in the pool's dtype placed at the
+// rows and rounded to q's): the same bits.
+at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
+                      const std::optional<at::Tensor>& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots,
+                      const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seen_to, std::optional<int64_t> window,
+                      int64_t block_size, double scale) {
+  const int64_t H = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1);
+  const at::Tensor qn = q.select(0, 0).transpose(0, 1).unsqueeze(2);  // (N, H, 1, D): sequence n as row n
+  const at::Tensor kn = k.select(0, 0).transpose(0, 1).unsqueeze(2);  // (N, Hkv, 1, D)
+  const at::Tensor vn = v.select(0, 0).transpose(0, 1).unsqueeze(2);  // (N, Hkv, 1, Dv)
+  std::optional<at::Tensor> c, s;
+  if (cos.has_value()) {
+    c = cos->reshape({N, 1, 1, cos->size(-1)});  // (1, 1, N, D) -> (N, 1, 1, D): a table per row
+    s = sin->reshape({N, 1, 1, sin->size(-1)});
+  }
+  at::Tensor kp = k_pool.unsqueeze(0), vp = v_pool.unsqueeze(0);  // (1, Hkv, P, D): the pool as one row's cache
+  const at::Tensor at_slots = slots.contiguous();
+  const Slots where{at_slots.data_ptr<int64_t>(), 0};
+  std::optional<at::Tensor> turned = turned_and_written(qn, kn, vn, c, s, kp, vp, where);  // (N, H, 1, D) in one pass, or:
+  if (!turned.has_value()) turned = turned_and_written_aten(qn, kn, vn, c, s, kp, vp, where, at_slots);
+  const at::Tensor queries = turned->index_select(0, rows).to(at::kFloat).view({N, Hkv, H / Hkv, D});  // (N, Hkv, G, D)
+  const at::Tensor to = seen_to.contiguous();
+  const at::Tensor from = window.has_value() ? (to - *window).clamp_min(0) : at::zeros_like(to);  // (N,)
+  const at::Tensor out = paged_decode_attention(queries, k_pool, v_pool, tables.contiguous(), from, to, block_size, scale);  // (N, Hkv, G, Dv)
+  const auto taken = k_pool.scalar_type() == at::kChar ? at::kFloat : k_pool.scalar_type();  // what the pool takes
+  const at::Tensor context = out.view({N, -1}).to(taken).to(q.scalar_type());  // (N, H * Dv), in the rows' order
+  return at::empty_like(context).index_copy_(0, rows, context).unsqueeze(0);  // (1, N, H * Dv): row rows[n] from n
 }
 
 }  // namespace
@@ -827,4 +883,5 @@ TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("decode_step", &decode_step);
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_step", &paged_step);
 }

@@ -36,6 +36,11 @@ torch.library.define(
     "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, "
     "float scale) -> Tensor",
 )
+torch.library.define(
+    "headwise::paged_step",
+    "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor rows, "
+    "Tensor tables, Tensor seen_to, int? window, int block_size, float scale) -> Tensor",
+)
 torch.library.define("headwise::rotation_rounding", "() -> int")  # how decode_step's rotation rounds (``rotation_rounding``)
 torch.library.define(
     "headwise::paged_decode_attention",
@@ -91,6 +96,18 @@ def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None
     in float32), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv), the heads merged.
     The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
     return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
+
+
+def paged_step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_pool: Tensor, v_pool: Tensor,
+               slots: Tensor, rows: Tensor, tables: Tensor, seen_to: Tensor, window: int | None, block_size: int, scale: float) -> Tensor:
+    """A paged batch's decode step in one op, every sequence feeding one token (``functional.paged_kernel_call``): q
+    (1, H, N, D), k (1, Hkv, N, D) and v (1, Hkv, N, Dv), token n of sequence n, q and k turned by ``rope.rotate``'s
+    "rotate_half" tables (1, 1, N, D) where given, k and v written at the contiguous pools' ``slots`` (N,) (an 8-bit
+    pool's rows as ``step`` writes them), then ``paged``'s one call: query ``rows[n]`` over its block table
+    ``tables[n]``, the keys before ``seen_to[n]`` (the last ``window`` of them where given) -> (1, N, H * Dv), the heads
+    merged. The same ops as the paged batch's path in Python (the write, the queries in the pool's dtype widened, the
+    call, the context placed in the pool's dtype): the same bits."""
+    return torch.ops.headwise.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables, seen_to, window, block_size, scale)
 
 
 def rotation_rounding() -> str:

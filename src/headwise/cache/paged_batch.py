@@ -13,7 +13,7 @@ not built), the others as ``Attended`` runs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -63,6 +63,7 @@ class PagedBatch:
             raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
         new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
+        self.one_each = all(n == 1 for n in new_tokens)  # a decode step's: every sequence feeds one token
         self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         if like is not None and not isinstance(like, PagedBatch):
             raise TypeError(f"like must be another pool's PagedBatch of the same forward pass, or None, got {type(like).__name__}")
@@ -135,9 +136,21 @@ class PagedBatch:
         runs = [Attended(self._rows[i], *self._read(self.seq_ids[i]), None) for i, n in enumerate(self.new_tokens) if n != 1]
         if not one:
             return runs, None
+        return runs, PoolRows(*self._rows_of(one), cache.k, cache.v, cache.block_size)
+
+    def write_rows_unchecked(self, run: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """A decode step (``one_each``) whose op writes the pool itself, for a caller that checked the rest once
+        (``functional.paged_kernel_call``): the blocks taken and the new tokens counted, then ``run(slots, rows, tables,
+        seen_to)``, the slots (T,) the op writes the packed keys and values at and ``append_rows``' rows, tables and
+        seen_to. Returns what ``run`` returns. A pool without room is a ValueError, before anything is written."""
+        self._place()
+        return run(self._where_at, *self._rows_of(list(range(len(self.seq_ids)))))
+
+    def _rows_of(self, one: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """The one-token sequences ``one``'s rows, tables and seen_to (``_tables_of``), or ``like``'s where placed alike."""
         placed = self._placed_as
         self._rows_at = placed._rows_at if placed is not None and placed._rows_at is not None else self._tables_of(one)
-        return runs, PoolRows(*self._rows_at, cache.k, cache.v, cache.block_size)
+        return self._rows_at
 
     def _tables_of(self, one: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """``PoolRows``' rows, tables and seen_to of the sequences ``one`` (indices into seq_ids), after the write."""
@@ -157,19 +170,24 @@ class PagedBatch:
         return rows, tables, seen_to
 
     def _write(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, check: bool) -> None:
-        """Check (unless told not to), take the blocks, write the keys and values and the new lengths."""
+        """Check (unless told not to), take the blocks and count the new tokens (``_place``), write the keys and values."""
         cache = self.cache
         if check:
             self._check(k, v, attention_mask)
-        cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
-        self._done = True
-        self._placed_as = placed = self._placed_like()
-        self._where_at = where = placed._where_at if placed is not None else self._where()  # (T,)
+        self._place()
         if cache.rows8:  # the rows as the pool holds them
             k, v = quantize_rows(k), quantize_rows(v)  # (1, Hkv, T, D + 4) x2
         with torch.no_grad():
-            cache.k.index_copy_(1, where, k[0])  # (Hkv, N*Bs, D)
-            cache.v.index_copy_(1, where, v[0])
+            cache.k.index_copy_(1, self._where_at, k[0])  # (Hkv, N*Bs, D)
+            cache.v.index_copy_(1, self._where_at, v[0])
+
+    def _place(self) -> None:
+        """Take the blocks for the new tokens, find their slots (``_where_at``) and count them in the sequences' lengths."""
+        cache = self.cache
+        cache._make_room(self.seq_ids, self.new_tokens)  # the free blocks too: a refused call changes nothing
+        self._done = True
+        self._placed_as = placed = self._placed_like()
+        self._where_at = placed._where_at if placed is not None else self._where()  # (T,)
         for seq_id, a, n in zip(self.seq_ids, self.starts, self.new_tokens, strict=True):
             cache._lens[seq_id] = a + n
 

@@ -109,7 +109,7 @@ class Batcher:
         self._next_id = 0
         self._stepping = False  # a step is running: a cancel waits for its end (``_cancelled``)
         self._cancelled: list[int] = []
-        self._kept: tuple[tuple, dict] = ((), {})  # the decode steps' projection decisions, and what they were made under (``_flat``)
+        self._kept: tuple[tuple, FlatStep | None] = ((), None)  # the decode steps' flat step, and what it was made under (``_flat``)
 
     @property
     def _weight(self) -> Tensor:
@@ -288,17 +288,17 @@ class Batcher:
         return self._sample([f.request for f in feeds if f.emits], logits[0])
 
     def _flat(self) -> FlatStep | None:
-        """``generate``'s flat step (``flat_step``) for a decode step, made at each step from the model as it is (a block
-        or a part replaced between steps is seen), its projections' decisions kept across steps while the layers and
-        the world they were decided in (``planned_world``) are the same; None where the model offers none."""
+        """``generate``'s flat step (``flat_step``) for a decode step: kept across steps, with its projections' decisions
+        and its layers' ops, while the model's parts and the world they were decided in (``planned_world``) are the
+        same, made anew from the model as it is where they are not (a block or a part replaced between steps is used
+        from the next); None where the model offers none."""
         step = flat_step(self.model)  # (None for a model that is no CausalModel)
         if step is None:
             return None
-        made_under = (*(id(part) for parts in step.blocks for part in parts), *planned_world())
+        made_under = (*(id(part) for parts in step.blocks for part in parts), *planned_world())  # (the kept step holds its parts: no id reused)
         if made_under != self._kept[0]:
-            self._kept = (made_under, {})
-        step.kept = self._kept[1]
-        return step
+            self._kept = (made_under, step)
+        return self._kept[1]
 
     def _roll_back(self, lengths: dict[int, int], joining: list[Request], emitting: list[Request], states: list[Tensor | None]) -> None:
         """Undo what a failed step did: the running requests' keys cut back to ``lengths``, the joining ones' sequences

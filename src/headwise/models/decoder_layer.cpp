@@ -63,38 +63,48 @@ at::Tensor residual(const at::Tensor& x, at::Tensor y) {
   return y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes() ? y.add_(x) : x + y;
 }
 
-// x (B, 1, C) -> (B, 1, C). The norms' weights, biases (LayerNorm's) and eps; `layer_norm` whether they are LayerNorms
+// x (B, 1, C) -> (B, 1, C), or a paged batch's packed row (1, N, C) -> (1, N, C). The norms' weights, biases (LayerNorm's) and eps; `layer_norm` whether they are LayerNorms
 // (else RMSNorms). Projections in order q/k/v, o, the MLP's up (gate/up stacked for SwiGLU), down: kinds, weights
 // (panels or plain), scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
 // rotation's tables or None; the caches (B, Hkv, L, D) written at slot `start`, `real` (B, L) their padding marks or
-// None; `mlp` "swiglu" (SiLU(gate) * up) or GELU's approximation ("tanh" or "none") after the up projection.
+// None (headwise::decode_step); or, where `paged` gives a paged batch's (slots, rows, tables, seen_to), the caches
+// are its pools and the step headwise::paged_step's (`window`, `block_size`); `mlp` "swiglu" (SiLU(gate) * up) or
+// GELU's approximation ("tanh" or "none") after the up projection.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Maybe& norm1_bias, const at::Tensor& norm2,
                         const Maybe& norm2_bias, double eps1, double eps2, bool layer_norm, at::IntArrayRef kinds,
                         at::TensorList weights, const c10::List<Maybe>& scales, const c10::List<Maybe>& biases, at::IntArrayRef ns,
                         at::IntArrayRef qkv_sizes, int64_t head_dim, const Maybe& cos, const Maybe& sin, at::Tensor k_cache,
-                        at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp) {
+                        at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp,
+                        at::TensorList paged, std::optional<int64_t> window, int64_t block_size) {
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                           at::Tensor, const Maybe&, int64_t, double);
+  using Paged = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
+                           at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           std::optional<int64_t>, int64_t, double);
   static const auto step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::decode_step", "").typed<Step>();
+  static const auto paged_step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::paged_step", "").typed<Paged>();
   const std::string approximate(mlp);  // GELU's, where the MLP has one
   const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], weights[i], scales.get(i), biases.get(i), ns[i], approximate); };
-  const int64_t B = x.size(0);
-  const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, 1, H*D + 2*Hkv*D)
-  const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, 1, H*D), (B, 1, Hkv*D) x2
-  const at::Tensor q = parts[0].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, H, 1, D)
-  const at::Tensor k = parts[1].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, D)
-  const at::Tensor v = parts[2].view({B, 1, -1, head_dim}).transpose(1, 2);  // (B, Hkv, 1, Dv)
-  const at::Tensor context = step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale);  // (B, 1, H*Dv)
-  const at::Tensor h = residual(x, proj(context, 1));  // (B, 1, C)
-  at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, 1, 2I) for SwiGLU, else (B, 1, I)
+  const int64_t B = x.size(0), T = x.size(1);  // (T = 1, or a paged row's N tokens with B = 1)
+  const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, T, H*D + 2*Hkv*D)
+  const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, T, H*D), (B, T, Hkv*D) x2
+  const at::Tensor q = parts[0].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, H, T, D)
+  const at::Tensor k = parts[1].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, D)
+  const at::Tensor v = parts[2].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, Dv)
+  const at::Tensor context = paged.empty()
+                                 ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
+                                 : paged_step.call(q, k, v, cos, sin, k_cache, v_cache, paged[0], paged[1], paged[2], paged[3], window,
+                                                   block_size, scale);  // (B, T, H*Dv)
+  const at::Tensor h = residual(x, proj(context, 1));  // (B, T, C)
+  at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, T, 2I) for SwiGLU, else (B, T, I)
   if (mlp == "swiglu") {
     const int64_t I = up.size(-1) / 2;
-    at::Tensor gate = up.slice(-1, 0, I);  // (B, 1, I) views
+    at::Tensor gate = up.slice(-1, 0, I);  // (B, T, I) views
     up = at::silu_(gate).mul_(up.slice(-1, I, 2 * I));
   } else if (kinds[2] != 5) {  // (kind 5 applied it inside the GEMM)
     up = at::gelu_(up, mlp);
   }
-  return residual(h, proj(up, 3));  // (B, 1, C)
+  return residual(h, proj(up, 3));  // (B, T, C)
 }
 
 }  // namespace

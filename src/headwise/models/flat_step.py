@@ -29,14 +29,15 @@ on its own class (a subclass that changes ``forward`` does not inherit it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
-from ..cache import KVCache, PagedBatch
-from ..functional import KernelCall, attention_unchecked, decode_kernel_call
+from ..cache import KVCache, PagedBatch, PagedKVCache
+from ..functional import KernelCall, PagedCall, attention_unchecked, decode_kernel_call, paged_kernel_call
 from ..layer import AttentionLayer
 from ..linear import linear, project
 from ..linear.projection import planned
@@ -74,8 +75,9 @@ class FlatStep:
         self.model = model
         self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
         self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``; a longer loop may hand its own)
-        self.kernel_calls: list[tuple[KVCache, KernelCall | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its kernel call)
-        self.natives: list[tuple[KVCache, NativeLayer | None] | None] = [None] * len(self.blocks)  # per layer: (its cache, its op)
+        # per layer: (its cache, or a paged batch's pool; its kernel call) and (the same; its op)
+        self.kernel_calls: list[tuple[KVCache | PagedKVCache, KernelCall | PagedCall | None] | None] = [None] * len(self.blocks)
+        self.natives: list[tuple[KVCache | PagedKVCache, NativeLayer | None] | None] = [None] * len(self.blocks)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         return self.logits(ids, position_ids, caches, 1)[:, 0]  # (B, vocab)
@@ -91,11 +93,12 @@ class FlatStep:
             x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
             tables: dict = {}  # this step's rotary tables, once for the layers that share them
             for i, (parts, cache) in enumerate(zip(self.blocks, caches, strict=True)):
-                layer = self._native(i, parts, cache, x) if once and x.shape[1] == 1 else None
+                layer = self._native(i, parts, cache, x) if once and _one_each(cache, x) else None
                 if layer is not None:
-                    cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, 1, position_ids, x.device)
+                    t = x.shape[1]
+                    cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, t, position_ids, x.device)
                     if (y := layer(x, cache, cos, sin)) is not None:
-                        x = y  # (B, 1, C): the layer in one op
+                        x = y  # (B, 1, C), or a paged row (1, N, C): the layer in one op
                         continue
                 norm1, attn, norm2, mlp = parts
                 x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once, tables)  # (B, T, C)
@@ -103,16 +106,17 @@ class FlatStep:
             x = model.final_norm.forward(_inputs.kept(x, keep))  # (B, k or N, C)
             return linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, k or N, vocab)
 
-    def _native(self, i: int, parts: tuple, cache: KVCache, x: Tensor) -> NativeLayer | None:
-        """Layer ``i``'s step in one op (``native_layer``), decided once its kernel call on this cache is (at its first
-        one-token step, which runs in Python); None before that, or where it does not apply."""
+    def _native(self, i: int, parts: tuple, cache: KVCache | PagedBatch, x: Tensor) -> NativeLayer | None:
+        """Layer ``i``'s step in one op (``native_layer``), decided once its kernel call on this cache (or this batch's
+        pool) is (at its first one-token step, which runs in Python); None before that, or where it does not apply."""
+        key = _key(cache)
         known = self.natives[i]
-        if known is not None and known[0] is cache:
+        if known is not None and known[0] is key:
             return known[1]
         call = self.kernel_calls[i]
-        if call is None or call[0] is not cache:
+        if call is None or call[0] is not key:
             return None
-        self.natives[i] = (cache, native_layer(parts, call[1], x))
+        self.natives[i] = (key, native_layer(parts, call[1], x))
         return self.natives[i][1]
 
     def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache | PagedBatch, position_ids: Tensor | None, once: bool,
@@ -130,26 +134,38 @@ class FlatStep:
         queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        kernel = once and T == 1 and not paged  # the kernel's call takes one query a row of a KVCache
+        kernel = once and _one_each(cache, x)  # the kernel's call takes one query a row of a KVCache, or a sequence of a batch
+        key = _key(cache)
         known = self.kernel_calls[i] if kernel else None
-        if kernel and (known is None or known[0] is not cache):
-            call = decode_kernel_call(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
-                                      **attn.score_terms())
-            self.kernel_calls[i] = known = (cache, call)
+        if kernel and (known is None or known[0] is not key):
+            decide = paged_kernel_call if paged else decode_kernel_call
+            call = decide(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **attn.score_terms())
+            self.kernel_calls[i] = known = (key, call)
         if known is not None and known[1] is not None:  # the rotation, the cache's write, the kernel and the merge in one op
+            run = functools.partial(known[1], cache) if paged else known[1]
             rotary = attn.rotation()
             if rotary is not None:
                 cos, sin = _tables(tables, rotary, cache, T, position_ids, x.device)  # (T, R) or (B, 1, T, R)
-                return attn.project_out(known[1](queries, keys, values, cos, sin))  # (B, T, H*D) -> (B, T, C)
+                return attn.project_out(run(queries, keys, values, cos, sin))  # (B, T, H*D) -> (B, T, C)
             queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
-            return attn.project_out(known[1](queries, keys, values))  # (B, T, H*D) -> (B, T, C)
+            return attn.project_out(run(queries, keys, values))  # (B, T, H*D) -> (B, T, C)
         queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
         context = attention_unchecked(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend,
                                       **attn.score_terms())  # (B, H, T, D)
         return attn.project_out(context.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, C)
 
 
-def _tables(tables: dict, rotary: RotaryEmbedding, cache: KVCache, t: int, position_ids: Tensor | None,
+def _one_each(cache: KVCache | PagedBatch, x: Tensor) -> bool:
+    """Whether a step of x (B, T, C) feeds one token a row of a KVCache, or one a sequence of a paged batch."""
+    return cache.one_each if isinstance(cache, PagedBatch) else x.shape[1] == 1
+
+
+def _key(cache: KVCache | PagedBatch) -> KVCache | PagedKVCache:
+    """What a layer's decisions are kept for: its KVCache, or a paged batch's pool (a batch lives one step)."""
+    return cache.cache if isinstance(cache, PagedBatch) else cache
+
+
+def _tables(tables: dict, rotary: RotaryEmbedding, cache: KVCache | PagedBatch, t: int, position_ids: Tensor | None,
             device: torch.device) -> tuple[Tensor, Tensor]:
     """``rotary.at`` for a layer's t new tokens: at the cache's next positions, or at ``position_ids`` (B, t) where given
     -> (t, R) or (B, 1, t, R) each; kept in ``tables`` for the step's other layers with the same tables and positions."""

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends import decode_kernel  # noqa: F401  (defines headwise::decode_step, which the op calls)
-from ..cache import KVCache
-from ..functional import KernelCall
+from ..cache import KVCache, PagedBatch
+from ..functional import KernelCall, PagedCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
 from ..linear import onednn, panels  # noqa: F401  (panels defines the ops the op calls)
@@ -37,7 +37,8 @@ torch.library.define(
     "headwise::decode_layer",
     "(Tensor x, Tensor norm1, Tensor? norm1_bias, Tensor norm2, Tensor? norm2_bias, float eps1, float eps2, bool layer_norm, "
     "int[] kinds, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, "
-    "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp) -> Tensor",
+    "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp, Tensor[] paged, int? window, "
+    "int block_size) -> Tensor",
 )
 
 #: The kept calls' GEMM functions the op runs, by its code for each.
@@ -51,9 +52,10 @@ _KINDS = {
 }
 
 
-def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tensor) -> NativeLayer | None:
+def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | PagedCall | None, x: Tensor) -> NativeLayer | None:
     """A ``NativeLayer`` for a block's (norm1, attention, norm2, mlp) whose attention's steps take the decode kernel
-    (``call``) and whose parts are exactly the Llama family's or GPT-2's, for steps of x's shape (B, 1, C); else None."""
+    (``call``: over a KVCache, or a paged batch's pool) and whose parts are exactly the Llama family's or GPT-2's, for
+    steps of x's kind; else None."""
     norm1, attn, norm2, mlp = parts
     if call is None or type(norm1) is not type(norm2):
         return None
@@ -71,12 +73,14 @@ def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | None, x: Tenso
 
 
 class NativeLayer:
-    """One layer's one-token step in ``decode_layer``: (B, 1, C) -> (B, 1, C), or None where a part does not take its op
-    this step (then the caller runs the layer in Python). ``rotary``: the tables the layer's rotation reads, or None."""
+    """One layer's one-token step in ``decode_layer``: (B, 1, C) -> (B, 1, C) over a KVCache, or a paged batch's packed
+    row (1, N, C) -> (1, N, C), every sequence one token; or None where a part does not take its op this step (then the
+    caller runs the layer in Python). ``rotary``: the tables the layer's rotation reads, or None."""
 
-    def __init__(self, parts: tuple[nn.Module, ...], call: KernelCall, x: Tensor, names: tuple[tuple[nn.Module, tuple[str, ...]], ...],
-                 up: tuple[nn.Linear, ...], down: nn.Module, mlp: str, act: nn.Module | None, drops: tuple[nn.Dropout, ...]) -> None:
-        B, _, C = x.shape
+    def __init__(self, parts: tuple[nn.Module, ...], call: KernelCall | PagedCall, x: Tensor,
+                 names: tuple[tuple[nn.Module, tuple[str, ...]], ...], up: tuple[nn.Linear, ...], down: nn.Module, mlp: str,
+                 act: nn.Module | None, drops: tuple[nn.Dropout, ...]) -> None:
+        C = x.shape[-1]
         # the submodules the op was made from, by their owners' names (one replaced: the layer runs in Python)
         self.owned = [(owner, name, getattr(owner, name)) for owner, group in names for name in group]
         self.norm1, self.attn, self.norm2, _ = parts
@@ -87,21 +91,16 @@ class NativeLayer:
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if isinstance(attn, llama.LlamaAttention) else (attn.c_attn,)
         out = attn.o_proj if isinstance(attn, llama.LlamaAttention) else attn.c_proj
         width = attn.num_heads * attn.head_dim
-        # each projection group, an x of the shape it gets (what its kept call is looked up by) and its activation
-        self.groups = (
-            (qkv, x.new_empty(B, 1, C), None),
-            ((out,), x.new_empty(B, 1, width), None),
-            (up, x.new_empty(B, 1, C), act),
-            ((down,), x.new_empty(B, 1, down.in_features), None),
-        )
+        # each projection group, the width of the x it gets (its kept call is looked up by that x's shape) and its activation
+        self.groups = ((qkv, C, None), ((out,), width, None), (up, C, act), ((down,), down.in_features, None))
         kv = attn.num_kv_heads * attn.head_dim
         self.sizes = [width, kv, kv]
         self.seen: tuple | None = None  # what the op's arguments were last made for (``_made_for``)
         self.args: tuple[list, list, list, list, list] | None = None
 
-    def __call__(self, x: Tensor, cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor | None:
-        """x (B, 1, C); cos and sin the rotation's tables at this step's positions ((1, R) or (B, 1, 1, R)), None
-        without ``rotary``."""
+    def __call__(self, x: Tensor, cache: KVCache | PagedBatch, cos: Tensor | None, sin: Tensor | None) -> Tensor | None:
+        """x (B, 1, C), or (1, N, C) for a paged batch of the pool the call was made for; cos and sin the rotation's
+        tables at this step's positions ((1, R) or (B, 1, 1, R); (1, 1, N, R)), None without ``rotary``."""
         if any(owner._modules.get(name) is not module for owner, name, module in self.owned):
             return None
         if any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
@@ -114,9 +113,14 @@ class NativeLayer:
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
         sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
+        if isinstance(cache, PagedBatch):
+            pool, window = cache.cache, self.call.window
+            return cache.write_rows_unchecked(lambda slots, rows, tables, seen_to: torch.ops.headwise.decode_layer(
+                x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
+                sizes, D, cos, sin, pool.k, pool.v, None, 0, scale, mlp, [slots, rows, tables, seen_to], window, pool.block_size))  # (1, N, C)
         return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
             x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
-            sizes, D, cos, sin, k, v, real, slot, scale, mlp))  # (B, 1, C)
+            sizes, D, cos, sin, k, v, real, slot, scale, mlp, [], None, 0))  # (B, 1, C)
 
     def _made_for(self, x: Tensor) -> tuple:
         """Everything the op's arguments and the norms' answer (``_call_args``) follow from: x's kind, autograd's mode
@@ -136,12 +140,11 @@ class NativeLayer:
     def _call_args(self, x: Tensor) -> tuple[list, list, list, list, list] | None:
         """The kept calls' (kinds, weights, scales, biases, widths) for the op, or None where a norm does not take its op
         or a kept call's GEMM is not one the op runs (a layer class's own ``decode_call`` other than ``Int8Linear``'s panels)."""
-        like = self.groups[0][1]
-        if x.dtype != like.dtype or x.shape != like.shape or not self._norms_take(x):  # (the kept calls are asked for such an x)
+        if not self._norms_take(x):
             return None
         kinds, weights, scales, biases, ns = [], [], [], [], []
-        for layers, like, act in self.groups:
-            ready = kept_call(layers, like, act)
+        for layers, width, act in self.groups:
+            ready = kept_call(layers, x.new_empty(*x.shape[:-1], width), act)  # (asked for the x the group gets)
             if ready is None:
                 return None
             run, args = ready.gemm()  # (a GELU the kept call runs after its GEMM: the op runs it after the op's GEMM)
