@@ -11,7 +11,9 @@ import torch
 
 import headwise as hw
 from headwise.backends.paged import attend
+from headwise.cache import PagedBatch
 from headwise.models import Batcher, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, generate_many
+from headwise.models.native_layer import NativeLayer
 
 V = 61
 
@@ -415,8 +417,9 @@ def test_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_bit_cach
     next tokens in one call."""
     import headwise.functional as functional
 
-    calls = []
+    calls, write_rows = [], PagedBatch.write_rows_unchecked
     monkeypatch.setattr(functional, "attend_rows", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
+    monkeypatch.setattr(PagedBatch, "write_rows_unchecked", lambda batch, run: calls.append(len(batch.seq_ids)) or write_rows(batch, run))
     model = copy.deepcopy(model_named(name)).to(dtype)
     got = generate_many(model, prompts(3), NEW, block_size=4, max_step_tokens=16, cache_dtype=torch.int8)
     for out, prompt, n in zip(got, prompts(3), NEW, strict=True):
@@ -426,6 +429,62 @@ def test_requests_over_8_bit_pools_equal_each_generated_alone_over_an_8_bit_cach
     from headwise.backends import decode_kernel
 
     assert not decode_kernel.available() or (calls and max(calls) >= 3)  # the one call ran, for several requests at once
+
+
+@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_in_the_layers_c_ops_give_the_tokens_of_each_request_alone(name, dtype, monkeypatch):
+    """A float32 or bfloat16 model's decode steps where the C++ kernels are built: each layer's attention (the pool's
+    write, the one call over it, the merge) in one op (``paged_kernel_call``), from the second step the whole layer in
+    one (``decode_layer``; not for qk-norm, which has none); every request's tokens are ``generate``'s."""
+    from headwise.backends import decode_kernel
+
+    if not decode_kernel.available():
+        pytest.skip("the C++ kernels are not built here")
+    by_op, native, write_rows, call_native = [], [], PagedBatch.write_rows_unchecked, NativeLayer.__call__
+    monkeypatch.setattr(PagedBatch, "write_rows_unchecked", lambda batch, run: by_op.append(len(batch.seq_ids)) or write_rows(batch, run))
+    monkeypatch.setattr(NativeLayer, "__call__", lambda layer, *a: native.append(out := call_native(layer, *a)) or out)
+    model = copy.deepcopy(model_named(name)).to(dtype)
+    got = generate_many(model, prompts(3), NEW, block_size=4, max_step_tokens=16)
+    for out, prompt, n in zip(got, prompts(3), NEW, strict=True):
+        assert out.tolist() == alone(model, prompt, n)
+    assert by_op and max(by_op) >= 3  # several requests' steps in one op a layer
+    assert (not native) if name == "qwen3-qknorm" else (native and all(out is not None for out in native))
+
+
+def test_a_decode_step_whose_layer_op_raises_after_taking_blocks_changes_nothing(monkeypatch):
+    """A float32 model's decode step in the layers' C++ ops: the second layer's op raising after its pool took the
+    blocks and counted the tokens (the first layer's pool written) leaves every pool and request as it was; the next
+    steps give the tokens of each request alone."""
+    from headwise.backends import decode_kernel
+
+    if not decode_kernel.available():
+        pytest.skip("the C++ kernels are not built here")
+    model = gpt2().float()
+    batcher, got = Batcher(model, num_blocks=12, block_size=8), {}
+    for p, n in zip(prompts(5), NEW, strict=True):
+        batcher.submit(p, n)
+    decode_only(batcher)
+    for _ in range(2):  # the first decode step decides each layer's op, the second runs them
+        collect(batcher.step(), got)
+    calls, write_rows = [], PagedBatch.write_rows_unchecked
+
+    def failing(batch, run):
+        calls.append(batch)
+        if len(calls) == 2:
+            batch._place()
+            raise RuntimeError("a failing op")
+        return write_rows(batch, run)
+
+    monkeypatch.setattr(PagedBatch, "write_rows_unchecked", failing)
+    before, pending = pool_state(batcher), batcher.pending
+    with pytest.raises(RuntimeError, match="a failing op"):
+        batcher.step()
+    assert len(calls) == 2 and pool_state(batcher) == before and batcher.pending == pending
+    monkeypatch.setattr(PagedBatch, "write_rows_unchecked", write_rows)
+    collect(batcher.stream(), got)
+    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
+    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
 
 
 def decode_only(batcher: Batcher) -> None:
