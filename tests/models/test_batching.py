@@ -452,6 +452,31 @@ def test_decode_steps_in_the_layers_c_ops_give_the_tokens_of_each_request_alone(
     assert (not native) if name == "qwen3-qknorm" else (native and all(out is not None for out in native))
 
 
+def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monkeypatch):
+    """The flat step and its layers' ops are kept across steps: a layer's ``backend`` set between steps takes that layer
+    off its op from the next step (its one call is "auto"'s), and back when set back; the tokens stay each request's alone."""
+    from headwise.backends import decode_kernel
+
+    if not decode_kernel.available():
+        pytest.skip("the C++ kernels are not built here")
+    model = gpt2().float()
+    batcher, got = Batcher(model, num_blocks=12, block_size=8), {}
+    for p, n in zip(prompts(5), NEW, strict=True):
+        batcher.submit(p, n)
+    decode_only(batcher)
+    by_op, write_rows = [], PagedBatch.write_rows_unchecked
+    monkeypatch.setattr(PagedBatch, "write_rows_unchecked", lambda batch, run: by_op.append(batch.cache) or write_rows(batch, run))
+    attn = model.transformer.h[0].attn
+    for backend, ops in (("auto", 2), ("auto", 2), ("math", 1), ("math", 1), ("auto", 2)):
+        attn.backend = backend
+        by_op.clear()
+        collect(batcher.step(), got)
+        assert len(by_op) == ops and (ops == 2 or batcher.caches[0] not in by_op)
+    collect(batcher.stream(), got)
+    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
+    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+
+
 def test_a_decode_step_whose_layer_op_raises_after_taking_blocks_changes_nothing(monkeypatch):
     """A float32 model's decode step in the layers' C++ ops: the second layer's op raising after its pool took the
     blocks and counted the tokens (the first layer's pool written) leaves every pool and request as it was; the next

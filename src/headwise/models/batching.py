@@ -289,13 +289,14 @@ class Batcher:
 
     def _flat(self) -> FlatStep | None:
         """``generate``'s flat step (``flat_step``) for a decode step: kept across steps, with its projections' decisions
-        and its layers' ops, while the model's parts and the world they were decided in (``planned_world``) are the
-        same, made anew from the model as it is where they are not (a block or a part replaced between steps is used
-        from the next); None where the model offers none."""
+        and its layers' ops, while the model's parts, their attention's terms (``FlatStep.terms``) and the world they
+        were decided in (``planned_world``) are the same, made anew from the model as it is where they are not (a block
+        or a part replaced, or a layer's backend set, between steps is used from the next); None where the model offers
+        none."""
         step = flat_step(self.model)  # (None for a model that is no CausalModel)
         if step is None:
             return None
-        made_under = (*(id(part) for parts in step.blocks for part in parts), *planned_world())  # (the kept step holds its parts: no id reused)
+        made_under = (*(id(part) for parts in step.blocks for part in parts), *step.terms(), *planned_world())  # (the kept step holds its parts: no id reused)
         if made_under != self._kept[0]:
             self._kept = (made_under, step)
         return self._kept[1]

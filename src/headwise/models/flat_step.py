@@ -18,10 +18,12 @@ again (``functional.decode_kernel_call``). From a layer's second one-token step 
 or GPT-2 layer takes its op, the whole layer runs in one C++ op (``native_layer``): the same ops, called from C++.
 
 The ``Batcher``'s decode steps (every running request's next token, packed in one row) run the same written-out
-step over each layer's ``PagedKVCache.batch(...)`` (``FlatStep.logits``, the logits of the rows it keeps): the layers'
-attention ``attention_unchecked``'s, its one call over the pool as the forward makes it; the decisions of the
-projections kept across the batcher's steps (``projection.planned_world``), the step made anew at each (a part
-replaced between steps is used from the next).
+step over each layer's ``PagedKVCache.batch(...)`` (``FlatStep.logits``, the logits of the rows it keeps): each layer's
+attention, where its plan is the C++ kernel's one call over the pool, runs the rotation, the pool's write at the
+batch's slots, that call and the heads' merge in one op (``functional.paged_kernel_call``, decided once a pool), and
+from the layer's second such step the whole layer in ``native_layer``'s op over the packed row; the step is kept across
+the batcher's steps while the model's parts, their attention's terms (``terms``) and the world the projections were
+decided in (``projection.planned_world``) hold, made anew where they do not.
 
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
@@ -78,6 +80,12 @@ class FlatStep:
         # per layer: (its cache, or a paged batch's pool; its kernel call) and (the same; its op)
         self.kernel_calls: list[tuple[KVCache | PagedKVCache, KernelCall | PagedCall | None] | None] = [None] * len(self.blocks)
         self.natives: list[tuple[KVCache | PagedKVCache, NativeLayer | None] | None] = [None] * len(self.blocks)
+
+    def terms(self) -> tuple:
+        """What each layer's attention decisions read of its module: its backend, causal, window, dropout and score
+        terms (tensors by identity). A caller that keeps the step across calls makes it anew where these changed."""
+        return tuple((a.backend, a.causal, a.window, a.attn_dropout_p, getattr(a, "softcap", None), id(getattr(a, "sinks", None)),
+                      id(getattr(a, "alibi_slopes", None))) for _, a, _, _ in self.blocks)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         return self.logits(ids, position_ids, caches, 1)[:, 0]  # (B, vocab)
