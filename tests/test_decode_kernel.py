@@ -222,6 +222,56 @@ def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtyp
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
 
 
+@pytest.mark.parametrize("dtype,stored", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                          (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize("tables", ["none", "per row", "per row, strided"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_paged_step_op_is_the_rotation_the_pools_write_and_the_one_call_bit_for_bit(dtype, stored, tables, window):
+    """``decode_kernel.paged_step`` against the Python ops it stands for (a paged batch's path in ``functional``):
+    ``rope.rotate`` of q and k, the pool's write at the slots (8-bit rows by ``quantize_rows``), the queries gathered by
+    rows in the pool's dtype and widened, ``paged``'s one call, the context in the pool's dtype placed at the rows, the
+    heads merged. Strided tables take the op's ATen ops rather than its loop."""
+    from headwise.cache.static import quantize_rows
+    from headwise.rope import RotaryEmbedding, rotate
+
+    if not decode_kernel.available():
+        pytest.skip("the C++ kernels are not built here")
+    g = torch.Generator().manual_seed(4)
+    N, H, Hkv, D, bs, blocks = 3, 6, 2, 64, 4, 12
+    qkv = torch.randn(1, N, (H + 2 * Hkv) * D, generator=g).to(dtype)  # one projection's output: sequence n's token at row n
+    q, k, v = (t.view(1, N, -1, D).transpose(1, 2) for t in qkv.split((H * D, Hkv * D, Hkv * D), -1))  # (1, H|Hkv, N, D) views
+    width = D + 4 if stored == torch.int8 else D
+    k_pool = torch.randn(Hkv, blocks * bs, width, generator=g)
+    v_pool = torch.randn(Hkv, blocks * bs, width, generator=g)
+    k_pool, v_pool = (quantize_rows(t[..., :D]) if stored == torch.int8 else t.to(stored) for t in (k_pool, v_pool))
+    tables_of = torch.tensor([[5, 2, 9], [0, 7, 0], [11, 3, 8]])  # (N, nb): each sequence's blocks, padded with block 0
+    seen_to = torch.tensor([10, 5, 12])  # the keys each sequence holds with its new token (its last: slot seen_to - 1)
+    slots = torch.stack([tables_of[n, (s - 1) // bs] * bs + (s - 1) % bs for n, s in enumerate(seen_to.tolist())])  # (N,)
+    rows = torch.tensor([1, 0, 2])  # fewest keys first, as a paged batch gives them
+    cos = sin = None
+    if tables != "none":
+        cos, sin = RotaryEmbedding(D, theta=500.0).at(torch.tensor([[9, 4, 11]]), N, torch.device("cpu"))  # (1, 1, N, D)
+        if tables.endswith("strided"):
+            cos, sin = (torch.stack((t, t), -1).flatten(-2)[..., ::2] for t in (cos, sin))  # the same values, every other float
+    k_want, v_want = k_pool.clone(), v_pool.clone()
+    qr, kr = (q, k) if cos is None else rotate(torch.cat((q, k), 1), cos, sin).split((H, Hkv), 1)
+    taken = torch.float32 if stored == torch.int8 else stored
+    as_stored = quantize_rows if stored == torch.int8 else (lambda t: t)
+    k_want.index_copy_(1, slots, as_stored(kr.to(taken))[0])
+    v_want.index_copy_(1, slots, as_stored(v.to(taken))[0])
+    one = qr[0].index_select(1, rows).to(taken).float().view(Hkv, H // Hkv, N, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
+    seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)
+    out = decode_kernel.paged(one, k_want, v_want, tables_of[rows], seen_from[rows], seen_to[rows], bs, D**-0.5)  # (N, Hkv, G, D)
+    context = torch.empty(1, H, N, D, dtype=taken)
+    context[0, :, rows] = out.flatten(1, 2).transpose(0, 1).to(taken)
+    want = context.to(dtype).transpose(1, 2).reshape(1, N, -1)  # (1, N, H*D)
+    with torch.inference_mode():
+        got = decode_kernel.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables_of[rows], seen_to[rows], window, bs, D**-0.5)
+    assert got.shape == (1, N, H * D) and got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
+
+
 def test_the_step_rounds_its_rotation_as_addcmul_does_on_this_machine():
     """The step's own rotation loop rounds ``x·cos + partner·sin`` once or twice as torch's ``addcmul_`` does for this
     CPU capability (its AVX2 and AVX-512 kernels fuse the multiply-add, its plain one does not): what ``addcmul_`` gives
@@ -251,7 +301,8 @@ def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_
         f"assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}, torch.backends.cpu.get_cpu_capability(); "
         "assert decode_kernel.available(); "
         f"assert decode_kernel.rotation_rounding() == {rounding!r}, decode_kernel.rotation_rounding(); "
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', __file__ + '::test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit']))"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', __file__ + '::test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit', "
+        "__file__ + '::test_the_paged_step_op_is_the_rotation_the_pools_write_and_the_one_call_bit_for_bit']))"
     ).replace("__file__", repr(__file__))
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
