@@ -452,9 +452,8 @@ def test_decode_steps_in_the_layers_c_ops_give_the_tokens_of_each_request_alone(
     assert (not native) if name == "qwen3-qknorm" else (native and all(out is not None for out in native))
 
 
-def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monkeypatch):
-    """The flat step and its layers' ops are kept across steps: a layer's ``backend`` set between steps takes that layer
-    off its op from the next step (its one call is "auto"'s), and back when set back; the tokens stay each request's alone."""
+def float32_decoding() -> tuple[GPT2LMHeadModel, Batcher, dict[int, list[int]]]:
+    """A float32 GPT-2's Batcher whose requests all decode (the layers' C++ ops apply), and the tokens it gave so far."""
     from headwise.backends import decode_kernel
 
     if not decode_kernel.available():
@@ -464,6 +463,19 @@ def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monke
     for p, n in zip(prompts(5), NEW, strict=True):
         batcher.submit(p, n)
     decode_only(batcher)
+    return model, batcher, got
+
+
+def assert_the_rest_alone(model, got: dict[int, list[int]]) -> None:
+    """The tokens ``got`` (from some step on) are the last ones each request of ``prompts(5)`` gets alone."""
+    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
+    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+
+
+def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monkeypatch):
+    """The flat step and its layers' ops are kept across steps: a layer's ``backend`` set between steps takes that layer
+    off its op from the next step (its one call is "auto"'s), and back when set back; the tokens stay each request's alone."""
+    model, batcher, got = float32_decoding()
     by_op, write_rows = [], PagedBatch.write_rows_unchecked
     monkeypatch.setattr(PagedBatch, "write_rows_unchecked", lambda batch, run: by_op.append(batch.cache) or write_rows(batch, run))
     attn = model.transformer.h[0].attn
@@ -473,23 +485,14 @@ def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monke
         collect(batcher.step(), got)
         assert len(by_op) == ops and (ops == 2 or batcher.caches[0] not in by_op)
     collect(batcher.stream(), got)
-    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
-    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+    assert_the_rest_alone(model, got)
 
 
 def test_a_decode_step_whose_layer_op_raises_after_taking_blocks_changes_nothing(monkeypatch):
     """A float32 model's decode step in the layers' C++ ops: the second layer's op raising after its pool took the
     blocks and counted the tokens (the first layer's pool written) leaves every pool and request as it was; the next
     steps give the tokens of each request alone."""
-    from headwise.backends import decode_kernel
-
-    if not decode_kernel.available():
-        pytest.skip("the C++ kernels are not built here")
-    model = gpt2().float()
-    batcher, got = Batcher(model, num_blocks=12, block_size=8), {}
-    for p, n in zip(prompts(5), NEW, strict=True):
-        batcher.submit(p, n)
-    decode_only(batcher)
+    model, batcher, got = float32_decoding()
     for _ in range(2):  # the first decode step decides each layer's op, the second runs them
         collect(batcher.step(), got)
     calls, write_rows = [], PagedBatch.write_rows_unchecked
@@ -508,8 +511,7 @@ def test_a_decode_step_whose_layer_op_raises_after_taking_blocks_changes_nothing
     assert len(calls) == 2 and pool_state(batcher) == before and batcher.pending == pending
     monkeypatch.setattr(PagedBatch, "write_rows_unchecked", write_rows)
     collect(batcher.stream(), got)
-    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
-    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+    assert_the_rest_alone(model, got)
 
 
 def decode_only(batcher: Batcher) -> None:
@@ -549,8 +551,7 @@ def test_a_flat_decode_step_that_raises_at_a_layer_changes_nothing():
     del mlp.forward
     assert not batcher._waiting  # (what decode_only gave: the remaining steps are decode steps, flat again)
     collect(batcher.stream(), got)
-    want = [alone(model, p, n) for p, n in zip(prompts(5), NEW, strict=True)]
-    assert [got.get(i, []) for i in range(len(NEW))] == [w[len(w) - len(got.get(i, [])):] for i, w in enumerate(want)]
+    assert_the_rest_alone(model, got)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
