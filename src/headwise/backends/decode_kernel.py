@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from ..cache.static import SCALE_BYTES
 from .spec import Spec
 
 #: The dtypes the kernel reads and writes (queries, keys and values; sums in float32).
@@ -50,13 +51,13 @@ torch.library.define(
 
 @torch.library.register_fake("headwise::decode_attention")
 def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3] - (4 if v.dtype == torch.int8 else 0))  # (B, H, 1, Dv)
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3] - (SCALE_BYTES if v.dtype == torch.int8 else 0))  # (B, H, 1, Dv)
 
 
 @torch.library.register_fake("headwise::paged_decode_attention")
 def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
                  scale: float) -> Tensor:
-    return q.new_empty(*q.shape[:3], v_pool.shape[-1] - (4 if v_pool.dtype == torch.int8 else 0))  # (N, Hkv, G, Dv)
+    return q.new_empty(*q.shape[:3], v_pool.shape[-1] - (SCALE_BYTES if v_pool.dtype == torch.int8 else 0))  # (N, Hkv, G, Dv)
 
 
 @torch.compiler.assume_constant_result
