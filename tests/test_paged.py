@@ -373,3 +373,9 @@ def test_a_batch_like_another_pools_takes_its_placement_only_where_the_blocks_ag
         assert pools[name].blocks(2) == alone[name].blocks(2)
     with pytest.raises(TypeError, match=r"like must be another pool's PagedBatch of the same forward pass, or None, got PagedKVCache"):
         pools["A"].batch([0], [1], like=pools["B"])
+    first = pools["A"].batch([0], [1])
+    pools["B"].free(0)
+    with pytest.raises(ValueError, match=r"seq_id 0 is not in the cache"):  # like's lists, but a sequence this pool lacks
+        pools["B"].batch([0], [1], like=first)
+    with pytest.raises(ValueError, match=r"new_tokens \(each count\) must be a positive int, got 0"):  # other lists: checked
+        pools["C"].batch([0], [0], like=first)

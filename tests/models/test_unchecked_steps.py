@@ -91,6 +91,23 @@ def test_generate_checks_every_step_when_it_cannot_trust_them():
     assert not trusts(model)
 
 
+def test_trusts_looks_at_every_submodule():
+    """A hook or training mode anywhere in the tree, the deepest and a shared module's second place included."""
+    model = gpt2()
+    for m in model.modules():
+        handle = m.register_forward_pre_hook(lambda module, args: None)
+        assert not trusts(model), type(m).__name__
+        handle.remove()
+        m.training = True
+        assert not trusts(model), type(m).__name__
+        m.training = False
+    assert trusts(model)
+    shared = model.transformer.h[0].mlp
+    model.transformer.h[1].extra = shared  # one module in two places: still looked at, once
+    shared.c_fc.register_forward_hook(lambda module, args, out: None)
+    assert not trusts(model)
+
+
 def test_a_hooked_attention_layer_sees_every_step():
     model = gpt2()
     calls = []

@@ -262,9 +262,11 @@ class PagedKVCache(Owned, Rows):
         """A ValueError unless the pool has the blocks that writing ``counts[i]`` new tokens of each ``seq_ids[i]`` takes
         (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``)."""
         growth = [self._growth(s, n) for s, n in zip(seq_ids, counts, strict=True)]
-        writers = collections.Counter(self._tables[s][-1] for s, (_, copy) in zip(seq_ids, growth, strict=True) if copy)
-        # a shared block's writers copy it while another holds it: the last of all its holders writes in place
-        needed = sum(grow for grow, _ in growth) + sum(min(n, self._refs[block] - 1) for block, n in writers.items())
+        needed = sum(grow for grow, _ in growth)
+        if any(copy for _, copy in growth):  # (forked sequences only)
+            writers = collections.Counter(self._tables[s][-1] for s, (_, copy) in zip(seq_ids, growth, strict=True) if copy)
+            # a shared block's writers copy it while another holds it: the last of all its holders writes in place
+            needed += sum(min(n, self._refs[block] - 1) for block, n in writers.items())
         if needed > self.free_blocks:
             raise ValueError(
                 f"the PagedKVCache pool is exhausted: writing {sum(counts)} tokens needs {needed} free blocks, "

@@ -43,6 +43,19 @@ class PoolRows(NamedTuple):
     block_size: int
 
 
+def _same_lists(like: PagedBatch, seq_ids: object, new_tokens: object) -> bool:
+    """Whether ``seq_ids`` and ``new_tokens`` are lists equal to ``like``'s (which its own batch checked)."""
+    return type(seq_ids) is list and type(new_tokens) is list and seq_ids == like.seq_ids and new_tokens == like.new_tokens
+
+
+def _lengths(cache: PagedKVCache, seq_ids: list[int]) -> list[int] | None:
+    """Each sequence's length in ``cache``, or None where one is not open there (its error is the full check's)."""
+    try:
+        return [cache._lens[s] for s in seq_ids]
+    except KeyError:
+        return None
+
+
 class PagedBatch:
     """The cache protocol for ``attention`` over the next tokens of some sequences of a ``PagedKVCache``:
     made by ``paged.batch(seq_ids, new_tokens)`` for one forward pass of one layer."""
@@ -52,28 +65,35 @@ class PagedBatch:
 
     def __init__(self, cache: PagedKVCache, seq_ids: Sequence[int], new_tokens: Sequence[int], *, compile: bool = False,
                  like: PagedBatch | None = None) -> None:
-        for name, value in (("seq_ids", seq_ids), ("new_tokens", new_tokens)):
-            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-                raise TypeError(f"{name} must be a list of ints (one a sequence), got {type(value).__name__}")
-        seq_ids, new_tokens = list(seq_ids), list(new_tokens)
-        self.starts = [cache.length(s) for s in seq_ids]  # each sequence's length before this step
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
-        if len(new_tokens) != len(seq_ids) or not seq_ids:
-            raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
-        new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
-        self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
-        self.one_each = all(n == 1 for n in new_tokens)  # a decode step's: every sequence feeds one token
-        self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         if like is not None and not isinstance(like, PagedBatch):
             raise TypeError(f"like must be another pool's PagedBatch of the same forward pass, or None, got {type(like).__name__}")
+        starts = _lengths(cache, like.seq_ids) if like is not None and _same_lists(like, seq_ids, new_tokens) else None
+        if starts is not None:  # the lists checked for ``like`` already, each sequence open here
+            seq_ids, new_tokens, self.starts = like.seq_ids, like.new_tokens, starts
+        else:
+            for name, value in (("seq_ids", seq_ids), ("new_tokens", new_tokens)):
+                if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                    raise TypeError(f"{name} must be a list of ints (one a sequence), got {type(value).__name__}")
+            seq_ids, new_tokens = list(seq_ids), list(new_tokens)
+            self.starts = [cache.length(s) for s in seq_ids]  # each sequence's length before this step
+            if len(set(seq_ids)) != len(seq_ids):
+                raise ValueError(f"seq_ids must not repeat (one run of new tokens per sequence), got {seq_ids}")
+            if len(new_tokens) != len(seq_ids) or not seq_ids:
+                raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
+            new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
+        self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
+        self.one_each = like.one_each if starts is not None else all(n == 1 for n in new_tokens)  # a decode step's: one token each
+        self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         self.like = like
         self._where_at: Tensor | None = None  # (T,) the slots written (``_write``)
         self._rows_at: tuple[Tensor, Tensor, Tensor] | None = None  # the one-token rows' rows, tables, seen_to (``append_rows``)
         self._placed_as: PagedBatch | None = None  # ``like``, where its slots and tables are this batch's (``_write``)
         self._positions: Tensor | None = None  # (1, T) ``start``'s
-        bounds = [0, *itertools.accumulate(new_tokens)]
-        self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
+        if starts is not None:
+            self._rows = like._rows  # each sequence's queries in the row of T
+        else:
+            bounds = [0, *itertools.accumulate(new_tokens)]
+            self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]
         self._done = False
 
     @property
@@ -201,6 +221,8 @@ class PagedBatch:
         if (like.seq_ids, like.new_tokens, like.starts) != (self.seq_ids, self.new_tokens, self.starts):
             return None
         theirs = like.cache
+        if cache._tables == theirs._tables and cache._gone == theirs._gone:  # pools driven alike (one comparison, not one a sequence)
+            return like
         if any(cache._gone[s] != theirs._gone[s] or cache._tables[s] != theirs._tables[s] for s in self.seq_ids):
             return None
         return like

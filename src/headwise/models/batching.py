@@ -46,7 +46,7 @@ from ..cache import PagedKVCache
 from ..linear import weight_cache
 from ..linear.projection import planned_world
 from ._inputs import SEED_HIGH, check_choice, check_request
-from .flat_step import FlatStep, flat_step
+from .flat_step import FlatStep, flat_parts, terms
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
@@ -289,16 +289,16 @@ class Batcher:
 
     def _flat(self) -> FlatStep | None:
         """``generate``'s flat step (``flat_step``) for a decode step: kept across steps, with its projections' decisions
-        and its layers' ops, while the model's parts, their attention's terms (``FlatStep.terms``) and the world they
+        and its layers' ops, while the model's parts, their attention's terms (``flat_step.terms``) and the world they
         were decided in (``planned_world``) are the same, made anew from the model as it is where they are not (a block
         or a part replaced, or a layer's backend set, between steps is used from the next); None where the model offers
         none."""
-        step = flat_step(self.model)  # (None for a model that is no CausalModel)
-        if step is None:
+        blocks = flat_parts(self.model)  # (None for a model that is no CausalModel)
+        if blocks is None:
             return None
-        made_under = (*(id(part) for parts in step.blocks for part in parts), *step.terms(), *planned_world())  # (the kept step holds its parts: no id reused)
+        made_under = (*(id(part) for parts in blocks for part in parts), *terms(blocks), *planned_world())  # (the kept step holds its parts: no id reused)
         if made_under != self._kept[0]:
-            self._kept = (made_under, step)
+            self._kept = (made_under, FlatStep(self.model, blocks))
         return self._kept[1]
 
     def _roll_back(self, lengths: dict[int, int], joining: list[Request], emitting: list[Request], states: list[Tensor | None]) -> None:

@@ -52,18 +52,35 @@ from .native_layer import NativeLayer, native_layer
 
 def flat_step(model: CausalModel) -> FlatStep | None:
     """A ``FlatStep`` for a ``CausalModel`` whose every block names its pre-norm parts, else None."""
+    blocks = flat_parts(model)
+    return None if blocks is None else FlatStep(model, blocks)
+
+
+def flat_parts(model: CausalModel) -> list[tuple] | None:
+    """Each block's (norm1, attn, norm2, mlp) for a ``CausalModel`` whose every block names its pre-norm parts and
+    whose attention a ``FlatStep`` runs, else None."""
     if not isinstance(model, CausalModel) or type(model).forward is not CausalModel.forward:
         return None
+    blocks = []
     for block in model.blocks:
         names = vars(type(block)).get("flat_parts")
         if names is None:
             return None
-        attn = getattr(block, names[1])
+        parts = tuple(getattr(block, name) for name in names)
+        attn = parts[1]
         if not isinstance(attn, AttentionLayer) or type(attn).forward is not AttentionLayer.forward:
             return None
         if attn.attn_dropout_p != 0.0 or getattr(attn, "kv_dim", attn.d_in) != attn.d_in:
             return None
-    return FlatStep(model)
+        blocks.append(parts)
+    return blocks
+
+
+def terms(blocks: Sequence[tuple]) -> tuple:
+    """What each layer's attention decisions read of its module: its backend, causal, window, dropout and score terms
+    (tensors by identity). A caller that keeps a step across calls makes it anew where these changed."""
+    return tuple((a.backend, a.causal, a.window, a.attn_dropout_p, getattr(a, "softcap", None), id(getattr(a, "sinks", None)),
+                  id(getattr(a, "alibi_slopes", None))) for _, a, _, _ in blocks)
 
 
 class FlatStep:
@@ -73,19 +90,13 @@ class FlatStep:
     takes any ``logits_to_keep``, and each layer's ``PagedKVCache.batch(...)`` too (the ``Batcher``'s decode steps).
     """
 
-    def __init__(self, model: CausalModel) -> None:
+    def __init__(self, model: CausalModel, blocks: list[tuple]) -> None:
         self.model = model
-        self.blocks = [tuple(getattr(block, name) for name in type(block).flat_parts) for block in model.blocks]  # (norm1, attn, norm2, mlp)
+        self.blocks = blocks  # (norm1, attn, norm2, mlp) a block (``flat_parts``)
         self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``; a longer loop may hand its own)
         # per layer: (its cache, or a paged batch's pool; its kernel call) and (the same; its op)
         self.kernel_calls: list[tuple[KVCache | PagedKVCache, KernelCall | PagedCall | None] | None] = [None] * len(self.blocks)
         self.natives: list[tuple[KVCache | PagedKVCache, NativeLayer | None] | None] = [None] * len(self.blocks)
-
-    def terms(self) -> tuple:
-        """What each layer's attention decisions read of its module: its backend, causal, window, dropout and score
-        terms (tensors by identity). A caller that keeps the step across calls makes it anew where these changed."""
-        return tuple((a.backend, a.causal, a.window, a.attn_dropout_p, getattr(a, "softcap", None), id(getattr(a, "sinks", None)),
-                      id(getattr(a, "alibi_slopes", None))) for _, a, _, _ in self.blocks)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         return self.logits(ids, position_ids, caches, 1)[:, 0]  # (B, vocab)

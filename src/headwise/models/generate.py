@@ -221,7 +221,16 @@ def trusts(model: object) -> bool:
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
-    return not any(m.training or m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    seen, todo = {id(model)}, [model]  # every submodule once, as ``model.modules()`` gives them (a walk of half its cost:
+    while todo:  # the ``Batcher`` asks this every step)
+        m = todo.pop()
+        if m.training or m._forward_hooks or m._forward_pre_hooks:
+            return False
+        for child in m._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
+    return True
 
 
 def prompt_padding(is_token: Tensor | None) -> Tensor | None:
