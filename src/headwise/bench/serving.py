@@ -26,7 +26,10 @@ Beside them, the floor under any strategy: the mix's projections and LM head alo
 token the blocks take (each prompt token, each new token but the last a request makes) through every block's
 projections and every new token through the LM head, at the rate the model's own projection calls reach on
 calls of 2048 rows (their most efficient here). One at a time over that floor is the most any way of batching the
-mix could gain on this machine; paged over it, how far the batcher is from it.
+mix could gain on this machine; paged over it, how far the batcher is from it. And the caches' reads
+(``read_floor``): the keys and values every decode token's attention reads (the same bytes in any strategy) at the rate a
+``sum`` over 512 MiB reads: the projections and the reads in turn bound what batching can gain where the arithmetic and
+the memory traffic do not overlap (each decode step runs its projections, then its attention over the caches).
 
 ``paged`` runs with the ``Batcher``'s default ``max_step_tokens`` (2048: a prompt joins whole),
 again with ``chunk`` (256): a long prompt fed in chunks over several steps, and ``compiled``: the
@@ -56,6 +59,7 @@ from ..models.batching import Batcher
 from ..models.gpt2 import GPT2LMHeadModel
 from ..quantize import ACTIVATIONS, Int8Linear, int8_weights
 from .cases import DTYPES
+from .host import ReadProbe
 from .models import matrix_elements
 from .timing import interleaved
 
@@ -94,6 +98,19 @@ class GemmFloor:
 
 
 @dataclass(frozen=True)
+class ReadFloor:
+    """The caches' reads alone (``cache_reads``): ``bytes`` every decode token's attention reads from the keys and values,
+    ``seconds`` at the ``gbps`` a ``sum`` over 512 MiB reads here."""
+
+    bytes: int
+    gbps: float
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / self.gbps / 1e9
+
+
+@dataclass(frozen=True)
 class ServingReport:
     """One interleaved run of the three strategies over one mix, and the decode-step timings.
 
@@ -118,6 +135,7 @@ class ServingReport:
     same_tokens: int  # requests whose paged tokens equal their one-at-a-time tokens
     compiled_same_tokens: int  # requests whose Batcher(compile=True) tokens equal their one-at-a-time tokens
     gemm_floor: GemmFloor
+    read_floor: ReadFloor
     decode_context: int
     decode_static_ms: float
     decode_paged_view_ms: float
@@ -214,6 +232,28 @@ def gemm_floor(model: GPT2LMHeadModel, block_tokens: int, head_tokens: int, *, r
     return GemmFloor(seconds, (block_tokens * block_flops + head_tokens * head_flops) / seconds / 1e9, rows)
 
 
+def position_bytes(model: GPT2LMHeadModel, cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes one position's keys and values take in the model's caches of ``cache_dtype``, every layer (8-bit rows with
+    their scales)."""
+    return sum(c.k[0, :, 0].nbytes + c.v[0, :, 0].nbytes for c in model.new_caches(1, 1, cache_dtype))
+
+
+def cache_reads(prompts: Sequence[Tensor], max_new: Sequence[int], per_position: int) -> int:
+    """Bytes every decode token of the mix reads from the caches: a request of L prompt tokens feeds its new tokens
+    but the last at positions L .. L + n - 2, each attending over its position + 1 keys and values, ``per_position`` bytes
+    each; the same in any strategy (each sequence's cache is its own)."""
+    return per_position * sum((n - 1) * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_new, strict=True))
+
+
+def read_floor(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Sequence[int], cache_dtype: torch.dtype | None = None, *,
+               repeats: int = 3) -> ReadFloor:
+    """``cache_reads`` of the mix at the rate a ``sum`` over 512 MiB reads (median of ``repeats``): with ``gemm_floor``, the
+    time of a strategy that does the arithmetic and the reads in turn, at their best rates."""
+    probe = ReadProbe()
+    times = interleaved({"sum": probe}, repeats=repeats, warmup=1)["sum"]
+    return ReadFloor(cache_reads(prompts, max_new, position_bytes(model, cache_dtype)), probe.gbps(sorted(times)[len(times) // 2]))
+
+
 def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_dtype: torch.dtype | None) -> dict[str, Callable[[], None]]:
     """One decode step of one sequence at ``context`` tokens, three ways; each call advances one token."""
     g = torch.Generator().manual_seed(1)
@@ -306,6 +346,7 @@ def serving(
     ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
     prompt_tokens = sum(len(p) for p in prompts)
     floor = gemm_floor(model, prompt_tokens + sum(max_new) - requests, sum(max_new))  # (a request's last token is never fed back)
+    reads = read_floor(model, prompts, max_new, cache_dtype)
     return ServingReport(
         requests=requests, prompt_tokens=prompt_tokens, new_tokens=sum(max_new), block_size=block_size,
         paged_s=median["paged"], chunked_s=median["chunked"], compiled_s=median["compiled"], one_at_a_time_s=median["one_at_a_time"], static_s=median["static"],
@@ -313,7 +354,7 @@ def serving(
         paged_peak_slots=peak_slots, paged_peak_tokens=peak_tokens, paged_worst_ratio=max(s / t for s, t in watch),
         static_slots=requests * (max(len(p) for p in prompts) + max(max_new)),
         same_tokens=sum(a == b == c for a, b, c in zip(results["paged"], results["chunked"], results["alone"], strict=True)),
-        compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)), gemm_floor=floor,
+        compiled_same_tokens=sum(a == b for a, b in zip(results["compiled"], results["alone"], strict=True)), gemm_floor=floor, read_floor=reads,
         decode_context=decode_context, decode_static_ms=ms["static"], decode_paged_view_ms=ms["paged_view"],
         decode_paged_gather_ms=ms["paged_gather"], repeats=repeats, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
         cache_dtype=str(model.cache_dtype(cache_dtype)).removeprefix("torch."), int8=int8,
@@ -335,6 +376,11 @@ def markdown(r: ServingReport, machine: str = "") -> str:
     lines += ["", f"The projections and LM head alone (every token's, at the rate of calls of {f.rows} rows: {f.gflops:.0f} GFLOP/s): "
               f"{f.seconds:.1f} s, a floor under any strategy. One at a time over it: {r.one_at_a_time_s / f.seconds:.2f}x, the most "
               f"any batching of this mix could gain here; paged over it: {r.paged_s / f.seconds:.2f}x."]
+    g, both = r.read_floor, f.seconds + r.read_floor.seconds
+    lines += ["", f"The caches' reads alone (every decode token's keys and values, {g.bytes / 1e9:.1f} GB, at the {g.gbps:.1f} GB/s a "
+              f"`sum` reads here): {g.seconds:.1f} s, the same in any strategy. The projections and the reads in turn: {both:.1f} s; "
+              f"one at a time over it: {r.one_at_a_time_s / both:.2f}x, the most batching could gain without overlapping arithmetic "
+              f"and memory; paged over it: {r.paged_s / both:.2f}x."]
     lines += ["", "| KV memory (slots per layer) | slots | / tokens held |", "|---|---:|---:|",
               f"| paged, fullest step | {r.paged_peak_slots} | {r.paged_peak_slots / r.paged_peak_tokens:.3f} (worst step {r.paged_worst_ratio:.3f}) |",
               f"| static batch, B x max_len | {r.static_slots} | {r.static_slots / r.paged_peak_tokens:.2f} |",
