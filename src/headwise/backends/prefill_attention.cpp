@@ -5,12 +5,18 @@
 // sums in registers, a key's value broadcast against 16 queries' values at a time (no transposed keys); the softmax
 // of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
 // block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach.
+// bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
+// each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
+// the keys not widened; the softmax and the context as above.
 // Built by headwise.backends.prefill_kernel's first call.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vectors.h"
@@ -32,6 +38,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
   std::vector<float> qt, k, v, w, acc, top, total, alpha;
+  std::vector<uint32_t> pairs;  // bfloat16 queries in pairs (scores_pairs)
 };
 
 template <typename T>
@@ -77,6 +84,51 @@ inline void scores_tile(const float* qt, const float* k, float scale, float* w) 
     }
   }
 }
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define HEADWISE_PAIRS 1
+// The CPU runs AVX512-BF16's pair dot products (asked of the CPU, once).
+bool pairs_here() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// scores_tile for bfloat16 queries and keys: pairs holds the item's queries two elements of the head to a 32-bit word,
+// (D / 2, QUERY_ROWS) (offset to the first query); k the first key's row (row stride ks), rows past `last` read as row
+// `last` (their scores are never used). Each pair's two products (exact in float32) added to the float32 sums by one
+// vdpbf16ps, over SPAN elements in registers, the spans' sums added in order.
+template <int D>
+__attribute__((target("avx512f,avx512bf16"))) void scores_pairs(const uint32_t* pairs, const c10::BFloat16* k, int64_t ks, int64_t last,
+                                                              float scale, float* w) {
+  static_assert(D % SPAN == 0, "head sizes are multiples of SPAN");
+  const c10::BFloat16* rows[KEYS];
+  for (int j = 0; j < KEYS; ++j) rows[j] = k + std::min<int64_t>(j, last) * ks;
+  for (int d0 = 0; d0 < D; d0 += SPAN) {
+    __m512 s[2][KEYS];
+    for (int j = 0; j < KEYS; ++j) s[0][j] = s[1][j] = _mm512_setzero_ps();
+    for (int p = d0 / 2; p < (d0 + SPAN) / 2; ++p) {
+      const __m512bh a = (__m512bh)_mm512_loadu_si512(pairs + p * QUERY_ROWS);
+      const __m512bh b = (__m512bh)_mm512_loadu_si512(pairs + p * QUERY_ROWS + LANES);
+      for (int j = 0; j < KEYS; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, rows[j] + 2 * p, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        s[0][j] = _mm512_dpbf16_ps(s[0][j], a, x);
+        s[1][j] = _mm512_dpbf16_ps(s[1][j], b, x);
+      }
+    }
+    for (int j = 0; j < KEYS; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        float* out = w + j * QUERY_ROWS + h * LANES;
+        const __m512 sum = d0 == 0 ? s[h][j] : _mm512_add_ps(_mm512_loadu_ps(out), s[h][j]);
+        _mm512_storeu_ps(out, d0 + SPAN == D ? _mm512_mul_ps(sum, _mm512_set1_ps(scale)) : sum);
+      }
+    }
+  }
+}
+#else
+bool pairs_here() { return false; }
+#endif
 
 // The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
 // by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position). Scores become the weights
@@ -133,28 +185,48 @@ template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
           int64_t first, int64_t keys, bool causal, float scale, Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; keys: the keys it reads (0 .. keys - 1)
-  t.qt.assign(D * QUERY_ROWS, 0.f);
+  constexpr bool half = std::is_same_v<T, c10::BFloat16>;
+  const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
+  if (!pairs) {
+    t.qt.assign(D * QUERY_ROWS, 0.f);
+    t.k.assign(KEY_BLOCK * D, 0.f);
+  }
   t.acc.assign(QUERY_ROWS * D, 0.f);
   t.top.assign(QUERY_ROWS, NEG_INF);
   t.total.assign(QUERY_ROWS, 0.f);
   t.alpha.assign(QUERY_ROWS, 1.f);
-  t.k.assign(KEY_BLOCK * D, 0.f);
   t.v.resize(KEY_BLOCK * D);
   t.w.resize(KEY_BLOCK * QUERY_ROWS);
-  for (int64_t r = 0; r < rows; ++r) {  // the queries transposed once: (D, QUERY_ROWS)
-    for (int64_t d = 0; d < D; ++d) t.qt[d * QUERY_ROWS + r] = static_cast<float>(q[r * qs + d]);
+  if (pairs) {  // the queries in pairs once: (D / 2, QUERY_ROWS), element 2p in a word's low half
+    t.pairs.assign(D / 2 * QUERY_ROWS, 0u);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t p = 0; p < D / 2; ++p) std::memcpy(&t.pairs[p * QUERY_ROWS + r], q + r * qs + 2 * p, sizeof(uint32_t));
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {  // the queries transposed once: (D, QUERY_ROWS)
+      for (int64_t d = 0; d < D; ++d) t.qt[d * QUERY_ROWS + r] = static_cast<float>(q[r * qs + d]);
+    }
   }
   for (int64_t c0 = 0; c0 < keys; c0 += KEY_BLOCK) {
     const int64_t n = std::min(KEY_BLOCK, keys - c0);
-    for (int64_t j = 0; j < n; ++j) {  // the block widened, keys and values as rows
-      widen_row(k + (c0 + j) * ks, D, t.k.data() + j * D);
+    for (int64_t j = 0; j < n; ++j) {  // the block widened, keys (but for the pairs) and values as rows
+      if (!pairs) widen_row(k + (c0 + j) * ks, D, t.k.data() + j * D);
       widen_row(v + (c0 + j) * vs, D, t.v.data() + j * D);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 2 * LANES) {  // scores, 32 queries x KEYS keys a tile
       const int64_t last = first + std::min(r0 + 2 * LANES, rows) - 1;  // the tile's last real query's position
       for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         if (causal && c0 + j0 > last) break;  // these keys and the rest of the block lie past the tile's queries
-        scores_tile<D>(t.qt.data() + r0, t.k.data() + j0 * D, scale, t.w.data() + j0 * QUERY_ROWS + r0);
+        float* w = t.w.data() + j0 * QUERY_ROWS + r0;
+#ifdef HEADWISE_PAIRS
+        if constexpr (half) {
+          if (pairs) {
+            scores_pairs<D>(t.pairs.data() + r0, k + (c0 + j0) * ks, ks, n - 1 - j0, scale, w);
+            continue;
+          }
+        }
+#endif
+        scores_tile<D>(t.qt.data() + r0, t.k.data() + j0 * D, scale, w);
       }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {  // the softmax, 16 queries at a time

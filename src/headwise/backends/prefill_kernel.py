@@ -6,7 +6,10 @@ the queries at positions S - T .. S - 1 (a prompt, or its next chunk after S - T
 scores, the softmax carried block by block and the weighted sums all in float32, the context in the
 queries' dtype. Each item is one head's block of 64 queries: each block of 64 keys is widened once for
 them and every 4 queries take it with their sums in registers; a causal block reads only the keys its
-queries see.
+queries see. bfloat16 on a CPU with AVX512-BF16: the scores from the bfloat16 queries and keys as they
+are, each pair of the head's elements by one ``vdpbf16ps`` (its two products exact in float32, added to
+the float32 sums; half the instructions of widened multiply-adds), the rest as above; each output is then
+the float64 reference rounded once in all but a few ties, as with the widened scores.
 
 Taken by the plan (``plan.RULES``) on CPUs whose torch kernels run AVX-512 where MKL's GEMMs do not
 (AMD's EPYC and Ryzen: there torch's flash kernel runs its blocks' GEMMs at a fraction of the cores'
