@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -863,13 +864,39 @@ at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const Slots where{at_slots.data_ptr<int64_t>(), 0};
   std::optional<at::Tensor> turned = turned_and_written(qn, kn, vn, c, s, kp, vp, where);  // (N, H, 1, D) in one pass, or:
   if (!turned.has_value()) turned = turned_and_written_aten(qn, kn, vn, c, s, kp, vp, where, at_slots);
-  const at::Tensor queries = turned->index_select(0, rows).to(at::kFloat).view({N, Hkv, H / Hkv, D});  // (N, Hkv, G, D)
+  const at::Tensor order = rows.contiguous();
+  const int64_t* at_row = order.const_data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(at_row[n] >= 0 && at_row[n] < N, "paged_step: rows must index the batch's ", N, " tokens");
+  const at::Tensor t = turned->contiguous();  // (N, H, 1, D) in the pool's dtype (float32 for 8-bit rows)
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "paged_step: q and the pool must be float32 or bfloat16 (or 8-bit rows), got ", q.scalar_type(), " and ", k_pool.scalar_type());
+  at::Tensor queries = at::empty({N, Hkv, H / Hkv, D}, q.options().dtype(at::kFloat));  // (N, Hkv, G, D): row n is token rows[n], widened
+  const int64_t width = H * D;
+  const auto gather = [&](auto* src) {  // as index_select(0, rows) then .to(float32)
+    float* qo = queries.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t i = 0; i < width; ++i) qo[n * width + i] = static_cast<float>(src[at_row[n] * width + i]);
+    }
+  };
+  t.scalar_type() == at::kBFloat16 ? gather(t.const_data_ptr<c10::BFloat16>()) : gather(t.const_data_ptr<float>());
   const at::Tensor to = seen_to.contiguous();
   const at::Tensor from = window.has_value() ? (to - *window).clamp_min(0) : at::zeros_like(to);  // (N,)
   const at::Tensor out = paged_decode_attention(queries, k_pool, v_pool, tables.contiguous(), from, to, block_size, scale);  // (N, Hkv, G, Dv)
-  const auto taken = k_pool.scalar_type() == at::kChar ? at::kFloat : k_pool.scalar_type();  // what the pool takes
-  const at::Tensor context = out.view({N, -1}).to(taken).to(q.scalar_type());  // (N, H * Dv), in the rows' order
-  return at::empty_like(context).index_copy_(0, rows, context).unsqueeze(0);  // (1, N, H * Dv): row rows[n] from n
+  const int64_t wide = N > 0 ? out.numel() / N : 0;  // H * Dv
+  at::Tensor placed = at::empty({1, N, wide}, q.options());  // (1, N, H * Dv)
+  const float* o = out.const_data_ptr<float>();
+  const bool pool16 = k_pool.scalar_type() == at::kBFloat16;  // what the pool takes: bfloat16, else float32 (8-bit rows too)
+  const auto place = [&](auto* dst) {  // each context rounded to what the pool takes, then to q's dtype, at its row (index_copy_)
+    using Q = std::remove_pointer_t<decltype(dst)>;
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t i = 0; i < wide; ++i) {
+        const float x = o[n * wide + i];
+        dst[at_row[n] * wide + i] = static_cast<Q>(pool16 ? static_cast<float>(c10::BFloat16(x)) : x);
+      }
+    }
+  };
+  q.scalar_type() == at::kBFloat16 ? place(placed.data_ptr<c10::BFloat16>()) : place(placed.data_ptr<float>());
+  return placed;  // (1, N, H * Dv): row rows[n] from n
 }
 
 }  // namespace
