@@ -7,6 +7,7 @@ import pytest
 import torch
 from reference import reference_attention
 
+from headwise.bench.models import kv_bytes
 from headwise.bench.paged_attention import filled, one_call, padded, paged_attention, per_sequence
 from headwise.bench.serving import (
     cache_reads,
@@ -14,7 +15,6 @@ from headwise.bench.serving import (
     gemm_floor,
     markdown,
     paged_generate,
-    position_bytes,
     projections,
     request_mix,
     serving,
@@ -64,17 +64,17 @@ def test_the_report_adds_up():
     assert f.gflops * 1e9 * f.seconds == pytest.approx(tokens * block_flops + r.new_tokens * head_flops)
     assert f"a floor under any strategy. One at a time over it: {r.one_at_a_time_s / f.seconds:.2f}x" in text
     g = r.read_floor
-    assert g.gbps > 0 and g.bytes == cache_reads(prompts, new, position_bytes(GPT2LMHeadModel(TINY))) > 0
+    assert g.gbps > 0 and g.bytes == cache_reads(prompts, new, kv_bytes(GPT2LMHeadModel(TINY))) > 0
     assert f"one at a time over it: {r.one_at_a_time_s / (f.seconds + g.seconds):.2f}x, the most batching could gain" in text
 
 
 def test_the_reads_floor_counts_every_decode_tokens_keys_and_values():
     model = GPT2LMHeadModel(TINY).eval()
     C, L = TINY.n_embd, TINY.n_layer
-    assert position_bytes(model) == L * 2 * C * 4  # keys and values, every layer, float32
-    assert position_bytes(model, torch.bfloat16) == L * 2 * C * 2
+    assert kv_bytes(model) == L * 2 * C * 4  # keys and values, every layer, float32
+    assert kv_bytes(model, torch.bfloat16) == L * 2 * C * 2
     H = TINY.n_head
-    assert position_bytes(model, torch.int8) == L * 2 * H * (C // H + 4)  # 8-bit rows and their float32 scales
+    assert kv_bytes(model, torch.int8) == L * 2 * H * (C // H + 4)  # 8-bit rows and their float32 scales
     # a prompt of 5 and 3 new tokens: the 2 fed back sit at positions 5 and 6 and read 6 and 7 positions; 1 new token reads none
     prompts = [torch.zeros(5, dtype=torch.long), torch.zeros(9, dtype=torch.long)]
     assert cache_reads(prompts, [3, 1], 10) == 10 * (6 + 7)

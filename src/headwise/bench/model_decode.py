@@ -66,7 +66,7 @@ from ..quantize import Int8Linear
 from . import generation
 from .engines import ENGINES
 from .host import Load, ReadProbe, add_busy_flag, busy, command, load_average, loaded, machine
-from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwise_model, transformers_model
+from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwise_model, kv_bytes, transformers_model
 from .timing import interleaved
 
 #: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
@@ -142,9 +142,7 @@ def read_bytes(model: nn.Module, batch: int, context: int, cache_dtype: torch.dt
     if tied is not None and model.lm_head is None:
         w = model.get_submodule(tied).weight
         weights += w.numel() * w.element_size()
-    caches = model.new_caches(1, 1, cache_dtype)
-    kv = sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches) * batch * context * caches[0].k.element_size()
-    return weights + kv
+    return weights + kv_bytes(model, cache_dtype) * batch * context
 
 
 def _fill(ours: nn.Module, theirs: nn.Module | None, batch: int, past: int, room: int, gen: torch.Generator, copies: int,

@@ -162,6 +162,12 @@ def kv_elements(model: nn.Module) -> int:
     return sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches)
 
 
+def kv_bytes(model: nn.Module, cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes one token's keys and values take in the model's caches of ``cache_dtype`` over all layers (8-bit rows with
+    their scales)."""
+    return sum(c.k[0, :, 0].nbytes + c.v[0, :, 0].nbytes for c in model.new_caches(1, 1, cache_dtype))
+
+
 def cache_keyword(function: Callable) -> str:
     """The name a transformers ``function`` (a model's or a layer's ``forward``, ``create_causal_mask``) takes its cache by:
     ``cache`` since transformers 5.24 (where ``past_key_values`` is deprecated, to be removed), else ``past_key_values``."""

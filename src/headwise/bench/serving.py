@@ -60,7 +60,7 @@ from ..models.gpt2 import GPT2LMHeadModel
 from ..quantize import ACTIVATIONS, Int8Linear, int8_weights
 from .cases import DTYPES
 from .host import ReadProbe
-from .models import matrix_elements
+from .models import kv_bytes, matrix_elements
 from .timing import interleaved
 
 #: ``--cache-dtype``: what the caches hold under a float32 model.
@@ -232,12 +232,6 @@ def gemm_floor(model: GPT2LMHeadModel, block_tokens: int, head_tokens: int, *, r
     return GemmFloor(seconds, (block_tokens * block_flops + head_tokens * head_flops) / seconds / 1e9, rows)
 
 
-def position_bytes(model: GPT2LMHeadModel, cache_dtype: torch.dtype | None = None) -> int:
-    """Bytes one position's keys and values take in the model's caches of ``cache_dtype``, every layer (8-bit rows with
-    their scales)."""
-    return sum(c.k[0, :, 0].nbytes + c.v[0, :, 0].nbytes for c in model.new_caches(1, 1, cache_dtype))
-
-
 def cache_reads(prompts: Sequence[Tensor], max_new: Sequence[int], per_position: int) -> int:
     """Bytes every decode token of the mix reads from the caches: a request of L prompt tokens feeds its new tokens
     but the last at positions L .. L + n - 2, each attending over its position + 1 keys and values, ``per_position`` bytes
@@ -251,7 +245,7 @@ def read_floor(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Seque
     time of a strategy that does the arithmetic and the reads in turn, at their best rates."""
     probe = ReadProbe()
     times = interleaved({"sum": probe}, repeats=repeats, warmup=1)["sum"]
-    return ReadFloor(cache_reads(prompts, max_new, position_bytes(model, cache_dtype)), probe.gbps(sorted(times)[len(times) // 2]))
+    return ReadFloor(cache_reads(prompts, max_new, kv_bytes(model, cache_dtype)), probe.gbps(sorted(times)[len(times) // 2]))
 
 
 def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_dtype: torch.dtype | None) -> dict[str, Callable[[], None]]:
