@@ -70,6 +70,7 @@ class PagedBatch:
         starts = _lengths(cache, like.seq_ids) if like is not None and _same_lists(like, seq_ids, new_tokens) else None
         if starts is not None:  # the lists checked for ``like`` already, each sequence open here
             seq_ids, new_tokens, self.starts = like.seq_ids, like.new_tokens, starts
+            self.one_each, self._rows = like.one_each, like._rows
         else:
             for name, value in (("seq_ids", seq_ids), ("new_tokens", new_tokens)):
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -81,19 +82,16 @@ class PagedBatch:
             if len(new_tokens) != len(seq_ids) or not seq_ids:
                 raise ValueError(f"new_tokens must give one count per seq_id ({len(seq_ids)} ids, at least one), got {len(new_tokens)} counts")
             new_tokens = [_checks.positive_int("new_tokens (each count)", n) for n in new_tokens]
+            self.one_each = all(n == 1 for n in new_tokens)  # a decode step's: every sequence feeds one token
+            bounds = [0, *itertools.accumulate(new_tokens)]
+            self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]  # each sequence's queries in the row of T
         self.cache, self.seq_ids, self.new_tokens, self.window = cache, seq_ids, new_tokens, cache.window
-        self.one_each = like.one_each if starts is not None else all(n == 1 for n in new_tokens)  # a decode step's: one token each
         self.compile = _checks.boolean("compile", compile)  # the one call may be compiled where the C++ kernel is not built
         self.like = like
         self._where_at: Tensor | None = None  # (T,) the slots written (``_write``)
         self._rows_at: tuple[Tensor, Tensor, Tensor] | None = None  # the one-token rows' rows, tables, seen_to (``append_rows``)
         self._placed_as: PagedBatch | None = None  # ``like``, where its slots and tables are this batch's (``_write``)
         self._positions: Tensor | None = None  # (1, T) ``start``'s
-        if starts is not None:
-            self._rows = like._rows  # each sequence's queries in the row of T
-        else:
-            bounds = [0, *itertools.accumulate(new_tokens)]
-            self._rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]
         self._done = False
 
     @property
