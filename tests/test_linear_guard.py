@@ -238,7 +238,7 @@ def test_the_guard_fails_the_stride_0_gradient_pathology(monkeypatch):
     module = hw.MultiHeadAttention(c, c, 128, 0.0, num_heads=2)  # out_proj last: the expanded gradient reaches it
     reference = Plain(c, c // 2, 2, bias=False, fused=False, out=True)
     with hl.use_path("onednn"):
-        assert ratio(step(module, x, "sum", x), step(reference, x, "sum", x), rounds=3) < LIMIT
+        assert guarded(step(module, x, "sum", x), step(reference, x, "sum", x)) < LIMIT  # (measured again above it, as the guard does)
         monkeypatch.setattr(onednn.OneDNNLinear, "backward", staticmethod(unmended))
         assert ratio(step(module, x, "sum", x), step(reference, x, "sum", x), rounds=3) > LIMIT
 
