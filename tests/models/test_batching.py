@@ -238,6 +238,20 @@ def test_a_stream_stopped_mid_step_and_resumed_loses_no_token():
     assert [got[i] for i in range(len(NEW))] == list(greedy_alone("gpt2", 5))
 
 
+def test_a_step_after_a_stopped_stream_hands_over_its_unread_tokens_first():
+    """Tokens a stopped ``stream()`` did not yield come first from ``step()`` too: mixing the two hands every token
+    over once, in order."""
+    batcher, got = submitted("gpt2"), {}
+    stream = batcher.stream()
+    collect([next(stream), next(stream)], got)
+    stream.close()
+    assert batcher._unread  # the first step's tokens but two
+    collect(batcher.step(), got)
+    assert not batcher._unread
+    collect(batcher.stream(), got)
+    assert [got[i] for i in range(len(NEW))] == list(greedy_alone("gpt2", 5))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "mistral-window"])
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("at", [0, 3])  # the first step (everyone joining), a later one (requests running and joining)

@@ -204,7 +204,9 @@ class Batcher:
 
         Returns:
             ``(request id, token)`` for every request the step gives a token (a prompt fed only in
-            part gets none yet), in packing order; empty when only prompt chunks ran.
+            part gets none yet), in packing order; empty when only prompt chunks ran. Tokens an earlier
+            step computed that a stopped ``stream()`` did not yield come first: whichever of ``step``
+            and ``stream`` is called, every token is handed over once, in the order computed.
 
         Raises:
             TypeError: the model's dtype or device changed since the ``Batcher`` made its caches.
@@ -223,7 +225,9 @@ class Batcher:
             for request in cancelled:  # those cancelled while the step ran (still pending: it may have finished them)
                 if any(r.id == request for r in [*self._waiting, *self._running]):
                     self.cancel(request)
-        return [pair for pair in tokens if pair[0] not in cancelled]
+        earlier = list(self._unread)  # a stopped stream's: before this step's
+        self._unread.clear()  # (in place: ``stream`` extends the deque it holds)
+        return [*earlier, *(pair for pair in tokens if pair[0] not in cancelled)]
 
     def _step(self) -> list[tuple[int, int]]:
         """``step``'s forward pass and commit (or roll back), its requests held as they are."""
