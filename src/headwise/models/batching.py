@@ -16,7 +16,8 @@ before it (the keys some layers wrote are taken back, the joining requests wait 
 being prefilled keeps its earlier chunks), so the next step carries on as if it had not run. A
 request is always pending (waiting or running), finished, or cancelled (``cancel``): never lost. A
 ``cancel`` made while a step runs (from a hook, a callback) takes effect when the step ends.
-Tokens a step computed reach ``stream()`` even when the loop over it stopped between two of them.
+Tokens a step computed reach ``stream()`` even when the loop over it stopped between two of them (or, first, the
+next ``step()``): each token is handed over once, in order.
 
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
 seed): the sampling calls are the same, one generator per request, and the logits are those of
