@@ -31,7 +31,7 @@ from .. import _checks
 from .engines import ENGINES, Runner
 from .host import Load, ReadProbe, loaded
 from .isolated import Isolated
-from .models import check, checkpoint, headwise_model, kv_elements, matrix_elements
+from .models import check, checkpoint, headwise_model, kv_bytes, matrix_elements
 from .timing import interleaved
 
 
@@ -174,7 +174,7 @@ def generate_speeds(
     for model in models:
         directory = checkpoint(model, root, tiny=tiny, seed=seed, init_std=init_std, positions=prompt + new_tokens)
         reference = headwise_model(directory, "fp32")
-        weights, kv = matrix_elements(reference), kv_elements(reference)
+        weights, kv = matrix_elements(reference), kv_bytes(reference, torch.float32) // 4  # elements one token adds to the caches
         vocab = reference.vocab_size
         del reference
         ran: dict[tuple[str, str], str] = {}  # (engine, format) -> the precision that ran it for this model

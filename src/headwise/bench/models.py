@@ -156,12 +156,6 @@ def matrix_elements(model: nn.Module) -> int:
     return count
 
 
-def kv_elements(model: nn.Module) -> int:
-    """Key and value elements one token adds to the cache over all layers."""
-    caches = model.new_caches(1, 1)
-    return sum(2 * c.k.shape[1] * c.k.shape[3] for c in caches)
-
-
 def kv_bytes(model: nn.Module, cache_dtype: torch.dtype | None = None) -> int:
     """Bytes one token's keys and values take in the model's caches of ``cache_dtype`` over all layers (8-bit rows with
     their scales)."""
