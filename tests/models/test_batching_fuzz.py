@@ -135,8 +135,11 @@ def run(seed: int) -> None:
     for i, req in ids.items():
         tokens = got.get(i, [])
         if dtype == torch.bfloat16:
-            # a packed step sums in another order than a lone one: where two logits tie to bfloat16's precision the
-            # choice can differ from the one alone (the serving docs), so here: every token once, the run ended as asked
+            # a packed step rounds otherwise than a lone one (a whole prompt through torch's SDPA, which rounds the
+            # softmax's weights to bfloat16 where headwise's prompt kernel does not take the call, as for these models'
+            # head size of 8; its chunks through other kernels, a one-token chunk the decode kernel's float32 sums): where two logits tie to bfloat16's
+            # precision the choice can differ from the one alone (the serving docs), so here: every token once, the run
+            # ended as asked
             assert len(tokens) <= req["n"] and req["eos"] not in tokens[:-1], (i, events)
             assert i in cancelled or len(tokens) == req["n"] or tokens[-1] == req["eos"], (i, events)
             continue
