@@ -106,3 +106,33 @@ def test_left_padded_sliding_decoding_equals_each_sequence_alone(backend):
         for b, n in enumerate(lengths):
             alone = torch.cat([prompt[b : b + 1, P - n :], tokens[b : b + 1]], dim=1)  # (1, n + 6, C)
             torch.testing.assert_close(got[b : b + 1, P - n :], m(alone), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("W", [1, 17, 64, 100])
+@pytest.mark.parametrize("T,S", [(150, 150), (100, 230)], ids=["a prompt", "a chunk after 130 cached keys"])
+@pytest.mark.parametrize("terms", ["none", "padding", "sinks"])
+def test_a_long_windowed_prompt_runs_in_blocks_over_its_windows_and_equals_the_reference(W, T, S, terms):
+    """More queries than a block (``plan.window_rows``): blocks of queries, each over the keys its window reaches, with
+    padding or sinks folded in per block; the outputs and every gradient are the float64 reference's."""
+    from reference_variants import variant_attention
+
+    from headwise.backends import plan as plan_table
+
+    g = torch.Generator().manual_seed(W + T)
+    q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, S, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    extra = {
+        "none": {},
+        "padding": {"attention_mask": torch.arange(S)[None] >= torch.tensor([[0], [S - T + 30]])},  # row 1 padded on the left
+        "sinks": {"sinks": torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)},
+    }[terms]
+    assert hw.plan(q, k, v, causal=True, window=W, **extra).runner == f"sdpa window blocks of {plan_table.window_rows(W)} queries"
+    got = hw.attention(q, k, v, causal=True, window=W, **extra)
+    want = variant_attention(q, k, v, causal=True, window=W, **extra)
+    if terms == "padding":  # a query that sees no real key: zeros (the reference's row is not a number)
+        want = torch.nan_to_num(want)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    grad = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    inputs = [q, k, v, *([extra["sinks"]] if terms == "sinks" else [])]
+    for ours, theirs in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)

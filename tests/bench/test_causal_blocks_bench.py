@@ -54,3 +54,14 @@ def test_a_chunk_after_cached_keys_is_timed_as_one_masked_call_and_the_kernel(mo
     assert r.blocks_ms == {} and r.cached == 100 and r.one_call_ms > 0 and r.auto == "sdpa"
     assert r.markdown([64]).startswith("| fp32 | 8 | ") and "| — |" in r.markdown([64])
     assert (r.kernel_ms is not None) == prefill_kernel.available()
+
+
+def test_a_window_times_its_blocks_and_the_kernel_beside_one_masked_call(monkeypatch):
+    """With ``window``, one call folds the band into its mask and the blocks are ``masked_blocks``: all compared first."""
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", False)
+    r = bench.causal_prompt("fp32", 200, [64], batch=1, repeats=1, window=30)
+    assert r.window == 30 and sorted(r.blocks_ms) == [64] and r.auto == f"sdpa window blocks of {plan.window_rows(30)} queries"
+    assert bench.causal_prompt("fp32", 100, [64], batch=1, repeats=1, window=100).window is None  # every key: no window
+    monkeypatch.setattr(sdpa, "masked_blocks", lambda q, k, v, spec, rows: torch.zeros_like(q))
+    with pytest.raises(RuntimeError, match=r"blocks of 64 queries are .* from one call \(fp32, T = 200\)"):
+        bench.causal_prompt("fp32", 200, [64], batch=1, repeats=1, window=30)

@@ -21,6 +21,7 @@ from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
 from . import decode_kernel, packed, paged, prefill_kernel, sdpa, softcap
 from . import math as math_runner
+from .blocks import rows_per_block
 from .spec import Spec
 
 #: Query rows per row of a decode step, the calls the decode rules take: a bfloat16 call on the CPU
@@ -46,6 +47,11 @@ CAUSAL_CALLS = 4
 #: Causal prompts up to this long run as blocks; longer ones as one call, whose masked work is then
 #: a smaller share of the kernel's key blocks (docs/performance/index.md).
 CAUSAL_BLOCKS_UP_TO = 512
+#: The fewest and the most queries a call of a windowed prompt's blocks takes (``window_rows``: W / 4 between them):
+#: each call computes its (rows, W + rows) scores, so fewer rows waste less on keys before a query's window and more
+#: rows make fewer, larger calls. Timed at 4096 tokens: 64 rows the fastest for W = 256, 256 for W = 1024 and 3000
+#: (docs/performance/layers.md, sliding windows).
+WINDOW_BLOCK, WINDOW_BLOCK_MOST = 64, 256
 #: Documents with fewer keys than this are stacked with others of their length into one call,
 #: where a call's overhead would outweigh its work; not tuned (bench.variants times packed rows).
 SHORT_DOCUMENT = 128
@@ -87,7 +93,7 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    runner: str  # the name shown ({rows} filled in: the queries a call of that plan takes)
+    runner: str  # the name shown ({rows} filled in: the ``rows`` its runner, a partial, takes a call)
     backend: str  # whose way the runner is: "math" or "sdpa"
     serves: frozenset[str]  # the backends asked for that may take this rule
     when: Callable[[Call], bool]
@@ -213,6 +219,21 @@ def _causal_blocks(c: Call) -> bool:
     )
 
 
+def window_rows(window: int) -> int:
+    """Queries per kernel call of a windowed prompt's blocks: W / 4, within ``WINDOW_BLOCK`` .. ``WINDOW_BLOCK_MOST``."""
+    return min(WINDOW_BLOCK_MOST, max(WINDOW_BLOCK, window // 4))
+
+
+def _window_blocks(c: Call) -> bool:
+    """A causal window that leaves keys out (W < S) over more queries than one block takes, on the CPU, eager (a
+    compiled graph keeps T symbolic)."""
+    s = c.spec
+    return (
+        not torch.compiler.is_compiling() and s.causal and s.window is not None and s.window < s.S
+        and window_rows(s.window) < s.T and c.q.device.type == "cpu"
+    )
+
+
 def float32_keys(q: Tensor, k: Tensor, T: int) -> int | None:
     """Keys converted to float32 at a time for half matmuls of a decode shape on the CPU, else None (matmuls in q's dtype)."""
     few_rows = (q.shape[1] // max(1, k.shape[1])) * T <= FLOAT32_ROWS
@@ -271,9 +292,9 @@ RULES: tuple[Rule, ...] = (
     Rule("math blocks, float32 matmuls", "math", AUTO_MATH, _bf16_decode, _math_blocks,
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule(PREFILL_KERNEL, "sdpa", AUTO_SDPA, _prefill_kernel, lambda c: prefill_kernel.run,
-         "a prompt's rows on an AMD-style CPU (torch's kernels on AVX-512, MKL's GEMMs not), every key seen or causal and "
-         "nothing but the scale, no autograd: one C++ pass a block of queries, float32 sums in registers, a causal block "
-         "reading only the keys its queries see, beats torch's flash kernel, whose block GEMMs run slowly there"),
+         "a prompt's rows on an AMD-style CPU (torch's kernels on AVX-512, MKL's GEMMs not), every key seen or causal (a "
+         "window too) and nothing but the scale, no autograd: one C++ pass a block of queries, float32 sums in registers, a "
+         "causal block reading only the keys its queries see (from its first query's window on), beats torch's flash kernel, whose block GEMMs run slowly there"),
     Rule("per document, each on sdpa's rules", "sdpa", AUTO_SDPA, _split_documents, _per_document("sdpa"),
          "packed documents attend within themselves: one call per document costs sum(T_i * S_i), not T * S"),
     Rule("per document, each on math's rules", "math", frozenset({"math"}), _split_documents, _per_document("math"),
@@ -285,8 +306,12 @@ RULES: tuple[Rule, ...] = (
          "softcap with dropout or a trained bias, or sinks the CPU flash kernel cannot take (device, Dv != D, dropout, "
          "a trained bias, compile): math a block of queries at a time, differentiated by autograd"),
     Rule("sdpa ALiBi blocks", "sdpa", AUTO_SDPA, lambda c: c.spec.alibi is not None,
-         lambda c: partial(sdpa.alibi_blocks, block_elements=BLOCK_ELEMENTS),
+         lambda c: partial(sdpa.masked_blocks, rows=rows_per_block(c.spec.T, c.spec.alibi.shape[0] * c.q.shape[1] * c.spec.S, BLOCK_ELEMENTS)),
          "ALiBi is an additive bias: folded into the fused kernel's mask a block of queries at a time, never (H, T, S) at once"),
+    Rule("sdpa window blocks of {rows} queries", "sdpa", AUTO_SDPA, _window_blocks,
+         lambda c: partial(sdpa.masked_blocks, rows=window_rows(c.spec.window)),
+         "a sliding window over a prompt on the CPU: blocks of queries each over the keys its window reaches (about W + "
+         "rows a query), where one call would compute every score of the (T, S) mask"),
     Rule("sdpa flash kernel, sink through its log-sum-exp", "sdpa", AUTO_SDPA, lambda c: c.spec.sinks is not None, lambda c: sdpa.fused,
          "a sink only rescales each row: the CPU flash kernel's log-sum-exp gives context * sigmoid(lse - sink)"),
     Rule("sdpa causal blocks of {rows} queries", "sdpa", AUTO_SDPA, _causal_blocks,
@@ -343,8 +368,9 @@ def choose(call: Call) -> Plan:
     """The first rule that serves ``call.backend`` and matches ``call``, as a ``Plan`` whose ``run`` runs it."""
     for rule in RULES:
         if call.backend in rule.serves and rule.when(call):
-            name = rule.runner.format(rows=causal_rows(call.spec.T)) if "{" in rule.runner else rule.runner
-            return Plan(rule.backend, name, rule.why, rule.build(call))
+            run = rule.build(call)
+            name = rule.runner.format(rows=run.keywords["rows"]) if "{" in rule.runner else rule.runner  # (a blocked runner's partial)
+            return Plan(rule.backend, name, rule.why, run)
     raise AssertionError(f"no rule serves backend {call.backend!r}")  # the last rules of each backend match every call
 
 

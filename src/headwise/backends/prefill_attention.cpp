@@ -1,10 +1,11 @@
 // A prompt's attention: T query rows per head over S keys, every key or causal (queries at positions S - T .. S - 1,
-// each seeing the keys up to its own), in float32 throughout, a block of keys at a time with the softmax carried
+// each seeing the keys up to its own; with a window W, only the last W of them), in float32 throughout, a block of keys at a time with the softmax carried
 // along (flash attention's online rescaling). Each item is one head's block of QUERY_ROWS queries, held transposed
 // (16 queries to a vector); each key block is widened once into the item's scratch. Scores: 32 queries x 8 keys of
 // sums in registers, a key's value broadcast against 16 queries' values at a time (no transposed keys); the softmax
 // of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
-// block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach.
+// block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
+// its last query, before its first query's window).
 // bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
 // each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
 // the keys not widened; the softmax and the context as above.
@@ -131,15 +132,18 @@ bool pairs_here() { return false; }
 #endif
 
 // The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
-// by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position). Scores become the weights
-// exp(score - new max), 0 where not seen; top, total their running max and sum; alpha the old sums' factor.
-inline void carry(float* w, int64_t n, bool causal, int64_t c0, int64_t pos, float* top, float* total, float* alpha) {
+// by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position), and with a window W > 0 also
+// c0 + j > pos + i - W. Scores become the weights exp(score - new max), 0 where not seen (a score not computed, of a
+// key before every lane's window, is never read); top, total their running max and sum; alpha the old sums' factor.
+inline void carry(float* w, int64_t n, bool causal, int64_t window, int64_t c0, int64_t pos, float* top, float* total,
+                  float* alpha) {
   const f16v lanes = lane_index(), ninf = f16v{} + NEG_INF;
   const f16v old = load16(top);
   f16v m = old;
   for (int64_t j = 0; j < n; ++j) {
     f16v x = load16(w + j * QUERY_ROWS);
     if (causal) x = lanes >= static_cast<float>(c0 + j - pos) ? x : ninf;  // lane i sees key c0 + j from position c0 + j on
+    if (window > 0) x = lanes < static_cast<float>(c0 + j - pos + window) ? x : ninf;  // ... up to position c0 + j + W - 1
     store16(w + j * QUERY_ROWS, x);
     m = m > x ? m : x;  // (a NaN score stays in x: NaN through to the context, as any kernel gives)
   }
@@ -183,8 +187,9 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
 
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
-          int64_t first, int64_t keys, bool causal, float scale, Scratch& t) {
-  // q: the item's first query row (stride qs), first: its position; keys: the keys it reads (0 .. keys - 1)
+          int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, float scale, Scratch& t) {
+  // q: the item's first query row (stride qs), first: its position; lo .. keys - 1: the keys it reads (lo > 0: those
+  // before its first query's window left out)
   constexpr bool half = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
   if (!pairs) {
@@ -207,7 +212,7 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
       for (int64_t d = 0; d < D; ++d) t.qt[d * QUERY_ROWS + r] = static_cast<float>(q[r * qs + d]);
     }
   }
-  for (int64_t c0 = 0; c0 < keys; c0 += KEY_BLOCK) {
+  for (int64_t c0 = lo; c0 < keys; c0 += KEY_BLOCK) {
     const int64_t n = std::min(KEY_BLOCK, keys - c0);
     for (int64_t j = 0; j < n; ++j) {  // the block widened, keys (but for the pairs) and values as rows
       if (!pairs) widen_row(k + (c0 + j) * ks, D, t.k.data() + j * D);
@@ -217,6 +222,7 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
       const int64_t last = first + std::min(r0 + 2 * LANES, rows) - 1;  // the tile's last real query's position
       for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         if (causal && c0 + j0 > last) break;  // these keys and the rest of the block lie past the tile's queries
+        if (window > 0 && c0 + j0 + KEYS <= first + r0 - window + 1) continue;  // before the tile's first query's window
         float* w = t.w.data() + j0 * QUERY_ROWS + r0;
 #ifdef HEADWISE_PAIRS
         if constexpr (half) {
@@ -231,8 +237,8 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
     }
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {  // the softmax, 16 queries at a time
       const int64_t seen = causal ? std::min(n, first + std::min(r0 + LANES, rows) - c0) : n;  // keys any of them sees
-      carry(t.w.data() + r0, std::max<int64_t>(seen, 0), causal, c0, first + r0, t.top.data() + r0, t.total.data() + r0,
-            t.alpha.data() + r0);
+      carry(t.w.data() + r0, std::max<int64_t>(seen, 0), causal, window, c0, first + r0, t.top.data() + r0,
+            t.total.data() + r0, t.alpha.data() + r0);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {  // the context, ROWS queries at a time
       const int64_t most = causal ? std::min(n, first + std::min(r0 + ROWS, rows) - c0) : n;  // keys its last query sees
@@ -246,9 +252,13 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
   }
 }
 
+// The first key the queries from position `first` on see: with a window W (> 0), first - W + 1 (not below 0), else 0
+inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? std::max<int64_t>(0, first - window + 1) : 0; }
+
 // q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
 template <typename T>
-void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, float scale, at::Tensor& out) {
+void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window, float scale,
+             at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
   const int64_t blocks = (Tq + QUERY_ROWS - 1) / QUERY_ROWS, off = S - Tq;
   const T* qp = q.data_ptr<T>();
@@ -256,8 +266,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   std::vector<int64_t> cost(B * H * blocks);
-  for (int64_t i = 0; i < B * H * blocks; ++i) {  // keys read: a causal block's grow with its last query
-    cost[i] = causal ? std::min(S, off + std::min(Tq, (i % blocks + 1) * QUERY_ROWS)) : S;
+  for (int64_t i = 0; i < B * H * blocks; ++i) {  // keys read: a causal block's grow with its last query (from its window)
+    const int64_t r0 = i % blocks * QUERY_ROWS;
+    cost[i] = (causal ? std::min(S, off + std::min(Tq, r0 + QUERY_ROWS)) : S) - first_key(off + r0, window);
   }
   each_item<Scratch>(B * H * blocks, cost, [&](int64_t i, Scratch& t) {
     const int64_t b = i / (H * blocks), h = i / blocks % H, r0 = i % blocks * QUERY_ROWS;
@@ -266,22 +277,26 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const T* ki = kp + b * k.stride(0) + hk * k.stride(1);
     const T* vi = vp + b * v.stride(0) + hk * v.stride(1);
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
-    const int64_t keys = causal ? std::min(S, off + r0 + rows) : S;
+    const int64_t keys = causal ? std::min(S, off + r0 + rows) : S, lo = first_key(off + r0, window);
     if (D == 64) {
-      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, keys, causal, scale, t);
+      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale, t);
     } else {
-      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, keys, causal, scale, t);
+      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale,
+                   t);
     }
   });
 }
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                             int64_t window) {
+  // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves
+  TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k, v, causal, static_cast<float>(scale), out);
+    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), out);
   } else {
-    prefill<float>(q, k, v, causal, static_cast<float>(scale), out);
+    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), out);
   }
   return out;
 }

@@ -1,8 +1,8 @@
 """The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
 
 ``fused`` is one call with every term folded into one mask (``is_causal`` where it means the
-same); ``causal_blocks`` and ``alibi_blocks`` call it a block of queries at a time over the keys
-each sees. Sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink
+same); ``causal_blocks`` and ``masked_blocks`` (a window, ALiBi) call it a block of queries at a time over
+the keys each sees. Sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink
 only rescales a row, ``context * sigmoid(lse - sink)`` (``SinkAttention``).
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scores import sink_share
-from .blocks import joined, query_blocks, rows_per_block
+from .blocks import joined, query_blocks
 from .once import first_order
 from .spec import Spec
 
@@ -167,11 +167,12 @@ def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> 
     return joined(contexts)  # (B, H, T, Dv)
 
 
-def alibi_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, block_elements: int) -> Tensor:
-    """ALiBi's bias (and every other term) folded a block of queries at a time, each block of about
-    ``block_elements`` bias elements over the keys it may see: (B, H, T, D) -> (B, H, T, Dv)."""
+def masked_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
+    """Every term (a window, ALiBi's bias, padding, a mask) folded a block of ``rows`` queries at a time, each block over
+    only the keys it may see: (B, H, T, D) -> (B, H, T, Dv). One folded call computes every score of its (T, S) mask;
+    a window's blocks compute about (W + rows) scores a query, an ALiBi bias is never (H, T, S) at once."""
     contexts = []
-    for rows, (c0, c1) in query_blocks(spec, rows_per_block(spec.T, spec.alibi.shape[0] * q.shape[1] * spec.S, block_elements)):
-        allowed, bias = spec.allowed(rows, (c0, c1), q.device), spec.bias(rows, (c0, c1), q.device, q.dtype)  # (B?, H?, t, s) each, or None
-        contexts.append(_kernel(q[:, :, rows[0] : rows[1]], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
+    for block, (c0, c1) in query_blocks(spec, rows):
+        allowed, bias = spec.allowed(block, (c0, c1), q.device), spec.bias(block, (c0, c1), q.device, q.dtype)  # (B?, H?, t, s) each, or None
+        contexts.append(_kernel(q[:, :, block[0] : block[1]], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)

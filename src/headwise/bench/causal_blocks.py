@@ -8,8 +8,9 @@ machine), interleaved, medians. ``auto`` names the runner ``headwise.plan`` take
 this machine. Run it quiet and with ``--busy 1`` (a core taken by another process): every call waits for
 its slowest thread, so the number of calls is what contention charges. ``--cached N`` puts N keys
 before the prompt (a chunk after a cache: one call then takes the bottom-right causal mask, and there
-are no blocks). The outputs are compared with one call's before timing (float32 within 1e-5,
-bfloat16 within 2e-2).
+are no blocks). ``--window W`` gives each query its last W keys only: one call then folds the (T, S)
+band into its mask, and the blocks are ``sdpa.masked_blocks`` (each over the keys its window reaches).
+The outputs are compared with one call's before timing (float32 within 1e-5, bfloat16 within 2e-2).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Row:
     auto: str
     kernel_ms: float | None = None
     cached: int = 0  # keys before the prompt
+    window: int | None = None  # each query's last W keys (None: every earlier key)
 
     def markdown(self, sizes: Sequence[int]) -> str:
         times = [self.blocks_ms.get(r) for r in sizes] + [self.kernel_ms]
@@ -52,21 +54,27 @@ class Row:
 
 
 @torch.inference_mode()
-def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0, cached: int = 0) -> Row:
-    """Time one layer's causal attention over ``tokens`` queries (``dtype`` a key of ``DTYPES``) after ``cached`` keys:
-    one call, blocks of each of ``sizes`` queries (none after cached keys) and the C++ prefill kernel."""
+def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int = 4, repeats: int = 9, seed: int = 0, cached: int = 0,
+                  window: int | None = None) -> Row:
+    """Time one layer's causal attention over ``tokens`` queries (``dtype`` a key of ``DTYPES``) after ``cached`` keys, each
+    over its last ``window`` keys where given: one call, blocks of each of ``sizes`` queries (none after cached keys but
+    with a window) and the C++ prefill kernel."""
     g = torch.Generator().manual_seed(seed)
     S = cached + tokens
     q = torch.randn(batch, tokens, 12, 64, generator=g).to(DTYPES[dtype]).transpose(1, 2)  # (B, H, T, D), strided as split heads
     k, v = (torch.randn(batch, 12, S, 64, generator=g).to(DTYPES[dtype]) for _ in range(2))  # (B, H, S, D)
-    spec = Spec(T=tokens, S=S, causal=True, scale=64**-0.5)
-    if cached:
+    spec = Spec(T=tokens, S=S, causal=True, window=window if window is not None and window < S else None, scale=64**-0.5)
+    if spec.window is not None:
+        mask = spec.allowed((0, tokens), (0, S), q.device)  # (T, S): the causal band of W keys
+        ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}  # (B, H, T, D)
+        ways |= {rows: partial(sdpa.masked_blocks, q, k, v, spec, rows=rows) for rows in sizes}
+    elif cached:
         mask = torch.ones(tokens, S, dtype=torch.bool).tril(cached)  # (T, S): query i at position cached + i
         ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}  # (B, H, T, D)
         sizes = []
     else:
         ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
-    ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
+        ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
     if prefill_kernel.available():
         ways["kernel"] = partial(prefill_kernel.run, q, k, v, spec)
     want = ways["one"]().float()
@@ -77,7 +85,8 @@ def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int =
             raise RuntimeError(f"{what} {error:.2g} from one call ({dtype}, T = {tokens})")
     times = interleaved({str(name): run for name, run in ways.items()}, repeats=repeats, warmup=2)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, headwise_plan(q, k, v, causal=True).runner, ms.get("kernel"), cached)
+    auto = headwise_plan(q, k, v, causal=True, window=spec.window).runner
+    return Row(dtype, tokens, ms["one"], {r: ms[str(r)] for r in sizes}, auto, ms.get("kernel"), cached, spec.window)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -92,11 +101,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma-separated queries per block (default 64,128,256)")
     p.add_argument("--repeats", type=_argtypes.integer(1), default=9, help="timed rounds (default 9)")
     p.add_argument("--cached", type=_argtypes.integer(0), default=0, help="keys before the prompt (default 0; then no blocks)")
+    p.add_argument("--window", type=_argtypes.integer(1), default=None, help="each query's last W keys only (default: every key)")
     add_busy_flag(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("A causal prompt's attention, B = 4, H = 12, D = 64, inference" + (f", after {args.cached} cached keys" if args.cached else "")
+          + (f", a window of {args.window} keys" if args.window else "")
           + f"; {machine()}"
           + (f"; {args.busy} busy processes beside it" if args.busy else "") + "; median ms (x one call's time)\n")
     print("| dtype | T | one call | " + " | ".join(f"blocks of {r}" for r in args.rows) + " | C++ prefill kernel | the plan takes |")
@@ -104,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with busy(args.busy):
         for dtype in args.dtypes:
             for tokens in args.tokens:
-                print(causal_prompt(dtype, tokens, args.rows, repeats=args.repeats, cached=args.cached).markdown(args.rows), flush=True)
+                row = causal_prompt(dtype, tokens, args.rows, repeats=args.repeats, cached=args.cached, window=args.window)
+                print(row.markdown(args.rows), flush=True)
 
 
 if __name__ == "__main__":
