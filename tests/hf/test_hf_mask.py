@@ -75,3 +75,39 @@ def test_a_padded_mask_is_read_as_it_is():
     padding = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)  # (B, S): row 1 left-padded
     built = headwise.hf.mask(**CAUSAL, attention_mask=padding)  # (B, 1, T, S)
     assert adapter._stands_for(built) is None and not built[1, 0, :, 0].any()
+
+
+def _band_terms(T: int, S: int, window: int | None, padded: bool = False) -> dict:
+    """A prompt's mask: T queries at the last T of S positions, causal (and a sliding window), one row padded."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    padding = torch.ones(2, S, dtype=torch.bool)
+    padding[1, :3] = not padded
+    return dict(batch_size=2, q_length=T, kv_length=S, q_offset=S - T, mask_function=function, attention_mask=padding,
+                allow_is_causal_skip=False)
+
+
+@pytest.mark.parametrize(("T", "S", "window", "padded", "meaning"), [
+    (9, 9, 4, False, "window 4"), (5, 12, 4, False, "window 4"), (5, 12, None, False, "bottom-right causal"),
+    (9, 9, 4, True, None), (5, 12, None, True, None), (1, 12, 4, False, None),
+], ids=["a sliding prompt", "a sliding chunk after cached keys", "a chunk after cached keys", "a sliding prompt, padded",
+        "a chunk, padded", "one query"])  # fmt: skip
+def test_a_prompts_causal_band_runs_as_headwises_causal_and_window(T, S, window, padded, meaning, monkeypatch):
+    """A mask that is, in every row, causal over the last T of S positions (with a sliding window or not) runs as
+    ``causal=True, window=W`` without being read again, so the prompt kernel or the window's blocks take it; any other
+    mask (padding, one query) is read as the mask it is. The outputs agree with the mask's either way."""
+    built = headwise.hf.mask(**_band_terms(T, S, window, padded))  # (B, 1, T, S)
+    assert adapter._stands_for(built) == meaning
+    calls = []
+    monkeypatch.setattr(adapter, "attention", lambda q, k, v, **kw: calls.append(kw) or headwise.attention(q, k, v, **kw))
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    out, _ = headwise.hf.attend(_Says(True), q, k, v, built)  # (B, T, H, D)
+    if meaning is None:
+        assert calls[0]["mask"] is built and calls[0]["window"] is None
+    else:
+        assert calls[0]["mask"] is None and calls[0]["causal"] and calls[0]["window"] == window
+    real = built.any(-1)[:, 0]  # (B, T): queries that see a key
+    want = headwise.attention(q, k, v, mask=built).transpose(1, 2)  # (B, T, H, D): the mask read
+    torch.testing.assert_close(out[real], want[real], rtol=1e-6, atol=1e-6)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from .. import _checks
 from .._optional import require
 from ..functional import attention, attention_weights
+from ..masks import position_mask
 from .routing import refuse_never_routed
 
 #: Arguments transformers passes that change nothing in attention itself: bookkeeping of the
@@ -142,18 +143,42 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     def build(causal_skip: bool = False, bidirectional_skip: bool = False) -> Tensor | None:
         return sdpa_mask(*args, allow_is_causal_skip=causal_skip, allow_is_bidirectional_skip=bidirectional_skip, **kwargs)
 
-    if not torch.compiler.is_compiling():
-        for meaning, allowed in (("causal", allow_is_causal_skip), ("full", allow_is_bidirectional_skip)):
-            if allowed and build(meaning == "causal", meaning == "full") is None:
-                built = build()  # (B, 1, T, S)
-                _SKIPPABLE[meaning][id(built)] = built
-                return built
-    return build()  # (B, 1, T, S)
+    if torch.compiler.is_compiling():
+        return build()  # (B, 1, T, S)
+    for meaning, allowed in (("causal", allow_is_causal_skip), ("full", allow_is_bidirectional_skip)):
+        if allowed and build(meaning == "causal", meaning == "full") is None:
+            built = build()  # (B, 1, T, S)
+            _SKIPPABLE[meaning][id(built)] = built
+            return built
+    built = build()  # (B, 1, T, S)
+    band = _band(built)
+    if band is not None:
+        _SKIPPABLE.setdefault(band, weakref.WeakValueDictionary())[id(built)] = built
+    return built
+
+
+def _band(built: Tensor | None) -> str | None:
+    """What a prompt's mask (B, 1, T >= 2, S) stands for where it is, in every row, causal with the queries at the last T
+    of S positions: "window W" where each sees only its last W keys (a sliding layer's), "bottom-right causal" where
+    each sees every key up to its own (a chunk after cached keys); None for any other mask (padding, a static cache's
+    empty slots, packed rows). Read on the host: a row's count and one comparison of T x S bools, once a mask."""
+    if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or built.shape[2] < 2:
+        return None
+    T, S = built.shape[2], built.shape[3]
+    seen = int(built[0, 0, -1].sum())  # the last query's keys: min(W, S) in a band
+    if not 0 < seen <= S or T > S:
+        return None
+    window = seen if seen < S else None
+    device = built.device
+    if not torch.equal(built, position_mask(torch.arange(S - T, S, device=device), torch.arange(S, device=device), window=window).expand_as(built)):
+        return None
+    return f"window {window}" if window is not None else "bottom-right causal"
 
 
 #: The masks ``mask`` built where transformers' ``sdpa_mask`` would have answered None, by what
 #: they stand for ("causal": SDPA's ``is_causal``, top-left aligned, for T == S, one query, or a
-#: prefill into an empty static cache; "full": nothing masked), by id, for as long as each lives.
+#: prefill into an empty static cache; "full": nothing masked), and the prompts' masks that are a
+#: causal band (``_band``: "window W", "bottom-right causal"), by id, for as long as each lives.
 _SKIPPABLE: dict[str, weakref.WeakValueDictionary[int, Tensor]] = {
     "causal": weakref.WeakValueDictionary(),
     "full": weakref.WeakValueDictionary(),
@@ -210,21 +235,24 @@ def attend(
     """
     _refuse(kwargs)
     _check_bias(position_bias, query, key)
-    meaning = _stands_for(attention_mask)
-    if meaning is not None:  # a mask transformers would have skipped: run without reading it
+    meaning, window = _stands_for(attention_mask), None
+    if meaning is not None and meaning not in ("causal", "full"):  # a causal band: headwise's causal, bottom-right, and window
+        attention_mask, causal = None, True
+        window = int(meaning.split()[1]) if meaning.startswith("window") else None
+    elif meaning is not None:  # a mask transformers would have skipped: run without reading it
         attention_mask, causal = None, meaning == "causal"
     elif attention_mask is None:  # the model built no mask: the layer says what it is
         causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     else:
         causal = False  # the mask already holds causality
     T, S = query.shape[2], key.shape[2]
-    if attention_mask is None and causal and 1 < T < S:
+    if meaning in (None, "causal") and attention_mask is None and causal and 1 < T < S:
         # SDPA's is_causal is aligned top-left: only a prefill into an empty static cache gets
         # here, whose keys past the first T are empty slots (sdpa slices them off too)
         key, value = key[:, :, :T], value[:, :, :T]  # (B, Hkv, T, D), (B, Hkv, T, Dv)
         position_bias = None if position_bias is None else position_bias[..., :T]  # (B, H, T, T)
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
-    terms = dict(causal=causal, mask=bias, softcap=softcap, sinks=s_aux, scale=scaling)
+    terms = dict(causal=causal, window=window, mask=bias, softcap=softcap, sinks=s_aux, scale=scaling)
     context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
     weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S)
     return context.transpose(1, 2), weights  # (B, T, H, Dv)
