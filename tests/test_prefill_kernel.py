@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from reference_variants import variant_attention
 
 import headwise as hw
-from headwise.backends import plan, prefill_kernel
+from headwise.backends import plan, prefill_kernel, sdpa
 from headwise.backends.spec import Spec
 
 pytestmark = pytest.mark.skipif(not prefill_kernel.available(), reason="the C++ kernels could not be built here")
@@ -50,23 +50,27 @@ def test_the_op_gives_the_references_numbers(dtype, B, H, Hkv, T, S, D, causal):
     assert _error(out, want) <= max(1.5 * _error(torchs, want), 2e-6 if dtype == torch.float32 else 4e-3)
 
 
+SINKS = torch.tensor([0.5, -1.0, 3.0, -30.0, 2.0, 0.0, 1.0, 9.0])  # a head's logit beside its keys' (-30: next to none)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [1, 5, 31, 64, 100, 129, 1000])
+@pytest.mark.parametrize("window", [None, 1, 31, 129])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D", [(1, 4, 4, 300, 300, 64), (2, 8, 2, 65, 65, 128), (1, 4, 1, 37, 200, 64), (1, 4, 4, 130, 500, 64)],
     ids=["a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "a chunk after 370"],
 )
-def test_a_window_gives_the_references_numbers(dtype, window, B, H, Hkv, T, S, D):
+def test_a_window_and_sinks_give_the_references_numbers(dtype, window, sinks, B, H, Hkv, T, S, D):
     """Each query over its last ``window`` keys only (blocks of queries start at their first query's window, score tiles
-    before it are skipped): as close to float64 as torch's kernel under the same mask; in bfloat16 the reference
-    rounded once in all but a few ties."""
+    before it are skipped), and a sink logit a head joining each row's softmax (the context divided once by the keys'
+    and the sink's sum): as close to float64 as torch's kernel under the same mask (its sinks through its log-sum-exp,
+    ``sdpa.masked_blocks``); in bfloat16 the reference rounded once in all but a few ties."""
     q, k, v = _qkv(B, H, Hkv, T, S, D, dtype)
-    out = prefill_kernel.run(q, k, v, Spec(T=T, S=S, causal=True, window=window, scale=D**-0.5))
-    want = variant_attention(q, k, v, causal=True, window=window)  # (B, H, T, D) float64
-    seen = torch.arange(S)[None] <= torch.arange(S - T, S)[:, None]  # (T, S): causal
-    seen &= torch.arange(S)[None] > torch.arange(S - T, S)[:, None] - window  # ... and in the window
-    G = H // Hkv
-    torchs = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=seen)
+    sink = SINKS[:H] if sinks else None
+    spec = Spec(T=T, S=S, causal=True, window=window, sinks=sink, scale=D**-0.5)
+    out = prefill_kernel.run(q, k, v, spec)
+    want = variant_attention(q, k, v, causal=True, window=window, sinks=sink)  # (B, H, T, D) float64
+    torchs = sdpa.masked_blocks(q, k, v, spec, rows=64)  # (B, H, T, D)
     assert _error(out, want) <= max(1.5 * _error(torchs, want), 2e-6 if dtype == torch.float32 else 4e-3)
     if dtype == torch.bfloat16:
         assert float((out != want.bfloat16()).float().mean()) < 1e-3
@@ -151,6 +155,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
     rows = prefill_kernel.FEWEST_ROWS
     assert prefill_kernel.takes(q[:, :, :rows], k, v, Spec(T=rows, S=16, causal=True))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4))
+    assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4, sinks=torch.zeros(4)))
     refused = {
         "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
         "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
@@ -158,6 +163,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "mixed dtypes": (q, k.bfloat16(), v.bfloat16(), spec),
         "D = 80": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
+        "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
         "padding": (q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool))),
         "softcap": (q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0)),
         "dropout": (q, k, v, Spec(T=16, S=16, causal=True, dropout_p=0.1)),

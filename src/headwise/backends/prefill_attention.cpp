@@ -5,7 +5,7 @@
 // sums in registers, a key's value broadcast against 16 queries' values at a time (no transposed keys); the softmax
 // of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
 // block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
-// its last query, before its first query's window).
+// its last query, before its first query's window). A head's sink logit (gpt-oss's) joins each row's sum at the end.
 // bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
 // each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
 // the keys not widened; the softmax and the context as above.
@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -187,9 +188,9 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
 
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
-          int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, float scale, Scratch& t) {
+          int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, float scale, float sink, Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; lo .. keys - 1: the keys it reads (lo > 0: those
-  // before its first query's window left out)
+  // before its first query's window left out); sink: the head's sink logit (-inf: none)
   constexpr bool half = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
   if (!pairs) {
@@ -246,8 +247,10 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
                          t.acc.data() + r0 * D);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = t.total[r] > 0.f ? 1.f / t.total[r] : 0.f;
+  for (int64_t r = 0; r < rows; ++r) {  // the sink joins the sum: exp(sink) beside the keys', no value (a row of no key: 0)
+    const float top = t.top[r], most = std::max(top, sink);
+    const float keep = std::exp(top - most);  // the keys' share of the larger of the two maxima (NaN: no key)
+    const float inv = t.total[r] > 0.f && keep > 0.f ? keep / (t.total[r] * keep + std::exp(sink - most)) : 0.f;
     for (int64_t d = 0; d < D; ++d) out[r * os + d] = static_cast<T>(t.acc[r * D + d] * inv);
   }
 }
@@ -258,7 +261,7 @@ inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? st
 // q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window, float scale,
-             at::Tensor& out) {
+             const float* sinks, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
   const int64_t blocks = (Tq + QUERY_ROWS - 1) / QUERY_ROWS, off = S - Tq;
   const T* qp = q.data_ptr<T>();
@@ -278,25 +281,32 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const T* vi = vp + b * v.stride(0) + hk * v.stride(1);
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
     const int64_t keys = causal ? std::min(S, off + r0 + rows) : S, lo = first_key(off + r0, window);
+    const float sink = sinks != nullptr ? sinks[h] : NEG_INF;
     if (D == 64) {
-      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale, t);
+      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale,
+                  sink, t);
     } else {
       item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale,
-                   t);
+                   sink, t);
     }
   });
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                             int64_t window) {
-  // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
+  // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves; sinks: (H,) float32
+  // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                                     sinks->size(0) == q.size(1)),
+              "prefill_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
+  const float* sink_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), out);
+    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, out);
   } else {
-    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), out);
+    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, out);
   }
   return out;
 }
