@@ -76,6 +76,57 @@ def test_a_window_and_sinks_give_the_references_numbers(dtype, window, sinks, B,
         assert float((out != want.bfloat16()).float().mean()) < 1e-3
 
 
+def _padding(B, S, pattern):
+    """(B, S) bool, False = a padded key: each row's first b * S // 5 keys (left), last ones (right), runs in the middle
+    (holes), or the last row with no real key (empty)."""
+    real = torch.ones(B, S, dtype=torch.bool)
+    for b in range(B):
+        n = (b + 1) * S // 5
+        if pattern == "left":
+            real[b, :n] = False
+        elif pattern == "right":
+            real[b, S - n :] = False
+        else:
+            real[b, 3 + b :: 7] = False
+            real[b, S // 3 : S // 3 + n] = False
+    if pattern == "empty":
+        real[-1] = False
+    return real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["left", "right", "holes", "empty"])
+@pytest.mark.parametrize(
+    "B,H,Hkv,T,S,D,causal,window,sinks",
+    [(3, 4, 2, 150, 150, 64, True, None, False), (2, 4, 4, 70, 200, 128, True, None, False), (2, 4, 1, 140, 140, 64, True, 31, True),
+     (2, 2, 2, 80, 100, 64, False, None, False), (3, 4, 4, 9, 130, 64, True, 40, False)],
+    ids=["a prompt, GQA", "a chunk after 130 cached keys, D=128", "a window and sinks", "every key", "a short chunk, a window"],
+)
+def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S, D, causal, window, sinks):
+    """Padding before a row's first real key (not read), after its last (not read) and between (masked), every real key
+    seen: as close to float64 as torch's kernel under the same mask; a query that sees no real key gets zeros."""
+    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype)
+    real = _padding(B, S, pattern)
+    sink = SINKS[:H] if sinks else None
+    out = prefill_kernel.run(q, k, v, Spec(T=T, S=S, causal=causal, window=window, sinks=sink, attention_mask=real, scale=D**-0.5))
+    want = variant_attention(q, k, v, causal=causal, window=window, sinks=sink, attention_mask=real)  # (B, H, T, D) float64
+    allowed = real[:, None, None, :].expand(B, 1, T, S).clone()  # (B, 1, T, S)
+    if causal:
+        allowed &= torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    if window is not None:
+        allowed &= torch.ones(T, S, dtype=torch.bool).triu(S - T - window + 1)
+    seen = allowed.any(-1, keepdim=True)  # (B, 1, T, 1): rows that see a key
+    torchs = sdpa.masked_blocks(q, k, v, Spec(T=T, S=S, causal=causal, window=window, sinks=sink, attention_mask=real, scale=D**-0.5), rows=64)
+    assert torch.equal(out.masked_select(~seen), torch.zeros_like(out).masked_select(~seen))
+    assert (pattern != "empty") or not bool(seen[-1].any())
+    got, ref, theirs = (x.masked_fill(~seen, 0) for x in (out.double(), want, torchs.double()))
+    assert _error(got, ref) <= max(1.5 * _error(theirs, ref), 2e-6 if dtype == torch.float32 else 4e-3)
+    k_nan, v_nan = k.clone(), v.clone()  # whatever a padded key and value hold reaches no row
+    k_nan.transpose(1, 2)[~real], v_nan.transpose(1, 2)[~real] = float("nan"), float("nan")
+    dirty = prefill_kernel.run(q, k_nan, v_nan, Spec(T=T, S=S, causal=causal, window=window, sinks=sink, attention_mask=real, scale=D**-0.5))
+    assert torch.equal(dirty, out)
+
+
 def test_a_windowed_row_reads_no_key_before_its_window():
     """Keys and values before position 100 - W + 1 hold NaN: rows from 100 on (whose windows start past them) are as over
     finite keys, bit for bit, in blocks and tiles that start before them."""
@@ -156,6 +207,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
     assert prefill_kernel.takes(q[:, :, :rows], k, v, Spec(T=rows, S=16, causal=True))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4, sinks=torch.zeros(4)))
+    assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool)))
     refused = {
         "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
         "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
@@ -164,7 +216,6 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "D = 80": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
         "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
-        "padding": (q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool))),
         "softcap": (q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0)),
         "dropout": (q, k, v, Spec(T=16, S=16, causal=True, dropout_p=0.1)),
         "causal over fewer keys than queries": (q, k[:, :, :8], v[:, :, :8], Spec(T=16, S=8, causal=True)),
@@ -192,6 +243,22 @@ def test_the_plan_gives_a_prompt_to_it_only_on_a_machine_it_is_for(monkeypatch, 
         assert torch.equal(got, prefill_kernel.run(q, k, v, Spec(T=200, S=200, causal=True, scale=0.125)))
     with torch.enable_grad():  # a gradient to keep: torch's kernels, whose backward exists
         assert hw.plan(q.clone().requires_grad_(True), k, v, causal=True).runner != plan.PREFILL_KERNEL
+
+
+def test_a_left_padded_prompt_goes_to_it(monkeypatch):
+    """``attention``'s (B, S) padding (a batch of prompts left-padded to one length) runs in the kernel where it is for,
+    torch's one masked call elsewhere: the same numbers to float32 rounding, padded queries zeros."""
+    q, k, v = _qkv(3, 4, 4, 130, 130, 64, torch.float32)
+    real = _padding(3, 130, "left")
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", True)
+    assert hw.plan(q, k, v, causal=True, attention_mask=real).runner == plan.PREFILL_KERNEL
+    ours = hw.attention(q, k, v, causal=True, attention_mask=real)
+    monkeypatch.setattr(prefill_kernel, "_MACHINE", False)
+    assert hw.plan(q, k, v, causal=True, attention_mask=real).runner != plan.PREFILL_KERNEL
+    torchs = hw.attention(q, k, v, causal=True, attention_mask=real)
+    want = variant_attention(q, k, v, causal=True, attention_mask=real)
+    assert _error(ours, want) <= max(1.5 * _error(torchs, want), 2e-6)
+    assert not ours.transpose(1, 2)[~real].any()
 
 
 def test_a_models_prompt_and_generation_through_it(monkeypatch):

@@ -6,6 +6,8 @@
 // of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
 // block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
 // its last query, before its first query's window). A head's sink logit (gpt-oss's) joins each row's sum at the end.
+// Padded keys (a row's flags, False = padding) are seen by no query: those before its first real key and after its
+// last are not read, those between are masked.
 // bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
 // each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
 // the keys not widened; the softmax and the context as above.
@@ -15,10 +17,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vectors.h"
@@ -134,8 +138,9 @@ bool pairs_here() { return false; }
 
 // The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
 // by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position), and with a window W > 0 also
-// c0 + j > pos + i - W. Scores become the weights exp(score - new max), 0 where not seen (a score not computed, of a
-// key before every lane's window, is never read); top, total their running max and sum; alpha the old sums' factor.
+// c0 + j > pos + i - W (a padded key's scores are -inf already). Scores become the weights exp(score - new max), 0
+// where not seen (a score not computed, of a key before every lane's window, is never read); top, total their running
+// max and sum; alpha the old sums' factor.
 inline void carry(float* w, int64_t n, bool causal, int64_t window, int64_t c0, int64_t pos, float* top, float* total,
                   float* alpha) {
   const f16v lanes = lane_index(), ninf = f16v{} + NEG_INF;
@@ -188,9 +193,11 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
 
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
-          int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, float scale, float sink, Scratch& t) {
+          int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, const bool* real, float scale, float sink,
+          Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; lo .. keys - 1: the keys it reads (lo > 0: those
-  // before its first query's window left out); sink: the head's sink logit (-inf: none)
+  // before its first query's window, or padding, left out); real: the row's key flags (nullptr: every key real); sink:
+  // the head's sink logit (-inf: none)
   constexpr bool half = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
   if (!pairs) {
@@ -236,6 +243,9 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
         scores_tile<D>(t.qt.data() + r0, t.k.data() + j0 * D, scale, w);
       }
     }
+    for (int64_t j = 0; real != nullptr && j < n; ++j) {  // a padded key's scores (which may be anything): seen by no query
+      if (!real[c0 + j]) std::fill_n(t.w.data() + j * QUERY_ROWS, QUERY_ROWS, NEG_INF);
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {  // the softmax, 16 queries at a time
       const int64_t seen = causal ? std::min(n, first + std::min(r0 + LANES, rows) - c0) : n;  // keys any of them sees
       carry(t.w.data() + r0, std::max<int64_t>(seen, 0), causal, window, c0, first + r0, t.top.data() + r0,
@@ -258,20 +268,32 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
 // The first key the queries from position `first` on see: with a window W (> 0), first - W + 1 (not below 0), else 0
 inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? std::max<int64_t>(0, first - window + 1) : 0; }
 
-// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
+// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; real (B, S) key flags or nullptr; out (B, H, T,
+// D), stored as (B, T, H, D)
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window, float scale,
-             const float* sinks, at::Tensor& out) {
+             const float* sinks, const bool* real, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
   const int64_t blocks = (Tq + QUERY_ROWS - 1) / QUERY_ROWS, off = S - Tq;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  std::vector<int64_t> start(B, 0), end(B, S);  // each row's keys from its first real one to its last (all, unpadded)
+  for (int64_t b = 0; real != nullptr && b < B; ++b) {
+    const bool* r = real + b * S;
+    while (start[b] < S && !r[start[b]]) ++start[b];
+    while (end[b] > start[b] && !r[end[b] - 1]) --end[b];
+  }
+  auto span = [&](int64_t b, int64_t r0, int64_t rows) {  // the keys [lo, keys) a block of rows from r0 reads
+    const int64_t keys = std::min(end[b], causal ? std::min(S, off + r0 + rows) : S);
+    return std::pair<int64_t, int64_t>(std::max(start[b], first_key(off + r0, window)), keys);
+  };
   std::vector<int64_t> cost(B * H * blocks);
   for (int64_t i = 0; i < B * H * blocks; ++i) {  // keys read: a causal block's grow with its last query (from its window)
     const int64_t r0 = i % blocks * QUERY_ROWS;
-    cost[i] = (causal ? std::min(S, off + std::min(Tq, r0 + QUERY_ROWS)) : S) - first_key(off + r0, window);
+    const auto [lo, keys] = span(i / (H * blocks), r0, std::min(QUERY_ROWS, Tq - r0));
+    cost[i] = std::max<int64_t>(keys - lo, 0);
   }
   each_item<Scratch>(B * H * blocks, cost, [&](int64_t i, Scratch& t) {
     const int64_t b = i / (H * blocks), h = i / blocks % H, r0 = i % blocks * QUERY_ROWS;
@@ -280,33 +302,39 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const T* ki = kp + b * k.stride(0) + hk * k.stride(1);
     const T* vi = vp + b * v.stride(0) + hk * v.stride(1);
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
-    const int64_t keys = causal ? std::min(S, off + r0 + rows) : S, lo = first_key(off + r0, window);
+    const auto [lo, keys] = span(b, r0, rows);
+    const bool* flags = real != nullptr ? real + b * S : nullptr;
     const float sink = sinks != nullptr ? sinks[h] : NEG_INF;
     if (D == 64) {
-      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale,
+      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, flags, scale,
                   sink, t);
     } else {
-      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, scale,
+      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, flags, scale,
                    sink, t);
     }
   });
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                             int64_t window, const std::optional<at::Tensor>& sinks) {
+                             int64_t window, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& real) {
   // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves; sinks: (H,) float32
-  // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none
+  // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none; real: (B, S) bool,
+  // False = a padded key no query sees, or none (every key real)
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == q.size(1)),
               "prefill_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
+  TORCH_CHECK(!real.has_value() || (real->scalar_type() == at::kBool && real->is_contiguous() && real->dim() == 2 &&
+                                    real->size(0) == q.size(0) && real->size(1) == k.size(2)),
+              "prefill_attention: real must be a contiguous bool (B, S) tensor, False = a padded key");
   const float* sink_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  const bool* real_p = real.has_value() ? real->data_ptr<bool>() : nullptr;
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, out);
+    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, out);
   } else {
-    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, out);
+    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, out);
   }
   return out;
 }
