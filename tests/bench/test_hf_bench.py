@@ -18,7 +18,15 @@ def test_rows_for_each_mode_with_every_implementation_transformers_accepts():
         assert r.ms["sdpa"] is not None or r.model != "llama"
         assert r.max_abs_diff < 1e-4
     table = markdown(rows)
-    assert "family" in table and "| llama | forward | 1 | 8 | 1 |" in table
+    assert "family" in table and "| llama | forward | 1 | 8 | no | 1 |" in table
+
+
+@pytest.mark.slow
+def test_a_padded_batch_compares_the_real_tokens_only():
+    """Left-padded rows (eager and headwise differ only at queries that see no key) agree at every real token."""
+    rows = hf_latency(("llama", "gpt_oss"), batch=3, tokens=12, layers=1, repeats=1, warmup=0, modes=("forward",), padded=True)
+    assert all(r.padded and r.max_abs_diff < 1e-4 for r in rows)
+    assert "| llama | forward | 3 | 12 | left | 1 |" in markdown(rows)
 
 
 def test_bad_arguments_are_named():

@@ -71,43 +71,66 @@ def test_a_skippable_mask_runs_without_being_read_and_a_copy_of_it_is_read(terms
     torch.testing.assert_close(first, second)
 
 
-def test_a_padded_mask_is_read_as_it_is():
-    padding = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)  # (B, S): row 1 left-padded
-    built = headwise.hf.mask(**CAUSAL, attention_mask=padding)  # (B, 1, T, S)
-    assert adapter._stands_for(built) is None and not built[1, 0, :, 0].any()
-
-
-def _band_terms(T: int, S: int, window: int | None, padded: bool = False) -> dict:
-    """A prompt's mask: T queries at the last T of S positions, causal (and a sliding window), one row padded."""
+def _band_terms(T: int, S: int, window: int | None, pad: str = "", causal: bool = True) -> dict:
+    """A mask's terms: T queries at the last T of S positions, causal (a sliding window or not) or bidirectional; row 1
+    padded ("left": its first 3 keys; "right": its last 2), or its last keys a static cache's empty slots ("slots")."""
     from transformers.masking_utils import sliding_window_causal_mask_function
 
-    function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    function = bidirectional_mask_function if not causal else causal_mask_function if window is None else sliding_window_causal_mask_function(window)
     padding = torch.ones(2, S, dtype=torch.bool)
-    padding[1, :3] = not padded
+    if pad == "left":
+        padding[1, :3] = False
+    elif pad == "right":
+        padding[1, -2:] = False
+    elif pad == "slots":
+        padding[:, -2:] = False
     return dict(batch_size=2, q_length=T, kv_length=S, q_offset=S - T, mask_function=function, attention_mask=padding,
                 allow_is_causal_skip=False)
 
 
-@pytest.mark.parametrize(("T", "S", "window", "padded", "meaning"), [
-    (9, 9, 4, False, "window 4"), (5, 12, 4, False, "window 4"), (5, 12, None, False, "bottom-right causal"),
-    (9, 9, 4, True, None), (5, 12, None, True, None), (1, 12, 4, False, None),
-], ids=["a sliding prompt", "a sliding chunk after cached keys", "a chunk after cached keys", "a sliding prompt, padded",
-        "a chunk, padded", "one query"])  # fmt: skip
-def test_a_prompts_causal_band_runs_as_headwises_causal_and_window(T, S, window, padded, meaning, monkeypatch):
-    """A mask that is, in every row, causal over the last T of S positions (with a sliding window or not) runs as
-    ``causal=True, window=W`` without being read again, so the prompt kernel or the window's blocks take it; any other
-    mask (padding, one query) is read as the mask it is. The outputs agree with the mask's either way."""
-    built = headwise.hf.mask(**_band_terms(T, S, window, padded))  # (B, 1, T, S)
-    assert adapter._stands_for(built) == meaning
+@pytest.mark.parametrize(("T", "S", "window", "pad", "causal", "meaning"), [
+    (9, 9, 4, "", True, (True, 4, False)), (5, 12, 4, "", True, (True, 4, False)), (5, 12, None, "", True, (True, None, False)),
+    (9, 9, None, "left", True, (True, None, True)), (9, 9, 4, "left", True, (True, 4, True)), (5, 12, None, "left", True, (True, None, True)),
+    (9, 9, None, "right", True, (True, None, True)), (1, 12, None, "left", True, (True, None, True)), (1, 12, 4, "", True, (True, None, True)),
+    (1, 12, None, "slots", True, (True, None, True)), (6, 6, None, "left", False, (False, None, True)),
+], ids=["a sliding prompt", "a sliding chunk after cached keys", "a chunk after cached keys", "a prompt, left-padded",
+        "a sliding prompt, left-padded", "a chunk, left-padded", "a prompt, right-padded", "one query, padded", "one query, sliding (its window as padding)",
+        "one query, a static cache's empty slots", "bidirectional, padded"])  # fmt: skip
+def test_a_mask_of_causality_windows_and_padding_runs_as_headwises_terms(T, S, window, pad, causal, meaning, monkeypatch):
+    """A mask that is, in every row, causal over the last T of S positions (a sliding window or not) or every key, but
+    for keys no query sees (padding, empty slots), runs as ``causal``, ``window`` and a (B, S) ``attention_mask`` without
+    being read again, so the prompt and decode kernels (or the window's blocks) take it; its outputs are the mask's."""
+    built = headwise.hf.mask(**_band_terms(T, S, window, pad, causal))  # (B, 1, T, S)
+    stands = adapter._stands_for(built)
+    assert (stands.causal, stands.window, stands.real is not None) == meaning
     calls = []
     monkeypatch.setattr(adapter, "attention", lambda q, k, v, **kw: calls.append(kw) or headwise.attention(q, k, v, **kw))
     g = torch.Generator().manual_seed(T + S)
     q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
     out, _ = headwise.hf.attend(_Says(True), q, k, v, built)  # (B, T, H, D)
-    if meaning is None:
-        assert calls[0]["mask"] is built and calls[0]["window"] is None
-    else:
-        assert calls[0]["mask"] is None and calls[0]["causal"] and calls[0]["window"] == window
-    real = built.any(-1)[:, 0]  # (B, T): queries that see a key
+    assert calls[0]["mask"] is None and calls[0]["causal"] == causal and calls[0]["window"] == meaning[1]
+    assert (calls[0]["attention_mask"] is not None) == meaning[2]
     want = headwise.attention(q, k, v, mask=built).transpose(1, 2)  # (B, T, H, D): the mask read
-    torch.testing.assert_close(out[real], want[real], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert not out[~built.any(-1)[:, 0]].any()  # queries that see no key: zeros, as the mask's
+
+
+def test_any_other_mask_is_read_as_it_is(monkeypatch):
+    """Packed rows, chunks (Llama 4's), a prefill into a static cache's first slots, a mask whose rows disagree with any
+    band, and a copy of a band: each is read as the mask it is."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    packed = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    packed[..., :3, :3] = packed[..., 3:, 3:] = True
+    packed &= torch.ones(8, 8, dtype=torch.bool).tril()  # two documents in one row
+    chunks = headwise.hf.mask(batch_size=2, q_length=8, kv_length=8, mask_function=chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+                              allow_is_causal_skip=False)  # fmt: skip
+    static = headwise.hf.mask(batch_size=2, q_length=5, kv_length=12, mask_function=causal_mask_function, allow_is_causal_skip=False,
+                              attention_mask=torch.tensor([[1] * 12, [0] + [1] * 11], dtype=torch.bool))  # fmt: skip
+    odd = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    odd[0, 0, 2, 0] = False  # one key left out of one row only
+    band = headwise.hf.mask(**_band_terms(9, 9, 4, "left"))
+    assert adapter._meaning(packed) is None and adapter._meaning(odd) is None
+    for mask in (chunks, static, band.clone()):
+        assert adapter._stands_for(mask) is None
+    assert adapter._stands_for(band) is not None

@@ -9,11 +9,13 @@ transformers model of random weights, copied once per attention implementation
   no SDPA path for it: softcap);
 - ``gpt_oss``: learned sinks and sliding-window layers of 128 (no SDPA path either: sinks).
 
-B sequences of T tokens, float32, one copy of the base model per implementation (embeddings, layers, final norm: the language
+B sequences of T tokens (``padded``: row b left-padded by b * T / 2B tokens, as a batch of
+prompts of different lengths is), float32, one copy of the base model per implementation (embeddings, layers, final norm: the language
 model head is the same matrix product under every attention and is left out), ``forward``
 under ``torch.inference_mode`` and ``backward`` (forward + backward of the mean square of the
 last hidden state). Timed interleaved (``timing.interleaved``), medians kept.
-``max_abs_diff`` compares headwise's last hidden state with eager's.
+``max_abs_diff`` compares headwise's last hidden state with eager's at the real tokens (a padded
+query sees no key: eager spreads its weights evenly, headwise gives zeros).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class HFTiming:
         model: "llama", "gemma2" or "gpt_oss".
         mode: "forward" or "backward" (forward + backward).
         ms: implementation -> median ms; None where transformers refuses that implementation.
-        max_abs_diff: largest |headwise - eager| over the last hidden state.
+        max_abs_diff: largest |headwise - eager| over the last hidden state at the real tokens.
         batch, tokens, layers, repeats, threads: the case and ``torch.get_num_threads()``.
+        padded: whether the rows were left-padded (``padding``).
     """
 
     model: str
@@ -60,6 +63,7 @@ class HFTiming:
     layers: int
     repeats: int
     threads: int
+    padded: bool = False
 
     def ratio(self, peer: str) -> float | None:
         """headwise's time over ``peer``'s (< 1 = headwise faster); None where the peer does not run."""
@@ -92,18 +96,26 @@ def _copies(model: torch.nn.Module, implementations: Sequence[str]) -> dict[str,
     return copies
 
 
-def _forward(model: torch.nn.Module, ids: Tensor) -> Callable[[], Tensor]:
+def padding(batch: int, tokens: int) -> Tensor:
+    """(B, T) long attention mask, 0 = padding: row b's first b * T // 2B tokens (row 0 none, the last about half)."""
+    real = torch.ones(batch, tokens, dtype=torch.long)  # (B, T)
+    for b in range(batch):
+        real[b, : b * tokens // (2 * batch)] = 0
+    return real
+
+
+def _forward(model: torch.nn.Module, ids: Tensor, real: Tensor | None) -> Callable[[], Tensor]:
     def call() -> Tensor:
         with torch.inference_mode():
-            return model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+            return model(input_ids=ids, attention_mask=real, use_cache=False).last_hidden_state  # (B, T, C)
 
     return call
 
 
-def _backward(model: torch.nn.Module, ids: Tensor) -> Callable[[], Tensor]:
+def _backward(model: torch.nn.Module, ids: Tensor, real: Tensor | None) -> Callable[[], Tensor]:
     def call() -> Tensor:
         model.zero_grad(set_to_none=True)
-        hidden = model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+        hidden = model(input_ids=ids, attention_mask=real, use_cache=False).last_hidden_state  # (B, T, C)
         hidden.square().mean().backward()
         return hidden.detach()
 
@@ -120,6 +132,7 @@ def hf_latency(
     repeats: int = 3,
     warmup: int = 1,
     seed: int = 0,
+    padded: bool = False,
 ) -> list[HFTiming]:
     """Time each model's forward (and forward + backward) under headwise, sdpa and eager.
 
@@ -144,16 +157,18 @@ def hf_latency(
             torch.manual_seed(seed)
             model = tf.AutoModel.from_config(config(which, layers), attn_implementation="eager", dtype=torch.float32).eval()
         ids = torch.randint(0, WIDTH["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(seed))  # (B, T)
+        real = padding(batch, tokens) if padded else None  # (B, T) or None
         copies = _copies(model, (name, "sdpa", "eager"))
         for mode in modes:
             step = _forward if mode == "forward" else _backward
             outs: dict[str, Tensor] = {}
-            steps = {impl: keeping(step(copy, ids), outs, impl) for impl, copy in copies.items()}
+            steps = {impl: keeping(step(copy, ids, real), outs, impl) for impl, copy in copies.items()}
             times = interleaved(steps, repeats=repeats, warmup=warmup)
             ms = {impl: None for impl in IMPLEMENTATIONS}
             ms.update({("headwise" if impl == name else impl): statistics.median(t) * 1e3 for impl, t in times.items()})
-            diff = float((outs[name] - outs["eager"]).abs().max())
-            rows.append(HFTiming(which, mode, ms, diff, batch, tokens, layers, repeats, torch.get_num_threads()))
+            tokens_kept = slice(None) if real is None else real.bool()  # the real tokens' rows
+            diff = float((outs[name] - outs["eager"])[tokens_kept].abs().max())
+            rows.append(HFTiming(which, mode, ms, diff, batch, tokens, layers, repeats, torch.get_num_threads(), padded))
     return rows
 
 
@@ -162,13 +177,13 @@ def markdown(rows: Sequence[HFTiming]) -> str:
     lines = [
         f"transformers models, attention switched (CPU: {machine()}; {rows[0].threads if rows else '?'} threads)",
         "",
-        "| model | mode | B | T | layers | headwise ms | sdpa ms | eager ms | headwise / sdpa | headwise / eager | max abs diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | B | T | padded | layers | headwise ms | sdpa ms | eager ms | headwise / sdpa | headwise / eager | max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = [f"{r.ms[i]:.0f}" if r.ms[i] is not None else "n/a" for i in IMPLEMENTATIONS]
         ratios = [f"{x:.2f}x" if x is not None else "n/a" for x in (r.ratio("sdpa"), r.ratio("eager"))]
-        lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.tokens} | {r.layers} | {' | '.join(ms)} | {' | '.join(ratios)} | {r.max_abs_diff:.1e} |")
+        lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.tokens} | {'left' if r.padded else 'no'} | {r.layers} | {' | '.join(ms)} | {' | '.join(ratios)} | {r.max_abs_diff:.1e} |")
     return "\n".join(lines)
 
 
@@ -182,8 +197,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tokens", type=_argtypes.integer(2), default=1024, help="T (at least 2; default 1024)")
     p.add_argument("--layers", type=positive, default=2)
     p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--padded", action="store_true", help="left-pad row b by b * T / 2B tokens (a batch of prompts of different lengths)")
     args = p.parse_args(argv)
-    print(markdown(hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats)))
+    rows = hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats, padded=args.padded)
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ to ``attend``:
     query (B, H, T, D)                    q
     key, value (B, Hkv, S, D / Dv)        k, v (grouped heads read in place, never repeated)
     attention_mask: from ``mask``         mask (bool, True = may attend); where transformers would
-                                          have skipped it, causal or nothing masked (see ``mask``)
+                                          have skipped it, causal or nothing masked; where it is
+                                          causal (a window) or nothing but padding, causal, window
+                                          and attention_mask (see ``mask``)
     is_causal (or module.is_causal)       causal, only when the model built no mask at all
     scaling, dropout                      scale, dropout_p
     softcap (Gemma 2), s_aux (gpt-oss)    softcap, sinks
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -116,10 +119,15 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     with nothing padded (``allow_is_bidirectional_skip``: no mask at all). The layer cannot tell
     which (its ``is_causal`` may be missing, or say the opposite of the mask transformers built),
     so the mask is always built. Where transformers would have skipped it, ``attend`` recognises
-    the very tensor returned here and runs without reading it (causal, or nothing masked); a copy
-    or a slice of it is read as the mask it is. Under ``torch.compile`` every mask is read. The
-    cost: a skippable mask is built (T * S bools when nothing is padded, once per forward: the
-    layers share it) where transformers would build none.
+    the very tensor returned here and runs without reading it (causal, or nothing masked); so too
+    where it is, in every row, causal over the last T of S positions (a sliding window or not) or
+    every key, but for padded keys (``_meaning``: a batch's padding, a static cache's empty slots):
+    ``attend`` runs it as ``causal``, ``window`` and a (B, S) ``attention_mask``, which the prompt
+    and decode kernels take. A copy or a slice of it is read as the mask it is, and so is any other
+    mask (packed rows, chunks, a prefill into a static cache). Under ``torch.compile`` every mask is
+    read. The cost: a skippable mask is built (T * S bools when nothing is padded, once per forward:
+    the layers share it) where transformers would build none, and each other mask is compared once
+    with what it may stand for (a few passes over its B * T * S bools).
 
     An architecture none of whose attention layers calls the interface (Bloom, MPT, XGLM, ...)
     still builds its masks here: it is refused by name (``routing.never_routed``).
@@ -145,55 +153,71 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
 
     if torch.compiler.is_compiling():
         return build()  # (B, 1, T, S)
-    for meaning, allowed in (("causal", allow_is_causal_skip), ("full", allow_is_bidirectional_skip)):
-        if allowed and build(meaning == "causal", meaning == "full") is None:
-            built = build()  # (B, 1, T, S)
-            _SKIPPABLE[meaning][id(built)] = built
-            return built
+    for causal, allowed in ((True, allow_is_causal_skip), (False, allow_is_bidirectional_skip)):
+        if allowed and build(causal, not causal) is None:
+            return _remember(build(), Meaning(causal=causal, top_left=causal))  # (B, 1, T, S)
     built = build()  # (B, 1, T, S)
-    band = _band(built)
-    if band is not None:
-        _SKIPPABLE.setdefault(band, weakref.WeakValueDictionary())[id(built)] = built
+    meaning = _meaning(built)
+    return built if meaning is None else _remember(built, meaning)
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What a mask ``mask`` built stands for, which ``attend`` runs in place of reading it: causal (the queries at the
+    last T of S positions, each seeing its last ``window`` keys where one is set) or every key, of the keys that
+    ``real`` marks ((B, S) bool, False = padding; None: all). ``top_left``: a causal mask transformers would have skipped
+    (SDPA's ``is_causal``, aligned top-left: for 1 < T < S, a prefill into an empty static cache, whose keys past the
+    first T are empty slots)."""
+
+    causal: bool
+    window: int | None = None
+    real: Tensor | None = None
+    top_left: bool = False
+
+
+def _meaning(built: Tensor | None) -> Meaning | None:
+    """What a mask (B, 1, T, S) stands for where it is, in every row, causal with the queries at the last T of S
+    positions (each seeing its last W keys: a sliding layer's; or every key up to its own: a prompt, or a chunk after
+    cached keys) or every key, but for keys no query sees (padding, a static cache's empty slots); None for any other
+    mask (packed rows, chunks, a prefill into a static cache's first slots). Read on the host: a few passes over the
+    B x T x S bools, once a mask."""
+    if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or 0 in built.shape:
+        return None
+    rows = built[:, 0]  # (B, T, S)
+    T, S = rows.shape[1:]
+    real = rows.any(1)  # (B, S): the keys some query sees (a key no query sees is padding, whatever it holds)
+    last = rows[:, -1]  # (B, S): the last query's keys
+    if not last.any():
+        return None
+    first = int(torch.where(last.any(-1), last.int().argmax(-1), S).min())  # the earliest key a last query sees
+    positions = torch.arange(S, device=built.device)
+    causal = [(True, w) for w in (None, S - first) if T <= S and (w is None or first > 0)]  # no window first: W = S - first
+    for is_causal, window in [*causal, (False, None)]:
+        band = position_mask(positions[S - T :], positions, window=window) if is_causal else real.new_ones(T, S)  # (T, S)
+        if torch.equal(rows, band.expand_as(rows)):
+            return Meaning(causal=is_causal, window=window)  # keys no query sees lie outside every window
+        if torch.equal(rows, band & real[:, None, :]):
+            return Meaning(causal=is_causal, window=window, real=real)
+    return None
+
+
+#: The masks ``mask`` built that ``attend`` runs as what they stand for, by id (with a weak reference that drops the
+#: entry when the mask dies): where transformers' ``sdpa_mask`` would have answered None, and where ``_meaning`` reads it.
+_MEANINGS: dict[int, tuple[weakref.ref, Meaning]] = {}
+
+
+def _remember(built: Tensor, meaning: Meaning) -> Tensor:
+    key = id(built)
+    _MEANINGS[key] = (weakref.ref(built, lambda _: _MEANINGS.pop(key, None)), meaning)
     return built
 
 
-def _band(built: Tensor | None) -> str | None:
-    """What a prompt's mask (B, 1, T >= 2, S) stands for where it is, in every row, causal with the queries at the last T
-    of S positions: "window W" where each sees only its last W keys (a sliding layer's), "bottom-right causal" where
-    each sees every key up to its own (a chunk after cached keys); None for any other mask (padding, a static cache's
-    empty slots, packed rows). Read on the host: a row's count and one comparison of T x S bools, once a mask."""
-    if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or built.shape[2] < 2:
-        return None
-    T, S = built.shape[2], built.shape[3]
-    seen = int(built[0, 0, -1].sum())  # the last query's keys: min(W, S) in a band
-    if not 0 < seen <= S or T > S:
-        return None
-    window = seen if seen < S else None
-    device = built.device
-    if not torch.equal(built, position_mask(torch.arange(S - T, S, device=device), torch.arange(S, device=device), window=window).expand_as(built)):
-        return None
-    return f"window {window}" if window is not None else "bottom-right causal"
-
-
-#: The masks ``mask`` built where transformers' ``sdpa_mask`` would have answered None, by what
-#: they stand for ("causal": SDPA's ``is_causal``, top-left aligned, for T == S, one query, or a
-#: prefill into an empty static cache; "full": nothing masked), and the prompts' masks that are a
-#: causal band (``_band``: "window W", "bottom-right causal"), by id, for as long as each lives.
-_SKIPPABLE: dict[str, weakref.WeakValueDictionary[int, Tensor]] = {
-    "causal": weakref.WeakValueDictionary(),
-    "full": weakref.WeakValueDictionary(),
-}
-
-
-def _stands_for(attention_mask: Tensor | None) -> str | None:
-    """The meaning, "causal" or "full", of a mask ``mask`` built where transformers would have skipped it
-    (itself, not a copy); None for any other mask."""
+def _stands_for(attention_mask: Tensor | None) -> Meaning | None:
+    """What a mask ``mask`` built stands for (itself, not a copy or a slice); None for any other mask."""
     if attention_mask is None or torch.compiler.is_compiling():
         return None
-    for meaning, masks in _SKIPPABLE.items():
-        if masks.get(id(attention_mask)) is attention_mask:
-            return meaning
-    return None
+    held = _MEANINGS.get(id(attention_mask))
+    return held[1] if held is not None and held[0]() is attention_mask else None
 
 
 def attend(
@@ -235,24 +259,22 @@ def attend(
     """
     _refuse(kwargs)
     _check_bias(position_bias, query, key)
-    meaning, window = _stands_for(attention_mask), None
-    if meaning is not None and meaning not in ("causal", "full"):  # a causal band: headwise's causal, bottom-right, and window
-        attention_mask, causal = None, True
-        window = int(meaning.split()[1]) if meaning.startswith("window") else None
-    elif meaning is not None:  # a mask transformers would have skipped: run without reading it
-        attention_mask, causal = None, meaning == "causal"
+    meaning = _stands_for(attention_mask)
+    window = real = None
+    if meaning is not None:  # a mask built here: run as what it stands for, without reading it
+        attention_mask, causal, window, real = None, meaning.causal, meaning.window, meaning.real
     elif attention_mask is None:  # the model built no mask: the layer says what it is
         causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     else:
         causal = False  # the mask already holds causality
     T, S = query.shape[2], key.shape[2]
-    if meaning in (None, "causal") and attention_mask is None and causal and 1 < T < S:
+    if (meaning is None or meaning.top_left) and attention_mask is None and causal and 1 < T < S:
         # SDPA's is_causal is aligned top-left: only a prefill into an empty static cache gets
         # here, whose keys past the first T are empty slots (sdpa slices them off too)
         key, value = key[:, :, :T], value[:, :, :T]  # (B, Hkv, T, D), (B, Hkv, T, Dv)
         position_bias = None if position_bias is None else position_bias[..., :T]  # (B, H, T, T)
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
-    terms = dict(causal=causal, window=window, mask=bias, softcap=softcap, sinks=s_aux, scale=scaling)
+    terms = dict(causal=causal, window=window, mask=bias, attention_mask=real, softcap=softcap, sinks=s_aux, scale=scaling)
     context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
     weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S)
     return context.transpose(1, 2), weights  # (B, T, H, Dv)
