@@ -178,9 +178,10 @@ class Meaning:
 def _meaning(built: Tensor | None) -> Meaning | None:
     """What a mask (B, 1, T, S) stands for where it is, in every row, causal with the queries at the last T of S
     positions (each seeing its last W keys: a sliding layer's; or every key up to its own: a prompt, or a chunk after
-    cached keys) or every key, but for keys no query sees (padding, a static cache's empty slots); None for any other
-    mask (packed rows, chunks, a prefill into a static cache's first slots). Read on the host: a few passes over the
-    B x T x S bools, once a mask."""
+    cached keys) or every key, but for keys no query sees in a prompt (padding, a static cache's empty slots); None for
+    any other mask (packed rows, chunks, a prefill into a static cache's first slots) and for a decode step's padding
+    (``attention`` zeroes padded keys and values, a copy of every layer's cache a step: more than the one query's
+    masked call costs). Read on the host: a few passes over the B x T x S bools, once a mask."""
     if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or 0 in built.shape:
         return None
     rows = built[:, 0]  # (B, T, S)
@@ -196,7 +197,7 @@ def _meaning(built: Tensor | None) -> Meaning | None:
         band = position_mask(positions[S - T :], positions, window=window) if is_causal else real.new_ones(T, S)  # (T, S)
         if torch.equal(rows, band.expand_as(rows)):
             return Meaning(causal=is_causal, window=window)  # keys no query sees lie outside every window
-        if torch.equal(rows, band & real[:, None, :]):
+        if T > 1 and torch.equal(rows, band & real[:, None, :]):  # not a decode step's: see the docstring
             return Meaning(causal=is_causal, window=window, real=real)
     return None
 
