@@ -239,14 +239,22 @@ def test_a_bf16_decode_step_takes_the_fused_kernel_where_its_gemms_are_mkls_or_w
 
 @pytest.mark.parametrize("on_mkl", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_causal_prompt_is_one_call_where_mkl_runs_its_avx512_kernels_else_blocks(monkeypatch, on_mkl, dtype):
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+def test_a_causal_prompt_is_one_call_where_mkl_runs_its_avx512_kernels_else_blocks(monkeypatch, on_mkl, dtype, padded):
+    """A causal prompt, padded (left, right, a row of nothing but padding) or not, as blocks of queries over the keys
+    each sees off MKL's AVX-512 kernels (the first block of an unpadded one with is_causal), one call on them."""
     monkeypatch.setattr(plan_table, "mkl_avx512", lambda: on_mkl)
-    q, k, v = _qkv(B=1, H=4, Hkv=2, T=200, D=32, dtype=dtype)
-    plan = hw.plan(q, k, v, causal=True)
-    assert plan.runner == ("sdpa is_causal" if on_mkl else "sdpa causal blocks of 64 queries")
-    out = hw.attention(q, k, v, causal=True)
-    want = reference_attention(q, k, v, causal=True)  # (B, H, T, D) float64
+    q, k, v = _qkv(B=3, H=4, Hkv=2, T=200, D=32, dtype=dtype)
+    real = torch.ones(3, 200, dtype=torch.bool)
+    real[0, :70], real[1, 150:], real[2] = False, False, False
+    terms = dict(causal=True, attention_mask=real if padded else None)
+    plan = hw.plan(q, k, v, **terms)
+    assert plan.runner == ("sdpa" if on_mkl and padded else "sdpa is_causal" if on_mkl else "sdpa causal blocks of 64 queries")
+    out = hw.attention(q, k, v, **terms)
+    want = reference_attention(q, k, v, **terms)  # (B, H, T, D) float64
     assert float((out.double() - want).abs().max()) <= 2 * float(want.abs().max()) * (2**-8 if dtype == torch.bfloat16 else 2**-20)
+    if padded:
+        assert not out[2].any() and not out[0, :, :70].any()  # queries that see no key: zeros
 
 
 def test_the_plan_reads_the_machines_mkl_fact_once():

@@ -212,9 +212,10 @@ def causal_rows(T: int) -> int:
 
 
 def _causal_blocks(c: Call) -> bool:
-    """Eager first: a compiled graph keeps T symbolic, and comparing it would add guards."""
+    """A causal prompt over T == S keys with nothing else but padding, on the CPU. Eager first: a compiled graph keeps T
+    symbolic, and comparing it would add guards."""
     return (
-        not torch.compiler.is_compiling() and c.spec.plain_causal and c.q.device.type == "cpu" and not mkl_avx512()
+        not torch.compiler.is_compiling() and c.spec.causal_prompt and c.q.device.type == "cpu" and not mkl_avx512()
         and CAUSAL_BLOCK < c.spec.T <= CAUSAL_BLOCKS_UP_TO and c.spec.sinks is None and c.spec.dropout_p == 0.0 and not _grad(c)
     )
 
@@ -317,10 +318,10 @@ RULES: tuple[Rule, ...] = (
     Rule("sdpa flash kernel, sink through its log-sum-exp", "sdpa", AUTO_SDPA, lambda c: c.spec.sinks is not None, lambda c: sdpa.fused,
          "a sink only rescales each row: the CPU flash kernel's log-sum-exp gives context * sigmoid(lse - sink)"),
     Rule("sdpa causal blocks of {rows} queries", "sdpa", AUTO_SDPA, _causal_blocks,
-         lambda c: partial(sdpa.causal_blocks, rows=causal_rows(c.spec.T)),
-         "a causal prompt on the CPU where MKL runs no AVX-512 kernels: torch's flash kernel computes the masked half of each "
-         "key block; a few blocks over the keys each sees skip it (with MKL's AVX-512 GEMMs, on Intel CPUs, one call is the "
-         "faster)"),
+         lambda c: partial(sdpa.masked_blocks, rows=causal_rows(c.spec.T)),
+         "a causal prompt (padded or not) on the CPU where MKL runs no AVX-512 kernels: torch's flash kernel computes the masked "
+         "half of each key block; a few blocks over the keys each sees skip it (with MKL's AVX-512 GEMMs, on Intel CPUs, one "
+         "call is the faster)"),
     Rule("sdpa is_causal", "sdpa", AUTO_SDPA, lambda c: c.spec.plain_causal, lambda c: sdpa.fused,
          "causal over T == S keys with nothing else: the fused kernel's is_causal says it all, no mask"),
     Rule("sdpa", "sdpa", AUTO_SDPA, lambda c: True, lambda c: sdpa.fused,

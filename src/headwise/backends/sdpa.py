@@ -1,7 +1,7 @@
 """The "sdpa" backend: torch's fused kernels, and the terms they can carry exactly.
 
 ``fused`` is one call with every term folded into one mask (``is_causal`` where it means the
-same); ``causal_blocks`` and ``masked_blocks`` (a window, ALiBi) call it a block of queries at a time over
+same); ``masked_blocks`` (a causal prompt, a window, ALiBi) calls it a block of queries at a time over
 the keys each sees. Sinks, in any of them: the CPU flash kernel returns each row's log-sum-exp, and a sink
 only rescales a row, ``context * sigmoid(lse - sink)`` (``SinkAttention``).
 """
@@ -152,27 +152,20 @@ def row_twice(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     return _folded(twice, k, v, spec)[:, :, :1]  # (B, H, 1, Dv)
 
 
-def causal_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
-    """Plain causal attention as blocks of ``rows`` queries, each over the keys it may see:
-    (B, H, T, D) x (B, Hkv, T, D) -> (B, H, T, Dv).
+def masked_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
+    """Every term (causality, a window, ALiBi's bias, padding, a mask) folded a block of ``rows`` queries at a time, each
+    block over only the keys it may see: (B, H, T, D) -> (B, H, T, Dv).
 
-    torch's CPU flash kernel (torch 2.13) computes every score of a key block (up to 512) that a
-    query block reaches: half of a causal prompt's T x T square is masked work. Here block r0..r1
-    reads keys 0..r1 only (the first with ``is_causal``, the others with their (t, r1) mask).
+    One folded call computes every score of its (T, S) mask, and torch's CPU flash kernel (torch 2.13) computes every
+    score of a key block (up to 512) that a query block reaches, even under ``is_causal``: half of a causal prompt's
+    T x T square is masked work. Here block r0..r1 of a causal prompt reads keys 0..r1 only (the first of a plain causal
+    one with ``is_causal``, the others with their (t, r1) mask); a window's blocks compute about (W + rows) scores a
+    query; an ALiBi bias is never (H, T, S) at once.
     """
     contexts = []
-    for (r0, r1), (c0, c1) in query_blocks(spec, rows):
-        allowed = None if r0 == 0 else spec.allowed((r0, r1), (c0, c1), q.device)  # (t, r1): query r0 + i sees keys 0 .. r0 + i
-        contexts.append(_kernel(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, None, r0 == 0))  # (B, H, t, Dv)
-    return joined(contexts)  # (B, H, T, Dv)
-
-
-def masked_blocks(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, rows: int) -> Tensor:
-    """Every term (a window, ALiBi's bias, padding, a mask) folded a block of ``rows`` queries at a time, each block over
-    only the keys it may see: (B, H, T, D) -> (B, H, T, Dv). One folded call computes every score of its (T, S) mask;
-    a window's blocks compute about (W + rows) scores a query, an ALiBi bias is never (H, T, S) at once."""
-    contexts = []
     for block, (c0, c1) in query_blocks(spec, rows):
-        allowed, bias = spec.allowed(block, (c0, c1), q.device), spec.bias(block, (c0, c1), q.device, q.dtype)  # (B?, H?, t, s) each, or None
-        contexts.append(_kernel(q[:, :, block[0] : block[1]], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, False))  # (B, H, t, Dv)
+        plain = spec.plain_causal and block[0] == 0  # keys 0 .. r1 of queries 0 .. r1: is_causal says it all
+        allowed = None if plain else spec.allowed(block, (c0, c1), q.device)  # (B?, H?, t, s) or None
+        bias = spec.bias(block, (c0, c1), q.device, q.dtype)  # (B?, H?, t, s) or None
+        contexts.append(_kernel(q[:, :, block[0] : block[1]], k[:, :, c0:c1], v[:, :, c0:c1], spec, allowed, bias, plain))  # (B, H, t, Dv)
     return joined(contexts)  # (B, H, T, Dv)

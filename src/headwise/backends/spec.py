@@ -39,12 +39,17 @@ class Spec:
         return self.softcap is not None or self.alibi is not None
 
     @property
-    def plain_causal(self) -> bool:
-        """Top-left causal over T == S keys with nothing else: SDPA's ``is_causal`` says it all."""
+    def causal_prompt(self) -> bool:
+        """Top-left causal over T == S keys with nothing else but the keys' padding."""
         return (
             self.causal and self.T == self.S and self.window is None and self.mask is None
-            and self.attention_mask is None and self.documents is None and self.alibi is None
+            and self.documents is None and self.alibi is None
         )
+
+    @property
+    def plain_causal(self) -> bool:
+        """``causal_prompt`` with no padding: SDPA's ``is_causal`` says it all."""
+        return self.causal_prompt and self.attention_mask is None
 
     def allowed(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> Tensor | None:
         """Bool (1 or B, 1 or H, r1-r0, c1-c0), True = query may see key; None = every key."""

@@ -1,7 +1,7 @@
 """A causal prompt's attention on the CPU: torch's one ``is_causal`` call, blocks of queries, headwise's C++ prefill kernel.
 
 One layer's attention (GPT-2 small's heads: H = 12, D = 64) over a causal prompt of T tokens,
-inference: ``sdpa.causal_blocks`` at each block size asked for (each block of queries over the keys
+inference: ``sdpa.masked_blocks`` at each block size asked for (each block of queries over the keys
 it may see, one kernel call a block), torch's fused kernel in one call, and headwise's C++ prefill
 kernel (``backends.prefill_kernel``, where it is built, whether or not the plan takes it on this
 machine), interleaved, medians. ``auto`` names the runner ``headwise.plan`` takes for the call on
@@ -74,7 +74,7 @@ def causal_prompt(dtype: str, tokens: int, sizes: Sequence[int], *, batch: int =
         sizes = []
     else:
         ways = {"one": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # (B, H, T, D)
-        ways |= {rows: partial(sdpa.causal_blocks, q, k, v, spec, rows=rows) for rows in sizes}
+        ways |= {rows: partial(sdpa.masked_blocks, q, k, v, spec, rows=rows) for rows in sizes}
     if prefill_kernel.available():
         ways["kernel"] = partial(prefill_kernel.run, q, k, v, spec)
     want = ways["one"]().float()
