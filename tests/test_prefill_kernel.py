@@ -33,9 +33,10 @@ def _error(got, want):
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D,causal",
     [(1, 12, 12, 300, 300, 64, True), (2, 8, 2, 65, 65, 128, True), (1, 4, 1, 37, 200, 64, True), (1, 3, 3, 2, 2, 64, True),
-     (2, 6, 3, 130, 71, 64, False), (1, 2, 2, 64, 64, 128, False), (1, 4, 4, 7, 1000, 128, True)],
+     (2, 6, 3, 130, 71, 64, False), (1, 2, 2, 64, 64, 128, False), (1, 4, 4, 7, 1000, 128, True), (2, 4, 2, 100, 150, 256, True),
+     (1, 2, 1, 70, 70, 256, False)],
     ids=["GPT-2 heads, a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "two rows",
-         "every key, S < T", "one block exactly", "a short chunk after a long cache"],
+         "every key, S < T", "one block exactly", "a short chunk after a long cache", "D=256 (Gemma's), a chunk", "D=256, every key"],
 )
 def test_the_op_gives_the_references_numbers(dtype, B, H, Hkv, T, S, D, causal):
     """As close to float64 as torch's own fused kernel gets on the same call (in float32: float32 sums; in bfloat16: the
@@ -57,8 +58,8 @@ SINKS = torch.tensor([0.5, -1.0, 3.0, -30.0, 2.0, 0.0, 1.0, 9.0])  # a head's lo
 @pytest.mark.parametrize("window", [None, 1, 31, 129])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize(
-    "B,H,Hkv,T,S,D", [(1, 4, 4, 300, 300, 64), (2, 8, 2, 65, 65, 128), (1, 4, 1, 37, 200, 64), (1, 4, 4, 130, 500, 64)],
-    ids=["a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "a chunk after 370"],
+    "B,H,Hkv,T,S,D", [(1, 4, 4, 300, 300, 64), (2, 8, 2, 65, 65, 128), (1, 4, 1, 37, 200, 64), (1, 4, 4, 130, 500, 64), (1, 2, 1, 90, 90, 256)],
+    ids=["a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "a chunk after 370", "D=256"],
 )
 def test_a_window_and_sinks_give_the_references_numbers(dtype, window, sinks, B, H, Hkv, T, S, D):
     """Each query over its last ``window`` keys only (blocks of queries start at their first query's window, score tiles
@@ -99,8 +100,8 @@ def _padding(B, S, pattern):
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D,causal,window,sinks",
     [(3, 4, 2, 150, 150, 64, True, None, False), (2, 4, 4, 70, 200, 128, True, None, False), (2, 4, 1, 140, 140, 64, True, 31, True),
-     (2, 2, 2, 80, 100, 64, False, None, False), (3, 4, 4, 9, 130, 64, True, 40, False)],
-    ids=["a prompt, GQA", "a chunk after 130 cached keys, D=128", "a window and sinks", "every key", "a short chunk, a window"],
+     (2, 2, 2, 80, 100, 64, False, None, False), (3, 4, 4, 9, 130, 64, True, 40, False), (2, 2, 1, 70, 70, 256, True, None, False)],
+    ids=["a prompt, GQA", "a chunk after 130 cached keys, D=128", "a window and sinks", "every key", "a short chunk, a window", "D=256"],
 )
 def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S, D, causal, window, sinks):
     """Padding before a row's first real key (not read), after its last (not read) and between (masked), every real key
@@ -140,13 +141,13 @@ def test_a_windowed_row_reads_no_key_before_its_window():
     assert dirty[:, :, : 100 - W + 1].isnan().all()
 
 
-@pytest.mark.parametrize("causal,T,S", [(False, 126, 9), (True, 172, 507), (False, 201, 374)])
-def test_large_scores_over_a_wide_head_stay_at_float32s_error(causal, T, S):
-    """Queries 3x the keys' scale over D = 128 (scores up to ~10): each score summed over spans of the head, as a
+@pytest.mark.parametrize("causal,T,S,D", [(False, 126, 9, 128), (True, 172, 507, 128), (False, 201, 374, 128), (True, 150, 300, 256)])
+def test_large_scores_over_a_wide_head_stay_at_float32s_error(causal, T, S, D):
+    """Queries 3x the keys' scale over D = 128 or 256 (scores up to ~10): each score summed over spans of the head, as a
     blocked GEMM does, keeps the error at torch's kernel's (a single chain over 128 products gave 2.8x it)."""
-    q, k, v = _qkv(2, 12, 3, T, S, 128, torch.float32, seed=13)
+    q, k, v = _qkv(2, 12, 3, T, S, D, torch.float32, seed=13)
     q = q * 3
-    out = prefill_kernel.run(q, k, v, Spec(T=T, S=S, causal=causal, scale=128**-0.5))
+    out = prefill_kernel.run(q, k, v, Spec(T=T, S=S, causal=causal, scale=D**-0.5))
     want = variant_attention(q, k, v, causal=causal)
     mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None
     torchs = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
@@ -213,7 +214,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
         "float16": (q.half(), k.half(), v.half(), spec),
         "mixed dtypes": (q, k.bfloat16(), v.bfloat16(), spec),
-        "D = 80": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
+        "D = 48": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
         "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
         "softcap": (q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0)),

@@ -32,7 +32,7 @@ namespace {
 using namespace headwise_vectors;
 
 constexpr int64_t QUERY_ROWS = 64;  // queries an item takes: each key block widened once for them
-constexpr int64_t KEY_BLOCK = 64;   // keys a block: keys and values of 64 keys in float32 stay in L1/L2 at D = 64 or 128
+constexpr int64_t KEY_BLOCK = 64;   // keys a block: keys and values of 64 keys in float32 stay in L2 at D = 64 to 256
 constexpr int64_t LANES = 16;       // queries a vector of scores holds
 constexpr int KEYS = 8;             // keys a score tile sums at once (x 2 vectors of queries: 16 sums in registers)
 #ifdef __AVX512F__
@@ -305,12 +305,16 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const auto [lo, keys] = span(b, r0, rows);
     const bool* flags = real != nullptr ? real + b * S : nullptr;
     const float sink = sinks != nullptr ? sinks[h] : NEG_INF;
+    auto head = [&](auto size) {  // the item for this head size, known when compiled
+      item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
+                                     window, flags, scale, sink, t);
+    };
     if (D == 64) {
-      item<64, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, flags, scale,
-                  sink, t);
+      head(std::integral_constant<int, 64>{});
+    } else if (D == 128) {
+      head(std::integral_constant<int, 128>{});
     } else {
-      item<128, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal, window, flags, scale,
-                   sink, t);
+      head(std::integral_constant<int, 256>{});
     }
   });
 }
@@ -321,6 +325,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none; real: (B, S) bool,
   // False = a padded key no query sees, or none (every key real)
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
+  const int64_t D = q.size(3);
+  TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
+              "prefill_attention: queries, keys and values of one head size 64, 128 or 256, got ", D, ", ", k.size(3), ", ", v.size(3));
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == q.size(1)),
               "prefill_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
