@@ -15,9 +15,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <optional>
