@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from reference_variants import variant_attention
 
 import headwise as hw
-from headwise.backends import plan, prefill_kernel, sdpa
+from headwise.backends import plan, prefill_kernel, sdpa, softcap
 from headwise.backends.spec import Spec
 
 pytestmark = pytest.mark.skipif(not prefill_kernel.available(), reason="the C++ kernels could not be built here")
@@ -128,6 +128,51 @@ def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S
     assert torch.equal(dirty, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize(
+    "B,H,Hkv,T,S,D,window,padded",
+    [(2, 4, 2, 150, 150, 64, None, False), (1, 4, 4, 70, 200, 256, 40, False), (3, 2, 1, 90, 90, 128, None, True)],
+    ids=["a prompt, GQA", "a windowed chunk, D=256 (Gemma 2's)", "padded, D=128"],
+)
+def test_a_softcap_gives_the_references_numbers(dtype, cap, B, H, Hkv, T, S, D, window, padded):
+    """Scores taken to cap * tanh(score / cap) (Gemma 2's 50; 0.5, where most scores saturate): as close to float64 as
+    the capped blocks (tanh through expm1) that take such prompts elsewhere; in bfloat16 the reference rounded once in
+    all but a few ties."""
+    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype, seed=int(cap * 10))
+    q = (q.float() * 2).to(dtype)  # scores up to ~7: both sides of tanh's two ways (|x| < 0.4 and above)
+    real = _padding(B, S, "left") if padded else None
+    spec = Spec(T=T, S=S, causal=True, window=window, softcap=cap, attention_mask=real, scale=D**-0.5)
+    out = prefill_kernel.run(q, k, v, spec)
+    want = variant_attention(q, k, v, causal=True, window=window, softcap=cap, attention_mask=real)  # (B, H, T, D) float64
+    theirs = softcap.run(q, k, v, spec, block_elements=plan.BLOCK_ELEMENTS)  # (B, H, T, D)
+    seen = torch.ones(B, 1, T, 1, dtype=torch.bool) if real is None else (real.cumsum(-1) > 0)[:, None, -T:, None]
+    got, ref, them = (x.double().masked_fill(~seen, 0) for x in (out, want, theirs))
+    assert _error(got, ref) <= max(1.5 * _error(them, ref), 2e-6 if dtype == torch.float32 else 4e-3)
+    if dtype == torch.bfloat16:
+        assert float((got != ref.bfloat16().double()).float().mean()) < 1e-3
+
+
+def test_tanh_in_the_kernel_is_within_a_few_ulps():
+    """The kernel's tanh (softcap 1) over scores from -30 to 30 (and 0, +-1e-30, either side of 0.4 where its two ways
+    meet), each read back from queries over two keys, of scores s and 0, as log(w0 / w1) = tanh(s): against float64."""
+    s = torch.linspace(-30, 30, 4001, dtype=torch.float64)
+    s = torch.cat([s, torch.tensor([0.0, 1e-30, -1e-30, 0.39999, 0.40001, -0.4])])
+    n = s.numel()
+    # one query of ones, one key per row: key 0 has score s (q . k = s with q = e0 * 8, k = e0 * s / 8, scale 1), key 1
+    # score 0; values (1, 0, ...) and (0, 1, ...): the context is (w0, w1) = softmax(tanh(s), 0)
+    q = torch.zeros(n, 1, 8, 64)
+    q[..., 0] = 8.0
+    k = torch.zeros(n, 1, 2, 64)
+    k[:, 0, 0, 0] = (s / 8).float()
+    v = torch.zeros(n, 1, 2, 64)
+    v[:, 0, 0, 0], v[:, 0, 1, 1] = 1.0, 1.0
+    out = prefill_kernel.run(q, k, v, Spec(T=8, S=2, causal=False, softcap=1.0, scale=1.0))[:, 0, 0, :2].double()  # (n, 2)
+    logits = torch.log(out[:, 0] / out[:, 1])  # tanh(s) - 0, as the kernel's softmax held it
+    want = torch.tanh(k[:, 0, 0, 0].double() * 8)
+    assert float((logits - want).abs().max()) < 4e-7  # a few ulps of numbers up to 1, plus the softmax's own rounding
+
+
 def test_a_windowed_row_reads_no_key_before_its_window():
     """Keys and values before position 100 - W + 1 hold NaN: rows from 100 on (whose windows start past them) are as over
     finite keys, bit for bit, in blocks and tiles that start before them."""
@@ -209,6 +254,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4, sinks=torch.zeros(4)))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool)))
+    assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0))
     refused = {
         "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
         "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
@@ -217,7 +263,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "D = 48": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
         "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
-        "softcap": (q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0)),
+        "ALiBi": (q, k, v, Spec(T=16, S=16, causal=True, alibi=torch.ones(1, 4))),
         "dropout": (q, k, v, Spec(T=16, S=16, causal=True, dropout_p=0.1)),
         "causal over fewer keys than queries": (q, k[:, :, :8], v[:, :, :8], Spec(T=16, S=8, causal=True)),
         "strided rows": (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, spec),

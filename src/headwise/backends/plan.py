@@ -294,7 +294,7 @@ RULES: tuple[Rule, ...] = (
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule(PREFILL_KERNEL, "sdpa", AUTO_SDPA, _prefill_kernel, lambda c: prefill_kernel.run,
          "a prompt's rows on an AMD-style CPU (torch's kernels on AVX-512, MKL's GEMMs not), every key seen or causal (a "
-         "window too), sinks or not, padded keys or not, and nothing but the scale, no autograd: one C++ pass a block of queries, float32 "
+         "window too), sinks, padded keys, a softcap or not, nothing else but the scale, no autograd: one C++ pass a block of queries, float32 "
          "sums in registers, a causal block reading only the keys its queries see (from its first query's window on, not the padding "
          "before its row's first real key), beats torch's flash kernel, whose block GEMMs run slowly there (and which reads padding "
          "as a whole mask)"),

@@ -7,7 +7,7 @@
 // block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
 // its last query, before its first query's window). A head's sink logit (gpt-oss's) joins each row's sum at the end.
 // Padded keys (a row's flags, False = padding) are seen by no query: those before its first real key and after its
-// last are not read, those between are masked.
+// last are not read, those between are masked. A softcap (Gemma 2's) takes each score to cap * tanh(score / cap).
 // bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
 // each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
 // the keys not widened; the softmax and the context as above.
@@ -136,6 +136,25 @@ __attribute__((target("avx512f,avx512bf16"))) void scores_pairs(const uint32_t* 
 bool pairs_here() { return false; }
 #endif
 
+// tanh(x) of 16 floats within a few float32 ulps: for |x| < 0.4 its odd Taylor series to x^15 (the first term left out
+// is below 1e-8 of the value), else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.45 (no cancellation). NaN stays
+// NaN; +-inf gives +-1.
+inline f16v tanh16(f16v x) {
+  const f16v a = x < 0.f ? -x : x, y = a * a;
+  f16v p = f16v{} + (-929569.f / 638512875.f);  // Horner's rule over x^2, from the x^15 term down
+  p = p * y + 21844.f / 6081075.f;
+  p = p * y + -1382.f / 155925.f;
+  p = p * y + 62.f / 2835.f;
+  p = p * y + -17.f / 315.f;
+  p = p * y + 2.f / 15.f;
+  p = p * y + -1.f / 3.f;
+  const f16v small = a + a * (y * p);
+  const f16v e = exp16(-2.f * a);
+  const f16v large = (1.f - e) / (1.f + e);
+  const f16v t = a < 0.4f ? small : large;
+  return x < 0.f ? -t : t;
+}
+
 // The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
 // by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position), and with a window W > 0 also
 // c0 + j > pos + i - W (a padded key's scores are -inf already). Scores become the weights exp(score - new max), 0
@@ -194,10 +213,10 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
           int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, const bool* real, float scale, float sink,
-          Scratch& t) {
+          float cap, Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; lo .. keys - 1: the keys it reads (lo > 0: those
   // before its first query's window, or padding, left out); real: the row's key flags (nullptr: every key real); sink:
-  // the head's sink logit (-inf: none)
+  // the head's sink logit (-inf: none); cap: the scores' softcap (0: none)
   constexpr bool half = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
   if (!pairs) {
@@ -243,6 +262,12 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
         scores_tile<D>(t.qt.data() + r0, t.k.data() + j0 * D, scale, w);
       }
     }
+    for (int64_t j = 0; cap > 0.f && j < n; ++j) {  // capped: cap * tanh(score / cap) (scores not computed are masked later)
+      for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
+        float* w = t.w.data() + j * QUERY_ROWS + r0;
+        store16(w, cap * tanh16(load16(w) * (1.f / cap)));
+      }
+    }
     for (int64_t j = 0; real != nullptr && j < n; ++j) {  // a padded key's scores (which may be anything): seen by no query
       if (!real[c0 + j]) std::fill_n(t.w.data() + j * QUERY_ROWS, QUERY_ROWS, NEG_INF);
     }
@@ -272,7 +297,7 @@ inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? st
 // D), stored as (B, T, H, D)
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window, float scale,
-             const float* sinks, const bool* real, at::Tensor& out) {
+             const float* sinks, const bool* real, float cap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
   const int64_t blocks = (Tq + QUERY_ROWS - 1) / QUERY_ROWS, off = S - Tq;
   const T* qp = q.data_ptr<T>();
@@ -307,7 +332,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     const float sink = sinks != nullptr ? sinks[h] : NEG_INF;
     auto head = [&](auto size) {  // the item for this head size, known when compiled
       item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
-                                     window, flags, scale, sink, t);
+                                     window, flags, scale, sink, cap, t);
     };
     if (D == 64) {
       head(std::integral_constant<int, 64>{});
@@ -320,11 +345,14 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                             int64_t window, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& real) {
+                             int64_t window, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& real,
+                             double softcap) {
   // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves; sinks: (H,) float32
   // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none; real: (B, S) bool,
-  // False = a padded key no query sees, or none (every key real)
+  // False = a padded key no query sees, or none (every key real); softcap: scores become softcap * tanh(score / softcap)
+  // (Gemma 2's), 0 for none
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
+  TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be > 0, or 0 for none, got ", softcap);
   const int64_t D = q.size(3);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
               "prefill_attention: queries, keys and values of one head size 64, 128 or 256, got ", D, ", ", k.size(3), ", ", v.size(3));
@@ -339,9 +367,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, out);
+    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, static_cast<float>(softcap), out);
   } else {
-    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, out);
+    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, static_cast<float>(softcap), out);
   }
   return out;
 }
