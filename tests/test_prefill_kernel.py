@@ -129,17 +129,18 @@ def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("cap", [1e-6, 0.5, 5.0, 50.0, 1e30])
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D,window,padded",
     [(2, 4, 2, 150, 150, 64, None, False), (1, 4, 4, 70, 200, 256, 40, False), (3, 2, 1, 90, 90, 128, None, True)],
     ids=["a prompt, GQA", "a windowed chunk, D=256 (Gemma 2's)", "padded, D=128"],
 )
 def test_a_softcap_gives_the_references_numbers(dtype, cap, B, H, Hkv, T, S, D, window, padded):
-    """Scores taken to cap * tanh(score / cap) (Gemma 2's 50; 0.5, where most scores saturate): as close to float64 as
+    """Scores taken to cap * tanh(score / cap) (Gemma 2's 50; 0.5, where most scores saturate; the ends of the range taken, 1e-6
+    and 1e30): as close to float64 as
     the capped blocks (tanh through expm1) that take such prompts elsewhere; in bfloat16 the reference rounded once in
     all but a few ties."""
-    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype, seed=int(cap * 10))
+    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype, seed=11)
     q = (q.float() * 2).to(dtype)  # scores up to ~7: both sides of tanh's two ways (|x| < 0.4 and above)
     real = _padding(B, S, "left") if padded else None
     spec = Spec(T=T, S=S, causal=True, window=window, softcap=cap, attention_mask=real, scale=D**-0.5)
