@@ -161,7 +161,7 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     return built if meaning is None else _remember(built, meaning)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: a tensor field has no truth value to compare by
 class Meaning:
     """What a mask ``mask`` built stands for, which ``attend`` runs in place of reading it: causal (the queries at the
     last T of S positions, each seeing its last ``window`` keys where one is set) or every key, of the keys that
