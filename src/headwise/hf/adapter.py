@@ -121,10 +121,10 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     so the mask is always built. Where transformers would have skipped it, ``attend`` recognises
     the very tensor returned here and runs without reading it (causal, or nothing masked); so too
     where it is, in every row, causal over the last T of S positions (a sliding window or not) or
-    every key, but for padded keys (``_meaning``: a batch's padding, a static cache's empty slots):
-    ``attend`` runs it as ``causal``, ``window`` and a (B, S) ``attention_mask``, which the prompt
-    and decode kernels take. A copy or a slice of it is read as the mask it is, and so is any other
-    mask (packed rows, chunks, a prefill into a static cache). Under ``torch.compile`` every mask is
+    every key, but for a prompt's padded keys (``_meaning``: a batch's padding, a static cache's
+    empty slots): ``attend`` runs it as ``causal``, ``window`` and a (B, S) ``attention_mask``, which
+    the prompt kernel takes. A copy or a slice of it is read as the mask it is, and so is any other
+    mask (packed rows, chunks, a prefill into a static cache, a decode step's padding). Under ``torch.compile`` every mask is
     read. The cost: a skippable mask is built (T * S bools when nothing is padded, once per forward:
     the layers share it) where transformers would build none, and each other mask is compared once
     with what it may stand for (a few passes over its B * T * S bools).
