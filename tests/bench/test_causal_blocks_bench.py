@@ -26,7 +26,7 @@ def test_each_block_size_is_timed_beside_one_call_and_the_plans_choice_is_named(
 
 
 def test_blocks_that_disagree_with_one_call_are_an_error_not_a_row(monkeypatch):
-    monkeypatch.setattr(sdpa, "causal_blocks", lambda q, k, v, spec, rows: torch.zeros_like(q))
+    monkeypatch.setattr(sdpa, "masked_blocks", lambda q, k, v, spec, rows: torch.zeros_like(q))
     with pytest.raises(RuntimeError, match=r"blocks of 64 queries are .* from one call \(fp32, T = 100\)"):
         bench.causal_prompt("fp32", 100, [64], batch=1, repeats=1)
 
