@@ -126,8 +126,8 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     the prompt kernel takes. A copy or a slice of it is read as the mask it is, and so is any other
     mask (packed rows, chunks, a prefill into a static cache, a decode step's padding). Under ``torch.compile`` every mask is
     read. The cost: a skippable mask is built (T * S bools when nothing is padded, once per forward:
-    the layers share it) where transformers would build none, and each other mask is compared once
-    with what it may stand for (a few passes over its B * T * S bools).
+    the layers share it) where transformers would build none, and each other mask is compared with
+    what it may stand for (its last row first, then once in full: B * T * S bools, eight a word).
 
     An architecture none of whose attention layers calls the interface (Bloom, MPT, XGLM, ...)
     still builds its masks here: it is refused by name (``routing.never_routed``).
@@ -181,12 +181,12 @@ def _meaning(built: Tensor | None) -> Meaning | None:
     cached keys) or every key, but for keys no query sees in a prompt (padding, a static cache's empty slots); None for
     any other mask (packed rows, chunks, a prefill into a static cache's first slots) and for a decode step's padding
     (``attention`` zeroes padded keys and values, a copy of every layer's cache a step: more than the one query's
-    masked call costs). Read on the host: a few passes over the B x T x S bools, once a mask."""
+    masked call costs). Read on the host: one comparison of the B x T x S bools a candidate (a last row's first), once
+    a mask."""
     if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or 0 in built.shape:
         return None
     rows = built[:, 0]  # (B, T, S)
-    T, S = rows.shape[1:]
-    real = rows.any(1)  # (B, S): the keys some query sees (a key no query sees is padding, whatever it holds)
+    B, T, S = rows.shape
     last = rows[:, -1]  # (B, S): the last query's keys
     if not last.any():
         return None
@@ -194,12 +194,27 @@ def _meaning(built: Tensor | None) -> Meaning | None:
     positions = torch.arange(S, device=built.device)
     causal = [(True, w) for w in (None, S - first) if T <= S and (w is None or first > 0)]  # no window first: W = S - first
     for is_causal, window in [*causal, (False, None)]:
-        band = position_mask(positions[S - T :], positions, window=window) if is_causal else real.new_ones(T, S)  # (T, S)
-        if torch.equal(rows, band.expand_as(rows)):
-            return Meaning(causal=is_causal, window=window)  # keys no query sees lie outside every window
-        if T > 1 and torch.equal(rows, band & real[:, None, :]):  # not a decode step's: see the docstring
-            return Meaning(causal=is_causal, window=window, real=real)
+        band = position_mask(positions[S - T :], positions, window=window) if is_causal else last.new_ones(T, S)  # (T, S)
+        # each key's flag read where the band's first query to see it sees it (False where none does): a real key if
+        # the mask is the band's
+        witness = (positions - (S - T)).clamp(0, T - 1) if is_causal else positions.new_full((S,), T - 1)  # (S,)
+        real = rows[:, witness, positions] & band[witness, positions]  # (B, S)
+        if not torch.equal(last, band[-1] & real):  # the last query's keys first: (B, S), a cheap look
+            continue
+        seen = max(0, S - T - window + 1) if window is not None else 0  # the first key the band shows any query
+        padded = not bool(real[:, seen:].all())  # else the keys no query sees lie outside every window
+        if padded and T == 1:  # a decode step's padding: see the docstring
+            continue
+        if all(_same(rows[b], band & real[b]) for b in range(B)):  # (T, S) a row, not (B, T, S) at once
+            return Meaning(causal=is_causal, window=window, real=real if padded else None)
     return None
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """``torch.equal`` of two bool tensors of one shape, eight bools a word where their rows allow it (one byte each)."""
+    if a.shape[-1] % 8 == 0 and a.is_contiguous() and b.is_contiguous():
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+    return torch.equal(a, b)
 
 
 #: The masks ``mask`` built that ``attend`` runs as what they stand for, by id (with a weak reference that drops the
