@@ -62,6 +62,55 @@ def test_padding_is_masked_and_a_row_without_keys_is_zeros(dtype):
     assert not out[2].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "H,Hkv,S,D,terms",
+    [(6, 2, 70, 64, {"softcap": 2.0}), (4, 4, 33, 128, {"softcap": 50.0}), (6, 3, 19, 80, {"softcap": 1.0}),
+     (6, 2, 70, 64, {"sinks": "random"}), (8, 1, 5, 64, {"sinks": "large"}), (6, 2, 70, 64, {"window": 17}),
+     (4, 4, 129, 128, {"window": 128}), (6, 2, 90, 64, {"window": 40, "softcap": 3.0, "sinks": "random", "padded": True}),
+     (6, 3, 19, 80, {"sinks": "random", "padded": True})],
+    ids=["softcap 2", "softcap 50 D=128", "softcap 1 D=80 (plain loops, a tail)", "sinks", "sinks above every score",
+         "window 17", "window 128 of 129", "window, softcap, sinks, padding", "sinks, padding, D=80"],
+)
+def test_softcap_sinks_and_a_window_give_the_references_numbers(dtype, H, Hkv, S, D, terms):
+    """Each term as the float64 reference defines it: scores capped by tanh, each head's sink in its softmax with no
+    value, a window's query at position S - 1 seeing its last W keys, and padding among them."""
+    terms = dict(terms)
+    q, k, v = _qkv(B=3, H=H, Hkv=Hkv, S=S, D=D, dtype=dtype)
+    k = k * 4  # scores well past the softcaps' knees
+    g = torch.Generator().manual_seed(3)
+    kind = terms.pop("sinks", None)
+    sinks = None if kind is None else torch.randn(H, generator=g) * 2 + (20.0 if kind == "large" else 0.0)
+    real = None
+    if terms.pop("padded", False):
+        real = torch.arange(S).expand(3, S) >= torch.tensor([[0], [S // 3], [S - 2]])  # (B, S): rows 1 and 2 left-padded
+    spec = Spec(T=1, S=S, causal=True, attention_mask=real, sinks=sinks, scale=D**-0.5, **terms)
+    assert hw.plan(q, k, v, causal=True, attention_mask=real, sinks=sinks, **terms).runner == KERNEL
+    out = decode_kernel.run(q, k, v, spec)
+    want = variant_attention(q, k, v, causal=True, attention_mask=real, sinks=sinks, **terms)  # (B, H, 1, D) float64
+    assert out.shape == (3, H, 1, D) and out.dtype == dtype
+    assert float((out.double() - want).abs().max()) <= _bound(dtype, want)
+
+
+def test_a_sink_with_no_key_seen_gives_zeros_and_the_softcaps_tanh_is_close():
+    q, k, v = _qkv(B=2, S=20)
+    real = torch.ones(2, 20, dtype=torch.bool)
+    real[1] = False  # row 1 sees no key: zeros, sink or not (as the reference and the prompt kernel give)
+    out = decode_kernel.run(q, k, v, Spec(T=1, S=20, causal=True, attention_mask=real, sinks=torch.full((6,), 3.0), scale=0.125))
+    assert not out[1].any() and out[0].abs().sum() > 0
+    # one key per score, the values one-hot: the weights are the capped scores' softmax, each within float32 ulps
+    S, D, cap = 61, 64, 7.0
+    scores = torch.linspace(-60, 60, S, dtype=torch.float64)
+    qq = torch.zeros(1, 1, 1, D)
+    qq[..., 0] = 1.0
+    kk = torch.zeros(1, 1, S, D)
+    kk[0, 0, :, 0] = scores.float()
+    vv = torch.eye(S, D).view(1, 1, S, D)
+    got = torch.ops.headwise.decode_attention(qq, kk, vv, None, 1.0, cap, None)[0, 0, 0, :S].double()
+    want = torch.softmax(cap * torch.tanh(scores / cap), 0)
+    assert float(((got - want).abs() / want).max()) <= 4e-6
+
+
 def test_the_softmax_weights_over_a_wide_range_of_scores():
     """The exponentials (16 lanes at a time, then a tail) over scores spread far below the row's largest: each softmax
     weight within a few float32 ulps of float64's, and those below float32's normal range 0 or as small."""
@@ -103,8 +152,12 @@ def test_the_plan_takes_it_for_a_decode_step_it_computes(monkeypatch, traced):
     assert _plan(q, k, v, causal=True, backend="math") == (SUMMED if traced else "math, every score at once")  # math's own way
     assert _plan(q, k, v, causal=True, attention_mask=torch.ones(2, 40, dtype=torch.bool)) == KERNEL
     assert _plan(*(t.bfloat16() for t in (q, k, v)), causal=True) == KERNEL
-    for terms in ({"window": 8}, {"softcap": 5.0}, {"sinks": torch.zeros(6)}, {"alibi_slopes": torch.ones(6)},
-                  {"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
+    for terms in ({"softcap": 5.0}, {"sinks": torch.zeros(6)}):
+        assert _plan(q, k, v, causal=True, **terms) == KERNEL, terms
+    assert _plan(q, k, v, causal=True, window=8) == (SUMMED if traced else KERNEL)  # traced: no comparison of S to W
+    with torch.enable_grad():
+        assert _plan(q, k, v, causal=True, sinks=torch.zeros(6, requires_grad=True)) != KERNEL  # a sink to train: no backward
+    for terms in ({"alibi_slopes": torch.ones(6)}, {"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
         runner = _plan(q, k, v, causal=True, **terms)
         assert (runner == SUMMED) if traced else (runner != KERNEL), terms  # traced: math's sums; eager: the other rules
     assert _plan(*(t.half() for t in (q, k, v)), causal=True) != KERNEL

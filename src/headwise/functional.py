@@ -195,6 +195,8 @@ def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCal
     than it, at this step or a later one) is not its call: such a step runs ``_run``'s cut (``arguments.for_run``)."""
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
+    if spec.softcap is not None or spec.sinks is not None:  # the kernel's, but not the one op's (``decode_kernel.step``)
+        return None
     if spec.window is not None and spec.window < cache.k.shape[2]:
         return None
     stored, S = cache.dtype, len(cache) + 1
@@ -292,7 +294,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         >>> k = v = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16)  # two query heads per key head
         >>> print(plan(q, k, v, causal=True).runner)  # a decode step on the CPU: headwise's C++ kernel, where built
         C++ decode kernel, each key head's queries in one pass
-        >>> print(plan(q, k, v, causal=True, softcap=30.0).runner)  # a term the kernel does not compute
+        >>> print(plan(q, k, v, causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])).runner)  # a term it does not compute
         math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)

@@ -1,8 +1,8 @@
 // One query row per head over its keys, the whole attention in one pass per key head: scores,
 // softmax, weighted sum, float32 throughout, each key and value row read once for all the query
 // heads that share it. Keys and values are float32, bfloat16 or 8-bit rows (an int8 KVCache's: a
-// row of D int8 values, then its float32 scale; value d is x[d] * scale). Two ops over one core: a dense cache (decode_attention) and the blocks of a
-// paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
+// row of D int8 values, then its float32 scale; value d is x[d] * scale). Two ops over one core: a dense cache (decode_attention,
+// with a softcap and sinks or not) and the blocks of a paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
 // instruction set torch runs its own kernels with; the ops' schemas live on the Python side, which
 // also checks what it passes (devices, dtypes, shapes, rows contiguous).
 //
@@ -415,6 +415,23 @@ inline void ahead(const Run<T>& r, int64_t stride) {
   if (r.n * stride * static_cast<int64_t>(sizeof(T)) < PAGE) rows_in(r.p, r.n, stride);
 }
 
+// w[j] = cap * tanh(w[j] / cap) for j < n (tanh16: within a few float32 ulps)
+inline void capped(float* w, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const f16v x = cap * tanh16(load16(w + j) * inv);
+    __builtin_memcpy(w + j, &x, sizeof x);
+  }
+  if (j < n) {  // the last few, through a padded copy
+    float tail[16] = {};
+    std::copy(w + j, w + n, tail);
+    const f16v x = cap * tanh16(load16(tail) * inv);
+    __builtin_memcpy(tail, &x, sizeof x);
+    std::copy(tail, tail + (n - j), w + j);
+  }
+}
+
 // Scratch of one thread: the query rows in float32, the scores (G, S), the sums (G, Dv), a row's padding, its runs.
 template <typename T>
 struct Scratch {
@@ -424,13 +441,14 @@ struct Scratch {
 };
 
 // The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
-// rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real):
-// out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's first run of key rows (stride ks),
+// rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real), each score taken to
+// cap * tanh(score / cap) where cap > 0 (Gemma 2's softcap), sinks[g] (nullptr: none) a logit of query head g that joins
+// its softmax with no value (gpt-oss's): out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's first run of key rows (stride ks),
 // asked into L2 as this item's values are summed (its row j beside this item's value row j), or none (n = 0).
 template <typename T, typename Q, typename O>
 void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
-                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, O* out, Scratch<T>& t,
-                 Run<T> next = {nullptr, 0}) {
+                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, float cap, const float* sinks, O* out,
+                 Scratch<T>& t, Run<T> next = {nullptr, 0}) {
   t.q.resize(G * D);
   t.w.resize(G * S);
   t.acc.assign(G * Dv, 0.f);
@@ -449,7 +467,8 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     }
     at += r.n;
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, each row's max taken out; masked keys 0
+  if (cap > 0.f) capped(t.w.data(), G * S, cap);  // before the padding's -inf (a padded key's score may be anything)
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, each row's max (or its sink, if larger) taken out; masked keys 0
     float* wg = t.w.data() + g * S;
     if (real != nullptr) {
       for (int64_t j = 0; j < S; ++j) wg[j] = real[j] ? wg[j] : -std::numeric_limits<float>::infinity();
@@ -460,7 +479,8 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
       std::fill(wg, wg + S, 0.f);
       continue;
     }
-    t.total[g] = exp_sum(wg, S, top);
+    const float sink = sinks != nullptr ? sinks[g] : -std::numeric_limits<float>::infinity(), most = std::max(top, sink);
+    t.total[g] = exp_sum(wg, S, most) + (sinks != nullptr ? std::exp(sink - most) : 0.f);  // the sink's share: no value
   }
   at = 0;
   for (size_t i = 0; i < values.size(); ++i) {
@@ -483,10 +503,10 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
 }
 
 // q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous (8-bit rows: D + 4 and Dv + 4
-// elements, the scale last), real (B, S) bool or none
+// elements, the scale last), real (B, S) bool or none, cap the softcap (0: none), sinks (H,) float32 or nullptr
 template <typename T, typename Q>
 void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
-           float scale) {
+           float scale, float cap, const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
   const Q* qp = q.data_ptr<Q>();
@@ -506,8 +526,8 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
       for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
-    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale,
-                         op + (b * H + h * G) * Dv, t, next);
+    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, cap,
+                         sinks != nullptr ? sinks + h * G : nullptr, op + (b * H + h * G) * Dv, t, next);
   });
 }
 
@@ -563,23 +583,30 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
       }
       return true;
     });
-    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale,
-                         op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
+    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, 0.f,
+                         nullptr, op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
 
+// softcap: scores become softcap * tanh(score / softcap) (0: none); sinks: (H,) float32 logits, one a query head, or none
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
-                            double scale) {
+                            double scale, double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                                     sinks->size(0) == q.size(1)),
+              "decode_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
   const at::Tensor qc = q.contiguous();
+  const float cap = static_cast<float>(softcap);
+  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const bool rows8 = k.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
   at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);
   if (k.scalar_type() == at::kBFloat16) {
-    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s);
+    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, cap, sp);
   } else if (rows8) {
-    dense<int8_t, float>(qc, k, v, real, out, s);
+    dense<int8_t, float>(qc, k, v, real, out, s, cap, sp);
   } else {
-    dense<float, float>(qc, k, v, real, out, s);
+    dense<float, float>(qc, k, v, real, out, s, cap, sp);
   }
   return out;
 }
@@ -833,7 +860,7 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const Slots where{nullptr, start};
   std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, where);  // in one pass, or:
   if (!turned.has_value()) turned = turned_and_written_aten(q, k, v, cos, sin, k_cache, v_cache, where, std::nullopt);
-  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale)
+  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, 0.0, std::nullopt)
                                  .to(q.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }

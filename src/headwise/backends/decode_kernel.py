@@ -4,8 +4,10 @@ Two ops over one core (``decode_attention.cpp``): each key head's G query heads 
 values together (scores, softmax and the weighted sum in float32, each row of keys and values
 read once), the context in the queries' dtype, zeros for a row that sees no key.
 
-- ``headwise::decode_attention(q, k, v, real, scale)``: (B, H, 1, D) queries over a dense cache's
-  (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), -> (B, H, 1, Dv);
+- ``headwise::decode_attention(q, k, v, real, scale, softcap=0, sinks=None)``: (B, H, 1, D) queries over a dense
+  cache's (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), each score taken to
+  softcap * tanh(score / softcap) where softcap > 0 (tanh within a few float32 ulps, as the prompt kernel's), ``sinks``
+  (H,) float32 logits that join each head's softmax with no value, or None -> (B, H, 1, Dv);
   or float32 queries over an 8-bit cache's rows (B, Hkv, S, D + 4) and (B, Hkv, S, Dv + 4) int8
   (``headwise.cache.quantize_rows``), each value read as ``dequantize_rows`` reads it: the same bits
   as the kernel over those rows read back in float32.
@@ -31,7 +33,9 @@ from .spec import Spec
 #: The dtypes the kernel reads and writes (queries, keys and values; sums in float32).
 DTYPES = (torch.float32, torch.bfloat16)
 
-torch.library.define("headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale) -> Tensor")
+torch.library.define(
+    "headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
+)
 torch.library.define(
     "headwise::decode_step",
     "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, "
@@ -50,7 +54,7 @@ torch.library.define(
 
 
 @torch.library.register_fake("headwise::decode_attention")
-def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
+def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3] - (SCALE_BYTES if v.dtype == torch.int8 else 0))  # (B, H, 1, Dv)
 
 
@@ -68,24 +72,33 @@ def available() -> bool:
 
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``decode_attention`` computes this call: one query per row on the CPU, float32 or bfloat16 operands of
-    one dtype, key and value rows contiguous, every key seen but padding (no window left, no mask or documents) and
-    nothing but the scale (no softcap, ALiBi, sinks or dropout)."""
+    one dtype, key and value rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no
+    mask or documents, a softcap and sinks (none that wants a gradient) or not, and no ALiBi or dropout."""
+    s = spec
     return (
         q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-        and k.stride(-1) == 1 and v.stride(-1) == 1 and spec.window is None and spec.mask is None and spec.documents is None
-        and not spec.changes_scores and spec.sinks is None and spec.dropout_p == 0.0
+        and k.stride(-1) == 1 and v.stride(-1) == 1 and s.mask is None and s.documents is None and s.alibi is None
+        and s.dropout_p == 0.0 and (s.window is None or (s.causal and not torch.compiler.is_compiling()))
+        and not (s.sinks is not None and torch.is_grad_enabled() and s.sinks.requires_grad)
     )
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv) -> (B, H, 1, Dv): the runner of a call ``takes`` accepts."""
-    return dense(q, k, v, spec.attention_mask, spec.scale)
+    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv) -> (B, H, 1, Dv): the runner of a call ``takes`` accepts. A
+    window's query (at position S - 1) sees the last W keys: the op reads those alone (views, nothing copied)."""
+    real, S = spec.attention_mask, spec.S
+    if spec.window is not None and spec.window < S:
+        k, v = k[:, :, S - spec.window :], v[:, :, S - spec.window :]  # (B, Hkv, W, D), (B, Hkv, W, Dv)
+        real = None if real is None else real[:, S - spec.window :]  # (B, W)
+    sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
+    return dense(q, k, v, real, spec.scale, spec.softcap or 0.0, sinks)
 
 
-def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float) -> Tensor:
-    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv), ``real`` (B, S) bool or None -> (B, H, 1, Dv): ``run``'s op, for a
-    decode step whose plan was made once (``functional.decode_kernel_call``)."""
-    return torch.ops.headwise.decode_attention(q, k, v, real, scale)
+def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv), ``real`` (B, S) bool or None, the softcap (0: none), ``sinks`` (H,)
+    float32 or None -> (B, H, 1, Dv): ``run``'s op, for a decode step whose plan was made once
+    (``functional.decode_kernel_call``)."""
+    return torch.ops.headwise.decode_attention(q, k, v, real, scale, softcap, sinks)
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,

@@ -169,7 +169,7 @@ def _compiled_decode(c: Call) -> bool:
 
 def _kernel(c: Call) -> bool:
     """``_cpu_decode`` that the C++ decode kernel computes (``decode_kernel.takes``: float32 or bfloat16, every key
-    seen, nothing but the scale), where it is built (``decode_kernel.available``: built at the first such call, once
+    seen or a causal window's, padding, a softcap and sinks or not, no mask, documents or ALiBi), where it is built (``decode_kernel.available``: built at the first such call, once
     per machine and torch version, then loaded from torch's extension cache)."""
     return _cpu_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
 
@@ -275,9 +275,10 @@ RULES: tuple[Rule, ...] = (
          "dropout_p=1 drops every weight: torch's dropout multiplies the weights by zero (zero context, zero gradients), "
          "where a fused kernel would scale the kept weights by 1 / (1 - p) = inf"),
     Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _kernel, lambda c: decode_kernel.run,
-         "one float32 or bfloat16 query per row on the CPU, every key seen and nothing but the scale: one C++ pass per "
-         "key head (scores, softmax, weighted sum on vectors, each key and value row read once for the query heads sharing "
-         "it) beats torch's fused kernel and two matmuls eagerly, and inductor's loops for the same sums in a compiled step"),
+         "one float32 or bfloat16 query per row on the CPU, every key seen or (eager) a window's last keys, padding, a softcap "
+         "and sinks or not, no mask, documents or ALiBi: one C++ pass per key head (scores, softmax, weighted sum on vectors, "
+         "each key and value row read once for the query heads sharing it) beats torch's fused kernel, the capped blocks and "
+         "two matmuls eagerly, and inductor's loops for the same sums in a compiled step"),
     Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
          "one query per row under torch.compile on the CPU: products and sums, which inductor fuses into loops that read "
          "each key and value once in their own dtype, beat the fused kernel's call and the matmuls in a compiled step"),

@@ -136,25 +136,6 @@ __attribute__((target("avx512f,avx512bf16"))) void scores_pairs(const uint32_t* 
 bool pairs_here() { return false; }
 #endif
 
-// tanh(x) of 16 floats within a few float32 ulps: for |x| < 0.4 its odd Taylor series to x^15 (the first term left out
-// is below 1e-8 of the value), else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.45 (no cancellation). NaN stays
-// NaN; +-inf gives +-1.
-inline f16v tanh16(f16v x) {
-  const f16v a = x < 0.f ? -x : x, y = a * a;
-  f16v p = f16v{} + (-929569.f / 638512875.f);  // Horner's rule over x^2, from the x^15 term down
-  p = p * y + 21844.f / 6081075.f;
-  p = p * y + -1382.f / 155925.f;
-  p = p * y + 62.f / 2835.f;
-  p = p * y + -17.f / 315.f;
-  p = p * y + 2.f / 15.f;
-  p = p * y + -1.f / 3.f;
-  const f16v small = a + a * (y * p);
-  const f16v e = exp16(-2.f * a);
-  const f16v large = (1.f - e) / (1.f + e);
-  const f16v t = a < 0.4f ? small : large;
-  return x < 0.f ? -t : t;
-}
-
 // The softmax carried over one more block for 16 queries (w offset to them, rows j < n of their scores): key j is seen
 // by lane i where j < n and, causal, c0 + j <= pos + i (pos the first lane's position), and with a window W > 0 also
 // c0 + j > pos + i - W (a padded key's scores are -inf already). Scores become the weights exp(score - new max), 0
