@@ -35,3 +35,20 @@ def test_small_runs_give_a_table_and_the_packed_peaks_follow_the_documents():
     assert table.count("\n") == len(ways) + 1 and "one after another" in table  # one line per way, both modes on it
     causal = next(line for line in table.splitlines() if "| headwise causal |" in line)
     assert causal.count("1.00x") == 2  # the baseline of both modes
+
+
+def test_the_decode_terms_time_each_way_and_the_rules_without_the_kernel_give_the_same_numbers():
+    """A decode step's terms: every way timed against plain causal, and the runner the rules give without the C++ decode
+    kernel (the bench's "before") computing what ``attention`` computes."""
+    rows = V.decode_terms(context=40, heads=4, kv_heads=2, head_dim=16, window=8, calls=2, repeats=1, warmup=0)
+    ways = {r.way for r in rows}
+    assert ways >= {"headwise causal", "headwise softcap", "headwise sinks", "headwise window 8",
+                    "headwise sinks, rules without the decode kernel"}
+    assert all(r.ms is not None and r.ms > 0 for r in rows if not r.note)
+    assert next(r for r in rows if r.way == "headwise causal").vs_baseline == 1.0
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    for kw in ({"softcap": 2.0}, {"sinks": torch.randn(4, generator=g)}, {"window": 8}):
+        spec = V.Spec(T=1, S=40, causal=True, scale=0.25, **kw)
+        torch.testing.assert_close(V.without_decode_kernel(q, k, v, spec), V.attention(q, k, v, causal=True, **kw), atol=2e-6, rtol=0)

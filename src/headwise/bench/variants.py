@@ -8,7 +8,10 @@
   and gpt-oss's ``eager_attention_forward``), forward and forward+backward. For softcap, the
   ways tried beside the one kept: the blocked math with ``torch.tanh`` differentiated by
   autograd (every block's weights kept for the backward), and (``--flex``, which compiles
-  and needs a C++ compiler) torch's ``flex_attention`` with a softcap ``score_mod``.
+  and needs a C++ compiler) torch's ``flex_attention`` with a softcap ``score_mod``;
+- a decode step's softcap, sinks and window (one query over a cache of S keys, ``decode_terms``): headwise's way
+  (the plan's: the C++ decode kernel where built) against the way its rules take without that kernel, plain causal
+  headwise and transformers' eager functions, float32 and bfloat16, each way called ``calls`` times a timing.
 
 ``python -m headwise.bench.variants`` or ``headwise bench --variants`` prints the tables.
 """
@@ -199,6 +202,55 @@ def terms(batch: int = 4, tokens: int = 1024, heads: int = 12, head_dim: int = 6
     return rows
 
 
+def without_decode_kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """The runner ``plan.RULES`` gives a call when the C++ decode kernel's rule is left out (what runs where it is not
+    built): (B, H, 1, D) x (B, Hkv, S, D) x2 -> (B, H, 1, D)."""
+    call = plan.Call(q, k, v, spec, "auto")
+    rule = next(r for r in plan.RULES if r.runner != plan.DECODE_KERNEL and "auto" in r.serves and r.when(call))
+    return rule.build(call)(q, k, v, spec)
+
+
+def decode_terms(batch: int = 1, context: int = 1024, heads: int = 12, kv_heads: int = 4, head_dim: int = 64, *,
+                 dtype: torch.dtype = torch.float32, softcap: float = 50.0, window: int = 128, calls: int = 20, repeats: int = 9,
+                 warmup: int = 1) -> list[VariantRow]:
+    """A decode step's terms: one query a row over ``context`` cached keys (B, Hkv, S, D), plain causal headwise the
+    baseline; each term through ``attention`` (the plan's way), through the rules without the C++ decode kernel, and
+    through transformers' eager function for it where importable. ms per ``calls`` calls."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype)  # (B, H, 1, D)
+    k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype) for _ in range(2))  # (B, Hkv, S, D) x2
+    sinks = torch.randn(heads, generator=g)  # (H,) float32
+    scale = head_dim**-0.5
+    terms_of = {"softcap": {"softcap": softcap}, "sinks": {"sinks": sinks}, f"window {window}": {"window": window}}
+    ways: dict[str, Callable[[], Tensor]] = {"headwise causal": lambda: attention(q, k, v, causal=True)}
+    for name, kw in terms_of.items():
+        spec = Spec(T=1, S=context, causal=True, scale=scale, **kw)
+        ways[f"headwise {name}"] = lambda kw=kw: attention(q, k, v, causal=True, **kw)
+        ways[f"headwise {name}, rules without the decode kernel"] = lambda spec=spec: without_decode_kernel(q, k, v, spec)
+    hf = _transformers_eager()
+    if isinstance(hf, dict):
+        module = _Module(heads, head_dim, sinks.to(dtype))
+        module.num_key_value_groups = heads // kv_heads
+        ways["transformers Gemma 2 eager (softcap)"] = lambda: hf["gemma2"](module, q, k, v, None, scaling=scale, softcap=softcap)[0]
+        ways["transformers gpt-oss eager (sinks)"] = lambda: hf["gpt_oss"](module, q, k, v, None, scaling=scale)[0]
+
+    def repeated(fn: Callable[[], Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                for _ in range(calls):
+                    fn()
+        return run
+
+    times = interleaved({name: repeated(fn) for name, fn in ways.items()}, repeats=repeats, warmup=warmup)
+    case = f"decode B={batch} S={context} H={heads} Hkv={kv_heads} D={head_dim} {str(dtype).removeprefix('torch.')}, {calls} calls"
+    base = statistics.median(times["headwise causal"])
+    rows = [VariantRow(case, name, "forward", ms=1e3 * statistics.median(ts), vs_baseline=statistics.median(ts) / base)
+            for name, ts in times.items()]
+    if isinstance(hf, str):
+        rows.append(VariantRow(case, "transformers eager", "-", note=hf))
+    return rows
+
+
 def _step(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, mode: str) -> Callable[[], None]:
     if mode == "forward":
         def forward() -> None:
@@ -239,7 +291,7 @@ def markdown(rows: list[VariantRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m headwise.bench.variants [--repeats N] [--only packed|terms]``: print both tables."""
+    """``python -m headwise.bench.variants [--repeats N] [--only packed|terms|decode]``: print the tables."""
     import argparse
 
     from .host import machine
@@ -247,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="headwise bench --variants", description="packed documents, softcap, sinks, ALiBi: headwise against the other ways")
     p.add_argument("--repeats", type=_argtypes.integer(1), default=5)
     p.add_argument("--warmup", type=_argtypes.integer(0), default=1)
-    p.add_argument("--only", choices=("packed", "terms"), default=None)
+    p.add_argument("--only", choices=("packed", "terms", "decode"), default=None)
     p.add_argument("--flex", action="store_true", help="add compiled flex_attention with softcap (needs a C++ compiler; compiles ~1 min)")
     p.add_argument("--_peak", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -259,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += packed(repeats=args.repeats, warmup=args.warmup)
     if args.only in (None, "terms"):
         rows += terms(repeats=args.repeats, warmup=max(1, args.warmup) if args.flex else args.warmup, flex=args.flex)
+    if args.only in (None, "decode"):
+        for dtype in (torch.float32, torch.bfloat16):
+            rows += decode_terms(dtype=dtype, repeats=args.repeats, warmup=args.warmup)
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} (1 min)\n")
     print(markdown(rows))
 
