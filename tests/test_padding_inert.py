@@ -102,3 +102,29 @@ def test_padding_in_a_cached_prefill_is_inert_in_later_steps(poison):
             outs.append(torch.cat([first, *[m(steps[:, i : i + 1], cache=cache).flatten(0, 1) for i in range(3)]]))
     assert torch.isfinite(outs[1]).all()
     torch.testing.assert_close(outs[1], outs[0], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_a_decode_steps_padded_keys_are_inert_without_a_copy_in_the_decode_kernel(grad, dtype, poison):
+    """One query a row over keys of its own (no cache) with padding: the C++ decode kernel (no autograd) reads no padded
+    key's row; every other runner (here autograd's) takes the keys with their padded rows zeroed. The caller's tensors
+    are not written."""
+    from headwise.backends import decode_kernel, plan
+
+    torch.manual_seed(3)
+    real = torch.ones(3, 40, dtype=torch.bool)
+    real[0, :9], real[1, 30:], real[2, ::3] = False, False, False  # left, right, and holes
+    q = torch.randn(3, 6, 1, 64).to(dtype)  # (B, H, 1, D)
+    k, v = torch.randn(3, 2, 40, 64).to(dtype), torch.randn(3, 2, 40, 64).to(dtype)  # (B, Hkv, S, D)
+    bad_k, bad_v = (t.masked_fill(~real[:, None, :, None], poison) for t in (k, v))
+    kept = bad_k.clone(), bad_v.clone()
+    with torch.set_grad_enabled(grad):
+        q_ = q.clone().requires_grad_(grad)
+        runner = hw.plan(q_, k, v, causal=True, attention_mask=real).runner
+        assert (runner == plan.DECODE_KERNEL) == (not grad and decode_kernel.available())
+        clean, poisoned = (hw.attention(q_, a, b, causal=True, attention_mask=real) for a, b in ((k, v), (bad_k, bad_v)))
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+    assert torch.equal(bad_k.nan_to_num(), kept[0].nan_to_num()) and torch.equal(bad_v.nan_to_num(), kept[1].nan_to_num())

@@ -1,7 +1,7 @@
 """The arguments of one attention call, every one checked before anything is written.
 
-``checked`` returns what ``functional`` runs (``Arguments``: q, k and v with padded keys and
-values zeroed, the call's ``Spec``, the cache, the backend); terms that number the keys are
+``checked`` returns what ``functional`` runs (``Arguments``: q, k and v, a cache's new tokens with their padded keys
+and values zeroed, the call's ``Spec``, the cache, the backend); terms that number the keys are
 checked against what the cache's ``sizes`` says each run will see. ``for_run``: a run's ``Spec``.
 """
 
@@ -55,8 +55,8 @@ def known_keywords(function: str, given: Iterable[str], known: Iterable[str]) ->
 
 class Arguments(NamedTuple):
     q: Tensor  # (B, H, T, D)
-    k: Tensor  # (B, Hkv, T_kv, D), padded keys zeroed
-    v: Tensor  # (B, Hkv, T_kv, Dv), padded values zeroed
+    k: Tensor  # (B, Hkv, T_kv, D), padded keys zeroed where a cache takes them (``zero_padding``)
+    v: Tensor  # (B, Hkv, T_kv, Dv), padded values zeroed where a cache takes them
     spec: Spec  # the call's terms; T and S, padding and documents are each run's (``for_run``)
     cache: Cache | None
     backend: str
@@ -161,9 +161,12 @@ def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: b
     return Spec(T, kept, *fields), c0  # built field by field: no dataclasses.replace (introspection) at every decode step
 
 
-def _zero_padding(t: Tensor, real: Tensor) -> Tensor:
+def zero_padding(t: Tensor, real: Tensor) -> Tensor:
     """(B, Hkv, S, D) keys or values with padded keys' rows (real (B, S) False) zeroed: a padded key gets
-    weight 0, but 0 * NaN is NaN, which would reach every row through weights @ v (and q's gradient)."""
+    weight 0, but 0 * NaN is NaN, which would reach every row through weights @ v (and q's gradient). Done to a
+    cache's new tokens before their write (every later call reads them), and to a call's own keys by the runners
+    that multiply a padded key's row by its zero weight (``functional``: every one but the C++ decode kernel, which
+    reads no padded key's row)."""
     return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 
@@ -219,6 +222,6 @@ def checked(
         run, _ = for_run(spec, T if rows == slice(None) else rows.stop - rows.start, S, None, cache is not None)  # (a symbolic T: no range)
         if run.T > run.S:
             raise ValueError(f"documents need T <= S (the queries are the last T keys' positions), got T={run.T} queries over S={run.S} keys")
-    if attention_mask is not None:  # whatever sits at a padded key must not reach a real row, forward or backward
-        k, v = _zero_padding(k, attention_mask), _zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
+    if attention_mask is not None and cache is not None:  # what a cache holds at a padded key must not reach a real row
+        k, v = zero_padding(k, attention_mask), zero_padding(v, attention_mask)  # (B, Hkv, T_kv, D) x2
     return Arguments(q, k, v, spec, cache, backend)

@@ -373,6 +373,11 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     contexts = []
     for rows, keys, values, padding in runs:
         q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)
+        if cache is None and run_spec.attention_mask is not None and chosen.run is not decode_kernel.run:
+            # whatever sits at the call's own padded keys must not reach a real row, forward or backward (a cache's
+            # were zeroed before their write); the decode kernel reads no padded key's row: nothing to copy
+            real = run_spec.attention_mask  # (B, S_run)
+            keys, values = arguments.zero_padding(keys, real), arguments.zero_padding(values, real)  # (B, Hkv, S_run, D) x2
         contexts.append(chosen.run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
     context = joined(contexts) if pool_rows is None else _placed(args, runs, contexts, pool_rows)  # (B, H, T, Dv)
     context = context.to(q.dtype)
@@ -425,7 +430,8 @@ def attention_weights(q: Tensor, k: Tensor, **terms: Any) -> Tensor:
     padding = _checks.attention_mask(terms.pop("attention_mask", None), k.shape[0], k.shape[2], "(B, S)", device=("k is", k.device))
     args = _checked_as_attention(q, k, k, attention_mask=padding, **terms)
     spec, _ = for_run(args.spec, args.spec.T, args.spec.S, args.spec.attention_mask, False)
-    w = math_backend.weights(q, args.k, spec, (0, spec.T), (0, spec.S), float32_keys=float32_keys(q, args.k, spec.T))  # (B, H, T, S)
+    keys = args.k if padding is None else arguments.zero_padding(args.k, padding)  # (B, Hkv, S, D): no NaN into q's gradient
+    w = math_backend.weights(q, keys, spec, (0, spec.T), (0, spec.S), float32_keys=float32_keys(q, keys, spec.T))  # (B, H, T, S)
     return w.to(q.dtype)
 
 

@@ -92,14 +92,16 @@ def _band_terms(T: int, S: int, window: int | None, pad: str = "", causal: bool 
     (9, 9, 4, "", True, (True, 4, False)), (5, 12, 4, "", True, (True, 4, False)), (5, 12, None, "", True, (True, None, False)),
     (9, 9, None, "left", True, (True, None, True)), (9, 9, 4, "left", True, (True, 4, True)), (5, 12, None, "left", True, (True, None, True)),
     (9, 9, None, "right", True, (True, None, True)), (6, 6, None, "left", False, (False, None, True)),
-    (8, 12, None, "slots", True, (True, None, True)),
+    (8, 12, None, "slots", True, (True, None, True)), (1, 12, None, "left", True, (True, None, True)),
+    (1, 12, None, "slots", True, (True, None, True)),
 ], ids=["a sliding prompt", "a sliding chunk after cached keys", "a chunk after cached keys", "a prompt, left-padded",
         "a sliding prompt, left-padded", "a chunk, left-padded", "a prompt, right-padded", "bidirectional, padded",
-        "a chunk before a static cache's empty slots"])  # fmt: skip
+        "a chunk before a static cache's empty slots", "a decode step, left-padded", "a decode step before empty slots"])  # fmt: skip
 def test_a_mask_of_causality_windows_and_padding_runs_as_headwises_terms(T, S, window, pad, causal, meaning, monkeypatch):
     """A mask that is, in every row, causal over the last T of S positions (a sliding window or not) or every key, but
     for keys no query sees (padding, empty slots), runs as ``causal``, ``window`` and a (B, S) ``attention_mask`` without
-    being read again, so the prompt and decode kernels (or the window's blocks) take it; its outputs are the mask's."""
+    being read again, so the prompt and decode kernels (or the window's blocks) take it; its outputs are the mask's. A
+    padded key's key and value may be anything (NaN here): no output sees them."""
     built = headwise.hf.mask(**_band_terms(T, S, window, pad, causal))  # (B, 1, T, S)
     stands = adapter._stands_for(built)
     assert (stands.causal, stands.window, stands.real is not None) == meaning
@@ -107,7 +109,8 @@ def test_a_mask_of_causality_windows_and_padding_runs_as_headwises_terms(T, S, w
     monkeypatch.setattr(adapter, "attention", lambda q, k, v, **kw: calls.append(kw) or headwise.attention(q, k, v, **kw))
     g = torch.Generator().manual_seed(T + S)
     q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
-    out, _ = headwise.hf.attend(_Says(True), q, k, v, built)  # (B, T, H, D)
+    padded = ~stands.real[:, None, :, None] if stands.real is not None else torch.zeros(2, 1, S, 1, dtype=torch.bool)  # (B, 1, S, 1)
+    out, _ = headwise.hf.attend(_Says(True), q, k.masked_fill(padded, float("nan")), v.masked_fill(padded, float("nan")), built)  # (B, T, H, D)
     assert calls[0]["mask"] is None and calls[0]["causal"] == causal and calls[0]["window"] == meaning[1]
     assert (calls[0]["attention_mask"] is not None) == meaning[2]
     want = headwise.attention(q, k, v, mask=built).transpose(1, 2)  # (B, T, H, D): the mask read
@@ -117,8 +120,7 @@ def test_a_mask_of_causality_windows_and_padding_runs_as_headwises_terms(T, S, w
 
 def test_any_other_mask_is_read_as_it_is(monkeypatch):
     """Packed rows, chunks (Llama 4's), a prefill into a static cache's first slots, a mask whose rows disagree with any
-    band, a decode step's padding (as ``attention_mask`` every layer's cache would be copied to zero it), and a copy of
-    a band: each is read as the mask it is."""
+    band, and a copy of a band: each is read as the mask it is."""
     from transformers.masking_utils import chunked_causal_mask_function
 
     packed = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
@@ -132,7 +134,6 @@ def test_any_other_mask_is_read_as_it_is(monkeypatch):
     odd[0, 0, 2, 0] = False  # one key left out of one row only
     band = headwise.hf.mask(**_band_terms(9, 9, 4, "left"))
     assert adapter._meaning(packed) is None and adapter._meaning(odd) is None
-    one_query = [headwise.hf.mask(**_band_terms(1, 12, window, pad)) for window, pad in ((None, "left"), (None, "slots"))]
-    for mask in (chunks, static, band.clone(), *one_query):
+    for mask in (chunks, static, band.clone()):
         assert adapter._stands_for(mask) is None
     assert adapter._stands_for(band) is not None

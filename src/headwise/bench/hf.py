@@ -12,8 +12,11 @@ transformers model of random weights, copied once per attention implementation
 B sequences of T tokens (``padded``: row b left-padded by b * T / 2B tokens, as a batch of
 prompts of different lengths is), float32, one copy of the base model per implementation (embeddings, layers, final norm: the language
 model head is the same matrix product under every attention and is left out), ``forward``
-under ``torch.inference_mode`` and ``backward`` (forward + backward of the mean square of the
-last hidden state). Timed interleaved (``timing.interleaved``), medians kept.
+under ``torch.inference_mode``, ``backward`` (forward + backward of the mean square of the
+last hidden state) and ``decode`` (``decode_steps`` one-token steps over the cache of the T
+tokens' prompt, each row's mask one key longer a step: ms per step; the prompt untimed). Timed
+interleaved (``timing.interleaved``; decode: each implementation in turn, the order rotated a
+round), medians kept.
 ``max_abs_diff`` compares headwise's last hidden state with eager's at the real tokens (a padded
 query sees no key: eager spreads its weights evenly, headwise gives zeros).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from .timing import interleaved, keeping
 
 IMPLEMENTATIONS = ("headwise", "sdpa", "eager")
 MODELS = ("llama", "gemma2", "gpt_oss")
+MODES = ("forward", "backward", "decode")
 #: GPT-2 small's width and heads, grouped 3 to 1; the depth is the benchmark's ``layers``.
 WIDTH = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
              max_position_embeddings=4096)  # fmt: skip
@@ -47,7 +52,7 @@ class HFTiming:
 
     Attributes:
         model: "llama", "gemma2" or "gpt_oss".
-        mode: "forward" or "backward" (forward + backward).
+        mode: "forward", "backward" (forward + backward) or "decode" (ms per one-token step).
         ms: implementation -> median ms; None where transformers refuses that implementation.
         max_abs_diff: largest |headwise - eager| over the last hidden state at the real tokens.
         batch, tokens, layers, repeats, threads: the case and ``torch.get_num_threads()``.
@@ -122,6 +127,31 @@ def _backward(model: torch.nn.Module, ids: Tensor, real: Tensor | None) -> Calla
     return call
 
 
+def _decode(copies: dict[str, torch.nn.Module], ids: Tensor, real: Tensor | None, steps: int, repeats: int,
+            warmup: int) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Median ms per one-token step of each copy over its prompt's cache (the prompt ``ids`` (B, T) untimed, the steps'
+    tokens the prompt's first ``steps``), and each copy's last step's hidden state (B, 1, C)."""
+    names = list(copies)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    outs: dict[str, Tensor] = {}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            model = copies[name]
+            with torch.inference_mode():
+                cache = model(input_ids=ids, attention_mask=real, use_cache=True).past_key_values
+                mask = real
+                start = time.perf_counter()
+                for i in range(steps):
+                    mask = None if mask is None else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)  # (B, T + i + 1)
+                    out = model(input_ids=ids[:, i : i + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed / steps)
+            outs[name] = out.last_hidden_state  # (B, 1, C)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}, outs
+
+
 def hf_latency(
     models: Sequence[str] = MODELS,
     *,
@@ -133,8 +163,9 @@ def hf_latency(
     warmup: int = 1,
     seed: int = 0,
     padded: bool = False,
+    decode_steps: int = 16,
 ) -> list[HFTiming]:
-    """Time each model's forward (and forward + backward) under headwise, sdpa and eager.
+    """Time each model's forward (and forward + backward, and one-token decode steps) under headwise, sdpa and eager.
 
     Imports transformers (the ``hf`` extra) and registers headwise's attention there. Nothing
     is printed.
@@ -144,11 +175,14 @@ def hf_latency(
     """
     from ..hf import register
 
-    for name, value, low in (("batch", batch, 1), ("tokens", tokens, 2), ("layers", layers, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+    for name, value, low in (("batch", batch, 1), ("tokens", tokens, 2), ("layers", layers, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
+                             ("decode_steps", decode_steps, 1)):
         _checks.integer(name, value, low=low)
-    bad = [m for m in modes if m not in ("forward", "backward")] + [m for m in models if m not in MODELS]
+    bad = [m for m in modes if m not in MODES] + [m for m in models if m not in MODELS]
     if bad:
-        raise ValueError(f"modes must be among ['forward', 'backward'] and models among {list(MODELS)}, got {bad}")
+        raise ValueError(f"modes must be among {list(MODES)} and models among {list(MODELS)}, got {bad}")
+    if "decode" in modes and decode_steps > tokens:
+        raise ValueError(f"decode_steps must be at most tokens ({tokens}: the steps feed the prompt's first tokens), got {decode_steps}")
     tf = require("transformers", "hf", "the transformers benchmark")
     name = register()
     rows = []
@@ -160,13 +194,18 @@ def hf_latency(
         real = padding(batch, tokens) if padded else None  # (B, T) or None
         copies = _copies(model, (name, "sdpa", "eager"))
         for mode in modes:
-            step = _forward if mode == "forward" else _backward
-            outs: dict[str, Tensor] = {}
-            steps = {impl: keeping(step(copy, ids, real), outs, impl) for impl, copy in copies.items()}
-            times = interleaved(steps, repeats=repeats, warmup=warmup)
             ms = {impl: None for impl in IMPLEMENTATIONS}
-            ms.update({("headwise" if impl == name else impl): statistics.median(t) * 1e3 for impl, t in times.items()})
-            tokens_kept = slice(None) if real is None else real.bool()  # the real tokens' rows
+            if mode == "decode":
+                taken, outs = _decode(copies, ids, real, decode_steps, repeats, warmup)
+                ms.update({("headwise" if impl == name else impl): t for impl, t in taken.items()})
+                tokens_kept = slice(None)  # (B, 1): every row's step token is real
+            else:
+                step = _forward if mode == "forward" else _backward
+                outs = {}
+                steps = {impl: keeping(step(copy, ids, real), outs, impl) for impl, copy in copies.items()}
+                times = interleaved(steps, repeats=repeats, warmup=warmup)
+                ms.update({("headwise" if impl == name else impl): statistics.median(t) * 1e3 for impl, t in times.items()})
+                tokens_kept = slice(None) if real is None else real.bool()  # the real tokens' rows
             diff = float((outs[name] - outs["eager"])[tokens_kept].abs().max())
             rows.append(HFTiming(which, mode, ms, diff, batch, tokens, layers, repeats, torch.get_num_threads(), padded))
     return rows
@@ -181,7 +220,7 @@ def markdown(rows: Sequence[HFTiming]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ms = [f"{r.ms[i]:.0f}" if r.ms[i] is not None else "n/a" for i in IMPLEMENTATIONS]
+        ms = [f"{r.ms[i]:.{1 if r.ms[i] < 100 else 0}f}" if r.ms[i] is not None else "n/a" for i in IMPLEMENTATIONS]
         ratios = [f"{x:.2f}x" if x is not None else "n/a" for x in (r.ratio("sdpa"), r.ratio("eager"))]
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.tokens} | {'left' if r.padded else 'no'} | {r.layers} | {' | '.join(ms)} | {' | '.join(ratios)} | {r.max_abs_diff:.1e} |")
     return "\n".join(lines)
@@ -198,8 +237,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers", type=positive, default=2)
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--padded", action="store_true", help="left-pad row b by b * T / 2B tokens (a batch of prompts of different lengths)")
+    p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice(list(MODES)), "modes"), default=["forward", "backward"],
+                   help=f"comma list of {list(MODES)} (default: forward,backward); decode: ms per one-token step over the prompt's cache")
+    p.add_argument("--decode-steps", type=positive, default=16, help="decode mode's timed steps a round (default 16)")
     args = p.parse_args(argv)
-    rows = hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats, padded=args.padded)
+    rows = hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats, padded=args.padded,
+                      modes=tuple(args.modes), decode_steps=args.decode_steps)
     print(markdown(rows))
 
 

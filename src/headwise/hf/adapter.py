@@ -121,10 +121,10 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
     so the mask is always built. Where transformers would have skipped it, ``attend`` recognises
     the very tensor returned here and runs without reading it (causal, or nothing masked); so too
     where it is, in every row, causal over the last T of S positions (a sliding window or not) or
-    every key, but for a prompt's padded keys (``_meaning``: a batch's padding, a static cache's
+    every key, but for keys no query sees (``_meaning``: a batch's padding, a static cache's
     empty slots): ``attend`` runs it as ``causal``, ``window`` and a (B, S) ``attention_mask``, which
-    the prompt kernel takes. A copy or a slice of it is read as the mask it is, and so is any other
-    mask (packed rows, chunks, a prefill into a static cache, a decode step's padding). Under ``torch.compile`` every mask is
+    the prompt and decode kernels take. A copy or a slice of it is read as the mask it is, and so is any other
+    mask (packed rows, chunks, a prefill into a static cache). Under ``torch.compile`` every mask is
     read. The cost: a skippable mask is built (T * S bools when nothing is padded, once per forward:
     the layers share it) where transformers would build none, and each other mask is compared with
     what it may stand for (its last row first, then once in full: B * T * S bools, eight a word).
@@ -179,9 +179,9 @@ def _meaning(built: Tensor | None) -> Meaning | None:
     """What a mask (B, 1, T, S) stands for where it is, in every row, causal with the queries at the last T of S
     positions (each seeing its last W keys: a sliding layer's; or every key up to its own: a prompt, or a chunk after
     cached keys) or every key, but for keys no query sees in a prompt (padding, a static cache's empty slots); None for
-    any other mask (packed rows, chunks, a prefill into a static cache's first slots) and for a decode step's padding
-    (``attention`` zeroes padded keys and values, a copy of every layer's cache a step: more than the one query's
-    masked call costs). Read on the host: one comparison of the B x T x S bools a candidate (a last row's first), once
+    any other mask (packed rows, chunks, a prefill into a static cache's first slots). A decode step's padding runs in
+    the C++ decode kernel, which reads no padded key's row (other runners take the keys with their padded rows zeroed,
+    a copy). Read on the host: one comparison of the B x T x S bools a candidate (a last row's first), once
     a mask."""
     if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or 0 in built.shape:
         return None
@@ -203,8 +203,6 @@ def _meaning(built: Tensor | None) -> Meaning | None:
             continue
         seen = max(0, S - T - window + 1) if window is not None else 0  # the first key the band shows any query
         padded = not bool(real[:, seen:].all())  # else the keys no query sees lie outside every window
-        if padded and T == 1:  # a decode step's padding: see the docstring
-            continue
         if all(_same(rows[b], band & real[b]) for b in range(B)):  # (T, S) a row, not (B, T, S) at once
             return Meaning(causal=is_causal, window=window, real=real if padded else None)
     return None
