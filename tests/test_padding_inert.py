@@ -128,3 +128,23 @@ def test_a_decode_steps_padded_keys_are_inert_without_a_copy_in_the_decode_kerne
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
     assert torch.equal(bad_k.nan_to_num(), kept[0].nan_to_num()) and torch.equal(bad_v.nan_to_num(), kept[1].nan_to_num())
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["", "softcap"])
+def test_a_prompts_padded_keys_are_inert_in_every_runner_it_may_take(softcap, dtype, poison):
+    """A padded prompt over keys of its own (no cache), no autograd: the C++ prompt kernel where this machine runs it
+    (it reads no padded key's row), another runner elsewhere (the keys' padded rows zeroed first): either way the
+    real queries' outputs are the clean ones'."""
+    torch.manual_seed(4)
+    real = torch.ones(3, 96, dtype=torch.bool)
+    real[0, :30], real[1, 70:], real[2, 40:50] = False, False, False  # left, right, a hole
+    q = torch.randn(3, 4, 96, 64).to(dtype)  # (B, H, T, D)
+    k, v = torch.randn(3, 2, 96, 64).to(dtype), torch.randn(3, 2, 96, 64).to(dtype)  # (B, Hkv, S, D)
+    bad_k, bad_v = (t.masked_fill(~real[:, None, :, None], poison) for t in (k, v))
+    with torch.no_grad():
+        clean, poisoned = (hw.attention(q, a, b, causal=True, attention_mask=real, softcap=softcap) for a, b in ((k, v), (bad_k, bad_v)))
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+

@@ -164,9 +164,9 @@ def for_run(spec: Spec, T: int, S: int, attention_mask: Tensor | None, cached: b
 def zero_padding(t: Tensor, real: Tensor) -> Tensor:
     """(B, Hkv, S, D) keys or values with padded keys' rows (real (B, S) False) zeroed: a padded key gets
     weight 0, but 0 * NaN is NaN, which would reach every row through weights @ v (and q's gradient). Done to a
-    cache's new tokens before their write (every later call reads them), and to a call's own keys by the runners
-    that multiply a padded key's row by its zero weight (``functional``: every one but the C++ decode kernel, which
-    reads no padded key's row)."""
+    cache's new tokens before their write (every later call reads them), and to a call's own keys for the runners
+    that multiply a padded key's row by its zero weight (``functional.READ_NO_PADDING``: every one but the C++
+    kernels, which read no padded key's row)."""
     return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 

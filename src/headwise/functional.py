@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import _checks, arguments
 from .arguments import Arguments, check_backend, for_run
-from .backends import decode_kernel
+from .backends import decode_kernel, prefill_kernel
 from .backends import math as math_backend
 from .backends.blocks import joined
 from .backends.paged import attend as attend_rows
@@ -346,6 +346,11 @@ def _for_run(
     return q, keys, values, spec, plan_runner(q, keys, values, spec, args.backend)
 
 
+#: The runners that read no padded key's row (its score set to -inf and its weight's zero skipped, or the key not read):
+#: a call's own padded keys are not zeroed for them (a copy of every key and value).
+READ_NO_PADDING = (decode_kernel.run, prefill_kernel.run)
+
+
 def _run(args: Arguments, check_cache: bool) -> Tensor:
     """The one path behind ``attention``: the cache's write, then each run of queries over its keys, as the plan says.
     A bfloat16 cache under float32 keys stores them rounded; attention then runs in bfloat16, the context back in float32."""
@@ -373,9 +378,9 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     contexts = []
     for rows, keys, values, padding in runs:
         q_run, keys, values, run_spec, chosen = _for_run(args, rows, keys.shape[2], keys, values, padding)
-        if cache is None and run_spec.attention_mask is not None and chosen.run is not decode_kernel.run:
+        if cache is None and run_spec.attention_mask is not None and chosen.run not in READ_NO_PADDING:
             # whatever sits at the call's own padded keys must not reach a real row, forward or backward (a cache's
-            # were zeroed before their write); the decode kernel reads no padded key's row: nothing to copy
+            # were zeroed before their write); the C++ kernels read no padded key's row: nothing to copy
             real = run_spec.attention_mask  # (B, S_run)
             keys, values = arguments.zero_padding(keys, real), arguments.zero_padding(values, real)  # (B, Hkv, S_run, D) x2
         contexts.append(chosen.run(q_run, keys, values, run_spec))  # (B, H, T_run, Dv)
