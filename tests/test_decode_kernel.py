@@ -92,6 +92,14 @@ def test_softcap_sinks_and_a_window_give_the_references_numbers(dtype, H, Hkv, S
     assert float((out.double() - want).abs().max()) <= _bound(dtype, want)
 
 
+@pytest.mark.parametrize("cap", [1e-6, 1e-3, 1.0, 30.0, 1e4, 1e30])
+def test_every_softcap_the_checks_accept_gives_the_references_numbers(cap):
+    q, k, v = _qkv(S=77)
+    out = hw.attention(q, k * 3, v, causal=True, softcap=cap)  # the plan's way: the kernel, where built
+    want = variant_attention(q, k * 3, v, causal=True, softcap=cap)  # (B, H, 1, D) float64
+    assert float((out.double() - want).abs().max()) <= _bound(torch.float32, want)
+
+
 def test_a_sink_with_no_key_seen_gives_zeros_and_the_softcaps_tanh_is_close():
     q, k, v = _qkv(B=2, S=20)
     real = torch.ones(2, 20, dtype=torch.bool)

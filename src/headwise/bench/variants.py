@@ -211,11 +211,12 @@ def without_decode_kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor
 
 
 def decode_terms(batch: int = 1, context: int = 1024, heads: int = 12, kv_heads: int = 4, head_dim: int = 64, *,
-                 dtype: torch.dtype = torch.float32, softcap: float = 50.0, window: int = 128, calls: int = 20, repeats: int = 9,
+                 dtype: torch.dtype = torch.float32, softcap: float = 50.0, window: int = 128, calls: int = 50, repeats: int = 9,
                  warmup: int = 1) -> list[VariantRow]:
     """A decode step's terms: one query a row over ``context`` cached keys (B, Hkv, S, D), plain causal headwise the
     baseline; each term through ``attention`` (the plan's way), through the rules without the C++ decode kernel, and
-    through transformers' eager function for it where importable. ms per ``calls`` calls."""
+    through transformers' eager function for it where importable. ms per call (the median of ``repeats`` timings of
+    ``calls`` calls each)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype)  # (B, H, 1, D)
     k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype) for _ in range(2))  # (B, Hkv, S, D) x2
@@ -242,9 +243,9 @@ def decode_terms(batch: int = 1, context: int = 1024, heads: int = 12, kv_heads:
         return run
 
     times = interleaved({name: repeated(fn) for name, fn in ways.items()}, repeats=repeats, warmup=warmup)
-    case = f"decode B={batch} S={context} H={heads} Hkv={kv_heads} D={head_dim} {str(dtype).removeprefix('torch.')}, {calls} calls"
+    case = f"decode B={batch} S={context} H={heads} Hkv={kv_heads} D={head_dim} {str(dtype).removeprefix('torch.')}"
     base = statistics.median(times["headwise causal"])
-    rows = [VariantRow(case, name, "forward", ms=1e3 * statistics.median(ts), vs_baseline=statistics.median(ts) / base)
+    rows = [VariantRow(case, name, "forward", ms=1e3 * statistics.median(ts) / calls, vs_baseline=statistics.median(ts) / base)
             for name, ts in times.items()]
     if isinstance(hf, str):
         rows.append(VariantRow(case, "transformers eager", "-", note=hf))
@@ -281,7 +282,8 @@ def markdown(rows: list[VariantRow]) -> str:
         cells = []
         for mode in ("forward", "backward"):
             r = modes.get(mode)
-            cells += ["" if r is None or r.ms is None else f"{r.ms:.0f}", "" if r is None or r.vs_baseline is None else f"{r.vs_baseline:.2f}x"]
+            cells += ["" if r is None or r.ms is None else f"{r.ms:.{3 if r.ms < 1 else 1 if r.ms < 10 else 0}f}",
+                      "" if r is None or r.vs_baseline is None else f"{r.vs_baseline:.2f}x"]
         peak = next((r.peak_mib for r in modes.values() if r.peak_mib is not None and not math.isnan(r.peak_mib)), None)
         note = next((r.note for r in modes.values() if r.note), "")
         label = f"{way} ({note})" if note else way
