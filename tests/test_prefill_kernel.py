@@ -34,9 +34,10 @@ def _error(got, want):
     "B,H,Hkv,T,S,D,causal",
     [(1, 12, 12, 300, 300, 64, True), (2, 8, 2, 65, 65, 128, True), (1, 4, 1, 37, 200, 64, True), (1, 3, 3, 2, 2, 64, True),
      (2, 6, 3, 130, 71, 64, False), (1, 2, 2, 64, 64, 128, False), (1, 4, 4, 7, 1000, 128, True), (2, 4, 2, 100, 150, 256, True),
-     (1, 2, 1, 70, 70, 256, False)],
+     (1, 2, 1, 70, 70, 256, False), (3, 4, 4, 90, 90, 32, False), (1, 4, 2, 130, 130, 80, True), (2, 4, 1, 70, 150, 96, True)],
     ids=["GPT-2 heads, a prompt", "GQA 4, D=128, a block and one", "a chunk after 163 cached keys", "two rows",
-         "every key, S < T", "one block exactly", "a short chunk after a long cache", "D=256 (Gemma's), a chunk", "D=256, every key"],
+         "every key, S < T", "one block exactly", "a short chunk after a long cache", "D=256 (Gemma's), a chunk", "D=256, every key",
+         "D=32 (MiniLM's), every key", "D=80 (Phi-2's), a prompt", "D=96 (Phi-3's), a chunk"],
 )
 def test_the_op_gives_the_references_numbers(dtype, B, H, Hkv, T, S, D, causal):
     """As close to float64 as torch's own fused kernel gets on the same call (in float32: float32 sums; in bfloat16: the
@@ -100,8 +101,10 @@ def _padding(B, S, pattern):
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D,causal,window,sinks",
     [(3, 4, 2, 150, 150, 64, True, None, False), (2, 4, 4, 70, 200, 128, True, None, False), (2, 4, 1, 140, 140, 64, True, 31, True),
-     (2, 2, 2, 80, 100, 64, False, None, False), (3, 4, 4, 9, 130, 64, True, 40, False), (2, 2, 1, 70, 70, 256, True, None, False)],
-    ids=["a prompt, GQA", "a chunk after 130 cached keys, D=128", "a window and sinks", "every key", "a short chunk, a window", "D=256"],
+     (2, 2, 2, 80, 100, 64, False, None, False), (3, 4, 4, 9, 130, 64, True, 40, False), (2, 2, 1, 70, 70, 256, True, None, False),
+     (3, 4, 4, 100, 100, 32, False, None, False), (2, 4, 2, 90, 90, 80, True, 33, True)],
+    ids=["a prompt, GQA", "a chunk after 130 cached keys, D=128", "a window and sinks", "every key", "a short chunk, a window", "D=256",
+         "D=32, every key (a padded batch of sentences)", "D=80, a window and sinks"],
 )
 def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S, D, causal, window, sinks):
     """Padding before a row's first real key (not read), after its last (not read) and between (masked), every real key
@@ -132,8 +135,9 @@ def test_padded_keys_give_the_references_numbers(dtype, pattern, B, H, Hkv, T, S
 @pytest.mark.parametrize("cap", [1e-6, 0.5, 5.0, 50.0, 1e30])
 @pytest.mark.parametrize(
     "B,H,Hkv,T,S,D,window,padded",
-    [(2, 4, 2, 150, 150, 64, None, False), (1, 4, 4, 70, 200, 256, 40, False), (3, 2, 1, 90, 90, 128, None, True)],
-    ids=["a prompt, GQA", "a windowed chunk, D=256 (Gemma 2's)", "padded, D=128"],
+    [(2, 4, 2, 150, 150, 64, None, False), (1, 4, 4, 70, 200, 256, 40, False), (3, 2, 1, 90, 90, 128, None, True),
+     (1, 4, 2, 80, 80, 96, None, False)],
+    ids=["a prompt, GQA", "a windowed chunk, D=256 (Gemma 2's)", "padded, D=128", "D=96"],
 )
 def test_a_softcap_gives_the_references_numbers(dtype, cap, B, H, Hkv, T, S, D, window, padded):
     """Scores taken to cap * tanh(score / cap) (Gemma 2's 50; 0.5, where most scores saturate; the ends of the range taken, 1e-6
@@ -187,9 +191,10 @@ def test_a_windowed_row_reads_no_key_before_its_window():
     assert dirty[:, :, : 100 - W + 1].isnan().all()
 
 
-@pytest.mark.parametrize("causal,T,S,D", [(False, 126, 9, 128), (True, 172, 507, 128), (False, 201, 374, 128), (True, 150, 300, 256)])
+@pytest.mark.parametrize("causal,T,S,D", [(False, 126, 9, 128), (True, 172, 507, 128), (False, 201, 374, 128), (True, 150, 300, 256),
+                                          (True, 140, 140, 80), (False, 99, 200, 96)])
 def test_large_scores_over_a_wide_head_stay_at_float32s_error(causal, T, S, D):
-    """Queries 3x the keys' scale over D = 128 or 256 (scores up to ~10): each score summed over spans of the head, as a
+    """Queries 3x the keys' scale over D = 80 to 256 (scores up to ~10): each score summed over spans of the head, as a
     blocked GEMM does, keeps the error at torch's kernel's (a single chain over 128 products gave 2.8x it)."""
     q, k, v = _qkv(2, 12, 3, T, S, D, torch.float32, seed=13)
     q = q * 3
@@ -200,7 +205,8 @@ def test_large_scores_over_a_wide_head_stay_at_float32s_error(causal, T, S, D):
     assert _error(out, want) <= max(2 * _error(torchs, want), 1e-6)
 
 
-ROUNDED_CASES = ((1, 12, 300, 64, True, 1.0), (2, 4, 130, 128, False, 3.0), (1, 3, 77, 64, True, 3.0))
+ROUNDED_CASES = ((1, 12, 300, 64, True, 1.0), (2, 4, 130, 128, False, 3.0), (1, 3, 77, 64, True, 3.0), (1, 4, 90, 80, True, 3.0),
+                 (2, 4, 70, 32, False, 1.0))
 
 
 def _rounded_case(B, H, T, D, causal, s):
@@ -262,6 +268,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "float16": (q.half(), k.half(), v.half(), spec),
         "mixed dtypes": (q, k.bfloat16(), v.bfloat16(), spec),
         "D = 48": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), spec),
+        "D = 72": (torch.randn(1, 4, 16, 72), torch.randn(1, 2, 16, 72), torch.randn(1, 2, 16, 72), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
         "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
         "ALiBi": (q, k, v, Spec(T=16, S=16, causal=True, alibi=torch.ones(1, 4))),

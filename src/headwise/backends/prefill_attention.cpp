@@ -4,7 +4,8 @@
 // (16 queries to a vector); each key block is widened once into the item's scratch. Scores: 32 queries x 8 keys of
 // sums in registers, a key's value broadcast against 16 queries' values at a time (no transposed keys); the softmax
 // of 16 queries at a time, along their lanes; the context: 4 queries x 64 values of sums in registers over the
-// block's keys. A causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
+// block's keys (then the rest of a head of 80 or 96). Head sizes: 32, 64, 80, 96, 128, 256, each built on its own. A
+// causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
 // its last query, before its first query's window). A head's sink logit (gpt-oss's) joins each row's sum at the end.
 // Padded keys (a row's flags, False = padding) are seen by no query: those before its first real key and after its
 // last are not read, those between are masked. A softcap (Gemma 2's) takes each score to cap * tanh(score / cap).
@@ -65,15 +66,16 @@ inline f16v lane_index() {
 
 // w[j * QUERY_ROWS + r] = scale * q[r] . key j for 2 vectors of queries (qt: the item's queries transposed, offset to
 // the first; w offset likewise) and KEYS keys from k (rows of D): each sum taken over SPAN elements of the head size
-// in registers, the spans' sums added in order (a chain of D / SPAN + SPAN roundings, not D: float32 error as a
-// blocked GEMM's, where the head is wide and the scores large)
+// in registers (the last span the rest of the head: 16 at D = 80), the spans' sums added in order (a chain of D / SPAN
+// + SPAN roundings, not D: float32 error as a blocked GEMM's, where the head is wide and the scores large)
 constexpr int SPAN = 32;
 template <int D>
 inline void scores_tile(const float* qt, const float* k, float scale, float* w) {
-  static_assert(D % SPAN == 0, "head sizes are multiples of SPAN");
+  static_assert(D % 16 == 0, "head sizes are multiples of 16");
   for (int d0 = 0; d0 < D; d0 += SPAN) {
     f16v s[2][KEYS] = {};
-    for (int d = d0; d < d0 + SPAN; ++d) {
+    const int end = D % SPAN == 0 ? d0 + SPAN : std::min(d0 + SPAN, D);  // (a whole span where every span is: the same loops)
+    for (int d = d0; d < end; ++d) {
       const f16v a = load16(qt + d * QUERY_ROWS), b = load16(qt + d * QUERY_ROWS + LANES);
       for (int j = 0; j < KEYS; ++j) {
         const float x = k[j * D + d];
@@ -85,7 +87,7 @@ inline void scores_tile(const float* qt, const float* k, float scale, float* w) 
       for (int h = 0; h < 2; ++h) {
         float* out = w + j * QUERY_ROWS + h * LANES;
         const f16v sum = d0 == 0 ? s[h][j] : load16(out) + s[h][j];
-        store16(out, d0 + SPAN == D ? sum * scale : sum);
+        store16(out, d0 + SPAN >= D ? sum * scale : sum);
       }
     }
   }
@@ -106,13 +108,14 @@ bool pairs_here() {
 template <int D>
 __attribute__((target("avx512f,avx512bf16"))) void scores_pairs(const uint32_t* pairs, const c10::BFloat16* k, int64_t ks, int64_t last,
                                                               float scale, float* w) {
-  static_assert(D % SPAN == 0, "head sizes are multiples of SPAN");
+  static_assert(D % 16 == 0, "head sizes are multiples of 16");
   const c10::BFloat16* rows[KEYS];
   for (int j = 0; j < KEYS; ++j) rows[j] = k + std::min<int64_t>(j, last) * ks;
   for (int d0 = 0; d0 < D; d0 += SPAN) {
     __m512 s[2][KEYS];
     for (int j = 0; j < KEYS; ++j) s[0][j] = s[1][j] = _mm512_setzero_ps();
-    for (int p = d0 / 2; p < (d0 + SPAN) / 2; ++p) {
+    const int end = D % SPAN == 0 ? d0 + SPAN : std::min(d0 + SPAN, D);
+    for (int p = d0 / 2; p < end / 2; ++p) {
       const __m512bh a = (__m512bh)_mm512_loadu_si512(pairs + p * QUERY_ROWS);
       const __m512bh b = (__m512bh)_mm512_loadu_si512(pairs + p * QUERY_ROWS + LANES);
       for (int j = 0; j < KEYS; ++j) {
@@ -127,7 +130,7 @@ __attribute__((target("avx512f,avx512bf16"))) void scores_pairs(const uint32_t* 
       for (int h = 0; h < 2; ++h) {
         float* out = w + j * QUERY_ROWS + h * LANES;
         const __m512 sum = d0 == 0 ? s[h][j] : _mm512_add_ps(_mm512_loadu_ps(out), s[h][j]);
-        _mm512_storeu_ps(out, d0 + SPAN == D ? _mm512_mul_ps(sum, _mm512_set1_ps(scale)) : sum);
+        _mm512_storeu_ps(out, d0 + SPAN >= D ? _mm512_mul_ps(sum, _mm512_set1_ps(scale)) : sum);
       }
     }
   }
@@ -167,11 +170,36 @@ inline void carry(float* w, int64_t n, bool causal, int64_t window, int64_t c0, 
   store16(alpha, a);
 }
 
+// context_tile's last C * 16 values of a head of D (80 or 96: what 64 at a time leaves), the same sums
+template <int R, int C>
+__attribute__((noinline)) void context_rest(const float* w, const float* v, int64_t n, int64_t D, const float* alpha, float* acc) {
+  const int64_t h = D - 16 * C;
+  f16v a[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * D + h + 16 * c) * alpha[r];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    f16v x[C];
+    for (int c = 0; c < C; ++c) x[c] = load16(v + j * D + h + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const float p = w[j * QUERY_ROWS + r];
+      if (p == 0.f) continue;
+      for (int c = 0; c < C; ++c) a[r][c] += p * x[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) store16(acc + r * D + h + 16 * c, a[r][c]);
+  }
+}
+
 // acc[r] = acc[r] * alpha[r] + sum_j w[j * QUERY_ROWS + r] * v[j] for R queries (w, alpha, acc offset to the first),
-// keys j < n, 64 values at a time; a key of weight 0 (one a query does not see) is skipped: its value may hold anything
+// keys j < n, 64 values at a time (then context_rest's, at D = 32, 80 or 96); a key of weight 0 (one a query does not
+// see) is skipped: its value may hold anything. (The rest apart: in this loop it cost heads of 64-256 5-10% here.)
 template <int R>
 inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, const float* alpha, float* acc) {
-  for (int64_t h = 0; h < D; h += 64) {
+  if (D % 64 == 16) context_rest<R, 1>(w, v, n, D, alpha, acc);
+  if (D % 64 == 32) context_rest<R, 2>(w, v, n, D, alpha, acc);
+  for (int64_t h = 0; h + 64 <= D; h += 64) {
     f16v a[R][4];
     for (int r = 0; r < R; ++r) {
       for (int c = 0; c < 4; ++c) a[r][c] = load16(acc + r * D + h + 16 * c) * alpha[r];
@@ -315,12 +343,13 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
       item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
                                      window, flags, scale, sink, cap, t);
     };
-    if (D == 64) {
-      head(std::integral_constant<int, 64>{});
-    } else if (D == 128) {
-      head(std::integral_constant<int, 128>{});
-    } else {
-      head(std::integral_constant<int, 256>{});
+    switch (D) {  // HEAD_SIZES
+      case 32: head(std::integral_constant<int, 32>{}); break;
+      case 64: head(std::integral_constant<int, 64>{}); break;
+      case 80: head(std::integral_constant<int, 80>{}); break;
+      case 96: head(std::integral_constant<int, 96>{}); break;
+      case 128: head(std::integral_constant<int, 128>{}); break;
+      default: head(std::integral_constant<int, 256>{});
     }
   });
 }
@@ -335,8 +364,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
   TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be > 0, or 0 for none, got ", softcap);
   const int64_t D = q.size(3);
-  TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
-              "prefill_attention: queries, keys and values of one head size 64, 128 or 256, got ", D, ", ", k.size(3), ", ", v.size(3));
+  TORCH_CHECK((D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
+              "prefill_attention: queries, keys and values of one head size 32, 64, 80, 96, 128 or 256, got ", D, ", ", k.size(3), ", ",
+              v.size(3));
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == q.size(1)),
               "prefill_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");

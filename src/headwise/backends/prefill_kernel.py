@@ -34,8 +34,9 @@ from .spec import Spec
 
 #: What the kernel reads and writes (sums in float32).
 DTYPES = (torch.float32, torch.bfloat16)
-#: Head sizes it computes (queries, keys and values alike).
-HEAD_SIZES = (64, 128, 256)
+#: Head sizes it computes (queries, keys and values alike): MiniLM's 32, GPT-2's and Llama's 64 and 128, Phi-2's 80,
+#: Phi-3's 96, Gemma's 256 (any multiple of 16 would do: each is a build of its own, so only these are built).
+HEAD_SIZES = (32, 64, 80, 96, 128, 256)
 #: The fewest query rows a call the plan gives it has: from 8 the kernel was the faster at every size timed, at 2-4
 #: rows level with torch's kernel or slower (it scores 32 queries at a time; docs: performance, layers).
 FEWEST_ROWS = 8
@@ -66,7 +67,7 @@ _AMX = {"amx_tile", "amx_bf16"} <= set(cpu()["flags"])
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``prefill_attention`` computes this call here: a CPU this kernel is for (see the module), ``FEWEST_ROWS``
     or more query rows, float32 or bfloat16 operands of one dtype (bfloat16 not on a CPU with AMX tiles), one head size of
-    64, 128 or 256, rows contiguous, every key seen or causal over S >= T keys (with a window or not), sinks or not, padded
+    ``HEAD_SIZES``, rows contiguous, every key seen or causal over S >= T keys (with a window or not), sinks or not, padded
     keys or not, a softcap or not, nothing else (no mask, documents, ALiBi or dropout), no autograd, not traced by
     ``torch.compile``."""
     s = spec
