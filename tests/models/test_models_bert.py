@@ -62,7 +62,10 @@ def test_layers_match_transformers(encoder, hf_bert, batch):
 
 
 def test_layers_against_a_float64_reference(encoder, minilm_dir, batch):
-    """Flash-attention rule on every layer: our float32 error vs float64 within a few times a plain float32 one."""
+    """Flash-attention rule on every layer: our float32 error vs float64 within a few times a plain float32 one. The
+    error is each layer's output's root mean square over the real tokens: accumulated through the layers, its largest
+    element swings from 2.5 to 4 times the plain one's from batch to batch, for torch's kernel and headwise's prompt
+    kernel alike, where the root mean square stays at 1.8 for both."""
     from safetensors.torch import load_file
 
     input_ids, real = batch
@@ -78,10 +81,11 @@ def test_layers_against_a_float64_reference(encoder, minilm_dir, batch):
     finally:
         for h in hooks:
             h.remove()
+    rms = lambda e: e.pow(2).mean().sqrt().item()  # noqa: E731
     for mine, r64, r32 in zip(ours, ref64, ref32, strict=True):
-        plain = (r32["hidden"][real].double() - r64["hidden"][real]).abs().max().item()
+        plain = rms(r32["hidden"][real].double() - r64["hidden"][real])
         assert plain > 0
-        assert (mine[real].double() - r64["hidden"][real]).abs().max().item() <= ERROR_RATIO * plain
+        assert rms(mine[real].double() - r64["hidden"][real]) <= ERROR_RATIO * plain
 
 
 def test_embeddings_match_sentence_transformers(encoder, minilm_dir):
