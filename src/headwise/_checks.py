@@ -338,9 +338,9 @@ def per_head(
         raise ValueError(f"{name} must have shape {dims}, one per query head, got {tuple(t.shape)}")
     same_device(name, t, "q, k and v are", device)
     if has_values(t):
-        bad = (t.isnan() | (t == math.inf)) if minus_inf is not None else ~t.isfinite()
+        good = (t < math.inf) if minus_inf is not None else t.isfinite()  # (t < inf: False at NaN and +inf only)
         expected = f"finite numbers or -inf ({minus_inf})" if minus_inf is not None else "finite numbers"
-        holds(~bad.any(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
+        holds(good.all(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
     return (t.unsqueeze(0) if t.ndim == 1 else t) if batched else t  # (1, H) or (B, H); H may be 0
 
 
