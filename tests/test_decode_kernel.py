@@ -68,23 +68,33 @@ def test_padding_is_masked_and_a_row_without_keys_is_zeros(dtype):
     [(6, 2, 70, 64, {"softcap": 2.0}), (4, 4, 33, 128, {"softcap": 50.0}), (6, 3, 19, 80, {"softcap": 1.0}),
      (6, 2, 70, 64, {"sinks": "random"}), (8, 1, 5, 64, {"sinks": "large"}), (6, 2, 70, 64, {"window": 17}),
      (4, 4, 129, 128, {"window": 128}), (6, 2, 90, 64, {"window": 40, "softcap": 3.0, "sinks": "random", "padded": True}),
-     (6, 3, 19, 80, {"sinks": "random", "padded": True})],
+     (6, 3, 19, 80, {"sinks": "random", "padded": True}), (6, 2, 70, 64, {"alibi": "H"}), (8, 8, 33, 128, {"alibi": "BH"}),
+     (6, 2, 90, 64, {"alibi": "H", "window": 40, "softcap": 3.0, "sinks": "random", "padded": True})],
     ids=["softcap 2", "softcap 50 D=128", "softcap 1 D=80 (plain loops, a tail)", "sinks", "sinks above every score",
-         "window 17", "window 128 of 129", "window, softcap, sinks, padding", "sinks, padding, D=80"],
+         "window 17", "window 128 of 129", "window, softcap, sinks, padding", "sinks, padding, D=80", "ALiBi", "ALiBi a row's own, D=128",
+         "ALiBi, a window, softcap, sinks, padding"],
 )
 def test_softcap_sinks_and_a_window_give_the_references_numbers(dtype, H, Hkv, S, D, terms):
-    """Each term as the float64 reference defines it: scores capped by tanh, each head's sink in its softmax with no
-    value, a window's query at position S - 1 seeing its last W keys, and padding among them."""
+    """Each term as the float64 reference defines it: scores capped by tanh, less ALiBi's slope times each key's distance,
+    each head's sink in its softmax with no value, a window's query at position S - 1 seeing its last W keys, and
+    padding among them."""
     terms = dict(terms)
     q, k, v = _qkv(B=3, H=H, Hkv=Hkv, S=S, D=D, dtype=dtype)
     k = k * 4  # scores well past the softcaps' knees
     g = torch.Generator().manual_seed(3)
     kind = terms.pop("sinks", None)
     sinks = None if kind is None else torch.randn(H, generator=g) * 2 + (20.0 if kind == "large" else 0.0)
+    alibi = terms.pop("alibi", None)
+    if alibi is not None:  # (H,) as the model's standard slopes, or (B, H) a row's own
+        terms["alibi_slopes"] = torch.rand((H,) if alibi == "H" else (3, H), generator=g) * 0.5
     real = None
     if terms.pop("padded", False):
         real = torch.arange(S).expand(3, S) >= torch.tensor([[0], [S // 3], [S - 2]])  # (B, S): rows 1 and 2 left-padded
-    spec = Spec(T=1, S=S, causal=True, attention_mask=real, sinks=sinks, scale=D**-0.5, **terms)
+    slopes = terms.pop("alibi_slopes", None)
+    spec = Spec(T=1, S=S, causal=True, attention_mask=real, sinks=sinks, scale=D**-0.5, **terms,
+                alibi=None if slopes is None else slopes.view(-1, H))
+    if slopes is not None:
+        terms["alibi_slopes"] = slopes
     assert hw.plan(q, k, v, causal=True, attention_mask=real, sinks=sinks, **terms).runner == KERNEL
     out = decode_kernel.run(q, k, v, spec)
     want = variant_attention(q, k, v, causal=True, attention_mask=real, sinks=sinks, **terms)  # (B, H, 1, D) float64
@@ -160,12 +170,13 @@ def test_the_plan_takes_it_for_a_decode_step_it_computes(monkeypatch, traced):
     assert _plan(q, k, v, causal=True, backend="math") == (SUMMED if traced else "math, every score at once")  # math's own way
     assert _plan(q, k, v, causal=True, attention_mask=torch.ones(2, 40, dtype=torch.bool)) == KERNEL
     assert _plan(*(t.bfloat16() for t in (q, k, v)), causal=True) == KERNEL
-    for terms in ({"softcap": 5.0}, {"sinks": torch.zeros(6)}):
+    for terms in ({"softcap": 5.0}, {"sinks": torch.zeros(6)}, {"alibi_slopes": torch.ones(6)}):
         assert _plan(q, k, v, causal=True, **terms) == KERNEL, terms
     assert _plan(q, k, v, causal=True, window=8) == (SUMMED if traced else KERNEL)  # traced: no comparison of S to W
-    with torch.enable_grad():
-        assert _plan(q, k, v, causal=True, sinks=torch.zeros(6, requires_grad=True)) != KERNEL  # a sink to train: no backward
-    for terms in ({"alibi_slopes": torch.ones(6)}, {"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
+    with torch.enable_grad():  # a sink or a slope to train: no backward
+        assert _plan(q, k, v, causal=True, sinks=torch.zeros(6, requires_grad=True)) != KERNEL
+        assert _plan(q, k, v, causal=True, alibi_slopes=torch.ones(6, requires_grad=True)) != KERNEL
+    for terms in ({"mask": torch.zeros(40)}, {"documents": torch.zeros(2, 40, dtype=torch.long)}):
         runner = _plan(q, k, v, causal=True, **terms)
         assert (runner == SUMMED) if traced else (runner != KERNEL), terms  # traced: math's sums; eager: the other rules
     assert _plan(*(t.half() for t in (q, k, v)), causal=True) != KERNEL

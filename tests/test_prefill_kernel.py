@@ -158,6 +158,33 @@ def test_a_softcap_gives_the_references_numbers(dtype, cap, B, H, Hkv, T, S, D, 
         assert float((got != ref.bfloat16().double()).float().mean()) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slopes", ["H", "BH"], ids=["the model's slopes", "a row's own"])
+@pytest.mark.parametrize(
+    "B,H,Hkv,T,S,D,causal,terms",
+    [(2, 8, 2, 150, 150, 64, True, {}), (2, 4, 4, 70, 70, 128, False, {}), (2, 4, 1, 40, 200, 64, True, {"window": 31, "softcap": 5.0}),
+     (2, 4, 2, 90, 90, 80, True, {"padded": True, "sinks": True})],
+    ids=["a prompt, GQA", "every key, D=128", "a chunk after cached keys, a window, a softcap", "padded, sinks, D=80"],
+)
+def test_alibi_gives_the_references_numbers(dtype, slopes, B, H, Hkv, T, S, D, causal, terms):
+    """ALiBi (BLOOM's, MPT's): each score less slope * |the query's position - the key's|, after a softcap, with the other
+    terms: as close to float64 as torch's kernel over the same bias (the ALiBi blocks that take such prompts elsewhere)."""
+    q, k, v = _qkv(B, H, Hkv, T, S, D, dtype, seed=17)
+    g = torch.Generator().manual_seed(5)
+    alibi = (torch.rand(H, generator=g) if slopes == "H" else torch.rand(B, H, generator=g)) * 0.3
+    real = _padding(B, S, "left") if terms.get("padded") else None
+    sink = SINKS[:H] if terms.get("sinks") else None
+    kw = dict(causal=causal, window=terms.get("window"), softcap=terms.get("softcap"), sinks=sink, attention_mask=real)
+    spec = Spec(T=T, S=S, **kw, alibi=alibi.view(-1, H), scale=D**-0.5)
+    out = prefill_kernel.run(q, k, v, spec)
+    want = variant_attention(q, k, v, **kw, alibi_slopes=alibi)  # (B, H, T, D) float64
+    theirs = (softcap.run(q, k, v, spec, block_elements=plan.BLOCK_ELEMENTS) if spec.softcap is not None
+              else sdpa.masked_blocks(q, k, v, spec, rows=64))  # (B, H, T, D)
+    seen = torch.ones(B, 1, T, 1, dtype=torch.bool) if real is None else (real.cumsum(-1) > 0)[:, None, -T:, None]
+    got, ref, them = (x.double().masked_fill(~seen, 0) for x in (out, want, theirs))
+    assert _error(got, ref) <= max(1.5 * _error(them, ref), 2e-6 if dtype == torch.float32 else 4e-3)
+
+
 def test_tanh_in_the_kernel_is_within_a_few_ulps():
     """The kernel's tanh (softcap 1) over scores from -30 to 30 (and 0, +-1e-30, either side of 0.4 where its two ways
     meet), each read back from queries over two keys, of scores s and 0, as log(w0 / w1) = tanh(s): against float64."""
@@ -262,6 +289,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, window=4, sinks=torch.zeros(4)))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, attention_mask=torch.ones(1, 16, dtype=torch.bool)))
     assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, softcap=30.0))
+    assert prefill_kernel.takes(q, k, v, Spec(T=16, S=16, causal=True, alibi=torch.ones(1, 4)))
     refused = {
         "one row (a decode step)": (q[:, :, :1], k, v, Spec(T=1, S=16, causal=True)),
         "fewer rows than FEWEST_ROWS": (q[:, :, : prefill_kernel.FEWEST_ROWS - 1], k, v, Spec(T=prefill_kernel.FEWEST_ROWS - 1, S=16, causal=True)),
@@ -271,7 +299,7 @@ def test_what_it_takes_and_refuses(monkeypatch):
         "D = 72": (torch.randn(1, 4, 16, 72), torch.randn(1, 2, 16, 72), torch.randn(1, 2, 16, 72), spec),
         "a window without causal": (q, k, v, Spec(T=16, S=16, window=4)),
         "sinks wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, sinks=torch.zeros(4, requires_grad=True))),
-        "ALiBi": (q, k, v, Spec(T=16, S=16, causal=True, alibi=torch.ones(1, 4))),
+        "ALiBi slopes wanting a gradient": (q, k, v, Spec(T=16, S=16, causal=True, alibi=torch.ones(1, 4, requires_grad=True))),
         "dropout": (q, k, v, Spec(T=16, S=16, causal=True, dropout_p=0.1)),
         "causal over fewer keys than queries": (q, k[:, :, :8], v[:, :, :8], Spec(T=16, S=8, causal=True)),
         "strided rows": (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, spec),

@@ -195,7 +195,7 @@ def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCal
     than it, at this step or a later one) is not its call: such a step runs ``_run``'s cut (``arguments.for_run``)."""
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
-    if spec.softcap is not None or spec.sinks is not None:  # the kernel's, but not the one op's (``decode_kernel.step``)
+    if spec.changes_scores or spec.sinks is not None:  # the kernel's, but not the one op's (``decode_kernel.step``)
         return None
     if spec.window is not None and spec.window < cache.k.shape[2]:
         return None

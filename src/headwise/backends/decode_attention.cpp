@@ -442,13 +442,14 @@ struct Scratch {
 
 // The G query heads q (G, D) of one key head over its S keys, given as runs of key rows and value
 // rows (the same runs for both), real[j] == false masking key j (nullptr: every key is real), each score taken to
-// cap * tanh(score / cap) where cap > 0 (Gemma 2's softcap), sinks[g] (nullptr: none) a logit of query head g that joins
-// its softmax with no value (gpt-oss's): out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's first run of key rows (stride ks),
+// cap * tanh(score / cap) where cap > 0 (Gemma 2's softcap), then less slopes[g] * (S - 1 - j) (ALiBi's bias: the query
+// sits at position S - 1; nullptr: none), sinks[g] (nullptr: none) a logit of query head g that joins its softmax with
+// no value (gpt-oss's): out (G, Dv) in O, zeros for a row that sees no key. next: the thread's next item's first run of key rows (stride ks),
 // asked into L2 as this item's values are summed (its row j beside this item's value row j), or none (n = 0).
 template <typename T, typename Q, typename O>
 void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<Run<T>>& values, int64_t ks, int64_t vs,
-                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, float cap, const float* sinks, O* out,
-                 Scratch<T>& t, Run<T> next = {nullptr, 0}) {
+                 const bool* real, int64_t S, int64_t G, int64_t D, int64_t Dv, float scale, float cap, const float* slopes,
+                 const float* sinks, O* out, Scratch<T>& t, Run<T> next = {nullptr, 0}) {
   t.q.resize(G * D);
   t.w.resize(G * S);
   t.acc.assign(G * Dv, 0.f);
@@ -468,6 +469,10 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
     at += r.n;
   }
   if (cap > 0.f) capped(t.w.data(), G * S, cap);  // before the padding's -inf (a padded key's score may be anything)
+  for (int64_t g = 0; slopes != nullptr && g < G; ++g) {  // ALiBi: -slope * |(S - 1) - j|
+    float* wg = t.w.data() + g * S;
+    for (int64_t j = 0; j < S; ++j) wg[j] -= slopes[g] * static_cast<float>(S - 1 - j);
+  }
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators, each row's max (or its sink, if larger) taken out; masked keys 0
     float* wg = t.w.data() + g * S;
     if (real != nullptr) {
@@ -503,10 +508,11 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
 }
 
 // q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous (8-bit rows: D + 4 and Dv + 4
-// elements, the scale last), real (B, S) bool or none, cap the softcap (0: none), sinks (H,) float32 or nullptr
+// elements, the scale last), real (B, S) bool or none, cap the softcap (0: none), slopes (1 or B, H) float32 or nullptr
+// (ALiBi; `batched`: a row of slopes per batch row), sinks (H,) float32 or nullptr
 template <typename T, typename Q>
 void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
-           float scale, float cap, const float* sinks) {
+           float scale, float cap, const float* slopes, bool batched, const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
   const Q* qp = q.data_ptr<Q>();
@@ -526,7 +532,8 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
       for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
-    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, cap,
+    const float* item_slopes = slopes != nullptr ? slopes + (batched ? b * H : 0) + h * G : nullptr;
+    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, cap, item_slopes,
                          sinks != nullptr ? sinks + h * G : nullptr, op + (b * H + h * G) * Dv, t, next);
   });
 }
@@ -584,17 +591,23 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
       return true;
     });
     attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, 0.f,
-                         nullptr, op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
+                         nullptr, nullptr, op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
 
-// softcap: scores become softcap * tanh(score / softcap) (0: none); sinks: (H,) float32 logits, one a query head, or none
+// softcap: scores become softcap * tanh(score / softcap) (0: none); sinks: (H,) float32 logits, one a query head, or none;
+// alibi: (1 or B, H) float32 slopes, the scores less slope * the key's distance from the query (at position S - 1), or none
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
-                            double scale, double softcap, const std::optional<at::Tensor>& sinks) {
+                            double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
   TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == q.size(1)),
               "decode_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
+  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                                     (alibi->size(0) == 1 || alibi->size(0) == q.size(0)) && alibi->size(1) == q.size(1)),
+              "decode_attention: alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
+  const float* ap = alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
+  const bool batched = alibi.has_value() && alibi->size(0) > 1;
   const at::Tensor qc = q.contiguous();
   const float cap = static_cast<float>(softcap);
   const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
@@ -602,11 +615,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);
   if (k.scalar_type() == at::kBFloat16) {
-    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, cap, sp);
+    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, cap, ap, batched, sp);
   } else if (rows8) {
-    dense<int8_t, float>(qc, k, v, real, out, s, cap, sp);
+    dense<int8_t, float>(qc, k, v, real, out, s, cap, ap, batched, sp);
   } else {
-    dense<float, float>(qc, k, v, real, out, s, cap, sp);
+    dense<float, float>(qc, k, v, real, out, s, cap, ap, batched, sp);
   }
   return out;
 }
@@ -860,7 +873,7 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const Slots where{nullptr, start};
   std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, where);  // in one pass, or:
   if (!turned.has_value()) turned = turned_and_written_aten(q, k, v, cos, sin, k_cache, v_cache, where, std::nullopt);
-  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, 0.0, std::nullopt)
+  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, 0.0, std::nullopt, std::nullopt)
                                  .to(q.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }

@@ -7,7 +7,8 @@ read once), the context in the queries' dtype, zeros for a row that sees no key.
 - ``headwise::decode_attention(q, k, v, real, scale, softcap=0, sinks=None)``: (B, H, 1, D) queries over a dense
   cache's (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), each score taken to
   softcap * tanh(score / softcap) where softcap > 0 (tanh within a few float32 ulps, as the prompt kernel's), ``sinks``
-  (H,) float32 logits that join each head's softmax with no value, or None -> (B, H, 1, Dv);
+  (H,) float32 logits that join each head's softmax with no value, or None, ``alibi`` (1 or B, H) float32 slopes
+  (each score less slope * its key's distance from the query, at position S - 1), or None -> (B, H, 1, Dv);
   or float32 queries over an 8-bit cache's rows (B, Hkv, S, D + 4) and (B, Hkv, S, Dv + 4) int8
   (``headwise.cache.quantize_rows``), each value read as ``dequantize_rows`` reads it: the same bits
   as the kernel over those rows read back in float32.
@@ -34,7 +35,8 @@ from .spec import Spec
 DTYPES = (torch.float32, torch.bfloat16)
 
 torch.library.define(
-    "headwise::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
+    "headwise::decode_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor? real, float scale, float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor",
 )
 torch.library.define(
     "headwise::decode_step",
@@ -54,7 +56,8 @@ torch.library.define(
 
 
 @torch.library.register_fake("headwise::decode_attention")
-def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
+                 alibi: Tensor | None = None) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3] - (SCALE_BYTES if v.dtype == torch.int8 else 0))  # (B, H, 1, Dv)
 
 
@@ -73,13 +76,13 @@ def available() -> bool:
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``decode_attention`` computes this call: one query per row on the CPU, float32 or bfloat16 operands of
     one dtype, key and value rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no
-    mask or documents, a softcap and sinks (none that wants a gradient) or not, and no ALiBi or dropout."""
+    mask or documents, a softcap, ALiBi and sinks (none that wants a gradient) or not, and no dropout."""
     s = spec
     return (
         q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-        and k.stride(-1) == 1 and v.stride(-1) == 1 and s.mask is None and s.documents is None and s.alibi is None
+        and k.stride(-1) == 1 and v.stride(-1) == 1 and s.mask is None and s.documents is None
         and s.dropout_p == 0.0 and (s.window is None or (s.causal and not torch.compiler.is_compiling()))
-        and not (s.sinks is not None and torch.is_grad_enabled() and s.sinks.requires_grad)
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (s.sinks, s.alibi)))
     )
 
 
@@ -91,14 +94,16 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
         k, v = k[:, :, S - spec.window :], v[:, :, S - spec.window :]  # (B, Hkv, W, D), (B, Hkv, W, Dv)
         real = None if real is None else real[:, S - spec.window :]  # (B, W)
     sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
-    return dense(q, k, v, real, spec.scale, spec.softcap or 0.0, sinks)
+    alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H)
+    return dense(q, k, v, real, spec.scale, spec.softcap or 0.0, sinks, alibi)
 
 
-def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
+          alibi: Tensor | None = None) -> Tensor:
     """(B, H, 1, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv), ``real`` (B, S) bool or None, the softcap (0: none), ``sinks`` (H,)
-    float32 or None -> (B, H, 1, Dv): ``run``'s op, for a decode step whose plan was made once
+    and ``alibi`` (1 or B, H) float32 or None -> (B, H, 1, Dv): ``run``'s op, for a decode step whose plan was made once
     (``functional.decode_kernel_call``)."""
-    return torch.ops.headwise.decode_attention(q, k, v, real, scale, softcap, sinks)
+    return torch.ops.headwise.decode_attention(q, k, v, real, scale, softcap, sinks, alibi)
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,

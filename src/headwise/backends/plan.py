@@ -169,7 +169,7 @@ def _compiled_decode(c: Call) -> bool:
 
 def _kernel(c: Call) -> bool:
     """``_cpu_decode`` that the C++ decode kernel computes (``decode_kernel.takes``: float32 or bfloat16, every key
-    seen or a causal window's, padding, a softcap and sinks or not, no mask, documents or ALiBi), where it is built (``decode_kernel.available``: built at the first such call, once
+    seen or a causal window's, padding, a softcap, ALiBi and sinks or not, no mask or documents), where it is built (``decode_kernel.available``: built at the first such call, once
     per machine and torch version, then loaded from torch's extension cache)."""
     return _cpu_decode(c) and decode_kernel.takes(c.q, c.k, c.v, c.spec) and decode_kernel.available()
 
@@ -275,8 +275,8 @@ RULES: tuple[Rule, ...] = (
          "dropout_p=1 drops every weight: torch's dropout multiplies the weights by zero (zero context, zero gradients), "
          "where a fused kernel would scale the kept weights by 1 / (1 - p) = inf"),
     Rule(DECODE_KERNEL, "sdpa", AUTO_SDPA, _kernel, lambda c: decode_kernel.run,
-         "one float32 or bfloat16 query per row on the CPU, every key seen or (eager) a window's last keys, padding, a softcap "
-         "and sinks or not, no mask, documents or ALiBi: one C++ pass per key head (scores, softmax, weighted sum on vectors, "
+         "one float32 or bfloat16 query per row on the CPU, every key seen or (eager) a window's last keys, padding, a softcap, "
+         "ALiBi and sinks or not, no mask or documents: one C++ pass per key head (scores, softmax, weighted sum on vectors, "
          "each key and value row read once for the query heads sharing it) beats torch's fused kernel, the capped blocks and "
          "two matmuls eagerly, and inductor's loops for the same sums in a compiled step"),
     Rule("math, products summed (compiled)", "math", AUTO_MATH, _compiled_decode, _math_summed,
@@ -295,7 +295,7 @@ RULES: tuple[Rule, ...] = (
          "one bfloat16 query per row on the CPU (a decode step): two matmuls beat torch's fused CPU kernel there"),
     Rule(PREFILL_KERNEL, "sdpa", AUTO_SDPA, _prefill_kernel, lambda c: prefill_kernel.run,
          "a prompt's rows on an AMD-style CPU (torch's kernels on AVX-512, MKL's GEMMs not), every key seen or causal (a "
-         "window too), sinks, padded keys, a softcap or not, nothing else but the scale, no autograd: one C++ pass a block of queries, float32 "
+         "window too), sinks, padded keys, a softcap, ALiBi or not, nothing else but the scale, no autograd: one C++ pass a block of queries, float32 "
          "sums in registers, a causal block reading only the keys its queries see (from its first query's window on, not the padding "
          "before its row's first real key), beats torch's flash kernel, whose block GEMMs run slowly there (and which reads padding "
          "as a whole mask)"),

@@ -8,7 +8,8 @@
 // causal item reads only the keys its queries see, and skips what a tile's queries do not reach (past
 // its last query, before its first query's window). A head's sink logit (gpt-oss's) joins each row's sum at the end.
 // Padded keys (a row's flags, False = padding) are seen by no query: those before its first real key and after its
-// last are not read, those between are masked. A softcap (Gemma 2's) takes each score to cap * tanh(score / cap).
+// last are not read, those between are masked. A softcap (Gemma 2's) takes each score to cap * tanh(score / cap), and
+// ALiBi (BLOOM's, MPT's) takes slope * |the query's position - the key's| from it.
 // bfloat16 on a CPU with AVX512-BF16 (the library built for AVX-512): the scores from the queries and keys as they are,
 // each pair of the head's elements by one vdpbf16ps (its two products exact in float32, added to the float32 sums),
 // the keys not widened; the softmax and the context as above.
@@ -222,10 +223,10 @@ inline void context_tile(const float* w, const float* v, int64_t n, int64_t D, c
 template <int D, typename T>
 void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os, int64_t rows,
           int64_t first, int64_t lo, int64_t keys, bool causal, int64_t window, const bool* real, float scale, float sink,
-          float cap, Scratch& t) {
+          float cap, float slope, Scratch& t) {
   // q: the item's first query row (stride qs), first: its position; lo .. keys - 1: the keys it reads (lo > 0: those
   // before its first query's window, or padding, left out); real: the row's key flags (nullptr: every key real); sink:
-  // the head's sink logit (-inf: none); cap: the scores' softcap (0: none)
+  // the head's sink logit (-inf: none); cap: the scores' softcap (0: none); slope: the head's ALiBi slope (0: none)
   constexpr bool half = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = half && pairs_here();  // the scores by vdpbf16ps from the bfloat16 queries and keys
   if (!pairs) {
@@ -277,6 +278,13 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
         store16(w, cap * tanh16(load16(w) * (1.f / cap)));
       }
     }
+    for (int64_t j = 0; slope != 0.f && j < n; ++j) {  // ALiBi: less slope * |the query's position - the key's|
+      for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
+        float* w = t.w.data() + j * QUERY_ROWS + r0;
+        const f16v d = lane_index() + static_cast<float>(first + r0 - (c0 + j));  // (exact: positions below 2^24)
+        store16(w, load16(w) - slope * (d < 0.f ? -d : d));
+      }
+    }
     for (int64_t j = 0; real != nullptr && j < n; ++j) {  // a padded key's scores (which may be anything): seen by no query
       if (!real[c0 + j]) std::fill_n(t.w.data() + j * QUERY_ROWS, QUERY_ROWS, NEG_INF);
     }
@@ -302,11 +310,20 @@ void item(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs
 // The first key the queries from position `first` on see: with a window W (> 0), first - W + 1 (not below 0), else 0
 inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? std::max<int64_t>(0, first - window + 1) : 0; }
 
-// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; real (B, S) key flags or nullptr; out (B, H, T,
-// D), stored as (B, T, H, D)
+// What a call adds to its scores and softmax: each may be none
+struct Terms {
+  const float* sinks;   // (H,) logits, or nullptr
+  const bool* real;     // (B, S) key flags, or nullptr
+  float cap;            // the softcap, 0: none
+  const float* slopes;  // (1 or B, H) ALiBi slopes, or nullptr
+  bool batched;         // slopes: a row per batch row
+};
+
+// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window, float scale,
-             const float* sinks, const bool* real, float cap, at::Tensor& out) {
+             const Terms& terms, at::Tensor& out) {
+  const bool* real = terms.real;
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
   const int64_t blocks = (Tq + QUERY_ROWS - 1) / QUERY_ROWS, off = S - Tq;
   const T* qp = q.data_ptr<T>();
@@ -338,10 +355,11 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
     const auto [lo, keys] = span(b, r0, rows);
     const bool* flags = real != nullptr ? real + b * S : nullptr;
-    const float sink = sinks != nullptr ? sinks[h] : NEG_INF;
+    const float sink = terms.sinks != nullptr ? terms.sinks[h] : NEG_INF;
+    const float slope = terms.slopes != nullptr ? terms.slopes[(terms.batched ? b * H : 0) + h] : 0.f;
     auto head = [&](auto size) {  // the item for this head size, known when compiled
       item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
-                                     window, flags, scale, sink, cap, t);
+                                     window, flags, scale, sink, terms.cap, slope, t);
     };
     switch (D) {  // HEAD_SIZES
       case 32: head(std::integral_constant<int, 32>{}); break;
@@ -356,11 +374,12 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                              int64_t window, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& real,
-                             double softcap) {
+                             double softcap, const std::optional<at::Tensor>& alibi) {
   // window: W > 0 (causal only) for each query's last W keys, 0 for every key the causal rule leaves; sinks: (H,) float32
   // logits, one per query head, that join each row's softmax with no value (gpt-oss's), or none; real: (B, S) bool,
   // False = a padded key no query sees, or none (every key real); softcap: scores become softcap * tanh(score / softcap)
-  // (Gemma 2's), 0 for none
+  // (Gemma 2's), 0 for none; alibi: (1 or B, H) float32 slopes, each score less slope * |the query's position - the
+  // key's|, or none
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
   TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be > 0, or 0 for none, got ", softcap);
   const int64_t D = q.size(3);
@@ -373,14 +392,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(!real.has_value() || (real->scalar_type() == at::kBool && real->is_contiguous() && real->dim() == 2 &&
                                     real->size(0) == q.size(0) && real->size(1) == k.size(2)),
               "prefill_attention: real must be a contiguous bool (B, S) tensor, False = a padded key");
-  const float* sink_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  const bool* real_p = real.has_value() ? real->data_ptr<bool>() : nullptr;
+  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                                     (alibi->size(0) == 1 || alibi->size(0) == q.size(0)) && alibi->size(1) == q.size(1)),
+              "prefill_attention: alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
+  const Terms terms{sinks.has_value() ? sinks->data_ptr<float>() : nullptr, real.has_value() ? real->data_ptr<bool>() : nullptr,
+                    static_cast<float>(softcap), alibi.has_value() ? alibi->data_ptr<float>() : nullptr,
+                    alibi.has_value() && alibi->size(0) > 1};
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, static_cast<float>(softcap), out);
+    prefill<c10::BFloat16>(q, k, v, causal, window, static_cast<float>(scale), terms, out);
   } else {
-    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), sink_p, real_p, static_cast<float>(softcap), out);
+    prefill<float>(q, k, v, causal, window, static_cast<float>(scale), terms, out);
   }
   return out;
 }

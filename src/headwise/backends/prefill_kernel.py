@@ -1,6 +1,6 @@
 """A prompt's attention in C++ on the CPU: every query row of a head over its keys, a block of keys at a time.
 
-``headwise::prefill_attention(q, k, v, causal, scale, window, sinks, real)`` (``prefill_attention.cpp``): (B, H, T, D)
+``headwise::prefill_attention(q, k, v, causal, scale, window, sinks, real, softcap, alibi)`` (``prefill_attention.cpp``): (B, H, T, D)
 queries over (B, Hkv, S, D) keys and values, H a multiple of Hkv (GQA), every key seen or causal with
 the queries at positions S - T .. S - 1 (a prompt, or its next chunk after S - T cached keys), with a
 window W > 0 each seeing only its last W keys (a block of queries reads the keys from its first query's
@@ -8,7 +8,8 @@ window on: W + 64 keys, not all before it), with sinks (H,) or not (gpt-oss's: a
 row's softmax with no value, so the context is divided once by the keys' and the sink's sum), with padded keys
 or not (``real`` (B, S) bool, False = padding: a row's keys before its first real one and after its last are not
 read, those between are masked; a query that sees no real key gets zeros), with a softcap or not (Gemma 2's:
-each score taken to cap * tanh(score / cap), tanh within a few float32 ulps), the
+each score taken to cap * tanh(score / cap), tanh within a few float32 ulps), with ALiBi's slopes (1 or B, H) or not
+(each score less slope * |the query's position - the key's|, after the softcap), the
 scores, the softmax carried block by block and the weighted sums all in float32, the context in the
 queries' dtype. Each item is one head's block of 64 queries: each block of 64 keys is widened once for
 them and every 4 queries take it with their sums in registers; a causal block reads only the keys its
@@ -42,14 +43,16 @@ HEAD_SIZES = (32, 64, 80, 96, 128, 256)
 FEWEST_ROWS = 8
 
 torch.library.define(
-    "headwise::prefill_attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, Tensor? sinks=None, Tensor? real=None, float softcap=0.0) -> Tensor"
+    "headwise::prefill_attention",
+    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, Tensor? sinks=None, Tensor? real=None, float softcap=0.0, "
+    "Tensor? alibi=None) -> Tensor",
 )
 
 
 @torch.library.register_fake("headwise::prefill_attention")
 def _shape(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: int = 0, sinks: Tensor | None = None, real: Tensor | None = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, alibi: Tensor | None = None,
 ) -> Tensor:
     return q.new_empty(*q.shape[:3], v.shape[3])  # (B, H, T, Dv)
 
@@ -68,7 +71,7 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``prefill_attention`` computes this call here: a CPU this kernel is for (see the module), ``FEWEST_ROWS``
     or more query rows, float32 or bfloat16 operands of one dtype (bfloat16 not on a CPU with AMX tiles), one head size of
     ``HEAD_SIZES``, rows contiguous, every key seen or causal over S >= T keys (with a window or not), sinks or not, padded
-    keys or not, a softcap or not, nothing else (no mask, documents, ALiBi or dropout), no autograd, not traced by
+    keys or not, a softcap or not, ALiBi or not, nothing else (no mask, documents or dropout), no autograd, not traced by
     ``torch.compile``."""
     s = spec
     return (
@@ -77,9 +80,8 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
         and not (q.dtype == torch.bfloat16 and _AMX) and q.shape[-1] in HEAD_SIZES and k.shape[-1] == q.shape[-1]
         and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and s.S > 0 and q.shape[1] % k.shape[1] == 0
         and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and (not s.causal or s.S >= s.T)
-        and (s.window is None or s.causal) and s.mask is None and s.documents is None
-        and s.alibi is None and s.dropout_p == 0.0
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, s.sinks)))
+        and (s.window is None or s.causal) and s.mask is None and s.documents is None and s.dropout_p == 0.0
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, s.sinks, s.alibi)))
     )
 
 
@@ -92,4 +94,5 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """(B, H, T, D) x (B, Hkv, S, D) x (B, Hkv, S, D) -> (B, H, T, D): the runner of a call ``takes`` accepts."""
     sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
     real = None if spec.attention_mask is None else spec.attention_mask.contiguous()  # (B, S) bool, False = padding
-    return torch.ops.headwise.prefill_attention(q, k, v, spec.causal, spec.scale, spec.window or 0, sinks, real, spec.softcap or 0.0)
+    alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H) slopes
+    return torch.ops.headwise.prefill_attention(q, k, v, spec.causal, spec.scale, spec.window or 0, sinks, real, spec.softcap or 0.0, alibi)

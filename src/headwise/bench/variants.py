@@ -9,7 +9,7 @@
   ways tried beside the one kept: the blocked math with ``torch.tanh`` differentiated by
   autograd (every block's weights kept for the backward), and (``--flex``, which compiles
   and needs a C++ compiler) torch's ``flex_attention`` with a softcap ``score_mod``;
-- a decode step's softcap, sinks and window (one query over a cache of S keys, ``decode_terms``): headwise's way
+- a decode step's softcap, sinks, window and ALiBi (one query over a cache of S keys, ``decode_terms``): headwise's way
   (the plan's: the C++ decode kernel where built) against the way its rules take without that kernel, plain causal
   headwise and transformers' eager functions, float32 and bfloat16, each way called ``calls`` times a timing.
 
@@ -222,10 +222,13 @@ def decode_terms(batch: int = 1, context: int = 1024, heads: int = 12, kv_heads:
     k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype) for _ in range(2))  # (B, Hkv, S, D) x2
     sinks = torch.randn(heads, generator=g)  # (H,) float32
     scale = head_dim**-0.5
-    terms_of = {"softcap": {"softcap": softcap}, "sinks": {"sinks": sinks}, f"window {window}": {"window": window}}
+    slopes = alibi_slopes(heads)  # (H,)
+    terms_of = {"softcap": {"softcap": softcap}, "sinks": {"sinks": sinks}, f"window {window}": {"window": window},
+                "ALiBi": {"alibi_slopes": slopes}}
     ways: dict[str, Callable[[], Tensor]] = {"headwise causal": lambda: attention(q, k, v, causal=True)}
     for name, kw in terms_of.items():
-        spec = Spec(T=1, S=context, causal=True, scale=scale, **kw)
+        spec = Spec(T=1, S=context, causal=True, scale=scale, **{n: t for n, t in kw.items() if n != "alibi_slopes"},
+                    alibi=kw["alibi_slopes"].view(1, -1) if "alibi_slopes" in kw else None)
         ways[f"headwise {name}"] = lambda kw=kw: attention(q, k, v, causal=True, **kw)
         ways[f"headwise {name}, rules without the decode kernel"] = lambda spec=spec: without_decode_kernel(q, k, v, spec)
     hf = _transformers_eager()
