@@ -46,8 +46,8 @@ def _cache(kind: str, dtype=torch.float32):
 #: it with the row twice, G >= 2 with a window or mask two float32 matmuls; and a causal prompt is one call, else blocks
 #: of queries.
 HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "math blocks, float32 matmuls"
-#: A decode step on the CPU (float32 or bfloat16, every key seen or a window's, padding, a softcap and sinks or not, no mask,
-#: documents or ALiBi, no autograd) runs the C++ decode kernel where it is built; where it could not be, the rules after it.
+#: A decode step on the CPU (float32 or bfloat16, every key seen or a window's, padding, a softcap, ALiBi and sinks or
+#: not, no mask or documents, no autograd) runs the C++ decode kernel where it is built; where it could not be, the rules after it.
 KERNEL = plan_table.DECODE_KERNEL if decode_kernel.available() else None
 ONE_HEAD_ROWS = "sdpa, one row per head on MKL" if plan_table.mkl_avx512() else "sdpa, the row twice"
 PROMPT = "sdpa is_causal" if plan_table.mkl_avx512() else "sdpa causal blocks of 64 queries"
@@ -71,7 +71,9 @@ CASES = {
     "decode, softcap, sinks, window": (dict(T=1, S=50), dict(causal=True, softcap=30.0, sinks=torch.randn(4), window=16), False,
                                        KERNEL or "capped blocks (tanh through expm1, backward recomputes)"),
     "bf16 decode, ALiBi": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, alibi_slopes=torch.ones(4)), False,
-                           "math blocks, float32 matmuls"),
+                           KERNEL or "math blocks, float32 matmuls"),
+    "bf16 decode, a mask": (dict(T=1, S=50, dtype=torch.bfloat16), dict(causal=True, mask=torch.ones(1, 50, dtype=torch.bool)), False,
+                            HEAD_ROWS),
     "bf16 decode, training": (dict(T=1, S=50, dtype=torch.bfloat16, grad=True), dict(causal=True), True,
                               "sdpa, each key head's query heads as rows"),
     "bf16 prompt": (dict(T=30, dtype=torch.bfloat16), dict(causal=True), False, "sdpa is_causal"),
