@@ -294,7 +294,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         >>> k = v = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16)  # two query heads per key head
         >>> print(plan(q, k, v, causal=True).runner)  # a decode step on the CPU: headwise's C++ kernel, where built
         C++ decode kernel, each key head's queries in one pass
-        >>> print(plan(q, k, v, causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])).runner)  # a term it does not compute
+        >>> print(plan(q, k, v, causal=True, documents=torch.zeros(1, 300, dtype=torch.long)).runner)  # a term it does not compute
         math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)
