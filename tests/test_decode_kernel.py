@@ -384,7 +384,7 @@ def test_the_kernels_build_for_torchs_other_capabilities_and_the_step_rounds_as_
 def attention_outputs() -> dict[str, torch.Tensor]:
     """The dense op on seeded cases: head sizes 64 and 128 (the vector loops; other sizes' plain loops leave their sums'
     order to the compiler's vector width), one and three query heads a key head, float32 and bfloat16 caches, with and
-    without padding masked."""
+    without padding masked, and with every term that changes a score."""
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         for H, Hkv, S, D in ((4, 4, 300, 64), (6, 2, 77, 128), (3, 1, 1000, 64), (2, 2, 5, 128)):
@@ -393,6 +393,9 @@ def attention_outputs() -> dict[str, torch.Tensor]:
             name = f"{dtype}, {H} heads over {Hkv}, S={S}, D={D}"
             out[name] = decode_kernel.dense(q, k, v, None, D**-0.5)
             out[name + ", masked"] = decode_kernel.dense(q, k, v, real, D**-0.5)
+            g = torch.Generator().manual_seed(S + 1)
+            sinks, slopes = torch.randn(H, generator=g), torch.rand(2, H, generator=g)  # (H,), (B, H)
+            out[name + ", softcap, sinks, ALiBi"] = decode_kernel.dense(q, k * 4, v, real, D**-0.5, 5.0, sinks, slopes)
     return out
 
 
