@@ -2,7 +2,7 @@
 // softmax, weighted sum, float32 throughout, each key and value row read once for all the query
 // heads that share it. Keys and values are float32, bfloat16 or 8-bit rows (an int8 KVCache's: a
 // row of D int8 values, then its float32 scale; value d is x[d] * scale). Two ops over one core: a dense cache (decode_attention,
-// with a softcap and sinks or not) and the blocks of a paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
+// with a softcap, ALiBi and sinks or not) and the blocks of a paged pool (paged_decode_attention). Built at run time by headwise.backends.decode_kernel for the
 // instruction set torch runs its own kernels with; the ops' schemas live on the Python side, which
 // also checks what it passes (devices, dtypes, shapes, rows contiguous).
 //
@@ -600,17 +600,11 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
                             double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
   TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
-  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
-                                     sinks->size(0) == q.size(1)),
-              "decode_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
-  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
-                                     (alibi->size(0) == 1 || alibi->size(0) == q.size(0)) && alibi->size(1) == q.size(1)),
-              "decode_attention: alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
-  const float* ap = alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
-  const bool batched = alibi.has_value() && alibi->size(0) > 1;
+  const HeadTerms terms = head_terms("decode_attention", q, sinks, alibi);
   const at::Tensor qc = q.contiguous();
   const float cap = static_cast<float>(softcap);
-  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  const float *ap = terms.slopes, *sp = terms.sinks;
+  const bool batched = terms.batched;
   const bool rows8 = k.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
   at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);

@@ -312,11 +312,9 @@ inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? st
 
 // What a call adds to its scores and softmax: each may be none
 struct Terms {
-  const float* sinks;   // (H,) logits, or nullptr
-  const bool* real;     // (B, S) key flags, or nullptr
-  float cap;            // the softcap, 0: none
-  const float* slopes;  // (1 or B, H) ALiBi slopes, or nullptr
-  bool batched;         // slopes: a row per batch row
+  HeadTerms heads;  // sinks and ALiBi's slopes
+  const bool* real;  // (B, S) key flags, or nullptr
+  float cap;         // the softcap, 0: none
 };
 
 // q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
@@ -355,8 +353,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
     const auto [lo, keys] = span(b, r0, rows);
     const bool* flags = real != nullptr ? real + b * S : nullptr;
-    const float sink = terms.sinks != nullptr ? terms.sinks[h] : NEG_INF;
-    const float slope = terms.slopes != nullptr ? terms.slopes[(terms.batched ? b * H : 0) + h] : 0.f;
+    const HeadTerms& per = terms.heads;
+    const float sink = per.sinks != nullptr ? per.sinks[h] : NEG_INF;
+    const float slope = per.slopes != nullptr ? per.slopes[(per.batched ? b * H : 0) + h] : 0.f;
     auto head = [&](auto size) {  // the item for this head size, known when compiled
       item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
                                      window, flags, scale, sink, terms.cap, slope, t);
@@ -386,18 +385,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK((D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
               "prefill_attention: queries, keys and values of one head size 32, 64, 80, 96, 128 or 256, got ", D, ", ", k.size(3), ", ",
               v.size(3));
-  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
-                                     sinks->size(0) == q.size(1)),
-              "prefill_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
   TORCH_CHECK(!real.has_value() || (real->scalar_type() == at::kBool && real->is_contiguous() && real->dim() == 2 &&
                                     real->size(0) == q.size(0) && real->size(1) == k.size(2)),
               "prefill_attention: real must be a contiguous bool (B, S) tensor, False = a padded key");
-  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
-                                     (alibi->size(0) == 1 || alibi->size(0) == q.size(0)) && alibi->size(1) == q.size(1)),
-              "prefill_attention: alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
-  const Terms terms{sinks.has_value() ? sinks->data_ptr<float>() : nullptr, real.has_value() ? real->data_ptr<bool>() : nullptr,
-                    static_cast<float>(softcap), alibi.has_value() ? alibi->data_ptr<float>() : nullptr,
-                    alibi.has_value() && alibi->size(0) > 1};
+  const Terms terms{head_terms("prefill_attention", q, sinks, alibi), real.has_value() ? real->data_ptr<bool>() : nullptr,
+                    static_cast<float>(softcap)};
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {

@@ -3,6 +3,7 @@
 // prefill_attention.cpp (headwise.native builds them into one library and hashes this header with them).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -156,6 +158,27 @@ inline f16v tanh16(f16v x) {
   const f16v large = (1.f - e) / (1.f + e);
   const f16v t = a < 0.4f ? small : large;
   return x < 0.f ? -t : t;
+}
+
+// The per-head terms both kernels take, checked: sinks (H,) and ALiBi's slopes (1 or B, H), contiguous float32, or none.
+// Their pointers (nullptr: none); `batched`: the slopes a row per batch row.
+struct HeadTerms {
+  const float* sinks = nullptr;
+  const float* slopes = nullptr;
+  bool batched = false;
+};
+
+inline HeadTerms head_terms(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& alibi) {
+  const int64_t B = q.size(0), H = q.size(1);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                                     sinks->size(0) == H),
+              op, ": sinks must be a contiguous float32 (H,) tensor, one logit per query head");
+  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                                     (alibi->size(0) == 1 || alibi->size(0) == B) && alibi->size(1) == H),
+              op, ": alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
+  return {sinks.has_value() ? sinks->data_ptr<float>() : nullptr, alibi.has_value() ? alibi->data_ptr<float>() : nullptr,
+          alibi.has_value() && alibi->size(0) > 1};
 }
 
 // fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
