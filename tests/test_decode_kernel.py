@@ -260,10 +260,11 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
 @pytest.mark.parametrize("dtype,stored", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("tables", ["none", "shared", "per row", "per row, strided"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtype, stored, tables, padded):
+@pytest.mark.parametrize("with_terms", [False, True], ids=["no terms", "softcap, sinks, ALiBi"])
+def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtype, stored, tables, padded, with_terms):
     """``decode_kernel.step`` against the Python ops it stands for: ``rope.rotate`` of q and k together, the cache's
-    write at the slot, ``dense`` over the slots so far, the heads merged. Strided tables take the op's ATen ops rather
-    than its loop."""
+    write at the slot, ``dense`` over the slots so far (with its terms), the heads merged. Strided tables take the op's
+    ATen ops rather than its loop."""
     from headwise.rope import RotaryEmbedding, rotate
 
     g = torch.Generator().manual_seed(3)
@@ -285,10 +286,11 @@ def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtyp
     k_want[:, :, start:start + 1] = kr.to(stored)
     v_want[:, :, start:start + 1] = v.to(stored)
     seen = None if real is None else real[:, :start + 1]
-    context = decode_kernel.dense(qr.to(stored), k_want[:, :, :start + 1], v_want[:, :, :start + 1], seen, D**-0.5).to(dtype)
+    terms = (3.0, torch.randn(H, generator=g), torch.rand(B, H, generator=g) / 4) if with_terms else ()  # softcap, sinks, (B, H) slopes
+    context = decode_kernel.dense(qr.to(stored), k_want[:, :, :start + 1], v_want[:, :, :start + 1], seen, D**-0.5, *terms).to(dtype)
     want = context.transpose(1, 2).reshape(B, 1, -1)  # (B, 1, H*D)
     with torch.inference_mode():
-        got = decode_kernel.step(q, k, v, cos, sin, k_cache, v_cache, real, start, D**-0.5)
+        got = decode_kernel.step(q, k, v, cos, sin, k_cache, v_cache, real, start, D**-0.5, *terms)
     assert got.shape == (B, 1, H * D) and got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
@@ -298,11 +300,12 @@ def test_the_step_op_is_the_rotation_the_write_and_the_dense_op_bit_for_bit(dtyp
                                           (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("tables", ["none", "per row", "per row, strided"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_the_paged_step_op_is_the_rotation_the_pools_write_and_the_one_call_bit_for_bit(dtype, stored, tables, window):
+@pytest.mark.parametrize("with_terms", [False, True], ids=["no terms", "softcap, sinks, ALiBi"])
+def test_the_paged_step_op_is_the_rotation_the_pools_write_and_the_one_call_bit_for_bit(dtype, stored, tables, window, with_terms):
     """``decode_kernel.paged_step`` against the Python ops it stands for (a paged batch's path in ``functional``):
     ``rope.rotate`` of q and k, the pool's write at the slots (8-bit rows by ``quantize_rows``), the queries gathered by
-    rows in the pool's dtype and widened, ``paged``'s one call, the context in the pool's dtype placed at the rows, the
-    heads merged. Strided tables take the op's ATen ops rather than its loop."""
+    rows in the pool's dtype and widened, ``paged``'s one call (with its terms), the context in the pool's dtype placed
+    at the rows, the heads merged. Strided tables take the op's ATen ops rather than its loop."""
     from headwise.cache.static import quantize_rows
     from headwise.rope import RotaryEmbedding, rotate
 
@@ -333,12 +336,14 @@ def test_the_paged_step_op_is_the_rotation_the_pools_write_and_the_one_call_bit_
     v_want.index_copy_(1, slots, as_stored(v.to(taken))[0])
     one = qr[0].index_select(1, rows).to(taken).float().view(Hkv, H // Hkv, N, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
     seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)
-    out = decode_kernel.paged(one, k_want, v_want, tables_of[rows], seen_from[rows], seen_to[rows], bs, D**-0.5)  # (N, Hkv, G, D)
+    terms = (3.0, torch.randn(H, generator=g), torch.rand(1, H, generator=g) / 4) if with_terms else ()  # softcap, sinks, (1, H) slopes
+    out = decode_kernel.paged(one, k_want, v_want, tables_of[rows], seen_from[rows], seen_to[rows], bs, D**-0.5, *terms)  # (N, Hkv, G, D)
     context = torch.empty(1, H, N, D, dtype=taken)
     context[0, :, rows] = out.flatten(1, 2).transpose(0, 1).to(taken)
     want = context.to(dtype).transpose(1, 2).reshape(1, N, -1)  # (1, N, H*D)
     with torch.inference_mode():
-        got = decode_kernel.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables_of[rows], seen_to[rows], window, bs, D**-0.5)
+        got = decode_kernel.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables_of[rows], seen_to[rows], window, bs, D**-0.5,
+                                       *terms)
     assert got.shape == (1, N, H * D) and got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import reference_attention
+from reference_variants import variant_attention
 
 import headwise as hw
 from headwise.backends import decode_kernel
@@ -118,13 +119,69 @@ def test_the_plan_takes_one_call_only_where_it_computes_every_term(decode_way):
     assert (one.runner, one.backend) == (runner, "auto")
     mixed = hw.plan(*step_inputs([1, 2], H=2, Hkv=2, D=8, dtype=torch.float32), causal=True, cache=pool.batch([0, 1], [1, 2], compile=True))
     assert mixed.runner.startswith(f"per sequence: {runner}; ")
-    for kw in ({"softcap": 30.0}, {"backend": "sdpa"}, {"backend": "math"}, {"alibi_slopes": torch.ones(2)}):
+    for kw in ({"backend": "sdpa"}, {"backend": "math"}):
         assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
+    for kw in ({"softcap": 30.0}, {"alibi_slopes": torch.ones(2)}, {"sinks": torch.zeros(2)}):  # the C++ kernel's terms, not the loops'
+        in_one = ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1], compile=True), **kw).runner
+        assert in_one == decode_way
+    trained = torch.zeros(2, requires_grad=True)  # a sink that wants its gradient: the kernel gives none
+    assert ROWS_IN_ONE_CALL not in hw.plan(q, k, v, causal=True, sinks=trained, cache=pool.batch([0, 1], [1, 1])).runner
     assert (ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, cache=pool.batch([0, 1], [1, 1])).runner) == decode_way  # C++: any batch
     assert [pool.length(s) for s in (0, 1)] == [5, 9]  # a plan writes nothing
     float32_pool, _, _ = pool_of([5, 9])  # over float32 views the fused kernel per sequence beat inductor's loops, not the C++ kernel
     float32_plan = hw.plan(q, k, v, causal=True, cache=float32_pool.batch([0, 1], [1, 1], compile=True))
     assert (ROWS_IN_ONE_CALL in float32_plan.runner) == decode_way
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,window", [(1, None), (3, None), (2, 5)])
+@pytest.mark.parametrize("slopes_per", ["head", "sequence and head"])
+def test_the_kernel_takes_a_softcap_sinks_and_alibi_over_each_sequences_blocks(dtype, G, window, slopes_per):
+    """The terms of ``decode_kernel.paged`` against the float64 reference: each sequence's query at its last key's
+    position (ALiBi's distances from there), a sink per query head, scores capped, within a window or not."""
+    if not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    lengths = [5, 17, 1, 9]
+    pool, keys, values = pool_of(lengths, dtype=dtype)
+    Hkv, _, D = pool.k.shape
+    H, g = Hkv * G, torch.Generator().manual_seed(5)
+    width = max(len(pool.blocks(s)) for s in range(4))
+    tables = torch.tensor([pool.blocks(s) + [0] * (width - len(pool.blocks(s))) for s in range(4)])  # (N, nb)
+    seen_to = torch.tensor(lengths)
+    seen_from = torch.zeros(4, dtype=torch.long) if window is None else (seen_to - window).clamp(min=0)
+    q = (torch.randn(4, Hkv, G, D, generator=g) * 3).to(dtype)  # (N, Hkv, G, D): scores past the cap
+    sinks, slopes = torch.randn(H, generator=g), torch.rand(1 if slopes_per == "head" else 4, H, generator=g)  # (H,), (1 or N, H)
+    got = decode_kernel.paged(q, pool.k, pool.v, tables, seen_from, seen_to, pool.block_size, D**-0.5, 2.0, sinks, slopes)
+    for s in range(4):
+        want = variant_attention(q[s].reshape(1, H, 1, D), keys[s], values[s], causal=True, window=window, softcap=2.0, sinks=sinks,
+                                 alibi_slopes=slopes[s if slopes.shape[0] > 1 else 0])
+        torch.testing.assert_close(got[s].reshape(1, H, 1, D).double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_batch_with_a_softcap_sinks_and_alibi_gives_each_sequence_its_numbers_alone(dtype, stored, window):
+    """With the terms, a paged batch's one-token rows still take the one C++ call, and each row equals the decode kernel
+    over its sequence's keys alone bit for bit (and the float64 reference within the dtype's tolerance)."""
+    if not decode_kernel.available():
+        pytest.skip("the C++ decode kernel could not be built here")
+    lengths, H, Hkv, D = [5, 17, 1, 9, 30], 6, 2, 64
+    pool, keys, values = pool_of(lengths, dtype=stored, Hkv=Hkv, D=D, window=window)
+    q, k, v = step_inputs([1] * 5, H=H, Hkv=Hkv, D=D, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    terms = {"softcap": 1.5, "sinks": torch.randn(H, generator=g), "alibi_slopes": torch.rand(H, generator=g)}
+    batch = pool.batch(list(range(5)), [1] * 5)
+    assert ROWS_IN_ONE_CALL in hw.plan(q, k, v, causal=True, window=window, cache=batch, **terms).runner
+    got = hw.attention(q, k, v, causal=True, window=window, cache=batch, **terms)  # (1, H, N, D)
+    for s in range(5):
+        ks = torch.cat([keys[s], k[:, :, s : s + 1].to(stored)], 2)  # (1, Hkv, n + 1, D): as the pool holds them
+        vs = torch.cat([values[s], v[:, :, s : s + 1].to(stored)], 2)
+        spec = Spec(1, ks.shape[2], causal=True, window=window, softcap=1.5, sinks=terms["sinks"], alibi=terms["alibi_slopes"][None],
+                    scale=D**-0.5)
+        alone = decode_kernel.run(q[:, :, s : s + 1].to(stored), ks, vs, spec)
+        assert torch.equal(got[:, :, s : s + 1], alone.to(dtype))
+        want = variant_attention(q[:, :, s : s + 1].to(stored), ks, vs, causal=True, window=window, **terms)
+        torch.testing.assert_close(got[:, :, s : s + 1].double(), want, **TOL[stored])
 
 
 def test_its_plans_run_is_the_same_call_over_each_rows_own_keys(decode_way):
@@ -133,6 +190,11 @@ def test_its_plans_run_is_the_same_call_over_each_rows_own_keys(decode_way):
     for window in (None, 4):
         got = paged_runner.rows_over_own_keys(q, k, v, Spec(1, 11, causal=True, window=window, scale=8**-0.5))
         torch.testing.assert_close(got.double(), reference_attention(q.double(), k.double(), v.double(), causal=True, window=window))
+    if decode_way:  # the C++ kernel's terms: a row of slopes per batch row
+        sinks, slopes = torch.randn(4, generator=g), torch.rand(2, 4, generator=g)
+        got = paged_runner.rows_over_own_keys(q, k, v, Spec(1, 11, causal=True, softcap=2.0, sinks=sinks, alibi=slopes, scale=8**-0.5))
+        want = variant_attention(q, k, v, causal=True, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+        torch.testing.assert_close(got.double(), want)
 
 
 def test_a_refused_call_changes_nothing():

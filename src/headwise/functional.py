@@ -195,8 +195,6 @@ def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCal
     than it, at this step or a later one) is not its call: such a step runs ``_run``'s cut (``arguments.for_run``)."""
     if type(cache) is not KVCache or cache.window is not None or q.shape[2] != 1 or len(cache) >= cache.k.shape[2]:
         return None
-    if spec.changes_scores or spec.sinks is not None:  # the kernel's, but not the one op's (``decode_kernel.step``)
-        return None
     if spec.window is not None and spec.window < cache.k.shape[2]:
         return None
     stored, S = cache.dtype, len(cache) + 1
@@ -206,21 +204,23 @@ def _kernel_call(q: Tensor, cache: Cache, spec: Spec, backend: str) -> KernelCal
         keys = values = keys.new_empty((*keys.shape[:2], 1, cache.head_dim), dtype=stored).expand(-1, -1, S, -1)  # (B, Hkv, S, D)
     if plan_runner(q.to(stored), keys, values, run_spec, backend).run is not decode_kernel.run:
         return None
-    return KernelCall(cache, run_spec.scale)
+    return KernelCall(cache, run_spec)
 
 
 class KernelCall:
-    """``decode_kernel_call``'s answer: the call's cache and scale, called once a step."""
+    """``decode_kernel_call``'s answer: the call's cache and terms (its scale, softcap, sinks and ALiBi slopes, the
+    sinks and slopes read as they stand at each step), called once a step."""
 
-    __slots__ = ("cache", "scale")
+    __slots__ = ("cache", "spec")
 
-    def __init__(self, cache: KVCache, scale: float) -> None:
-        self.cache, self.scale = cache, scale
+    def __init__(self, cache: KVCache, spec: Spec) -> None:
+        self.cache, self.spec = cache, spec
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """(B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv), the rotation's tables or None -> (B, 1, H * Dv)."""
-        scale = self.scale
-        return self.cache.write_one_unchecked(lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale))
+        scale, terms = self.spec.scale, decode_kernel.terms(self.spec)
+        return self.cache.write_one_unchecked(
+            lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale, *terms))
 
     def after_write(self, q: Tensor, k: Tensor, v: Tensor, check: bool) -> Tensor:
         """(B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv) -> (B, H, 1, Dv): the cache's write in torch's ops
@@ -228,7 +228,7 @@ class KernelCall:
         place. A compiled step's way (the op of ``__call__`` writes its arguments: the compiler does not call it);
         the same numbers."""
         keys, values, real = self.cache.append_stored(k, v, check=check)  # (B, Hkv, S, D + 4) x2, (B, S) or None
-        return decode_kernel.dense(q, keys, values, real, self.scale)
+        return decode_kernel.dense(q, keys, values, real, self.spec.scale, *decode_kernel.terms(self.spec))
 
 
 def paged_kernel_call(
@@ -257,23 +257,24 @@ def paged_kernel_call(
         return None
     if not _rows_in_one_call(Arguments(q, k, v, spec, batch, backend)):
         return None
-    return PagedCall(spec.scale, spec.window)
+    return PagedCall(spec)
 
 
 class PagedCall:
-    """``paged_kernel_call``'s answer: the call's scale and window, called once a step with that step's batch."""
+    """``paged_kernel_call``'s answer: the call's terms (its scale, window, softcap, sinks and ALiBi slopes, the sinks
+    and slopes read as they stand at each step), called once a step with that step's batch."""
 
-    __slots__ = ("scale", "window")
+    __slots__ = ("spec",)
 
-    def __init__(self, scale: float, window: int | None) -> None:
-        self.scale, self.window = scale, window
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
 
     def __call__(self, batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """A batch whose every sequence feeds one token; (1, H, N, D), (1, Hkv, N, D), (1, Hkv, N, Dv), the rotation's
         tables (1, 1, N, D) or None -> (1, N, H * Dv)."""
-        pool, scale, window = batch.cache, self.scale, self.window
+        pool, spec, terms = batch.cache, self.spec, decode_kernel.terms(self.spec)
         return batch.write_rows_unchecked(lambda slots, rows, tables, seen_to: decode_kernel.paged_step(
-            q, k, v, cos, sin, pool.k, pool.v, slots, rows, tables, seen_to, window, pool.block_size, scale))
+            q, k, v, cos, sin, pool.k, pool.v, slots, rows, tables, seen_to, spec.window, pool.block_size, spec.scale, *terms))
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
@@ -406,8 +407,10 @@ def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_
     # sequence alone), widened once, not once a key
     one = q[0].index_select(1, pool_rows.rows).to(taken).float()
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
+    softcap, sinks, alibi = decode_kernel.terms(spec)  # alibi (1, H): a paged batch is one row
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
-                       scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP)  # (N, Hkv, G, Dv)
+                       scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP, softcap=softcap,
+                       sinks=sinks, alibi=alibi)  # (N, Hkv, G, Dv)
     context = q.new_empty((1, H, T, rows.shape[-1]), dtype=taken)  # (1, H, T, Dv)
     context[0, :, pool_rows.rows] = rows.flatten(1, 2).transpose(0, 1).to(context.dtype)  # (H, N, Dv)
     for (part, *_), c in zip(runs, contexts, strict=True):

@@ -146,6 +146,44 @@ def test_each_layers_attention_is_decided_at_its_first_step(case):
         == [True] * len(flat_caches)
 
 
+def with_score_terms(model):
+    """``model`` with a softcap, a sink per head and ALiBi slopes on every attention layer (read by ``score_terms``)."""
+    g = torch.Generator().manual_seed(7)
+    for a in model.attention_layers():
+        a.softcap = 4.0
+        a.sinks = torch.nn.Parameter(torch.randn(a.num_heads, generator=g).to(next(a.parameters()).dtype), requires_grad=False)
+        a.alibi_slopes = torch.rand(a.num_heads, generator=g)
+    return model
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_softcap_sinks_and_alibi_step_in_the_kernels_one_op_bit_for_bit(cls, dtype):
+    """Layers with a softcap, sinks and ALiBi: each step's attention still the decode kernel's one op a layer
+    (``decode_kernel_call``), not the whole layer's (``decode_layer`` takes no terms); the forward's logits bit for bit."""
+    model = with_score_terms(model_of(cls, {}, dtype))
+    native = []
+    call_native = NativeLayer.__call__
+
+    def counted_native(layer, *args):
+        native.append(layer)
+        return call_native(layer, *args)
+
+    torch.manual_seed(0)
+    plain = [want for _, want, _, _ in steps_both_ways(model_of(cls, {}, dtype), 2, steps=4)]
+    torch.manual_seed(0)
+    with mock.patch.object(NativeLayer, "__call__", counted_native):
+        for (got, want, caches, _), without in zip(steps_both_ways(model, 2, steps=4), plain, strict=True):
+            assert torch.equal(got, want)
+            assert not torch.allclose(want, without, atol=1e-2)  # the terms change every step's logits
+            flat_caches = caches
+    assert not native
+    step = flat_step(model)
+    with torch.no_grad():
+        step(torch.zeros(2, 1, dtype=torch.long), None, flat_caches)
+    assert all((call is not None) == decode_kernel.available() for _, call in step.kernel_calls)
+
+
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 def test_weights_changed_between_steps_are_seen(cls):
     """The step's kept decisions follow a weight written in place or replaced between two steps (an ``on_token``
@@ -202,6 +240,7 @@ PAGED_CASES = {  # (case, the pools' dtype: None = the model's)
     "gpt2 fp32": None, "gpt2 fp32, bf16 pools": torch.bfloat16, "gpt2 fp32, 8-bit pools": torch.int8,
     "llama gqa fp32": None, "llama gqa bf16": None, "llama gqa fp32, 8-bit pools": torch.int8, "llama gqa bf16, 8-bit pools": torch.int8,
     "qwen3 qk-norm": None, "mistral sliding window (ring caches)": None, "gpt2 grouped-query": None,
+    "gpt2 fp32, softcap, sinks, ALiBi": None, "llama gqa bf16, softcap, sinks, ALiBi": None,
 }
 
 
@@ -211,10 +250,13 @@ def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(
     (and a step of several tokens for one of them, and one without a sequence), the logits of the rows asked for and
     the pools as the unchecked forward's; where the C++ kernels are built, every step of one token a sequence written
     and attended by one op a layer (``paged_kernel_call``), from the second on the whole layer in one (``decode_layer``)
-    but where the layer has no such op (qk-norm)."""
+    but where the layer has no such op (qk-norm) or takes terms the op does not (softcap, sinks, ALiBi)."""
     case = name.split(",")[0]
     cls, kw, dtype = CASES[case]
     model = model_of(cls, kw, dtype)
+    terms = name.endswith("ALiBi")
+    if terms:
+        model = with_score_terms(model)
     lengths = {0: 5, 1: 9, 2: 3}
     with torch.no_grad():
         pools = model.new_paged_caches(24, 4, PAGED_CASES[name])
@@ -251,7 +293,7 @@ def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(
             assert got.shape == want.shape == (1, len(seq_ids), model.vocab_size) and torch.equal(got, want)
             one_each = set(counts) == {1} and decode_kernel.available()
             assert len(by_op) == (len(pools) if one_each else 0)
-            if one_each and i > 0 and case != "qwen3 qk-norm":  # the layers' own ops, from the step after the first
+            if one_each and i > 0 and case != "qwen3 qk-norm" and not terms:  # the layers' own ops, from the step after the first
                 assert len(native) == len(pools) and all(out is not None for out in native)
             else:
                 assert not native

@@ -9,6 +9,7 @@ import torch
 from test_flat_step import model_of, steps_both_ways
 
 from headwise.backends import decode_kernel
+from headwise.backends.spec import Spec
 from headwise.linear import onednn, panels
 from headwise.models import native_layer
 from headwise.models.gpt2 import GPT2LMHeadModel
@@ -43,7 +44,7 @@ def _takes_op(model, batch: int) -> bool:
     block = model.blocks[0]
     parts = tuple(getattr(block, name) for name in type(block).flat_parts)
     x = torch.zeros(batch, 1, parts[1].d_in, dtype=parts[0].weight.dtype)
-    layer = native_layer.native_layer(parts, KernelCall(None, 1.0), x)
+    layer = native_layer.native_layer(parts, KernelCall(None, Spec(1, 1, scale=1.0)), x)
     with torch.no_grad():
         return layer._call_args(x) is not None
 

@@ -539,10 +539,12 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 }
 
 // q (N, Hkv, G, D) contiguous, pools (Hkv, P, D) and (Hkv, P, Dv) contiguous (8-bit rows: D + 4 and Dv + 4 elements, the
-// scale last; float32 queries), tables (N, nb) long, seen_from/seen_to (N,)
+// scale last; float32 queries), tables (N, nb) long, seen_from/seen_to (N,); the terms as dense's (a row of slopes per
+// sequence where `batched`), a sequence's query at position seen_to - 1 of its table
 template <typename T, typename Q>
 void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const at::Tensor& tables, const at::Tensor& from,
-           const at::Tensor& to, int64_t bs, at::Tensor& out, float scale) {
+           const at::Tensor& to, int64_t bs, at::Tensor& out, float scale, float cap, const float* slopes, bool batched,
+           const float* sinks) {
   const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = vp_.size(2) - ROW_EXTRA<T>, P = kp_.size(1);
   const int64_t ks = D + ROW_EXTRA<T>, vs = Dv + ROW_EXTRA<T>;  // a pool row's elements (8-bit rows: the values, then the scale)
   const int64_t nb = tables.size(1);
@@ -590,8 +592,10 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
       }
       return true;
     });
-    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, 0.f,
-                         nullptr, nullptr, op + i * G * Dv, t, after < 0 ? Run<T>{nullptr, 0} : first_run(after));
+    const float* item_slopes = slopes != nullptr ? slopes + (batched ? n * Hkv * G : 0) + h * G : nullptr;
+    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, cap,
+                         item_slopes, sinks != nullptr ? sinks + h * G : nullptr, op + i * G * Dv, t,
+                         after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
 
@@ -600,7 +604,7 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
                             double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
   TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
-  const HeadTerms terms = head_terms("decode_attention", q, sinks, alibi);
+  const HeadTerms terms = head_terms("decode_attention", q.size(0), q.size(1), sinks, alibi);
   const at::Tensor qc = q.contiguous();
   const float cap = static_cast<float>(softcap);
   const float *ap = terms.slopes, *sp = terms.sinks;
@@ -618,23 +622,31 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// The terms as decode_attention's: sinks (H,), alibi (1 or N, H) for H = Hkv * G query heads, each key's distance from
+// its sequence's query at position seen_to - 1
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
-                                  const at::Tensor& seen_from, const at::Tensor& seen_to, int64_t block_size, double scale) {
+                                  const at::Tensor& seen_from, const at::Tensor& seen_to, int64_t block_size, double scale,
+                                  double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
+  const HeadTerms terms = head_terms("paged_decode_attention", q.size(0), q.size(1) * q.size(2), sinks, alibi);
+  const float cap = static_cast<float>(softcap);
+  const float *ap = terms.slopes, *sp = terms.sinks;
+  const bool batched = terms.batched;
   const at::Tensor qc = q.contiguous();
   const bool rows8 = k_pool.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_pool.size(2) - (rows8 ? 4 : 0)}, q.options());  // (N, Hkv, G, Dv)
   const float s = static_cast<float>(scale);
   const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16, bf16_q = q.scalar_type() == at::kBFloat16;
   if (rows8) {
-    paged<int8_t, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+    paged<int8_t, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
   } else if (bf16_pool && bf16_q) {
-    paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+    paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
   } else if (bf16_pool) {
-    paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+    paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
   } else if (bf16_q) {
-    paged<float, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+    paged<float, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
   } else {
-    paged<float, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s);
+    paged<float, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
   }
   return out;
 }
@@ -854,20 +866,22 @@ at::Tensor turned_and_written_aten(const at::Tensor& q, const at::Tensor& k, con
 // (views of the projections' output), turned by (cos, sin) where given (rope.rotate's "rotate_half" of all D dims),
 // written at slot `start` of the caches (B, Hkv, L, D) and (B, Hkv, L, Dv) in their dtype (8-bit rows: D + 4 and
 // Dv + 4 int8, store_row), then the kernel over slots
-// 0 .. start, `real` (B, L) marking the tokens where the cache holds padding -> (B, 1, H * Dv), the heads merged. The
+// 0 .. start, `real` (B, L) marking the tokens where the cache holds padding, the terms (softcap, sinks, ALiBi) as
+// decode_attention's -> (B, 1, H * Dv), the heads merged. The
 // same bits as the Python steps it replaces (headwise.functional.decode_kernel_call): the rotation and the write in
 // one loop that rounds as their ATen ops do (turned_and_written), else those ops in their order; one call where they
 // were some twenty.
 at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
                        const std::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
-                       const std::optional<at::Tensor>& real, int64_t start, double scale) {
+                       const std::optional<at::Tensor>& real, int64_t start, double scale, double softcap,
+                       const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
   const int64_t end = start + 1;
   std::optional<at::Tensor> seen;
   if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
   const Slots where{nullptr, start};
   std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, where);  // in one pass, or:
   if (!turned.has_value()) turned = turned_and_written_aten(q, k, v, cos, sin, k_cache, v_cache, where, std::nullopt);
-  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, 0.0, std::nullopt, std::nullopt)
+  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, softcap, sinks, alibi)
                                  .to(q.scalar_type());  // (B, H, 1, Dv)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }
@@ -877,13 +891,14 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // sin) (1, 1, N, D) where given, written at the pools' `slots` (N,) (Hkv, P, D) and (Hkv, P, Dv) (8-bit rows as
 // decode_step writes them), then the one call over the pool (paged_decode_attention): query `rows[n]` over its block
 // table `tables[n]`, keys seen_to[n] - window .. seen_to[n] - 1 (from 0 without a window) -> (1, N, H * Dv), the
-// heads merged. The same ops as the Python step (headwise.functional's paged batch path: PagedBatch's write, the
+// heads merged; the terms as paged_decode_attention's. The same ops as the Python step (headwise.functional's paged batch path: PagedBatch's write, the
 // queries gathered by rows in the pool's dtype and widened, the call, the context in the pool's dtype placed at the
 // rows and rounded to q's): the same bits.
 at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& cos,
                       const std::optional<at::Tensor>& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots,
                       const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seen_to, std::optional<int64_t> window,
-                      int64_t block_size, double scale) {
+                      int64_t block_size, double scale, double softcap, const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& alibi) {
   const int64_t H = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1);
   const at::Tensor qn = q.select(0, 0).transpose(0, 1).unsqueeze(2);  // (N, H, 1, D): sequence n as row n
   const at::Tensor kn = k.select(0, 0).transpose(0, 1).unsqueeze(2);  // (N, Hkv, 1, D)
@@ -915,7 +930,8 @@ at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   t.scalar_type() == at::kBFloat16 ? gather(t.const_data_ptr<c10::BFloat16>()) : gather(t.const_data_ptr<float>());
   const at::Tensor to = seen_to.contiguous();
   const at::Tensor from = window.has_value() ? (to - *window).clamp_min(0) : at::zeros_like(to);  // (N,)
-  const at::Tensor out = paged_decode_attention(queries, k_pool, v_pool, tables.contiguous(), from, to, block_size, scale);  // (N, Hkv, G, Dv)
+  const at::Tensor out = paged_decode_attention(queries, k_pool, v_pool, tables.contiguous(), from, to, block_size, scale, softcap, sinks,
+                                                alibi);  // (N, Hkv, G, Dv)
   const int64_t wide = N > 0 ? out.numel() / N : 0;  // H * Dv
   at::Tensor placed = at::empty({1, N, wide}, q.options());  // (1, N, H * Dv)
   const float* o = out.const_data_ptr<float>();

@@ -4,7 +4,7 @@ Two ops over one core (``decode_attention.cpp``): each key head's G query heads 
 values together (scores, softmax and the weighted sum in float32, each row of keys and values
 read once), the context in the queries' dtype, zeros for a row that sees no key.
 
-- ``headwise::decode_attention(q, k, v, real, scale, softcap=0, sinks=None)``: (B, H, 1, D) queries over a dense
+- ``headwise::decode_attention(q, k, v, real, scale, softcap=0, sinks=None, alibi=None)``: (B, H, 1, D) queries over a dense
   cache's (B, Hkv, S, D) keys and (B, Hkv, S, Dv) values, ``real`` (B, S) bool or None (padding), each score taken to
   softcap * tanh(score / softcap) where softcap > 0 (tanh within a few float32 ulps, as the prompt kernel's), ``sinks``
   (H,) float32 logits that join each head's softmax with no value, or None, ``alibi`` (1 or B, H) float32 slopes
@@ -12,9 +12,9 @@ read once), the context in the queries' dtype, zeros for a row that sees no key.
   or float32 queries over an 8-bit cache's rows (B, Hkv, S, D + 4) and (B, Hkv, S, Dv + 4) int8
   (``headwise.cache.quantize_rows``), each value read as ``dequantize_rows`` reads it: the same bits
   as the kernel over those rows read back in float32.
-- ``headwise::paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)``:
-  ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read in place (a float32,
-  bfloat16 or 8-bit pool).
+- ``headwise::paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale, softcap=0,
+  sinks=None, alibi=None)``: ``backends.paged.rows_over_blocks``'s call, each row over its own blocks of the pool, read
+  in place (a float32, bfloat16 or 8-bit pool), with the same terms (each sequence's query at position seen_to - 1).
 
 Inductor's loops for the same products and sums, and the same loops over a paged pool, read the
 keys and values more slowly (docs: decoding, serving). The kernel is built at run time with
@@ -41,17 +41,19 @@ torch.library.define(
 torch.library.define(
     "headwise::decode_step",
     "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, "
-    "float scale) -> Tensor",
+    "float scale, float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor",
 )
 torch.library.define(
     "headwise::paged_step",
     "(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor rows, "
-    "Tensor tables, Tensor seen_to, int? window, int block_size, float scale) -> Tensor",
+    "Tensor tables, Tensor seen_to, int? window, int block_size, float scale, float softcap=0.0, Tensor? sinks=None, "
+    "Tensor? alibi=None) -> Tensor",
 )
 torch.library.define("headwise::rotation_rounding", "() -> int")  # how decode_step's rotation rounds (``rotation_rounding``)
 torch.library.define(
     "headwise::paged_decode_attention",
-    "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seen_from, Tensor seen_to, int block_size, float scale) -> Tensor",
+    "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seen_from, Tensor seen_to, int block_size, float scale, "
+    "float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor",
 )
 
 
@@ -63,7 +65,7 @@ def _dense_shape(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: fl
 
 @torch.library.register_fake("headwise::paged_decode_attention")
 def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
-                 scale: float) -> Tensor:
+                 scale: float, softcap: float = 0.0, sinks: Tensor | None = None, alibi: Tensor | None = None) -> Tensor:
     return q.new_empty(*q.shape[:3], v_pool.shape[-1] - (SCALE_BYTES if v_pool.dtype == torch.int8 else 0))  # (N, Hkv, G, Dv)
 
 
@@ -93,9 +95,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     if spec.window is not None and spec.window < S:
         k, v = k[:, :, S - spec.window :], v[:, :, S - spec.window :]  # (B, Hkv, W, D), (B, Hkv, W, Dv)
         real = None if real is None else real[:, S - spec.window :]  # (B, W)
+    return dense(q, k, v, real, spec.scale, *terms(spec))
+
+
+def terms(spec: Spec) -> tuple[float, Tensor | None, Tensor | None]:
+    """The ops' terms of a call: its softcap (0: none), sinks (H,) and ALiBi slopes (1 or B, H) as contiguous float32
+    (no copy where they are so already: a module's own, read as they stand at each call), or None."""
     sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
     alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H)
-    return dense(q, k, v, real, spec.scale, spec.softcap or 0.0, sinks, alibi)
+    return spec.softcap or 0.0, sinks, alibi
 
 
 def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
@@ -107,26 +115,30 @@ def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, so
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-         real: Tensor | None, start: int, scale: float) -> Tensor:
+         real: Tensor | None, start: int, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
+         alibi: Tensor | None = None) -> Tensor:
     """A decode step's attention in one op, for a step whose plan was made once (``functional.decode_kernel_call``):
     q (B, H, 1, D), k (B, Hkv, 1, D) and v (B, Hkv, 1, Dv), q and k turned by ``rope.rotate``'s "rotate_half" tables
     cos and sin ((1, D) or (B, 1, 1, D) float32) where given, k and v written at slot ``start`` of the caches
     (B, Hkv, L, D) and (B, Hkv, L, Dv) (an 8-bit cache's rows rounded as ``quantize_rows`` rounds them, the queries
-    in float32), then ``dense`` over slots 0 .. start (``real`` (B, L) or None) -> (B, 1, H * Dv), the heads merged.
+    in float32), then ``dense`` over slots 0 .. start (``real`` (B, L) or None; the terms as ``dense``'s) -> (B, 1, H * Dv),
+    the heads merged.
     The same ATen ops as ``rotate``, the cache's write and ``dense`` in Python: the same bits."""
-    return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
+    return torch.ops.headwise.decode_step(q, k, v, cos, sin, k_cache, v_cache, real, start, scale, softcap, sinks, alibi)
 
 
 def paged_step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_pool: Tensor, v_pool: Tensor,
-               slots: Tensor, rows: Tensor, tables: Tensor, seen_to: Tensor, window: int | None, block_size: int, scale: float) -> Tensor:
+               slots: Tensor, rows: Tensor, tables: Tensor, seen_to: Tensor, window: int | None, block_size: int, scale: float,
+               softcap: float = 0.0, sinks: Tensor | None = None, alibi: Tensor | None = None) -> Tensor:
     """A paged batch's decode step in one op, every sequence feeding one token (``functional.paged_kernel_call``): q
     (1, H, N, D), k (1, Hkv, N, D) and v (1, Hkv, N, Dv), token n of sequence n, q and k turned by ``rope.rotate``'s
     "rotate_half" tables (1, 1, N, D) where given, k and v written at the contiguous pools' ``slots`` (N,) (an 8-bit
     pool's rows as ``step`` writes them), then ``paged``'s one call: query ``rows[n]`` over its block table
-    ``tables[n]``, the keys before ``seen_to[n]`` (the last ``window`` of them where given) -> (1, N, H * Dv), the heads
-    merged. The same ops as the paged batch's path in Python (the write, the queries in the pool's dtype widened, the
+    ``tables[n]``, the keys before ``seen_to[n]`` (the last ``window`` of them where given), the terms as ``paged``'s ->
+    (1, N, H * Dv), the heads merged. The same ops as the paged batch's path in Python (the write, the queries in the pool's dtype widened, the
     call, the context placed in the pool's dtype): the same bits."""
-    return torch.ops.headwise.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables, seen_to, window, block_size, scale)
+    return torch.ops.headwise.paged_step(q, k, v, cos, sin, k_pool, v_pool, slots, rows, tables, seen_to, window, block_size, scale,
+                                         softcap, sinks, alibi)
 
 
 def rotation_rounding() -> str:
@@ -137,10 +149,12 @@ def rotation_rounding() -> str:
 
 
 def paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor, block_size: int,
-          scale: float) -> Tensor:
+          scale: float, softcap: float = 0.0, sinks: Tensor | None = None, alibi: Tensor | None = None) -> Tensor:
     """``backends.paged.rows_over_blocks`` in C++: q (N, Hkv, G, D) float32 or bfloat16, contiguous pools (Hkv, P, D) and
     (Hkv, P, Dv) of either (or, under float32 queries, 8-bit rows (Hkv, P, D + 4) and (Hkv, P, Dv + 4) int8, each value
-    read as ``dequantize_rows`` reads it), tables (N, nb) long, seen_from / seen_to (N,) long -> (N, Hkv, G, Dv) in q's
-    dtype."""
+    read as ``dequantize_rows`` reads it), tables (N, nb) long, seen_from / seen_to (N,) long, the terms as ``dense``'s
+    (sinks (H,) and slopes (1 or N, H) for H = Hkv * G; each sequence's query at position seen_to - 1 of its table) ->
+    (N, Hkv, G, Dv) in q's dtype."""
     tables, seen_from, seen_to = (t.contiguous() for t in (tables, seen_from, seen_to))  # read as plain arrays
-    return torch.ops.headwise.paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)
+    return torch.ops.headwise.paged_decode_attention(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale, softcap, sinks,
+                                                     alibi)

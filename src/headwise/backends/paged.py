@@ -59,7 +59,8 @@ def rows_over_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, 
 
 
 def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: Tensor, *, block_size: int, scale: float,
-           window: int | None, groups: int, rows_per_group: int) -> Tensor:
+           window: int | None, groups: int, rows_per_group: int, softcap: float = 0.0, sinks: Tensor | None = None,
+           alibi: Tensor | None = None) -> Tensor:
     """The one-token rows over their blocks: in one call of the C++ kernel (``in_cpp``), else compiled, the rows sorted
     by their key counts and cut into up to ``groups`` calls of at least ``rows_per_group`` rows, each table cut to its
     group's longest (less padding to compute). Rows given in that order already (as ``PagedBatch.append_rows`` gives
@@ -68,6 +69,8 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
     Args:
         q: (N, Hkv, G, D). k_pool, v_pool: (Hkv, P, D), (Hkv, P, Dv). tables: (N, nb) long, padded with block 0.
         seen_to: (N,) long, the keys each row sees, the newest last: keys j < seen_to (and j >= seen_to - window).
+        softcap, sinks, alibi: ``decode_kernel.paged``'s terms (the C++ kernel only): the softcap (0: none), sinks
+            (H,) and slopes (1 or N, H) float32, or None.
 
     Returns:
         (N, Hkv, G, Dv) in q's dtype.
@@ -75,7 +78,10 @@ def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_to: T
     N, Hkv, G = q.shape[:3]
     seen_from = torch.zeros_like(seen_to) if window is None else (seen_to - window).clamp(min=0)  # (N,)
     if in_cpp(q.device, q.dtype, k_pool.dtype) and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous():
-        return decode_kernel.paged(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale)  # (N, Hkv, G, Dv)
+        return decode_kernel.paged(q, k_pool, v_pool, tables, seen_from, seen_to, block_size, scale, softcap, sinks, alibi)  # (N, Hkv, G, Dv)
+    if softcap or sinks is not None or alibi is not None:
+        raise ValueError("a softcap, sinks or ALiBi over a paged pool in one call is the C++ decode kernel's only (contiguous "
+                         f"pools, the kernel built); got {q.dtype} queries on {q.device}")
     if k_pool.dtype == torch.int8:
         raise ValueError("8-bit rows in a paged pool are read in one call by the C++ decode kernel only (float32 queries, "
                          f"contiguous pools, the kernel built); got {q.dtype} queries on {q.device}")
@@ -146,6 +152,9 @@ def rows_over_own_keys(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     table, seen_to = torch.arange(S, device=q.device)[None], torch.full((1,), S, device=q.device)  # (1, S): key j in slot j; (1,)
+    softcap, sinks, alibi = decode_kernel.terms(spec)  # alibi (1 or B, H)
     rows = [attend(q[b : b + 1, :, 0].reshape(1, Hkv, H // Hkv, D).float(), k[b].contiguous(), v[b].contiguous(), table, seen_to,
-                   block_size=1, scale=spec.scale, window=spec.window, groups=1, rows_per_group=1) for b in range(B)]  # (1, Hkv, G, Dv) each
+                   block_size=1, scale=spec.scale, window=spec.window, groups=1, rows_per_group=1, softcap=softcap, sinks=sinks,
+                   alibi=None if alibi is None else alibi[b : b + 1] if alibi.shape[0] > 1 else alibi)
+            for b in range(B)]  # (1, Hkv, G, Dv) each
     return torch.cat(rows).reshape(B, H, 1, -1).to(q.dtype)  # (B, H, 1, Dv)

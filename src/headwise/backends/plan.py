@@ -342,9 +342,10 @@ ROWS_PER_GROUP = 8
 #: kernel or inductor's loops).
 ROWS_IN_ONE_CALL = "paged one-token rows in one call over their blocks"
 ROWS_IN_ONE_CALL_WHY = (
-    "a paged batch's one-token rows (decode steps) on the CPU with no term but causal, a window and the scale: every "
-    "sequence's query over its own blocks of the pool, read in place, in one call per layer (the C++ decode kernel; where "
-    "it is not built, inductor's loops over a bfloat16 pool, for a batch made with compile=True), not one call per sequence"
+    "a paged batch's one-token rows (decode steps) on the CPU with no mask, documents or dropout: every sequence's query "
+    "over its own blocks of the pool, read in place, in one call per layer (the C++ decode kernel, a softcap, sinks and "
+    "ALiBi included; where it is not built, inductor's loops over a bfloat16 pool, for a batch made with compile=True, "
+    "with no term but causal, a window and the scale), not one call per sequence"
 )
 
 
@@ -352,14 +353,16 @@ def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype, c
     """Whether a paged batch attends its one-token rows in one call (``backends.paged``): eager on the CPU over a pool
     (of ``stored``) that the C++ kernel reads (``paged.in_cpp``), or, for a batch made with ``compile=True``, over a
     bfloat16 pool (inductor's loops; over float32 views the fused kernel per sequence was the faster:
-    bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, and no term but causal, a window and
-    the scale (masks, documents, softcap, ALiBi and sinks go sequence by sequence, through ``RULES``)."""
+    bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, no mask or documents, and a
+    softcap, sinks or ALiBi only in C++ (masks and documents go sequence by sequence, through ``RULES``; so do those
+    terms where inductor's loops would run)."""
     s = spec
+    cpp = paged.in_cpp(q.device, torch.float32, stored)
     return (
         backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
-        and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and q.requires_grad) and s.mask is None
-        and s.documents is None and not s.changes_scores and s.sinks is None
-        and (paged.in_cpp(q.device, torch.float32, stored) or (compile and stored == torch.bfloat16))
+        and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, s.sinks, s.alibi)))
+        and s.mask is None and s.documents is None
+        and (cpp or (compile and stored == torch.bfloat16 and not s.changes_scores and s.sinks is None))
     )
 
 

@@ -388,7 +388,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(!real.has_value() || (real->scalar_type() == at::kBool && real->is_contiguous() && real->dim() == 2 &&
                                     real->size(0) == q.size(0) && real->size(1) == k.size(2)),
               "prefill_attention: real must be a contiguous bool (B, S) tensor, False = a padded key");
-  const Terms terms{head_terms("prefill_attention", q, sinks, alibi), real.has_value() ? real->data_ptr<bool>() : nullptr,
+  const Terms terms{head_terms("prefill_attention", q.size(0), q.size(1), sinks, alibi), real.has_value() ? real->data_ptr<bool>() : nullptr,
                     static_cast<float>(softcap)};
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);

@@ -168,9 +168,8 @@ struct HeadTerms {
   bool batched = false;
 };
 
-inline HeadTerms head_terms(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& sinks,
+inline HeadTerms head_terms(const char* op, int64_t B, int64_t H, const std::optional<at::Tensor>& sinks,
                             const std::optional<at::Tensor>& alibi) {
-  const int64_t B = q.size(0), H = q.size(1);
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == H),
               op, ": sinks must be a contiguous float32 (H,) tensor, one logit per query head");

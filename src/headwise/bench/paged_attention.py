@@ -20,6 +20,11 @@ bf16, block_size 16), each adding one token, through one layer's ``PagedKVCache`
   only: over float32 ones this column times one call per sequence again.
 
 All give the same outputs (tests/bench/test_serving.py); the times say which to use.
+
+``--terms`` times a step with a softcap, a sink per head and ALiBi slopes (Gemma 2's, gpt-oss's and
+BLOOM's terms) two ways over the reserved pool: one call (the C++ kernel computes them), and one
+call per sequence (each sequence through the decode kernel over its view, the way such a step ran
+before the one call took them); beside the one call without the terms.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Callable, Sequence
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _argtypes
+from .. import _argtypes, functional
 from ..backends import decode_kernel
 from ..cache import PagedKVCache
 from ..functional import attention
@@ -119,6 +125,32 @@ def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), 
     return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+@torch.no_grad()
+def paged_terms(sequences: int = 32, context: tuple[int, int] = (50, 1300), *, repeats: int = 15, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Median ms of one decode step's attention (one layer, views) with a softcap, sinks and ALiBi: in one call, one
+    call per sequence, and in one call without the terms."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*context) for _ in range(sequences)]
+    g = torch.Generator().manual_seed(seed)
+    terms = {"softcap": 30.0, "sinks": torch.randn(12, generator=g), "alibi_slopes": torch.rand(12, generator=g) / 8}
+    ways = {"one call": terms, "per sequence": terms, "one call, no terms": {}}
+    pools = {name: filled(lengths, reserve=True, dtype=dtype, spare=64 + 3) for name in ways}
+
+    def step(name: str) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            q, k, v = (torch.randn(1, 12, sequences, 64, generator=g, dtype=dtype) for _ in range(3))  # (1, H, N, D)
+            batch = pools[name].batch(pools[name].sequences, [1] * sequences)
+            if name != "per sequence":
+                return attention(q, k, v, causal=True, cache=batch, **ways[name])
+            with mock.patch.object(functional, "rows_in_one_call", lambda *a: False):  # each sequence its own plan
+                return attention(q, k, v, causal=True, cache=batch, **ways[name])
+        return run
+
+    times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)
+    return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.paged_attention``: the three ways at 8 and 32 sequences."""
     from .host import machine
@@ -126,9 +158,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m headwise.bench.paged_attention", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtypes", type=_argtypes.listing(_argtypes.choice(tuple(DTYPES)), "dtypes"), default=["fp32"], help="comma-separated: fp32, bf16 (default fp32)")
+    p.add_argument("--terms", action="store_true", help="a step with a softcap, sinks and ALiBi: one call against one per sequence")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.terms:
+        print(f"A decode step's attention with a softcap, sinks and ALiBi, one layer, H = Hkv = 12, D = 64, block_size 16, views; {machine()}; ms\n")
+        print("| dtype | sequences | contexts | one call | one call per sequence | one call, no terms |")
+        print("|---|---:|---|---:|---:|---:|")
+        for dtype in args.dtypes:
+            for n, context in ((8, (50, 1300)), (32, (50, 1300)), (32, (16, 64))):
+                ms = paged_terms(n, context, dtype=DTYPES[dtype])
+                per, plain = ms["per sequence"], ms["one call, no terms"]
+                print(f"| {dtype} | {n} | {context[0]}..{context[1]} | {ms['one call']:.2f} | {per:.2f} ({per / ms['one call']:.2f}x) | "
+                      f"{plain:.2f} ({plain / ms['one call']:.2f}x) |")
+        return
     print(f"A decode step's attention, one layer, H = Hkv = 12, D = 64, block_size 16; {machine()}; ms (over the views' time)\n")
     print("| dtype | sequences | contexts | one SDPA per sequence, views | ... gathers | one padded SDPA | one call, views | one call, gathers | "
           "one call, loops |")

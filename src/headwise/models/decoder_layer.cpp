@@ -77,10 +77,10 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
                         at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp,
                         at::TensorList paged, std::optional<int64_t> window, int64_t block_size) {
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
-                          at::Tensor, const Maybe&, int64_t, double);
+                          at::Tensor, const Maybe&, int64_t, double, double, const Maybe&, const Maybe&);
   using Paged = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                            at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           std::optional<int64_t>, int64_t, double);
+                           std::optional<int64_t>, int64_t, double, double, const Maybe&, const Maybe&);
   static const auto step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::decode_step", "").typed<Step>();
   static const auto paged_step = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::paged_step", "").typed<Paged>();
   const std::string approximate(mlp);  // GELU's, where the MLP has one
@@ -92,9 +92,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   const at::Tensor k = parts[1].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, D)
   const at::Tensor v = parts[2].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, Dv)
   const at::Tensor context = paged.empty()
-                                 ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale)
+                                 ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale, 0.0, std::nullopt, std::nullopt)
                                  : paged_step.call(q, k, v, cos, sin, k_cache, v_cache, paged[0], paged[1], paged[2], paged[3], window,
-                                                   block_size, scale);  // (B, T, H*Dv)
+                                                   block_size, scale, 0.0, std::nullopt, std::nullopt);  // (B, T, H*Dv)
   const at::Tensor h = residual(x, proj(context, 1));  // (B, T, C)
   at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, T, 2I) for SwiGLU, else (B, T, I)
   if (mlp == "swiglu") {

@@ -57,7 +57,7 @@ def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | PagedCall | No
     (``call``: over a KVCache, or a paged batch's pool) and whose parts are exactly the Llama family's or GPT-2's, for
     steps of x's kind; else None."""
     norm1, attn, norm2, mlp = parts
-    if call is None or type(norm1) is not type(norm2):
+    if call is None or type(norm1) is not type(norm2) or call.spec.changes_scores or call.spec.sinks is not None:  # (the op's terms: none)
         return None
     if type(attn) is llama.LlamaAttention and type(norm1) is llama.RMSNorm and type(mlp) is llama.MLP:
         if attn.rotation() is None:
@@ -112,9 +112,9 @@ class NativeLayer:
         kinds, weights, scales, biases, ns = self.args
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
-        sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.scale, self.mlp
+        sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.spec.scale, self.mlp
         if isinstance(cache, PagedBatch):
-            pool, window = cache.cache, self.call.window
+            pool, window = cache.cache, self.call.spec.window
             return cache.write_rows_unchecked(lambda slots, rows, tables, seen_to: torch.ops.headwise.decode_layer(
                 x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
                 sizes, D, cos, sin, pool.k, pool.v, None, 0, scale, mlp, [slots, rows, tables, seen_to], window, pool.block_size))  # (1, N, C)
