@@ -401,6 +401,10 @@ def test_low_precision_within_k_times_plain_error(dtype, backend, term):
         ({"alibi_slopes": torch.tensor([0.5, math.nan, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers, got \[0.5, nan"),
         ({"alibi_slopes": torch.tensor([0.5, -math.inf, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers, got \[0.5, -inf"),
         ({"alibi_slopes": torch.full((2, 4), math.inf)}, ValueError, r"alibi_slopes must hold finite numbers, got \[\[inf"),
+        ({"alibi_slopes": torch.full((4,), 1e300, dtype=torch.float64)}, ValueError,  # float32's scores would take it as inf
+         r"alibi_slopes must hold finite numbers in torch.float32 \(the scores' dtype\), got \[1e\+300"),
+        ({"sinks": torch.tensor([0.0, 1e39, 0.0, 0.0], dtype=torch.float64)}, ValueError,
+         r"sinks must hold finite numbers in torch.float32 \(the scores' dtype\) or -inf \(no sink on that head\), got \[0.0, 1e\+39"),
         ({"documents": torch.zeros(2, 6)}, TypeError, r"documents must be an integer tensor .* got dtype torch.float32"),
         ({"documents": torch.zeros(2, 5, dtype=torch.long)}, ValueError, r"documents must have shape \(B, S\) = \(2, 6\).* got \(2, 5\)"),
         ({"documents": torch.zeros(2, 6, dtype=torch.bool)}, TypeError, r"documents must be an integer tensor"),
@@ -412,6 +416,18 @@ def test_bad_variant_arguments(kw, error, match):
         hw.attention(q, k, v, causal=True, **kw)
     with pytest.raises(error, match=match):
         hw.attention_weights(q, k, causal=True, **kw)
+
+
+def test_float64_terms_past_float32s_range_are_exact_where_the_scores_are_float64():
+    """Sinks and slopes are checked in the dtype the scores are computed in: float64 queries (and keys) take float64
+    values float32 cannot hold, and a float32 call takes a float64 -inf-bound sink as no sink."""
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    sinks, slopes = torch.full((2,), 1e300, dtype=torch.float64), torch.full((2,), 1e300, dtype=torch.float64)
+    assert hw.attention(q, k, v, causal=True, sinks=sinks).abs().max() == 0  # the sink takes every weight
+    torch.testing.assert_close(hw.attention(q, k, v, causal=True, alibi_slopes=slopes), v.expand(1, 2, 5, 8))  # each query its own key
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    no_sink = hw.attention(q32, k32, v32, causal=True, sinks=-sinks)  # -1e300: -inf in float32's scores
+    assert torch.equal(no_sink, hw.attention(q32, k32, v32, causal=True))
 
 
 def test_documents_need_no_more_queries_than_keys():

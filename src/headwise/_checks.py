@@ -320,12 +320,13 @@ def softcap(value: object) -> float | None:
 
 
 def per_head(
-    name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool, minus_inf: str | None = None
+    name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool, minus_inf: str | None = None,
+    scores: torch.dtype = torch.float32,
 ) -> Tensor | None:
     """None, or (H,) floats (also (B, H) when ``batched``) on ``device``; returned as (1, H) or (B, H) when batched.
 
-    The values must be finite (one host read); ``minus_inf``, if given, says what -inf means
-    there, and -inf is taken too.
+    The values must be finite in ``scores``, the dtype the scores are computed in (one host read: a float64 1e300
+    would be inf in float32's scores); ``minus_inf``, if given, says what -inf means there, and -inf is taken too.
     """
     if t is None:
         return None
@@ -338,8 +339,10 @@ def per_head(
         raise ValueError(f"{name} must have shape {dims}, one per query head, got {tuple(t.shape)}")
     same_device(name, t, "q, k and v are", device)
     if has_values(t):
-        good = (t < math.inf) if minus_inf is not None else t.isfinite()  # (t < inf: False at NaN and +inf only)
-        expected = f"finite numbers or -inf ({minus_inf})" if minus_inf is not None else "finite numbers"
+        wide = t.to(scores) if t.dtype.itemsize > scores.itemsize else t  # (as the runners take it: wider values narrowed)
+        good = (wide < math.inf) if minus_inf is not None else wide.isfinite()  # (wide < inf: False at NaN and +inf only)
+        finite = "finite numbers" + (f" in {scores} (the scores' dtype)" if t.dtype.itemsize > scores.itemsize else "")
+        expected = f"{finite} or -inf ({minus_inf})" if minus_inf is not None else finite
         holds(good.all(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
     return (t.unsqueeze(0) if t.ndim == 1 else t) if batched else t  # (1, H) or (B, H); H may be 0
 

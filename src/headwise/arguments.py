@@ -212,10 +212,14 @@ def checked(
     user_mask = _mask(mask, q.device, q.dtype)
     if user_mask is not None:  # numbered over every key, as documents are; each run takes the columns of the keys it sees
         _checks.broadcasts("mask", user_mask, (B, H, T, held + k.shape[2]), f"(B, H, T, {keys[4:-1]})", tuple(mask.shape))
+    wide = q.dtype == torch.float64 and getattr(cache, "dtype", q.dtype) == torch.float64  # scores in float64, else float32
+    scores = torch.float64 if wide else torch.float32
     spec = Spec(
         T=T, S=k.shape[2], causal=causal, window=window, mask=user_mask, attention_mask=attention_mask, documents=documents,
-        softcap=_checks.softcap(softcap), sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head"),
-        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True), dropout_p=dropout_p, scale=scale,
+        softcap=_checks.softcap(softcap),
+        sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head", scores=scores),
+        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True, scores=scores), dropout_p=dropout_p,
+        scale=scale,
     )
     runs = [] if documents is None else sizes(cache, spec, k.shape[2])
     for rows, S in runs:  # documents against the keys each run of queries will see
