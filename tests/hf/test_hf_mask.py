@@ -93,10 +93,12 @@ def _band_terms(T: int, S: int, window: int | None, pad: str = "", causal: bool 
     (9, 9, None, "left", True, (True, None, True)), (9, 9, 4, "left", True, (True, 4, True)), (5, 12, None, "left", True, (True, None, True)),
     (9, 9, None, "right", True, (True, None, True)), (6, 6, None, "left", False, (False, None, True)),
     (8, 12, None, "slots", True, (True, None, True)), (1, 12, None, "left", True, (True, None, True)),
-    (1, 12, None, "slots", True, (True, None, True)),
+    (1, 12, None, "slots", True, (True, None, True)), (1, 12, 4, "left", True, (True, None, True)), (1, 12, 4, "", True, (True, None, True)),
+    (1, 12, None, "", True, (True, None, False)),
 ], ids=["a sliding prompt", "a sliding chunk after cached keys", "a chunk after cached keys", "a prompt, left-padded",
         "a sliding prompt, left-padded", "a chunk, left-padded", "a prompt, right-padded", "bidirectional, padded",
-        "a chunk before a static cache's empty slots", "a decode step, left-padded", "a decode step before empty slots"])  # fmt: skip
+        "a chunk before a static cache's empty slots", "a decode step, left-padded", "a decode step before empty slots",
+        "a sliding decode step, left-padded (the window as the keys it sees)", "a sliding decode step", "a decode step"])  # fmt: skip
 def test_a_mask_of_causality_windows_and_padding_runs_as_headwises_terms(T, S, window, pad, causal, meaning, monkeypatch):
     """A mask that is, in every row, causal over the last T of S positions (a sliding window or not) or every key, but
     for keys no query sees (padding, empty slots), runs as ``causal``, ``window`` and a (B, S) ``attention_mask`` without

@@ -188,6 +188,9 @@ def _meaning(built: Tensor | None) -> Meaning | None:
     rows = built[:, 0]  # (B, T, S)
     B, T, S = rows.shape
     last = rows[:, -1]  # (B, S): the last query's keys
+    if T == 1:  # a decode step: its one query sees the keys it sees, a window's or padding's alike (the loop's first answer)
+        seen = int(last.sum())  # one host read
+        return None if seen == 0 else Meaning(causal=True, window=None, real=None if seen == B * S else last.clone())  # (B, S)
     if not last.any():
         return None
     first = int(torch.where(last.any(-1), last.int().argmax(-1), S).min())  # the earliest key a last query sees
