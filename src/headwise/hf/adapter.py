@@ -182,7 +182,7 @@ def _meaning(built: Tensor | None) -> Meaning | None:
     any other mask (packed rows, chunks, a prefill into a static cache's first slots). A decode step's padding runs in
     the C++ decode kernel, which reads no padded key's row (other runners take the keys with their padded rows zeroed,
     a copy). Read on the host: one comparison of the B x T x S bools a candidate (a last row's first), once
-    a mask."""
+    a mask; a decode step's (T == 1) in one sum, the keys its one query sees."""
     if built is None or built.dtype != torch.bool or built.dim() != 4 or built.shape[1] != 1 or 0 in built.shape:
         return None
     rows = built[:, 0]  # (B, T, S)
