@@ -413,3 +413,40 @@ def test_the_avx2_build_gives_this_builds_bits(tmp_path):
     theirs, ours = outputs_under_avx2("test_decode_kernel", "attention_outputs", tmp_path), attention_outputs()
     assert list(theirs) == list(ours)
     assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+
+
+def test_the_ops_pass_torchs_opcheck():
+    """Each C++ attention op, with every term it takes, against ``torch.library.opcheck``: its schema's mutations (the
+    steps write their caches or pools, nothing else), its fake (the shapes a compiled graph is traced with), its
+    autograd registration and its run under AOT dispatch."""
+    from headwise.backends import prefill_kernel
+
+    if not decode_kernel.available():
+        pytest.skip("the C++ kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, S, L = 2, 6, 2, 64, 20, 30
+    q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    real = torch.ones(B, L, dtype=torch.bool)
+    real[0, :3] = False  # (B, L): a left-padded row
+    sinks, slopes = torch.randn(H, generator=g), torch.rand(B, H, generator=g)  # (H,), (B, H)
+    N, bs = 3, 4
+    queries = torch.randn(N, Hkv, H // Hkv, D, generator=g)  # (N, Hkv, G, D)
+    k_pool, v_pool = torch.randn(Hkv, 12 * bs, D, generator=g), torch.randn(Hkv, 12 * bs, D, generator=g)
+    tables, seen_to = torch.tensor([[5, 2, 9], [0, 7, 0], [11, 3, 8]]), torch.tensor([10, 5, 12])
+    slots, rows = torch.tensor([9 * bs + 1, 7 * bs, 8 * bs + 3]), torch.tensor([1, 0, 2])
+    prompt = torch.randn(B, H, 16, D, generator=g)
+    calls = {
+        "decode_attention": (q, k, v, real[:, :S], 0.125, 3.0, sinks, slopes),
+        "paged_decode_attention": (queries, k_pool, v_pool, tables, torch.zeros(N, dtype=torch.long), seen_to, bs, 0.125, 3.0, sinks,
+                                   slopes[:1]),
+        "decode_step": (q, k[:, :, :1], v[:, :, :1], None, None, torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g),
+                        real, 20, 0.125, 3.0, sinks, slopes),
+        "paged_step": (torch.randn(1, H, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g),
+                       None, None, k_pool, v_pool, slots, rows, tables[rows], seen_to[rows], None, bs, 0.125, 3.0, sinks, slopes[:1]),
+    }
+    if prefill_kernel.available():
+        calls["prefill_attention"] = (prompt, k[:, :, :16].contiguous(), v[:, :, :16].contiguous(), True, 0.125, 0, sinks, real[:, :16].contiguous(), 3.0,
+                                      slopes)
+    for name, args in calls.items():
+        result = torch.library.opcheck(getattr(torch.ops.headwise, name), args)
+        assert set(result.values()) == {"SUCCESS"}, (name, result)

@@ -81,6 +81,17 @@ def test_a_prompts_rows_in_chunks_match_the_reference(k, rows, dtype):
 
 
 @needs_panels
+@needs_panels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_packing_and_the_gemm_pass_torchs_opcheck(dtype):
+    """``pack_panels`` and ``panels_linear`` against ``torch.library.opcheck``: schemas, fakes (the shapes a compiled
+    step is traced with), autograd registration, AOT dispatch."""
+    x, w, b = case(3, 100, 64, True, dtype)
+    assert set(torch.library.opcheck(torch.ops.headwise.pack_panels, (w, dtype)).values()) == {"SUCCESS"}
+    packed = torch.ops.headwise.pack_panels(w, dtype)
+    assert set(torch.library.opcheck(torch.ops.headwise.panels_linear, (x[:, None], packed, b, 100)).values()) == {"SUCCESS"}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_leading_dimensions_and_a_strided_input(dtype):
     x, w, b = case(12, 40, 95, True, dtype)

@@ -468,6 +468,9 @@ def test_rmsnorm_without_autograd_runs_the_cpp_op_with_torchs_bits(dtype, monkey
     before = len(calls)
     norm(x).sum().backward()
     assert len(calls) == before and x.grad is not None and norm.weight.grad is not None  # torch's op, differentiable
+    monkeypatch.undo()  # the op itself again
+    for args in ((x.detach()[:, :, ::2], torch.randn(32), 1e-5), (x.detach().bfloat16(), None, 1e-5)):  # strided rows; bfloat16
+        assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}  # schema, fake, autograd registration
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

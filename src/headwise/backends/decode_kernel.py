@@ -69,6 +69,20 @@ def _paged_shape(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen
     return q.new_empty(*q.shape[:3], v_pool.shape[-1] - (SCALE_BYTES if v_pool.dtype == torch.int8 else 0))  # (N, Hkv, G, Dv)
 
 
+@torch.library.register_fake("headwise::decode_step")
+def _step_shape(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
+                real: Tensor | None, start: int, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
+                alibi: Tensor | None = None) -> Tensor:
+    return q.new_empty(q.shape[0], 1, q.shape[1] * v.shape[3])  # (B, 1, H * Dv)
+
+
+@torch.library.register_fake("headwise::paged_step")
+def _paged_step_shape(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, k_pool: Tensor, v_pool: Tensor,
+                      slots: Tensor, rows: Tensor, tables: Tensor, seen_to: Tensor, window: int | None, block_size: int, scale: float,
+                      softcap: float = 0.0, sinks: Tensor | None = None, alibi: Tensor | None = None) -> Tensor:
+    return q.new_empty(1, q.shape[2], q.shape[1] * v.shape[3])  # (1, N, H * Dv)
+
+
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the kernel is built and loaded on this machine (built at the first call; a constant in a compiled graph)."""

@@ -54,7 +54,7 @@ def _shape(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: int = 0, sinks: Tensor | None = None, real: Tensor | None = None,
     softcap: float = 0.0, alibi: Tensor | None = None,
 ) -> Tensor:
-    return q.new_empty(*q.shape[:3], v.shape[3])  # (B, H, T, Dv)
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[3]).transpose(1, 2)  # (B, H, T, Dv), laid out (B, T, H, Dv) as the op's
 
 
 def _machine_takes() -> bool:

@@ -34,6 +34,11 @@ from .llama_config import LlamaConfig, llama_config
 torch.library.define("headwise::rms_norm", "(Tensor x, Tensor? weight, float eps) -> Tensor")
 
 
+@torch.library.register_fake("headwise::rms_norm")
+def _rms_norm_shape(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # (..., N): the op's rows, contiguous
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight over the last dim, computed in float32: (..., N) -> (..., N).
 
