@@ -215,10 +215,12 @@ def test_what_an_8_bit_cache_refuses_is_refused_before_anything_is_written():
         SlotCache(cache, torch.zeros(1, dtype=torch.long))
 
 
+@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("Hkv", [4, 2, 1])
-def test_a_one_token_step_reads_the_rows_in_place_as_the_rows_read_back(Hkv, monkeypatch):
-    """A step given no padding runs the C++ decode step over the 8-bit rows; one given padding (all real) attends over
-    the rows read back in float32: the same bits at head size 64, and the same bytes stored."""
+def test_a_one_token_step_reads_the_rows_in_place_as_the_rows_read_back(Hkv, terms, monkeypatch):
+    """A step given no padding runs the C++ decode step over the 8-bit rows (a softcap, sinks and ALiBi in the op too);
+    one given padding (all real) attends over the rows read back in float32: the same bits at head size 64, and the same
+    bytes stored."""
     if not decode_kernel.available():
         pytest.skip("headwise's C++ kernels are not built here")
     torch.manual_seed(Hkv)
@@ -228,12 +230,12 @@ def test_a_one_token_step_reads_the_rows_in_place_as_the_rows_read_back(Hkv, mon
     steps, step_op = [], decode_kernel.step
     monkeypatch.setattr(decode_kernel, "step", lambda *a: steps.append(a[5].dtype) or step_op(*a))
     with torch.no_grad():
-        hw.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True, cache=in_place)
-        hw.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True, cache=read)
+        hw.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True, cache=in_place, **TERMS[terms])
+        hw.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True, cache=read, **TERMS[terms])
         for t in range(4, T):
             step = [x[:, :, t : t + 1] for x in (q, k, v)]
-            got = hw.attention(*step, causal=True, cache=in_place)  # (B, H, 1, D)
-            want = hw.attention(*step, causal=True, cache=read, attention_mask=torch.ones(B, 1, dtype=torch.bool))
+            got = hw.attention(*step, causal=True, cache=in_place, **TERMS[terms])  # (B, H, 1, D)
+            want = hw.attention(*step, causal=True, cache=read, attention_mask=torch.ones(B, 1, dtype=torch.bool), **TERMS[terms])
             assert torch.equal(got, want)
     assert steps == [torch.int8] * (T - 4)  # the in-place op ran each step without padding, and only then
     assert torch.equal(in_place.k, read.k) and torch.equal(in_place.v, read.v) and len(in_place) == T
