@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,10 +323,11 @@ def greedy_alone_with(name: str, seed: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- cancel while a step runs
 
 
-@pytest.mark.parametrize("which", ["joining", "running"])
+@pytest.mark.parametrize("which", ["joining", "running", "streamed"])
 def test_a_cancel_made_while_a_step_runs_takes_effect_when_it_ends(which):
     """A hook (or a callback) cancels a request in the middle of a step: the step ends as it would have, the request is
-    then cancelled, and every other request's tokens are those it gets alone; no block is kept."""
+    then cancelled, and every other request's tokens are those it gets alone (through ``step`` or ``stream``, none of
+    that step's lost); no block is kept."""
     model = model_named("gpt2")
     ps = prompts(3)[:4]
     batcher = Batcher(model, num_blocks=12, block_size=4)
@@ -333,21 +335,21 @@ def test_a_cancel_made_while_a_step_runs_takes_effect_when_it_ends(which):
     got: dict[int, list[int]] = {}
     if which == "running":
         collect(batcher.step(), got)  # every request running from the next step on
-    fired = []
+    calls = []
 
     def hook(module, args, out):
-        if not fired:
-            fired.append(True)
+        calls.append(1)
+        if len(calls) == (2 if which == "streamed" else 1):  # streamed: in its second step, with every request running
             batcher.cancel(ids[1])
 
     handle = model.attention_layers()[0].register_forward_hook(hook)
     try:
-        step = batcher.step()
+        step = list(batcher.stream()) if which == "streamed" else batcher.step()
     finally:
         handle.remove()
-    assert ids[1] not in [i for i, _ in step]
     collect(step, got)
     collect(list(batcher.stream()), got)
+    assert got.get(ids[1], []) == alone(model, ps[1], 5)[: 1 if which != "joining" else 0]  # the token of its step before, if one ran
     for i in (0, 2, 3):
         assert got[ids[i]] == alone(model, ps[i], 5)
     assert batcher.pending == 0 and batcher.caches[0].free_blocks == 12
@@ -362,6 +364,8 @@ def test_cancel_takes_an_id_not_a_bool():
     with pytest.raises(TypeError, match=r"request must be a request id \(an int from submit\), got bool True"):
         batcher.cancel(True)  # request 1 was cancelled before
     assert batcher.pending == 2
+    batcher.cancel(np.int64(1))  # an id read back from an array
+    assert batcher.pending == 1
 
 
 def test_unseeded_sampling_repeats_under_torch_manual_seed():

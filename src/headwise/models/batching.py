@@ -167,8 +167,9 @@ class Batcher:
             TypeError: ``request`` is not an int.
             ValueError: ``request`` is not pending (finished, cancelled already, or never submitted).
         """
-        if isinstance(request, bool) or not isinstance(request, int):
+        if isinstance(request, (bool, Tensor)) or not isinstance(request, numbers.Integral):  # (numpy's ints count: an id read from an array)
             raise TypeError(f"request must be a request id (an int from submit), got {type(request).__name__} {request!r}")
+        request = int(request)
         waiting = [r for r in self._waiting if r.id == request]
         running = [r for r in self._running if r.id == request]
         if (not waiting and not running) or request in self._cancelled:
@@ -183,7 +184,9 @@ class Batcher:
             self._running.remove(running[0])
             for cache in self.caches:
                 cache.free(request)
-        self._unread = deque(pair for pair in self._unread if pair[0] != request)
+        kept = [pair for pair in self._unread if pair[0] != request]
+        self._unread.clear()  # in place, never a new deque: ``stream`` extends the one it holds, a cancel may come mid-step
+        self._unread.extend(kept)
 
     def stream(self) -> Iterator[tuple[int, int]]:
         """Run steps until every request is finished, yielding ``(request id, token)`` as each token comes.
