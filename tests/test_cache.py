@@ -462,3 +462,24 @@ def test_a_written_cache_pickles_and_a_deepcopied_module_and_cache_go_on_togethe
         with pytest.raises(ValueError, match="belongs to"):
             m(x[:, 4:5], cache=cache2)  # the copy is the copied module's
         assert torch.equal(m2(x[:, 4:6], cache=loaded), want)  # nobody's until written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_paged_pool_pickles_and_deepcopies_with_its_reads_on_its_own_blocks(dtype):
+    """A pool loaded from pickle or made by ``deepcopy`` goes on as the original does: several tokens of a
+    sequence (read through a view of the whole pool) see the keys written after the load, not a stale copy of them."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    pool = hw.PagedKVCache(8, 4, 2, 8, dtype=dtype)
+    pool.add(0)
+    with torch.no_grad():
+        hw.attention(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), causal=True, cache=pool.batch([0], [3]))
+    copies = [pickle.loads(pickle.dumps(pool)), copy.deepcopy(pool)]  # (our own bytes, in this process)
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
+    with torch.no_grad():
+        want = hw.attention(q, k, v, causal=True, cache=pool.batch([0], [2]))
+        for loaded in copies:
+            assert torch.equal(hw.attention(q, k, v, causal=True, cache=loaded.batch([0], [2])), want)
+            assert torch.equal(loaded.k, pool.k)

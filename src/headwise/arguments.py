@@ -170,6 +170,14 @@ def zero_padding(t: Tensor, real: Tensor) -> Tensor:
     return t.masked_fill(~real[:, None, :, None], 0.0)  # (B, Hkv, S, D)
 
 
+def cache_takes(cache: Cache, computed: torch.dtype, window: int | None) -> None:
+    """What ``checked`` asks of a cache beyond its own checks of the keys it takes: it may hold keys computed in
+    ``computed`` (``_checks.cache_dtype``), and a sliding cache's window is the call's (``window``, as checked)."""
+    _checks.cache_dtype("the cache", cache.dtype, computed, rows8=cache.stored == torch.int8)
+    if cache.window is not None and cache.window != window:
+        raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
+
+
 def checked(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
     documents: Tensor | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None, cache: Cache | None,
@@ -185,10 +193,8 @@ def checked(
     check_backend(backend)
     cache = caches.checked(cache)
     if cache is not None:
-        _checks.cache_dtype("the cache", cache.dtype, k.dtype, rows8=cache.stored == torch.int8)
+        cache_takes(cache, k.dtype, window)
     paged = cache is not None and not isinstance(cache, KVCache)
-    if cache is not None and cache.window is not None and cache.window != window:
-        raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
     if paged and documents is not None:
         raise ValueError(
             "documents number the tokens of one row of a KVCache; a paged batch packs several sequences, each its own "

@@ -147,7 +147,7 @@ def test_decode_equals_forward_with_every_score_term(terms, sliding):
 def test_caches_that_disagree_are_refused_before_any_layer_writes():
     """Each layer checks its own cache as it writes: the model checks them all first, so that a later layer's refusal
     leaves no earlier layer's cache written, and caches of different contents never attend apart."""
-    from headwise import KVCache
+    from headwise import KVCache, PagedKVCache
 
     model = llama()
     ids = torch.randint(0, 97, (2, 5))
@@ -156,9 +156,9 @@ def test_caches_that_disagree_are_refused_before_any_layer_writes():
         return [(len(c), c.k.clone()) for c in caches] if isinstance(caches[0], KVCache) else \
             [(c.length(0), c.free_blocks, c.k.clone()) for c in caches]
 
-    def refused(caches, match, make=lambda c: c, tokens=ids):
+    def refused(caches, match, make=lambda c: c, tokens=ids, error=ValueError):
         before = state(caches)
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             model(tokens, cache=[make(c) for c in caches])
         after = state(caches)
         assert all(a[:-1] == b[:-1] and torch.equal(a[-1], b[-1]) for a, b in zip(after, before, strict=True))
@@ -181,6 +181,33 @@ def test_caches_that_disagree_are_refused_before_any_layer_writes():
     pool = model.new_paged_caches(8, 4)[0]
     pool.add(0)
     refused([pool, pool], r"cache\[1\] is cache\[0\]", lambda p: p.batch([0], [5]), torch.randint(0, 97, (1, 5)))
+    # what only layer 1's own call would refuse, checked before layer 0 writes: a window, a head size, a dtype, a device,
+    # a batch used already
+    refused([KVCache(2, 2, 10, 8), KVCache.sliding(2, 2, 4, 8)], r"cache\[1\] \(layer 1\): a sliding cache of window=4 needs .* got window=None")
+    elsewhere = [KVCache(2, 2, 10, 8), KVCache(2, 2, 10, 8, device="meta")]
+    with pytest.raises(ValueError, match=r"cache\[1\] \(layer 1\): .*meta"):
+        model(ids, cache=elsewhere)
+    assert len(elsewhere[0]) == 0 and elsewhere[0]._owner is None and not elsewhere[0].k.any()
+    one_token = torch.randint(0, 97, (1, 5))
+    for second, match, error in (
+        (PagedKVCache(8, 4, 2, 16), r"cache\[1\] \(layer 1\): a paged batch of 5 new tokens takes k of shape", ValueError),
+        (PagedKVCache(8, 4, 2, 8, dtype=torch.float64), r"cache\[1\] \(layer 1\): the cache is torch.float64", TypeError),
+        (PagedKVCache(8, 4, 2, 8, window=4), r"cache\[1\] \(layer 1\): a sliding cache of window=4", ValueError),
+    ):
+        pools = [model.new_paged_caches(8, 4)[0], second]
+        for pool in pools:
+            pool.add(0)
+        refused(pools, match, lambda p: p.batch([0], [5]), one_token, error)
+    pools = model.new_paged_caches(8, 4)
+    for pool in pools:
+        pool.add(0)
+    used = pools[1].batch([0], [5])
+    used.check_write(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))  # (checks only: the batch stays unused)
+    model(one_token, cache=[pools[0].batch([0], [5]), used])
+    pools[0].crop(0, 0)
+    pools[1].crop(0, 0)
+    refused(pools, r"cache\[1\] \(layer 1\): this PagedBatch was used already", lambda p: used if p is pools[1] else p.batch([0], [5]),
+            one_token)
     theirs = llama().new_caches(2, 16)
     llama_other = llama()
     llama_other(ids, cache=theirs)  # bound to another model's layers
@@ -205,3 +232,12 @@ def test_a_models_forward_refuses_caches_it_cannot_run():
         model(IDS, cache=caches)
     with pytest.raises(TypeError, match=r"positions must be an integer tensor of shape \(batch, tokens\) = \(2, 6\), got dtype torch.float32"):
         model(IDS, positions=torch.zeros(2, 6))
+    pools = model.new_paged_caches(40, 4)  # room for more than n_positions
+    for pool in pools:
+        pool.add(0)
+        pool.add(1)
+    with torch.no_grad():
+        model(torch.ones(1, 62, dtype=torch.long), cache=[p.batch([0, 1], [60, 2]) for p in pools])
+    with pytest.raises(ValueError, match=r"sequence 0 would hold 66 tokens \(6 new after 60\), more than n_positions=64"):
+        model(torch.ones(1, 9, dtype=torch.long), cache=[p.batch([1, 0], [3, 6]) for p in pools])  # no IndexError from the embedding
+    assert [p.length(s) for p in pools for s in (0, 1)] == [60, 2, 60, 2]

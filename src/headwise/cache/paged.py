@@ -66,7 +66,6 @@ class PagedKVCache(Owned, Rows):
         with torch.inference_mode(False):  # made under inference_mode too, the pools take writes outside it (another thread's)
             self.k = torch.zeros(num_kv_heads, num_blocks * block_size, row, dtype=dtype, device=device)  # (Hkv, N*Bs, D) (+ 4 bytes)
             self.v = torch.zeros_like(self.k)  # (Hkv, N*Bs, D) (+ 4 bytes)
-        self._k1, self._v1 = self.k[None], self.v[None]  # (1, Hkv, N*Bs, D) views: what a read slices
         self._free = list(range(num_blocks - 1, -1, -1))  # free blocks set aside for no one; pop() hands out the lowest first
         self._set_aside: dict[int, int] = {}  # free block -> the sequence it is set aside for (``add(..., reserve=)``)
         self._plan: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, blocks) of the run set aside for it
@@ -76,6 +75,17 @@ class PagedKVCache(Owned, Rows):
         self._lens: dict[int, int] = {}  # seq_id -> tokens written
         self._slots: dict[int, Tensor] = {}  # seq_id -> (capacity,) long: the pool slot of each position from first_held
         self._run: dict[int, bool] = {}  # seq_id -> are its blocks consecutive (then a view reads them)?
+
+    @property
+    def _k1(self) -> Tensor:
+        """The key pool as (1, Hkv, N*Bs, D): what a read slices; a view made at each read, never stored (a stored view
+        would be pickled as a copy of its own, which the pool's writes then miss)."""
+        return self.k[None]
+
+    @property
+    def _v1(self) -> Tensor:
+        """The value pool as (1, Hkv, N*Bs, D), as ``_k1``."""
+        return self.v[None]
 
     @property
     def num_blocks(self) -> int:

@@ -252,6 +252,11 @@ class PagedBatch:
             k, v = cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
         return (dequantize_rows(k), dequantize_rows(v)) if cache.rows8 else (k, v)
 
+    def check_write(self, k: Tensor, v: Tensor) -> None:
+        """What ``append`` checks of the new tokens' keys and values (1, Hkv, T, D) without padding: TypeError or
+        ValueError naming the problem; nothing written."""
+        self._check(k, v, None)
+
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)
         Hkv, D = cache.k.shape[0], cache.head_dim

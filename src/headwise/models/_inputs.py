@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, arguments
 from ..cache import KVCache, PagedBatch
 
 
@@ -104,37 +104,44 @@ def model_call(
             raise TypeError(f"cache must hold KVCaches or paged batches, one kind, got {sorted({type(c).__name__ for c in cache})}")
         if isinstance(cache[0], PagedBatch) and (b != 1 or is_token is not None):
             raise ValueError(f"a paged batch packs its sequences' real tokens in one row: input_ids (1, T) and no attention_mask, got B={b}")
-        caches_agree(model, cache, b, t)
+        caches_agree(model, cache, b, t, weight)
     if positions is not None:
         _checks.position_ids(positions, b, t, "positions")
     return b, t, padding_only(is_token), logits_kept(logits_to_keep, t)
 
 
-def caches_agree(model: object, cache: list, b: int, t: int) -> None:
-    """A ValueError unless every layer's cache takes the call's t new tokens: each layer checks its own cache as it
-    writes, so a later layer's refusal would leave the earlier layers' caches written (and caches holding different
-    tokens would attend apart, at the first one's positions). ``KVCache``s: the batch, key heads and head size of their
-    layer, one length, room for t tokens (a ring has room for any), one padding state; paged batches: the same sequences
-    after the same lengths, and the blocks for them in every pool; and each cache its own layer's (none given twice,
-    none another module's)."""
+def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> None:
+    """A TypeError or ValueError unless every layer's cache takes the call's t new tokens: each layer checks its own
+    cache as it writes, so a later layer's refusal would leave the earlier layers' caches written (and caches holding
+    different tokens would attend apart, at the first one's positions). Every cache is checked here as its layer's call
+    will check it (``arguments.cache_takes`` and the cache's ``check_write`` of keys of the layer's shape, in the
+    model's dtype (``weight``'s) on its device: the key heads, head size, dtype, device, window, room, a batch not used
+    already); and across layers: ``KVCache``s of one length and padding state, paged batches of the same sequences after
+    the same lengths; each cache its own layer's (none given twice, none another module's)."""
     if not torch.compiler.is_compiling():  # a traced id() is a guard on the object; generate's compiled step makes its own caches
         _each_layers_own(model, cache)
     first = cache[0]
-    if isinstance(first, PagedBatch):
-        for i, c in enumerate(cache):
+    paged = isinstance(first, PagedBatch)
+    for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):  # the causal LMs: one attention a block
+        if paged:
             if (c.seq_ids, c.new_tokens, c.starts) != (first.seq_ids, first.new_tokens, first.starts):
                 raise ValueError(f"cache[{i}] batches sequences {c.seq_ids} of {c.new_tokens} new tokens after {c.starts}, cache[0] "
                                  f"{first.seq_ids} of {first.new_tokens} after {first.starts}: one batch per layer of the same tokens")
             c.cache.check_room(c.seq_ids, c.new_tokens)
-        return
-    for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):  # the causal LMs: one attention a block
-        held, want = (c.k.shape[0], c.k.shape[1], c.head_dim), (b, attn.num_kv_heads, attn.head_dim)
-        if held != want:
-            raise ValueError(f"cache[{i}] holds (B, Hkv, D) = {held}; layer {i} writes {want}")
-        if (len(c), c.padded, c.dtype) != (len(first), first.padded, first.dtype):
-            raise ValueError(f"cache[{i}] holds {len(c)} tokens ({c.dtype}, padded: {c.padded}), cache[0] {len(first)} ({first.dtype}, "
-                             f"padded: {first.padded}): one cache per layer, each given the same tokens (model.new_caches)")
-        c.check_room(t, f"cache[{i}]")
+        else:
+            held, want = (c.k.shape[0], c.k.shape[1], c.head_dim), (b, attn.num_kv_heads, attn.head_dim)
+            if held != want:
+                raise ValueError(f"cache[{i}] holds (B, Hkv, D) = {held}; layer {i} writes {want}")
+            if (len(c), c.padded, c.dtype) != (len(first), first.padded, first.dtype):
+                raise ValueError(f"cache[{i}] holds {len(c)} tokens ({c.dtype}, padded: {c.padded}), cache[0] {len(first)} ({first.dtype}, "
+                                 f"padded: {first.padded}): one cache per layer, each given the same tokens (model.new_caches)")
+            c.check_room(t, f"cache[{i}]")
+        keys = torch.empty((), dtype=c.dtype, device=weight.device).expand(b, attn.num_kv_heads, t, attn.head_dim)  # as written: no memory
+        try:
+            arguments.cache_takes(c, weight.dtype, _checks.window(attn.window, attn.causal))
+            c.check_write(keys, keys)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cache[{i}] (layer {i}): {e}") from None
 
 
 def _each_layers_own(model: object, cache: list) -> None:

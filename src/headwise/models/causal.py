@@ -105,6 +105,10 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             elif held is not None and limit is not None and held + t > limit:
                 cached = f" after {held} cached" if held else ""
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
+            elif held is None and limit is not None:  # a paged batch: each sequence's new tokens after its own
+                for seq_id, start, n in zip(cache[0].seq_ids, cache[0].starts, cache[0].new_tokens, strict=True):
+                    if start + n > limit:
+                        raise ValueError(f"sequence {seq_id} would hold {start + n} tokens ({n} new after {start}), more than {name}={limit}")
         # checked: a write through .data since the projections' copies were made is looked for once, here
         with weight_cache.checking(check):
             x = self.embed(input_ids, positions, attention_mask, cache)  # (B, T, C)
