@@ -181,6 +181,10 @@ def test_a_slot_cache_refuses_what_a_replayed_step_cannot_be():
         view.append(torch.zeros(1, 1, 1, 2, requires_grad=True), torch.zeros(1, 1, 1, 2))
     with torch.no_grad(), pytest.raises(ValueError, match="time order"):
         SlotCache(KVCache.sliding(1, 1, 3, 2), torch.tensor([0])).append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), in_order=True)
+    for v, error, match in ((torch.zeros(1, 1, 1, 3), ValueError, r"cache holds \(B=1, Hkv=1, \*, D=2\); v has shape \(1, 1, 1, 3\)"),
+                            (torch.zeros(1, 1, 1, 2, dtype=torch.float64), TypeError, r"cache holds torch.float32; v is torch.float64")):
+        with torch.no_grad(), pytest.raises(error, match=match):
+            view.append(torch.ones(1, 1, 1, 2), v)  # checked before the keys are written
     assert torch.equal(cache.k, torch.zeros(1, 1, 4, 2)), "nothing written"
 
 

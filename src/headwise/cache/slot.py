@@ -52,6 +52,8 @@ class SlotCache(KVCache):
             raise ValueError("a SlotCache takes one new token a row, without padding or autograd (a decode step)")
         if in_order and self.window is not None:
             raise ValueError("a SlotCache cannot answer a ring in time order (ALiBi, documents): replay the step eagerly")
+        if check:  # the keys' and values' shapes, dtype and device, before either is written (nothing read on the host)
+            self._check(k, v, None)
         slot = self.count if self.window is None else self.count % self.window  # (1,)
         self.k.index_copy_(2, slot, k)
         self.v.index_copy_(2, slot, v)
