@@ -483,3 +483,27 @@ def test_a_paged_pool_pickles_and_deepcopies_with_its_reads_on_its_own_blocks(dt
         for loaded in copies:
             assert torch.equal(hw.attention(q, k, v, causal=True, cache=loaded.batch([0], [2])), want)
             assert torch.equal(loaded.k, pool.k)
+
+
+def test_a_cache_holding_recorded_keys_deepcopies_as_their_values():
+    """``deepcopy`` of a cache whose keys autograd recorded (a training step's ``KVCache``, a ``ContextCache`` of a
+    module that learns): the copy holds the same values, not part of the original's graph (a copy cannot share it), so
+    the copy goes on as ``detach()`` would, and the original's backward still reaches the module."""
+    import copy
+
+    m = make("mha", Hkv=2, ctx=32, dtype=torch.float64, seed=5).train()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    cache = hw.KVCache(2, 2, 16, 4, dtype=torch.float64)
+    first = m(x[:, :4], cache=cache)
+    copied = copy.deepcopy(cache)
+    assert len(copied) == 4 and torch.equal(copied.k, cache.k) and copied._owner is None
+    with torch.no_grad():
+        torch.testing.assert_close(m(x[:, 4:], cache=copied), m(x)[:, 4:])  # the copy goes on as the whole sequence
+    first.sum().backward()  # the original's record is untouched
+    assert all(p.grad is not None for p in m.parameters())
+    cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6).train()
+    memory, context = torch.randn(1, 5, 6), hw.ContextCache()
+    out = cross(torch.randn(1, 1, 8), context=memory, cache=context)  # projects the context, recorded
+    twin = copy.deepcopy(context)
+    assert torch.equal(twin.k, context.k) and twin.k.grad_fn is None and context.k.grad_fn is not None
+    out.sum().backward()

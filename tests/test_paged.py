@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from reference import reference_attention
@@ -220,8 +221,13 @@ def test_unknown_ids_double_free_and_reused_ids():
         paged.batch([7], [1])
     with pytest.raises(ValueError, match=r"seq_id 7 is not in the cache"):
         paged.fork(7, 8)
-    with pytest.raises(ValueError, match=r"seq_id True is not in the cache"):
-        paged.length(True)
+    paged.add(1)
+    for wrong in (True, np.int64(1), "1"):  # never "not in the cache" for what is not an id at all
+        with pytest.raises(TypeError, match=rf"seq_id must be an int \(as add took it\), got {type(wrong).__name__}"):
+            paged.length(wrong)
+        with pytest.raises(TypeError, match=r"seq_id must be an int"):
+            paged.batch([wrong], [1])
+    paged.free(1)
     with pytest.raises(TypeError, match=r"seq_id must be an int"):
         paged.add("a")
     assert paged.free_blocks == 4 and paged.sequences == []

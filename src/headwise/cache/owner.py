@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Iterable, Iterator
+
+from torch import Tensor
 
 
 class Owned:
@@ -44,15 +47,29 @@ class Owned:
 
     def __deepcopy__(self, memo: dict) -> Owned:
         """A copy of the contents; it belongs to the copy of its owner where the same ``deepcopy`` copied that module
-        (``copy.deepcopy((model, caches))``), else to the first module that writes it."""
+        (``copy.deepcopy((model, caches))``), else to the first module that writes it. Tensors autograd recorded (a
+        training step's keys) are copied as their values: a copy cannot share the original's graph, so gradients through
+        the copy stop at them, as after ``detach``."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        for name, value in self.__getstate__().items():
+        state = self.__getstate__()
+        for t in _recorded(state.values()):
+            memo.setdefault(id(t), t.detach().clone())  # (torch deep-copies graph leaves only)
+        for name, value in state.items():
             object.__setattr__(new, name, copy.deepcopy(value, memo))
         owner = None if self._owner is None else self._owner()
         if owner is not None and id(owner) in memo:
             new._owner = weakref.ref(memo[id(owner)])
         return new
+
+
+def _recorded(values: Iterable[object]) -> Iterator[Tensor]:
+    """The tensors among ``values`` (and in their tuples and lists) that autograd recorded: those with a ``grad_fn``."""
+    for value in values:
+        if isinstance(value, Tensor) and value.grad_fn is not None:
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from _recorded(value)
 
 
 def _describe(module: object) -> str:

@@ -217,7 +217,9 @@ class PagedKVCache(Owned, Rows):
         return drop
 
     def _known(self, seq_id: object) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in self._tables:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise TypeError(f"seq_id must be an int (as add took it), got {type(seq_id).__name__} {seq_id!r}")
+        if seq_id not in self._tables:
             open_ids = sorted(self._tables)
             shown = open_ids if len(open_ids) <= 10 else [*open_ids[:10], "..."]
             raise ValueError(f"seq_id {seq_id!r} is not in the cache (freed already, or never added); open ids: {shown}")
