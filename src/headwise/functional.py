@@ -41,7 +41,7 @@ from .backends.paged import attend as attend_rows
 from .backends.paged import in_cpp, rows_over_own_keys
 from .backends.plan import ROW_GROUPS, ROWS_IN_ONE_CALL_WHY, ROWS_PER_GROUP, Plan, float32_keys, one_call_runner, rows_in_one_call
 from .backends.plan import plan as plan_runner
-from .backends.spec import Spec
+from .backends.spec import Spec, kernel_terms
 from .cache import Attended, Cache, KVCache, PagedBatch
 from .cache.paged_batch import PoolRows
 from .observe import report
@@ -218,7 +218,7 @@ class KernelCall:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """(B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv), the rotation's tables or None -> (B, 1, H * Dv)."""
-        scale, terms = self.spec.scale, decode_kernel.terms(self.spec)
+        scale, terms = self.spec.scale, kernel_terms(self.spec)
         return self.cache.write_one_unchecked(
             lambda ks, vs, real, slot: decode_kernel.step(q, k, v, cos, sin, ks, vs, real, slot, scale, *terms))
 
@@ -228,7 +228,7 @@ class KernelCall:
         place. A compiled step's way (the op of ``__call__`` writes its arguments: the compiler does not call it);
         the same numbers."""
         keys, values, real = self.cache.append_stored(k, v, check=check)  # (B, Hkv, S, D + 4) x2, (B, S) or None
-        return decode_kernel.dense(q, keys, values, real, self.spec.scale, *decode_kernel.terms(self.spec))
+        return decode_kernel.dense(q, keys, values, real, self.spec.scale, *kernel_terms(self.spec))
 
 
 def paged_kernel_call(
@@ -272,7 +272,7 @@ class PagedCall:
     def __call__(self, batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """A batch whose every sequence feeds one token; (1, H, N, D), (1, Hkv, N, D), (1, Hkv, N, Dv), the rotation's
         tables (1, 1, N, D) or None -> (1, N, H * Dv)."""
-        pool, spec, terms = batch.cache, self.spec, decode_kernel.terms(self.spec)
+        pool, spec, terms = batch.cache, self.spec, kernel_terms(self.spec)
         return batch.write_rows_unchecked(lambda slots, rows, tables, seen_to: decode_kernel.paged_step(
             q, k, v, cos, sin, pool.k, pool.v, slots, rows, tables, seen_to, spec.window, pool.block_size, spec.scale, *terms))
 
@@ -407,7 +407,7 @@ def _placed(args: Arguments, runs: list[Attended], contexts: list[Tensor], pool_
     # sequence alone), widened once, not once a key
     one = q[0].index_select(1, pool_rows.rows).to(taken).float()
     one = one.view(Hkv, H // Hkv, -1, D).permute(2, 0, 1, 3).contiguous()  # (N, Hkv, G, D)
-    softcap, sinks, alibi = decode_kernel.terms(spec)  # alibi (1, H): a paged batch is one row
+    softcap, sinks, alibi = kernel_terms(spec)  # alibi (1, H): a paged batch is one row
     rows = attend_rows(one, pool_rows.keys, pool_rows.values, pool_rows.tables, pool_rows.seen_to, block_size=pool_rows.block_size,
                        scale=spec.scale, window=spec.window, groups=ROW_GROUPS, rows_per_group=ROWS_PER_GROUP, softcap=softcap,
                        sinks=sinks, alibi=alibi)  # (N, Hkv, G, Dv)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .. import native
 from ..cache.static import SCALE_BYTES
-from .spec import Spec
+from .spec import Spec, kernel_terms
 
 #: The dtypes the kernel reads and writes (queries, keys and values; sums in float32).
 DTYPES = (torch.float32, torch.bfloat16)
@@ -109,15 +109,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     if spec.window is not None and spec.window < S:
         k, v = k[:, :, S - spec.window :], v[:, :, S - spec.window :]  # (B, Hkv, W, D), (B, Hkv, W, Dv)
         real = None if real is None else real[:, S - spec.window :]  # (B, W)
-    return dense(q, k, v, real, spec.scale, *terms(spec))
-
-
-def terms(spec: Spec) -> tuple[float, Tensor | None, Tensor | None]:
-    """The ops' terms of a call: its softcap (0: none), sinks (H,) and ALiBi slopes (1 or B, H) as contiguous float32
-    (no copy where they are so already: a module's own, read as they stand at each call), or None."""
-    sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
-    alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H)
-    return spec.softcap or 0.0, sinks, alibi
+    return dense(q, k, v, real, spec.scale, *kernel_terms(spec))
 
 
 def dense(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, scale: float, softcap: float = 0.0, sinks: Tensor | None = None,

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import decode_kernel
-from .spec import Spec
+from .spec import Spec, kernel_terms
 
 
 def rows_over_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seen_from: Tensor, seen_to: Tensor,
@@ -152,7 +152,7 @@ def rows_over_own_keys(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     table, seen_to = torch.arange(S, device=q.device)[None], torch.full((1,), S, device=q.device)  # (1, S): key j in slot j; (1,)
-    softcap, sinks, alibi = decode_kernel.terms(spec)  # alibi (1 or B, H)
+    softcap, sinks, alibi = kernel_terms(spec)  # alibi (1 or B, H)
     rows = [attend(q[b : b + 1, :, 0].reshape(1, Hkv, H // Hkv, D).float(), k[b].contiguous(), v[b].contiguous(), table, seen_to,
                    block_size=1, scale=spec.scale, window=spec.window, groups=1, rows_per_group=1, softcap=softcap, sinks=sinks,
                    alibi=None if alibi is None else alibi[b : b + 1] if alibi.shape[0] > 1 else alibi)

@@ -357,12 +357,11 @@ def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype, c
     softcap, sinks or ALiBi only in C++ (masks and documents go sequence by sequence, through ``RULES``; so do those
     terms where inductor's loops would run)."""
     s = spec
-    cpp = paged.in_cpp(q.device, torch.float32, stored)
     return (
         backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, s.sinks, s.alibi)))
         and s.mask is None and s.documents is None
-        and (cpp or (compile and stored == torch.bfloat16 and not s.changes_scores and s.sinks is None))
+        and (paged.in_cpp(q.device, torch.float32, stored) or (compile and stored == torch.bfloat16 and not s.changes_scores and s.sinks is None))
     )
 
 

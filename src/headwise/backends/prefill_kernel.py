@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import native
 from ..machine import cpu, mkl_avx512_on
-from .spec import Spec
+from .spec import Spec, kernel_terms
 
 #: What the kernel reads and writes (sums in float32).
 DTYPES = (torch.float32, torch.bfloat16)
@@ -92,7 +92,6 @@ def available() -> bool:
 
 def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """(B, H, T, D) x (B, Hkv, S, D) x (B, Hkv, S, D) -> (B, H, T, D): the runner of a call ``takes`` accepts."""
-    sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
+    softcap, sinks, alibi = kernel_terms(spec)  # sinks (H,), slopes (1 or B, H)
     real = None if spec.attention_mask is None else spec.attention_mask.contiguous()  # (B, S) bool, False = padding
-    alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H) slopes
-    return torch.ops.headwise.prefill_attention(q, k, v, spec.causal, spec.scale, spec.window or 0, sinks, real, spec.softcap or 0.0, alibi)
+    return torch.ops.headwise.prefill_attention(q, k, v, spec.causal, spec.scale, spec.window or 0, sinks, real, softcap, alibi)

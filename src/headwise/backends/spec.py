@@ -95,6 +95,14 @@ class Spec:
         )
 
 
+def kernel_terms(spec: Spec) -> tuple[float, Tensor | None, Tensor | None]:
+    """The C++ kernels' terms of a call: its softcap (0: none), sinks (H,) and ALiBi slopes (1 or B, H) as contiguous
+    float32 (no copy where they are so already: a module's own, read as they stand at each call), or None."""
+    sinks = None if spec.sinks is None else spec.sinks.detach().float().contiguous()  # (H,)
+    alibi = None if spec.alibi is None else spec.alibi.detach().float().contiguous()  # (1 or B, H)
+    return spec.softcap or 0.0, sinks, alibi
+
+
 def mask_block(t: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
     """A 4-D mask's block: rows and columns sliced where the mask has them (size-1 dims broadcast)."""
     if t.shape[-2] > 1:
