@@ -508,11 +508,10 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
 }
 
 // q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous (8-bit rows: D + 4 and Dv + 4
-// elements, the scale last), real (B, S) bool or none, cap the softcap (0: none), slopes (1 or B, H) float32 or nullptr
-// (ALiBi; `batched`: a row of slopes per batch row), sinks (H,) float32 or nullptr
+// elements, the scale last), real (B, S) bool or none, the softcap, sinks (H,) and ALiBi's slopes (1 or B, H) in `terms`
 template <typename T, typename Q>
 void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
-           float scale, float cap, const float* slopes, bool batched, const float* sinks) {
+           float scale, const ScoreTerms& terms) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
   const Q* qp = q.data_ptr<Q>();
@@ -532,19 +531,17 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
       for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
-    const float* item_slopes = slopes != nullptr ? slopes + (batched ? b * H : 0) + h * G : nullptr;
-    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, cap, item_slopes,
-                         sinks != nullptr ? sinks + h * G : nullptr, op + (b * H + h * G) * Dv, t, next);
+    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, terms.cap,
+                         terms.slopes_at(b, H, h * G), terms.sinks_at(h * G), op + (b * H + h * G) * Dv, t, next);
   });
 }
 
 // q (N, Hkv, G, D) contiguous, pools (Hkv, P, D) and (Hkv, P, Dv) contiguous (8-bit rows: D + 4 and Dv + 4 elements, the
 // scale last; float32 queries), tables (N, nb) long, seen_from/seen_to (N,); the terms as dense's (a row of slopes per
-// sequence where `batched`), a sequence's query at position seen_to - 1 of its table
+// sequence where batched), a sequence's query at position seen_to - 1 of its table
 template <typename T, typename Q>
 void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const at::Tensor& tables, const at::Tensor& from,
-           const at::Tensor& to, int64_t bs, at::Tensor& out, float scale, float cap, const float* slopes, bool batched,
-           const float* sinks) {
+           const at::Tensor& to, int64_t bs, at::Tensor& out, float scale, const ScoreTerms& terms) {
   const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = vp_.size(2) - ROW_EXTRA<T>, P = kp_.size(1);
   const int64_t ks = D + ROW_EXTRA<T>, vs = Dv + ROW_EXTRA<T>;  // a pool row's elements (8-bit rows: the values, then the scale)
   const int64_t nb = tables.size(1);
@@ -592,9 +589,8 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
       }
       return true;
     });
-    const float* item_slopes = slopes != nullptr ? slopes + (batched ? n * Hkv * G : 0) + h * G : nullptr;
-    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, cap,
-                         item_slopes, sinks != nullptr ? sinks + h * G : nullptr, op + i * G * Dv, t,
+    attend_head<T, Q, Q>(qp + i * G * D, t.keys, t.values, ks, vs, nullptr, std::max<int64_t>(j1 - j0, 0), G, D, Dv, scale, terms.cap,
+                         terms.slopes_at(n, Hkv * G, h * G), terms.sinks_at(h * G), op + i * G * Dv, t,
                          after < 0 ? Run<T>{nullptr, 0} : first_run(after));
   });
 }
@@ -603,21 +599,17 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
 // alibi: (1 or B, H) float32 slopes, the scores less slope * the key's distance from the query (at position S - 1), or none
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
                             double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
-  TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
-  const HeadTerms terms = head_terms("decode_attention", q.size(0), q.size(1), sinks, alibi);
+  const ScoreTerms terms = score_terms("decode_attention", q.size(0), q.size(1), softcap, sinks, alibi);
   const at::Tensor qc = q.contiguous();
-  const float cap = static_cast<float>(softcap);
-  const float *ap = terms.slopes, *sp = terms.sinks;
-  const bool batched = terms.batched;
   const bool rows8 = k.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
   at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);
   if (k.scalar_type() == at::kBFloat16) {
-    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, cap, ap, batched, sp);
+    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, terms);
   } else if (rows8) {
-    dense<int8_t, float>(qc, k, v, real, out, s, cap, ap, batched, sp);
+    dense<int8_t, float>(qc, k, v, real, out, s, terms);
   } else {
-    dense<float, float>(qc, k, v, real, out, s, cap, ap, batched, sp);
+    dense<float, float>(qc, k, v, real, out, s, terms);
   }
   return out;
 }
@@ -627,26 +619,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
                                   const at::Tensor& seen_from, const at::Tensor& seen_to, int64_t block_size, double scale,
                                   double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
-  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be > 0, or 0 for none, got ", softcap);
-  const HeadTerms terms = head_terms("paged_decode_attention", q.size(0), q.size(1) * q.size(2), sinks, alibi);
-  const float cap = static_cast<float>(softcap);
-  const float *ap = terms.slopes, *sp = terms.sinks;
-  const bool batched = terms.batched;
+  const ScoreTerms terms = score_terms("paged_decode_attention", q.size(0), q.size(1) * q.size(2), softcap, sinks, alibi);
   const at::Tensor qc = q.contiguous();
   const bool rows8 = k_pool.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_pool.size(2) - (rows8 ? 4 : 0)}, q.options());  // (N, Hkv, G, Dv)
   const float s = static_cast<float>(scale);
   const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16, bf16_q = q.scalar_type() == at::kBFloat16;
   if (rows8) {
-    paged<int8_t, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
+    paged<int8_t, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, terms);
   } else if (bf16_pool && bf16_q) {
-    paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
+    paged<c10::BFloat16, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, terms);
   } else if (bf16_pool) {
-    paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
+    paged<c10::BFloat16, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, terms);
   } else if (bf16_q) {
-    paged<float, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
+    paged<float, c10::BFloat16>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, terms);
   } else {
-    paged<float, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, cap, ap, batched, sp);
+    paged<float, float>(qc, k_pool, v_pool, tables, seen_from, seen_to, block_size, out, s, terms);
   }
   return out;
 }

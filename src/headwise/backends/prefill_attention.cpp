@@ -312,9 +312,8 @@ inline int64_t first_key(int64_t first, int64_t window) { return window > 0 ? st
 
 // What a call adds to its scores and softmax: each may be none
 struct Terms {
-  HeadTerms heads;  // sinks and ALiBi's slopes
-  const bool* real;  // (B, S) key flags, or nullptr
-  float cap;         // the softcap, 0: none
+  ScoreTerms scores;  // the softcap, sinks and ALiBi's slopes
+  const bool* real;   // (B, S) key flags, or nullptr
 };
 
 // q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), rows contiguous; out (B, H, T, D), stored as (B, T, H, D)
@@ -353,12 +352,12 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool
     T* oi = op + ((b * Tq + r0) * H + h) * D;  // (B, T, H, D) storage: the heads' merge is a view
     const auto [lo, keys] = span(b, r0, rows);
     const bool* flags = real != nullptr ? real + b * S : nullptr;
-    const HeadTerms& per = terms.heads;
-    const float sink = per.sinks != nullptr ? per.sinks[h] : NEG_INF;
-    const float slope = per.slopes != nullptr ? per.slopes[(per.batched ? b * H : 0) + h] : 0.f;
+    const float* sink_at = terms.scores.sinks_at(h);
+    const float* slope_at = terms.scores.slopes_at(b, H, h);
+    const float sink = sink_at != nullptr ? *sink_at : NEG_INF, slope = slope_at != nullptr ? *slope_at : 0.f;
     auto head = [&](auto size) {  // the item for this head size, known when compiled
       item<decltype(size)::value, T>(qi, q.stride(2), ki, k.stride(2), vi, v.stride(2), oi, H * D, rows, off + r0, lo, keys, causal,
-                                     window, flags, scale, sink, terms.cap, slope, t);
+                                     window, flags, scale, sink, terms.scores.cap, slope, t);
     };
     switch (D) {  // HEAD_SIZES
       case 32: head(std::integral_constant<int, 32>{}); break;
@@ -380,7 +379,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // (Gemma 2's), 0 for none; alibi: (1 or B, H) float32 slopes, each score less slope * |the query's position - the
   // key's|, or none
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "prefill_attention: a window W > 0 needs causal, or 0 for none, got ", window);
-  TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be > 0, or 0 for none, got ", softcap);
   const int64_t D = q.size(3);
   TORCH_CHECK((D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256) && k.size(3) == D && v.size(3) == D,
               "prefill_attention: queries, keys and values of one head size 32, 64, 80, 96, 128 or 256, got ", D, ", ", k.size(3), ", ",
@@ -388,8 +386,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(!real.has_value() || (real->scalar_type() == at::kBool && real->is_contiguous() && real->dim() == 2 &&
                                     real->size(0) == q.size(0) && real->size(1) == k.size(2)),
               "prefill_attention: real must be a contiguous bool (B, S) tensor, False = a padded key");
-  const Terms terms{head_terms("prefill_attention", q.size(0), q.size(1), sinks, alibi), real.has_value() ? real->data_ptr<bool>() : nullptr,
-                    static_cast<float>(softcap)};
+  const Terms terms{score_terms("prefill_attention", q.size(0), q.size(1), softcap, sinks, alibi),
+                    real.has_value() ? real->data_ptr<bool>() : nullptr};
   // (B, H, T, Dv) as a view of (B, T, H, Dv): what merging the heads reads without a copy (as torch's flash kernel gives it)
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   if (q.scalar_type() == at::kBFloat16) {

@@ -160,24 +160,32 @@ inline f16v tanh16(f16v x) {
   return x < 0.f ? -t : t;
 }
 
-// The per-head terms both kernels take, checked: sinks (H,) and ALiBi's slopes (1 or B, H), contiguous float32, or none.
-// Their pointers (nullptr: none); `batched`: the slopes a row per batch row.
-struct HeadTerms {
+// The score terms both kernels take, checked: the softcap (0: none), sinks (H,) and ALiBi's slopes (1 or B, H),
+// contiguous float32, or none (nullptr); `batched`: the slopes a row per batch row.
+struct ScoreTerms {
+  float cap = 0.f;
   const float* sinks = nullptr;
   const float* slopes = nullptr;
   bool batched = false;
+
+  // query head h's sink and, of batch row b (of H heads), its slope: where they start (nullptr: none)
+  const float* sinks_at(int64_t h) const { return sinks != nullptr ? sinks + h : nullptr; }
+  const float* slopes_at(int64_t b, int64_t H, int64_t h) const {
+    return slopes != nullptr ? slopes + (batched ? b * H : 0) + h : nullptr;
+  }
 };
 
-inline HeadTerms head_terms(const char* op, int64_t B, int64_t H, const std::optional<at::Tensor>& sinks,
-                            const std::optional<at::Tensor>& alibi) {
+inline ScoreTerms score_terms(const char* op, int64_t B, int64_t H, double softcap, const std::optional<at::Tensor>& sinks,
+                              const std::optional<at::Tensor>& alibi) {
+  TORCH_CHECK(softcap >= 0, op, ": softcap must be > 0, or 0 for none, got ", softcap);
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                                      sinks->size(0) == H),
               op, ": sinks must be a contiguous float32 (H,) tensor, one logit per query head");
   TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
                                      (alibi->size(0) == 1 || alibi->size(0) == B) && alibi->size(1) == H),
               op, ": alibi must be a contiguous float32 (1 or B, H) tensor of slopes");
-  return {sinks.has_value() ? sinks->data_ptr<float>() : nullptr, alibi.has_value() ? alibi->data_ptr<float>() : nullptr,
-          alibi.has_value() && alibi->size(0) > 1};
+  return {static_cast<float>(softcap), sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+          alibi.has_value() ? alibi->data_ptr<float>() : nullptr, alibi.has_value() && alibi->size(0) > 1};
 }
 
 // fn(i, scratch) for every item 0 <= i < n on torch's threads, the costliest first, each thread taking the next
