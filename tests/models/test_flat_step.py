@@ -158,16 +158,17 @@ def with_score_terms(model):
 
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_softcap_sinks_and_alibi_step_in_the_kernels_one_op_bit_for_bit(cls, dtype):
-    """Layers with a softcap, sinks and ALiBi: each step's attention still the decode kernel's one op a layer
-    (``decode_kernel_call``), not the whole layer's (``decode_layer`` takes no terms); the forward's logits bit for bit."""
+def test_a_softcap_sinks_and_alibi_step_in_the_layers_one_op_bit_for_bit(cls, dtype):
+    """Layers with a softcap, sinks and ALiBi: each step's attention the decode kernel's (``decode_kernel_call``), from
+    the second step on inside the whole layer's one op (``decode_layer`` passes the terms on); the forward's logits bit
+    for bit, and sinks changed in place between steps are read as they stand."""
     model = with_score_terms(model_of(cls, {}, dtype))
     native = []
     call_native = NativeLayer.__call__
 
     def counted_native(layer, *args):
-        native.append(layer)
-        return call_native(layer, *args)
+        native.append(out := call_native(layer, *args))
+        return out
 
     torch.manual_seed(0)
     plain = [want for _, want, _, _ in steps_both_ways(model_of(cls, {}, dtype), 2, steps=4)]
@@ -177,11 +178,23 @@ def test_a_softcap_sinks_and_alibi_step_in_the_kernels_one_op_bit_for_bit(cls, d
             assert torch.equal(got, want)
             assert not torch.allclose(want, without, atol=1e-2)  # the terms change every step's logits
             flat_caches = caches
-    assert not native
+    assert any(out is not None for out in native) == decode_kernel.available()
     step = flat_step(model)
+    plain_caches = copy.deepcopy(flat_caches)
+    ids = torch.zeros(2, 1, dtype=torch.long)
     with torch.no_grad():
-        step(torch.zeros(2, 1, dtype=torch.long), None, flat_caches)
-    assert all((call is not None) == decode_kernel.available() for _, call in step.kernel_calls)
+        for _ in range(2):  # the first call decides each layer's kernel call, the second runs the layers' ops
+            got, want = step(ids, None, flat_caches), model(ids, cache=plain_caches, logits_to_keep=1, check=False)[:, 0]
+            assert torch.equal(got, want)
+        assert all((call is not None) == decode_kernel.available() for _, call in step.kernel_calls)
+        for a in model.attention_layers():
+            a.sinks.mul_(-3.0)  # in place: the next step reads them as they stand
+        native.clear()
+        with mock.patch.object(NativeLayer, "__call__", counted_native):
+            got = step(ids, None, flat_caches)
+        want = model(ids, cache=plain_caches, logits_to_keep=1, check=False)[:, 0]
+    assert torch.equal(got, want)
+    assert len(native) == (len(flat_caches) if decode_kernel.available() else 0) and all(out is not None for out in native)
 
 
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
@@ -250,7 +263,7 @@ def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(
     (and a step of several tokens for one of them, and one without a sequence), the logits of the rows asked for and
     the pools as the unchecked forward's; where the C++ kernels are built, every step of one token a sequence written
     and attended by one op a layer (``paged_kernel_call``), from the second on the whole layer in one (``decode_layer``)
-    but where the layer has no such op (qk-norm) or takes terms the op does not (softcap, sinks, ALiBi)."""
+    but where the layer has no such op (qk-norm); a softcap, sinks and ALiBi go into either op."""
     case = name.split(",")[0]
     cls, kw, dtype = CASES[case]
     model = model_of(cls, kw, dtype)
@@ -293,7 +306,7 @@ def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(
             assert got.shape == want.shape == (1, len(seq_ids), model.vocab_size) and torch.equal(got, want)
             one_each = set(counts) == {1} and decode_kernel.available()
             assert len(by_op) == (len(pools) if one_each else 0)
-            if one_each and i > 0 and case != "qwen3 qk-norm" and not terms:  # the layers' own ops, from the step after the first
+            if one_each and i > 0 and case != "qwen3 qk-norm":  # the layers' own ops, from the step after the first
                 assert len(native) == len(pools) and all(out is not None for out in native)
             else:
                 assert not native

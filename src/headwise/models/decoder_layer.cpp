@@ -68,14 +68,16 @@ at::Tensor residual(const at::Tensor& x, at::Tensor y) {
 // (panels or plain), scales, biases and ns (their output widths), one each; qkv_sizes (H * D, Hkv * D, Hkv * Dv); cos and sin the
 // rotation's tables or None; the caches (B, Hkv, L, D) written at slot `start`, `real` (B, L) their padding marks or
 // None (headwise::decode_step); or, where `paged` gives a paged batch's (slots, rows, tables, seen_to), the caches
-// are its pools and the step headwise::paged_step's (`window`, `block_size`); `mlp` "swiglu" (SiLU(gate) * up) or
+// are its pools and the step headwise::paged_step's (`window`, `block_size`); the attention's terms as those steps take
+// them (softcap 0: none; sinks (H,) and ALiBi slopes (1 or B, H) float32, or None); `mlp` "swiglu" (SiLU(gate) * up) or
 // GELU's approximation ("tanh" or "none") after the up projection.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Maybe& norm1_bias, const at::Tensor& norm2,
                         const Maybe& norm2_bias, double eps1, double eps2, bool layer_norm, at::IntArrayRef kinds,
                         at::TensorList weights, const c10::List<Maybe>& scales, const c10::List<Maybe>& biases, at::IntArrayRef ns,
                         at::IntArrayRef qkv_sizes, int64_t head_dim, const Maybe& cos, const Maybe& sin, at::Tensor k_cache,
                         at::Tensor v_cache, const Maybe& real, int64_t start, double scale, c10::string_view mlp,
-                        at::TensorList paged, std::optional<int64_t> window, int64_t block_size) {
+                        at::TensorList paged, std::optional<int64_t> window, int64_t block_size, double softcap,
+                        const Maybe& sinks, const Maybe& alibi) {
   using Step = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
                           at::Tensor, const Maybe&, int64_t, double, double, const Maybe&, const Maybe&);
   using Paged = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, const Maybe&, at::Tensor,
@@ -92,9 +94,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   const at::Tensor k = parts[1].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, D)
   const at::Tensor v = parts[2].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, Dv)
   const at::Tensor context = paged.empty()
-                                 ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale, 0.0, std::nullopt, std::nullopt)
+                                 ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale, softcap, sinks, alibi)
                                  : paged_step.call(q, k, v, cos, sin, k_cache, v_cache, paged[0], paged[1], paged[2], paged[3], window,
-                                                   block_size, scale, 0.0, std::nullopt, std::nullopt);  // (B, T, H*Dv)
+                                                   block_size, scale, softcap, sinks, alibi);  // (B, T, H*Dv)
   const at::Tensor h = residual(x, proj(context, 1));  // (B, T, C)
   at::Tensor up = proj(norm(h, norm2, norm2_bias, eps2, layer_norm), 2);  // (B, T, 2I) for SwiGLU, else (B, T, I)
   if (mlp == "swiglu") {

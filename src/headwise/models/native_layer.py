@@ -8,7 +8,8 @@ calls costs more than most of them. Where every part of a layer runs on ops the 
 group's kept call on the panels GEMM, torch's linear or oneDNN's (a ``projection.Ready`` whose function is a panels
 op, ``F.linear`` or ``onednn.inner_product``), RMSNorm on its C++ op
 (``llama._native_rows``) or LayerNorm on torch's, the attention on the C++ decode kernel over a whole cache
-(``functional.decode_kernel_call``) after a plain rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
+(``functional.decode_kernel_call``, with the layer's softcap, sinks and ALiBi slopes where it has them) after a plain
+rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
 
 Each step asks whether anything the op's arguments follow from changed since they were made (x's kind, autograd's
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends import decode_kernel  # noqa: F401  (defines headwise::decode_step, which the op calls)
+from ..backends.spec import kernel_terms
 from ..cache import KVCache, PagedBatch
 from ..functional import KernelCall, PagedCall
 from ..fused import GPT2MultiHeadAttention
@@ -38,7 +40,7 @@ torch.library.define(
     "(Tensor x, Tensor norm1, Tensor? norm1_bias, Tensor norm2, Tensor? norm2_bias, float eps1, float eps2, bool layer_norm, "
     "int[] kinds, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, int[] ns, int[] qkv_sizes, int head_dim, Tensor? cos, "
     "Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? real, int start, float scale, str mlp, Tensor[] paged, int? window, "
-    "int block_size) -> Tensor",
+    "int block_size, float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor",
 )
 
 #: The kept calls' GEMM functions the op runs, by its code for each.
@@ -57,7 +59,7 @@ def native_layer(parts: tuple[nn.Module, ...], call: KernelCall | PagedCall | No
     (``call``: over a KVCache, or a paged batch's pool) and whose parts are exactly the Llama family's or GPT-2's, for
     steps of x's kind; else None."""
     norm1, attn, norm2, mlp = parts
-    if call is None or type(norm1) is not type(norm2) or call.spec.changes_scores or call.spec.sinks is not None:  # (the op's terms: none)
+    if call is None or type(norm1) is not type(norm2):
         return None
     if type(attn) is llama.LlamaAttention and type(norm1) is llama.RMSNorm and type(mlp) is llama.MLP:
         if attn.rotation() is None:
@@ -112,15 +114,17 @@ class NativeLayer:
         kinds, weights, scales, biases, ns = self.args
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
-        sizes, D, scale, mlp = self.sizes, attn.head_dim, self.call.spec.scale, self.mlp
+        spec, sizes, D, mlp = self.call.spec, self.sizes, attn.head_dim, self.mlp
+        scale, terms = spec.scale, kernel_terms(spec)  # (the sinks and slopes as they stand this step)
         if isinstance(cache, PagedBatch):
-            pool, window = cache.cache, self.call.spec.window
+            pool = cache.cache
             return cache.write_rows_unchecked(lambda slots, rows, tables, seen_to: torch.ops.headwise.decode_layer(
                 x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
-                sizes, D, cos, sin, pool.k, pool.v, None, 0, scale, mlp, [slots, rows, tables, seen_to], window, pool.block_size))  # (1, N, C)
+                sizes, D, cos, sin, pool.k, pool.v, None, 0, scale, mlp, [slots, rows, tables, seen_to], spec.window, pool.block_size,
+                *terms))  # (1, N, C)
         return cache.write_one_unchecked(lambda k, v, real, slot: torch.ops.headwise.decode_layer(
             x, norm1.weight, b1, norm2.weight, b2, norm1.eps, norm2.eps, self.layer_norm, kinds, weights, scales, biases, ns,
-            sizes, D, cos, sin, k, v, real, slot, scale, mlp, [], None, 0))  # (B, 1, C)
+            sizes, D, cos, sin, k, v, real, slot, scale, mlp, [], None, 0, *terms))  # (B, 1, C)
 
     def _made_for(self, x: Tensor) -> tuple:
         """Everything the op's arguments and the norms' answer (``_call_args``) follow from: x's kind, autograd's mode
