@@ -290,11 +290,16 @@ def module_input(module: torch.nn.Module, x: Tensor, name: str) -> None:
         raise TypeError(f"{name} has dtype {x.dtype} but {owner} {p.dtype}: convert one (module.to({x.dtype}) or {name}.to({p.dtype}))")
 
 
-def context(t: int, past: int, context_length: int, sliding: bool) -> None:
-    """Tokens beyond context_length break the book's mask: say so instead."""
-    if not sliding and past + t > context_length:
-        cached = f" ({past} cached + {t} new)" if past else ""
-        raise ValueError(f"got {past + t} tokens{cached}, more than context_length={context_length}")
+def context(t: int, past: int, context_length: int, sliding: bool, longest: Callable[[], int] | None = None) -> None:
+    """Tokens beyond context_length break the book's mask: say so instead. ``longest``: where the ``past`` cached slots
+    may hold padding, the most real tokens a row will hold (asked only where the slots would not fit: padding takes no
+    position)."""
+    if sliding or past + t <= context_length:
+        return
+    n = past + t if longest is None else longest()
+    if n > context_length:
+        cached = f" ({past} cached + {t} new)" if n == past + t and past else f" in a row, padding not counted ({past} cached + {t} new slots)" if n != past + t else ""
+        raise ValueError(f"got {n} tokens{cached}, more than context_length={context_length}")
 
 
 #: The caps a softcap may take: every runner computes them to its dtype's precision (float32 for

@@ -38,16 +38,17 @@ from .rope import RotaryEmbedding
 
 
 def checked_input(
-    module: nn.Module, x: Tensor, attention_mask: Tensor | None, *, name: str = "x", past: int = 0, sliding: bool = False
+    module: nn.Module, x: Tensor, attention_mask: Tensor | None, *, name: str = "x", cache: KVCache | None = None, sliding: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """What every attention module checks first: x (B, T, d_in) floats on ``module``'s device and dtype, its
-    padding mask (B, T) (made bool), ``past`` cached tokens plus T within ``context_length`` (unless
-    ``sliding``). Returns x with NaN/Inf at padded tokens zeroed (padding is inert) and the mask.
+    padding mask (B, T) (made bool), each row's real tokens in ``cache`` plus its new ones within ``context_length``
+    (unless ``sliding``). Returns x with NaN/Inf at padded tokens zeroed (padding is inert) and the mask.
     """
     b, t = _checks.tokens(x, module.d_in, name)
     _checks.module_input(module, x, name)
     attention_mask = _checks.attention_mask(attention_mask, b, t, device=(name + " is", x.device))  # (B, T) bool or None
-    _checks.context(t, past, module.context_length, sliding=sliding)
+    past, longest = (0, None) if cache is None else (len(cache), lambda: cache.longest(t, attention_mask))
+    _checks.context(t, past, module.context_length, sliding=sliding, longest=longest)
     return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
 
 
@@ -209,10 +210,10 @@ class AttentionLayer(AllOrNothing, nn.Module):
         if getattr(self, "kv_dim", self.d_in) != self.d_in:
             raise ValueError(f"this module's keys come from a context of width kv_dim={self.kv_dim} (cross-attention): pass context=")
         cache = checked(cache)
-        past = len(cache) if isinstance(cache, KVCache) else 0
         # a window bounds what each query sees, not the length (a windowed cache or none); paged: each sequence's bound is the caller's
         sliding = self.window is not None or (cache is not None and (cache.window is not None or not isinstance(cache, KVCache)))
-        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, past=past, sliding=sliding)  # (B, T, d_in), (B, T)
+        held = cache if isinstance(cache, KVCache) else None
+        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, cache=held, sliding=sliding)  # (B, T, d_in), (B, T)
         if cache is not None:
             cache.check_owner(self)  # one cache, one layer
         _checks.position_ids(position_ids, *x.shape[:2])

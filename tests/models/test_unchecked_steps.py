@@ -241,3 +241,48 @@ def test_a_models_forward_refuses_caches_it_cannot_run():
     with pytest.raises(ValueError, match=r"sequence 0 would hold 66 tokens \(6 new after 60\), more than n_positions=64"):
         model(torch.ones(1, 9, dtype=torch.long), cache=[p.batch([1, 0], [3, 6]) for p in pools])  # no IndexError from the embedding
     assert [p.length(s) for p in pools for s in (0, 1)] == [60, 2, 60, 2]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@torch.no_grad()
+def test_padding_takes_no_position_on_the_checked_path_either(name):
+    """A left-padded batch whose slots pass the model's limit but whose rows' real tokens do not: ``generate`` with a
+    hook (every forward checked) gives the unchecked run's tokens, and each checked decode step's logits are those of the
+    row run alone without its padding; a row whose real tokens pass the limit is refused by the forward and the layers."""
+    model = MODELS[name]()  # a limit of 64 positions
+    ids = torch.randint(1, 97, (2, 50), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[0, -30:], mask[1, -5:] = True, True  # 50 slots, 30 and 5 real tokens
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=30)  # 80 slots: 59 and 34 positions
+    hook = model.blocks[0].register_forward_hook(lambda *args: None)
+    assert not trusts(model)
+    streamed = []
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=30, on_token=streamed.append), plain)
+    assert len(streamed) == 30
+    hook.remove()
+    caches = model.new_caches(2, 90)
+    model(ids, mask, cache=caches)
+    alone = model.new_caches(1, 90)
+    model(ids[:1, -30:], cache=alone)
+    for token in plain[:, 50:80].T:  # (B,) a step
+        got = model(token[:, None], cache=caches)  # (B, 1, vocab): checked, 51 .. 80 slots
+        assert torch.allclose(got[:1], model(token[:1, None], cache=alone), atol=1e-5)
+    assert len(caches[0]) == 80 and len(alone[0]) == 60
+    full = torch.ones(2, 70, dtype=torch.bool)
+    full[1, :40] = False  # row 0: 70 real tokens
+    with pytest.raises(ValueError, match=r"more than (n_positions|max_position_embeddings)=64"):
+        model(torch.ones(2, 70, dtype=torch.long), full, cache=model.new_caches(2, 90))
+    layer, cache = model.attention_layers()[0], caches[0]
+    cache.crop(60)
+    with pytest.raises(ValueError, match=r"got 70 tokens in a row, padding not counted \(60 cached \+ 30 new slots\), more than context_length=64"):
+        layer(torch.randn(2, 30, 32), cache=cache)  # row 0: 40 + 30 real
+    assert len(cache) == 60
+
+
+@pytest.mark.parametrize("max_len", [5.5, 5.0, float("inf"), 0, "8", True])
+def test_new_caches_checks_max_len_when_every_layer_slides(max_len):
+    """A model whose every layer has a window (every cache a ring) checks ``max_len`` as any other model does."""
+    for model in (llama(windows=(4, 4)), llama()):
+        with pytest.raises((TypeError, ValueError), match=r"max_len must be a positive int"):
+            model.new_caches(2, max_len)
+    assert [c.max_len for c in llama(windows=(4, 4)).new_caches(2, 9)] == [4, 4]

@@ -247,6 +247,17 @@ class KVCache(Owned, Spendable, Rows):
         (part,) = self.append(k, v, attention_mask, in_order=_checks.boolean("in_order", in_order))
         return part.keys, part.values, part.attention_mask
 
+    def longest(self, t: int, attention_mask: Tensor | None = None) -> int:
+        """The most real tokens a row holds once ``t`` more are written (``attention_mask`` (B, T) bool their padding, or
+        None): ``len(cache) + t`` where no write had padding, else each row's count without its padding, read from the
+        device (one host read; a meta cache or mask, which hold no values, counts every slot)."""
+        if (self._pads is None and attention_mask is None) or not _checks.has_values(self.is_token) or (
+                attention_mask is not None and not _checks.has_values(attention_mask)):
+            return self._len + t
+        held = self._len - (0 if self._pads is None else self._pads)  # (B,) or an int
+        new = t if attention_mask is None else attention_mask.sum(-1)  # (B,) or an int
+        return int(torch.as_tensor(held + new).max())  # (the one host read)
+
     def start(self, t: int, attention_mask: Tensor | None = None) -> int | Tensor:
         """Where the ``t`` new tokens sit (the cache protocol): the tokens written so far, one int for every row; once
         a write had padding, (B, T) positions: each row's real tokens so far, then its new real tokens counted

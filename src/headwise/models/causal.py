@@ -102,8 +102,8 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             name, limit = self.context_limit()
             if positions is not None and limit is not None:
                 _inputs.in_range(positions, limit, f"positions must lie in [0, {name}={limit})")
-            elif held is not None and limit is not None and held + t > limit:
-                cached = f" after {held} cached" if held else ""
+            elif held is not None and limit is not None and held + t > limit and (cache is None or cache[0].longest(t, attention_mask) > limit):
+                cached = f" after {held} cached" if held else ""  # (padding takes no position: each row's real tokens count)
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
             elif held is None and limit is not None:  # a paged batch: each sequence's new tokens after its own
                 for seq_id, start, n in zip(cache[0].seq_ids, cache[0].starts, cache[0].new_tokens, strict=True):
@@ -134,6 +134,7 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
         hold, the model's (None), or for a float32 model bfloat16 or ``torch.int8`` (8-bit rows, ``KVCache``)."""
         weight = self.embed_tokens.weight
         dtype = self.cache_dtype(dtype)
+        batch_size, max_len = _checks.positive_int("batch_size", batch_size), _checks.positive_int("max_len", max_len)  # (every layer's ring too)
         caches = []
         for attn in self.attention_layers():  # each layer's own key/value heads (fewer when sharded by headwise.parallel)
             shape = (batch_size, attn.num_kv_heads, max_len, attn.head_dim)
