@@ -278,6 +278,21 @@ def test_a_context_cache_given_another_context_attends_over_that_one(monkeypatch
     m(x, context_mask=real, cache=cache)  # the same padding is fine
 
 
+@pytest.mark.parametrize("write", ["data", "numpy", "no_grad"])
+def test_a_context_written_in_place_behind_autograds_back_is_projected_again(write):
+    """A write through ``.data`` or a numpy array sharing the context's memory leaves its version counter as it was: the
+    cache still sees it (a sample of its bytes) and attends over the context as it is now, with it passed or without."""
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    cache = ContextCache()
+    m(x, context=memory, cache=cache)
+    {"data": lambda: memory.data.mul_(3.0), "numpy": lambda: memory.numpy().__setitem__(slice(None), 0.5),
+     "no_grad": lambda: torch.no_grad()(memory.mul_)(3.0)}[write]()
+    want = m(x, context=memory)
+    torch.testing.assert_close(m(x, context=memory, cache=cache), want, rtol=0, atol=0)
+    torch.testing.assert_close(m(x, cache=cache), want, rtol=0, atol=0)  # the keys kept are the new context's
+
+
 def test_a_refused_cross_attention_call_leaves_the_context_cache_empty():
     m = _module(causal=False, kv_dim=7, sinks=True)
     m.sinks = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # refused by attention, after the projection

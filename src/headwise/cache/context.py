@@ -20,7 +20,10 @@ class ContextCache(Owned, Spendable):
     The first forward given a ``context`` projects and stores them; later forwards reuse them,
     with or without the context passed again; another context (other values, or another
     ``context_mask``) is projected and replaces them, and so is the kept context once the
-    module's weights changed (``headwise.linear.weight_cache.state``). It belongs to the module that filled it
+    module's weights changed (``headwise.linear.weight_cache.state``). The context written in place
+    is another context too: seen by its version counter, or, through ``.data`` or a shared numpy
+    array (which leave that counter as it was), by a sample of its bytes (``weight_cache.sample``: as
+    for weights, a write that leaves both ends of the tensor as they were is not seen). It belongs to the module that filled it
     (another module's projections are other numbers): another module given it gets a ValueError.
 
     Example:
@@ -41,6 +44,7 @@ class ContextCache(Owned, Spendable):
         self.context_mask: Tensor | None = None  # (B, S) True = real context token, or None (no padding)
         self._context: Tensor | None = None  # (B, S, kv_dim) what k and v were projected from
         self._version: int | None = None  # its version counter then (None: not tracked, inference mode)
+        self._sample: tuple | None = None  # a sample of its bytes then (``weight_cache.sample``: writes through .data too)
         self._weights: tuple | None = None  # the state of the owner's parameters then (``weight_cache.state``)
 
     def __len__(self) -> int:
@@ -48,7 +52,7 @@ class ContextCache(Owned, Spendable):
 
     def reset(self) -> None:
         """Forget the stored context (the next forward projects a new one); the cache stays with its module."""
-        self.k = self.v = self.context_mask = self._context = self._version = self._weights = None
+        self.k = self.v = self.context_mask = self._context = self._version = self._sample = self._weights = None
         self.forget_recorded()
 
     @property
@@ -75,14 +79,15 @@ class ContextCache(Owned, Spendable):
             return False
         if self.context_mask is not None and not torch.equal(self.context_mask, context_mask):
             return False
+        unchanged = self._version is not None and _version(self._context) == self._version and weight_cache.sample(self._context) == self._sample
         if context is self._context:
-            return self._version is not None and _version(context) == self._version
-        unchanged = self._version is not None and _version(self._context) == self._version
+            return unchanged
         return unchanged and context.shape == self._context.shape and torch.equal(context, self._context)
 
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
         self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
+        self._sample = weight_cache.sample(context)
         self.forget_recorded()
         self.mark_on_backward((keys, values))
         params = _weights_of(owner) if isinstance(owner, torch.nn.Module) else []

@@ -47,9 +47,11 @@ def state(tensors: Sequence[Tensor]) -> tuple:
     return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0)) for t in tensors])
 
 
-def _sample(t: Tensor) -> tuple[int | None, bytes | tuple]:
+def sample(t: Tensor) -> tuple[int | None, bytes | tuple]:
     """(bytes, a sample of ``t``'s contents): a contiguous CPU tensor's byte count and its first and last ``SPAN``
     bytes, read in place (``_ends``); another's None and its first and last element, by bits (two host reads)."""
+    if t.is_meta:
+        return None, ()  # (no values)
     if t.device.type == "cpu" and t.is_contiguous():
         size = t.numel() * t.element_size()
         return size, _ends(t.data_ptr(), size)
@@ -76,7 +78,7 @@ def watch(tensors: Sequence[Tensor]) -> None:
             continue
         if known is None:
             weakref.finalize(t, _forget, key)
-        WATCHED[key] = (weakref.ref(t), t.data_ptr(), *_sample(t))
+        WATCHED[key] = (weakref.ref(t), t.data_ptr(), *sample(t))
 
 
 def _forget(key: int) -> None:
@@ -93,7 +95,7 @@ def verify() -> None:
         t = ref()
         if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
             continue
-        now = _ends(address, size) if size is not None else _sample(t)[1]
+        now = _ends(address, size) if size is not None else sample(t)[1]
         if now != sample:
             WATCHED[key] = (ref, address, size, now)
             EPOCH[key] = EPOCH.get(key, 0) + 1
