@@ -243,14 +243,65 @@ def test_conversions_keep_the_mode_and_in_it_the_function(training):
 
 def test_gpt2_to_mha_refuses_to_drop_the_residual_dropout_in_training():
     attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8))  # resid_pdrop 0.1, training mode
-    with pytest.raises(ValueError, match=r"would drop GPT-2's resid_pdrop=0\.1; convert it in eval mode"):
+    with pytest.raises(ValueError, match=r"would drop GPT-2's resid_dropout.p=0\.1; convert it in eval mode"):
         hw.gpt2_to_mha(attn)
     assert not hw.gpt2_to_mha(attn.eval()).training
 
 
+def test_gpt2_to_mha_reads_the_dropouts_the_module_runs_not_its_config():
+    """The forward drops with the module's ``nn.Dropout``s: a ``.p`` set on them (as ``for m in model.modules(): m.p = 0``
+    does) is what the conversion keeps or refuses, whatever the config says."""
+    config = hw.GPT2Config(n_embd=8, n_head=2, n_positions=8, attn_pdrop=0.1, resid_pdrop=0.1)
+    attn = hw.GPT2MultiHeadAttention(config)  # training mode
+    attn.attn_dropout.p, attn.resid_dropout.p = 0.0, 0.0
+    mha = hw.gpt2_to_mha(attn)  # converts: nothing is dropped after c_proj
+    assert mha.dropout.p == 0.0 and mha.training
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(mha(x), attn(x), atol=1e-6, rtol=1e-6)  # both drop nothing, in training mode too
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8, attn_pdrop=0.0, resid_pdrop=0.0))
+    attn.resid_dropout.p = 0.5
+    with pytest.raises(ValueError, match=r"resid_dropout.p=0\.5"):
+        hw.gpt2_to_mha(attn)
+
+
+@torch.no_grad()
+def test_conversions_of_projections_without_bias_keep_the_function():
+    """A bias-less c_attn, c_proj or out_proj (each module's forward runs without one) converts to the same function."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    attn = hw.GPT2MultiHeadAttention(hw.GPT2Config(n_embd=8, n_head=2, n_positions=8, attn_pdrop=0.0, resid_pdrop=0.0)).double().eval()
+    attn.c_attn = torch.nn.Linear(8, 24, bias=False, dtype=torch.float64)
+    attn.c_proj = torch.nn.Linear(8, 8, bias=False, dtype=torch.float64)
+    mha = hw.gpt2_to_mha(attn)
+    assert mha.W_query.bias is None
+    torch.testing.assert_close(mha(x), attn(x), atol=1e-12, rtol=1e-12)
+    mha.out_proj = torch.nn.Linear(8, 8, bias=False, dtype=torch.float64)
+    torch.testing.assert_close(hw.mha_to_gpt2(mha)(x), mha(x), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["W_query", "W_key", "W_value"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_wrapper_to_mha_refuses_heads_whose_three_projections_differ_in_bias(layer, bias):
+    """MultiHeadAttention has one ``qkv_bias``: heads whose one projection has a bias the others have not (each head
+    alike) are refused by name rather than converted without it (or with a crash)."""
+    wrapper = hw.MultiHeadAttentionWrapper(6, 2, 8, 0.0, num_heads=3, qkv_bias=not bias)
+    for head in wrapper.heads:
+        setattr(head, layer, torch.nn.Linear(6, 2, bias=bias))
+    with pytest.raises(ValueError, match=r"one qkv_bias for W_query, W_key and W_value: the heads' biases are \(W_query, W_key, W_value\)"):
+        hw.wrapper_to_mha(wrapper)
+    wrapper = hw.MultiHeadAttentionWrapper(6, 2, 8, 0.0, num_heads=3)
+    for head in wrapper.heads:
+        setattr(head, layer, torch.nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"W_query, W_key and W_value of \(d_out, d_in\) = \(2, 6\)"):
+        hw.wrapper_to_mha(wrapper)
+    wrapper.heads = torch.nn.ModuleList()
+    with pytest.raises(ValueError, match=r"at least one head: wrapper.heads is empty"):
+        hw.wrapper_to_mha(wrapper)
+
+
 @pytest.mark.parametrize(("change", "named"), [
     (lambda w: setattr(w.heads[1], "causal", False), "causal=False"),
-    (lambda w: w.heads.__setitem__(1, hw.CausalAttention(4, 3, 8, 0.0, qkv_bias=True)), "qkv_bias=True"),
+    (lambda w: w.heads.__setitem__(1, hw.CausalAttention(4, 3, 8, 0.0, qkv_bias=True)), r"biases=\(True, True, True\)"),
     (lambda w: w.heads.__setitem__(1, hw.CausalAttention(4, 5, 8, 0.0)), "d_out=5"),
     (lambda w: w.heads.__setitem__(1, torch.nn.Identity()), "must be one, got Identity"),
 ])

@@ -98,15 +98,24 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
     in the wrapper's mode (``training``).
     """
     _module("wrapper", wrapper, MultiHeadAttentionWrapper, "wrapper_to_mha")
+    if len(wrapper.heads) == 0:
+        raise ValueError("wrapper_to_mha needs at least one head: wrapper.heads is empty")
     first = wrapper.heads[0]
     for i, head in enumerate(wrapper.heads):
         _module(f"wrapper.heads[{i}]", head, CausalAttention, "wrapper_to_mha")
         for field, value in _head_fields(head).items():
             if value != _head_fields(first)[field]:
                 raise ValueError(f"wrapper_to_mha needs alike heads: heads[{i}] has {field}={value}, heads[0] has {_head_fields(first)[field]}")
+    shapes, biases = _head_fields(first)["shapes"], _head_fields(first)["biases"]
+    if set(shapes) != {(first.d_out, first.d_in)}:
+        raise ValueError(f"wrapper_to_mha needs W_query, W_key and W_value of (d_out, d_in) = {(first.d_out, first.d_in)}: "
+                         f"the heads' are {shapes}")
+    if len(set(biases)) != 1:
+        raise ValueError(f"MultiHeadAttention has one qkv_bias for W_query, W_key and W_value: the heads' biases are (W_query, W_key, "
+                         f"W_value) = {biases}")
     h, d = len(wrapper.heads), first.d_out
     mha = MultiHeadAttention(
-        first.d_in, h * d, first.context_length, first.dropout.p, h, first.W_query.bias is not None,
+        first.d_in, h * d, first.context_length, first.dropout.p, h, biases[0],
         causal=first.causal, backend=first.backend,
     ).to(first.W_query.weight)  # built in the source dtype/device: copying into float32 would round float64 weights
     for name in ("W_query", "W_key", "W_value"):
@@ -121,9 +130,17 @@ def wrapper_to_mha(wrapper: MultiHeadAttentionWrapper) -> MultiHeadAttention:
 
 def _head_fields(head: CausalAttention) -> dict[str, object]:
     """What one head of a wrapper must share with the others for one MultiHeadAttention to compute them all."""
-    w = head.W_query.weight
+    w, layers = head.W_query.weight, (head.W_query, head.W_key, head.W_value)
     return {"d_in": head.d_in, "d_out": head.d_out, "context_length": head.context_length, "dropout": head.dropout.p,
-            "qkv_bias": head.W_query.bias is not None, "causal": head.causal, "backend": head.backend, "dtype": w.dtype, "device": w.device}
+            "shapes": tuple(tuple(layer.weight.shape) for layer in layers), "biases": tuple(layer.bias is not None for layer in layers),
+            "causal": head.causal, "backend": head.backend, "dtype": w.dtype, "device": w.device}
+
+
+def _linear_into(target: nn.Linear, source: nn.Linear) -> None:
+    """``source``'s weight and bias into ``target`` (a zero bias where ``source`` has none)."""
+    target.weight.copy_(source.weight)
+    if target.bias is not None:
+        target.bias.copy_(source.bias if source.bias is not None else torch.zeros_like(target.bias))
 
 
 @torch.no_grad()
@@ -146,7 +163,7 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
     layers = (mha.W_query, mha.W_key, mha.W_value)
     attn.c_attn.weight.copy_(torch.cat([layer.weight for layer in layers]))  # (C + 2*Hkv*D, C)
     attn.c_attn.bias.copy_(torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]))
-    attn.c_proj.load_state_dict(mha.out_proj.state_dict())
+    _linear_into(attn.c_proj, mha.out_proj)
     return attn.train(mha.training)
 
 
@@ -154,28 +171,28 @@ def mha_to_gpt2(mha: MultiHeadAttention) -> GPT2MultiHeadAttention:
 def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
     """The MultiHeadAttention (qkv_bias=True) computing exactly what ``attn`` computes, in its mode (``training``).
 
-    GPT-2's ``resid_pdrop`` (dropout after c_proj) has no place in MultiHeadAttention: converted in
-    training mode with ``resid_pdrop > 0`` it is refused (a ValueError) rather than dropped; in eval
-    mode it acts nowhere, and the result computes the same (switched to training, without it)."""
+    GPT-2's resid dropout (after c_proj) has no place in MultiHeadAttention: converted in training
+    mode with ``attn.resid_dropout.p > 0`` it is refused (a ValueError) rather than dropped; in eval
+    mode it acts nowhere, and the result computes the same (switched to training, without it). The
+    dropouts are read from the module's own ``nn.Dropout``s (what its forward runs), not its config."""
     _module("attn", attn, GPT2MultiHeadAttention, "gpt2_to_mha")
-    c = attn.config
-    if attn.training and c.resid_pdrop > 0:
+    c, resid_p = attn.config, attn.resid_dropout.p
+    if attn.training and resid_p > 0:
         raise ValueError(
             f"MultiHeadAttention has no dropout after out_proj: gpt2_to_mha of a module in training mode would drop GPT-2's "
-            f"resid_pdrop={c.resid_pdrop}; convert it in eval mode (attn.eval()), or with resid_pdrop=0"
+            f"resid_dropout.p={resid_p}; convert it in eval mode (attn.eval()), or with attn.resid_dropout.p = 0"
         )
     mha = MultiHeadAttention(
-        c.n_embd, c.n_embd, c.n_positions, c.attn_pdrop, c.n_head, qkv_bias=True,
+        c.n_embd, c.n_embd, c.n_positions, attn.attn_dropout.p, c.n_head, qkv_bias=attn.c_attn.bias is not None,
         window=attn.window, num_kv_heads=c.n_kv_head, backend=attn.backend, causal=attn.causal,
     ).to(attn.c_attn.weight)
     kv = attn.num_kv_heads * attn.head_dim
     sizes = [attn.d_in, kv, kv]
-    for layer, w, b in zip(
-        (mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), attn.c_attn.bias.split(sizes), strict=True
-    ):
+    for i, (layer, w) in enumerate(zip((mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), strict=True)):
         layer.weight.copy_(w)
-        layer.bias.copy_(b)
-    mha.out_proj.load_state_dict(attn.c_proj.state_dict())
+        if layer.bias is not None:
+            layer.bias.copy_(attn.c_attn.bias.split(sizes)[i])
+    _linear_into(mha.out_proj, attn.c_proj)
     return mha.train(attn.training)
 
 
