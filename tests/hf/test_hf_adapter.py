@@ -149,3 +149,20 @@ def test_a_model_headwise_cannot_run_fails_at_the_first_forward_naming_what_it_l
     padding = torch.tensor([[0, 1, 1, 1, 1, 1]])
     with pytest.raises(TypeError, match=r"does not support sparse attention over selected key indices: transformers passed 'indices'"):
         model(input_ids=torch.randint(2, 100, (1, 6)), attention_mask=padding)
+
+
+def test_a_static_cache_prefills_weights_span_the_whole_cache_as_eagers_do():
+    """A prefill into an empty StaticCache without padding (the mask skipped, keys cut to the prompt's): the weights
+    asked for still cover every slot, (B, H, T, max_cache_len), the empty ones 0, as eager gives them."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2)
+    ids = torch.randint(0, 300, (1, 5))
+    eager = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ours = tf.AutoModelForCausalLM.from_config(config, attn_implementation=headwise.hf.register()).eval()
+    ours.load_state_dict(eager.state_dict())
+    got, want = (m(ids, past_key_values=tf.StaticCache(config=config, max_cache_len=16), use_cache=True, output_attentions=True)
+                 for m in (ours, eager))
+    assert got.attentions[0].shape == want.attentions[0].shape == (1, 4, 5, 16)
+    torch.testing.assert_close(got.attentions[0], want.attentions[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

@@ -32,6 +32,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
@@ -293,7 +294,9 @@ def attend(
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
     terms = dict(causal=causal, window=window, mask=bias, attention_mask=real, softcap=softcap, sinks=s_aux, scale=scaling)
     context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
-    weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S)
+    weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S or T)
+    if weights is not None and weights.shape[-1] < S:  # the empty slots cut off above: weight 0 each, as eager gives them
+        weights = F.pad(weights, (0, S - weights.shape[-1]))  # (B, H, T, S)
     return context.transpose(1, 2), weights  # (B, T, H, Dv)
 
 
