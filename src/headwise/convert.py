@@ -41,8 +41,10 @@ def load_checked(
     transposed: tuple[str, ...] = (),
     ignore: Callable[[str], bool] = lambda key: False,
     source: str | os.PathLike[str] = "state dict",
+    named: Callable[[str], str] = lambda key: key,
 ) -> nn.Module:
-    """Check ``state`` completely against ``module`` (``check_state``), then load it strictly.
+    """Check ``state`` completely against ``module`` (``check_state``; ``named``: a missing key's name in ``state``,
+    ``rename``'s inverse), then load it strictly.
 
     A module built on the meta device (``with torch.device("meta")``) is checked from its
     shapes alone and only then given memory (``to_empty``; the strict load fills every
@@ -54,7 +56,7 @@ def load_checked(
         ValueError: naming ``source`` and listing every problem at once; ``module`` is then
             unchanged.
     """
-    converted = check_state(module, state, rename=rename, transposed=transposed, ignore=ignore, source=source)  # raises before anything changes
+    converted = check_state(module, state, rename=rename, transposed=transposed, ignore=ignore, source=source, named=named)  # raises before anything changes
     if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
         volatile = [name for name, _ in module.named_buffers() if name not in module.state_dict()]
         if volatile:  # to_empty would leave them uninitialised: nothing in the checkpoint fills them

@@ -36,6 +36,7 @@ def remap(
     dtypes: Mapping[str, torch.dtype] | None = None,
     valued: Collection[str] = (),
     source: str = "state dict",
+    named: Callable[[str], str] = lambda key: key,
 ) -> dict[str, Tensor]:
     """Rename keys, transpose the named weights, check every key and shape; return a new dict.
 
@@ -54,6 +55,8 @@ def remap(
         valued: target keys whose tensors hold values: a meta tensor (a shape, no values) for
             one of them is refused (torch's copy would fail there, after the entries before it).
         source: names the origin (a file, say) in the error message.
+        named: a target key's name in the incoming state (``rename``'s inverse): what a missing key is called in
+            the message, as the state's other keys are.
 
     Raises:
         ValueError: listing every missing, unexpected, duplicated, mis-shaped, valueless and
@@ -96,7 +99,7 @@ def remap(
     missing = [k for k in expected if k not in origin]
     if missing or unexpected or duplicated or misshaped or mistyped or valueless:
         lines = [f"cannot load {source}; nothing was loaded:"]
-        lines += [f"  missing: {k}" for k in missing]
+        lines += [f"  missing: {named(k)}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
         lines += [f"  duplicate: {d}" for d in duplicated]
         lines += [f"  wrong shape: {m}" for m in misshaped]
@@ -119,8 +122,9 @@ def check_state(
     transposed: tuple[str, ...] = (),
     ignore: Callable[[str], bool] = lambda key: False,
     source: str | os.PathLike[str] = "state dict",
+    named: Callable[[str], str] = lambda key: key,
 ) -> dict[str, Tensor]:
-    """``state`` renamed and checked against ``module`` (via ``remap``); nothing is loaded.
+    """``state`` renamed and checked against ``module`` (via ``remap``, ``named`` its missing keys); nothing is loaded.
 
     Every parameter and persistent buffer must come, once, with its shape (a floating one as
     a floating-point tensor, an integer one in its own dtype); entries that ``state_dict`` adds without storing them (the
@@ -133,7 +137,7 @@ def check_state(
     dtypes = {name: stored[name].dtype for name in expected}
     valued = {name for name in expected if not stored[name].is_meta}
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, dtypes=dtypes,
-                 valued=valued, source=str(source))
+                 valued=valued, source=str(source), named=named)
 
 
 class StateDictError(ValueError, RuntimeError):

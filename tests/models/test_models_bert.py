@@ -251,3 +251,21 @@ def test_head_roles_needs_the_tokenizer(encoder):
 
     with pytest.raises(TypeError, match=r"encoder must be a SentenceEncoder \(a BertModel with its tokenizer\), got BertModel; .*attention_maps"):
         head_roles(encoder.model, ["A cat."])  # AttributeError: 'tokenize' before
+
+
+@pytest.mark.parametrize("prefix", ["", "bert."])
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_its_others(tmp_path, prefix):
+    """Every missing key in the error reads as the file's own keys do (transformers' names, with the file's ``bert.``
+    prefix), not as this module renames them; the names are those a transformers BertModel saves."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=40)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    state = {prefix + k: v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    gone = [k for k in state if ".layer.1." in k and not k.endswith("position_ids")]  # every tensor of the second layer
+    save_file({k: v for k, v in state.items() if k not in gone}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"nothing was loaded") as err:
+        BertModel.from_pretrained(tmp_path)
+    missing = sorted(line.removeprefix("  missing: ") for line in str(err.value).splitlines() if line.startswith("  missing: "))
+    assert missing == sorted(gone)

@@ -107,6 +107,9 @@ def test_unknown_and_missing_keys_are_listed_together(gpt2_dir, tmp_path):
     save_file(state, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"(?s)cannot load .*model.safetensors; nothing was loaded:\n  missing: transformer.ln_f.bias\n  unexpected: transformer.h.0.attn.rotary.weight"):
         GPT2LMHeadModel.from_pretrained(d)
+    save_file({k.removeprefix("transformer."): v for k, v in state.items()}, d / "model.safetensors")  # the file's keys unprefixed
+    with pytest.raises(ValueError, match=r"nothing was loaded:\n  missing: ln_f.bias\n  unexpected: h.0.attn.rotary.weight"):
+        GPT2LMHeadModel.from_pretrained(d)  # each named as the file names its keys
 
 
 def test_untied_lm_head_is_refused(hf_gpt2, tmp_path):

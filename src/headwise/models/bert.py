@@ -157,7 +157,9 @@ class BertModel(AllOrNothing, nn.Module):
         file = loading.weights_file(directory)
         with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
             model = cls(config)
-        load_checked(model, loading.read_weights(file), source=file, rename=hf_bert_key, ignore=_skipped)
+        state = loading.read_weights(file)
+        prefix = "bert." if any(key.startswith("bert.") for key in state) else ""  # a BertFor* checkpoint's encoder
+        load_checked(model, state, source=file, rename=hf_bert_key, ignore=_skipped, named=lambda key: prefix + hf_bert_name(key))
         return model.eval()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
@@ -199,6 +201,17 @@ def hf_bert_key(key: str) -> str:
         for old, new in BERT_LAYER_RENAMES:
             if parts[3].startswith(old):
                 return ".".join([*parts[:3], new + parts[3][len(old) :]])
+    return key
+
+
+def hf_bert_name(key: str) -> str:
+    """This module's key -> its name in a HuggingFace BERT checkpoint (``hf_bert_key``'s inverse, without the ``bert.``
+    prefix of a BertFor* checkpoint)."""
+    parts = key.split(".", 3)  # encoder, layer, i, rest
+    if len(parts) == 4 and parts[:2] == ["encoder", "layer"]:
+        for old, new in BERT_LAYER_RENAMES:
+            if parts[3].startswith(new):
+                return ".".join([*parts[:3], old + parts[3][len(new) :]])
     return key
 
 

@@ -117,11 +117,13 @@ class GPT2LMHeadModel(CausalModel):
             raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
         with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
             model = cls(config)
+        prefixed = any(key.startswith("transformer.") for key in state)  # how the file names the rest: a missing key so
         load_checked(
             model,
             state,
             source=file,
             rename=lambda key: key if key.startswith("transformer.") else "transformer." + key,
+            named=lambda key: key if prefixed else key.removeprefix("transformer."),
             transposed=HF_GPT2_TRANSPOSED,
             ignore=lambda key: key == "lm_head.weight" or is_legacy_gpt2_buffer(key),
         )
