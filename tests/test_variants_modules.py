@@ -307,11 +307,13 @@ def test_a_refused_cross_attention_call_leaves_the_context_cache_empty():
     [
         ({"kv_dim": 7}, {"context": torch.randn(2, 6, 7)}, ValueError, r"cross-attention .* is not causal.*causal=False, got causal=True"),
         ({"kv_dim": 7, "causal": False}, {}, ValueError, r"keys come from a context of width kv_dim=7 .*: pass context="),
-        ({"kv_dim": 7, "causal": False}, {"context": torch.randn(2, 6, 5)}, ValueError, r"context must have shape \(batch, tokens, d_in=7\), got \(2, 6, 5\)"),
+        ({"kv_dim": 7, "causal": False}, {"context": torch.randn(2, 6, 5)}, ValueError, r"context must have shape \(batch, tokens, kv_dim=7\), got \(2, 6, 5\)"),
         ({"kv_dim": 7, "causal": False}, {"context": torch.randn(3, 6, 7)}, ValueError, r"context must have the batch size of x \(2\)"),
         ({"causal": False, "alibi": True}, {"context": torch.randn(2, 6, 12)}, ValueError, r"ALiBi .* cannot take a context"),
         ({"causal": False}, {"context": torch.randn(2, 6, 12), "cache": hw.KVCache(2, 4, 8, 3)}, TypeError, r"takes a headwise.ContextCache"),
-        ({"causal": False}, {"cache": ContextCache()}, ValueError, r"needs context= .* the first time"),
+        ({"causal": False}, {"cache": ContextCache()}, ValueError, r"needs context= .* the first time \(an empty ContextCache holds nothing yet\)"),
+        ({"causal": False}, {"context_mask": torch.ones(2, 6, dtype=torch.bool)}, ValueError, r"needs context= .* the first time \(no cache given\)"),
+        ({}, {"cache": ContextCache()}, ValueError, r"cross-attention \(a ContextCache given\) is not causal.*; for self-attention pass a KVCache, or no cache"),
         ({"causal": False}, {"context": torch.randn(2, 6, 12), "context_mask": torch.ones(2, 5)}, ValueError, r"context_mask must have shape \(B, S\) = \(2, 6\)"),
     ],
 )

@@ -182,12 +182,12 @@ def window(value: int | None, causal: bool) -> int | None:
     return value
 
 
-def tokens(x: object, d_in: int, name: str = "x") -> tuple[int, int]:
-    """Check ``x`` is (batch, tokens, d_in) float; return (B, T)."""
+def tokens(x: object, d_in: int, name: str = "x", width: str = "d_in") -> tuple[int, int]:
+    """Check ``x`` is (batch, tokens, d_in) float (``width``: what the module calls d_in, kv_dim for a context); return (B, T)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (batch, tokens, {d_in}), got {type(x).__name__}")
     if x.ndim != 3 or x.shape[-1] != d_in:
-        raise ValueError(f"{name} must have shape (batch, tokens, d_in={d_in}), got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape (batch, tokens, {width}={d_in}), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     return x.shape[0], x.shape[1]

@@ -225,9 +225,11 @@ class AttentionLayer(AllOrNothing, nn.Module):
     ) -> Tensor:
         """``forward`` with keys and values from ``context`` (or from a filled ``ContextCache``)."""
         if self.causal or self.window is not None:
+            given = "a context" if context is not None else "a context_mask" if context_mask is not None else "a ContextCache"
             raise ValueError(
-                "cross-attention (a context given) is not causal: every query sees the whole context; "
+                f"cross-attention ({given} given) is not causal: every query sees the whole context; "
                 f"build the module with causal=False, got causal={self.causal}, window={self.window}"
+                + ("" if context is not None or context_mask is not None else "; for self-attention pass a KVCache, or no cache")
             )
         if cache is not None and not isinstance(cache, ContextCache):
             raise TypeError(f"cross-attention takes a headwise.ContextCache (the context's keys, projected once), got {type(cache).__name__}")
@@ -240,8 +242,10 @@ class AttentionLayer(AllOrNothing, nn.Module):
         if cache is not None:
             cache.check_owner(self)
         if context is None and (cache is None or not len(cache)):
-            raise ValueError("cross-attention needs context= (B, S, kv_dim) the first time (an empty ContextCache holds nothing yet)")
-        b, s = _checks.tokens(context, getattr(self, "kv_dim", self.d_in), "context") if context is not None else (cache.k.shape[0], len(cache))
+            why = "no cache given" if cache is None else "an empty ContextCache holds nothing yet"
+            raise ValueError(f"cross-attention needs context= (B, S, kv_dim) the first time ({why})")
+        width = ("kv_dim", self.kv_dim) if hasattr(self, "kv_dim") else ("d_in", self.d_in)
+        b, s = _checks.tokens(context, width[1], "context", width[0]) if context is not None else (cache.k.shape[0], len(cache))
         if b != x.shape[0]:
             held = "" if context is not None else " (the ContextCache's)"
             raise ValueError(f"context must have the batch size of x ({x.shape[0]}), got (B, S) = {(b, s)}{held}")
