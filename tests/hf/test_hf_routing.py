@@ -130,6 +130,33 @@ def test_load_checks_what_it_loads_and_keeps_the_implementation_to_itself():
         headwise.hf.load(tf.AutoModelForCausalLM, tf.BloomConfig(**BLOOM))
 
 
+def test_load_refuses_a_checkpoint_that_leaves_weights_at_their_random_start(tmp_path):
+    """A checkpoint missing a tensor: ``from_pretrained`` would initialise it at random and say so in a log line;
+    ``load`` names it (every one) unless ``strict=False``. Tensors the model has no place for are ignored as
+    transformers ignores them (a causal LM's head under ``AutoModel``); the loaded weights are the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2)
+    source = tf.LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path)
+    model = headwise.hf.load(tf.AutoModelForCausalLM, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values(), strict=True))
+    assert type(headwise.hf.load(tf.AutoModel, tmp_path)).__name__ == "LlamaModel"  # lm_head.weight: unexpected, ignored
+    model, info = headwise.hf.load(tf.AutoModelForCausalLM, tmp_path, output_loading_info=True)
+    assert not info["missing_keys"]
+    state = load_file(tmp_path / "model.safetensors")
+    gone = ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    save_file({k: v for k, v in state.items() if k not in gone}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"(?s)left weights at their random start \(strict=True\):\n  missing: "
+                       r"model.layers.1.mlp.up_proj.weight\n  missing: model.norm.weight\npass strict=False"):
+        headwise.hf.load(tf.AutoModelForCausalLM, tmp_path)
+    assert type(headwise.hf.load(tf.AutoModelForCausalLM, tmp_path, strict=False)).__name__ == "LlamaForCausalLM"
+    with pytest.raises(TypeError, match=r"strict must be True or False, got int 1"):
+        headwise.hf.load(tf.AutoModelForCausalLM, tmp_path, strict=1)
+
+
 def test_how_a_class_is_judged_from_its_source():
     assert routing.routes(tf.models.llama.modeling_llama.LlamaAttention)
     assert not routing.computes_attention_itself(tf.models.llama.modeling_llama.LlamaAttention)

@@ -73,7 +73,7 @@ def check(model: nn.Module, *, allow: Iterable[str] = ()) -> nn.Module:
     return model
 
 
-def load(model_class: type, source: object, *, allow: Iterable[str] = (), **kwargs) -> nn.Module:
+def load(model_class: type, source: object, *, allow: Iterable[str] = (), strict: bool = True, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(source, **kwargs)`` on headwise (``from_config`` when ``source``
     is a config), then ``check``: registers ``"headwise"``, and says by name what cannot run on it.
 
@@ -81,6 +81,11 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), **kwar
         model_class: a transformers model class (``AutoModelForCausalLM``, ``LlamaForCausalLM``, ...).
         source: what ``from_pretrained`` takes (a directory, a hub name), or a ``PretrainedConfig``.
         allow: attention classes accepted outside headwise (see ``check``).
+        strict: refuse a checkpoint that leaves any of the model's weights unloaded (missing, or of
+            another shape), which ``from_pretrained`` would initialise at random and report in a log
+            line only. ``strict=False`` takes them as transformers does (a new task head to train).
+            Tensors the model has no place for (a causal LM's head under ``AutoModel``) are ignored,
+            as transformers ignores them.
         **kwargs: passed on (``dtype``, ``device_map``, ...); ``attn_implementation`` is this function's.
 
     Returns:
@@ -90,6 +95,7 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), **kwar
         TypeError: the model cannot run on headwise (see ``check``), including architectures that
             pick their attention class from a table of their own (GPT-Neo, Bark, GIT), which
             transformers reports as a bare ``KeyError: 'headwise'``.
+        ValueError: ``strict`` and a checkpoint that does not fill every weight, each one named.
 
     Example:
         >>> import transformers
@@ -101,18 +107,42 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), **kwar
     transformers = require("transformers", "hf", "loading a transformers model on headwise")
     if "attn_implementation" in kwargs:
         raise TypeError(f"load sets attn_implementation itself (to headwise), got attn_implementation={kwargs['attn_implementation']!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__} {strict!r}")
     name = register()
-    if isinstance(source, transformers.PretrainedConfig):
+    configured = isinstance(source, transformers.PretrainedConfig)
+    if configured:
         build = getattr(model_class, "from_config", None) or model_class._from_config
     else:
         build = model_class.from_pretrained
+        wanted = kwargs.pop("output_loading_info", False)  # (read here either way)
+        kwargs["output_loading_info"] = True
     try:
         model = build(source, attn_implementation=name, **kwargs)
     except KeyError as e:
         if e.args != (name,):
             raise
         raise TypeError(_own_table(e.__traceback__, name)) from None
-    return check(model, allow=allow)
+    if configured:
+        return check(model, allow=allow)
+    model, info = model
+    if strict:
+        _loaded_whole(model, source, info)
+    check(model, allow=allow)
+    return (model, info) if wanted else model
+
+
+def _loaded_whole(model: nn.Module, source: object, info: dict) -> None:
+    """Raise a ValueError naming every weight ``from_pretrained`` left at its random start (``info``: its loading info)."""
+    missing = sorted(info.get("missing_keys", ()))
+    mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
+    if not missing and not mismatched:
+        return
+    lines = [f"{type(model).__name__}.from_pretrained({source!r}) left weights at their random start (strict=True):"]
+    lines += [f"  missing: {key}" for key in missing]
+    lines += [f"  wrong shape: {key}: checkpoint {tuple(theirs)}, model {tuple(ours)}" for key, theirs, ours in mismatched]
+    lines.append("pass strict=False to take them as transformers does (a new task head to train)")
+    raise ValueError("\n".join(lines))
 
 
 def _own_table(tb: TracebackType | None, name: str) -> str:
