@@ -91,6 +91,13 @@ def test_bad_tensors_reach_the_core_checks():
         headwise.hf.attend(_Layer(), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 4), None)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_an_integer_4d_mask_is_named_as_the_models_attention_mask(dtype):
+    q = k = v = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=rf"attention_mask \(the 4D mask the model passed\) must be bool .* got dtype {dtype}"):
+        headwise.hf.attend(_Layer(), q, k, v, torch.ones(1, 1, 3, 3, dtype=dtype))
+
+
 @pytest.mark.parametrize("mask", [None, torch.ones(1, 1, 3, 3, dtype=torch.bool)], ids=["no mask", "a mask"])
 @pytest.mark.parametrize("shape", [(1, 2, 3, 5), (3, 4), (2, 2, 3, 3)])
 def test_a_position_bias_of_the_wrong_shape_is_named(shape, mask):

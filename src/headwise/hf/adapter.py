@@ -277,6 +277,9 @@ def attend(
     """
     _refuse(kwargs)
     _check_bias(position_bias, query, key)
+    if isinstance(attention_mask, Tensor) and not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+        raise TypeError(f"attention_mask (the 4D mask the model passed) must be bool (True = may attend) or an additive float mask, "
+                        f"got dtype {attention_mask.dtype}")
     meaning = _stands_for(attention_mask)
     window = real = None
     if meaning is not None:  # a mask built here: run as what it stands for, without reading it
