@@ -143,3 +143,51 @@ def test_a_tensor_freed_while_verify_reads_the_samples_does_not_stop_it(monkeypa
     kept.data[0] = 1.0  # a write autograd's version does not see
     weight_cache.verify()
     assert Dropping.reads == 2 and weight_cache.EPOCH.get(id(kept), 0) == before + 1
+
+
+def test_another_tensor_at_the_same_address_has_another_state():
+    """``state`` tells two tensors apart even where everything else it reads is the same (address, version, shape,
+    strides, dtype): the second shares the first's storage here, as a new weight can land at a freed one's address."""
+    a = torch.nn.Parameter(torch.randn(4, 6))
+    b = torch.nn.Parameter(torch.empty(0).set_(a.untyped_storage(), 0, (4, 6), (6, 1)))
+    with torch.no_grad():
+        while a._version < b._version:
+            a.add_(0.0)  # (a version of b's: in-place writes count)
+    assert (a.data_ptr(), a._version, a.shape, a.stride()) == (b.data_ptr(), b._version, b.shape, b.stride())
+    assert weight_cache.state([a]) != weight_cache.state([b])
+    assert weight_cache.state([a]) == weight_cache.state([a])
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_weight_replaced_twice_is_seen_where_the_new_one_lands_at_the_old_address(int8):
+    """Replacing a weight twice frees the first replacement, and the allocator often puts the second where the original
+    lay, with the same version, shape and dtype: the decode steps' kept calls must still read the new weight (each
+    time it lands there, the logits equal a fresh copy's)."""
+    from headwise.quantize import int8_weights
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(hw.GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)).eval()
+    model = int8_weights(model) if int8 else model
+    ids, reused = torch.tensor([[1, 2, 3]]), 0
+    for _ in range(30):
+        model.generate(ids, max_new_tokens=2)  # the LM head's decode call kept
+        old = model.lm_head.weight.data_ptr() if int8 else model.transformer.wte.weight.data_ptr()
+        for _ in range(2):
+            if int8:
+                model.lm_head.weight = torch.randint(-127, 128, (300, 64), dtype=torch.int8)
+            else:
+                model.transformer.wte.weight = torch.nn.Parameter(torch.randn(300, 64))
+        new = model.lm_head.weight.data_ptr() if int8 else model.transformer.wte.weight.data_ptr()
+        if new != old:
+            continue
+        reused += 1
+        fresh = copy.deepcopy(model)
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=4)
+        assert torch.equal(got, fresh.generate(ids, max_new_tokens=4))
+        caches, fresh_caches = model.new_caches(1, 8), fresh.new_caches(1, 8)
+        with torch.no_grad():
+            model(ids, cache=caches), fresh(ids, cache=fresh_caches)
+            assert torch.equal(model(ids[:, :1], cache=caches), fresh(ids[:, :1], cache=fresh_caches))
+    if not reused:
+        pytest.skip("the allocator never put the new weight at the old one's address (nothing to tell apart)")

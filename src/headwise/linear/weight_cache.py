@@ -18,6 +18,7 @@ is not seen: write under ``torch.no_grad()`` instead, which bumps ``_version``.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,8 @@ PANELS: dict[torch.dtype, dict] = {}  # rows' dtype -> {(id(weight),): (its stat
 READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path setting) -> projection.Ready, a decode call decided once
 WATCHED: dict[int, tuple] = {}  # id(tensor) -> (a weak reference to it, its storage pointer, its bytes or None, its sample)
 EPOCH: dict[int, int] = {}  # id(tensor) -> how many times ``verify`` found its sample changed
+SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the tensor dies
+_SERIALS = itertools.count(1)
 SPAN = 64  # bytes sampled at each end of a tensor
 _scope = threading.local()  # .on: inside ``verified()``, where ``verify`` was run once already
 
@@ -43,8 +46,21 @@ def watchable() -> bool:
 
 
 def state(tensors: Sequence[Tensor]) -> tuple:
-    """What changes when any of ``tensors`` is written or replaced (through ``.data`` too, once ``verify`` saw it)."""
-    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0)) for t in tensors])
+    """What changes when any of ``tensors`` is written or replaced (through ``.data`` too, once ``verify`` saw it): a
+    tensor replaced by another is told apart by its ``serial`` even where the new one took the old one's address and id."""
+    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0), SERIAL.get(id(t)) or serial(t))
+                  for t in tensors])
+
+
+def serial(t: Tensor) -> int | None:
+    """A number no other tensor got (kept while ``t`` lives; None inside a graph being traced): a new tensor that lands at
+    a freed one's address, with its id, version, shape and dtype (a weight replaced twice), still differs from it."""
+    key = id(t)
+    number = SERIAL.get(key)
+    if number is None and not torch.compiler.is_compiling():
+        number = SERIAL[key] = next(_SERIALS)
+        weakref.finalize(t, SERIAL.pop, key, None)
+    return number
 
 
 def sample(t: Tensor) -> tuple[int | None, bytes | tuple]:
