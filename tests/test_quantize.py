@@ -266,6 +266,8 @@ def test_misuse_is_named():
         Int8Linear(torch.arange(3))
     with pytest.raises(ValueError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got \(2, 8\)"):
         Int8Linear(torch.randn(4, 16))(torch.randn(2, 8))
+    with pytest.raises(TypeError, match=r"x must be a \(\.\.\., K=16\) tensor for this Int8Linear, got list"):
+        Int8Linear(torch.randn(4, 16))([0.0] * 16)
     with pytest.raises(ValueError, match=r"weight must have K >= 1 input features, got shape \(4, 0\)"):
         Int8Linear(torch.randn(4, 0))
     with pytest.raises(TypeError, match=r"x must be a floating-point tensor \(the output takes its dtype\), got torch.int64"):

@@ -286,6 +286,9 @@ class Int8Linear(AllOrNothing, nn.Module):
         if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
             got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
+        if _sharded(weight) or _sharded(bias):
+            raise TypeError("weight is a DTensor (a layer sharded by headwise.parallel): int8 weights and tensor parallelism do not "
+                            "combine; round the unsharded model's weights, and serve it unsharded")
         if weight.shape[1] == 0:
             raise ValueError(f"weight must have K >= 1 input features, got shape {tuple(weight.shape)}")
         if bias is not None and (not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != weight.shape[:1]):
@@ -462,7 +465,8 @@ class Int8Linear(AllOrNothing, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.ndim < 1 or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
+            error = ValueError if isinstance(x, Tensor) else TypeError
+            raise error(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         if self.activations == "int8":
@@ -544,6 +548,15 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     for parent, name, layer in replacements:
         setattr(parent, name, layer)  # an eval model stays all eval
     return model
+
+
+def _sharded(t: object) -> bool:
+    """Whether ``t`` is a DTensor (one shard of a tensor-parallel layer)."""
+    if not isinstance(t, Tensor) or type(t) in (Tensor, nn.Parameter) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,19 @@ def test_parameters_on_another_device_type(mesh):
         m = mha()
     with pytest.raises(ValueError, match=r"W_query\.weight is on meta but device_mesh is a cpu mesh"):
         parallelize(m, mesh)
+
+
+def test_int8_weights_refuses_a_sharded_model_and_leaves_it_as_it_was(mesh):
+    """int8 weights and tensor parallelism do not combine (parallelize refuses an Int8Linear; int8_weights a DTensor):
+    named before anything is replaced, where the sharded model's forward failed deep inside torch."""
+    from headwise.models import GPT2LMHeadModel
+    from headwise.quantize import int8_weights
+
+    torch.manual_seed(0)
+    model = parallelize(GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)).eval(), mesh)
+    ids = torch.tensor([[1, 2, 3]])
+    want = model(ids)
+    with pytest.raises(TypeError, match=r"transformer.h.0.attn.c_attn: weight is a DTensor .* do not combine.*; the model is unchanged"):
+        int8_weights(model)
+    assert type(model.transformer.h[0].attn.c_attn) is nn.Linear
+    torch.testing.assert_close(model(ids), want, rtol=0, atol=0)
