@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import headwise as hw
 from headwise.cli import main
 
 
@@ -93,6 +94,9 @@ def test_explain_options(capsys):
     (["--rope", "--head-dim", "3"], "--head-dim must be even with --rope (dimensions rotate in pairs), got 3"),
     (["--tokens", "5", "--documents", "2,2"], "--documents must add up to --tokens (5), got 2,2 (sum 4)"),
     (["--nonsense"], "unrecognized arguments: --nonsense"),
+    (["--d-in", "4096", "--d-out", "4096", "--tokens", "4096", "--batch", "64"],
+     "explain prints every tensor: these sizes make one of 2,147,483,648 numbers (more than 16,777,216)"),
+    (["--tokens", "4096", "--heads", "2"], "explain prints every tensor: these sizes make one of 33,554,432 numbers"),
 ])
 def test_explain_bad_arguments_exit_2_naming_the_flags(capsys, argv, message):
     """The errors speak of the command's flags (not the library's parameter names) under the command's own usage."""
@@ -121,6 +125,24 @@ def test_no_command_prints_the_help(capsys):
     main([])
     out = capsys.readouterr().out
     assert "usage: headwise" in out and "demo" in out and "explain" in out and "bench" in out
+
+
+def test_an_unknown_top_level_flag_is_a_usage_error_and_version_answers(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--bogus"])
+    assert exit_info.value.code == 2 and "headwise: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"headwise {hw.__version__}"
+
+
+def test_a_picture_of_a_kind_matplotlib_cannot_draw_is_refused_before_the_page(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["heads", "--text", "x", "--png", str(tmp_path / "a.xyz"), "--out", str(tmp_path / "b.html")])
+    assert exit_info.value.code == 2
+    assert f"headwise heads: error: --png {tmp_path / 'a.xyz'}: matplotlib draws no 'xyz'; name it .png" in capsys.readouterr().err
+    assert not (tmp_path / "b.html").exists()
 
 
 def test_explain_help_documents_every_option(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,12 +86,18 @@ def _default_model_missing() -> str:
 
 def _heads(args: argparse.Namespace) -> None:
     import time
-    from pathlib import Path
 
     from .viz import head_maps, heads_figure, heads_page
 
     if args.png:  # before any work: no page written for a picture that cannot be drawn
         require("matplotlib", "bench", "drawing the heads as a picture")
+        from matplotlib.figure import Figure
+
+        kinds = Figure().canvas.get_supported_filetypes()
+        suffix = Path(args.png).suffix.lower().lstrip(".")
+        if suffix not in kinds:
+            raise ValueError(f"--png {args.png}: matplotlib draws no {suffix or 'file without a suffix'!r}; "
+                             f"name it .png (or one of {', '.join(sorted(kinds))})")
     start = time.perf_counter()
     try:
         maps = head_maps(args.model, **({} if args.text is None else {"text": args.text}))
@@ -144,6 +151,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
 EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 6, "batch": 1, "seed": 123, "head_dim": 2}
 ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional", "softcap", "sinks", "alibi", "documents")
 SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson
+PRINTED = 2**24  # nor more numbers than this in its largest tensor (B * H * T * T scores, B * T * d_in inputs, ...)
 
 
 def _flag(dest: str) -> str:
@@ -163,12 +171,21 @@ def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None
         ex.error(f"--head-dim must be even with --rope (dimensions rotate in pairs), got {args.head_dim}")
     if not args.rope and args.d_out % args.heads:
         ex.error(f"--d-out must be a multiple of --heads (d_out = heads * head_dim), got --d-out {args.d_out} and --heads {args.heads}")
+    if not args.rope:
+        b, t = args.batch, args.tokens
+        largest = max(b * t * max(args.d_in, args.d_out), b * args.heads * t * t, args.d_in * args.d_out)
+        if largest > PRINTED:
+            ex.error(f"explain prints every tensor: these sizes make one of {largest:,} numbers (more than {PRINTED:,}); "
+                     "take fewer --tokens, --batch or narrower widths")
     if not args.rope and args.documents is not None and sum(args.documents) != args.tokens:
         ex.error(f"--documents must add up to --tokens ({args.tokens}), got {','.join(map(str, args.documents))} (sum {sum(args.documents)})")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="headwise", description="Multi-head attention, explained and fast.")
+    parser.add_argument("--version", action="version", version=f"headwise {__version__}")
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="the book's walkthrough end to end (~20 s)")
     ex = sub.add_parser(
@@ -212,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("bench", help="benchmarks against the peers (see `headwise bench --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command is None:  # `headwise` alone: say what there is
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         parser.print_help()
         return
     try:
