@@ -276,6 +276,10 @@ def test_nonfinite_names_the_first_bad_tensor_and_allows_the_mask():
     ({"batch_size": 2.0}, TypeError, r"batch_size must be a positive int, got 2\.0"),
     ({"seed": 1.5}, TypeError, r"seed must be an int in \[0, 18446744073709551615\], got 1\.5"),
     ({"documents": [3.5, 2.5]}, TypeError, r"documents must be a list of ints \(each document's length\), got \[3\.5, 2\.5\]"),
+    ({"num_tokens": 0}, ValueError, r"num_tokens must be a positive int, got 0"),  # (not the module's context_length)
+    ({"num_tokens": True}, TypeError, r"num_tokens must be a positive int, got True"),
+    ({"num_heads": 0}, ValueError, r"num_heads must be a positive int, got 0"),
+    ({"d_in": 2.0}, TypeError, r"d_in must be a positive int, got 2\.0"),
 ])
 def test_explains_arguments_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):  # torch's own errors (or an IndexError in to_text for batch_size=0) before

@@ -32,3 +32,17 @@ def test_cli_prints_the_steps(capsys):
     for n in (1, 2, 3, 4):
         assert f"## Step {n}:" in out
     assert "-- queries.rotated: shape (1, 2, 6, 4)" in out
+
+
+def test_explain_ropes_arguments_are_checked_by_their_own_names():
+    """Not by the config fields they fill (num_attention_heads, rope_theta); the seed as explain's."""
+    import pytest
+
+    for kwargs, error, match in [
+        ({"num_heads": 0}, ValueError, r"num_heads must be a positive int, got 0"),
+        ({"head_dim": 1.5}, TypeError, r"head_dim must be a positive int, got 1\.5"),
+        ({"theta": -1.0}, ValueError, r"theta must be a number in \(1, inf\), got -1\.0"),
+        ({"seed": -1}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got -1"),
+    ]:
+        with pytest.raises(error, match=match):
+            explain_rope(**kwargs)

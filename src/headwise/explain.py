@@ -236,7 +236,8 @@ def explain(
         >>> steps[9].tensors["output"][0, 0]                        # the book's first context vector
         tensor([0.3190, 0.4858])
     """
-    _checks.positive_int("batch_size", batch_size)
+    for name, value in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads), ("num_tokens", num_tokens), ("batch_size", batch_size)):
+        _checks.positive_int(name, value)  # (by this function's names: num_tokens is the module's context_length)
     _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal, softcap=softcap, sinks=sinks, alibi=alibi)

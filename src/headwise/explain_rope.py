@@ -7,8 +7,11 @@ and the attention weights they produce. Nothing here recomputes the layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import _checks
 from .explain import BOOK_INPUTS, Step
 from .models.llama import LlamaAttention
 from .models.llama_config import LlamaConfig
@@ -25,6 +28,10 @@ def explain_rope(*, num_heads: int = 2, head_dim: int = 2, theta: float = 10000.
     Returns:
         The layer and its steps, each holding the tensors that step produced.
     """
+    _checks.positive_int("num_heads", num_heads)
+    _checks.positive_int("head_dim", head_dim)
+    _checks.number("theta", theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # (LlamaConfig.rope_theta's range)
+    _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range, as explain's
     config = LlamaConfig(
         vocab_size=1, hidden_size=3, intermediate_size=1, num_hidden_layers=1, num_attention_heads=num_heads,
         head_dim=head_dim, max_position_embeddings=len(BOOK_INPUTS), rope_theta=theta,
