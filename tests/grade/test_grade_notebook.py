@@ -67,6 +67,16 @@ def test_magics_and_shell_lines_are_left_out_and_display_exists(tmp_path):
         ("CausalAttention", True), ("MultiHeadAttentionWrapper", True), ("MultiHeadAttention", True)]
 
 
+def test_ipythons_assigned_magics_and_help_lines_are_left_out_too(tmp_path):
+    """``files = !ls``, ``t = %timeit -o ...`` and ``obj?`` run in Jupyter: the notebook is graded around them."""
+    path = ipynb(tmp_path, "import torch\nimport torch.nn as nn\nfiles = !ls\nt = %timeit -o -n1 sum([1])\ntorch.nn.Linear?\n?torch.nn\n"
+                 "assert files is None and t is None",
+                 BOOK.split('"""', 2)[2])
+    found = results(tmp_path, path)
+    assert [(name, r["passed"]) for name, r in found.items()] == [
+        ("CausalAttention", True), ("MultiHeadAttentionWrapper", True), ("MultiHeadAttention", True)]
+
+
 def test_a_cell_that_raises_stops_the_notebook_and_is_named_with_its_line(tmp_path):
     path = ipynb(tmp_path, "# md\nintro", "import torch", "x = torch.ones(2)\ny = x @ torch.ones(3)")
     problem = results(tmp_path, path)["problem"]

@@ -39,6 +39,13 @@ def test_an_empty_file_says_what_it_looked_for(tmp_path):
     assert "defines no class named CausalAttention, MultiHeadAttentionWrapper, MultiHeadAttention (classes defined there: none)" in problem
 
 
+def test_a_book_class_that_is_not_a_module_is_named_as_such(tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text("class MultiHeadAttention:\n    def __init__(self, d_in, d_out, context_length, dropout, num_heads):\n        pass\n")
+    (problem,) = [e["problem"] for e in events(tmp_path, str(path)) if "problem" in e]
+    assert f"{path} defines MultiHeadAttention, but not as a torch.nn.Module: the book's classes start class MultiHeadAttention(nn.Module)" in problem
+
+
 def test_an_import_that_raises_points_at_the_learners_line(tmp_path):
     path = tmp_path / "notebook.py"
     path.write_text("import torch\n\nmha = MultiHeadAttention(3, 2, 6, 0.0, 2)\n")

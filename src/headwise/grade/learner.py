@@ -74,6 +74,10 @@ def find_classes(module: ModuleType, names: list[str] | None) -> list[tuple[str,
             raise SetupError(f"{where} has no nn.Module class named {', '.join(missing)} (classes defined there: {', '.join(defined) or 'none'})")
         return [(n, getattr(module, n)) for n in names]
     found = [(n, c) for n, c in defined.items() if n in BOOK_CLASSES and issubclass(c, nn.Module)]
+    plain = [n for n, c in defined.items() if n in BOOK_CLASSES and not issubclass(c, nn.Module)]
+    if not found and plain:
+        raise SetupError(f"{where} defines {', '.join(plain)}, but not as a torch.nn.Module: the book's classes start "
+                         f"class {plain[0]}(nn.Module) (and call super().__init__() first)")
     if not found:
         raise SetupError(
             f"{where} defines no class named {', '.join(BOOK_CLASSES)} (classes defined there: {', '.join(defined) or 'none'}); "

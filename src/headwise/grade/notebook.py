@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import linecache
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,8 +95,13 @@ def run(cells: list[Cell], namespace: dict, name: str) -> None:
             exec(code, namespace)
 
 
+#: An assignment of a magic's or a shell line's value: the names assigned to, kept (given None).
+MAGIC_VALUE = re.compile(r"^(\s*[\w.\[\], ]+?\s*=\s*)[%!]")
+
+
 def _compile(source: str, filename: str):
-    """The cell as Python: IPython's magics and shell lines made ``pass`` (each found where Python stops reading)."""
+    """The cell as Python: IPython's magics, shell lines and help (``obj?``) made ``pass``, an assignment of a magic's or
+    a shell line's value made ``None`` (each found where Python stops reading)."""
     lines = source.splitlines(True)
     first = lines[0].strip() if lines else ""
     if first.startswith("%%"):
@@ -111,9 +117,13 @@ def _compile(source: str, filename: str):
             at = (e.lineno or 0) - 1
             line = lines[at] if 0 <= at < len(lines) else ""
             stripped = line.lstrip()
-            if not stripped.startswith(("%", "!")):
+            indent = line[: len(line) - len(stripped)]
+            if stripped.startswith(("%", "!", "?")) or stripped.rstrip().endswith("?"):  # a magic, a shell line, help (obj?)
+                lines[at] = indent + "pass\n"
+            elif (assigned := MAGIC_VALUE.match(line)) is not None:  # files = !ls, t = %timeit -o f()
+                lines[at] = assigned.group(1) + "None\n"
+            else:
                 raise
-            lines[at] = line[: len(line) - len(stripped)] + "pass\n"
     raise AssertionError("unreachable: every pass replaces one more magic line")
 
 
