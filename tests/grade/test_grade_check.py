@@ -59,6 +59,7 @@ MISTAKES = {
     "scale_num_tokens:CausalAttention": ("CausalAttention", "weights", H.WRONG_SCALE.format(size="num_tokens")),  # the same file's head
     "mask_not_cut": ("MultiHeadAttention", "error", H.MASK_NOT_CUT),
     "view_no_transpose": ("MultiHeadAttention", "queries.transpose", H.NO_TRANSPOSE.format(name="queries")),
+    "view_then_reshape": ("MultiHeadAttention", "queries.transpose", H.NO_TRANSPOSE.format(name="queries")),  # the view not an excuse
     "swapped_qk": ("MultiHeadAttention", "scores", H.SWAPPED),
     "merge_no_transpose": ("MultiHeadAttention", "merged", H.MERGE_NO_TRANSPOSE),
     "no_out_proj": ("MultiHeadAttention", "output", H.NO_OUT_PROJ),
@@ -88,8 +89,9 @@ def test_a_mistake_in_one_class_leaves_the_others_passing():
 
 
 def test_the_hints_tell_every_mistake_apart():
-    # two pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head)
-    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 2
+    # three pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head),
+    # NO_TRANSPOSE (a view straight to the heads' shape, and the right view reshaped to it)
+    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 3
 
 
 def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuration():
@@ -347,3 +349,11 @@ def test_a_class_built_as_the_kind_its_signature_gave_says_so():
     assert "while building it as the book's CausalAttention is built (the kind read from its signature: 5 positional arguments, no num_heads)" in result.error
     named = grade_class(MyAttn, "CausalAttention")  # a book name fixes the kind: nothing read from the signature
     assert "while building it as the book's CausalAttention is built: " in named.error
+
+
+def test_the_got_row_is_the_learners_try_at_the_step_not_a_later_tensor():
+    """A learner whose scores are off (heads flipped before the product): "got" shows their scores, not their weights
+    (a row of a causal softmax, [1, 0, ...], that lay closer by count)."""
+    r = grade_here("heads_flipped")["MultiHeadAttention"]
+    assert r.step == "scores" and not r.got.endswith("[1.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000]")
+    assert r.got == "shape (2, 2, 6, 6), [0, 0, 0, :] = [-0.2276, -0.3453, -0.3421, -0.1899, -0.1881, -0.2335]"

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import hints as H
 from .learner import Raised, SetupError, build, kind_of, positional, where
-from .match import closest, is_scores, matching_probes, step_status
+from .match import attempt, closest, is_scores, matching_probes, step_status
 from .record import Recorder
 from .reference import BOOK_CLASSES, CONFIGS, Config, reference
 from .report import Result
@@ -133,6 +133,8 @@ def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool =
     matched = matching_probes(records, out, H.probes(kind, ref, config), step)
     outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]), steps=status)
     shown = next((t for p, t in matched if p.same_kind and t.shape == ref.steps[step].shape), None)
+    if shown is None and (tried := attempt(records, ref.steps, step)) is not None:
+        shown = tried  # the record the learner made for this step, not whichever other lies closest
     outcome.expected, outcome.got = _show(records if shown is None else [shown], ref.steps[step], is_scores(step))
     if step == "output" and not (isinstance(out, Tensor) and out.shape == want.shape):
         outcome.got = _returned(out, want)

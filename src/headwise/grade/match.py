@@ -46,10 +46,38 @@ def produced(records: list[Tensor], want: Tensor, scale_free: bool = False) -> b
 def step_status(records: list[Tensor], steps: dict[str, Tensor]) -> dict[str, str]:
     """Each step (in the book's order): ``"match"`` when some record equals it, ``"skipped"`` when
     not but a later step of its chain was produced (code that never forms ``queries.view`` but
-    forms ``queries.transpose``, or fuses QKV, has not diverged there), else ``"missing"``."""
-    done = {name: produced(records, t, scale_free=is_scores(name)) for name, t in steps.items()}
+    forms ``queries.transpose``, or fuses QKV, has not diverged there), else ``"missing"``.
+
+    A record read in another layout does not stand for a step where the learner formed the step's own
+    shape by reading the step before it in order (``misread``): the (b, num_tokens, num_heads, head_dim)
+    view reshaped to the transpose's shape instead of transposed, which the view itself, read with its
+    dims swapped, must not excuse."""
+    done = {name: produced(records, t, scale_free=is_scores(name)) if not misread(records, steps, name)
+            else any(r.shape == t.shape and same(r, t, is_scores(name)) for r in records) for name, t in steps.items()}
     skipped = {name: any(done[later] for later in _chain_after(name, list(steps))) for name in steps}
     return {name: "match" if done[name] else "skipped" if skipped[name] else "missing" for name in steps}
+
+
+def misread(records: list[Tensor], steps: dict[str, Tensor], name: str) -> bool:
+    """Whether a record in step ``name``'s shape holds, in order, the numbers of the step before it in its chain (and
+    not the step's own): that step's tensor reshaped where the book transposes it."""
+    order = list(steps)
+    before = [p for p in order[: order.index(name)] if _chain(p) == _chain(name)]
+    want = steps[name]
+    if not before or steps[before[-1]].numel() != want.numel():
+        return False
+    read = steps[before[-1]].reshape(want.shape)  # the step before, its numbers in order, in this step's shape
+    return any(r.shape == want.shape and same(r, read) and not same(r, want, is_scores(name)) for r in records)
+
+
+def attempt(records: list[Tensor], steps: dict[str, Tensor], name: str) -> Tensor | None:
+    """The learner's try at step ``name``: the first record in its shape after the last record that equals an earlier
+    step (the weights of a learner whose scores are off come later, and are not shown as the scores); None if none."""
+    order = list(steps)
+    earlier = [(p, steps[p]) for p in order[: order.index(name)]]
+    last = max((i for i, r in enumerate(records) if any(r.shape == t.shape and same(r, t, is_scores(p)) for p, t in earlier)), default=-1)
+    want = steps[name]
+    return next((r for r in records[last + 1 :] if r.shape == want.shape), None)
 
 
 def first_divergence(records: list[Tensor], steps: dict[str, Tensor]) -> str | None:
