@@ -6,6 +6,7 @@ The ``notebook`` fixture (conftest.py) runs cells as a kernel would.
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
 from headwise.grade import grade
 from headwise.grade.source import SourceError, definition, module_source
@@ -97,6 +98,11 @@ def test_two_classes_of_one_name_and_bad_lists_are_refused(notebook):
         grade([first, "A"])
     with pytest.raises(TypeError, match=r"classes names classes in a file or module; with class objects, pass the classes themselves"):
         grade(first, classes=["A"])
+    for bad, named in [(int, "int"), (dict, "dict"), (nn.Module, "Module"), ([first, int], "int")]:
+        with pytest.raises(TypeError, match=rf"grade takes your attention classes, subclasses of torch.nn.Module .*, got {named}$"):
+            grade(bad)
+    with pytest.raises(TypeError, match=r"got list \(an empty one: nothing to grade\)"):
+        grade([])
 
 
 def test_a_class_that_extends_its_own_earlier_definition_takes_that_one_along(notebook):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from headwise.viz import ROLE_COLOURS, clearest_head, heads_figure
@@ -31,8 +32,12 @@ def test_grid_title_legend_and_detail(minilm_maps, tmp_path):
 def test_chosen_head_and_bad_heads(minilm_maps):
     fig = heads_figure(minilm_maps, head=(1, 8))
     assert fig.get_axes()[-2].get_title() == "layer 1, head 8: next (0.57)"  # the last is the colour bar
-    for bad in [(6, 0), (0, -1), [0, 0], (0,)]:
-        with pytest.raises(ValueError, match=r"head must be a \(layer, head\) tuple with 0 <= layer < 6 and 0 <= head < 12, got"):
+    for bad in [(6, 0), (0, -1)]:
+        with pytest.raises(ValueError, match=r"head must be a \(layer, head\) tuple of ints with 0 <= layer < 6 and 0 <= head < 12, got"):
             heads_figure(minilm_maps, head=bad)
+    for bad in [[0, 0], (0,), (0, True), (0, 1.0)]:  # (a bool is no head's index)
+        with pytest.raises(TypeError, match=r"head must be a \(layer, head\) tuple of ints with 0 <= layer < 6"):
+            heads_figure(minilm_maps, head=bad)
+    assert heads_figure(minilm_maps, head=(np.int64(1), np.int64(8))).get_axes()[-2].get_title() == "layer 1, head 8: next (0.57)"
     with pytest.raises(TypeError, match=r"maps must be a HeadMaps"):
         heads_figure(None)

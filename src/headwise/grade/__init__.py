@@ -30,6 +30,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from torch import nn
+
 from .report import Report, Result
 
 __all__ = ["Report", "Result", "grade"]
@@ -62,11 +64,16 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
         objects = [path_or_class] if isinstance(path_or_class, type) else list(path_or_class)
         if not all(isinstance(c, type) for c in objects):
             raise TypeError(f"a list to grade must hold classes, got {[type(c).__name__ for c in objects]}")
+        if not all(issubclass(c, nn.Module) and c is not nn.Module for c in objects):
+            bad = [c.__name__ for c in objects if not issubclass(c, nn.Module) or c is nn.Module]
+            raise TypeError(f"grade takes your attention classes, subclasses of torch.nn.Module (class MultiHeadAttention(nn.Module): ...), "
+                            f"got {', '.join(bad)}")
         if classes is not None:
             raise TypeError("classes names classes in a file or module; with class objects, pass the classes themselves")
         return _grade_classes(objects, timeout)
     if not isinstance(path_or_class, (str, Path)):
-        raise TypeError(f"path_or_class must be a file path, a module path, a class or a list of classes, got {type(path_or_class).__name__}")
+        empty = " (an empty one: nothing to grade)" if isinstance(path_or_class, (list, tuple)) else ""
+        raise TypeError(f"path_or_class must be a file path, a module path, a class or a list of classes, got {type(path_or_class).__name__}{empty}")
     target = str(path_or_class)
     if target.endswith(FILES) and not Path(target).is_file():
         return Report(target, problem=f"no such file: {target}")

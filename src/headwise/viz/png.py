@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
 
 from .._optional import require
@@ -48,8 +49,12 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
     L, H = maps.layers, maps.heads
     if head is None:
         head = clearest_head(maps)
-    elif not (isinstance(head, tuple) and len(head) == 2 and all(isinstance(i, int) for i in head) and 0 <= head[0] < L and 0 <= head[1] < H):
-        raise ValueError(f"head must be a (layer, head) tuple with 0 <= layer < {L} and 0 <= head < {H}, got {head!r}")
+    else:
+        ints = isinstance(head, tuple) and len(head) == 2 and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in head)
+        if not ints or not (0 <= head[0] < L and 0 <= head[1] < H):
+            raise (ValueError if ints else TypeError)(
+                f"head must be a (layer, head) tuple of ints with 0 <= layer < {L} and 0 <= head < {H}, got {head!r}")
+        head = (int(head[0]), int(head[1]))  # (numpy ints too)
     cell = 0.62
     fig = Figure(figsize=(H * cell + 6.2, max(L * cell + 1.6, 6.0)), layout="constrained")
     left, right = fig.subfigures(1, 2, width_ratios=[H * cell, 6.0])
