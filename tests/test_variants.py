@@ -329,6 +329,26 @@ def test_alibi_of_float32_slopes_on_float64_inputs_is_float64_exact(backend):
     torch.testing.assert_close(got, variant_attention(q, k, v, causal=True, alibi_slopes=slopes), atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", ["padding", "bool mask", "float mask"])
+def test_alibi_over_far_keys_in_half_precision_keeps_the_precision_of_math(dtype, mask):
+    """Where the keys that carry the weight lie far from the query (the near ones padded or masked away), their ALiBi
+    bias is large: narrowed to a 16-bit dtype as it stands it rounds by 0.5-1 (bfloat16 at 64-256), so the fused
+    blocks took each row's largest bias off first. Every backend within twice math's error of float64 here."""
+    g = torch.Generator().manual_seed(0)
+    S, T, D = 200, 2, 8  # D = 8 and two queries: not the prompt kernel's, the fused blocks'
+    q, k, v = (torch.randn(1, 1, n, D, generator=g).to(dtype) for n in (T, S, S))
+    slopes = torch.tensor([0.37])
+    near = torch.zeros(1, S, dtype=torch.bool)
+    near[0, :60] = True  # the keys kept lie 140 or more positions before the queries
+    kw = {"padding": {"attention_mask": near}, "bool mask": {"mask": near[:, None, None, :].expand(1, 1, T, S)},
+          "float mask": {"mask": torch.zeros(1, 1, T, S).masked_fill(~near[:, None, None, :], -math.inf)}}[mask]
+    want = variant_attention(q.double(), k.double(), v.double(), alibi_slopes=slopes, **kw)
+    errors = {backend: float((hw.attention(q, k, v, alibi_slopes=slopes, backend=backend, **kw).double() - want).abs().max())
+              for backend in ("math", "sdpa", "auto")}
+    assert errors["sdpa"] <= 2 * errors["math"] + 1e-3 and errors["auto"] <= 2 * errors["math"] + 1e-3, errors
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("B", "T", "S", "terms"),
