@@ -507,3 +507,14 @@ def test_a_cache_holding_recorded_keys_deepcopies_as_their_values():
     twin = copy.deepcopy(context)
     assert torch.equal(twin.k, context.k) and twin.k.grad_fn is None and context.k.grad_fn is not None
     out.sum().backward()
+
+
+def test_a_shallow_copy_of_a_cache_is_refused_naming_deepcopy():
+    """``copy.copy`` would share the buffers: a sliding cache's copy, continued, overwrote the original's ring slots (and
+    a linear one's the slots past the original's length) without a word. ``deepcopy`` is the copy that works."""
+    import copy
+
+    for cache in (hw.KVCache(1, 2, 8, 4), hw.KVCache.sliding(1, 2, 4, 4), hw.PagedKVCache(4, 4, 2, 4), hw.ContextCache()):
+        with pytest.raises(TypeError, match=rf"copy.copy of a {type(cache).__name__} would share its buffers .* take copy.deepcopy"):
+            copy.copy(cache)
+        assert type(copy.deepcopy(cache)) is type(cache)

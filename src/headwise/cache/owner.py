@@ -45,6 +45,12 @@ class Owned:
         state.pop("_owner", None)
         return state
 
+    def __copy__(self) -> Owned:
+        """Refused: a shallow copy would share the buffers, each write to one cache landing in the other's slots (a
+        continued copy silently changing the original's keys)."""
+        raise TypeError(f"copy.copy of a {type(self).__name__} would share its buffers with the original (a write to one "
+                        "lands in the other): take copy.deepcopy(cache), which copies the keys and values")
+
     def __deepcopy__(self, memo: dict) -> Owned:
         """A copy of the contents; it belongs to the copy of its owner where the same ``deepcopy`` copied that module
         (``copy.deepcopy((model, caches))``), else to the first module that writes it. Tensors autograd recorded (a
