@@ -190,10 +190,11 @@ def gpt2_to_mha(attn: GPT2MultiHeadAttention) -> MultiHeadAttention:
     ).to(attn.c_attn.weight)
     kv = attn.num_kv_heads * attn.head_dim
     sizes = [attn.d_in, kv, kv]
-    for i, (layer, w) in enumerate(zip((mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), strict=True)):
+    biases = attn.c_attn.bias.split(sizes) if attn.c_attn.bias is not None else (None,) * 3
+    for layer, w, b in zip((mha.W_query, mha.W_key, mha.W_value), attn.c_attn.weight.split(sizes), biases, strict=True):
         layer.weight.copy_(w)
-        if layer.bias is not None:
-            layer.bias.copy_(attn.c_attn.bias.split(sizes)[i])
+        if b is not None:
+            layer.bias.copy_(b)
     _linear_into(mha.out_proj, attn.c_proj)
     return mha.train(attn.training)
 

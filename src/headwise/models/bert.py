@@ -196,22 +196,22 @@ def hf_bert_key(key: str) -> str:
     key = key.removeprefix("bert.")
     if key.endswith("LayerNorm.gamma") or key.endswith("LayerNorm.beta"):  # checkpoints from the TensorFlow era
         key = key.rsplit(".", 1)[0] + (".weight" if key.endswith("gamma") else ".bias")
-    parts = key.split(".", 3)  # encoder, layer, i, rest
-    if len(parts) == 4 and parts[:2] == ["encoder", "layer"]:
-        for old, new in BERT_LAYER_RENAMES:
-            if parts[3].startswith(old):
-                return ".".join([*parts[:3], new + parts[3][len(old) :]])
-    return key
+    return _layer_renamed(key, BERT_LAYER_RENAMES)
 
 
 def hf_bert_name(key: str) -> str:
     """This module's key -> its name in a HuggingFace BERT checkpoint (``hf_bert_key``'s inverse, without the ``bert.``
     prefix of a BertFor* checkpoint)."""
+    return _layer_renamed(key, tuple((new, old) for old, new in BERT_LAYER_RENAMES))
+
+
+def _layer_renamed(key: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """``key`` with the first of ``renames`` (from, to) whose ``from`` starts its part under ``encoder.layer.<i>.`` applied."""
     parts = key.split(".", 3)  # encoder, layer, i, rest
     if len(parts) == 4 and parts[:2] == ["encoder", "layer"]:
-        for old, new in BERT_LAYER_RENAMES:
-            if parts[3].startswith(new):
-                return ".".join([*parts[:3], old + parts[3][len(new) :]])
+        for old, new in renames:
+            if parts[3].startswith(old):
+                return ".".join([*parts[:3], new + parts[3][len(old) :]])
     return key
 
 
