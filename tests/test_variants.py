@@ -515,3 +515,12 @@ def test_sinks_on_the_fused_kernel_with_a_two_dim_causal_mask(T, S):
     sinks = torch.randn(2, generator=g)
     got = hw.attention(q, k, v, causal=True, sinks=sinks, backend="sdpa")
     torch.testing.assert_close(got.double(), variant_attention(q, k, v, causal=True, sinks=sinks), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_alibi_over_no_keys_is_zeros(backend, dtype):
+    """No key at all (S = 0): the narrowed bias has no row maximum to take off; every query's context is zeros."""
+    q, k = torch.randn(1, 2, 3, 8, dtype=dtype), torch.randn(1, 2, 0, 8, dtype=dtype)
+    out = hw.attention(q, k, k, alibi_slopes=torch.ones(2), backend=backend)
+    assert out.shape == (1, 2, 3, 8) and torch.equal(out, torch.zeros_like(out))
