@@ -105,7 +105,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     """One fused call over a block: bool ``allowed`` and float ``bias`` folded into one mask."""
     mask = allowed
     if bias is not None:
-        if bias.dtype != q.dtype and bias.shape[-1]:  # narrowed to the kernel's dtype: each row's largest bias among its keys taken off first
+        if bias.dtype != q.dtype and bias.shape[-1] and spec.sinks is None:  # narrowed: each row's largest bias taken off first (a sink's logit is not shifted with them)
             seen = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)  # (B?, H?, t, s)
             top = seen.amax(-1, keepdim=True)  # (B?, H?, t, 1); softmax does not see a row's constant
             bias = bias - top.masked_fill(~torch.isfinite(top), 0.0)  # the keys that carry the weight keep the finest steps
