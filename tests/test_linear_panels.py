@@ -48,7 +48,7 @@ def frozen_run(fn, x: torch.Tensor) -> tuple[object, str]:
 
 
 @needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 13, 14, 15, 16, 17, 29, 32, 33])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,7 +59,7 @@ def test_every_row_count_and_width_matches_the_reference(rows, n, bias, dtype):
 
 @needs_panels
 @pytest.mark.parametrize("k", [1, 2, 5, 64, 3071, 3072])
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 9, 15])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_depth_matches_the_reference(k, rows, dtype):
     """Depths on and off the blocks of k the passes take, in one pass of rows and in several."""
@@ -71,8 +71,8 @@ def test_every_depth_matches_the_reference(k, rows, dtype):
 @pytest.mark.parametrize("k, rows", [(3072, 1), (3072, 41), (3072, 97), (1000, 700), (4096, 129)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_prompts_rows_in_chunks_match_the_reference(k, rows, dtype):
-    """Many rows run a chunk at a time (about half a megabyte of x each, a multiple of 8 rows): counts that end a chunk
-    part-way, a chunk of one block of 8, and one row, all against float64; int8 by int8 gives the exact sums."""
+    """Many rows run a chunk at a time (about half a megabyte of x each, a multiple of the rows a pass takes): counts that end a chunk
+    part-way, a chunk of one block, and one row, all against float64; int8 by int8 gives the exact sums."""
     x, w, b = case(rows, 70, k, True, dtype)
     within_float32(panels.linear(x, w, b), x, w, b)
     if (torch.int8, torch.int8) in panels.operands(compiled=False) and dtype == torch.float32:

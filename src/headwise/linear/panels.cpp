@@ -1,7 +1,7 @@
 // A GEMM for the few rows of a decode step (and a prompt's many): out (M, N) = x (M, K) . weight (N, K)^T + bias, over
 // the weight packed once in panels of 32 output columns (pack_panels), k-major. Each panel is read from
-// memory once, a step of k at a time (one 128-byte line), while ROWS rows of x, broadcast one value
-// (or one pair, or four) at a time, are multiplied into ROWS x 32 sums held in registers; more rows
+// memory once, a step of k at a time (one 128-byte line), while a pass's rows of x (up to PASS_ROWS, or ROWS), broadcast
+// one value (or one pair, or four) at a time, are multiplied into rows x 32 sums held in registers; more rows
 // take the panel again from the core's cache (float32 and widened panels: KBLOCK_BYTES of it at a time, each block
 // read by every pass of rows before the next), a chunk of rows (CHUNK_BYTES of x) at a time for a
 // prompt. The panels are split between torch's threads.
@@ -67,6 +67,17 @@ constexpr int ROWS = 3;     // 3 rows x 4 registers of sums: 12 of the 16 regist
 // bfloat16 or int8 panels without vdpbf16ps: each step widened in registers (the even k's and the odd k's, a mask), two
 // broadcasts of x a row, so on AVX2 only 2 rows' sums fit in the 16 registers (3 spill theirs to memory)
 constexpr int WIDE_ROWS = LANES == 8 ? 2 : ROWS;
+// A float32 or bfloat16 panel under AVX-512 (multiply-adds, or vdpbf16ps): up to PASS_ROWS rows a pass, 28 registers of
+// sums, 2 for the panel's step, 1 for a row's broadcast (more rows a pass: more arithmetic under each line read from
+// memory, fewer passes over the panel); a call's rows split into passes as even as may be (even_rows). int8 panels keep
+// ROWS (each step widened in registers takes more of them).
+constexpr int PASS_ROWS = LANES == 16 ? 14 : ROWS;
+template <typename W>
+constexpr int pair_rows = std::is_same_v<W, int8_t> ? ROWS : PASS_ROWS;
+inline int64_t even_rows(int64_t m, int64_t most) {
+  const int64_t passes = std::max<int64_t>(1, (m + most - 1) / most);
+  return std::max<int64_t>(1, (m + passes - 1) / passes);
+}
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 constexpr int64_t PANEL = 32;           // output columns per panel
 constexpr int VECS = PANEL / LANES;     // registers per row of a panel
@@ -102,7 +113,7 @@ void rows_by_panel(const float* x, int64_t K, const float* panel, int64_t steps,
     vec w[VECS];
 #pragma GCC unroll 4
     for (int j = 0; j < VECS; ++j) w[j] = load(panel + k * PANEL + j * LANES);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const float xm = x[m * K + k];
 #pragma GCC unroll 4
@@ -287,7 +298,7 @@ __attribute__((target("avx512f,avx512bf16"))) void pairs_by_panel(const int32_t*
     ahead<2 * PANEL * sizeof(W)>(panel + kk * 2 * PANEL);
     __m512bh w0, w1;
     pair_step(panel + kk * 2 * PANEL, w0, w1);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const __m512bh xm = (__m512bh)_mm512_set1_epi32(x[m * pairs + kk]);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
@@ -540,7 +551,7 @@ void pair_sums(const c10::BFloat16* x, const float* wide, int64_t Kp, int64_t m,
   }
   if (!tiles) {
     const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 as one int32
-    return by_rows(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xi, Kp / 2, panel, sums); });
+    return by_rows<pair_rows<W>>(m, [&](auto rows) { pairs_by_panel<decltype(rows)::value>(xi, Kp / 2, panel, sums); });
   }
   if (m != task.tile_rows) {
     const int64_t m0 = std::min<int64_t>(16, m);
@@ -714,7 +725,7 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
 #endif
   const at::Tensor wide = pairs && !native ? swapped_pairs(x) : at::Tensor();  // (M, K')
   const float* wp = wide.defined() ? wide.const_data_ptr<float>() : nullptr;
-  const int64_t block = tiles || wp != nullptr || words || (!pairs && !quads) ? TILE_BLOCK : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
+  const int64_t block = tiles || wp != nullptr || words || (!pairs && !quads) ? TILE_BLOCK : pairs && !int8 ? even_rows(M, PASS_ROWS) : ROWS, chunk = chunk_rows(Kp * x.element_size(), block);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // (a decode step's few rows: one chunk)
     const int64_t r1 = std::min(M, r0 + chunk);
     at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
@@ -757,8 +768,8 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
           } else {
             const float* xr = static_cast<const float*>(xp) + r * K;
             const float* panel = static_cast<const float*>(pp) + p * K * PANEL;
-            const auto size = [](int64_t left) { return std::min<int64_t>(ROWS, left); };
-            passes<ROWS>(m, K, KBLOCK_BYTES / (PANEL * sizeof(float)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
+            const auto size = [](int64_t left) { return even_rows(left, PASS_ROWS); };
+            passes<PASS_ROWS>(m, K, KBLOCK_BYTES / (PANEL * sizeof(float)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
               rows_by_panel<decltype(rows)::value>(xr + i * K + k0, K, panel + k0 * PANEL, kb, sums + i * PANEL, k0 > 0);
             });
             store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
