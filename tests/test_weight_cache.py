@@ -66,6 +66,25 @@ def test_a_standalone_layer_follows_a_write_through_data():
         assert torch.equal(mha(x), copy.deepcopy(mha)(x))
 
 
+BOOK_CLASSES = {
+    "CausalAttention": (lambda: hw.CausalAttention(512, 512, 64, 0.0), lambda m: m.W_query.weight),
+    "MultiHeadAttentionWrapper": (lambda: hw.MultiHeadAttentionWrapper(512, 256, 64, 0.0, num_heads=2), lambda m: m.heads[1].W_value.weight),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("book", BOOK_CLASSES)
+def test_the_book_classes_follow_a_write_through_data(book, rows):
+    torch.manual_seed(0)
+    make, pick = BOOK_CLASSES[book]
+    module = make().eval()  # 2^17+ weights a projection
+    x = torch.randn(1, rows, 512)
+    with torch.no_grad():
+        module(x)
+        pick(module).data.mul_(2)
+        assert torch.equal(module(x), copy.deepcopy(module)(x))
+
+
 def test_an_unchanged_weight_keeps_its_copies():
     model = llama()
     ids = torch.tensor([[5, 6, 7]])

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import _checks
 from .functional import attention, check_backend
 from .layer import AttentionLayer, checked_input
-from .linear import project, project_many
+from .linear import project, project_many, weight_cache
 from .loadable import AllOrNothing, keeps_keys
 from .scores import alibi_slopes
 
@@ -117,6 +117,7 @@ class CausalAttention(_BookMask, AllOrNothing, nn.Module):
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, d_out)."""
         x, attention_mask = checked_input(self, x, attention_mask)  # (B, T, d_in), (B, T) bool or None
+        weight_cache.verify()  # a write through .data since the projections' copies were made (once, in the wrapper's forward)
         queries = project(self.W_query, x).unsqueeze(1)  # (B, 1, T, d_out): one head
         keys = project(self.W_key, x).unsqueeze(1)  # (B, 1, T, d_out)
         values = project(self.W_value, x).unsqueeze(1)  # (B, 1, T, d_out)
@@ -159,7 +160,8 @@ class MultiHeadAttentionWrapper(AllOrNothing, nn.Module):
 
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, num_heads * d_out)."""
-        return torch.cat([head(x, attention_mask=attention_mask) for head in self.heads], dim=-1)
+        with weight_cache.checking(True):  # the heads' weights looked at once, not once a head (eager)
+            return torch.cat([head(x, attention_mask=attention_mask) for head in self.heads], dim=-1)
 
 
 class MultiHeadAttention(_BookMask, AttentionLayer):
