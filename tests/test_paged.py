@@ -348,6 +348,16 @@ def test_bad_pool_arguments():
     with pytest.raises(ValueError, match=r"new_tokens must be an int >= 0, got -3"):
         paged.blocks_needed(0, -3)
     assert paged.blocks_needed(0, 0) == 0 and paged.blocks_needed(0, 5) == 2
+    paged.add(1)
+    with pytest.raises(ValueError, match=r"seq_id 7 is not in the cache"):
+        paged.check_room([0, 7], [1, 1])
+    with pytest.raises(ValueError, match=r"counts\[0\] must be an int >= 0, got -100"):
+        paged.check_room([0, 1], [-100, 40])  # (a negative count would cancel another sequence's need)
+    with pytest.raises(ValueError, match=r"seq_ids and counts must be the same length, got 2 ids and 1 counts"):
+        paged.check_room([0, 1], [1])
+    with pytest.raises(ValueError, match=r"the PagedKVCache pool is exhausted: writing 40 tokens needs 10 free blocks"):
+        paged.check_room([0, 1], [0, 40])
+    assert paged.check_room((0, 1), (4, 5)) == [(1, False), (2, False)] and paged.free_blocks == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])

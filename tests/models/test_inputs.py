@@ -1,4 +1,4 @@
-"""``models._inputs``: generate's arguments as numpy integers, and the context check on a meta model."""
+"""``models._inputs``: generate's arguments as numpy integers, the context check on a meta model, and the checks every layer's cache passes before any layer writes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import headwise as hw
-from headwise.models import GPT2LMHeadModel, generate_many
+from headwise.models import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, generate_many
 
 
 def tiny_gpt2(device: str = "cpu") -> GPT2LMHeadModel:
@@ -42,3 +42,51 @@ def test_the_context_check_on_a_meta_model_counts_the_padding_it_cannot_read():
                                          r"a meta attention_mask has no values to read the real lengths from"):
         model.generate(ids, max_new_tokens=4, attention_mask=real)
     assert model.generate(ids, max_new_tokens=3, attention_mask=real).shape == (2, 9)  # fits: nothing to read
+
+
+def tiny_llama(windows: tuple | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=16, windows=windows)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_keys_an_upper_layer_records_for_autograd_are_refused_before_any_layer_writes():
+    """Lower layers frozen, the top one trained, grad on: its keys want a gradient, which a paged pool or an 8-bit cache
+    refuses; the call is refused before layer 0 writes (its keys want none), so every cache stays as it was."""
+    model = tiny_llama()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model.blocks[1].self_attn.parameters():
+        p.requires_grad_(True)
+    pools = model.new_paged_caches(8, 4)
+    for pool in pools:
+        pool.add(0)
+    first = pools[0].batch([0], [3])
+    with pytest.raises(ValueError, match=r"cache\[1\] \(layer 1\): k requires grad, but a PagedKVCache serves inference only"):
+        model(torch.tensor([[1, 2, 3]]), cache=[first, pools[1].batch([0], [3], like=first)])
+    assert [pool.length(0) for pool in pools] == [0, 0] and [pool.free_blocks for pool in pools] == [8, 8]
+    caches = model.new_caches(1, 8, torch.int8)
+    with pytest.raises(ValueError, match=r"cache\[1\] \(layer 1\): k requires grad: an 8-bit cache rounds"):
+        model(torch.tensor([[1, 2, 3]]), cache=caches)
+    assert [len(c) for c in caches] == [0, 0]
+    for p in model.blocks[1].self_attn.parameters():  # only the top layer's MLP trained: no key wants a gradient
+        p.requires_grad_(False)
+    for p in model.blocks[1].mlp.parameters():
+        p.requires_grad_(True)
+    model(torch.tensor([[1, 2, 3]]), cache=caches).sum().backward()
+    assert [len(c) for c in caches] == [3, 3] and model.blocks[1].mlp.down_proj.weight.grad is not None
+
+
+def test_positions_given_do_not_let_a_layer_that_sees_every_key_overrun_after_a_sliding_one_wrote():
+    """Layer 0 slides, layer 1 sees every key (bounded by max_position_embeddings=16): 10 cached + 10 new tokens are
+    refused before the sliding layer writes, whatever the positions say."""
+    model = tiny_llama(windows=(3, None))
+    caches = model.new_caches(1, 40)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 10)), cache=caches)
+        with pytest.raises(ValueError, match=r"input_ids has 10 tokens after 10 cached, more than max_position_embeddings=16"):
+            model(torch.randint(0, 97, (1, 10)), cache=caches, positions=torch.arange(10)[None])
+        assert [len(c) for c in caches] == [10, 10]
+        model(torch.randint(0, 97, (1, 6)), cache=caches, positions=torch.arange(10, 16)[None])  # what fits still runs
+    assert [len(c) for c in caches] == [16, 16]

@@ -272,7 +272,17 @@ class PagedKVCache(Owned, Rows):
 
     def check_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
         """A ValueError unless the pool has the blocks that writing ``counts[i]`` new tokens of each ``seq_ids[i]`` takes
-        (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``)."""
+        (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``). TypeError or ValueError
+        for ids not open here, counts that are not ints >= 0, or lists of different lengths."""
+        seq_ids, counts = list(seq_ids), list(counts)
+        if len(seq_ids) != len(counts):
+            raise ValueError(f"seq_ids and counts must be the same length, got {len(seq_ids)} ids and {len(counts)} counts")
+        seq_ids = [self._known(s) for s in seq_ids]
+        counts = [_checks.integer(f"counts[{i}]", n, low=0) for i, n in enumerate(counts)]
+        return self._room(seq_ids, counts)
+
+    def _room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
+        """``check_room`` for ids and counts checked already."""
         growth = [self._growth(s, n) for s, n in zip(seq_ids, counts, strict=True)]
         needed = sum(grow for grow, _ in growth)
         if any(copy for _, copy in growth):  # (forked sequences only)
@@ -289,7 +299,7 @@ class PagedKVCache(Owned, Rows):
 
     def _make_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give each sequence the blocks its ``counts`` new tokens need (copy-on-write too), or a ValueError, nothing changed."""
-        growth = self.check_room(seq_ids, counts)
+        growth = self._room(seq_ids, counts)
         for seq_id, n, (grow, copy) in zip(seq_ids, counts, growth, strict=True):
             if not grow and not copy:
                 continue

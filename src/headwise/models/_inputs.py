@@ -122,6 +122,7 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
         _each_layers_own(model, cache)
     first = cache[0]
     paged = isinstance(first, PagedBatch)
+    grads = _keys_want_grad(model)
     for i, (c, attn) in enumerate(zip(cache, model.attention_layers(), strict=False)):  # the causal LMs: one attention a block
         if paged:
             if (c.seq_ids, c.new_tokens, c.starts) != (first.seq_ids, first.new_tokens, first.starts):
@@ -136,12 +137,32 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
                 raise ValueError(f"cache[{i}] holds {len(c)} tokens ({c.dtype}, padded: {c.padded}), cache[0] {len(first)} ({first.dtype}, "
                                  f"padded: {first.padded}): one cache per layer, each given the same tokens (model.new_caches)")
             c.check_room(t, f"cache[{i}]")
-        keys = torch.empty((), dtype=c.dtype, device=weight.device).expand(b, attn.num_kv_heads, t, attn.head_dim)  # as written: no memory
+        keys = torch.empty((), dtype=c.dtype, device=weight.device, requires_grad=grads[i])  # as the layer's keys will be
+        keys = keys.expand(b, attn.num_kv_heads, t, attn.head_dim)  # (B, Hkv, T, D) as written: no memory
         try:
             arguments.cache_takes(c, weight.dtype, _checks.window(attn.window, attn.causal))
             c.check_write(keys, keys)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cache[{i}] (layer {i}): {e}") from None
+
+
+def _keys_want_grad(model: object) -> list[bool]:
+    """For each block, whether autograd will record its layer's keys (a cache for inference only refuses them): grad on,
+    and a parameter they depend on wants a gradient: the embeddings', an earlier block's, or the block's own before its
+    attention's output (its first norm and attention where it names them, ``flat_parts``; else any of its own)."""
+    blocks = list(model.blocks)
+    if not torch.is_grad_enabled():
+        return [False] * len(blocks)
+    later = [*blocks, model.final_norm, *([] if model.lm_head is None else [model.lm_head])]
+    apart = {id(p) for m in later for p in m.parameters()}
+    flows = any(p.requires_grad for p in model.parameters() if id(p) not in apart)  # the embeddings
+    wanted = []
+    for block in blocks:
+        names = vars(type(block)).get("flat_parts")
+        before = [getattr(block, name) for name in names[:2]] if names else [block]
+        wanted.append(flows or any(p.requires_grad for m in before for p in m.parameters()))
+        flows = flows or any(p.requires_grad for p in block.parameters())
+    return wanted
 
 
 def _each_layers_own(model: object, cache: list) -> None:

@@ -102,7 +102,8 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             name, limit = self.context_limit()
             if positions is not None and limit is not None:
                 _inputs.in_range(positions, limit, f"positions must lie in [0, {name}={limit})")
-            elif held is not None and limit is not None and held + t > limit and (cache is None or cache[0].longest(t, attention_mask) > limit):
+            # the tokens a layer that sees every key holds, whatever the positions (it refuses more, after the layers below wrote)
+            if held is not None and limit is not None and held + t > limit and (cache is None or cache[0].longest(t, attention_mask) > limit):
                 cached = f" after {held} cached" if held else ""  # (padding takes no position: each row's real tokens count)
                 raise ValueError(f"input_ids has {t} tokens{cached}, more than {name}={limit}")
             elif held is None and limit is not None:  # a paged batch: each sequence's new tokens after its own
