@@ -39,6 +39,33 @@ def test_nan_or_plus_inf_in_an_additive_mask(bad):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("q_dtype, mask", [(torch.float32, torch.tensor([0.0, 1e39, 0.0], dtype=torch.float64)),
+                                           (torch.float16, torch.tensor([0.0, 7e4, 0.0]))])
+def test_an_additive_mask_past_qs_dtype_is_refused_not_nan(q_dtype, mask):
+    """A value finite in the mask's dtype but past q's would be +inf where a kernel reads it in q's dtype (NaN rows)."""
+    q = torch.randn(1, 2, 3, 4).to(q_dtype)
+    with pytest.raises(ValueError, match=rf"mask \(additive float\) must hold finite numbers or -inf \(= may not attend\), got a value "
+                                         rf"above .*, past q's {q_dtype}"):
+        hw.attention(q, q, q, mask=mask)
+    assert torch.isfinite(hw.attention(q, q, q, mask=mask.clamp(max=1e4))).all()
+
+
+def test_a_float32_mask_under_bfloat16_queries_is_not_rounded_before_the_scores():
+    """A relative-position bias with a constant offset (which softmax cancels) given as a float32 mask: bfloat16 queries
+    read it at float32's precision, as the same bias given as ALiBi slopes is read (rounded to bfloat16 first, the offset
+    of -200 leaves steps of 1.0 and an error of 0.4)."""
+    from reference import reference_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 32).bfloat16() for _ in range(3))
+    pos = torch.arange(64)
+    bias = -hw.scores.alibi_slopes(4)[:, None, None] * (pos[:, None] - pos[None]).abs() - 200.0  # (H, T, S) float32
+    want = reference_attention(q, k, v, causal=True, mask=bias[None].double())  # (B, H, T, Dv) float64
+    for backend in ("auto", "math", "sdpa"):
+        got = hw.attention(q, k, v, causal=True, mask=bias, backend=backend)
+        assert (got.double() - want).abs().max() < 0.02, backend
+
+
 @pytest.mark.parametrize(
     ("convert", "module", "match"),
     [

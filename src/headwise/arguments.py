@@ -114,7 +114,9 @@ def _scale(value: float | None, d: int) -> float:
 
 
 def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | None:
-    """The user's mask, its kind and values checked, as 4-D (floats in ``dtype``); its shape is checked per run of queries."""
+    """The user's mask, its kind and values checked, as 4-D; its shape is checked per run of queries. A float mask is
+    kept in the scores' dtype (float32 for half queries: ``dtype`` or wider; each runner narrows it where its kernel
+    asks, a row's largest bias taken off first) and must hold no NaN and no value that overflows ``dtype`` upwards."""
     if value is None:
         return None
     if not isinstance(value, Tensor):
@@ -128,11 +130,13 @@ def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | N
     if not value.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {value.dtype}")
     if _checks.has_values(value):  # one host read for a float mask (eager); an assert in the graph under torch.compile
+        narrow = value.to(dtype)  # what a kernel in q's dtype reads: a value past its range is +inf there
+        bad = lambda t: t.isnan() | (t == math.inf)  # noqa: E731
         _checks.holds(
-            ~(value.isnan() | (value == math.inf)).any(), "mask (additive float) must hold finite numbers or -inf (= may not attend)",
-            lambda: ", got NaN or +inf",
+            ~bad(narrow).any(), "mask (additive float) must hold finite numbers or -inf (= may not attend)",
+            lambda: ", got NaN or +inf" if bad(value).any() else f", got a value above {torch.finfo(dtype).max:.4g}, past q's {dtype}",
         )
-    return value.to(dtype)
+    return value.to(torch.promote_types(dtype, torch.float32))
 
 
 def in_order(spec: Spec) -> bool:
