@@ -656,3 +656,54 @@ def test_a_meta_model_takes_int8_weights_then_loads_them(activations):
     model.to_empty(device="cpu").load_state_dict(want.state_dict())
     x = torch.randn(3, 8)
     torch.testing.assert_close(model(x), want(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_a_meta_model_loaded_by_assignment_gets_its_unit_scales_and_float32_scales(activations):
+    """``load_state_dict(..., assign=True)`` on a meta build takes the entries' tensors as they are: the unit scales (no
+    state) are made on the weights' device, and scales stored in bfloat16 are widened to float32 (the arithmetic's),
+    so the layer gives the copy-loaded layer's numbers on every path, torch's int8 kernel's included."""
+    torch.manual_seed(0)
+    want = int8_weights(nn.Sequential(nn.Linear(64, 40)), activations=activations)
+    with torch.inference_mode():  # a checkpoint read in inference mode: the kernel takes inference weights
+        state = {k: v.clone() for k, v in want.state_dict().items()}
+    with torch.device("meta"):
+        model = int8_weights(nn.Sequential(nn.Linear(64, 40)), activations=activations)
+    model.load_state_dict({**state, "0.scales": state["0.scales"].bfloat16()}, assign=True)
+    assert model[0]._ones.device.type == "cpu" and model[0].scales.dtype == torch.float32
+    want[0].scales.copy_(want[0].scales.bfloat16())  # the same values, as a copy-load of the bfloat16 scales gives them
+    for rows in (1, 5):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            assert torch.equal(model(x), want(x))
+    assert model.cpu()[0].weight.device.type == "cpu"
+
+
+def test_an_int8_layer_inside_a_plain_container_refuses_a_float_weight_from_a_state_dict():
+    """A load started from a module headwise does not own (``nn.Sequential``) runs no check first: the layer checks its
+    own entries before any is copied (a float weight would be truncated into the int8 one), and torch names them."""
+    torch.manual_seed(0)
+    model = int8_weights(nn.Sequential(nn.Linear(8, 4)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"wrong dtype for 0\.weight: expected torch\.int8, got torch\.float32"):
+        model.load_state_dict({**before, "0.weight": before["0.weight"].float()})
+    with pytest.raises(RuntimeError, match=r"wrong dtype for 0\.weight"):  # a float model's state dict: no scales either
+        model.load_state_dict(nn.Sequential(nn.Linear(8, 4)).state_dict())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_int8_weights_on_a_bare_linear_says_how_to_make_the_layer():
+    with pytest.raises(TypeError, match=r"model is an nn\.Linear itself: .* Int8Linear\(linear\.weight, linear\.bias\)"):
+        int8_weights(nn.Linear(8, 4))
+
+
+def test_a_column_major_weight_gives_a_row_major_int8_weight(tmp_path):
+    """The weight of a layer made from a transposed matrix is rounded to a contiguous int8 buffer (safetensors saves it;
+    the kernels take it)."""
+    from safetensors.torch import load_file, save_file
+
+    weight = torch.randn(16, 8).t()  # (8, 16) column-major
+    layer = Int8Linear(weight)
+    assert layer.weight.is_contiguous() and torch.equal(layer.weight, Int8Linear(weight.contiguous()).weight)
+    save_file(layer.state_dict(), tmp_path / "layer.safetensors")
+    assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], layer.weight)

@@ -59,8 +59,9 @@ kernel's time grows with the rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ from . import _checks
 from .linear import DECODE_ROWS, panels, projection
 from .linear.onednn import recorded
 from .linear.rule import MIN_DECODE_WEIGHT, avx2_band
-from .loadable import AllOrNothing
+from .loadable import AllOrNothing, _takes
 from .machine import amx_int8_on, bf16_flags, cpu
 
 _INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # this torch has the CPU int8 weight-only kernel
@@ -304,7 +305,7 @@ class Int8Linear(AllOrNothing, nn.Module):
 
     def _hold(self, weight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
         """Register the (N, K) int8 weight, its (N,) float32 scales and the (N,) bias or None."""
-        self.register_buffer("weight", weight)  # (N, K) int8
+        self.register_buffer("weight", weight.contiguous())  # (N, K) int8, row-major whatever the float weight's strides
         self.register_buffer("scales", scales)  # (N,)
         self.register_buffer("bias", bias)  # (N,)
         self.register_buffer("_ones", torch.ones(weight.shape[0], dtype=torch.bfloat16, device=weight.device), persistent=False)  # (N,)
@@ -321,6 +322,26 @@ class Int8Linear(AllOrNothing, nn.Module):
             self.scales = scales.to(self.scales.device)
         self._ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self._ones.device)  # (N,)
         return self
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """torch's load of this layer's entries, whatever module the load started from (a plain ``nn.Sequential`` runs no
+        headwise check first): its own entries' dtypes checked before any is copied (a float weight would be truncated
+        into the int8 one), then what a load cannot give: float32 scales (``assign=True`` keeps the entry's dtype) and
+        the unit scales on the weight's device (they stay out of the state dict: after a meta build and an assigning
+        load they were left on the meta device)."""
+        wrong = [f"{prefix}{name}: expected {want}, got {state_dict[prefix + name].dtype}"
+                 for name, want in (("weight", torch.int8), ("scales", torch.float32), ("bias", torch.float32))
+                 if isinstance(state_dict.get(prefix + name), Tensor) and not _takes(want, state_dict[prefix + name].dtype)]
+        if wrong:
+            error_msgs.append(f"wrong dtype for {'; '.join(wrong)} (an Int8Linear's weight is int8, its scales and bias floats); "
+                              f"nothing of {prefix or 'the layer'} was loaded")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if self.scales.dtype != torch.float32:
+            self.scales = self.scales.float()  # (N,)
+        if self._ones.device != self.weight.device or self._ones.is_meta:
+            self._ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self.weight.device)  # (N,)
 
     @property
     def activations(self) -> str:
@@ -524,6 +545,9 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _activations(activations)
+    if type(model) is nn.Linear:  # replaced in place means in its parent: a layer given alone has none
+        raise TypeError("model is an nn.Linear itself: int8_weights replaces the layers inside a model; make the one layer "
+                        "with Int8Linear(linear.weight, linear.bias)")
     names = {id(module): name for name, module in model.named_modules()}
     other = [names[id(m)] for m in model.modules() if isinstance(m, Int8Linear) and m.activations != activations]
     if other:  # their weights are int8 already: they would stay as they are, silently on the other arithmetic
