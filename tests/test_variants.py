@@ -508,6 +508,22 @@ def test_cu_seqlens_errors():
         documents_from_position_ids(torch.tensor([0, 1, 0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_cu_seqlens_of_any_integer_dtype(dtype):
+    """Narrow integers too: their lengths taken in int64 (a uint8 difference wraps, and would hide a decrease)."""
+    assert torch.equal(documents_from_cu_seqlens(torch.tensor([0, 3, 5], dtype=dtype)), torch.tensor([[0, 0, 0, 1, 1]]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and never decrease, got \[0, 5, 3\]"):
+        documents_from_cu_seqlens(torch.tensor([0, 5, 3], dtype=dtype))
+
+
+def test_documents_on_meta_tensors_give_shapes():
+    """Meta tensors have no ids to read: the call is planned and run as one (shapes only), as every other term is."""
+    q = torch.empty(1, 2, 3, 64, device="meta")
+    documents = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    assert hw.attention(q, q, q, causal=True, documents=documents).shape == (1, 2, 3, 64)
+    assert hw.plan(q, q, q, causal=True, documents=documents).backend in ("math", "sdpa")
+
+
 @pytest.mark.parametrize(("T", "S"), [(2, 1), (3, 5), (5, 5)])
 def test_sinks_on_the_fused_kernel_with_a_two_dim_causal_mask(T, S):
     g = torch.Generator().manual_seed(3)

@@ -124,7 +124,7 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor (0, len_0, len_0 + len_1, ...), got {what}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with at least one entry (0), got shape {tuple(cu_seqlens.shape)}")
-    lengths = cu_seqlens.diff()  # (N,)
+    lengths = cu_seqlens.long().diff()  # (N,): int64 (narrower ints wrap in the difference, and repeat counts take no less)
     if _checks.has_values(cu_seqlens) and (int(cu_seqlens[0]) != 0 or bool((lengths < 0).any())):  # one host read: lengths are needed there anyway
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
     ids = torch.arange(lengths.numel(), device=cu_seqlens.device)  # (N,)

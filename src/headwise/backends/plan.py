@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .._checks import transformed
+from .._checks import has_values, transformed
 from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
 from . import decode_kernel, packed, paged, prefill_kernel, sdpa, softcap
@@ -182,7 +182,7 @@ def _prefill_kernel(c: Call) -> bool:
 
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
-    if c.spec.documents is None or torch.compiler.is_compiling():
+    if c.spec.documents is None or torch.compiler.is_compiling() or not has_values(c.spec.documents):  # (meta: no ids to read)
         return False
     c.document_runs = packed.runs(c.spec.documents)
     return c.document_runs is not None
