@@ -6,6 +6,9 @@ For every kind of call the plan names its runner and gives one sentence, and
 
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 import torch
 from reference import reference_attention
@@ -267,3 +270,77 @@ def test_a_causal_prompt_is_one_call_where_mkl_runs_its_avx512_kernels_else_bloc
 
 def test_the_plan_reads_the_machines_mkl_fact_once():
     assert plan_table.mkl_avx512() == machine.mkl_avx512_on(machine.cpu(), torch.backends.mkl.is_available())
+
+
+def _plan_cases() -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8)
+    mha = lambda **kw: hw.MultiHeadAttention(8, 8, kw.pop("context_length", 64), 0.0, num_heads=2, **kw).eval()  # noqa: E731
+    owned, short = mha(), mha(context_length=6)
+    held, held6 = hw.KVCache(2, 2, 16, 4), hw.KVCache(2, 2, 16, 4)
+    owned(x, cache=held), short(x, cache=held6)
+    cross = mha(causal=False, kv_dim=5)
+    return {
+        "a cache of another layer": (mha(), x, {"cache": held}),
+        "cached + new past context_length": (short, torch.randn(2, 3, 8), {"cache": held6}),
+        "position_ids of the wrong shape": (owned, x, {"position_ids": torch.zeros(3, 3, dtype=torch.long)}),
+        "a context for a causal module": (owned, x, {"context": torch.randn(2, 3, 8)}),
+        "a context for ALiBi": (mha(causal=False, alibi=True), x, {"context": torch.randn(2, 3, 8)}),
+        "a context and documents": (cross, x, {"context": torch.randn(2, 3, 5), "documents": torch.zeros(2, 3, dtype=torch.long)}),
+        "no context for cross-attention": (cross, x, {}),
+        "a context of the wrong width": (cross, x, {"context": torch.randn(2, 3, 7)}),
+        "a KVCache for cross-attention": (cross, x, {"context": torch.randn(2, 3, 5), "cache": hw.KVCache(2, 2, 8, 4)}),
+        "an empty ContextCache": (cross, x, {"cache": hw.ContextCache()}),
+        "a context_mask of the wrong shape": (cross, x, {"context": torch.randn(2, 3, 5), "context_mask": torch.ones(2, 4, dtype=torch.bool)}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_plan_cases()))
+def test_a_modules_plan_refuses_what_its_forward_refuses_with_the_same_error(case):
+    cases = _plan_cases()  # held while the test runs: a cache's owner is held weakly
+    module, x, kwargs = cases[case]
+    with pytest.raises((TypeError, ValueError)) as refused:
+        module(x, **kwargs)
+    with pytest.raises(type(refused.value), match=re.escape(str(refused.value))):
+        module.plan(x, **kwargs)
+
+
+def test_a_modules_plan_takes_a_context_mask_as_its_forward_does():
+    torch.manual_seed(0)
+    cross = hw.MultiHeadAttention(8, 8, 64, 0.0, num_heads=2, causal=False, kv_dim=5).eval()
+    x, context, padding = torch.randn(2, 4, 8), torch.randn(2, 3, 5), torch.tensor([[True, True, False], [True, True, True]])
+    shown = cross.plan(x, context=context, context_mask=padding)  # (a TypeError before: plan took no context_mask)
+    assert isinstance(shown, hw.Plan)
+    with torch.no_grad():  # the plan's backend runs the call forward runs, bit for bit
+        assert torch.equal(cross(x, context=context, context_mask=padding), _with_backend(cross, shown.backend)(x, context=context, context_mask=padding))
+
+
+def _with_backend(module, backend):
+    copy_ = copy.deepcopy(module)
+    copy_.backend = backend
+    return copy_
+
+
+@pytest.mark.parametrize("cache", ["batch", "full", "head size", "used paged batch", "pool exhausted"])
+def test_plan_runs_a_caches_checks_as_attention_does_and_writes_nothing(cache):
+    torch.manual_seed(0)
+    q = k = v = torch.randn(2, 2, 5, 8)
+    if cache in ("used paged batch", "pool exhausted"):
+        pool = hw.PagedKVCache(2 if cache == "pool exhausted" else 8, 2, 2, 8)
+        pool.add(0)
+        made = pool.batch([0], [5])
+        if cache == "used paged batch":
+            hw.attention(q[:1], k[:1], v[:1], causal=True, cache=made)
+        q = k = v = q[:1]
+        before = (pool.length(0), pool.free_blocks)
+        state = lambda: (pool.length(0), pool.free_blocks)  # noqa: E731
+    else:
+        made = {"batch": hw.KVCache(3, 2, 16, 8), "full": hw.KVCache(2, 2, 4, 8), "head size": hw.KVCache(2, 2, 16, 9)}[cache]
+        before = len(made)
+        state = lambda: len(made)  # noqa: E731
+    with pytest.raises(ValueError) as refused:
+        hw.attention(q, k, v, causal=True, cache=made)
+    assert state() == before
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        hw.plan(q, k, v, causal=True, cache=made)
+    assert state() == before

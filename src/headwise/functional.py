@@ -281,7 +281,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
     """What ``attention(q, k, v, **kwargs)`` would run, and why; nothing is computed or written.
 
     ``kwargs`` are ``attention``'s keyword arguments (another name is a TypeError), each checked
-    as ``attention`` checks it (a cache's own checks of the keys it takes run at its write only).
+    as ``attention`` checks it (a cache's checks of the keys it takes, its room included, as its write would run them).
     ``attention(..., backend=plan.backend)`` runs the same runner, bit for bit; the rules are
     ``headwise.backends.plan.RULES``.
 
@@ -299,6 +299,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)
+    if args.cache is not None:  # what its write would check (its shape, dtype, room), nothing written
+        args.cache.check_append(args.k.to(args.cache.dtype), args.v.to(args.cache.dtype), args.spec.attention_mask)
     runs = arguments.sizes(args.cache, args.spec, k.shape[2])
     padding = args.spec.attention_mask
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some

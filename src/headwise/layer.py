@@ -166,19 +166,22 @@ class AttentionLayer(AllOrNothing, nn.Module):
         return out
 
     def plan(
-        self, x: Tensor, *, context: Tensor | None = None, attention_mask: Tensor | None = None, cache: Cache | None = None,
-        position_ids: Tensor | None = None, documents: Tensor | None = None,
+        self, x: Tensor, *, context: Tensor | None = None, context_mask: Tensor | None = None, attention_mask: Tensor | None = None,
+        cache: Cache | None = None, position_ids: Tensor | None = None, documents: Tensor | None = None,
     ) -> Plan:
         """How ``forward`` with these arguments would compute attention, and why (``headwise.plan``).
 
-        The projections run (the plan reads q, k and v: shapes, dtype, device, autograd); nothing
-        is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
+        ``forward``'s checks run, then the projections (the plan reads q, k and v: shapes, dtype, device, autograd);
+        nothing is written to a cache. ``print(module.plan(x))`` shows the runner on one line.
         """
-        x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name)  # (B, T, d_in), (B, T): forward's check
         terms = {"dropout_p": self.attn_dropout_p, "backend": self.backend, **self.score_terms()}
-        if context is not None or isinstance(cache, ContextCache):  # cross-attention: keys of the context (or the cache's)
-            queries, keys, values, context_mask, _ = self._cross_heads(x, context, None, cache)
+        if context is not None or context_mask is not None or isinstance(cache, ContextCache):  # cross-attention, as forward
+            if documents is not None:
+                raise ValueError("documents (packed rows) apply to self-attention; cross-attention takes context_mask for the context's padding")
+            x, _, context_mask = self._cross_checked(x, context, context_mask, attention_mask, cache, position_ids)
+            queries, keys, values, context_mask, _ = self._cross_heads(x, context, context_mask, cache)
             return plan(queries, keys, values, attention_mask=context_mask, **terms)
+        x, attention_mask = self._checked(x, attention_mask, cache, position_ids)  # (B, T, d_in), (B, T) bool or None: forward's
         queries, keys, values = self._heads(x, cache, attention_mask, position_ids, False)  # (B, H, T, D), (B, Hkv, T, D) x2
         return plan(
             queries, keys, values, cache=cache, causal=self.causal, window=self.window, attention_mask=attention_mask, documents=documents, **terms
@@ -224,6 +227,24 @@ class AttentionLayer(AllOrNothing, nn.Module):
         cache: object, position_ids: Tensor | None,
     ) -> Tensor:
         """``forward`` with keys and values from ``context`` (or from a filled ``ContextCache``)."""
+        x, attention_mask, context_mask = self._cross_checked(x, context, context_mask, attention_mask, cache, position_ids)
+        report("x", x)
+        queries, keys, values, context_mask, projected = self._cross_heads(x, context, context_mask, cache)
+        out = attention(
+            queries, keys, values, attention_mask=context_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
+        )  # (B, H, T, D)
+        if projected is not None and cache is not None:
+            cache.store(self, projected, keys, values, context_mask)  # after attention took them: a refused call changes nothing
+        out = self.project_out(merge_heads(out))  # (B, T, C)
+        report("output", out)
+        return out
+
+    def _cross_checked(
+        self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, attention_mask: Tensor | None,
+        cache: object, position_ids: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Cross-attention's checks (``attention`` checks the rest), nothing written: x (B, T, d_in) with its padding
+        (B, T) bool or None (``checked_input``), and the context's padding (B, S) bool or None."""
         if self.causal or self.window is not None:
             given = "a context" if context is not None else "a context_mask" if context_mask is not None else "a ContextCache"
             raise ValueError(
@@ -261,16 +282,7 @@ class AttentionLayer(AllOrNothing, nn.Module):
                 "context_mask differs from the padding this ContextCache was filled with: pass the context again with it "
                 "(it is projected again), or leave context_mask out"
             )
-        report("x", x)
-        queries, keys, values, context_mask, projected = self._cross_heads(x, context, context_mask, cache)
-        out = attention(
-            queries, keys, values, attention_mask=context_mask, dropout_p=self.attn_dropout_p, backend=self.backend, **self.score_terms()
-        )  # (B, H, T, D)
-        if projected is not None and cache is not None:
-            cache.store(self, projected, keys, values, context_mask)  # after attention took them: a refused call changes nothing
-        out = self.project_out(merge_heads(out))  # (B, T, C)
-        report("output", out)
-        return out
+        return x, attention_mask, context_mask
 
     def _cross_heads(
         self, x: Tensor, context: Tensor | None, context_mask: Tensor | None, cache: ContextCache | None

@@ -252,6 +252,12 @@ class PagedBatch:
             k, v = cache._k1.index_select(2, slots), cache._v1.index_select(2, slots)  # (1, Hkv, S, D) each: gathers
         return (dequantize_rows(k), dequantize_rows(v)) if cache.rows8 else (k, v)
 
+    def check_append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> None:
+        """What ``append`` checks of the packed keys and values (1, Hkv, T, D), the pool's room included: TypeError or
+        ValueError naming the problem; nothing written (``headwise.plan``)."""
+        self._check(k, v, attention_mask)
+        self.cache.check_room(self.seq_ids, self.new_tokens)
+
     def check_write(self, k: Tensor, v: Tensor) -> None:
         """What ``append`` checks of the new tokens' keys and values (1, Hkv, T, D) without padding: TypeError or
         ValueError naming the problem; nothing written."""

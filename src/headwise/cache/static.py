@@ -276,6 +276,11 @@ class KVCache(Owned, Spendable, Rows):
             attention_mask = self._check(k, v, attention_mask)  # (B, T) bool or None
         return [Attended(slice(None), *self._write(k, v, attention_mask, in_order))]
 
+    def check_append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> None:
+        """What ``append`` checks of the new tokens' keys and values (B, Hkv, T, D) and padding (B, T), the room
+        included: TypeError or ValueError naming the problem; nothing written (``headwise.plan``)."""
+        self._check(k, v, attention_mask)
+
     def check_write(self, k: Tensor, v: Tensor) -> None:
         """What ``append`` checks of one new token's keys and values (B, Hkv, 1, D) without padding, for a step whose op
         writes the cache itself (``write_one_unchecked``): TypeError or ValueError naming the problem; nothing written."""
