@@ -10,8 +10,11 @@ embedding itself stays as it was (a token reads one row of it).
 What an ``Int8Linear`` computes, on every path: the activations rounded to bfloat16, times the int8
 weight with float32 sums, the sums rounded once to bfloat16, then the float32 per-channel scale and
 the bias applied in float32, the result in the input's dtype. The products of a bfloat16 and an
-int8 value are exact in float32, so the paths differ only in the order of their sums. How, by one
-fixed rule (nothing timed):
+int8 value are exact in float32, so the paths differ only in the order of their sums (and a subnormal
+activation: bfloat16 dot-product instructions, the panels' vdpbf16ps among them, read it as zero). Under
+``torch.compile`` with autograd recording, inductor may fuse a rounding to bfloat16 and back into its kernel and drop
+it (its ``emulate_precision_casts`` keeps such roundings): that graph's outputs lie nearer the unrounded GEMM's. How
+each path is chosen, by one fixed rule (nothing timed):
 
 - on the CPU, at most ``headwise.linear.DECODE_ROWS`` rows of input (eagerly where torch's kernels run AVX2, up to
   ``AVX2_WIDE_ROWS`` of a weight of ``MIN_DECODE_WEIGHT`` elements or more that the panels take; eagerly on a CPU with
