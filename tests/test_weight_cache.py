@@ -85,6 +85,19 @@ def test_the_book_classes_follow_a_write_through_data(book, rows):
         assert torch.equal(module(x), copy.deepcopy(module)(x))
 
 
+def test_a_non_contiguous_weight_is_watched_and_followed():
+    """A transposed weight (a view, no contiguous bytes to read in place) is sampled by its elements: the next forward's
+    look at the watched weights ran that sample through a name the loop had rebound (a TypeError every call)."""
+    torch.manual_seed(0)
+    mha = hw.MultiHeadAttention(512, 512, 64, 0.0, num_heads=8).eval()
+    mha.out_proj.weight = torch.nn.Parameter(torch.randn(512, 512).t())  # (512, 512), column-major
+    x = torch.randn(1, 1, 512)
+    with torch.no_grad():
+        mha(x), mha(x)
+        mha.out_proj.weight.data.mul_(2)
+        assert torch.equal(mha(x), copy.deepcopy(mha)(x))
+
+
 def test_an_unchanged_weight_keeps_its_copies():
     model = llama()
     ids = torch.tensor([[5, 6, 7]])

@@ -389,3 +389,12 @@ def head_input(name: str, x: object, head_dim: int) -> Tensor:
     if x.ndim < 2 or x.shape[-1] != head_dim:
         raise ValueError(f"{name} must have shape (..., tokens, head_dim={head_dim}), got {tuple(x.shape)}")
     return x
+
+
+def sharded(t: object) -> bool:
+    """Whether ``t`` is a DTensor (one shard of a tensor-parallel layer: ``headwise.parallel``)."""
+    if not isinstance(t, Tensor) or type(t) in (Tensor, torch.nn.Parameter) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

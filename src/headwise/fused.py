@@ -76,14 +76,24 @@ class GPT2MultiHeadAttention(AttentionLayer):
         query, key, value = qkv.split([q, kv, kv], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
         return query, key, value
 
+    def _cross_unsharded(self) -> None:
+        """A ValueError where ``c_attn`` is sharded (``headwise.parallel``): each rank holds its own heads' q, k and v rows,
+        so the query rows and the key and value rows are not two blocks of it."""
+        if _checks.sharded(self.c_attn.weight):
+            raise ValueError("cross-attention through a GPT2MultiHeadAttention split by headwise.parallel is not supported (its "
+                             "c_attn holds each rank's q, k and v rows together): split a MultiHeadAttention (W_query, W_key, "
+                             "W_value) for cross-attention, or run this module unsplit")
+
     def project_q(self, x: Tensor) -> Tensor:
         """(B, T, C) -> queries (B, T, C): c_attn's query rows only, for cross-attention."""
+        self._cross_unsharded()
         q, _ = self._widths(self.c_attn.weight.shape[0])
         bias = None if self.c_attn.bias is None else self.c_attn.bias[:q]
         return F.linear(x, self.c_attn.weight[:q], bias)  # (B, T, C)
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """(B, S, C) context -> keys and values (B, S, Hkv*D): c_attn's key and value rows, for cross-attention."""
+        self._cross_unsharded()
         q, kv = self._widths(self.c_attn.weight.shape[0])
         bias = None if self.c_attn.bias is None else self.c_attn.bias[q:]
         keys, values = F.linear(context, self.c_attn.weight[q:], bias).split([kv, kv], dim=-1)  # (B, S, Hkv*D) x2

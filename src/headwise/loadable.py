@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _checks
+
 _KEY_KEEPING: set[Callable] = set()
 
 
@@ -35,6 +37,7 @@ def remap(
     optional: Mapping[str, tuple[int, ...]] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
     valued: Collection[str] = (),
+    whole: Collection[str] = (),
     source: str = "state dict",
     named: Callable[[str], str] = lambda key: key,
 ) -> dict[str, Tensor]:
@@ -54,6 +57,8 @@ def remap(
             cast: a float truncated, a wider int wrapped. Keys not named here take any dtype.
         valued: target keys whose tensors hold values: a meta tensor (a shape, no values) for
             one of them is refused (torch's copy would fail there, after the entries before it).
+        whole: target keys held as plain tensors: a DTensor (one rank's share, ``headwise.parallel``) for one of them
+            is refused (torch's copy mixes the two and fails there, after the entries before it).
         source: names the origin (a file, say) in the error message.
         named: a target key's name in the incoming state (``rename``'s inverse): what a missing key is called in
             the message, as the state's other keys are.
@@ -94,6 +99,10 @@ def remap(
             continue
         if name in valued and tensor.is_meta:
             valueless.append(key)
+            continue
+        if name in whole and _checks.sharded(tensor):
+            mistyped.append(f"{key}: expected a plain tensor, got a DTensor (one rank's share of a model split by "
+                            "headwise.parallel: gather it with .full_tensor())")
             continue
         out[name] = tensor
     missing = [k for k in expected if k not in origin]
@@ -136,8 +145,9 @@ def check_state(
     optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
     dtypes = {name: stored[name].dtype for name in expected}
     valued = {name for name in expected if not stored[name].is_meta}
+    whole = {name for name in expected if not _checks.sharded(stored[name])}
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, dtypes=dtypes,
-                 valued=valued, source=str(source), named=named)
+                 valued=valued, whole=whole, source=str(source), named=named)
 
 
 class StateDictError(ValueError, RuntimeError):

@@ -290,7 +290,7 @@ class Int8Linear(AllOrNothing, nn.Module):
         if not isinstance(weight, Tensor) or weight.ndim != 2 or not weight.is_floating_point():
             got = f"{type(weight).__name__}" if not isinstance(weight, Tensor) else f"{weight.dtype} of shape {tuple(weight.shape)}"
             raise TypeError(f"weight must be a floating-point (N, K) tensor, got {got}")
-        if _sharded(weight) or _sharded(bias):
+        if _checks.sharded(weight) or _checks.sharded(bias):
             raise TypeError("weight is a DTensor (a layer sharded by headwise.parallel): int8 weights and tensor parallelism do not "
                             "combine; round the unsharded model's weights, and serve it unsharded")
         if weight.shape[1] == 0:
@@ -575,15 +575,6 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     for parent, name, layer in replacements:
         setattr(parent, name, layer)  # an eval model stays all eval
     return model
-
-
-def _sharded(t: object) -> bool:
-    """Whether ``t`` is a DTensor (one shard of a tensor-parallel layer)."""
-    if not isinstance(t, Tensor) or type(t) in (Tensor, nn.Parameter) or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 @dataclass(frozen=True)

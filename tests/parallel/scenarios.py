@@ -424,7 +424,50 @@ def refused_load(rank: int, world: int) -> dict:
     return out
 
 
-CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2, refused_load)}
+def edges(rank: int, world: int) -> dict:
+    """Cross-attention through a ContextCache (its weights watched by their local shards), a bare module's output as a
+    plain tensor (pickled: the summed numbers), GPT-2's fused c_attn refusing cross-attention by name, and a plain
+    model refusing a sharded model's state dict by name before any copy."""
+    import pickle
+
+    from headwise import ContextCache
+    from headwise.loadable import StateDictError
+
+    out = {}
+    torch.manual_seed(16)
+    ref = MultiHeadAttention(32, 48, 16, 0.0, num_heads=4, num_kv_heads=2, causal=False, kv_dim=24)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 24)
+    cached, cached_ref = ContextCache(), ContextCache()
+    with torch.no_grad():
+        first = max_diff(tp(x, context=context, cache=cached), ref(x, context=context, cache=cached_ref))
+        again = max_diff(tp(x[:, :2], cache=cached), ref(x[:, :2], cache=cached_ref))
+    out["context_cache"] = (first, again)
+    self_ref = MultiHeadAttention(32, 48, 16, 0.0, num_heads=4)
+    self_tp = parallelize(copy.deepcopy(self_ref), mesh(world))
+    y = self_tp(x)
+    out["output_type"] = type(y).__name__
+    out["pickled"] = max_diff(pickle.loads(pickle.dumps(y.detach())), self_ref(x).detach())
+    fused = GPT2MultiHeadAttention(GPT2Config(n_embd=32, n_head=4, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0), causal=False)
+    try:
+        parallelize(fused, mesh(world))(x, context=torch.randn(2, 7, 32))
+        out["fused_cross"] = None
+    except ValueError as e:
+        out["fused_cross"] = str(e)
+    model = GPT2LMHeadModel(TINY_GPT2)
+    plain = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    try:
+        plain.load_state_dict(parallelize(model, mesh(world)).state_dict())
+        out["sharded_load"] = None
+    except StateDictError as e:
+        out["sharded_load"] = str(e)
+    out["changed"] = sorted(k for k, v in plain.state_dict().items() if not torch.equal(v, before[k]))
+    return out
+
+
+CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2,
+                                  refused_load, edges)}
 
 
 def run_all(rank: int, world: int) -> dict:

@@ -97,6 +97,15 @@ def test_a_refused_load_names_every_problem_and_changes_no_shard(ranks):
             assert checks["loaded"] == 0.0, model  # the right state dict then loads, whole
 
 
+def test_edges_context_cache_plain_outputs_fused_cross_attention_and_a_sharded_state_dict(ranks):
+    for r in result(ranks, "edges"):
+        assert max(r["context_cache"]) < TOL  # (the weights' samples read raw memory at a DTensor's pointer: SIGSEGV)
+        assert r["output_type"] == "Tensor" and r["pickled"] < TOL  # (a lazily summed tensor pickled this rank's part)
+        assert "cross-attention through a GPT2MultiHeadAttention split by headwise.parallel is not supported" in r["fused_cross"]
+        assert "transformer.h.0.attn.c_attn.weight: expected a plain tensor, got a DTensor" in r["sharded_load"]
+        assert r["changed"] == []  # (torch's copy had written the embeddings, then failed at the first DTensor)
+
+
 def test_llama_family_logits_gradients_and_generate(ranks):
     for r in result(ranks, "llama"):
         assert r["local_heads"] == [(2, 1), (2, 1)]  # each rank computes H/2 query heads and Hkv/2 key/value heads

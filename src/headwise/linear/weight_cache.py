@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight in oneDNN's blocked layout)
 STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, what was stacked from them)
@@ -68,6 +69,9 @@ def sample(t: Tensor) -> tuple[int | None, bytes | tuple]:
     bytes, read in place (``_ends``); another's None and its first and last element, by bits (two host reads)."""
     if t.is_meta:
         return None, ()  # (no values)
+    if is_traceable_wrapper_subclass(t):  # a DTensor (headwise.parallel) holds no storage at its pointer: its local shard's
+        local = t.to_local() if hasattr(t, "to_local") else None  # (no byte count: ``verify`` asks this function again)
+        return None, sample(local.detach())[1] if isinstance(local, Tensor) and not is_traceable_wrapper_subclass(local) else ()
     if t.device.type == "cpu" and t.is_contiguous():
         size = t.numel() * t.element_size()
         return size, _ends(t.data_ptr(), size)
@@ -107,12 +111,12 @@ def verify() -> None:
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
     if torch.compiler.is_compiling() or not WATCHED or getattr(_scope, "on", False):  # (a graph must not read the dict)
         return
-    for key, (ref, address, size, sample) in _entries(WATCHED):
+    for key, (ref, address, size, seen) in _entries(WATCHED):
         t = ref()
         if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
             continue
         now = _ends(address, size) if size is not None else sample(t)[1]
-        if now != sample:
+        if now != seen:
             WATCHED[key] = (ref, address, size, now)
             EPOCH[key] = EPOCH.get(key, 0) + 1
 

@@ -8,6 +8,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -85,7 +86,17 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
     for _, sub, _ in found:
         if isinstance(sub, AttentionLayer):
             _shard_per_head_terms(sub, device_mesh)
+    module.register_forward_hook(_plain_output)
     return module
+
+
+def _plain_output(module: nn.Module, args: object, output: object) -> object:
+    """The module's output as a plain tensor: a row-wise layer's all-reduce hands on a tensor that waits for the sum when
+    an op first reads it (torch's ``AsyncCollectiveTensor``), which pickling or ``torch.save`` would take before the wait
+    (this rank's partial sum). Under autograd a copy (the wait alone would leave the graph), else the wait."""
+    if not isinstance(output, AsyncCollectiveTensor):
+        return output
+    return output.clone() if torch.is_grad_enabled() and output.requires_grad else output.wait()
 
 
 def _shard_per_head_terms(layer: AttentionLayer, mesh: DeviceMesh) -> None:
