@@ -204,13 +204,16 @@ def test_remap_dtypes_a_float_key_takes_any_float_and_another_key_its_own_dtype_
     ok = {"w": torch.zeros(2, dtype=torch.bfloat16), "q": torch.zeros(2, dtype=torch.int8), "n": torch.zeros(2, dtype=torch.int64),
           "free": torch.zeros(2, dtype=torch.int32)}  # a key dtypes does not name takes any dtype
     assert list(remap(ok, dict.fromkeys(ok, (2,)), dtypes=dtypes)) == list(ok)
-    bad = {"w": torch.zeros(2, dtype=torch.int32), "q": torch.zeros(2), "n": torch.zeros(2, dtype=torch.int32)}
+    bad = {"w": torch.zeros(2, dtype=torch.int32), "q": torch.zeros(2), "n": torch.zeros(2, dtype=torch.int32),
+           "f8": torch.zeros(2, dtype=torch.float8_e4m3fn)}  # 8-bit floats: a quantized checkpoint's values, no scales
     with pytest.raises(ValueError, match=r"nothing was loaded") as err:
-        remap(bad, dict.fromkeys(bad, (2,)), dtypes=dtypes)
+        remap(bad, dict.fromkeys(bad, (2,)), dtypes={**dtypes, "f8": torch.bfloat16})
     assert str(err.value).splitlines()[1:] == [
         "  wrong dtype: w: expected a floating-point tensor, got torch.int32 (not cast silently)",
         "  wrong dtype: q: expected torch.int8, got torch.float32 (not cast silently)",
         "  wrong dtype: n: expected torch.int64, got torch.int32 (not cast silently)",
+        "  wrong dtype: f8: expected a floating-point tensor of 16 bits or more (8-bit floats are a quantized checkpoint's values), "
+        "got torch.float8_e4m3fn (not cast silently)",
     ]
 
 

@@ -94,7 +94,8 @@ def remap(
         if flip:
             tensor = tensor.t()
         if name in dtypes and not _takes(dtypes[name], tensor.dtype):
-            want = "a floating-point tensor" if dtypes[name].is_floating_point else str(dtypes[name])
+            want = ("a floating-point tensor" + (" of 16 bits or more (8-bit floats are a quantized checkpoint's values)"
+                                                 if tensor.is_floating_point() else "")) if dtypes[name].is_floating_point else str(dtypes[name])
             mistyped.append(f"{key}: expected {want}, got {tensor.dtype} (not cast silently)")
             continue
         if name in valued and tensor.is_meta:
@@ -119,8 +120,11 @@ def remap(
 
 
 def _takes(target: torch.dtype, incoming: torch.dtype) -> bool:
-    """Whether a tensor of dtype ``incoming`` loads into one of dtype ``target`` (``remap``'s ``dtypes`` rule)."""
-    return incoming.is_floating_point if target.is_floating_point else incoming == target
+    """Whether a tensor of dtype ``incoming`` loads into one of dtype ``target`` (``remap``'s ``dtypes`` rule): an 8-bit
+    float only into one (a quantized checkpoint's values, their scales apart)."""
+    if not target.is_floating_point:
+        return incoming == target
+    return incoming.is_floating_point and (incoming.itemsize > 1 or target.itemsize == 1)
 
 
 def check_state(

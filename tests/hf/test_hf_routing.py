@@ -153,6 +153,10 @@ def test_load_refuses_a_checkpoint_that_leaves_weights_at_their_random_start(tmp
                        r"model.layers.1.mlp.up_proj.weight\n  missing: model.norm.weight\npass strict=False"):
         headwise.hf.load(tf.AutoModelForCausalLM, tmp_path)
     assert type(headwise.hf.load(tf.AutoModelForCausalLM, tmp_path, strict=False)).__name__ == "LlamaForCausalLM"
+    save_file({**state, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"(?s)left weights at their random start \(strict=True\):\n  wrong shape: "
+                       r"model.layers.0.mlp.up_proj.weight: checkpoint \(3, 3\), model \(64, 32\)"):  # (a RuntimeError naming none)
+        headwise.hf.load(tf.AutoModelForCausalLM, tmp_path)
     with pytest.raises(TypeError, match=r"strict must be True or False, got int 1"):
         headwise.hf.load(tf.AutoModelForCausalLM, tmp_path, strict=1)
 

@@ -270,6 +270,38 @@ def test_tied_config_with_a_different_head_is_refused(tmp_path):
         hm.load(tmp_path)
 
 
+def test_a_tied_head_that_holds_a_nan_is_still_the_embeddings_copy(tmp_path):
+    """A NaN equals no number, itself included: the tied check compares NaN to NaN as the same value (it said the head
+    differs)."""
+    hf = make_hf_llama("llama-mha-untied")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    embed = state["model.embed_tokens.weight"].clone()
+    embed[3, 5] = float("nan")
+    save_file({**state, "model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}, tmp_path / "model.safetensors")
+    assert hm.load(tmp_path).model["embed_tokens"].weight[3, 5].isnan()
+
+
+def test_a_mistral_file_whose_layer_types_name_full_layers_is_refused(tmp_path):
+    """transformers' Mistral slides every layer; its Auto classes ran such a file as another model, with layer 0 full:
+    which layers slide is not one reading, so the file is refused by name."""
+    hf = make_hf_llama("llama-mha-untied")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    kinds = ["full_attention"] + ["sliding_attention"] * (layers - 1)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 3, "layer_types": kinds}))
+    with pytest.raises(ValueError, match=r"unsupported mistral settings: layer_types=\['full_attention', .* with sliding_window"):
+        hm.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 3,
+                                                      "layer_types": ["sliding_attention"] * layers}))
+    assert hm.load(tmp_path).config.windows == (3,) * layers
+
+
 def test_missing_and_misshaped_weights_are_all_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -63,6 +63,13 @@ def test_sharded_checkpoint_with_a_broken_index_is_named(gpt2_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.bias": "model-00001-of-00001.safetensors"}}))
     with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: lacks tensors the index puts there: \['lm_head.bias'\]"):
         GPT2LMHeadModel.from_pretrained(d)
+    from safetensors.torch import load_file
+
+    held = sorted(load_file(d / "model-00001-of-00001.safetensors"))
+    listed = {key: "model-00001-of-00001.safetensors" for key in held[1:]}  # the index leaves one out: not dropped silently
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": listed}))
+    with pytest.raises(ValueError, match=rf"model-00001-of-00001.safetensors: holds tensors the index does not list: \['{re.escape(held[0])}'\]"):
+        GPT2LMHeadModel.from_pretrained(d)
     (d / "pytorch_model.bin.index.json").write_text("{}")
     (d / "model.safetensors.index.json").unlink()
     with pytest.raises(ValueError, match=r"pytorch_model.bin.index.json: sharded .bin checkpoints are not supported"):
@@ -138,7 +145,11 @@ def test_truncated_or_unsafe_pytorch_bin(hf_gpt2, tmp_path):
     with pytest.raises(ValueError, match=r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt"):
         GPT2LMHeadModel.from_pretrained(tmp_path)
     torch.save({"weights": hf_gpt2.state_dict(), "hook": Path("x")}, tmp_path / "pytorch_model.bin")  # an arbitrary object
-    with pytest.raises(ValueError, match=r"pytorch_model.bin: refused to load: it holds more than tensors \(read with weights_only=True\)"):
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: refused to load: it holds more than tensors \(read with weights_only=True: objects whose "
+                                         r"loading runs code are never unpickled\); re-save the weights with safetensors"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(bytes(range(256)) * 4)  # no checkpoint at all: not "more than tensors"
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt"):
         GPT2LMHeadModel.from_pretrained(tmp_path)
     torch.save([torch.zeros(2)], tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"pytorch_model.bin: expected a dict of tensors \(a state dict\), got list"):
@@ -211,3 +222,24 @@ def test_training_checkpoints_and_garbage_bin_files(hf_gpt2, tmp_path):
         (tmp_path / "pytorch_model.bin").write_bytes(garbage)
         with pytest.raises(ValueError, match=r"pytorch_model.bin: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt"):
             GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
+def test_a_float8_checkpoint_is_refused_as_quantized(gpt2_dir, tmp_path):
+    """8-bit floats hold a quantized checkpoint's values without their scales: refused by name, as int8 is (they were
+    taken as the model's dtype, which then ran no op)."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    state = load_file(d / "model.safetensors")
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in state.items()}, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors: holds float8 \(quantized\) weights, e.g. .*headwise loads float checkpoints only"):
+        GPT2LMHeadModel.from_pretrained(d)
+
+
+@pytest.mark.parametrize("width", [None, "768", 0, True])
+def test_a_gpt2_config_with_no_usable_n_embd_is_named(gpt2_dir, tmp_path, width):
+    d = copy_of(gpt2_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "n_embd": width}))
+    with pytest.raises(ValueError, match=rf"config.json: invalid GPT-2 config: n_embd must be a positive int, got {re.escape(repr(width))}"):
+        GPT2LMHeadModel.from_pretrained(d)

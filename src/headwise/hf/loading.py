@@ -117,6 +117,8 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), strict
         build = model_class.from_pretrained
         wanted = kwargs.pop("output_loading_info", False)  # (read here either way)
         kwargs["output_loading_info"] = True
+        if strict:  # a weight of another shape reported, then named below (transformers raises a RuntimeError naming none)
+            kwargs.setdefault("ignore_mismatched_sizes", True)
     try:
         model = build(source, attn_implementation=name, **kwargs)
     except KeyError as e:
@@ -141,7 +143,8 @@ def _loaded_whole(model: nn.Module, source: object, info: dict) -> None:
     lines = [f"{type(model).__name__}.from_pretrained({source!r}) left weights at their random start (strict=True):"]
     lines += [f"  missing: {key}" for key in missing]
     lines += [f"  wrong shape: {key}: checkpoint {tuple(theirs)}, model {tuple(ours)}" for key, theirs, ours in mismatched]
-    lines.append("pass strict=False to take them as transformers does (a new task head to train)")
+    lines.append("pass strict=False to take them as transformers does (a new task head to train; a weight of another shape "
+                 "with ignore_mismatched_sizes=True too)")
     raise ValueError("\n".join(lines))
 
 

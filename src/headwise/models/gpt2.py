@@ -113,7 +113,7 @@ class GPT2LMHeadModel(CausalModel):
         state = loading.read_weights(file)
         head = state.get("lm_head.weight")
         wte = state.get("transformer.wte.weight", state.get("wte.weight"))
-        if head is not None and wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
+        if head is not None and wte is not None and not loading.same_values(head, wte):
             raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
         with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
             model = cls(config)
@@ -162,9 +162,12 @@ class GPT2LMHeadModel(CausalModel):
 def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:
     """A ``GPT2Config`` from a HuggingFace config dict; what this GPT-2 cannot run is an error naming ``file``."""
     unsupported = []
+    width = d.get("n_embd", 768)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"{file}: invalid GPT-2 config: n_embd must be a positive int, got {width!r}")
     if d.get("activation_function", "gelu_new") not in TANH_GELUS:
         unsupported.append(f"activation_function={d['activation_function']!r} (supported: {list(TANH_GELUS)})")
-    if d.get("n_inner") not in (None, 4 * d.get("n_embd", 768)):
+    if d.get("n_inner") not in (None, 4 * width):
         unsupported.append(f"n_inner={d['n_inner']!r} (the MLP is 4 * n_embd wide)")
     for key, want in [("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False), ("tie_word_embeddings", True)]:
         if d.get(key, want) != want:

@@ -274,7 +274,7 @@ class LlamaForCausalLM(CausalModel):
         state = loading.read_weights(file)
         head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings
-        if tied and head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+        if tied and head is not None and embed is not None and not loading.same_values(head, embed):
             raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
         skip = lambda key: tied and key == "lm_head.weight"  # noqa: E731
         with torch.device("meta"):  # shapes only: the tensors are checked before any memory is taken (the rotary

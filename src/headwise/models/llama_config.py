@@ -142,6 +142,10 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
         unsupported.append(f"rotary settings per layer type ({nested}); supported: one set for every layer")
     if model_type == "qwen3":
         _layer_types(d, file)
+    kinds = d.get("layer_types")
+    if model_type == "mistral" and d.get("sliding_window") is not None and isinstance(kinds, list) and set(kinds) != {"sliding_attention"}:
+        unsupported.append(f"layer_types={kinds!r} with sliding_window (transformers' Mistral slides every layer, its Auto "
+                           "classes may run such a file as another model: which layers slide is not one reading)")
     if unsupported:
         raise ValueError(f"{file}: unsupported {model_type} settings: {'; '.join(unsupported)}")
     known = {f.name for f in fields(LlamaConfig)} - {"rope_theta", "rope_scaling", "partial_rotary_factor", "qk_norm", "windows"}

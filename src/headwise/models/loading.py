@@ -88,9 +88,12 @@ def read_sharded(index: Path) -> dict[str, Tensor]:
             raise ValueError(f"{index}: shard {shard!r} is not a .safetensors file (an index lists shards, not other indexes)")
         tensors = read_weights(index.parent / shard)
         listed = {key for key, file in weight_map.items() if file == shard}
-        absent = sorted(listed - tensors.keys())
+        absent, unlisted = sorted(listed - tensors.keys()), sorted(tensors.keys() - listed)
         if absent:
             raise ValueError(f"{index.parent / shard}: lacks tensors the index puts there: {absent}")
+        if unlisted:  # what a single file would hand the model's check (which refuses what it does not hold): not dropped
+            raise ValueError(f"{index.parent / shard}: holds tensors the index does not list: {unlisted[:10]}"
+                             f"{' ...' if len(unlisted) > 10 else ''}; list them in {index.name}, or take them out of the shard")
         state.update({key: tensors[key] for key in listed})
     return state
 
@@ -111,9 +114,11 @@ def read_weights(file: Path) -> dict[str, Tensor]:
             raise ValueError(f"{file}: cannot read it as safetensors, the file is truncated or corrupt ({e})") from None
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{file}: refused to load: it holds more than tensors (read with weights_only=True): {first}") from None
+    except pickle.UnpicklingError as e:  # (torch's message goes on to advise weights_only=False: not for a file to be trusted)
+        if "unsupported global" not in str(e).lower():  # torch names the class or function it will not call; bad bytes, an operand
+            raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt") from None
+        raise ValueError(f"{file}: refused to load: it holds more than tensors (read with weights_only=True: objects whose "
+                         "loading runs code are never unpickled); re-save the weights with safetensors") from None
     except Exception as e:  # garbage bytes reach the unpickler's internals: KeyError, IndexError, ... as well as RuntimeError
         reason = str(e) or type(e).__name__
         raise ValueError(f"{file}: cannot read it as a PyTorch checkpoint, the file is truncated or corrupt ({reason})") from None
@@ -132,14 +137,22 @@ def read_weights(file: Path) -> dict[str, Tensor]:
 
 
 def float_weights(state: dict[str, Tensor], file: Path) -> dict[str, Tensor]:
-    """``state`` unless it holds int8 tensors: quantized weights, which every model here loads only as floats."""
-    int8 = [key for key, t in state.items() if t.dtype == torch.int8]
-    if int8:
-        raise ValueError(
-            f"{file}: holds int8 (quantized) weights, e.g. {int8[:3]}; headwise loads float checkpoints only: "
-            "load the float model, then quantize it with headwise.quantize.int8_weights(model)"
-        )
+    """``state`` unless it holds int8 or 8-bit float tensors: quantized weights (their scales apart), which every model
+    here loads only as floats."""
+    for kind, keys in (("int8", [key for key, t in state.items() if t.dtype == torch.int8]),
+                       ("float8", [key for key, t in state.items() if t.is_floating_point() and t.element_size() == 1])):
+        if keys:
+            raise ValueError(
+                f"{file}: holds {kind} (quantized) weights, e.g. {keys[:3]}; headwise loads float checkpoints only: "
+                "load the float model, then quantize it with headwise.quantize.int8_weights(model)"
+            )
     return state
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors hold the same shape, dtype and values, a NaN equal to a NaN (a tied copy of a weight that
+    holds one is still its copy)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.eq(a, b).logical_or_(a.isnan() & b.isnan()).all())
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
