@@ -433,6 +433,20 @@ def test_auto_uses_math_while_observed_and_reports_its_steps():
     assert seen == []
 
 
+def test_observed_steps_in_training_add_up_to_the_context():
+    """With dropout the weights reported are the softmax; the dropped weights, which multiply the values, are reported
+    after them: context == dropped_weights @ values."""
+    q, k, v = _qkv()
+    seen = {}
+    torch.manual_seed(0)
+    with hw.observe(lambda name, t: seen.setdefault(name, t)):
+        out = hw.attention(q, k, v, causal=True, dropout_p=0.5)
+    assert list(seen) == ["scores", "masked_scores", "weights", "dropped_weights", "context"]
+    torch.testing.assert_close(seen["weights"].sum(-1), torch.ones_like(seen["weights"].sum(-1)))
+    torch.testing.assert_close(out, seen["dropped_weights"] @ v)
+    assert not torch.equal(seen["dropped_weights"], seen["weights"])
+
+
 def test_int_padding_mask_equals_bool_mask(device):
     """HuggingFace's meaning: 1/True = real token, 0/False = padding; ints and bools alike."""
     g = torch.Generator().manual_seed(0)

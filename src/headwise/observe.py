@@ -6,6 +6,12 @@ Nothing is recorded when no one observes; the check costs one context-variable r
 While observed, ``backend="auto"`` picks the ``"math"`` backend, the one whose scores and
 weights exist as tensors.
 
+Steps are reported as attention computes them: where a call's own padded keys are zeroed before the scores (padding
+given with no cache: whatever sits there must not reach a real row), ``scores`` holds 0 in those columns while ``keys``
+shows them as projected (the columns are masked next); in training with dropout, ``weights`` is the softmax and
+``dropped_weights`` what multiplies the values. An observer that raises stops the call after what it had done (a
+cache's write included).
+
 Under ``torch.compile`` observers are off: ``observing()`` and ``report`` first ask
 ``torch.compiler.is_compiling()``, which Dynamo folds to the constant True while it traces, so a
 compiled forward holds no observer call, no context-variable read and no graph break, and

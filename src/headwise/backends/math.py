@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -206,7 +207,8 @@ def rows_seeing_keys(spec: Spec, allowed: Tensor | None, rows: tuple[int, int], 
     return live.any(-1, keepdim=True)
 
 
-def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = None, summed: bool = False) -> Tensor:
+def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = None, summed: bool = False,
+            record: Callable[[str, Tensor], None] | None = None) -> Tensor:
     """(B, H, t, s) weights @ (B, Hkv, s, Dv) values -> (B, H, t, Dv), v never repeated.
 
     v is read in place, or with ``float32_keys`` (and no dropout) converted to float32 that many
@@ -230,6 +232,8 @@ def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = N
     w = w.to(v.dtype)
     if dropout_p > 0.0:
         w = F.dropout(w, dropout_p)
+        if record is not None:
+            record("dropped_weights", w)  # (B, H, t, s): what multiplies the values in training
     w = w.reshape(B, Hkv, (H // Hkv) * t, s)  # (B, Hkv, G*t, s): each group's rows, as in scores
     return (w @ v).view(B, H, t, Dv)  # (B, H, t, Dv)
 
@@ -237,7 +241,7 @@ def context(w: Tensor, v: Tensor, dropout_p: float, float32_keys: int | None = N
 def run(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, float32_keys: int | None = None) -> Tensor:
     """Every score at once, each step reported: (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, Dv)."""
     w = weights(q, k, spec, (0, spec.T), (0, spec.S), float32_keys=float32_keys)  # (B, H, T, S)
-    return context(w, v, spec.dropout_p, float32_keys)  # (B, H, T, Dv)
+    return context(w, v, spec.dropout_p, float32_keys, record=report)  # (B, H, T, Dv)
 
 
 def run_chunked(
