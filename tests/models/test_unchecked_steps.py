@@ -238,8 +238,10 @@ def test_a_models_forward_refuses_caches_it_cannot_run():
         pool.add(1)
     with torch.no_grad():
         model(torch.ones(1, 62, dtype=torch.long), cache=[p.batch([0, 1], [60, 2]) for p in pools])
-    with pytest.raises(ValueError, match=r"sequence 0 would hold 66 tokens \(6 new after 60\), more than n_positions=64"):
+    with pytest.raises(ValueError, match=r"sequence 0 would hold 66 tokens \(6 new after 60\), more than n_positions=64"), torch.no_grad():
         model(torch.ones(1, 9, dtype=torch.long), cache=[p.batch([1, 0], [3, 6]) for p in pools])  # no IndexError from the embedding
+    with pytest.raises(ValueError, match=r"cache\[0\] \(layer 0\): k requires grad, but a PagedKVCache serves inference only"):
+        model(torch.ones(1, 9, dtype=torch.long), cache=[p.batch([1, 0], [3, 6]) for p in pools])  # grad on: refused first
     assert [p.length(s) for p in pools for s in (0, 1)] == [60, 2, 60, 2]
 
 
