@@ -375,3 +375,39 @@ def test_an_additive_float_mask_compiles_whole_and_its_values_are_asserted_in_th
     torch.testing.assert_close(fn(q, k, v, bias), hw.attention(q, k, v, mask=bias))
     with pytest.raises(RuntimeError, match=r"mask \(additive float\) must hold finite numbers or -inf"):
         fn(q, k, v, bias.clone().fill_(math.nan))
+
+
+def test_a_full_cache_under_compile_is_refused_with_its_message():
+    """The cache's lengths are traced (SymInts with dynamic shapes): its message is made from ints (Dynamo could not
+    format a SymInt into it, and under fullgraph=True reported a BUILD_STRING error without the message)."""
+    mha = hw.MultiHeadAttention(64, 64, 64, 0.0, num_heads=4, num_kv_heads=2).eval()
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        fast = torch.compile(mha, dynamic=True, backend="aot_eager", fullgraph=fullgraph)
+        cache = hw.KVCache(2, 2, 7, 16)
+        refused = (ValueError, torch._dynamo.exc.Unsupported) if fullgraph else ValueError  # (Dynamo's, the message in it)
+        with torch.no_grad():
+            fast(torch.randn(2, 6, 64), cache=cache)
+            fast(torch.randn(2, 1, 64), cache=cache)
+            with pytest.raises(refused, match=r"cache is full: it holds 7 of max_len=7 tokens and cannot take 1 more"):
+                fast(torch.randn(2, 1, 64), cache=cache)
+        assert len(cache) == 7
+
+
+
+
+def test_a_module_compiled_again_with_dynamic_shapes_hands_sdpa_a_bool():
+    """Compiled twice over a cache (dynamic shapes, the second fullgraph): the heads' counts are traced, and SDPA's
+    enable_gqa takes a bool only (it was handed a SymBool: Dynamo refused the prompt's call)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mha = hw.MultiHeadAttention(16, 16, 64, 0.0, num_heads=2).eval()
+    prompt, step = torch.randn(1, 6, 16), torch.randn(1, 1, 16)
+    for fullgraph in (False, True):
+        fast = torch.compile(mha, dynamic=True, backend="aot_eager", fullgraph=fullgraph)
+        cache, eager = hw.KVCache(1, 2, 7, 8), hw.KVCache(1, 2, 7, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(prompt, cache=cache), mha(prompt, cache=eager))
+            torch.testing.assert_close(fast(step, cache=cache), mha(step, cache=eager))
+            with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match=r"cache is full"):
+                fast(step, cache=cache)

@@ -114,7 +114,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     if spec.sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=spec.dropout_p, is_causal=is_causal, scale=spec.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+            enable_gqa=True if q.shape[1] != k.shape[1] else False,  # noqa: SIM210 (a branch: a traced SymBool guarded to the bool the binding takes)
         )  # (B, H, t, Dv)
     if mask is not None and mask.dtype == torch.bool:  # the flash kernel takes float masks only
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # (B?, H?, t, s)

@@ -212,7 +212,8 @@ class KVCache(Owned, Spendable, Rows):
     def check_room(self, t: int, name: str = "cache") -> None:
         """A ValueError (``name`` "is full") unless this cache takes ``t`` more tokens (a sliding one takes any)."""
         if self.window is None and self._len + t > self.k.shape[2]:
-            raise ValueError(f"{name} is full: it holds {self._len} of max_len={self.k.shape[2]} tokens and cannot take {t} more")
+            held, room = int(self._len), int(self.k.shape[2])  # (ints: a traced SymInt cannot be formatted into the message)
+            raise ValueError(f"{name} is full: it holds {held} of max_len={room} tokens and cannot take {int(t)} more")
 
     def sizes(self, t: int, *, in_order: bool = False) -> list[tuple[slice, int]]:
         """What ``append`` of ``t`` new tokens will answer with, before anything is written:
