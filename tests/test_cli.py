@@ -97,6 +97,7 @@ def test_explain_options(capsys):
     (["--d-in", "4096", "--d-out", "4096", "--tokens", "4096", "--batch", "64"],
      "explain prints every tensor: these sizes make one of 2,147,483,648 numbers (more than 16,777,216)"),
     (["--tokens", "4096", "--heads", "2"], "explain prints every tensor: these sizes make one of 33,554,432 numbers"),
+    (["--rope", "--heads", "4096", "--head-dim", "4096"], "explain prints every tensor: these sizes make one of 100,663,296 numbers"),
 ])
 def test_explain_bad_arguments_exit_2_naming_the_flags(capsys, argv, message):
     """The errors speak of the command's flags (not the library's parameter names) under the command's own usage."""

@@ -102,7 +102,7 @@ ROPE: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("rope x of another head size", lambda: RotaryEmbedding(8)(rnd(1, 2, 3, 6), 0), Raises(ValueError, r"x must have shape \(..., tokens, head_dim=8\), got \(1, 2, 3, 6\)")),
     ("rope x 1-D", lambda: RotaryEmbedding(8)(rnd(8), 0), Raises(ValueError, r"got \(8,\)")),
     ("rope head_dim 0", lambda: RotaryEmbedding(0), Raises(ValueError, r"head_dim must be a positive int, got 0")),
-    ("rope odd head_dim", lambda: RotaryEmbedding(7), Raises(ValueError, r"rotary_dim must be even \(dims rotate in pairs\), got 7")),
+    ("rope odd head_dim", lambda: RotaryEmbedding(7), Raises(ValueError, r"head_dim must be even to rotate every dim \(dims rotate in pairs\), got 7; or pass an even rotary_dim")),
     ("rope rotary_dim past head_dim", lambda: RotaryEmbedding(8, rotary_dim=10), Raises(ValueError, r"rotary_dim must be an int in \[2, 8\], got 10")),
     ("rope theta inf", lambda: RotaryEmbedding(8, theta=math.inf), Raises(ValueError, r"theta must be a number in \(1, inf\), got inf")),
     ("rope theta nan", lambda: RotaryEmbedding(8, theta=math.nan), Raises(ValueError, r"theta must be a number in \(1, inf\), got nan")),

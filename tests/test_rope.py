@@ -150,6 +150,9 @@ def test_bad_arguments():
         RotaryEmbedding(8, rotary_dim=5)
     with pytest.raises(ValueError, match=r"rotary_dim must be an int in \[2, 8\], got 10"):
         RotaryEmbedding(8, rotary_dim=10)
+    with pytest.raises(ValueError, match=r"head_dim must be even to rotate every dim \(dims rotate in pairs\), got 5; or pass an even rotary_dim"):
+        RotaryEmbedding(5)  # (named rotary_dim, which the caller had not given)
+    assert RotaryEmbedding(5, rotary_dim=4).rotary_dim == 4
     with pytest.raises(ValueError, match=r"theta must be a number in \(1, inf\), got 0"):
         RotaryEmbedding(8, theta=0)
     with pytest.raises(ValueError, match=r"rope_scaling's rope_type must be one of \['default', 'linear', 'llama3'\], got 'yarn'"):

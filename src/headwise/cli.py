@@ -158,6 +158,12 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _book_tokens() -> int:
+    from .explain import BOOK_TOKENS
+
+    return len(BOOK_TOKENS)
+
+
 def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags of the other mode (--rope or not), then fill in the defaults of the flags not given."""
     given = [dest for dest in (*ROPE_ONLY, *PLAIN_ONLY) if getattr(args, dest) not in (None, False)]
@@ -169,6 +175,9 @@ def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None
             setattr(args, dest, value)
     if args.rope and args.head_dim % 2:
         ex.error(f"--head-dim must be even with --rope (dimensions rotate in pairs), got {args.head_dim}")
+    if args.rope and (largest := args.heads * args.head_dim * _book_tokens()) > PRINTED:  # its largest: (H, 6, D) queries
+        ex.error(f"explain prints every tensor: these sizes make one of {largest:,} numbers (more than {PRINTED:,}); "
+                 "take fewer --heads or a smaller --head-dim")
     if not args.rope and args.d_out % args.heads:
         ex.error(f"--d-out must be a multiple of --heads (d_out = heads * head_dim), got --d-out {args.d_out} and --heads {args.heads}")
     if not args.rope:

@@ -187,6 +187,9 @@ class RotaryEmbedding:
         self, head_dim: int, *, rotary_dim: int | None = None, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None, layout: str = "rotate_half"
     ) -> None:
         self.head_dim = _checks.positive_int("head_dim", head_dim)
+        if rotary_dim is None and head_dim % 2:
+            raise ValueError(f"head_dim must be even to rotate every dim (dims rotate in pairs), got {head_dim}; or pass an even "
+                             "rotary_dim below it")
         self.rotary_dim = head_dim if rotary_dim is None else _checks.integer("rotary_dim", rotary_dim, low=2, high=head_dim)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")

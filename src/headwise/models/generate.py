@@ -125,7 +125,9 @@ class GenerationMixin:
             on_token: called with each step's (B,) new tokens as soon as they are chosen, before the
                 next step runs (streaming: print or send them); the first call comes right after
                 the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
-                it in place. Its return value is ignored.
+                it in place. Its return value is ignored. A weight it changes is read by the eager steps
+                from the next step on, by a ``compile=True`` step from the next call (its graph is checked
+                against the weights once a call).
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
