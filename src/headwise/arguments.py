@@ -129,14 +129,15 @@ def _mask(value: object, device: torch.device, dtype: torch.dtype) -> Tensor | N
         return value
     if not value.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or an additive float mask, got dtype {value.dtype}")
+    narrow = value.to(dtype)  # what a kernel in q's dtype reads: a value past its range is +inf there
     if _checks.has_values(value):  # one host read for a float mask (eager); an assert in the graph under torch.compile
-        narrow = value.to(dtype)  # what a kernel in q's dtype reads: a value past its range is +inf there
         bad = lambda t: t.isnan() | (t == math.inf)  # noqa: E731
         _checks.holds(
             ~bad(narrow).any(), "mask (additive float) must hold finite numbers or -inf (= may not attend)",
             lambda: ", got NaN or +inf" if bad(value).any() else f", got a value above {torch.finfo(dtype).max:.4g}, past q's {dtype}",
         )
-    return value.to(torch.promote_types(dtype, torch.float32))
+    wide = torch.promote_types(dtype, torch.float32)  # the scores' dtype
+    return narrow if wide == dtype else value.to(wide)
 
 
 def in_order(spec: Spec) -> bool:

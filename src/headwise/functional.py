@@ -299,15 +299,16 @@ def plan(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Plan:
         math blocks, float32 matmuls
     """
     args = _checked_as_attention(q, k, v, **kwargs)
+    taken = args.k.dtype if args.cache is None else args.cache.dtype  # what the keys are attended in
+    keys, values = args.k.to(taken), args.v.to(taken)  # (B, Hkv, T_kv, D) x2
     if args.cache is not None:  # what its write would check (its shape, dtype, room), nothing written
-        args.cache.check_append(args.k.to(args.cache.dtype), args.v.to(args.cache.dtype), args.spec.attention_mask)
+        args.cache.check_append(keys, values, args.spec.attention_mask)
     runs = arguments.sizes(args.cache, args.spec, k.shape[2])
     padding = args.spec.attention_mask
     if args.cache is not None and args.cache.padded:  # the cache hands on the padding of every write that had some
         padding = torch.ones(k.shape[0], max(S for _, S in runs), dtype=torch.bool, device=k.device)  # (B, S): only its presence counts
-    taken = args.k.dtype if args.cache is None else args.cache.dtype  # what the keys are attended in
     one_call = _rows_in_one_call(args)
-    plans = [_for_run(args, rows, S, args.k.to(taken), args.v.to(taken), padding)[4] for rows, S in runs
+    plans = [_for_run(args, rows, S, keys, values, padding)[4] for rows, S in runs
              if not (one_call and rows.stop - rows.start == 1)]
     if len(plans) < len(runs):  # one-token rows in one call
         plans.insert(0, Plan("auto", one_call_runner(q.device, args.cache.stored), ROWS_IN_ONE_CALL_WHY, rows_over_own_keys))
