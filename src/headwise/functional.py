@@ -366,7 +366,7 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
             context = call.after_write(*wide, check_cache)  # (B, H, 1, Dv)
         else:  # the write and the attention in one op
             if check_cache:
-                cache.check_write(*wide[1:])
+                cache.check_append(*wide[1:])
             context = call(*wide).view(q.shape[0], 1, q.shape[1], -1).transpose(1, 2)  # (B, H, 1, Dv)
         context = context.to(q.dtype)
         report("context", context)

@@ -202,7 +202,7 @@ def test_caches_that_disagree_are_refused_before_any_layer_writes():
     for pool in pools:
         pool.add(0)
     used = pools[1].batch([0], [5])
-    used.check_write(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))  # (checks only: the batch stays unused)
+    used.check_append(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))  # (checks only: the batch stays unused)
     model(one_token, cache=[pools[0].batch([0], [5]), used])
     pools[0].crop(0, 0)
     pools[1].crop(0, 0)

@@ -254,14 +254,10 @@ class PagedBatch:
 
     def check_append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> None:
         """What ``append`` checks of the packed keys and values (1, Hkv, T, D), the pool's room included: TypeError or
-        ValueError naming the problem; nothing written (``headwise.plan``)."""
+        ValueError naming the problem; nothing written (``headwise.plan``, a model's check of every layer's cache before
+        the first writes)."""
         self._check(k, v, attention_mask)
         self.cache.check_room(self.seq_ids, self.new_tokens)
-
-    def check_write(self, k: Tensor, v: Tensor) -> None:
-        """What ``append`` checks of the new tokens' keys and values (1, Hkv, T, D) without padding: TypeError or
-        ValueError naming the problem; nothing written."""
-        self._check(k, v, None)
 
     def _check(self, k: Tensor, v: Tensor, attention_mask: Tensor | None) -> None:
         cache, T = self.cache, sum(self.new_tokens)

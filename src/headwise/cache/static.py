@@ -279,13 +279,9 @@ class KVCache(Owned, Spendable, Rows):
 
     def check_append(self, k: Tensor, v: Tensor, attention_mask: Tensor | None = None) -> None:
         """What ``append`` checks of the new tokens' keys and values (B, Hkv, T, D) and padding (B, T), the room
-        included: TypeError or ValueError naming the problem; nothing written (``headwise.plan``)."""
+        included: TypeError or ValueError naming the problem; nothing written (``headwise.plan``, a model's check of
+        every layer's cache before the first writes, a step whose op writes the cache itself)."""
         self._check(k, v, attention_mask)
-
-    def check_write(self, k: Tensor, v: Tensor) -> None:
-        """What ``append`` checks of one new token's keys and values (B, Hkv, 1, D) without padding, for a step whose op
-        writes the cache itself (``write_one_unchecked``): TypeError or ValueError naming the problem; nothing written."""
-        self._check(k, v, None)
 
     def append_stored(self, k: Tensor, v: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
         """``append`` of one token's keys and values (B, Hkv, 1, D) without padding, answered with the rows as the

@@ -114,7 +114,7 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
     """A TypeError or ValueError unless every layer's cache takes the call's t new tokens: each layer checks its own
     cache as it writes, so a later layer's refusal would leave the earlier layers' caches written (and caches holding
     different tokens would attend apart, at the first one's positions). Every cache is checked here as its layer's call
-    will check it (``arguments.cache_takes`` and the cache's ``check_write`` of keys of the layer's shape, in the
+    will check it (``arguments.cache_takes`` and the cache's ``check_append`` of keys of the layer's shape, in the
     model's dtype (``weight``'s) on its device: the key heads, head size, dtype, device, window, room, a batch not used
     already); and across layers: ``KVCache``s of one length and padding state, paged batches of the same sequences after
     the same lengths; each cache its own layer's (none given twice, none another module's)."""
@@ -128,7 +128,6 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
             if (c.seq_ids, c.new_tokens, c.starts) != (first.seq_ids, first.new_tokens, first.starts):
                 raise ValueError(f"cache[{i}] batches sequences {c.seq_ids} of {c.new_tokens} new tokens after {c.starts}, cache[0] "
                                  f"{first.seq_ids} of {first.new_tokens} after {first.starts}: one batch per layer of the same tokens")
-            c.cache.check_room(c.seq_ids, c.new_tokens)
         else:
             held, want = (c.k.shape[0], c.k.shape[1], c.head_dim), (b, attn.num_kv_heads, attn.head_dim)
             if held != want:
@@ -141,7 +140,7 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
         keys = keys.expand(b, attn.num_kv_heads, t, attn.head_dim)  # (B, Hkv, T, D) as written: no memory
         try:
             arguments.cache_takes(c, weight.dtype, _checks.window(attn.window, attn.causal))
-            c.check_write(keys, keys)
+            c.check_append(keys, keys)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cache[{i}] (layer {i}): {e}") from None
 
