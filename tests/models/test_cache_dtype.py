@@ -80,7 +80,9 @@ def test_a_cache_dtype_the_model_cannot_hold_is_refused():
     model = gpt2()
     with pytest.raises(TypeError, match=r"cache_dtype is torch.float16, but the keys and values are torch.float32: a cache holds their dtype, or torch.bfloat16 for float32 ones"):
         model.generate(IDS, max_new_tokens=2, cache_dtype=torch.float16)
-    with pytest.raises(TypeError, match=r"cache_dtype must be a floating-point torch.dtype .*got 'bf16'"):
+    with pytest.raises(TypeError, match=r"cache_dtype must be None, a floating-point torch.dtype \(e.g. torch.bfloat16\) or torch.int8 \(8-bit rows\), got 'bf16'"):
         model.generate(IDS, max_new_tokens=2, cache_dtype="bf16")
+    with pytest.raises(TypeError, match=r"cache_dtype must be None, a floating-point .* or torch.int8 .*got torch.uint8"):
+        model.generate(IDS, max_new_tokens=2, cache_dtype=torch.uint8)
     with pytest.raises(TypeError, match=r"cache_dtype is torch.float32, but the keys and values are torch.bfloat16"):
         model.bfloat16().new_paged_caches(4, 4, torch.float32)

@@ -288,3 +288,116 @@ def test_new_caches_checks_max_len_when_every_layer_slides(max_len):
         with pytest.raises((TypeError, ValueError), match=r"max_len must be a positive int"):
             model.new_caches(2, max_len)
     assert [c.max_len for c in llama(windows=(4, 4)).new_caches(2, 9)] == [4, 4]
+
+
+def _varied(model):
+    """The model with weights large enough that a change to any part changes its greedy tokens."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 1.0 if ("wte" in name or "embed" in name or "lm_head" in name) else 0.6)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _scaled_forward(module):
+    """Set a forward on the instance, as accelerate's hooks do: the module's output times 1.5."""
+    base = module.forward
+    module.forward = lambda *args, **kwargs: base(*args, **kwargs) * 1.5
+
+
+def _parts(model, name):
+    blocks = model.blocks if hasattr(model, "blocks") else model.model.layers
+    if name == "norm":
+        return [b.ln_1 if hasattr(b, "ln_1") else b.input_layernorm for b in blocks]
+    return [b.mlp.c_proj if hasattr(b.mlp, "c_proj") else b.mlp.down_proj for b in blocks]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("part", ["norm", "projection"])
+@torch.no_grad()
+def test_a_forward_set_on_a_part_is_run_by_generate_and_the_batcher(name, part):
+    """A norm's or a projection's ``forward`` set on the instance: ``generate``'s steps and the ``Batcher``'s (whose
+    unchecked step runs a layer's parts in one op) run it, set before the call or between steps (inside ``on_token``,
+    or between two of the Batcher's steps): the tokens of the model's own forward over the whole sequence each step."""
+    from headwise.models import Batcher
+
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+
+    def made(patched):
+        model = _varied(MODELS[name]())
+        for module in _parts(model, part) if patched else ():
+            _scaled_forward(module)
+        return model
+
+    def full_forward(model):  # greedy through the whole sequence each step: no cache, no kept step
+        ids = prompt
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+        return ids[0, 7:].tolist()
+
+    want = full_forward(made(True))
+    assert want != full_forward(made(False))  # the forward set changes the tokens
+    model = made(True)
+    assert not trusts(model)
+    assert model.generate(prompt, max_new_tokens=12)[0, 7:].tolist() == want
+    model = made(True)
+    batcher = Batcher(model, num_blocks=10, block_size=4)
+    batcher.submit(prompt[0], 12)
+    assert [t for _, t in batcher.stream()] == want
+
+    def patched_mid_run(checked):  # the forward set after the fourth token: the checked steps' tokens (the cache keeps
+        model, count = made(False), [0]  # the earlier keys, made before it)
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] == 4:
+                for module in _parts(model, part):
+                    _scaled_forward(module)
+
+        return model.generate(prompt, max_new_tokens=12, on_token=on_token)[0, 7:].tolist()
+
+    want = patched_mid_run(True)
+    assert want != made(False).generate(prompt, max_new_tokens=12)[0, 7:].tolist()
+    assert patched_mid_run(False) == want
+    model = made(False)
+    batcher, got = Batcher(model, num_blocks=10, block_size=4), []
+    batcher.submit(prompt[0], 12)
+    while batcher.pending:
+        got += [t for _, t in batcher.step()]
+        if len(got) == 4:
+            for module in _parts(model, part):
+                _scaled_forward(module)
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@torch.no_grad()
+def test_a_weight_on_token_writes_through_data_is_read_from_the_next_step(name):
+    """``on_token`` scaling every matrix through ``.data`` (an EMA's write) after the third and sixth tokens: the
+    eager unchecked steps (which keep packed copies of the weights) give the checked steps' tokens."""
+
+    def run(checked, writes=True):
+        model = _varied(MODELS[name]())
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+        count = [0]
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] in (3, 6):
+                for pname, p in model.named_parameters():
+                    if p.ndim == 2 and "wte" not in pname and "embed" not in pname:
+                        p.data.mul_(1.3)
+
+        prompt = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+        return model.generate(prompt, max_new_tokens=10, on_token=on_token if writes else None)[0, 6:].tolist()
+
+    want = run(True)
+    assert want != run(True, writes=False)  # the writes change the tokens
+    assert run(False) == want

@@ -72,7 +72,9 @@ class Batcher:
             longer prompt is admitted all the same and fed in chunks over several steps.
         cache_dtype: what the pools hold, as ``model.generate``'s: None = the model's dtype;
             ``torch.bfloat16`` for a float32 model (half the bytes a token keeps; a request's tokens then
-            equal ``generate(..., cache_dtype=torch.bfloat16)``'s), or ``torch.int8`` for a float32 or bfloat16
+            equal ``generate(..., cache_dtype=torch.bfloat16)``'s to bfloat16's rounding: a prompt fed in chunks
+            attends in other kernels than one fed whole, so where two logits tie to that precision the greedy
+            token can differ, as for a bfloat16 model: docs/use/serving.md), or ``torch.int8`` for a float32 or bfloat16
             model (8-bit rows, a little over a quarter of float32's bytes: ``generate(..., cache_dtype=torch.int8)``'s tokens).
         compile: where headwise's C++ decode kernel is not built, every layer attends the running
             requests' next tokens over a bfloat16 pool in one call compiled by ``torch.compile`` at the

@@ -167,6 +167,8 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
         if dtype == torch.int8:
             _checks.cache_dtype("cache_dtype=torch.int8", torch.float32, computed, rows8=True)
             return dtype
-        _checks.floating_dtype("cache_dtype", dtype)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"cache_dtype must be None, a floating-point torch.dtype (e.g. torch.bfloat16) or torch.int8 "
+                            f"(8-bit rows), got {dtype!r}")
         _checks.cache_dtype("cache_dtype", dtype, computed)
         return dtype

@@ -127,7 +127,8 @@ class GenerationMixin:
                 the prompt pass. The tensor is the one ``generate`` keeps: read or copy it, do not change
                 it in place. Its return value is ignored. A weight it changes is read by the eager steps
                 from the next step on, by a ``compile=True`` step from the next call (its graph is checked
-                against the weights once a call).
+                against the weights once a call); a hook, a module's ``forward`` or a training mode it sets
+                makes the steps from the next on checked forwards (``trusts``).
 
         Returns:
             (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
@@ -165,6 +166,9 @@ class GenerationMixin:
             tokens.append(token[:, None])  # (B, 1)
             if on_token is not None:
                 on_token(token)
+                weight_cache.verify()  # a weight it wrote through .data: the kept copies made again
+                if not check and not trusts(self):  # a hook, a forward, a mode or an observer it set: checked steps from here
+                    check, run_step = True, decode_step(self, compile, True)
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
@@ -215,18 +219,19 @@ def trusts(model: object) -> bool:
     positions, into caches it made with room for every new token: nothing a check could catch
     changes between steps, as long as nothing outside the model's own code sees or changes what
     a layer is given: no forward hooks (they may change a layer's input), a ``forward`` that is
-    the class's own (one replaced on the model, e.g. by ``torch.compile(model.forward)``, is the
-    caller's), nobody observing (``headwise.observe`` reads the checked core's steps) and eval mode
+    the class's own on the model and on every submodule (one set on an instance, e.g. by
+    ``torch.compile(model.forward)`` or accelerate's hooks, is the caller's code: the unchecked
+    step, which runs a layer's parts in one op, would pass it by), nobody observing (``headwise.observe`` reads the checked core's steps) and eval mode
     (the unchecked core runs no dropout). Otherwise every forward checks its arguments.
     """
-    if not isinstance(model, torch.nn.Module) or "forward" in vars(model) or observing():
+    if not isinstance(model, torch.nn.Module) or observing():
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
     seen, todo = {id(model)}, [model]  # every submodule once, as ``model.modules()`` gives them (a walk of half its cost:
     while todo:  # the ``Batcher`` asks this every step)
         m = todo.pop()
-        if m.training or m._forward_hooks or m._forward_pre_hooks:
+        if m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return False
         for child in m._modules.values():
             if child is not None and id(child) not in seen:
