@@ -331,10 +331,12 @@ def test_alibi_of_float32_slopes_on_float64_inputs_is_float64_exact(backend):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", ["padding", "bool mask", "float mask"])
-def test_alibi_over_far_keys_in_half_precision_keeps_the_precision_of_math(dtype, mask):
+@pytest.mark.parametrize("sinks", [None, -52.0], ids=["no-sink", "sink"])  # a sink level with the kept keys
+def test_alibi_over_far_keys_in_half_precision_keeps_the_precision_of_math(dtype, mask, sinks):
     """Where the keys that carry the weight lie far from the query (the near ones padded or masked away), their ALiBi
     bias is large: narrowed to a 16-bit dtype as it stands it rounds by 0.5-1 (bfloat16 at 64-256), so the fused
-    blocks took each row's largest bias off first. Every backend within twice math's error of float64 here."""
+    blocks take each row's largest bias off first (with a sink, its share then of the row's logits as given). Every
+    backend within twice math's error of float64 here, the sink's gradient too."""
     g = torch.Generator().manual_seed(0)
     S, T, D = 200, 2, 8  # D = 8 and two queries: not the prompt kernel's, the fused blocks'
     q, k, v = (torch.randn(1, 1, n, D, generator=g).to(dtype) for n in (T, S, S))
@@ -343,10 +345,21 @@ def test_alibi_over_far_keys_in_half_precision_keeps_the_precision_of_math(dtype
     near[0, :60] = True  # the keys kept lie 140 or more positions before the queries
     kw = {"padding": {"attention_mask": near}, "bool mask": {"mask": near[:, None, None, :].expand(1, 1, T, S)},
           "float mask": {"mask": torch.zeros(1, 1, T, S).masked_fill(~near[:, None, None, :], -math.inf)}}[mask]
+    if sinks is not None:
+        sink = torch.tensor([sinks], requires_grad=True)
+        kw["sinks"] = sink
     want = variant_attention(q.double(), k.double(), v.double(), alibi_slopes=slopes, **kw)
-    errors = {backend: float((hw.attention(q, k, v, alibi_slopes=slopes, backend=backend, **kw).double() - want).abs().max())
-              for backend in ("math", "sdpa", "auto")}
+    errors, grads = {}, {}
+    for backend in ("math", "sdpa", "auto"):
+        out = hw.attention(q, k, v, alibi_slopes=slopes, backend=backend, **kw)
+        errors[backend] = float((out.double() - want).abs().max())
+        if sinks is not None:
+            grads[backend] = torch.autograd.grad(out.float().sum(), sink)[0]
     assert errors["sdpa"] <= 2 * errors["math"] + 1e-3 and errors["auto"] <= 2 * errors["math"] + 1e-3, errors
+    if sinks is not None:
+        exact = torch.autograd.grad(want.sum(), sink)[0].double()
+        off = {backend: float((grad.double() - exact).abs().max()) for backend, grad in grads.items()}
+        assert off["sdpa"] <= 2 * off["math"] + 1e-2 * float(exact.abs().max()) and off["auto"] <= 2 * off["math"] + 1e-2 * float(exact.abs().max()), off
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

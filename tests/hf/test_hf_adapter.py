@@ -121,9 +121,24 @@ def test_a_position_bias_that_broadcasts_is_added_to_the_scores():
     torch.testing.assert_close(out, want)
 
 
-def test_register_refuses_a_name_that_is_not_a_string():
+def test_register_refuses_a_name_that_is_not_a_string_or_is_transformers_own():
     with pytest.raises(TypeError, match=r"name must be a non-empty str, got 3"):
         headwise.hf.register(3)
+    sdpa = tf.AttentionInterface._global_mapping["sdpa"]
+    for name in ("sdpa", "eager", "flash_attention_2", "paged|eager"):
+        with pytest.raises(ValueError, match=rf"name '{re.escape(name)}' is an attention implementation transformers already has"):
+            headwise.hf.register(name)
+    assert tf.AttentionInterface._global_mapping["sdpa"] is sdpa  # nothing replaced
+    assert headwise.hf.register("headwise") == "headwise"  # again: its own name
+
+
+def test_attend_names_transformers_arguments_where_it_refuses_one():
+    q, k, v = (torch.randn(1, 4, 3, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"sinks must have shape .*as q, k, v, mask, dropout_p, scale and sinks\)$"):
+        headwise.hf.attend(_Layer(), q, k, v, None, s_aux=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"scale must be .*hands transformers' query, key, value, attention_mask \(with position_bias\), "
+                                         r"dropout, scaling and s_aux"):  # fmt: skip
+        headwise.hf.attend(_Layer(), q, k, v, None, scaling=-1.0)
 
 
 def _dropout_logits(implementation: str, p: float, *, train: bool) -> torch.Tensor:

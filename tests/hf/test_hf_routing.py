@@ -124,10 +124,11 @@ def test_load_checks_what_it_loads_and_keeps_the_implementation_to_itself():
     assert type(model).__name__ == "BertModel" and model.config._attn_implementation == NAME
     with pytest.raises(TypeError, match=r"load sets attn_implementation itself \(to headwise\), got attn_implementation='eager'"):
         headwise.hf.load(tf.AutoModel, tf.BertConfig(**ENCODER), attn_implementation="eager")
-    with pytest.raises(
-        TypeError, match=r"BloomForCausalLM does not run every attention layer on headwise: its layers of class BloomAttention"
-    ):
-        headwise.hf.load(tf.AutoModelForCausalLM, tf.BloomConfig(**BLOOM))
+    for allow in ((), {"BloomAttention"}):  # its masks are headwise's, its layers never call it: refused whatever allow says
+        with pytest.raises(TypeError, match=r"attn_implementation='headwise' cannot run 'bloom' models: their attention layers "
+                                            r"\(BloomAttention\) compute attention themselves"):  # fmt: skip
+            headwise.hf.load(tf.AutoModelForCausalLM, tf.BloomConfig(**BLOOM), allow=allow)
+    assert routing.masks_through_interface(tf.BloomConfig) and not routing.masks_through_interface(tf.DebertaV2Config)
 
 
 def test_load_refuses_a_checkpoint_that_leaves_weights_at_their_random_start(tmp_path):

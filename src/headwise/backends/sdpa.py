@@ -76,9 +76,11 @@ class SinkAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
+                shift: Tensor | None = None) -> Tensor:
         o, lse = _flash_forward(q, k, v, mask, is_causal, scale)  # (B, H, T, Dv), (B, H, T)
-        w = sink_share(lse, sinks).unsqueeze(-1)  # (B, H, T, 1) float32
+        whole = lse if shift is None else lse + shift  # (B, H, T): a mask shifted by each row's ``shift`` (its top) put back
+        w = sink_share(whole, sinks).unsqueeze(-1)  # (B, H, T, 1) float32
         y = (o * w).to(o.dtype)  # (B, H, T, Dv)
         ctx.save_for_backward(q, k, v, o, lse, w, y, mask, sinks)
         ctx.is_causal, ctx.scale, ctx.sinks_dtype = is_causal, scale, sinks.dtype
@@ -98,17 +100,19 @@ class SinkAttention(torch.autograd.Function):
         dq, dk, dv = _flash_grads(go, q, k, v, y, lse, mask, ctx.is_causal, ctx.scale)
         share = (g.to(w.dtype) * o.to(w.dtype)).sum(-1) * (w * (1 - w)).squeeze(-1)  # (B, H, T), float32 or wider
         dsinks = -share.sum((0, 2)).to(ctx.sinks_dtype)  # (H,)
-        return dq, dk, dv, dsinks, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None, bias: Tensor | None, is_causal: bool) -> Tensor:
     """One fused call over a block: bool ``allowed`` and float ``bias`` folded into one mask."""
-    mask = allowed
+    mask, shift = allowed, None
     if bias is not None:
-        if bias.dtype != q.dtype and bias.shape[-1] and spec.sinks is None:  # narrowed: each row's largest bias taken off first (a sink's logit is not shifted with them)
+        if bias.dtype != q.dtype and bias.shape[-1]:  # narrowed: each row's largest bias taken off first
             seen = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)  # (B?, H?, t, s)
-            top = seen.amax(-1, keepdim=True)  # (B?, H?, t, 1); softmax does not see a row's constant
-            bias = bias - top.masked_fill(~torch.isfinite(top), 0.0)  # the keys that carry the weight keep the finest steps
+            top = seen.amax(-1, keepdim=True).detach()  # (B?, H?, t, 1); softmax does not see a row's constant
+            top = top.masked_fill(~torch.isfinite(top), 0.0)
+            bias = bias - top  # the keys that carry the weight keep the finest steps
+            shift = top.squeeze(-1)  # (B?, H?, t): a sink's share is of the row's logits as given (SinkAttention)
         bias = bias.to(q.dtype)  # (B?, H?, t, s)
         mask = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
     if spec.sinks is None:
@@ -121,7 +125,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     if mask is not None:
         mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B?, H?, t?, s?)
         mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], k.shape[2])  # (B?, H?, t, s)
-    return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale)  # (B, H, t, Dv)
+    return SinkAttention.apply(q, k, v, spec.sinks, mask, is_causal, spec.scale, shift)  # (B, H, t, Dv)
 
 
 def _folded(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:

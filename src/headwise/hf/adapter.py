@@ -107,6 +107,12 @@ def register(name: str = "headwise") -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     transformers = require("transformers", "hf", "running transformers models on headwise")
+    mappings = (transformers.AttentionInterface._global_mapping, transformers.AttentionMaskInterface._global_mapping)
+    taken = {n for mapping in mappings for n, f in mapping.items() if getattr(f, "__module__", "").startswith("transformers.")}
+    if name in taken or name.split("|")[-1] == "eager":  # transformers' own (eager is its models' code, in no mapping)
+        raise ValueError(f"name {name!r} is an attention implementation transformers already has (one of {sorted(taken | {'eager'})}): "
+                         "registering headwise under it would run every model loaded with it in this process on headwise; "
+                         "choose another name (by default 'headwise')")
     transformers.AttentionInterface.register(name, attend)
     transformers.AttentionMaskInterface.register(name, mask)
     return name
@@ -296,11 +302,21 @@ def attend(
         position_bias = None if position_bias is None else position_bias[..., :T]  # (B, H, T, T)
     bias = _with_bias(attention_mask, position_bias)  # (B, 1 or H, T, S) or None
     terms = dict(causal=causal, window=window, mask=bias, attention_mask=real, softcap=softcap, sinks=s_aux, scale=scaling)
-    context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
+    try:
+        context = attention(query, key, value, dropout_p=float(dropout), **terms)  # (B, H, T, Dv)
+    except (TypeError, ValueError) as e:
+        if type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(f"{e} ({_NAMES})") from None
     weights = attention_weights(query, key, **terms) if _weights_wanted(kwargs) else None  # (B, H, T, S or T)
     if weights is not None and weights.shape[-1] < S:  # the empty slots cut off above: weight 0 each, as eager gives them
         weights = F.pad(weights, (0, S - weights.shape[-1]))  # (B, H, T, S)
     return context.transpose(1, 2), weights  # (B, T, H, Dv)
+
+
+#: What ``attend``'s refusals (``headwise.attention``'s) call transformers' arguments.
+_NAMES = ("headwise.hf.attend hands transformers' query, key, value, attention_mask (with position_bias), dropout, scaling "
+          "and s_aux to headwise.attention as q, k, v, mask, dropout_p, scale and sinks")
 
 
 def _refuse(kwargs: dict) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._optional import require
 from .adapter import attend, register
-from .routing import computes_attention_itself
+from .routing import computes_attention_itself, masks_through_interface, refuse_never_routed
 
 
 def check(model: nn.Module, *, allow: Iterable[str] = ()) -> nn.Module:
@@ -63,6 +63,9 @@ def check(model: nn.Module, *, allow: Iterable[str] = ()) -> nn.Module:
             f"{type(model).__name__} does not run on headwise: {where}; load it with "
             "attn_implementation=headwise.hf.register(), or call model.set_attn_implementation(...) with that name"
         )
+    for part in parts:  # masks built by headwise.hf.mask for layers none of which calls attend: the first forward would raise
+        if masks_through_interface(type(part.config)):  # (so no allow= runs it)
+            refuse_never_routed(part.config)
     own = sorted({type(m).__name__ for m in model.modules() if computes_attention_itself(type(m))} - set(allow))
     if own:
         raise TypeError(

@@ -25,6 +25,9 @@ from torch import nn
 ATTENTION_NAME = re.compile(r"Attention|Attn")
 #: In a class's source: it hands attention to transformers' AttentionInterface.
 ROUTES = re.compile(r"ALL_ATTENTION_FUNCTIONS|attention_interface")
+#: In a model file's source: it builds its masks through transformers' mask interface (``headwise.hf.mask``).
+MASKS = re.compile(r"create_causal_mask|create_sliding_window_causal_mask|create_bidirectional_mask|create_masks_for_generate|"
+                   r"ALL_MASK_ATTENTION_FUNCTIONS")
 #: In a class's source: it computes attention weights itself.
 COMPUTES = re.compile(r"[sS]oftmax\(|scaled_dot_product_attention\(|flash_attn")
 
@@ -77,6 +80,18 @@ def never_routed(config_class: type) -> tuple[str, ...]:
     if any(routes(c) for c in classes):
         return ()
     return tuple(sorted(c.__name__ for c in classes if computes_attention_itself(c)))
+
+
+@functools.cache
+def masks_through_interface(config_class: type) -> bool:
+    """Whether the model file beside ``config_class`` builds its masks through transformers' mask interface, so that
+    ``headwise.hf.mask`` builds them (and refuses an architecture that ``never_routed`` names, at its first forward).
+    False when the file is not loaded or cannot be read."""
+    module = sys.modules.get(config_class.__module__.replace(".configuration_", ".modeling_"))
+    try:
+        return module is not None and MASKS.search(inspect.getsource(module)) is not None
+    except (OSError, TypeError):
+        return False
 
 
 def refuse_never_routed(config: object) -> None:
