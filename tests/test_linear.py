@@ -488,3 +488,61 @@ def test_onednns_self_test_is_not_fooled_by_the_callers_autocast():
         pytest.skip("oneDNN's private ops fail here")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert onednn.ops_error.__wrapped__(torch.float32) is None
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_forward_mode_tangent_is_carried_on_every_path(linear_path, grad):
+    """``torch.autograd.forward_ad``: a dual x's tangent comes out of ``linear``, ``project`` and ``project_many`` as
+    F.linear's (the private ops and kept copies carry none: such a call takes torch's ops), and out of a module."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(300, 600)
+    x, tangent = torch.randn(2, 300, generator=gen), torch.randn(2, 300, generator=gen)
+    want = F.linear(tangent, lin.weight.detach())  # (2, 600): the JVP of x -> x W^T + b
+    with torch.set_grad_enabled(grad), fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        for got in (hl.linear(dual, lin.weight, lin.bias), hl.project(lin, dual), hl.project_many([lin, lin], dual)[1]):
+            torch.testing.assert_close(fwAD.unpack_dual(got).tangent, want, rtol=1e-5, atol=1e-5)
+    mha = hw.MultiHeadAttention(64, 64, 8, 0.0, 4).eval()
+    xm, tm = torch.randn(1, 5, 64, generator=gen), torch.randn(1, 5, 64, generator=gen)
+    with torch.set_grad_enabled(grad), fwAD.dual_level():
+        got = fwAD.unpack_dual(mha(fwAD.make_dual(xm, tm))).tangent
+    wide = hw.MultiHeadAttention(64, 64, 8, 0.0, 4).double().eval()
+    wide.load_state_dict(mha.state_dict())
+    with torch.no_grad(), fwAD.dual_level():
+        exact = fwAD.unpack_dual(wide(fwAD.make_dual(xm.double(), tm.double()))).tangent
+    torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-5)
+
+
+def test_a_second_derivative_runs_through_every_path(linear_path):
+    """A gradient penalty (``create_graph=True``, then a backward through it): oneDNN's backward is differentiable."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 300, generator=gen), torch.randn(600, 300, generator=gen) / 20, torch.randn(600, generator=gen)
+    got, want = [], []
+    for run, out in ((hl.linear, got), (F.linear, want)):
+        leaves = [t.double().requires_grad_() if out is want else t.clone().requires_grad_() for t in (x, w, b)]
+        y = run(*leaves)
+        (gx,) = torch.autograd.grad((y**2).sum(), leaves[0], create_graph=True)
+        out += torch.autograd.grad(gx.pow(2).sum(), leaves[1:])
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_x_runs_as_f_linear_does():
+    lin = torch.nn.Linear(300, 600)
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).relu()
+    with torch.no_grad():
+        for sparse in (x.to_sparse(), x.to_sparse_csr()):
+            torch.testing.assert_close(hl.project(lin, sparse), F.linear(x, lin.weight, lin.bias))
+
+
+def test_project_many_names_a_layer_of_another_width():
+    a, b = torch.nn.Linear(300, 600), torch.nn.Linear(200, 600)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"layers\[1\] takes x \(\.\.\., K=200\) \(its weight is \(600, 200\)\), but x "
+                                                                            r"has shape \(40, 300\): project_many's layers share one input width"):  # fmt: skip
+            hl.project_many([a, b], torch.randn(40, 300))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"layers\[0\] takes x \(\.\.\., K=300\) .*but x has shape \(1, 299\)"):
+        hl.project_many([a, a], torch.randn(1, 299))

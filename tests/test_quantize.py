@@ -190,7 +190,7 @@ def test_int8_weights_converts_every_projection_and_the_lm_head(name):
 def test_a_weight_that_is_not_finite_is_refused_by_name_and_the_model_is_unchanged(bad):
     """A NaN or infinity would make its row's scale, and every output of that row, NaN: refused where it is rounded, and
     ``int8_weights`` makes every layer before it sets any, so the model is left as it was."""
-    with pytest.raises(ValueError, match=r"weight must be finite to round to int8, got 1 NaN or infinite value\(s\), the first at \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"weight must be finite in float32 to round to int8, got 1 NaN or infinite value\(s\), the first at \[1, 2\]"):
         Int8Linear(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, bad]]))
     model = llama(tied=True)
     with torch.no_grad():

@@ -21,6 +21,7 @@ import operator
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 
@@ -225,11 +226,14 @@ def attention_mask(
 
 
 def transformed(*tensors: Tensor | None) -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) wraps any of these tensors: then only
-    torch's own ops run (the library's autograd Functions, C++ ops and packed weights do not take wrapped tensors)."""
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) wraps any of these tensors, or one carries
+    a forward-mode tangent (``torch.autograd.forward_ad``): then only torch's own ops run (the library's autograd
+    Functions, C++ ops and packed weights neither take wrapped tensors nor carry a tangent)."""
     if torch.compiler.is_compiling():
         return False
-    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    if any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return True
+    return _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def has_values(t: Tensor) -> bool:

@@ -301,7 +301,8 @@ class Int8Linear(AllOrNothing, nn.Module):
         w = weight.detach().float()  # (N, K)
         if _checks.has_values(w) and not (finite := torch.isfinite(w)).all():  # a NaN or inf: its row NaN (meta: shapes only)
             bad = (~finite).nonzero()  # (count, 2)
-            raise ValueError(f"weight must be finite to round to int8, got {len(bad)} NaN or infinite value(s), the first at "
+            what = "NaN or infinite" if weight.dtype.itemsize <= 4 else "NaN, infinite or past float32's range"  # (scales are float32)
+            raise ValueError(f"weight must be finite in float32 to round to int8, got {len(bad)} {what} value(s), the first at "
                              f"[{bad[0, 0].item()}, {bad[0, 1].item()}]")  # fmt: skip
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,): a zero row keeps scale > 0
         self._hold((w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales, None if bias is None else bias.detach().clone())

@@ -23,7 +23,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from .._checks import transformed
 from .weight_cache import PACKED, cached, watchable
@@ -133,11 +132,14 @@ class OneDNNLinear(torch.autograd.Function):
         return inner_product(x, weight, None if bias is None else bias.contiguous())  # (..., N)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         N, K = weight.shape
         grad2d = grad.reshape(-1, N).contiguous()  # (M, N): out.sum() and out.mean() give an expanded (stride-0) gradient
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative's ops, which autograd records
+            grad_x = (grad2d @ weight).view(x.shape) if ctx.needs_input_grad[0] else None  # (..., K)
+            grad_w = grad2d.t() @ x.reshape(-1, K) if ctx.needs_input_grad[1] else None  # (N, K)
+            return grad_x, grad_w, grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = inner_product(grad2d, weight.t(), None).view(x.shape)  # (M, N) x ((K, N) transposed-contiguous) -> (..., K)

@@ -129,7 +129,7 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     (a compiled step's while ``torch.compile`` traces, else the eager ones),
     x (..., K) with K > 0, weight (N, K), bias (N,) of x's dtype or None (None for an int8 weight)."""
     return (
-        x.device.type == "cpu" and weight.device.type == "cpu"
+        x.device.type == "cpu" and weight.device.type == "cpu" and x.layout is torch.strided
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
                               and tuple(bias.shape) == (weight.shape[0],)))

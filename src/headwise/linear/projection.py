@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
+from .._checks import transformed
 from . import onednn, panels
 from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
@@ -183,6 +184,7 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     """
     if (ready := _ready(layers, x)) is not None:
         return list(ready(x).split_with_sizes(ready.sizes, -1))  # (..., N_i) each (Tensor.split, less its Python)
+    _same_width(layers, x)
     if len(layers) > 1 and _stackable(layers):
         return _project_stacked(layers, x)
     if len(layers) < 2 or _global_module_hooks() or not all(type(layer) is nn.Linear and _unhooked(layer) for layer in layers):
@@ -204,6 +206,17 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     else:
         y = linear(x, *_stacked(weights, biases))  # (..., sum N)
     return list(y.split(sizes, dim=-1))  # (..., N_i) each
+
+
+def _same_width(layers: Sequence[nn.Module], x: Tensor) -> None:
+    """A ValueError naming the first layer whose (N, K) weight does not take x (..., K) (a stacked weight's error would
+    name none of them)."""
+    k = x.shape[-1] if isinstance(x, Tensor) and x.ndim else None
+    for i, layer in enumerate(layers):
+        w = getattr(layer, "weight", None)
+        if isinstance(w, Tensor) and w.ndim == 2 and w.shape[1] != k:
+            raise ValueError(f"layers[{i}] takes x (..., K={w.shape[1]}) (its weight is {tuple(w.shape)}), but x has shape "
+                             f"{tuple(x.shape)}: project_many's layers share one input width, x's last dimension")
 
 
 class Ready:
@@ -343,6 +356,8 @@ def _decode_call(x: Tensor) -> bool:
     """An eager inference call of 1..``DECODE_ROWS`` rows of a plain strided x, outside the CPU's autocast (which casts
     the full path's operands, where a kept call's packed weight would not)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
+        return False
+    if transformed(x):  # a forward-mode tangent on x: torch's ops carry it
         return False
     if under_cpu_autocast(x):
         return False
