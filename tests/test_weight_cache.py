@@ -223,3 +223,41 @@ def test_a_weight_replaced_twice_is_seen_where_the_new_one_lands_at_the_old_addr
             assert torch.equal(model(ids[:, :1], cache=caches), fresh(ids[:, :1], cache=fresh_caches))
     if not reused:
         pytest.skip("the allocator never put the new weight at the old one's address (nothing to tell apart)")
+
+
+def test_release_drops_every_weak_reference_so_torch_can_swap_the_tensors():
+    """``torch.utils.swap_tensors`` (``Module.to`` and ``load_state_dict`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that has a weak reference, which
+    what headwise keeps holds on every weight it read: ``headwise.linear.release(module)`` drops them; the copies are
+    made again at the next call, from the converted weights."""
+    import weakref
+
+    from headwise import GPT2Config
+    from headwise.linear import release
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+    mha = hw.MultiHeadAttention(64, 64, 8, 0.0, 4).eval()
+    ids, x = torch.randint(0, 97, (1, 5)), torch.randn(1, 1, 64)
+    tokens = model.generate(ids, max_new_tokens=5)
+    with torch.no_grad():
+        mha(x)
+    assert any(weakref.getweakrefcount(p) for p in (*model.parameters(), *mha.parameters()))
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for module in (model, mha):
+            release(module)
+            assert not any(weakref.getweakrefcount(t) for t in (*module.parameters(), *module.buffers()))
+            module.double()
+        with torch.no_grad():
+            before = mha(x.double())
+            mha.out_proj.weight.mul_(2)  # written after the conversion: the next call reads it
+            wide = mha(x.double())
+            fresh = copy.deepcopy(mha)(x.double())  # (a copy starts with nothing kept)
+        assert torch.equal(wide, fresh) and not torch.equal(wide, before)
+        assert torch.equal(model.generate(ids, max_new_tokens=5), tokens)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got Tensor"):
+        release(torch.zeros(1))

@@ -14,12 +14,13 @@ nothing timed:
   Function whose backward GEMMs run on oneDNN too, the packed weight;
 - ``panels``: the panels GEMM, its packing, the weight packed once (eager) or when a graph is compiled;
 - ``weight_cache``: what is made from weights (packed, stacked), kept until a weight changes;
-- ``projection``: ``linear``, ``project``, ``project_many``, the entry points the layers call;
+- ``projection``: ``linear``, ``project``, ``project_many``, the entry points the layers call (``release``: what is
+  kept for a module dropped, for torch's ``swap_tensors``);
 - ``custom_ops``: the opaque ops a compiled inference call runs them as.
 """
 
 from . import custom_ops  # noqa: F401  (registers headwise::linear and headwise::linear_many)
-from .projection import linear, owns_output, project, project_many
+from .projection import linear, owns_output, project, project_many, release
 from .rule import (
     AVX2_ROWS,
     AVX2_WIDE_ROWS,
@@ -42,5 +43,5 @@ from .rule import (
 
 __all__ = [
     "AVX2_ROWS", "AVX2_WIDE_ROWS", "DECODE_ROWS", "ENV", "GEMV_ROWS", "MIN_DECODE_WEIGHT", "MIN_ROWS", "PATHS", "TESTED_TORCH", "choose", "choose_few_rows", "cpu",
-    "describe", "linear", "owns_output", "path_for", "project", "project_many", "set_path", "use_path", "uses_onednn",
+    "describe", "linear", "owns_output", "path_for", "project", "project_many", "release", "set_path", "use_path", "uses_onednn",
 ]

@@ -12,7 +12,6 @@ AVX512-BF16), else ``F.linear``; inductor packs the frozen weights for either on
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -22,10 +21,10 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
 from .._checks import transformed
-from . import onednn, panels
+from . import onednn, panels, weight_cache
 from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
-from .weight_cache import READY, STACKED, cached, state, watch, watchable
+from .weight_cache import READY, STACKED, at_death, cached, state, watch, watchable
 
 _frozen = threading.local()  # .on: this thread runs a graph whose weights inductor freezes (``freezing``)
 
@@ -380,7 +379,7 @@ def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Ca
         watch(params)  # every tensor the kept call read (an int8 layer's scales and bias, stacked copies): a write through .data is seen too
         if entry is None:
             for owner in owners:
-                weakref.finalize(owner, READY.pop, key, None)
+                at_death(owner, READY.pop, key, None)
         READY[key] = made
     return made
 
@@ -475,6 +474,16 @@ def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
         return [layer(x) for layer in layers]
     y = stacked(x)  # (..., sum N)
     return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))  # (..., N_i) each
+
+
+def release(module: nn.Module) -> None:
+    """Drop what headwise keeps for ``module``'s parameters and buffers and for the module and its submodules (packed,
+    stacked copies, decisions) with every weak reference to them: for torch's ``swap_tensors``, which refuses a tensor
+    that has one, so a module converted or loaded by swapping (``torch.__future__.set_swap_module_params_on_conversion
+    (True)``) after a headwise call is released first. The next call makes them again."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    weight_cache.release([*module.parameters(), *module.buffers(), *module.modules()])
 
 
 def owns_output(layer: nn.Module) -> bool:

@@ -21,7 +21,7 @@ import ctypes
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -36,6 +36,7 @@ READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path se
 WATCHED: dict[int, tuple] = {}  # id(tensor) -> (a weak reference to it, its storage pointer, its bytes or None, its sample)
 EPOCH: dict[int, int] = {}  # id(tensor) -> how many times ``verify`` found its sample changed
 SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the tensor dies
+FINALIZERS: dict[int, list[weakref.finalize]] = {}  # id(tensor) -> what runs when it dies (``release`` runs them early)
 _SERIALS = itertools.count(1)
 SPAN = 64  # bytes sampled at each end of a tensor
 _scope = threading.local()  # .on: inside ``verified()``, where ``verify`` was run once already
@@ -60,7 +61,7 @@ def serial(t: Tensor) -> int | None:
     number = SERIAL.get(key)
     if number is None and not torch.compiler.is_compiling():
         number = SERIAL[key] = next(_SERIALS)
-        weakref.finalize(t, SERIAL.pop, key, None)
+        at_death(t, SERIAL.pop, key, None)
     return number
 
 
@@ -97,8 +98,30 @@ def watch(tensors: Sequence[Tensor]) -> None:
         if t.is_meta or (known is not None and known[1] == t.data_ptr()):
             continue
         if known is None:
-            weakref.finalize(t, _forget, key)
+            at_death(t, _forget, key)
         WATCHED[key] = (weakref.ref(t), t.data_ptr(), *sample(t))
+
+
+def at_death(t: object, func: Callable, *args: object) -> None:
+    """``func(*args)`` when ``t`` (a tensor, a module) dies, or at ``release([t])``."""
+    key = id(t)
+    held = FINALIZERS.get(key)
+    if held is None:
+        held = FINALIZERS[key] = [weakref.finalize(t, FINALIZERS.pop, key, None)]
+    held.append(weakref.finalize(t, func, *args))
+
+
+def release(tensors: Iterable[object]) -> None:
+    """Drop what is kept for ``tensors`` (their packed and stacked copies, their samples) and every weak reference to
+    them, as if they had died: ``torch.utils.swap_tensors`` refuses a tensor that has one, so a module converted or
+    loaded by swapping (``torch.__future__.set_swap_module_params_on_conversion(True)``) after a headwise call is
+    released first (``headwise.linear.release(module)``). The next call makes the copies again."""
+    for t in tensors:
+        key = id(t)
+        for finalizer in FINALIZERS.pop(key, ())[::-1]:  # (run: its callback once, its weak reference dropped)
+            finalizer()
+        WATCHED.pop(key, None)  # its weak reference
+        EPOCH.pop(key, None)
 
 
 def _forget(key: int) -> None:
@@ -159,7 +182,7 @@ def cached(cache: dict, owners: Sequence[Tensor], make: Callable[[], object]) ->
     entry = cache.get(ids)
     if entry is None:
         for t in owners:
-            weakref.finalize(t, cache.pop, ids, None)
+            at_death(t, cache.pop, ids, None)
     if entry is None or entry[0] != now:
         watch(owners)
         entry = cache[ids] = (now, make())
