@@ -280,6 +280,8 @@ def test_nonfinite_names_the_first_bad_tensor_and_allows_the_mask():
     ({"num_tokens": True}, TypeError, r"num_tokens must be a positive int, got True"),
     ({"num_heads": 0}, ValueError, r"num_heads must be a positive int, got 0"),
     ({"d_in": 2.0}, TypeError, r"d_in must be a positive int, got 2\.0"),
+    ({"num_tokens": 10**6, "d_in": 1, "d_out": 1, "num_heads": 1}, ValueError,  # (4 TB of scores: refused before any is made)
+     r"explain prints every tensor: these sizes make one of 1,000,000,000,000 numbers \(more than 16,777,216\); take fewer num_tokens"),
 ])
 def test_explains_arguments_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):  # torch's own errors (or an IndexError in to_text for batch_size=0) before

@@ -43,6 +43,7 @@ def test_explain_ropes_arguments_are_checked_by_their_own_names():
         ({"head_dim": 1.5}, TypeError, r"head_dim must be a positive int, got 1\.5"),
         ({"theta": -1.0}, ValueError, r"theta must be a number in \(1, inf\), got -1\.0"),
         ({"seed": -1}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got -1"),
+        ({"num_heads": 4096, "head_dim": 4096}, ValueError, r"these sizes make one of 100,663,296 numbers .*take fewer num_heads"),
     ]:
         with pytest.raises(error, match=match):
             explain_rope(**kwargs)

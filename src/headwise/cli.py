@@ -150,8 +150,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
 #: explain's flags, each with its default; ROPE_ONLY and PLAIN_ONLY belong to one of its two modes.
 EXPLAIN_DEFAULTS = {"d_in": 3, "d_out": 2, "heads": 2, "tokens": 6, "batch": 1, "seed": 123, "head_dim": 2}
 ROPE_ONLY, PLAIN_ONLY = ("head_dim",), ("d_in", "d_out", "tokens", "batch", "bidirectional", "softcap", "sinks", "alibi", "documents")
-SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson
-PRINTED = 2**24  # nor more numbers than this in its largest tensor (B * H * T * T scores, B * T * d_in inputs, ...)
+SIZE = 4096  # explain prints every tensor: sizes past this are a typo, not a lesson (nor a tensor past explain.PRINTED)
 
 
 def _flag(dest: str) -> str:
@@ -166,6 +165,8 @@ def _book_tokens() -> int:
 
 def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags of the other mode (--rope or not), then fill in the defaults of the flags not given."""
+    from .explain import PRINTED
+
     given = [dest for dest in (*ROPE_ONLY, *PLAIN_ONLY) if getattr(args, dest) not in (None, False)]
     wrong = [_flag(d) for d in given if d in (PLAIN_ONLY if args.rope else ROPE_ONLY)]
     if wrong:

@@ -31,6 +31,7 @@ BOOK_INPUTS = torch.tensor(
     ]
 )
 BOOK_TOKENS = ("Your", "journey", "starts", "with", "one", "step")
+PRINTED = 2**24  # explain prints every tensor: no more numbers than this in its largest (B * H * T * T scores, ...)
 
 _T = "num_tokens"
 
@@ -209,6 +210,14 @@ def uses_book_inputs(d_in: int, num_tokens: int) -> bool:
     return d_in == 3 and num_tokens <= len(BOOK_INPUTS)
 
 
+def printed(largest: int, fewer: str) -> None:
+    """A ValueError when an explanation's largest tensor holds more than ``PRINTED`` numbers: it prints every one, so
+    such sizes are a typo, not a lesson (``fewer``: what to take less of)."""
+    if largest > PRINTED:
+        raise ValueError(f"explain prints every tensor: these sizes make one of {largest:,} numbers (more than {PRINTED:,}); "
+                         f"take fewer {fewer}")
+
+
 def explain(
     *, d_in: int = 3, d_out: int = 2, num_heads: int = 2, num_tokens: int = 6, batch_size: int = 1, seed: int = 123, causal: bool = True,
     softcap: float | None = None, sinks: bool = False, alibi: bool = False, documents: list[int] | None = None,
@@ -239,6 +248,8 @@ def explain(
     for name, value in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads), ("num_tokens", num_tokens), ("batch_size", batch_size)):
         _checks.positive_int(name, value)  # (by this function's names: num_tokens is the module's context_length)
     _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range
+    printed(max(batch_size * num_tokens * max(d_in, d_out), batch_size * num_heads * num_tokens**2, d_in * d_out),
+            "num_tokens, batch_size or narrower widths")
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_in, d_out, num_tokens, 0.0, num_heads, causal=causal, softcap=softcap, sinks=sinks, alibi=alibi)
     if sinks:

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import _checks
-from .explain import BOOK_INPUTS, Step
+from .explain import BOOK_INPUTS, Step, printed
 from .models.llama import LlamaAttention
 from .models.llama_config import LlamaConfig
 from .observe import observe
@@ -32,6 +32,7 @@ def explain_rope(*, num_heads: int = 2, head_dim: int = 2, theta: float = 10000.
     _checks.positive_int("head_dim", head_dim)
     _checks.number("theta", theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # (LlamaConfig.rope_theta's range)
     _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range, as explain's
+    printed(num_heads * head_dim * len(BOOK_INPUTS), "num_heads or a smaller head_dim")  # its largest: (H, T, D) queries
     config = LlamaConfig(
         vocab_size=1, hidden_size=3, intermediate_size=1, num_hidden_layers=1, num_attention_heads=num_heads,
         head_dim=head_dim, max_position_embeddings=len(BOOK_INPUTS), rope_theta=theta,

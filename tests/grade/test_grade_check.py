@@ -357,3 +357,42 @@ def test_the_got_row_is_the_learners_try_at_the_step_not_a_later_tensor():
     r = grade_here("heads_flipped")["MultiHeadAttention"]
     assert r.step == "scores" and not r.got.endswith("[1.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000]")
     assert r.got == "shape (2, 2, 6, 6), [0, 0, 0, :] = [-0.2276, -0.3453, -0.3421, -0.1899, -0.1881, -0.2335]"
+
+
+@pytest.mark.parametrize(("returned", "hint"), [("", H.NOT_RETURNED), ("context_vec, attn_weights", H.NOT_A_TENSOR)])
+def test_a_forward_that_returns_no_tensor_gets_a_hint_that_says_so(returned, hint, tmp_path):
+    """Every step right, then ``return`` forgotten (None) or a tuple returned: not the wrong-shape hint."""
+    lines = (LEARNERS / "book.py").read_text().splitlines()
+    assert lines[26].strip() == "return context_vec"  # CausalAttention's
+    lines[26] = lines[26].replace("return context_vec", f"return {returned}".rstrip())
+    path = tmp_path / "no_tensor.py"
+    path.write_text("\n".join(lines) + "\n")
+    r = grade_class(load(str(path)).CausalAttention, "CausalAttention", str(path))
+    assert (r.passed, r.step, r.hint) == (False, "output", hint)
+
+
+def test_a_file_that_sets_torchs_defaults_is_graded_in_them(tmp_path):
+    """A learner's float64 default (lecture notes print float64) builds a float64 class, fed float64 input: it passes;
+    the book's reference is built in float32 on the CPU whatever the file set. A meta default device is named."""
+    source = (LEARNERS / "book.py").read_text()
+    path = tmp_path / "float64.py"
+    path.write_text("import torch\ntorch.set_default_dtype(torch.float64)\n" + source)
+    try:
+        results = {name: grade_class(cls, name, str(path)) for name, cls in find_classes(load(str(path)), None)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert results and all(r.passed for r in results.values()), results
+    path = tmp_path / "meta.py"
+    path.write_text(source + "\ntorch.set_default_device('meta')\n")
+    try:
+        r = grade_class(load(str(path)).MultiHeadAttention, "MultiHeadAttention", str(path))
+    finally:
+        torch.set_default_device("cpu")
+    assert not r.passed and "its parameters are on the meta device" in r.error, r
+
+
+def test_a_class_named_twice_is_graded_once_and_an_empty_path_is_refused():
+    report = grade(str(LEARNERS / "book.py"), classes=["CausalAttention", "CausalAttention"])
+    assert [r.name for r in report.results] == ["CausalAttention"] and report.results[0].passed
+    with pytest.raises(ValueError, match=r"path_or_class must name a file \(\.py or \.ipynb\), a folder or a module, got ''"):
+        grade("")

@@ -60,6 +60,8 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if classes is not None and (isinstance(classes, str) or not all(isinstance(c, str) for c in classes)):
         raise TypeError(f"classes must be a list of class names (str), got {classes!r}")
+    if classes is not None:
+        classes = list(dict.fromkeys(classes))  # a name given twice is graded once
     if isinstance(path_or_class, type) or (isinstance(path_or_class, (list, tuple)) and path_or_class):
         objects = [path_or_class] if isinstance(path_or_class, type) else list(path_or_class)
         if not all(isinstance(c, type) for c in objects):
@@ -75,6 +77,8 @@ def grade(path_or_class: str | Path | type | list[type], classes: list[str] | No
         empty = " (an empty one: nothing to grade)" if isinstance(path_or_class, (list, tuple)) else ""
         raise TypeError(f"path_or_class must be a file path, a module path, a class or a list of classes, got {type(path_or_class).__name__}{empty}")
     target = str(path_or_class)
+    if not target.strip():
+        raise ValueError(f"path_or_class must name a file (.py or .ipynb), a folder or a module, got {target!r}")
     if target.endswith(FILES) and not Path(target).is_file():
         return Report(target, problem=f"no such file: {target}")
     from .runner import grade_file

@@ -12,7 +12,7 @@ from . import hints as H
 from .learner import Raised, SetupError, build, kind_of, positional, where
 from .match import attempt, closest, is_scores, matching_probes, step_status
 from .record import Recorder
-from .reference import BOOK_CLASSES, CONFIGS, Config, reference
+from .reference import BOOK_CLASSES, CONFIGS, Config, book_defaults, reference
 from .report import Result
 
 
@@ -65,7 +65,7 @@ def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     ref = reference(kind, config)
     try:
         module = build(cls, kind, config, ref.state, DROPOUT)
-        x = ref.x.float()  # (B, T, d_in)
+        x = _input(ref.x, module)  # (B, T, d_in)
         with torch.no_grad():
             evaluated = module(x)
             trained = _seeded(module.train(), x)
@@ -76,8 +76,10 @@ def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     if not _same(evaluated, want):
         expected, got = _show([evaluated.detach()] if isinstance(evaluated, Tensor) else [], want, False)
         return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got)
-    book = BOOK_CLASSES[kind](*config.args(kind, DROPOUT), backend="math")  # float32, as the learner's x
-    book.load_state_dict({k: v.float() for k, v in ref.state.items()})
+    with book_defaults():
+        book = BOOK_CLASSES[kind](*config.args(kind, DROPOUT), backend="math")
+    book = book.to(x.dtype)  # as the learner's x
+    book.load_state_dict(ref.state)
     with torch.no_grad():
         want_trained = _seeded(book.train(), x).double()
     if _same(trained, want_trained):
@@ -101,7 +103,19 @@ def _seeded(module: torch.nn.Module, x: Tensor) -> object:
 
 def _same(out: object, want: Tensor) -> bool:
     """``out`` a tensor of ``want``'s shape and numbers (float32's rounding); NaN never equal."""
-    return isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5)
+    return isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.detach().double().cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def _input(x: Tensor, module: torch.nn.Module) -> Tensor:
+    """The book's batch (B, T, d_in) in the dtype of the learner's parameters and on their device (float32 where it
+    has none): a file that sets ``torch.set_default_dtype(torch.float64)`` builds a float64 class, and gets float64 x."""
+    p = next((t for t in module.parameters() if t.is_floating_point()), None)
+    if p is None:
+        return x.float()
+    if p.is_meta:
+        raise SetupError("its parameters are on the meta device, which holds no numbers (a torch.set_default_device('meta') "
+                         "left on in the file?): build it on the CPU to grade it")
+    return x.to(device=p.device, dtype=p.dtype)
 
 
 def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool = False) -> Outcome:
@@ -113,14 +127,17 @@ def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool =
     except (Exception, SystemExit) as e:
         raised = where(e, file)
         return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"while building it as the book's {kind} is built{_guessed(cls) if guessed else ''}: {raised.error}"))
-    x = ref.x.float()  # (B, T, d_in)
+    try:
+        x = _input(ref.x, module)  # (B, T, d_in)
+    except SetupError as e:
+        return Outcome(config, "error", raised=Raised(None, None, str(e)))
     try:
         with torch.no_grad(), Recorder() as rec:
             out = module(x)
     except (Exception, SystemExit) as e:  # sys.exit() in forward is the learner's mistake, not the grader's end
         return Outcome(config, "error", raised=where(e, file))
     want = ref.output
-    if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5):
+    if _same(out, want):
         return Outcome(config)
     records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
     status = step_status(records, ref.steps)
@@ -129,7 +146,8 @@ def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool =
         expected, got = _show([out.detach()], want, False)
         return Outcome(config, "output", [H.CHANGED_AFTER], expected, got, steps=status)
     if step is None:  # every step is there, the output too: only what forward returns is off
-        return Outcome(config, "output", [H.WRONG_SHAPE], _row(want, 0), _returned(out, want), steps=status)
+        hint = H.WRONG_SHAPE if isinstance(out, Tensor) else H.NOT_RETURNED if out is None else H.NOT_A_TENSOR
+        return Outcome(config, "output", [hint], _row(want, 0), _returned(out, want), steps=status)
     matched = matching_probes(records, out, H.probes(kind, ref, config), step)
     outcome = Outcome(config, step, H.narrow([p.hint for p, _ in matched]), steps=status)
     shown = next((t for p, t in matched if p.same_kind and t.shape == ref.steps[step].shape), None)

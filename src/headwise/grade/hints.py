@@ -39,6 +39,9 @@ MERGE_TRANSPOSE_23 = ("the heads are merged after transpose(2, 3), which swaps t
                       "back before the heads: context_vec.transpose(1, 2).contiguous().view(b, num_tokens, d_out)")
 NO_OUT_PROJ = "the output is the merged heads as they are: apply self.out_proj to them last"
 WRONG_SHAPE = "right numbers, wrong shape: every step matches the book's, but forward returns them in another shape; return (b, num_tokens, d_out)"
+NOT_RETURNED = "every step matches the book's, but forward returns None: end it with return context_vec, (b, num_tokens, d_out)"
+NOT_A_TENSOR = ("every step matches the book's, but forward returns something else than a tensor (a tuple?): return the "
+                "context vectors alone, one tensor of shape (b, num_tokens, d_out)")
 DROPOUT_IN_EVAL = ("with dropout=0.5 the output changes in eval() mode: dropout must act in training only; use an "
                    "nn.Dropout module (self.dropout = nn.Dropout(dropout)), or F.dropout(..., training=self.training)")
 DROPOUT_NEVER = ("with dropout=0.5 the output in train() mode is the eval() output: dropout is never applied; "

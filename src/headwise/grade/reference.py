@@ -11,6 +11,8 @@ correct code computes: ``queries``, ``queries.view``, ``queries.transpose``, ``s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +97,21 @@ class Reference:
         return self.steps["output"]
 
 
+@contextmanager
+def book_defaults() -> Iterator[None]:
+    """torch's own defaults, float32 on the CPU, for the block: a learner's file may set others for its own code
+    (``torch.set_default_dtype(torch.float64)``, ``torch.set_default_device(...)``), which the book's classes and
+    batch are not built under."""
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    torch.set_default_dtype(torch.float32)
+    torch.set_default_device("cpu")
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
+
+
 def reference(kind: str, config: Config) -> Reference:
     """Build headwise's book class of ``kind`` for ``config`` and record its steps.
 
@@ -103,18 +120,19 @@ def reference(kind: str, config: Config) -> Reference:
         >>> list(ref.steps)[:4], tuple(ref.output.shape)
         (['queries', 'keys', 'values', 'queries.view'], (2, 6, 2))
     """
-    with torch.random.fork_rng():
-        torch.manual_seed(123 if config.seed is None else config.seed)
-        module = BOOK_CLASSES[kind](*config.args(kind), backend="math")
-        if config.seed is None:
-            x = book_batch()  # (2, 6, 3)
-        else:
-            _randomize(module)
-            x = torch.randn(config.batch, config.num_tokens, config.d_in)  # (B, T, d_in)
-    module = module.double().eval()
-    x = x.double()
-    with torch.no_grad():
-        steps = _steps(module, kind, x)
+    with book_defaults():
+        with torch.random.fork_rng():
+            torch.manual_seed(123 if config.seed is None else config.seed)
+            module = BOOK_CLASSES[kind](*config.args(kind), backend="math")
+            if config.seed is None:
+                x = book_batch()  # (2, 6, 3)
+            else:
+                _randomize(module)
+                x = torch.randn(config.batch, config.num_tokens, config.d_in)  # (B, T, d_in)
+        module = module.double().eval()
+        x = x.double()
+        with torch.no_grad():
+            steps = _steps(module, kind, x)
     head_size = config.d_out // config.num_heads if kind == "MultiHeadAttention" else config.d_out
     state = {k: v.detach() for k, v in module.named_parameters()}
     return Reference(x, steps, state, 1 / math.sqrt(head_size))
