@@ -292,9 +292,14 @@ def test_forcing_overrides_the_rule_by_env_and_by_function(machine, monkeypatch)
     monkeypatch.setenv(hl.ENV, "onednn")
     assert hl.choose() == ("onednn", "forced by HEADWISE_LINEAR")
     with hl.use_path("torch"):
-        assert hl.choose() == ("torch", "forced by set_path")
-        assert hl.describe()["float32"] == {"path": "torch", "reason": "forced by set_path"}
+        assert hl.choose() == ("torch", "forced by use_path")
+        assert hl.describe()["float32"] == {"path": "torch", "reason": "forced by use_path"}
     assert hl.choose()[0] == "onednn"
+    previous = hl.set_path("torch")
+    try:
+        assert hl.choose() == ("torch", "forced by set_path")
+    finally:
+        hl.set_path(previous)
     monkeypatch.setenv(hl.ENV, "fast")
     with pytest.raises(ValueError, match=r"HEADWISE_LINEAR must be one of \('auto', 'onednn', 'panels', 'torch'\), got 'fast'"):
         hl.linear(*make())
@@ -546,3 +551,33 @@ def test_project_many_names_a_layer_of_another_width():
             hl.project_many([a, b], torch.randn(40, 300))
     with torch.no_grad(), pytest.raises(ValueError, match=r"layers\[0\] takes x \(\.\.\., K=300\) .*but x has shape \(1, 299\)"):
         hl.project_many([a, a], torch.randn(1, 299))
+
+
+def test_use_path_holds_in_its_own_thread_only():
+    """Two threads' ``use_path`` blocks overlapping (A enters, B enters, A leaves, B leaves): each thread sees its own
+    path inside its block, the other's never, and nothing is left forced after both (a process-wide setting was left
+    at A's path)."""
+    import threading
+
+    before = hl.rule._path_setting()
+    entered, a_left = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def run(name, path, leave_first):
+        with hl.use_path(path):
+            entered.wait()
+            seen[name] = hl.rule._path_setting()
+            if not leave_first:
+                a_left.wait()
+        if leave_first:
+            a_left.set()
+
+    threads = [threading.Thread(target=run, args=("a", "torch", True)), threading.Thread(target=run, args=("b", "onednn", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == {"a": "torch", "b": "onednn"}
+    assert hl.rule._path_setting() == before
+    with pytest.raises(ValueError, match=r"path must be one of \('auto', 'onednn', 'panels', 'torch'\), got 'mkl'"), hl.use_path("mkl"):
+        pass

@@ -57,9 +57,32 @@ def test_without_ninja_the_warning_names_what_installs_it_and_no_build_is_announ
 
     monkeypatch.setattr(cpp_extension, "load", load)
     with caplog.at_level(logging.WARNING, logger="headwise"), pytest.warns(UserWarning) as warned:
-        assert native.built.__wrapped__() is False
+        assert native._build() is False
     assert [str(w.message) for w in warned] == [
         "headwise: the C++ kernels could not be built (ninja, which torch's builder runs, is not installed: "
         "pip install 'headwise[models]' or pip install ninja); decode steps keep torch's kernels and inductor's code"
     ]
     assert "building" not in caplog.text
+
+
+def test_threads_racing_to_the_first_call_build_once(monkeypatch):
+    """Four threads at the first ``built()``: one builds (and announces it), the others wait for its answer."""
+    import threading
+    import time
+
+    calls = []
+
+    def build():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.2)  # a build takes a while: the others arrive meanwhile
+        return True
+
+    monkeypatch.setattr(native, "_ANSWER", [])
+    monkeypatch.setattr(native, "_build", build)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(native.built())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert answers == [True] * 4 and len(calls) == 1

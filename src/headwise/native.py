@@ -19,11 +19,11 @@ takes a kernel before its schema), their CPU kernels in C++.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -54,10 +54,29 @@ def _ninja_on_path() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.cache
+_BUILDING = threading.Lock()  # threads racing to the first call: one builds, the others wait for its answer
+
+
 def built() -> bool:
     """Build (or load from torch's extension cache) the library once a process; False, with one warning, where it
     cannot be built (no compiler, no ninja, no setuptools for torch's builder, a failed build)."""
+    if (answer := _answer()) is not None:
+        return answer
+    with _BUILDING:
+        if (answer := _answer()) is None:
+            answer = _build()
+            _ANSWER.append(answer)
+        return answer
+
+
+_ANSWER: list[bool] = []  # built()'s answer, once given
+
+
+def _answer() -> bool | None:
+    return _ANSWER[0] if _ANSWER else None
+
+
+def _build() -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, which a Python 3.12+ environment may lack
     except ImportError as e:

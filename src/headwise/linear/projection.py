@@ -374,9 +374,14 @@ def _kept(owners: Sequence[object], params: list[Tensor], x: Tensor, prepare: Ca
         return entry
     if not watchable() or any(t.is_inference() for t in params):
         return None
+    # The state and the samples before anything is read from the tensors: a write (another thread's) landing while the
+    # call is prepared leaves them older than the copies, which a later check then remakes; taken after, they could
+    # match the write while the copies hold what was there before it, for good.
+    now = state(params)
+    watch(params)  # every tensor the kept call reads (an int8 layer's scales and bias, stacked copies): a write through .data is seen too
     made = prepare(params)
     if made is not None:
-        watch(params)  # every tensor the kept call read (an int8 layer's scales and bias, stacked copies): a write through .data is seen too
+        made.state = now
         if entry is None:
             for owner in owners:
                 at_death(owner, READY.pop, key, None)

@@ -62,6 +62,7 @@ inductor's GEMMs (torch's int8 GEMM for int8 activations) elsewhere (``describe(
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Iterator
@@ -86,6 +87,7 @@ AVX2_ROWS = 128  # rows up to which a float32 inference call takes the panels wh
 AVX2_WIDE_ROWS = 256  # the same for bfloat16 (and Int8Linear's int8) weights, widened in the panels' registers: from about
 #                       512 rows a float32 GEMM of the operands widened once in memory (``widened``) is level
 _forced: str | None = None  # set_path's value; None = the environment decides
+_scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("headwise_linear_path", default=None)  # use_path's, per thread
 
 
 def set_path(path: str | None) -> str | None:
@@ -103,22 +105,29 @@ def set_path(path: str | None) -> str | None:
 
 @contextlib.contextmanager
 def use_path(path: str) -> Iterator[None]:
-    """``set_path(path)`` inside a ``with`` block, the previous setting restored after it."""
-    previous = set_path(path)
+    """The path of every call inside a ``with`` block, in this thread (and its context) only, over ``set_path``'s and
+    ``HEADWISE_LINEAR``'s; as it was after the block."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    token = _scoped.set(path)
     try:
         yield
     finally:
-        set_path(previous)
+        _scoped.reset(token)
 
 
 def _setting() -> tuple[str, str]:
-    """The setting the rule starts from and where it came from ("set_path", ``ENV`` or "default")."""
+    """The setting the rule starts from and where it came from ("use_path", "set_path", ``ENV`` or "default")."""
     value = _path_setting()
-    return value, "set_path" if _forced is not None else ENV if ENV in os.environ else "default"
+    source = "use_path" if _scoped.get() is not None else "set_path" if _forced is not None else ENV if ENV in os.environ else "default"
+    return value, source
 
 
 def _path_setting() -> str:
-    """``set_path``'s value, else ``HEADWISE_LINEAR``'s, else "auto" (read on every call: one dict lookup)."""
+    """``use_path``'s value in this thread, else ``set_path``'s, else ``HEADWISE_LINEAR``'s, else "auto" (read on every
+    call: a context variable and one dict lookup)."""
+    if (scoped := _scoped.get()) is not None:
+        return scoped
     if _forced is not None:
         return _forced
     value = os.environ.get(ENV)

@@ -34,10 +34,12 @@ STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (thei
 PANELS: dict[torch.dtype, dict] = {}  # rows' dtype -> {(id(weight),): (its state, the weight packed in panels for such rows)}
 READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path setting) -> projection.Ready, a decode call decided once
 WATCHED: dict[int, tuple] = {}  # id(tensor) -> (a weak reference to it, its storage pointer, its bytes or None, its sample)
-EPOCH: dict[int, int] = {}  # id(tensor) -> how many times ``verify`` found its sample changed
+EPOCH: dict[int, int] = {}  # id(tensor) -> a number ``verify`` gives it each time it finds its sample changed (from _EPOCHS)
 SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the tensor dies
 FINALIZERS: dict[int, list[weakref.finalize]] = {}  # id(tensor) -> what runs when it dies (``release`` runs them early)
 _SERIALS = itertools.count(1)
+_EPOCHS = itertools.count(1)  # never the same twice: a change seen late cannot bring back a number a stale copy holds
+_VERIFYING = threading.Lock()  # one ``verify`` at a time: its read, compare and update of a sample is one step
 SPAN = 64  # bytes sampled at each end of a tensor
 _scope = threading.local()  # .on: inside ``verified()``, where ``verify`` was run once already
 
@@ -134,14 +136,15 @@ def verify() -> None:
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
     if torch.compiler.is_compiling() or not WATCHED or getattr(_scope, "on", False):  # (a graph must not read the dict)
         return
-    for key, (ref, address, size, seen) in _entries(WATCHED):
-        t = ref()
-        if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
-            continue
-        now = _ends(address, size) if size is not None else sample(t)[1]
-        if now != seen:
-            WATCHED[key] = (ref, address, size, now)
-            EPOCH[key] = EPOCH.get(key, 0) + 1
+    with _VERIFYING:  # (threads sharing a model: a sample or an epoch written back late would hide a change for good)
+        for key, (ref, address, size, seen) in _entries(WATCHED):
+            t = ref()
+            if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
+                continue
+            now = _ends(address, size) if size is not None else sample(t)[1]
+            if now != seen:
+                WATCHED[key] = (ref, address, size, now)
+                EPOCH[key] = next(_EPOCHS)
 
 
 def _entries(table: dict) -> list:
