@@ -86,3 +86,54 @@ def test_threads_racing_to_the_first_call_build_once(monkeypatch):
     for t in threads:
         t.join(timeout=30)
     assert answers == [True] * 4 and len(calls) == 1
+
+
+def test_what_a_killed_or_corrupted_build_left_is_cleared_before_a_load(tmp_path):
+    """Under the build lock: torch's ``lock`` file of a killed build (it made every later load wait for ever) is
+    removed; a library whose bytes are not those sealed after its last load (a truncated copy crashed the process
+    with SIGBUS) is removed, so the load builds it again; a sealed, intact one is kept."""
+    name = "headwise_native_test"
+    library, seal = tmp_path / f"{name}.so", tmp_path / f"{name}.so.sha256"
+    (tmp_path / "lock").write_text("")
+    library.write_bytes(b"\x7fELF the library")
+    native._seal(tmp_path, name)
+    assert native._checked_cache(tmp_path, name) and library.exists() and not (tmp_path / "lock").exists()
+    library.write_bytes(b"\x7fELF the libr")  # cut short
+    assert not native._checked_cache(tmp_path, name)
+    assert not library.exists() and not seal.exists()
+    assert not native._checked_cache(tmp_path, name)  # nothing there: a build
+
+
+def test_the_build_lock_is_held_inside_and_released_after(tmp_path):
+    import fcntl
+
+    with native._one_builder(tmp_path) as alone:
+        assert alone
+        with open(tmp_path / "headwise.flock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file (as another process has): refused
+    with open(tmp_path / "headwise.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+    (tmp_path / "file").write_text("")
+    with native._one_builder(tmp_path / "file" / "below") as alone:
+        assert not alone  # a folder it cannot make: unguarded
+
+
+def test_without_a_compiler_one_warning_says_so_and_no_build_is_announced(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached: a build
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(native, "_ninja_on_path", lambda: None)
+    monkeypatch.setattr(native.shutil, "which", lambda cmd: "/usr/bin/ninja" if cmd == "ninja" else None)
+    with caplog.at_level(logging.WARNING, logger="headwise"), pytest.warns(UserWarning) as warned:
+        assert native._build() is False
+    assert [str(w.message) for w in warned] == [
+        "headwise: the C++ kernels could not be built (no C++ compiler: '/nonexistent/c++' is not on PATH; install one "
+        "(g++) or set CXX to it); decode steps keep torch's kernels and inductor's code"
+    ]
+    assert "building" not in caplog.text
+
+
+def test_a_failed_builds_reason_is_the_compilers_first_error():
+    output = ("Error building extension 'headwise_native_x': [1/6] c++ -MMD -O3 decode_attention.cpp\nFAILED: decode_attention.o\n"
+              "decode_attention.cpp:12:3: error: 'foo' was not declared in this scope\nninja: build stopped: subcommand failed.")
+    assert native._reason(RuntimeError(output)) == "RuntimeError: decode_attention.cpp:12:3: error: 'foo' was not declared in this scope"
+    assert native._reason(OSError("short")) == "OSError: short"

@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,12 +46,13 @@ ISA_FLAGS = {
 
 
 def _ninja_on_path() -> None:
-    """torch's extension build runs ``ninja`` from PATH: where PATH has none, the PyPI package's (``pip install ninja``, in
-    ``[models]``), whose binary sits in its own folder when its environment's ``bin`` is not on PATH."""
-    if shutil.which("ninja") is None:
-        with contextlib.suppress(ImportError):
-            import ninja
+    """torch's extension build runs ``ninja`` from PATH: the PyPI package's (``pip install ninja``, in ``[models]``) first
+    where it is installed, so that every process runs the same one (two ninjas take turns throwing each other's build
+    log away, and rebuild the library unannounced); else whichever PATH gives."""
+    with contextlib.suppress(ImportError):
+        import ninja
 
+        if shutil.which("ninja") != shutil.which("ninja", path=ninja.BIN_DIR):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
@@ -90,19 +92,106 @@ def _build() -> bool:
     flags = ISA_FLAGS.get(isa, ())
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
     name = f"headwise_native_{digest}"
+    directory = _build_directory(cpp_extension, name)
     try:
-        if not _in_cache(cpp_extension, name):
-            logging.getLogger("headwise").warning(
-                "headwise: building its C++ kernels for this machine and torch version (once, seconds to a minute; later "
-                "processes load them from torch's extension cache)")
-        cpp_extension.load(
-            name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-        )
+        with _one_builder(directory) as alone:  # released by the kernel when this process ends, however it ends
+            cached = _checked_cache(directory if alone else None, name) and _in_cache(cpp_extension, name)
+            if not cached:
+                compiler = os.environ.get("CXX", "c++")
+                if shutil.which(compiler) is None:
+                    _cannot_build(f"no C++ compiler: {compiler!r} is not on PATH; install one (g++) or set CXX to it")
+                    return False
+                logging.getLogger("headwise").warning(
+                    "headwise: building its C++ kernels for this machine and torch version (once, seconds to a minute; "
+                    "later processes load them from torch's extension cache)")
+            try:
+                _load(cpp_extension, name, flags)
+            except OSError as e:  # a library that cannot be loaded (a cache restored in part, unsealed): removed
+                library = None if directory is None else directory / f"{name}.so"
+                if not alone or library is None or not library.exists():
+                    raise
+                library.unlink()  # (torch's builder does not build it again within this process)
+                raise OSError(f"the cached library {library} could not be loaded ({e}): it was removed, and the next "
+                              "process builds it again") from None
+            _seal(directory, name)
     except Exception as e:  # no compiler, a failed build: torch's kernels and inductor's code stay
-        _cannot_build(f"{type(e).__name__}: {e}")
+        _cannot_build(_reason(e))
         return False
     return True
+
+
+def _load(cpp_extension: object, name: str, flags: tuple[str, ...]) -> None:
+    cpp_extension.load(
+        name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+    )
+
+
+def _build_directory(cpp_extension: object, name: str) -> Path | None:
+    """torch's folder for the library ``name`` (None where its private helper is gone or fails)."""
+    try:
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def _one_builder(directory: Path | None) -> Iterator[bool]:
+    """One process at a time builds or loads the library: an exclusive ``flock`` on a file of the build folder, which
+    the kernel releases when its holder ends (killed or not); True inside. Where it cannot be taken (no folder, no
+    ``fcntl``, a read-only folder), False: the block runs unguarded, as torch's own builder would."""
+    try:
+        import fcntl
+
+        directory.mkdir(parents=True, exist_ok=True)
+        held = open(directory / "headwise.flock", "a")  # noqa: SIM115 (held open for the block)
+    except Exception:
+        yield False
+        return
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield True
+    finally:
+        held.close()  # (closing releases the lock)
+
+
+def _checked_cache(directory: Path | None, name: str) -> bool:
+    """Under ``_one_builder``'s lock (``directory`` None elsewhere: nothing checked): clear what a killed or corrupted build left (torch's ``lock`` file, whose builder no longer
+    holds the flock, would make ``cpp_extension.load`` wait for ever; a library whose bytes are not the ones sealed after
+    it last loaded would be loaded and crash the process), so that the next load builds anew. False where the library
+    is not there (then or now)."""
+    if directory is None:
+        return True
+    (directory / "lock").unlink(missing_ok=True)
+    library, seal = directory / f"{name}.so", directory / f"{name}.so.sha256"
+    if not library.is_file():
+        return False
+    if seal.is_file() and seal.read_text().strip() != _digest(library):
+        library.unlink()
+        seal.unlink()
+        return False
+    return True
+
+
+def _seal(directory: Path | None, name: str) -> None:
+    """After a load: the library's sha256 beside it, which ``_checked_cache`` compares at the next process's load."""
+    if directory is None:
+        return
+    library = directory / f"{name}.so"
+    with contextlib.suppress(OSError):
+        (directory / f"{name}.so.sha256").write_text(_digest(library) + "\n")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _reason(e: Exception) -> str:
+    """The cause of a failed build in a line or two: the compiler's first error where torch quotes the build's output."""
+    text = str(e)
+    errors = [line.strip() for line in text.splitlines() if "error" in line.lower() or "not found" in line]
+    first = errors[1] if len(errors) > 1 and errors[0].startswith("Error building extension") else (errors[0] if errors else text)
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 def _cannot_build(reason: str) -> None:
