@@ -142,7 +142,7 @@ def test_where_the_library_builds_inference_takes_the_panels(machine, vendor, fl
 def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):
     machine("GenuineIntel", "AVX512", ["avx512f", "avx512_bf16"], library=True)
     with hl.use_path("panels"):
-        assert hl.choose(torch.float32) == hl.choose_few_rows(torch.bfloat16) == ("panels", "forced by set_path")
+        assert hl.choose(torch.float32) == hl.choose_few_rows(torch.bfloat16) == ("panels", "forced by use_path")
         assert hl.choose(torch.float32, recorded=True)[0] == "torch"
         assert hl.choose(torch.float64)[0] == "torch"
         if (torch.float32, torch.float32) in panels.operands(compiled=False):
@@ -155,7 +155,7 @@ def test_forcing_the_panels_takes_every_inference_call_they_can_run(machine):
 def test_forcing_decides_decode_shapes_too(machine, monkeypatch):
     machine("GenuineIntel", "AVX512", [])
     with hl.use_path("onednn"):
-        assert hl.choose_few_rows(torch.bfloat16) == ("onednn", "forced by set_path")
+        assert hl.choose_few_rows(torch.bfloat16) == ("onednn", "forced by use_path")
     monkeypatch.setenv(hl.ENV, "torch")
     assert hl.choose_few_rows(torch.float32) == ("torch", "forced by HEADWISE_LINEAR")
 
@@ -359,8 +359,8 @@ def test_a_call_that_cannot_run_leaves_the_kept_decision_as_it_was(linear_path):
     with torch.no_grad():
         hl.project_many(layers, x)
         kept = {key: entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key}
-        with pytest.raises(RuntimeError):
-            hl.project_many(layers, torch.randn(1, 1, K + 16))  # the wrong width: F.linear's own error
+        with pytest.raises(ValueError, match=r"layers\[0\] takes x \(\.\.\., K="):
+            hl.project_many(layers, torch.randn(1, 1, K + 16))  # the wrong width: refused by name
         assert {key: entry for key, entry in weight_cache.READY.items() if id(layers[0]) in key} == kept
 
 

@@ -387,8 +387,9 @@ def test_a_file_that_sets_torchs_defaults_is_graded_in_them(tmp_path):
     try:
         r = grade_class(load(str(path)).MultiHeadAttention, "MultiHeadAttention", str(path))
     finally:
-        torch.set_default_device("cpu")
+        torch.set_default_device(None)
     assert not r.passed and "its parameters are on the meta device" in r.error, r
+    assert getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is None  # no device mode left on the process
 
 
 def test_a_class_named_twice_is_graded_once_and_an_empty_path_is_refused():

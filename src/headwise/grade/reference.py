@@ -102,14 +102,17 @@ def book_defaults() -> Iterator[None]:
     """torch's own defaults, float32 on the CPU, for the block: a learner's file may set others for its own code
     (``torch.set_default_dtype(torch.float64)``, ``torch.set_default_device(...)``), which the book's classes and
     batch are not built under."""
-    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    dtype = torch.get_default_dtype()
+    device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)  # set_default_device's, or None
     torch.set_default_dtype(torch.float32)
-    torch.set_default_device("cpu")
+    if device is not None:
+        torch.set_default_device(None)  # (setting "cpu" would leave a device mode on every later call of the process)
     try:
         yield
     finally:
         torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
+        if device is not None:
+            torch.set_default_device(device.device)
 
 
 def reference(kind: str, config: Config) -> Reference:

@@ -221,8 +221,9 @@ def trusts(model: object) -> bool:
     a layer is given: no forward hooks (they may change a layer's input), a ``forward`` that is
     the class's own on the model and on every submodule (one set on an instance, e.g. by
     ``torch.compile(model.forward)`` or accelerate's hooks, is the caller's code: the unchecked
-    step, which runs a layer's parts in one op, would pass it by), nobody observing (``headwise.observe`` reads the checked core's steps) and eval mode
-    (the unchecked core runs no dropout). Otherwise every forward checks its arguments.
+    step, which runs a layer's parts in one op, would pass it by), nobody observing
+    (``headwise.observe`` reads the checked core's steps) and eval mode (the unchecked core runs
+    no dropout). Otherwise every forward checks its arguments.
     """
     if not isinstance(model, torch.nn.Module) or observing():
         return False
