@@ -344,3 +344,13 @@ def test_plan_runs_a_caches_checks_as_attention_does_and_writes_nothing(cache):
     with pytest.raises(ValueError, match=re.escape(str(refused.value))):
         hw.plan(q, k, v, causal=True, cache=made)
     assert state() == before
+
+
+def test_architectures_plan_table_lists_every_rule_in_order():
+    """ARCHITECTURE.md's plan table is the rules as the code has them: each rule's runner and backend, in RULES's order."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| runner | backend | serves | when |"):].split("\n\n")[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:] if line.startswith("|")]
+    assert [(name.strip(), backend.strip()) for name, backend in rows] == [(r.runner, r.backend) for r in plan_table.RULES]

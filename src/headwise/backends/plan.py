@@ -269,7 +269,8 @@ RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
     Rule("math blocks under torch.func", "math", EVERY, lambda c: transformed(c.q, c.k, c.v), _math_blocks,
-         "a torch.func transform (grad, vmap, jacrev) wraps the inputs: torch's own ops only, which it transforms "
+         "a torch.func transform (grad, vmap, jacrev) wraps the inputs, or one carries a forward-mode tangent: torch's "
+         "own ops only, which it transforms "
          "(the C++ kernels and the flash-style autograd Functions do not run under it)"),
     Rule("math blocks, every weight dropped", "math", EVERY, lambda c: c.spec.dropout_p == 1.0, _math_blocks,
          "dropout_p=1 drops every weight: torch's dropout multiplies the weights by zero (zero context, zero gradients), "
