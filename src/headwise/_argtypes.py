@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 
 
@@ -106,6 +107,23 @@ def output(what: str, *, none: str | None = None) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(f"expected {what} in a folder that exists, got {value!r} ({folder} does not exist)")
         if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
             raise argparse.ArgumentTypeError(f"expected {what} that can be written, got {value!r} (no permission)")
+        return value
+
+    return parse
+
+
+def folder(what: str) -> Callable[[str], str]:
+    """A folder to write into, checked now (before any work): made if missing, and a file written and removed in it."""
+    name = text(what)
+
+    def parse(value: str) -> str:
+        value = name(value)
+        try:
+            os.makedirs(value, exist_ok=True)
+            with tempfile.TemporaryFile(dir=value):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"expected {what} that can be written, got {value!r} ({e.strerror or e})") from None
         return value
 
     return parse

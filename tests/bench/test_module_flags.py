@@ -26,6 +26,8 @@ BAD = [
      "--engines: expected a comma list of engines: expected one of headwise, transformers, CTranslate2, llama.cpp, got 'vllm'"),
     ("model_decode", ["--new-tokens", "1"], "--new-tokens: expected an int >= 2, got 1"),
     ("model_decode", ["--busy", "-1"], "--busy: expected an int in [0, 256], got -1"),
+    ("model_decode", ["--root", "/proc/headwise-bench-root"],  # (a folder no one may make: refused before a checkpoint is built)
+     "--root: expected a directory that can be written, got '/proc/headwise-bench-root' (No such file or directory)"),
     ("serving", ["--busy", "x"], "--busy: expected an int in [0, 256], got 'x'"),
     ("serving", ["--busy", "10000"], "--busy: expected an int in [0, 256], got 10000"),
     ("serving", ["--requests", "0"], "--requests: expected a positive int, got 0"),

@@ -66,7 +66,7 @@ from ..quantize import Int8Linear
 from . import generation
 from .engines import ENGINES
 from .host import Load, ReadProbe, add_busy_flag, busy, command, load_average, loaded, machine
-from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, headwise_model, kv_bytes, transformers_model
+from .models import MODELS, PRECISIONS, cache_keyword, check, checkpoint, default_root, headwise_model, kv_bytes, transformers_model
 from .timing import interleaved
 
 #: ``--cache-dtypes``: what headwise's caches hold (None: the model's dtype).
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma list of what headwise's caches hold: model (the model's dtype, the default), bf16 (fp32, int8, int8-a8); "
                         "generation: bf16 adds headwise's rows over bfloat16 caches")
     p.add_argument("--threads", type=_argtypes.threads, default=None, help="torch.set_num_threads, and the threads of the other engines (default: torch's)")
-    p.add_argument("--root", type=_argtypes.text("a directory"), default=None,
+    p.add_argument("--root", type=_argtypes.folder("a directory"), default=None,
                    help="where checkpoints and conversions are kept (default $HEADWISE_BENCH_DIR or ~/.cache/headwise/bench)")
     p.add_argument("--llama-cpp", type=_argtypes.text("a directory"), default=None,
                    help="llama.cpp's sources, holding convert_hf_to_gguf.py (default $HEADWISE_LLAMA_CPP)")
@@ -421,6 +421,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.llama_cpp:
         os.environ["HEADWISE_LLAMA_CPP"] = args.llama_cpp
+    if args.root is None:  # $HEADWISE_BENCH_DIR or the default, checked as --root is
+        try:
+            _argtypes.folder("a directory")(str(default_root()))
+        except argparse.ArgumentTypeError as e:
+            p.error(f"the checkpoints' folder ($HEADWISE_BENCH_DIR or ~/.cache/headwise/bench): {e}")
     root = Path(args.root) if args.root else None
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
     shapes = [(1, c) for c in args.contexts] + [(b, 512) for b in args.batches if b != 1]  # B = 1 at every context, larger batches at 512
