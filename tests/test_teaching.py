@@ -459,3 +459,38 @@ def test_padding_mask_takes_huggingface_meaning_and_refuses_torch_name(cls):
     torch.testing.assert_close(m(x, attention_mask=real), m(x, attention_mask=real.bool()), rtol=0, atol=0)
     with pytest.raises(TypeError, match="key_padding_mask"):
         m(x, key_padding_mask=real.bool())
+
+
+def test_a_strict_load_reads_the_books_mask_for_its_shape_only_and_a_bidirectional_layer_emits_none():
+    """The book's (ctx, ctx) mask is made by ``state_dict()`` on demand, never to check a load (a context of 20000 made
+    3 GB of it to load five small tensors); a bidirectional layer (an encoder's) gives none, and takes a book's."""
+    from unittest import mock
+
+    long = hw.MultiHeadAttention(16, 16, 20000, 0.0, 4)
+    weights = {k: v.detach().clone() for k, v in long.named_parameters()}
+    with mock.patch.object(hw.MultiHeadAttention, "mask", property(lambda self: pytest.fail("the (ctx, ctx) mask was built"))):
+        long.load_state_dict(weights)
+    torch.manual_seed(0)
+    book = hw.MultiHeadAttention(4, 4, 6, 0.0, 2)
+    bi = hw.MultiHeadAttention(4, 4, 6, 0.0, 2, causal=False)
+    assert "mask" in book.state_dict() and "mask" not in bi.state_dict()
+    bi.load_state_dict(book.state_dict())  # the book's state dict, mask and all
+    assert all(torch.equal(a, b) for a, b in zip(bi.parameters(), book.parameters(), strict=True))
+
+
+def test_alibi_slopes_after_a_meta_build_loaded_with_assign():
+    """Built on "meta", loaded with ``assign=True`` (no move runs): the slopes, which no state dict holds, are made on the
+    weights' device; the module computes what one built on the CPU does."""
+    torch.manual_seed(0)
+    plain = hw.MultiHeadAttention(16, 16, 8, 0.0, 4, alibi=True).eval()
+    with torch.device("meta"):
+        lazy = hw.MultiHeadAttention(16, 16, 8, 0.0, 4, alibi=True).eval()
+    lazy.load_state_dict(plain.state_dict(), assign=True)
+    assert torch.equal(lazy.alibi_slopes, plain.alibi_slopes)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(lazy(x), plain(x), rtol=0, atol=0)
+
+
+def test_a_causal_that_is_not_a_bool_is_named_before_a_window_reads_it():
+    with pytest.raises(TypeError, match=r"causal must be True or False, got int 0"):
+        hw.MultiHeadAttention(16, 16, 8, 0.0, 4, window=2, causal=0)

@@ -14,6 +14,7 @@ a full tensor out as the parameter's DTensor of the same global shape).
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
@@ -144,7 +145,11 @@ def check_state(
     book's ``mask``) may come. ``module`` may live on the meta device: only shapes are read.
     """
     stored = dict(module.named_parameters()) | dict(module.named_buffers())
-    emitted = module.state_dict()
+    token = _SHAPES_ONLY.set(True)
+    try:
+        emitted = module.state_dict()  # (the entries it adds without storing them, on "meta": only their shapes are read)
+    finally:
+        _SHAPES_ONLY.reset(token)
     expected = {name: tuple(t.shape) for name, t in emitted.items() if name in stored}
     optional = {name: tuple(t.shape) for name, t in emitted.items() if name not in stored}
     dtypes = {name: stored[name].dtype for name in expected}
@@ -152,6 +157,15 @@ def check_state(
     whole = {name for name in expected if not _checks.sharded(stored[name])}
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, dtypes=dtypes,
                  valued=valued, whole=whole, source=str(source), named=named)
+
+
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("headwise_state_shapes_only", default=False)
+
+
+def shapes_only() -> bool:
+    """Whether the ``state_dict`` being made is read for its keys and shapes only (``check_state``): an entry a module
+    adds without storing it (the book's (ctx, ctx) ``mask``) may then be a "meta" tensor of its shape."""
+    return _SHAPES_ONLY.get()
 
 
 class StateDictError(ValueError, RuntimeError):

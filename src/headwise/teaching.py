@@ -14,8 +14,9 @@ dicts load with ``strict=True``. Differences, all additive:
 
 The book keeps ``mask = triu(ones(ctx, ctx), 1)`` as a persistent buffer, where 1 means
 *masked* (the opposite of headwise's True = may attend). headwise never needs it, so it is
-not stored (ctx² floats per layer): ``state_dict()`` still emits the book's ``mask`` entry
-and ``load_state_dict`` accepts one, and ``module.mask`` builds it on demand.
+not stored (ctx² floats per layer): ``state_dict()`` of a causal module still emits the book's
+``mask`` entry (a bidirectional one has no such mask to give), ``load_state_dict`` accepts one
+(reading only its shape), and ``module.mask`` builds it on demand.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from . import _checks
 from .functional import attention, check_backend
 from .layer import AttentionLayer, checked_input
 from .linear import project, project_many, weight_cache
-from .loadable import AllOrNothing, keeps_keys
+from .loadable import AllOrNothing, keeps_keys, shapes_only
 from .scores import alibi_slopes
 
 
@@ -66,8 +67,19 @@ class _BookMask:
         return torch.triu(torch.ones(ctx, ctx, device=self.W_query.weight.device), diagonal=1)
 
 
+def _slopes_after_assign(module: MultiHeadAttention, incompatible: object) -> None:
+    """After ``load_state_dict(..., assign=True)`` into a module built on "meta": the ALiBi slopes, which no state dict
+    holds, made from their formula on the loaded weights' device (no move ran ``_apply``)."""
+    slopes, weight = module.alibi_slopes, module.W_query.weight
+    if slopes.is_meta and not weight.is_meta:
+        module.alibi_slopes = module._made_slopes(weight.device, slopes.dtype)  # (H,)
+
+
 def _emit_book_mask(module: _BookMask, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    state_dict[prefix + "mask"] = module.mask
+    if not module.causal and not shapes_only():  # the book's buffer is its causal mask: a bidirectional layer has none to
+        return  # give (it takes one: a book's state dict loads into it)
+    ctx = module.context_length
+    state_dict[prefix + "mask"] = torch.empty(ctx, ctx, device="meta") if shapes_only() else module.mask  # (ctx, ctx)
     for key in [k for k in state_dict if k.startswith(prefix) and k != prefix + "mask"]:
         state_dict[key] = state_dict.pop(key)  # the book's key order: its own buffer before its layers' weights
 
@@ -223,7 +235,7 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         self.num_kv_heads = _checks.heads("d_out", d_out, num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
-        self.window = _checks.window(window, causal)
+        self.window = _checks.window(window, _checks.boolean("causal", causal))
         self.softcap = _checks.softcap(softcap)
         self.kv_dim = d_in if kv_dim is None else _checks.positive_int("kv_dim", kv_dim)
         for name, flag in [("sinks", sinks), ("alibi", alibi)]:
@@ -238,6 +250,13 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         if alibi:
             self._alibi_of = (num_heads, 0)  # the slopes of heads start .. start + num_heads - 1 of this many (sharding moves start)
             self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
+            self.register_load_state_dict_post_hook(_slopes_after_assign)
+
+    def _made_slopes(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The ALiBi slopes of this module's heads from their formula, (H,) on ``device`` in ``dtype``."""
+        total, start = self._alibi_of
+        with torch.device("cpu"):  # the formula's numbers, whatever the default device
+            return alibi_slopes(total)[start : start + self.alibi_slopes.shape[0]].to(device, dtype)  # (H,)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> MultiHeadAttention:
         """``to``, ``to_empty``, ``half`` ... and then the ALiBi slopes, where the move did not carry their values
@@ -250,9 +269,7 @@ class MultiHeadAttention(_BookMask, AttentionLayer):
         with torch.no_grad():
             if not before.is_meta and torch.equal(slopes, before.to(slopes.device, slopes.dtype)):
                 return self  # carried (a cast or a copy): the module's own slopes, edited or not
-            total, start = self._alibi_of
-            with torch.device("cpu"):  # the formula's numbers, whatever the default device
-                slopes.copy_(alibi_slopes(total)[start : start + slopes.shape[0]])  # (H,)
+            slopes.copy_(self._made_slopes(slopes.device, slopes.dtype))  # (H,)
         return self
 
     @property
