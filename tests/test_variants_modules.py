@@ -141,6 +141,32 @@ def test_a_context_cache_projects_the_context_once(monkeypatch):
     assert len(cache) == 0
 
 
+def test_a_context_cache_refuses_to_project_a_kept_context_that_changed_or_whose_graph_is_gone():
+    """The kept context projected again (the weights changed; autograd wants keys of its own) must be what the stored
+    keys came from: written in place since (a reused encoder buffer), or carrying a graph a backward freed (an encoder's
+    output), it is refused by name before anything runs; an empty context fills the cache (it holds S = 0 keys)."""
+    m = _module(causal=False, kv_dim=7)
+    x, memory = torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    cache = ContextCache()
+    with torch.no_grad():
+        m(x, context=memory, cache=cache)
+        memory.mul_(2)  # the encoder's buffer reused
+        m(x, cache=cache)  # the stored keys still serve: no projection
+        m.W_query.weight.add_(0.0)  # the weights' version moves: the kept context would be projected again
+        with pytest.raises(ValueError, match=r"the context this ContextCache was filled from was written in place since: pass context= again"):
+            m(x, cache=cache)
+    encoder = torch.nn.Linear(7, 7, dtype=torch.float64)
+    cache = ContextCache()
+    m(x, context=encoder(memory), cache=cache).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"a backward has gone through this ContextCache's keys and values, and through the graph of the context"):
+        m(x, cache=cache)
+    m(x, context=encoder(memory), cache=cache).pow(2).sum().backward()  # passed again: projected again, trains on
+    empty = ContextCache()
+    with torch.no_grad():
+        first = m(x, context=torch.randn(2, 0, 7, dtype=torch.float64), cache=empty)
+        assert len(empty) == 0 and torch.equal(m(x, cache=empty), first)
+
+
 def _grads(m, out):
     m.zero_grad()
     out.pow(2).sum().backward()

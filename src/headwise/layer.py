@@ -262,7 +262,7 @@ class AttentionLayer(AllOrNothing, nn.Module):
         weight_cache.verify()  # a write through .data since a ContextCache's (or a projection's) copies were made
         if cache is not None:
             cache.check_owner(self)
-        if context is None and (cache is None or not len(cache)):
+        if context is None and (cache is None or cache.k is None):  # (filled with an empty context: it holds S = 0 keys)
             why = "no cache given" if cache is None else "an empty ContextCache holds nothing yet"
             raise ValueError(f"cross-attention needs context= (B, S, kv_dim) the first time ({why})")
         width = ("kv_dim", self.kv_dim) if hasattr(self, "kv_dim") else ("d_in", self.d_in)
@@ -282,6 +282,8 @@ class AttentionLayer(AllOrNothing, nn.Module):
                 "context_mask differs from the padding this ContextCache was filled with: pass the context again with it "
                 "(it is projected again), or leave context_mask out"
             )
+        if context is None and not cache.serves(self):  # the kept context will be projected again (``_cross_heads``)
+            cache.check_projectable()
         return x, attention_mask, context_mask
 
     def _cross_heads(

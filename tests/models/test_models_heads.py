@@ -60,3 +60,9 @@ def test_real_minilm_roles_equal_those_from_transformers_weights(encoder, hf_ber
     special = (input_ids == 101) | (input_ids == 102)
     torch.testing.assert_close(roles.mass, attention_mass(list(theirs), special, mask), atol=1e-5, rtol=0)
     assert roles.heads("previous") and roles.heads("[CLS]/[SEP]")  # MiniLM has both kinds of head
+
+
+def test_sentences_of_nothing_but_cls_and_sep_are_refused(encoder):
+    """Nothing to average over: refused by name (the profile was all zeros, every head "mixed")."""
+    with pytest.raises(ValueError, match=r"sentences must hold a token besides \[CLS\] and \[SEP\]"):
+        head_roles(encoder, ["", "   "])

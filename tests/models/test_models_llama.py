@@ -204,6 +204,9 @@ def test_load_dispatches_gpt2_and_names_the_supported_types(gpt2_dir, tmp_path):
         hm.load(tmp_path)
     with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 is not supported for gpt2; it loads in float32"):
         hm.load(gpt2_dir, dtype=torch.bfloat16)
+    for text in ("float32", "auto"):  # one TypeError for every model type (it said float32 is not supported: it loads in float32)
+        with pytest.raises(TypeError, match=rf"dtype must be a torch.dtype or None, got str '{text}' \(e.g. torch.bfloat16, not a string\)"):
+            hm.load(gpt2_dir, dtype=text)
 
 
 def test_config_this_model_cannot_run(tmp_path):

@@ -72,6 +72,21 @@ class ContextCache(Owned, Spendable):
             return self.k.requires_grad and not self._spent
         return True
 
+    def check_projectable(self) -> None:
+        """A ValueError unless the kept context can be projected again (the weights changed since, or autograd needs keys
+        of its own), before anything is computed: it must hold what it held when stored (a context written in place since
+        would give keys of other values than the ones reused until now), and, where a backward went through the stored
+        keys and autograd records this call, it must carry no graph of its own (that backward freed it: an encoder's
+        output is to be passed again)."""
+        ctx = self._context
+        if (self._version is not None and _version(ctx) != self._version) or weight_cache.sample(ctx) != self._sample:
+            raise ValueError("the context this ContextCache was filled from was written in place since: pass context= again "
+                             "(it is projected again), or cache.reset()")
+        if self._spent and torch.is_grad_enabled() and ctx.grad_fn is not None:
+            raise ValueError("a backward has gone through this ContextCache's keys and values, and through the graph of the "
+                             "context they were projected from: pass the context again (context=, a new encoder output), or "
+                             "cache.reset()")
+
     def holds(self, context: Tensor, context_mask: Tensor | None) -> bool:
         """Whether the stored keys are those of ``context`` (B, S, kv_dim) with padding ``context_mask`` (B, S) bool or None:
         the same tensor, unchanged since, or equal values (one comparison, read on the host)."""

@@ -116,5 +116,7 @@ def head_roles(encoder: SentenceEncoder, sentences: list[str]) -> HeadRoles:
     input_ids, attention_mask = encoder.tokenize(sentences)  # (N, T) x2
     ids = [encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
     special = torch.isin(input_ids, torch.tensor([i for i in ids if i is not None], device=input_ids.device))  # (N, T)
+    if not (attention_mask.bool() & ~special).any():
+        raise ValueError(f"sentences must hold a token besides [CLS] and [SEP] (the heads are profiled over them), got {sentences!r}")
     weights = attention_maps(encoder.model, input_ids, attention_mask)
     return HeadRoles(attention_mass(weights, special, attention_mask))

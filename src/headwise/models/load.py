@@ -50,6 +50,8 @@ def load(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> n
     if model_type not in SUPPORTED:
         raise ValueError(f"{file}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
     cls = SUPPORTED[model_type]
+    if dtype is not None and not isinstance(dtype, torch.dtype):  # (one check for every model type: a string is not one)
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r} (e.g. torch.bfloat16, not a string)")
     if issubclass(cls, LlamaForCausalLM):
         return cls.from_pretrained(directory, dtype=dtype)
     if dtype not in (None, torch.float32):
