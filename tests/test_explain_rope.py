@@ -44,6 +44,7 @@ def test_explain_ropes_arguments_are_checked_by_their_own_names():
         ({"theta": -1.0}, ValueError, r"theta must be a number in \(1, inf\), got -1\.0"),
         ({"seed": -1}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got -1"),
         ({"num_heads": 4096, "head_dim": 4096}, ValueError, r"these sizes make one of 100,663,296 numbers .*take fewer num_heads"),
+        ({"num_heads": 466034, "head_dim": 2}, ValueError, r"these sizes make one of 16,777,224 numbers"),  # the (H, 6, 6) weights
     ]:
         with pytest.raises(error, match=match):
             explain_rope(**kwargs)

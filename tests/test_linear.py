@@ -2,6 +2,7 @@
 rule that picks the path, the guard on the private ops, never-stale packed and stacked weights,
 and the modules that use it still matching the float64 reference (bf16 within 2x a plain bf16 one)."""
 
+import copy
 import math
 import pathlib
 import warnings
@@ -581,3 +582,21 @@ def test_use_path_holds_in_its_own_thread_only():
     assert hl.rule._path_setting() == before
     with pytest.raises(ValueError, match=r"path must be one of \('auto', 'onednn', 'panels', 'torch'\), got 'mkl'"), hl.use_path("mkl"):
         pass
+
+
+def test_project_many_runs_a_parametrized_layer_once_a_call():
+    """A spectral-normed layer in train mode steps its power iteration once a call, as torch's own call does (a look at
+    ``layer.weight`` to check its width ran one more step: other numbers, other buffers)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    made = [spectral_norm(torch.nn.Linear(32, 24)) for _ in range(2)]
+    twins = [copy.deepcopy(layer) for layer in made]
+    x = torch.randn(3, 32)
+    for _ in range(2):
+        got = hl.project_many(made, x)
+        want = [layer(x) for layer in twins]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    for a, b in zip(made, twins, strict=True):
+        assert torch.equal(a.parametrizations.weight[0]._u, b.parametrizations.weight[0]._u)

@@ -176,7 +176,7 @@ def _explain_mode(ex: argparse.ArgumentParser, args: argparse.Namespace) -> None
             setattr(args, dest, value)
     if args.rope and args.head_dim % 2:
         ex.error(f"--head-dim must be even with --rope (dimensions rotate in pairs), got {args.head_dim}")
-    if args.rope and (largest := args.heads * args.head_dim * _book_tokens()) > PRINTED:  # its largest: (H, 6, D) queries
+    if args.rope and (largest := args.heads * _book_tokens() * max(args.head_dim, _book_tokens())) > PRINTED:  # (H, 6, D) or (H, 6, 6)
         ex.error(f"explain prints every tensor: these sizes make one of {largest:,} numbers (more than {PRINTED:,}); "
                  "take fewer --heads or a smaller --head-dim")
     if not args.rope and args.d_out % args.heads:

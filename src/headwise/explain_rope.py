@@ -32,7 +32,8 @@ def explain_rope(*, num_heads: int = 2, head_dim: int = 2, theta: float = 10000.
     _checks.positive_int("head_dim", head_dim)
     _checks.number("theta", theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # (LlamaConfig.rope_theta's range)
     _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range, as explain's
-    printed(num_heads * head_dim * len(BOOK_INPUTS), "num_heads or a smaller head_dim")  # its largest: (H, T, D) queries
+    T = len(BOOK_INPUTS)
+    printed(num_heads * T * max(head_dim, T), "num_heads or a smaller head_dim")  # its largest: (H, T, D) queries or (H, T, T) weights
     config = LlamaConfig(
         vocab_size=1, hidden_size=3, intermediate_size=1, num_hidden_layers=1, num_attention_heads=num_heads,
         head_dim=head_dim, max_position_embeddings=len(BOOK_INPUTS), rope_theta=theta,

@@ -78,7 +78,7 @@ def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
         return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got)
     with book_defaults():
         book = BOOK_CLASSES[kind](*config.args(kind, DROPOUT), backend="math")
-    book = book.to(x.dtype)  # as the learner's x
+    book = book.to(device=x.device, dtype=x.dtype)  # as the learner's x
     book.load_state_dict(ref.state)
     with torch.no_grad():
         want_trained = _seeded(book.train(), x).double()

@@ -210,9 +210,12 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
 def _same_width(layers: Sequence[nn.Module], x: Tensor) -> None:
     """A ValueError naming the first layer whose (N, K) weight does not take x (..., K) (a stacked weight's error would
     name none of them)."""
-    k = x.shape[-1] if isinstance(x, Tensor) and x.ndim else None
+    if not isinstance(x, Tensor) or not x.ndim:
+        return  # (each layer's own call says what is wrong with x)
+    k = x.shape[-1]
     for i, layer in enumerate(layers):
-        w = getattr(layer, "weight", None)
+        own = getattr(layer, "_parameters", {}), getattr(layer, "_buffers", {})  # stored, not ``layer.weight``: a
+        w = own[0].get("weight", own[1].get("weight"))  # parametrization would run one more step of its own there
         if isinstance(w, Tensor) and w.ndim == 2 and w.shape[1] != k:
             raise ValueError(f"layers[{i}] takes x (..., K={w.shape[1]}) (its weight is {tuple(w.shape)}), but x has shape "
                              f"{tuple(x.shape)}: project_many's layers share one input width, x's last dimension")

@@ -39,6 +39,7 @@ SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the te
 FINALIZERS: dict[int, list[weakref.finalize]] = {}  # id(tensor) -> what runs when it dies (``release`` runs them early)
 _SERIALS = itertools.count(1)
 _EPOCHS = itertools.count(1)  # never the same twice: a change seen late cannot bring back a number a stale copy holds
+_REGISTERING = threading.Lock()  # ``at_death``'s list of a tensor made once
 _VERIFYING = threading.Lock()  # one ``verify`` at a time: its read, compare and update of a sample is one step
 SPAN = 64  # bytes sampled at each end of a tensor
 _scope = threading.local()  # .on: inside ``verified()``, where ``verify`` was run once already
@@ -107,10 +108,11 @@ def watch(tensors: Sequence[Tensor]) -> None:
 def at_death(t: object, func: Callable, *args: object) -> None:
     """``func(*args)`` when ``t`` (a tensor, a module) dies, or at ``release([t])``."""
     key = id(t)
-    held = FINALIZERS.get(key)
-    if held is None:
-        held = FINALIZERS[key] = [weakref.finalize(t, FINALIZERS.pop, key, None)]
-    held.append(weakref.finalize(t, func, *args))
+    with _REGISTERING:  # (two threads' first finalizers of one tensor in one list: ``release`` finds them all)
+        held = FINALIZERS.get(key)
+        if held is None:
+            held = FINALIZERS[key] = [weakref.finalize(t, FINALIZERS.pop, key, None)]
+        held.append(weakref.finalize(t, func, *args))
 
 
 def release(tensors: Iterable[object]) -> None:
