@@ -258,7 +258,7 @@ LOADING: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("load an index naming a missing shard", lambda: load(index_dir(tmpdir("a"), {INDEX: {"x": "model-1.safetensors"}})), Raises(FileNotFoundError, r"model-1.safetensors: file not found")),
     ("load config dtype int8", lambda: load(llama_dir(tmpdir("a"), {"torch_dtype": "int8"})), Raises(ValueError, r"config.json: torch_dtype must be one of \['float32', 'bfloat16', 'float16', 'float64'\] or null, got 'int8'")),
     ("load config dtype a number", lambda: load(llama_dir(tmpdir("a"), {"dtype": 16})), Raises(ValueError, r"config.json: dtype must be one of .* or null, got 16")),
-    ("load dtype argument a str", lambda: load(llama_dir(tmpdir("a")), dtype="bfloat16"), Raises(TypeError, r"dtype must be a floating torch.dtype or None \(the checkpoint's\), got 'bfloat16'")),
+    ("load dtype argument a str", lambda: load(llama_dir(tmpdir("a")), dtype="bfloat16"), Raises(TypeError, r"dtype must be a torch.dtype or None, got str 'bfloat16' \(e.g. torch.bfloat16, not a string\)")),
     ("load no directory", lambda: load(tmpdir("missing")), Raises(FileNotFoundError, r"missing: no such directory")),
 ]
 

@@ -83,8 +83,10 @@ def test_eos_token_ends_the_continuation(model, tokenizer):
 
 
 def test_bad_arguments_say_what_was_expected(model, tokenizer):
-    with pytest.raises(TypeError, match="prompt must be a non-empty str or a non-empty list of non-empty str, got ''"):
+    with pytest.raises(ValueError, match="prompt must be a non-empty str or a non-empty list of non-empty str, got ''"):
         generate_text(model, tokenizer, "")
+    with pytest.raises(ValueError, match=r"prompt must be .*, got \['a', ''\]"):
+        generate_text(model, tokenizer, ["a", ""])
     with pytest.raises(TypeError, match="prompt must be a non-empty str or a non-empty list of non-empty str, got 5"):
         generate_text(model, tokenizer, 5)
     with pytest.raises(TypeError, match=r"prompt must be .*, got \['a', 3\]"):

@@ -80,7 +80,7 @@ class LlamaConfig:
         store(self, "rope_theta", partial(_checks.number, low=1.0, high=math.inf, low_open=True, high_open=True))  # the rotation's base
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         store(self, "partial_rotary_factor", partial(_checks.number, low=0.0, high=1.0, low_open=True))
         store(self, "attention_dropout", _checks.dropout)
         scaling = check_scaling(self.rope_scaling)

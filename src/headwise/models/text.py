@@ -68,8 +68,10 @@ def generate_text(
         raise TypeError(f"tokenizer must have encode(text).ids and decode(ids), such as tokenizers.Tokenizer, got {type(tokenizer).__name__}")
     single = isinstance(prompt, str)
     prompts = [prompt] if single else prompt
-    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
         raise TypeError(f"prompt must be a non-empty str or a non-empty list of non-empty str, got {prompt!r}")
+    if not prompts or not all(prompts):  # the right types, an empty value: a ValueError
+        raise ValueError(f"prompt must be a non-empty str or a non-empty list of non-empty str, got {prompt!r}")
     encoded = [list(tokenizer.encode(p).ids) for p in prompts]
     empty = [p for p, ids in zip(prompts, encoded, strict=True) if not ids]
     if empty:
