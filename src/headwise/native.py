@@ -62,20 +62,14 @@ _BUILDING = threading.Lock()  # threads racing to the first call: one builds, th
 def built() -> bool:
     """Build (or load from torch's extension cache) the library once a process; False, with one warning, where it
     cannot be built (no compiler, no ninja, no setuptools for torch's builder, a failed build)."""
-    if (answer := _answer()) is not None:
-        return answer
-    with _BUILDING:
-        if (answer := _answer()) is None:
-            answer = _build()
-            _ANSWER.append(answer)
-        return answer
+    if not _ANSWER:
+        with _BUILDING:
+            if not _ANSWER:
+                _ANSWER.append(_build())
+    return _ANSWER[0]
 
 
 _ANSWER: list[bool] = []  # built()'s answer, once given
-
-
-def _answer() -> bool | None:
-    return _ANSWER[0] if _ANSWER else None
 
 
 def _build() -> bool:
