@@ -117,7 +117,8 @@ def attention(
             tokens of several sequences in one row (B = 1, T = T_kv = sum(new_tokens)), and each
             sequence's queries attend over its own cached and new tokens only (ragged, no padding).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
-        scale: multiplies the scores; default 1 / sqrt(D).
+        scale: multiplies the scores; default 1 / sqrt(D). A score ``q·k * scale`` past the range its
+            dtype computes in (3.4e38 in float32) is infinite, and its row's weights NaN, in every backend, as in torch's.
         backend: "auto", "math" or "sdpa" (see the module docstring); ``plan(...)`` says what
             runs for a call, and why.
 

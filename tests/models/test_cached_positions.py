@@ -76,3 +76,13 @@ def test_positions_past_the_context_are_refused_naming_them(name):
         with pytest.raises(ValueError, match=r"positions must lie in \[0, (n_positions|max_position_embeddings)=32\), got values from"):
             model(ids, positions=positions)  # GPT-2's position table: an IndexError that named nothing
     assert model(ids, positions=torch.tensor([[29, 30, 31]])).shape == (1, 3, V)
+
+
+def test_negative_positions_are_refused_where_every_layer_slides():
+    # every layer sliding: no upper limit on positions, but a negative one is still an error, as for its full-attention sibling
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         max_position_embeddings=32, windows=(5, 3))).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"positions must not be negative, got values from -1 to 1"):
+        model(ids, positions=torch.tensor([[-1, 0, 1]]))
+    assert model(ids, positions=torch.tensor([[100, 101, 102]])).shape == (1, 3, V)  # past max_position_embeddings: no limit

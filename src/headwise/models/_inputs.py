@@ -30,17 +30,17 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
     return input_ids.shape[0], input_ids.shape[1]
 
 
-def in_range(t: Tensor, end: int, expected: str, what: str = "values") -> None:
+def in_range(t: Tensor, end: int | None, expected: str, what: str = "values") -> None:
     """Raise ValueError(``expected``, and the values given) unless every value of the integer tensor ``t`` lies in
-    [0, end): one host read eagerly (on a GPU an index out of range would end in a device-side assert inside an
+    [0, end) (``end`` None: is not negative): one host read eagerly (on a GPU an index out of range would end in a device-side assert inside an
     embedding), an assert in the graph under ``torch.compile``, nothing for a meta tensor."""
     if not _checks.has_values(t) or t.numel() == 0:
         return
     if torch.compiler.is_compiling():  # no host read inside a graph: an assert in it
-        _checks.holds(((t >= 0) & (t < end)).all(), expected)
+        _checks.holds((t >= 0).all() if end is None else ((t >= 0) & (t < end)).all(), expected)
         return
     low, high = torch.stack([t.min(), t.max()]).tolist()  # one host read (a device sync on a GPU)
-    if low < 0 or high >= end:
+    if low < 0 or (end is not None and high >= end):
         raise ValueError(f"{expected}, got {what} from {low} to {high}")
 
 

@@ -100,8 +100,9 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             )
             held = 0 if cache is None else len(cache[0]) if isinstance(cache[0], KVCache) else None  # a paged batch: its sequences'
             name, limit = self.context_limit()
-            if positions is not None and limit is not None:
-                _inputs.in_range(positions, limit, f"positions must lie in [0, {name}={limit})")
+            if positions is not None:  # every layer sliding (no limit): any position from 0 on
+                _inputs.in_range(positions, limit, f"positions must lie in [0, {name}={limit})" if limit is not None
+                                 else "positions must not be negative")
             # the tokens a layer that sees every key holds, whatever the positions (it refuses more, after the layers below wrote)
             if held is not None and limit is not None and held + t > limit and (cache is None or cache[0].longest(t, attention_mask) > limit):
                 cached = f" after {held} cached" if held else ""  # (padding takes no position: each row's real tokens count)
