@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from reference_variants import variant_attention
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import headwise as hw
@@ -82,3 +83,61 @@ def test_onednns_probe_runs_in_its_own_float32_whatever_the_caller_runs(where):
         onednn.ops_error.cache_clear()
     x, w = torch.randn(4, 512), torch.randn(512, 512)
     assert path_for(x, w) == path_for(x.clone(), w)  # the rule answers as before
+
+
+@pytest.mark.parametrize("t", [1, 10])
+@pytest.mark.parametrize("term", ["sinks", "alibi_slopes", "mask"])
+def test_a_forward_mode_tangent_on_a_term_alone_gives_the_derivative(term, t):
+    # q, k and v plain, the tangent on sinks, ALiBi's slopes or a float mask only: the call takes torch's ops (the C++
+    # kernels detach those terms), the derivative a float64 central difference of the reference gives
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(1, 4, n, 16, generator=g) for n in (t, 12, 12))
+    value = {"sinks": torch.randn(4, generator=g), "alibi_slopes": torch.rand(4, generator=g),
+             "mask": torch.randn(1, 1, t, 12, generator=g)}[term]
+    tangent = torch.randn(value.shape, generator=g)
+    with fwAD.dual_level():
+        out = hw.attention(q, k, v, causal=True, **{term: fwAD.make_dual(value, tangent)})
+        got = fwAD.unpack_dual(out).tangent
+    assert got is not None
+    eps = 1e-6
+    plus, minus = (variant_attention(q, k, v, causal=True, **{term: value.double() + s * eps * tangent.double()}) for s in (1, -1))
+    torch.testing.assert_close(got.double(), (plus - minus) / (2 * eps), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{"sinks": True}, {"alibi": True}])
+def test_an_ensemble_with_sinks_or_alibi_under_vmap_equals_each_model(kwargs):
+    # the value checks of sinks and slopes cannot read a batched tensor: they step aside under vmap, as for meta tensors
+    models = []
+    for s in range(3):
+        torch.manual_seed(s)
+        m = hw.MultiHeadAttention(64, 64, context_length=16, dropout=0.0, num_heads=4, **kwargs).eval()
+        if "sinks" in kwargs:
+            with torch.no_grad():
+                m.sinks.normal_()
+        models.append(m)
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(3, 2, 7, 64)
+    with torch.no_grad():
+        got = vmap(lambda p, b, xx: functional_call(base, (p, b), (xx,)))(params, buffers, x)
+        want = torch.stack([m(xi) for m, xi in zip(models, x, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_a_float_mask_and_an_int_padding_mask_equals_each_call():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 1, 4, 10, 16, generator=g) for _ in range(3))
+    mask = torch.randn(3, 1, 1, 10, 10, generator=g)
+    got = vmap(lambda a, b, c, d: hw.attention(a, b, c, mask=d))(q, k, v, mask)
+    want = torch.stack([torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=d) for a, b, c, d in zip(q, k, v, mask, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    m = _mha(64)
+    x = torch.randn(3, 2, 7, 64)
+    padding = torch.ones(3, 2, 7, dtype=torch.long)
+    padding[0, 0, :2] = 0
+    with torch.no_grad():
+        got = vmap(lambda xx, a: m(xx, attention_mask=a))(x, padding)
+        want = torch.stack([m(xi, attention_mask=ai) for xi, ai in zip(x, padding, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -237,8 +237,9 @@ def transformed(*tensors: Tensor | None) -> bool:
 
 
 def has_values(t: Tensor) -> bool:
-    """False for a meta tensor (shapes and dtypes only, nothing to read); True otherwise."""
-    return t.device.type != "meta"
+    """False for a meta tensor (shapes and dtypes only, nothing to read) and for one a ``torch.func`` transform wraps
+    (``vmap``'s examples have no one value to read); True otherwise."""
+    return t.device.type != "meta" and not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, error: type[Exception] = ValueError) -> None:

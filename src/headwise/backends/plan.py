@@ -263,12 +263,18 @@ def _per_document(backend: str) -> Callable[[Call], Runner]:
     return build
 
 
+def _transformed(c: Call) -> bool:
+    """q, k, v or any tensor term (a mask, padding, documents, sinks, slopes) wrapped by a transform or carrying a tangent."""
+    s = c.spec
+    return transformed(c.q, c.k, c.v, s.mask, s.attention_mask, s.documents, s.sinks, s.alibi)
+
+
 AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "sdpa"}), frozenset({"auto", "math", "sdpa"})
 
 RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
-    Rule("math blocks under torch.func", "math", EVERY, lambda c: transformed(c.q, c.k, c.v), _math_blocks,
+    Rule("math blocks under torch.func", "math", EVERY, _transformed, _math_blocks,
          "a torch.func transform (grad, vmap, jacrev) wraps the inputs, or one carries a forward-mode tangent: torch's "
          "own ops only, which it transforms "
          "(the C++ kernels and the flash-style autograd Functions do not run under it)"),
