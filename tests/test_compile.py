@@ -111,6 +111,9 @@ MODULES = [
     Case("MultiHeadAttention-gqa", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, num_kv_heads=2), _x),
     Case("MultiHeadAttention-window", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, window=5), _x_masked(torch.bool)),
     Case("MultiHeadAttention-math", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, backend="math"), _x_masked(torch.bool)),
+    Case("MultiHeadAttention-sinks", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, sinks=True), _x),
+    Case("MultiHeadAttention-softcap", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, softcap=5.0), _x),
+    Case("MultiHeadAttention-alibi", lambda: hw.MultiHeadAttention(C, C, CTX, 0.0, num_heads=4, alibi=True), _x_masked(torch.bool)),
     Case("GPT2MultiHeadAttention", lambda: GPT2MultiHeadAttention(_gpt2_config()), _x),
     Case("LlamaAttention-rotary", lambda: LlamaAttention(_llama_config(qk_norm=True), RotaryEmbedding(C // 4)), _x_masked(torch.bool)),
     Case("MultiHeadAttention-train-dropout", lambda: hw.MultiHeadAttention(C, C, CTX, 0.3, num_heads=4), _x_masked(torch.bool), train=True),
@@ -208,6 +211,16 @@ def test_default_compile_marks_the_length_dynamic_once():
     for t in (*LENGTHS, 9, 20):
         compiled(*_x(t)[0])
     assert counter.frame_count == 2
+
+
+def test_a_scale_that_changes_keeps_the_graph_whole():
+    """A second value makes the scale a symbolic float: its check compares (``math.isinf`` broke the graph, an error
+    under ``fullgraph=True``). torch's SDPA takes the scale as a constant: a graph a value."""
+    fn = torch.compile(lambda q, k, v, s: hw.attention(q, k, v, causal=True, scale=s), backend="eager", fullgraph=True)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for scale in (0.1, 0.2, 0.3):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        torch.testing.assert_close(fn(q, k, v, scale), want, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- decoding through a KVCache

@@ -239,7 +239,9 @@ def transformed(*tensors: Tensor | None) -> bool:
 def has_values(t: Tensor) -> bool:
     """False for a meta tensor (shapes and dtypes only, nothing to read) and for one a ``torch.func`` transform wraps
     (``vmap``'s examples have no one value to read); True otherwise."""
-    return t.device.type != "meta" and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    if t.device.type == "meta":
+        return False
+    return torch.compiler.is_compiling() or not torch._C._functorch.is_functorch_wrapped_tensor(t)  # (Dynamo cannot trace the test)
 
 
 def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, error: type[Exception] = ValueError) -> None:

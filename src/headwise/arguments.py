@@ -108,7 +108,7 @@ def _scale(value: float | None, d: int) -> float:
         return 1.0 / math.sqrt(d)
     expected = "a positive finite number or None (1/sqrt(D))"
     value = _checks.real("scale", value, lambda: expected)
-    if not value > 0 or math.isinf(value):
+    if not 0 < value < math.inf:  # False for NaN (a comparison, not math.isinf: a symbolic float under compile too)
         raise ValueError(f"scale must be {expected}, got {value!r}")
     return float(value)
 

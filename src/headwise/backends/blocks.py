@@ -47,6 +47,8 @@ def rows_per_block(T: int, row_elements: int, block_elements: int) -> int:
 
 def query_blocks(spec: Spec, rows: int) -> list[Block]:
     """Blocks of ``rows`` queries (the last one shorter) and the keys each may see; one empty block when T = 0."""
+    if spec.T and rows >= spec.T:  # all T at once: no range over a symbolic T under compile (it would fix T: a graph a length)
+        return [Block((0, spec.T), visible(spec.T, spec.S, spec.causal, spec.window, 0, spec.T))]
     starts = range(0, spec.T, rows) if spec.T else [0]
     return [Block((r0, min(spec.T, r0 + rows)), visible(spec.T, spec.S, spec.causal, spec.window, r0, min(spec.T, r0 + rows))) for r0 in starts]
 
