@@ -387,3 +387,15 @@ def test_explain_shows_each_term():
     assert step.tensors["capped_scores"].abs().max() < 2.0
     with pytest.raises(ValueError, match=r"documents must be positive lengths adding up to num_tokens=5, got \[2, 2\]"):
         explain(num_tokens=5, documents=[2, 2])
+
+
+def test_a_context_cache_under_inference_mode_weights_projects_every_call():
+    # inference tensors keep no version: the cache cannot tell an in-place write, so it projects again each call
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        cross = hw.MultiHeadAttention(32, 32, 64, 0.0, 4, True, causal=False, kv_dim=16).eval()
+        x, ctx = torch.randn(1, 3, 32), torch.randn(1, 5, 16)
+        cache = ContextCache()
+        torch.testing.assert_close(cross(x, context=ctx, cache=cache), cross(x, context=ctx), rtol=0, atol=0)
+        cross.W_key.weight.mul_(2.0)  # unseen by any version counter
+        torch.testing.assert_close(cross(x, cache=cache), cross(x, context=ctx), rtol=0, atol=0)

@@ -292,3 +292,23 @@ def test_a_write_while_a_call_is_prepared_is_seen_by_the_next_call(monkeypatch):
     assert wrote
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_a_decode_call_after_the_weights_became_inference_tensors_computes_with_them():
+    # a kept decode projection compared its state with the new weights': inference tensors have no version to read
+    import headwise as hw
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 32)
+    with torch.inference_mode():
+        source = hw.MultiHeadAttention(32, 32, 64, 0.0, 4, True).eval()
+        state, want = source.state_dict(), source(x)
+    m = hw.MultiHeadAttention(32, 32, 64, 0.0, 4, True).eval()
+    with torch.no_grad():
+        m(x)  # keeps a prepared projection for one row
+    with torch.inference_mode():
+        m.load_state_dict(state, assign=True)
+        torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+        m.W_query.weight.mul_(0.5)  # a write no version counter sees: the next call reads it
+        source.W_query.weight.mul_(0.5)
+        torch.testing.assert_close(m(x), source(x), rtol=0, atol=0)

@@ -101,13 +101,13 @@ class ContextCache(Owned, Spendable):
 
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
-        self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, _version(context)
-        self._sample = weight_cache.sample(context)
+        params = _weights_of(owner) if isinstance(owner, torch.nn.Module) else []
+        weights, version, sample = weight_cache.state(params), _version(context), weight_cache.sample(context)  # read, then write
+        weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
+        self.k, self.v, self.context_mask, self._context, self._version = keys, values, context_mask, context, version
+        self._sample, self._weights = sample, weights
         self.forget_recorded()
         self.mark_on_backward((keys, values))
-        params = _weights_of(owner) if isinstance(owner, torch.nn.Module) else []
-        weight_cache.watch(params)  # a write through .data is seen too (``weight_cache.verify``)
-        self._weights = weight_cache.state(params)
         self.bind(owner)
 
 

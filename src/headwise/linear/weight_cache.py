@@ -52,9 +52,15 @@ def watchable() -> bool:
 
 def state(tensors: Sequence[Tensor]) -> tuple:
     """What changes when any of ``tensors`` is written or replaced (through ``.data`` too, once ``verify`` saw it): a
-    tensor replaced by another is told apart by its ``serial`` even where the new one took the old one's address and id."""
-    return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0), SERIAL.get(id(t)) or serial(t))
-                  for t in tensors])
+    tensor replaced by another is told apart by its ``serial`` even where the new one took the old one's address and id.
+    An inference tensor keeps no version (a write under ``inference_mode`` leaves no trace): its state equals no other,
+    so nothing made from it is reused."""
+    try:
+        return tuple([(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0), SERIAL.get(id(t)) or serial(t))
+                      for t in tensors])
+    except RuntimeError:  # an inference tensor's ``_version`` (the check only then: it would cost every call a tenth more)
+        return tuple([(t.data_ptr(), object() if t.is_inference() else t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0),
+                       SERIAL.get(id(t)) or serial(t)) for t in tensors])
 
 
 def serial(t: Tensor) -> int | None:
