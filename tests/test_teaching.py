@@ -186,6 +186,13 @@ def test_mask_is_not_stored_but_matches_the_books_buffer():
     assert torch.equal(ours.mask, book.MultiHeadAttention(3, 2, 6, 0.0, 2).mask)
 
 
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_the_mask_follows_a_cast_as_the_books_buffer_does(cast):
+    ours, theirs = getattr(hw.MultiHeadAttention(3, 2, 6, 0.0, 2), cast)(), getattr(book.MultiHeadAttention(3, 2, 6, 0.0, 2), cast)()
+    assert ours.state_dict()["mask"].dtype == theirs.state_dict()["mask"].dtype == ours.W_query.weight.dtype
+    assert torch.equal(ours.mask, theirs.mask)
+
+
 def test_a_mask_of_the_wrong_context_length_is_refused():
     """The book's state dict of another context length: refused whole (its weights fit, and are not copied)."""
     ours = hw.MultiHeadAttention(3, 2, 6, 0.0, 2)

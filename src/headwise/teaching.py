@@ -62,9 +62,11 @@ class _BookMask:
 
     @property
     def mask(self) -> Tensor:
-        """The book's (ctx, ctx) float buffer: 1.0 above the diagonal = masked (future), on the module's device."""
-        ctx = self.context_length
-        return torch.triu(torch.ones(ctx, ctx, device=self.W_query.weight.device), diagonal=1)
+        """The book's (ctx, ctx) float buffer: 1.0 above the diagonal = masked (future), on the module's device, in its
+        floating-point dtype (``.half()`` casts the book's buffer too)."""
+        ctx, weight = self.context_length, self.W_query.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
+        return torch.triu(torch.ones(ctx, ctx, device=weight.device, dtype=dtype), diagonal=1)
 
 
 def _slopes_after_assign(module: MultiHeadAttention, incompatible: object) -> None:
