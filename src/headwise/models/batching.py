@@ -75,7 +75,9 @@ class Batcher:
             equal ``generate(..., cache_dtype=torch.bfloat16)``'s to bfloat16's rounding: a prompt fed in chunks
             attends in other kernels than one fed whole, so where two logits tie to that precision the greedy
             token can differ, as for a bfloat16 model: docs/use/serving.md), or ``torch.int8`` for a float32 or bfloat16
-            model (8-bit rows, a little over a quarter of float32's bytes: ``generate(..., cache_dtype=torch.int8)``'s tokens).
+            model (8-bit rows, a little over a quarter of float32's bytes: ``generate(..., cache_dtype=torch.int8)``'s tokens
+            where a prompt is fed whole; fed in chunks, its projections round otherwise, and a row rounded to 8 bits
+            can make that a step of its scale, as a float16 model's chunks can: a near tie may go the other way).
         compile: where headwise's C++ decode kernel is not built, every layer attends the running
             requests' next tokens over a bfloat16 pool in one call compiled by ``torch.compile`` at the
             first steps (seconds, once per process and kind of layer; ``PagedKVCache.batch(...,
