@@ -68,12 +68,19 @@ def inert_padding(x: Tensor, real: Tensor | None) -> Tensor:
     """(B, T, C) input with NaN/Inf at padded tokens (``real`` (B, T) False) set to 0; finite values untouched.
 
     A padded token's query row would otherwise carry NaN weights, and their gradient reaches
-    the real tokens' values (NaN * 0 in weights^T @ grad). A tensor subclass (DTensor under
-    tensor parallelism) is returned unchanged; the core still zeroes padded keys and values.
+    the real tokens' values (NaN * 0 in weights^T @ grad). A replicated DTensor (tensor parallelism's
+    input) is zeroed in its local copy, the same on every rank; another tensor subclass is returned
+    unchanged (the core still zeroes padded keys and values).
     """
-    if real is None or type(x) is not Tensor:  # a DTensor (tensor parallelism) cannot mix with the plain mask: left as it is
+    if real is None:
         return x
-    return torch.where(real[:, :, None] | x.isfinite(), x, 0.0)  # (B, T, C)
+    if type(x) is Tensor:
+        return torch.where(real[:, :, None] | x.isfinite(), x, 0.0)  # (B, T, C)
+    placements = getattr(x, "placements", None)  # a DTensor's (to_local and from_local carry the gradient)
+    if placements is None or not all(p.is_replicate() for p in placements):
+        return x
+    local = x.to_local()  # (B, T, C): the whole tensor on every rank
+    return type(x).from_local(torch.where(real[:, :, None] | local.isfinite(), local, 0.0), x.device_mesh, placements)
 
 
 def document_mask(q_documents: Tensor, k_documents: Tensor) -> Tensor:

@@ -367,6 +367,90 @@ def fsdp2(rank: int, world: int) -> dict:
     return {"losses": losses, "params": params, "eval": evaluated}
 
 
+def tp_fsdp(rank: int, world: int) -> dict:
+    """Tensor parallelism under FSDP2 (a (1, world) mesh, as the 2-D recipe's): Qwen3's QK-norm weights (the same on every
+    rank, their gradient summed over the ranks' heads) train as in one process, and GPT-2's state dict (c_attn in
+    checkpoint order, on the 2-D mesh) is the single-process one's."""
+    from torch.distributed.fsdp import fully_shard
+
+    grid = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, qk_norm=True)
+    out = {}
+    for name, build in (("qwen3", lambda: Qwen3ForCausalLM(config)), ("gpt2", lambda: GPT2LMHeadModel(TINY_GPT2))):
+        torch.manual_seed(12)
+        ref = build()
+        model = parallelize(copy.deepcopy(ref), grid["tp"])
+        for block in model.model.layers if name == "qwen3" else model.transformer.h:
+            fully_shard(block, mesh=grid["dp"])
+        fully_shard(model, mesh=grid["dp"])
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(13))
+        for _ in range(3):
+            for m, opt in zip((model, ref), opts, strict=True):
+                torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+        mine = dict(model.named_parameters())
+        out[name] = {n: max_diff(full(mine[n]), p) for n, p in ref.named_parameters() if "c_attn" not in n}  # (its rows reordered)
+        state, want = model.state_dict(), ref.state_dict()
+        out[name + "_state"] = max(max_diff(full(state[k]), v) for k, v in want.items()) if state.keys() == want.keys() else "keys"
+    return out
+
+
+def tp_edges(rank: int, world: int) -> dict:
+    """A state dict kept as variables, x by keyword, NaN at padded tokens under autograd, a state dict of another mesh,
+    attention maps refused on a sharded encoder, a rank outside the mesh refused before any change."""
+    from headwise.models.heads import attention_maps
+
+    out = {}
+    torch.manual_seed(3)
+    fused = GPT2MultiHeadAttention(GPT2Config(n_embd=32, n_head=4, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0))
+    ref_fused = copy.deepcopy(fused)
+    kept = parallelize(fused, mesh(world)).state_dict(keep_vars=True)
+    out["keep_vars"] = max(max_diff(full(kept[k]), v) for k, v in ref_fused.state_dict().items())
+    ref = MultiHeadAttention(16, 16, 8, 0.0, num_heads=4, causal=False)
+    tp = parallelize(copy.deepcopy(ref), mesh(world))
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        out["keyword"] = max_diff(tp(x=x), ref(x))
+    x[1, 4:] = float("nan")
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, 4:] = False
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    for m, xi in zip((tp, ref), xs, strict=True):
+        m(xi, attention_mask=real)[real].sum().backward()
+    out["padding"] = (max_diff(xs[0].grad[real], xs[1].grad[real]), grad_diffs(tp, ref))
+    torch.manual_seed(4)
+    model = GPT2LMHeadModel(TINY_GPT2).eval()
+    sharded = parallelize(copy.deepcopy(model), mesh(world))
+    own = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]  # one rank a mesh: another layout
+    torch.manual_seed(5)
+    other = parallelize(GPT2LMHeadModel(TINY_GPT2).eval(), own)
+    other.load_state_dict(sharded.state_dict())
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        out["other_mesh"] = max_diff(other(ids), model(ids))
+    encoder = parallelize(BertModel(TINY_BERT), mesh(world))
+    try:
+        attention_maps(encoder, torch.tensor([[1, 2, 3]]))
+        out["maps"] = None
+    except ValueError as e:
+        out["maps"] = str(e)
+    first = dist.new_group([0])  # (every rank makes the group; rank 1 is outside it)
+    del first
+    outside = MultiHeadAttention(16, 16, 8, 0.0, num_heads=4)
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        parallelize(outside, DeviceMesh("cpu", [0]))
+        out["outside"] = None
+    except ValueError as e:
+        out["outside"] = str(e)
+    out["outside_untouched"] = all(type(p) is torch.nn.Parameter for p in outside.parameters()) and outside.num_heads == 4
+    return out
+
+
 def demo(rank: int, world: int) -> dict:
     """headwise.parallel.demo on a HuggingFace-layout GPT-2 directory: its printout and tokens."""
     import io
@@ -467,7 +551,7 @@ def edges(rank: int, world: int) -> dict:
 
 
 CHECKS = {f.__name__: f for f in (demo, mha, per_head_terms, gqa, gpt2_attention, gpt2_model, llama, bert, communication, fast_path, indivisible, fsdp2,
-                                  refused_load, edges)}
+                                  refused_load, edges, tp_fsdp, tp_edges)}
 
 
 def run_all(rank: int, world: int) -> dict:

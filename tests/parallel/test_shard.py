@@ -160,6 +160,28 @@ def test_fsdp2_fully_shard_trains_like_one_process(ranks):
         assert r["params"] < TOL and r["eval"] < TOL
 
 
+def test_tensor_parallelism_under_fsdp2_trains_and_saves_like_one_process(ranks):
+    for r in result(ranks, "tp_fsdp"):
+        assert max(r["qwen3"].values()) < TOL, r["qwen3"]  # the QK-norm weights too: their gradient summed in the forward's Function
+        assert max(r["gpt2"].values()) < TOL, r["gpt2"]
+        assert r["qwen3_state"] < TOL and r["gpt2_state"] < TOL  # c_attn back in checkpoint order on the 2-D mesh
+
+
+def test_keep_vars_keyword_x_nan_padding_another_mesh_maps_and_a_rank_outside(ranks):
+    for rank, r in enumerate(result(ranks, "tp_edges")):
+        assert r["keep_vars"] == 0.0
+        assert r["keyword"] < TOL
+        x_grad, grads = r["padding"]
+        assert x_grad < TOL and max(grads.values()) < TOL  # finite: the padded NaN zeroed in the replicated input
+        assert r["other_mesh"] < TOL
+        assert "compute [2] of its 4 heads (sharded by headwise.parallel)" in r["maps"]
+        if rank == 0:
+            assert r["outside"] is None
+        else:
+            assert r["outside"] == "this rank (1) is not in device_mesh [0]: call parallelize on the mesh's ranks only"
+            assert r["outside_untouched"]
+
+
 def test_demo_shards_a_model_directory_and_every_rank_generates_the_same_tokens(ranks):
     results = result(ranks, "demo")
     for rank, r in enumerate(results):

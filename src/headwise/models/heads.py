@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention_weights, split_heads
+from ..layer import AttentionLayer
 from ..observe import observe
 from .bert import BertModel, SentenceEncoder
 
@@ -59,7 +60,15 @@ def attention_maps(model: BertModel, input_ids: Tensor, attention_mask: Tensor |
 
     The forward pass is observed; each layer's queries and keys go through
     ``headwise.attention_weights`` with the same padding mask (True = real key).
+
+    Raises:
+        ValueError: the model's layers compute some of its heads only (sharded by ``headwise.parallel``).
     """
+    heads = model.config.num_attention_heads
+    local = sorted({m.num_heads for m in model.modules() if isinstance(m, AttentionLayer)})
+    if local and local != [heads]:
+        raise ValueError(f"attention_maps needs every head in this process: the model's attention layers compute {local} of its "
+                         f"{heads} heads (sharded by headwise.parallel); compute the maps on an unsharded copy")
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
 
     def keep(name: str, tensor: Tensor) -> None:

@@ -13,6 +13,7 @@ and its ``position`` step (QK-norm, then the rotation, before the cache write).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,11 @@ class RMSNorm(nn.Module):
     (eight in bfloat16), its sums added in the order of torch's, so the bits are ``F.rms_norm``'s.
     """
 
+    #: A function the weight passes through where autograd records it (``headwise.parallel``: Qwen3's QK-norm, whose
+    #: gradient on a rank covers only its heads, summed over the ranks there: in the forward, so that a parameter
+    #: swapped in later, as FSDP2's, takes it too); None: the weight as it is.
+    through: Callable[[Tensor], Tensor] | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -54,6 +60,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
+        if self.through is not None and torch.is_grad_enabled() and weight.requires_grad:
+            weight = self.through(weight)  # (N,)
         fused = x.dtype == torch.float32 and weight.dtype == torch.float32  # nothing to convert: one op, the weight's product inside
         if _native_rows(x, weight):
             if fused:

@@ -12,7 +12,7 @@ own H/n query heads and Hkv/n key/value heads, and ``GPT2MultiHeadAttention.proj
 splits it by the H/Hkv ratio as it splits the whole.
 
 The reorder lives in the parameter only. ``state_dict()`` gives ``c_attn`` back in
-checkpoint order (an all-gather, then a ``Shard(0)`` DTensor of the original rows), and
+checkpoint order (an all-gather, then a DTensor of the original rows laid out as the parameter), and
 ``load_state_dict`` takes checkpoint order, full tensors or DTensors, so checkpoints and
 their keys are those of the single-process module.
 """
@@ -86,13 +86,14 @@ class FusedQKVParallel(ColwiseParallel):
 
 
 def _checkpoint_order(rows: Tensor, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """state_dict post-hook: c_attn's rows back in [queries | keys | values] order."""
+    """state_dict post-hook: c_attn's rows back in [queries | keys | values] order, laid out as the parameter is (on a
+    2-D mesh too, FSDP2's over tensor parallelism's: a DTensor of the checkpoint's rows is one whatever its layout)."""
     back = torch.argsort(rows)  # checkpoint row i sits at back[i] in the sharded order
     for name, param in module.named_parameters(recurse=False):
         key = prefix + name
         if isinstance(param, DTensor) and isinstance(state_dict.get(key), DTensor):
-            full = state_dict[key].full_tensor()[back]  # an all-gather: ((H + 2·Hkv)·D, ...)
-            state_dict[key] = distribute_tensor(full, param.device_mesh, [Shard(0)], src_data_rank=None)
+            full = state_dict[key].detach().full_tensor()[back]  # an all-gather: ((H + 2·Hkv)·D, ...) (keep_vars: no graph)
+            state_dict[key] = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
 
 @keeps_keys  # the same key and global shape, rows reordered: the all-or-nothing check runs first

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import TypeVar
 
 import torch
@@ -72,6 +71,8 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
     for _, sub, plan in found:
         styles = {name: make(sub) for name, make in plan.items()}
         parallelize_module(sub, device_mesh, styles)
+        if "" in plan:  # the module's own input laid out (``plan.shared_input``), which torch reads from positional inputs only
+            sub.register_forward_pre_hook(_x_first, with_kwargs=True, prepend=True)
         for name, style in styles.items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(style, FusedQKVParallel):
                 sub.get_submodule(name).register_load_state_dict_pre_hook(_distribute_loaded)
@@ -80,14 +81,22 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
             sub.num_kv_heads //= n
         for name in PER_HEAD_SHARED.get(type(sub), ()):
             shared = getattr(sub, name, None)
-            for p in shared.parameters() if shared is not None else ():
-                p.register_hook(functools.partial(_summed_over, group=device_mesh.get_group()))
+            if shared is not None:
+                shared.through = _SummedOver(device_mesh.get_group())
     _broadcast_replicated(module, device_mesh)
     for _, sub, _ in found:
         if isinstance(sub, AttentionLayer):
             _shard_per_head_terms(sub, device_mesh)
     module.register_forward_hook(_plain_output)
     return module
+
+
+def _x_first(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``forward(x=...)`` as ``forward(x, ...)``: torch's ``PrepareModuleInput`` lays out positional inputs only."""
+    if args or "x" not in kwargs:
+        return None
+    rest = dict(kwargs)
+    return (rest.pop("x"),), rest
 
 
 def _plain_output(module: nn.Module, args: object, output: object) -> object:
@@ -116,11 +125,34 @@ def _shard_per_head_terms(layer: AttentionLayer, mesh: DeviceMesh) -> None:
         layer.register_load_state_dict_pre_hook(_distribute_loaded)
 
 
-def _summed_over(grad: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
-    """A replicated parameter's gradient from this rank's heads, summed over every rank's heads."""
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
+class _SumGrad(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over ``group``'s ranks."""
+
+    @staticmethod
+    def forward(ctx: object, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SummedOver:
+    """A replicated weight applied to every head alike (``RMSNorm.through``): its gradient on a rank covers that rank's
+    heads, summed over every rank's in the backward. Applied in the forward, not as a hook on the parameter, which a
+    parameter swapped in later (FSDP2's ``fully_shard``) would not carry."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return _SumGrad.apply(weight, self.group)
+
+    def __deepcopy__(self, memo: dict) -> _SummedOver:
+        return self  # the same ranks (a process group cannot be copied)
 
 
 def _check_mesh(mesh: object) -> None:
@@ -131,6 +163,9 @@ def _check_mesh(mesh: object) -> None:
             f"device_mesh must be 1-D (the tensor-parallel ranks), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
             "pass its tensor-parallel slice, e.g. mesh['tp']"
         )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in device_mesh {mesh.mesh.tolist()}: call parallelize on the "
+                         "mesh's ranks only")
 
 
 def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -177,11 +212,17 @@ def _nothing_to_shard(module: nn.Module) -> str:
 
 @keeps_keys  # the same key, a DTensor of the same global shape: the all-or-nothing check runs first
 def _distribute_loaded(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
-    """load_state_dict pre-hook: a full (single-process) tensor -> a DTensor laid out like the parameter."""
+    """load_state_dict pre-hook: a full (single-process) tensor, or a DTensor laid out otherwise (another mesh's, another
+    sharding's), -> a DTensor laid out like the parameter, before any parameter is written."""
     for name, param in module.named_parameters(recurse=False):
         value = state_dict.get(prefix + name)
-        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-            state_dict[prefix + name] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            continue  # missing or mis-shaped: load_state_dict reports it
+        if isinstance(value, DTensor):
+            if value.device_mesh == param.device_mesh and value.placements == param.placements:
+                continue
+            value = value.full_tensor()  # (a collective over the value's mesh: every rank of it loads)
+        state_dict[prefix + name] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
 
 
 @torch.no_grad()
