@@ -166,12 +166,15 @@ class KVCache(Owned, Spendable, Rows):
         """Keep only the first ``length`` tokens (e.g. to rewind after a rejected draft).
 
         Raises:
+            TypeError: a length that is not an int.
             ValueError: for a sliding cache (the older slots are overwritten), or a length
                 outside 0 .. len(cache).
         """
         if self.window is not None:
             raise ValueError(f"a sliding cache (window={self.window}) cannot be cropped: its older slots are overwritten")
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
+        if not 0 <= length <= self._len:
             raise ValueError(f"length must be an int in [0, len(cache)={self._len}], got {length!r}")
         if self._padded:  # forget the dropped positions' padding (never padded: all True already)
             self.is_token[:, length : self._len] = True
