@@ -100,6 +100,12 @@ def cache(**kw) -> hw.KVCache:
     return hw.KVCache(1, 2, 8, 4, **kw)
 
 
+def _paged_with(seq_id: int) -> hw.PagedKVCache:
+    paged = hw.PagedKVCache(4, 2, 1, 4)
+    paged.add(seq_id)
+    return paged
+
+
 def bound_cache_misuse():
     a, b = mha(), mha()
     c = hw.KVCache(1, 2, 16, 4, dtype=F64)
@@ -489,6 +495,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("cache sliding window 0", lambda: hw.KVCache.sliding(1, 2, 0, 4), Raises(ValueError, r"window must be a positive int, got 0")),
     ("cache crop past its length", lambda: cache().crop(1), Raises(ValueError, r"length must be an int in \[0, len\(cache\)=0\], got 1")),
     ("cache crop -1", lambda: cache().crop(-1), Raises(ValueError, r"length must be an int in \[0, len\(cache\)=0\], got -1")),
+    ("paged fork onto itself", lambda: _paged_with(0).fork(0, 0), Raises(ValueError, r"new_id 0 is already in the cache")),
     ("cache crop a bool", lambda: cache().crop(True), Raises(TypeError, r"length must be an int in \[0, len\(cache\)=0\], got True")),
     ("cache crop a ring", lambda: hw.KVCache.sliding(1, 2, 3, 4).crop(0), Raises(ValueError, r"a sliding cache \(window=3\) cannot be cropped")),
     ("cache update with a list", lambda: cache().update([], torch.zeros(1, 2, 1, 4)), Raises(TypeError, r"k must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=4\), got list")),

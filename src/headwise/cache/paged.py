@@ -161,6 +161,8 @@ class PagedKVCache(Owned, Rows):
     def fork(self, seq_id: int, new_id: int) -> None:
         """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
         self._known(seq_id)
+        if isinstance(new_id, int) and new_id in self._tables:
+            raise ValueError(f"new_id {new_id} is already in the cache: free it first, or pick another id")
         self.add(new_id)
         table = self._tables[seq_id]
         for block in table:
