@@ -131,7 +131,7 @@ class GenerationMixin:
                 makes the steps from the next on checked forwards (``trusts``).
 
         Returns:
-            (B, T + n) ids, prompt first, n <= max_new_tokens. Greedy output equals
+            (B, T + n) int64 ids (whatever integer dtype the prompt's), prompt first, n <= max_new_tokens. Greedy output equals
             HuggingFace's greedy ``generate`` (``do_sample=False``) token for token.
         """
         vocab = self.vocab_size
