@@ -59,7 +59,7 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if "rope_type" not in scaling and "type" not in scaling and (keys := sorted(set(scaling) & {k for ks in SCALINGS.values() for k in ks})):
         raise ValueError(f"rope_scaling needs a 'rope_type' (or 'type') key to say how to scale by {keys}, got {dict(scaling)!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SCALINGS:
+    if not isinstance(kind, str) or kind not in SCALINGS:
         raise ValueError(f"rope_scaling's rope_type must be one of {list(SCALINGS)}, got {kind!r}")
     missing = [key for key in SCALINGS[kind] if key not in scaling]
     if missing:

@@ -544,3 +544,74 @@ def test_a_model_built_on_meta_loads_and_rotates_as_one_built_on_the_cpu(assign)
     ids = torch.randint(0, 50, (2, 9))
     assert torch.equal(skeleton(ids), model(ids))
     assert torch.equal(skeleton.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
+
+
+def _rewritten(path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_llama3_scaling_reads_the_trained_length_as_transformers_does(tmp_path, padded_batch):
+    """A top-level original_max_position_embeddings (Phi-3's files keep it there) over the rope dict's; without either,
+    max_position_embeddings: the logits transformers gives past the trained length."""
+    import transformers
+
+    save_hf_llama("llama-mha-untied", tmp_path)
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    ids, mask = padded_batch
+    real = mask.bool()
+    for top, inside in ((8, 32), (None, None)):
+        _rewritten(tmp_path, rope_parameters={**rope, **({} if inside is None else {"original_max_position_embeddings": inside})},
+                   **({} if top is None else {"original_max_position_embeddings": top}))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            want = theirs(ids, attention_mask=mask, position_ids=hf_positions(real)).logits
+            got = hm.load(tmp_path)(ids, attention_mask=mask)
+        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+def test_a_checkpoint_with_the_old_rotary_tables_loads_as_transformers_loads_it(tmp_path, padded_batch):
+    """transformers before 4.31 saved each layer's rotary_emb.inv_freq; transformers drops them, and so does headwise."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_hf_llama("llama-mha-untied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    D = hf.config.hidden_size // hf.config.num_attention_heads
+    tables = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(D // 2) for i in range(hf.config.num_hidden_layers)}
+    save_file({**state, **tables}, tmp_path / "model.safetensors")
+    ids, mask = padded_batch
+    with torch.no_grad():
+        torch.testing.assert_close(hm.load(tmp_path)(ids, attention_mask=mask)[mask.bool()],
+                                   hf(ids, attention_mask=mask, position_ids=hf_positions(mask.bool())).logits[mask.bool()], atol=1e-4, rtol=0)
+
+
+def test_a_tied_checkpoint_that_kept_only_the_head_loads_it_as_the_embedding(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_hf_llama("qwen3-qknorm-tied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    embed = state.pop("model.embed_tokens.weight")
+    save_file({**state, "lm_head.weight": embed}, tmp_path / "model.safetensors")
+    assert torch.equal(hm.load(tmp_path).model["embed_tokens"].weight, embed)
+
+
+@pytest.mark.parametrize(("name", "changes", "match"), [
+    ("llama-mha-untied", {"rms_norm_eps": None}, r"invalid llama config: rms_norm_eps must be a number in \(0, inf\), got None"),
+    ("llama-mha-untied", {"num_hidden_layers": None}, r"invalid llama config: num_hidden_layers must be a positive int, got None"),
+    ("llama-mha-untied", {"rope_parameters": {"rope_type": ["linear"], "factor": 2.0}}, r"rope_type must be one of .*, got \['linear'\]"),
+    ("mistral-window", {"sliding_window": 0}, r"invalid mistral config: sliding_window must be a positive int, got 0"),
+    ("mistral-window", {"num_hidden_layers": "2"}, r"invalid mistral config: num_hidden_layers must be a positive int, got '2'"),
+    ("qwen3-qknorm-tied", {"use_sliding_window": "false", "sliding_window": 4},
+     r"invalid qwen3 config: use_sliding_window must be true or false, got 'false'"),
+    ("qwen3-qknorm-tied", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": None, "layer_types": None},
+     r"invalid qwen3 config: max_window_layers must be an int >= 0, got None"),
+    ("qwen3-qknorm-tied", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+     r"layer_types names sliding layers but use_sliding_window is false"),
+])
+def test_config_values_read_differently_from_transformers_are_refused_by_name(name, changes, match, tmp_path):
+    """A null where a number belongs, a string where a bool does, a window of 0: each field named (a null took
+    LlamaConfig's default, and the string "false" switched sliding on)."""
+    save_hf_llama(name, tmp_path)
+    _rewritten(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        hm.load(tmp_path)

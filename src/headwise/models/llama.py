@@ -13,6 +13,7 @@ and its ``position`` step (QK-norm, then the rotation, before the cache write).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -71,6 +72,11 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # (..., N): (x * rsqrt) * weight, as weight * normed
         normed = F.rms_norm(x, (x.shape[-1],), eps=self.eps)  # (..., N): computed in float32, rounded back once as HuggingFace does
         return weight * normed
+
+
+#: Each layer's rotary table, which checkpoints written by transformers before 4.31 carry (transformers drops it): the
+#: rotation's tables are made from the config here.
+_LEGACY_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 #: Rows below ATen's grain (elements a reduction sums in one thread): torch sums each such row whole, in the order the
@@ -282,9 +288,11 @@ class LlamaForCausalLM(CausalModel):
         state = loading.read_weights(file)
         head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings
+        if tied and embed is None and head is not None:  # a tied checkpoint that kept the head's copy only: the embedding's
+            state = {**state, "model.embed_tokens.weight": head}
         if tied and head is not None and embed is not None and not loading.same_values(head, embed):
             raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
-        skip = lambda key: tied and key == "lm_head.weight"  # noqa: E731
+        skip = lambda key: (tied and key == "lm_head.weight") or _LEGACY_INV_FREQ.fullmatch(key) is not None  # noqa: E731
         with torch.device("meta"):  # shapes only: the tensors are checked before any memory is taken (the rotary
             check_state(cls(config, backend=backend), state, source=file, ignore=skip)  # tables are plain tensors: built for real below)
         model = cls(config, backend=backend).to(dtype or loading.checkpoint_dtype(raw, state, directory / loading.CONFIG))

@@ -129,6 +129,12 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":  # as transformers reads the length
+        # the model was trained at: a top-level value first (Phi-3's files keep it there), else the dict's, else max_position_embeddings
+        if "original_max_position_embeddings" in d:
+            scaling = {**scaling, "original_max_position_embeddings": d["original_max_position_embeddings"]}
+        elif "original_max_position_embeddings" not in scaling:
+            scaling = {**scaling, "original_max_position_embeddings": d.get("max_position_embeddings", 2048)}
     try:
         check_scaling(scaling)
     except (TypeError, ValueError) as e:
@@ -149,7 +155,8 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
     if unsupported:
         raise ValueError(f"{file}: unsupported {model_type} settings: {'; '.join(unsupported)}")
     known = {f.name for f in fields(LlamaConfig)} - {"rope_theta", "rope_scaling", "partial_rotary_factor", "qk_norm", "windows"}
-    kwargs = {key: d[key] for key in known if d.get(key) is not None}
+    # a null is read as it is (refused by name) but where it means something: the heads' defaults
+    kwargs = {key: d[key] for key in known if key in d and (d[key] is not None or key not in ("num_key_value_heads", "head_dim"))}
     try:
         return LlamaConfig(
             **kwargs, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
@@ -169,15 +176,25 @@ def _rope(d: dict[str, Any], file: os.PathLike[str]) -> dict[str, Any]:
 
 
 def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | None:
-    """Each layer's sliding window as HuggingFace's Mistral / Qwen3 decide it (Llama: none)."""
+    """Each layer's sliding window as HuggingFace's Mistral / Qwen3 decide it (Llama: none); the fields it reads checked
+    by their names first (``llama_config`` names the file)."""
     n, window = d.get("num_hidden_layers", 32), d.get("sliding_window")
     if model_type == "llama" or window is None:
         return None
+    n, window = _checks.positive_int("num_hidden_layers", n), _checks.positive_int("sliding_window", window)
     if model_type == "mistral":
         return (window,) * n
-    if not d.get("use_sliding_window", False):  # qwen3: sliding only when switched on, in the layers past max_window_layers
+    sliding, kinds = d.get("use_sliding_window", False), d.get("layer_types")
+    if not isinstance(sliding, bool):
+        raise TypeError(f"use_sliding_window must be true or false, got {sliding!r}")
+    if not sliding:  # qwen3: sliding only when switched on, in the layers past max_window_layers
+        if kinds is not None and "sliding_attention" in kinds:
+            raise ValueError("layer_types names sliding layers but use_sliding_window is false (transformers' Qwen3 cannot run "
+                             "such a file: which layers slide is not one reading)")
         return None
-    kinds = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    if not kinds:
+        first = _checks.integer("max_window_layers", d.get("max_window_layers", 28), low=0)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
