@@ -175,8 +175,10 @@ CONFIGS: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("config qwen3 layer_types too short", cfg("qwen3", layer_types=["full_attention"]), Raises(ValueError, r"layer_types must give one kind per layer \(num_hidden_layers=2\), got 1")),
     ("config qwen3 layer_types holding None", cfg("qwen3", layer_types=[None, "full_attention"]), Raises(ValueError, r"layer_types entries must be one of .*got None")),
     ("config qwen3 layer_types honoured", windows("qwen3", [None, 4], use_sliding_window=True, sliding_window=4, layer_types=["full_attention", "sliding_attention"]), None),
-    ("config qwen3 sliding off: full everywhere", windows("qwen3", [None, None], sliding_window=4, layer_types=["sliding_attention", "sliding_attention"]), None),
-    ("config mistral window 0", cfg("mistral", sliding_window=0), Raises(ValueError, r"invalid mistral config: window must be a positive int or None, got 0")),
+    ("config qwen3 sliding off, sliding layer_types", cfg("qwen3", sliding_window=4, layer_types=["sliding_attention", "sliding_attention"]),
+     Raises(ValueError, r"layer_types names sliding layers but use_sliding_window is false")),  # transformers' Qwen3 fails on it
+    ("config qwen3 sliding off: full everywhere", windows("qwen3", [None, None], sliding_window=4, layer_types=["full_attention", "full_attention"]), None),
+    ("config mistral window 0", cfg("mistral", sliding_window=0), Raises(ValueError, r"invalid mistral config: sliding_window must be a positive int, got 0")),
     ("config heads 0", cfg(num_attention_heads=0), Raises(ValueError, r"num_attention_heads must be a positive int, got 0")),
     ("config rms_norm_eps negative", cfg(rms_norm_eps=-1e-6), Raises(ValueError, r"rms_norm_eps must be a number in \(0, inf\), got -1e-06")),
     ("config tie_word_embeddings a string", cfg(tie_word_embeddings="yes"), Raises(ValueError, r"tie_word_embeddings must be true or false, got 'yes'")),

@@ -707,3 +707,27 @@ def test_a_column_major_weight_gives_a_row_major_int8_weight(tmp_path):
     assert layer.weight.is_contiguous() and torch.equal(layer.weight, Int8Linear(weight.contiguous()).weight)
     save_file(layer.state_dict(), tmp_path / "layer.safetensors")
     assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], layer.weight)
+
+
+def test_int8_activations_refuse_a_k_whose_sums_would_pass_int32():
+    # 127 * 127 * K past 2**31 - 1 wrapped the integer sums (the sign flipped); the largest K that fits still computes
+    k = quantize.INT8_ROWS_MOST_K
+    with pytest.raises(ValueError, match=rf"the weight's K must be at most {k}, got shape \(2, {k + 1}\); use activations='bf16'"):
+        Int8Linear(torch.ones(2, k + 1), activations="int8")
+    Int8Linear(torch.ones(2, k + 1))  # bfloat16 activations sum in float32: no such bound
+    with torch.no_grad():
+        assert Int8Linear(torch.ones(2, k), activations="int8")(torch.ones(3, k))[0, 0].item() == k
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_an_int8_layer_on_another_device_than_x_is_named(activations):
+    # a meta weight (a build on meta not yet loaded): torch's int8 GEMM handed back memory never written
+    import headwise as hw
+
+    layer = Int8Linear(torch.randn(4, 8), torch.randn(4), activations=activations).to("meta")
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"x is on cpu but this Int8Linear's weight is on meta"):
+            layer(torch.randn(1, 3, 8))
+    mha = int8_weights(hw.MultiHeadAttention(8, 8, 4, 0.0, 2), activations=activations).to("meta")  # every weight a buffer now
+    with torch.no_grad(), pytest.raises(ValueError, match=r"x is on cpu but MultiHeadAttention's buffers are on meta"):
+        mha(torch.randn(1, 3, 8))

@@ -289,7 +289,9 @@ def module_input(module: torch.nn.Module, x: Tensor, name: str) -> None:
     """``x`` must be on the device of ``module``'s parameters and of their dtype (under autocast, which casts the other
     floating dtypes, neither of them float64, which it leaves as it is)."""
     p = next(module.parameters(), None)
-    if p is None:
+    if p is None:  # int8 weights (``int8_weights``) are buffers: their device says where x must be, not their dtype
+        if (b := next(module.buffers(), None)) is not None:
+            same_device(name, x, f"{type(module).__name__}'s buffers are", b.device)
         return
     owner = f"{type(module).__name__}'s parameters are"
     same_device(name, x, owner, p.device)

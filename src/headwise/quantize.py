@@ -42,7 +42,8 @@ bfloat16 roundings cost.
 
 ``activations="int8"`` (``int8_weights(model, activations="int8")``) is another arithmetic, the
 one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
-own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products summed exactly in int32,
+own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products summed exactly in int32
+(so at most ``INT8_ROWS_MOST_K`` = (2**31 - 1) // 127**2 input features: 127 * 127 * K fits),
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: eagerly, a decode step's rows by the panels GEMM over the weight packed once
@@ -263,6 +264,10 @@ def _(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tens
     return x.new_empty((x.shape[0], weight.shape[0]))  # (M, N)
 
 
+#: The most input features ``activations="int8"`` takes: 127 * 127 * K must fit an int32 sum.
+INT8_ROWS_MOST_K = (2**31 - 1) // 127**2
+
+
 class Int8Linear(AllOrNothing, nn.Module):
     """``nn.Linear`` with an int8 weight and a float32 scale per output channel: (..., K) -> (..., N).
 
@@ -295,6 +300,9 @@ class Int8Linear(AllOrNothing, nn.Module):
                             "combine; round the unsharded model's weights, and serve it unsharded")
         if weight.shape[1] == 0:
             raise ValueError(f"weight must have K >= 1 input features, got shape {tuple(weight.shape)}")
+        if self._arithmetic == "int8" and weight.shape[1] > INT8_ROWS_MOST_K:
+            raise ValueError(f"activations='int8' sums K products of up to 127 * 127 in int32: the weight's K must be at most "
+                             f"{INT8_ROWS_MOST_K}, got shape {tuple(weight.shape)}; use activations='bf16'")
         if bias is not None and (not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != weight.shape[:1]):
             got = f"{type(bias).__name__}" if not isinstance(bias, Tensor) else f"{bias.dtype} of shape {tuple(bias.shape)}"
             raise ValueError(f"bias must be None or a floating-point tensor of shape (N,) = ({weight.shape[0]},), got {got}")
@@ -494,6 +502,7 @@ class Int8Linear(AllOrNothing, nn.Module):
             raise error(f"x must be a (..., K={self.in_features}) tensor for this Int8Linear, got {got}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
+        _checks.same_device("x", x, "this Int8Linear's weight is", self.weight.device)  # (torch's int8 GEMM read a meta weight's nothing)
         if self.activations == "int8":
             if torch.compiler.is_compiling() and projection.frozen() and (y := Int8Linear._frozen_panels([self], x)) is not None:
                 return y  # (..., N): the weights frozen into the graph: the panels' integer GEMM, the same sums
