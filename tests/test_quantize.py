@@ -731,3 +731,9 @@ def test_an_int8_layer_on_another_device_than_x_is_named(activations):
     mha = int8_weights(hw.MultiHeadAttention(8, 8, 4, 0.0, 2), activations=activations).to("meta")  # every weight a buffer now
     with torch.no_grad(), pytest.raises(ValueError, match=r"x is on cpu but MultiHeadAttention's buffers are on meta"):
         mha(torch.randn(1, 3, 8))
+
+
+def test_a_layer_used_twice_stays_one_int8_layer():
+    shared = nn.Linear(8, 8)
+    model = int8_weights(nn.Sequential(shared, nn.ReLU(), shared))
+    assert isinstance(model[0], Int8Linear) and model[0] is model[2]

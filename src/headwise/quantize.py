@@ -277,7 +277,9 @@ class Int8Linear(AllOrNothing, nn.Module):
         activations: "bf16" (the activations rounded to bfloat16) or "int8" (each row rounded to
             int8 with its own scale, exact integer sums): the module docstring says what each computes.
 
-    Buffers: ``weight`` (N, K) int8, ``scales`` (N,) float32, ``bias`` (N,) or None.
+    Buffers: ``weight`` (N, K) int8, ``scales`` (N,) float32 (each row's max|w| / 127, at least float32's smallest
+    normal number: a row of zeros keeps a scale, and a row below 127 times it keeps fewer than 127 levels), ``bias``
+    (N,) or None.
 
     Example:
         >>> lin = nn.Linear(64, 32)
@@ -542,7 +544,10 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     that embedding's weight.
 
     Args:
-        model: any ``nn.Module``, e.g. a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``.
+        model: any ``nn.Module`` whose forward calls its ``nn.Linear`` layers, e.g. a ``GPT2LMHeadModel`` or
+            ``LlamaForCausalLM`` (a module that reads a layer's ``.weight`` itself, as the fast path of torch's
+            ``nn.TransformerEncoderLayer`` does, would get the int8 values). A layer used in several places stays one
+            layer.
         activations: each ``Int8Linear``'s arithmetic, "bf16" or "int8" (the module docstring).
 
     Returns:
@@ -574,14 +579,18 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
     if tied is not None and getattr(model, "lm_head", 0) is None:
         targets.append((model, "lm_head", model.get_submodule(tied), None, model.training))
 
-    def made(child: nn.Module, bias: Tensor | None) -> Int8Linear:
-        try:
-            return Int8Linear(child.weight, bias, activations=activations)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{names[id(child)]}: {e}; the model is unchanged") from None
+    made_for: dict[int, Int8Linear] = {}  # id of a layer -> its one replacement (a layer shared stays shared)
+
+    def made(child: nn.Module, bias: Tensor | None, training: bool) -> Int8Linear:
+        if id(child) not in made_for:
+            try:
+                made_for[id(child)] = Int8Linear(child.weight, bias, activations=activations).train(training)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{names[id(child)]}: {e}; the model is unchanged") from None
+        return made_for[id(child)]
 
     # every layer made before any is set: a weight that cannot be rounded leaves the model as it was
-    replacements = [(parent, name, made(child, bias).train(training)) for parent, name, child, bias, training in targets]
+    replacements = [(parent, name, made(child, bias, training)) for parent, name, child, bias, training in targets]
     for parent, name, layer in replacements:
         setattr(parent, name, layer)  # an eval model stays all eval
     return model
