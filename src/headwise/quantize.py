@@ -574,7 +574,8 @@ def int8_weights(model: nn.Module, *, activations: str = "bf16") -> nn.Module:
                          "call int8_weights on the float model")
     # (parent, attribute, module whose weight it rounds, its bias, training): every nn.Linear, and a tied head
     targets = [(parent, name, child, child.bias, child.training)
-               for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]  # fmt: skip
+               for parent in model.modules() for name, child in parent._modules.items() if type(child) is nn.Linear]  # fmt: skip
+    # (each parent's every entry: named_children lists a layer it holds twice once, which left the other float)
     tied = getattr(type(model), "tied_embedding", None)
     if tied is not None and getattr(model, "lm_head", 0) is None:
         targets.append((model, "lm_head", model.get_submodule(tied), None, model.training))
