@@ -58,14 +58,18 @@ def test_sharded_checkpoint_with_a_broken_index_is_named(gpt2_dir, tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors.index.json: expected a 'weight_map' object"):
         GPT2LMHeadModel.from_pretrained(d)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": "model-00002-of-00002.safetensors"}}))
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors: file not found"):
-        GPT2LMHeadModel.from_pretrained(d)
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.bias": "model-00001-of-00001.safetensors"}}))
-    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: lacks tensors the index puts there: \['lm_head.bias'\]"):
+    with pytest.raises(FileNotFoundError, match=r"index.json: names shard files that are not in .*: \['model-00002-of-00002.safetensors'\]"):
         GPT2LMHeadModel.from_pretrained(d)
     from safetensors.torch import load_file
 
     held = sorted(load_file(d / "model-00001-of-00001.safetensors"))
+    wrong = {key: "model-00001-of-00001.safetensors" for key in held[1:]} | {held[0]: "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wrong}))  # one key sent to a shard not there: the
+    with pytest.raises(FileNotFoundError, match=r"names shard files that are not in"):  # index named, not the shard that holds it
+        GPT2LMHeadModel.from_pretrained(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.bias": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: lacks tensors the index puts there: \['lm_head.bias'\]"):
+        GPT2LMHeadModel.from_pretrained(d)
     listed = {key: "model-00001-of-00001.safetensors" for key in held[1:]}  # the index leaves one out: not dropped silently
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": listed}))
     with pytest.raises(ValueError, match=rf"model-00001-of-00001.safetensors: holds tensors the index does not list: \['{re.escape(held[0])}'\]"):
@@ -217,6 +221,9 @@ def test_training_checkpoints_and_garbage_bin_files(hf_gpt2, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_gpt2.config.to_dict()))
     torch.save({"state_dict": hf_gpt2.state_dict(), "epoch": torch.tensor(3)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"pytorch_model.bin: expected a dict of tensors \(a state dict\), got a dict whose entry 'state_dict' is a dict \(a training checkpoint\?\)"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    torch.save({**hf_gpt2.state_dict(), 3: torch.zeros(1)}, tmp_path / "pytorch_model.bin")  # a key, not a value, at fault
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: expected a dict of tensors by name \(a state dict\), got the key 3 of type int"):
         GPT2LMHeadModel.from_pretrained(tmp_path)
     for garbage in (b"\x80", b"hello world", b"\x80\x02}q\x00.", b""):  # IndexError, KeyError, ... escaped before
         (tmp_path / "pytorch_model.bin").write_bytes(garbage)

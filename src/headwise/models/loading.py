@@ -81,11 +81,15 @@ def read_sharded(index: Path) -> dict[str, Tensor]:
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
     state: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
         if Path(shard).name != shard:
             raise ValueError(f"{index}: shard {shard!r} is not a file name in the same directory")
         if not shard.endswith(".safetensors"):  # an index naming an index (itself, or one naming it back) would never end
             raise ValueError(f"{index}: shard {shard!r} is not a .safetensors file (an index lists shards, not other indexes)")
+    if missing := [shard for shard in shards if not (index.parent / shard).is_file()]:  # before any is read: the index's fault
+        raise FileNotFoundError(f"{index}: names shard files that are not in {index.parent}: {missing}")
+    for shard in shards:
         tensors = read_weights(index.parent / shard)
         listed = {key for key, file in weight_map.items() if file == shard}
         absent, unlisted = sorted(listed - tensors.keys()), sorted(tensors.keys() - listed)
@@ -132,6 +136,8 @@ def read_weights(file: Path) -> dict[str, Tensor]:
                 f"(a training checkpoint?): save that inner state dict (model.state_dict()) as {PYTORCH_BIN}"
             )
         bad = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor)))
+        if not isinstance(bad, str):
+            raise ValueError(f"{file}: expected a dict of tensors by name (a state dict), got the key {bad!r} of type {type(bad).__name__}")
         raise ValueError(f"{file}: expected a dict of tensors (a state dict), got entry {bad!r} of type {type(state[bad]).__name__}")
     raise ValueError(f"{file}: expected a dict of tensors (a state dict), got {type(state).__name__}")
 
