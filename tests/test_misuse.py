@@ -526,6 +526,8 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("hf attention, two layers' keys", lambda: hw.gpt2_attention_from_hf(gpt2_attn(), {f"h.{i}.attn.{k}": v.T if v.ndim == 2 else v for i in (0, 1) for k, v in gpt2_attn().state_dict().items()}),
      Raises(ValueError, r"duplicate: h.0.attn.c_attn.weight and h.1.attn.c_attn.weight both give c_attn.weight")),
     ("hf attention, missing key", lambda: hw.gpt2_attention_from_hf(gpt2_attn(), {"c_attn.weight": torch.zeros(8, 24)}), Raises(ValueError, r"missing: c_attn.bias")),
+    ("load a list", lambda: load_checked(mha(), list(mha().state_dict().values())),
+     Raises(TypeError, r"state must be a mapping of names to tensors \(a state dict\), got list")),
     ("load int32 weights", lambda: load_checked(mha(), {k: v.int() if k == "W_key.weight" else v for k, v in mha().state_dict().items()}),
      Raises(ValueError, r"wrong dtype: W_key.weight: expected a floating-point tensor, got torch.int32")),
     ("load a non-tensor value", lambda: load_checked(mha(), {k: (v.tolist() if k == "W_key.bias" else v) for k, v in mha().state_dict().items()}),

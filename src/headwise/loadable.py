@@ -65,9 +65,12 @@ def remap(
             the message, as the state's other keys are.
 
     Raises:
+        TypeError: ``state`` is not a mapping.
         ValueError: listing every missing, unexpected, duplicated, mis-shaped, valueless and
             mis-typed key at once.
     """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to tensors (a state dict), got {type(state).__name__}")
     optional, dtypes = optional or {}, dtypes or {}
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}  # target key -> the incoming key that gave it
