@@ -158,3 +158,26 @@ def test_rope_scaling_numbers_given_as_numpy_scalars_are_kept_plain_and_round_tr
     assert given["factor"].dtype == np.float32  # the caller's dict is not changed
     fields = dataclasses.asdict(config)
     assert LlamaConfig(**json.loads(json.dumps(fields))) == config
+
+
+def test_a_llama_config_with_rope_scaling_hashes_and_no_scaling_is_one_value():
+    scaled = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
+    a, b = LlamaConfig(**scaled), LlamaConfig(**json.loads(json.dumps(scaled)))
+    assert a == b and hash(a) == hash(b) and len({a, b, LlamaConfig()}) == 2  # (a dict field had no hash)
+    assert LlamaConfig(rope_scaling={}) == LlamaConfig(rope_scaling={"rope_type": "default"}) == LlamaConfig()
+    assert LlamaConfig(rope_scaling={}).rope_scaling is None
+
+
+def test_llama_config_from_dict_reads_a_config_json_as_loading_does():
+    d = {"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 50,
+         "sliding_window": 8, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}, "torch_dtype": "float32"}
+    mistral = LlamaConfig.from_dict(d, "mistral")
+    assert mistral.windows == (8, 8) and mistral.rope_theta == 500.0 and mistral.rope_scaling["factor"] == 2.0
+    assert mistral.kv_heads == 8 and LlamaConfig.from_dict(d).kv_heads == 8  # Mistral's default 8, Llama's: every head
+    assert mistral.max_position_embeddings == 131072  # Mistral's default, where the dict leaves it out
+    assert LlamaConfig.from_dict(d).windows is None  # Llama: no window whatever the dict says
+    with pytest.raises(ValueError, match=r"model_type must be one of \['llama', 'mistral', 'qwen3'\], got 'gpt2'"):
+        LlamaConfig.from_dict(d, "gpt2")
+    with pytest.raises(TypeError, match=r"d must be a dict"):
+        LlamaConfig.from_dict([("hidden_size", 64)])

@@ -1,6 +1,7 @@
 """Model configurations: frozen dataclasses with HuggingFace's field names, checked when built.
 
-``FromDict`` gives every config ``from_dict`` (a ``config.json`` dict; other keys ignored);
+``FromDict`` gives GPT-2's and BERT's configs ``from_dict`` (a ``config.json`` dict; other keys ignored; the Llama
+family's ``LlamaConfig.from_dict`` reads its model type's defaults and rope settings as loading does);
 ``GPT2Config`` lives here with its exact-name presets (``BertConfig`` in ``headwise.models.bert``).
 Every field is checked for type and range in ``__post_init__``, so a bad ``config.json`` fails
 while the config is built, naming the field, and never as NaN logits later.

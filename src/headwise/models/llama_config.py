@@ -84,7 +84,9 @@ class LlamaConfig:
         store(self, "partial_rotary_factor", partial(_checks.number, low=0.0, high=1.0, low_open=True))
         store(self, "attention_dropout", _checks.dropout)
         scaling = check_scaling(self.rope_scaling)
-        if scaling is not None:  # its numbers as checked (plain ints and floats, for JSON); its other keys as given
+        if scaling is not None and scaling["rope_type"] == "default":  # ({} or the default named: no scaling, equal to None)
+            object.__setattr__(self, "rope_scaling", None)
+        elif scaling is not None:  # its numbers as checked (plain ints and floats, for JSON); its other keys as given
             object.__setattr__(self, "rope_scaling", {**self.rope_scaling, **{k: v for k, v in scaling.items() if k != "rope_type"}})
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim * partial_rotary_factor must give an even number of rotary dims, got {self.rotary_dim}")
@@ -94,6 +96,20 @@ class LlamaConfig:
             if len(self.windows) != self.num_hidden_layers:
                 raise ValueError(f"windows must give one window per layer ({self.num_hidden_layers}), got {len(self.windows)}")
             object.__setattr__(self, "windows", tuple(_checks.window(w, causal=True) for w in self.windows))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], model_type: str = "llama") -> LlamaConfig:
+        """From a HuggingFace ``config.json`` dict of ``model_type`` ("llama", "mistral" or "qwen3"), read as
+        ``headwise.models.load`` reads the file (``llama_config``: the model type's defaults, its rope settings)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"d must be a dict (a parsed config.json), got {type(d).__name__}")
+        if model_type not in DEFAULTS:
+            raise ValueError(f"model_type must be one of {sorted(DEFAULTS)}, got {model_type!r}")
+        return llama_config(d, model_type, "config dict")
+
+    def __hash__(self) -> int:
+        """Every field's, the rope scaling's items too (a dict has no hash of its own)."""
+        return hash(tuple(_frozen(getattr(self, f.name)) for f in fields(self)))
 
     @property
     def kv_heads(self) -> int:
@@ -113,6 +129,13 @@ class LlamaConfig:
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (None = full causal attention)."""
         return None if self.windows is None else self.windows[layer]
+
+
+def _frozen(value: object) -> object:
+    """``value`` with its dicts and lists as tuples (of sorted items), which hash."""
+    if isinstance(value, dict):
+        return tuple(sorted((key, _frozen(item)) for key, item in value.items()))
+    return tuple(_frozen(item) for item in value) if isinstance(value, list) else value
 
 
 def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> LlamaConfig:
