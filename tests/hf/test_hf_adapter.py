@@ -86,6 +86,25 @@ def test_bookkeeping_arguments_pass_and_the_output_is_b_t_h_dv():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+def test_every_argument_transformers_passes_down_is_inert_refused_or_attends_own():
+    # TransformersKwargs reach every layer's attention function (the Trainer's num_items_in_batch with every batch)
+    from transformers.utils.generic import TransformersKwargs
+
+    own = {"attention_mask", "dropout", "scaling", "is_causal", "softcap", "s_aux", "position_bias", "output_attentions"}
+    assert set(TransformersKwargs.__annotations__) <= headwise.hf.INERT | set(headwise.hf.REFUSED) | own
+
+
+def test_a_llama_trained_through_the_loss_normaliser_gives_eagers_loss():
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)).eval()
+    ids = torch.randint(2, 100, (2, 7))
+    losses = []
+    for name in ("eager", headwise.hf.register()):
+        model.set_attn_implementation(name)
+        losses.append(model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(12)).loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
 def test_bad_tensors_reach_the_core_checks():
     with pytest.raises(ValueError, match=r"k must have shape \(B=1, Hkv, S, D=4\)"):
         headwise.hf.attend(_Layer(), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 4), None)

@@ -55,6 +55,8 @@ INERT = frozenset(
         "return_dict",
         "deterministic",
         "sliding_window",
+        "num_items_in_batch",  # the loss's normaliser (transformers' Trainer passes it with every batch)
+        "seq_idx",  # a packed row's sequence index for Mamba's layers (attention reads the packing from the mask)
     }
 )
 
