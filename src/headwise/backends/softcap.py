@@ -46,20 +46,27 @@ def _probs(
     """Weights P (B, H, t, s) of queries ``rows`` over keys ``cols``, (``keep``) the tanh values behind them, and the sink's share (B, H, t) or None.
 
     ``qs`` holds q * 2 scale / cap (float32 for half inputs): th = tanh(scale q.k / cap), the
-    logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place.
+    logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place (eagerly: traced by
+    ``torch.compile``, the same ops out of place, whose chain of in-place views inductor's index algebra never finished).
     """
-    e = math_backend.scores(qs, k).clamp_(-_SATURATED, _SATURATED).expm1_()  # (B, H, t, s): expm1(2 x)
-    th = e.div_(e + 2.0)  # (B, H, t, s): tanh(x)
-    logits = th * spec.softcap if keep else th.mul_(spec.softcap)  # (B, H, t, s)
+    inplace = not torch.compiler.is_compiling()
+    raw = math_backend.scores(qs, k)  # (B, H, t, s)
+    if inplace:
+        e = raw.clamp_(-_SATURATED, _SATURATED).expm1_()  # (B, H, t, s): expm1(2 x)
+        th = e.div_(e + 2.0)  # (B, H, t, s): tanh(x)
+    else:
+        e = raw.clamp(-_SATURATED, _SATURATED).expm1()
+        th = e / (e + 2.0)
+    logits = th.mul_(spec.softcap) if inplace and not keep else th * spec.softcap  # (B, H, t, s)
     th = th if keep else None
     bias = spec.bias(rows, cols, qs.device, qs.dtype)  # (B?, H?, t, s) or None
     if bias is not None:
-        logits.add_(bias.to(logits.dtype))
-    edge = math_backend.seen_by_all(spec, rows, cols)  # keys before it are visible to every row of the block
+        logits = logits.add_(bias.to(logits.dtype)) if inplace else logits + bias.to(logits.dtype)
+    edge = math_backend.seen_by_all(spec, rows, cols) if inplace else 0  # keys before it are visible to every row of the block
     allowed = spec.allowed(rows, (cols[0] + edge, cols[1]), qs.device)  # (B?, H?, t, s - edge) bool or None
     if allowed is not None:
-        math_backend.masked(logits, allowed, edge, inplace=True)
-    p, share = math_backend.softmax(logits, spec, allowed, edge, rows, cols, dtype=None, inplace=True)  # (B, H, t, s), (B, H, t)
+        logits = math_backend.masked(logits, allowed, edge, inplace=inplace)
+    p, share = math_backend.softmax(logits, spec, allowed, edge, rows, cols, dtype=None, inplace=inplace)  # (B, H, t, s), (B, H, t)
     return p.contiguous(), th, share
 
 
