@@ -167,6 +167,9 @@ def test_how_a_class_is_judged_from_its_source():
     assert not routing.computes_attention_itself(tf.models.llama.modeling_llama.LlamaAttention)
     assert routing.computes_attention_itself(tf.models.bloom.modeling_bloom.BloomAttention)
     assert routing.computes_attention_itself(nn.MultiheadAttention)
+    # a softmax by another name: Reformer's exp(x - logsumexp(x)), ESMFold's softmax_no_cast (check passed them)
+    assert routing.computes_attention_itself(tf.models.reformer.modeling_reformer.LSHSelfAttention)
+    assert routing.computes_attention_itself(tf.models.esm.modeling_esmfold.EsmFoldAttention)
     assert not routing.computes_attention_itself(tf.models.bert.modeling_bert.BertAttention)  # holds the layer that routes
     namespace: dict = {}
     exec("import torch\nclass MyAttention(torch.nn.Module):\n    def forward(self, s):\n        return s.softmax(-1)\n", namespace)

@@ -29,7 +29,7 @@ ROUTES = re.compile(r"ALL_ATTENTION_FUNCTIONS|attention_interface")
 MASKS = re.compile(r"create_causal_mask|create_sliding_window_causal_mask|create_bidirectional_mask|create_masks_for_generate|"
                    r"ALL_MASK_ATTENTION_FUNCTIONS")
 #: In a class's source: it computes attention weights itself.
-COMPUTES = re.compile(r"[sS]oftmax\(|scaled_dot_product_attention\(|flash_attn")
+COMPUTES = re.compile(r"[sS]oftmax\w*\(|logsumexp\(|scaled_dot_product_attention\(|flash_attn")
 
 
 @functools.cache
