@@ -275,7 +275,7 @@ RULES: tuple[Rule, ...] = (
     Rule("math, every step whole", "math", AUTO_MATH, lambda c: c.observed, _math_whole,
          "an observer (headwise.observe, explain) reads every step's whole tensor"),
     Rule("math blocks under torch.func", "math", EVERY, _transformed, _math_blocks,
-         "a torch.func transform (grad, vmap, jacrev) wraps the inputs, or one carries a forward-mode tangent: torch's "
+         "a torch.func transform (grad, vmap, jacrev) wraps q, k, v or a tensor term, or one carries a forward-mode tangent: torch's "
          "own ops only, which it transforms "
          "(the C++ kernels and the flash-style autograd Functions do not run under it)"),
     Rule("math blocks, every weight dropped", "math", EVERY, lambda c: c.spec.dropout_p == 1.0, _math_blocks,
