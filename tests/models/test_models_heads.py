@@ -66,3 +66,23 @@ def test_sentences_of_nothing_but_cls_and_sep_are_refused(encoder):
     """Nothing to average over: refused by name (the profile was all zeros, every head "mixed")."""
     with pytest.raises(ValueError, match=r"sentences must hold a token besides \[CLS\] and \[SEP\]"):
         head_roles(encoder, ["", "   "])
+
+
+def test_special_tokens_are_found_by_id_whatever_the_tokenizer_calls_them(minilm_dir, tmp_path, encoder):
+    """A BERT-architecture encoder whose tokenizer names them <s> and </s> (an XLM-R tokenizer, the same ids): the same
+    roles, and the heads page's too (looked up by the names [CLS] and [SEP], they were never found)."""
+    from headwise.models import SentenceEncoder
+    from headwise.viz import head_maps
+
+    for f in minilm_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (tmp_path / f.name).symlink_to(f)
+    text = (minilm_dir / "tokenizer.json").read_text().replace('"[CLS]"', '"<s>"').replace('"[SEP]"', '"</s>"')
+    (tmp_path / "tokenizer.json").write_text(text)
+    renamed = SentenceEncoder.from_pretrained(tmp_path)
+    assert renamed.special_ids == encoder.special_ids == (101, 102) and renamed.special_tokens == ("<s>", "</s>")
+    sentences = ["The quick brown fox jumps over the lazy dog."]
+    torch.testing.assert_close(head_roles(renamed, sentences).mass, head_roles(encoder, sentences).mass, rtol=0, atol=0)
+    assert head_maps(tmp_path, sentences[0]).roles.heads("[CLS]/[SEP]")
+    with pytest.raises(ValueError, match=r"text must hold a token besides \[CLS\] and \[SEP\]"):
+        head_maps(minilm_dir, "\u200b")  # a text of nothing the profile reads (all zeros, every head "mixed", before)

@@ -255,9 +255,11 @@ def default_model_dir() -> Path:
 
 
 def _probe(tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
-    """The tokens and ids of an empty sentence's encoding: what the post-processor adds ([CLS], [SEP], ...)."""
+    """The tokens and ids of an empty sentence's encoding: what the post-processor adds ([CLS], [SEP], ...), not the
+    padding a tokenizer.json may ask for."""
     encoding = tokenizer.encode("")
-    return encoding.tokens, encoding.ids
+    real = [i for i, keep in enumerate(encoding.attention_mask) if keep]
+    return [encoding.tokens[i] for i in real], [encoding.ids[i] for i in real]
 
 
 class SentenceEncoder(AllOrNothing, nn.Module):
@@ -288,7 +290,10 @@ class SentenceEncoder(AllOrNothing, nn.Module):
         # every id it can emit: the vocabulary's (counting is not enough, ids may skip), padding, the special
         # tokens its post-processor adds (an empty sentence's encoding): one past the embedding table fails at encode
         ids = {**tokenizer.get_vocab(with_added_tokens=True), f"padding {pad_token!r}": pad_id}
-        ids |= {f"post-processor token {t!r}": i for t, i in zip(*_probe(tokenizer), strict=True)}
+        added = _probe(tokenizer)
+        ids |= {f"post-processor token {t!r}": i for t, i in zip(*added, strict=True)}
+        #: the tokens the post-processor adds to every sentence, and their ids: [CLS] and [SEP], or <s> and </s>
+        self.special_tokens, self.special_ids = tuple(added[0]), tuple(added[1])
         token, top = max(ids.items(), key=lambda kv: kv[1])
         if top >= model.config.vocab_size:
             what = token if token.startswith(("padding ", "post-processor ")) else f"token {token!r}"

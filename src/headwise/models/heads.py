@@ -115,6 +115,16 @@ def attention_mass(weights: list[Tensor], special: Tensor, is_token: Tensor) -> 
     return torch.stack(out)  # (L, H, 4)
 
 
+def special_tokens(encoder: SentenceEncoder, input_ids: Tensor, attention_mask: Tensor, name: str, given: object) -> Tensor:
+    """(N, T) bool: where the tokens the encoder's post-processor adds sit ([CLS] and [SEP], or a RoBERTa-style
+    tokenizer's <s> and </s>, by their ids); a ValueError naming ``name`` (``given``) when nothing else is real."""
+    special = torch.isin(input_ids, torch.tensor(encoder.special_ids, dtype=input_ids.dtype, device=input_ids.device))  # (N, T)
+    if not (attention_mask.bool() & ~special).any():
+        names = " and ".join(dict.fromkeys(encoder.special_tokens)) or "the special tokens"
+        raise ValueError(f"{name} must hold a token besides {names} (the heads are profiled over them), got {given!r}")
+    return special
+
+
 def head_roles(encoder: SentenceEncoder, sentences: list[str]) -> HeadRoles:
     """Run ``sentences`` through ``encoder`` and profile every head (see ``attention_mass``)."""
     if not isinstance(encoder, SentenceEncoder):
@@ -123,9 +133,6 @@ def head_roles(encoder: SentenceEncoder, sentences: list[str]) -> HeadRoles:
             "for a model without a tokenizer, use attention_maps(model, input_ids, attention_mask) and attention_mass"
         )
     input_ids, attention_mask = encoder.tokenize(sentences)  # (N, T) x2
-    ids = [encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
-    special = torch.isin(input_ids, torch.tensor([i for i in ids if i is not None], device=input_ids.device))  # (N, T)
-    if not (attention_mask.bool() & ~special).any():
-        raise ValueError(f"sentences must hold a token besides [CLS] and [SEP] (the heads are profiled over them), got {sentences!r}")
+    special = special_tokens(encoder, input_ids, attention_mask, "sentences", sentences)  # (N, T)
     weights = attention_maps(encoder.model, input_ids, attention_mask)
     return HeadRoles(attention_mass(weights, special, attention_mask))

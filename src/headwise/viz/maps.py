@@ -21,7 +21,7 @@ from torch import Tensor
 from .._optional import require
 from ..functional import attention_weights
 from ..models import loading
-from ..models.heads import HeadRoles, attention_maps, attention_mass
+from ..models.heads import HeadRoles, attention_maps, attention_mass, special_tokens
 from ..observe import observe
 
 #: The book's sentence ("Your journey starts with one step"), the page's default.
@@ -146,8 +146,7 @@ def _bert_maps(directory: Path, text: str, name: str) -> HeadMaps:
     input_ids, real = encoder.tokenize([text])  # (1, T) x2
     encoding, cut = _encode(encoder.tokenizer, text)
     tokens = tuple(encoding.tokens)
-    special_ids = [i for i in (encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")) if i is not None]
-    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
+    special = special_tokens(encoder, input_ids, real, "text", text)  # (1, T)
     weights = attention_maps(encoder.model, input_ids, real)  # L x (1, H, T, T)
     return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=False, cut=cut)
 
