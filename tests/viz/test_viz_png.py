@@ -41,3 +41,14 @@ def test_chosen_head_and_bad_heads(minilm_maps):
     assert heads_figure(minilm_maps, head=(np.int64(1), np.int64(8))).get_axes()[-2].get_title() == "layer 1, head 8: next (0.57)"
     with pytest.raises(TypeError, match=r"maps must be a HeadMaps"):
         heads_figure(None)
+
+
+def test_the_sentence_and_its_tokens_are_drawn_as_typed_not_as_math():
+    # matplotlib reads "$...$" as math: "$5 or $6" lost its dollars, and an unbalanced "$\frac{" failed at savefig
+    import io
+
+    from headwise.viz import head_maps
+
+    fig = heads_figure(head_maps(text=r"a $\frac{1}{$ b costs $5"))
+    assert not any(t.get_parse_math() for t in (fig._suptitle, *fig.axes[-2].get_xticklabels()))
+    fig.savefig(io.BytesIO(), format="png", dpi=40)

@@ -29,6 +29,11 @@ def clearest_head(maps: HeadMaps) -> tuple[int, int]:
     return layer, head
 
 
+#: A text the user gave (the sentence, its tokens, the model's name) drawn as typed: not matplotlib's math between
+#: dollar signs ("$5 or $6" lost its dollars, an unbalanced "$\\frac{" failed at savefig), nor LaTeX under usetex.
+_AS_TYPED = {"parse_math": False, "usetex": False}
+
+
 def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figure:
     """Every head's (T, T) map in a layers x heads grid, framed in its role's colour, and one head large.
 
@@ -81,8 +86,8 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
     role, share = maps.role(i, h)
     image = ax.imshow(w[i, h], cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
     T = len(maps.tokens)
-    ax.set_xticks(range(T), maps.tokens, rotation=90, fontsize=8)
-    ax.set_yticks(range(T), maps.tokens, fontsize=8)
+    ax.set_xticks(range(T), maps.tokens, rotation=90, fontsize=8, **_AS_TYPED)
+    ax.set_yticks(range(T), maps.tokens, fontsize=8, **_AS_TYPED)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     for spine in ax.spines.values():
@@ -96,5 +101,5 @@ def heads_figure(maps: HeadMaps, *, head: tuple[int, int] | None = None) -> Figu
         loc="outside lower center", ncols=len(ROLE_COLOURS), fontsize=8, title="role: the kind of key that gets at least half of the weight", title_fontsize=8,
     )
     kind = "causal" if maps.causal else "bidirectional"
-    fig.suptitle(f"{maps.model} ({L} layers x {H} heads, {kind}): \u201c{maps.text}\u201d", fontsize=11)
+    fig.suptitle(f"{maps.model} ({L} layers x {H} heads, {kind}): \u201c{maps.text}\u201d", fontsize=11, **_AS_TYPED)
     return fig
