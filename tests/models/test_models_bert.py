@@ -269,3 +269,26 @@ def test_a_missing_tensor_is_named_as_the_checkpoint_names_its_others(tmp_path, 
         BertModel.from_pretrained(tmp_path)
     missing = sorted(line.removeprefix("  missing: ") for line in str(err.value).splitlines() if line.startswith("  missing: "))
     assert missing == sorted(gone)
+
+
+def test_the_padding_row_takes_no_gradient_as_transformers(tmp_path):
+    # pad_token_id is the word embedding's padding_idx: its row zero at init and untrained (it got gradients here)
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=30,
+                                     max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=3)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path)
+    theirs = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = BertModel.from_pretrained(tmp_path)
+    ids, w = torch.tensor([[2, 7, 3, 9, 3]]), torch.randn(1, 5, 32)  # the pad id at real positions (the text "[PAD]")
+    (ours(ids) * w).sum().backward()
+    (theirs(input_ids=ids).last_hidden_state * w).sum().backward()
+    mine, want = ours.embeddings.word_embeddings.weight.grad, theirs.embeddings.word_embeddings.weight.grad
+    assert mine[3].abs().max() == 0
+    torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-5)
+    from headwise.models.bert import BertConfig
+
+    assert BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)).embeddings.word_embeddings.weight[0].abs().max() == 0
+    with pytest.raises(ValueError, match=r"pad_token_id must be an int in \[0, 49\], got 50"):
+        BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, pad_token_id=50)

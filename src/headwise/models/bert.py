@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,7 @@ class BertConfig(FromDict):
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0  # the word embedding's padding row: made zero, and trained by no gradient (as transformers')
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "type_vocab_size",
@@ -76,6 +78,8 @@ class BertConfig(FromDict):
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             store(self, name, _checks.dropout)
         store(self, "layer_norm_eps", _checks.epsilon)
+        if self.pad_token_id is not None:
+            store(self, "pad_token_id", partial(_checks.integer, low=0, high=self.vocab_size - 1))
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
 
@@ -107,7 +111,7 @@ class BertEmbeddings(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
