@@ -126,3 +126,27 @@ def test_vmap_over_a_float_mask_and_an_int_padding_mask_equals_each_call():
         got = vmap(lambda xx, a: m(xx, attention_mask=a))(x, padding)
         want = torch.stack([m(xi, attention_mask=ai) for xi, ai in zip(x, padding, strict=True)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_documents_alone_equals_each_call():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    docs = torch.tensor([[[0, 0, 0, 1, 1, 1]], [[0, 1, 1, 1, 2, 2]], [[0, 0, 0, 0, 0, 0]]])  # (N, B, T)
+    got = vmap(lambda d: hw.attention(q, k, v, causal=True, documents=d))(docs)
+    want = torch.stack([hw.attention(q, k, v, causal=True, documents=d) for d in docs])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_keeps_the_value_checks():
+    # grad's wrapped tensors hold one value each: a NaN sink, a 2 in a padding mask, an id past the vocabulary are
+    # still refused by name (only vmap's batched values step aside)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"sinks must hold finite numbers or -inf"):
+        grad(lambda s: hw.attention(q, k, v, sinks=s).sum())(torch.tensor([float("nan"), 0.0]))
+    m = _mha(64)
+    with pytest.raises(ValueError, match=r"attention_mask must hold only 0 \(padding\) and 1 \(real token\)"):
+        grad(lambda x: m(x, attention_mask=torch.tensor([[1, 2, 1]])).sum())(torch.randn(1, 3, 64))
+    model = hw.models.GPT2LMHeadModel(hw.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2)).eval()
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"input_ids must hold ids in \[0, vocab_size=50\)"):
+        grad(lambda p: functional_call(model, p, (torch.tensor([[1, 60]]),)).sum())(params)

@@ -237,11 +237,21 @@ def transformed(*tensors: Tensor | None) -> bool:
 
 
 def has_values(t: Tensor) -> bool:
-    """False for a meta tensor (shapes and dtypes only, nothing to read) and for one a ``torch.func`` transform wraps
-    (``vmap``'s examples have no one value to read); True otherwise."""
+    """False for a meta tensor (shapes and dtypes only, nothing to read) and for one ``vmap`` batches at any level (its
+    examples have no one value to read); True otherwise (``grad``'s wrapped tensors read as they are)."""
     if t.device.type == "meta":
         return False
-    return torch.compiler.is_compiling() or not torch._C._functorch.is_functorch_wrapped_tensor(t)  # (Dynamo cannot trace the test)
+    return torch.compiler.is_compiling() or not _batched(t)  # (Dynamo cannot trace the functorch test)
+
+
+def _batched(t: Tensor) -> bool:
+    """Whether a ``vmap`` level batches ``t`` under any other transform's wrapping."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, error: type[Exception] = ValueError) -> None:

@@ -106,7 +106,7 @@ def weights(
     """
     record = report if steps else _silent
     # no graph to keep: rewrite one buffer instead of allocating one per step (a torch.func transform takes no out=)
-    inplace = not steps and not _needs_grad(q, k, spec) and not transformed(q, k, spec.mask, spec.sinks, spec.alibi)
+    inplace = not steps and not _needs_grad(q, k, spec) and not transformed(q, k, *spec.tensors)
     raw = scores(q, k, float32_keys, summed)  # (B, H, t, s)
     record("scores", raw)
     edge = seen_by_all(spec, rows, cols) if inplace else 0  # keys before it are visible to every row: nothing to mask there

@@ -265,8 +265,7 @@ def _per_document(backend: str) -> Callable[[Call], Runner]:
 
 def _transformed(c: Call) -> bool:
     """q, k, v or any tensor term (a mask, padding, documents, sinks, slopes) wrapped by a transform or carrying a tangent."""
-    s = c.spec
-    return transformed(c.q, c.k, c.v, s.mask, s.attention_mask, s.documents, s.sinks, s.alibi)
+    return transformed(c.q, c.k, c.v, *c.spec.tensors)
 
 
 AUTO_MATH, AUTO_SDPA, EVERY = frozenset({"auto", "math"}), frozenset({"auto", "sdpa"}), frozenset({"auto", "math", "sdpa"})

@@ -34,6 +34,11 @@ class Spec:
     scale: float = 1.0
 
     @property
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """The terms given as tensors (a mask, padding, documents, sinks, slopes): what a transform may wrap too."""
+        return self.mask, self.attention_mask, self.documents, self.sinks, self.alibi
+
+    @property
     def changes_scores(self) -> bool:
         """True when the scores themselves change (softcap or ALiBi): no fused kernel computes them."""
         return self.softcap is not None or self.alibi is not None
