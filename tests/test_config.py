@@ -177,6 +177,9 @@ def test_llama_config_from_dict_reads_a_config_json_as_loading_does():
     assert mistral.kv_heads == 8 and LlamaConfig.from_dict(d).kv_heads == 8  # Mistral's default 8, Llama's: every head
     assert mistral.max_position_embeddings == 131072  # Mistral's default, where the dict leaves it out
     assert LlamaConfig.from_dict(d).windows is None  # Llama: no window whatever the dict says
+    assert LlamaConfig.from_dict({**d, "model_type": "mistral"}) == mistral  # the dict's own type by default
+    with pytest.raises(ValueError, match=r"the dict describes model_type 'mistral', not 'qwen3'"):
+        LlamaConfig.from_dict({**d, "model_type": "mistral"}, "qwen3")
     with pytest.raises(ValueError, match=r"model_type must be one of \['llama', 'mistral', 'qwen3'\], got 'gpt2'"):
         LlamaConfig.from_dict(d, "gpt2")
     with pytest.raises(TypeError, match=r"d must be a dict"):

@@ -98,13 +98,18 @@ class LlamaConfig:
             object.__setattr__(self, "windows", tuple(_checks.window(w, causal=True) for w in self.windows))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], model_type: str = "llama") -> LlamaConfig:
-        """From a HuggingFace ``config.json`` dict of ``model_type`` ("llama", "mistral" or "qwen3"), read as
-        ``headwise.models.load`` reads the file (``llama_config``: the model type's defaults, its rope settings)."""
+    def from_dict(cls, d: dict[str, Any], model_type: str | None = None) -> LlamaConfig:
+        """From a HuggingFace ``config.json`` dict, read as ``headwise.models.load`` reads the file (``llama_config``:
+        the model type's defaults, its rope settings). ``model_type``: "llama", "mistral" or "qwen3"; None = the
+        dict's own ``model_type`` (else "llama"); given, the dict's must agree."""
         if not isinstance(d, dict):
             raise TypeError(f"d must be a dict (a parsed config.json), got {type(d).__name__}")
+        own = d.get("model_type")
+        model_type = model_type if model_type is not None else own if own is not None else "llama"
         if model_type not in DEFAULTS:
             raise ValueError(f"model_type must be one of {sorted(DEFAULTS)}, got {model_type!r}")
+        if own is not None and own != model_type:
+            raise ValueError(f"the dict describes model_type {own!r}, not {model_type!r}")
         return llama_config(d, model_type, "config dict")
 
     def __hash__(self) -> int:
