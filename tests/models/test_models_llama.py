@@ -607,6 +607,8 @@ def test_a_tied_checkpoint_that_kept_only_the_head_loads_it_as_the_embedding(tmp
      r"invalid qwen3 config: max_window_layers must be an int >= 0, got None"),
     ("qwen3-qknorm-tied", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
      r"layer_types names sliding layers but use_sliding_window is false"),
+    ("qwen3-qknorm-tied", {"use_sliding_window": True, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]},
+     r"layer_types names sliding layers but sliding_window is null"),
 ])
 def test_config_values_read_differently_from_transformers_are_refused_by_name(name, changes, match, tmp_path):
     """A null where a number belongs, a string where a bool does, a window of 0: each field named (a null took

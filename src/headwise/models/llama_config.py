@@ -207,12 +207,16 @@ def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | Non
     """Each layer's sliding window as HuggingFace's Mistral / Qwen3 decide it (Llama: none); the fields it reads checked
     by their names first (``llama_config`` names the file)."""
     n, window = d.get("num_hidden_layers", 32), d.get("sliding_window")
+    kinds = d.get("layer_types")
+    if model_type == "qwen3" and window is None and isinstance(kinds, list) and "sliding_attention" in kinds:
+        raise ValueError("layer_types names sliding layers but sliding_window is null (transformers' Qwen3 cannot run such "
+                         "a file)")
     if model_type == "llama" or window is None:
         return None
     n, window = _checks.positive_int("num_hidden_layers", n), _checks.positive_int("sliding_window", window)
     if model_type == "mistral":
         return (window,) * n
-    sliding, kinds = d.get("use_sliding_window", False), d.get("layer_types")
+    sliding = d.get("use_sliding_window", False)
     if not isinstance(sliding, bool):
         raise TypeError(f"use_sliding_window must be true or false, got {sliding!r}")
     if not sliding:  # qwen3: sliding only when switched on, in the layers past max_window_layers
