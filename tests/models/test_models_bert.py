@@ -182,8 +182,12 @@ def test_bad_sentences(encoder):
 
 def test_bad_token_types(encoder):
     ids = torch.tensor([[101, 2000, 102]])
-    with pytest.raises(ValueError, match=r"token_type_ids must hold ids in \[0, vocab_size=2\), got ids from 0 to 2"):
+    with pytest.raises(ValueError, match=r"token_type_ids must hold ids in \[0, type_vocab_size=2\), got ids from 0 to 2"):
         encoder.model(ids, token_type_ids=torch.tensor([[0, 1, 2]]))
+    with pytest.raises(TypeError, match=r"model must be a BertModel \(a SentenceEncoder: pass its .model\), got SentenceEncoder"):
+        attention_maps(encoder, ids)
+    with pytest.raises(TypeError, match=r"tokenizer must be a tokenizers.Tokenizer .*got str"):
+        SentenceEncoder(encoder.model, "not a tokenizer")
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from .. import _checks, arguments
 from ..cache import KVCache, PagedBatch
 
 
-def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tuple[int, int]:
+def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids", limit: str = "vocab_size") -> tuple[int, int]:
     """Check ``input_ids`` is a (B, T) integer tensor of ids in [0, vocab_size); return (B, T).
 
     The range is read on the host once per call (on a GPU an id out of range would otherwise
@@ -26,7 +26,7 @@ def token_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> tu
     if input_ids.dtype not in (torch.int64, torch.int32):
         kind = "integer token ids" if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool else "int64 or int32 token ids (embeddings take no other)"
         raise TypeError(f"{name} must hold {kind}, got dtype {input_ids.dtype}; convert with {name}.long()")
-    in_range(input_ids, vocab_size, f"{name} must hold ids in [0, vocab_size={vocab_size})", "ids")
+    in_range(input_ids, vocab_size, f"{name} must hold ids in [0, {limit}={vocab_size})", "ids")
     return input_ids.shape[0], input_ids.shape[1]
 
 

@@ -186,7 +186,7 @@ class BertModel(AllOrNothing, nn.Module):
             raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
         else:
             _inputs.on_model(token_type_ids, self.embeddings.word_embeddings.weight, "token_type_ids")
-            _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
+            _inputs.token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids", "type_vocab_size")
         attention_mask = _inputs.padding_only(is_token)
         with weight_cache.checking(True):  # a write through .data since the projections' copies were made: looked for once
             x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
@@ -287,6 +287,8 @@ class SentenceEncoder(AllOrNothing, nn.Module):
         self.model = model
         if not isinstance(model, BertModel):
             raise TypeError(f"model must be a BertModel, got {type(model).__name__}")
+        if not all(hasattr(tokenizer, name) for name in ("encode_batch", "enable_padding", "get_vocab")):
+            raise TypeError(f"tokenizer must be a tokenizers.Tokenizer (e.g. Tokenizer.from_file('tokenizer.json')), got {type(tokenizer).__name__}")
         self.max_seq_length = min(_checks.positive_int("max_seq_length", max_seq_length), model.config.max_position_embeddings)
         pad = tokenizer.padding or {}
         pad_token = pad.get("pad_token", "[PAD]")

@@ -64,6 +64,9 @@ def attention_maps(model: BertModel, input_ids: Tensor, attention_mask: Tensor |
     Raises:
         ValueError: the model's layers compute some of its heads only (sharded by ``headwise.parallel``).
     """
+    if not isinstance(model, BertModel):
+        hint = " (a SentenceEncoder: pass its .model)" if isinstance(model, SentenceEncoder) else ""
+        raise TypeError(f"model must be a BertModel{hint}, got {type(model).__name__}")
     heads = model.config.num_attention_heads
     local = sorted({m.num_heads for m in model.modules() if isinstance(m, AttentionLayer)})
     if local and local != [heads]:
