@@ -559,7 +559,7 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("generate right-padded prompt", lambda: tiny_gpt2().generate(ids(2, 3), max_new_tokens=1, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])),
      Raises(ValueError, r"attention_mask marks it as padding in rows \[1\]: pad prompts on the left")),
     ("generate tiny temperature = greedy", generate_tiny_temperature_agrees(), None),
-    ("bert token_type_ids past type_vocab_size", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=torch.full((1, 3), 2)), Raises(ValueError, r"token_type_ids must hold ids in \[0, vocab_size=2\)")),
+    ("bert token_type_ids past type_vocab_size", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=torch.full((1, 3), 2)), Raises(ValueError, r"token_type_ids must hold ids in \[0, type_vocab_size=2\)")),
     ("bert token_type_ids wrong shape", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=torch.zeros(1, 2, dtype=torch.long)), Raises(ValueError, r"token_type_ids must have the shape of input_ids, \(1, 3\), got \(1, 2\)")),
     ("bert given a GPT2Config", lambda: BertModel(hw.GPT2Config()), Raises(TypeError, r"config must be a BertConfig, got GPT2Config")),
     ("encoder one str", lambda: tiny_encoder().encode("a cat"), Raises(TypeError, r"sentences must be a list of str, got str \(wrap one sentence in a list\)")),
