@@ -86,3 +86,9 @@ def test_special_tokens_are_found_by_id_whatever_the_tokenizer_calls_them(minilm
     assert head_maps(tmp_path, sentences[0]).roles.heads("[CLS]/[SEP]")
     with pytest.raises(ValueError, match=r"text must hold a token besides \[CLS\] and \[SEP\]"):
         head_maps(minilm_dir, "\u200b")  # a text of nothing the profile reads (all zeros, every head "mixed", before)
+
+
+@pytest.mark.parametrize(("threshold", "error"), [("0.5", TypeError), (float("nan"), ValueError), (1.5, ValueError)])
+def test_a_threshold_outside_zero_to_one_is_named(threshold, error):
+    with pytest.raises(error, match=r"threshold must be a number in \[0, 1\]"):
+        HeadRoles(torch.rand(2, 3, 4)).heads("next", threshold=threshold)

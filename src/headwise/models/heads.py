@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import _checks
 from ..functional import attention_weights, split_heads
 from ..layer import AttentionLayer
 from ..observe import observe
@@ -36,7 +37,8 @@ class HeadRoles:
     kinds: tuple[str, ...] = KINDS
 
     def role(self, layer: int, head: int, *, threshold: float = 0.5) -> str | None:
-        """The kind that gets at least ``threshold`` of the head's weight, or None (mixed)."""
+        """The kind that gets at least ``threshold`` (a number in [0, 1]) of the head's weight, or None (mixed)."""
+        threshold = _checks.number("threshold", threshold, low=0.0, high=1.0)
         share, kind = self.mass[layer, head].max(dim=-1)
         return self.kinds[int(kind)] if float(share) >= threshold else None
 
