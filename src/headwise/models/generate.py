@@ -96,8 +96,10 @@ class GenerationMixin:
             max_new_tokens: the most tokens to add. The prompt's longest row (left padding not counted) and all
                 new tokens but the last (never fed back) must fit the model's positions (``context_limit``).
             attention_mask: (B, T), 1/True = real token (ints or bools).
-            temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
-            top_k: sample only among the k likeliest tokens (with temperature > 0).
+            temperature: 0 = greedy (argmax); > 0 divides the logits before sampling. A row whose logits hold +inf or
+                NaN, or are all -inf, takes greedy's token (the limit of the softmax; torch's sampler refused it).
+            top_k: sample only among the k likeliest tokens and any tied with the k-th (as HuggingFace's), with
+                temperature > 0.
             eos_token_id: a row that emits it is finished and is padded with it from then
                 on; generation stops early once every row is finished.
             generator: the ``torch.Generator`` that sampling draws from.
@@ -283,10 +285,13 @@ def next_token(logits: Tensor, temperature: float, top_k: int | None, generator:
     """(B, vocab) logits -> (B,) ids: the argmax at temperature 0 (``greedy``), else a top-k / temperature sample."""
     if temperature == 0:
         return greedy(logits)  # (B,)
-    logits = logits.double()  # a temperature below float32's range (1e-300) must not round to 0 and make 0/0
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # (B, vocab) <= 0: a tiny temperature gives -inf, never inf
+    wide = logits.double()  # a temperature below float32's range (1e-300) must not round to 0 and make 0/0
+    top = wide.max(dim=-1, keepdim=True).values  # (B, 1): +inf, NaN, or -inf for a row of nothing but -inf
+    odd = ~top.isfinite()  # (B, 1): such a row takes greedy's token, the softmax's limit (no host read)
+    wide = torch.where(odd, 0.0, wide - top) / temperature  # (B, vocab) <= 0: a tiny temperature gives -inf, never inf
     if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # (B, vocab)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        kth = wide.topk(min(top_k, wide.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        wide = wide.masked_fill(wide < kth, float("-inf"))
+    probs = torch.softmax(wide, dim=-1)  # (B, vocab)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+    return torch.where(odd.squeeze(1), greedy(logits), drawn)  # (B,)
