@@ -361,7 +361,7 @@ def generate_many(
         block_size: token slots per block of the paged caches.
         num_blocks: blocks per layer's pool; default: room for every request at once.
         temperature, top_k: as ``model.generate`` (0 = greedy).
-        seed: request i samples with ``torch.Generator().manual_seed(seed + i)``.
+        seed: request i samples with ``torch.Generator(device).manual_seed(seed + i)`` on the model's device.
         max_step_tokens, cache_dtype, compile: see ``Batcher``.
 
     Returns:
