@@ -397,3 +397,36 @@ def test_a_class_named_twice_is_graded_once_and_an_empty_path_is_refused():
     assert [r.name for r in report.results] == ["CausalAttention"] and report.results[0].passed
     with pytest.raises(ValueError, match=r"path_or_class must name a file \(\.py or \.ipynb\), a folder or a module, got ''"):
         grade("")
+
+
+class DropoutOfItsOwnHalf(ChangedAfter):
+    """nn.Dropout(0.5), the book's demo rate, whatever dropout it is given: the train() check at one rate passed it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return DropoutAtItsOwnRate.forward(self, x)
+
+
+class MaskOfTheFirstCall(NoDropout):
+    """The mask made at the first call's number of tokens and kept: a second, shorter call fails."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mask = None
+
+    def forward(self, x):
+        t = x.shape[1]
+        if self.mask is None:
+            self.mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(self.mask, -torch.inf)
+        return torch.softmax(scores / self.W_key.out_features**0.5, dim=-1) @ self.W_value(x)
+
+
+def test_a_rate_of_its_own_and_a_mask_kept_from_the_first_call_fail():
+    own = grade_class(DropoutOfItsOwnHalf, "CausalAttention")
+    assert not own.passed and own.step == "dropout" and "CausalAttention(3, 2, 6, 0.25, False)" in own.config
+    kept = grade_class(MaskOfTheFirstCall, "CausalAttention")
+    assert not kept.passed and kept.error.startswith("on a second call with") and "called again with one token fewer" in kept.hint

@@ -27,6 +27,8 @@ class Outcome:
     got: str | None = None
     raised: Raised | None = None  # step "error": where their code raised, and what
     steps: dict[str, str] | None = None  # step -> "match" / "skipped" / "missing"
+    dropout: float = 0.0  # the rate the failing configuration was built with
+    again: bool = False  # failed on the second call (``_again``), the first call the book's
 
 
 def grade_class(cls: type, name: str | None = None, file: str | None = None) -> Result:
@@ -56,36 +58,52 @@ def grade_class(cls: type, name: str | None = None, file: str | None = None) -> 
 
 
 DROPOUT = 0.5  # the rate the dropout check builds with: half the weights dropped in training
+DROPOUT_AGAIN = 0.25  # and a second: a class keeping a rate of its own (the book's demo nn.Dropout(0.5)) fails there
 DROPOUT_SEED = 7  # the seed both train() passes draw their masks under
 
 
 def _dropout(cls: type, kind: str, config: Config, file: str | None) -> Outcome:
     """Built with dropout, in eval() mode the output must be the book's (no dropout there); in train() mode, under the
-    same seed, the book's own (its nn.Dropout on the attention weights draws the same mask as the learner's there)."""
+    same seed, the book's own (its nn.Dropout on the attention weights draws the same mask as the learner's there);
+    at two rates, so that a rate of the class's own fails."""
+    for rate in (DROPOUT, DROPOUT_AGAIN):
+        if (outcome := _dropout_at(cls, kind, config, file, rate)).step is not None:
+            return outcome
+    return Outcome(config)
+
+
+def _dropout_at(cls: type, kind: str, config: Config, file: str | None, rate: float) -> Outcome:
     ref = reference(kind, config)
     try:
-        module = build(cls, kind, config, ref.state, DROPOUT)
+        module = build(cls, kind, config, ref.state, rate)
         x = _input(ref.x, module)  # (B, T, d_in)
         with torch.no_grad():
             evaluated = module(x)
             trained = _seeded(module.train(), x)
     except (Exception, SystemExit) as e:
         raised = where(e, file)
-        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"with dropout={DROPOUT}: {raised.error}"))
+        return Outcome(config, "error", raised=Raised(raised.line, raised.code, f"with dropout={rate}: {raised.error}"), dropout=rate)
     want = ref.output
     if not _same(evaluated, want):
         expected, got = _show([evaluated.detach()] if isinstance(evaluated, Tensor) else [], want, False)
-        return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got)
-    with book_defaults():
-        book = BOOK_CLASSES[kind](*config.args(kind, DROPOUT), backend="math")
-    book = book.to(device=x.device, dtype=x.dtype)  # as the learner's x
-    book.load_state_dict(ref.state)
+        return Outcome(config, "dropout", [H.DROPOUT_IN_EVAL], expected, got, dropout=rate)
+    book = _book(kind, config, ref.state, x, rate)
     with torch.no_grad():
         want_trained = _seeded(book.train(), x).double()
     if _same(trained, want_trained):
         return Outcome(config)
     hint = H.DROPOUT_NEVER if _same(trained, want) else H.DROPOUT_ELSEWHERE
-    return Outcome(config, "dropout", [hint], _row(want_trained, 0), _row(trained.detach(), 0) if isinstance(trained, Tensor) else None)
+    return Outcome(config, "dropout", [hint], _row(want_trained, 0), _row(trained.detach(), 0) if isinstance(trained, Tensor) else None,
+                   dropout=rate)
+
+
+def _book(kind: str, config: Config, state: dict, x: Tensor, rate: float) -> torch.nn.Module:
+    """The book's class of ``kind`` built as ``config`` with dropout ``rate``, the reference's weights, as x's dtype and device."""
+    with book_defaults():
+        book = BOOK_CLASSES[kind](*config.args(kind, rate), backend="math")
+    book = book.to(device=x.device, dtype=x.dtype)  # as the learner's x
+    book.load_state_dict(state)
+    return book
 
 
 def _guessed(cls: type) -> str:
@@ -138,7 +156,7 @@ def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool =
         return Outcome(config, "error", raised=where(e, file))
     want = ref.output
     if _same(out, want):
-        return Outcome(config)
+        return _again(module, kind, config, ref.state, x, file)
     records = [*rec.tensors, out.detach()] if isinstance(out, Tensor) else rec.tensors
     status = step_status(records, ref.steps)
     step = next((name for name, s in status.items() if s == "missing"), None)
@@ -159,6 +177,25 @@ def _try(cls: type, kind: str, config: Config, file: str | None, guessed: bool =
     return outcome
 
 
+def _again(module: torch.nn.Module, kind: str, config: Config, state: dict, x: Tensor, file: str | None) -> Outcome:
+    """The same module called again with one token fewer must give the book's output for that input: something kept
+    from the first call (a mask made at its length) would not."""
+    shorter = x[:, : x.shape[1] - 1]  # (B, T - 1, d_in)
+    if shorter.shape[1] == 0:
+        return Outcome(config)
+    with torch.no_grad():
+        want = _book(kind, config, state, x, 0.0).eval()(shorter).double()
+        try:
+            out = module(shorter)
+        except (Exception, SystemExit) as e:
+            raised = where(e, file)
+            return Outcome(config, "error", [H.SECOND_CALL], again=True,
+                           raised=Raised(raised.line, raised.code, f"on a second call with {shorter.shape[1]} tokens: {raised.error}"))
+    if _same(out, want):
+        return Outcome(config)
+    return Outcome(config, "output", [H.SECOND_CALL], _row(want, 0), _row(out.detach(), 0) if isinstance(out, Tensor) else None, again=True)
+
+
 def _returned(out: object, want: Tensor) -> str:
     got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
     return f"forward returned {got}; the book's returns shape {tuple(want.shape)}"
@@ -169,15 +206,18 @@ def _verdict(name: str, kind: str, outcomes: list[Outcome]) -> Result:
     failed = [o for o in outcomes if o.step is not None]
     if not failed:
         return Result(name, kind, True, configs=len(CONFIGS[kind]))
-    first = failed[0]
-    if first.step == "error":  # not cutting the mask raises exactly when num_tokens < context_length
+    first_calls = [o for o in failed if not o.again]  # (a call with fewer tokens fails a second call for the same reasons)
+    first = (first_calls or failed)[0]
+    if first.again:
+        hint = first.hints[0] if first.hints else None
+    elif first.step == "error":  # not cutting the mask raises exactly when num_tokens < context_length
         short = [o for o in outcomes if o.config.num_tokens < o.config.context_length]
-        hint = H.MASK_NOT_CUT if failed == short else None
+        hint = H.MASK_NOT_CUT if first_calls == short else None
     else:
         shared = [h for h in first.hints if all(h in o.hints for o in failed if o.step == first.step)]
         hint = "; or ".join(shared) or None  # a mistake whose tensor another failing configuration does not show is not it
     line, code, error = (first.raised.line, first.raised.code, first.raised.error) if first.raised else (None, None, None)
-    described = first.config.describe(name, kind, DROPOUT if first.step == "dropout" else 0.0)
+    described = first.config.describe(name, kind, first.dropout)
     return Result(name, kind, False, first.step, hint, described, first.expected, first.got, error, len(CONFIGS[kind]), first.steps, line, code)
 
 

@@ -44,11 +44,14 @@ NOT_A_TENSOR = ("every step matches the book's, but forward returns something el
                 "context vectors alone, one tensor of shape (b, num_tokens, d_out)")
 DROPOUT_IN_EVAL = ("with dropout=0.5 the output changes in eval() mode: dropout must act in training only; use an "
                    "nn.Dropout module (self.dropout = nn.Dropout(dropout)), or F.dropout(..., training=self.training)")
-DROPOUT_NEVER = ("with dropout=0.5 the output in train() mode is the eval() output: dropout is never applied; "
+DROPOUT_NEVER = ("built with dropout, the output in train() mode is the eval() output: dropout is never applied; "
                  "apply self.dropout to the attention weights after the softmax")
-DROPOUT_ELSEWHERE = ("with dropout=0.5 in train() mode, under the same seed, the output is not the book's: dropout is applied "
+DROPOUT_ELSEWHERE = ("built with dropout, in train() mode, under the same seed, the output is not the book's: dropout is applied "
                      "somewhere else or at another rate; apply self.dropout = nn.Dropout(dropout) to the attention weights "
                      "after the softmax, and nowhere else")
+SECOND_CALL = ("the output is the book's, but the same module called again with one token fewer gives another: something "
+               "made in the first call is kept (a mask made at its number of tokens?); make the mask once in __init__ for "
+               "context_length tokens and slice it to each call's, as the book does")
 CHANGED_AFTER = ("the right output was computed, then changed before forward returned it: every step matches the book's, "
                  "the last one too; return what the last step (self.out_proj, or the concatenated heads) gives, as it is")
 SHARED_HEADS = ("every head computes the same numbers: the heads are one CausalAttention listed num_heads times "
