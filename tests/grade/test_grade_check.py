@@ -430,3 +430,21 @@ def test_a_rate_of_its_own_and_a_mask_kept_from_the_first_call_fail():
     assert not own.passed and own.step == "dropout" and "CausalAttention(3, 2, 6, 0.25, False)" in own.config
     kept = grade_class(MaskOfTheFirstCall, "CausalAttention")
     assert not kept.passed and kept.error.startswith("on a second call with") and "called again with one token fewer" in kept.hint
+
+
+class MaskAsParameter(ChangedAfter):
+    """The book's head, its mask an nn.Parameter that trains nothing where the book registers a buffer: correct."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mask = nn.Parameter(torch.ones(args[2], args[2]).triu(1), requires_grad=False)
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = (self.W_query(x) @ self.W_key(x).transpose(1, 2)).masked_fill(self.mask.bool()[:t, :t], -torch.inf)
+        return self.dropout(torch.softmax(scores / self.W_key.out_features**0.5, dim=-1)) @ self.W_value(x)
+
+
+def test_a_mask_kept_as_a_parameter_that_trains_nothing_passes():
+    result = grade_class(MaskAsParameter, "CausalAttention")
+    assert result.passed, (result.step, result.error)

@@ -115,10 +115,18 @@ def build(cls: type, kind: str, config: Config, state: dict[str, Tensor], dropou
 
 
 def copy_weights(module: nn.Module, state: dict[str, Tensor]) -> None:
-    """Set each of the learner's parameters from the book's one of the same name and shape."""
+    """Set each of the learner's parameters from the book's one of the same name and shape; one no book weight is and
+    that trains nothing (``requires_grad=False``: a mask kept as a Parameter) is left as the class made it."""
     with torch.no_grad():
         for name, p in module.named_parameters(remove_duplicate=False):
-            p.copy_(_source(name, tuple(p.shape), state).to(p.dtype))
+            if (source := _source(name, tuple(p.shape), state)) is not None:
+                p.copy_(source.to(p.dtype))
+            elif p.requires_grad:
+                raise SetupError(
+                    f"cannot tell which of the book's weights parameter {name} (shape {tuple(p.shape)}) is: name the layers "
+                    "like the book (W_query, W_key, W_value, out_proj; a fused one qkv); a tensor that is not a weight (a "
+                    "mask) is a buffer: self.register_buffer(...)"
+                )
 
 
 def _layers(state: dict[str, Tensor]) -> str:
@@ -126,7 +134,9 @@ def _layers(state: dict[str, Tensor]) -> str:
     return ", ".join(dict.fromkeys(key.rsplit(".", 1)[0] for key in state))
 
 
-def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
+def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor | None:
+    """The book's weight that the learner's parameter ``name`` is (transposed for a bare (d_in, d_out) one), or None
+    where no name of the book's says; a SetupError where one does and it does not fit."""
     *path, leaf = name.split(".")
     if leaf not in ("weight", "bias"):  # a bare Parameter: the book's x @ W, (d_in, d_out)
         path, leaf = [*path, leaf], "T"
@@ -151,10 +161,7 @@ def _source(name: str, shape: tuple, state: dict[str, Tensor]) -> Tensor:
         parts = [state.get(f"{prefix}{c}.{leaf}") for c in ("W_query", "W_key", "W_value")]
         if all(p is not None for p in parts) and tuple(torch.cat(parts).shape) == shape:
             return torch.cat(parts)  # (3 * d_out, d_in): queries, keys, values stacked
-    raise SetupError(
-        f"cannot tell which of the book's weights parameter {name} (shape {shape}) is: "
-        "name the layers like the book (W_query, W_key, W_value, out_proj; a fused one qkv)"
-    )
+    return None
 
 
 @dataclass(frozen=True)
