@@ -92,3 +92,34 @@ def test_special_tokens_are_found_by_id_whatever_the_tokenizer_calls_them(minilm
 def test_a_threshold_outside_zero_to_one_is_named(threshold, error):
     with pytest.raises(error, match=r"threshold must be a number in \[0, 1\]"):
         HeadRoles(torch.rand(2, 3, 4)).heads("next", threshold=threshold)
+
+
+UNIFORM = torch.full((1, 5, 7, 7), 1 / 7)  # one layer of the maps above: (B, H, T, T)
+
+
+@pytest.mark.parametrize(
+    ("weights", "special", "is_token", "error", "message"),
+    [
+        (UNIFORM, SPECIAL, REAL, TypeError, r"weights must be a list of L tensors \(B, H, T, T\), one per layer, got Tensor: wrap"),
+        ([], SPECIAL, REAL, ValueError, r"weights must hold at least one layer's \(B, H, T, T\) tensor, got an empty list"),
+        ([UNIFORM, UNIFORM.numpy()], SPECIAL, REAL, TypeError, r"weights\[1\] must be a tensor \(B, H, T, T\), got ndarray"),
+        ([UNIFORM, UNIFORM.long()], SPECIAL, REAL, TypeError, r"weights\[1\] must be a floating-point tensor .* got dtype torch.int64"),
+        ([UNIFORM, UNIFORM[0]], SPECIAL, REAL, ValueError, r"weights\[1\] must be \(B, H, T, T\): .* got shape \(5, 7, 7\)"),
+        ([UNIFORM[..., :6]], SPECIAL, REAL, ValueError, r"weights\[0\] must be \(B, H, T, T\): .* got shape \(1, 5, 7, 6\)"),
+        ([UNIFORM, UNIFORM[:, :4]], SPECIAL, REAL, ValueError, r"weights\[1\] has shape \(1, 4, 7, 7\) but weights\[0\] has \(1, 5, 7, 7\)"),
+        ([UNIFORM, UNIFORM.to("meta")], SPECIAL, REAL, ValueError, r"weights\[1\] is on meta but weights\[0\] on cpu"),
+        ([UNIFORM], SPECIAL.tolist(), REAL, TypeError, r"special must be a bool tensor \(B, T\), got list"),
+        ([UNIFORM], SPECIAL.long(), REAL, TypeError, r"special must be a bool tensor \(B, T\), got dtype torch.int64: pass special.bool\(\)"),
+        ([UNIFORM], SPECIAL, REAL.float(), TypeError, r"is_token must be a bool tensor \(B, T\), got dtype torch.float32"),
+        ([UNIFORM], SPECIAL, REAL[:, :6], ValueError, r"is_token must be \(B, T\) = \(1, 7\), .* got shape \(1, 6\)"),
+        ([UNIFORM], SPECIAL.expand(2, 7), REAL, ValueError, r"special must be \(B, T\) = \(1, 7\), .* got shape \(2, 7\)"),
+        ([UNIFORM], SPECIAL[0], REAL, ValueError, r"special must be \(B, T\) = \(1, 7\), .* got shape \(7,\)"),
+        ([UNIFORM], SPECIAL, REAL.to("meta"), ValueError, r"is_token is on meta but the weights on cpu"),
+    ],
+    ids=["one-tensor", "empty", "ndarray", "int-weights", "3-d", "not-square", "other-shape", "other-device",
+         "list-mask", "int-mask", "float-mask", "short-mask", "other-batch", "1-d-mask", "mask-device"],
+)
+def test_attention_mass_names_a_bad_argument(weights, special, is_token, error, message):
+    """Each was an IndexError, an error from inside torch, or (0/1 masks: ~1 is -2) numbers that meant nothing."""
+    with pytest.raises(error, match=message):
+        attention_mass(weights, special, is_token)

@@ -98,11 +98,20 @@ def attention_mass(weights: list[Tensor], special: Tensor, is_token: Tensor) -> 
         is_token: (B, T) bool, True at real (not padding) tokens.
 
     Returns:
-        (L, H, 4) in ``KINDS`` order, averaged over queries that are real and not special.
+        (L, H, 4) float32 in ``KINDS`` order, averaged over queries that are real and not special.
         A previous or next key that is special or padding counts as special or not at all,
         never as "previous" / "next".
+
+    Raises:
+        TypeError: ``weights`` is not a list or tuple of floating-point tensors (any floating
+            dtype: they are read as float32); ``special`` or ``is_token`` is not a bool tensor.
+        ValueError: ``weights`` is empty, or one of them is not (B, H, T, T) with the same shape
+            and device as ``weights[0]`` (the error names its index); ``special`` or ``is_token``
+            is not (B, T) on that device.
     """
-    _, _, T, _ = weights[0].shape
+    B, _, T, _ = _layer_weights(weights)
+    for name, mask in (("special", special), ("is_token", is_token)):
+        _token_mask(name, mask, B, T, weights[0].device)
     i = torch.arange(T, device=weights[0].device)
     plain = is_token & ~special  # (B, T) keys that are ordinary tokens
     queries = plain.float()  # (B, T) the queries averaged over
@@ -118,6 +127,39 @@ def attention_mass(weights: list[Tensor], special: Tensor, is_token: Tensor) -> 
         per_query = torch.stack([*diag, on_special], dim=-1)  # (B, H, T, 4)
         out.append((per_query * queries[:, None, :, None]).sum(dim=(0, 2)) / n)  # (H, 4)
     return torch.stack(out)  # (L, H, 4)
+
+
+def _layer_weights(weights: object) -> torch.Size:
+    """The (B, H, T, T) shape every tensor of ``weights`` (a non-empty list or tuple) shares."""
+    if not isinstance(weights, (list, tuple)):
+        hint = ": wrap one layer's in a list, or pass list(t) for L layers stacked (L, B, H, T, T)" if isinstance(weights, Tensor) else ""
+        raise TypeError(f"weights must be a list of L tensors (B, H, T, T), one per layer, got {type(weights).__name__}{hint}")
+    if not weights:
+        raise ValueError(f"weights must hold at least one layer's (B, H, T, T) tensor, got an empty {type(weights).__name__}")
+    for i, w in enumerate(weights):
+        name = f"weights[{i}]"
+        if not isinstance(w, Tensor):
+            raise TypeError(f"{name} must be a tensor (B, H, T, T), got {type(w).__name__}")
+        if not w.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (attention weights, rows summing to 1), got dtype {w.dtype}")
+        if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
+            raise ValueError(f"{name} must be (B, H, T, T): one (T, T) map per batch row and head, got shape {tuple(w.shape)}")
+        if w.shape != weights[0].shape:
+            raise ValueError(f"{name} has shape {tuple(w.shape)} but weights[0] has {tuple(weights[0].shape)}: "
+                             "every layer's must be the same (B, H, T, T)")
+        _checks.same_device(name, w, "weights[0]", weights[0].device)
+    return weights[0].shape
+
+
+def _token_mask(name: str, mask: object, B: int, T: int, device: torch.device) -> None:
+    """``mask`` must be a bool (B, T) tensor on ``device``, where the weights are."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a bool tensor (B, T), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (B, T), got dtype {mask.dtype}: pass {name}.bool() for a 0/1 mask")
+    if mask.shape != (B, T):
+        raise ValueError(f"{name} must be (B, T) = {(B, T)}, the weights' batch and tokens, got shape {tuple(mask.shape)}")
+    _checks.same_device(name, mask, "the weights", device)
 
 
 def special_tokens(encoder: SentenceEncoder, input_ids: Tensor, attention_mask: Tensor, name: str, given: object) -> Tensor:

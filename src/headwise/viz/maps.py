@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import _checks
 from .._optional import require
 from ..functional import attention_weights
 from ..models import loading
-from ..models.heads import HeadRoles, attention_maps, attention_mass, special_tokens
+from ..models.heads import KINDS, HeadRoles, attention_maps, attention_mass, special_tokens
 from ..observe import observe
 
 #: The book's sentence ("Your journey starts with one step"), the page's default.
@@ -45,12 +46,19 @@ class HeadMaps:
     Attributes:
         model: the model's name, for titles.
         text: the sentence.
-        tokens: its T tokens, as the tokenizer splits them (special tokens included).
-        weights: (L, H, T, T) float32 attention weights; row i = query token i, each row sums to 1.
+        tokens: its T tokens, as the tokenizer splits them (special tokens included); a list is kept as a tuple.
+        weights: (L, H, T, T) float32 attention weights on the CPU (any floating tensor is kept as that);
+            row i = query token i, each row sums to 1.
         roles: ``HeadRoles`` whose ``mass`` is (L, H, 4), measured on this sentence.
         causal: True when a token sees only itself and the tokens before it (GPT-2).
         cut: the tokens of ``text`` past the model's limit, not drawn: its tokenizer truncates the
             text to the most tokens the model takes (all-MiniLM-L6-v2: 256), keeping the first.
+
+    Raises:
+        TypeError: a field of the wrong type: ``weights`` not a floating-point tensor, a token not a str,
+            ``roles`` not a ``HeadRoles``, ``causal`` not a bool, ``cut`` not an int.
+        ValueError: ``weights`` not (L, H, T, T) with L, H, T >= 1; ``tokens`` not T long;
+            ``roles.mass`` not (L, H, 4); ``cut`` negative.
     """
 
     model: str
@@ -60,6 +68,38 @@ class HeadMaps:
     roles: HeadRoles
     causal: bool
     cut: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("model", "text"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
+        w = self.weights
+        if not isinstance(w, Tensor) or not w.is_floating_point():
+            given = f"dtype {w.dtype}" if isinstance(w, Tensor) else type(w).__name__
+            raise TypeError(f"weights must be a floating-point tensor (L, H, T, T), got {given}")
+        if w.ndim != 4 or w.shape[-1] != w.shape[-2] or 0 in w.shape:
+            raise ValueError(f"weights must be (L, H, T, T) with L, H, T >= 1: one (T, T) map per layer and head, got shape {tuple(w.shape)}")
+        L, H, T, _ = w.shape
+        if not isinstance(self.tokens, (tuple, list)):
+            raise TypeError(f"tokens must be a tuple of str (the sentence's T tokens), got {type(self.tokens).__name__}")
+        for i, token in enumerate(self.tokens):
+            if not isinstance(token, str):
+                raise TypeError(f"tokens must be a tuple of str, got tokens[{i}] = {token!r} of type {type(token).__name__}")
+        if len(self.tokens) != T:
+            raise ValueError(f"tokens must hold T = {T} entries (weights are {tuple(w.shape)}), got {len(self.tokens)}")
+        if not isinstance(self.roles, HeadRoles):
+            raise TypeError(f"roles must be a headwise.models.HeadRoles, got {type(self.roles).__name__}")
+        mass = self.roles.mass
+        if not isinstance(mass, Tensor):
+            raise TypeError(f"roles.mass must be a tensor (L, H, {len(KINDS)}), got {type(mass).__name__}")
+        if mass.shape != (L, H, len(KINDS)):
+            raise ValueError(f"roles.mass must be (L, H, {len(KINDS)}) = {(L, H, len(KINDS))}, the weights' layers and heads, "
+                             f"got shape {tuple(mass.shape)}")
+        _checks.boolean("causal", self.causal)
+        cut = _checks.integer("cut", self.cut, low=0)
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "weights", w.detach().to("cpu", torch.float32))  # what the page and the picture read
+        object.__setattr__(self, "cut", cut)
 
     @property
     def layers(self) -> int:
@@ -71,7 +111,13 @@ class HeadMaps:
 
     def role(self, layer: int, head: int) -> tuple[str, float]:
         """``(role, share)``: the kind of key that gets at least half of the head's weight
-        (a key of ``ROLE_COLOURS``, "mixed" when none does) and that kind's mean share."""
+        (a key of ``ROLE_COLOURS``, "mixed" when none does) and that kind's mean share.
+
+        Raises:
+            TypeError / ValueError: ``layer`` is not an int in [0, L), or ``head`` one in [0, H).
+        """
+        layer = _checks.integer("layer", layer, low=0, high=self.layers - 1)
+        head = _checks.integer("head", head, low=0, high=self.heads - 1)
         name = self.roles.role(layer, head)
         share = float(self.roles.mass[layer, head].max())
         return ("mixed" if name is None else name), share
