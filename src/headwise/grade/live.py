@@ -5,24 +5,35 @@ Every method is located by the file and line its code object carries (``co_filen
 defined the methods the class still holds, and each method set on the class after that
 statement ran (``C.forward = f`` in a later cell, d2l's ``add_to_class``) is written after it
 as the function it now is; a method deleted since is deleted again. A class with no method
-of its own is written from its bases. Whatever cannot be written down this way (a method
-made with ``exec()``, a lambda, a closure) raises ``SourceError`` saying why.
+of its own is written from its bases. A dataclass is written as one: what its decorator made
+(``__init__``, ``__repr__``, ``__dataclass_fields__``...) is left for the decorator to make
+again, and one with no method of its own (a config) is written from its fields. Whatever
+cannot be written down this way (a method made with ``exec()``, a lambda, a closure) raises
+``SourceError`` saying why.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import dataclasses
 import functools
 import inspect
 import linecache
 import math
 import textwrap
 from dataclasses import dataclass, field
-from types import FunctionType
+from types import FunctionType, MemberDescriptorType
 
 #: Attributes Python (or its ``abc`` module) puts into every class's namespace.
 MADE_BY_PYTHON = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
                             "__parameters__", "__abstractmethods__", "_abc_impl", "__firstlineno__", "__static_attributes__"})
+#: Attributes the ``dataclass`` decorator may set on the class it makes (it sets them again on the class written down).
+MADE_BY_DATACLASS = frozenset({"__dataclass_params__", "__dataclass_fields__", "__init__", "__repr__", "__eq__", "__hash__", "__lt__",
+                               "__le__", "__gt__", "__ge__", "__setattr__", "__delattr__", "__match_args__", "__replace__", "__slots__",
+                               "__getstate__", "__setstate__"})
+#: The ``dataclass`` decorator's parameters kept in ``__dataclass_params__``, with their defaults.
+DATACLASS_PARAMS = {"init": True, "repr": True, "eq": True, "order": False, "unsafe_hash": False, "frozen": False}
 NO_TEXT = ("has no source Python can read back (made with exec() or type(), or typed into a console?): "
            "put it in a .py file or a notebook cell and grade that")
 
@@ -68,10 +79,12 @@ def write_class(cls: type) -> Written:
     """``cls`` as it is now. Raises ``SourceError`` when some part of it has no text to write."""
     statement = _statement(cls)
     bound = _bound(statement[1]) if statement else {}
-    pieces = [_statement_piece(cls, *statement) if statement else _header(cls)]
+    pieces = [_statement_piece(cls, *statement) if statement else _dataclass_header(cls) if _is_dataclass(cls) else _header(cls)]
+    if statement and _is_dataclass(cls) and not statement[1].decorator_list:  # C = dataclass(C) after the statement
+        pieces.append(Piece(f"{cls.__name__} = {_decorator(cls)}({cls.__name__})\n", None, 1, {"dataclasses": dataclasses}))
     changes = []
     for name, value in vars(cls).items():
-        if name in MADE_BY_PYTHON:
+        if name in MADE_BY_PYTHON or (name not in bound and _made_by_dataclass(cls, name, value)):
             continue
         functions = _functions(value)
         if functions is not None:
@@ -89,7 +102,7 @@ def write_class(cls: type) -> Written:
             continue  # made by the statement's own code: written with it
         changes.append(name)
     for name in bound:
-        if name not in vars(cls):
+        if name not in vars(cls) and not _removed_by_dataclass(cls, name):
             pieces.append(Piece(f"del {cls.__name__}.{name}\n", None, 1))
             changes.append(name)
     return Written(pieces, changes, statement is not None)
@@ -178,6 +191,112 @@ def _same(a: object, b: object) -> bool:
 def _in_statement(fn: FunctionType, statement: tuple[str, ast.ClassDef, list[str]]) -> bool:
     place = _def_node(inspect.unwrap(fn))
     return place is not None and place[0] == statement[0] and any(n.lineno == place[3].lineno for n in statement[1].body)
+
+
+# ----------------------------------------------------------------------------- dataclasses
+
+
+def _is_dataclass(cls: type) -> bool:
+    """True for a class the ``dataclass`` decorator made (not one that only inherits a dataclass's fields)."""
+    return "__dataclass_fields__" in vars(cls)
+
+
+def _made_by_dataclass(cls: type, name: str, value: object) -> bool:
+    """True for an attribute the decorator set (a generated method, ``__dataclass_fields__``...) or a field's default:
+    writing the class as a dataclass makes it again. A method set on the class since is not one."""
+    if not _is_dataclass(cls):
+        return False
+    if name in MADE_BY_DATACLASS:
+        functions = _functions(value)
+        return functions is None or all(_generated(cls, f) for f in functions)
+    field_ = next((f for f in dataclasses.fields(cls) if f.name == name), None)  # a ClassVar is a class attribute like any other
+    return field_ is not None and (value is field_.default or isinstance(value, MemberDescriptorType))  # slots=True: a slot
+
+
+def _generated(cls: type, fn: FunctionType) -> bool:
+    """A function the decorator made: from text it ran with exec(), or one of the dataclasses module's own."""
+    code = inspect.unwrap(fn).__code__  # __repr__ comes wrapped, to stop at a recursive repr
+    return fn.__module__ == "dataclasses" or (code.co_filename == "<string>" and fn.__qualname__.startswith(f"{cls.__qualname__}."))
+
+
+def _removed_by_dataclass(cls: type, name: str) -> bool:
+    """True for a field the statement bound that the decorator took off the class (no default; slots=True)."""
+    field_ = cls.__dataclass_fields__.get(name) if _is_dataclass(cls) else None
+    return field_ is not None and (field_.default is dataclasses.MISSING or "__slots__" in vars(cls))
+
+
+def _decorator(cls: type) -> str:
+    """``dataclasses.dataclass(frozen=True)``: the decorator with the parameters that made ``cls``."""
+    params = {k: getattr(cls.__dataclass_params__, k) for k, default in DATACLASS_PARAMS.items()
+              if getattr(cls.__dataclass_params__, k) != default}
+    if "__match_args__" not in vars(cls):
+        params["match_args"] = False
+    if "__slots__" in vars(cls):
+        params["slots"] = True
+        if "__weakref__" in vars(cls)["__slots__"]:
+            params["weakref_slot"] = True
+    return "dataclasses.dataclass" + (f"({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else "")
+
+
+def _dataclass_header(cls: type) -> Piece:
+    """``@dataclasses.dataclass(...)`` then ``class C(Base, ...):`` with each field the class itself declares,
+    for a dataclass with no method of its own. Raises ``SourceError`` for a field that cannot be written down."""
+    header = _header(cls)
+    own = vars(cls).get("__annotations__", {})
+    fields = [f for f in dataclasses.fields(cls) if f.name in own]
+    init = inspect.signature(cls.__init__).parameters if "__init__" in vars(cls) else {}
+    init_vars = [n for n in cls.__dataclass_fields__ if n in own and n in init and n not in {f.name for f in fields}]  # not a ClassVar
+    if init_vars:
+        raise SourceError(f"{cls.__name__}.{init_vars[0]} is an InitVar of a dataclass with no method of its own, which cannot be "
+                          "written down: drop it, or give the class its __post_init__")
+    uses = {**header.uses, "dataclasses": dataclasses}
+    lines = [_field_line(cls, f, uses) for f in fields] or ["pass"]
+    class_line = header.text.splitlines(True)[0]  # class C(Base, ...):
+    return Piece(f"@{_decorator(cls)}\n{class_line}" + "".join(f"    {line}\n" for line in lines), None, 1, uses)
+
+
+def _field_line(cls: type, f: dataclasses.Field, uses: dict[str, object]) -> str:
+    """``name: 'annotation' = default`` or ``= dataclasses.field(...)``; the factory it calls goes into ``uses``."""
+    where = f"{cls.__name__}.{f.name}"
+    args = {}
+    if f.default is not dataclasses.MISSING:
+        args["default"] = literal(f.default)
+        if args["default"] is None:
+            raise SourceError(f"{where} has a default (a {type(f.default).__name__}) that cannot be written down: give the field a "
+                              "number, string, bool, None or tuple of them, or make it with field(default_factory=...)")
+    if f.default_factory is not dataclasses.MISSING:
+        args["default_factory"] = _factory(where, f.default_factory, uses)
+    for key, default in (("init", True), ("repr", True), ("hash", None), ("compare", True), ("kw_only", False)):
+        if getattr(f, key, default) != default:
+            args[key] = repr(getattr(f, key))
+    if f.metadata:
+        items = [(literal(k), literal(v)) for k, v in f.metadata.items()]
+        if any(None in item for item in items):
+            raise SourceError(f"{where} has metadata that cannot be written down: keep its keys and values numbers, strings, bools, "
+                              "None or tuples of them")
+        args["metadata"] = "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if list(args) == ["default"]:
+        return f"{f.name}: {_annotation(f.type)} = {args['default']}"
+    call = ", ".join(f"{k}={v}" for k, v in args.items())
+    return f"{f.name}: {_annotation(f.type)}" + (f" = dataclasses.field({call})" if args else "")
+
+
+def _factory(where: str, factory: object, uses: dict[str, object]) -> str:
+    """The name of a field's ``default_factory``: a class or a ``def`` function, written (or imported) under its own name."""
+    if not isinstance(factory, (type, FunctionType)) or factory.__name__ == "<lambda>":
+        raise SourceError(f"{where} has a default_factory (a {type(factory).__name__}) that cannot be written down: "
+                          "use a class or a function written with def")
+    if getattr(builtins, factory.__name__, None) is not factory:
+        uses[factory.__name__] = factory
+    return factory.__name__
+
+
+def _annotation(annotation: object) -> str:
+    """A field's annotation: a builtin class by its name (``int``), anything else as its text in quotes (``'torch.dtype'``),
+    which the dataclass takes as it takes any annotation, without the names it reads."""
+    if isinstance(annotation, type) and getattr(builtins, annotation.__name__, None) is annotation:
+        return annotation.__name__
+    return repr(annotation if isinstance(annotation, str) else inspect.formatannotation(annotation))
 
 
 # ----------------------------------------------------------------------------- methods set later
