@@ -1,6 +1,5 @@
-"""``project(layer, x, act)``: an MLP's GELU inside the GEMM on oneDNN's path, the activation applied on every other
-(in place on the panels' output), the numbers against float64 at every row count, the kept decode calls with and
-without it apart."""
+"""``project(layer, x, act)``: an MLP's GELU inside the GEMM on the panels' and oneDNN's paths, the activation applied
+after it on torch's, the numbers against float64 at every row count, the kept decode calls with and without it apart."""
 
 import pytest
 import torch
@@ -63,17 +62,35 @@ def test_the_gelu_runs_inside_the_gemm_on_onednns_path(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_the_panels_path_the_gelu_is_torchs_on_the_gemms_output(dtype):
-    """The panels GEMM has no GELU of its own: F.gelu's numbers on its output, bit for bit (applied in place), for kept
-    decode calls and the full path alike."""
+def test_on_the_panels_path_the_gelu_runs_inside_the_gemm(monkeypatch, dtype):
+    """On the panels' path ``panels_linear_gelu`` computes the GELU on the sums (kept decode calls and the full path,
+    decided by the rule or forced); F.gelu is not called."""
     if (dtype, dtype) not in panels.operands(compiled=False):
         pytest.skip(f"the panels do not multiply {dtype} here")
+    calls = []
+    monkeypatch.setattr(F, "gelu", lambda *a, **k: calls.append(1))
     with hl.use_path("panels"), torch.no_grad():
         for rows in (1, 8, 40):
             x, lin = case(rows, dtype)
             for _ in range(2):  # made, then kept
                 out = hl.project(lin, x, nn.GELU(approximate="tanh"))
-                assert torch.equal(out, F.gelu(panels.run(x, lin.weight, lin.bias), approximate="tanh")), rows
+                packed = panels.packed(lin.weight, dtype)
+                assert torch.equal(out, torch.ops.headwise.panels_linear_gelu(x, packed, lin.bias.detach(), 512, "tanh")), rows
+            kept = [entry for key, entry in weight_cache.READY.items() if id(lin) in key]
+            assert [entry.run for entry in kept] == ([torch.ops.headwise.panels_linear_gelu] if rows <= hl.DECODE_ROWS else []), rows
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gelu_after_does_not_change_the_rules_path(dtype):
+    """Where the rule gives a prompt's rows the panels, a call with a GELU after takes them too, the GELU inside (one
+    packed copy of the weight for prompts and decode steps): the op's numbers, bit for bit."""
+    x, lin = case(40, dtype)
+    with torch.no_grad():
+        if hl.path_for(x, lin.weight, lin.bias) != "panels":
+            pytest.skip(f"the rule gives {dtype} prompts another path here")
+        out = hl.project(lin, x, nn.GELU(approximate="none"))
+        assert torch.equal(out, torch.ops.headwise.panels_linear_gelu(x, panels.packed(lin.weight, dtype), lin.bias.detach(), 512, "none"))
 
 
 def test_a_layer_called_with_and_without_its_gelu_keeps_two_calls():

@@ -75,9 +75,10 @@ PRIVATE_OPS = {
         "on a contiguous tensor with its own strides (a buffer of it under inductor, a no-op elsewhere); "
         "tests/test_compiled_decode_attention.py runs it under inductor, aot_eager and eager"),
     "torch.ops.aten.gelu_": PrivateOp(
-        ("linear/projection.py",), None,
-        "nothing: the in-place form of the public F.gelu (a public aten op; torch names no Python function for it), on "
-        "the float32 or bfloat16 output the panels GEMM has just made; tests/test_linear_gelu.py holds it to float64"),
+        ("bench/projections.py",), None,
+        "nothing: the in-place form of the public F.gelu (a public aten op; torch names no Python function for it), "
+        "timed in the benchmark on the output the panels GEMM has just made, as the panels ran a GELU before they "
+        "computed it inside"),
     "torch._assert_async": PrivateOp(
         ("_checks.py",), None, "nothing: it takes any one-element bool tensor, and holds() passes only those"),
 }

@@ -56,3 +56,17 @@ def test_int8_prints_the_widened_weight_against_the_panels_and_what_the_layer_ta
     assert "family" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line.startswith("| fp32 | attn.c_proj |")]
     assert len(rows) == 2 and all(line.endswith(("| panels |", "| widened |")) for line in rows)
+
+
+def test_gelu_times_each_way_that_runs_here(capsys):
+    """``--gelu``: c_fc and its GELU four ways where they run (oneDNN's where its private ops work, the panels' where
+    they take the operands), one row per dtype and row count, each way's time over oneDNN's."""
+    ms, auto = bench.gelu_projection(3, torch.float32, "tanh", repeats=2)
+    assert list(ms) == [w for w in bench.GELU_WAYS if w in ms] and all(t > 0 for t in ms.values())
+    assert (bench.GELU_WAYS[1] in ms) == (onednn.ops_error(torch.float32) is None)
+    assert (bench.GELU_WAYS[2] in ms) == ((torch.float32, torch.float32) in panels.operands(compiled=False))
+    assert auto in ("onednn", "panels", "torch")
+    bench.main(["--gelu", "none", "--rows", "1,17", "--dtypes", "fp32"])
+    out = capsys.readouterr().out
+    assert "family" in out.splitlines()[0] and "approximate='none'" in out.splitlines()[0]
+    assert len([line for line in out.splitlines() if line.startswith("| fp32 |")]) == 2

@@ -8,8 +8,11 @@ interleaved, medians (oneDNN's only where its private ops work in that dtype: ``
 AVX-512 they refuse bfloat16); ``auto`` names the path the rule takes for that call on this machine
 (``headwise.linear.path_for``); for bfloat16 on a CPU without native bfloat16 dot products the float32 GEMM of the
 operands widened (``widened``) is timed too. ``--int8``: each projection as an ``Int8Linear`` with bfloat16
-activations, its weight widened to bfloat16 on each call (torch's GEMM) against the panels over the int8 weight. Nothing
-here decides anything: the rule reads CPU facts only.
+activations, its weight widened to bfloat16 on each call (torch's GEMM) against the panels over the int8 weight.
+``--gelu``: GPT-2's MLP input projection with its GELU after (``project(c_fc, x, act)``), four ways: ``F.linear`` then
+``F.gelu``, oneDNN's GEMM with the GELU inside, the panels with the GELU inside (``panels_linear_gelu``) and the panels
+then torch's GELU over their output in place (how the panels ran it before they computed it inside). Nothing here
+decides anything: the rule reads CPU facts only.
 """
 
 from __future__ import annotations
@@ -94,6 +97,29 @@ def int8_projection(name: str, rows: int, dtype: torch.dtype, *, repeats: int = 
     return ms["widened"], ms.get("panels"), layer.uses_panels(x)
 
 
+#: ``gelu_projection``'s ways, in its table's order
+GELU_WAYS = ("F.linear, F.gelu", "oneDNN, GELU inside", "panels, GELU inside", "panels, then GELU")
+
+
+@torch.no_grad()
+def gelu_projection(rows: int, dtype: torch.dtype, approximate: str = "tanh", *, repeats: int = 15, seed: int = 0) -> tuple[dict[str, float], str]:
+    """``rows`` rows of ``dtype`` through GPT-2's ``c_fc`` and GELU (``approximate``) each way of ``GELU_WAYS`` that runs
+    here: median ms by way, and the path the rule takes for the call."""
+    N, K = SHAPES["c_fc"]
+    g = torch.Generator().manual_seed(seed)
+    weight, bias = (torch.randn(N, K, generator=g) / K**0.5).to(dtype), torch.randn(N, generator=g).to(dtype)  # (N, K), (N,)
+    x = torch.randn(1, rows, K, generator=g).to(dtype)  # (1, rows, K)
+    ways = {GELU_WAYS[0]: lambda: F.gelu(F.linear(x, weight, bias), approximate=approximate)}
+    if onednn.ops_error(dtype) is None:
+        packed = onednn.packed(weight)
+        ways[GELU_WAYS[1]] = lambda: onednn.inner_product_gelu(x, packed, bias, approximate)
+    if panels.takes(x, weight, bias):
+        ways[GELU_WAYS[2]] = lambda: panels.run(x, weight, bias, approximate)  # the weight packed at the first call, kept
+        ways[GELU_WAYS[3]] = lambda: torch.ops.aten.gelu_(panels.run(x, weight, bias), approximate=approximate)
+    times = interleaved(ways, repeats=repeats, warmup=1)
+    return {way: 1000 * sorted(ts)[len(ts) // 2] for way, ts in times.items()}, path_for(x, weight, bias)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m headwise.bench.projections``: a table per dtype, one row per projection and row count."""
     from .host import machine
@@ -106,9 +132,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--names", type=_argtypes.listing(_argtypes.choice(tuple(SHAPES)), "names"), default=list(SHAPES),
                    help=f"comma-separated projections (default all: {', '.join(SHAPES)})")
     p.add_argument("--int8", action="store_true", help="Int8Linear's bfloat16-activation calls instead: the weight widened on each call against the panels")
+    p.add_argument("--gelu", choices=("tanh", "none"), default=None, help="c_fc with its GELU (this approximation) after, four ways, instead")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gelu:
+        print(f"GPT-2 small's c_fc (3072 x 768) and GELU (approximate={args.gelu!r}), inference; {machine()}; median ms, and each "
+              f"way's time over oneDNN's\n")
+        print(f"| dtype | rows | {' | '.join(GELU_WAYS)} | the rule takes |")
+        print(f"|---|---:|{'---:|' * len(GELU_WAYS)}---|")
+        for dtype in args.dtypes:
+            for rows in args.rows:
+                ms, auto = gelu_projection(rows, DTYPES[dtype], args.gelu)
+                base = ms.get(GELU_WAYS[1])
+                cells = [f"{ms[w]:.3f}" + (f" ({ms[w] / base:.2f}x)" if base else "") if w in ms else "—" for w in GELU_WAYS]
+                print(f"| {dtype} | {rows} | {' | '.join(cells)} | {auto} |", flush=True)
+        return
     if args.int8:
         print(f"One Int8Linear projection (bfloat16 activations), inference, GPT-2 small's shapes; {machine()}; median ms\n")
         print("| activations | projection | rows | weight widened each call | panels, packed once | panels / widened | Int8Linear takes |")

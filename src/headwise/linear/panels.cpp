@@ -640,6 +640,82 @@ constexpr int64_t TILE_BLOCK = 32;
 constexpr int64_t TILE_ROWS = 4;
 constexpr int64_t INT8_TILE_ROWS = 2;
 
+// GELU inside the GEMM (panels_linear_gelu): on each block's float32 sums plus the bias, before they are stored (and, in
+// bfloat16, rounded once), LANES values at a time. e^x as Cephes' expf (2^n e^r, |r| <= ln 2 / 2, a degree-6
+// polynomial); GELU "none" x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 by the Chebyshev fit of Numerical Recipes'
+// erfcc (fractional error under 1.2e-7 everywhere, so the negative tail keeps its digits); "tanh" 0.5 x (1 + tanh u),
+// u = sqrt(2 / pi) (x + 0.044715 x^3), written x sigmoid(2u) and the sigmoid from e^-|2u| (no cancellation, no overflow).
+enum Gelu : int64_t { NO_GELU = 0, GELU_ERF = 1, GELU_TANH = 2 };
+
+// e^x for x <= 0: 0 below -87 (NaN stays NaN)
+inline vec exp_of(const vec x) {
+#if defined(__AVX512F__)
+  const vec xc = (vec)_mm512_max_ps(_mm512_set1_ps(-104.0f), (__m512)x);  // (e^-104 scales to 0 below; NaN stays NaN)
+  const vec nv = (vec)_mm512_roundscale_ps((__m512)(xc * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x / ln 2, rounded
+#else
+  const vec xc = x < -87.0f ? vec{} - 87.0f : x;
+  const vec nv = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // x / ln 2 rounded to an integer (1.5 * 2^23's rounding)
+#endif
+  const vec r = (xc - nv * 0.693359375f) + nv * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec e = p * (r * r) + r + 1.0f;
+#if defined(__AVX512F__)
+  return (vec)_mm512_scalef_ps((__m512)e, (__m512)nv);  // e 2^n, 0 where it underflows
+#else
+  const svec scale = (__builtin_convertvector(nv, svec) + 127) << 23;  // 2^n
+  return x < -87.0f ? vec{} : e * (vec)scale;
+#endif
+}
+
+// 1 / d for d in [1, 2]
+inline vec reciprocal(const vec d) {
+#if defined(__AVX512F__)
+  const vec y = (vec)_mm512_rcp14_ps((__m512)d);  // 2^-14 relative error, then one Newton step
+  return y + y * (1.0f - d * y);
+#else
+  return 1.0f / d;
+#endif
+}
+
+inline vec gelu_tanh(vec x) {
+  const vec s = 1.5957691216f * (x + 0.044715f * (x * x * x));  // 2u
+  const vec e = exp_of(s < 0.0f ? s : -s);                        // e^-|2u|
+  const vec q = reciprocal(1.0f + e);                              // sigmoid(|2u|)
+  return x * (s < 0.0f ? e * q : q);
+}
+
+inline vec gelu_erf(vec x) {
+  const vec z = (x < 0.0f ? -x : x) * 0.70710678f;  // |x| / sqrt 2
+  const vec t = 1.0f / (1.0f + 0.5f * z);
+  vec p = vec{} + 0.17087277f;
+  for (const float c : {-0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f, 0.09678418f, 0.37409196f, 1.00002368f}) {
+    p = p * t + c;
+  }
+  const vec half_tail = 0.5f * t * exp_of(p * t - 1.26551223f - z * z);  // erfc(|x| / sqrt 2) / 2 = Phi(-|x|)
+  return x * (x < 0.0f ? half_tail : 1.0f - half_tail);
+}
+
+// sums (m, PANEL) <- GELU(sums + bias) for the block's rows, the bias (its `width` values, or none) added in float32 as
+// store adds it; store then takes no bias
+template <typename T>
+void activate(float* sums, int64_t m, int64_t width, const T* bias, Gelu gelu) {
+  alignas(64) float b[PANEL] = {};
+  for (int64_t j = 0; bias != nullptr && j < width; ++j) b[j] = static_cast<float>(bias[j]);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int j = 0; j < VECS; ++j) {
+      float* s = sums + i * PANEL + j * LANES;
+      const vec v = load(s) + load(b + j * LANES);
+      const vec g = gelu == GELU_ERF ? gelu_erf(v) : gelu_tanh(v);
+      std::memcpy(s, &g, sizeof g);
+    }
+  }
+}
+
 // out[r + i, n0 + j] = sums[i, j] + bias[n0 + j] for the block's rows and the panel's real columns
 template <typename T>
 void store(const float* sums, int64_t m, int64_t width, const T* bias, T* out, int64_t N) {
@@ -680,7 +756,8 @@ at::Tensor swapped_pairs(const at::Tensor& x) {
   return x.view({x.size(0), x.size(1) / 2, 2}).flip(-1).to(at::kFloat).view({x.size(0), x.size(1)});
 }
 
-at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N) {
+// panels_linear, and panels_linear_gelu with `gelu` (float32 and bfloat16 x)
+at::Tensor panels_gemm(const at::Tensor& x_, const at::Tensor& panels, const std::optional<at::Tensor>& bias_, int64_t N, Gelu gelu) {
   const auto xt = x_.scalar_type(), pt = panels.scalar_type();
   // int8 x: quads (uint8 panels, AVX512-VNNI) or words (int8 pair panels, AVX2)
   const bool pairs = xt == at::kBFloat16, quads = xt == at::kChar && pt == at::kByte, words = xt == at::kChar && pt == at::kChar;
@@ -747,6 +824,10 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             }
             const T* b = bp != nullptr ? static_cast<const T*>(bp) + n0 : nullptr;
             T* o = static_cast<T*>(op) + r * N + n0;
+            if (gelu != NO_GELU) {
+              activate(sums, m, width, b, gelu);
+              b = nullptr;
+            }
             native ? store(sums, m, width, b, o, N) : store<T>(sums, m, width, b, o, N);
 #endif
           } else if (quads) {
@@ -772,13 +853,33 @@ at::Tensor panels_linear(const at::Tensor& x_, const at::Tensor& panels, const s
             passes<PASS_ROWS>(m, K, KBLOCK_BYTES / (PANEL * sizeof(float)), size, [&](auto rows, int64_t i, int64_t k0, int64_t kb) {
               rows_by_panel<decltype(rows)::value>(xr + i * K + k0, K, panel + k0 * PANEL, kb, sums + i * PANEL, k0 > 0);
             });
-            store(sums, m, width, bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr, static_cast<float*>(op) + r * N + n0, N);
+            const float* b = bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr;
+            if (gelu != NO_GELU) {
+              activate(sums, m, width, b, gelu);
+              b = nullptr;
+            }
+            store(sums, m, width, b, static_cast<float*>(op) + r * N + n0, N);
           }
         }
       }
     });
   }
   return out.view(sizes);
+}
+
+at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, int64_t N) {
+  return panels_gemm(x, panels, bias, N, NO_GELU);
+}
+
+// F.gelu(panels_linear(...), approximate) with the GELU on the float32 sums plus the bias, before they are stored
+at::Tensor panels_linear_gelu(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, int64_t N,
+                              c10::string_view approximate) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16),
+              "panels_linear_gelu: x and panels must be float32 or bfloat16 (a GELU after int8 sums is the caller's), got x ",
+              x.scalar_type(), ", panels ", panels.scalar_type());
+  TORCH_CHECK(approximate == "none" || approximate == "tanh", "panels_linear_gelu: approximate must be \"none\" or \"tanh\", got \"",
+              approximate, "\"");
+  return panels_gemm(x, panels, bias, N, approximate == "none" ? GELU_ERF : GELU_TANH);
 }
 
 // out (M, N) of an Int8Linear call's whole epilogue: for each panel p and block of at most `rows` rows from r,
@@ -951,6 +1052,7 @@ at::Tensor panels_int8_rows_scaled(const at::Tensor& x_, const at::Tensor& panel
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panels_linear", &panels_linear);
+  m.impl("panels_linear_gelu", &panels_linear_gelu);
   m.impl("panels_int8_scaled", &panels_int8_scaled);
   m.impl("panels_int8_rows_scaled", &panels_int8_rows_scaled);
 }

@@ -23,6 +23,11 @@ rule's "panels" path), in a compiled step over the weight packed when the graph 
   widened to int16, one vpmaddwd adds a pair's two products, a vpaddd the sum), the (..., n) exact integer sums that
   torch's int8 GEMM gives (``Int8Linear``'s int8-activation arithmetic then scales them). Each panel is read once for every 8 rows of x,
   whose 8 x 32 sums stay in registers; the panels are split between torch's threads.
+- ``headwise::panels_linear_gelu(x, panels, bias, n, approximate)``: ``F.gelu(panels_linear(...), approximate=...)``
+  for float32 and bfloat16 x, the GELU ("none": erf's, "tanh") computed on each float32 sum plus its bias before it is
+  stored (in bfloat16: before the one rounding), as oneDNN's GEMM computes a GELU inside: one pass over the output.
+  Its float32 numbers are GELU's to a few units in the last place (exp and erfc by polynomials, erfc's relative error
+  under 1.2e-7, so the negative tail keeps its digits).
 - ``headwise::panels_int8_scaled(x, panels, scales, bias, n)``: ``Int8Linear``'s whole decode call over int8 panels
   packed for bfloat16 x: x (..., K) float32 or bfloat16 rounded to bfloat16, the sums rounded once, then times the (n,)
   float32 scales plus the (n,) float32 bias (one fused multiply-add, as torch's ``addcmul`` on AVX-512), in x's dtype.
@@ -56,6 +61,7 @@ INT8_BY_INT8 = (torch.int8, torch.int8)
 
 torch.library.define("headwise::pack_panels", "(Tensor weight, ScalarType? x_dtype=None) -> Tensor")
 torch.library.define("headwise::panels_linear", "(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
+torch.library.define("headwise::panels_linear_gelu", "(Tensor x, Tensor panels, Tensor? bias, int n, str approximate) -> Tensor")
 torch.library.define("headwise::panels_int8_scaled", "(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor")
 torch.library.define("headwise::panels_int8_rows_scaled", "(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor")
 
@@ -72,6 +78,11 @@ def _packed_shape(weight: Tensor, x_dtype: torch.dtype | None = None) -> Tensor:
 @torch.library.register_fake("headwise::panels_linear")
 def _out_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], n, dtype=torch.int32 if x.dtype == torch.int8 else x.dtype)  # (..., n)
+
+
+@torch.library.register_fake("headwise::panels_linear_gelu")
+def _gelu_shape(x: Tensor, panels: Tensor, bias: Tensor | None, n: int, approximate: str) -> Tensor:
+    return x.new_empty(*x.shape[:-1], n)  # (..., n)
 
 
 def _scaled_shape(x: Tensor, panels: Tensor, scales: Tensor, bias: Tensor | None, n: int) -> Tensor:
@@ -149,10 +160,13 @@ def packed(weight: Tensor, x_dtype: torch.dtype) -> Tensor:
     return cached(PANELS.setdefault(x_dtype, {}), [weight], lambda: torch.ops.headwise.pack_panels(weight.detach(), x_dtype))
 
 
-def run(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def run(x: Tensor, weight: Tensor, bias: Tensor | None = None, gelu: str | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` eagerly over the weight packed once (``packed``), for operands ``takes`` accepts and
-    a weight ``keeps`` accepts: (..., K) -> (..., N)."""
+    a weight ``keeps`` accepts: (..., K) -> (..., N); with ``gelu`` (GELU's ``approximate``, "none" or "tanh"; float32
+    and bfloat16 weights) ``F.gelu`` of it, computed on the float32 sums plus the bias before they are stored."""
     bias = None if bias is None else bias.detach().contiguous()
+    if gelu is not None:
+        return torch.ops.headwise.panels_linear_gelu(x.contiguous(), packed(weight, x.dtype), bias, weight.shape[0], gelu)  # (..., N)
     return torch.ops.headwise.panels_linear(x.contiguous(), packed(weight, x.dtype), bias, weight.shape[0])  # (..., N)
 
 

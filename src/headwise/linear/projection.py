@@ -80,9 +80,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
         x: (..., K) input, e.g. (B, T, C).
         weight: (N, K), PyTorch's ``nn.Linear`` layout.
         bias: (N,) or None.
-        gelu: None, or GELU's ``approximate`` ("none", "tanh") to return ``F.gelu`` of the result: on oneDNN's
-            path (without autograd) computed by the GEMM on its float32 sums, one pass over the output, not two;
-            elsewhere ``F.gelu`` after the GEMM.
+        gelu: None, or GELU's ``approximate`` ("none", "tanh") to return ``F.gelu`` of the result: on the panels'
+            and oneDNN's paths (without autograd) computed by the GEMM on its float32 sums, one pass over the output,
+            not two; elsewhere ``F.gelu`` after the GEMM.
 
     Returns:
         (..., N).
@@ -99,9 +99,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
             return _then(F.linear(x, weight, bias), gelu)  # (..., N): inductor packs the frozen weight for its own GEMM
         if weight.ndim == 2 and runs_as_op(x, weight, bias):
             return _then(torch.ops.headwise.linear(x, weight, bias), gelu)  # (..., N): this function, run when the graph runs
-    path = path_for(x, weight, bias, gelu=gelu is not None)
+    path = path_for(x, weight, bias)
     if path == "panels":
-        return _gelu_in_place(panels.run(x, weight, bias), gelu)  # (..., N): the weight packed once, kept while unchanged
+        return panels.run(x, weight, bias, gelu)  # (..., N): the weight packed once, kept while unchanged
     if path == "torch":
         return _then(F.linear(x, weight, bias), gelu)
     if path == "widened":
@@ -135,7 +135,7 @@ def project(layer: nn.Module, x: Tensor, act: nn.Module | None = None) -> Tensor
 
     A subclass, a replaced module (LoRA, quantised) or one with hooks is called as it is, so
     whatever it adds still happens. A plain ``nn.GELU`` without hooks after a plain ``nn.Linear``
-    is ``linear``'s ``gelu``: inside the GEMM on oneDNN's path, at every row count alike.
+    is ``linear``'s ``gelu``: inside the GEMM on the panels' and oneDNN's paths, at every row count alike.
 
     Args:
         layer: usually an ``nn.Linear`` with weight (N, K).
@@ -236,9 +236,7 @@ class Ready:
 
     def gemm(self) -> tuple[Callable, tuple]:
         """The GEMM's function and what it takes after x, without a GELU run over its output after it (``linear``'s
-        ``gelu`` on the panels' or torch's path); oneDNN's GELU inside its GEMM stays."""
-        if self.run is _panels_gelu:
-            return torch.ops.headwise.panels_linear, self.args[:-1]
+        ``gelu`` on torch's path); a GELU inside the GEMM (the panels', oneDNN's) stays."""
         if self.run is _linear_gelu:
             return F.linear, self.args[:-1]
         return self.run, self.args
@@ -403,14 +401,14 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
         return None
     weight, bias = (weights[0], biases[0]) if len(weights) == 1 else _stacked(weights, biases)
     sizes, k = [w.shape[0] for w in weights], x.shape[-1]
-    path = path_for(x, weight, bias, gelu=gelu is not None)
+    path = path_for(x, weight, bias)
     if path == "widened":
         return None  # many rows only: nothing to prepare
     if path == "panels":
         args = (panels.packed(weight, x.dtype), None if bias is None else bias.detach().contiguous(), weight.shape[0])
         if gelu is None:
             return Ready(state(params), torch.ops.headwise.panels_linear, args, k, sizes)
-        return Ready(state(params), _panels_gelu, (*args, gelu), k, sizes)
+        return Ready(state(params), torch.ops.headwise.panels_linear_gelu, (*args, gelu), k, sizes)
     if path == "torch":
         # aliases, not the Parameters: an entry keyed by the weights themselves must not keep them alive
         args = (weight.detach(), None if bias is None else bias.detach())
@@ -422,16 +420,6 @@ def _prepare(weights: list[Tensor], biases: list[Tensor | None], x: Tensor, para
     if gelu is None:
         return Ready(state(params), onednn.inner_product, args, k, sizes)
     return Ready(state(params), onednn.inner_product_gelu, (*args, gelu), k, sizes)
-
-
-def _panels_gelu(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, approximate: str) -> Tensor:
-    """``F.gelu`` of the panels GEMM over a packed weight: ``linear``'s ``gelu`` on the panels' path."""
-    return _gelu_in_place(torch.ops.headwise.panels_linear(x, packed, bias, n), approximate)  # (..., N)
-
-
-def _gelu_in_place(y: Tensor, approximate: str | None) -> Tensor:
-    """``F.gelu(y)``'s numbers written over y, a GEMM's own output (None: y as it is)."""
-    return y if approximate is None else torch.ops.aten.gelu_(y, approximate=approximate)
 
 
 def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:

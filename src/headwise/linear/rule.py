@@ -14,9 +14,9 @@ Nothing is timed. A call's path follows, in order:
    decoding); where the library builds
    (``native``), an inference call (autograd records nothing) that would take oneDNN's packed weight
    there takes the panels GEMM over the weight packed once instead (``panels``: level with oneDNN at
-   a prompt's rows, and one packed copy serves prompts and decode steps), but one with a GELU after
-   (``linear``'s ``gelu``: oneDNN computes it inside its GEMM) and bfloat16 on a CPU with AMX tiles
-   (oneDNN's AMX GEMM runs a prompt's rows faster than the panels' tiles);
+   a prompt's rows, a GELU after it (``linear``'s ``gelu``) computed inside as oneDNN's GEMM computes it, and one
+   packed copy serves prompts and decode steps), but bfloat16 on a CPU with AMX tiles (oneDNN's AMX GEMM runs a
+   prompt's rows faster than the panels' tiles);
 3. decode-shaped calls (at most ``DECODE_ROWS`` rows of input, a weight of at least
    ``MIN_DECODE_WEIGHT`` elements: every projection and LM head of a decode step) follow
    ``choose_few_rows``: an inference call of float32 on a CPU whose torch kernels run AVX-512, or
@@ -163,13 +163,11 @@ def _library_built() -> bool:
     return native.built()
 
 
-def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str] | None:
+def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, avx2_rows: bool = False) -> tuple[str, str] | None:
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
-    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed), and more than
-    ``DECODE_ROWS`` rows with a GELU after (``gelu``: oneDNN's GEMM computes it inside, where torch's GELU after the
-    panels took longer). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
+    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
     of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
     (the panels' 2-3 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
     fast or faster)."""
@@ -186,24 +184,23 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, gelu: bool = F
     if few_rows:
         return "panels", (f"{name} inference, 1-{DECODE_ROWS} rows, {kernels}: headwise's C++ GEMM over the weight packed once "
                           "in 32-column panels, which reads a decode step's weights at about memory's rate")
-    if not gelu and (dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD"):
+    if dtype == torch.bfloat16 or facts["vendor"] == "AuthenticAMD":
         return "panels", (f"{name} inference, {kernels}" + (", AMD" if dtype == torch.float32 else "") + ": headwise's C++ "
                           "GEMM over the weight packed once in 32-column panels, level with oneDNN's packed weight at a "
-                          "prompt's rows and one packed copy for prompts and decode steps alike (a call with a GELU after "
-                          "keeps oneDNN's, which computes it inside)")
+                          "prompt's rows, a GELU after it computed inside, and one packed copy for prompts and decode "
+                          "steps alike")
     return None
 
 
 @functools.cache
 def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, recorded: bool = False, kept: bool = True,
-          gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str]:
+          avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
-    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``gelu``: a GELU
-    follows, ``linear``'s ``gelu``; ``avx2_rows``: at most ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` or
+    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``avx2_rows``: at most ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` or
     more)."""
     facts = cpu()
-    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, gelu, avx2_rows)):
+    if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, avx2_rows)):
         return path
     untested = None  # or the decision on a torch the oneDNN path was not tested with
     if ".".join(torch.__version__.split(".")[:2]) not in TESTED_TORCH:
@@ -249,10 +246,10 @@ def choose_few_rows(dtype: torch.dtype = torch.float32, rows: int = DECODE_ROWS)
 
 
 def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, gemv: bool = False, recorded: bool = False,
-              kept: bool = True, gelu: bool = False, avx2_rows: bool = False) -> tuple[str, str]:
+              kept: bool = True, avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 1-4 for ``dtype`` (``few_rows``: step 3's calls; ``gemv``: one of them of at most
     ``GEMV_ROWS`` rows or recorded by autograd; ``recorded``: autograd records the call; ``kept``: False where nothing
-    packed from the weight can be kept; ``gelu``: a GELU follows; ``avx2_rows``: within ``avx2_band``);
+    packed from the weight can be kept; ``avx2_rows``: within ``avx2_band``);
     ``setting`` read when not given."""
     setting = _path_setting() if setting is None else setting
     if setting == "torch":
@@ -263,7 +260,7 @@ def _decision(dtype: torch.dtype, few_rows: bool, setting: str | None = None, ge
         return "panels", f"forced by {_setting()[1]}"
     if dtype not in onednn.DTYPES:
         return "torch", f"{dtype}: oneDNN's inner product runs float32 and bfloat16 only"
-    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, gelu, avx2_rows)
+    path, reason = ("onednn", f"forced by {_setting()[1]}") if setting == "onednn" else _auto(dtype, few_rows, gemv, recorded, kept, avx2_rows)
     if path == "onednn" and (error := onednn.ops_error(dtype)):
         return "torch", f"oneDNN's private ops fail here: {error}"
     return path, reason
@@ -337,8 +334,8 @@ def under_cpu_autocast(x: Tensor) -> bool:
     return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
 
 
-def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: bool = False) -> str:
-    """The path ``linear(x, weight, bias)`` takes (with ``gelu``: ``linear``'s GELU after it): "onednn", "panels",
+def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
+    """The path ``linear(x, weight, bias)`` takes (with its ``gelu`` or without): "onednn", "panels",
     "widened" (``F.linear`` of bfloat16 operands widened to float32, rounded once) or "torch" (``F.linear``); rule step 5."""
     if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
@@ -352,7 +349,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
     few = big and size <= k * DECODE_ROWS
     gemv = few and (size <= GEMV_ROWS * k or recorded)  # where MKL's F.linear stays on Intel (its backward is faster)
     avx2_rows = avx2_band(size, k, weight.numel(), x.dtype)
-    path = _decision(x.dtype, few, setting, gemv, recorded, gelu=gelu, avx2_rows=avx2_rows)[0]
+    path = _decision(x.dtype, few, setting, gemv, recorded, avx2_rows=avx2_rows)[0]
     if path == "panels":
         if not onednn.plain_tensors(x, weight, bias) or not panels.takes(x, weight, bias) or not x.numel():
             return "torch"
@@ -360,7 +357,7 @@ def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: boo
             return "panels"
         if setting == "panels":
             return "torch"
-        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, gelu=gelu, avx2_rows=avx2_rows)[0]  # nothing packed could be kept: the rule without the panels
+        path = _decision(x.dtype, few, setting, gemv, recorded, kept=False, avx2_rows=avx2_rows)[0]  # nothing packed could be kept: the rule without the panels
     if path == "onednn" and onednn.inner_product_takes(x, weight, bias) and weight.is_contiguous() and torch.backends.mkldnn.enabled:
         return "onednn"
     if path == "widened" and x.device.type == "cpu" and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):

@@ -42,19 +42,22 @@ at::Tensor onednn(const at::Tensor& x, const at::Tensor& weight, const Maybe& bi
 // A kept projection call (headwise.linear.projection.Ready): x made contiguous, then its function with its arguments.
 // kind 0: panels_linear(x, panels, bias, n); 1: panels_int8_scaled and 2: panels_int8_rows_scaled(x, panels, scales,
 // bias, n), `weight` holding the panels; 3: F.linear(x, weight, bias); 4: oneDNN's inner_product(x, packed, bias);
-// 5: its inner_product_gelu with GELU's `approximate` inside.
+// 5: its inner_product_gelu with GELU's `approximate` inside; 6: panels_linear_gelu(x, panels, bias, n, approximate).
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const Maybe& scales, const Maybe& bias,
                    int64_t n, const std::string& approximate) {
   using Plain = at::Tensor(const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
   using Scaled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Maybe&, int64_t);
+  using Gelu = at::Tensor(const at::Tensor&, const at::Tensor&, const Maybe&, int64_t, c10::string_view);
   static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_linear", "").typed<Plain>();
   static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_int8_scaled", "").typed<Scaled>();
   static const auto rows = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_int8_rows_scaled", "").typed<Scaled>();
+  static const auto gelu = c10::Dispatcher::singleton().findSchemaOrThrow("headwise::panels_linear_gelu", "").typed<Gelu>();
   const at::Tensor xc = x.contiguous();
   if (kind == 3) return at::linear(xc, weight, bias);
   if (kind == 4) return onednn(xc, weight, bias, "none", "");
   if (kind == 5) return onednn(xc, weight, bias, "gelu", approximate);
   if (kind == 0) return plain.call(xc, weight, bias, n);
+  if (kind == 6) return gelu.call(xc, weight, bias, n, approximate);
   return (kind == 1 ? int8 : rows).call(xc, weight, *scales, bias, n);
 }
 
@@ -103,7 +106,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
     const int64_t I = up.size(-1) / 2;
     at::Tensor gate = up.slice(-1, 0, I);  // (B, T, I) views
     up = at::silu_(gate).mul_(up.slice(-1, I, 2 * I));
-  } else if (kinds[2] != 5) {  // (kind 5 applied it inside the GEMM)
+  } else if (kinds[2] != 5 && kinds[2] != 6) {  // (kinds 5 and 6 applied it inside the GEMM)
     up = at::gelu_(up, mlp);
   }
   return residual(h, proj(up, 3));  // (B, T, C)

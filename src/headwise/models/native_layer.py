@@ -46,6 +46,7 @@ torch.library.define(
 #: The kept calls' GEMM functions the op runs, by its code for each.
 _KINDS = {
     torch.ops.headwise.panels_linear: 0,
+    torch.ops.headwise.panels_linear_gelu: 6,  # GELU inside the GEMM (the op adds none after)
     torch.ops.headwise.panels_int8_scaled: 1,
     torch.ops.headwise.panels_int8_rows_scaled: 2,
     F.linear: 3,
@@ -157,8 +158,8 @@ class NativeLayer:
                 return None
             kinds.append(kind)
             weights.append(args[0])  # the panels, or F.linear's weight
-            scales.append(args[1] if kind in (1, 2) else None)
-            plain = kind >= 3  # (weight, bias[, approximate]); the panels': (panels, bias, n), (panels, scales, bias, n)
-            biases.append(args[1] if plain else args[-2])
-            ns.append(0 if plain else args[-1])
+            scaled = kind in (1, 2)  # (panels, scales, bias, n); the panels' own (panels, bias, n[, approximate]);
+            scales.append(args[1] if scaled else None)  # the plain weight's (weight, bias[, approximate])
+            biases.append(args[2] if scaled else args[1])
+            ns.append(args[3] if scaled else args[2] if kind in (0, 6) else 0)
         return kinds, weights, scales, biases, ns
