@@ -69,6 +69,8 @@ MISTAKES = {
     "wrong_shape": ("MultiHeadAttention", "output", H.WRONG_SHAPE),
     "wrapper_shared_head": ("MultiHeadAttentionWrapper", "heads.0.queries", H.SHARED_HEADS),
     "out_proj_no_bias": ("MultiHeadAttention", "output", H.NO_OUT_PROJ_BIAS),
+    "qkv_bias_ignored": ("MultiHeadAttention", "queries", H.NO_QKV_BIAS),
+    "qkv_bias_ignored:CausalAttention": ("CausalAttention", "queries", H.NO_QKV_BIAS),  # the same file's head
 }
 
 
@@ -89,9 +91,9 @@ def test_a_mistake_in_one_class_leaves_the_others_passing():
 
 
 def test_the_hints_tell_every_mistake_apart():
-    # three pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head),
-    # NO_TRANSPOSE (a view straight to the heads' shape, and the right view reshaped to it)
-    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 3
+    # four pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head),
+    # NO_TRANSPOSE (a view straight to the heads' shape, and the right view reshaped to it), NO_QKV_BIAS (MHA and a head)
+    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 4
 
 
 def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuration():

@@ -58,6 +58,8 @@ SHARED_HEADS = ("every head computes the same numbers: the heads are one CausalA
                 "([CausalAttention(...)] * num_heads repeats one module, so they share its weights); give each head its own: "
                 "nn.ModuleList([CausalAttention(...) for _ in range(num_heads)])")
 NO_OUT_PROJ_BIAS = "out_proj has no bias: the book's is nn.Linear(d_out, d_out), with one (bias=True, the default)"
+NO_QKV_BIAS = ("built with qkv_bias=True, the queries, keys and values have no bias: qkv_bias is ignored; build W_query, "
+               "W_key and W_value as nn.Linear(d_in, d_out, bias=qkv_bias), as the book does")
 CAT_DIM = "the heads are concatenated on dim {dim} ({what}); put them side by side on the last dim: torch.cat([...], dim=-1)"
 
 
@@ -98,6 +100,10 @@ def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
         sizes = {"d_in": config.d_in, "d_out": config.d_out, "num_heads": config.num_heads, "num_tokens": config.num_tokens}
         found = _attention(s, "", ref.scale, sizes) + _heads(s)
         found.append(Probe("output", NO_OUT_PROJ_BIAS, s["output"] - ref.state["out_proj.bias"], returned=True))  # (B, T, d_out)
+    if config.qkv_bias:
+        heads = [f"heads.{i}." for i in range(config.num_heads)] if kind == "MultiHeadAttentionWrapper" else [""]
+        found += [Probe(prefix + step, NO_QKV_BIAS, s[prefix + step] - ref.state[f"{prefix}W_{layer}.bias"])  # (B, T, d_out)
+                  for prefix in heads for step, layer in (("queries", "query"), ("keys", "key"), ("values", "value"))]
     return [p for p in found if p.tensor.shape != s[p.step].shape or not torch.equal(p.tensor, s[p.step])]
 
 
