@@ -144,3 +144,11 @@ def test_gpt2s_mlp_with_its_gelu_in_the_gemm_matches_the_module_path(linear_path
             block.mlp.act.register_forward_hook(lambda mod, inp, out: None)
         called = model(ids).double()
     assert ((fused - called).norm() / called.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("gelu", ["erf", "", "TANH", 1, True])
+def test_linear_refuses_a_gelu_it_does_not_know_on_every_path(linear_path, gelu):
+    """A ValueError naming ``gelu``, the same on every path (the panels' op, oneDNN and torch each failed their own way)."""
+    x, lin = case(4, torch.float32)
+    with pytest.raises(ValueError, match=r"gelu must be None or GELU's approximate, one of \('none', 'tanh'\), got"), torch.no_grad():
+        hl.linear(x, lin.weight, lin.bias, gelu=gelu)

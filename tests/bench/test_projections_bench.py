@@ -1,5 +1,6 @@
 """``headwise.bench.projections``: each path timed, the rule's choice named, and the module runs tiny."""
 
+import pytest
 import torch
 
 import headwise.linear as hl
@@ -70,3 +71,8 @@ def test_gelu_times_each_way_that_runs_here(capsys):
     out = capsys.readouterr().out
     assert "family" in out.splitlines()[0] and "approximate='none'" in out.splitlines()[0]
     assert len([line for line in out.splitlines() if line.startswith("| fp32 |")]) == 2
+
+
+def test_gelu_and_int8_are_one_table_or_the_other():
+    with pytest.raises(SystemExit):
+        bench.main(["--gelu", "tanh", "--int8"])

@@ -103,3 +103,25 @@ def test_a_changed_class_from_a_module_is_written_as_it_is_and_a_subclass_of_one
         module_source([ns["Mine"]])
     monkeypatch.undo()
     assert module_source([book.MultiHeadAttention]) == "from llms_from_scratch.ch03 import MultiHeadAttention\n"
+
+
+def test_a_notebook_global_named_like_a_parameter_is_not_carried(notebook):
+    """A global ``cls`` (a loop over the classes) beside a classmethod's ``cls``: what the method reads is its
+    parameter, so ``cls = ...`` is not written (it named a class not yet defined there: a NameError)."""
+    ns = notebook("from torch import nn\n\nclass A(nn.Module):\n    @classmethod\n    def of(cls, n):\n        return cls()\n\n"
+                  "    def forward(self, x, scale: float = 2.0):\n        return [x * scale for _ in range(1)][0]\n")
+    notebook("for cls in (A,):\n    pass\nscale = 3\nx = 4\n")
+    source = module_source([ns["A"]])
+    assert "cls = " not in source and "scale = " not in source and "x = " not in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"].of(1).forward(5) == 10
+
+
+def test_a_class_with_no_method_of_its_own_names_why_an_attribute_cannot_be_written(notebook):
+    """No method: no class statement to read back, so a value with no text (a list) is refused with that reason, not
+    as one set outside the statement."""
+    ns = notebook("from torch import nn\n\nclass Names:\n    ALL = ['W_query', 'W_key']\n\n"
+                  "class A(nn.Module):\n    def forward(self, x):\n        return x if Names.ALL else -x\n")
+    with pytest.raises(SourceError, match=r"^cannot grade A: Names.ALL \(a list\) cannot be written down: Names has no method of its own"):
+        module_source([ns["A"]])

@@ -131,8 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma-separated row counts (default 1,8,16,17,32,64,256,1024)")
     p.add_argument("--names", type=_argtypes.listing(_argtypes.choice(tuple(SHAPES)), "names"), default=list(SHAPES),
                    help=f"comma-separated projections (default all: {', '.join(SHAPES)})")
-    p.add_argument("--int8", action="store_true", help="Int8Linear's bfloat16-activation calls instead: the weight widened on each call against the panels")
-    p.add_argument("--gelu", choices=("tanh", "none"), default=None, help="c_fc with its GELU (this approximation) after, four ways, instead")
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument("--int8", action="store_true", help="Int8Linear's bfloat16-activation calls instead: the weight widened on each call against the panels")
+    instead.add_argument("--gelu", choices=("tanh", "none"), default=None,
+                         help="c_fc with its GELU (this approximation) after, four ways, instead (--names does not apply)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

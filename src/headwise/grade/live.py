@@ -95,6 +95,10 @@ def write_class(cls: type) -> Written:
             if name in bound and (bound[name] is _COMPUTED or _same(bound[name], value)):
                 continue
             pieces.append(Piece(f"{cls.__name__}.{name} = {literal(value)}\n", None, 1))
+        elif not statement:
+            raise SourceError(f"{cls.__name__}.{name} (a {type(value).__name__}) cannot be written down: {cls.__name__} has no method "
+                              "of its own, so the text of its class statement cannot be found; give it a number, string, bool, None or "
+                              "tuple of them, set it in __init__, or give the class a method")
         elif name not in bound:
             raise SourceError(f"{cls.__name__}.{name} (a {type(value).__name__}) was set outside the class statement and cannot be written down: "
                               "set it inside the class, e.g. in __init__")
@@ -365,9 +369,29 @@ def _uses(lines: list[str], fn: FunctionType) -> dict[str, object]:
 
 
 def _free_names(lines: list[str]) -> list[str]:
-    """Every name the definition reads, in order of first use."""
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)))
+    """Every name the definition reads from outside it, in order of first use: not a function's own parameters and
+    locals inside that function (a notebook global ``cls`` is not what ``def of(cls)`` reads)."""
+    found: dict[str, None] = {}
+
+    def visit(node: ast.AST, local: frozenset[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            params = [*args.posonlyargs, *args.args, *args.kwonlyargs, *(a for a in (args.vararg, args.kwarg) if a is not None)]
+            outside = [*getattr(node, "decorator_list", []), *args.defaults, *(d for d in args.kw_defaults if d is not None),
+                       *(a.annotation for a in params if a.annotation is not None), *([node.returns] if getattr(node, "returns", None) else [])]
+            for child in outside:  # evaluated where the function is defined
+                visit(child, local)
+            inside = local | {a.arg for a in params} | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for child in node.body if isinstance(node.body, list) else [node.body]:
+                visit(child, inside)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            found.setdefault(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(ast.parse(textwrap.dedent("".join(lines))), frozenset())
+    return list(found)
 
 
 def _short(filename: str) -> str:

@@ -73,6 +73,9 @@ def _template_over_mkl(choices: list) -> list:
     return [c for c in choices if getattr(getattr(c, "choice", None), "cpp_kernel_name", None) != "mkl::_mkl_linear"]
 
 
+GELUS = ("none", "tanh")  # GELU's approximate values linear's gelu takes (nn.GELU's)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str | None = None) -> Tensor:
     """``F.linear`` with the same numbers (to float32 rounding), on the path ``path_for`` names.
 
@@ -87,11 +90,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
     Returns:
         (..., N).
 
+    Raises:
+        ValueError: ``gelu`` is not None, "none" or "tanh".
+
     Example:
         >>> lin = torch.nn.Linear(768, 2304)
         >>> linear(torch.randn(4, 128, 768), lin.weight, lin.bias).shape
         torch.Size([4, 128, 2304])
     """
+    if gelu is not None and gelu not in GELUS:
+        raise ValueError(f"gelu must be None or GELU's approximate, one of {GELUS}, got {gelu!r}")
     if torch.compiler.is_compiling():
         if frozen():
             if panels.takes(x, weight, bias):
@@ -157,7 +165,7 @@ def project(layer: nn.Module, x: Tensor, act: nn.Module | None = None) -> Tensor
 
 def _gelu(act: nn.Module) -> str | None:
     """GELU's ``approximate`` when ``act`` is a plain ``nn.GELU`` without hooks (``linear`` computes it), else None."""
-    return act.approximate if type(act) is nn.GELU and _hookless(act) and act.approximate in ("none", "tanh") else None
+    return act.approximate if type(act) is nn.GELU and _hookless(act) and act.approximate in GELUS else None
 
 
 def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
