@@ -39,6 +39,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "../backends/vectors.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -641,36 +643,13 @@ constexpr int64_t TILE_ROWS = 4;
 constexpr int64_t INT8_TILE_ROWS = 2;
 
 // GELU inside the GEMM (panels_linear_gelu): on each block's float32 sums plus the bias, before they are stored (and, in
-// bfloat16, rounded once), LANES values at a time. e^x as Cephes' expf (2^n e^r, |r| <= ln 2 / 2, a degree-6
-// polynomial); GELU "none" x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 by the Chebyshev fit of Numerical Recipes'
+// bfloat16, rounded once), LANES values at a time, with the attention kernels' e^x (Cephes' expf); GELU "none" x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 by the Chebyshev fit of Numerical Recipes'
 // erfcc (fractional error under 1.2e-7 everywhere, so the negative tail keeps its digits); "tanh" 0.5 x (1 + tanh u),
 // u = sqrt(2 / pi) (x + 0.044715 x^3), written x sigmoid(2u) and the sigmoid from e^-|2u| (no cancellation, no overflow).
 enum Gelu : int64_t { NO_GELU = 0, GELU_ERF = 1, GELU_TANH = 2 };
 
-// e^x for x <= 0: 0 below -87 (NaN stays NaN)
-inline vec exp_of(const vec x) {
-#if defined(__AVX512F__)
-  const vec xc = (vec)_mm512_max_ps(_mm512_set1_ps(-104.0f), (__m512)x);  // (e^-104 scales to 0 below; NaN stays NaN)
-  const vec nv = (vec)_mm512_roundscale_ps((__m512)(xc * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x / ln 2, rounded
-#else
-  const vec xc = x < -87.0f ? vec{} - 87.0f : x;
-  const vec nv = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // x / ln 2 rounded to an integer (1.5 * 2^23's rounding)
-#endif
-  const vec r = (xc - nv * 0.693359375f) + nv * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
-  vec p = vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vec e = p * (r * r) + r + 1.0f;
-#if defined(__AVX512F__)
-  return (vec)_mm512_scalef_ps((__m512)e, (__m512)nv);  // e 2^n, 0 where it underflows
-#else
-  const svec scale = (__builtin_convertvector(nv, svec) + 127) << 23;  // 2^n
-  return x < -87.0f ? vec{} : e * (vec)scale;
-#endif
-}
+// e^x for x <= 0: 0 below -87.3 (NaN stays NaN), the attention kernels' (backends/vectors.h)
+inline vec exp_of(const vec x) { return headwise_vectors::exp_of<vec, svec>(x); }
 
 // 1 / d for d in [1, 2]
 inline vec reciprocal(const vec d) {
