@@ -167,8 +167,9 @@ def _panels_auto(dtype: torch.dtype, few_rows: bool, facts: dict, avx2_rows: boo
     """Rule step 3's panels for an inference call the panels multiply here (``_panels_run``), and why; None where
     another path keeps it: bfloat16 of more than ``DECODE_ROWS`` rows on a CPU with AMX tiles (oneDNN's AMX GEMM,
     faster there than the panels' own tiles; a model that prompts and decodes keeps both packed copies), float32 of
-    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed). Where torch's kernels run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows
-    of a weight of ``MIN_DECODE_WEIGHT`` elements or more (``avx2_rows``), whatever ``few_rows`` says, and no others
+    more than ``DECODE_ROWS`` rows off AMD (MKL's GEMM over the plain weight, nothing packed). Where torch's kernels
+    run AVX2 the panels take calls of 1-``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` elements or
+    more (``avx2_rows``), whatever ``few_rows`` says, and no others
     (the panels' 2-3 rows of sums a read of the weight: MKL's float32 GEMM runs more rows, or a weight in the cache, as
     fast or faster)."""
     name, flag = str(dtype).removeprefix("torch."), panels.OPERANDS[(dtype, dtype)]
@@ -197,8 +198,8 @@ def _auto(dtype: torch.dtype, few_rows: bool = False, gemv: bool = False, record
           avx2_rows: bool = False) -> tuple[str, str]:
     """Rule steps 2 and 3: the path "auto" picks for ``dtype`` on this machine, and why (``gemv``: a
     decode-shaped call of at most ``GEMV_ROWS`` rows, or one autograd records; ``recorded``: autograd records it;
-    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``avx2_rows``: at most ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` or
-    more)."""
+    ``kept``: False for a weight nothing packed from can be kept, which the panels do not take; ``avx2_rows``: at
+    most ``avx2_rows_for(dtype)`` rows of a weight of ``MIN_DECODE_WEIGHT`` or more)."""
     facts = cpu()
     if kept and not recorded and _panels_run(dtype, facts) and (path := _panels_auto(dtype, few_rows, facts, avx2_rows)):
         return path
