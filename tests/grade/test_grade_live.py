@@ -125,3 +125,40 @@ def test_a_class_with_no_method_of_its_own_names_why_an_attribute_cannot_be_writ
                   "class A(nn.Module):\n    def forward(self, x):\n        return x if Names.ALL else -x\n")
     with pytest.raises(SourceError, match=r"^cannot grade A: Names.ALL \(a list\) cannot be written down: Names has no method of its own"):
         module_source([ns["A"]])
+
+
+@pytest.mark.parametrize("body", [
+    "    def forward(self, x):\n        global CALLS\n        CALLS += 1\n        return x * DIM\n",  # declared global: read
+    "    def forward(self, x):\n        def inner(s):\n            DIM = -1\n            return s * DIM\n        return inner(x) * DIM\n",
+    "    names = [h for h in ('W_query', 'W_key')]\n\n    def forward(self, x):\n        return x * DIM\n",  # h: the comprehension's
+])
+def test_free_names_follow_pythons_scopes(notebook, body):
+    """Globals a method reads are carried, a nested function's or a comprehension's own names are not (a notebook
+    global of that name may be one that cannot be written down: here a lambda)."""
+    notebook("CALLS = 0\nDIM = 2\nh = lambda t: t\ninner = lambda t: t\n")
+    ns = notebook("from torch import nn\n\nclass A(nn.Module):\n" + body)
+    namespace: dict = {}
+    exec(compile(module_source([ns["A"]]), "classes.py", "exec"), namespace)
+    assert namespace["A"]().forward(3) in (6, -6)
+
+
+def test_a_subclass_whose_base_was_defined_again_since_is_refused_not_graded_on_the_new_one(notebook):
+    """A wrong MultiHeadAttention, MHA2 built on it, then MultiHeadAttention fixed in a later cell: MHA2 still runs the
+    wrong one, so writing its statement over today's name would grade another class (it passed)."""
+    notebook((LEARNERS / "no_scaling.py").read_text().split("\n\ninputs = ")[0])
+    ns = notebook("class MHA2(MultiHeadAttention):\n    def forward(self, x):\n        return super().forward(x)\n")
+    notebook(BOOK)
+    with pytest.raises(SourceError, match=r"^cannot grade MHA2: MHA2's base MultiHeadAttention is not the class that name means now"):
+        module_source([ns["MHA2"]])
+
+
+def test_c_functions_imported_by_name_are_imported_again(notebook):
+    """``from torch import softmax``, ``from math import sqrt``: C functions, neither classes nor Python functions, are
+    written as the same imports (they were left behind: a NameError in the grading process)."""
+    notebook("import torch\nfrom torch import nn, softmax\nfrom math import sqrt as root\n")
+    ns = notebook("class A(nn.Module):\n    def forward(self, x):\n        return softmax(x, dim=-1) * root(4.0)\n")
+    source = module_source([ns["A"]])
+    assert "from torch import softmax" in source and "from math import sqrt as root" in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert float(namespace["A"]().forward(__import__("torch").zeros(2)).sum()) == 2.0

@@ -148,6 +148,10 @@ def _statement_piece(cls: type, filename: str, node: ast.ClassDef, lines: list[s
     first = _first(node)
     text = lines[first - 1 : node.end_lineno]
     scope = next((inspect.unwrap(f).__globals__ for v in vars(cls).values() for f in _functions(v) or ()), {})
+    for base in cls.__bases__:  # the statement ran with them: the name may mean another class by now
+        if base.__name__ != cls.__name__ and isinstance(scope.get(base.__name__), type) and scope[base.__name__] is not base:
+            raise SourceError(f"{cls.__name__}'s base {base.__name__} is not the class that name means now ({base.__name__} was "
+                              f"defined again after {cls.__name__}): run {cls.__name__}'s cell again, so that it is built on it")
     uses = {n: scope[n] for n in _free_names(text) if n in scope and n != cls.__name__}
     return Piece(textwrap.dedent("".join(text)), filename, first, uses | _same_name_bases(cls))
 
@@ -368,30 +372,70 @@ def _uses(lines: list[str], fn: FunctionType) -> dict[str, object]:
     return {n: scope[n] for n in _free_names(lines) if n in scope and n != fn.__code__.co_name}
 
 
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
 def _free_names(lines: list[str]) -> list[str]:
-    """Every name the definition reads from outside it, in order of first use: not a function's own parameters and
-    locals inside that function (a notebook global ``cls`` is not what ``def of(cls)`` reads)."""
+    """Every name the definition reads from outside it, in order of first use, as Python's scopes resolve them: not a
+    function's own parameters and locals (a notebook global ``cls`` is not what ``def of(cls)`` reads), not a
+    comprehension's targets, not what a class body binds for the class body's own expressions; a name a function
+    declares ``global`` is read from outside."""
     found: dict[str, None] = {}
 
     def visit(node: ast.AST, local: frozenset[str]) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        if isinstance(node, _FUNCTIONS):
             args = node.args
             params = [*args.posonlyargs, *args.args, *args.kwonlyargs, *(a for a in (args.vararg, args.kwarg) if a is not None)]
             outside = [*getattr(node, "decorator_list", []), *args.defaults, *(d for d in args.kw_defaults if d is not None),
                        *(a.annotation for a in params if a.annotation is not None), *([node.returns] if getattr(node, "returns", None) else [])]
             for child in outside:  # evaluated where the function is defined
                 visit(child, local)
-            inside = local | {a.arg for a in params} | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-            for child in node.body if isinstance(node.body, list) else [node.body]:
-                visit(child, inside)
-            return
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
-            found.setdefault(node.id)
-        for child in ast.iter_child_nodes(node):
-            visit(child, local)
+            body = node.body if isinstance(node.body, list) else [node.body]
+            stores, declared = _scope_names(body)
+            found.update(dict.fromkeys(declared))
+            for child in body:
+                visit(child, (local | {a.arg for a in params} | stores) - declared)
+        elif isinstance(node, _COMPREHENSIONS):
+            visit(node.generators[0].iter, local)  # evaluated where the comprehension is
+            inner = local | {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+            for child in [*(g.iter for g in node.generators[1:]), *(c for g in node.generators for c in g.ifs),
+                          *(getattr(node, f) for f in ("elt", "key", "value") if hasattr(node, f))]:
+                visit(child, inner)
+        elif isinstance(node, ast.ClassDef):
+            for child in [*node.decorator_list, *node.bases, *node.keywords]:
+                visit(child, local)
+            body = local | _scope_names(node.body)[0]  # the class body's own expressions see its names; its methods do not
+            for child in node.body:
+                visit(child, local if isinstance(child, _FUNCTIONS) else body)
+        else:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+                found.setdefault(node.id)
+            for child in ast.iter_child_nodes(node):
+                visit(child, local)
 
     visit(ast.parse(textwrap.dedent("".join(lines))), frozenset())
     return list(found)
+
+
+def _scope_names(body: list[ast.stmt]) -> tuple[frozenset[str], frozenset[str]]:
+    """The names one scope's own statements bind (assigned, imported, defined; not inside a nested function, class or
+    comprehension), less those it declares ``global`` or ``nonlocal``; and the ones it declares so."""
+    stores, declared, stack = set(), set(), list(body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.Global, ast.Nonlocal)):
+            declared.update(n.names)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stores.add(n.name)  # (its body is its own scope)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            stores.add(n.id)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            stores.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif not isinstance(n, (ast.Lambda, *_COMPREHENSIONS)):
+            stores.update([n.name] if isinstance(n, ast.ExceptHandler) and n.name else [])
+            stack.extend(ast.iter_child_nodes(n))
+    return frozenset(stores - declared), frozenset(declared)
 
 
 def _short(filename: str) -> str:

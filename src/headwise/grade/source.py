@@ -119,6 +119,8 @@ class _Builder:
                 self._define(write_class(obj).pieces if isinstance(obj, type) else [function_piece(obj)])
             if where is None and name != obj.__name__:
                 self.definitions.append(Piece(f"{name} = {obj.__name__}\n", None, 1))
+        elif (where := _imported_as(obj)) is not None:  # a C function imported by name: from torch import softmax
+            self.imports.append(f"from {where} import {obj.__name__}" + ("" if name == obj.__name__ else f" as {name}"))
         elif literal(obj) is not None:
             self.constants.append(f"{name} = {literal(obj)}")
         else:
@@ -131,6 +133,15 @@ class _Builder:
                 if not (hasattr(builtins, used) and getattr(builtins, used) is value):
                     self.add(used, value)
             self.definitions.append(piece)
+
+
+def _imported_as(obj: object) -> str | None:
+    """The module a callable that is neither a class nor a Python function (``torch.softmax``, ``math.sqrt``, a numpy
+    ufunc) can be imported from by its ``__name__``, or None."""
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__name__", None)
+    if not callable(obj) or not isinstance(module, str) or not isinstance(name, str) or module in ("__main__", "builtins"):
+        return None
+    return module if getattr(sys.modules.get(module), name, None) is obj else None
 
 
 def _importable(obj: type | FunctionType) -> str | None:
