@@ -119,11 +119,11 @@ def test_a_notebook_global_named_like_a_parameter_is_not_carried(notebook):
 
 
 def test_a_class_with_no_method_of_its_own_names_why_an_attribute_cannot_be_written(notebook):
-    """No method: no class statement to read back, so a value with no text (a list) is refused with that reason, not
+    """No method: no class statement to read back, so a value with no text (a set) is refused with that reason, not
     as one set outside the statement."""
-    ns = notebook("from torch import nn\n\nclass Names:\n    ALL = ['W_query', 'W_key']\n\n"
+    ns = notebook("from torch import nn\n\nclass Names:\n    ALL = {'W_query', 'W_key'}\n\n"
                   "class A(nn.Module):\n    def forward(self, x):\n        return x if Names.ALL else -x\n")
-    with pytest.raises(SourceError, match=r"^cannot grade A: Names.ALL \(a list\) cannot be written down: Names has no method of its own"):
+    with pytest.raises(SourceError, match=r"^cannot grade A: Names.ALL \(a set\) cannot be written down: Names has no method of its own"):
         module_source([ns["A"]])
 
 
@@ -162,3 +162,15 @@ def test_c_functions_imported_by_name_are_imported_again(notebook):
     namespace: dict = {}
     exec(compile(source, "classes.py", "exec"), namespace)
     assert float(namespace["A"]().forward(__import__("torch").zeros(2)).sum()) == 2.0
+
+
+def test_a_config_dict_or_list_in_the_notebook_is_carried(notebook):
+    """The book's chapter 4 keeps its sizes in a dict (GPT_CONFIG_124M): a class reading such a dict or list global is
+    written with it (it was left behind: a NameError in the grading process); one holding an object still is not."""
+    notebook("from torch import nn\nCFG = {'scale': 2, 'axes': [1, (2, 3)], 'inf': float('-inf')}\nSIZES = [4, 8]\n")
+    ns = notebook("class A(nn.Module):\n    def forward(self, x):\n        return x * CFG['scale'] + SIZES[0]\n")
+    source = module_source([ns["A"]])
+    assert "CFG = {'scale': 2, 'axes': [1, (2, 3)], 'inf': float('-inf')}" in source and "SIZES = [4, 8]" in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"]().forward(3) == 10

@@ -45,13 +45,20 @@ class SourceError(Exception):
     """The source of a class (or of something it uses) cannot be written down."""
 
 
-def literal(value: object) -> str | None:
-    """Python text for a plain constant (a number, a string, None, a tuple of them), else None."""
+def literal(value: object, depth: int = 0) -> str | None:
+    """Python text for a plain constant (a number, a string, None; a tuple, list or dict of them, as a notebook's config
+    dict), else None (also past 16 levels of nesting: a list that holds itself)."""
     if isinstance(value, float) and not math.isfinite(value):
         return f"float({str(value)!r})"  # float('inf'), float('-inf'), float('nan')
-    if isinstance(value, tuple):
-        items = [literal(v) for v in value]
-        return None if None in items else "(" + "".join(f"{i}, " for i in items).rstrip(" ") + ")"
+    if isinstance(value, (tuple, list, dict)) and depth < 16:
+        pairs = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        items = [(None if k is None else literal(k, depth + 1), literal(v, depth + 1)) for k, v in pairs]
+        if any(v is None or (k is None and isinstance(value, dict)) for k, v in items):
+            return None
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+        inner = ", ".join(v for _, v in items)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(items) == 1 else ''})"
     return repr(value) if isinstance(value, _CONSTANTS) else None
 
 
