@@ -16,7 +16,7 @@ from llms_from_scratch import ch03 as book
 
 from headwise.grade import grade
 from headwise.grade import hints as H
-from headwise.grade.source import SourceError, module_source
+from headwise.grade.source import SourceError, carried, module_source
 
 LEARNERS = Path(__file__).parent / "learners"
 BOOK = (LEARNERS / "book.py").read_text()
@@ -174,3 +174,23 @@ def test_a_config_dict_or_list_in_the_notebook_is_carried(notebook):
     namespace: dict = {}
     exec(compile(source, "classes.py", "exec"), namespace)
     assert namespace["A"]().forward(3) == 10
+
+
+def test_a_cached_helper_and_a_partial_are_carried(notebook):
+    """A notebook function under ``@functools.lru_cache`` (or any decorator that keeps ``__wrapped__``) is written with
+    its decorator, and a ``functools.partial`` of a notebook or library function with plain arguments as that call
+    (both were left behind: a NameError in the grading process); a wrapper made by a call is still left behind."""
+    notebook("import functools\nimport math\nfrom torch import nn\n")
+    notebook("@functools.lru_cache(maxsize=None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n"
+             "def power(x, p):\n    return x ** p\n\nsquare = functools.partial(power, p=2)\nroot = functools.partial(math.pow, 4.0)\n"
+             "cached = functools.lru_cache(power)\n")
+    ns = notebook("class A(nn.Module):\n    def forward(self, x):\n        return fib(x) + square(x) + root(0.5)\n\n"
+                  "class B(nn.Module):\n    def forward(self, x):\n        return cached(x, 2)\n")
+    source = module_source([ns["A"]])
+    assert "@functools.lru_cache(maxsize=None)\ndef fib(n):" in source and "square = functools.partial(power, p=2)" in source, source
+    assert "root = functools.partial(pow, 4.0)" in source and "from math import pow" in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"]().forward(10) == 55 + 100 + 2.0
+    assert namespace["fib"].cache_info().currsize > 0  # the cache decorator is there again
+    assert carried([ns["B"]])[1] == {"cached": "_lru_cache_wrapper"}

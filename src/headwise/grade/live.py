@@ -349,6 +349,12 @@ def _functions(value: object) -> list[FunctionType] | None:
 # ----------------------------------------------------------------------------- reading the text
 
 
+def decorated(fn: FunctionType) -> bool:
+    """Whether the ``def`` that made ``fn`` (found as ``function_piece`` finds it) has decorators."""
+    found = _def_node(fn)
+    return found is not None and bool(found[3].decorator_list)
+
+
 def _def_node(fn: FunctionType) -> tuple[str, list[str], ast.Module, ast.FunctionDef | ast.AsyncFunctionDef] | None:
     """The ``def`` that made ``fn``: at the line its code starts in the file its code names (linecache)."""
     code = fn.__code__

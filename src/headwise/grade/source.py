@@ -4,7 +4,8 @@ A class that lives in an importable module, unchanged since the module made it, 
 from it. Any other class (written in a notebook cell or in the script being run) is written
 as it is now (``live.write_class``: its statement, then every method set on it since), with
 what it uses from the notebook: the modules it names (``torch``, ``nn``, ``math``), the
-notebook's other classes and functions it calls (written the same way), and plain constants.
+notebook's other classes and functions it calls (written the same way; a function with its decorators, so an
+``@functools.lru_cache`` helper is cached again), a ``functools.partial`` of one with plain arguments, and plain constants.
 A class that cannot be written down raises ``SourceError`` naming it and why; so does one
 whose importable base was changed after its module was imported (the grading process would
 import the module as its file is).
@@ -22,12 +23,14 @@ Example:
 from __future__ import annotations
 
 import builtins
+import functools
+import inspect
 import re
 import sys
 from pathlib import Path
 from types import FunctionType, ModuleType
 
-from .live import Piece, SourceError, function_piece, literal, write_class
+from .live import Piece, SourceError, decorated, function_piece, literal, write_class
 
 __all__ = ["Piece", "SourceError", "carried", "definition", "explain_name_error", "module_source", "origin"]
 
@@ -121,10 +124,32 @@ class _Builder:
                 self.definitions.append(Piece(f"{name} = {obj.__name__}\n", None, 1))
         elif (where := _imported_as(obj)) is not None:  # a C function imported by name: from torch import softmax
             self.imports.append(f"from {where} import {obj.__name__}" + ("" if name == obj.__name__ else f" as {name}"))
+        elif (fn := _decorated(obj)) is not None:  # @functools.lru_cache above a def: the def written with it
+            if id(obj) not in self.seen:
+                self.seen.add(id(obj))
+                self._define([function_piece(fn)])
+            if name != fn.__name__:
+                self.definitions.append(Piece(f"{name} = {fn.__name__}\n", None, 1))
+        elif isinstance(obj, functools.partial) and (text := self._partial(obj)) is not None:
+            self.definitions.append(Piece(f"{name} = {text}\n", None, 1))
         elif literal(obj) is not None:
             self.constants.append(f"{name} = {literal(obj)}")
         else:
             self.left_behind[name] = type(obj).__name__
+
+    def _partial(self, obj: functools.partial) -> str | None:
+        """``functools.partial(f, ...)`` as text, with ``f`` made to mean what it means (None: its function or an
+        argument cannot be written down)."""
+        args = [literal(a) for a in obj.args] + [literal(v) for v in obj.keywords.values()]
+        name = getattr(obj.func, "__name__", None)
+        if any(a is None for a in args) or not isinstance(name, str) or not name.isidentifier():
+            return None
+        self.add(name, obj.func)
+        if name in self.left_behind:
+            return None
+        self.add("functools", functools)
+        given = [*args[: len(obj.args)], *(f"{k}={v}" for k, v in zip(obj.keywords, args[len(obj.args) :], strict=True))]
+        return f"functools.partial({', '.join([name, *given])})"
 
     def _define(self, pieces: list[Piece]) -> None:
         """Each piece after what it uses."""
@@ -142,6 +167,19 @@ def _imported_as(obj: object) -> str | None:
     if not callable(obj) or not isinstance(module, str) or not isinstance(name, str) or module in ("__main__", "builtins"):
         return None
     return module if getattr(sys.modules.get(module), name, None) is obj else None
+
+
+def _decorated(obj: object) -> FunctionType | None:
+    """The function whose ``def`` made ``obj`` through its decorators (``@functools.lru_cache``, a decorator using
+    ``functools.wraps``), or None: no ``__wrapped__`` leads to a Python function, or its ``def`` has no decorator (a
+    wrapper made by a call, ``f = lru_cache(g)``, which writing the ``def`` would not make)."""
+    try:
+        fn = inspect.unwrap(obj) if hasattr(obj, "__wrapped__") else None
+    except ValueError:  # a cycle of __wrapped__
+        return None
+    if not isinstance(fn, FunctionType) or fn is obj or "<" in fn.__qualname__ or "." in fn.__qualname__:
+        return None
+    return fn if decorated(fn) else None
 
 
 def _importable(obj: type | FunctionType) -> str | None:
