@@ -2,6 +2,8 @@
 every row count, width and depth its loops branch on (a prompt's rows a chunk at a time), its packing, what it takes,
 and its place in a graph whose weights inductor freezes (the packing folded into a constant, done once)."""
 
+import sys
+
 import pytest
 import torch
 from helpers import outputs_under_avx2
@@ -131,6 +133,34 @@ def test_the_packing_puts_32_columns_k_major_and_pads_with_zeros():
     pairs = packed.view(3, 5, 32, 2)  # panel p, pair i, column j, e = w[32 p + j, 2 i + e]
     assert torch.equal(pairs.permute(0, 2, 1, 3).reshape(96, 10)[:70, :9], w.bfloat16())
     assert not pairs[:, 4, :, 1].any() and not pairs[2, :, 6:].any()  # the padding k and columns are zero
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_a_packed_weight_of_2_mib_or_more_starts_a_huge_page_and_is_unmapped_when_freed(dtype):
+    """From 2 MiB the panels are a mapping of their own at a 2 MiB boundary (asked in transparent huge pages); smaller
+    ones are torch's; either way the layout is the packing's (the int8 case in quads where the CPU has AVX512-VNNI);
+    freeing the tensor gives its memory back at once."""
+    w = torch.randint(-127, 128, (2048, 1100), dtype=torch.int8) if dtype == torch.int8 else torch.randn(1030, 1100).to(dtype)
+    small = w[:64, :64].contiguous()
+    for weight, x_dtype in ((w, None), (small, None), *(((w, torch.int8),) if dtype == torch.int8 else ())):
+        packed = torch.ops.headwise.pack_panels(weight, x_dtype)
+        group = 1 if packed.dtype == torch.float32 else 4 if packed.dtype == torch.uint8 else 2  # k side by side a step
+        if packed.nbytes >= 2 << 20:
+            assert packed.data_ptr() % (2 << 20) == 0
+        unpacked = packed.view(packed.shape[0], -1, 32, group).permute(0, 2, 1, 3).reshape(packed.shape[0] * 32, -1)  # (N', K')
+        values = unpacked.view(torch.int8) ^ -128 if packed.dtype == torch.uint8 else unpacked  # w + 128 back to w
+        assert torch.equal(values[: weight.shape[0], : weight.shape[1]], weight)
+
+    def mapped(address: int) -> bool:
+        spans = (line.split()[0].split("-") for line in open("/proc/self/maps"))
+        return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans)
+
+    kept = [torch.ops.headwise.pack_panels(w) for _ in range(4)]
+    addresses = [p.data_ptr() for p in kept]
+    assert all(map(mapped, addresses))
+    del kept, packed
+    assert not any(map(mapped, addresses))  # unmapped when freed, not kept by an allocator
 
 
 @needs_panels

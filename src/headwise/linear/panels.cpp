@@ -56,6 +56,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace {
 
@@ -608,6 +611,33 @@ bool has_vnni() { return CPU_HAS("avx512vnni"); }
 // The CPU runs AVX2 (the int8 x path's words_by_panel, where it has no AVX512-VNNI).
 bool has_avx2() { return CPU_HAS("avx2"); }
 
+// An empty contiguous CPU tensor whose memory, from 2 MiB, is a mapping of its own starting at a 2 MiB boundary and asked
+// of Linux in transparent huge pages (madvise MADV_HUGEPAGE, before anything is written to it): a decode step streams
+// every packed weight from memory once, and in 4 KiB pages each 4 KiB read is a TLB entry of its own (docs: decoding,
+// huge pages). A hint: where the kernel's THP setting is "never" (or elsewhere than Linux) the pages stay 4 KiB, and the
+// last partial 2 MiB stays in them. Freed by munmap when the tensor's storage goes.
+at::Tensor in_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+#if defined(__linux__)
+  constexpr size_t HUGE_PAGE = size_t{1} << 21;
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  if (bytes >= HUGE_PAGE) {
+    const size_t span = bytes + HUGE_PAGE, kept = (bytes + 4095) / 4096 * 4096;
+    void* mapped = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped != MAP_FAILED) {
+      char* const base = static_cast<char*>(mapped);
+      char* const p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~uintptr_t{HUGE_PAGE - 1});
+      const size_t head = static_cast<size_t>(p - base);
+      if (head > 0) munmap(base, head);
+      if (span - head > kept) munmap(p + kept, span - head - kept);
+      madvise(p, kept, MADV_HUGEPAGE);
+      return at::from_blob(p, sizes, [kept](void* q) { munmap(q, kept); }, options);
+    }
+  }
+#endif
+  return at::empty(sizes, options);
+}
+
 // (N, K) -> (ceil(N / 32), K', 32) for x of x_dtype (by default the weight's, bfloat16 for an int8 weight):
 // K' = K (float32), K + K % 2 (bfloat16 x; int8 x on a CPU without AVX512-VNNI: int8 pairs, words_by_panel's), K
 // rounded up to 4 (int8 x with AVX512-VNNI: uint8 panels of w + 128)
@@ -624,7 +654,9 @@ at::Tensor pack_panels(const at::Tensor& weight, std::optional<at::ScalarType> x
   at::Tensor padded = at::zeros({P * PANEL, Kp}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   if (quads) padded = padded.view(at::kByte).bitwise_xor(128);  // w + 128 as uint8 (two's complement's top bit flipped)
-  return padded.view({P, PANEL, Kp / group, group}).permute({0, 2, 1, 3}).contiguous().view({P, Kp, PANEL});  // p, step, j, group
+  at::Tensor out = in_huge_pages({P, Kp, PANEL}, padded.scalar_type());  // p, step, j * group
+  out.view({P, Kp / group, PANEL, group}).copy_(padded.view({P, PANEL, Kp / group, group}).permute({0, 2, 1, 3}));  // p, step, j, group
+  return out;
 }
 
 // The rows of x one pass over the panels takes: about CHUNK_BYTES of them (rows of row_bytes), a multiple of ROWS. A
