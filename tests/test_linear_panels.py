@@ -3,6 +3,7 @@ every row count, width and depth its loops branch on (a prompt's rows a chunk at
 and its place in a graph whose weights inductor freezes (the packing folded into a constant, done once)."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def test_a_packed_weight_of_2_mib_or_more_starts_a_huge_page_and_is_unmapped_whe
         assert torch.equal(values[: weight.shape[0], : weight.shape[1]], weight)
 
     def mapped(address: int) -> bool:
-        spans = (line.split()[0].split("-") for line in open("/proc/self/maps"))
+        spans = (line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines())
         return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans)
 
     kept = [torch.ops.headwise.pack_panels(w) for _ in range(4)]
