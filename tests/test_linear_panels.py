@@ -2,6 +2,7 @@
 every row count, width and depth its loops branch on (a prompt's rows a chunk at a time), its packing, what it takes,
 and its place in a graph whose weights inductor freezes (the packing folded into a constant, done once)."""
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -162,6 +163,25 @@ def test_a_packed_weight_of_2_mib_or_more_starts_a_huge_page_and_is_unmapped_whe
     assert all(map(mapped, addresses))
     del kept, packed
     assert not any(map(mapped, addresses))  # unmapped when freed, not kept by an allocator
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_packed_weights_from_256_kib_to_2_mib_share_slabs_that_go_when_their_weights_do():
+    """Weights of 256 KiB to 2 MiB packed one after another at 4 KiB boundaries in 32 MiB slabs of huge pages (each
+    weight's values the packing's); a slab is unmapped once every weight in it is freed and a newer slab took its place."""
+    w = torch.randn(512, 512)  # 1 MiB packed
+    first = [torch.ops.headwise.pack_panels(w) for _ in range(40)]  # more than a slab holds
+    addresses = [p.data_ptr() for p in first]
+    assert all(a % 4096 == 0 for a in addresses)
+    steps = [b - a for a, b in itertools.pairwise(addresses)]
+    assert steps.count(1 << 20) >= 30  # side by side within a slab
+    assert all(torch.equal(p.transpose(1, 2).reshape(512, 512), w) for p in first)
+    old = addresses[0]
+    del first
+    later = [torch.ops.headwise.pack_panels(w) for _ in range(40)]  # the slab in use now is a later one
+    spans = (line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines())
+    assert not any(int(lo, 16) <= old < int(hi, 16) for lo, hi in spans) or any(p.data_ptr() <= old < p.data_ptr() + p.nbytes for p in later)
+    del later
 
 
 @needs_panels

@@ -46,9 +46,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -611,28 +614,66 @@ bool has_vnni() { return CPU_HAS("avx512vnni"); }
 // The CPU runs AVX2 (the int8 x path's words_by_panel, where it has no AVX512-VNNI).
 bool has_avx2() { return CPU_HAS("avx2"); }
 
-// An empty contiguous CPU tensor whose memory, from 2 MiB, is a mapping of its own starting at a 2 MiB boundary and asked
-// of Linux in transparent huge pages (madvise MADV_HUGEPAGE, before anything is written to it): a decode step streams
-// every packed weight from memory once, and in 4 KiB pages each 4 KiB read is a TLB entry of its own (docs: decoding,
-// huge pages). A hint: where the kernel's THP setting is "never" (or elsewhere than Linux) the pages stay 4 KiB, and the
-// last partial 2 MiB stays in them. Freed by munmap when the tensor's storage goes.
+#if defined(__linux__)
+constexpr size_t HUGE_PAGE = size_t{1} << 21;
+constexpr size_t SLAB = size_t{32} << 20;       // bytes of huge pages the packed weights under 2 MiB share
+constexpr size_t SLAB_FROM = size_t{256} << 10;  // packed weights from this size take a slab's pages
+
+// `bytes` (a multiple of 4 KiB) of memory of its own starting at a 2 MiB boundary, asked of Linux in transparent huge
+// pages (madvise MADV_HUGEPAGE, before anything is written to it), or nullptr. A hint: where the kernel's THP setting is
+// "never" the pages stay 4 KiB, as does the last partial 2 MiB. Given back by munmap(p, bytes).
+char* huge_mapping(size_t bytes) {
+  const size_t span = bytes + HUGE_PAGE;
+  void* mapped = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) return nullptr;
+  char* const base = static_cast<char*>(mapped);
+  char* const p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~uintptr_t{HUGE_PAGE - 1});
+  const size_t head = static_cast<size_t>(p - base);
+  if (head > 0) munmap(base, head);
+  if (span - head > bytes) munmap(p + bytes, span - head - bytes);
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
+// Packed weights from SLAB_FROM to 2 MiB, one after another (each at a 4 KiB boundary) in SLABs of huge pages: a slab is
+// given back when the last weight in it is freed and a newer slab has taken its place. Space a freed weight held is not
+// taken again, so a slab's memory is what its weights took until all of them go.
+class Slabs {
+ public:
+  // (where, the slab holding it) for `bytes`, or nullptr where no slab could be mapped
+  std::pair<char*, std::shared_ptr<char>> take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!slab_ || used_ + bytes > SLAB) {
+      char* p = huge_mapping(SLAB);
+      if (p == nullptr) return {nullptr, nullptr};
+      slab_ = std::shared_ptr<char>(p, [](char* q) { munmap(q, SLAB); });
+      used_ = 0;
+    }
+    char* p = slab_.get() + used_;
+    used_ += bytes;
+    return {p, slab_};
+  }
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<char> slab_;  // the slab new weights go to
+  size_t used_ = 0;
+};
+#endif
+
+// An empty contiguous CPU tensor whose memory, from 256 KiB, lies in transparent huge pages: from 2 MiB a mapping of its
+// own (huge_mapping), below it a share of a slab; smaller ones torch's. A decode step streams every packed weight from
+// memory once, and in 4 KiB pages each 4 KiB read is a TLB entry of its own (docs: decoding, huge pages).
 at::Tensor in_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
   const auto options = at::TensorOptions().dtype(dtype);
 #if defined(__linux__)
-  constexpr size_t HUGE_PAGE = size_t{1} << 21;
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  const size_t bytes = (static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype) + 4095) / 4096 * 4096;
   if (bytes >= HUGE_PAGE) {
-    const size_t span = bytes + HUGE_PAGE, kept = (bytes + 4095) / 4096 * 4096;
-    void* mapped = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mapped != MAP_FAILED) {
-      char* const base = static_cast<char*>(mapped);
-      char* const p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~uintptr_t{HUGE_PAGE - 1});
-      const size_t head = static_cast<size_t>(p - base);
-      if (head > 0) munmap(base, head);
-      if (span - head > kept) munmap(p + kept, span - head - kept);
-      madvise(p, kept, MADV_HUGEPAGE);
-      return at::from_blob(p, sizes, [kept](void* q) { munmap(q, kept); }, options);
-    }
+    if (char* p = huge_mapping(bytes)) return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, options);
+  } else if (bytes >= SLAB_FROM) {
+    static Slabs* const slabs = new Slabs;  // (never destroyed: weights freed at exit still hold their slabs)
+    auto [p, slab] = slabs->take(bytes);
+    if (p != nullptr) return at::from_blob(p, sizes, [slab](void*) mutable { slab.reset(); }, options);
   }
 #endif
   return at::empty(sizes, options);
