@@ -156,9 +156,14 @@ def batch_for(dtype: torch.dtype) -> int:
 
 
 def guarded(run, reference) -> float:
-    """The ratio, measured a second time when it is above the limit: a slow path stays slow, a burst of load does not."""
+    """The ratio, measured again (up to three times in all, the least kept) while it is above the limit: a slow path stays
+    slow, a burst of load on a shared host (a second of it was seen to cover two measurements) does not."""
     r = ratio(run, reference)
-    return ratio(run, reference) if r > LIMIT else r
+    for _ in range(2):
+        if r <= LIMIT:
+            break
+        r = min(r, ratio(run, reference))
+    return r
 
 
 @pytest.mark.slow
