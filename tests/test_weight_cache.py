@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import headwise as hw
+from headwise import native
 from headwise.linear import weight_cache
 from headwise.models import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -152,7 +153,8 @@ def test_a_tensor_freed_while_verify_reads_the_samples_does_not_stop_it(monkeypa
     """A collection started by ``verify``'s own copy of the watched entries can free a watched tensor, whose finalizer
     drops its entry mid-copy ("dictionary changed size during iteration", seen once in a forward): the copy is taken
     again. Here the entries' view drops one the first time it is read, as such a finalizer would; a write through
-    ``.data`` to a live tensor is still seen."""
+    ``.data`` to a live tensor is still seen. (Python's table: the samples it keeps where the library is not loaded.)"""
+    monkeypatch.setattr(weight_cache.native, "loaded", lambda: False)
     kept, dropped = torch.zeros(16), torch.zeros(16)
     weight_cache.watch([kept, dropped])
 
@@ -312,3 +314,55 @@ def test_a_decode_call_after_the_weights_became_inference_tensors_computes_with_
         m.W_query.weight.mul_(0.5)  # a write no version counter sees: the next call reads it
         source.W_query.weight.mul_(0.5)
         torch.testing.assert_close(m(x), source(x), rtol=0, atol=0)
+
+
+def _library() -> None:
+    if not native.built():
+        pytest.skip("headwise's C++ library is not built here")
+
+
+def test_the_library_keeps_the_samples_of_contiguous_cpu_tensors():
+    """Where the library is loaded a contiguous CPU tensor's ends are kept there and compared in one call: a write
+    through ``.data`` at either end moves the tensor's epoch, nothing else does; a non-contiguous one stays Python's."""
+    _library()
+    a, b, strided = torch.randn(64, 32), torch.randn(7), torch.randn(16, 8).t()
+    weight_cache.watch([a, b, strided])
+    assert {id(a), id(b)} <= set(weight_cache.NATIVE) and id(strided) in weight_cache.WATCHED
+    assert not {id(a), id(b)} & set(weight_cache.WATCHED)
+    epochs = lambda: [weight_cache.EPOCH.get(id(t), 0) for t in (a, b, strided)]  # noqa: E731
+    start = epochs()
+    weight_cache.verify()
+    assert epochs() == start, "nothing written: no epoch moved"
+    a.data[-1, -1] += 1.0  # the last byte's line
+    weight_cache.verify()
+    moved = epochs()
+    assert moved[0] != start[0] and moved[1:] == start[1:]
+    weight_cache.verify()
+    assert epochs() == moved, "a change is told once"
+    b.data[0] = 42.0
+    strided.data[0, 0] = 42.0
+    weight_cache.verify()
+    last = epochs()
+    assert last[0] == moved[0] and last[1] != moved[1] and last[2] != moved[2]
+
+
+def test_a_tensor_the_library_watches_leaves_it_when_it_dies_or_moves():
+    """A watched tensor that dies leaves the library's table (its entry dropped with it, by its finalizer or by
+    ``release``); one whose storage was replaced is passed by (``state`` sees the new pointer) until watched again."""
+    _library()
+    gone, released, moved = torch.randn(1000), torch.randn(1000), torch.randn(1000)
+    weight_cache.watch([gone, released, moved])
+    keys = [id(gone), id(released), id(moved)]
+    assert set(keys) <= set(weight_cache.NATIVE)
+    del gone
+    weight_cache.release([released])
+    assert keys[0] not in weight_cache.NATIVE and keys[1] not in weight_cache.NATIVE
+    before, epoch = weight_cache.state([moved]), weight_cache.EPOCH.get(keys[2], 0)
+    moved.data = torch.randn(1000)  # its old storage freed: never read again
+    weight_cache.verify()
+    assert weight_cache.EPOCH.get(keys[2], 0) == epoch and weight_cache.state([moved]) != before
+    weight_cache.watch([moved])  # as the copy made again watches it
+    assert weight_cache.NATIVE[keys[2]] == moved.data_ptr()
+    moved.data[0] = 1e3
+    weight_cache.verify()
+    assert weight_cache.EPOCH.get(keys[2], 0) != epoch

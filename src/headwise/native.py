@@ -2,8 +2,9 @@
 (``backends/decode_attention.cpp``, run by ``backends.decode_kernel``), a prompt's attention
 (``backends/prefill_attention.cpp``, run by ``backends.prefill_kernel``), the few-row GEMM of a
 compiled step (``linear/panels.cpp``, run by ``linear.panels``), RMSNorm's rows
-(``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``) and a Llama-family layer's decode step
-(``models/decoder_layer.cpp``, run by ``models.native_layer``).
+(``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``), a Llama-family layer's decode step
+(``models/decoder_layer.cpp``, run by ``models.native_layer``) and the samples of the weights that kept copies were
+made from (``linear/watched.cpp``, read by ``linear.weight_cache.verify``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
@@ -33,7 +34,7 @@ import torch
 _HERE = Path(__file__).parent
 #: The C++ sources of the library, one file per op family.
 SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "prefill_attention.cpp", _HERE / "linear" / "panels.cpp",
-           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp")
+           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp", _HERE / "linear" / "watched.cpp")
 #: Headers the sources include: hashed with them (a changed header is a new library).
 HEADERS = (_HERE / "backends" / "vectors.h",)
 #: The extra that installs ninja, which torch's extension builder runs.
@@ -70,6 +71,11 @@ def built() -> bool:
 
 
 _ANSWER: list[bool] = []  # built()'s answer, once given
+
+
+def loaded() -> bool:
+    """Whether the library is loaded in this process (``built()`` answered True): asks nothing, builds nothing."""
+    return bool(_ANSWER) and _ANSWER[0]
 
 
 def _build() -> bool:

@@ -12,7 +12,10 @@ from is watched (``watch``): a sample of its bytes is kept (a CPU tensor's first
 place; elsewhere its first and last element), and ``verify``, which every checked forward and every
 ``generate`` call runs before its projections, compares the samples and moves the ``epoch`` of a tensor
 whose sample changed. A ``.data`` write that leaves both ends as they were (a few middle rows changed)
-is not seen: write under ``torch.no_grad()`` instead, which bumps ``_version``.
+is not seen: write under ``torch.no_grad()`` instead, which bumps ``_version``. Where headwise's C++ library is loaded
+(``native.loaded``), a contiguous CPU tensor's sample is kept there and every such sample compared in one call
+(``linear/watched.cpp``): after a decode step has streamed the weights through the caches, reading them one by one
+from Python took longer than some steps' arithmetic (a Llama's 255 weights: 0.5 ms).
 """
 
 from __future__ import annotations
@@ -22,18 +25,25 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .. import native
+
+torch.library.define("headwise::watch_ends", "(Tensor t, int key) -> ()")  # t's ends kept in the library under key
+torch.library.define("headwise::watch_forget", "(int key) -> ()")
+torch.library.define("headwise::watched_changed", "() -> int[]")  # the keys whose ends changed (their new ends kept)
+
 PACKED: dict[tuple[int], tuple] = {}  # (id(weight),) -> (its state, the weight in oneDNN's blocked layout)
 STACKED: dict[tuple[int, ...], tuple] = {}  # ids of weights and biases -> (their state, what was stacked from them)
 PANELS: dict[torch.dtype, dict] = {}  # rows' dtype -> {(id(weight),): (its state, the weight packed in panels for such rows)}
 READY: dict[tuple, object] = {}  # (ids of layers, x's dtype and device, path setting) -> projection.Ready, a decode call decided once
 WATCHED: dict[int, tuple] = {}  # id(tensor) -> (a weak reference to it, its storage pointer, its bytes or None, its sample)
+NATIVE: dict[int, int] = {}  # id(tensor) -> its storage pointer, for a tensor whose sample the C++ library keeps
 EPOCH: dict[int, int] = {}  # id(tensor) -> a number ``verify`` gives it each time it finds its sample changed (from _EPOCHS)
 SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the tensor dies
 FINALIZERS: dict[int, list[weakref.finalize]] = {}  # id(tensor) -> what runs when it dies (``release`` runs them early)
@@ -103,12 +113,21 @@ def watch(tensors: Sequence[Tensor]) -> None:
     if torch.compiler.is_compiling():
         return
     for t in tensors:
-        key, known = id(t), WATCHED.get(id(t))
-        if t.is_meta or (known is not None and known[1] == t.data_ptr()):
+        key = id(t)
+        known = NATIVE.get(key, WATCHED[key][1] if key in WATCHED else None)  # its storage pointer when watched
+        if t.is_meta or known == t.data_ptr():
             continue
         if known is None:
             at_death(t, _forget, key)
-        WATCHED[key] = (weakref.ref(t), t.data_ptr(), *sample(t))
+        size, seen = sample(t)
+        if size is not None and native.loaded():  # a contiguous CPU tensor: its ends kept by the library
+            WATCHED.pop(key, None)
+            torch.ops.headwise.watch_ends(t, key)
+            NATIVE[key] = t.data_ptr()
+        else:
+            if NATIVE.pop(key, None) is not None:
+                torch.ops.headwise.watch_forget(key)
+            WATCHED[key] = (weakref.ref(t), t.data_ptr(), size, seen)
 
 
 def at_death(t: object, func: Callable, *args: object) -> None:
@@ -130,21 +149,26 @@ def release(tensors: Iterable[object]) -> None:
         key = id(t)
         for finalizer in FINALIZERS.pop(key, ())[::-1]:  # (run: its callback once, its weak reference dropped)
             finalizer()
-        WATCHED.pop(key, None)  # its weak reference
-        EPOCH.pop(key, None)
+        _forget(key)  # its weak references
 
 
 def _forget(key: int) -> None:
     WATCHED.pop(key, None)
     EPOCH.pop(key, None)
+    if NATIVE.pop(key, None) is not None:
+        with suppress(Exception):  # (a finalizer run as the interpreter exits, after torch's ops are gone)
+            torch.ops.headwise.watch_forget(key)
 
 
 def verify() -> None:
     """Compare every watched tensor with its sample: a changed one's ``epoch`` moves, so each copy made from it is made
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
-    if torch.compiler.is_compiling() or not WATCHED or getattr(_scope, "on", False):  # (a graph must not read the dict)
+    if torch.compiler.is_compiling() or not (WATCHED or NATIVE) or getattr(_scope, "on", False):  # (a graph must not read the dicts)
         return
     with _VERIFYING:  # (threads sharing a model: a sample or an epoch written back late would hide a change for good)
+        if NATIVE:
+            for key in torch.ops.headwise.watched_changed():
+                EPOCH[key] = next(_EPOCHS)
         for key, (ref, address, size, seen) in _entries(WATCHED):
             t = ref()
             if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
