@@ -401,3 +401,42 @@ def test_a_weight_on_token_writes_through_data_is_read_from_the_next_step(name):
     want = run(True)
     assert want != run(True, writes=False)  # the writes change the tokens
     assert run(False) == want
+
+
+def _replaced(model, part):
+    """Every block's MLP (or first norm) replaced by a copy of it with its weights scaled by 1.5."""
+    import copy
+
+    blocks = model.blocks if hasattr(model, "blocks") else model.model.layers
+    for block in blocks:
+        name = "mlp" if part == "mlp" else ("ln_1" if hasattr(block, "ln_1") else "input_layernorm")
+        new = copy.deepcopy(getattr(block, name))
+        for p in new.parameters():
+            p.mul_(1.5)
+        setattr(block, name, new)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("part", ["mlp", "norm"])
+@torch.no_grad()
+def test_a_part_on_token_replaces_is_run_from_the_next_step(name, part):
+    """``on_token`` replacing every block's MLP (or first norm) after the fourth token: the eager unchecked steps, whose
+    flat step was made from the model's parts, give the checked steps' tokens (they ran the old parts: the replacement
+    was ignored)."""
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+
+    def run(checked, replace=True):
+        model, count = _varied(MODELS[name]()), [0]
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] == 4 and replace:
+                _replaced(model, part)
+
+        return model.generate(prompt, max_new_tokens=12, on_token=on_token)[0, 7:].tolist()
+
+    want = run(True)
+    assert want != run(True, replace=False)  # the new parts change the tokens
+    assert run(False) == want

@@ -130,7 +130,8 @@ class GenerationMixin:
                 it in place. Its return value is ignored. A weight it changes is read by the eager steps
                 from the next step on, by a ``compile=True`` step from the next call (its graph is checked
                 against the weights once a call); a hook, a module's ``forward`` or a training mode it sets
-                makes the steps from the next on checked forwards (``trusts``).
+                makes the steps from the next on checked forwards (``trusts``); a module it replaces or
+                adds is run from the next step on.
 
         Returns:
             (B, T + n) int64 ids (whatever integer dtype the prompt's), prompt first, n <= max_new_tokens. Greedy output equals
@@ -146,7 +147,8 @@ class GenerationMixin:
             raise TypeError(f"on_token must be a callable taking each step's (B,) tokens, or None, got {type(on_token).__name__}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator (sampling's random numbers) or None, got {type(generator).__name__}")
-        check = not trusts(self)
+        trusted, tree = walked(self)  # (the modules the steps are made from, where they may run unchecked)
+        check = not trusted
         weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
@@ -169,8 +171,12 @@ class GenerationMixin:
             if on_token is not None:
                 on_token(token)
                 weight_cache.verify()  # a weight it wrote through .data: the kept copies made again
-                if not check and not trusts(self):  # a hook, a forward, a mode or an observer it set: checked steps from here
+                trusted, now = walked(self) if not check else (True, tree)  # (checked forwards call the modules as they are)
+                if not trusted:  # a hook, a forward, a mode or an observer it set: checked steps from here
                     check, run_step = True, decode_step(self, compile, True)
+                elif now != tree:  # a module it replaced or added: the step made again from the model as it is
+                    tree, run_step = now, decode_step(self, compile, check)
+                    run_step = GraphStep(run_step) if cuda_graph else run_step
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
@@ -227,20 +233,27 @@ def trusts(model: object) -> bool:
     (``headwise.observe`` reads the checked core's steps) and eval mode (the unchecked core runs
     no dropout). Otherwise every forward checks its arguments.
     """
+    return walked(model)[0]
+
+
+def walked(model: object) -> tuple[bool, tuple[int, ...]]:
+    """(``trusts(model)``, the ids of its modules in the walk's order where it does: another tuple once a module was
+    replaced or added, which ``generate`` asks after each ``on_token`` in the same walk)."""
     if not isinstance(model, torch.nn.Module) or observing():
-        return False
+        return False, ()
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
-    seen, todo = {id(model)}, [model]  # every submodule once, as ``model.modules()`` gives them (a walk of half its cost:
-    while todo:  # the ``Batcher`` asks this every step)
+        return False, ()
+    seen, todo, order = {id(model)}, [model], []  # every submodule once, as ``model.modules()`` gives them (a walk of half
+    while todo:  # its cost: the ``Batcher`` asks this every step)
         m = todo.pop()
         if m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-            return False
+            return False, ()
+        order.append(id(m))
         for child in m._modules.values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 todo.append(child)
-    return True
+    return True, tuple(order)
 
 
 def prompt_padding(is_token: Tensor | None) -> Tensor | None:
