@@ -995,6 +995,23 @@ WholeCall whole_call(const char* op, const at::Tensor& x, const at::Tensor& pane
   return c;
 }
 
+// x (..., K) float32 or bfloat16 as (M, Kp) bfloat16 rows, a zero past K: each float32 rounded to nearest even, as
+// torch's .to(bfloat16) rounds it (a NaN stays a NaN), in one loop here: at a decode step's one row the conversion's
+// dispatch through ATen cost more than the rounding.
+at::Tensor bf16_rows(const at::Tensor& x_, int64_t K, int64_t Kp) {
+  const at::Tensor x = x_.reshape({-1, K}).contiguous();  // (M, K)
+  if (x.scalar_type() == at::kBFloat16) return Kp == K ? x : at::constant_pad_nd(x, {0, Kp - K});
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, Kp}, x.options().dtype(at::kBFloat16));  // (M, K')
+  const float* xp = x.const_data_ptr<float>();
+  c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) op[m * Kp + k] = c10::BFloat16(xp[m * K + k]);
+    for (int64_t k = K; k < Kp; ++k) op[m * Kp + k] = c10::BFloat16(0.f);
+  }
+  return out;
+}
+
 // Int8Linear's decode call in one op (bfloat16 x's arithmetic): x (..., K) float32 or bfloat16 rounded to bfloat16, times
 // int8 panels packed for bfloat16 x, each float32 sum rounded to bfloat16 once, then sum * scale (+ bias, one fused
 // multiply-add: torch's addcmul on CPUs with AVX-512) in float32, in x's dtype: headwise.quantize's numbers, bit for bit.
@@ -1002,8 +1019,7 @@ at::Tensor panels_int8_scaled(const at::Tensor& x_, const at::Tensor& panels, co
                               const std::optional<at::Tensor>& bias_, int64_t N) {
   const WholeCall c = whole_call("panels_int8_scaled", x_, panels, at::kChar, 2, scales, bias_, N, x86(), "an x86 CPU");
   const int64_t Kp = c.Kp;
-  at::Tensor x = x_.reshape({-1, c.K}).to(at::kBFloat16).contiguous();  // (M, K): torch's rounding
-  if (Kp != c.K) x = at::constant_pad_nd(x, {0, Kp - c.K});  // (M, K'): a zero to fill the last pair
+  const at::Tensor x = bf16_rows(x_, c.K, Kp);  // (M, K'): torch's rounding, a zero to fill the last pair
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x_.options());  // (M, N)
   const c10::BFloat16* xp = x.const_data_ptr<c10::BFloat16>();
