@@ -52,10 +52,11 @@ def model_of(cls: type, kw: dict, dtype: torch.dtype):
     return model
 
 
-def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False, linear: bool = False):
+def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False, linear: bool = False, cache_dtype=None):
     """The prompt once, then the same tokens through the flat step and through the unchecked forward, each on its own
-    caches; with ``padded``, as generate runs a left-padded batch (position ids every step); with ``linear``, caches made
-    by hand, linear whatever the layers' windows (``new_caches`` makes rings under a window)."""
+    caches (holding ``cache_dtype``: None for the model's); with ``padded``, as generate runs a left-padded batch
+    (position ids every step); with ``linear``, caches made by hand, linear whatever the layers' windows (``new_caches``
+    makes rings under a window)."""
     ids = torch.randint(0, model.vocab_size, (batch, 7))
     mask = torch.ones(batch, 7, dtype=torch.bool)
     if padded:
@@ -63,7 +64,7 @@ def steps_both_ways(model, batch: int, steps: int = 6, padded: bool = False, lin
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     with torch.no_grad():
         flat_caches = [KVCache(batch, a.num_kv_heads, 32, a.head_dim, dtype=model.cache_dtype(None)) for a in model.attention_layers()] \
-            if linear else model.new_caches(batch, 32)
+            if linear else model.new_caches(batch, 32, cache_dtype)
         model(ids, mask if padded else None, positions=positions if padded else None, cache=flat_caches, logits_to_keep=1, check=False)
         plain_caches = copy.deepcopy(flat_caches)
         step = flat_step(model)
@@ -87,6 +88,25 @@ def test_the_flat_step_gives_the_forwards_logits_bit_for_bit(case, batch):
         assert torch.equal(got, want)
         for a, b in zip(flat_caches, plain_caches, strict=True):
             assert len(a) == len(b) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+CACHE_CASES = {  # (case, what the caches hold)
+    "gpt2 fp32, bf16 caches": torch.bfloat16, "gpt2 fp32, 8-bit caches": torch.int8, "llama gqa fp32, bf16 caches": torch.bfloat16,
+    "llama gqa bf16, 8-bit caches": torch.int8, "gpt2 bf16, decode-sized widths, 8-bit caches": torch.int8,
+}
+
+
+@pytest.mark.parametrize("name", CACHE_CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_flat_step_over_bfloat16_or_8_bit_caches_gives_the_forwards_logits_bit_for_bit(name, batch):
+    """A float32 model over bfloat16 caches (the step's attention output widened as it is written: each value rounded to
+    bfloat16 first), either model over 8-bit rows: the flat step's logits and caches are the unchecked forward's."""
+    cls, kw, dtype = CASES[name.rsplit(",", 1)[0]]
+    held = CACHE_CASES[name]
+    for got, want, flat_caches, plain_caches in steps_both_ways(model_of(cls, kw, dtype), batch, cache_dtype=held):
+        assert got.dtype == dtype and torch.equal(got, want)
+        for a, b in zip(flat_caches, plain_caches, strict=True):
+            assert a.k.dtype == held and len(a) == len(b) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])

@@ -503,23 +503,24 @@ void attend_head(const Q* q, const std::vector<Run<T>>& keys, const std::vector<
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = t.total[g] > 0.f ? 1.f / t.total[g] : 0.f;
-    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<O>(t.acc[g * Dv + d] * inv);
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<O>(static_cast<Q>(t.acc[g * Dv + d] * inv));  // (Q's rounding)
   }
 }
 
-// q (B, H, 1, D) contiguous, k (B, Hkv, S, D), v (B, Hkv, S, Dv) rows contiguous (8-bit rows: D + 4 and Dv + 4
-// elements, the scale last), real (B, S) bool or none, the softcap, sinks (H,) and ALiBi's slopes (1 or B, H) in `terms`
-template <typename T, typename Q>
-void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, at::Tensor& out,
-           float scale, const ScoreTerms& terms) {
+// q (B, H, 1, D) contiguous over the first S slots of k (B, Hkv, L, D) and v (B, Hkv, L, Dv) (S <= L), rows contiguous
+// (8-bit rows: D + 4 and Dv + 4 elements, the scale last), real (B, L) bool or none, the softcap, sinks (H,) and ALiBi's
+// slopes (1 or B, H) in `terms` -> out (B, H, 1, Dv) of O, each value rounded to Q first (O: Q, or float32)
+template <typename T, typename Q, typename O = Q>
+void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, int64_t S,
+           at::Tensor& out, float scale, const ScoreTerms& terms) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
+  const int64_t Hkv = k.size(1), Dv = v.size(3) - ROW_EXTRA<T>, G = H / Hkv;
   const Q* qp = q.data_ptr<Q>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const bool* rp = real ? real->data_ptr<bool>() : nullptr;
   const int64_t rb = real ? real->stride(0) : 0, rs = real ? real->stride(1) : 0;
-  Q* op = out.data_ptr<Q>();
+  O* op = out.data_ptr<O>();
   each_item<Scratch<T>>(B * Hkv, {}, [&](int64_t i, int64_t after, Scratch<T>& t) {  // every item reads S keys: no order needed; `after` runs next
     const int64_t b = i / Hkv, h = i % Hkv;
     const Run<T> next = after < 0 ? Run<T>{nullptr, 0} : Run<T>{kp + (after / Hkv) * k.stride(0) + (after % Hkv) * k.stride(1), S};  // its keys
@@ -531,7 +532,7 @@ void dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
       for (int64_t j = 0; j < S; ++j) t.mask[j] = rp[b * rb + j * rs];
       r = reinterpret_cast<const bool*>(t.mask.data());
     }
-    attend_head<T, Q, Q>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, terms.cap,
+    attend_head<T, Q, O>(qp + (b * H + h * G) * D, t.keys, t.values, k.stride(2), v.stride(2), r, S, G, D, Dv, scale, terms.cap,
                          terms.slopes_at(b, H, h * G), terms.sinks_at(h * G), op + (b * H + h * G) * Dv, t, next);
   });
 }
@@ -597,21 +598,32 @@ void paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, co
 
 // softcap: scores become softcap * tanh(score / softcap) (0: none); sinks: (H,) float32 logits, one a query head, or none;
 // alibi: (1 or B, H) float32 slopes, the scores less slope * the key's distance from the query (at position S - 1), or none
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
-                            double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
+// decode_attention over the first S slots of the caches k and v (S <= L; real (B, L) or none), the output in `dtype`: q's,
+// or float32 for bfloat16 q (each value rounded to bfloat16 first, as .to(float32) of q's output would read it)
+at::Tensor attend_first(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real, int64_t S,
+                        at::ScalarType dtype, double scale, double softcap, const std::optional<at::Tensor>& sinks,
+                        const std::optional<at::Tensor>& alibi) {
   const ScoreTerms terms = score_terms("decode_attention", q.size(0), q.size(1), softcap, sinks, alibi);
   const at::Tensor qc = q.contiguous();
   const bool rows8 = k.scalar_type() == at::kChar;  // 8-bit rows (float32 queries)
-  at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options());  // (B, H, 1, Dv)
+  const bool widened = k.scalar_type() == at::kBFloat16 && dtype == at::kFloat;
+  at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3) - (rows8 ? 4 : 0)}, q.options().dtype(widened ? at::kFloat : q.scalar_type()));  // (B, H, 1, Dv)
   const float s = static_cast<float>(scale);
-  if (k.scalar_type() == at::kBFloat16) {
-    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, out, s, terms);
+  if (widened) {
+    dense<c10::BFloat16, c10::BFloat16, float>(qc, k, v, real, S, out, s, terms);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    dense<c10::BFloat16, c10::BFloat16>(qc, k, v, real, S, out, s, terms);
   } else if (rows8) {
-    dense<int8_t, float>(qc, k, v, real, out, s, terms);
+    dense<int8_t, float>(qc, k, v, real, S, out, s, terms);
   } else {
-    dense<float, float>(qc, k, v, real, out, s, terms);
+    dense<float, float>(qc, k, v, real, S, out, s, terms);
   }
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& real,
+                            double scale, double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
+  return attend_first(q, k, v, real, k.size(2), q.scalar_type(), scale, softcap, sinks, alibi);
 }
 
 // The terms as decode_attention's: sinks (H,), alibi (1 or N, H) for H = Hkv * G query heads, each key's distance from
@@ -863,14 +875,11 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
                        const std::optional<at::Tensor>& real, int64_t start, double scale, double softcap,
                        const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi) {
-  const int64_t end = start + 1;
-  std::optional<at::Tensor> seen;
-  if (real.has_value()) seen = real->slice(1, 0, end);  // (B, S)
   const Slots where{nullptr, start};
   std::optional<at::Tensor> turned = turned_and_written(q, k, v, cos, sin, k_cache, v_cache, where);  // in one pass, or:
   if (!turned.has_value()) turned = turned_and_written_aten(q, k, v, cos, sin, k_cache, v_cache, where, std::nullopt);
-  const at::Tensor context = decode_attention(*turned, k_cache.slice(2, 0, end), v_cache.slice(2, 0, end), seen, scale, softcap, sinks, alibi)
-                                 .to(q.scalar_type());  // (B, H, 1, Dv)
+  const at::Tensor context = attend_first(*turned, k_cache, v_cache, real, start + 1, q.scalar_type(), scale, softcap, sinks, alibi)
+                                 .to(q.scalar_type());  // (B, H, 1, Dv) over slots 0 .. start (a float32 step over a bfloat16 cache: no copy)
   return context.transpose(1, 2).reshape({q.size(0), 1, -1});  // (B, 1, H * Dv)
 }
 
