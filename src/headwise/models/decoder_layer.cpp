@@ -91,11 +91,14 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const Mayb
   const std::string approximate(mlp);  // GELU's, where the MLP has one
   const auto proj = [&](const at::Tensor& in, int64_t i) { return project(in, kinds[i], weights[i], scales.get(i), biases.get(i), ns[i], approximate); };
   const int64_t B = x.size(0), T = x.size(1);  // (T = 1, or a paged row's N tokens with B = 1)
-  const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0);  // (B, T, H*D + 2*Hkv*D)
-  const std::vector<at::Tensor> parts = qkv.split_with_sizes(qkv_sizes, -1);  // (B, T, H*D), (B, T, Hkv*D) x2
-  const at::Tensor q = parts[0].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, H, T, D)
-  const at::Tensor k = parts[1].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, D)
-  const at::Tensor v = parts[2].view({B, T, -1, head_dim}).transpose(1, 2);  // (B, Hkv, T, Dv)
+  const at::Tensor qkv = proj(norm(x, norm1, norm1_bias, eps1, layer_norm), 0).contiguous();  // (B, T, W = H*D + 2*Hkv*D)
+  const int64_t W = qkv.size(-1), start0 = qkv.storage_offset();
+  const auto heads = [&](int64_t from, int64_t width) {  // columns from .. from + width as (B, width / D, T, D): one view
+    return qkv.as_strided({B, width / head_dim, T, head_dim}, {T * W, head_dim, W, 1}, start0 + from);  // (split, view, transpose)
+  };
+  const at::Tensor q = heads(0, qkv_sizes[0]);  // (B, H, T, D)
+  const at::Tensor k = heads(qkv_sizes[0], qkv_sizes[1]);  // (B, Hkv, T, D)
+  const at::Tensor v = heads(qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);  // (B, Hkv, T, Dv)
   const at::Tensor context = paged.empty()
                                  ? step.call(q, k, v, cos, sin, k_cache, v_cache, real, start, scale, softcap, sinks, alibi)
                                  : paged_step.call(q, k, v, cos, sin, k_cache, v_cache, paged[0], paged[1], paged[2], paged[3], window,
