@@ -325,9 +325,9 @@ def test_the_library_keeps_the_samples_of_contiguous_cpu_tensors():
     """Where the library is loaded a contiguous CPU tensor's ends are kept there and compared in one call: a write
     through ``.data`` at either end moves the tensor's epoch, nothing else does; a non-contiguous one stays Python's."""
     _library()
-    a, b, strided = torch.randn(64, 32), torch.randn(7), torch.randn(16, 8).t()
-    weight_cache.watch([a, b, strided])
-    assert {id(a), id(b)} <= set(weight_cache.NATIVE) and id(strided) in weight_cache.WATCHED
+    a, b, strided, empty = torch.randn(64, 32), torch.randn(7), torch.randn(16, 8).t(), torch.empty(0, 8)
+    weight_cache.watch([a, b, strided, empty])
+    assert {id(a), id(b)} <= set(weight_cache.NATIVE) and {id(strided), id(empty)} <= set(weight_cache.WATCHED)
     assert not {id(a), id(b)} & set(weight_cache.WATCHED)
     epochs = lambda: [weight_cache.EPOCH.get(id(t), 0) for t in (a, b, strided)]  # noqa: E731
     start = epochs()

@@ -120,7 +120,7 @@ def watch(tensors: Sequence[Tensor]) -> None:
         if known is None:
             at_death(t, _forget, key)
         size, seen = sample(t)
-        if size is not None and native.loaded():  # a contiguous CPU tensor: its ends kept by the library
+        if size and native.loaded():  # a non-empty contiguous CPU tensor: its ends kept by the library
             WATCHED.pop(key, None)
             torch.ops.headwise.watch_ends(t, key)
             NATIVE[key] = t.data_ptr()
