@@ -171,12 +171,13 @@ class GenerationMixin:
             if on_token is not None:
                 on_token(token)
                 weight_cache.verify()  # a weight it wrote through .data: the kept copies made again
-                trusted, now = walked(self) if not check else (True, tree)  # (checked forwards call the modules as they are)
-                if not trusted:  # a hook, a forward, a mode or an observer it set: checked steps from here
-                    check, run_step = True, decode_step(self, compile, True)
-                elif now != tree:  # a module it replaced or added: the step made again from the model as it is
-                    tree, run_step = now, decode_step(self, compile, check)
-                    run_step = GraphStep(run_step) if cuda_graph else run_step
+                if not check:  # (checked forwards call the modules as they are)
+                    trusted, now = walked(self)
+                    if not trusted:  # a hook, a forward, a mode or an observer it set: checked steps from here
+                        check, run_step = True, decode_step(self, compile, True)
+                    elif now != tree:  # a module it replaced or added: the step made again from the model as it is
+                        tree, run_step = now, decode_step(self, compile, False)
+                        run_step = GraphStep(run_step) if cuda_graph else run_step
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
