@@ -366,3 +366,82 @@ def test_a_tensor_the_library_watches_leaves_it_when_it_dies_or_moves():
     moved.data[0] = 1e3
     weight_cache.verify()
     assert weight_cache.EPOCH.get(keys[2], 0) != epoch
+
+
+def _seen_with(library: bool, monkeypatch) -> None:
+    """``Seen`` made with the C++ library's call, or with Python's ``state`` (the library taken away)."""
+    if library:
+        _library()
+    else:
+        monkeypatch.setattr(weight_cache.native, "loaded", lambda: False)
+
+
+@pytest.mark.parametrize("library", [True, False])
+def test_seen_tells_every_change_to_the_modules_tensors_once(library, monkeypatch):
+    """``Seen.same()``: False at the first call and after each change to a tensor of the modules' own parameters and
+    buffers (written in place, replaced, set to None, added, resized or moved through ``.data``, converted, a ``.data``
+    write ``verify`` saw), True while nothing changed."""
+    _seen_with(library, monkeypatch)
+    lin, norm = torch.nn.Linear(8, 4), torch.nn.LayerNorm(8)
+    norm.register_buffer("extra", torch.zeros(3))
+    seen = weight_cache.Seen((lin, norm))
+    assert (seen.native is not None) == library
+    assert not seen.same() and seen.same() and seen.same()
+
+    def data_write() -> None:
+        weight_cache.watch([lin.weight])
+        lin.weight.data.mul_(2)
+        weight_cache.verify()
+
+    changes = {
+        "written in place": lambda: lin.weight.add_(1.0),
+        "a buffer written": lambda: norm.extra.add_(1.0),
+        "replaced": lambda: setattr(lin, "weight", torch.nn.Parameter(lin.weight.detach().clone())),
+        "set to None": lambda: setattr(lin, "bias", None),
+        "a buffer added": lambda: norm.register_buffer("more", torch.ones(2)),
+        "resized through .data": lambda: setattr(norm.extra, "data", torch.zeros(4)),
+        "strides through .data": lambda: setattr(lin.weight, "data", lin.weight.data.t().contiguous().t()),
+        "converted": lambda: norm.to(torch.float64),
+        "a .data write verify saw": data_write,
+    }
+    for name, change in changes.items():
+        with torch.no_grad():
+            change()
+        assert not seen.same(), name
+        assert seen.same(), name
+
+
+@pytest.mark.parametrize("library", [True, False])
+def test_seen_tells_a_new_weight_at_the_old_ones_address_and_version_apart(library, monkeypatch):
+    """A weight replaced by another tensor with the same storage, address, version, shape and dtype (as a new weight can
+    land where a freed one lay) is a change; an inference tensor is never the same (it keeps no version)."""
+    _seen_with(library, monkeypatch)
+    a = torch.nn.Parameter(torch.randn(4, 6))
+    b = torch.nn.Parameter(torch.empty(0).set_(a.untyped_storage(), 0, (4, 6), (6, 1)))
+    with torch.no_grad():
+        while a._version < b._version:
+            a.add_(0.0)
+    lin = torch.nn.Linear(6, 4)
+    lin.weight = a
+    seen = weight_cache.Seen([lin])
+    seen.same()
+    assert seen.same()
+    lin.weight = b
+    assert not seen.same() and seen.same()
+    with torch.inference_mode():
+        lin.register_buffer("inference", torch.zeros(2))
+    assert not seen.same() and not seen.same()
+
+
+def test_seen_keeps_no_tensor_alive():
+    """The library's table holds weak references: a weight replaced after ``same()`` is freed with its last owner."""
+    import weakref
+
+    _library()
+    lin = torch.nn.Linear(8, 4)
+    seen = weight_cache.Seen([lin])
+    seen.same()
+    old = weakref.ref(lin.weight)
+    lin.weight = torch.nn.Parameter(torch.randn(4, 8))
+    assert old() is None
+    assert not seen.same()

@@ -3,8 +3,10 @@
 (``backends/prefill_attention.cpp``, run by ``backends.prefill_kernel``), the few-row GEMM of a
 compiled step (``linear/panels.cpp``, run by ``linear.panels``), RMSNorm's rows
 (``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``), a Llama-family layer's decode step
-(``models/decoder_layer.cpp``, run by ``models.native_layer``) and the samples of the weights that kept copies were
-made from (``linear/watched.cpp``, read by ``linear.weight_cache.verify``).
+(``models/decoder_layer.cpp``, run by ``models.native_layer``), the samples of the weights that kept copies were
+made from (``linear/watched.cpp``, read by ``linear.weight_cache.verify``) and a few modules' tensors' state compared in
+one call (``linear/seen.cpp``, asked by ``linear.weight_cache.Seen``: plain C functions called through ``ctypes``,
+``function``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
 run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
@@ -20,13 +22,14 @@ takes a kernel before its schema), their CPU kernels in C++.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
 import shutil
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +37,8 @@ import torch
 _HERE = Path(__file__).parent
 #: The C++ sources of the library, one file per op family.
 SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "prefill_attention.cpp", _HERE / "linear" / "panels.cpp",
-           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp", _HERE / "linear" / "watched.cpp")
+           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp", _HERE / "linear" / "watched.cpp",
+           _HERE / "linear" / "seen.cpp")
 #: Headers the sources include: hashed with them (a changed header is a new library).
 HEADERS = (_HERE / "backends" / "vectors.h",)
 #: The extra that installs ninja, which torch's extension builder runs.
@@ -76,6 +80,17 @@ _ANSWER: list[bool] = []  # built()'s answer, once given
 def loaded() -> bool:
     """Whether the library is loaded in this process (``built()`` answered True): asks nothing, builds nothing."""
     return bool(_ANSWER) and _ANSWER[0]
+
+
+_PATH: list[str] = []  # the loaded library's file
+
+
+def function(name: str, restype: object, *argtypes: object) -> Callable:
+    """The library's plain C function ``name`` (an ``extern "C"`` one that takes Python objects) through ``ctypes.PyDLL``,
+    which keeps the GIL and checks Python's error flag after each call; for a loaded library only (``loaded()``)."""
+    function = getattr(ctypes.PyDLL(_PATH[0]), name)
+    function.restype, function.argtypes = restype, argtypes
+    return function
 
 
 def _build() -> bool:
@@ -121,10 +136,10 @@ def _build() -> bool:
 
 
 def _load(cpp_extension: object, name: str, flags: tuple[str, ...]) -> None:
-    cpp_extension.load(
+    _PATH[:] = [cpp_extension.load(
         name, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-    )
+    )]  # (the library's path, where torch loaded it from)
 
 
 def _build_directory(cpp_extension: object, name: str) -> Path | None:

@@ -298,12 +298,6 @@ def kept_call(layers: Sequence[nn.Module], x: Tensor, act: nn.Module | None = No
     return _ready(layers, x, gelu)
 
 
-def kept_state(groups: Sequence[Sequence[nn.Module]]) -> tuple:
-    """What changes when any tensor the kept calls of these groups of layers read is written or replaced (``state``
-    of them all, in order): while it holds, each group's ``kept_call`` for an x of one kind is the one it was."""
-    return state([t for layers in groups for t in _read(layers)])
-
-
 def _read(layers: Sequence[nn.Module]) -> list[Tensor]:
     """Every tensor a kept call of ``layers`` reads, in ``state``'s order: plain ``nn.Linear`` layers' weights, then
     their biases; another class's own parameters and buffers, layer by layer."""

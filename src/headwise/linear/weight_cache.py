@@ -21,6 +21,7 @@ from Python took longer than some steps' arithmetic (a Llama's 255 weights: 0.5 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import threading
 import weakref
@@ -49,6 +50,7 @@ SERIAL: dict[int, int] = {}  # id(tensor) -> its ``serial``, dropped when the te
 FINALIZERS: dict[int, list[weakref.finalize]] = {}  # id(tensor) -> what runs when it dies (``release`` runs them early)
 _SERIALS = itertools.count(1)
 _EPOCHS = itertools.count(1)  # never the same twice: a change seen late cannot bring back a number a stale copy holds
+_moved = 0  # the last number ``verify`` gave a tensor (any tensor): ``Seen``'s one number for every tensor's epoch
 _REGISTERING = threading.Lock()  # ``at_death``'s list of a tensor made once
 _VERIFYING = threading.Lock()  # one ``verify`` at a time: its read, compare and update of a sample is one step
 SPAN = 64  # bytes sampled at each end of a tensor
@@ -71,6 +73,41 @@ def state(tensors: Sequence[Tensor]) -> tuple:
     except RuntimeError:  # an inference tensor's ``_version`` (the check only then: it would cost every call a tenth more)
         return tuple([(t.data_ptr(), object() if t.is_inference() else t._version, t.shape, t.stride(), t.dtype, EPOCH.get(id(t), 0),
                        SERIAL.get(id(t)) or serial(t)) for t in tensors])
+
+
+class Seen:
+    """Whether any tensor of ``modules`` (each one's own ``_parameters`` and ``_buffers``, read anew at each call: a
+    tensor replaced counts) changed since the last ``same()``: what ``state`` compares (storage pointer, ``_version``,
+    shape, strides, dtype, the tensor itself: a new one at a freed one's address differs, and a ``.data`` write that
+    ``verify`` saw). The first call answers False, and so does every call where a tensor is an inference tensor, a
+    tensor subclass or not strided; a ``.data`` write to another module's weight may too, once.
+
+    Where headwise's C++ library is loaded, one call (``linear/seen.cpp``): a decode step asks this of each layer's some
+    twenty tensors every step, which from Python (``state``) took about 40 µs a layer. Eager only.
+    """
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.modules = tuple(modules)
+        self.last: tuple | None = None  # the state seen last, without the library
+        self.native: Callable | None = None
+        if native.loaded():
+            self.native, forget = _seen_functions()
+            self.key = next(_SERIALS)  # (its entry in the library's table, dropped with this object)
+            weakref.finalize(self, forget, self.key).atexit = False
+
+    def same(self) -> bool:
+        """True where nothing changed since the last call (the first call: False)."""
+        if self.native is not None:
+            return self.native(self.key, self.modules, _moved) == 1  # (``_moved``: every tensor's epoch in one number)
+        now = state([t for m in self.modules for own in (m._parameters, m._buffers) for t in own.values() if t is not None])
+        same, self.last = now == self.last, now
+        return same
+
+
+@functools.cache
+def _seen_functions() -> tuple[Callable, Callable]:
+    return (native.function("headwise_seen_same", ctypes.c_int, ctypes.c_int64, ctypes.py_object, ctypes.c_int64),
+            native.function("headwise_seen_forget", None, ctypes.c_int64))
 
 
 def serial(t: Tensor) -> int | None:
@@ -168,7 +205,7 @@ def verify() -> None:
     with _VERIFYING:  # (threads sharing a model: a sample or an epoch written back late would hide a change for good)
         if NATIVE:
             for key in torch.ops.headwise.watched_changed():
-                EPOCH[key] = next(_EPOCHS)
+                _move(key)
         for key, (ref, address, size, seen) in _entries(WATCHED):
             t = ref()
             if t is None or t.data_ptr() != address:  # gone, or its storage replaced: ``state`` sees that
@@ -176,7 +213,13 @@ def verify() -> None:
             now = _ends(address, size) if size is not None else sample(t)[1]
             if now != seen:
                 WATCHED[key] = (ref, address, size, now)
-                EPOCH[key] = next(_EPOCHS)
+                _move(key)
+
+
+def _move(key: int) -> None:
+    """A new epoch for the tensor of id ``key`` (under ``_VERIFYING``)."""
+    global _moved
+    EPOCH[key] = _moved = next(_EPOCHS)
 
 
 def _entries(table: dict) -> list:

@@ -13,7 +13,7 @@ rotation (``AttentionLayer.rotation``) or none — ``decode_layer``
 calls the same ops on the same tensors in the same order from C++: the same bits, one call a layer.
 
 Each step asks whether anything the op's arguments follow from changed since they were made (x's kind, autograd's
-mode, the ``state`` of every tensor the norms and the kept calls read), and only then what the Python step asks: each
+mode, every tensor the norms and the kept calls read: ``weight_cache.Seen``, one C++ call), and only then what the Python step asks: each
 projection group's kept call (``projection.kept_call``), whether the norms take their op. A dropout that would drop,
 a submodule replaced since the op was made, or any other answer runs the layer in Python for that step.
 """
@@ -31,8 +31,8 @@ from ..functional import KernelCall, PagedCall
 from ..fused import GPT2MultiHeadAttention
 from ..layer import AttentionLayer
 from ..linear import onednn, panels  # noqa: F401  (panels defines the ops the op calls)
-from ..linear.projection import kept_call, kept_state
-from ..linear.weight_cache import state
+from ..linear.projection import kept_call
+from ..linear.weight_cache import Seen
 from . import gpt2, llama
 
 torch.library.define(
@@ -99,6 +99,8 @@ class NativeLayer:
         kv = attn.num_kv_heads * attn.head_dim
         self.sizes = [width, kv, kv]
         self.seen: tuple | None = None  # what the op's arguments were last made for (``_made_for``)
+        # every tensor the norms and the kept calls read, compared each step with what it was (``weight_cache.Seen``)
+        self.tensors = Seen((self.norm1, self.norm2, *(layer for layers, _, _ in self.groups for layer in layers)))
         self.args: tuple[list, list, list, list, list] | None = None
 
     def __call__(self, x: Tensor, cache: KVCache | PagedBatch, cos: Tensor | None, sin: Tensor | None) -> Tensor | None:
@@ -108,8 +110,11 @@ class NativeLayer:
             return None
         if any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
             return None
-        if (seen := self._made_for(x)) != self.seen:
-            self.seen, self.args = seen, self._call_args(x)
+        seen = self._made_for(x)
+        if not self.tensors.same() or seen != self.seen:
+            self.seen = None  # (until the arguments are made: a call that raises leaves nothing that looks current)
+            self.args = self._call_args(x)
+            self.seen = seen
         if self.args is None:
             return None
         kinds, weights, scales, biases, ns = self.args
@@ -128,13 +133,9 @@ class NativeLayer:
             sizes, D, cos, sin, k, v, real, slot, scale, mlp, [], None, 0, *terms))  # (B, 1, C)
 
     def _made_for(self, x: Tensor) -> tuple:
-        """Everything the op's arguments and the norms' answer (``_call_args``) follow from: x's kind, autograd's mode
-        and the ``state`` of every tensor the norms and the kept calls read. While it holds they are what they were."""
-        norms = [t for norm in (self.norm1, self.norm2) for t in norm._parameters.values() if t is not None]
-        try:
-            return type(x), x.dtype, x.shape, torch.is_grad_enabled(), state(norms), kept_state([layers for layers, _, _ in self.groups])
-        except RuntimeError:  # an inference tensor has no version counter: never the same, asked afresh (its kept call: none)
-            return (object(),)
+        """What the op's arguments and the norms' answer (``_call_args``) follow from beside the tensors the norms and the
+        kept calls read (``self.tensors``): x's kind and autograd's mode."""
+        return type(x), x.dtype, x.shape, torch.is_grad_enabled()
 
     def _norms_take(self, x: Tensor) -> bool:
         """RMSNorms on their C++ op (as ``RMSNorm.forward`` decides); LayerNorms as they are (``F.layer_norm``)."""

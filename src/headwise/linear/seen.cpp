@@ -1,0 +1,151 @@
+// Whether any tensor of a few modules changed since the last time it was asked: headwise.linear.weight_cache.Seen, which
+// a layer's one-op decode step (headwise.models.native_layer) asks every step before it reuses the arguments it made.
+// From Python the same answer was the `state` tuple of each of the layer's tensors (a Llama layer's 23): some 40 µs a
+// layer, most of it dependent cache misses (the module's dictionary, the tensor object, its TensorImpl, its storage, its
+// version counter) paid one after another by the interpreter. Here one call walks the modules' dictionaries and the
+// tensors' fields in C++.
+//
+// A tensor's state is what weight_cache.state compares: its TensorImpl (held by a weak reference, so that no other
+// tensor can take its address while the state lives: a weight replaced is never mistaken for the old one), its data
+// pointer, version, dtype, sizes and strides. A .data write that left all of that as it was is seen by weight_cache's
+// samples, which move a number the caller passes (`epoch`). A tensor without a plain strided CPU-or-device storage (a
+// tensor subclass, a sparse or an inference tensor) is never the same: the caller asks afresh every time.
+//
+// Called through ctypes with the GIL held (ctypes.PyDLL): the table needs no lock of its own, and the finalizer that
+// forgets a key runs under the GIL too. Nothing here throws into ctypes: an error is an answer of "changed".
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// What was seen under one key: every tensor's fields side by side (compared with one memcmp) and weak references to
+// their TensorImpls (their addresses are in the fields).
+struct Seen {
+  std::vector<int64_t> fields;
+  std::vector<WeakImpl> held;
+};
+
+std::unordered_map<int64_t, Seen> table;
+
+// t's fields appended to out; false where t has no state that tells every change (then it is never the same).
+bool add_fields(c10::TensorImpl& t, std::vector<int64_t>& out) {
+  if (t.is_python_dispatch() || t.layout() != c10::kStrided || !t.has_storage() || !t.dtype_initialized()
+      || t.has_symbolic_sizes_strides() || t.is_inference()) {
+    return false;
+  }
+  const c10::Storage& storage = t.unsafe_storage();
+  const auto* data = static_cast<const char*>(storage.unsafeGetStorageImpl()->data_ptr().get());
+  out.push_back(reinterpret_cast<int64_t>(&t));
+  out.push_back(reinterpret_cast<int64_t>(data) + t.storage_offset() * static_cast<int64_t>(t.itemsize()));
+  out.push_back(static_cast<int64_t>(t.version_counter().current_version()));
+  out.push_back(static_cast<int64_t>(t.dtype().toScalarType()));
+  out.push_back(static_cast<int64_t>(t.device().type()) << 16 | static_cast<uint16_t>(t.device().index()));
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  out.push_back(static_cast<int64_t>(sizes.size()));
+  out.insert(out.end(), sizes.begin(), sizes.end());
+  out.insert(out.end(), strides.begin(), strides.end());
+  return true;
+}
+
+// Every value of `module`'s own dictionary `name` ("_parameters" or "_buffers") appended to values, Nones passed by;
+// false where the module has no such dictionary. (The values stay alive while the dictionaries hold them: nothing here
+// runs Python code that could change them.)
+bool add_values(PyObject* module, PyObject* name, std::vector<PyObject*>& values) {
+  PyObject* dict = PyObject_GetAttr(module, name);  // (a new reference)
+  if (dict == nullptr || !PyDict_Check(dict)) {
+    Py_XDECREF(dict);
+    return false;
+  }
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    if (value == Py_None) continue;
+    __builtin_prefetch(value);  // (each tensor object asked for before any is read: the misses overlap)
+    values.push_back(value);
+  }
+  Py_DECREF(dict);
+  return true;
+}
+
+PyObject* interned(const char* s) { return PyUnicode_InternFromString(s); }  // (kept for the process)
+
+}  // namespace
+
+// 1 where every tensor of the modules in `modules` (a tuple; each module's _parameters and _buffers) has the state it had
+// at the last call with `key` and `epoch` equals that call's; else 0, with the new state kept under `key`.
+extern "C" int headwise_seen_same(int64_t key, PyObject* modules, int64_t epoch) {
+  static PyObject* const parameters = interned("_parameters");
+  static PyObject* const buffers = interned("_buffers");
+  try {
+    if (!PyTuple_Check(modules)) return 0;
+    std::vector<PyObject*> values;
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(modules); ++i) {
+      PyObject* module = PyTuple_GET_ITEM(modules, i);
+      ok = add_values(module, parameters, values) && add_values(module, buffers, values);
+    }
+    // The tensors' fields are read in passes, each asking for the next level's lines of every tensor before reading
+    // any: a step that streamed the weights left none of them in the caches, and a chain of misses a tensor, paid one
+    // tensor after another, cost more than the rest of the call.
+    std::vector<c10::TensorImpl*> impls;
+    impls.reserve(values.size());
+    for (PyObject* value : values) {
+      if (!ok || !THPVariable_Check(value)) {
+        ok = false;
+        break;
+      }
+      c10::TensorImpl* t = THPVariable_Unpack(value).unsafeGetTensorImpl();
+      __builtin_prefetch(t);
+      __builtin_prefetch(reinterpret_cast<const char*>(t) + 64);
+      __builtin_prefetch(reinterpret_cast<const char*>(t) + 128);
+      impls.push_back(t);
+    }
+    for (c10::TensorImpl* t : impls) {
+      if (!ok) break;
+      if (t->has_storage()) __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());
+    }
+    std::vector<int64_t> fields{epoch};
+    fields.reserve(1 + 8 * impls.size());
+    for (c10::TensorImpl* t : impls) {
+      if (!ok) break;
+      ok = add_fields(*t, fields);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (!ok) {
+      table.erase(key);
+      return 0;
+    }
+    Seen& seen = table[key];
+    if (seen.fields == fields) return 1;
+    seen.fields = std::move(fields);
+    seen.held.clear();
+    for (c10::TensorImpl* t : impls) {
+      seen.held.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(t));
+    }
+    return 0;
+  } catch (...) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    table.erase(key);
+    return 0;
+  }
+}
+
+// What was kept under `key` dropped (its weak references with it).
+extern "C" void headwise_seen_forget(int64_t key) {
+  try {
+    table.erase(key);
+  } catch (...) {
+  }
+}
