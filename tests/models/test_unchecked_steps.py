@@ -38,6 +38,19 @@ MODELS = {
     "llama-int8": lambda: int8_weights(llama()),
 }
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])  # (B, T): row 1 left-padded
+
+
+@pytest.fixture(params=[True, False], ids=["walk-in-C", "walk-in-python"])
+def library(request, monkeypatch):
+    """The modules walked by the C library's call (``generate.Walk``), or by Python's ``walked`` (the library taken away)."""
+    from headwise import native
+
+    if request.param:
+        if not native.built():
+            pytest.skip("headwise's C++ library is not built here")
+    else:
+        monkeypatch.setattr(native, "loaded", lambda: False)
+    return request.param
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
 
 
@@ -75,7 +88,7 @@ def test_generate_is_the_same_with_checked_steps(name):
     assert torch.equal(fast, slow)
 
 
-def test_generate_checks_every_step_when_it_cannot_trust_them():
+def test_generate_checks_every_step_when_it_cannot_trust_them(library):
     model = gpt2()
     assert trusts(model)
     model.train()
@@ -91,7 +104,7 @@ def test_generate_checks_every_step_when_it_cannot_trust_them():
     assert not trusts(model)
 
 
-def test_trusts_looks_at_every_submodule():
+def test_trusts_looks_at_every_submodule(library):
     """A hook or training mode anywhere in the tree, the deepest and a shared module's second place included."""
     model = gpt2()
     for m in model.modules():
@@ -319,7 +332,7 @@ def _parts(model, name):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 @pytest.mark.parametrize("part", ["norm", "projection"])
 @torch.no_grad()
-def test_a_forward_set_on_a_part_is_run_by_generate_and_the_batcher(name, part):
+def test_a_forward_set_on_a_part_is_run_by_generate_and_the_batcher(name, part, library):
     """A norm's or a projection's ``forward`` set on the instance: ``generate``'s steps and the ``Batcher``'s (whose
     unchecked step runs a layer's parts in one op) run it, set before the call or between steps (inside ``on_token``,
     or between two of the Batcher's steps): the tokens of the model's own forward over the whole sequence each step."""
@@ -419,7 +432,7 @@ def _replaced(model, part):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 @pytest.mark.parametrize("part", ["mlp", "norm"])
 @torch.no_grad()
-def test_a_part_on_token_replaces_is_run_from_the_next_step(name, part):
+def test_a_part_on_token_replaces_is_run_from_the_next_step(name, part, library):
     """``on_token`` replacing every block's MLP (or first norm) after the fourth token: the eager unchecked steps, whose
     flat step was made from the model's parts, give the checked steps' tokens (they ran the old parts: the replacement
     was ignored)."""
@@ -440,3 +453,33 @@ def test_a_part_on_token_replaces_is_run_from_the_next_step(name, part):
     want = run(True)
     assert want != run(True, replace=False)  # the new parts change the tokens
     assert run(False) == want
+
+
+def test_a_walk_tells_modules_replaced_added_or_moved_once(library):
+    """``Walk``: (trusts, changed) where changed is True at the first call and after a module was replaced, added, removed
+    or moved to another place in the tree, False while the same modules stand in the same order."""
+    from headwise.models.generate import Walk
+
+    model = gpt2()
+    walk = Walk(model)
+    assert (walk.native is not None) == library
+    assert walk() == (True, True) and walk() == (True, False)
+    block = model.transformer.h[1]
+    changes = {
+        "replaced": lambda: setattr(block, "mlp", type(block.mlp)(model.config).eval()),
+        "added": lambda: block.add_module("extra", nn.Identity().eval()),
+        "removed": lambda: delattr(block, "extra"),
+        "moved": lambda: swap(model.transformer.h),
+    }
+
+    def swap(blocks: nn.ModuleList) -> None:
+        blocks[0], blocks[1] = blocks[1], blocks[0]
+
+    for name, change in changes.items():
+        change()
+        assert walk() == (True, True), name
+        assert walk() == (True, False), name
+    block.mlp.train()
+    assert walk()[0] is False
+    block.mlp.eval()
+    assert walk()[0] is True
