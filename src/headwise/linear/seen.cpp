@@ -41,6 +41,15 @@ struct Seen {
 
 std::unordered_map<int64_t, Seen> table;
 
+// New references to the Python objects a call reads (dictionaries, tensors, modules), dropped when it ends however it
+// ends: a getattr or an isinstance that runs Python code cannot free one under it.
+struct Held {
+  std::vector<PyObject*> objects;
+  ~Held() {
+    for (PyObject* o : objects) Py_DECREF(o);
+  }
+};
+
 // t's fields appended to out; false where t has no state that tells every change (then it is never the same).
 bool add_fields(c10::TensorImpl& t, std::vector<int64_t>& out) {
   if (t.is_python_dispatch() || t.layout() != c10::kStrided || !t.has_storage() || !t.dtype_initialized()
@@ -62,10 +71,9 @@ bool add_fields(c10::TensorImpl& t, std::vector<int64_t>& out) {
   return true;
 }
 
-// Every value of `module`'s own dictionary `name` ("_parameters" or "_buffers") appended to values, Nones passed by;
-// false where the module has no such dictionary. (The values stay alive while the dictionaries hold them: nothing here
-// runs Python code that could change them.)
-bool add_values(PyObject* module, PyObject* name, std::vector<PyObject*>& values) {
+// Every value of `module`'s own dictionary `name` ("_parameters" or "_buffers") appended to values (held), Nones
+// passed by; false where the module has no such dictionary.
+bool add_values(PyObject* module, PyObject* name, std::vector<PyObject*>& values, Held& held) {
   PyObject* dict = PyObject_GetAttr(module, name);  // (a new reference)
   if (dict == nullptr || !PyDict_Check(dict)) {
     Py_XDECREF(dict);
@@ -75,7 +83,8 @@ bool add_values(PyObject* module, PyObject* name, std::vector<PyObject*>& values
   PyObject *key, *value;
   while (PyDict_Next(dict, &pos, &key, &value)) {
     if (value == Py_None) continue;
-    __builtin_prefetch(value);  // (each tensor object asked for before any is read: the misses overlap)
+    Py_INCREF(value);  // (each tensor object asked for before any of its fields is read: the misses overlap)
+    held.objects.push_back(value);
     values.push_back(value);
   }
   Py_DECREF(dict);
@@ -93,11 +102,12 @@ extern "C" int headwise_seen_same(int64_t key, PyObject* modules, int64_t epoch)
   static PyObject* const buffers = interned("_buffers");
   try {
     if (!PyTuple_Check(modules)) return 0;
+    Held held;
     std::vector<PyObject*> values;
     bool ok = true;
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(modules); ++i) {
       PyObject* module = PyTuple_GET_ITEM(modules, i);
-      ok = add_values(module, parameters, values) && add_values(module, buffers, values);
+      ok = add_values(module, parameters, values, held) && add_values(module, buffers, values, held);
     }
     // The tensors' fields are read in passes, each asking for the next level's lines of every tensor before reading
     // any: a step that streamed the weights left none of them in the caches, and a chain of misses a tensor, paid one
@@ -165,14 +175,6 @@ int truthy(PyObject* m, PyObject* name) {
   Py_DECREF(value);
   return answer;
 }
-
-// What the walk holds: a new reference to every module it met, dropped when it ends however it ends.
-struct Held {
-  std::vector<PyObject*> objects;
-  ~Held() {
-    for (PyObject* o : objects) Py_DECREF(o);
-  }
-};
 
 }  // namespace
 
