@@ -310,6 +310,24 @@ def test_int8_panels_sum_like_the_reference_and_torchs_kernel(rows, n, k):
 
 
 @needs_int8
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])  # one pass, ROWS, more than a pass, AMX's blocks where the CPU has them
+def test_every_int8_value_at_every_place_of_a_panel_step_reads_as_itself(rows):
+    """A weight holding each of the 256 int8 values (-128 too: a loaded state dict may hold it) at each place of a
+    panel's step, read back whole by one-hot rows of x: each output is one weight exactly, through the widening to
+    bfloat16 (and, with int8 x, the integer dot products)."""
+    n, k = 64, 256  # two panels; a step holds 32 columns' pairs of k
+    w = ((torch.arange(n * k) * 37) % 256 - 128).to(torch.int8).view(n, k)  # (N, K): 37 is odd, so every value in each 256
+    for place in range(0, k, rows):
+        picked = torch.arange(place, min(place + rows, k))  # (m,) the k's read back
+        one_hot = torch.zeros(len(picked), k)
+        one_hot[torch.arange(len(picked)), picked] = 1.0  # (m, K)
+        want = w.T[picked]  # (m, N)
+        assert torch.equal(panels.linear(one_hot.bfloat16(), w).float(), want.float())
+        if (torch.int8, torch.int8) in panels.operands(compiled=False):
+            assert torch.equal(panels.linear(one_hot.to(torch.int8), w), want.int())
+
+
+@needs_int8
 def test_int8_packing_is_the_bfloat16_layout():
     w = torch.randint(-127, 128, (70, 9), dtype=torch.int8)  # (N, K)
     packed = torch.ops.headwise.pack_panels(w)

@@ -710,13 +710,17 @@ def test_a_column_major_weight_gives_a_row_major_int8_weight(tmp_path):
 
 
 def test_int8_activations_refuse_a_k_whose_sums_would_pass_int32():
-    # 127 * 127 * K past 2**31 - 1 wrapped the integer sums (the sign flipped); the largest K that fits still computes
+    # 127 * 127 * K past 2**31 - 1 wrapped the integer sums (the sign flipped); the largest K that fits still computes,
+    # with a loaded weight's -128 too (the layer rounds to [-127, 127]; a state dict may hold -128)
     k = quantize.INT8_ROWS_MOST_K
     with pytest.raises(ValueError, match=rf"the weight's K must be at most {k}, got shape \(2, {k + 1}\); use activations='bf16'"):
         Int8Linear(torch.ones(2, k + 1), activations="int8")
     Int8Linear(torch.ones(2, k + 1))  # bfloat16 activations sum in float32: no such bound
     with torch.no_grad():
         assert Int8Linear(torch.ones(2, k), activations="int8")(torch.ones(3, k))[0, 0].item() == k
+        layer = Int8Linear(torch.ones(2, k), activations="int8")
+        layer.load_state_dict({"weight": torch.full((2, k), -128, dtype=torch.int8), "scales": torch.ones(2)})
+        assert layer(-torch.ones(1, k))[0, 0].item() == 128 * k  # each x rounds to -127 times 1/127: -1 * -128, k times
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])

@@ -43,7 +43,7 @@ bfloat16 roundings cost.
 ``activations="int8"`` (``int8_weights(model, activations="int8")``) is another arithmetic, the
 one CTranslate2's int8 and llama.cpp's q8_0 use: each row of activations rounded to int8 with its
 own scale (``max|x_row|`` times 1/127, in float32), the int8 x int8 products summed exactly in int32
-(so at most ``INT8_ROWS_MOST_K`` = (2**31 - 1) // 127**2 input features: 127 * 127 * K fits),
+(so at most ``INT8_ROWS_MOST_K`` = (2**31 - 1) // (128 * 127) input features: 128 * 127 * K fits, a loaded weight's -128 too),
 each sum rounded to float32, multiplied by the row's scale, then by the channel's, then the bias
 added, each step a float32 rounding. Integer sums have no order, so every path gives the same
 numbers, bit for bit: eagerly, a decode step's rows by the panels GEMM over the weight packed once
@@ -216,7 +216,7 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
         if (sums := panel_sums(ints, weight) if panel_rows else None) is None:  # else (M, N) int32 from the panels: the same sums
             int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
             sums = int_mm(ints, _k_by_n(weight))  # (M, N) int32: exact
-    else:  # the same integers in float64: products and sums exact (|sum| <= 127 * 127 * K < 2**53)
+    else:  # the same integers in float64: products and sums exact (|sum| <= 128 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
     return _int_scaled(sums, row_scales, scales, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])  # (..., N)
 
@@ -264,8 +264,9 @@ def _(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, ones: Tens
     return x.new_empty((x.shape[0], weight.shape[0]))  # (M, N)
 
 
-#: The most input features ``activations="int8"`` takes: 127 * 127 * K must fit an int32 sum.
-INT8_ROWS_MOST_K = (2**31 - 1) // 127**2
+#: The most input features ``activations="int8"`` takes: 128 * 127 * K must fit an int32 sum (x rounds to [-127, 127];
+#: the layer rounds its weight so too, but a loaded state dict may hold -128).
+INT8_ROWS_MOST_K = (2**31 - 1) // (128 * 127)
 
 
 class Int8Linear(AllOrNothing, nn.Module):
@@ -303,7 +304,7 @@ class Int8Linear(AllOrNothing, nn.Module):
         if weight.shape[1] == 0:
             raise ValueError(f"weight must have K >= 1 input features, got shape {tuple(weight.shape)}")
         if self._arithmetic == "int8" and weight.shape[1] > INT8_ROWS_MOST_K:
-            raise ValueError(f"activations='int8' sums K products of up to 127 * 127 in int32: the weight's K must be at most "
+            raise ValueError(f"activations='int8' sums K products of up to 128 * 127 in int32: the weight's K must be at most "
                              f"{INT8_ROWS_MOST_K}, got shape {tuple(weight.shape)}; use activations='bf16'")
         if bias is not None and (not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != weight.shape[:1]):
             got = f"{type(bias).__name__}" if not isinstance(bias, Tensor) else f"{bias.dtype} of shape {tuple(bias.shape)}"
