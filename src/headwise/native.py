@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -85,12 +88,24 @@ def loaded() -> bool:
 _PATH: list[str] = []  # the loaded library's file
 
 
+@functools.cache
 def function(name: str, restype: object, *argtypes: object) -> Callable:
     """The library's plain C function ``name`` (an ``extern "C"`` one that takes Python objects) through ``ctypes.PyDLL``,
     which keeps the GIL and checks Python's error flag after each call; for a loaded library only (``loaded()``)."""
     function = getattr(ctypes.PyDLL(_PATH[0]), name)
     function.restype, function.argtypes = restype, argtypes
     return function
+
+
+_KEYS = itertools.count(1)
+
+
+def keyed(owner: object, forget: str) -> int:
+    """A key no other object got (from 1), for ``owner``'s entry in a table the library keeps: the library's
+    ``forget(key)`` drops the entry when ``owner`` dies."""
+    key = next(_KEYS)
+    weakref.finalize(owner, function(forget, None, ctypes.c_int64), key).atexit = False
+    return key
 
 
 def _build() -> bool:

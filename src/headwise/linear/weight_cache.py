@@ -21,7 +21,6 @@ from Python took longer than some steps' arithmetic (a Llama's 255 weights: 0.5 
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import threading
 import weakref
@@ -91,9 +90,8 @@ class Seen:
         self.last: tuple | None = None  # the state seen last, without the library
         self.native: Callable | None = None
         if native.loaded():
-            self.native, forget = _seen_functions()
-            self.key = next(_SERIALS)  # (its entry in the library's table, dropped with this object)
-            weakref.finalize(self, forget, self.key).atexit = False
+            self.native = native.function("headwise_seen_same", ctypes.c_int, ctypes.c_int64, ctypes.py_object, ctypes.c_int64)
+            self.key = native.keyed(self, "headwise_seen_forget")  # (its entry in the library's table, dropped with this object)
 
     def same(self) -> bool:
         """True where nothing changed since the last call (the first call: False)."""
@@ -102,12 +100,6 @@ class Seen:
         now = state([t for m in self.modules for own in (m._parameters, m._buffers) for t in own.values() if t is not None])
         same, self.last = now == self.last, now
         return same
-
-
-@functools.cache
-def _seen_functions() -> tuple[Callable, Callable]:
-    return (native.function("headwise_seen_same", ctypes.c_int, ctypes.c_int64, ctypes.py_object, ctypes.c_int64),
-            native.function("headwise_seen_forget", None, ctypes.c_int64))
 
 
 def serial(t: Tensor) -> int | None:

@@ -15,8 +15,6 @@ the next positions, into caches it made) cannot go wrong between steps, so the f
 from __future__ import annotations
 
 import ctypes
-import itertools
-import weakref
 from collections.abc import Callable
 from functools import cache, partial
 from typing import Protocol
@@ -254,10 +252,9 @@ class Walk:
         self.native: Callable | None = None
         self.key = -1  # (the C call's key: negative keeps nothing)
         if native.loaded() and isinstance(model, torch.nn.Module):
-            self.native, forget = _walk_functions()
+            self.native = native.function("headwise_walk", ctypes.c_int, ctypes.c_int64, ctypes.py_object)
             if keep:
-                self.key = next(_WALKS)
-                weakref.finalize(self, forget, self.key).atexit = False
+                self.key = native.keyed(self, "headwise_walk_forget")
 
     def __call__(self) -> tuple[bool, bool]:
         if self.native is None:
@@ -268,15 +265,6 @@ class Walk:
             answer = self.native(self.key, self.model)
             return answer >= 0, answer != 1
         return False, True
-
-
-_WALKS = itertools.count()  # the C call's keys
-
-
-@cache
-def _walk_functions() -> tuple[Callable, Callable]:
-    return (native.function("headwise_walk", ctypes.c_int, ctypes.c_int64, ctypes.py_object),
-            native.function("headwise_walk_forget", None, ctypes.c_int64))
 
 
 def _plain_world() -> bool:
