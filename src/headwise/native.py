@@ -3,7 +3,8 @@
 (``backends/prefill_attention.cpp``, run by ``backends.prefill_kernel``), the few-row GEMM of a
 compiled step (``linear/panels.cpp``, run by ``linear.panels``), RMSNorm's rows
 (``models/rms_norm.cpp``, run by ``models.llama.RMSNorm``), a Llama-family layer's decode step
-(``models/decoder_layer.cpp``, run by ``models.native_layer``), the samples of the weights that kept copies were
+(``models/decoder_layer.cpp``, run by ``models.native_layer``), greedy decoding's token (``models/greedy.cpp``, run by
+``models.generate.greedy``), the samples of the weights that kept copies were
 made from (``linear/watched.cpp``, read by ``linear.weight_cache.verify``) and a few modules' tensors' state compared in
 one call (``linear/seen.cpp``, asked by ``linear.weight_cache.Seen``: plain C functions called through ``ctypes``,
 ``function``).
@@ -40,8 +41,8 @@ import torch
 _HERE = Path(__file__).parent
 #: The C++ sources of the library, one file per op family.
 SOURCES = (_HERE / "backends" / "decode_attention.cpp", _HERE / "backends" / "prefill_attention.cpp", _HERE / "linear" / "panels.cpp",
-           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp", _HERE / "linear" / "watched.cpp",
-           _HERE / "linear" / "seen.cpp")
+           _HERE / "models" / "rms_norm.cpp", _HERE / "models" / "decoder_layer.cpp", _HERE / "models" / "greedy.cpp",
+           _HERE / "linear" / "watched.cpp", _HERE / "linear" / "seen.cpp")
 #: Headers the sources include: hashed with them (a changed header is a new library).
 HEADERS = (_HERE / "backends" / "vectors.h",)
 #: The extra that installs ninja, which torch's extension builder runs.

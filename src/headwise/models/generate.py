@@ -35,6 +35,14 @@ from .graph_step import GraphStep
 #: greedy's chunk of a row: at least this many logits (amax's vectors pay over such a run), the smallest divisor of the vocab
 GREEDY_CHUNK = 256
 
+# (B, V) float32 or bfloat16 logits, rows contiguous -> (B,) int64: argmax's index in one pass (``models/greedy.cpp``)
+torch.library.define("headwise::greedy", "(Tensor logits) -> Tensor")
+
+
+@torch.library.register_fake("headwise::greedy")
+def _greedy_shape(logits: Tensor) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.long)  # (B,)
+
 
 class CausalLM(Protocol):
     """What ``GenerationMixin.generate`` needs from the model it is mixed into."""
@@ -306,6 +314,9 @@ def prompt_padding(is_token: Tensor | None) -> Tensor | None:
     return None if all_real else is_token
 
 
+_GREEDY_DTYPES = (torch.float32, torch.bfloat16)  # what greedy's op reads
+
+
 @cache
 def _chunk(vocab: int) -> int | None:
     """The smallest divisor of ``vocab`` in [GREEDY_CHUNK, 16 * GREEDY_CHUNK] (None: none, or a vocab under 4 chunks)."""
@@ -316,9 +327,19 @@ def _chunk(vocab: int) -> int | None:
 
 def greedy(logits: Tensor) -> Tensor:
     """(B, vocab) logits -> (B,) ids: ``logits.argmax(-1)``, the same index (the first largest; a NaN counts as
-    largest, the first NaN). On the CPU torch's argmax walks a row one element at a time while ``amax`` runs
-    vectors: so a row is cut into chunks (a divisor of the vocab, ``_chunk``), the first chunk holding the
-    row's maximum is found from the chunks' maxima, and the argmax runs inside it only."""
+    largest, the first NaN). On the CPU torch's argmax walks a row one element at a time: float32 or bfloat16 rows
+    take headwise's op where its library is loaded (one pass, 16 lanes at once: ``models/greedy.cpp``), other rows
+    ``greedy_by_chunks``."""
+    if (logits.is_cpu and logits.ndim == 2 and logits.dtype in _GREEDY_DTYPES and 0 < logits.shape[1] < 2**31
+            and logits.stride(1) == 1 and not logits.requires_grad and native.loaded()):
+        return torch.ops.headwise.greedy(logits)  # (B,)
+    return greedy_by_chunks(logits)
+
+
+def greedy_by_chunks(logits: Tensor) -> Tensor:
+    """``greedy`` without headwise's op: on the CPU a row is cut into chunks (a divisor of the vocab, ``_chunk``), the
+    first chunk holding the row's maximum is found from the chunks' maxima (``amax`` runs vectors), and the argmax runs
+    inside it only; elsewhere, or where no divisor fits, torch's argmax."""
     size = _chunk(logits.shape[-1]) if logits.is_cpu and logits.ndim == 2 else None
     if size is None:
         return logits.argmax(dim=-1)  # (B,)
