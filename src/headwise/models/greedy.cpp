@@ -1,11 +1,10 @@
 // Greedy decoding's token in one op: each row's index of its largest logit, the index torch's argmax gives (the first
 // largest; a NaN counts as largest, so the first NaN), for float32 or bfloat16 rows. torch's argmax walks a row one
-// element at a time on the CPU (86 µs for GPT-2's 50,257 logits), and the chunked amax-then-argmax that replaced it
-// takes eight ops, each a dispatch whose code a decode step has pushed out of the caches by then (docs: decoding, the
-// small ops on a shared host). One pass here: 16 lanes, each keeping its largest value and where it first came (a lane
-// takes a value only when it is larger, so an equal one later keeps the first), then the lanes' largest, the first index
-// among lanes that hold it. Built at run time with headwise's other ops (headwise.native); the schema and what it is
-// given are decided in headwise.models.generate (`greedy`).
+// element at a time on the CPU, and the chunked amax-then-argmax that replaced it takes eight ops, each a dispatch whose
+// code and data a decode step has pushed out of the caches by then (docs: decoding, the small ops on a shared host).
+// One pass here, 16 lanes at a time in four sets (each lane keeps its largest value and the index it first came at),
+// then the lanes' largest and the first index that holds it. Built at run time with headwise's other ops
+// (headwise.native); the schema and what it is given are decided in headwise.models.generate (`greedy`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
