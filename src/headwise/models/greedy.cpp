@@ -83,24 +83,23 @@ int64_t first_largest(const T* row, int64_t n) {
   return index;
 }
 
+// o[b] = first_largest of row b of logits (B, V) of T, rows in parallel
+template <typename T>
+void rows(const at::Tensor& logits, int64_t* o) {
+  const int64_t B = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  const T* p = logits.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / V);  // a task reads some 64K logits or more
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) o[b] = first_largest(p + b * stride, V);
+  });
+}
+
 // logits (B, V) float32 or bfloat16, rows contiguous (stride(1) == 1), V >= 1, V < 2**31 -> (B,) int64
 at::Tensor greedy(const at::Tensor& logits) {
-  const int64_t B = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
-  int64_t* o = out.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / V);  // a task reads some 64K logits or more
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   AT_DISPATCH_SWITCH(logits.scalar_type(), "headwise::greedy",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       const float* p = logits.data_ptr<float>();
-                       at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-                         for (int64_t b = b0; b < b1; ++b) o[b] = first_largest(p + b * stride, V);
-                       });
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       const c10::BFloat16* p = logits.data_ptr<c10::BFloat16>();
-                       at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-                         for (int64_t b = b0; b < b1; ++b) o[b] = first_largest(p + b * stride, V);
-                       });
-                     }));
+                     AT_DISPATCH_CASE(at::kFloat, [&] { rows<float>(logits, out.data_ptr<int64_t>()); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { rows<c10::BFloat16>(logits, out.data_ptr<int64_t>()); }));
   return out;
 }
 
