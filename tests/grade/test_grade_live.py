@@ -194,3 +194,45 @@ def test_a_cached_helper_and_a_partial_are_carried(notebook):
     assert namespace["A"]().forward(10) == 55 + 100 + 2.0
     assert namespace["fib"].cache_info().currsize > 0  # the cache decorator is there again
     assert carried([ns["B"]])[1] == {"cached": "_lru_cache_wrapper"}
+
+
+def test_what_a_statement_computed_is_written_as_it_holds_it_after_a_global_changed(notebook):
+    """``def forward(self, x, σ=S)`` and ``scale = S`` computed S once, when their statement ran: with S set again
+    since, writing the text would grade another class (it read today's S), so each is written as the value it holds;
+    one whose text still gives its value is written as it was, with the global it reads."""
+    notebook("from torch import nn\nS = 2.0\nK = 3\nKEEP = 7\n")
+    ns = notebook("class A(nn.Module):\n    scale = S\n    half = scale / 2 + KEEP\n    kept = KEEP\n\n"
+                  "    def forward(self, x, σ=S, k=-K, *, t=(S, KEEP), u=KEEP):\n        return x * σ * self.scale + self.half + k + sum(t) + u\n\n"
+                  "def helper(x, k=K):\n    return x * k\n\n"
+                  "class B(nn.Module):\n    def forward(self, x):\n        return helper(x)\n")
+    notebook("S = 5.0\nK = 10\n")
+    source = module_source([ns["A"], ns["B"]])
+    assert "scale = 2.0" in source and "σ=2.0, k=-3, *, t=(2.0, 7), u=KEEP" in source and "def helper(x, k=3):" in source, source
+    assert "kept = KEEP" in source and "KEEP = 7" in source and "S = " not in source and "K = " not in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    for name in ("A", "B"):
+        assert namespace[name]().forward(3) == ns[name]().forward(3)  # A: 3 * 2 * 2 + 8 - 3 + 9 + 7
+    assert vars(namespace["A"])["half"] == vars(ns["A"])["half"] == 8.0
+
+
+def test_a_class_attribute_computed_in_the_statement_and_set_again_since_is_written_as_it_is(notebook):
+    notebook("from torch import nn\nS = 2.0\n")
+    ns = notebook("class A(nn.Module):\n    scale = S * 2\n\n    def forward(self, x):\n        return x * self.scale\n")
+    notebook("A.scale = 0.5\n")
+    source = module_source([ns["A"]])
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"]().forward(4) == ns["A"]().forward(4) == 2.0, source
+
+
+def test_a_default_holding_an_object_whose_name_means_another_now_is_refused(notebook):
+    """``act=ACT`` holds the class ACT meant when the ``def`` ran; with no text of its own it cannot be written, so the
+    class is refused with the reason (it was graded with today's ACT)."""
+    notebook("from torch import nn\nACT = nn.GELU\n")
+    ns = notebook("class A(nn.Module):\n    def forward(self, x, act=ACT):\n        return act()(x)\n")
+    assert "act=ACT" in module_source([ns["A"]])  # ACT still means it: written with its text
+    notebook("ACT = nn.ReLU\n")
+    with pytest.raises(SourceError, match=r"A.forward's default for act holds the type that ACT meant when it was defined, and "
+                                          r"ACT means another now \(set again since\): run the cell that defines it again"):
+        module_source([ns["A"]])

@@ -7,8 +7,10 @@ statement ran (``C.forward = f`` in a later cell, d2l's ``add_to_class``) is wri
 as the function it now is; a method deleted since is deleted again. A class with no method
 of its own is written from its bases. A dataclass is written as one: what its decorator made
 (``__init__``, ``__repr__``, ``__dataclass_fields__``...) is left for the decorator to make
-again, and one with no method of its own (a config) is written from its fields. Whatever
-cannot be written down this way (a method made with ``exec()``, a lambda, a closure) raises
+again, and one with no method of its own (a config) is written from its fields. What a
+statement computed when it ran (a default ``s=SCALE``, a class attribute ``scale = SCALE``)
+is written as the value it holds where its text would now give another (``SCALE`` set again
+since). Whatever cannot be written down this way (a method made with ``exec()``, a lambda, a closure) raises
 ``SourceError`` saying why.
 """
 
@@ -21,9 +23,11 @@ import functools
 import inspect
 import linecache
 import math
+import operator
 import textwrap
+from collections import ChainMap
 from dataclasses import dataclass, field
-from types import FunctionType, MemberDescriptorType
+from types import FunctionType, MemberDescriptorType, ModuleType
 
 #: Attributes Python (or its ``abc`` module) puts into every class's namespace.
 MADE_BY_PYTHON = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
@@ -126,7 +130,8 @@ def function_piece(fn: FunctionType, decorated: bool = True) -> Piece:
         raise SourceError(f"the function {fn.__qualname__} {NO_TEXT}")
     filename, lines, _, node = found
     first = _first(node) if decorated else node.lineno
-    return Piece(textwrap.dedent("".join(lines[first - 1 : node.end_lineno])), filename, first, _uses(lines[first - 1 : node.end_lineno], fn))
+    text = _pinned(lines, first, node.end_lineno, _default_pins(inspect.unwrap(fn), node, fn.__qualname__))
+    return Piece(textwrap.dedent("".join(text)), filename, first, _uses(text, fn))
 
 
 # ----------------------------------------------------------------------------- the class statement
@@ -153,8 +158,8 @@ def _statement(cls: type) -> tuple[str, ast.ClassDef, list[str]] | None:
 
 def _statement_piece(cls: type, filename: str, node: ast.ClassDef, lines: list[str]) -> Piece:
     first = _first(node)
-    text = lines[first - 1 : node.end_lineno]
     scope = next((inspect.unwrap(f).__globals__ for v in vars(cls).values() for f in _functions(v) or ()), {})
+    text = _pinned(lines, first, node.end_lineno, _statement_pins(cls, filename, node, scope))
     for base in cls.__bases__:  # the statement ran with them: the name may mean another class by now
         if base.__name__ != cls.__name__ and isinstance(scope.get(base.__name__), type) and scope[base.__name__] is not base:
             raise SourceError(f"{cls.__name__}'s base {base.__name__} is not the class that name means now ({base.__name__} was "
@@ -206,6 +211,131 @@ def _same(a: object, b: object) -> bool:
 def _in_statement(fn: FunctionType, statement: tuple[str, ast.ClassDef, list[str]]) -> bool:
     place = _def_node(inspect.unwrap(fn))
     return place is not None and place[0] == statement[0] and any(n.lineno == place[3].lineno for n in statement[1].body)
+
+
+# ----------------------------------------------------------------------------- what a statement computed when it ran
+
+
+class _UnreadError(Exception):
+    """An expression whose value cannot be read without running code (a call, a subscript...)."""
+
+
+_NUMBERS = (bool, int, float, complex)
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNREAD = object()  # a name the class body bound with a value that cannot be read
+
+
+def _value(node: ast.expr, scope: ChainMap) -> object:
+    """What ``node`` gives now in ``scope``, for an expression made of constants, names, attributes of modules and
+    classes, tuples and lists of them, and arithmetic on numbers (no call: it could do anything). Raises ``_UnreadError``
+    for any other expression."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and scope.get(node.id, _UNREAD) is not _UNREAD:
+        return scope[node.id]
+    if isinstance(node, ast.Attribute):
+        base = _value(node.value, scope)
+        if isinstance(base, (ModuleType, type)) and hasattr(base, node.attr):
+            return getattr(base, node.attr)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        items = [_value(e, scope) for e in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        x = _value(node.operand, scope)
+        if isinstance(x, _NUMBERS):
+            return _UNARY[type(node.op)](x)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        a, b = _value(node.left, scope), _value(node.right, scope)
+        small = not isinstance(node.op, ast.Pow) or (isinstance(b, (int, float)) and abs(b) <= 64)  # no 10 ** 10 ** 9
+        if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS) and small:
+            try:
+                return _BINARY[type(node.op)](a, b)
+            except (ArithmeticError, ValueError):
+                pass
+    raise _UnreadError
+
+
+def _pin(node: ast.expr, value: object, scope: ChainMap, what: str) -> tuple[ast.expr, str] | None:
+    """``(node, text of value)`` where the text ``node`` was written with would now give another value than ``value``,
+    the one it gave when its statement ran (a name it reads set again since); None where it gives the same, or where
+    its value cannot be read without running it. A value with no text of its own (a tensor, an object) that a name no
+    longer means raises ``SourceError``."""
+    if isinstance(node, ast.Constant):
+        return None
+    try:
+        now = _value(node, scope)
+    except _UnreadError:
+        return None
+    text = literal(value)
+    if now is value or (text is not None and literal(now) == text):
+        return None
+    if text is not None:
+        return node, text
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        raise SourceError(f"{what} holds the {type(value).__name__} that {ast.unparse(node)} meant when it was defined, and "
+                          f"{ast.unparse(node)} means another now (set again since): run the cell that defines it again")
+    return None
+
+
+def _default_pins(fn: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef, where: str) -> list[tuple[ast.expr, str]]:
+    """The pins of ``fn``'s defaults (its ``def``: ``node``), which Python computed once, when the ``def`` ran."""
+    args, scope = node.args, ChainMap(fn.__globals__, vars(builtins))
+    positional = [*args.posonlyargs, *args.args][len(args.posonlyargs) + len(args.args) - len(args.defaults) :]
+    given = fn.__defaults__ or ()
+    triples = list(zip(positional, args.defaults, given, strict=True)) if len(given) == len(args.defaults) else []
+    kw = fn.__kwdefaults__ or {}
+    triples += [(a, d, kw[a.arg]) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None and a.arg in kw]
+    return [p for a, d, v in triples if (p := _pin(d, v, scope, f"{where}'s default for {a.arg}")) is not None]
+
+
+def _statement_pins(cls: type, filename: str, node: ast.ClassDef, scope: dict) -> list[tuple[ast.expr, str]]:
+    """The pins of the class statement: its body's assignments (``scale = SCALE``) and its methods' defaults."""
+    pins, body = [], {}
+    names = ChainMap(body, scope, vars(builtins))  # the class body's expressions see what it bound before them
+    methods = {(inspect.unwrap(f).__code__.co_filename, inspect.unwrap(f).__code__.co_firstlineno): inspect.unwrap(f)
+               for v in vars(cls).values() for f in _functions(v) or ()}
+    for stmt in node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and (fn := methods.get((filename, _first(stmt)))) is not None:
+            pins += _default_pins(fn, stmt, f"{cls.__name__}.{stmt.name}")
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            body[stmt.name] = vars(cls).get(stmt.name, _UNREAD)
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if stmt.__dict__.get("value") is None or not targets or not all(isinstance(t, ast.Name) for t in targets):
+            body.update(dict.fromkeys(_scope_names([stmt])[0], _UNREAD))  # bound some other way: not read
+            continue
+        value = _held(cls, targets)
+        pin = None if value is _UNREAD else _pin(stmt.value, value, names, f"{cls.__name__}.{targets[0].id}")
+        pins += [pin] if pin is not None else []
+        try:
+            held = _UNREAD if value is _UNREAD else value if pin else _value(stmt.value, names)
+        except _UnreadError:
+            held = _UNREAD
+        body.update(dict.fromkeys((t.id for t in targets), held))
+    return pins
+
+
+def _held(cls: type, targets: list[ast.Name]) -> object:
+    """The value the class holds for ``a = b = ...`` (a dataclass field: its default), or ``_UNREAD`` where it holds none
+    or the targets hold different values (one was set again since: written after the statement)."""
+    fields = cls.__dataclass_fields__ if _is_dataclass(cls) else {}
+    values = [fields[t.id].default if t.id in fields else vars(cls).get(t.id, _UNREAD) for t in targets]
+    value = values[0]
+    same = all(v is value for v in values) and value is not dataclasses.MISSING and not isinstance(value, MemberDescriptorType)
+    return value if same else _UNREAD
+
+
+def _pinned(lines: list[str], first: int, last: int, pins: list[tuple[ast.expr, str]]) -> list[str]:
+    """Lines ``first`` to ``last`` (from 1) of a file's ``lines``, each pinned expression's text replaced by its value's."""
+    text = list(lines[first - 1 : last])
+    for node, new in sorted(pins, key=lambda p: (p[0].lineno, p[0].col_offset), reverse=True):
+        a, b = node.lineno - first, node.end_lineno - first
+        start = len(text[a].encode()[: node.col_offset].decode())  # the tree's columns count UTF-8 bytes
+        end = len(text[b].encode()[: node.end_col_offset].decode())
+        text[a : b + 1] = [text[a][:start] + new + text[b][end:]]
+    return text
 
 
 # ----------------------------------------------------------------------------- dataclasses
