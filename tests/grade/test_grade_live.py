@@ -198,41 +198,100 @@ def test_a_cached_helper_and_a_partial_are_carried(notebook):
 
 def test_what_a_statement_computed_is_written_as_it_holds_it_after_a_global_changed(notebook):
     """``def forward(self, x, σ=S)`` and ``scale = S`` computed S once, when their statement ran: with S set again
-    since, writing the text would grade another class (it read today's S), so each is written as the value it holds;
-    one whose text still gives its value is written as it was, with the global it reads."""
-    notebook("from torch import nn\nS = 2.0\nK = 3\nKEEP = 7\n")
-    ns = notebook("class A(nn.Module):\n    scale = S\n    half = scale / 2 + KEEP\n    kept = KEEP\n\n"
-                  "    def forward(self, x, σ=S, k=-K, *, t=(S, KEEP), u=KEEP):\n        return x * σ * self.scale + self.half + k + sum(t) + u\n\n"
+    since, writing the text would grade another class (it read today's S), so each is written as the value it holds."""
+    notebook("from torch import nn\nS = 2.0\nK = 3\nKEEP = 7\nCFG = {'d': 4}\n")
+    ns = notebook("class A(nn.Module):\n    scale = S\n    half = scale / 2 + KEEP\n    d = CFG['d']\n\n"
+                  "    def forward(self, x, σ=S, k=-K, *, t=(S, KEEP), u=(\n            CFG['d'])):\n"
+                  "        return x * σ * self.scale + self.half + k + sum(t) + u + self.d\n\n"
                   "def helper(x, k=K):\n    return x * k\n\n"
-                  "class B(nn.Module):\n    def forward(self, x):\n        return helper(x)\n")
-    notebook("S = 5.0\nK = 10\n")
+                  "class B(nn.Module):\n    def forward(self, x):\n        return helper(x) + KEEP\n")
+    notebook("S = 5.0\nK = 10\nCFG['d'] = 8\n")
     source = module_source([ns["A"], ns["B"]])
-    assert "scale = 2.0" in source and "σ=2.0, k=-3, *, t=(2.0, 7), u=KEEP" in source and "def helper(x, k=3):" in source, source
-    assert "kept = KEEP" in source and "KEEP = 7" in source and "S = " not in source and "K = " not in source, source
+    assert "scale = 2.0" in source and "σ=2.0, k=-3, *, t=(2.0, 7), u=(\n            4)):" in source and "def helper(x, k=3):" in source, source
+    assert "S = " not in source and "K = " not in source and "CFG" not in source and "KEEP = 7" in source, source
     namespace: dict = {}
     exec(compile(source, "classes.py", "exec"), namespace)
     for name in ("A", "B"):
-        assert namespace[name]().forward(3) == ns[name]().forward(3)  # A: 3 * 2 * 2 + 8 - 3 + 9 + 7
+        assert namespace[name]().forward(3) == ns[name]().forward(3)  # A: 3 * 2 * 2 + 8 - 3 + 9 + 4 + 4
     assert vars(namespace["A"])["half"] == vars(ns["A"])["half"] == 8.0
 
 
-def test_a_class_attribute_computed_in_the_statement_and_set_again_since_is_written_as_it_is(notebook):
-    notebook("from torch import nn\nS = 2.0\n")
-    ns = notebook("class A(nn.Module):\n    scale = S * 2\n\n    def forward(self, x):\n        return x * self.scale\n")
-    notebook("A.scale = 0.5\n")
+@pytest.mark.parametrize("later", [
+    "A.scale = 0.5\nA.b = 9\nA.c = 0.25\n",  # set on the class since: its text (computed, or one of two targets) no longer says
+    "",  # scale *= 2: a name the body binds twice is set to what the class holds after the statement, not pinned in it
+])
+def test_a_class_attribute_computed_in_the_statement_is_written_as_the_class_holds_it(notebook, later):
+    notebook("import math\nfrom torch import nn\nS = 2.0\n")
+    ns = notebook("class A(nn.Module):\n    scale = S * 2\n    scale *= 2\n    a = b = S\n    c = math.sqrt(S)\n\n"
+                  "    def forward(self, x, s=scale):\n        return x * self.scale + self.a + self.b + self.c + s\n")
+    notebook(later + "S = 16.0\n")
     source = module_source([ns["A"]])
     namespace: dict = {}
     exec(compile(source, "classes.py", "exec"), namespace)
-    assert namespace["A"]().forward(4) == ns["A"]().forward(4) == 2.0, source
+    assert namespace["A"]().forward(4) == ns["A"]().forward(4), source
+    assert {k: vars(namespace["A"])[k] for k in "abc"} | {"scale": namespace["A"].scale} == {k: vars(ns["A"])[k] for k in ("a", "b", "c", "scale")}
 
 
-def test_a_default_holding_an_object_whose_name_means_another_now_is_refused(notebook):
-    """``act=ACT`` holds the class ACT meant when the ``def`` ran; with no text of its own it cannot be written, so the
-    class is refused with the reason (it was graded with today's ACT)."""
-    notebook("from torch import nn\nACT = nn.GELU\n")
-    ns = notebook("class A(nn.Module):\n    def forward(self, x, act=ACT):\n        return act()(x)\n")
-    assert "act=ACT" in module_source([ns["A"]])  # ACT still means it: written with its text
-    notebook("ACT = nn.ReLU\n")
-    with pytest.raises(SourceError, match=r"A.forward's default for act holds the type that ACT meant when it was defined, and "
-                                          r"ACT means another now \(set again since\): run the cell that defines it again"):
+def test_a_later_method_reading_a_class_attribute_set_before_it_and_a_dataclass_field_set_since(notebook):
+    """Changes after the statement are written in the class's order, not the order they were made: a default read
+    from the class is written as its value, whatever is written before it; a field's default (the decorator's) and the
+    class attribute set since are two values, both kept."""
+    notebook("import dataclasses\nD = 4\n")
+    ns = notebook("class A:\n    def f(self, x):\n        return x\n\n    k = 1.0\n\n"
+                  "@dataclasses.dataclass\nclass Cfg:\n    d: int = D\n    e: int = dataclasses.field(default=D, repr=False)\n\n"
+                  "    def twice(self):\n        return 2 * self.d + self.e\n")
+    notebook("A.k = 2.0\n")
+    notebook("def g(self, x, s=A.k):\n    return s\n\nA.f = g\nCfg.d = 9\nD = 5\n")
+    source = module_source([ns["A"], ns["Cfg"]])
+    assert "dataclasses.field(default=4, repr=False)" in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"]().f(0) == ns["A"]().f(0) == 2.0, source
+    assert (namespace["Cfg"].d, namespace["Cfg"]().twice(), repr(namespace["Cfg"]())) == (9, 12, "Cfg(d=4)")
+
+
+@pytest.mark.parametrize(("cell", "later", "why"), [
+    ("ACT = nn.GELU\n", "ACT = nn.ReLU\n", r"A.forward's default for act holds a type that its text ACT no longer gives"),
+    ("@dataclasses.dataclass\nclass Cfg:\n    d: int = 4\n", "@dataclasses.dataclass\nclass Cfg:\n    d: int = 8\n",
+     r"A.forward's default for act holds a Cfg made when it was defined, and Cfg is another class now"),
+    ("M = Mode.A\n", "M = Mode.B\n", r"A.forward's default for act holds a Mode that its text M no longer gives"),
+])
+def test_a_default_holding_an_object_its_text_no_longer_gives_is_refused(notebook, cell, later, why):
+    """``act=ACT`` holds the class ACT meant when the ``def`` ran, ``cfg=Cfg()`` an instance of the Cfg of then, an
+    IntEnum member has no text of its own: none can be written, so the class is refused with the reason."""
+    notebook("import dataclasses\nimport enum\nfrom torch import nn\n\nclass Mode(enum.IntEnum):\n    A = 1\n    B = 2\n\n" + cell)
+    default = "Cfg()" if "Cfg" in cell else cell.split(" = ")[0]
+    ns = notebook(f"class A(nn.Module):\n    def forward(self, x, act={default}):\n        return act\n")
+    assert f"act={default}" in module_source([ns["A"]])  # the text still gives it: written as it is
+    notebook(later)
+    with pytest.raises(SourceError, match=f"^cannot grade A: {why}"):
         module_source([ns["A"]])
+
+
+def test_names_a_class_body_binds_and_bound_methods_are_read_where_python_reads_them(notebook):
+    """A default reads the class body's names before the globals (``ACT`` in the body, another ``ACT`` outside), a
+    classmethod read from its class is a new bound method each time (the same one), and ``alias = forward`` names the
+    statement's own function: none is refused."""
+    notebook("import numpy as np\nfrom torch import nn\nACT = nn.ReLU\nSCALE = np.sqrt(64.0)\nS = 4\n\n"
+             "class Maker:\n    @classmethod\n    def create(cls):\n        return 7\n")
+    ns = notebook("class A(nn.Module):\n    ACT = nn.GELU\n    mk = Maker.create\n    r = S % 3\n\n"
+                  "    def forward(self, x, act=ACT, m=Maker.create, q=S // 2):\n        return act, m(), x * SCALE, q\n\n    alias = forward\n")
+    notebook("def forward(self, x):\n    return x\n\nA.forward = forward\nS = 1j\n")
+    source = module_source([ns["A"]])
+    assert "SCALE = 8.0" in source, source
+    namespace: dict = {}
+    exec(compile(source, "classes.py", "exec"), namespace)
+    assert namespace["A"]().alias(2) == (ns["A"]().alias(2)[0], 7, 16.0, 2) and namespace["A"].r == 1
+
+
+def test_a_name_that_would_mean_the_graded_class_and_an_older_one_is_refused(notebook):
+    """Sub (no method of its own) was built on Base, then Base's cell ran again: grading both would write the older
+    Base after the graded one under its name, and grade the older one. Graded alone, each is written as it is."""
+    notebook("class Base:\n    def f(self):\n        return 'old'\n\nclass Sub(Base):\n    k = 1\n")
+    ns = notebook("class Base:\n    def f(self):\n        return 'new'\n")
+    with pytest.raises(SourceError, match=r"^cannot grade Sub: Base would mean two classes: the one graded, and an older one this class"):
+        module_source([ns["Base"], ns["Sub"]])
+    for name, said in (("Base", "new"), ("Sub", "old")):
+        namespace: dict = {}
+        exec(compile(module_source([ns[name]]), "classes.py", "exec"), namespace)
+        assert namespace[name]().f() == said

@@ -25,9 +25,9 @@ import linecache
 import math
 import operator
 import textwrap
-from collections import ChainMap
+from collections import ChainMap, Counter
 from dataclasses import dataclass, field
-from types import FunctionType, MemberDescriptorType, ModuleType
+from types import FunctionType, MemberDescriptorType, MethodType, ModuleType
 
 #: Attributes Python (or its ``abc`` module) puts into every class's namespace.
 MADE_BY_PYTHON = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
@@ -63,7 +63,11 @@ def literal(value: object, depth: int = 0) -> str | None:
             return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
         inner = ", ".join(v for _, v in items)
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(items) == 1 else ''})"
-    return repr(value) if isinstance(value, _CONSTANTS) else None
+    if type(value) in _CONSTANTS:
+        return repr(value)
+    if isinstance(value, (int, float)) and type(value).__module__ == "numpy":  # np.float64(8.0): a float's text
+        return literal(float(value) if isinstance(value, float) else int(value))
+    return None  # a subclass (an IntEnum member) has no text of its own
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ def write_class(cls: type) -> Written:
     """``cls`` as it is now. Raises ``SourceError`` when some part of it has no text to write."""
     statement = _statement(cls)
     bound = _bound(statement[1]) if statement else {}
-    pieces = [_statement_piece(cls, *statement) if statement else _dataclass_header(cls) if _is_dataclass(cls) else _header(cls)]
+    piece, written = _statement_piece(cls, *statement) if statement else (None, {})
+    pieces = [piece or (_dataclass_header(cls) if _is_dataclass(cls) else _header(cls))]
     if statement and _is_dataclass(cls) and not statement[1].decorator_list:  # C = dataclass(C) after the statement
         pieces.append(Piece(f"{cls.__name__} = {_decorator(cls)}({cls.__name__})\n", None, 1, {"dataclasses": dataclasses}))
     changes = []
@@ -103,7 +108,7 @@ def write_class(cls: type) -> Written:
                 continue
             pieces += _method(cls, name, value, functions)
         elif literal(value) is not None:
-            if name in bound and (bound[name] is _COMPUTED or _same(bound[name], value)):
+            if name in bound and _same(written.get(name, bound[name]), value):  # a computed one not pinned: set after it
                 continue
             pieces.append(Piece(f"{cls.__name__}.{name} = {literal(value)}\n", None, 1))
         elif not statement:
@@ -156,16 +161,18 @@ def _statement(cls: type) -> tuple[str, ast.ClassDef, list[str]] | None:
     return next(iter(found.values()), None)
 
 
-def _statement_piece(cls: type, filename: str, node: ast.ClassDef, lines: list[str]) -> Piece:
+def _statement_piece(cls: type, filename: str, node: ast.ClassDef, lines: list[str]) -> tuple[Piece, dict[str, object]]:
+    """The class statement's text (its pins written in: ``_statement_pins``) and the names it binds to pinned values."""
     first = _first(node)
     scope = next((inspect.unwrap(f).__globals__ for v in vars(cls).values() for f in _functions(v) or ()), {})
-    text = _pinned(lines, first, node.end_lineno, _statement_pins(cls, filename, node, scope))
+    pins, written = _statement_pins(cls, filename, node, scope)
+    text = _pinned(lines, first, node.end_lineno, pins)
     for base in cls.__bases__:  # the statement ran with them: the name may mean another class by now
         if base.__name__ != cls.__name__ and isinstance(scope.get(base.__name__), type) and scope[base.__name__] is not base:
             raise SourceError(f"{cls.__name__}'s base {base.__name__} is not the class that name means now ({base.__name__} was "
                               f"defined again after {cls.__name__}): run {cls.__name__}'s cell again, so that it is built on it")
     uses = {n: scope[n] for n in _free_names(text) if n in scope and n != cls.__name__}
-    return Piece(textwrap.dedent("".join(text)), filename, first, uses | _same_name_bases(cls))
+    return Piece(textwrap.dedent("".join(text)), filename, first, uses | _same_name_bases(cls)), written
 
 
 def _header(cls: type) -> Piece:
@@ -252,36 +259,53 @@ def _value(node: ast.expr, scope: ChainMap) -> object:
         if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS) and small:
             try:
                 return _BINARY[type(node.op)](a, b)
-            except (ArithmeticError, ValueError):
+            except (ArithmeticError, ValueError, TypeError):
                 pass
     raise _UnreadError
 
 
 def _pin(node: ast.expr, value: object, scope: ChainMap, what: str) -> tuple[ast.expr, str] | None:
-    """``(node, text of value)`` where the text ``node`` was written with would now give another value than ``value``,
-    the one it gave when its statement ran (a name it reads set again since); None where it gives the same, or where
-    its value cannot be read without running it. A value with no text of its own (a tensor, an object) that a name no
-    longer means raises ``SourceError``."""
+    """``(node, text of value)`` for an expression Python computed once, when its statement ran, that now holds
+    ``value``: written as that value wherever it has a text (``literal``), whatever the expression would give today
+    (a name it reads set again since, a dict it reads changed, the order pieces are written in); None for a constant, or
+    for a value with no text that the expression still gives (or whose expression cannot be read without running it).
+    Raises ``SourceError`` for a value with no text that its expression (a name, an attribute, a class called) no
+    longer gives."""
     if isinstance(node, ast.Constant):
         return None
+    text = literal(value)
+    if text is not None:
+        return node, text
     try:
         now = _value(node, scope)
     except _UnreadError:
+        _made_by(node, value, scope, what)
         return None
-    text = literal(value)
-    if now is value or (text is not None and literal(now) == text):
+    if now is value or (isinstance(value, MethodType) and now == value):  # a class's method: a new bound method each read
         return None
-    if text is not None:
-        return node, text
     if isinstance(node, (ast.Name, ast.Attribute)):
-        raise SourceError(f"{what} holds the {type(value).__name__} that {ast.unparse(node)} meant when it was defined, and "
-                          f"{ast.unparse(node)} means another now (set again since): run the cell that defines it again")
+        raise SourceError(f"{what} holds a {type(value).__name__} that its text {ast.unparse(node)} no longer gives (set again since "
+                          f"it was defined), and a {type(value).__name__} cannot be written as text: run the cell that defines it again")
     return None
 
 
-def _default_pins(fn: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef, where: str) -> list[tuple[ast.expr, str]]:
-    """The pins of ``fn``'s defaults (its ``def``: ``node``), which Python computed once, when the ``def`` ran."""
-    args, scope = node.args, ChainMap(fn.__globals__, vars(builtins))
+def _made_by(node: ast.expr, value: object, scope: ChainMap, what: str) -> None:
+    """Raises ``SourceError`` where ``node`` calls a class (``cfg=Config()``) that ``value`` is not an instance of: the
+    class was defined again since, and the text would make another."""
+    try:
+        made = _value(node.func, scope) if isinstance(node, ast.Call) else None
+    except _UnreadError:
+        return
+    if isinstance(made, type) and not isinstance(value, made):
+        raise SourceError(f"{what} holds a {type(value).__name__} made when it was defined, and {ast.unparse(node.func)} is another "
+                          "class now (defined again since): run the cell that defines it again")
+
+
+def _default_pins(fn: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef, where: str,
+                  scope: ChainMap | None = None) -> list[tuple[ast.expr, str]]:
+    """The pins of ``fn``'s defaults (its ``def``: ``node``), which Python computed once, when the ``def`` ran (in
+    ``scope``: a class body's names, else the function's globals)."""
+    args, scope = node.args, scope if scope is not None else ChainMap(fn.__globals__, vars(builtins))
     positional = [*args.posonlyargs, *args.args][len(args.posonlyargs) + len(args.args) - len(args.defaults) :]
     given = fn.__defaults__ or ()
     triples = list(zip(positional, args.defaults, given, strict=True)) if len(given) == len(args.defaults) else []
@@ -290,38 +314,56 @@ def _default_pins(fn: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef
     return [p for a, d, v in triples if (p := _pin(d, v, scope, f"{where}'s default for {a.arg}")) is not None]
 
 
-def _statement_pins(cls: type, filename: str, node: ast.ClassDef, scope: dict) -> list[tuple[ast.expr, str]]:
-    """The pins of the class statement: its body's assignments (``scale = SCALE``) and its methods' defaults."""
-    pins, body = [], {}
-    names = ChainMap(body, scope, vars(builtins))  # the class body's expressions see what it bound before them
-    methods = {(inspect.unwrap(f).__code__.co_filename, inspect.unwrap(f).__code__.co_firstlineno): inspect.unwrap(f)
-               for v in vars(cls).values() for f in _functions(v) or ()}
+def _statement_pins(cls: type, filename: str, node: ast.ClassDef, scope: dict) -> tuple[list[tuple[ast.expr, str]], dict[str, object]]:
+    """The pins of the class statement: its methods' defaults, and each name its body binds once, plainly (``scale =
+    SCALE``; a dataclass field's default); and the values those names are written with (a name bound more than once, or
+    otherwise, keeps its text: ``write_class`` sets the value it holds after the statement)."""
+    pins, written, body = [], {}, {}
+    reads = ChainMap(body, scope, vars(builtins))  # the class body's expressions see what it bound before them
+    made = {(inspect.unwrap(f).__code__.co_filename, inspect.unwrap(f).__code__.co_firstlineno): inspect.unwrap(f)
+            for v in vars(cls).values() for f in _functions(v) or ()}
+    bindings = Counter(n for stmt in node.body for n in _scope_names([stmt])[0])
     for stmt in node.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and (fn := methods.get((filename, _first(stmt)))) is not None:
-            pins += _default_pins(fn, stmt, f"{cls.__name__}.{stmt.name}")
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            body[stmt.name] = vars(cls).get(stmt.name, _UNREAD)
-            continue
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-        if stmt.__dict__.get("value") is None or not targets or not all(isinstance(t, ast.Name) for t in targets):
-            body.update(dict.fromkeys(_scope_names([stmt])[0], _UNREAD))  # bound some other way: not read
-            continue
-        value = _held(cls, targets)
-        pin = None if value is _UNREAD else _pin(stmt.value, value, names, f"{cls.__name__}.{targets[0].id}")
-        pins += [pin] if pin is not None else []
-        try:
-            held = _UNREAD if value is _UNREAD else value if pin else _value(stmt.value, names)
-        except _UnreadError:
-            held = _UNREAD
-        body.update(dict.fromkeys((t.id for t in targets), held))
-    return pins
+        assigned = [t.id for t in targets if isinstance(t, ast.Name)]
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            fn = made.get((filename, _first(stmt)))
+            if fn is not None:
+                pins += _default_pins(fn, stmt, f"{cls.__name__}.{stmt.name}", reads)
+            held = vars(cls).get(stmt.name, _UNREAD)
+            body[stmt.name] = held if fn is not None and fn in [inspect.unwrap(f) for f in _functions(held) or ()] else _UNREAD
+        elif (stmt.__dict__.get("value") is not None and assigned and len(assigned) == len(targets)
+              and all(bindings[n] == 1 for n in assigned) and (value := _held(cls, assigned)) is not _UNREAD):
+            where = f"{cls.__name__}.{assigned[0]}"
+            expr = _field_default(stmt.value) if _is_field(stmt.value, reads) else stmt.value  # field(default=...): its default
+            pin = _pin(expr, value, reads, where)
+            if pin is not None:
+                pins.append(pin)
+                written.update(dict.fromkeys(assigned, value))
+            body.update(dict.fromkeys(assigned, value))
+        else:
+            body.update(dict.fromkeys(_scope_names([stmt])[0], _UNREAD))  # bound another way: not read
+    return pins, written
 
 
-def _held(cls: type, targets: list[ast.Name]) -> object:
+def _is_field(node: ast.expr, scope: ChainMap) -> bool:
+    """Whether ``node`` calls ``dataclasses.field`` (its default, if any, is pinned, not the call)."""
+    try:
+        return isinstance(node, ast.Call) and _value(node.func, scope) is dataclasses.field
+    except _UnreadError:
+        return False
+
+
+def _field_default(node: ast.Call) -> ast.expr:
+    """``dataclasses.field(default=...)``'s default (a constant stand-in where it has none: nothing pinned)."""
+    return next((k.value for k in node.keywords if k.arg == "default"), ast.Constant(None))
+
+
+def _held(cls: type, targets: list[str]) -> object:
     """The value the class holds for ``a = b = ...`` (a dataclass field: its default), or ``_UNREAD`` where it holds none
     or the targets hold different values (one was set again since: written after the statement)."""
     fields = cls.__dataclass_fields__ if _is_dataclass(cls) else {}
-    values = [fields[t.id].default if t.id in fields else vars(cls).get(t.id, _UNREAD) for t in targets]
+    values = [fields[t].default if t in fields else vars(cls).get(t, _UNREAD) for t in targets]
     value = values[0]
     same = all(v is value for v in values) and value is not dataclasses.MISSING and not isinstance(value, MemberDescriptorType)
     return value if same else _UNREAD
@@ -457,10 +499,9 @@ def _method(cls: type, name: str, value: object, functions: list[FunctionType]) 
         raise SourceError(f"{where} is a decorated function set outside the class statement and cannot be written down: define it in the class")
     if fn.__code__.co_name == "<lambda>":
         raise SourceError(f"{where} is a lambda, which cannot be written down: write it with def")
-    try:
-        piece = function_piece(fn, decorated=False)  # the function itself: a decorator such as add_to_class already ran
-    except SourceError:
-        raise SourceError(f"its method {name} {NO_TEXT}") from None
+    if _def_node(fn) is None:
+        raise SourceError(f"its method {name} {NO_TEXT}")
+    piece = function_piece(fn, decorated=False)  # the function itself: a decorator such as add_to_class already ran
     if fn.__code__.co_freevars:
         raise SourceError(f"{where} reads {', '.join(fn.__code__.co_freevars)} from the function or class it was made in, "
                           "which cannot be carried into the grading process: define it in the class, or at the top of the notebook")

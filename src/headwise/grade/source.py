@@ -101,14 +101,16 @@ class _Builder:
         self.constants: list[str] = []
         self.definitions: list[Piece] = []
         self.seen: set[int] = set()
+        self.defined: dict[str, object] = {}  # each class's and function's name -> the one written under it
         self.left_behind: dict[str, str] = {}
 
     def pieces(self) -> list[Piece]:
         head = "\n".join([*dict.fromkeys(self.imports), *self.constants])
         return ([Piece(head + "\n", None, 1)] if head else []) + self.definitions
 
-    def add(self, name: str, obj: object) -> None:
-        """Make ``name`` mean ``obj`` in the module (noted in ``left_behind`` when it cannot be written down)."""
+    def add(self, name: str, obj: object, needed: bool = False) -> None:
+        """Make ``name`` mean ``obj`` in the module (noted in ``left_behind`` when it cannot be written down); ``needed``:
+        by a definition written after it (a class built on it, a function calling it)."""
         if isinstance(obj, ModuleType):
             self.imports.append(f"import {obj.__name__}" if name == obj.__name__ else f"import {obj.__name__} as {name}")
         elif isinstance(obj, (type, FunctionType)):
@@ -118,8 +120,13 @@ class _Builder:
             if where is not None:
                 self.imports.append(f"from {where} import {obj.__qualname__}" + ("" if name == obj.__qualname__ else f" as {name}"))
             elif id(obj) not in self.seen:
+                if needed and self.defined.get(obj.__name__, obj) is not obj:  # it would take the name from the one written
+                    raise SourceError(f"{obj.__name__} would mean two {'classes' if isinstance(obj, type) else 'functions'}: the one "
+                                      f"graded, and an older one this class uses or is built on (its cell not run again after "
+                                      f"{obj.__name__}'s): run its cell again")
                 self.seen.add(id(obj))
                 self._define(write_class(obj).pieces if isinstance(obj, type) else [function_piece(obj)])
+                self.defined[obj.__name__] = obj
             if where is None and name != obj.__name__:
                 self.definitions.append(Piece(f"{name} = {obj.__name__}\n", None, 1))
         elif (where := _imported_as(obj)) is not None:  # a C function imported by name: from torch import softmax
@@ -156,7 +163,7 @@ class _Builder:
         for piece in pieces:
             for used, value in piece.uses.items():
                 if not (hasattr(builtins, used) and getattr(builtins, used) is value):
-                    self.add(used, value)
+                    self.add(used, value, needed=True)
             self.definitions.append(piece)
 
 
