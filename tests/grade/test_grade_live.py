@@ -8,6 +8,7 @@ graded as the object is, or refused with the reason, never graded as an older te
 from __future__ import annotations
 
 import ast
+import math
 import textwrap
 from pathlib import Path
 
@@ -217,12 +218,12 @@ def test_what_a_statement_computed_is_written_as_it_holds_it_after_a_global_chan
 
 
 @pytest.mark.parametrize("later", [
-    "A.scale = 0.5\nA.b = 9\nA.c = 0.25\n",  # set on the class since: its text (computed, or one of two targets) no longer says
+    "A.scale = 0.5\nA.b = 9\nA.c = 0.25\nA.zero = -0.0\n",  # set since: its text (computed, one of two targets, 0.0) no longer says
     "",  # scale *= 2: a name the body binds twice is set to what the class holds after the statement, not pinned in it
 ])
 def test_a_class_attribute_computed_in_the_statement_is_written_as_the_class_holds_it(notebook, later):
     notebook("import math\nfrom torch import nn\nS = 2.0\n")
-    ns = notebook("class A(nn.Module):\n    scale = S * 2\n    scale *= 2\n    a = b = S\n    c = math.sqrt(S)\n\n"
+    ns = notebook("class A(nn.Module):\n    scale = S * 2\n    scale *= 2\n    a = b = S\n    c = math.sqrt(S)\n    zero = 0.0\n\n"
                   "    def forward(self, x, s=scale):\n        return x * self.scale + self.a + self.b + self.c + s\n")
     notebook(later + "S = 16.0\n")
     source = module_source([ns["A"]])
@@ -230,6 +231,7 @@ def test_a_class_attribute_computed_in_the_statement_is_written_as_the_class_hol
     exec(compile(source, "classes.py", "exec"), namespace)
     assert namespace["A"]().forward(4) == ns["A"]().forward(4), source
     assert {k: vars(namespace["A"])[k] for k in "abc"} | {"scale": namespace["A"].scale} == {k: vars(ns["A"])[k] for k in ("a", "b", "c", "scale")}
+    assert math.copysign(1.0, namespace["A"].zero) == math.copysign(1.0, ns["A"].zero)
 
 
 def test_a_later_method_reading_a_class_attribute_set_before_it_and_a_dataclass_field_set_since(notebook):

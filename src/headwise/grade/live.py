@@ -212,7 +212,8 @@ def _literal_node(node: ast.expr) -> object:
 
 
 def _same(a: object, b: object) -> bool:
-    return type(a) is type(b) and a == b
+    """The same plain value, as its text says (-0.0 is not 0.0; a NaN is a NaN)."""
+    return type(a) is type(b) and literal(a) is not None and literal(a) == literal(b)
 
 
 def _in_statement(fn: FunctionType, statement: tuple[str, ast.ClassDef, list[str]]) -> bool:
