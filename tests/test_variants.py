@@ -548,10 +548,15 @@ def test_sinks_on_the_fused_kernel_with_a_two_dim_causal_mask(T, S):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_alibi_over_no_keys_is_zeros(backend, dtype):
-    """No key at all (S = 0): the narrowed bias has no row maximum to take off; every query's context is zeros."""
+@pytest.mark.parametrize("terms", [
+    {"alibi_slopes": torch.ones(2)},
+    {"mask": torch.zeros(1, 1, 3, 1), "attention_mask": torch.ones(1, 0, dtype=torch.bool)},  # a float mask of one key column
+])
+def test_half_precision_bias_over_no_keys_is_zeros(backend, dtype, terms):
+    """No key at all (S = 0): the narrowed bias has no row maximum to take off, even where the bias itself broadcasts
+    one key column; every query's context is zeros."""
     q, k = torch.randn(1, 2, 3, 8, dtype=dtype), torch.randn(1, 2, 0, 8, dtype=dtype)
-    out = hw.attention(q, k, k, alibi_slopes=torch.ones(2), backend=backend)
+    out = hw.attention(q, k, k, backend=backend, **terms)
     assert out.shape == (1, 2, 3, 8) and torch.equal(out, torch.zeros_like(out))
 
 

@@ -107,7 +107,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None,
     """One fused call over a block: bool ``allowed`` and float ``bias`` folded into one mask."""
     mask, shift = allowed, None
     if bias is not None:
-        if bias.dtype != q.dtype and bias.shape[-1]:  # narrowed: each row's largest bias taken off first
+        if bias.dtype != q.dtype and k.shape[2]:  # narrowed: each row's largest bias taken off first (none: no key)
             seen = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)  # (B?, H?, t, s)
             top = seen.amax(-1, keepdim=True).detach()  # (B?, H?, t, 1); softmax does not see a row's constant
             top = top.masked_fill(~torch.isfinite(top), 0.0)
