@@ -8,9 +8,9 @@ as the function it now is; a method deleted since is deleted again. A class with
 of its own is written from its bases. A dataclass is written as one: what its decorator made
 (``__init__``, ``__repr__``, ``__dataclass_fields__``...) is left for the decorator to make
 again, and one with no method of its own (a config) is written from its fields. What a
-statement computed when it ran (a default ``s=SCALE``, a class attribute ``scale = SCALE``)
-is written as the value it holds where its text would now give another (``SCALE`` set again
-since). Whatever cannot be written down this way (a method made with ``exec()``, a lambda, a closure) raises
+statement computed once, when it ran (a default ``s=SCALE``, a class attribute ``scale = SCALE``
+or ``d = CFG["d"]``), is written as the plain value it holds, whatever its text would give
+today; an object held so is checked against its text. Whatever cannot be written down this way (a method made with ``exec()``, a lambda, a closure) raises
 ``SourceError`` saying why.
 """
 
@@ -23,7 +23,6 @@ import functools
 import inspect
 import linecache
 import math
-import operator
 import textwrap
 from collections import ChainMap, Counter
 from dataclasses import dataclass, field
@@ -228,40 +227,18 @@ class _UnreadError(Exception):
     """An expression whose value cannot be read without running code (a call, a subscript...)."""
 
 
-_NUMBERS = (bool, int, float, complex)
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _UNREAD = object()  # a name the class body bound with a value that cannot be read
 
 
 def _value(node: ast.expr, scope: ChainMap) -> object:
-    """What ``node`` gives now in ``scope``, for an expression made of constants, names, attributes of modules and
-    classes, tuples and lists of them, and arithmetic on numbers (no call: it could do anything). Raises ``_UnreadError``
-    for any other expression."""
-    if isinstance(node, ast.Constant):
-        return node.value
+    """What a name, or an attribute of a module or class, means now in ``scope``. Raises ``_UnreadError`` for any other
+    expression (reading it could run code)."""
     if isinstance(node, ast.Name) and scope.get(node.id, _UNREAD) is not _UNREAD:
         return scope[node.id]
     if isinstance(node, ast.Attribute):
         base = _value(node.value, scope)
         if isinstance(base, (ModuleType, type)) and hasattr(base, node.attr):
             return getattr(base, node.attr)
-    if isinstance(node, (ast.Tuple, ast.List)):
-        items = [_value(e, scope) for e in node.elts]
-        return tuple(items) if isinstance(node, ast.Tuple) else items
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        x = _value(node.operand, scope)
-        if isinstance(x, _NUMBERS):
-            return _UNARY[type(node.op)](x)
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        a, b = _value(node.left, scope), _value(node.right, scope)
-        small = not isinstance(node.op, ast.Pow) or (isinstance(b, (int, float)) and abs(b) <= 64)  # no 10 ** 10 ** 9
-        if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS) and small:
-            try:
-                return _BINARY[type(node.op)](a, b)
-            except (ArithmeticError, ValueError, TypeError):
-                pass
     raise _UnreadError
 
 
@@ -269,8 +246,8 @@ def _pin(node: ast.expr, value: object, scope: ChainMap, what: str) -> tuple[ast
     """``(node, text of value)`` for an expression Python computed once, when its statement ran, that now holds
     ``value``: written as that value wherever it has a text (``literal``), whatever the expression would give today
     (a name it reads set again since, a dict it reads changed, the order pieces are written in); None for a constant, or
-    for a value with no text that the expression still gives (or whose expression cannot be read without running it).
-    Raises ``SourceError`` for a value with no text that its expression (a name, an attribute, a class called) no
+    for a value with no text that its expression (a name, an attribute) still gives, or whose expression cannot be read
+    without running it. Raises ``SourceError`` for a value with no text that its name, attribute or class called no
     longer gives."""
     if isinstance(node, ast.Constant):
         return None
@@ -282,9 +259,7 @@ def _pin(node: ast.expr, value: object, scope: ChainMap, what: str) -> tuple[ast
     except _UnreadError:
         _made_by(node, value, scope, what)
         return None
-    if now is value or (isinstance(value, MethodType) and now == value):  # a class's method: a new bound method each read
-        return None
-    if isinstance(node, (ast.Name, ast.Attribute)):
+    if now is not value and not (isinstance(value, MethodType) and now == value):  # a class's method: a new bound method each read
         raise SourceError(f"{what} holds a {type(value).__name__} that its text {ast.unparse(node)} no longer gives (set again since "
                           f"it was defined), and a {type(value).__name__} cannot be written as text: run the cell that defines it again")
     return None
