@@ -224,7 +224,8 @@ def test_what_a_statement_computed_is_written_as_it_holds_it_after_a_global_chan
 def test_a_class_attribute_computed_in_the_statement_is_written_as_the_class_holds_it(notebook, later):
     notebook("import math\nfrom torch import nn\nS = 2.0\n")
     ns = notebook("class A(nn.Module):\n    scale = S * 2\n    scale *= 2\n    a = b = S\n    c = math.sqrt(S)\n    zero = 0.0\n\n"
-                  "    def forward(self, x, s=scale):\n        return x * self.scale + self.a + self.b + self.c + s\n")
+                  "    class Inner:\n        s = S\n\n        def get(self, t=S):\n            return self.s + t\n\n"
+                  "    def forward(self, x, s=scale):\n        return x * self.scale + self.a + self.b + self.c + s + self.Inner().get()\n")
     notebook(later + "S = 16.0\n")
     source = module_source([ns["A"]])
     namespace: dict = {}

@@ -308,6 +308,11 @@ def _statement_pins(cls: type, filename: str, node: ast.ClassDef, scope: dict) -
                 pins += _default_pins(fn, stmt, f"{cls.__name__}.{stmt.name}", reads)
             held = vars(cls).get(stmt.name, _UNREAD)
             body[stmt.name] = held if fn is not None and fn in [inspect.unwrap(f) for f in _functions(held) or ()] else _UNREAD
+        elif isinstance(stmt, ast.ClassDef):  # a class in the body: its own body read as this one is (in the globals)
+            inner = vars(cls).get(stmt.name)
+            if isinstance(inner, type) and inner.__qualname__ == f"{cls.__qualname__}.{stmt.name}":
+                pins += _statement_pins(inner, filename, stmt, scope)[0]
+            body[stmt.name] = _UNREAD
         elif (stmt.__dict__.get("value") is not None and assigned and len(assigned) == len(targets)
               and all(bindings[n] == 1 for n in assigned) and (value := _held(cls, assigned)) is not _UNREAD):
             where = f"{cls.__name__}.{assigned[0]}"
