@@ -353,6 +353,9 @@ GENERATE: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("generate ids past the vocabulary", lambda: tiny_llama().generate(torch.tensor([[1, 16]]), max_new_tokens=1), Raises(ValueError, r"input_ids must hold ids in \[0, vocab_size=16\), got ids from 1 to 16")),
     ("generate right-padded prompt", lambda: tiny_llama().generate(torch.tensor([[1, 2, 0]]), attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=1),
      Raises(ValueError, r"attention_mask marks it as padding in rows \[0\]: pad prompts on the left")),
+    ("generate gap between real tokens, windowed", lambda: LlamaForCausalLM(LlamaConfig(**BASE, windows=(None, 3))).generate(
+        torch.ones(3, 4, dtype=LONG), max_new_tokens=1, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 0, 1, 1], [0, 1, 0, 1]])),
+     Raises(ValueError, r"attention_mask has padding between real tokens in rows \[1, 2\]: with a sliding window generate takes")),
     ("llama attention position_ids of floats", lambda: attention()(rnd(1, 3, 16), position_ids=torch.zeros(1, 3)),
      Raises(TypeError, r"position_ids must be an integer tensor of shape \(batch, tokens\) = \(1, 3\), got dtype torch.float32")),
     ("llama attention position_ids widening a batch", lambda: attention()(rnd(1, 3, 16), position_ids=torch.zeros(3, 3, dtype=LONG)),

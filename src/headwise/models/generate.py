@@ -164,7 +164,8 @@ class GenerationMixin:
             if cache_dtype == torch.int8:
                 raise ValueError("cache_dtype=torch.int8 with cuda_graph=True: the graph's step reads float32 or bfloat16 caches")
         _inputs.check_length(self, t, max_new_tokens, is_token)
-        is_token = prompt_padding(is_token)  # None when nothing is padding; refuses prompts that end in padding
+        windowed = any(w is not None for w in getattr(self.config, "windows", None) or ())
+        is_token = prompt_padding(is_token, windowed)  # None when nothing is padding; refuses prompts that end in padding
         caches = self.new_caches(b, t + max_new_tokens, cache_dtype)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
@@ -298,18 +299,30 @@ def walked(model: object) -> tuple[bool, tuple[int, ...]]:
     return True, tuple(order)
 
 
-def prompt_padding(is_token: Tensor | None) -> Tensor | None:
+def prompt_padding(is_token: Tensor | None, windowed: bool = False) -> Tensor | None:
     """The prompts' padding mask to pass on (None when nothing is padding), after checking that
-    no prompt ends in padding: generate continues every row from its last column. One host
-    read answers both questions (as ``_inputs.padding_only`` answers the first)."""
+    no prompt ends in padding (generate continues every row from its last column) and, for a
+    model with a sliding window (``windowed``), that no padding sits between real tokens (the
+    window would count it as tokens, where positions skip it: a row would not continue as its
+    real tokens alone). One host read answers the three questions (as ``_inputs.padding_only``
+    answers the first)."""
     if is_token is None or not _checks.has_values(is_token):
         return is_token
-    all_real, ends_real = torch.stack([is_token.all(), is_token[:, -1].all()]).tolist()  # one host read (a device sync on a GPU)
+    gaps = is_token[:, :-1] & ~is_token[:, 1:]  # (B, T - 1): a real token followed by padding
+    left_only = ~gaps.any() if windowed else is_token.new_ones(())
+    all_real, ends_real, left_only = torch.stack([is_token.all(), is_token[:, -1].all(), left_only]).tolist()  # one host read
     if not ends_real:
         rows = (~is_token[:, -1]).nonzero().flatten().tolist()
         raise ValueError(
             f"generate continues each prompt from its last column, but attention_mask marks it as padding in rows {rows}: "
             "pad prompts on the left (tokenizer.padding_side = 'left')"
+        )
+    if not left_only:
+        rows = gaps.any(-1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask has padding between real tokens in rows {rows}: with a sliding window generate takes prompts "
+            "padded on the left only (each row's zeros, then its ones; the window would count the gap as tokens); drop "
+            "those tokens from the prompt instead"
         )
     return None if all_real else is_token
 
