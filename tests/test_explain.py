@@ -286,3 +286,26 @@ def test_nonfinite_names_the_first_bad_tensor_and_allows_the_mask():
 def test_explains_arguments_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):  # torch's own errors (or an IndexError in to_text for batch_size=0) before
         explain(**kwargs)
+
+
+@pytest.mark.parametrize("terms", [
+    {"alibi": True}, {"documents": [2, 4]}, {"sinks": True}, {"softcap": 1.0}, {"softcap": 0.5, "causal": False},
+    {"softcap": 1.0, "sinks": True, "alibi": True, "documents": [2, 4]}, {"alibi": True, "sinks": True, "causal": False},
+])
+def test_step_8_code_combines_its_tensors_into_its_weights(terms):
+    """Step 8's code line, read with the tensors the step shows (the masked scores, or the capped ones; ALiBi's bias;
+    the module's sinks), gives the weights it shows: the line names the terms in the order the walk applied them."""
+    mha, steps = explain(d_out=4, num_tokens=6, **terms)
+    shown, code = {**steps[6].tensors, **steps[7].tensors}, steps[7].code
+    logits = shown["masked_scores"] if "masked_fill" in code else shown["capped_scores"] if "tanh" in code else shown["scores"]
+    if "tanh" not in code:
+        assert f"{'.masked_fill(mask, -inf)' if 'masked_fill' in code else 'scores'} / head_dim**0.5" in code
+        logits = logits / mha.head_dim**0.5
+    if "slope" in code:
+        logits = logits + shown["alibi_bias"]
+    if "sink" in code:
+        sink = mha.sinks.detach()[None, :, None, None].expand(*logits.shape[:3], 1)  # (B, H, T, 1)
+        weights = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+    else:
+        weights = torch.softmax(logits, -1)
+    torch.testing.assert_close(weights, shown["weights"], atol=1e-6, rtol=0)

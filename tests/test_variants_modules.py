@@ -380,7 +380,7 @@ def test_explain_shows_each_term():
 
     _, steps = explain(num_tokens=5, softcap=2.0, sinks=True, alibi=True, documents=[2, 3])
     step = steps[7]
-    assert list(step.tensors) == ["capped_scores", "alibi_bias", "masked_scores", "weights", "sink_share"]
+    assert list(step.tensors) == ["capped_scores", "masked_scores", "alibi_bias", "weights", "sink_share"]
     assert "tanh" in step.code and "sink" in step.code and "other documents" in step.title
     torch.testing.assert_close(step.tensors["sink_share"], 1 - step.tensors["weights"].sum(-1))
     assert step.tensors["masked_scores"][0, :, 2:, :2].eq(float("-inf")).all()  # document 2 never sees document 1

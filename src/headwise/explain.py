@@ -176,7 +176,7 @@ _STEPS: list[tuple[int, str, str, tuple[str, ...]]] = [
     (6, "Group by head: transpose(1, 2) -> (b, num_heads, num_tokens, head_dim)", "queries.transpose(1, 2)", ("queries.transpose", "keys.transpose", "values.transpose")),
     (7, "Attention scores for every head at once", "queries @ keys.transpose(2, 3)", ("scores",)),
     (8, "Mask the future, scale by sqrt(head_dim), softmax", "softmax(scores.masked_fill(mask, -inf) / head_dim**0.5)",
-     ("capped_scores", "alibi_bias", "masked_scores", "weights", "sink_share")),
+     ("capped_scores", "masked_scores", "alibi_bias", "weights", "sink_share")),
     (9, "Context vectors: weights @ values", "attn_weights @ values", ("context",)),
     (10, "Merge the heads, then out_proj", "context.transpose(1, 2).contiguous().view(b, num_tokens, d_out)", ("context.transpose", "merged", "output")),
 ]
@@ -187,18 +187,23 @@ _BIDIRECTIONAL_STEP_8 = ("No mask (bidirectional): every token sees every token;
 
 
 def _variant_step_8(causal: bool, softcap: float | None, sinks: bool, alibi: bool, documents: bool) -> tuple[str, str]:
-    """Step 8's title and code with the extra terms, in the order they act."""
-    title, logits = [], "scores / head_dim**0.5"
+    """Step 8's title and code with the extra terms, in the order the math backend applies them, which is the order of
+    the tensors the step shows: the mask on the raw scores, then the scale (with a cap: scale and cap first, then the
+    mask); ALiBi's bias added after; the sink beside the keys in the softmax."""
+    title, logits = [], "scores"
+    hidden = [m for m, on in (("the future", causal), ("other documents", documents)) if on]
     if softcap is not None:
-        title.append(f"cap the scores at {softcap:g}")
-        logits = f"{softcap:g} * tanh({logits} / {softcap:g})"
+        title.append(f"scale by sqrt(head_dim) and cap the scores at {softcap:g}")
+        logits = f"{softcap:g} * tanh(scores / head_dim**0.5 / {softcap:g})"
+    if hidden:
+        title.append("mask " + " and ".join(hidden))
+        logits = f"({logits}).masked_fill(mask, -inf)" if softcap is not None else f"{logits}.masked_fill(mask, -inf)"
+    if softcap is None:
+        title.append("scale by sqrt(head_dim)")
+        logits = f"{logits} / head_dim**0.5"
     if alibi:
         title.append("add ALiBi's distance bias")
         logits = f"{logits} - slope * |i - j|"
-    hidden = [m for m, on in (("the future", causal), ("other documents", documents)) if on]
-    if hidden:
-        title.append("mask " + " and ".join(hidden))
-        logits = f"({logits}).masked_fill(mask, -inf)"
     title.append("softmax" + (" with a sink logit per head (it takes a share, has no value)" if sinks else ""))
     code = f"softmax(cat([{logits}, sink]))[..., :-1]" if sinks else f"softmax({logits})"
     text = ", ".join(title)
