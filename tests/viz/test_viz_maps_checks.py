@@ -47,12 +47,16 @@ def test_weights_of_any_floating_dtype_are_kept_as_float32_and_tokens_as_a_tuple
         ({"roles": HeadRoles([[0.0] * 4])}, TypeError, r"roles.mass must be a tensor \(L, H, 4\), got list"),
         ({"roles": HeadRoles(torch.zeros(2, 4, 4))}, ValueError, r"roles.mass must be \(L, H, 4\) = \(2, 3, 4\), .* got shape \(2, 4, 4\)"),
         ({"roles": HeadRoles(torch.zeros(2, 3))}, ValueError, r"roles.mass must be \(L, H, 4\) = \(2, 3, 4\), .* got shape \(2, 3\)"),
+        ({"weights": torch.ones(2, 3, 4, 4).index_fill_(0, torch.tensor([1]), float("nan"))}, ValueError,
+         r"weights must hold finite weights, got 48 NaN or infinite values \(the first: nan\)"),
+        ({"roles": HeadRoles(torch.zeros(2, 3, 4).index_fill_(2, torch.tensor([3]), float("inf")))}, ValueError,
+         r"roles.mass must hold finite weights, got 6 NaN or infinite values \(the first: inf\)"),
         ({"causal": 1}, TypeError, r"causal must be True or False, got int 1"),
         ({"cut": -1}, ValueError, r"cut must be an int >= 0, got -1"),
         ({"cut": 1.0}, TypeError, r"cut must be an int >= 0, got 1.0"),
     ],
     ids=["model", "text", "ndarray", "int-weights", "3-d", "not-square", "no-layers", "tokens-str", "token-int", "short-tokens",
-         "roles-tensor", "mass-list", "mass-heads", "mass-2-d", "causal-int", "cut-negative", "cut-float"],
+         "roles-tensor", "mass-list", "mass-heads", "mass-2-d", "nan-weights", "inf-mass", "causal-int", "cut-negative", "cut-float"],
 )
 def test_a_bad_field_is_named(changed, error, message):
     """Each was kept, to fail later in the page or the picture (an IndexError, a numpy error) or draw wrong labels."""

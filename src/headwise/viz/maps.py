@@ -57,7 +57,8 @@ class HeadMaps:
     Raises:
         TypeError: a field of the wrong type: ``weights`` not a floating-point tensor, a token not a str,
             ``roles`` not a ``HeadRoles``, ``causal`` not a bool, ``cut`` not an int.
-        ValueError: ``weights`` not (L, H, T, T) with L, H, T >= 1; ``tokens`` not T long;
+        ValueError: ``weights`` not (L, H, T, T) with L, H, T >= 1, or holding NaN or infinity (so
+            ``roles.mass``); ``tokens`` not T long;
             ``roles.mass`` not (L, H, 4); ``cut`` negative.
     """
 
@@ -95,6 +96,10 @@ class HeadMaps:
         if mass.shape != (L, H, len(KINDS)):
             raise ValueError(f"roles.mass must be (L, H, {len(KINDS)}) = {(L, H, len(KINDS))}, the weights' layers and heads, "
                              f"got shape {tuple(mass.shape)}")
+        for name, t in (("weights", w), ("roles.mass", mass)):  # drawn as numbers (the page's JSON has no NaN or infinity)
+            if t.is_floating_point() and not bool(t.isfinite().all()):
+                bad = t[~t.isfinite()]  # the non-finite values
+                raise ValueError(f"{name} must hold finite weights, got {int(bad.numel())} NaN or infinite values (the first: {float(bad[0])})")
         _checks.boolean("causal", self.causal)
         cut = _checks.integer("cut", self.cut, low=0)
         object.__setattr__(self, "tokens", tuple(self.tokens))
