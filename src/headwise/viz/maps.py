@@ -184,6 +184,15 @@ def _encode(tokenizer, text: str) -> tuple:  # (tokenizers.Tokenizer, str) -> (t
     return encoding, len(whole.encode(text).ids) - sum(encoding.attention_mask)
 
 
+def _within(encoding, cut: int, limit: object) -> tuple[list[int], int]:  # (tokenizers.Encoding, ...)
+    """The encoding's ids up to ``limit`` (an int: the model's positions end there; a tokenizer without truncation
+    does not stop there) and ``cut`` with the ids left out added."""
+    ids = encoding.ids
+    if isinstance(limit, int) and len(ids) > limit:
+        return ids[:limit], cut + len(ids) - limit
+    return ids, cut
+
+
 def _model_name(config: dict, directory: Path) -> str:
     name = config.get("_name_or_path")
     return name if isinstance(name, str) and name and not Path(name).is_absolute() else directory.resolve().name
@@ -208,10 +217,7 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
 
     model = GPT2LMHeadModel.from_pretrained(directory)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
-    encoding, cut = _encode(tokenizer, text)
-    ids = encoding.ids
-    if len(ids) > model.config.n_positions:  # a tokenizer without truncation: the model's positions end there
-        ids, cut = ids[: model.config.n_positions], cut + len(ids) - model.config.n_positions
+    ids, cut = _within(*_encode(tokenizer, text), model.config.n_positions)
     input_ids = torch.tensor([ids])  # (1, T)
     seen: dict[str, list[Tensor]] = {"queries": [], "keys": []}
     with observe(lambda name, t: seen[name].append(t) if name in seen else None):
@@ -238,11 +244,8 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     transformers = require("transformers", "hf", "drawing the heads of a transformers model")
     model = transformers.AutoModel.from_pretrained(directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
-    encoding, cut = _encode(tokenizer, text)
-    ids = encoding.ids
     limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and len(ids) > limit:  # a tokenizer without truncation: the model's positions end there
-        ids, cut = ids[:limit], cut + len(ids) - limit
+    ids, cut = _within(*_encode(tokenizer, text), limit)
     input_ids = torch.tensor([ids])  # (1, T)
     weights: list[Tensor] = []  # one (1, H, T, T) per layer, reported by headwise's math backend
     try:
