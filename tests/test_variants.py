@@ -431,13 +431,16 @@ def test_low_precision_within_k_times_plain_error(dtype, backend, term):
         ({"sinks": torch.tensor([0.0, math.nan, 0.0, 0.0])}, ValueError,
          r"sinks must hold finite numbers or -inf \(no sink on that head\), got \[0.0, nan, 0.0, 0.0\]"),
         ({"sinks": torch.tensor([0.0, math.inf, 0.0, 0.0])}, ValueError, r"sinks must hold finite numbers or -inf .*, got \[0.0, inf"),
-        ({"alibi_slopes": torch.tensor([0.5, math.nan, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers, got \[0.5, nan"),
-        ({"alibi_slopes": torch.tensor([0.5, -math.inf, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers, got \[0.5, -inf"),
-        ({"alibi_slopes": torch.full((2, 4), math.inf)}, ValueError, r"alibi_slopes must hold finite numbers, got \[\[inf"),
+        ({"alibi_slopes": torch.tensor([0.5, math.nan, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers whose bias -slope \* distance stays finite in torch.float32 at distances "
+         r"up to 5 \(\|slope\| at most 6.806e\+37\), got \[0.5, nan"),
+        ({"alibi_slopes": torch.tensor([0.5, -math.inf, 0.5, 0.5])}, ValueError, r"alibi_slopes must hold finite numbers whose bias .*, got \[0.5, -inf"),
+        ({"alibi_slopes": torch.full((2, 4), math.inf)}, ValueError, r"alibi_slopes must hold finite numbers whose bias .*, got \[\[inf"),
         ({"alibi_slopes": torch.full((4,), 1e300, dtype=torch.float64)}, ValueError,  # float32's scores would take it as inf
-         r"alibi_slopes must hold finite numbers in torch.float32 \(the scores' dtype\), got \[1e\+300"),
+         r"alibi_slopes must hold finite numbers in torch.float32 \(the scores' dtype\) whose bias .*, got \[1e\+300"),
         ({"sinks": torch.tensor([0.0, 1e39, 0.0, 0.0], dtype=torch.float64)}, ValueError,
          r"sinks must hold finite numbers in torch.float32 \(the scores' dtype\) or -inf \(no sink on that head\), got \[0.0, 1e\+39"),
+        ({"alibi_slopes": torch.tensor([0.5, -2e38, 0.5, 0.5])}, ValueError,  # finite, but -slope * 2 is +inf in float32
+         r"alibi_slopes must hold finite numbers whose bias .* \(\|slope\| at most 6.806e\+37\), got \[0.5, -1.99"),
         ({"documents": torch.zeros(2, 6)}, TypeError, r"documents must be an integer tensor .* got dtype torch.float32"),
         ({"documents": torch.zeros(2, 5, dtype=torch.long)}, ValueError, r"documents must have shape \(B, S\) = \(2, 6\).* got \(2, 5\)"),
         ({"documents": torch.zeros(2, 6, dtype=torch.bool)}, TypeError, r"documents must be an integer tensor"),
@@ -502,6 +505,43 @@ def test_a_paged_batch_with_alibi_equals_each_sequence_alone(backend):
     got = hw.attention(*packed, causal=True, alibi_slopes=slopes, cache=paged.batch([0, 1, 2], lengths), backend=backend)
     want = torch.cat([variant_attention(*s, causal=True, alibi_slopes=slopes) for s in seqs], dim=2)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def _alibi_call(where, slopes, backend="auto"):
+    """One float32 call whose farthest query-key distance is 9: over 10 keys, past 7 cached ones, or in a paged batch's
+    longest sequence (7 cached + 3 new, beside a shorter one)."""
+    g = torch.Generator().manual_seed(7)
+    qkv = [torch.randn(1, 2, n, 8, generator=g) for n in (3, 10, 10)]
+    if where == "keys":
+        return hw.attention(*qkv, causal=True, alibi_slopes=slopes, backend=backend)
+    if where == "cache":
+        cache = hw.KVCache(1, 2, 16, 8)
+        hw.attention(qkv[1][:, :, :7], qkv[1][:, :, :7], qkv[2][:, :, :7], causal=True, cache=cache)
+        return hw.attention(qkv[0], qkv[1][:, :, 7:], qkv[2][:, :, 7:], causal=True, alibi_slopes=slopes, cache=cache, backend=backend)
+    paged = hw.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    paged.add(0), paged.add(1)
+    hw.attention(qkv[1][:, :, :7], qkv[1][:, :, :7], qkv[2][:, :, :7], causal=True, cache=paged.batch([0], [7]))
+    q, k, v = (torch.cat([t[:, :, :2], t[:, :, -3:]], dim=2) for t in (qkv[1], qkv[1], qkv[2]))  # sequence 1: 2 new tokens
+    return hw.attention(q, k, v, causal=True, alibi_slopes=slopes, cache=paged.batch([1, 0], [2, 3]), backend=backend)[:, :, 2:]
+
+
+@pytest.mark.parametrize("where", ["keys", "cache", "paged"])
+def test_alibi_slopes_are_taken_while_the_bias_is_finite_over_the_farthest_distance(where):
+    """-slope * distance in float32: a slope whose product with the farthest distance (9) is finite gives finite weights
+    (each query's own key takes them all, the nearest in the reference too); one a float32 step larger is refused,
+    where before the bias was +inf and the rows NaN."""
+    limit = torch.tensor(torch.finfo(torch.float32).max / 9, dtype=torch.float32)
+    while limit * 9 == math.inf:  # the largest float32 whose product with 9 is finite
+        limit = limit.nextafter(torch.tensor(0.0))
+    g = torch.Generator().manual_seed(7)
+    _, _, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 10, 10))
+    for backend in BACKENDS:
+        got = _alibi_call(where, torch.stack([limit, limit]), backend)  # the largest bias each query sees is 0, at itself
+        torch.testing.assert_close(got, v[:, :, 7:], atol=0, rtol=0)
+    beyond = limit.nextafter(torch.tensor(math.inf))
+    with pytest.raises(ValueError, match=r"alibi_slopes must hold finite numbers whose bias -slope \* distance stays finite in "
+                                         r"torch.float32 at distances up to 9 \(\|slope\| at most 3.781e\+37\), got \[-3.78"):
+        _alibi_call(where, torch.stack([-beyond, limit]))
 
 
 def test_documents_refuse_a_paged_batch():

@@ -345,12 +345,14 @@ def softcap(value: object) -> float | None:
 
 def per_head(
     name: str, t: object, b: int, h: int, device: torch.device, *, batched: bool, minus_inf: str | None = None,
-    scores: torch.dtype = torch.float32,
+    scores: torch.dtype = torch.float32, distance: int | None = None,
 ) -> Tensor | None:
     """None, or (H,) floats (also (B, H) when ``batched``) on ``device``; returned as (1, H) or (B, H) when batched.
 
     The values must be finite in ``scores``, the dtype the scores are computed in (one host read: a float64 1e300
     would be inf in float32's scores); ``minus_inf``, if given, says what -inf means there, and -inf is taken too.
+    ``distance``, if given, is the farthest a query sits from a key: each value times it must stay finite in ``scores``
+    (ALiBi's bias ``-slope * distance``; -2e38 at a distance of 2 would be +inf, and the row's weights NaN).
     """
     if t is None:
         return None
@@ -366,9 +368,19 @@ def per_head(
         wide = t.to(scores) if t.dtype.itemsize > scores.itemsize else t  # (as the runners take it: wider values narrowed)
         good = (wide < math.inf) if minus_inf is not None else wide.isfinite()  # (wide < inf: False at NaN and +inf only)
         finite = "finite numbers" + (f" in {scores} (the scores' dtype)" if t.dtype.itemsize > scores.itemsize else "")
+        if distance is not None:  # the product in the scores' dtype, as the bias is computed (inf, or NaN, fails)
+            good = t.to(scores).abs() * distance <= torch.finfo(scores).max  # (at distance 0 or 1: finite)
+            finite += f" whose bias -slope * distance stays finite in {scores}"
         expected = f"{finite} or -inf ({minus_inf})" if minus_inf is not None else finite
-        holds(good.all(), f"{name} must hold {expected}", lambda: f", got {t.detach().cpu().tolist()}")
+        holds(good.all(), f"{name} must hold {expected}", lambda: f"{_slope_bound(distance, scores)}, got {t.detach().cpu().tolist()}")
     return (t.unsqueeze(0) if t.ndim == 1 else t) if batched else t  # (1, H) or (B, H); H may be 0
+
+
+def _slope_bound(distance: int | None, scores: torch.dtype) -> str:
+    """What the error of a slope too large for ``distance`` adds (eager only: a symbolic size is not written)."""
+    if distance is None or distance < 2:
+        return ""
+    return f" at distances up to {distance} (|slope| at most {torch.finfo(scores).max / distance:.4g})"
 
 
 def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Tensor | None:

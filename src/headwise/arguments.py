@@ -183,6 +183,14 @@ def cache_takes(cache: Cache, computed: torch.dtype, window: int | None) -> None
         raise ValueError(f"a sliding cache of window={cache.window} needs attention with window={cache.window}, got window={window}")
 
 
+def _farthest(cache: Cache | None, t: int, keys: int) -> int:
+    """The farthest a query's position sits from a key's in this call: over ``keys`` positions with the T queries last
+    (T may exceed them), or over each sequence of a paged batch."""
+    if isinstance(cache, caches.PagedBatch):
+        keys = max(start + n for start, n in zip(cache.starts, cache.new_tokens, strict=True))
+    return torch.sym_max(keys, t) - 1  # (sym_max: sizes traced by torch.compile stay symbolic)
+
+
 def checked(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: int | None, mask: Tensor | None, attention_mask: Tensor | None,
     documents: Tensor | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None, cache: Cache | None,
@@ -232,7 +240,8 @@ def checked(
         T=T, S=k.shape[2], causal=causal, window=window, mask=user_mask, attention_mask=attention_mask, documents=documents,
         softcap=_checks.softcap(softcap),
         sinks=_checks.per_head("sinks", sinks, B, H, q.device, batched=False, minus_inf="no sink on that head", scores=scores),
-        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True, scores=scores), dropout_p=dropout_p,
+        alibi=_checks.per_head("alibi_slopes", alibi_slopes, B, H, q.device, batched=True, scores=scores,
+                               distance=_farthest(cache, T, held + k.shape[2])), dropout_p=dropout_p,
         scale=scale,
     )
     runs = [] if documents is None else sizes(cache, spec, k.shape[2])

@@ -108,7 +108,8 @@ def attention(
             [1e-6, 1e30].
         sinks: (H,) one sink logit per query head (gpt-oss): it joins the softmax and carries
             no value, so each row's weights sum to 1 minus the sink's share; -inf = no sink.
-        alibi_slopes: (H,) or (B, H): adds ``-slope * |i + S - T - j|`` to the scores (ALiBi).
+        alibi_slopes: (H,) or (B, H): adds ``-slope * |i + S - T - j|`` to the scores (ALiBi); each
+            slope times the farthest distance in the call must be finite in the scores' dtype.
         cache: a ``KVCache``: k and v (and their padding) are appended to it first, and the
             queries attend over everything it holds (S = cached + T_kv keys); else S = T_kv.
             A sliding cache (``KVCache.sliding``) takes at most T_kv queries: the ring no longer
