@@ -82,3 +82,30 @@ def test_a_text_past_learned_positions_that_start_late_is_refused(tmp_path):
     directory = _directory(tmp_path, transformers.RobertaModel(config).eval())
     with pytest.raises(ValueError, match=r"could not run the text's 16 tokens .*max_position_embeddings \(16\); shorten the text"):
         head_maps(directory, " ".join(["the cat sat on"] * 4))  # 16 tokens: RoBERTa's positions start at pad_token_id + 1
+
+
+def test_a_causal_lm_directory_loads_its_base_model_quietly(qwen3, capfd):
+    """The unused ``lm_head`` is left without transformers' load report (nor its progress bar), and the logging level
+    is the caller's again after."""
+    directory, _ = qwen3
+    before = transformers.logging.get_verbosity()
+    head_maps(directory, TEXT)
+    out, err = capfd.readouterr()
+    assert "lm_head" not in out + err and "LOAD REPORT" not in out + err and "Loading weights" not in err
+    assert transformers.logging.get_verbosity() == before
+
+
+def test_a_directory_missing_a_weight_is_refused_naming_it(qwen3, tmp_path):
+    """transformers would initialise a missing weight at random (and say so in a report): the heads drawn would be no
+    checkpoint's. Every missing key is named."""
+    from safetensors.torch import load_file, save_file
+
+    directory, _ = qwen3
+    for f in directory.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.self_attn.q_proj.weight"], weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"does not hold every weight of its Qwen3Model \(missing: layers.0.self_attn.q_proj.weight, "
+                                         r"norm.weight\): its heads would be drawn from randomly initialised weights"):
+        head_maps(tmp_path, TEXT)

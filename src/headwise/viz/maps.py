@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -237,12 +238,34 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
 
 
 @torch.no_grad()
-def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
-    """Any other architecture: transformers' model on headwise's attention, each layer's weights as observed."""
+def _pretrained(transformers: ModuleType, directory: Path, name: str) -> torch.nn.Module:
+    """transformers' base model of ``directory`` on headwise's attention, every weight from the checkpoint: weights
+    of a task head it does not use (a causal LM's ``lm_head``) are left quietly, a missing or mismatched one is a
+    ValueError naming them all (transformers would initialise it at random, and draw heads no checkpoint has)."""
     from ..hf import register
 
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its load report lists the unused task head's weights as unexpected
+    transformers.logging.disable_progress_bar()
+    try:
+        model, info = transformers.AutoModel.from_pretrained(
+            directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
+    bad = [f"{kind} {', '.join(sorted(map(str, info[key])))}" for key, kind in (("missing_keys", "missing:"), ("mismatched_keys", "mismatched:"))
+           if info[key]]
+    if bad:
+        raise ValueError(f"{name} does not hold every weight of its {type(model).__name__} ({'; '.join(bad)}): "
+                         "its heads would be drawn from randomly initialised weights")
+    return model
+
+
+def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
+    """Any other architecture: transformers' model on headwise's attention, each layer's weights as observed."""
     transformers = require("transformers", "hf", "drawing the heads of a transformers model")
-    model = transformers.AutoModel.from_pretrained(directory, attn_implementation=register(), dtype=torch.float32, use_safetensors=True)
+    model = _pretrained(transformers, directory, name)
     tokenizer = loading.read_tokenizer(directory, "the heads page")
     limit = getattr(model.config, "max_position_embeddings", None)
     ids, cut = _within(*_encode(tokenizer, text), limit)
