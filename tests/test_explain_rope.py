@@ -41,6 +41,7 @@ def test_explain_ropes_arguments_are_checked_by_their_own_names():
     for kwargs, error, match in [
         ({"num_heads": 0}, ValueError, r"num_heads must be a positive int, got 0"),
         ({"head_dim": 1.5}, TypeError, r"head_dim must be a positive int, got 1\.5"),
+        ({"head_dim": 3}, ValueError, r"head_dim must be even \(RoPE turns dimensions in pairs\), got 3"),  # (not a config field's name)
         ({"theta": -1.0}, ValueError, r"theta must be a number in \(1, inf\), got -1\.0"),
         ({"seed": -1}, ValueError, r"seed must be an int in \[0, 18446744073709551615\], got -1"),
         ({"num_heads": 4096, "head_dim": 4096}, ValueError, r"these sizes make one of 100,663,296 numbers .*take fewer num_heads"),

@@ -29,7 +29,8 @@ def explain_rope(*, num_heads: int = 2, head_dim: int = 2, theta: float = 10000.
         The layer and its steps, each holding the tensors that step produced.
     """
     _checks.positive_int("num_heads", num_heads)
-    _checks.positive_int("head_dim", head_dim)
+    if _checks.positive_int("head_dim", head_dim) % 2:
+        raise ValueError(f"head_dim must be even (RoPE turns dimensions in pairs), got {head_dim}")
     _checks.number("theta", theta, low=1.0, high=math.inf, low_open=True, high_open=True)  # (LlamaConfig.rope_theta's range)
     _checks.integer("seed", seed, low=0, high=2**64 - 1)  # torch.manual_seed's range, as explain's
     T = len(BOOK_INPUTS)

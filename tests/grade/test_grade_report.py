@@ -51,3 +51,16 @@ def test_code_that_raised_is_shown_at_its_line_not_at_a_step_named_error():
     text = "".join(p.text)
     assert "MultiHeadAttention FAIL at crash.py:31" in text and "at step" not in text
     assert "codeattn_scores = queries @ self.keys.transpose(2, 3)" in text and "errorAttributeError: " in text
+
+
+def test_the_text_report_shows_control_characters_as_escapes():
+    """A learner's line or message with an escape sequence (a file of bytes, an ANSI colour) is shown, not acted on by
+    the terminal: ``\\x1b`` in place of ESC, ``\\x07`` of the bell; the report's own lines keep their newlines."""
+    line = "\x1b[2J\x1b[31mhello \x07 world"
+    text = Report("esc\x1b.py", problem=f"importing esc.py raised: esc.py:1: {line}  SyntaxError: invalid non-printable character U+001B").to_text()
+    assert text == ("headwise grade esc\\x1b.py\n  nothing graded: importing esc.py raised: esc.py:1: \\x1b[2J\\x1b[31mhello \\x07 world  "
+                    "SyntaxError: invalid non-printable character U+001B")
+    r = Result("MultiHeadAttention", "MultiHeadAttention", False, "error", error="ValueError: \x1b]0;title\x07 \u202eevil", code="x = 1\t# y")
+    text = Report("x.py", [r]).to_text()
+    assert all(c == "\n" or c.isprintable() for c in text)
+    assert "ValueError: \\x1b]0;title\\x07 \\u202eevil" in text and "x = 1\\t# y" in text

@@ -56,6 +56,12 @@ class Result:
         return {"class": data.pop("name"), **data}
 
 
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (an escape sequence, a bell, a tab) written as its Python
+    escape (``\\x1b``): a learner's code line, file name or message is shown, never run by the terminal."""
+    return "".join(c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 @dataclass
 class Report:
     """All results for one file (or class); ``problem`` says why nothing could be graded."""
@@ -82,7 +88,7 @@ class Report:
         """A short report a learner can read: PASS, or the step, expected vs got, and the hint."""
         lines = [f"headwise grade {self.file}"]
         if self.problem is not None:
-            return "\n".join([*lines, f"  nothing graded: {self.problem}"])
+            return _printable("\n".join([*lines, f"  nothing graded: {self.problem}"]))
         for r in self.results:
             lines.append("")
             if r.passed:
@@ -95,7 +101,7 @@ class Report:
                     lines.append(f"  {label + ':':13} {value}")
         failed = sum(not r.passed for r in self.results)
         lines += ["", f"{len(self.results) - failed} of {len(self.results)} classes passed."]
-        return "\n".join(lines)
+        return _printable("\n".join(lines))
 
     def _repr_html_(self) -> str:
         """The report as HTML for a notebook: each class with its verdict, the steps of the book's
