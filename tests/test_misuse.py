@@ -466,6 +466,10 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("mha x wrong width", lambda: mha()(rnd(1, 5, 7)), Raises(ValueError, r"x must have shape \(batch, tokens, d_in=8\), got \(1, 5, 7\)")),
     ("mha x of ints", lambda: mha()(torch.ones(1, 2, 8, dtype=torch.long)), Raises(TypeError, r"x must be a floating-point tensor, got dtype torch.int64")),
     ("mha float32 x, float64 module", lambda: mha()(rnd(1, 2, 8, dtype=torch.float32)), Raises(TypeError, r"x has dtype torch.float32 but MultiHeadAttention's parameters are torch.float64: convert one")),
+    ("wrapper float64 x, float32 module", lambda: hw.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2)(rnd(1, 2, 3)),  # not its heads' name
+     Raises(TypeError, r"x has dtype torch.float64 but MultiHeadAttentionWrapper's parameters are torch.float32: convert one")),
+    ("wrapper x on meta", lambda: hw.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2)(rnd(1, 2, 3, dtype=torch.float32).to(META)),
+     Raises(ValueError, r"x is on meta but MultiHeadAttentionWrapper's parameters are on cpu")),
     ("mha x on meta", lambda: mha()(rnd(1, 2, 8).to(META)), Raises(ValueError, r"x is on meta but MultiHeadAttention's parameters are on cpu")),
     ("gpt2 attention x on meta", lambda: gpt2_attn()(rnd(1, 2, 8, dtype=torch.float32).to(META)), Raises(ValueError, r"hidden_states is on meta but GPT2MultiHeadAttention's parameters are on cpu")),
     ("mha too many tokens", lambda: mha()(rnd(1, 17, 8)), Raises(ValueError, r"got 17 tokens, more than context_length=16")),

@@ -174,6 +174,8 @@ class MultiHeadAttentionWrapper(AllOrNothing, nn.Module):
 
     def forward(self, x: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """x: (B, T, d_in); attention_mask: (B, T), 1/True = real token -> (B, T, num_heads * d_out)."""
+        _checks.tokens(x, self.heads[0].d_in, "x")
+        _checks.module_input(self, x, "x")  # (its own name in the error: the heads would give theirs)
         with weight_cache.checking(True):  # the heads' weights looked at once, not once a head (eager)
             return torch.cat([head(x, attention_mask=attention_mask) for head in self.heads], dim=-1)
 
