@@ -230,14 +230,10 @@ def _gpt2_maps(directory: Path, text: str, name: str) -> HeadMaps:
         q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)  # (1, H, T, D)
         k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (1, Hkv, T, D)
         weights.append(attention_weights(q, k, causal=True))  # (1, H, T, T)
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-    special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
-    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T), e.g. <|endoftext|>
-    real = torch.ones_like(special)  # (1, T)
-    return HeadMaps(name, text, tokens, torch.cat(weights).float(), HeadRoles(attention_mass(weights, special, real)), causal=True, cut=cut)
+    tokens, roles = _roles(tokenizer, input_ids, weights)
+    return HeadMaps(name, text, tokens, torch.cat(weights).float(), roles, causal=True, cut=cut)
 
 
-@torch.no_grad()
 def _pretrained(transformers: ModuleType, directory: Path, name: str) -> torch.nn.Module:
     """transformers' base model of ``directory`` on headwise's attention, every weight from the checkpoint: weights
     of a task head it does not use (a causal LM's ``lm_head``) are left quietly, a missing or mismatched one is a
@@ -262,6 +258,7 @@ def _pretrained(transformers: ModuleType, directory: Path, name: str) -> torch.n
     return model
 
 
+@torch.no_grad()
 def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     """Any other architecture: transformers' model on headwise's attention, each layer's weights as observed."""
     transformers = require("transformers", "hf", "drawing the heads of a transformers model")
@@ -277,11 +274,16 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
     except (IndexError, RuntimeError) as e:  # learned positions that start past 0 (RoBERTa's after its padding id) end early
         raise ValueError(f"{name} could not run the text's {len(ids)} tokens ({type(e).__name__}: {e}): its positions may end "
                          f"before max_position_embeddings ({limit}); shorten the text") from e
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-    special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
-    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
-    real = torch.ones_like(special)  # (1, T)
+    tokens, roles = _roles(tokenizer, input_ids, weights)
     stacked = torch.cat(weights)  # (L, H, T, T)
     causal = bool((stacked.triu(1) == 0).all())  # no query looked ahead: a decoder
-    label = f"{name} ({type(model).__name__}, transformers on headwise)"
-    return HeadMaps(label, text, tokens, stacked, HeadRoles(attention_mass(weights, special, real)), causal=causal, cut=cut)
+    return HeadMaps(f"{name} ({type(model).__name__}, transformers on headwise)", text, tokens, stacked, roles, causal=causal, cut=cut)
+
+
+def _roles(tokenizer, input_ids: Tensor, weights: list[Tensor]) -> tuple[tuple[str, ...], HeadRoles]:  # (tokenizers.Tokenizer, ...)
+    """The text's tokens as its tokenizer writes them, and the heads' roles: (1, T) ids without padding, one (1, H, T, T)
+    weights per layer; the special tokens are the tokenizer's added ones marked special (GPT-2's <|endoftext|>)."""
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in input_ids[0].tolist())
+    special_ids = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+    special = torch.isin(input_ids, torch.tensor(special_ids, dtype=input_ids.dtype))  # (1, T)
+    return tokens, HeadRoles(attention_mass(weights, special, torch.ones_like(special)))
