@@ -352,6 +352,44 @@ def test_no_query_heads_with_alibi_gives_an_empty_answer(backend):
     assert out.shape == (2, 0, 3, 8)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_the_least_scale_float32_holds_gives_each_row_the_mean_of_its_values(backend):
+    """2**-149, float32's least subnormal: every scaled score is 0 or nearly, so each causal row weighs its keys alike
+    (float64's mean of the values it sees); half of it is 0 in float32 and refused (0 * -inf at a masked key: NaN)."""
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    got = hw.attention(q, k, v, causal=True, scale=2.0**-149, backend=backend)
+    want = v.double().cumsum(2) / torch.arange(1, 6, dtype=torch.float64)[:, None]  # (1, 2, 5, 8): row i, the mean of v[:i+1]
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"scale must be nonzero in float32"):
+        hw.attention(q, k, v, causal=True, scale=2.0**-150, backend=backend)
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "paged"])
+def test_no_query_heads_over_a_cache_writes_its_keys_and_gives_an_empty_answer(stored, paged):
+    """H = 0 over a cache: the keys are written as any call's (the cache then holds what a call with query heads would
+    have left) and the answer is empty, on the paths a decode step takes too (the C++ kernels, one call for a paged
+    batch's one-token rows), where the empty queries' views failed after the write."""
+    taken = torch.float32 if stored == torch.int8 else stored
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(1, 2, n, 8, generator=g).to(taken) for n in (3, 1, 1)]  # keys (and values) of each call
+    caches = []
+    for heads in (0, 2):
+        if paged:
+            cache = hw.PagedKVCache(8, 4, 2, 8, dtype=stored)
+            cache.add(0)
+        else:
+            cache = hw.KVCache(1, 2, 8, 8, dtype=stored)
+        for kv in steps:
+            q = torch.randn(1, heads, kv.shape[2], 8).to(taken)
+            out = hw.attention(q, kv, kv, causal=True, cache=cache.batch([0], [kv.shape[2]]) if paged else cache)
+            assert out.shape == (1, heads, kv.shape[2], 8)
+        caches.append(cache)
+    empty, full = caches
+    assert (empty.length(0) if paged else len(empty)) == 5
+    assert torch.equal(empty.k, full.k) and torch.equal(empty.v, full.v)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

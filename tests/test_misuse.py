@@ -382,6 +382,8 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("core scale negative", attend(scale=-1.0), Raises(ValueError, r"scale must be a positive finite number or None")),
     ("core scale inf", attend(scale=math.inf), Raises(ValueError, r"scale must be a positive finite number or None .*got inf")),
     ("core scale past float32", attend(scale=1e39, dtype=torch.float32), Raises(ValueError, r"scale must be finite in float32, the dtype the scores are computed in \(at most 3.403e\+38\), got 1e\+39")),
+    ("core scale 0 in float32", attend(scale=1e-50, dtype=torch.float32),  # positive, but 0 * -inf at a masked key would be NaN
+     Raises(ValueError, r"scale must be nonzero in float32, the dtype the scores are computed in \(at least 1.401e-45\), got 1e-50")),
     ("core scale nan", attend(scale=math.nan), Raises(ValueError, r"scale must be a positive finite number or None .*got nan")),
     ("core scale bool", attend(scale=True), Raises(TypeError, r"scale must be a positive finite number or None .*got True")),
     ("core scale str", attend(scale="0.5"), Raises(TypeError, r"scale must be a positive finite number or None .*got '0.5'")),

@@ -233,9 +233,13 @@ def checked(
         _checks.broadcasts("mask", user_mask, (B, H, T, held + k.shape[2]), f"(B, H, T, {keys[4:-1]})", tuple(mask.shape))
     wide = q.dtype == torch.float64 and getattr(cache, "dtype", q.dtype) == torch.float64  # scores in float64, else float32
     scores = torch.float64 if wide else torch.float32
-    if scale > torch.finfo(scores).max:  # finite as a float64, inf as the float32 the kernels multiply by
+    info = torch.finfo(scores)
+    if scale > info.max:  # finite as a float64, inf as the float32 the kernels multiply by
         raise ValueError(f"scale must be finite in {str(scores)[6:]}, the dtype the scores are computed in (at most "
-                         f"{torch.finfo(scores).max:.4g}), got {scale!r}")
+                         f"{info.max:.4g}), got {scale!r}")
+    if scale <= info.smallest_normal * info.eps / 2:  # 0 in float32 (half its least subnormal rounds to even: 0): 0 * -inf at a masked key is NaN
+        raise ValueError(f"scale must be nonzero in {str(scores)[6:]}, the dtype the scores are computed in (at least "
+                         f"{info.smallest_normal * info.eps:.4g}), got {scale!r}")
     spec = Spec(
         T=T, S=k.shape[2], causal=causal, window=window, mask=user_mask, attention_mask=attention_mask, documents=documents,
         softcap=_checks.softcap(softcap),

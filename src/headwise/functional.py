@@ -120,6 +120,7 @@ def attention(
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: multiplies the scores; default 1 / sqrt(D). A score ``q·k * scale`` past the range its
             dtype computes in (3.4e38 in float32) is infinite, and its row's weights NaN, in every backend, as in torch's.
+            The scale itself must be finite and nonzero in that dtype (1.4e-45 to 3.4e38 in float32).
         backend: "auto", "math" or "sdpa" (see the module docstring); ``plan(...)`` says what
             runs for a call, and why.
 

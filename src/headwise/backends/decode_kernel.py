@@ -90,12 +90,12 @@ def available() -> bool:
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
-    """Whether ``decode_attention`` computes this call: one query per row on the CPU, float32 or bfloat16 operands of
-    one dtype, key and value rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no
+    """Whether ``decode_attention`` computes this call: one query per row on the CPU, at least one query head (none: an
+    empty answer, left to the runners that take zero sizes), float32 or bfloat16 operands of one dtype, key and value rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no
     mask or documents, a softcap, ALiBi and sinks (none that wants a gradient) or not, and no dropout."""
     s = spec
     return (
-        q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] > 0 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and k.stride(-1) == 1 and v.stride(-1) == 1 and s.mask is None and s.documents is None
         and s.dropout_p == 0.0 and (s.window is None or (s.causal and not torch.compiler.is_compiling()))
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (s.sinks, s.alibi)))

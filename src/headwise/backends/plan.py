@@ -361,10 +361,10 @@ def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype, c
     bfloat16 pool (inductor's loops; over float32 views the fused kernel per sequence was the faster:
     bench.paged_attention), ``backend="auto"``, no observer, no dropout or gradient, no mask or documents, and a
     softcap, sinks or ALiBi only in C++ (masks and documents go sequence by sequence, through ``RULES``; so do those
-    terms where inductor's loops would run)."""
+    terms where inductor's loops would run); and at least one query head (none: an empty answer, sequence by sequence)."""
     s = spec
     return (
-        backend == "auto" and q.device.type == "cpu" and not torch.compiler.is_compiling() and not observing()
+        backend == "auto" and q.device.type == "cpu" and q.shape[1] > 0 and not torch.compiler.is_compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, s.sinks, s.alibi)))
         and s.mask is None and s.documents is None
         and (paged.in_cpp(q.device, torch.float32, stored) or (compile and stored == torch.bfloat16 and not s.changes_scores and s.sinks is None))
