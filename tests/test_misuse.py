@@ -549,6 +549,10 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("gpt2 ids 1-D", lambda: tiny_gpt2()(ids(3)), Raises(ValueError, r"input_ids must have shape \(batch, tokens\)")),
     ("gpt2 id past the vocabulary", lambda: tiny_gpt2()(torch.tensor([[0, 11]])), Raises(ValueError, r"input_ids must hold ids in \[0, vocab_size=11\), got ids from 0 to 11")),
     ("gpt2 negative id", lambda: tiny_gpt2()(torch.tensor([[-1, 2]])), Raises(ValueError, r"got ids from -1 to 2")),
+    ("gpt2 positions on meta", lambda: tiny_gpt2()(ids(1, 3), positions=torch.zeros(1, 3, dtype=torch.long, device=META)),  # gave CPU logits
+     Raises(ValueError, r"positions is on meta but the model's weights are on cpu")),
+    ("gpt2 positions of uint8", lambda: tiny_gpt2()(ids(1, 3), positions=torch.zeros(1, 3, dtype=torch.uint8)),
+     Raises(TypeError, r"positions must hold int64 or int32 positions")),
     ("gpt2 too many tokens", lambda: tiny_gpt2()(ids(1, 9)), Raises(ValueError, r"input_ids has 9 tokens, more than n_positions=8")),
     ("gpt2 ids on meta", lambda: tiny_gpt2()(ids(1, 3).to(META)), Raises(ValueError, r"input_ids is on meta but the model's embeddings are on cpu")),
     ("gpt2 mask of floats", lambda: tiny_gpt2()(ids(1, 3), attention_mask=torch.ones(1, 3)), Raises(TypeError, r"attention_mask must be a bool or 0/1 int tensor")),

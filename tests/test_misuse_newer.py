@@ -116,6 +116,18 @@ ROPE: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("rope llama3 missing keys", lambda: check_scaling({"rope_type": "llama3", "factor": 8.0}), Raises(ValueError, r"missing \['low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'\]")),
     ("rope llama3 inf original length", lambda: check_scaling({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": math.inf}), Raises(ValueError, r"original_max_position_embeddings'\] must be a number in \(0, inf\), got inf")),
     ("rope tables of length -1", lambda: RotaryEmbedding(8).tables(-1), Raises(ValueError, r"length must be an int >= 0, got -1")),
+    ("rope tables on 'gpu'", lambda: RotaryEmbedding(8).tables(5, "gpu"), Raises(ValueError, r"device must be a torch.device or a device string such as 'cpu', got 'gpu'")),
+    ("rope ids on meta", lambda: RotaryEmbedding(8)(X, torch.zeros(1, 3, dtype=LONG, device="meta")), Raises(ValueError, r"positions is on meta but x is on cpu")),
+    ("rope rotate, a layout misspelt", lambda: hw.rope.rotate(X, *(t[:3] for t in RotaryEmbedding(8).tables(3)), "Interleaved"),  # it ran as rotate_half
+     Raises(ValueError, r"layout must be one of \['rotate_half', 'interleaved'\], got 'Interleaved'")),
+    ("rope scaling factor 1e-310", lambda: RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": 1e-310}),  # in (0, inf), 1 / it is inf
+     Raises(ValueError, r"rope_scaling \{'rope_type': 'linear', 'factor': 1e-310\} makes the frequencies infinite \(over theta=10000.0\)")),
+    ("llama positions on meta", lambda: tiny_llama()(torch.tensor([[1, 2, 3]]), positions=torch.zeros(1, 3, dtype=LONG, device="meta")),
+     Raises(ValueError, r"positions is on meta but the model's weights are on cpu")),
+    ("llama positions of int16", lambda: tiny_llama()(torch.tensor([[1, 2, 3]]), positions=torch.zeros(1, 3, dtype=torch.int16)),
+     Raises(TypeError, r"positions must hold int64 or int32 positions \(torch.long, as a tokenizer's ids\), got dtype torch.int16")),
+    ("llama layer position_ids on meta", lambda: tiny_llama().model.layers[0].self_attn(rnd(1, 3, 16).float(), position_ids=torch.zeros(1, 3, dtype=LONG, device="meta")),
+     Raises(ValueError, r"position_ids is on meta but hidden_states is on cpu")),
     ("rope at with t = -1", lambda: RotaryEmbedding(8).at(0, -1, torch.device("cpu")), Raises(ValueError, r"t must be an int >= 0, got -1")),
     ("rope start 0 = the rotation", rotated(0, positions=[[0, 1, 2]]), None),
     ("rope start 5 = the rotation", rotated(5, positions=[[5, 6, 7]]), None),
@@ -574,3 +586,9 @@ def test_the_catalogue_is_large_and_named_once():
     names = [name for name, _, _ in CASES]
     assert len(names) == len(set(names))
     assert len(CASES) + len(BAD_COMMAND_LINES) >= 80
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: the tables are made on it")
+def test_rope_tables_on_cuda_without_a_gpu_say_so():
+    with pytest.raises(ValueError, match=r"device='cuda' needs a GPU that torch can see"):
+        RotaryEmbedding(8).tables(5, "cuda")

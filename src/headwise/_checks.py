@@ -268,15 +268,20 @@ def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, err
         raise error(message + (detail() if detail is not None else ""))
 
 
-def position_ids(ids: object, b: int, t: int, name: str = "position_ids") -> None:
-    """None, or a (b, t) integer tensor of positions (its values are not read: no host sync)."""
+def position_ids(ids: object, b: int, t: int, name: str = "position_ids", device: tuple[str, torch.device] | None = None) -> None:
+    """None, or a (b, t) int64 or int32 tensor of positions (what an embedding indexes with) on ``device`` (what lives
+    there, and where), if given; its values are not read (no host sync)."""
     if ids is None:
         return
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         what = f"dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
         raise TypeError(f"{name} must be an integer tensor of shape (batch, tokens) = {(b, t)}, got {what}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold int64 or int32 positions (torch.long, as a tokenizer's ids), got dtype {ids.dtype}")
     if tuple(ids.shape) != (b, t):
         raise ValueError(f"{name} must have shape (batch, tokens) = {(b, t)}, got {tuple(ids.shape)}")
+    if device is not None:
+        same_device(name, ids, *device)
 
 
 def broadcasts(name: str, t: Tensor, shape: tuple[int, ...], dims: str, given: tuple[int, ...] | None = None) -> None:
@@ -396,8 +401,8 @@ def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Ten
     return t
 
 
-def position_table(name: str, ids: object, t: int, *, batch: int | None = None) -> Tensor:
-    """Positions for T tokens: an integer tensor (B, T), or (1, T) shared by the batch.
+def position_table(name: str, ids: object, t: int, *, batch: int | None = None, device: torch.device | None = None) -> Tensor:
+    """Positions for T tokens: an integer tensor (B, T), or (1, T) shared by the batch, on ``device`` (x's), if given.
 
     ``batch``, if given, is x's B: the ids' first dim must be B or 1 (ids of another batch
     would widen or narrow x's). Values are not read (no host sync).
@@ -408,6 +413,8 @@ def position_table(name: str, ids: object, t: int, *, batch: int | None = None) 
     if ids.ndim != 2 or ids.shape[1] != t or (batch is not None and ids.shape[0] not in (1, batch)):
         expected = f"(batch, {t})" if batch is None else (f"(1, {t})" if batch == 1 else f"({batch}, {t}) or (1, {t})")
         raise ValueError(f"{name} must have shape (batch, tokens) = {expected}, got {tuple(ids.shape)}")
+    if device is not None:
+        same_device(name, ids, "x is", device)
     return ids
 
 

@@ -219,7 +219,7 @@ class AttentionLayer(AllOrNothing, nn.Module):
         x, attention_mask = checked_input(self, x, attention_mask, name=self.input_name, cache=held, sliding=sliding)  # (B, T, d_in), (B, T)
         if cache is not None:
             cache.check_owner(self)  # one cache, one layer
-        _checks.position_ids(position_ids, *x.shape[:2])
+        _checks.position_ids(position_ids, *x.shape[:2], device=(f"{self.input_name} is", x.device))
         return x, attention_mask
 
     def _cross(

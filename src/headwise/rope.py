@@ -86,6 +86,14 @@ def inverse_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Map
     theta = _checks.number("theta", theta, low=1.0, low_open=True, high_open=True)
     scaling = check_scaling(scaling)
     inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)  # (R/2,)
+    scaled = _scaled(inv_freq, scaling)  # (R/2,)
+    if not bool(scaled.isfinite().all()):  # a factor as small as 1e-310 passes its (0, inf) check: 1 / factor is inf
+        raise ValueError(f"rope_scaling {scaling!r} makes the frequencies infinite (over theta={theta}): its factors are too small")
+    return scaled
+
+
+def _scaled(inv_freq: Tensor, scaling: dict[str, Any] | None) -> Tensor:
+    """(R/2,) frequencies scaled as ``scaling`` (checked) says."""
     kind = "default" if scaling is None else scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -120,6 +128,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
     part = work[..., :r] if r < x.shape[-1] else work  # (..., T, R)
     if layout == "interleaved":
         out = torch.addcmul(part * cos, _swap_pairs(part, layout), sin)  # (..., T, R)
+    elif layout != "rotate_half":
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     else:  # each half adds the other half's product in place: no swapped copy of x (torch.roll is a copy)
         h = r // 2
         out = part * cos  # (..., T, R)
@@ -223,9 +233,10 @@ class RotaryEmbedding:
         slices them. ``sin`` carries the signs of the rotation (see ``rotate``).
         """
         _count("length", length)
-        device = torch.device(device)
+        device = device if isinstance(device, torch.device) else _checks.device("device", device)  # ('gpu': a ValueError)
         cos, sin = self._tables.get(device, (None, None))
         if cos is None or cos.shape[0] < length:
+            _checks.device("device", device)  # (a table to make: on a device this process can use)
             n = max(64, 1 << max(0, length - 1).bit_length())
             angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (L, R/2)
             cos, sin = self._cos_sin(angles)  # (L, R) each
@@ -250,7 +261,7 @@ class RotaryEmbedding:
             cos, sin = self._cos_sin(ids.to(torch.float64)[..., None] * inv_freq)  # (B, T, R) or (T, R) each
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if isinstance(positions, Tensor) else (cos, sin)  # (B, 1, T, R) or (T, R)
         if isinstance(positions, Tensor):
-            _checks.position_table("positions", positions, t)
+            _checks.position_table("positions", positions, t, device=device)
             angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)
             cos, sin = self._cos_sin(angles)  # (B, T, R) each
             return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R) each
@@ -266,7 +277,7 @@ class RotaryEmbedding:
         integer ids for x (B, H, T, D)."""
         _checks.head_input("x", x, self.head_dim)
         if isinstance(positions, Tensor):
-            _checks.position_table("positions", positions, x.shape[-2], batch=x.shape[0] if x.ndim == 4 else None)
+            _checks.position_table("positions", positions, x.shape[-2], batch=x.shape[0] if x.ndim == 4 else None, device=x.device)
             if x.ndim != 4:
                 raise ValueError(f"x must have shape (batch, heads, tokens, head_dim) with position ids, got {tuple(x.shape)}")
         cos, sin = self.at(positions, x.shape[-2], x.device)

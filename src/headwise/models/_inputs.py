@@ -106,7 +106,7 @@ def model_call(
             raise ValueError(f"a paged batch packs its sequences' real tokens in one row: input_ids (1, T) and no attention_mask, got B={b}")
         caches_agree(model, cache, b, t, weight)
     if positions is not None:
-        _checks.position_ids(positions, b, t, "positions")
+        _checks.position_ids(positions, b, t, "positions", device=("the model's weights are", weight.device))
     return b, t, padding_only(is_token), logits_kept(logits_to_keep, t)
 
 
