@@ -325,7 +325,8 @@ def _fast_path(world: int) -> dict:
 
 
 def indivisible(rank: int, world: int) -> dict:
-    """Heads, KV heads and MLP widths that 2 ranks cannot split are ValueErrors naming them."""
+    """Heads, KV heads and MLP widths that 2 ranks cannot split, and a mesh listing its ranks backwards, are ValueErrors
+    naming them."""
     m = mesh(world)
     with pytest.raises(ValueError, match=r"num_heads \(3\) and num_kv_heads \(3\) must both be divisible by the mesh size \(2\)"):
         parallelize(MultiHeadAttention(12, 12, 8, 0.0, num_heads=3), m)
@@ -333,6 +334,11 @@ def indivisible(rank: int, world: int) -> dict:
         parallelize(GPT2MultiHeadAttention(GPT2Config(n_embd=32, n_head=4, n_kv_head=1)), m)
     with pytest.raises(ValueError, match=r"encoder\.layer\.0\.intermediate: out_features \(37\) must be divisible by the mesh size \(2\)"):
         parallelize(BertModel(BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)), m)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    backwards = DeviceMesh("cpu", list(range(world))[::-1])  # valid, but torch scatters shards in the group's sorted order
+    with pytest.raises(ValueError, match=r"device_mesh must list its ranks in ascending order, got \[1, 0\]"):
+        parallelize(MultiHeadAttention(12, 12, 8, 0.0, num_heads=2), backwards)
     untouched = MultiHeadAttention(12, 12, 8, 0.0, num_heads=3)
     with suppress(ValueError):
         parallelize(untouched, m)

@@ -121,3 +121,27 @@ def test_int8_weights_refuses_a_sharded_model_and_leaves_it_as_it_was(mesh):
         int8_weights(model)
     assert type(model.transformer.h[0].attn.c_attn) is nn.Linear
     torch.testing.assert_close(model(ids), want, rtol=0, atol=0)
+
+
+def test_a_layer_shared_by_two_modules_is_refused_before_anything_changes(mesh):
+    """torch shards a layer once: the second owner's sharding failed with the first already sharded (heads halved)."""
+    a, b = mha(), mha()
+    b.W_query = a.W_query
+    both = nn.ModuleList([a, b])
+    with pytest.raises(ValueError, match=r"1\.W_query is also 0\.W_query: a layer shared by two modules cannot be sharded for each"):
+        parallelize(both, mesh)
+    assert not sharded(both) and a.num_heads == b.num_heads == 4
+
+
+def test_a_weight_tied_across_sharded_layers_is_refused(mesh):
+    """Sharded, each place would hold its own copy: one training step would untie them, unlike one process."""
+    a, b = mha(), mha()
+    b.W_key.weight = a.W_key.weight
+    both = nn.Sequential(a, b)
+    with pytest.raises(ValueError, match=r"0\.W_key\.weight and 1\.W_key\.weight are one tied parameter: sharded, each place would hold its own copy"):
+        parallelize(both, mesh)
+    assert not sharded(both)
+    from headwise.models import GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    assert sharded(parallelize(gpt2, mesh))  # its LM head reads the token embedding (replicated): taken

@@ -68,6 +68,7 @@ def parallelize(module: M, device_mesh: DeviceMesh) -> M:
     _check_devices(module, device_mesh)
     for path, sub, plan in found:  # every check before anything changes
         _check(path or type(module).__name__, sub, plan, n)
+    _check_untied(module, found)
     for _, sub, plan in found:
         styles = {name: make(sub) for name, make in plan.items()}
         parallelize_module(sub, device_mesh, styles)
@@ -163,6 +164,10 @@ def _check_mesh(mesh: object) -> None:
             f"device_mesh must be 1-D (the tensor-parallel ranks), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
             "pass its tensor-parallel slice, e.g. mesh['tp']"
         )
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != sorted(ranks):  # torch scatters shard i to the group's i-th rank, and the group sorts them
+        raise ValueError(f"device_mesh must list its ranks in ascending order, got {ranks}: shards would be placed in one "
+                         "order and gathered, loaded and broadcast in the other")
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not in device_mesh {mesh.mesh.tolist()}: call parallelize on the "
                          "mesh's ranks only")
@@ -198,6 +203,27 @@ def _check(where: str, owner: nn.Module, plan: Plan, n: int) -> None:
         width, what = (layer.in_features, "in_features") if make is rowwise else (layer.out_features, "out_features")
         if width % n:
             raise ValueError(f"{path}: {what} ({width}) must be divisible by the mesh size ({n})")
+
+
+def _check_untied(module: nn.Module, found: list[tuple[str, nn.Module, Plan]]) -> None:
+    """A layer the plan shards, or one of its weights, must belong to it alone: torch shards a layer once (a second
+    owner's sharding would fail halfway), and a weight tied to another place would be split into copies that no longer
+    train as one."""
+    places: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append(name)
+    owners: dict[int, str] = {}
+    for path, sub, plan in found:
+        for name in filter(None, plan):
+            layer, where = sub.get_submodule(name), ".".join(filter(None, (path, name)))
+            if id(layer) in owners:
+                raise ValueError(f"{where} is also {owners[id(layer)]}: a layer shared by two modules cannot be sharded for "
+                                 "each; give each module its own layer before parallelize")
+            owners[id(layer)] = where
+    for p in (p for path, sub, plan in found for name in filter(None, plan) for p in sub.get_submodule(name).parameters()):
+        if len(places[id(p)]) > 1:
+            raise ValueError(f"{' and '.join(places[id(p)])} are one tied parameter: sharded, each place would hold its "
+                             "own copy and they would no longer train as one; untie it before parallelize")
 
 
 def _nothing_to_shard(module: nn.Module) -> str:
