@@ -502,6 +502,8 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("cache crop past its length", lambda: cache().crop(1), Raises(ValueError, r"length must be an int in \[0, len\(cache\)=0\], got 1")),
     ("cache crop -1", lambda: cache().crop(-1), Raises(ValueError, r"length must be an int in \[0, len\(cache\)=0\], got -1")),
     ("paged fork onto itself", lambda: _paged_with(0).fork(0, 0), Raises(ValueError, r"new_id 0 is already in the cache")),
+    ("paged fork to a str id", lambda: _paged_with(0).fork(0, "1"), Raises(TypeError, r"new_id must be an int, got str '1'")),  # (named seq_id)
+    ("paged check_room counts None", lambda: _paged_with(0).check_room([0], None), Raises(TypeError, r"counts must be a list of ints, got NoneType")),
     ("cache crop a bool", lambda: cache().crop(True), Raises(TypeError, r"length must be an int in \[0, len\(cache\)=0\], got True")),
     ("cache crop a ring", lambda: hw.KVCache.sliding(1, 2, 3, 4).crop(0), Raises(ValueError, r"a sliding cache \(window=3\) cannot be cropped")),
     ("cache update with a list", lambda: cache().update([], torch.zeros(1, 2, 1, 4)), Raises(TypeError, r"k must be a torch.Tensor of shape \(B=1, Hkv=2, T, D=4\), got list")),
@@ -570,6 +572,9 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
      Raises(ValueError, r"attention_mask marks it as padding in rows \[1\]: pad prompts on the left")),
     ("generate tiny temperature = greedy", generate_tiny_temperature_agrees(), None),
     ("bert token_type_ids past type_vocab_size", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=torch.full((1, 3), 2)), Raises(ValueError, r"token_type_ids must hold ids in \[0, type_vocab_size=2\)")),
+    ("bert token_type_ids a list", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=[[0, 0, 0]]),
+     Raises(TypeError, r"token_type_ids must be an integer tensor of shape \(1, 3\) or None, got list")),
+    ("book mask not a tensor, strict=False", lambda: mha().load_state_dict({"mask": "x"}, strict=False), Raises(RuntimeError, r"mask must be a tensor of shape \(16, 16\), got str")),
     ("bert token_type_ids wrong shape", lambda: tiny_bert()(ids(1, 3, high=7), token_type_ids=torch.zeros(1, 2, dtype=torch.long)), Raises(ValueError, r"token_type_ids must have the shape of input_ids, \(1, 3\), got \(1, 2\)")),
     ("bert given a GPT2Config", lambda: BertModel(hw.GPT2Config()), Raises(TypeError, r"config must be a BertConfig, got GPT2Config")),
     ("encoder one str", lambda: tiny_encoder().encode("a cat"), Raises(TypeError, r"sentences must be a list of str, got str \(wrap one sentence in a list\)")),

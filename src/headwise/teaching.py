@@ -91,7 +91,9 @@ def _accept_book_mask(module: _BookMask, state_dict: dict, prefix: str, *args: o
     mask = state_dict.pop(prefix + "mask", None)
     error_msgs = args[-1]
     ctx = module.context_length
-    if mask is not None and tuple(mask.shape) != (ctx, ctx):
+    if mask is not None and not isinstance(mask, torch.Tensor):  # (strict=False skips the all-or-nothing check)
+        error_msgs.append(f"{prefix}mask must be a tensor of shape ({ctx}, {ctx}), got {type(mask).__name__}")
+    elif mask is not None and tuple(mask.shape) != (ctx, ctx):
         error_msgs.append(f"size mismatch for {prefix}mask: expected ({ctx}, {ctx}) for context_length={ctx}, got {tuple(mask.shape)}")
 
 

@@ -123,3 +123,17 @@ def test_attention_mass_names_a_bad_argument(weights, special, is_token, error, 
     """Each was an IndexError, an error from inside torch, or (0/1 masks: ~1 is -2) numbers that meant nothing."""
     with pytest.raises(error, match=message):
         attention_mass(weights, special, is_token)
+
+
+def test_role_refuses_a_layer_or_head_out_of_range_by_name():
+    """As HeadMaps.role: counted from 0 (an IndexError, or a float index error from torch, named nothing)."""
+    roles = HeadRoles(torch.rand(2, 3, 4))
+    for (layer, head), error, message in [
+        ((5, 0), ValueError, r"layer must be an int in \[0, 1\], got 5"),
+        ((-1, 0), ValueError, r"layer must be an int in \[0, 1\], got -1"),
+        ((0, 3), ValueError, r"head must be an int in \[0, 2\], got 3"),
+        ((0, 1.0), TypeError, r"head must be an int in \[0, 2\], got 1.0"),
+        (("0", 0), TypeError, r"layer must be an int in \[0, 1\], got '0'"),
+    ]:
+        with pytest.raises(error, match=message):
+            roles.role(layer, head)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -161,7 +161,9 @@ class PagedKVCache(Owned, Rows):
     def fork(self, seq_id: int, new_id: int) -> None:
         """Open ``new_id`` holding the same tokens as ``seq_id``, sharing its blocks until one of them writes."""
         self._known(seq_id)
-        if isinstance(new_id, int) and new_id in self._tables:
+        if isinstance(new_id, bool) or not isinstance(new_id, int):
+            raise TypeError(f"new_id must be an int, got {type(new_id).__name__} {new_id!r}")
+        if new_id in self._tables:
             raise ValueError(f"new_id {new_id} is already in the cache: free it first, or pick another id")
         self.add(new_id)
         table = self._tables[seq_id]
@@ -276,6 +278,9 @@ class PagedKVCache(Owned, Rows):
         """A ValueError unless the pool has the blocks that writing ``counts[i]`` new tokens of each ``seq_ids[i]`` takes
         (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``). TypeError or ValueError
         for ids not open here, counts that are not ints >= 0, or lists of different lengths."""
+        for name, value in (("seq_ids", seq_ids), ("counts", counts)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
         seq_ids, counts = list(seq_ids), list(counts)
         if len(seq_ids) != len(counts):
             raise ValueError(f"seq_ids and counts must be the same length, got {len(seq_ids)} ids and {len(counts)} counts")

@@ -182,6 +182,8 @@ class BertModel(AllOrNothing, nn.Module):
             raise ValueError(f"input_ids has {t} tokens, more than max_position_embeddings={self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # (B, T)
+        elif not isinstance(token_type_ids, Tensor):
+            raise TypeError(f"token_type_ids must be an integer tensor of shape {(b, t)} or None, got {type(token_type_ids).__name__}")
         elif tuple(token_type_ids.shape) != (b, t):
             raise ValueError(f"token_type_ids must have the shape of input_ids, {(b, t)}, got {tuple(token_type_ids.shape)}")
         else:

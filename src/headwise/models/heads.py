@@ -39,6 +39,8 @@ class HeadRoles:
     def role(self, layer: int, head: int, *, threshold: float = 0.5) -> str | None:
         """The kind that gets at least ``threshold`` (a number in [0, 1]) of the head's weight, or None (mixed)."""
         threshold = _checks.number("threshold", threshold, low=0.0, high=1.0)
+        layer = _checks.integer("layer", layer, low=0, high=self.mass.shape[0] - 1)
+        head = _checks.integer("head", head, low=0, high=self.mass.shape[1] - 1)
         share, kind = self.mass[layer, head].max(dim=-1)
         return self.kinds[int(kind)] if float(share) >= threshold else None
 
