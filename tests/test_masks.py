@@ -52,3 +52,22 @@ def test_causal_mask_refuses_what_is_not_a_window_or_a_count():
         causal_mask(1, -1)
     with pytest.raises(TypeError, match=r"t must be an int >= 0, got 2.0"):
         causal_mask(2.0, 3)
+
+
+def test_the_helpers_name_what_they_were_given_wrong():
+    """Each raised from deep in torch (a bool subtracted, an index past a 1-D tensor, a meta tensor's repeat count)."""
+    from headwise.masks import document_mask, documents_from_cu_seqlens
+
+    pos, ids = torch.arange(4), torch.zeros(1, 3, dtype=torch.long)
+    for call, error, message in [
+        (lambda: position_mask(pos, pos, window=True), TypeError, r"window must be a positive int, got True"),
+        (lambda: position_mask([0, 1], pos), TypeError, r"q_pos must be an integer tensor of shape \(T,\), got list"),
+        (lambda: position_mask(pos, pos.float()), TypeError, r"k_pos must be an integer tensor of shape \(S,\), got dtype torch.float32"),
+        (lambda: padding_mask(torch.ones(4, dtype=torch.bool)), TypeError, r"attention_mask must be a \(B, S\) tensor, True = real token, got shape \(4,\)"),
+        (lambda: document_mask(ids[0], ids), TypeError, r"q_documents must be an integer tensor of shape \(B, T\), got dtype torch.int64, shape \(3,\)"),
+        (lambda: document_mask(ids, ids.expand(2, 3)), ValueError, r"q_documents and k_documents must have one row per batch, got \(1, 3\) and \(2, 3\)"),
+        (lambda: documents_from_cu_seqlens(torch.tensor([0, 3, 5], device="meta")), ValueError, r"cu_seqlens must hold values the ids are counted by"),
+    ]:
+        with pytest.raises(error, match=message):
+            call()
+    assert document_mask(ids, ids).shape == (1, 1, 3, 3) and position_mask(pos, pos, window=2).sum() == 7

@@ -26,11 +26,22 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, *, window: int | None = None) ->
     Returns:
         (T, S) bool, True = may attend.
     """
+    _ids("q_pos", q_pos, 1, "(T,)")
+    _ids("k_pos", k_pos, 1, "(S,)")
+    if window is not None:
+        _checks.positive_int("window", window)
     q_pos = q_pos.unsqueeze(-1)  # (T, 1)
     allowed = k_pos <= q_pos  # (T, S)
     if window is not None:
         allowed &= k_pos > q_pos - window
     return allowed
+
+
+def _ids(name: str, t: object, ndim: int, dims: str) -> None:
+    """``t`` must be an integer tensor of ``ndim`` dims (``dims``); its values are not read."""
+    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.ndim != ndim:
+        what = (f"dtype {t.dtype}, shape {tuple(t.shape)}") if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an integer tensor of shape {dims}, got {what}")
 
 
 def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Tensor:
@@ -61,6 +72,9 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
 
 def padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, S) bool, True = real token  ->  (B, 1, 1, S), broadcastable over heads and queries."""
+    if not isinstance(attention_mask, Tensor) or attention_mask.ndim != 2:
+        what = f"shape {tuple(attention_mask.shape)}" if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise TypeError(f"attention_mask must be a (B, S) tensor, True = real token, got {what}")
     return attention_mask[:, None, None, :]  # (B, 1, 1, S)
 
 
@@ -85,6 +99,10 @@ def inert_padding(x: Tensor, real: Tensor | None) -> Tensor:
 
 def document_mask(q_documents: Tensor, k_documents: Tensor) -> Tensor:
     """(B, T) and (B, S) document ids -> (B, 1, T, S) bool: True where query and key share a document."""
+    _ids("q_documents", q_documents, 2, "(B, T)")
+    _ids("k_documents", k_documents, 2, "(B, S)")
+    if q_documents.shape[0] != k_documents.shape[0]:
+        raise ValueError(f"q_documents and k_documents must have one row per batch, got {tuple(q_documents.shape)} and {tuple(k_documents.shape)}")
     return q_documents[:, None, :, None] == k_documents[:, None, None, :]  # (B, 1, T, S)
 
 
@@ -131,8 +149,11 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor (0, len_0, len_0 + len_1, ...), got {what}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with at least one entry (0), got shape {tuple(cu_seqlens.shape)}")
+    if not _checks.has_values(cu_seqlens):  # (meta: no lengths to count the ids by)
+        raise ValueError("cu_seqlens must hold values the ids are counted by (not a meta tensor, nor one vmap batches), got "
+                         f"one on {cu_seqlens.device}")
     lengths = cu_seqlens.long().diff()  # (N,): int64 (narrower ints wrap in the difference, and repeat counts take no less)
-    if _checks.has_values(cu_seqlens) and (int(cu_seqlens[0]) != 0 or bool((lengths < 0).any())):  # one host read: lengths are needed there anyway
+    if int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):  # one host read: lengths are needed there anyway
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
     ids = torch.arange(lengths.numel(), device=cu_seqlens.device)  # (N,)
     return ids.repeat_interleave(lengths)[None]  # (1, total)

@@ -110,6 +110,22 @@ def test_bad_tensors_reach_the_core_checks():
         headwise.hf.attend(_Layer(), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 4), None)
 
 
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_query_key_or_value_that_is_not_a_tensor_is_named(which):
+    qkv = [torch.randn(1, 2, 3, 4) for _ in range(3)]
+    qkv[which] = "q"  # (an AttributeError on .shape)
+    with pytest.raises(TypeError, match=rf"{['query', 'key', 'value'][which]} must be a torch.Tensor of shape \(B, H, T, D\), got str"):
+        headwise.hf.attend(_Layer(), *qkv, None)
+
+
+def test_load_names_a_model_class_or_allow_that_is_not_one_before_building():
+    config = tf.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=100)
+    with pytest.raises(TypeError, match=r"model_class must be a transformers model class \(AutoModelForCausalLM, LlamaForCausalLM, ...\), got None"):
+        headwise.hf.load(None, config)
+    with pytest.raises(TypeError, match=r"allow must be an iterable of class names \(str\), got 1"):
+        headwise.hf.load(tf.AutoModel, config, allow=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
 def test_an_integer_4d_mask_is_named_as_the_models_attention_mask(dtype):
     q = k = v = torch.randn(1, 2, 3, 4)

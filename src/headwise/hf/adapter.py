@@ -284,6 +284,9 @@ def attend(
         for attentions.
     """
     _refuse(kwargs)
+    for label, t in (("query", query), ("key", key), ("value", value)):  # (their shapes are the core's to check)
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{label} must be a torch.Tensor of shape (B, H, T, D), got {type(t).__name__}")
     _check_bias(position_bias, query, key)
     if isinstance(attention_mask, Tensor) and not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
         raise TypeError(f"attention_mask (the 4D mask the model passed) must be bool (True = may attend) or an additive float mask, "

@@ -12,6 +12,12 @@ from .adapter import attend, register
 from .routing import computes_attention_itself, masks_through_interface, refuse_never_routed
 
 
+def _allowed(allow: object) -> None:
+    """``allow`` must be an iterable of class names, not one name (a str's letters would be names)."""
+    if isinstance(allow, str) or not isinstance(allow, Iterable) or not all(isinstance(name, str) for name in allow):
+        raise TypeError(f"allow must be an iterable of class names (str), got {allow!r}")
+
+
 def check(model: nn.Module, *, allow: Iterable[str] = ()) -> nn.Module:
     """Raise unless every attention layer of ``model`` runs on headwise; return ``model``.
 
@@ -44,8 +50,7 @@ def check(model: nn.Module, *, allow: Iterable[str] = ()) -> nn.Module:
         True
     """
     transformers = require("transformers", "hf", "checking a transformers model")
-    if isinstance(allow, str) or not all(isinstance(name, str) for name in allow):
-        raise TypeError(f"allow must be an iterable of class names (str), got {allow!r}")
+    _allowed(allow)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers PreTrainedModel (an nn.Module), got {type(model).__name__}")
     parts = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
@@ -112,6 +117,10 @@ def load(model_class: type, source: object, *, allow: Iterable[str] = (), strict
         raise TypeError(f"load sets attn_implementation itself (to headwise), got attn_implementation={kwargs['attn_implementation']!r}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {type(strict).__name__} {strict!r}")
+    if not (isinstance(model_class, type) and any(hasattr(model_class, m) for m in ("from_pretrained", "from_config", "_from_config"))):
+        raise TypeError(f"model_class must be a transformers model class (AutoModelForCausalLM, LlamaForCausalLM, ...), "
+                        f"got {model_class!r}")
+    _allowed(allow)  # (before the model is built)
     name = register()
     configured = isinstance(source, transformers.PretrainedConfig)
     if configured:

@@ -91,7 +91,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
         (..., N).
 
     Raises:
-        ValueError: ``gelu`` is not None, "none" or "tanh".
+        ValueError: ``gelu`` is not None, "none" or "tanh". The operands are not checked here (it runs for every
+            projection of every step): like ``F.linear``, tensors of mismatched sizes or dtypes raise torch's errors.
 
     Example:
         >>> lin = torch.nn.Linear(768, 2304)
