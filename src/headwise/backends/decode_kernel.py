@@ -91,8 +91,9 @@ def available() -> bool:
 
 def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``decode_attention`` computes this call: one query per row on the CPU, at least one query head (none: an
-    empty answer, left to the runners that take zero sizes), float32 or bfloat16 operands of one dtype, key and value rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no
-    mask or documents, a softcap, ALiBi and sinks (none that wants a gradient) or not, and no dropout."""
+    empty answer, left to the runners that take zero sizes), float32 or bfloat16 operands of one dtype, key and value
+    rows contiguous, every key seen but padding, or (eager) a causal window's last keys, no mask or documents, a
+    softcap, ALiBi and sinks (none that wants a gradient) or not, and no dropout."""
     s = spec
     return (
         q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] > 0 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
