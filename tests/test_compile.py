@@ -11,6 +11,7 @@ A new module, model or attention variant joins by adding a ``Case`` to ``MODULES
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -425,6 +426,25 @@ def test_a_full_cache_under_compile_is_refused_with_its_message():
         assert len(cache) == 7
 
 
+
+
+def test_training_through_a_cache_traces_whole_and_gives_eager_gradients():
+    """A forward that records its keys in a cache hooks their autograd nodes to mark the cache spent after a backward
+    (eager); Dynamo cannot trace such a hook: under compile it is left out, so fullgraph holds (it raised at the prefill)
+    and the steps recompile once, at the second (three graphs for a prefill and four steps)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    eager = hw.MultiHeadAttention(16, 16, 32, 0.0, num_heads=2).train()  # dropout 0: training without randomness
+    twin = copy.deepcopy(eager)
+    xs = [torch.randn(1, n, 16, generator=torch.Generator().manual_seed(n + i)) for i, n in enumerate((5, 1, 1, 1, 1))]
+    counters.clear()
+    for module in (eager, torch.compile(twin, backend="aot_eager", fullgraph=True)):
+        cache = hw.KVCache(1, 2, 32, 8)
+        sum(module(x, cache=cache).square().mean() for x in xs).backward()
+    assert counters["stats"]["unique_graphs"] == 3
+    for (name, want), got in zip(eager.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
 
 
 def test_a_module_compiled_again_with_dynamic_shapes_hands_sdpa_a_bool():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 
@@ -28,7 +29,13 @@ class Spendable:
 
     def mark_on_backward(self, tensors: Iterable[Tensor]) -> None:
         """A hook on the autograd node of each of ``tensors`` that has one: a backward through it sets ``_spent``,
-        unless the cache let go of them since (the cache held weakly: the graph does not keep it alive)."""
+        unless the cache let go of them since (the cache held weakly: the graph does not keep it alive).
+
+        Not under ``torch.compile``, which cannot trace a hook registered on a graph's node (a break, and
+        ``fullgraph=True`` fails): a compiled forward that reuses keys a backward already went through gets autograd's
+        own error at its backward ("backward through the graph a second time") instead of the cache's by name."""
+        if torch.compiler.is_compiling():
+            return
         cache, epoch = weakref.ref(self), self._epoch
 
         def hook(*_: object) -> None:
