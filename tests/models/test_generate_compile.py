@@ -371,6 +371,25 @@ def test_one_graph_serves_every_step_prompt_length_and_batch(aot_eager):
     assert counters["stats"]["unique_graphs"] == batched
 
 
+def test_one_graph_when_the_first_sizes_equal_the_models_own_or_an_eager_loop_ran_between(aot_eager):
+    """head_dim is 8 and n_head 4: a first call whose cache length (3 + 5) or batch (4) equals one of them had Dynamo tie
+    the two into one symbol (duck sizing), fixed as a constant, and the next length or batch compiled again; an eager
+    generate between two compiled ones left a thread-local attribute behind that the graph's guard had seen absent."""
+    model = gpt2()
+
+    def prompts(b, t):  # (B, T) ids, the last row left-padded
+        ids, mask = torch.randint(1, 97, (b, t), generator=torch.Generator().manual_seed(b * 100 + t)), torch.ones(b, t, dtype=torch.long)
+        mask[-1, : t - 1] = 0
+        return ids * mask, mask
+
+    graphs = counters["stats"]["unique_graphs"]
+    for b, t, n in [(2, 3, 5), (2, 12, 7), (4, 5, 3), (3, 6, 3)]:
+        ids, mask = prompts(b, t)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=n)  # eager, between the compiled calls
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=n, compile=True), want)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
 def test_a_hooked_model_compiles_its_checked_step(aot_eager):
     model = gpt2()
     rows = torch.zeros((), dtype=torch.long)  # a tensor, not a list: a list's length would be a guard, recompiling every step

@@ -251,7 +251,14 @@ class Ready:
         return self.run, self.args
 
 
-_steps = threading.local()  # .kept: the decisions of a decode loop's steps in this thread (``planned``)
+class _Steps(threading.local):
+    """``kept``: the decisions of a decode loop's steps in this thread (``planned``), None outside one. A class default, so
+    that the attribute always exists: a compiled step's guard on it holds before and after an eager loop."""
+
+    kept: dict | None = None
+
+
+_steps = _Steps()
 
 
 @contextmanager
@@ -263,7 +270,7 @@ def planned(kept: dict) -> Iterator[None]:
     (``models.flat_step``) runs them: without autograd, eager, outside autocast, hooks and the path setting as they
     were at its first step (``generate`` decides such things once a call: ``models.generate.trusts``). ``kept``
     belongs to one loop."""
-    before = getattr(_steps, "kept", None)
+    before = _steps.kept
     _steps.kept = kept
     try:
         yield
@@ -280,7 +287,7 @@ def planned_world() -> tuple:
 
 def _ready(layers: Sequence[nn.Module], x: Tensor, gelu: str | None = None) -> Ready | None:
     """``_decide`` for this call, kept by ``planned``'s loop where one runs."""
-    kept = getattr(_steps, "kept", None)
+    kept = _steps.kept
     if kept is None:
         return _decide(layers, x, gelu)
     key = (*map(id, layers), gelu, type(x), x.dtype, x.shape)

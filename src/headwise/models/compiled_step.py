@@ -199,5 +199,12 @@ class CompiledStep:
         weakref.finalize(self, torch._dynamo.reset_code, self.func.__code__)
 
     def __call__(self, *args: object) -> Tensor:
-        with TURNS, projection.freezing() if self.freeze else contextlib.nullcontext():
+        # no duck sizing: a first call whose cache length or batch equals a size of the model (head_dim, heads) would
+        # tie the two into one symbol, and the next call of another length would compile again
+        with TURNS, _distinct_sizes(), projection.freezing() if self.freeze else contextlib.nullcontext():
             return self.compiled(*self.args, *args)
+
+
+def _distinct_sizes() -> contextlib.AbstractContextManager:
+    """Dynamo's symbolic sizes each their own symbol while a step traces (torch's ``use_duck_shape`` off)."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
