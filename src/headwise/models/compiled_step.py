@@ -47,6 +47,7 @@ import weakref
 from functools import partial
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 
 from ..linear import projection
@@ -199,12 +200,15 @@ class CompiledStep:
         weakref.finalize(self, torch._dynamo.reset_code, self.func.__code__)
 
     def __call__(self, *args: object) -> Tensor:
-        # no duck sizing: a first call whose cache length or batch equals a size of the model (head_dim, heads) would
-        # tie the two into one symbol, and the next call of another length would compile again
-        with TURNS, _distinct_sizes(), projection.freezing() if self.freeze else contextlib.nullcontext():
-            return self.compiled(*self.args, *args)
+        with TURNS, projection.freezing() if self.freeze else contextlib.nullcontext():
+            # no duck sizing: a first call whose cache length or batch equals a size of the model (head_dim, heads)
+            # would tie the two into one symbol, and the next call of another length would compile again (set and
+            # restored as a plain attribute: a config patch costs tens of microseconds a step)
+            duck, _FX.use_duck_shape = _FX.use_duck_shape, False
+            try:
+                return self.compiled(*self.args, *args)
+            finally:
+                _FX.use_duck_shape = duck
 
 
-def _distinct_sizes() -> contextlib.AbstractContextManager:
-    """Dynamo's symbolic sizes each their own symbol while a step traces (torch's ``use_duck_shape`` off)."""
-    return torch.fx.experimental._config.patch(use_duck_shape=False)
+_FX = fx_config  # Dynamo's symbolic shapes' settings
