@@ -4,6 +4,7 @@ changed (an eager call's caches, RoPE's tables, are left out); different after e
 could depend on; None where a model holds something it cannot compare (then Dynamo's checks stay).
 """
 
+import copy
 import dataclasses
 import functools
 import threading
@@ -44,6 +45,21 @@ def test_the_same_across_calls_forwards_and_generation(name):
     with torch.no_grad():
         model.generate(IDS, max_new_tokens=3)  # RoPE's tables grow (an eager call's cache), the steps kept on the model
         model(torch.randint(0, 97, (1, 40)))
+    assert structure(model) == before
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_same_after_the_model_is_copied(name):
+    """``copy.deepcopy`` (or pickling) caches ``__slotnames__`` on the classes of what it copies, the config's among
+    them, the first time: not a change a step sees (a compiled step was compiled again after a float64 copy)."""
+    model = MODELS[name]()
+    classes = {type(m) for m in model.modules()} | {type(m.config) for m in model.modules() if hasattr(m, "config")}
+    for cls in classes:  # as in a process that never copied one
+        if "__slotnames__" in vars(cls):
+            delattr(cls, "__slotnames__")
+    before = structure(model)
+    copy.deepcopy(model)
+    assert any("__slotnames__" in vars(cls) for cls in classes)  # what the copy wrote on a class
     assert structure(model) == before
 
 

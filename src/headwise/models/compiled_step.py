@@ -130,8 +130,9 @@ _BASES = frozenset({object, nn.Module})
 
 
 def _class(cls: type) -> tuple:
-    """``cls`` with the identity of each attribute it defines (a method replaced is seen)."""
-    return cls, tuple([(k, id(v)) for k, v in vars(cls).items()])
+    """``cls`` with the identity of each attribute it defines (a method replaced is seen), less ``__slotnames__``:
+    ``copyreg`` writes it on the class the first time an instance is copied or pickled, and no step reads it."""
+    return cls, tuple([(k, id(v)) for k, v in vars(cls).items() if k != "__slotnames__"])
 
 
 def _fields(obj: object, depth: int) -> tuple:
