@@ -63,8 +63,9 @@ def test_the_helpers_name_what_they_were_given_wrong():
         (lambda: position_mask(pos, pos, window=True), TypeError, r"window must be a positive int, got True"),
         (lambda: position_mask([0, 1], pos), TypeError, r"q_pos must be an integer tensor of shape \(T,\), got list"),
         (lambda: position_mask(pos, pos.float()), TypeError, r"k_pos must be an integer tensor of shape \(S,\), got dtype torch.float32"),
-        (lambda: padding_mask(torch.ones(4, dtype=torch.bool)), TypeError, r"attention_mask must be a \(B, S\) tensor, True = real token, got shape \(4,\)"),
-        (lambda: document_mask(ids[0], ids), TypeError, r"q_documents must be an integer tensor of shape \(B, T\), got dtype torch.int64, shape \(3,\)"),
+        (lambda: padding_mask(torch.ones(4, dtype=torch.bool)), ValueError, r"attention_mask must be a \(B, S\) tensor, True = real token, got shape \(4,\)"),
+        (lambda: document_mask(ids[0], ids), ValueError, r"q_documents must have shape \(B, T\), got \(3,\)"),
+        (lambda: document_mask(ids.float(), ids), TypeError, r"q_documents must be an integer tensor of shape \(B, T\), got dtype torch.float32"),
         (lambda: document_mask(ids, ids.expand(2, 3)), ValueError, r"q_documents and k_documents must have one row per batch, got \(1, 3\) and \(2, 3\)"),
         (lambda: documents_from_cu_seqlens(torch.tensor([0, 3, 5], device="meta")), ValueError, r"cu_seqlens must hold values the ids are counted by"),
     ]:

@@ -74,6 +74,14 @@ def positive_int(name: str, value: object) -> int:
     return integer(name, value, low=1)
 
 
+def integer_tensor(name: str, t: object, expected: str) -> Tensor:
+    """``t`` if it is a tensor of an integer dtype (not bool: a mask is not ids); else a TypeError, "``name`` must be
+    ``expected``, got" its dtype or type. Its shape and values are the caller's to check."""
+    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be {expected}, got {f'dtype {t.dtype}' if isinstance(t, Tensor) else type(t).__name__}")
+    return t
+
+
 def boolean(name: str, value: object) -> bool:
     """TypeError naming ``name`` unless ``value`` is True or False (not 0/1, not None)."""
     if not isinstance(value, bool):
@@ -273,9 +281,7 @@ def position_ids(ids: object, b: int, t: int, name: str = "position_ids", device
     there, and where), if given; its values are not read (no host sync)."""
     if ids is None:
         return
-    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        what = f"dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise TypeError(f"{name} must be an integer tensor of shape (batch, tokens) = {(b, t)}, got {what}")
+    integer_tensor(name, ids, f"an integer tensor of shape (batch, tokens) = {(b, t)}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must hold int64 or int32 positions (torch.long, as a tokenizer's ids), got dtype {ids.dtype}")
     if tuple(ids.shape) != (b, t):
@@ -370,12 +376,13 @@ def per_head(
         raise ValueError(f"{name} must have shape {dims}, one per query head, got {tuple(t.shape)}")
     same_device(name, t, "q, k and v are", device)
     if has_values(t):
-        wide = t.to(scores) if t.dtype.itemsize > scores.itemsize else t  # (as the runners take it: wider values narrowed)
-        good = (wide < math.inf) if minus_inf is not None else wide.isfinite()  # (wide < inf: False at NaN and +inf only)
         finite = "finite numbers" + (f" in {scores} (the scores' dtype)" if t.dtype.itemsize > scores.itemsize else "")
         if distance is not None:  # the product in the scores' dtype, as the bias is computed (inf, or NaN, fails)
             good = t.to(scores).abs() * distance <= torch.finfo(scores).max  # (at distance 0 or 1: finite)
             finite += f" whose bias -slope * distance stays finite in {scores}"
+        else:
+            wide = t.to(scores) if t.dtype.itemsize > scores.itemsize else t  # (as the runners take it: wider values narrowed)
+            good = (wide < math.inf) if minus_inf is not None else wide.isfinite()  # (wide < inf: False at NaN and +inf only)
         expected = f"{finite} or -inf ({minus_inf})" if minus_inf is not None else finite
         holds(good.all(), f"{name} must hold {expected}", lambda: f"{_slope_bound(distance, scores)}, got {t.detach().cpu().tolist()}")
     return (t.unsqueeze(0) if t.ndim == 1 else t) if batched else t  # (1, H) or (B, H); H may be 0
@@ -392,9 +399,7 @@ def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Ten
     """None, or (b, s) integer document ids on ``device`` (their values are not read here)."""
     if t is None:
         return None
-    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        what = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"documents must be an integer tensor of document ids, shape {dims} = {(b, s)}, got {what}")
+    integer_tensor("documents", t, f"an integer tensor of document ids, shape {dims} = {(b, s)}")
     if tuple(t.shape) != (b, s):
         raise ValueError(f"documents must have shape {dims} = {(b, s)}, one id per key, got {tuple(t.shape)}")
     same_device("documents", t, "q, k and v are", device)
@@ -407,9 +412,7 @@ def position_table(name: str, ids: object, t: int, *, batch: int | None = None, 
     ``batch``, if given, is x's B: the ids' first dim must be B or 1 (ids of another batch
     would widen or narrow x's). Values are not read (no host sync).
     """
-    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        what = f"dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise TypeError(f"{name} must be an int start or an integer tensor of shape (batch, tokens={t}), got {what}")
+    integer_tensor(name, ids, f"an int start or an integer tensor of shape (batch, tokens={t})")
     if ids.ndim != 2 or ids.shape[1] != t or (batch is not None and ids.shape[0] not in (1, batch)):
         expected = f"(batch, {t})" if batch is None else (f"(1, {t})" if batch == 1 else f"({batch}, {t}) or (1, {t})")
         raise ValueError(f"{name} must have shape (batch, tokens) = {expected}, got {tuple(ids.shape)}")

@@ -39,9 +39,8 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, *, window: int | None = None) ->
 
 def _ids(name: str, t: object, ndim: int, dims: str) -> None:
     """``t`` must be an integer tensor of ``ndim`` dims (``dims``); its values are not read."""
-    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.ndim != ndim:
-        what = (f"dtype {t.dtype}, shape {tuple(t.shape)}") if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be an integer tensor of shape {dims}, got {what}")
+    if _checks.integer_tensor(name, t, f"an integer tensor of shape {dims}").ndim != ndim:
+        raise ValueError(f"{name} must have shape {dims}, got {tuple(t.shape)}")
 
 
 def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Tensor:
@@ -72,9 +71,10 @@ def causal_mask(t: int, s: int, *, window: int | None = None, device=None) -> Te
 
 def padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, S) bool, True = real token  ->  (B, 1, 1, S), broadcastable over heads and queries."""
-    if not isinstance(attention_mask, Tensor) or attention_mask.ndim != 2:
-        what = f"shape {tuple(attention_mask.shape)}" if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise TypeError(f"attention_mask must be a (B, S) tensor, True = real token, got {what}")
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a (B, S) tensor, True = real token, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must be a (B, S) tensor, True = real token, got shape {tuple(attention_mask.shape)}")
     return attention_mask[:, None, None, :]  # (B, 1, 1, S)
 
 
@@ -144,9 +144,7 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
         >>> documents_from_cu_seqlens(torch.tensor([0, 3, 5]))
         tensor([[0, 0, 0, 1, 1]])
     """
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        what = f"dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
-        raise TypeError(f"cu_seqlens must be a 1-D integer tensor (0, len_0, len_0 + len_1, ...), got {what}")
+    _checks.integer_tensor("cu_seqlens", cu_seqlens, "a 1-D integer tensor (0, len_0, len_0 + len_1, ...)")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with at least one entry (0), got shape {tuple(cu_seqlens.shape)}")
     if not _checks.has_values(cu_seqlens):  # (meta: no lengths to count the ids by)

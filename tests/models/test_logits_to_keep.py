@@ -59,8 +59,10 @@ def test_logits_kept_at_given_positions_equal_those_of_all_logits(name):
         model(IDS, logits_to_keep=torch.tensor([6]))
     with pytest.raises(ValueError, match=r"logits_to_keep must hold positions in \[0, T=6\), got \[-1\]"):
         model(IDS, logits_to_keep=torch.tensor([-1]))  # would wrap to the last position
-    with pytest.raises(TypeError, match=r"logits_to_keep as a tensor must be 1-D integer positions \(N,\), got dtype torch.float32 shape \(1,\)"):
+    with pytest.raises(TypeError, match=r"logits_to_keep as a tensor must be 1-D integer positions \(N,\), got dtype torch.float32"):
         model(IDS, logits_to_keep=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"logits_to_keep as a tensor must be 1-D integer positions \(N,\), got shape \(1, 1\)"):
+        model(IDS, logits_to_keep=torch.tensor([[1]]))
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -179,8 +179,9 @@ def logits_kept(logits_to_keep: object, t: int) -> int | Tensor:
     integer tensor of positions in [0, T) (read on the host once: an index out of range would wrap or fail)."""
     if not isinstance(logits_to_keep, Tensor):
         return _checks.integer("logits_to_keep (0 = all positions, or a 1-D tensor of positions)", logits_to_keep, low=0, high=t)
-    if logits_to_keep.ndim != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype.is_complex or logits_to_keep.dtype == torch.bool:
-        raise TypeError(f"logits_to_keep as a tensor must be 1-D integer positions (N,), got dtype {logits_to_keep.dtype} shape {tuple(logits_to_keep.shape)}")
+    _checks.integer_tensor("logits_to_keep as a tensor", logits_to_keep, "1-D integer positions (N,)")
+    if logits_to_keep.ndim != 1:
+        raise ValueError(f"logits_to_keep as a tensor must be 1-D integer positions (N,), got shape {tuple(logits_to_keep.shape)}")
     if _checks.has_values(logits_to_keep) and logits_to_keep.numel():
         _checks.holds(
             ((logits_to_keep >= 0) & (logits_to_keep < t)).all(), f"logits_to_keep must hold positions in [0, T={t})",
