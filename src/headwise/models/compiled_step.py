@@ -129,10 +129,14 @@ def structure(model: nn.Module) -> tuple | None:
 _BASES = frozenset({object, nn.Module})
 
 
+#: Class attributes Python writes on first use, which no step reads: ``copyreg``'s ``__slotnames__`` (the first copy or
+#: pickle of an instance), an empty ``__annotations__`` (the first read of a class that has none).
+_LAZY = frozenset({"__slotnames__", "__annotations__"})
+
+
 def _class(cls: type) -> tuple:
-    """``cls`` with the identity of each attribute it defines (a method replaced is seen), less ``__slotnames__``:
-    ``copyreg`` writes it on the class the first time an instance is copied or pickled, and no step reads it."""
-    return cls, tuple([(k, id(v)) for k, v in vars(cls).items() if k != "__slotnames__"])
+    """``cls`` with the identity of each attribute it defines (a method replaced is seen), less ``_LAZY``'s."""
+    return cls, tuple([(k, id(v)) for k, v in vars(cls).items() if k not in _LAZY])
 
 
 def _fields(obj: object, depth: int) -> tuple:
