@@ -515,21 +515,29 @@ def test_a_cast_of_the_model_keeps_the_scales_float32(activations):
 @pytest.mark.parametrize("activations", ["bf16", "int8"])
 def test_an_int8_model_moved_to_meta_and_back_loads_its_numbers(activations):
     """``to_empty`` leaves every buffer uninitialised; the state dict refills the weights and scales, the module its
-    unit scales (they are no state)."""
+    unit scales (they are no state) where the move made them anew."""
     torch.manual_seed(0)
     model = int8_weights(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4)), activations=activations).eval()
     state = model.state_dict()
-    moved = copy.deepcopy(model).to("meta").to_empty(device="cpu")
-    for buffer in moved.buffers():
-        buffer.fill_(7) if buffer.is_floating_point() else buffer.zero_()  # what an uninitialised buffer may hold
-    moved.to("cpu")  # any move (``to_empty`` is one) refills what is no state
-    moved.load_state_dict(state)
-    for layer in (m for m in moved.modules() if isinstance(m, Int8Linear)):  # the kernel's unit scales (where it runs)
-        assert layer._ones.dtype == torch.bfloat16 and bool((layer._ones == 1).all())
-    ids = torch.randint(0, 64, (2, 9))
-    assert torch.equal(moved(ids), model(ids))
-    assert torch.equal(moved(ids[:, :1]), model(ids[:, :1]))  # rows of a decode step: the kernel's path
-    assert torch.equal(moved.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
+    uninitialised = copy.deepcopy(model)._apply(lambda t: torch.full_like(t, 7))  # to_empty's move, with what its memory may hold
+    for moved in (uninitialised, copy.deepcopy(model).to("meta").to_empty(device="cpu")):
+        for layer in (m for m in moved.modules() if isinstance(m, Int8Linear)):  # the kernel's unit scales (where it runs)
+            assert layer._ones.dtype == torch.bfloat16 and bool((layer._ones == 1).all())
+        moved.load_state_dict(state)
+        ids = torch.randint(0, 64, (2, 9))
+        assert torch.equal(moved(ids), model(ids))
+        assert torch.equal(moved(ids[:, :1]), model(ids[:, :1]))  # rows of a decode step: the kernel's path
+        assert torch.equal(moved.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
+
+
+def test_a_move_that_changes_nothing_keeps_every_buffer():
+    """``.to`` the device and dtype an int8 model already has keeps its tensors, as it does a float model's: the unit
+    scales made anew on every move changed the model's state (a compiled step compiled again, a minute at real sizes)."""
+    torch.manual_seed(0)
+    model = int8_weights(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4))).eval()
+    before = [*model.parameters(), *model.buffers()]
+    model.to("cpu").to(torch.float32).float()
+    assert all(a is b for a, b in zip([*model.parameters(), *model.buffers()], before, strict=True))
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])

@@ -329,13 +329,18 @@ class Int8Linear(AllOrNothing, nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Int8Linear:
         """``module.to(dtype)`` (``.bfloat16()``, ``.double()``) casts floating buffers; the scales stay float32 and the
         unit scales bfloat16, the arithmetic's own (rounded to bfloat16, the scales would move every output channel by
-        up to 2**-9), wherever ``fn`` moves them. The unit scales are made anew there: they stay out of the state dict, so
-        after ``to_empty`` no load would give them values."""
-        scales = self.scales
+        up to 2**-9), wherever ``fn`` moves them. The unit scales stay out of the state dict (after ``to_empty`` no load
+        would give them values): kept where ``fn`` leaves them on their device (a cast, ``.to`` where they are), made
+        anew where it moves them, so a call that changes nothing keeps every buffer (a compiled step's frozen weights
+        stay valid)."""
+        scales, ones = self.scales, self._ones
         super()._apply(fn, recurse)
         if self.scales.dtype != scales.dtype:
             self.scales = scales.to(self.scales.device)
-        self._ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self._ones.device)  # (N,)
+        if self._ones.device == ones.device and not ones.is_meta:
+            self._ones = ones  # (N,) bfloat16 ones, as made
+        elif self._ones is not ones:
+            self._ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self._ones.device)  # (N,)
         return self
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
