@@ -448,6 +448,8 @@ EDGES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
      Raises(TypeError, r"state_dict must be a mapping of names to tensors \(module.state_dict\(\)\), got NoneType")),
     ("plan of a list", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2).plan([[0.0] * 8]), Raises(TypeError, r"x must be a torch.Tensor of shape \(batch, tokens, 8\), got list")),
     ("observe a non-callable", lambda: hw.observe(5).__enter__(), Raises(TypeError, r"fn must be a callable \(name, tensor\) -> None, got int")),
+    ("observe a model", lambda: hw.observe(hw.CausalAttention(4, 4, 3, 0.0)).__enter__(),
+     Raises(TypeError, r"fn must be a callable \(name, tensor\) -> None, got CausalAttention: observe watches every module")),
     ("mha causal 1", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=1), Raises(TypeError, r"causal must be True or False, got int 1")),
     ("mha qkv_bias a str", lambda: hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, qkv_bias="yes"), Raises(TypeError, r"qkv_bias must be True or False, got str 'yes'")),
     ("cache update in_order a str", lambda: hw.KVCache(1, 2, 8, 4).update(rnd(1, 2, 1, 4), rnd(1, 2, 1, 4), in_order="yes"),

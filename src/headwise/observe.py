@@ -62,8 +62,9 @@ def observe(fn: Observer) -> Iterator[None]:
         >>> steps[:4], steps[-1]
         (['x', 'queries', 'keys', 'values'], 'output')
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be a callable (name, tensor) -> None, got {type(fn).__name__}")
+    if not callable(fn) or isinstance(fn, torch.nn.Module):  # (a module is callable: its forward would get the names)
+        hint = ": observe watches every module that runs in the block, so pass the function and call the model inside" if callable(fn) else ""
+        raise TypeError(f"fn must be a callable (name, tensor) -> None, got {type(fn).__name__}{hint}")
     token = _OBSERVER.set(fn)
     try:
         yield
