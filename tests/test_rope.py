@@ -136,6 +136,25 @@ def test_half_gradient_is_the_float32_gradient_rounded_once(dtype):
     assert torch.equal(x.grad, wide.grad.to(dtype))
 
 
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_float64_is_rotated_by_float64_tables(layout, scaling, compiled):
+    """A float64 x is turned by float64 tables, to float64's rounding (float32 tables moved it by ~1e-7 at position
+    300), from the kept tables, from explicit positions and inside a compiled call (tables made in the graph)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 32, generator=g, dtype=torch.float64)
+    rope = RotaryEmbedding(32, rotary_dim=24, theta=500.0, scaling=scaling, layout=layout)
+    freqs = reference_frequencies(24, 500.0, scaling)
+    ids = torch.tensor([[5, 0, 1, 2, 3, 4, 9], [300, 301, 302, 303, 304, 305, 900]])  # (B, T) per-row positions
+    turn = torch.compile(rope.__call__, backend="eager", fullgraph=True) if compiled else rope
+    for positions, where in ((300, torch.arange(300, 307).expand(2, 7)), (ids, ids)):
+        got = turn(x, positions)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, reference_rope(x, where, freqs, layout), atol=1e-13, rtol=0)
+    assert rope.tables(8)[0].dtype == torch.float32 and rope.tables(8, dtype=torch.float64)[0].dtype == torch.float64
+
+
 def test_rotate_keeps_float64():
     x = torch.randn(1, 1, 4, 8, dtype=torch.float64)
     rope = RotaryEmbedding(8)

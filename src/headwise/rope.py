@@ -17,10 +17,10 @@ Frequency scalings for longer contexts, HuggingFace's ``rope_scaling`` / ``rope_
                between (set by ``low_freq_factor``, ``high_freq_factor`` and
                ``original_max_position_embeddings``) blended smoothly.
 
-Angles, cos and sin are computed in float64 and kept as float32 tables, once per length (grown
-by doubling) and device, shared by every layer that holds the same ``RotaryEmbedding``; explicit
-(B, T) positions (left padding) get theirs computed from the ids, with no read back to the host.
-Half precision inputs are rotated in float32 and rounded once at the end.
+Angles, cos and sin are computed in float64 and kept as float32 tables (float64 ones for float64
+inputs), once per length (grown by doubling), device and dtype, shared by every layer that holds the same
+``RotaryEmbedding``; explicit (B, T) positions (left padding) get theirs computed from the ids, with
+no read back to the host. Half precision inputs are rotated in float32 and rounded once at the end.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "rotate_half") -> 
 
     Args:
         x: (..., T, D) queries or keys, e.g. (B, H, T, D).
-        cos: (T, R) or (B, 1, T, R) float32, cos of each dim's angle, laid out for ``layout``.
+        cos: (T, R) or (B, 1, T, R) float32 (float64 for a float64 x), cos of each dim's angle, laid out for
+            ``layout``.
         sin: like cos, the sin of each dim's angle, signed so that ``x·cos + swap(x)·sin``
             rotates, where swap exchanges the two dims of each pair.
         layout: "rotate_half" or "interleaved", as the tables were made.
@@ -168,11 +169,17 @@ def _swap_pairs(x: Tensor, layout: str) -> Tensor:
     return x.roll(x.shape[-1] // 2, dims=-1)  # pairs (i, i + R/2): the halves change places
 
 
+def _table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The tables' dtype for rotating ``dtype``: float64 for float64 (rounded to float32 they would move a float64
+    model's logits by some 1e-8), float32 for any other (half precision is rotated in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class RotaryEmbedding:
     """Rotary position embeddings for heads of size D, shared by the layers of a model.
 
-    Not a module: the tables stay float32 whatever ``model.to(dtype)`` does, and hold no
-    parameters. ``rotary(x, start)`` rotates x (B, H, T, D) as tokens ``start .. start+T-1``;
+    Not a module: the tables are float32 whatever ``model.to(dtype)`` does (float64 for float64
+    inputs, whose rotation is then exact to float64's rounding), and hold no parameters. ``rotary(x, start)`` rotates x (B, H, T, D) as tokens ``start .. start+T-1``;
     ``rotary(x, positions)`` with a (B, T) tensor puts each token where ``positions`` says.
 
     Args:
@@ -206,7 +213,7 @@ class RotaryEmbedding:
         self.layout = layout
         self.inv_freq = inverse_frequencies(self.rotary_dim, theta=theta, scaling=scaling)  # (R/2,) float64, on the CPU
         self._inv_freq_values = tuple(self.inv_freq.tolist())  # the same numbers as constants, for torch.compile (see ``at``)
-        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
         self._freqs: dict[torch.device, Tensor] = {}
 
     def _inv_freq(self, device: torch.device) -> Tensor:
@@ -215,8 +222,9 @@ class RotaryEmbedding:
             self._freqs[device] = self.inv_freq.to(device)
         return self._freqs[device]
 
-    def _cos_sin(self, angles: Tensor) -> tuple[Tensor, Tensor]:
-        """(..., R/2) float64 angles -> (cos, sin), each (..., R) float32 in this layout (sin signed for ``rotate``)."""
+    def _cos_sin(self, angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(..., R/2) float64 angles -> (cos, sin), each (..., R) in ``dtype``'s tables (``_table_dtype``), in this layout
+        (sin signed for ``rotate``)."""
         c, s = angles.cos(), angles.sin()  # (..., R/2) each
         if self.layout == "interleaved":
             cos = c.repeat_interleave(2, dim=-1)  # (..., R): c0 c0 c1 c1 ...
@@ -224,27 +232,31 @@ class RotaryEmbedding:
         else:
             cos = torch.cat((c, c), dim=-1)  # (..., R): c0 .. c_{R/2-1} c0 ..
             sin = torch.cat((-s, s), dim=-1)  # (..., R): -s .. then +s
-        return cos.float(), sin.float()
+        table = _table_dtype(dtype)
+        return cos.to(table), sin.to(table)
 
-    def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """(cos, sin) for positions 0 .. at least length-1, each (L, R) float32 on ``device``.
+    def tables(self, length: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """(cos, sin) for positions 0 .. at least length-1, each (L, R) on ``device``: float32, or float64 for ``dtype``
+        float64 (the dtype of what they rotate).
 
         The tables grow by doubling and are kept, so every later call up to that length
         slices them. ``sin`` carries the signs of the rotation (see ``rotate``).
         """
         _count("length", length)
         device = device if isinstance(device, torch.device) else _checks.device("device", device)  # ('gpu': a ValueError)
-        cos, sin = self._tables.get(device, (None, None))
+        key = (device, _table_dtype(dtype))
+        cos, sin = self._tables.get(key, (None, None))
         if cos is None or cos.shape[0] < length:
             _checks.device("device", device)  # (a table to make: on a device this process can use)
             n = max(64, 1 << max(0, length - 1).bit_length())
             angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (L, R/2)
-            cos, sin = self._cos_sin(angles)  # (L, R) each
-            self._tables[device] = (cos, sin)
+            cos, sin = self._cos_sin(angles, dtype)  # (L, R) each
+            self._tables[key] = (cos, sin)
         return cos, sin
 
-    def at(self, positions: int | Tensor, t: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(cos, sin) for T tokens at ``positions``: an int start -> (T, R) slices of the kept tables;
+    def at(self, positions: int | Tensor, t: int, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """(cos, sin) for T tokens at ``positions``, for rotating ``dtype`` (float64 tables for float64, float32 ones
+        for any other): an int start -> (T, R) slices of the kept tables;
         (B, T) ids (left padding, or the caller's own positions) -> (B, 1, T, R), computed from the ids
         on the device, so no value is read back to the host. Compute once, rotate queries and keys.
 
@@ -258,18 +270,18 @@ class RotaryEmbedding:
                 _checks.position_table("positions", positions, t)
             ids = positions if isinstance(positions, Tensor) else torch.arange(positions, positions + t, device=device)  # (B, T) or (T,)
             inv_freq = torch.tensor(self._inv_freq_values, dtype=torch.float64, device=device)  # (R/2,)
-            cos, sin = self._cos_sin(ids.to(torch.float64)[..., None] * inv_freq)  # (B, T, R) or (T, R) each
+            cos, sin = self._cos_sin(ids.to(torch.float64)[..., None] * inv_freq, dtype)  # (B, T, R) or (T, R) each
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if isinstance(positions, Tensor) else (cos, sin)  # (B, 1, T, R) or (T, R)
         if isinstance(positions, Tensor):
             _checks.position_table("positions", positions, t, device=device)
             angles = positions.to(torch.float64)[..., None] * self._inv_freq(device)  # (B, T, R/2)
-            cos, sin = self._cos_sin(angles)  # (B, T, R) each
+            cos, sin = self._cos_sin(angles, dtype)  # (B, T, R) each
             return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R) each
         _count("positions (an int start)", positions)
         if positions + t > _MAX_TABLE:  # far positions: their own angles, not a table of every position before them
             angles = torch.arange(positions, positions + t, dtype=torch.float64, device=device)[:, None] * self._inv_freq(device)  # (T, R/2)
-            return self._cos_sin(angles)  # (T, R) each
-        cos, sin = self.tables(positions + t, device)
+            return self._cos_sin(angles, dtype)  # (T, R) each
+        cos, sin = self.tables(positions + t, device, dtype)
         return cos[positions : positions + t], sin[positions : positions + t]  # (T, R) each
 
     def __call__(self, x: Tensor, positions: int | Tensor) -> Tensor:
@@ -280,5 +292,5 @@ class RotaryEmbedding:
             _checks.position_table("positions", positions, x.shape[-2], batch=x.shape[0] if x.ndim == 4 else None, device=x.device)
             if x.ndim != 4:
                 raise ValueError(f"x must have shape (batch, heads, tokens, head_dim) with position ids, got {tuple(x.shape)}")
-        cos, sin = self.at(positions, x.shape[-2], x.device)
+        cos, sin = self.at(positions, x.shape[-2], x.device, x.dtype)
         return rotate(x, cos, sin, self.layout)

@@ -115,7 +115,7 @@ class FlatStep:
                 layer = self._native(i, parts, cache, x) if once and _one_each(cache, x) else None
                 if layer is not None:
                     t = x.shape[1]
-                    cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, t, position_ids, x.device)
+                    cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, t, position_ids, x)
                     if (y := layer(x, cache, cos, sin)) is not None:
                         x = y  # (B, 1, C), or a paged row (1, N, C): the layer in one op
                         continue
@@ -164,7 +164,7 @@ class FlatStep:
             run = functools.partial(known[1], cache) if paged else known[1]
             rotary = attn.rotation()
             if rotary is not None:
-                cos, sin = _tables(tables, rotary, cache, T, position_ids, x.device)  # (T, R) or (B, 1, T, R)
+                cos, sin = _tables(tables, rotary, cache, T, position_ids, x)  # (T, R) or (B, 1, T, R)
                 return attn.project_out(run(queries, keys, values, cos, sin))  # (B, T, H*D) -> (B, T, C)
             queries, keys = attn.position(queries, keys, start, None, position_ids)  # (B, H, T, D), (B, Hkv, T, D)
             return attn.project_out(run(queries, keys, values))  # (B, T, H*D) -> (B, T, C)
@@ -185,11 +185,12 @@ def _key(cache: KVCache | PagedBatch) -> KVCache | PagedKVCache:
 
 
 def _tables(tables: dict, rotary: RotaryEmbedding, cache: KVCache | PagedBatch, t: int, position_ids: Tensor | None,
-            device: torch.device) -> tuple[Tensor, Tensor]:
-    """``rotary.at`` for a layer's t new tokens: at the cache's next positions, or at ``position_ids`` (B, t) where given
-    -> (t, R) or (B, 1, t, R) each; kept in ``tables`` for the step's other layers with the same tables and positions."""
+            x: Tensor) -> tuple[Tensor, Tensor]:
+    """``rotary.at`` for a layer's t new tokens of x's dtype: at the cache's next positions, or at ``position_ids`` (B, t)
+    where given -> (t, R) or (B, 1, t, R) each; kept in ``tables`` for the step's other layers with the same tables and
+    positions."""
     where = cache.start(t) if position_ids is None else position_ids
     key = (rotary, t, where if isinstance(where, int) else id(where))  # (position_ids lives through the step: its id is its own)
     if key not in tables:
-        tables[key] = rotary.at(where, t, device)
+        tables[key] = rotary.at(where, t, x.device, x.dtype)
     return tables[key]

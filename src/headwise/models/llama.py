@@ -169,7 +169,7 @@ class LlamaAttention(AttentionLayer):
         if position_ids is None and attention_mask is not None:
             position_ids = positions(attention_mask, q.shape[0], q.shape[2], q.device, start=start)  # (B, T): real tokens counted
         where = start if position_ids is None else position_ids
-        cos, sin = self.rotary.at(where, q.shape[2], q.device)  # (T, R) or (B, 1, T, R): once for q and k
+        cos, sin = self.rotary.at(where, q.shape[2], q.device, q.dtype)  # (T, R) or (B, 1, T, R): once for q and k
         qk = rotate(torch.cat((q, k), dim=1), cos, sin, self.rotary.layout)  # (B, H + Hkv, T, D): q and k in one rotation
         q, k = qk.split((q.shape[1], k.shape[1]), dim=1)  # (B, H, T, D), (B, Hkv, T, D): views
         report("queries.rotated", q)
