@@ -171,7 +171,7 @@ def _swap_pairs(x: Tensor, layout: str) -> Tensor:
 
 def _table_dtype(dtype: torch.dtype) -> torch.dtype:
     """The tables' dtype for rotating ``dtype``: float64 for float64 (rounded to float32 they would move a float64
-    model's logits by some 1e-8), float32 for any other (half precision is rotated in float32)."""
+    model's logits by up to ~1e-6), float32 for any other (half precision is rotated in float32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
