@@ -207,6 +207,8 @@ def test_bad_requests():
             generate_many(model, [torch.tensor([1]), torch.tensor([2])], 2, **kw)
     with pytest.raises(ValueError, match=r"num_blocks must be a positive int"):
         Batcher(model, num_blocks=0)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: a request of 10 \+ 11 tokens needs 5 blocks of 4, more than the pool's num_blocks=4"):
+        generate_many(model, [torch.tensor([1, 2]), torch.tensor([1] * 10)], [2, 11], num_blocks=4, block_size=4)  # before a pool is made
 
 
 # ----------------------------------------------------------------------------- failures: nothing is lost
@@ -425,6 +427,19 @@ def test_a_batcher_made_under_inference_mode_serves_outside_it():
         batcher.submit(prompts()[1], NEW[1])
         batcher.step()
     assert [token for _, token in batcher.stream()] == greedy_alone("gpt2", 0)[1][1:]
+
+
+@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_requests_of_an_int8_weight_model_equal_each_generated_alone_where_prompts_are_fed_whole(name, activations):
+    """``int8_weights``: its projections round their input rows to bfloat16 or 8 bits, so a prompt fed in chunks may
+    round otherwise than fed whole (serving.md); fed whole, beside running requests, each request's tokens are its own."""
+    from headwise.quantize import int8_weights
+
+    model = int8_weights(copy.deepcopy(model_named(name)), activations=activations)
+    got = generate_many(model, prompts(4), NEW, block_size=4)  # max_step_tokens 2048: every prompt in one step
+    for out, prompt, n in zip(got, prompts(4), NEW, strict=True):
+        assert out.tolist() == alone(model, prompt, n)
 
 
 @pytest.mark.parametrize("name", MAKERS)

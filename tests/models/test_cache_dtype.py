@@ -76,6 +76,17 @@ def test_generate_decodes_through_bfloat16_or_8_bit_caches_when_asked(name, held
     assert torch.equal(got, ids)
 
 
+def test_8_bit_rows_for_a_head_dim_they_cannot_take_are_refused_naming_cache_dtype():
+    """Each way to ask a model for 8-bit caches names the argument the caller gave (the caches named their own ``dtype``)."""
+    from headwise.models import Batcher, generate_many
+
+    model = llama(head_dim=6)  # each row's float32 scale follows its values, 4-byte aligned: head_dim a multiple of 4
+    for make in (lambda: model.generate(IDS, max_new_tokens=2, cache_dtype=torch.int8), lambda: model.new_paged_caches(4, 4, torch.int8),
+                 lambda: Batcher(model, num_blocks=4, cache_dtype=torch.int8), lambda: generate_many(model, [IDS[0]], 2, cache_dtype=torch.int8)):
+        with pytest.raises(ValueError, match=r"^cache_dtype=torch.int8 needs a head_dim that is a multiple of 4 .*got head_dim=6"):
+            make()
+
+
 def test_a_cache_dtype_the_model_cannot_hold_is_refused():
     model = gpt2()
     with pytest.raises(TypeError, match=r"cache_dtype is torch.float16, but the keys and values are torch.float32: a cache holds their dtype, or torch.bfloat16 for float32 ones"):

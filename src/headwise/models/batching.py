@@ -21,7 +21,9 @@ next ``step()``): each token is handed over once, in order.
 
 A request's tokens equal ``model.generate`` of its prompt alone (greedy; sampled with the same
 seed): the sampling calls are the same, one generator per request, and the logits are those of
-the sequence alone (each sequence attends over its own keys only), whatever the chunks.
+the sequence alone (each sequence attends over its own keys only), whatever the chunks, to the
+last bits of float32 or float64; in narrower arithmetic (16-bit models or pools, int8 weights or
+pools) a chunk's rounding can choose otherwise at a near-tie (docs/use/serving.md).
 
 Admission never overcommits (``scheduling.worst_blocks``), so no step runs out of blocks and
 nothing is evicted. A request's worst case is set aside as one run of consecutive blocks when
@@ -400,11 +402,14 @@ def generate_many(
             check_request(model, prompt, n, eos_token_id, temperature, top_k, None)
         except (ValueError, TypeError) as e:
             raise type(e)(f"prompts[{i}]: {e}") from None
+    window = sliding_window(attn.window for attn in model.attention_layers())
+    needs = [worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)]
     if num_blocks is None:
-        window = sliding_window(attn.window for attn in model.attention_layers())
-        num_blocks = sum(
-            worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)
-        )
+        num_blocks = sum(needs)
+    for i, (prompt, n, need) in enumerate(zip(prompts, counts, needs, strict=True)):  # (before a pool is allocated)
+        if need > _checks.positive_int("num_blocks", num_blocks):
+            raise ValueError(f"prompts[{i}]: a request of {len(prompt)} + {n} tokens needs {need} blocks of {block_size}, "
+                             f"more than the pool's num_blocks={num_blocks}")
     batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype,
                       compile=compile)
     for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):

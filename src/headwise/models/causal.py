@@ -167,6 +167,8 @@ class CausalModel(GenerationMixin, AllOrNothing, nn.Module):
             return computed
         if dtype == torch.int8:
             _checks.cache_dtype("cache_dtype=torch.int8", torch.float32, computed, rows8=True)
+            for attn in self.attention_layers():  # (named here: the caches would name their own dtype argument)
+                _checks.cache_storage("cache_dtype", dtype, attn.head_dim)
             return dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"cache_dtype must be None, a floating-point torch.dtype (e.g. torch.bfloat16) or torch.int8 "
