@@ -404,10 +404,9 @@ def generate_many(
             raise type(e)(f"prompts[{i}]: {e}") from None
     window = sliding_window(attn.window for attn in model.attention_layers())
     needs = [worst_blocks(len(p), n, block_size=block_size, max_step_tokens=max_step_tokens, window=window) for p, n in zip(prompts, counts, strict=True)]
-    if num_blocks is None:
-        num_blocks = sum(needs)
+    num_blocks = sum(needs) if num_blocks is None else _checks.positive_int("num_blocks", num_blocks)
     for i, (prompt, n, need) in enumerate(zip(prompts, counts, needs, strict=True)):  # (before a pool is allocated)
-        if need > _checks.positive_int("num_blocks", num_blocks):
+        if need > num_blocks:
             raise ValueError(f"prompts[{i}]: a request of {len(prompt)} + {n} tokens needs {need} blocks of {block_size}, "
                              f"more than the pool's num_blocks={num_blocks}")
     batcher = Batcher(model, num_blocks=num_blocks, block_size=block_size, max_step_tokens=max_step_tokens, cache_dtype=cache_dtype,
