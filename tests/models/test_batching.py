@@ -187,6 +187,8 @@ def test_bad_requests():
         generate_many(model, [torch.tensor([1]), torch.tensor([2])], [1, 2, 3])
     with pytest.raises(ValueError, match=r"prompts must hold at least one"):
         generate_many(model, [], 3)
+    with pytest.raises(ValueError, match=r"prompts must be a list of 1-D tensors .* got a tensor of shape \(3,\): pass \[prompt\] for one prompt"):
+        generate_many(model, torch.tensor([1, 2, 3]), 3)  # its ids were each refused as a prompt of shape ()
     for bad in (None, 3.0, True):  # "'NoneType' object is not iterable" before
         with pytest.raises(TypeError, match=rf"max_new_tokens must be an int or a list of ints, one per prompt \(2\), got {type(bad).__name__}"):
             generate_many(model, [torch.tensor([1]), torch.tensor([2])], bad)

@@ -380,6 +380,9 @@ def generate_many(
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):  # (a 2-D tensor: its rows)
         raise TypeError(f"prompts must be a list of 1-D tensors of token ids, got {type(prompts).__name__}")
+    if isinstance(prompts, Tensor) and prompts.ndim < 2:  # (its items would be 0-d ids, each refused as a prompt)
+        raise ValueError(f"prompts must be a list of 1-D tensors of token ids (or a 2-D tensor, a prompt a row), got a tensor of "
+                         f"shape {tuple(prompts.shape)}: pass [prompt] for one prompt")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must hold at least one 1-D tensor of token ids, got none")
