@@ -74,11 +74,13 @@ def positive_int(name: str, value: object) -> int:
     return integer(name, value, low=1)
 
 
-def integer_tensor(name: str, t: object, expected: str) -> Tensor:
+def integer_tensor(name: str, t: object, expected: str | Callable[[], str]) -> Tensor:
     """``t`` if it is a tensor of an integer dtype (not bool: a mask is not ids); else a TypeError, "``name`` must be
-    ``expected``, got" its dtype or type. Its shape and values are the caller's to check."""
+    ``expected``, got" its dtype or type. Text that names sizes comes as a callable, formatted only for the error (a
+    symbolic size formatted while compiling would pin its value). Its shape and values are the caller's to check."""
     if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be {expected}, got {f'dtype {t.dtype}' if isinstance(t, Tensor) else type(t).__name__}")
+        text = expected if isinstance(expected, str) else expected()
+        raise TypeError(f"{name} must be {text}, got {f'dtype {t.dtype}' if isinstance(t, Tensor) else type(t).__name__}")
     return t
 
 
@@ -281,7 +283,7 @@ def position_ids(ids: object, b: int, t: int, name: str = "position_ids", device
     there, and where), if given; its values are not read (no host sync)."""
     if ids is None:
         return
-    integer_tensor(name, ids, f"an integer tensor of shape (batch, tokens) = {(b, t)}")
+    integer_tensor(name, ids, lambda: f"an integer tensor of shape (batch, tokens) = {(b, t)}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must hold int64 or int32 positions (torch.long, as a tokenizer's ids), got dtype {ids.dtype}")
     if tuple(ids.shape) != (b, t):
@@ -399,7 +401,7 @@ def documents(t: object, b: int, s: int, dims: str, device: torch.device) -> Ten
     """None, or (b, s) integer document ids on ``device`` (their values are not read here)."""
     if t is None:
         return None
-    integer_tensor("documents", t, f"an integer tensor of document ids, shape {dims} = {(b, s)}")
+    integer_tensor("documents", t, lambda: f"an integer tensor of document ids, shape {dims} = {(b, s)}")
     if tuple(t.shape) != (b, s):
         raise ValueError(f"documents must have shape {dims} = {(b, s)}, one id per key, got {tuple(t.shape)}")
     same_device("documents", t, "q, k and v are", device)
@@ -412,7 +414,7 @@ def position_table(name: str, ids: object, t: int, *, batch: int | None = None, 
     ``batch``, if given, is x's B: the ids' first dim must be B or 1 (ids of another batch
     would widen or narrow x's). Values are not read (no host sync).
     """
-    integer_tensor(name, ids, f"an int start or an integer tensor of shape (batch, tokens={t})")
+    integer_tensor(name, ids, lambda: f"an int start or an integer tensor of shape (batch, tokens={t})")
     if ids.ndim != 2 or ids.shape[1] != t or (batch is not None and ids.shape[0] not in (1, batch)):
         expected = f"(batch, {t})" if batch is None else (f"(1, {t})" if batch == 1 else f"({batch}, {t}) or (1, {t})")
         raise ValueError(f"{name} must have shape (batch, tokens) = {expected}, got {tuple(ids.shape)}")
