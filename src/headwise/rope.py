@@ -179,7 +179,8 @@ class RotaryEmbedding:
     """Rotary position embeddings for heads of size D, shared by the layers of a model.
 
     Not a module: the tables are float32 whatever ``model.to(dtype)`` does (float64 for float64
-    inputs, whose rotation is then exact to float64's rounding), and hold no parameters. ``rotary(x, start)`` rotates x (B, H, T, D) as tokens ``start .. start+T-1``;
+    inputs, whose rotation is then exact to float64's rounding), and hold no parameters.
+    ``rotary(x, start)`` rotates x (B, H, T, D) as tokens ``start .. start+T-1``;
     ``rotary(x, positions)`` with a (B, T) tensor puts each token where ``positions`` says.
 
     Args:
