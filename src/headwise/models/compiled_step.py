@@ -47,7 +47,7 @@ import weakref
 from functools import partial
 
 import torch
-import torch.fx.experimental._config as fx_config
+import torch.fx.experimental._config as fx_config  # Dynamo's symbolic shapes' settings
 from torch import Tensor, nn
 
 from ..linear import projection
@@ -209,11 +209,8 @@ class CompiledStep:
             # no duck sizing: a first call whose cache length or batch equals a size of the model (head_dim, heads)
             # would tie the two into one symbol, and the next call of another length would compile again (set and
             # restored as a plain attribute: a config patch costs tens of microseconds a step)
-            duck, _FX.use_duck_shape = _FX.use_duck_shape, False
+            duck, fx_config.use_duck_shape = fx_config.use_duck_shape, False
             try:
                 return self.compiled(*self.args, *args)
             finally:
-                _FX.use_duck_shape = duck
-
-
-_FX = fx_config  # Dynamo's symbolic shapes' settings
+                fx_config.use_duck_shape = duck
