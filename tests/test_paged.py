@@ -357,6 +357,8 @@ def test_bad_pool_arguments():
         paged.check_room([0, 1], [1])
     with pytest.raises(ValueError, match=r"the PagedKVCache pool is exhausted: writing 40 tokens needs 10 free blocks"):
         paged.check_room([0, 1], [0, 40])
+    with pytest.raises(ValueError, match=r"seq_ids must not repeat \(one count per sequence\), got \[0, 0\]"):
+        paged.check_room([0, 0], [3, 3])  # (each count would be taken from the length now, as if the other were not written)
     assert paged.check_room((0, 1), (4, 5)) == [(1, False), (2, False)] and paged.free_blocks == 4
 
 

@@ -277,7 +277,7 @@ class PagedKVCache(Owned, Rows):
     def check_room(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
         """A ValueError unless the pool has the blocks that writing ``counts[i]`` new tokens of each ``seq_ids[i]`` takes
         (copy-on-write too); nothing is changed. Returns each sequence's growth (``_growth``). TypeError or ValueError
-        for ids not open here, counts that are not ints >= 0, or lists of different lengths."""
+        for ids not open here or repeated, counts that are not ints >= 0, or lists of different lengths."""
         for name, value in (("seq_ids", seq_ids), ("counts", counts)):
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
@@ -285,6 +285,8 @@ class PagedKVCache(Owned, Rows):
         if len(seq_ids) != len(counts):
             raise ValueError(f"seq_ids and counts must be the same length, got {len(seq_ids)} ids and {len(counts)} counts")
         seq_ids = [self._known(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):  # each id's growth is counted from its length now: a repeat would count it twice
+            raise ValueError(f"seq_ids must not repeat (one count per sequence), got {seq_ids}")
         counts = [_checks.integer(f"counts[{i}]", n, low=0) for i, n in enumerate(counts)]
         return self._room(seq_ids, counts)
 
