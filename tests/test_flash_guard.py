@@ -60,8 +60,12 @@ def test_the_guard_refuses_what_the_op_would_misread():
         flash_guard(q, k, k, None)  # H = 3 over 2 key heads: the op would answer anyway
     with pytest.raises(ValueError, match=r"CPU flash op takes"):
         flash_guard(torch.randn(1, 2, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), None)  # another batch
-    with pytest.raises(ValueError, match=r"one dtype, got torch.float32, torch.float32, torch.float32, torch.bool"):
+    with pytest.raises(ValueError, match=r"one dtype and a float mask of theirs or float32, got torch.float32, torch.float32, torch.float32, torch.bool"):
         flash_guard(q[:, :2], k, k, torch.ones(4, 4, dtype=torch.bool))
+    half = [t.bfloat16() for t in (q[:, :2], k, k)]
+    assert flash_guard(*half, torch.zeros(4, 4))  # a float32 mask beside bfloat16: the op adds it in float32
+    with pytest.raises(ValueError, match=r"got torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float64"):
+        flash_guard(*half, torch.zeros(4, 4, dtype=torch.float64))
 
 
 _EMPTY_CALLS = """

@@ -414,6 +414,23 @@ def test_low_precision_within_k_times_plain_error(dtype, backend, term):
     assert ours <= ERROR_RATIO * plain, f"{ours:.3g} > {ERROR_RATIO} x {plain:.3g}"
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_bfloat16_alibi_over_far_keys_is_as_exact_as_the_dtype(grad, sinks):
+    """Peaked heads with small slopes put their weight on keys far back, where the bias is -16 .. -64 (a bfloat16 step
+    there is 0.125 .. 0.25): every runner, the C++ kernel without autograd and the fused blocks with it, adds the bias
+    in float32, so the output is within twice its own rounding to bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 512, 64, generator=g) * 12
+    k, v = (torch.randn(1, 4, 512, 64, generator=g) for _ in range(2))
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    kw = {"alibi_slopes": torch.tensor([2.0**-4, 2.0**-5, 2.0**-6, 2.0**-7])} | ({"sinks": torch.zeros(4)} if sinks else {})
+    want = variant_attention(q.double(), k.double(), v.double(), causal=True, **{key: t.double() for key, t in kw.items()})
+    rounding = (want.bfloat16().double() - want).abs().max()
+    got = hw.attention(q.clone().requires_grad_(grad), k, v, causal=True, **kw).double()
+    assert (got - want).abs().max() <= 2 * rounding, hw.plan(q.clone().requires_grad_(grad), k, v, causal=True, **kw).runner
+
+
 # ----------------------------------------------------------------------------- clear errors
 
 

@@ -30,7 +30,7 @@ def flash_guard(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     q (B, H, T, D), k and v (B, Hkv, S, D) of one dtype, one batch B, one head size D (Dv == D),
     H a multiple of Hkv, any strides but the last dimension's (rows of D elements one after another:
     given another stride it reads the wrong elements without a word, so ``_rows`` copies such a
-    tensor first), and a float mask of q's dtype broadcastable to (B, H, T, S).
+    tensor first), and a float mask of q's dtype (or float32, added in float32) broadcastable to (B, H, T, S).
     It divides by zero (SIGFPE, the interpreter dies) when H, T or S is 0, or B and T are: no
     empty call reaches it, the caller answers it (False here). It reads another batch or an H that
     Hkv does not divide without a word: those raise ValueError here.
@@ -39,8 +39,8 @@ def flash_guard(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     Hkv, S = k.shape[1], k.shape[2]
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D or v.shape[3] != D or (Hkv and H % Hkv):
         raise ValueError(f"the CPU flash op takes q (B, H, T, D), k and v (B, Hkv, S, D) with Hkv | H, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or (mask is not None and mask.dtype != q.dtype):
-        raise ValueError(f"the CPU flash op takes q, k, v and a float mask of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {None if mask is None else mask.dtype}")
+    if not (q.dtype == k.dtype == v.dtype) or (mask is not None and mask.dtype not in (q.dtype, torch.float32)):
+        raise ValueError(f"the CPU flash op takes q, k, v of one dtype and a float mask of theirs or float32, got {q.dtype}, {k.dtype}, {v.dtype}, {None if mask is None else mask.dtype}")
     return B * H * T * S > 0
 
 
@@ -103,17 +103,25 @@ class SinkAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
+def _mask_dtype(q: Tensor, bias: Tensor) -> torch.dtype:
+    """The dtype of the fused call's mask: a float32 bias stays float32 beside 16-bit queries on the CPU (torch's CPU
+    kernels add it to the scores in float32); elsewhere q's dtype, where a bias far below its row's top (ALiBi's over
+    far keys) moves by up to a step of that dtype (0.25 at -64 in bfloat16)."""
+    return bias.dtype if bias.dtype == torch.float32 and q.device.type == "cpu" else q.dtype
+
+
 def _kernel(q: Tensor, k: Tensor, v: Tensor, spec: Spec, allowed: Tensor | None, bias: Tensor | None, is_causal: bool) -> Tensor:
     """One fused call over a block: bool ``allowed`` and float ``bias`` folded into one mask."""
     mask, shift = allowed, None
     if bias is not None:
-        if bias.dtype != q.dtype and k.shape[2]:  # narrowed: each row's largest bias taken off first (none: no key)
+        dtype = _mask_dtype(q, bias)
+        if bias.dtype != dtype and k.shape[2]:  # narrowed: each row's largest bias taken off first (none: no key)
             seen = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)  # (B?, H?, t, s)
             top = seen.amax(-1, keepdim=True).detach()  # (B?, H?, t, 1); softmax does not see a row's constant
             top = top.masked_fill(~torch.isfinite(top), 0.0)
             bias = bias - top  # the keys that carry the weight keep the finest steps
             shift = top.squeeze(-1)  # (B?, H?, t): a sink's share is of the row's logits as given (SinkAttention)
-        bias = bias.to(q.dtype)  # (B?, H?, t, s)
+        bias = bias.to(dtype)  # (B?, H?, t, s)
         mask = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
     if spec.sinks is None:
         return F.scaled_dot_product_attention(
