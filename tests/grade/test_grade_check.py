@@ -84,6 +84,17 @@ def test_each_mistake_fails_at_its_step_with_its_hint(stem):
         assert r.expected.startswith("shape (") and r.got.startswith(("shape (", "forward returned shape"))
 
 
+def test_queries_wrong_on_their_own_get_no_hint_and_show_the_learners_queries():
+    """Every learner's right keys equal the book's keys: only keys made twice (one layer in both roles) say so. The
+    "got" row is the learner's queries (the book's, tokens reversed), not their right keys made just before them."""
+    r = grade_here("queries_flipped")["MultiHeadAttention"]
+    assert (r.passed, r.step, r.hint) == (False, "queries", None)
+    flipped = reference("MultiHeadAttention", CONFIGS["MultiHeadAttention"][0]).steps["queries"].flip(1)  # (2, 6, 2)
+    row = r.got.split(" = ")[0].split(", [")[1]  # "0, 0, :]": the row shown
+    b, t = (int(i) for i in row.split(", ")[:2])
+    assert r.got.endswith(" = [" + ", ".join(f"{v:.4f}" for v in flipped[b, t].tolist()) + "]"), r.got
+
+
 def test_a_mistake_in_one_class_leaves_the_others_passing():
     results = grade_here("wrapper_cat_dim")
     assert results["CausalAttention"].passed and not results["MultiHeadAttentionWrapper"].passed

@@ -73,6 +73,7 @@ class Probe:
     scale_free: bool = False  # any positive multiple counts (raw scores, scaled or not)
     returned: bool = False  # only what forward returns counts (the output's mistakes)
     same_kind: bool = True  # the tensor stands for the step itself (shown as "got"), not a later one
+    twice: bool = False  # one layer in two roles makes its tensor twice: only two records equal to it count
 
 
 #: A mistake whose tensor is computed on the way to a more specific mistake's: drop it when both match.
@@ -93,7 +94,7 @@ def probes(kind: str, ref: Reference, config: Config) -> list[Probe]:
     elif kind == "MultiHeadAttentionWrapper":
         found = [p for i in range(config.num_heads) for p in _attention(s, f"heads.{i}.", ref.scale, {"d_in": config.d_in, "num_tokens": config.num_tokens})]
         heads = [s[f"heads.{i}.context"] for i in range(config.num_heads)]  # (B, T, d_out) each
-        found += [Probe(f"heads.{i}.queries", SHARED_HEADS, s[f"heads.{j}.queries"])  # one module's weights, copied in from head j
+        found += [Probe(f"heads.{i}.queries", SHARED_HEADS, s[f"heads.{j}.queries"], twice=True)  # one module's weights, from head j
                   for i in range(config.num_heads) for j in range(config.num_heads) if i != j]
         found += [Probe("output", CAT_DIM.format(dim=d, what=w), torch.cat(heads, dim=d), returned=True) for d, w in ((0, "the batch"), (1, "the tokens"))]
     else:
@@ -115,8 +116,8 @@ def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str,
     unmasked = torch.softmax(scores * scale, dim=-1)
     head_size = round(1 / scale**2)
     found = [
-        Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), s[prefix + "keys"]),
-        Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"]),
+        Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), s[prefix + "keys"], twice=True),
+        Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"], twice=True),
         Probe(prefix + "scores", SWAPPED, scores.transpose(-2, -1), scale_free=True),
         Probe(prefix + "masked_scores", MASK_ZERO, scores.masked_fill(future, 0.0), scale_free=True),
         Probe(prefix + "masked_scores", MASK_DIAGONAL, scores.masked_fill(future | torch.eye(T, dtype=torch.bool), -math.inf), scale_free=True),

@@ -72,12 +72,13 @@ def misread(records: list[Tensor], steps: dict[str, Tensor], name: str) -> bool:
 
 def attempt(records: list[Tensor], steps: dict[str, Tensor], name: str) -> Tensor | None:
     """The learner's try at step ``name``: the first record in its shape after the last record that equals an earlier
-    step (the weights of a learner whose scores are off come later, and are not shown as the scores); None if none."""
+    step (the weights of a learner whose scores are off come later, and are not shown as the scores), and that equals
+    no other step (a learner's right keys, made before the queries, are not their queries); None if none."""
     order = list(steps)
     earlier = [(p, steps[p]) for p in order[: order.index(name)]]
     last = max((i for i, r in enumerate(records) if any(r.shape == t.shape and same(r, t, is_scores(p)) for p, t in earlier)), default=-1)
-    want = steps[name]
-    return next((r for r in records[last + 1 :] if r.shape == want.shape), None)
+    want, others = steps[name], [(p, t) for p, t in steps.items() if p != name and t.shape == steps[name].shape]
+    return next((r for r in records[last + 1 :] if r.shape == want.shape and not any(same(r, t, is_scores(p)) for p, t in others)), None)
 
 
 def first_divergence(records: list[Tensor], steps: dict[str, Tensor]) -> str | None:
@@ -106,11 +107,16 @@ def matching_probes(records: list[Tensor], out: object, probes: list[Probe], ste
         if p.step != step:
             continue
         pool = ([out] if isinstance(out, Tensor) else []) if p.returned else records
-        views = [v for r in pool for v in ((r, r.transpose(1, 2)) if r.ndim == 4 else (r,)) if v.shape == p.tensor.shape]
-        match = next((v for v in views if same(v, p.tensor, p.scale_free)), None)
-        if match is not None:
-            found.append((p, match))
+        matches = [next((v for v in _views(r) if v.shape == p.tensor.shape and same(v, p.tensor, p.scale_free)), None) for r in pool]
+        matches = [v for v in matches if v is not None]  # (B, T, ...) each: at most one view of each record
+        if len(matches) >= (2 if p.twice else 1):  # a tensor made twice: the right one's record alone is not the mistake
+            found.append((p, matches[0]))
     return found
+
+
+def _views(r: Tensor) -> tuple[Tensor, ...]:
+    """A record as it is and, for a 4-dim one, with dims 1 and 2 swapped."""
+    return (r, r.transpose(1, 2)) if r.ndim == 4 else (r,)
 
 
 def is_scores(step: str) -> bool:
