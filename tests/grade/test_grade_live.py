@@ -85,6 +85,33 @@ def test_what_cannot_be_written_down_is_refused_with_the_reason(notebook, cell, 
         module_source([ns["A"]])
 
 
+def test_a_class_made_in_a_function_is_graded_unless_its_methods_read_the_functions_names(notebook):
+    """The class statement is written down alone: ``super()`` works there again, a name of the function around it
+    would be missing (graded as a NameError before: a right class failed)."""
+    head = ("class CausalAttention(nn.Module):\n"
+            "    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):\n"
+            "        super().__init__()\n"
+            "        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)\n"
+            "        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)\n"
+            "        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)\n"
+            "        self.dropout = nn.Dropout(dropout)\n\n"
+            "    def forward(self, x):\n"
+            "        T = x.shape[1]\n"
+            "        q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)\n"
+            "        s = (q @ k.transpose(1, 2)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.inf)\n"
+            "        return self.dropout(torch.softmax(s / k.shape[-1] ** {power}, dim=-1)) @ v\n\n"
+            "return CausalAttention\n")
+    ns = notebook("import torch\nfrom torch import nn\n\nPOWER = 0.5\n\n"
+                  "def build():\n" + textwrap.indent(head.format(power="POWER"), "    ") + "\n\n"
+                  "def build_with(power):\n" + textwrap.indent(head.format(power="power"), "    "))
+    report = grade(ns["build"]())
+    assert report.exit_code == 0 and [r.passed for r in report.results] == [True], report.to_text()
+    report = grade(ns["build_with"](0.5))
+    assert report.exit_code == 2 and not report.results, report.to_text()
+    assert report.problem == ("cannot grade CausalAttention: CausalAttention.forward reads power from the function or class it was made "
+                              "in, which cannot be carried into the grading process: define the class at the top of the file or notebook")
+
+
 def test_methods_from_two_class_statements_of_one_name_are_refused(notebook):
     first = notebook("from torch import nn\n\nclass A(nn.Module):\n    def forward(self, x):\n        return x\n")["A"]
     second = notebook("class A(nn.Module):\n    def __init__(self):\n        super().__init__()\n")["A"]

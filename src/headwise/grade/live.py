@@ -104,6 +104,7 @@ def write_class(cls: type) -> Written:
         functions = _functions(value)
         if functions is not None:
             if statement and name in bound and all(_in_statement(f, statement) for f in functions):
+                _no_closure(f"{cls.__name__}.{name}", functions, "define the class at the top of the file or notebook", ("__class__",))
                 continue
             pieces += _method(cls, name, value, functions)
         elif literal(value) is not None:
@@ -483,12 +484,19 @@ def _method(cls: type, name: str, value: object, functions: list[FunctionType]) 
     if _def_node(fn) is None:
         raise SourceError(f"its method {name} {NO_TEXT}")
     piece = function_piece(fn, decorated=False)  # the function itself: a decorator such as add_to_class already ran
-    if fn.__code__.co_freevars:
-        raise SourceError(f"{where} reads {', '.join(fn.__code__.co_freevars)} from the function or class it was made in, "
-                          "which cannot be carried into the grading process: define it in the class, or at the top of the notebook")
+    _no_closure(where, functions, "define it in the class, or at the top of the notebook")
     wrap = {staticmethod: "staticmethod", classmethod: "classmethod"}.get(type(value))
     made = f"{wrap}({fn.__code__.co_name})" if wrap else fn.__code__.co_name
     return [piece, Piece(f"{cls.__name__}.{name} = {made}\n", None, 1)]
+
+
+def _no_closure(where: str, functions: list[FunctionType], fix: str, remade: tuple[str, ...] = ()) -> None:
+    """SourceError when a method reads names of the function or class it was made in, but ``remade`` (``super()``'s
+    ``__class__``, which a class statement written again makes again)."""
+    free = [name for f in functions for name in f.__code__.co_freevars if name not in remade]
+    if free:
+        raise SourceError(f"{where} reads {', '.join(dict.fromkeys(free))} from the function or class it was made in, "
+                          f"which cannot be carried into the grading process: {fix}")
 
 
 def _functions(value: object) -> list[FunctionType] | None:
