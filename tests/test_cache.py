@@ -509,6 +509,31 @@ def test_a_cache_holding_recorded_keys_deepcopies_as_their_values():
     out.sum().backward()
 
 
+def test_a_copied_context_cache_projects_its_kept_context_again_unless_it_was_written_before_the_copy():
+    """A copy's context is a new tensor, its version counter started anew: the copy (``deepcopy`` alone, with its
+    module, or through pickle) projects its kept context again where it must (its module's weights are others, or
+    changed), as the original does; a context written in place before the copy is refused by name, as in the original."""
+    import copy
+    import pickle
+
+    cross = hw.MultiHeadAttention(8, 8, 16, 0.0, num_heads=2, causal=False, kv_dim=6).double().eval()
+    x, memory = torch.randn(1, 1, 8, dtype=torch.float64), torch.randn(1, 5, 6, dtype=torch.float64)
+    cache = hw.ContextCache()
+    want = cross(x, context=memory, cache=cache)
+    torch.testing.assert_close(cross(x, cache=copy.deepcopy(cache)), want)  # grad on: keys of its own, projected again
+    with torch.no_grad():
+        twin, twin_cache = copy.deepcopy((cross, cache))
+        torch.testing.assert_close(twin(x, cache=twin_cache), want)
+        loaded = pickle.loads(pickle.dumps(cache))  # (our own bytes, in this process)
+        cross.out_proj.weight.mul_(1.0)  # a write: the weights' version moves, the kept context is projected again
+        torch.testing.assert_close(cross(x, cache=loaded), want)
+        memory.mul_(2)  # written in place after the keys were projected
+        for copied in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+            with pytest.raises(ValueError, match=r"the context this ContextCache was filled from was written in place since"):
+                cross(x, cache=copied)
+            torch.testing.assert_close(cross(x, context=memory, cache=copied), cross(x, context=memory))  # passed again
+
+
 def test_a_shallow_copy_of_a_cache_is_refused_naming_deepcopy():
     """``copy.copy`` would share the buffers: a sliding cache's copy, continued, overwrote the original's ring slots (and
     a linear one's the slots past the original's length) without a word. ``deepcopy`` is the copy that works."""

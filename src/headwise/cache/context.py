@@ -99,6 +99,30 @@ class ContextCache(Owned, Spendable):
             return unchanged
         return unchanged and context.shape == self._context.shape and torch.equal(context, self._context)
 
+    def __getstate__(self) -> dict:
+        """As ``Owned``'s, with whether the kept context is as it was when stored: a copy's context is a new tensor,
+        whose version counter starts anew (``_recount``)."""
+        state = super().__getstate__()
+        ctx = self._context
+        state["_version"] = ctx is not None and _version(ctx) == self._version and weight_cache.sample(ctx) == self._sample
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._recount()
+
+    def __deepcopy__(self, memo: dict) -> ContextCache:
+        new = super().__deepcopy__(memo)  # (through __getstate__, without __setstate__)
+        new._recount()
+        return new
+
+    def _recount(self) -> None:
+        """After a copy: ``_version`` (``__getstate__``'s flag) becomes the copied context's counter where the kept
+        context was unchanged, else -1, which no counter equals (its keys are of older values: projected again only
+        from a context passed again)."""
+        kept, ctx = self._version, self._context
+        self._version = None if ctx is None else _version(ctx) if kept else -1
+
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
         params = _weights_of(owner) if isinstance(owner, torch.nn.Module) else []
