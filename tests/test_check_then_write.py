@@ -39,7 +39,7 @@ REFUSED = {
     "backend": ({"backend": "fast"}, ValueError, r"backend must be one of"),
     "causal": ({"causal": "yes"}, TypeError, r"causal must be True or False"),
     "window": ({"window": 0}, ValueError, r"window must be a positive int"),
-    "keys of another dtype": ({"k": torch.zeros(1, 2, 2, D, dtype=torch.float64)}, TypeError, r"q, k and v must share one dtype"),
+    "keys of another dtype": ({"k": torch.zeros(1, 2, 2, D, dtype=torch.float64)}, TypeError, r"q and k must share one dtype"),
     "keys of another batch": ({"k": torch.zeros(2, 2, 2, D), "v": torch.zeros(2, 2, 2, D)}, ValueError, r"k must have shape"),
 }
 

@@ -378,6 +378,8 @@ CASES: list[tuple[str, Callable[[], object], Raises | Agrees]] = [
     ("core H not a multiple of Hkv", attend(H=3, Hkv=2), Raises(ValueError, r"q's heads H=3 must be a multiple of k/v's heads Hkv=2")),
     ("core head size 0", attend(D=0), Raises(ValueError, r"q and k must have a head size D >= 1")),
     ("core q on meta", lambda: hw.attention(qkv()[0].to(META), *qkv()[1:]), Raises(ValueError, r"q, k and v must be on one device, got q on meta, k on cpu, v on cpu")),
+    ("weights mixed dtypes", lambda: hw.attention_weights(qkv()[0].float(), qkv()[1]), Raises(TypeError, r"q and k must share one dtype, got torch.float32, torch.float64$")),
+    ("weights q on meta", lambda: hw.attention_weights(qkv()[0].to(META), qkv()[1]), Raises(ValueError, r"q and k must be on one device, got q on meta, k on cpu$")),
     ("core scale 0", attend(scale=0.0), Raises(ValueError, r"scale must be a positive finite number or None \(1/sqrt\(D\)\), got 0.0")),
     ("core scale negative", attend(scale=-1.0), Raises(ValueError, r"scale must be a positive finite number or None")),
     ("core scale inf", attend(scale=math.inf), Raises(ValueError, r"scale must be a positive finite number or None .*got inf")),

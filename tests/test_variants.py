@@ -574,8 +574,10 @@ def test_cu_seqlens_errors():
         documents_from_cu_seqlens(torch.tensor([0.0, 2.0]))
     with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and never decrease, got \[0, 3, 2\]"):
         documents_from_cu_seqlens(torch.tensor([0, 3, 2]))
-    with pytest.raises(TypeError, match=r"position_ids must be a \(B, T\) integer tensor, got shape \(3,\)"):
-        documents_from_position_ids(torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match=r"position_ids must be a \(B, T\) integer tensor, got shape \(3,\)"):
+        documents_from_position_ids(torch.tensor([0, 1, 0]))  # (a wrong number of dims: a ValueError, as elsewhere)
+    with pytest.raises(TypeError, match=r"position_ids must be a \(B, T\) integer tensor, got dtype torch.float32"):
+        documents_from_position_ids(torch.tensor([[0.0, 1.0]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])

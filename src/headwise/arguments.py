@@ -88,10 +88,11 @@ def qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     _tensor("v", v, 4, "(B, Hkv, S, Dv)")
     if q.shape[-1] == 0:
         raise ValueError(f"q and k must have a head size D >= 1, got q of shape {tuple(q.shape)}")
+    names = "q and k" if v is k else "q, k and v"  # (attention_weights passes k as v)
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{names} must share one dtype, got {q.dtype}, {k.dtype}" + ("" if v is k else f", {v.dtype}"))
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+        raise ValueError(f"{names} must be on one device, got q on {q.device}, k on {k.device}" + ("" if v is k else f", v on {v.device}"))
     B, H, _, D = q.shape
     if k.shape[0] != B or k.shape[-1] != D:
         raise ValueError(f"k must have shape (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")

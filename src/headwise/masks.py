@@ -122,9 +122,9 @@ def documents_from_position_ids(position_ids: Tensor) -> Tensor:
         >>> documents_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]))
         tensor([[0, 0, 0, 1, 1, 2]])
     """
-    if not isinstance(position_ids, Tensor) or position_ids.ndim != 2:
-        what = f"shape {tuple(position_ids.shape)}" if isinstance(position_ids, Tensor) else type(position_ids).__name__
-        raise TypeError(f"position_ids must be a (B, T) integer tensor, got {what}")
+    _checks.integer_tensor("position_ids", position_ids, "a (B, T) integer tensor")
+    if position_ids.ndim != 2:
+        raise ValueError(f"position_ids must be a (B, T) integer tensor, got shape {tuple(position_ids.shape)}")
     _checks.position_ids(position_ids, *position_ids.shape)
     starts = position_ids == 0  # (B, T)
     starts[:, :1] = False  # the row's first token opens document 0
