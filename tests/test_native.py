@@ -95,8 +95,8 @@ def test_threads_racing_to_the_first_call_build_once(monkeypatch):
 
 def test_what_a_killed_or_corrupted_build_left_is_cleared_before_a_load(tmp_path):
     """Under the build lock: torch's ``lock`` file of a killed build (it made every later load wait for ever) is
-    removed; a library whose bytes are not those sealed after its last load (a truncated copy crashed the process
-    with SIGBUS) is removed, so the load builds it again; a sealed, intact one is kept."""
+    removed; a library whose bytes are not those sealed after its last load, or with no seal (a truncated copy crashed
+    the process with SIGBUS), is removed, so the load builds it again; a sealed, intact one is kept."""
     name = "headwise_native_test"
     library, seal = tmp_path / f"{name}.so", tmp_path / f"{name}.so.sha256"
     (tmp_path / "lock").write_text("")
@@ -107,6 +107,8 @@ def test_what_a_killed_or_corrupted_build_left_is_cleared_before_a_load(tmp_path
     assert not native._checked_cache(tmp_path, name)
     assert not library.exists() and not seal.exists()
     assert not native._checked_cache(tmp_path, name)  # nothing there: a build
+    library.write_bytes(b"\x7fELF the libr")  # cut short, never sealed (a cache copied in part): loading it faulted
+    assert not native._checked_cache(tmp_path, name) and not library.exists()
 
 
 def test_the_build_lock_is_held_inside_and_released_after(tmp_path):

@@ -137,7 +137,7 @@ def _build() -> bool:
                     "later processes load them from torch's extension cache)")
             try:
                 _load(cpp_extension, name, flags)
-            except OSError as e:  # a library that cannot be loaded (a cache restored in part, unsealed): removed
+            except OSError as e:  # a library that links but cannot be loaded: removed
                 library = None if directory is None else directory / f"{name}.so"
                 if not alone or library is None or not library.exists():
                     raise
@@ -189,17 +189,17 @@ def _one_builder(directory: Path | None) -> Iterator[bool]:
 def _checked_cache(directory: Path | None, name: str) -> bool:
     """Under ``_one_builder``'s lock (``directory`` None elsewhere: nothing checked): clear what a killed or corrupted build left (torch's ``lock`` file, whose builder no longer
     holds the flock, would make ``cpp_extension.load`` wait for ever; a library whose bytes are not the ones sealed after
-    it last loaded would be loaded and crash the process), so that the next load builds anew. False where the library
-    is not there (then or now)."""
+    it last loaded, or with no seal, would be loaded and crash the process: a truncated one faults in the loader, SIGBUS,
+    which no ``except`` catches), so that the next load builds anew. False where the library is not there (then or now)."""
     if directory is None:
         return True
     (directory / "lock").unlink(missing_ok=True)
     library, seal = directory / f"{name}.so", directory / f"{name}.so.sha256"
     if not library.is_file():
         return False
-    if seal.is_file() and seal.read_text().strip() != _digest(library):
-        library.unlink()
-        seal.unlink()
+    if not seal.is_file() or seal.read_text().strip() != _digest(library):  # unsealed: never loaded whole here (a
+        library.unlink()  # build killed before its first load, a cache copied in part): linked again from its objects
+        seal.unlink(missing_ok=True)
         return False
     return True
 
