@@ -265,6 +265,7 @@ def test_python_dash_m_headwise_is_the_command():
     (["bench", "--markdown", "{missing}/t.md"], "argument --markdown: expected a file name in a folder that exists"),
     (["bench", "--json", "{tmp}"], "argument --json: expected a file name, got the folder '{tmp}'"),
     (["bench", "--plot", "{missing}/p.png"], "argument --plot: expected a PNG file name in a folder that exists"),
+    (["bench", "--markdown", "/proc/headwise.md"], "argument --markdown: expected a file name that can be written, got '/proc/headwise.md'"),
 ])
 def test_a_file_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
     """An output path is checked when the flags are read: a long run does not end in 'cannot write'."""
@@ -279,3 +280,14 @@ def test_a_file_that_cannot_be_written_is_refused_before_any_work(tmp_path, caps
         main([arg.format(**where) for arg in argv])
     assert exit_info.value.code == 2
     assert message.format(**where) in capsys.readouterr().err
+
+
+def test_checking_an_output_path_leaves_nothing_behind(tmp_path):
+    """A file that does not exist yet is made and removed to see that it can be (a folder the permissions allow may
+    refuse files: /proc for root); one that exists is left as it is."""
+    from headwise._argtypes import output
+
+    new, kept = tmp_path / "new.md", tmp_path / "kept.md"
+    kept.write_text("mine")
+    assert output("a file name")(str(new)) == str(new) and not new.exists()
+    assert output("a file name")(str(kept)) == str(kept) and kept.read_text() == "mine"

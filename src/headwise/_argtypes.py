@@ -107,6 +107,12 @@ def output(what: str, *, none: str | None = None) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(f"expected {what} in a folder that exists, got {value!r} ({folder} does not exist)")
         if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
             raise argparse.ArgumentTypeError(f"expected {what} that can be written, got {value!r} (no permission)")
+        if not os.path.exists(value):  # made and removed: a folder the permissions allow may refuse files (/proc, root)
+            try:
+                os.close(os.open(value, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+                os.remove(value)
+            except OSError as e:
+                raise argparse.ArgumentTypeError(f"expected {what} that can be written, got {value!r} ({e.strerror})") from None
         return value
 
     return parse
