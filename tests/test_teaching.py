@@ -186,6 +186,15 @@ def test_mask_is_not_stored_but_matches_the_books_buffer():
     assert torch.equal(ours.mask, book.MultiHeadAttention(3, 2, 6, 0.0, 2).mask)
 
 
+def test_a_long_contexts_weights_load_without_the_books_mask():
+    """The book's mask entry is ctx² floats at every ``state_dict()``: the weights alone load strictly, as the docs say."""
+    ours = hw.MultiHeadAttention(8, 8, 1 << 17, 0.0, num_heads=2, sinks=True)  # a state dict would build 64 GiB
+    weights = {name: p.detach().clone() for name, p in ours.named_parameters()}
+    fresh = hw.MultiHeadAttention(8, 8, 1 << 17, 0.0, num_heads=2, sinks=True)
+    assert fresh.load_state_dict(weights, strict=True) == nn.modules.module._IncompatibleKeys([], [])
+    assert all(torch.equal(p, weights[name]) for name, p in fresh.named_parameters())
+
+
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
 def test_the_mask_follows_a_cast_as_the_books_buffer_does(cast):
     ours, theirs = getattr(hw.MultiHeadAttention(3, 2, 6, 0.0, 2), cast)(), getattr(book.MultiHeadAttention(3, 2, 6, 0.0, 2), cast)()
