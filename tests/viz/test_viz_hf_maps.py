@@ -109,3 +109,45 @@ def test_a_directory_missing_a_weight_is_refused_naming_it(qwen3, tmp_path):
     with pytest.raises(ValueError, match=r"does not hold every weight of its Qwen3Model \(missing: layers.0.self_attn.q_proj.weight, "
                                          r"norm.weight\): its heads would be drawn from randomly initialised weights"):
         head_maps(tmp_path, TEXT)
+
+
+@pytest.mark.parametrize("which", ["qwen3", "gpt2"])
+def test_a_tokenizer_that_pads_to_a_fixed_length_draws_the_text_alone(which, qwen3, gpt2_dir, tmp_path):
+    """A ``tokenizer.json`` may pad every text to a fixed length (all-MiniLM-L6-v2's pads to 128): the pads are not the
+    text's tokens, and the model runs without them (transformers' and headwise's own GPT-2 alike)."""
+    source = qwen3[0] if which == "qwen3" else gpt2_dir
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tokenizer.enable_padding(length=12, pad_id=1, pad_token="<|endoftext|>")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = TEXT if which == "qwen3" else "the cat"
+    want = head_maps(source, text)
+    maps = head_maps(tmp_path, text)
+    assert maps.tokens == want.tokens == tuple(text.split()) and maps.cut == 0
+    assert torch.equal(maps.weights, want.weights)
+
+
+def test_an_encoder_saved_without_its_pooler_is_drawn(tmp_path):
+    """A checkpoint saved from a task model (``RobertaForMaskedLM``) has no pooler, which reads the last layer's output
+    alone: no head depends on it, so it is not a missing weight here."""
+    torch.manual_seed(2)
+    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    model = transformers.RobertaForMaskedLM(config).eval()
+    maps = head_maps(_directory(tmp_path, model), TEXT)
+    ids = torch.tensor([[WORDS.index(w) + 2 for w in TEXT.split()]])
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = torch.cat(model(input_ids=ids, output_attentions=True).attentions)  # (L, H, T, T)
+    torch.testing.assert_close(maps.weights, want, rtol=0, atol=1e-5)
+    assert not maps.causal
+
+
+def test_a_one_token_text_takes_causal_from_the_model(qwen3, tmp_path):
+    """One token's weights are [1.0] either way: whether the page says causal comes from the attention modules."""
+    torch.manual_seed(1)
+    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    encoder = _directory(tmp_path, transformers.RobertaModel(config).eval())
+    assert head_maps(qwen3[0], "cat").causal and not head_maps(encoder, "cat").causal

