@@ -291,3 +291,16 @@ def test_checking_an_output_path_leaves_nothing_behind(tmp_path):
     kept.write_text("mine")
     assert output("a file name")(str(new)) == str(new) and not new.exists()
     assert output("a file name")(str(kept)) == str(kept) and kept.read_text() == "mine"
+
+
+def test_output_read_in_part_ends_quietly():
+    """`headwise explain | head`: the reader closes the pipe after a line; the command ends with exit code 1 and no
+    traceback (its output, 117 kB here, is larger than a pipe's buffer, so the write fails while it runs)."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "headwise", "explain", "--tokens", "40", "--d-in", "8", "--d-out", "32", "--heads", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("MultiHeadAttention(")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == ""

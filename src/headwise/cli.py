@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -257,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _explain_mode(ex, args)
             _explain(args)
+        sys.stdout.flush()  # (a closed pipe raises here, not at the interpreter's exit)
+    except BrokenPipeError:  # whoever read the output stopped (`headwise explain | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left in stdout's buffer goes nowhere
+        raise SystemExit(1) from None
     except ValueError as e:  # the library's clear errors, shown without a traceback
         print(f"headwise {args.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
