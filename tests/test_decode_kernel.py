@@ -244,9 +244,10 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
 
     def folder(name, verbose):  # torch's extension cache: the library's folder, holding it when cached
         (tmp_path / name).mkdir(exist_ok=True)
-        if cached:  # built from these sources' paths, after they were written
+        if cached:  # built from these sources' paths, after they were written, and sealed at its first load
             (tmp_path / name / "build.ninja").write_text("\n".join(str(s) for s in native.SOURCES))
             (tmp_path / name / f"{name}.so").touch()
+            native._seal(tmp_path / name, name)
         return str(tmp_path / name)
 
     monkeypatch.setattr(cpp_extension, "_get_build_directory", folder)
