@@ -64,6 +64,8 @@ MISTAKES = {
     "merge_no_transpose": ("MultiHeadAttention", "merged", H.MERGE_NO_TRANSPOSE),
     "no_out_proj": ("MultiHeadAttention", "output", H.NO_OUT_PROJ),
     "shared_qk": ("MultiHeadAttention", "queries", H.SHARED_QK.format(got="queries", other="keys")),
+    "shared_qk_once:CausalAttention": ("CausalAttention", "queries", H.SHARED_QK.format(got="queries", other="keys")),  # made once
+    "shared_qk_once": ("MultiHeadAttention", "keys", H.SHARED_QK.format(got="keys", other="queries")),
     "wrapper_cat_dim": ("MultiHeadAttentionWrapper", "output", H.CAT_DIM.format(dim=1, what="the tokens")),
     "wrapper_no_scaling": ("MultiHeadAttentionWrapper", "heads.0.weights", H.NO_SCALE),
     "wrong_shape": ("MultiHeadAttention", "output", H.WRONG_SHAPE),
@@ -102,9 +104,10 @@ def test_a_mistake_in_one_class_leaves_the_others_passing():
 
 
 def test_the_hints_tell_every_mistake_apart():
-    # four pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head),
-    # NO_TRANSPOSE (a view straight to the heads' shape, and the right view reshaped to it), NO_QKV_BIAS (MHA and a head)
-    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 4
+    # five pairs of files share a hint: NO_SCALE (MHA and a wrapper's head), sqrt(num_tokens) (MHA and a single head),
+    # NO_TRANSPOSE (a view straight to the heads' shape, and the right view reshaped to it), NO_QKV_BIAS (MHA and a head),
+    # SHARED_QK for the queries (one layer called twice, and one tensor made once in both roles)
+    assert len({hint for _, _, hint in MISTAKES.values()}) == len(MISTAKES) - 5
 
 
 def test_a_scaling_mistake_invisible_at_head_dim_1_fails_in_a_later_configuration():

@@ -115,9 +115,13 @@ def _attention(s: dict[str, Tensor], prefix: str, scale: float, sizes: dict[str,
     future = torch.ones(T, T, dtype=torch.bool).triu(1)  # (T, T): True above the diagonal
     unmasked = torch.softmax(scores * scale, dim=-1)
     head_size = round(1 / scale**2)
+    q, k = (s.get(prefix + n + ".transpose", s[prefix + n]) for n in ("queries", "keys"))  # (B, [H,] T, D) each
     found = [
         Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), s[prefix + "keys"], twice=True),
         Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), s[prefix + "queries"], twice=True),
+        # one tensor made once in both roles (queries = keys = self.W_key(x)): its scores against itself show it
+        Probe(prefix + "queries", SHARED_QK.format(got="queries", other="keys"), k @ k.transpose(-2, -1), scale_free=True, same_kind=False),
+        Probe(prefix + "keys", SHARED_QK.format(got="keys", other="queries"), q @ q.transpose(-2, -1), scale_free=True, same_kind=False),
         Probe(prefix + "scores", SWAPPED, scores.transpose(-2, -1), scale_free=True),
         Probe(prefix + "masked_scores", MASK_ZERO, scores.masked_fill(future, 0.0), scale_free=True),
         Probe(prefix + "masked_scores", MASK_DIAGONAL, scores.masked_fill(future | torch.eye(T, dtype=torch.bool), -math.inf), scale_free=True),
