@@ -103,8 +103,8 @@ class ContextCache(Owned, Spendable):
         """As ``Owned``'s, with whether the kept context is as it was when stored: a copy's context is a new tensor,
         whose version counter starts anew (``_recount``)."""
         state = super().__getstate__()
-        ctx = self._context
-        state["_version"] = ctx is not None and _version(ctx) == self._version and weight_cache.sample(ctx) == self._sample
+        ctx, version = self._context, state.pop("_version")  # a copy's counter is set by ``_recount``
+        state["_unchanged"] = ctx is not None and _version(ctx) == version and weight_cache.sample(ctx) == self._sample
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -117,11 +117,11 @@ class ContextCache(Owned, Spendable):
         return new
 
     def _recount(self) -> None:
-        """After a copy: ``_version`` (``__getstate__``'s flag) becomes the copied context's counter where the kept
-        context was unchanged, else -1, which no counter equals (its keys are of older values: projected again only
-        from a context passed again)."""
-        kept, ctx = self._version, self._context
-        self._version = None if ctx is None else _version(ctx) if kept else -1
+        """After a copy: ``_version`` is the copied context's counter where the kept context was unchanged
+        (``__getstate__``'s ``_unchanged``), else -1, which no counter equals (its keys are of older values: projected
+        again only from a context passed again)."""
+        unchanged, ctx = self.__dict__.pop("_unchanged"), self._context
+        self._version = None if ctx is None else _version(ctx) if unchanged else -1
 
     def store(self, owner: object, context: Tensor, keys: Tensor, values: Tensor, context_mask: Tensor | None) -> None:
         """Keep ``owner``'s keys and values (B, Hkv, S, D) of ``context`` (B, S, kv_dim) with its padding (B, S) or None."""
