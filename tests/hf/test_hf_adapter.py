@@ -160,10 +160,15 @@ def test_register_refuses_a_name_that_is_not_a_string_or_is_transformers_own():
     with pytest.raises(TypeError, match=r"name must be a non-empty str, got 3"):
         headwise.hf.register(3)
     sdpa = tf.AttentionInterface._global_mapping["sdpa"]
-    for name in ("sdpa", "eager", "flash_attention_2", "paged|eager"):
+    for name in ("sdpa", "eager", "flash_attention_2", "paged|eager", "paged|sdpa"):  # (transformers reads paged|sdpa as sdpa)
         with pytest.raises(ValueError, match=rf"name '{re.escape(name)}' is an attention implementation transformers already has"):
             headwise.hf.register(name)
+    with pytest.raises(ValueError, match=r"name 'paged\|mine': transformers reads a name starting with 'paged\|' as the name after it "
+                                         r"\('mine'\), so a model loaded with 'paged\|mine' would not run on what is registered under it; "
+                                         r"register 'mine'"):
+        headwise.hf.register("paged|mine")
     assert tf.AttentionInterface._global_mapping["sdpa"] is sdpa  # nothing replaced
+    assert "paged|sdpa" not in tf.AttentionInterface._global_mapping and "paged|mine" not in tf.AttentionInterface._global_mapping
     assert headwise.hf.register("headwise") == "headwise"  # again: its own name
 
 

@@ -78,7 +78,8 @@ def register(name: str = "headwise") -> str:
 
     Registers ``attend`` in ``transformers.AttentionInterface`` and ``mask`` in
     ``transformers.AttentionMaskInterface`` under ``name`` (both, or transformers would pass no
-    mask). Needs the ``hf`` extra (transformers).
+    mask). Needs the ``hf`` extra (transformers). ``name`` may be none of transformers' own
+    (``"sdpa"``, ``"eager"``, ...), nor start with ``"paged|"``, which transformers strips.
 
     Only layers that call ``AttentionInterface`` run on headwise. Others compute attention in
     their own code and never call it (see ``headwise.hf.routing``):
@@ -111,10 +112,14 @@ def register(name: str = "headwise") -> str:
     transformers = require("transformers", "hf", "running transformers models on headwise")
     mappings = (transformers.AttentionInterface._global_mapping, transformers.AttentionMaskInterface._global_mapping)
     taken = {n for mapping in mappings for n, f in mapping.items() if getattr(f, "__module__", "").startswith("transformers.")}
-    if name in taken or name.split("|")[-1] == "eager":  # transformers' own (eager is its models' code, in no mapping)
+    read = name.removeprefix("paged|")  # the name a model loaded with ``name`` looks up ("paged|eager" aside)
+    if read in taken or read.split("|")[-1] == "eager":  # transformers' own (eager is its models' code, in no mapping)
         raise ValueError(f"name {name!r} is an attention implementation transformers already has (one of {sorted(taken | {'eager'})}): "
                          "registering headwise under it would run every model loaded with it in this process on headwise; "
                          "choose another name (by default 'headwise')")
+    if read != name:
+        raise ValueError(f"name {name!r}: transformers reads a name starting with 'paged|' as the name after it ({read!r}), so a "
+                         f"model loaded with {name!r} would not run on what is registered under it; register {read!r}")
     transformers.AttentionInterface.register(name, attend)
     transformers.AttentionMaskInterface.register(name, mask)
     return name
