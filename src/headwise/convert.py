@@ -13,7 +13,7 @@ Module conversions show the book's claim in code (the formulations compute one f
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +42,10 @@ def load_checked(
     ignore: Callable[[str], bool] = lambda key: False,
     source: str | os.PathLike[str] = "state dict",
     named: Callable[[str], str] = lambda key: key,
+    problems: Sequence[str] = (),
 ) -> nn.Module:
     """Check ``state`` completely against ``module`` (``check_state``; ``named``: a missing key's name in ``state``,
-    ``rename``'s inverse), then load it strictly.
+    ``rename``'s inverse; ``problems``: the caller's own findings, listed with the rest), then load it strictly.
 
     A module built on the meta device (``with torch.device("meta")``) is checked from its
     shapes alone and only then given memory (``to_empty``; the strict load fills every
@@ -56,7 +57,8 @@ def load_checked(
         ValueError: naming ``source`` and listing every problem at once; ``module`` is then
             unchanged.
     """
-    converted = check_state(module, state, rename=rename, transposed=transposed, ignore=ignore, source=source, named=named)  # raises before anything changes
+    converted = check_state(module, state, rename=rename, transposed=transposed, ignore=ignore, source=source, named=named,
+                            problems=problems)  # raises before anything changes
     if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
         volatile = [name for name, _ in module.named_buffers() if name not in module.state_dict()]
         if volatile:  # to_empty would leave them uninitialised: nothing in the checkpoint fills them

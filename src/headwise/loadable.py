@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,6 +41,7 @@ def remap(
     whole: Collection[str] = (),
     source: str = "state dict",
     named: Callable[[str], str] = lambda key: key,
+    problems: Sequence[str] = (),
 ) -> dict[str, Tensor]:
     """Rename keys, transpose the named weights, check every key and shape; return a new dict.
 
@@ -63,6 +64,8 @@ def remap(
         source: names the origin (a file, say) in the error message.
         named: a target key's name in the incoming state (``rename``'s inverse): what a missing key is called in
             the message, as the state's other keys are.
+        problems: what the caller found wrong with ``state`` beyond keys and shapes (a tied head that is no copy of
+            its embedding), listed first in the same error.
 
     Raises:
         TypeError: ``state`` is not a mapping.
@@ -111,8 +114,9 @@ def remap(
             continue
         out[name] = tensor
     missing = [k for k in expected if k not in origin]
-    if missing or unexpected or duplicated or misshaped or mistyped or valueless:
+    if problems or missing or unexpected or duplicated or misshaped or mistyped or valueless:
         lines = [f"cannot load {source}; nothing was loaded:"]
+        lines += [f"  {p}" for p in problems]
         lines += [f"  missing: {named(k)}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
         lines += [f"  duplicate: {d}" for d in duplicated]
@@ -140,8 +144,10 @@ def check_state(
     ignore: Callable[[str], bool] = lambda key: False,
     source: str | os.PathLike[str] = "state dict",
     named: Callable[[str], str] = lambda key: key,
+    problems: Sequence[str] = (),
 ) -> dict[str, Tensor]:
-    """``state`` renamed and checked against ``module`` (via ``remap``, ``named`` its missing keys); nothing is loaded.
+    """``state`` renamed and checked against ``module`` (via ``remap``, ``named`` its missing keys, ``problems`` listed
+    with the rest); nothing is loaded.
 
     Every parameter and persistent buffer must come, once, with its shape (a floating one as
     a floating-point tensor, an integer one in its own dtype); entries that ``state_dict`` adds without storing them (the
@@ -159,7 +165,7 @@ def check_state(
     valued = {name for name in expected if not stored[name].is_meta}
     whole = {name for name in expected if not _checks.sharded(stored[name])}
     return remap(state, expected, rename=rename, transposed=transposed, ignore=ignore, optional=optional, dtypes=dtypes,
-                 valued=valued, whole=whole, source=str(source), named=named)
+                 valued=valued, whole=whole, source=str(source), named=named, problems=problems)
 
 
 _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("headwise_state_shapes_only", default=False)

@@ -286,7 +286,33 @@ def test_tied_config_with_a_different_head_is_refused(tmp_path):
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings"):
+    with pytest.raises(ValueError, match=r"nothing was loaded:\n  lm_head.weight differs from model.embed_tokens.weight; config.json says "
+                                         r"tie_word_embeddings$"):
+        hm.load(tmp_path)
+
+
+def test_a_tied_head_is_checked_with_every_other_key_and_named_as_the_file_names_it(tmp_path):
+    """A head that is no copy of its embedding is one of the file's problems, listed with the others (it stopped the
+    check before them); a tied file that kept the head alone names the head where its shape is wrong (not the
+    embedding's key, which the file does not hold)."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf_llama("qwen3-qknorm-tied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    embed = state["model.embed_tokens.weight"]
+    bad = {k: v for k, v in state.items() if k != "model.norm.weight"} | {"lm_head.weight": embed[:-1].clone(), "extra.weight": embed.clone()}
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"nothing was loaded:\n  lm_head.weight has shape \({embed.shape[0] - 1}, {embed.shape[1]}\), "
+                                         rf"model.embed_tokens.weight \({embed.shape[0]}, {embed.shape[1]}\); config.json says "
+                                         r"tie_word_embeddings\n  missing: model.norm.weight\n  unexpected: extra.weight$"):
+        hm.load(tmp_path)
+    head_only = {k: v for k, v in state.items() if k != "model.embed_tokens.weight"} | {"lm_head.weight": embed[:-1].clone()}
+    save_file(head_only, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"nothing was loaded:\n  wrong shape: lm_head.weight: expected \({embed.shape[0]}, {embed.shape[1]}\), "
+                                         rf"got \({embed.shape[0] - 1}, {embed.shape[1]}\)$"):
+        hm.load(tmp_path)
+    save_file({k: v for k, v in state.items() if k not in ("model.embed_tokens.weight", "model.norm.weight")}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"nothing was loaded:\n  missing: model.embed_tokens.weight\n  missing: model.norm.weight$"):
         hm.load(tmp_path)
 
 

@@ -128,8 +128,11 @@ def test_untied_lm_head_is_refused(hf_gpt2, tmp_path):
     state["lm_head.weight"] += 1.0
     torch.save(state, tmp_path / "pytorch_model.bin")
     hf_gpt2.config.to_json_file(tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"pytorch_model.bin: lm_head.weight differs from wte.weight"):
-        GPT2LMHeadModel.from_pretrained(tmp_path)
+    del state["transformer.ln_f.bias"]
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin; nothing was loaded:\n  lm_head.weight differs from transformer.wte.weight; "
+                                         r"headwise's GPT-2 ties them \(tie_word_embeddings\)\n  missing: transformer.ln_f.bias$"):
+        GPT2LMHeadModel.from_pretrained(tmp_path)  # with every other problem of the file
 
 
 def test_truncated_safetensors(gpt2_dir, tmp_path):

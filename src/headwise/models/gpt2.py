@@ -111,10 +111,8 @@ class GPT2LMHeadModel(CausalModel):
         config = gpt2_config(loading.read_config(directory, "gpt2"), directory / loading.CONFIG)
         file = loading.weights_file(directory)
         state = loading.read_weights(file)
-        head = state.get("lm_head.weight")
-        wte = state.get("transformer.wte.weight", state.get("wte.weight"))
-        if head is not None and wte is not None and not loading.same_values(head, wte):
-            raise ValueError(f"{file}: lm_head.weight differs from wte.weight; headwise's GPT-2 ties them (tie_word_embeddings)")
+        wte = next((key for key in ("transformer.wte.weight", "wte.weight") if key in state), "wte.weight")
+        tied = loading.tied_head(state.get("lm_head.weight"), state.get(wte), wte, "headwise's GPT-2 ties them (tie_word_embeddings)")
         with torch.device("meta"):  # shapes only: the tensors are checked against them before any memory is taken
             model = cls(config)
         prefixed = any(key.startswith("transformer.") for key in state)  # how the file names the rest: a missing key so
@@ -126,6 +124,7 @@ class GPT2LMHeadModel(CausalModel):
             named=lambda key: key if prefixed else key.removeprefix("transformer."),
             transposed=HF_GPT2_TRANSPOSED,
             ignore=lambda key: key == "lm_head.weight" or is_legacy_gpt2_buffer(key),
+            problems=tied,
         )
         return model.eval()
 

@@ -288,15 +288,18 @@ class LlamaForCausalLM(CausalModel):
         state = loading.read_weights(file)
         head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings
-        if tied and embed is None and head is not None:  # a tied checkpoint that kept the head's copy only: the embedding's
-            state = {**state, "model.embed_tokens.weight": head}
-        if tied and head is not None and embed is not None and not loading.same_values(head, embed):
-            raise ValueError(f"{file}: lm_head.weight differs from model.embed_tokens.weight, but config.json says tie_word_embeddings")
-        skip = lambda key: (tied and key == "lm_head.weight") or _LEGACY_INV_FREQ.fullmatch(key) is not None  # noqa: E731
+        head_only = tied and embed is None and head is not None  # a tied checkpoint that kept the head's copy only: the embedding's
+        checks = {
+            "source": file,
+            "rename": lambda key: "model.embed_tokens.weight" if head_only and key == "lm_head.weight" else key,
+            "named": lambda key: "lm_head.weight" if head_only and key == "model.embed_tokens.weight" else key,
+            "ignore": lambda key: (tied and not head_only and key == "lm_head.weight") or _LEGACY_INV_FREQ.fullmatch(key) is not None,
+            "problems": loading.tied_head(head, embed, "model.embed_tokens.weight", "config.json says tie_word_embeddings") if tied else [],
+        }
         with torch.device("meta"):  # shapes only: the tensors are checked before any memory is taken (the rotary
-            check_state(cls(config, backend=backend), state, source=file, ignore=skip)  # tables are plain tensors: built for real below)
+            check_state(cls(config, backend=backend), state, **checks)  # tables are plain tensors: built for real below)
         model = cls(config, backend=backend).to(dtype or loading.checkpoint_dtype(raw, state, directory / loading.CONFIG))
-        load_checked(model, state, source=file, ignore=skip)
+        load_checked(model, state, **checks)
         return model.eval()
 
     @property

@@ -161,6 +161,16 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.eq(a, b).logical_or_(a.isnan() & b.isnan()).all())
 
 
+def tied_head(head: Tensor | None, embedding: Tensor | None, embedding_name: str, why: str) -> list[str]:
+    """What is wrong with a tied checkpoint's ``lm_head.weight`` beside the embedding it must copy, as lines of the load's
+    error (``problems``: listed with every other bad key); none where either is absent or it is that copy."""
+    if head is None or embedding is None or same_values(head, embedding):
+        return []
+    if head.shape != embedding.shape:
+        return [f"lm_head.weight has shape {tuple(head.shape)}, {embedding_name} {tuple(embedding.shape)}; {why}"]
+    return [f"lm_head.weight differs from {embedding_name}{'' if head.dtype == embedding.dtype else f' (a {head.dtype} against a {embedding.dtype})'}; {why}"]
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
