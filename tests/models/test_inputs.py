@@ -90,3 +90,13 @@ def test_positions_given_do_not_let_a_layer_that_sees_every_key_overrun_after_a_
         assert [len(c) for c in caches] == [10, 10]
         model(torch.randint(0, 97, (1, 6)), cache=caches, positions=torch.arange(10, 16)[None])  # what fits still runs
     assert [len(c) for c in caches] == [16, 16]
+
+
+def test_a_model_whose_every_layer_slides_generates_as_many_tokens_as_asked():
+    """Every layer's cache is a ring of its window: no context limit, so any count is taken (until the end token here),
+    by ``generate`` as by ``generate_many`` (its caches were asked for prompt + count slots, past a size's limit)."""
+    model = tiny_llama(windows=(3, 3))
+    ids = torch.tensor([[3, 4, 5]])
+    eos = int(model.generate(ids, max_new_tokens=1)[0, -1])
+    assert model.generate(ids, max_new_tokens=2**63 - 1, eos_token_id=eos).tolist() == [[3, 4, 5, eos]]
+    assert generate_many(model, [ids[0]], 2**63 - 1, eos_token_id=eos)[0].tolist() == [eos]

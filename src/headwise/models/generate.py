@@ -166,7 +166,7 @@ class GenerationMixin:
         _inputs.check_length(self, t, max_new_tokens, is_token)
         windowed = any(w is not None for w in getattr(self.config, "windows", None) or ())
         is_token = prompt_padding(is_token, windowed)  # None when nothing is padding; refuses prompts that end in padding
-        caches = self.new_caches(b, t + max_new_tokens, cache_dtype)
+        caches = self.new_caches(b, min(t + max_new_tokens, 2**63 - 1), cache_dtype)  # (no limit: every layer a ring of its window)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
         run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
