@@ -652,6 +652,10 @@ def test_a_tied_checkpoint_that_kept_only_the_head_loads_it_as_the_embedding(tmp
      r"layer_types names sliding layers but use_sliding_window is false"),
     ("qwen3-qknorm-tied", {"use_sliding_window": True, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]},
      r"layer_types names sliding layers but sliding_window is null"),
+    ("llama-mha-untied", {"layer_types": ["bogus", 3]}, r"layer_types entries must be one of \['full_attention', 'sliding_attention'\], got 'bogus', 3"),
+    ("mistral-window", {"layer_types": "sliding_attention"}, r"layer_types must be a list of .*, one per layer, got str 'sliding_attention'"),
+    ("mistral-window", {"layer_types": ["sliding_attention"]}, r"layer_types must give one kind per layer \(num_hidden_layers=2\), got 1"),
+    ("qwen3-qknorm-tied", {"head_dim": None}, r"invalid qwen3 config: head_dim must be a positive int \(transformers' Qwen3 takes no null\), got None"),
 ])
 def test_config_values_read_differently_from_transformers_are_refused_by_name(name, changes, match, tmp_path):
     """A null where a number belongs, a string where a bool does, a window of 0: each field named (a null took

@@ -190,6 +190,9 @@ def test_a_key_with_and_without_its_prefix_is_refused(gpt2_dir, tmp_path):
         ({"layer_norm_epsilon": -1}, r"config.json: invalid GPT-2 config: layer_norm_epsilon must be a number in \(0, inf\), got -1"),
         ({"layer_norm_epsilon": float("nan")}, r"config.json: invalid GPT-2 config: layer_norm_epsilon must be a number in \(0, inf\), got nan"),
         ({"n_head": "2"}, r"config.json: invalid GPT-2 config: n_head must be a positive int, got '2'"),
+        ({"n_inner": 256.0}, r"config.json: invalid GPT-2 config: n_inner must be an int or null, got 256.0"),  # (4 * n_embd, a float)
+        ({"tie_word_embeddings": 1}, r"config.json: invalid GPT-2 config: tie_word_embeddings must be true or false, got 1"),
+        ({"add_cross_attention": 0}, r"config.json: invalid GPT-2 config: add_cross_attention must be true or false, got 0"),
     ],
 )
 def test_config_values_are_checked_with_the_file_named(gpt2_dir, tmp_path, changes, match):

@@ -166,11 +166,17 @@ def gpt2_config(d: dict, file: os.PathLike[str]) -> GPT2Config:
         raise ValueError(f"{file}: invalid GPT-2 config: n_embd must be a positive int, got {width!r}")
     if d.get("activation_function", "gelu_new") not in TANH_GELUS:
         unsupported.append(f"activation_function={d['activation_function']!r} (supported: {list(TANH_GELUS)})")
-    if d.get("n_inner") not in (None, 4 * width):
-        unsupported.append(f"n_inner={d['n_inner']!r} (the MLP is 4 * n_embd wide)")
+    inner = d.get("n_inner")
+    if inner is not None and (isinstance(inner, bool) or not isinstance(inner, int)):
+        raise ValueError(f"{file}: invalid GPT-2 config: n_inner must be an int or null, got {inner!r}")
+    if inner not in (None, 4 * width):
+        unsupported.append(f"n_inner={inner!r} (the MLP is 4 * n_embd wide)")
     for key, want in [("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False), ("tie_word_embeddings", True)]:
-        if d.get(key, want) != want:
-            unsupported.append(f"{key}={d[key]!r} (supported: {want})")
+        value = d.get(key, want)
+        if not isinstance(value, bool):  # (1 == True: read as a switch, a number would pass)
+            raise ValueError(f"{file}: invalid GPT-2 config: {key} must be true or false, got {value!r}")
+        if value != want:
+            unsupported.append(f"{key}={value!r} (supported: {want})")
     if unsupported:
         raise ValueError(f"{file}: unsupported GPT-2 settings: {'; '.join(unsupported)}")
     try:

@@ -174,8 +174,9 @@ def llama_config(d: dict[str, Any], model_type: str, file: os.PathLike[str]) -> 
         partial = 1.0  # the default rope: every dimension rotates, the factor unread, as transformers runs the file
     if nested := [key for key in rope if key in LAYER_TYPES]:
         unsupported.append(f"rotary settings per layer type ({nested}); supported: one set for every layer")
-    if model_type == "qwen3":
-        _layer_types(d, file)
+    _layer_types(d, file)
+    if model_type == "qwen3" and "head_dim" in d and d["head_dim"] is None:  # (Llama's and Mistral's mean hidden // heads)
+        raise ValueError(f"{file}: invalid qwen3 config: head_dim must be a positive int (transformers' Qwen3 takes no null), got None")
     kinds = d.get("layer_types")
     if model_type == "mistral" and d.get("sliding_window") is not None and isinstance(kinds, list) and set(kinds) != {"sliding_attention"}:
         unsupported.append(f"layer_types={kinds!r} with sliding_window (transformers' Mistral slides every layer, its Auto "
@@ -231,7 +232,8 @@ def _windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...] | Non
 
 
 def _layer_types(d: dict[str, Any], file: os.PathLike[str]) -> None:
-    """Qwen3's ``layer_types``, if given: a list of one known attention kind per layer (as transformers checks)."""
+    """``layer_types``, if given: a list of one known attention kind per layer (as transformers checks every model
+    type's)."""
     kinds, n = d.get("layer_types"), d.get("num_hidden_layers", 32)
     if kinds is None:
         return
