@@ -133,6 +133,19 @@ def test_module_errors_name_the_cache_problem():
         m(torch.randn(1, 2, 16), cache=hw.KVCache.sliding(1, 4, 3, 4))
 
 
+
+def test_a_forward_counts_each_rows_real_tokens_against_context_length_as_a_cache_does():
+    """Left padding takes no position: 10 slots of which 7 real fit context_length=8 in one forward, as in a forward
+    through a cache (a padded row's real tokens are what count); 9 real tokens in a row do not."""
+    m = make("mha", ctx=8).eval()
+    x = torch.randn(2, 10, 16)
+    mask = torch.arange(10)[None].expand(2, 10) >= torch.tensor([[3], [4]])  # (2, 10): 7 and 6 real tokens
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, attention_mask=mask), m(x, attention_mask=mask, cache=new_cache(m, 2, 10)))
+        with pytest.raises(ValueError, match=r"got 9 tokens in a row, padding not counted \(10 slots\), more than context_length=8"):
+            m(x, attention_mask=torch.arange(10)[None].expand(2, 10) >= 1)
+
+
 # ----------------------------------------------------------------------------- decoding = full forward
 
 

@@ -330,7 +330,8 @@ def context(t: int, past: int, context_length: int, sliding: bool, longest: Call
         return
     n = past + t if longest is None else longest()
     if n > context_length:
-        cached = f" ({past} cached + {t} new)" if n == past + t and past else f" in a row, padding not counted ({past} cached + {t} new slots)" if n != past + t else ""
+        slots = f"{past} cached + {t} new slots" if past else f"{t} slots"
+        cached = (f" ({past} cached + {t} new)" if past else "") if n == past + t else f" in a row, padding not counted ({slots})"
         raise ValueError(f"got {n} tokens{cached}, more than context_length={context_length}")
 
 

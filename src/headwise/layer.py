@@ -47,7 +47,11 @@ def checked_input(
     b, t = _checks.tokens(x, module.d_in, name)
     _checks.module_input(module, x, name)
     attention_mask = _checks.attention_mask(attention_mask, b, t, device=(name + " is", x.device))  # (B, T) bool or None
-    past, longest = (0, None) if cache is None else (len(cache), lambda: cache.longest(t, attention_mask))
+    if cache is not None:
+        past, longest = len(cache), lambda: cache.longest(t, attention_mask)
+    else:  # each row's real tokens, as a cache counts them (a meta mask, which holds no values: every slot)
+        real = attention_mask is not None and _checks.has_values(attention_mask)
+        past, longest = 0, (lambda: int(attention_mask.sum(-1).max())) if real else None
     _checks.context(t, past, module.context_length, sliding=sliding, longest=longest)
     return inert_padding(x, attention_mask), attention_mask  # (B, T, d_in), (B, T) or None
 
