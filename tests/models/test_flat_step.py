@@ -334,3 +334,29 @@ def test_the_flat_step_over_paged_batches_gives_the_forwards_logits_bit_for_bit(
                 lengths[s] += c
         for a, b in zip(pools, plain, strict=True):
             assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and [a.length(s) for s in range(3)] == [b.length(s) for s in range(3)]
+
+
+def test_a_gelu_switched_between_steps_is_the_one_the_next_step_computes():
+    """GPT-2's layer op takes the MLP's GELU by name: ``act.approximate`` set to "none" between steps (an exact GELU
+    from then on) reaches the next step, as it reaches the checked forward (the op kept the name it was made with)."""
+    def model() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
+        with torch.no_grad():  # pre-activations near -3, where the two GELUs differ by some 10%, amplified
+            for block in m.transformer.h:
+                block.mlp.c_fc.weight.mul_(0.1), block.mlp.c_fc.bias.fill_(-3.0), block.mlp.c_proj.weight.mul_(200.0)
+        return m
+
+    ours, theirs = model(), model()
+    prompt, ids = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 4))
+    with torch.no_grad():
+        caches, checked = ours.new_caches(1, 16), theirs.new_caches(1, 16)
+        ours(prompt, cache=caches, logits_to_keep=1), theirs(prompt, cache=checked, logits_to_keep=1)
+        step = ours.flat_step()
+        for s in range(4):
+            if s == 2:
+                for m in (ours, theirs):
+                    for block in m.transformer.h:
+                        block.mlp.act.approximate = "none"
+            got, want = step(ids[:, s : s + 1], None, caches), theirs(ids[:, s : s + 1], cache=checked)[:, -1]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -87,7 +87,7 @@ class NativeLayer:
         # the submodules the op was made from, by their owners' names (one replaced: the layer runs in Python)
         self.owned = [(owner, name, getattr(owner, name)) for owner, group in names for name in group]
         self.norm1, self.attn, self.norm2, _ = parts
-        self.call, self.mlp, self.drops = call, mlp, drops
+        self.call, self.mlp, self.act, self.drops = call, mlp, act, drops
         self.layer_norm = type(self.norm1) is nn.LayerNorm
         attn: AttentionLayer = self.attn
         self.rotary = attn.rotation()
@@ -110,6 +110,9 @@ class NativeLayer:
             return None
         if any(d.training and d.p > 0 for d in self.drops):  # the op has no dropout
             return None
+        mlp = self.mlp if self.act is None else self.act.approximate  # (GPT-2's GELU as it is set now)
+        if mlp not in ("swiglu", "tanh", "none"):
+            return None
         seen = self._made_for(x)
         if not self.tensors.same() or seen != self.seen:
             self.seen = None  # (until the arguments are made: a call that raises leaves nothing that looks current)
@@ -120,7 +123,7 @@ class NativeLayer:
         kinds, weights, scales, biases, ns = self.args
         norm1, norm2, attn = self.norm1, self.norm2, self.attn
         b1, b2 = (norm1.bias, norm2.bias) if self.layer_norm else (None, None)
-        spec, sizes, D, mlp = self.call.spec, self.sizes, attn.head_dim, self.mlp
+        spec, sizes, D = self.call.spec, self.sizes, attn.head_dim
         scale, terms = spec.scale, kernel_terms(spec)  # (the sinks and slopes as they stand this step)
         if isinstance(cache, PagedBatch):
             pool = cache.cache
@@ -134,8 +137,9 @@ class NativeLayer:
 
     def _made_for(self, x: Tensor) -> tuple:
         """What the op's arguments and the norms' answer (``_call_args``) follow from beside the tensors the norms and the
-        kept calls read (``self.tensors``): x's kind and autograd's mode."""
-        return type(x), x.dtype, x.shape, torch.is_grad_enabled()
+        kept calls read (``self.tensors``): x's kind, autograd's mode and the GELU's ``approximate`` (the up
+        projection's kept call computes it)."""
+        return type(x), x.dtype, x.shape, torch.is_grad_enabled(), None if self.act is None else self.act.approximate
 
     def _norms_take(self, x: Tensor) -> bool:
         """RMSNorms on their C++ op (as ``RMSNorm.forward`` decides); LayerNorms as they are (``F.layer_norm``)."""
