@@ -462,3 +462,22 @@ def test_a_module_compiled_again_with_dynamic_shapes_hands_sdpa_a_bool():
             torch.testing.assert_close(fast(step, cache=cache), mha(step, cache=eager))
             with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match=r"cache is full"):
                 fast(step, cache=cache)
+
+
+def test_an_eager_call_while_another_thread_compiles_runs_as_at_any_other_time(monkeypatch):
+    """``torch.compiler.is_compiling()`` reads one flag for the whole process, which Dynamo holds True in every thread
+    while any thread compiles: headwise asks whether Dynamo traces this very call, so an eager call made meanwhile runs
+    its eager path (a projection took the traced branch, and its op, which runs the eager path, called itself until
+    Python's recursion limit)."""
+    torch.manual_seed(0)
+    mha = hw.MultiHeadAttention(64, 64, 32, 0.0, 4).eval()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4)).eval()
+    x, ids = torch.randn(1, 1, 64), torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        want, tokens = mha(x), model.generate(ids, max_new_tokens=4)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # as Dynamo sets it while another thread compiles
+    assert torch.compiler.is_compiling()
+    with torch.no_grad():
+        assert torch.equal(mha(x), want)
+        assert torch.equal(model.generate(ids, max_new_tokens=4), tokens)
+        assert torch.equal(hw.models.generate_many(model, [ids[0]], 4)[0], tokens[0, 3:])

@@ -25,6 +25,14 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 
+def compiling() -> bool:
+    """Whether ``torch.compile`` (Dynamo) is tracing this call: the constant True in the graph it makes, False in an
+    eager call. Not ``compiling()``, one flag for the whole process that stays True in every thread
+    while any thread compiles: another thread's eager call would take the traced branches (and the projections' op,
+    which runs the eager path inside a graph, would call itself)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
 def integer(name: str, value: object, *, low: int = 1, high: int | None = None) -> int:
     """``value`` as a plain Python int in [low, high]; without ``high``, below 2**63 (torch's sizes are 64-bit: a larger
     one fails deep inside torch, or a loop over it never ends).
@@ -239,7 +247,7 @@ def transformed(*tensors: Tensor | None) -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) wraps any of these tensors, or one carries
     a forward-mode tangent (``torch.autograd.forward_ad``): then only torch's own ops run (the library's autograd
     Functions, C++ ops and packed weights neither take wrapped tensors nor carry a tangent)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return False
     if any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return True
@@ -251,7 +259,7 @@ def has_values(t: Tensor) -> bool:
     examples have no one value to read); True otherwise (``grad``'s wrapped tensors read as they are)."""
     if t.device.type == "meta":
         return False
-    return torch.compiler.is_compiling() or not _batched(t)  # (Dynamo cannot trace the functorch test)
+    return compiling() or not _batched(t)  # (Dynamo cannot trace the functorch test)
 
 
 def _batched(t: Tensor) -> bool:
@@ -271,7 +279,7 @@ def holds(ok: Tensor, message: str, detail: Callable[[], str] | None = None, err
     only for the message. While ``torch.compile`` traces: ``torch._assert_async(ok, message)`` in
     the graph, no host read and no graph break; a failing call raises RuntimeError(message).
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         torch._assert_async(ok, message)
         return
     if not bool(ok):

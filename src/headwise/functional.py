@@ -365,7 +365,7 @@ def _run(args: Arguments, check_cache: bool) -> Tensor:
     call = _rows_in_place(args)
     if call is not None:  # an 8-bit cache's one-token step: its rows read in place, not read back whole
         wide = [t.float() for t in (q, k, v)]  # float32 (a bfloat16 model's widened exactly, as every other path widens them)
-        if torch.compiler.is_compiling():  # the compiler does not call the op that writes its arguments
+        if _checks.compiling():  # the compiler does not call the op that writes its arguments
             context = call.after_write(*wide, check_cache)  # (B, H, 1, Dv)
         else:  # the write and the attention in one op
             if check_cache:

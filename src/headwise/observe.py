@@ -13,7 +13,7 @@ shows them as projected (the columns are masked next); in training with dropout,
 cache's write included).
 
 Under ``torch.compile`` observers are off: ``observing()`` and ``report`` first ask
-``torch.compiler.is_compiling()``, which Dynamo folds to the constant True while it traces, so a
+``_checks.compiling()``, which Dynamo folds to the constant True while it traces, so a
 compiled forward holds no observer call, no context-variable read and no graph break, and
 ``backend="auto"`` keeps the fused kernel. Observe an eager module (the same weights, not
 compiled) to see its steps.
@@ -28,6 +28,8 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
+from ._checks import compiling
+
 Observer = Callable[[str, Tensor], None]
 
 _OBSERVER: ContextVar[Observer | None] = ContextVar("headwise_observer", default=None)
@@ -35,14 +37,14 @@ _OBSERVER: ContextVar[Observer | None] = ContextVar("headwise_observer", default
 
 def observing() -> bool:
     """True inside an ``observe`` block, in eager mode (always False while ``torch.compile`` traces)."""
-    if torch.compiler.is_compiling():  # a constant to Dynamo: the branch below is never traced
+    if compiling():  # a constant to Dynamo: the branch below is never traced
         return False
     return _OBSERVER.get() is not None
 
 
 def report(name: str, tensor: Tensor) -> None:
     """Hand ``tensor`` (detached) to the active observer, if any (none under ``torch.compile``)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     observer = _OBSERVER.get()
     if observer is not None:

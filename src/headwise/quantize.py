@@ -212,9 +212,9 @@ def _int8_rows_matmul(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | 
     if rows.is_cpu and not rows.requires_grad:
         ints = rows.to(torch.int8)  # (M, K)
         # eager: a decode step's rows, or any where torch's int8 GEMM is a scalar loop (the panels chunk a prompt's rows)
-        panel_rows = (rows.shape[0] <= DECODE_ROWS or not _VECTOR_INT_MM) and not torch.compiler.is_compiling()
+        panel_rows = (rows.shape[0] <= DECODE_ROWS or not _VECTOR_INT_MM) and not _checks.compiling()
         if (sums := panel_sums(ints, weight) if panel_rows else None) is None:  # else (M, N) int32 from the panels: the same sums
-            int_mm = torch.ops.headwise.int_mm if torch.compiler.is_compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
+            int_mm = torch.ops.headwise.int_mm if _checks.compiling() and not _AMX_INT8 else torch._int_mm  # op: unseen by inductor
             sums = int_mm(ints, _k_by_n(weight))  # (M, N) int32: exact
     else:  # the same integers in float64: products and sums exact (|sum| <= 128 * 127 * K < 2**53)
         sums = F.linear(rows.double(), weight.double())  # (M, N)
@@ -469,7 +469,7 @@ class Int8Linear(AllOrNothing, nn.Module):
         size, k = x.numel(), self.in_features
         if size <= DECODE_ROWS * k:
             return True
-        return (avx2_band(size, k, self.weight.numel(), torch.bfloat16) and cpu()["capability"] == "AVX2" and not torch.compiler.is_compiling()
+        return (avx2_band(size, k, self.weight.numel(), torch.bfloat16) and cpu()["capability"] == "AVX2" and not _checks.compiling()
                 and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
     def _batch_rows(self, x: Tensor) -> bool:
@@ -480,7 +480,7 @@ class Int8Linear(AllOrNothing, nn.Module):
         arithmetic, not the widening, sets the time, and it is as fast or faster (docs: decoding)."""
         k = self.in_features
         return (_WIDE_PANELS and x.numel() <= WIDE_ROWS * k and x.is_cpu and self.weight.is_cpu and not recorded(x)
-                and not torch.compiler.is_compiling() and self.weight.numel() >= MIN_DECODE_WEIGHT
+                and not _checks.compiling() and self.weight.numel() >= MIN_DECODE_WEIGHT
                 and _panels_take(x.new_empty(1, k, dtype=torch.bfloat16), self.weight))
 
     def _decode_shaped(self, x: Tensor) -> bool:
@@ -512,13 +512,13 @@ class Int8Linear(AllOrNothing, nn.Module):
             raise TypeError(f"x must be a floating-point tensor (the output takes its dtype), got {x.dtype}")
         _checks.same_device("x", x, "this Int8Linear's weight is", self.weight.device)  # (torch's int8 GEMM read a meta weight's nothing)
         if self.activations == "int8":
-            if torch.compiler.is_compiling() and projection.frozen() and (y := Int8Linear._frozen_panels([self], x)) is not None:
+            if _checks.compiling() and projection.frozen() and (y := Int8Linear._frozen_panels([self], x)) is not None:
                 return y  # (..., N): the weights frozen into the graph: the panels' integer GEMM, the same sums
             return _int8_rows_matmul(x, self.weight, self.scales, self.bias)  # (..., N)
         if not self._decode_shaped(x):
             return _gemm(x, self.weight, self.scales, self.bias)  # (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        if not torch.compiler.is_compiling():
+        if not _checks.compiling():
             y = _int8_matmul(rows, self.weight, self.scales, self.bias, self._ones)  # (M, N)
         elif projection.frozen() and (y := Int8Linear._frozen_panels([self], rows)) is not None:
             pass  # the weights frozen into the graph: the panels' GEMM, its packing folded at compile; the same sums

@@ -266,7 +266,7 @@ class RotaryEmbedding:
         angles as the tables'), and the frequencies enter the graph as constants (a tensor input
         would get a symbolic size that Dynamo may tie to T)."""
         _count("t", t)
-        if torch.compiler.is_compiling():
+        if _checks.compiling():
             if isinstance(positions, Tensor):
                 _checks.position_table("positions", positions, t)
             ids = positions if isinstance(positions, Tensor) else torch.arange(positions, positions + t, device=device)  # (B, T) or (T,)

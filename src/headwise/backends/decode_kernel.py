@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .._checks import compiling
 from ..cache.static import SCALE_BYTES
 from .spec import Spec, kernel_terms
 
@@ -98,7 +99,7 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     return (
         q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] > 0 and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and k.stride(-1) == 1 and v.stride(-1) == 1 and s.mask is None and s.documents is None
-        and s.dropout_p == 0.0 and (s.window is None or (s.causal and not torch.compiler.is_compiling()))
+        and s.dropout_p == 0.0 and (s.window is None or (s.causal and not compiling()))
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (s.sinks, s.alibi)))
     )
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import transformed
+from .._checks import compiling, transformed
 from ..observe import report
 from ..scores import softcap
 from .blocks import joined, query_blocks, rows_per_block
@@ -41,7 +41,7 @@ def _key_blocks(x: Tensor, elements: int) -> list[tuple[int, int]]:
     """Key ranges of (B, Hkv, S, D) ``x`` whose float32 copies hold about ``elements`` each; one under compile."""
     B, Hkv, S, D = x.shape
     step = max(1, elements // max(1, B * Hkv * D))
-    if torch.compiler.is_compiling() or step >= S:  # a compiled graph keeps S symbolic: no loop over it
+    if compiling() or step >= S:  # a compiled graph keeps S symbolic: no loop over it
         return [(0, S)]
     return [(c, min(S, c + step)) for c in range(0, S, step)]
 
@@ -60,7 +60,7 @@ def realized(x: Tensor) -> Tensor:
     as ``torch.compile`` does) makes it a buffer; other backends run it as a copy where the strides differ.
     """
     x = x.contiguous()  # the strides asked for: the ones the traced and the running tensor share
-    if torch.compiler.is_compiling() and hasattr(torch.ops.prims, "inductor_force_stride_order"):
+    if compiling() and hasattr(torch.ops.prims, "inductor_force_stride_order"):
         return torch.ops.prims.inductor_force_stride_order(x, x.stride())
     return x
 

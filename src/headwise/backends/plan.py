@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .._checks import has_values, transformed
+from .._checks import compiling, has_values, transformed
 from ..machine import cpu, mkl_avx512_on
 from ..observe import observing
 from . import decode_kernel, packed, paged, prefill_kernel, sdpa, softcap
@@ -164,7 +164,7 @@ def _cpu_decode(c: Call) -> bool:
 
 def _compiled_decode(c: Call) -> bool:
     """``_cpu_decode`` traced by ``torch.compile``."""
-    return torch.compiler.is_compiling() and _cpu_decode(c)
+    return compiling() and _cpu_decode(c)
 
 
 def _kernel(c: Call) -> bool:
@@ -182,7 +182,7 @@ def _prefill_kernel(c: Call) -> bool:
 
 def _split_documents(c: Call) -> bool:
     """Documents in contiguous runs, eager (the split reads the ids on the host, once: kept in ``c``)."""
-    if c.spec.documents is None or torch.compiler.is_compiling() or not has_values(c.spec.documents):  # (meta: no ids to read)
+    if c.spec.documents is None or compiling() or not has_values(c.spec.documents):  # (meta: no ids to read)
         return False
     c.document_runs = packed.runs(c.spec.documents)
     return c.document_runs is not None
@@ -197,7 +197,7 @@ def _sinks_fused(c: Call) -> bool:
     no bias that wants a gradient (the kernel's backward gives none to its mask)."""
     return (
         c.q.device.type == "cpu" and c.q.shape[-1] == c.v.shape[-1] and c.spec.dropout_p == 0.0
-        and not _trained_bias(c) and not torch.compiler.is_compiling()
+        and not _trained_bias(c) and not compiling()
     )
 
 
@@ -215,7 +215,7 @@ def _causal_blocks(c: Call) -> bool:
     """A causal prompt over T == S keys with nothing else but padding, on the CPU. Eager first: a compiled graph keeps T
     symbolic, and comparing it would add guards."""
     return (
-        not torch.compiler.is_compiling() and c.spec.causal_prompt and c.q.device.type == "cpu" and not mkl_avx512()
+        not compiling() and c.spec.causal_prompt and c.q.device.type == "cpu" and not mkl_avx512()
         and CAUSAL_BLOCK < c.spec.T <= CAUSAL_BLOCKS_UP_TO and c.spec.sinks is None and c.spec.dropout_p == 0.0 and not _grad(c)
     )
 
@@ -230,7 +230,7 @@ def _window_blocks(c: Call) -> bool:
     compiled graph keeps T symbolic)."""
     s = c.spec
     return (
-        not torch.compiler.is_compiling() and s.causal and s.window is not None and s.window < s.S
+        not compiling() and s.causal and s.window is not None and s.window < s.S
         and window_rows(s.window) < s.T and c.q.device.type == "cpu"
     )
 
@@ -364,7 +364,7 @@ def rows_in_one_call(q: Tensor, spec: Spec, backend: str, stored: torch.dtype, c
     terms where inductor's loops would run); and at least one query head (none: an empty answer, sequence by sequence)."""
     s = spec
     return (
-        backend == "auto" and q.device.type == "cpu" and q.shape[1] > 0 and not torch.compiler.is_compiling() and not observing()
+        backend == "auto" and q.device.type == "cpu" and q.shape[1] > 0 and not compiling() and not observing()
         and s.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, s.sinks, s.alibi)))
         and s.mask is None and s.documents is None
         and (paged.in_cpp(q.device, torch.float32, stored) or (compile and stored == torch.bfloat16 and not s.changes_scores and s.sinks is None))

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .._checks import compiling
 from ..machine import cpu, mkl_avx512_on
 from .spec import Spec, kernel_terms
 
@@ -75,7 +76,7 @@ def takes(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     ``torch.compile``."""
     s = spec
     return (
-        not torch.compiler.is_compiling()  # first: a traced call guards on every comparison after it (T's would split graphs)
+        not compiling()  # first: a traced call guards on every comparison after it (T's would split graphs)
         and _MACHINE and q.device.type == "cpu" and s.T >= FEWEST_ROWS and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         and not (q.dtype == torch.bfloat16 and _AMX) and q.shape[-1] in HEAD_SIZES and k.shape[-1] == q.shape[-1]
         and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and s.S > 0 and q.shape[1] % k.shape[1] == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import compiling
 from . import math as math_backend
 from .blocks import Block, query_blocks, rows_per_block
 from .once import first_order
@@ -49,7 +50,7 @@ def _probs(
     logits cap * th (+ bias), masked, then the softmax over the keys and the sink, in place (eagerly: traced by
     ``torch.compile``, the same ops out of place, whose chain of in-place views inductor's index algebra never finished).
     """
-    inplace = not torch.compiler.is_compiling()
+    inplace = not compiling()
     raw = math_backend.scores(qs, k)  # (B, H, t, s)
     if inplace:
         e = raw.clamp_(-_SATURATED, _SATURATED).expm1_()  # (B, H, t, s): expm1(2 x)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 
-import torch
 from torch import Tensor
+
+from .._checks import compiling
 
 
 class Spendable:
@@ -34,7 +35,7 @@ class Spendable:
         Not under ``torch.compile``, which cannot trace a hook registered on a graph's node (a break, and
         ``fullgraph=True`` fails): a compiled forward that reuses keys a backward already went through gets autograd's
         own error at its backward ("backward through the graph a second time") instead of the cache's by name."""
-        if torch.compiler.is_compiling():
+        if compiling():
             return
         cache, epoch = weakref.ref(self), self._epoch
 

@@ -330,7 +330,7 @@ class KVCache(Owned, Spendable, Rows):
             return read(self.k[:, :, :end]), read(self.v[:, :, :end]), self.is_token[:, :end] if self._padded else None
         new_is_token = attention_mask if attention_mask is not None else self.is_token.new_ones(k.shape[0], T)  # (B, T)
         if not recording and T == 1 and not in_order:  # write first: the slot it overwrites holds position start - W, outside the window
-            if torch.compiler.is_compiling():  # a tensor index: an int would make Dynamo specialise on the slot, a slice at
+            if _checks.compiling():  # a tensor index: an int would make Dynamo specialise on the slot, a slice at
                 slot = self._slots(start, start + 1)  # a symbolic offset makes inductor guard on it; (1,)
                 self.k.index_copy_(2, slot, k)
                 self.v.index_copy_(2, slot, v)

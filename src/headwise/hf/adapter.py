@@ -159,13 +159,13 @@ def mask(*args, allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: 
         require("transformers", "hf", "building transformers' attention masks for headwise")  # names the extra
         raise  # transformers is there, its masking_utils is not (a release before 5)
 
-    if not torch.compiler.is_compiling() and "config" in kwargs:
+    if not _checks.compiling() and "config" in kwargs:
         refuse_never_routed(kwargs["config"])  # the layers that read this mask would never call attend
 
     def build(causal_skip: bool = False, bidirectional_skip: bool = False) -> Tensor | None:
         return sdpa_mask(*args, allow_is_causal_skip=causal_skip, allow_is_bidirectional_skip=bidirectional_skip, **kwargs)
 
-    if torch.compiler.is_compiling():
+    if _checks.compiling():
         return build()  # (B, 1, T, S)
     for causal, allowed in ((True, allow_is_causal_skip), (False, allow_is_bidirectional_skip)):
         if allowed and build(causal, not causal) is None:
@@ -245,7 +245,7 @@ def _remember(built: Tensor, meaning: Meaning) -> Tensor:
 
 def _stands_for(attention_mask: Tensor | None) -> Meaning | None:
     """What a mask ``mask`` built stands for (itself, not a copy or a slice); None for any other mask."""
-    if attention_mask is None or torch.compiler.is_compiling():
+    if attention_mask is None or _checks.compiling():
         return None
     held = _MEANINGS.get(id(attention_mask))
     return held[1] if held is not None and held[0]() is attention_mask else None

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .._checks import compiling
 from ..machine import amx_int8_on, cpu
 from .weight_cache import PANELS, cached, watchable
 
@@ -145,7 +146,7 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.ndim >= 1 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] > 0
         and (bias is None or (weight.dtype != torch.int8 and bias.dtype == x.dtype and bias.device.type == "cpu"
                               and tuple(bias.shape) == (weight.shape[0],)))
-        and (x.dtype, weight.dtype) in (_operands() if torch.compiler.is_compiling() else _eager_operands())
+        and (x.dtype, weight.dtype) in (_operands() if compiling() else _eager_operands())
     )
 
 
@@ -177,7 +178,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     sums (torch's int8 GEMM's). The weight is packed on every call: this is for graphs whose weights inductor freezes,
     where the packing is done once."""
     if not takes(x, weight, bias):  # a check while tracing, not in the compiled graph
-        pairs = [(str(a), str(b)) for a, b in operands(compiled=torch.compiler.is_compiling())]
+        pairs = [(str(a), str(b)) for a, b in operands(compiled=compiling())]
         raise ValueError(f"panels.linear runs the CPU operands panels.takes accepts here ((x, weight) dtypes "
                          f"{pairs}), got x {x.dtype} {tuple(x.shape)}, weight "
                          f"{weight.dtype} {tuple(weight.shape)}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")

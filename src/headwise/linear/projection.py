@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module  # its global hook registries, read on every project()
 
-from .._checks import transformed
+from .._checks import compiling, transformed
 from . import onednn, panels, weight_cache
 from .onednn import DTYPES, plain_tensors, recorded
 from .rule import DECODE_ROWS, GEMV_ROWS, _path_setting, path_for, under_cpu_autocast
@@ -101,7 +101,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gelu: str |
     """
     if gelu is not None and gelu not in GELUS:
         raise ValueError(f"gelu must be None or GELU's approximate, one of {GELUS}, got {gelu!r}")
-    if torch.compiler.is_compiling():
+    if compiling():
         if frozen():
             if panels.takes(x, weight, bias):
                 return _then(panels.linear(x, weight, bias), gelu)  # (..., N): the weight packed once, when the graph is compiled
@@ -205,9 +205,9 @@ def project_many(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     if mixed or not plain_tensors(x, *params):
         return [project(layer, x) for layer in layers]
     sizes = [w.shape[0] for w in weights]
-    if torch.compiler.is_compiling() and not frozen() and runs_as_op(x, *params):
+    if compiling() and not frozen() and runs_as_op(x, *params):
         y = torch.ops.headwise.linear_many(x, weights, [] if biases[0] is None else biases)  # (..., sum N), stacked when it runs
-    elif torch.compiler.is_compiling() or recorded(x, *params):
+    elif compiling() or recorded(x, *params):
         y = linear(x, torch.cat(weights), None if biases[0] is None else torch.cat(biases))  # (..., sum N): every weight gets its gradient
     elif any(t.is_inference() for t in params):
         return [project(layer, x) for layer in layers]
@@ -365,7 +365,7 @@ def ready_for(weights: Sequence[Tensor], biases: Sequence[Tensor | None], x: Ten
 def _decode_call(x: Tensor) -> bool:
     """An eager inference call of 1..``DECODE_ROWS`` rows of a plain strided x, outside the CPU's autocast (which casts
     the full path's operands, where a kept call's packed weight would not)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or type(x) is not Tensor or x.layout is not torch.strided:
+    if torch.is_grad_enabled() or compiling() or type(x) is not Tensor or x.layout is not torch.strided:
         return False
     if transformed(x):  # a forward-mode tangent on x: torch's ops carry it
         return False
@@ -465,7 +465,7 @@ def _stackable(layers: Sequence[nn.Module]) -> bool:
 def _project_stacked(layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
     """``project_many`` for layers of a class with ``stack``: one stacked layer, made once and remade when any
     of their tensors changes (as the stacked ``nn.Linear`` weights are), then split (..., N_i)."""
-    if torch.compiler.is_compiling():  # a stack made once cannot live in a graph: the class's frozen stack, or each layer
+    if compiling():  # a stack made once cannot live in a graph: the class's frozen stack, or each layer
         traced = getattr(type(layers[0]), "frozen_stack", None) if frozen() else None
         y = traced(layers, x) if traced is not None else None  # (..., sum N) or None
         if y is None:

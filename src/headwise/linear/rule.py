@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .._checks import compiling
 from ..machine import BF16_FLAGS, bf16_flags_on, cpu
 from . import onednn, panels
 
@@ -338,7 +339,7 @@ def under_cpu_autocast(x: Tensor) -> bool:
 def path_for(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
     """The path ``linear(x, weight, bias)`` takes (with its ``gelu`` or without): "onednn", "panels",
     "widened" (``F.linear`` of bfloat16 operands widened to float32, rounded once) or "torch" (``F.linear``); rule step 5."""
-    if torch.compiler.is_compiling():  # first: the row count below would put a guard on T into every compiled graph
+    if compiling():  # first: the row count below would put a guard on T into every compiled graph
         return "torch"  # (without autograd, a compiled call runs ``linear`` whole as one opaque op, which decides when it runs)
     if under_cpu_autocast(x):
         return "torch"  # autocast casts F.linear's operands; the CPU's other paths would compute in x's own dtype

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import native
+from .._checks import compiling
 
 torch.library.define("headwise::watch_ends", "(Tensor t, int key) -> ()")  # t's ends kept in the library under key
 torch.library.define("headwise::watch_forget", "(int key) -> ()")
@@ -107,7 +108,7 @@ def serial(t: Tensor) -> int | None:
     a freed one's address, with its id, version, shape and dtype (a weight replaced twice), still differs from it."""
     key = id(t)
     number = SERIAL.get(key)
-    if number is None and not torch.compiler.is_compiling():
+    if number is None and not compiling():
         number = SERIAL[key] = next(_SERIALS)
         at_death(t, SERIAL.pop, key, None)
     return number
@@ -139,7 +140,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's size -> th
 
 def watch(tensors: Sequence[Tensor]) -> None:
     """Keep a sample of each of ``tensors`` for ``verify`` (again where its storage moved); dropped with the tensor."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     for t in tensors:
         key = id(t)
@@ -192,7 +193,7 @@ def _forget(key: int) -> None:
 def verify() -> None:
     """Compare every watched tensor with its sample: a changed one's ``epoch`` moves, so each copy made from it is made
     again at its next use. Eager only (a graph reads no sample); inside ``verified()``, nothing (it ran once there)."""
-    if torch.compiler.is_compiling() or not (WATCHED or NATIVE) or getattr(_scope, "on", False):  # (a graph must not read the dicts)
+    if compiling() or not (WATCHED or NATIVE) or getattr(_scope, "on", False):  # (a graph must not read the dicts)
         return
     with _VERIFYING:  # (threads sharing a model: a sample or an epoch written back late would hide a change for good)
         if NATIVE:
@@ -226,7 +227,7 @@ def _entries(table: dict) -> list:
 
 def checking(check: bool) -> AbstractContextManager:
     """``verified()`` for a checked eager forward; otherwise (unchecked, or traced by ``torch.compile``) nothing."""
-    return verified() if check and not torch.compiler.is_compiling() else nullcontext()
+    return verified() if check and not compiling() else nullcontext()
 
 
 @contextmanager

@@ -36,7 +36,7 @@ def in_range(t: Tensor, end: int | None, expected: str, what: str = "values") ->
     embedding), an assert in the graph under ``torch.compile``, nothing for a meta tensor."""
     if not _checks.has_values(t) or t.numel() == 0:
         return
-    if torch.compiler.is_compiling():  # no host read inside a graph: an assert in it
+    if _checks.compiling():  # no host read inside a graph: an assert in it
         _checks.holds((t >= 0).all() if end is None else ((t >= 0) & (t < end)).all(), expected)
         return
     low, high = torch.stack([t.min(), t.max()]).tolist()  # one host read (a device sync on a GPU)
@@ -76,7 +76,7 @@ def padding_only(is_token: Tensor | None) -> Tensor | None:
     ``torch.compile`` the mask is passed on as it is (the same numbers): a branch on its values
     would break the graph.
     """
-    if is_token is None or torch.compiler.is_compiling():
+    if is_token is None or _checks.compiling():
         return is_token
     if _checks.has_values(is_token) and bool(is_token.all()):
         return None
@@ -118,7 +118,7 @@ def caches_agree(model: object, cache: list, b: int, t: int, weight: Tensor) -> 
     model's dtype (``weight``'s) on its device: the key heads, head size, dtype, device, window, room, a batch not used
     already); and across layers: ``KVCache``s of one length and padding state, paged batches of the same sequences after
     the same lengths; each cache its own layer's (none given twice, none another module's)."""
-    if not torch.compiler.is_compiling():  # a traced id() is a guard on the object; generate's compiled step makes its own caches
+    if not _checks.compiling():  # a traced id() is a guard on the object; generate's compiled step makes its own caches
         _each_layers_own(model, cache)
     first = cache[0]
     paged = isinstance(first, PagedBatch)

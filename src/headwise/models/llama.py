@@ -91,7 +91,7 @@ def _native_rows(x: Tensor, weight: Tensor) -> bool:
     return (
         x.is_cpu and weight.is_cpu and type(x) is Tensor and x.dtype in _NATIVE_DTYPES and weight.dtype in _NATIVE_DTYPES
         and 0 < x.shape[-1] < NATIVE_WIDTH and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not torch.compiler.is_compiling() and native.built()
+        and not _checks.compiling() and native.built()
     )
 
 
@@ -102,7 +102,7 @@ def projections(layers: tuple[nn.Module, ...], x: Tensor) -> list[Tensor]:
     while it is still in cache, not a strided slice of one wide (..., sum N_i) output; the numbers
     are the same either way. Returns one (..., N_i) per layer.
     """
-    if torch.compiler.is_compiling() or x.numel() <= DECODE_ROWS * x.shape[-1]:
+    if _checks.compiling() or x.numel() <= DECODE_ROWS * x.shape[-1]:
         return project_many(layers, x)
     return [project(layer, x) for layer in layers]
 
@@ -198,7 +198,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = projections((self.gate_proj, self.up_proj), x)  # (B, T, I) each, one GEMM for a decode step
-        if torch.compiler.is_compiling() or gate.requires_grad or gate.shape != up.shape or gate.dtype != up.dtype \
+        if _checks.compiling() or gate.requires_grad or gate.shape != up.shape or gate.dtype != up.dtype \
                 or not owns_output(self.gate_proj):
             return project(self.down_proj, F.silu(gate) * up)  # (B, T, C)
         # gate is this call's own tensor and autograd keeps nothing of it: the product overwrites it, the same numbers
