@@ -512,6 +512,8 @@ BAD_COMMAND_LINES = [
     (["bench", "--tokens", ""], r"argument --tokens: expected a comma list of positive ints with no empty entries, got ''"),
     (["bench", "--tokens", "128,,256"], r"with no empty entries, got '128,,256'"),
     (["bench", "--tokens", "0"], r"argument --tokens: expected a comma list of positive ints: expected a positive int, got 0"),
+    (["bench", "--tokens", "8,16,8"], r"argument --tokens: expected a comma list of positive ints, each once, got '8,16,8' \(8 more than once\)"),
+    (["bench", "--modes", "forward,forward"], r"argument --modes: expected a comma list of modes, each once, got 'forward,forward'"),
     (["bench", "--dtype", ""], r"argument --dtype: expected a comma list of dtypes with no empty entries, got ''"),
     (["bench", "--dtype", "fp16"], r"argument --dtype: expected a comma list of dtypes: expected one of fp32, bf16, got 'fp16'"),
     (["bench", "--modes", ""], r"argument --modes: expected a comma list of modes with no empty entries, got ''"),

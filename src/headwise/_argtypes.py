@@ -47,17 +47,22 @@ def number(low: float = -math.inf, high: float = math.inf, *, low_open: bool = F
     return parse
 
 
-def listing(item: Callable[[str], object], what: str) -> Callable[[str], list]:
-    """A non-empty comma list, each entry parsed by ``item``; ``what`` describes an entry."""
+def listing(item: Callable[[str], object], what: str, *, repeats: bool = False) -> Callable[[str], list]:
+    """A non-empty comma list, each entry parsed by ``item``; ``what`` describes an entry. An entry given twice is
+    refused unless ``repeats`` (a benchmark would run and report its case twice, each copy compared with the other's)."""
 
     def parse(text: str) -> list:
         parts = [part.strip() for part in text.split(",")]
         if not text.strip() or any(not part for part in parts):
             raise argparse.ArgumentTypeError(f"expected a comma list of {what} with no empty entries, got {text!r}")
         try:
-            return [item(part) for part in parts]
+            values = [item(part) for part in parts]
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"expected a comma list of {what}: {e}") from None
+        twice = next((part for part, value in zip(parts, values, strict=True) if values.count(value) > 1), None)
+        if twice is not None and not repeats:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}, each once, got {text!r} ({twice} more than once)")
+        return values
 
     return parse
 

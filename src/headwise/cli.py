@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--softcap", type=_argtypes.number(0.0, low_open=True), default=None, help="cap the scores: softcap * tanh(scores / softcap) (Gemma 2)")
     ex.add_argument("--sinks", action="store_true", help="a sink logit per head (1.0): step 8 shows each row's sink share")
     ex.add_argument("--alibi", action="store_true", help="ALiBi's distance bias instead of positions: step 8 shows it")
-    ex.add_argument("--documents", type=_argtypes.listing(_argtypes.integer(1, SIZE), "document lengths"), default=None,
+    ex.add_argument("--documents", type=_argtypes.listing(_argtypes.integer(1, SIZE), "document lengths", repeats=True), default=None,
                     help="pack the tokens into documents of these lengths, e.g. 2,4: the masked scores show the blocks")
     ex.add_argument("--rope", action="store_true", help="the rotary position step instead (LlamaAttention on the book's six tokens)")
     ex.add_argument("--head-dim", type=size, help="with --rope: each head's size (even) (default: 2)")

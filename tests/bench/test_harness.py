@@ -39,6 +39,36 @@ def test_the_summary_is_empty_without_a_peer():
     assert bench.summary(tiny(modes=("forward",), impls=("headwise GPT2MultiHeadAttention",))) == ""
 
 
+def test_the_summary_is_empty_without_a_headwise_module():
+    """Peers alone: no headwise column to fill (its header had one cell more than its rule)."""
+    assert bench.summary(tiny(modes=("forward",), impls=("nn.Multi",))) == ""
+
+
+def test_a_row_with_a_note_has_as_many_cells_as_its_table_and_one_line():
+    """A failed or skipped row fills its table's columns (memory: 4, time: 8), its note on one line (an exception's
+    message may hold newlines)."""
+    from headwise.bench.cases import Case, Report, Row
+
+    case = Case("tiny", 1, 16)
+    report = Report("a CPU", rows=[Row("fused Linear + SDPA + Linear", True, "memory", case, peak_mib=3.0),
+                                   Row("headwise GPT2MultiHeadAttention", False, "memory", case, note="skipped: too big"),
+                                   Row("headwise GPT2MultiHeadAttention", False, "forward", case, note="failed: line one line two")])
+    tables = [[line for line in block.splitlines() if line.startswith("|")] for block in bench.markdown(report).split("\n\n")]
+    for lines in (t for t in tables if t):
+        assert {line.count("|") for line in lines} == {lines[0].count("|")}, lines
+
+
+def test_a_failure_note_is_one_line(monkeypatch):
+    from headwise.bench import timing
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("first line\nsecond line")
+
+    monkeypatch.setattr(timing, "_step", fails)
+    rows = tiny(modes=("forward",), impls=("nn.Multi",)).rows
+    assert rows and all(r.note == "failed: RuntimeError: first line second line" for r in rows)
+
+
 def counted_flops(case, *, backward: bool, out_proj: bool = True) -> float:
     """FLOPs torch's own counter sees in a plain layer of the case's shape, written with explicit matmuls,
     the attention matmuls (q k^T and weights v, forward and backward) counted at half: causal."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from unittest import mock
 
@@ -122,7 +123,7 @@ def paged_attention(sequences: int = 32, context: tuple[int, int] = (50, 1300), 
     step("one call, views")(), step("one call, gathers")(), step("one call, loops")()  # built or compiled here, not in a timed round
 
     times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)  # each call adds a token: 64 spare
-    return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
 
 
 @torch.no_grad()
@@ -148,7 +149,7 @@ def paged_terms(sequences: int = 32, context: tuple[int, int] = (50, 1300), *, r
         return run
 
     times = interleaved({name: step(name) for name in ways}, repeats=repeats, warmup=1)
-    return {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,6 +12,7 @@ are compared: the same integers for int8 x, within a few bfloat16 or float32 rou
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ def rates(case: str, rows: int, *, layers: int = 12, shapes: Sequence[tuple[int,
         raise ValueError(f"case {case!r}, {rows} rows: the panels' outputs disagree with torch's kernel's")
     probe = ReadProbe()
     times = interleaved({"panels": ours, "torch": theirs, "sum": probe}, repeats=repeats, warmup=1)
-    median = {way: sorted(ts)[len(ts) // 2] for way, ts in times.items()}
+    median = {way: statistics.median(ts) for way, ts in times.items()}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return Row(case, rows, nbytes / median["panels"] / 1e9, nbytes / median["torch"] / 1e9, probe.gbps(median["sum"]))
 

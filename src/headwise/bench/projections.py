@@ -18,6 +18,7 @@ decides anything: the rule reads CPU facts only.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ def projection(name: str, rows: int, dtype: torch.dtype, *, shape: tuple[int, in
     if dtype == torch.bfloat16 and not bf16_flags_on(rule.cpu()):  # the facts the rule reads
         ways["widened"] = lambda: widened(x, weight, bias)
     times = interleaved(ways, repeats=repeats, warmup=1)
-    ms = {path: 1000 * sorted(ts)[len(ts) // 2] for path, ts in times.items()}
+    ms = {path: 1000 * statistics.median(ts) for path, ts in times.items()}
     return Row(name, rows, ms["torch"], ms.get("onednn"), auto, ms.get("panels"), ms.get("widened"))
 
 
@@ -93,7 +94,7 @@ def int8_projection(name: str, rows: int, dtype: torch.dtype, *, repeats: int = 
     if quantize.panel_sums(quantize._kernel_rows(x), layer.weight) is not None:
         ways["panels"] = lambda: quantize._scaled(quantize.panel_sums(quantize._kernel_rows(x), layer.weight), layer.scales, layer.bias, dtype)
     times = interleaved(ways, repeats=repeats, warmup=1)
-    ms = {way: 1000 * sorted(ts)[len(ts) // 2] for way, ts in times.items()}
+    ms = {way: 1000 * statistics.median(ts) for way, ts in times.items()}
     return ms["widened"], ms.get("panels"), layer.uses_panels(x)
 
 
@@ -117,7 +118,7 @@ def gelu_projection(rows: int, dtype: torch.dtype, approximate: str = "tanh", *,
         ways[GELU_WAYS[2]] = lambda: panels.run(x, weight, bias, approximate)  # the weight packed at the first call, kept
         ways[GELU_WAYS[3]] = lambda: torch.ops.aten.gelu_(panels.run(x, weight, bias), approximate=approximate)
     times = interleaved(ways, repeats=repeats, warmup=1)
-    return {way: 1000 * sorted(ts)[len(ts) // 2] for way, ts in times.items()}, path_for(x, weight, bias)
+    return {way: 1000 * statistics.median(ts) for way, ts in times.items()}, path_for(x, weight, bias)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

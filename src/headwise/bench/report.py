@@ -56,7 +56,7 @@ def markdown(report: Report) -> str:
             c, label = r.case, r.case.label
             name = r.impl if r.peer else f"**{r.impl}**"
             if r.note:
-                out.append(f"| {label} | {name} | {r.note} |" + " |" * (2 if mode == "memory" else 5))
+                out.append(f"| {label} | {name} | {r.note} |" + " |" * (1 if mode == "memory" else 5))
             elif mode == "memory":
                 ref = next((x for x in rows if x.case == c and x.impl.startswith("fused Linear") and x.peak_mib), None)
                 ratio = f"{r.peak_mib / ref.peak_mib:.2f}x" if ref else ""
@@ -84,6 +84,8 @@ def markdown(report: Report) -> str:
 def summary(report: Report) -> str:
     """One line per (mode, case): each headwise module against the fastest peer, as a ratio; "" when no case had a peer."""
     ours = [name for name in dict.fromkeys(r.impl for r in report.rows if not r.peer) if "(" not in name]  # default backends
+    if not ours:  # nothing of headwise's to compare
+        return ""
     out = ["| mode | case | fastest peer | its value | " + " | ".join(f"{n}" for n in ours) + " |",
            "|---|---|---|---:|" + "---:|" * len(ours)]
     for mode in MODES[:3]:

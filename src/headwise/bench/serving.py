@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -226,7 +227,7 @@ def gemm_floor(model: GPT2LMHeadModel, block_tokens: int, head_tokens: int, *, r
         linear(x, weight) if model.lm_head is None else project(model.lm_head, x)  # (1, rows, vocab)
 
     times = interleaved({"blocks": blocks, "head": head}, repeats=repeats, warmup=1)
-    per_row = {name: sorted(ts)[len(ts) // 2] / rows for name, ts in times.items()}
+    per_row = {name: statistics.median(ts) / rows for name, ts in times.items()}
     seconds = block_tokens * per_row["blocks"] + head_tokens * per_row["head"]
     block_flops, head_flops = flops_per_token(model)
     return GemmFloor(seconds, (block_tokens * block_flops + head_tokens * head_flops) / seconds / 1e9, rows)
@@ -245,7 +246,7 @@ def read_floor(model: GPT2LMHeadModel, prompts: Sequence[Tensor], max_new: Seque
     time of a strategy that does the arithmetic and the reads in turn, at their best rates."""
     probe = ReadProbe()
     times = interleaved({"sum": probe}, repeats=repeats, warmup=1)["sum"]
-    return ReadFloor(cache_reads(prompts, max_new, kv_bytes(model, cache_dtype)), probe.gbps(sorted(times)[len(times) // 2]))
+    return ReadFloor(cache_reads(prompts, max_new, kv_bytes(model, cache_dtype)), probe.gbps(statistics.median(times)))
 
 
 def _decode_steps(model: GPT2LMHeadModel, context: int, block_size: int, cache_dtype: torch.dtype | None) -> dict[str, Callable[[], None]]:
@@ -334,10 +335,10 @@ def serving(
     paged_generate(model, small, small_new, block_size, cache_dtype=cache_dtype, compile=True)  # then several
     strategies = {"paged": run_paged, "chunked": run_chunked, "compiled": run_compiled, "one_at_a_time": run_alone, "static": run_static}
     times = interleaved(strategies, repeats=repeats)
-    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    median = {name: statistics.median(ts) for name, ts in times.items()}
     peak_slots, peak_tokens = max(watch)
     decode = interleaved(_decode_steps(model, decode_context, block_size, cache_dtype), repeats=decode_repeats, warmup=2)
-    ms = {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in decode.items()}
+    ms = {name: 1000 * statistics.median(ts) for name, ts in decode.items()}
     prompt_tokens = sum(len(p) for p in prompts)
     floor = gemm_floor(model, prompt_tokens + sum(max_new) - requests, sum(max_new))  # (a request's last token is never fed back)
     reads = read_floor(model, prompts, max_new, cache_dtype)

@@ -148,7 +148,7 @@ def time_case(
                 step()
             steps[impl.name] = step
         except Exception as e:  # a peer that cannot run this case is reported, not fatal
-            notes[impl.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            notes[impl.name] = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:120]}"  # (one table row: one line)
     times, load = loaded(lambda: interleaved(steps, repeats=repeats, progress=progress, what=f"{mode} {case.label}", device=case.device))
     rows = []
     for impl in impls:
