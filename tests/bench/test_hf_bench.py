@@ -61,3 +61,14 @@ def test_bad_arguments_are_named():
         hf_latency(("llama",), tokens=8, modes=("decode",), decode_steps=9)
     with pytest.raises(ValueError, match=r"modes must be among \['forward', 'backward', 'decode'\]"):
         hf_latency(("llama",), modes=("generate",))
+
+
+def test_the_command_refuses_more_decode_steps_than_tokens_in_one_line(capsys):
+    """The steps feed the prompt's first tokens: the default 16 steps over a shorter prompt is an argument error (it
+    was a traceback), before anything runs."""
+    from headwise.bench.hf import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--tokens", "2", "--modes", "decode"])
+    assert e.value.code == 2
+    assert "error: --decode-steps must be at most --tokens (2: the steps feed the prompt's first tokens), got 16" in capsys.readouterr().err

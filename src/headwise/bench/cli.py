@@ -64,6 +64,8 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     for dest, value in DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)
+    if "hf" in modes and args.tokens[0] < 2:  # (before any mode runs: the transformers table comes last)
+        p.error(f"--modes hf times a prompt of the first --tokens value, at least 2, got {args.tokens[0]}")
     return args
 
 

@@ -241,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help=f"comma list of {list(MODES)} (default: forward,backward); decode: ms per one-token step over the prompt's cache")
     p.add_argument("--decode-steps", type=positive, default=16, help="decode mode's timed steps a round (default 16)")
     args = p.parse_args(argv)
+    if "decode" in args.modes and args.decode_steps > args.tokens:
+        p.error(f"--decode-steps must be at most --tokens ({args.tokens}: the steps feed the prompt's first tokens), got {args.decode_steps}")
     rows = hf_latency(args.models, batch=args.batch, tokens=args.tokens, layers=args.layers, repeats=args.repeats, padded=args.padded,
                       modes=tuple(args.modes), decode_steps=args.decode_steps)
     print(markdown(rows))
