@@ -190,7 +190,7 @@ def test_cli_decode_honours_tokens_and_batch_and_writes_the_plot_it_names(tmp_pa
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| decode:"))
     assert header.rstrip(" |").endswith("cache_speedup | hf_speedup")  # the speed-up columns
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| decode:")]
-    assert [row.split(" | ")[0].strip("| ") for row in rows] == ["4", "6"]  # --tokens are the contexts
+    assert [row.split(" | ")[:3] for row in rows] == [["| 64", "2", "4"], ["| 64", "2", "6"]]  # width, batch, the contexts (--tokens)
     assert all(row.rstrip(" |").endswith("x") for row in rows)
     assert f"plot: {png}" in proc.stdout and png.read_bytes().startswith(b"\x89PNG")
     progress = proc.stderr.splitlines()
@@ -237,3 +237,12 @@ def test_busy_runs_the_cases_beside_that_many_spinning_processes(monkeypatch, ca
     (line,) = [line for line in out.splitlines() if line.startswith("Command: ")]
     assert shlex.split(line.removeprefix("Command: ").strip("`"))[2:] == ["--preset", "tiny", "--tokens", "8", "--batch", "1", "--busy", "2",
                                                                           "--plot", "", "--no-ceiling"]
+
+
+def test_decode_rows_without_transformers_leave_its_columns_empty(monkeypatch):
+    """transformers is an extra: without it the decode mode times headwise alone (it raised, losing the tables measured
+    before it)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an import sees where the package is not installed
+    rows = tiny(modes=("decode",), tokens=(4,), batch=1, repeats=1, warmup=0).decode
+    assert [(r.width, r.batch, r.context, r.hf_cached_ms, r.hf_speedup) for r in rows] == [(64, 1, 4, None, None)]
+    assert rows[0].cached_ms > 0

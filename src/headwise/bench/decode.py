@@ -41,6 +41,8 @@ class DecodeRow:
     """Median wall-clock milliseconds for one decode step of the whole stack at one context.
 
     Attributes:
+        width: the stack's C (n_embd; a preset's width).
+        batch: B, the sequences a step decodes.
         context: tokens the new token attends over (cached prefix + itself).
         cached_ms: headwise with a ``KVCache``.
         uncached_ms: headwise recomputing the whole prefix; None when not measured.
@@ -51,6 +53,8 @@ class DecodeRow:
         load: the load average before and after the interleaved rounds.
     """
 
+    width: int
+    batch: int
     context: int
     cached_ms: float
     uncached_ms: float | None
@@ -198,5 +202,5 @@ def decode_latency(
             times, load = loaded(lambda timed=timed: interleaved(timed, repeats=repeats, warmup=warmup))
             med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             diff = float((outs["cached"] - outs["hf_cached"]).abs().max()) if hf else None
-            rows.append(DecodeRow(n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads(), load))
+            rows.append(DecodeRow(n_embd, batch_size, n, med["cached"], med.get("uncached"), med.get("hf_cached"), diff, repeats, torch.get_num_threads(), load))
     return rows

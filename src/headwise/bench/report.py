@@ -154,11 +154,14 @@ def plot(report: Report, path: str) -> bool:
 
 def _decode_panel(ax, rows: list) -> None:
     """Milliseconds per decode step against the context, one line per implementation measured."""
-    contexts = [d.context for d in rows]
-    for attr, label in (("cached_ms", "headwise cached"), ("uncached_ms", "headwise recompute"), ("hf_cached_ms", "transformers cached")):
-        values = [getattr(d, attr) for d in rows]
-        if all(v is not None for v in values):
-            ax.plot(contexts, values, marker="o", lw=2.5 if attr == "cached_ms" else 1.2, label=label)
+    stacks = list(dict.fromkeys((d.width, d.batch) for d in rows))  # one line per stack and batch (presets, B)
+    for width, batch in stacks:
+        group = [d for d in rows if (d.width, d.batch) == (width, batch)]
+        which = f" C={width} B={batch}" if len(stacks) > 1 else ""
+        for attr, label in (("cached_ms", "headwise cached"), ("uncached_ms", "headwise recompute"), ("hf_cached_ms", "transformers cached")):
+            values = [getattr(d, attr) for d in group]
+            if all(v is not None for v in values):
+                ax.plot([d.context for d in group], values, marker="o", lw=2.5 if attr == "cached_ms" else 1.2, label=label + which)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms per decode step")
     ax.set_yscale("log")
