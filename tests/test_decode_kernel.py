@@ -164,7 +164,7 @@ def _plan(q, k, v, **kwargs):
 def test_the_plan_takes_it_for_a_decode_step_it_computes(monkeypatch, traced):
     q, k, v = _qkv()
     if traced:
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)  # (as while Dynamo traces)
     assert _plan(q, k, v, causal=True) == KERNEL
     assert _plan(q, k, v, causal=True, backend="sdpa") == KERNEL
     assert _plan(q, k, v, causal=True, backend="math") == (SUMMED if traced else "math, every score at once")  # math's own way
