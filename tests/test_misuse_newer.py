@@ -514,6 +514,7 @@ BAD_COMMAND_LINES = [
     (["bench", "--tokens", "0"], r"argument --tokens: expected a comma list of positive ints: expected a positive int, got 0"),
     (["bench", "--modes", "hf", "--tokens", "1"], r"--modes hf times a prompt of the first --tokens value, at least 2, got 1"),
     (["bench", "--modes", "forward,hf", "--tokens", "1,64"], r"--modes hf times a prompt of the first --tokens value, at least 2, got 1"),
+    (["bench", "--plot", "out.txt"], r"--plot out.txt: matplotlib draws no 'txt'; name it .png \(or one of "),
     (["bench", "--tokens", "8,16,8"], r"argument --tokens: expected a comma list of positive ints, each once, got '8,16,8' \(8 more than once\)"),
     (["bench", "--modes", "forward,forward"], r"argument --modes: expected a comma list of modes, each once, got 'forward,forward'"),
     (["bench", "--dtype", ""], r"argument --dtype: expected a comma list of dtypes with no empty entries, got ''"),

@@ -67,6 +67,18 @@ def listing(item: Callable[[str], object], what: str, *, repeats: bool = False) 
     return parse
 
 
+def check_drawable(path: str, flag: str) -> None:
+    """A ValueError unless matplotlib draws a file of ``path``'s suffix (asked before any work: the picture is the last
+    thing written); needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in kinds:
+        raise ValueError(f"{flag} {path}: matplotlib draws no {suffix or 'file without a suffix'!r}; "
+                         f"name it .png (or one of {', '.join(sorted(kinds))})")
+
+
 def choice(choices: Sequence[str]) -> Callable[[str], str]:
     """One of ``choices``."""
 

@@ -92,13 +92,7 @@ def _heads(args: argparse.Namespace) -> None:
 
     if args.png:  # before any work: no page written for a picture that cannot be drawn
         require("matplotlib", "bench", "drawing the heads as a picture")
-        from matplotlib.figure import Figure
-
-        kinds = Figure().canvas.get_supported_filetypes()
-        suffix = Path(args.png).suffix.lower().lstrip(".")
-        if suffix not in kinds:
-            raise ValueError(f"--png {args.png}: matplotlib draws no {suffix or 'file without a suffix'!r}; "
-                             f"name it .png (or one of {', '.join(sorted(kinds))})")
+        _argtypes.check_drawable(args.png, "--png")
     start = time.perf_counter()
     try:
         maps = head_maps(args.model, **({} if args.text is None else {"text": args.text}))

@@ -1,6 +1,7 @@
 """A seconds-long smoke of the benchmark harness (benchmarks are not tests: no timing asserted)."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -246,3 +247,33 @@ def test_decode_rows_without_transformers_leave_its_columns_empty(monkeypatch):
     rows = tiny(modes=("decode",), tokens=(4,), batch=1, repeats=1, warmup=0).decode
     assert [(r.width, r.batch, r.context, r.hf_cached_ms, r.hf_speedup) for r in rows] == [(64, 1, 4, None, None)]
     assert rows[0].cached_ms > 0
+
+
+def test_the_command_exits_1_when_nothing_was_measured(monkeypatch, capsys):
+    """Every implementation failed (absurd sizes, say): the table says why, and the exit code says the run measured
+    nothing (it was 0)."""
+    from headwise.bench import timing
+    from headwise.bench.cli import main
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("can't allocate memory")
+
+    monkeypatch.setattr(timing, "_step", fails)
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--modes", "forward", "--tokens", "16", "--batch", "1", "--repeats", "1", "--warmup", "0",
+              "--no-ceiling", "--plot", "", "--impls", "fused Linear"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "failed: RuntimeError: can't allocate memory" in out
+    assert err.endswith("headwise bench: nothing was measured: every implementation failed or was skipped (the notes above say why)\n")
+
+
+def test_a_write_that_fails_names_its_file(capsys):
+    """A full disk fails the write, not the open: the error names the file (it named None)."""
+    from headwise.bench.cli import main
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--modes", "forward", "--tokens", "16", "--batch", "1", "--repeats", "1", "--warmup", "0",
+              "--no-ceiling", "--plot", "", "--impls", "fused Linear", "--json", "/dev/full"])
+    assert e.value.code == 2 and "error: cannot write /dev/full: No space left on device" in capsys.readouterr().err

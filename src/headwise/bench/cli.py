@@ -145,7 +145,8 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[st
     if args.plot:
         try:
             require("matplotlib", "bench", "headwise bench's plot (--plot '' for none)")
-        except ModuleNotFoundError as e:
+            _argtypes.check_drawable(args.plot, "--plot")
+        except (ModuleNotFoundError, ValueError) as e:
             p.error(str(e))
     transformers_too = "hf" in args.modes
     args.modes = [m for m in args.modes if m != "hf"]
@@ -168,21 +169,25 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[st
     print(text)
     try:
         _write(args, report, text)
-    except OSError as e:  # a directory that does not exist, no permission: the table is printed above; say which file failed
+    except OSError as e:  # a directory that does not exist, no permission, a full disk: the table is printed above
         p.error(f"cannot write {e.filename}: {e.strerror}")
     if transformers_too:
         print("\n" + _transformers_table(args))
+    if report.rows and all(r.note for r in report.rows) and not report.decode and not report.compiled:
+        p.exit(1, "headwise bench: nothing was measured: every implementation failed or was skipped (the notes above say why)\n")
 
 
 def _write(args: argparse.Namespace, report, text: str) -> None:
     """The table (--markdown), the raw report (--json) and the plot (--plot), where asked for."""
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": report.machine, "linear": report.linear, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
-                       "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode],
-                       "compiled": [asdict(c) for c in report.compiled]}, f, indent=1)
+    data = {"machine": report.machine, "linear": report.linear, "command": report.command, "ceilings": [asdict(c) for c in report.ceilings],
+            "rows": [asdict(r) for r in report.rows], "decode": [asdict(d) for d in report.decode],
+            "compiled": [asdict(c) for c in report.compiled]}
+    for name, content in ((args.markdown, lambda: text + "\n"), (args.json, lambda: json.dumps(data, indent=1))):
+        if name:
+            try:
+                with open(name, "w") as f:
+                    f.write(content())
+            except OSError as e:  # (a failed write or close names no file: this one)
+                raise OSError(e.errno, e.strerror, name) from None
     if args.plot and plot(report, args.plot):
         print(f"\nplot: {args.plot}")
