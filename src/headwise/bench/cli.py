@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     positive, path = _argtypes.integer(1), _argtypes.output("a file name")
     p.add_argument("--preset", type=_argtypes.listing(_argtypes.choice(list(PRESETS)), "presets"), help=f"comma list of {list(PRESETS)} (default small)")
     p.add_argument("--tokens", type=_argtypes.listing(positive, "positive ints"),
-                   help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024")
+                   help="comma list of T, e.g. 128,512,1024,2048,4096,8192 (default 1024); for decode: the contexts, each <= 1024; "
+                        "for hf: the first alone")
     p.add_argument("--batch", type=positive, help="B (default 4; decode too)")
     p.add_argument("--dtype", type=_argtypes.listing(_argtypes.choice(list(DTYPES)), "dtypes"), help="comma list of fp32,bf16 (default fp32)")
     p.add_argument("--modes", type=_argtypes.listing(_argtypes.choice((*MODES, "hf", "serving", "model-decode")), "modes"),
