@@ -27,7 +27,7 @@ from torch import Tensor
 
 def compiling() -> bool:
     """Whether ``torch.compile`` (Dynamo) is tracing this call: the constant True in the graph it makes, False in an
-    eager call. Not ``compiling()``, one flag for the whole process that stays True in every thread
+    eager call. Not ``torch.compiler.is_compiling()``, one flag for the whole process that stays True in every thread
     while any thread compiles: another thread's eager call would take the traced branches (and the projections' op,
     which runs the eager path inside a graph, would call itself)."""
     return torch.compiler.is_dynamo_compiling()
