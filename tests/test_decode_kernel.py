@@ -241,6 +241,7 @@ def test_a_build_is_announced_and_a_load_is_not(monkeypatch, tmp_path, caplog, c
 
     loads = []
     monkeypatch.setattr(cpp_extension, "load", lambda name, *args, **kwargs: loads.append(name))
+    monkeypatch.setattr(native, "_PATH", [])  # (this fake load's path, None, is not the process's library)
 
     def folder(name, verbose):  # torch's extension cache: the library's folder, holding it when cached
         (tmp_path / name).mkdir(exist_ok=True)

@@ -141,3 +141,12 @@ def test_a_failed_builds_reason_is_the_compilers_first_error():
               "decode_attention.cpp:12:3: error: 'foo' was not declared in this scope\nninja: build stopped: subcommand failed.")
     assert native._reason(RuntimeError(output)) == "RuntimeError: decode_attention.cpp:12:3: error: 'foo' was not declared in this scope"
     assert native._reason(OSError("short")) == "OSError: short"
+
+
+def test_each_installed_copy_keeps_a_library_of_its_own(monkeypatch, tmp_path):
+    """Two environments with one torch hold the same sources in two folders: each names its own library (one folder,
+    whose build script names one copy's paths, was rebuilt by each environment in turn); the same copy, the same name."""
+    here = native.library_name("AVX2")
+    assert native.library_name("AVX2") == here != native.library_name("AVX512")
+    monkeypatch.setattr(native, "_HERE", tmp_path)  # the same source bytes, read from another environment's folder
+    assert native.library_name("AVX2") != here

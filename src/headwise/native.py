@@ -10,7 +10,7 @@ one call (``linear/seen.cpp``, asked by ``linear.weight_cache.Seen``: plain C fu
 ``function``).
 
 ``torch.utils.cpp_extension`` builds the library for the instruction set torch's own CPU kernels
-run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch and source (then
+run with (``torch.backends.cpu.get_cpu_capability()``), once per machine, torch, source and installed copy (then
 loaded from torch's extension cache), at the first call that could use it: a decode step's attention on
 the CPU (eager or compiled), a compiled step's projections, a paged batch made with ``compile=True``.
 A build (seconds to a minute) is announced on the ``headwise`` logger; a load from torch's cache takes
@@ -109,6 +109,14 @@ def keyed(owner: object, forget: str) -> int:
     return key
 
 
+def library_name(isa: str) -> str:
+    """The library's name in torch's extension cache: its sources' and headers' bytes, the instruction set, torch's
+    version and the installed copy's folder (two environments with one torch keep a library each: a folder's build
+    script names its sources' paths, so a shared one was rebuilt by each environment in turn)."""
+    where = f"{isa} {torch.__version__} {_HERE.resolve()}"
+    return "headwise_native_" + hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + where.encode()).hexdigest()[:16]
+
+
 def _build() -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, which a Python 3.12+ environment may lack
@@ -121,8 +129,7 @@ def _build() -> bool:
         return False
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(isa, ())
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + f"{isa} {torch.__version__}".encode()).hexdigest()[:16]
-    name = f"headwise_native_{digest}"
+    name = library_name(isa)
     directory = _build_directory(cpp_extension, name)
     try:
         with _one_builder(directory) as alone:  # released by the kernel when this process ends, however it ends
