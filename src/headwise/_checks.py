@@ -26,11 +26,12 @@ from torch import Tensor
 
 
 def compiling() -> bool:
-    """Whether ``torch.compile`` (Dynamo) is tracing this call: the constant True in the graph it makes, False in an
-    eager call. Not ``torch.compiler.is_compiling()``, one flag for the whole process that stays True in every thread
-    while any thread compiles: another thread's eager call would take the traced branches (and the projections' op,
-    which runs the eager path inside a graph, would call itself)."""
-    return torch.compiler.is_dynamo_compiling()
+    """Whether this call is being traced into a graph: by ``torch.compile`` (Dynamo: the constant True in the graph it
+    makes, False in an eager call) or by ``torch.export``'s non-strict tracing (Python run on fake tensors). Not
+    ``torch.compiler.is_compiling()``, one flag for the whole process that stays True in every thread while any thread
+    compiles: another thread's eager call would take the traced branches (and the projections' op, which runs the
+    eager path inside a graph, would call itself)."""
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
 
 
 def integer(name: str, value: object, *, low: int = 1, high: int | None = None) -> int:
