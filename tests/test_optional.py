@@ -59,9 +59,11 @@ def test_the_transformers_adapter_without_transformers_says_which_extra():
 def test_a_command_missing_an_extra_says_so_in_one_line(tmp_path):
     """The command line's own error form, no traceback: the attention decode bench beside transformers, and --png."""
     for args in (["bench", "--modes", "decode", "--tokens", "16", "--batch", "1", "--plot", ""],
+                 ["bench", "--modes", "forward,decode", "--preset", "tiny", "--tokens", "16", "--batch", "1", "--plot", ""],
                  ["heads", "--out", str(tmp_path / "h.html"), "--png", str(tmp_path / "h.png")]):
         code = BLOCK + f"from headwise.cli import main\nmain({args!r})\n"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and "pip install 'headwise[" in out.stderr, out.stderr
+        assert out.stdout == ""  # before any table is measured (the forward table was lost after its run)
     assert not (tmp_path / "h.html").exists()  # checked before any work: no page without its picture

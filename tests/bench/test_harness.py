@@ -240,15 +240,6 @@ def test_busy_runs_the_cases_beside_that_many_spinning_processes(monkeypatch, ca
                                                                           "--plot", "", "--no-ceiling"]
 
 
-def test_decode_rows_without_transformers_leave_its_columns_empty(monkeypatch):
-    """transformers is an extra: without it the decode mode times headwise alone (it raised, losing the tables measured
-    before it)."""
-    monkeypatch.setitem(sys.modules, "transformers", None)  # what an import sees where the package is not installed
-    rows = tiny(modes=("decode",), tokens=(4,), batch=1, repeats=1, warmup=0).decode
-    assert [(r.width, r.batch, r.context, r.hf_cached_ms, r.hf_speedup) for r in rows] == [(64, 1, 4, None, None)]
-    assert rows[0].cached_ms > 0
-
-
 def test_the_command_exits_1_when_nothing_was_measured(monkeypatch, capsys):
     """Every implementation failed (absurd sizes, say): the table says why, and the exit code says the run measured
     nothing (it was 0)."""

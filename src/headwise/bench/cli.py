@@ -120,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    if {"decode", "hf"} & set(args.modes):  # timed beside transformers: named before any table is measured
+        try:
+            require("transformers", "hf", f"headwise bench --modes {','.join(m for m in args.modes if m in ('decode', 'hf'))}")
+        except ModuleNotFoundError as e:
+            p.error(str(e))
     with busy(args.busy):
         _run(p, args, argv)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -96,8 +95,7 @@ def _decode(presets: Sequence[str], tokens: Sequence[int], batch: int, repeats: 
         for t in tokens:
             if progress:
                 progress(done, total, f"decode {preset} B={batch} context {t}")
-            rows += decode_latency((t,), n_embd=width, n_head=heads, batch_size=batch, repeats=repeats, warmup=warmup,
-                                   hf=importlib.util.find_spec("transformers") is not None)  # (without it: its columns empty)
+            rows += decode_latency((t,), n_embd=width, n_head=heads, batch_size=batch, repeats=repeats, warmup=warmup)
             done += 1
     if progress:
         progress(done, total, "decode done")
