@@ -162,7 +162,7 @@ def test_generate_decode_steps_write_and_read_the_rows_as_the_forward_does(model
             got, want = flat(token, None, mine), m(token, cache=theirs)[:, -1]
             assert torch.equal(got, want)
             token = got.argmax(-1, keepdim=True)
-        assert not decode_kernel.available() or all(call is not None for _, call in flat.kernel_calls)  # each layer's step in C++
+        assert not decode_kernel.available() or all(call is not None for *_, call in flat.kernel_calls)  # each layer's step in C++
         for a, b in zip(mine, theirs, strict=True):
             assert len(a) == len(b) == 15
             if head_dim == 64:

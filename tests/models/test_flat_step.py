@@ -162,7 +162,7 @@ def test_each_layers_attention_is_decided_at_its_first_step(case):
     with torch.no_grad():
         step(torch.zeros(2, 1, dtype=torch.long), None, flat_caches)
     kernel = decode_kernel.available() and "sliding" not in case
-    assert [cache is c and (call is not None) == kernel for (cache, call), c in zip(step.kernel_calls, flat_caches, strict=True)] \
+    assert [cache is c and (call is not None) == kernel for (cache, _, call), c in zip(step.kernel_calls, flat_caches, strict=True)] \
         == [True] * len(flat_caches)
 
 
@@ -206,7 +206,7 @@ def test_a_softcap_sinks_and_alibi_step_in_the_layers_one_op_bit_for_bit(cls, dt
         for _ in range(2):  # the first call decides each layer's kernel call, the second runs the layers' ops
             got, want = step(ids, None, flat_caches), model(ids, cache=plain_caches, logits_to_keep=1, check=False)[:, 0]
             assert torch.equal(got, want)
-        assert all((call is not None) == decode_kernel.available() for _, call in step.kernel_calls)
+        assert all((call is not None) == decode_kernel.available() for *_, call in step.kernel_calls)
         for a in model.attention_layers():
             a.sinks.mul_(-3.0)  # in place: the next step reads them as they stand
         native.clear()
@@ -360,3 +360,32 @@ def test_a_gelu_switched_between_steps_is_the_one_the_next_step_computes():
                         block.mlp.act.approximate = "none"
             got, want = step(ids[:, s : s + 1], None, caches), theirs(ids[:, s : s + 1], cache=checked)[:, -1]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, GPT2LMHeadModel])
+@pytest.mark.parametrize("term", ["window", "softcap", "causal", "backend"])
+def test_an_attention_term_set_between_steps_is_the_one_the_next_step_computes(cls, term):
+    """A layer's window, softcap, causal flag or backend set between two steps reaches the next step, as it reaches the
+    forward (the step kept each layer's kernel call, and its one op, decided at its first step under the old terms)."""
+    new = {"window": 3, "softcap": 0.5, "causal": False, "backend": "math"}[term]
+    ours, theirs = model_of(cls, {}, torch.float32), model_of(cls, {}, torch.float32)
+    prompt, ids = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 5))
+    with torch.no_grad():
+        caches, checked = ours.new_caches(2, 16), theirs.new_caches(2, 16)
+        ours(prompt, cache=caches, logits_to_keep=1), theirs(prompt, cache=checked, logits_to_keep=1)
+        step, changed = ours.flat_step(), []
+        for s in range(5):
+            if s == 2:
+                for m in (ours, theirs):
+                    for attn in m.attention_layers():
+                        setattr(attn, term, new)
+            got, want = step(ids[:, s : s + 1], None, caches), theirs(ids[:, s : s + 1], cache=checked)[:, -1]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            changed.append(want)
+    if term in ("window", "softcap"):  # (a query's own row: a causal flag changes nothing at one token; math is exact too)
+        with torch.no_grad():
+            plain, cache = model_of(cls, {}, torch.float32), None
+            cache = plain.new_caches(2, 16)
+            plain(prompt, cache=cache, logits_to_keep=1)
+            before = [plain(ids[:, s : s + 1], cache=cache)[:, -1] for s in range(5)]
+        assert not torch.allclose(before[-1], changed[-1], atol=1e-3)  # the new term changes the logits

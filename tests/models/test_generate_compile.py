@@ -425,3 +425,31 @@ def test_a_model_that_compiled_its_steps_pickles_and_copies_without_them(aot_eag
         assert torch.equal(copied.generate(IDS[:1], max_new_tokens=4, compile=True), want)
     torch.save(model, io.BytesIO())
     assert "_compiled_steps" in vars(model)  # the model keeps its own
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@torch.no_grad()
+def test_an_attention_term_on_token_sets_reaches_the_compiled_steps(aot_eager, name):
+    """``on_token`` setting every layer's window after the third token: the compiled steps (whose graph skips Dynamo's
+    checks of the modules, their ``structure`` compared once a step is made) give the checked steps' tokens."""
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+    def run(compile, hooked=False, change=True):
+        model, count = MODELS[name](), [0]
+        with torch.no_grad():
+            for p in model.parameters():  # weights large enough that the window changes the greedy tokens
+                p.normal_(0.0, 0.8)
+        if hooked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] == 3 and change:
+                for attn in model.attention_layers():
+                    attn.window = 2
+
+        return model.generate(prompt, max_new_tokens=10, on_token=on_token, compile=compile)[0, 7:].tolist()
+
+    want = run(False, hooked=True)
+    assert want != run(False, hooked=True, change=False)  # the window changes the tokens
+    assert run(True) == want

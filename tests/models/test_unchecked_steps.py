@@ -483,3 +483,102 @@ def test_a_walk_tells_modules_replaced_added_or_moved_once(library):
     assert walk()[0] is False
     block.mlp.eval()
     assert walk()[0] is True
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("term", ["window", "softcap"])
+@torch.no_grad()
+def test_an_attention_term_on_token_sets_is_computed_from_the_next_step(name, term, library):
+    """``on_token`` setting every layer's window (or softcap) after the fourth token: the unchecked steps give the
+    checked steps' tokens (the kept step decided each layer's attention under the old terms)."""
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+
+    def run(checked, change=True):
+        model, count = _varied(MODELS[name]()), [0]
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] == 4 and change:
+                for attn in model.attention_layers():
+                    setattr(attn, term, 3 if term == "window" else 0.5)
+
+        return model.generate(prompt, max_new_tokens=12, on_token=on_token)[0, 7:].tolist()
+
+    want = run(True)
+    assert want != run(True, change=False)  # the new term changes the tokens
+    assert run(False) == want
+
+
+def test_a_walk_tells_an_attribute_set_to_another_value_once(library):
+    """``Walk``: an attribute set to another plain value (a window, a softcap, an eps) is a change, told once; set
+    again to an equal value (another float object) it is none."""
+    from headwise.models.generate import Walk
+
+    model = gpt2()
+    walk = Walk(model)
+    assert walk() == (True, True) and walk() == (True, False)
+    attn, norm = model.transformer.h[1].attn, model.transformer.h[0].ln_1
+    for change in (lambda: setattr(attn, "window", 3), lambda: setattr(attn, "softcap", 30.0), lambda: setattr(norm, "eps", 1e-3),
+                   lambda: setattr(attn, "window", None)):
+        change()
+        assert walk() == (True, True)
+        assert walk() == (True, False)
+    attn.softcap = float("30.0")  # an equal value in another object
+    assert walk() == (True, False)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
+@torch.no_grad()
+def test_a_model_on_token_moves_to_another_dtype_is_checked_from_the_next_step(name, cache_dtype):
+    """``on_token`` moving the float32 model to bfloat16 after the third token: the unchecked steps do what the checked
+    ones do, refuse float32 caches by name before the next step (they ran the bfloat16 layers over them, in mixed
+    precision), or, over bfloat16 caches, give the checked steps' tokens."""
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(6))
+
+    def run(checked):
+        model, count = _varied(MODELS[name]()), [0]
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            count[0] += 1
+            if count[0] == 3:
+                model.to(torch.bfloat16)
+
+        return model.generate(prompt, max_new_tokens=8, on_token=on_token, cache_dtype=cache_dtype)[0, 7:].tolist()
+
+    if cache_dtype is None:
+        for checked in (True, False):
+            with pytest.raises(TypeError, match=r"cache\[0\] \(layer 0\): the cache is torch.float32, but the keys and values are torch.bfloat16"):
+                run(checked)
+    else:
+        assert run(False) == run(True)
+
+
+@pytest.mark.parametrize("window", [2, 6, None])
+@torch.no_grad()
+def test_a_window_on_token_sets_against_a_ring_cache_is_refused_as_the_checked_step_refuses_it(window, library):
+    """``on_token`` setting the sliding layer's window to another than its ring cache's (4 slots) after the third token:
+    the unchecked steps refuse it before the next step with the checked forward's error (they attended over the ring
+    under the new window), and leave the tokens streamed so far."""
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(1))
+
+    def run(checked):
+        model, count, seen = _varied(MODELS["mistral-window"]()), [0], []
+        if checked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+
+        def on_token(token):
+            seen.append(token.item())
+            count[0] += 1
+            if count[0] == 3:
+                model.attention_layers()[0].window = window
+
+        with pytest.raises(ValueError, match=rf"cache\[0\] \(layer 0\): a sliding cache of window=4 needs attention with window=4, got window={window}"):
+            model.generate(prompt, max_new_tokens=8, on_token=on_token)
+        return seen
+
+    assert run(False) == run(True) and len(run(True)) == 3

@@ -165,7 +165,38 @@ extern "C" void headwise_seen_forget(int64_t key) {
 
 namespace {
 
-std::unordered_map<int64_t, std::vector<PyObject*>> walks;  // key -> the modules' addresses in the walk's order
+// key -> the walk's record: each module, then its plain attributes' names and values, in the walk's order, every
+// object held (a new reference: nothing else can take a remembered address while it is remembered)
+std::unordered_map<int64_t, std::vector<PyObject*>> walks;
+
+// Whether an attribute's value is one the walk remembers: an int, a bool, a float, a str or None (a window, a
+// softcap, a norm's eps, a GELU's approximate: what a traced or written-out step reads of a module beside its tensors).
+bool is_plain(PyObject* value) {
+  return value == Py_None || PyLong_CheckExact(value) || PyBool_Check(value) || PyFloat_CheckExact(value)
+         || PyUnicode_CheckExact(value);
+}
+
+// Whether two records hold the same objects, or equal plain values, in the same order (a NaN is never the same).
+bool same(const std::vector<PyObject*>& a, const std::vector<PyObject*>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    if (!is_plain(a[i]) || Py_TYPE(a[i]) != Py_TYPE(b[i]) || PyObject_RichCompareBool(a[i], b[i], Py_EQ) != 1) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// Forget the record under key, its objects let go.
+void forget_walk(int64_t key) {
+  auto it = walks.find(key);
+  if (it == walks.end()) return;
+  std::vector<PyObject*> objects = std::move(it->second);
+  walks.erase(it);
+  for (PyObject* o : objects) Py_DECREF(o);  // (after the erase: a finalizer that runs here finds the table whole)
+}
 
 // Whether PyObject_IsTrue(getattr(m, name)): 1, 0, or -1 where it cannot be read (an error set).
 int truthy(PyObject* m, PyObject* name) {
@@ -181,8 +212,9 @@ int truthy(PyObject* m, PyObject* name) {
 // headwise.models.generate.walked's walk in one call: every module of `model`'s tree once (itself first, then depth
 // first, children in their registration order pushed and taken last first, as the Python walk does), each asked whether
 // it is in eval mode with no forward hooks and its class's own forward. -1 where one is not (or a field cannot be read);
-// else 1 where the modules are, in that order, the ones of the last call under `key`, 0 where they are not (kept now).
-// A negative key keeps nothing (1 for a model the steps may run unchecked).
+// else 1 where the modules are, in that order, the ones of the last call under `key` with the same plain attributes
+// (names and values: `plain`), 0 where they are not (kept now). A negative key keeps nothing (1 for a model the steps
+// may run unchecked).
 extern "C" int headwise_walk(int64_t key, PyObject* model) {
   static PyObject* const training = interned("training");
   static PyObject* const hooks = interned("_forward_hooks");
@@ -207,6 +239,17 @@ extern "C" int headwise_walk(int64_t key, PyObject* model) {
               && PyDict_Check(own) && PyDict_Contains(own, forward) == 0;
       if (!plain) break;
       order.push_back(m);
+      Py_ssize_t at = 0;
+      PyObject *field, *value;
+      while (key >= 0 && PyDict_Next(own, &at, &field, &value)) {  // (nothing to compare with under a negative key)
+        if (!is_plain(value)) continue;
+        Py_INCREF(field);  // (held while the walk may still read them)
+        Py_INCREF(value);
+        held.objects.push_back(field);
+        held.objects.push_back(value);
+        order.push_back(field);
+        order.push_back(value);
+      }
       PyObject* children = PyObject_GetAttr(m, modules);
       if (children == nullptr || !PyDict_Check(children)) {
         Py_XDECREF(children);
@@ -225,24 +268,26 @@ extern "C" int headwise_walk(int64_t key, PyObject* model) {
     }
     if (PyErr_Occurred()) PyErr_Clear();
     if (!plain) {
-      if (key >= 0) walks.erase(key);
+      if (key >= 0) forget_walk(key);
       return -1;
     }
     if (key < 0) return 1;
-    std::vector<PyObject*>& last = walks[key];
-    if (last == order) return 1;
-    last = std::move(order);
+    auto it = walks.find(key);
+    if (it != walks.end() && same(it->second, order)) return 1;
+    for (PyObject* o : order) Py_INCREF(o);  // (before the old record's objects go: some may be the same ones)
+    forget_walk(key);
+    walks.emplace(key, std::move(order));
     return 0;
   } catch (...) {
     if (PyErr_Occurred()) PyErr_Clear();
-    if (key >= 0) walks.erase(key);
+    if (key >= 0) forget_walk(key);
     return -1;
   }
 }
 
 extern "C" void headwise_walk_forget(int64_t key) {
   try {
-    walks.erase(key);
+    forget_walk(key);
   } catch (...) {
   }
 }

@@ -49,7 +49,7 @@ from ..cache import PagedKVCache
 from ..linear import weight_cache
 from ..linear.projection import planned_world
 from ._inputs import SEED_HIGH, check_choice, check_request
-from .flat_step import FlatStep, flat_parts, terms
+from .flat_step import FlatStep, flat_parts
 from .generate import CausalLM, greedy, next_token, trusts
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
@@ -303,14 +303,14 @@ class Batcher:
 
     def _flat(self) -> FlatStep | None:
         """``generate``'s flat step (``flat_step``) for a decode step: kept across steps, with its projections' decisions
-        and its layers' ops, while the model's parts, their attention's terms (``flat_step.terms``) and the world they
-        were decided in (``planned_world``) are the same, made anew from the model as it is where they are not (a block
-        or a part replaced, or a layer's backend set, between steps is used from the next); None where the model offers
-        none."""
+        and its layers' ops, while the model's parts and the world they were decided in (``planned_world``) are the
+        same, made anew from the model as it is where they are not (a block or a part replaced between steps is used
+        from the next; a layer's terms set, its backend or window, the step itself follows: ``flat_step.layer_terms``);
+        None where the model offers none."""
         blocks = flat_parts(self.model)  # (None for a model that is no CausalModel)
         if blocks is None:
             return None
-        made_under = (*(id(part) for parts in blocks for part in parts), *terms(blocks), *planned_world())  # (the kept step holds its parts: no id reused)
+        made_under = (*(id(part) for parts in blocks for part in parts), *planned_world())  # (the kept step holds its parts: no id reused)
         if made_under != self._kept[0]:
             self._kept = (made_under, FlatStep(self.model, blocks))
         return self._kept[1]

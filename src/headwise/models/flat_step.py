@@ -22,8 +22,12 @@ step over each layer's ``PagedKVCache.batch(...)`` (``FlatStep.logits``, the log
 attention, where its plan is the C++ kernel's one call over the pool, runs the rotation, the pool's write at the
 batch's slots, that call and the heads' merge in one op (``functional.paged_kernel_call``, decided once a pool), and
 from the layer's second such step the whole layer in ``native_layer``'s op over the packed row; the step is kept across
-the batcher's steps while the model's parts, their attention's terms (``terms``) and the world the projections were
-decided in (``projection.planned_world``) hold, made anew where they do not.
+the batcher's steps while the model's parts and the world the projections were decided in
+(``projection.planned_world``) hold, made anew where they do not.
+
+Each layer's kernel call and op are kept with the cache (or pool) and the attention's terms they were decided under
+(``layer_terms``: backend, causal, window, dropout, softcap, sinks and slopes), read at every step: a window or a
+softcap set between two steps is decided again at the next.
 
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
@@ -76,11 +80,23 @@ def flat_parts(model: CausalModel) -> list[tuple] | None:
     return blocks
 
 
-def terms(blocks: Sequence[tuple]) -> tuple:
-    """What each layer's attention decisions read of its module: its backend, causal, window, dropout and score terms
-    (tensors by identity). A caller that keeps a step across calls makes it anew where these changed."""
-    return tuple((a.backend, a.causal, a.window, a.attn_dropout_p, getattr(a, "softcap", None), id(getattr(a, "sinks", None)),
-                  id(getattr(a, "alibi_slopes", None))) for _, a, _, _ in blocks)
+def layer_terms(a: AttentionLayer) -> tuple:
+    """What a layer's attention decision reads of its module: its backend, causal, window, dropout and score terms
+    (tensors by identity: their values are read at each step). Asked of every layer at every step."""
+    return (a.backend, a.causal, a.window, a.attn_dropout_p, _term(a, "softcap"), id(_term(a, "sinks")), id(_term(a, "alibi_slopes")))
+
+
+def _term(a: AttentionLayer, name: str) -> object:
+    """``getattr(a, name, None)`` without the exception a module raises for a name it lacks (microseconds: a step asks
+    three a layer): an attribute, a class's, or else a parameter or buffer by that name, or None."""
+    if name in a.__dict__ or _on_class(type(a), name):
+        return getattr(a, name)
+    return a._parameters.get(name, a._buffers.get(name))
+
+
+@functools.cache
+def _on_class(cls: type, name: str) -> bool:
+    return hasattr(cls, name)
 
 
 class FlatStep:
@@ -94,9 +110,10 @@ class FlatStep:
         self.model = model
         self.blocks = blocks  # (norm1, attn, norm2, mlp) a block (``flat_parts``)
         self.kept: dict = {}  # the projections' decisions of this loop (``projection.planned``; a longer loop may hand its own)
-        # per layer: (its cache, or a paged batch's pool; its kernel call) and (the same; its op)
-        self.kernel_calls: list[tuple[KVCache | PagedKVCache, KernelCall | PagedCall | None] | None] = [None] * len(self.blocks)
-        self.natives: list[tuple[KVCache | PagedKVCache, NativeLayer | None] | None] = [None] * len(self.blocks)
+        # per layer: (its cache, or a paged batch's pool; its attention's terms; its kernel call) and (the same; its op),
+        # each made anew where the cache or the terms (``layer_terms``: a window, a softcap set between steps) changed
+        self.kernel_calls: list[tuple[KVCache | PagedKVCache, tuple, KernelCall | PagedCall | None] | None] = [None] * len(self.blocks)
+        self.natives: list[tuple[KVCache | PagedKVCache, tuple, NativeLayer | None] | None] = [None] * len(self.blocks)
 
     def __call__(self, ids: Tensor, position_ids: Tensor | None, caches: Sequence[KVCache]) -> Tensor:
         return self.logits(ids, position_ids, caches, 1)[:, 0]  # (B, vocab)
@@ -112,7 +129,8 @@ class FlatStep:
             x = model.embed(ids, position_ids, None, caches)  # (B, T, C)
             tables: dict = {}  # this step's rotary tables, once for the layers that share them
             for i, (parts, cache) in enumerate(zip(self.blocks, caches, strict=True)):
-                layer = self._native(i, parts, cache, x) if once and _one_each(cache, x) else None
+                seen = (_key(cache), layer_terms(parts[1])) if once else None  # what the layer's kept decisions hold for
+                layer = self._native(i, parts, seen, x) if once and _one_each(cache, x) else None
                 if layer is not None:
                     t = x.shape[1]
                     cos, sin = (None, None) if layer.rotary is None else _tables(tables, layer.rotary, cache, t, position_ids, x)
@@ -120,29 +138,30 @@ class FlatStep:
                         x = y  # (B, 1, C), or a paged row (1, N, C): the layer in one op
                         continue
                 norm1, attn, norm2, mlp = parts
-                x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, once, tables)  # (B, T, C)
+                x = x + self._attend(i, attn, norm1.forward(x), cache, position_ids, seen, tables)  # (B, T, C)
                 x = x + mlp.forward(norm2.forward(x))  # (B, T, C)
             x = model.final_norm.forward(_inputs.kept(x, keep))  # (B, k or N, C)
             return linear(x, model.embed_tokens.weight) if model.lm_head is None else project(model.lm_head, x)  # (B, k or N, vocab)
 
-    def _native(self, i: int, parts: tuple, cache: KVCache | PagedBatch, x: Tensor) -> NativeLayer | None:
+    def _native(self, i: int, parts: tuple, seen: tuple, x: Tensor) -> NativeLayer | None:
         """Layer ``i``'s step in one op (``native_layer``), decided once its kernel call on this cache (or this batch's
-        pool) is (at its first one-token step, which runs in Python); None before that, or where it does not apply."""
-        key = _key(cache)
+        pool) under these terms (``seen``: the two) is (at its first one-token step, which runs in Python); None before
+        that, or where it does not apply."""
         known = self.natives[i]
-        if known is not None and known[0] is key:
-            return known[1]
+        if known is not None and _holds(known, seen):
+            return known[2]
         call = self.kernel_calls[i]
-        if call is None or call[0] is not key:
+        if call is None or not _holds(call, seen):
             return None
-        self.natives[i] = (key, native_layer(parts, call[1], x))
-        return self.natives[i][1]
+        self.natives[i] = (*seen, native_layer(parts, call[2], x))
+        return self.natives[i][2]
 
-    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache | PagedBatch, position_ids: Tensor | None, once: bool,
-                tables: dict) -> Tensor:
+    def _attend(self, i: int, attn: AttentionLayer, x: Tensor, cache: KVCache | PagedBatch, position_ids: Tensor | None,
+                seen: tuple | None, tables: dict) -> Tensor:
         """``attn(x, cache=cache, position_ids=position_ids, check=False)`` of layer ``i``: (B, T, C) -> (B, T, C), nobody
-        observing; with ``once``, the kernel's call decided at the layer's first one-token step on this cache. ``tables``:
-        the step's rotary tables so far (``_tables``)."""
+        observing; with ``seen`` (the layer's cache key and terms, without grad), the kernel's call decided at the
+        layer's first one-token step on this cache under these terms. ``tables``: the step's rotary tables so far
+        (``_tables``)."""
         B, T, _ = x.shape
         D = attn.head_dim
         paged = isinstance(cache, PagedBatch)
@@ -153,15 +172,14 @@ class FlatStep:
         queries = queries.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         keys = keys.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        kernel = once and _one_each(cache, x)  # the kernel's call takes one query a row of a KVCache, or a sequence of a batch
-        key = _key(cache)
+        kernel = seen is not None and _one_each(cache, x)  # the kernel's call takes one query a row of a KVCache, or a sequence of a batch
         known = self.kernel_calls[i] if kernel else None
-        if kernel and (known is None or known[0] is not key):
+        if kernel and (known is None or not _holds(known, seen)):
             decide = paged_kernel_call if paged else decode_kernel_call
             call = decide(queries, keys, values, cache, causal=attn.causal, window=attn.window, backend=attn.backend, **attn.score_terms())
-            self.kernel_calls[i] = known = (key, call)
-        if known is not None and known[1] is not None:  # the rotation, the cache's write, the kernel and the merge in one op
-            run = functools.partial(known[1], cache) if paged else known[1]
+            self.kernel_calls[i] = known = (*seen, call)
+        if known is not None and known[2] is not None:  # the rotation, the cache's write, the kernel and the merge in one op
+            run = functools.partial(known[2], cache) if paged else known[2]
             rotary = attn.rotation()
             if rotary is not None:
                 cos, sin = _tables(tables, rotary, cache, T, position_ids, x)  # (T, R) or (B, 1, T, R)
@@ -177,6 +195,11 @@ class FlatStep:
 def _one_each(cache: KVCache | PagedBatch, x: Tensor) -> bool:
     """Whether a step of x (B, T, C) feeds one token a row of a KVCache, or one a sequence of a paged batch."""
     return cache.one_each if isinstance(cache, PagedBatch) else x.shape[1] == 1
+
+
+def _holds(known: tuple, seen: tuple) -> bool:
+    """Whether a kept (cache, terms, decision) was made for ``seen`` (the cache by identity, the terms by value)."""
+    return known[0] is seen[0] and known[1] == seen[1]
 
 
 def _key(cache: KVCache | PagedBatch) -> KVCache | PagedKVCache:

@@ -140,7 +140,10 @@ class GenerationMixin:
                 from the next step on, by a ``compile=True`` step from the next call (its graph is checked
                 against the weights once a call); a hook, a module's ``forward`` or a training mode it sets
                 makes the steps from the next on checked forwards (``trusts``); a module it replaces or
-                adds is run from the next step on.
+                adds, a plain attribute it sets (a layer's ``window``), or a move to another dtype or
+                device, is run from the next step on, the caches checked against the model first as a
+                checked forward checks them (a ring cache of another window, float32 caches under
+                bfloat16 weights: the forward's error).
 
         Returns:
             (B, T + n) int64 ids (whatever integer dtype the prompt's), prompt first, n <= max_new_tokens. Greedy output equals
@@ -158,6 +161,7 @@ class GenerationMixin:
             raise TypeError(f"generator must be a torch.Generator (sampling's random numbers) or None, got {type(generator).__name__}")
         walk = Walk(self)  # (asked again after each on_token: whether the steps may still run unchecked, on the same modules)
         check = not walk()[0]
+        held, agreed = _held(self), True  # the dtype and device the caches are made for; whether they were checked since
         weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
@@ -185,15 +189,26 @@ class GenerationMixin:
                     trusted, changed = walk()
                     if not trusted:  # a hook, a forward, a mode or an observer it set: checked steps from here
                         check, run_step = True, decode_step(self, compile, True)
-                    elif changed:  # a module it replaced or added: the step made again from the model as it is
-                        run_step = decode_step(self, compile, False)
+                    elif changed or _held(self) != held:  # a module it replaced or added, an attribute it set, the model
+                        # moved to another dtype or device: the step made again from the model as it is, and the caches
+                        # checked against it before it runs, as a checked forward checks them (a window, a dtype)
+                        run_step, held, agreed = decode_step(self, compile, False), _held(self), False
                         run_step = GraphStep(run_step) if cuda_graph else run_step
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
                 position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
+            if not agreed:
+                _inputs.caches_agree(self, caches, b, 1, next(self.parameters()))
+                agreed = True
             logits = run_step(token[:, None], position, caches)  # (B, vocab)
         return torch.cat(tokens, dim=1)  # (B, T + n)
+
+
+def _held(model: CausalLM) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of the model's first parameter (what ``new_caches`` made the caches for), or None."""
+    weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    return None if weight is None else (weight.dtype, weight.device)
 
 
 def decode_step(model: CausalLM, compile: bool, check: bool | None = None) -> Callable[[Tensor, Tensor | None, list[KVCache]], Tensor]:
@@ -249,7 +264,8 @@ def trusts(model: object) -> bool:
 
 class Walk:
     """``trusts(model)`` asked again and again of one model: ``walk()`` -> (whether the steps may run unchecked, whether
-    its modules are others, or in another order, than at the last call: a module replaced or added; True at the first).
+    its modules are others, or in another order, or hold other plain attributes (``PLAIN``), than at the last call: a
+    module replaced or added, a layer's window set; True at the first).
 
     Where headwise's C++ library is loaded the modules are walked in one C call (``linear/seen.cpp``: a Llama's 150
     modules' dictionaries read from Python took 0.24 ms, asked after every ``on_token`` and every ``Batcher`` step);
@@ -257,7 +273,7 @@ class Walk:
     """
 
     def __init__(self, model: object, keep: bool = True) -> None:
-        self.model, self.tree = model, None
+        self.model, self.tree, self.keep = model, None, keep
         self.native: Callable | None = None
         self.key = -1  # (the C call's key: negative keeps nothing)
         if native.loaded() and isinstance(model, torch.nn.Module):
@@ -267,7 +283,7 @@ class Walk:
 
     def __call__(self) -> tuple[bool, bool]:
         if self.native is None:
-            trusted, tree = walked(self.model)
+            trusted, tree = walked(self.model, self.keep)
             changed, self.tree = tree != self.tree, tree
             return trusted, changed
         if _plain_world():
@@ -276,14 +292,20 @@ class Walk:
         return False, True
 
 
+#: The attribute values ``walked`` compares: what a written-out or traced step reads of a module beside its tensors
+#: (a window, a softcap, a norm's eps, a GELU's ``approximate``).
+PLAIN = frozenset({int, bool, float, str, type(None)})
+
+
 def _plain_world() -> bool:
     """Nobody observing, no global forward hooks: what ``walked`` asks before the modules."""
     return not (observing() or _module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
-def walked(model: object) -> tuple[bool, tuple[int, ...]]:
-    """(``trusts(model)``, the ids of its modules in the walk's order where it does: another tuple once a module was
-    replaced or added), from Python (``Walk`` asks the C library where it is loaded)."""
+def walked(model: object, attributes: bool = True) -> tuple[bool, tuple]:
+    """(``trusts(model)``, the ids of its modules in the walk's order, each with its plain attributes (``PLAIN``: names
+    and values; with ``attributes``), where it does: another tuple once a module was replaced or added, or such an
+    attribute set to another value), from Python (``Walk`` asks the C library where it is loaded)."""
     if not isinstance(model, torch.nn.Module) or not _plain_world():
         return False, ()
     seen, todo, order = {id(model)}, [model], []  # every submodule once, as ``model.modules()`` gives them (a walk of half
@@ -291,7 +313,7 @@ def walked(model: object) -> tuple[bool, tuple[int, ...]]:
         m = todo.pop()
         if m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return False, ()
-        order.append(id(m))
+        order.append((id(m), *[(k, v) for k, v in m.__dict__.items() if type(v) in PLAIN]) if attributes else id(m))
         for child in m._modules.values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
