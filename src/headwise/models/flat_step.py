@@ -26,7 +26,7 @@ the batcher's steps while the model's parts and the world the projections were d
 (``projection.planned_world``) hold, made anew where they do not.
 
 Each layer's kernel call and op are kept with the cache (or pool) and the attention's terms they were decided under
-(``layer_terms``: backend, causal, window, dropout, softcap, sinks and slopes), read at every step: a window or a
+(``layer_terms``: backend, causal, window, softcap, sinks and slopes), read at every step: a window or a
 softcap set between two steps is decided again at the next.
 
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
@@ -81,9 +81,10 @@ def flat_parts(model: CausalModel) -> list[tuple] | None:
 
 
 def layer_terms(a: AttentionLayer) -> tuple:
-    """What a layer's attention decision reads of its module: its backend, causal, window, dropout and score terms
-    (tensors by identity: their values are read at each step). Asked of every layer at every step."""
-    return (a.backend, a.causal, a.window, a.attn_dropout_p, _term(a, "softcap"), id(_term(a, "sinks")), id(_term(a, "alibi_slopes")))
+    """What a layer's attention decision reads of its module: its backend, causal, window and score terms (tensors by
+    identity: their values are read at each step). Asked of every layer at every step. (Its dropout is not read: the
+    step runs unchecked in eval mode only.)"""
+    return (a.backend, a.causal, a.window, _term(a, "softcap"), id(_term(a, "sinks")), id(_term(a, "alibi_slopes")))
 
 
 def _term(a: AttentionLayer, name: str) -> object:
