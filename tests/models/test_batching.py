@@ -611,3 +611,34 @@ def test_a_part_replaced_between_decode_steps_is_used_from_the_next_step(name, m
         collect(batcher.stream(), got)
         runs.append(got)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("window", [2, 8])
+@torch.no_grad()
+def test_a_window_set_between_steps_against_sliding_pools_is_refused_as_the_checked_forward_refuses_it(window):
+    """Every layer sliding (pools that give back the blocks before a window of 4): a layer's window set to another
+    between two steps is refused at the next step with the checked forward's error, whether the steps run checked (a
+    hook) or unchecked (they attended over the pools under the new window, blocks already given back among them); the
+    step changes nothing, and with the window set back the requests go on to the tokens of a run left alone."""
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(2))
+
+    def run(hooked: bool, change: bool) -> list[int]:
+        model = llama(windows=(4, 4))
+        if hooked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+        batcher, got = Batcher(model, num_blocks=16, block_size=4), []
+        batcher.submit(prompt, 10)
+        while batcher.pending:
+            got += [t for _, t in batcher.step()]
+            if len(got) == 3 and change:
+                layer = model.attention_layers()[1]
+                layer.window = window
+                with pytest.raises(ValueError, match=rf"cache\[1\] \(layer 1\): a sliding cache of window=4 needs attention with window=4, got window={window}"):
+                    batcher.step()
+                layer.window = 4
+                change = False
+        return got
+
+    want = run(hooked=False, change=False)
+    assert run(hooked=True, change=True) == want
+    assert run(hooked=False, change=True) == want

@@ -48,9 +48,10 @@ from .. import _checks
 from ..cache import PagedKVCache
 from ..linear import weight_cache
 from ..linear.projection import planned_world
+from . import _inputs
 from ._inputs import SEED_HIGH, check_choice, check_request
 from .flat_step import FlatStep, flat_parts
-from .generate import CausalLM, greedy, next_token, trusts
+from .generate import CausalLM, Walk, greedy, next_token
 from .scheduling import Feed, Request, schedule, sliding_window, worst_blocks
 
 
@@ -117,6 +118,7 @@ class Batcher:
         self._stepping = False  # a step is running: a cancel waits for its end (``_cancelled``)
         self._cancelled: list[int] = []
         self._kept: tuple[tuple, FlatStep | None] = ((), None)  # the decode steps' flat step, and what it was made under (``_flat``)
+        self._walk = Walk(model)  # each step: whether it may run unchecked, and whether a module or an attribute changed
 
     @property
     def _weight(self) -> Tensor:
@@ -293,7 +295,10 @@ class Batcher:
         seq_ids = [f.request.id for f in feeds]
         first = self.caches[0].batch(seq_ids, counts, compile=self.compile)
         batches = [first, *(c.batch(seq_ids, counts, compile=self.compile, like=first) for c in self.caches[1:])]  # placed once a step
-        check = not trusts(self.model)
+        trusted, changed = self._walk()
+        check = not trusted
+        if trusted and changed:  # the first step, or a module replaced or an attribute set (a window) since the last: the
+            _inputs.caches_agree(self.model, batches, 1, input_ids.shape[1], self._weight)  # caches checked as a checked forward would
         flat = None if check or any(f.count != 1 for f in feeds) else self._flat()  # a decode step: written out flat
         if flat is not None:
             logits = flat.logits(input_ids, position_ids, batches, rows)  # (1, N, vocab): the unchecked forward's, bit for bit
