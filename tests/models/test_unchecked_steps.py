@@ -2,6 +2,8 @@
 its cache) give the checked path's numbers bit for bit, and generate checks every forward where it
 cannot trust them; a model's forward refuses caches it cannot run."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -437,22 +439,25 @@ def test_a_part_on_token_replaces_is_run_from_the_next_step(name, part, library)
     flat step was made from the model's parts, give the checked steps' tokens (they ran the old parts: the replacement
     was ignored)."""
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+    change = functools.partial(_replaced, part=part)
+    want = _changed_mid_run(name, prompt, change, checked=True)
+    assert want != _changed_mid_run(name, prompt, None, checked=True)  # the new parts change the tokens
+    assert _changed_mid_run(name, prompt, change, checked=False) == want
 
-    def run(checked, replace=True):
-        model, count = _varied(MODELS[name]()), [0]
-        if checked:
-            model.register_forward_hook(lambda *args: None)  # every step a checked forward
 
-        def on_token(token):
-            count[0] += 1
-            if count[0] == 4 and replace:
-                _replaced(model, part)
+def _changed_mid_run(name: str, prompt: torch.Tensor, change, *, checked: bool, at: int = 4, new: int = 12, **kw) -> list[int]:
+    """The new tokens of ``generate`` on MODELS[name] (``_varied``) whose ``on_token`` calls ``change(model)`` after the
+    ``at``-th token (None: nothing changes); with ``checked``, a hook makes every step a checked forward."""
+    model, count = _varied(MODELS[name]()), [0]
+    if checked:
+        model.register_forward_hook(lambda *args: None)  # every step a checked forward
 
-        return model.generate(prompt, max_new_tokens=12, on_token=on_token)[0, 7:].tolist()
+    def on_token(token):
+        count[0] += 1
+        if count[0] == at and change is not None:
+            change(model)
 
-    want = run(True)
-    assert want != run(True, replace=False)  # the new parts change the tokens
-    assert run(False) == want
+    return model.generate(prompt, max_new_tokens=new, on_token=on_token, **kw)[0, prompt.shape[1]:].tolist()
 
 
 def test_a_walk_tells_modules_replaced_added_or_moved_once(library):
@@ -493,22 +498,13 @@ def test_an_attention_term_on_token_sets_is_computed_from_the_next_step(name, te
     checked steps' tokens (the kept step decided each layer's attention under the old terms)."""
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
 
-    def run(checked, change=True):
-        model, count = _varied(MODELS[name]()), [0]
-        if checked:
-            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+    def change(model):
+        for attn in model.attention_layers():
+            setattr(attn, term, 3 if term == "window" else 0.5)
 
-        def on_token(token):
-            count[0] += 1
-            if count[0] == 4 and change:
-                for attn in model.attention_layers():
-                    setattr(attn, term, 3 if term == "window" else 0.5)
-
-        return model.generate(prompt, max_new_tokens=12, on_token=on_token)[0, 7:].tolist()
-
-    want = run(True)
-    assert want != run(True, change=False)  # the new term changes the tokens
-    assert run(False) == want
+    want = _changed_mid_run(name, prompt, change, checked=True)
+    assert want != _changed_mid_run(name, prompt, None, checked=True)  # the new term changes the tokens
+    assert _changed_mid_run(name, prompt, change, checked=False) == want
 
 
 def test_a_walk_tells_an_attribute_set_to_another_value_once(library):
@@ -539,16 +535,7 @@ def test_a_model_on_token_moves_to_another_dtype_is_checked_from_the_next_step(n
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(6))
 
     def run(checked):
-        model, count = _varied(MODELS[name]()), [0]
-        if checked:
-            model.register_forward_hook(lambda *args: None)  # every step a checked forward
-
-        def on_token(token):
-            count[0] += 1
-            if count[0] == 3:
-                model.to(torch.bfloat16)
-
-        return model.generate(prompt, max_new_tokens=8, on_token=on_token, cache_dtype=cache_dtype)[0, 7:].tolist()
+        return _changed_mid_run(name, prompt, lambda model: model.to(torch.bfloat16), checked=checked, at=3, new=8, cache_dtype=cache_dtype)
 
     if cache_dtype is None:
         for checked in (True, False):

@@ -213,7 +213,7 @@ int truthy(PyObject* m, PyObject* name) {
 // first, children in their registration order pushed and taken last first, as the Python walk does), each asked whether
 // it is in eval mode with no forward hooks and its class's own forward. -1 where one is not (or a field cannot be read);
 // else 1 where the modules are, in that order, the ones of the last call under `key` with the same plain attributes
-// (names and values: `plain`), 0 where they are not (kept now). A negative key keeps nothing (1 for a model the steps
+// (names and values: `is_plain`), 0 where they are not (kept now). A negative key keeps nothing (1 for a model the steps
 // may run unchecked).
 extern "C" int headwise_walk(int64_t key, PyObject* model) {
   static PyObject* const training = interned("training");
