@@ -642,3 +642,31 @@ def test_a_window_set_between_steps_against_sliding_pools_is_refused_as_the_chec
     want = run(hooked=False, change=False)
     assert run(hooked=True, change=True) == want
     assert run(hooked=False, change=True) == want
+
+
+@torch.no_grad()
+def test_a_batcher_copied_or_pickled_mid_run_steps_on_alike_and_follows_a_model_set_on_it():
+    """A Batcher copied (``copy.deepcopy``, ``pickle``) after some steps gives the original's next tokens; a model set
+    on it (``batcher.model = ...``) is the one its steps walk and check: a window set on the new model's sliding layer
+    is refused with the checked forward's error."""
+    import pickle
+
+    from headwise import native
+
+    native.built()  # (loaded where it builds: the steps' walk is then a C call's, kept under a key)
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(3))
+    batcher = Batcher(llama(windows=(4, 4)), num_blocks=16, block_size=4)
+    batcher.submit(prompt, 8)
+    first = [t for _ in range(3) for _, t in batcher.step()]
+    copies = [copy.deepcopy(batcher), pickle.loads(pickle.dumps(batcher))]
+    rest = [t for _, t in batcher.stream()]
+    assert len(first + rest) == 8
+    for other in copies:
+        assert [t for _, t in other.stream()] == rest
+    batcher = Batcher(llama(windows=(4, 4)), num_blocks=16, block_size=4)
+    batcher.submit(prompt, 8)
+    batcher.step()
+    batcher.model = model = copy.deepcopy(batcher.model)
+    model.attention_layers()[0].window = 2
+    with pytest.raises(ValueError, match=r"cache\[0\] \(layer 0\): a sliding cache of window=4 needs attention with window=4, got window=2"):
+        batcher.step()

@@ -295,6 +295,8 @@ class Batcher:
         seq_ids = [f.request.id for f in feeds]
         first = self.caches[0].batch(seq_ids, counts, compile=self.compile)
         batches = [first, *(c.batch(seq_ids, counts, compile=self.compile, like=first) for c in self.caches[1:])]  # placed once a step
+        if self._walk.model is not self.model:  # (a model set on the Batcher since: walked afresh)
+            self._walk = Walk(self.model)
         trusted, changed = self._walk()
         check = not trusted
         if trusted and changed:  # the first step, or a module replaced or an attribute set (a window) since the last: the

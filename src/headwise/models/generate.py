@@ -281,6 +281,9 @@ class Walk:
             if keep:
                 self.key = native.keyed(self, "headwise_walk_forget")
 
+    def __reduce__(self) -> tuple:
+        return Walk, (self.model, self.keep)  # a copy walks afresh (its first call: changed), with a key of its own
+
     def __call__(self) -> tuple[bool, bool]:
         if self.native is None:
             trusted, tree = walked(self.model, self.keep)
