@@ -46,7 +46,8 @@ class RMSNorm(nn.Module):
 
     Where autograd records nothing, eagerly on the CPU, float32 and bfloat16 rows (of fewer than ``NATIVE_WIDTH``
     elements) run headwise's C++ op (``models/rms_norm.cpp``): one pass a row where torch's CPU ``rms_norm`` is six ops
-    (eight in bfloat16), its sums added in the order of torch's, so the bits are ``F.rms_norm``'s.
+    (eight in bfloat16), its sums added in the order of torch's, so the bits are ``F.rms_norm``'s (a NaN's aside: where a
+    row holds an inf or a NaN, the op's bfloat16 NaN is 0x7fc0, torch's 0xffff).
     """
 
     #: A function the weight passes through where autograd records it (``headwise.parallel``: Qwen3's QK-norm, whose
