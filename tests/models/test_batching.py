@@ -509,12 +509,13 @@ def assert_the_rest_alone(model, got: dict[int, list[int]]) -> None:
 
 def test_a_backend_set_between_decode_steps_is_followed_from_the_next_step(monkeypatch):
     """The flat step and its layers' ops are kept across steps: a layer's ``backend`` set between steps takes that layer
-    off its op from the next step (its one call is "auto"'s), and back when set back; the tokens stay each request's alone."""
+    off its op (its one call is "auto"'s), and back when set back, after one checked step (the step after any change:
+    no op); the tokens stay each request's alone."""
     model, batcher, got = float32_decoding()
     by_op, write_rows = [], PagedBatch.write_rows_unchecked
     monkeypatch.setattr(PagedBatch, "write_rows_unchecked", lambda batch, run: by_op.append(batch.cache) or write_rows(batch, run))
     attn = model.transformer.h[0].attn
-    for backend, ops in (("auto", 2), ("auto", 2), ("math", 1), ("math", 1), ("auto", 2)):
+    for backend, ops in (("auto", 2), ("auto", 2), ("math", 0), ("math", 1), ("math", 1), ("auto", 0), ("auto", 2)):
         attn.backend = backend
         by_op.clear()
         collect(batcher.step(), got)

@@ -569,3 +569,74 @@ def test_a_window_on_token_sets_against_a_ring_cache_is_refused_as_the_checked_s
         return seen
 
     assert run(False) == run(True) and len(run(True)) == 3
+
+
+def _new_rotary(model):
+    from headwise.rope import RotaryEmbedding
+
+    rotary = RotaryEmbedding(model.attention_layers()[0].head_dim, theta=7.0)  # one object the layers share, as the model's
+    for attn in model.attention_layers():
+        attn.rotary = rotary
+
+
+def _interleaved(model):  # the model's shared tables changed in place: the layers' rotation is no plain turn of every dim now
+    rotary = model.attention_layers()[0].rotary
+    rotary.layout = "interleaved"
+    rotary._tables.clear()
+
+
+def _subclassed(module, **methods):
+    module.__class__ = type("Sub" + type(module).__name__, (type(module),), methods)
+
+
+MID_RUN = {  # changes the walk tells (another object, another class) or each layer's terms do (its rotation)
+    "rotary tables replaced": _new_rotary,
+    "rotary layout set in place": _interleaved,
+    "an MLP's class set": lambda m: _subclassed(m.model.layers[0].mlp, forward=lambda self, x: 3 * type(self).__mro__[1].forward(self, x)),
+    "an attention's class set": lambda m: _subclassed(m.model.layers[1].self_attn,
+                                                      project_out=lambda self, c: -2 * type(self).__mro__[1].project_out(self, c)),
+}
+
+
+@pytest.mark.parametrize("change", MID_RUN)
+@torch.no_grad()
+def test_rotary_tables_or_a_class_changed_mid_run_are_computed_from_the_next_step(change, library):
+    """``on_token`` replacing the rotary tables, changing their layout in place, or setting a module's class (a
+    subclass with its own ``forward`` / ``project_out``) after the fourth token: ``generate``'s unchecked steps and a
+    ``Batcher``'s (changed between two steps) give the checked steps' tokens (they ran the old tables or class)."""
+    from headwise.models import Batcher
+
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(7))
+    want = _changed_mid_run("llama", prompt, MID_RUN[change], checked=True)
+    assert want != _changed_mid_run("llama", prompt, None, checked=True)  # the change changes the tokens
+    assert _changed_mid_run("llama", prompt, MID_RUN[change], checked=False) == want
+
+    def batched(hooked: bool) -> list[int]:
+        model, got = _varied(MODELS["llama"]()), []
+        if hooked:
+            model.register_forward_hook(lambda *args: None)  # every step a checked forward
+        batcher = Batcher(model, num_blocks=10, block_size=4)
+        batcher.submit(prompt[0], 12)
+        while batcher.pending:
+            got += [t for _, t in batcher.step()]
+            if len(got) == 4:
+                MID_RUN[change](model)
+        return got
+
+    assert batched(False) == batched(True)
+
+
+@torch.no_grad()
+def test_a_new_call_checks_its_layers_against_their_caches_whatever_its_steps():
+    """``generate`` checks each layer against its new cache even where its prompt pass and steps run unchecked: a
+    sliding layer made non-causal, or a layer's ``context_length`` set below the call's tokens, is refused by name
+    before any token."""
+    mistral = _varied(MODELS["mistral-window"]())
+    mistral.attention_layers()[0].causal = False
+    with pytest.raises(ValueError, match=r"window \(sliding-window attention\) needs causal=True, got causal=False"):
+        mistral.generate(IDS[:1], max_new_tokens=3)
+    model = _varied(MODELS["llama"]())
+    model.attention_layers()[1].context_length = 6
+    with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_new_tokens \(3\) exceeds layer 1's context_length=6 by 2"):
+        model.generate(IDS[:1], max_new_tokens=3)
+    assert model.generate(IDS[:1], max_new_tokens=1).shape == (1, 7)

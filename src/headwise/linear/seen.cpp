@@ -165,12 +165,12 @@ extern "C" void headwise_seen_forget(int64_t key) {
 
 namespace {
 
-// key -> the walk's record: each module, then its plain attributes' names and values, in the walk's order, every
+// key -> the walk's record: each module and its class, then its attributes' names and values, in the walk's order, every
 // object held (a new reference: nothing else can take a remembered address while it is remembered)
 std::unordered_map<int64_t, std::vector<PyObject*>> walks;
 
-// Whether an attribute's value is one the walk remembers: an int, a bool, a float, a str or None (a window, a
-// softcap, a norm's eps, a GELU's approximate: what a traced or written-out step reads of a module beside its tensors).
+// Whether an attribute's value is compared by value: an int, a bool, a float, a str or None (a window, a softcap, a
+// norm's eps, a GELU's approximate); any other value (a rotary table's object, a dictionary) by identity.
 bool is_plain(PyObject* value) {
   return value == Py_None || PyLong_CheckExact(value) || PyBool_Check(value) || PyFloat_CheckExact(value)
          || PyUnicode_CheckExact(value);
@@ -212,9 +212,9 @@ int truthy(PyObject* m, PyObject* name) {
 // headwise.models.generate.walked's walk in one call: every module of `model`'s tree once (itself first, then depth
 // first, children in their registration order pushed and taken last first, as the Python walk does), each asked whether
 // it is in eval mode with no forward hooks and its class's own forward. -1 where one is not (or a field cannot be read);
-// else 1 where the modules are, in that order, the ones of the last call under `key` with the same plain attributes
-// (names and values: `is_plain`), 0 where they are not (kept now). A negative key keeps nothing (1 for a model the steps
-// may run unchecked).
+// else 1 where the modules are, in that order, the ones of the last call under `key`, of the same classes, with the
+// same attributes (names; values equal where `is_plain`, else the same objects), 0 where they are not (kept now). A
+// negative key keeps nothing (1 for a model the steps may run unchecked).
 extern "C" int headwise_walk(int64_t key, PyObject* model) {
   static PyObject* const training = interned("training");
   static PyObject* const hooks = interned("_forward_hooks");
@@ -239,10 +239,10 @@ extern "C" int headwise_walk(int64_t key, PyObject* model) {
               && PyDict_Check(own) && PyDict_Contains(own, forward) == 0;
       if (!plain) break;
       order.push_back(m);
+      if (key >= 0) order.push_back(reinterpret_cast<PyObject*>(Py_TYPE(m)));  // (a class set on the module: another)
       Py_ssize_t at = 0;
       PyObject *field, *value;
       while (key >= 0 && PyDict_Next(own, &at, &field, &value)) {  // (nothing to compare with under a negative key)
-        if (!is_plain(value)) continue;
         Py_INCREF(field);  // (held while the walk may still read them)
         Py_INCREF(value);
         held.objects.push_back(field);

@@ -242,13 +242,18 @@ def check_request(
 
 
 def check_length(model: object, t: int, max_new_tokens: int, is_token: Tensor | None = None) -> None:
-    """Refuse a prompt of ``t`` tokens and ``max_new_tokens`` that would take positions past the model's limit.
+    """Refuse a prompt of ``t`` tokens and ``max_new_tokens`` that would take positions past the model's limit (its
+    config's, or a layer's ``context_length`` set lower, where that layer keeps every key).
 
     The last new token is chosen, never fed back: positions 0 .. t + max_new_tokens - 2 are taken. Left
     padding (``is_token`` (B, t) False) takes none: the longest row's real tokens count, read only where t would not fit.
     A meta mask has no values to read: there the padded width counts, and the message says so.
     """
     name, limit = model.context_limit()
+    for i, attn in enumerate(model.attention_layers() if hasattr(model, "attention_layers") else ()):
+        n = getattr(attn, "context_length", None)  # a layer's own bound, where it keeps every key (no ring of its window)
+        if getattr(attn, "window", None) is None and isinstance(n, int) and (limit is None or n < limit):
+            name, limit = f"layer {i}'s context_length", n
     padded = ""
     if limit is not None and t + max_new_tokens - 1 > limit and is_token is not None:
         if _checks.has_values(is_token):

@@ -48,7 +48,6 @@ from .. import _checks
 from ..cache import PagedKVCache
 from ..linear import weight_cache
 from ..linear.projection import planned_world
-from . import _inputs
 from ._inputs import SEED_HIGH, check_choice, check_request
 from .flat_step import FlatStep, flat_parts
 from .generate import CausalLM, Walk, greedy, next_token
@@ -298,9 +297,9 @@ class Batcher:
         if self._walk.model is not self.model:  # (a model set on the Batcher since: walked afresh)
             self._walk = Walk(self.model)
         trusted, changed = self._walk()
-        check = not trusted
-        if trusted and changed:  # the first step, or a module replaced or an attribute set (a window) since the last: the
-            _inputs.caches_agree(self.model, batches, 1, input_ids.shape[1], self._weight)  # caches checked as a checked forward would
+        check = not trusted or changed  # the first step, or a module replaced or an attribute set (a window) since the last:
+        if changed:  # a checked forward (the caches against the layers as they are), the flat step made anew after it
+            self._kept = ((), None)
         flat = None if check or any(f.count != 1 for f in feeds) else self._flat()  # a decode step: written out flat
         if flat is not None:
             logits = flat.logits(input_ids, position_ids, batches, rows)  # (1, N, vocab): the unchecked forward's, bit for bit

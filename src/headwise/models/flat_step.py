@@ -26,8 +26,8 @@ the batcher's steps while the model's parts and the world the projections were d
 (``projection.planned_world``) hold, made anew where they do not.
 
 Each layer's kernel call and op are kept with the cache (or pool) and the attention's terms they were decided under
-(``layer_terms``: backend, causal, window, softcap, sinks and slopes), read at every step: a window or a
-softcap set between two steps is decided again at the next.
+(``layer_terms``: backend, causal, window, softcap, sinks, slopes and rotary tables), read at every step: a window
+or a softcap set between two steps is decided again at the next.
 
 A block takes part by naming its parts in order, ``flat_parts = (norm1, attention, norm2, mlp)``,
 on its own class (a subclass that changes ``forward`` does not inherit it).
@@ -82,9 +82,11 @@ def flat_parts(model: CausalModel) -> list[tuple] | None:
 
 def layer_terms(a: AttentionLayer) -> tuple:
     """What a layer's attention decision reads of its module: its backend, causal, window and score terms (tensors by
-    identity: their values are read at each step). Asked of every layer at every step. (Its dropout is not read: the
-    step runs unchecked in eval mode only.)"""
-    return (a.backend, a.causal, a.window, _term(a, "softcap"), id(_term(a, "sinks")), id(_term(a, "alibi_slopes")))
+    identity: their values are read at each step), and the rotary tables its op turns q and k by (``rotation()``, by
+    identity: None once their layout or width changed in place). Asked of every layer at every step. (Its dropout is
+    not read: the step runs unchecked in eval mode only.)"""
+    return (a.backend, a.causal, a.window, _term(a, "softcap"), id(_term(a, "sinks")), id(_term(a, "alibi_slopes")),
+            id(a.rotation()))
 
 
 def _term(a: AttentionLayer, name: str) -> object:

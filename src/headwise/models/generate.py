@@ -140,10 +140,9 @@ class GenerationMixin:
                 from the next step on, by a ``compile=True`` step from the next call (its graph is checked
                 against the weights once a call); a hook, a module's ``forward`` or a training mode it sets
                 makes the steps from the next on checked forwards (``trusts``); a module it replaces or
-                adds, a plain attribute it sets (a layer's ``window``), or a move to another dtype or
-                device, is run from the next step on, the caches checked against the model first as a
-                checked forward checks them (a ring cache of another window, float32 caches under
-                bfloat16 weights: the forward's error).
+                adds, its class, an attribute it sets (a layer's ``window``), or a move to another dtype or
+                device, is run from the next step on, that step a checked forward (a ring cache of another
+                window, float32 caches under bfloat16 weights: the forward's error).
 
         Returns:
             (B, T + n) int64 ids (whatever integer dtype the prompt's), prompt first, n <= max_new_tokens. Greedy output equals
@@ -161,7 +160,7 @@ class GenerationMixin:
             raise TypeError(f"generator must be a torch.Generator (sampling's random numbers) or None, got {type(generator).__name__}")
         walk = Walk(self)  # (asked again after each on_token: whether the steps may still run unchecked, on the same modules)
         check = not walk()[0]
-        held, agreed = _held(self), True  # the dtype and device the caches are made for; whether they were checked since
+        held = _held(self)  # the dtype and device the caches are made for
         weight_cache.verify()  # a write through .data since the projections' copies (or the frozen step) were made
         if cuda_graph:
             graph_allowed(input_ids.device, compile, check)
@@ -172,10 +171,14 @@ class GenerationMixin:
         is_token = prompt_padding(is_token, windowed)  # None when nothing is padding; refuses prompts that end in padding
         caches = self.new_caches(b, min(t + max_new_tokens, 2**63 - 1), cache_dtype)  # (no limit: every layer a ring of its window)
         position = None if is_token is None else positions(is_token, b, t, input_ids.device)  # (B, T) or None: consecutive
+        if not check and weight is not None:  # each layer against its new cache (heads, window, dtype), as a checked
+            _inputs.caches_agree(self, caches, b, t, weight)  # prompt pass asks, without reading the inputs again
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
+        checked_step = partial(_next_logits, self, True)  # the step after on_token changed the model: a checked forward
         run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
         run_step = GraphStep(run_step) if cuda_graph else run_step
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        recheck = False
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)  # (B,)
             if eos_token_id is not None:
@@ -190,18 +193,16 @@ class GenerationMixin:
                     if not trusted:  # a hook, a forward, a mode or an observer it set: checked steps from here
                         check, run_step = True, decode_step(self, compile, True)
                     elif changed or _held(self) != held:  # a module it replaced or added, an attribute it set, the model
-                        # moved to another dtype or device: the step made again from the model as it is, and the caches
-                        # checked against it before it runs, as a checked forward checks them (a window, a dtype)
-                        run_step, held, agreed = decode_step(self, compile, False), _held(self), False
+                        # moved to another dtype or device: the step made again from the model as it is, and the next step
+                        # a checked forward (the caches against the changed layers: its error, or its logits bit for bit)
+                        run_step, held, recheck = decode_step(self, compile, False), _held(self), True
                         run_step = GraphStep(run_step) if cuda_graph else run_step
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):  # the one host read a step, with eos only
                 break
             if position is not None:
                 position = position[:, -1:] + 1  # (B, 1): HuggingFace's rule, last position + 1
-            if not agreed:
-                _inputs.caches_agree(self, caches, b, 1, next(self.parameters()))
-                agreed = True
-            logits = run_step(token[:, None], position, caches)  # (B, vocab)
+            logits = (checked_step if recheck else run_step)(token[:, None], position, caches)  # (B, vocab)
+            recheck = False
         return torch.cat(tokens, dim=1)  # (B, T + n)
 
 
@@ -264,8 +265,9 @@ def trusts(model: object) -> bool:
 
 class Walk:
     """``trusts(model)`` asked again and again of one model: ``walk()`` -> (whether the steps may run unchecked, whether
-    its modules are others, or in another order, or hold other plain attributes (``PLAIN``), than at the last call: a
-    module replaced or added, a layer's window set; True at the first).
+    its modules are others, or in another order, of other classes, or hold other attributes (plain ones, ``PLAIN``, by
+    value; others by identity), than at the last call: a module replaced or added, a layer's window or rotary tables set;
+    True at the first).
 
     Where headwise's C++ library is loaded the modules are walked in one C call (``linear/seen.cpp``: a Llama's 150
     modules' dictionaries read from Python took 0.24 ms, asked after every ``on_token`` and every ``Batcher`` step);
@@ -295,9 +297,23 @@ class Walk:
         return False, True
 
 
-#: The attribute values ``walked`` compares: what a written-out or traced step reads of a module beside its tensors
-#: (a window, a softcap, a norm's eps, a GELU's ``approximate``).
+#: The attribute values ``walked`` compares by value (a window, a softcap, a norm's eps, a GELU's ``approximate``); any
+#: other (a rotary table's object, a dictionary) by identity.
 PLAIN = frozenset({int, bool, float, str, type(None)})
+
+
+class _Same:
+    """An attribute's value in a walk's record, equal to another only where they hold the same object (held: no other
+    object takes its id while the record lives)."""
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
 
 
 def _plain_world() -> bool:
@@ -306,9 +322,10 @@ def _plain_world() -> bool:
 
 
 def walked(model: object, attributes: bool = True) -> tuple[bool, tuple]:
-    """(``trusts(model)``, the ids of its modules in the walk's order, each with its plain attributes (``PLAIN``: names
-    and values; with ``attributes``), where it does: another tuple once a module was replaced or added, or such an
-    attribute set to another value), from Python (``Walk`` asks the C library where it is loaded)."""
+    """(``trusts(model)``, the ids of its modules in the walk's order, each with its class and its attributes (with
+    ``attributes``: names, and values compared by value where ``PLAIN``, else by identity), where it does: another tuple
+    once a module was replaced or added, its class set, or an attribute set to another value), from Python (``Walk`` asks
+    the C library where it is loaded)."""
     if not isinstance(model, torch.nn.Module) or not _plain_world():
         return False, ()
     seen, todo, order = {id(model)}, [model], []  # every submodule once, as ``model.modules()`` gives them (a walk of half
@@ -316,7 +333,7 @@ def walked(model: object, attributes: bool = True) -> tuple[bool, tuple]:
         m = todo.pop()
         if m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return False, ()
-        order.append((id(m), *[(k, v) for k, v in m.__dict__.items() if type(v) in PLAIN]) if attributes else id(m))
+        order.append((id(m), type(m), *[(k, v if type(v) in PLAIN else _Same(v)) for k, v in m.__dict__.items()]) if attributes else id(m))
         for child in m._modules.values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
