@@ -453,3 +453,20 @@ def test_an_attention_term_on_token_sets_reaches_the_compiled_steps(aot_eager, n
     want = run(False, hooked=True)
     assert want != run(False, hooked=True, change=False)  # the window changes the tokens
     assert run(True) == want
+
+
+def test_a_first_compiled_call_with_on_token_makes_its_step_once(aot_eager, monkeypatch):
+    """The compiled step's table, set on the model when its first step is made, is no change ``on_token`` made: the
+    step is made once a call and no step runs checked (the walk after ``on_token`` is taken again after the set-up)."""
+    from headwise.models import generate as gen
+
+    made, checked = [], []
+    real_decode_step, real_next = gen.decode_step, gen._next_logits
+    monkeypatch.setattr(gen, "decode_step", lambda *args, **kw: made.append(args) or real_decode_step(*args, **kw))
+    monkeypatch.setattr(gen, "_next_logits", lambda model, check, *args: checked.append(check) or real_next(model, check, *args))
+    model = gpt2()
+    with torch.no_grad():
+        want = model.generate(IDS[:1], max_new_tokens=5, compile=True)
+        made.clear(), checked.clear()
+        assert torch.equal(gpt2().generate(IDS[:1], max_new_tokens=5, compile=True, on_token=lambda t: None), want)
+    assert len(made) == 1 and True not in checked

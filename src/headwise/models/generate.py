@@ -177,6 +177,8 @@ class GenerationMixin:
         checked_step = partial(_next_logits, self, True)  # the step after on_token changed the model: a checked forward
         run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
         run_step = GraphStep(run_step) if cuda_graph else run_step
+        if on_token is not None and not check:
+            walk()  # (the walk's record taken again after the step's own set-up: a compiled step's table on the model)
         tokens, finished = [input_ids], torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         recheck = False
         for step in range(max_new_tokens):
