@@ -640,3 +640,17 @@ def test_a_new_call_checks_its_layers_against_their_caches_whatever_its_steps():
     with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_new_tokens \(3\) exceeds layer 1's context_length=6 by 2"):
         model.generate(IDS[:1], max_new_tokens=3)
     assert model.generate(IDS[:1], max_new_tokens=1).shape == (1, 7)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+@torch.no_grad()
+def test_two_blocks_swapped_mid_run_are_refused_as_the_checked_steps_refuse_them(checked, library):
+    """``on_token`` swapping the first two blocks: each layer would write the other's cache. The unchecked steps (whose
+    prompt pass bound no cache to its layer) refuse it as the checked ones do, naming the cache's owner."""
+    def swap(model):
+        layers = model.model.layers
+        layers[0], layers[1] = layers[1], layers[0]
+
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match=r"this KVCache belongs to LlamaAttention at .*, not to LlamaAttention at .*: give every attention layer a cache of its own"):
+        _changed_mid_run("llama", prompt, swap, checked=checked)

@@ -174,6 +174,9 @@ class GenerationMixin:
         if not check and weight is not None:  # each layer against its new cache (heads, window, dtype), as a checked
             _inputs.caches_agree(self, caches, b, t, weight)  # prompt pass asks, without reading the inputs again
         logits = self(input_ids, is_token, positions=position, cache=caches, logits_to_keep=1, check=check)[:, 0]  # (B, vocab)
+        if not check:  # each cache bound to its layer, as a checked prompt pass binds them (a layer moved later is told)
+            for cache, attn in zip(caches, self.attention_layers(), strict=True):
+                cache.bind(attn)
         checked_step = partial(_next_logits, self, True)  # the step after on_token changed the model: a checked forward
         run_step = decode_step(self, compile, check)  # (ids, positions, caches) -> (B, vocab): eager and unchecked under cuda_graph
         run_step = GraphStep(run_step) if cuda_graph else run_step
